@@ -1,0 +1,1 @@
+"""primuspipe: pluggable pipeline-parallel schedules for large-model training."""

@@ -1,0 +1,51 @@
+"""The project's exceptions.
+
+Every user mistake (a bad table, an impossible shape, a wrong config, a stuck peer) raises a subclass of
+:class:`PrimusPipeError`, so callers can catch the product's own failures apart from bugs. ``assert`` is
+kept for internal invariants only.
+"""
+
+
+class PrimusPipeError(Exception):
+    """Base class of every error primuspipe raises on purpose."""
+
+
+class ScheduleShapeError(PrimusPipeError):
+    """An algorithm cannot build a schedule of the requested shape (pp, vpp, microbatches)."""
+
+
+class UnknownAlgorithmError(PrimusPipeError):
+    """No algorithm is registered under the requested name."""
+
+
+class DuplicateAlgorithmError(PrimusPipeError):
+    """Two algorithms were registered under one name."""
+
+
+class TableFormatError(PrimusPipeError):
+    """A node text, JSON or CSV document does not describe a schedule table."""
+
+
+class ValidationError(PrimusPipeError):
+    """A schedule table breaks one of the validator's rules.
+
+    ``rule`` names the broken rule (e.g. ``"completeness"``, ``"deadlock"``) and ``nodes`` lists
+    ``(rank, index)`` positions of the offending nodes, so tools can mark them.
+    """
+
+    def __init__(self, rule: str, message: str, nodes: tuple[tuple[int, int], ...] = ()):
+        super().__init__(f"[{rule}] {message}")
+        self.rule = rule
+        self.nodes = tuple(nodes)
+
+
+class ConfigError(PrimusPipeError):
+    """A configuration value (YAML, environment, Megatron flag) is missing, malformed or incompatible."""
+
+
+class SimulationError(PrimusPipeError):
+    """The simulator cannot run a table with the given cost model."""
+
+
+class PipelineHangError(PrimusPipeError):
+    """A send or receive did not complete within the watchdog timeout."""
