@@ -1,0 +1,12 @@
+"""Schedule algorithms: pure functions from a shape to a compute-only table (no torch here)."""
+
+from primuspipe.algorithms import classic  # noqa: F401  (registers the built-in algorithms)
+from primuspipe.algorithms.registry import (
+    AlgorithmInfo,
+    ScheduleRequest,
+    get_algorithm,
+    list_algorithms,
+    register,
+)
+
+__all__ = ["AlgorithmInfo", "ScheduleRequest", "get_algorithm", "list_algorithms", "register"]

@@ -1,0 +1,62 @@
+"""GPipe, 1F1B and Megatron's interleaved 1F1B: the schedules with a fused backward (BW)."""
+
+from __future__ import annotations
+
+from primuspipe.algorithms.phases import require, warmup_steady_cooldown
+from primuspipe.algorithms.registry import ScheduleRequest, register
+from primuspipe.node import BW, F
+from primuspipe.placement import Placement
+from primuspipe.table import ScheduleTable
+
+
+@register("gpipe")
+def gpipe(req: ScheduleRequest) -> ScheduleTable:
+    """GPipe: every forward, then every backward; holds all microbatches' activations."""
+    chunks = range(req.vpp)
+    rows = [
+        [F(i, c) for c in chunks for i in range(req.microbatches)]
+        + [BW(i, c) for c in reversed(chunks) for i in range(req.microbatches)]
+        for _ in range(req.pp)
+    ]
+    return ScheduleTable.build(Placement.interleaved(req.pp, req.vpp), req.microbatches, rows, "gpipe")
+
+
+@register("1f1b", vpp=1)
+def one_f_one_b(req: ScheduleRequest) -> ScheduleTable:
+    """1F1B (PipeDream-flush), Megatron's non-interleaved order: rank r warms up with min(pp-r-1, m) forwards."""
+    require(req.vpp == 1, "1f1b", f"needs vpp = 1, got {req.vpp}; use interleaved-1f1b for vpp > 1")
+    m = req.microbatches
+    rows = [
+        warmup_steady_cooldown([F(i) for i in range(m)], [BW(i) for i in range(m)], min(req.pp - r - 1, m))
+        for r in range(req.pp)
+    ]
+    return ScheduleTable.build(Placement.interleaved(req.pp, 1), m, rows, "1f1b")
+
+
+@register("interleaved-1f1b")
+def interleaved_1f1b(req: ScheduleRequest, *, microbatch_group_size: int | None = None) -> ScheduleTable:
+    """Megatron's interleaved 1F1B: chunks take turns in groups of `microbatch_group_size` microbatches (default pp).
+
+    Matches megatron-core's order (``get_schedule_table`` and its warm-up count). Megatron requires the
+    group size in [pp, m] and a last group of 0 or at least pp microbatches; a shorter last group makes
+    ranks wait on each other (the validator proves the deadlock), so it is refused here too. Beyond
+    Megatron, m < pp is accepted as a single group of m microbatches, which validates.
+    """
+    p, v, m = req.pp, req.vpp, req.microbatches
+    g = min(p, m) if microbatch_group_size is None else microbatch_group_size
+    require(v >= 2, "interleaved-1f1b", f"needs vpp >= 2, got {v}; use 1f1b for vpp = 1")
+    require(min(p, m) <= g <= m, "interleaved-1f1b",
+            f"microbatch_group_size must be in [min(pp, microbatches)={min(p, m)}, microbatches={m}], got {g}")
+    require(m % g == 0 or m % g >= p, "interleaved-1f1b",
+            f"the last group would hold {m % g} < pp={p} microbatches (m={m}, group size {g}) and the ranks "
+            "would deadlock; use a microbatch count that is a multiple of the group size or leaves at least "
+            "pp over, or another group size")
+    groups = [range(start, min(start + g, m)) for start in range(0, m, g)]
+    order = [(i, c) for grp in groups for c in range(v) for i in grp]
+    forwards = [F(i, c) for i, c in order]
+    backwards = [BW(i, v - 1 - c) for i, c in order]
+    rows = [
+        warmup_steady_cooldown(forwards, backwards, min((p - r - 1) * 2 + (v - 1) * g, m * v))
+        for r in range(p)
+    ]
+    return ScheduleTable.build(Placement.interleaved(p, v), m, rows, "interleaved-1f1b")

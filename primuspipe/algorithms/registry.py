@@ -1,0 +1,107 @@
+"""Algorithms are registered by name; outside packages add theirs through an entry point.
+
+An algorithm is a pure function ``fn(request: ScheduleRequest, **options) -> ScheduleTable`` returning
+a compute-only table. Options are its keyword-only parameters (with defaults), which ``primuspipe list``
+shows and the CLI/config pass through. Registering a taken name raises, so two plug-ins can never
+silently shadow each other.
+
+Third-party packages declare, in their packaging metadata::
+
+    [project.entry-points."primuspipe.algorithms"]
+    my-schedule = "my_package.schedules"      # importing the module registers its algorithms
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from primuspipe.costs import ComputeCosts
+from primuspipe.errors import DuplicateAlgorithmError, PrimusPipeError, UnknownAlgorithmError
+from primuspipe.table import ScheduleTable
+
+ENTRY_POINT_GROUP = "primuspipe.algorithms"
+
+
+@dataclass(frozen=True)
+class ScheduleRequest:
+    """The shape an algorithm is asked to schedule, plus what cost-aware algorithms may use."""
+
+    pp: int
+    vpp: int
+    microbatches: int
+    costs: ComputeCosts | None = None
+    """Per-stage F/B/W times; algorithms that need none ignore it."""
+    memory_limit: float | None = None
+    """Per-rank bound on activations held, in microbatches of one 1F1B stage; None means unbounded."""
+
+
+Builder = Callable[..., ScheduleTable]
+
+
+@dataclass(frozen=True)
+class AlgorithmInfo:
+    name: str
+    build: Builder
+    placement: str
+    """Built-in placement the algorithm uses: "interleaved" or "v"."""
+    vpp: int | None
+    """The vpp the algorithm requires, or None if it takes any."""
+    split_backward: bool
+    """True if its tables use separate B and W nodes (needs a runner that can split weight grads)."""
+
+    @property
+    def summary(self) -> str:
+        return (inspect.getdoc(self.build) or "").split("\n")[0]
+
+    def options(self) -> list[inspect.Parameter]:
+        return [p for p in inspect.signature(self.build).parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+
+_REGISTRY: dict[str, AlgorithmInfo] = {}
+_plugins_loaded = False
+
+
+def register(name: str, *, placement: str = "interleaved", vpp: int | None = None, split_backward: bool = False):
+    """Decorator registering ``fn`` under ``name``; a name can be registered once."""
+
+    def wrap(fn: Builder) -> Builder:
+        if name in _REGISTRY:
+            raise DuplicateAlgorithmError(
+                f"algorithm {name!r} is already registered by {_REGISTRY[name].build.__module__}; pick another name"
+            )
+        _REGISTRY[name] = AlgorithmInfo(name, fn, placement, vpp, split_backward)
+        return fn
+
+    return wrap
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except PrimusPipeError:
+            raise
+        except Exception as exc:  # a broken plug-in must say which one it is
+            raise PrimusPipeError(f"loading algorithm plug-in {ep.name!r} ({ep.value}) failed: {exc}") from exc
+
+
+def get_algorithm(name: str) -> AlgorithmInfo:
+    _load_plugins()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownAlgorithmError(
+            f"no algorithm named {name!r}; registered: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def list_algorithms() -> list[AlgorithmInfo]:
+    _load_plugins()
+    return [_REGISTRY[n] for n in sorted(_REGISTRY)]

@@ -1,0 +1,95 @@
+"""``list``, ``show``, ``export`` and ``validate``: the commands that build and check tables."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from primuspipe.algorithms import list_algorithms
+from primuspipe.communication import add_communication
+from primuspipe.cli.options import add_shape_arguments, parse_options
+from primuspipe.errors import TableFormatError, ValidationError
+from primuspipe.formats import dump_table, load_table
+from primuspipe.schedule import build_schedule
+from primuspipe.validation import peak_in_flight, validate
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("list", help="list the registered algorithms and their options")
+    p.set_defaults(handler=cmd_list)
+
+    p = sub.add_parser("show", help="print an algorithm's schedule grid")
+    p.add_argument("algorithm")
+    add_shape_arguments(p)
+    p.add_argument("--compute-only", action="store_true", help="hide communication nodes")
+    p.set_defaults(handler=cmd_show)
+
+    p = sub.add_parser("export", help="write an algorithm's validated table as JSON or torch CSV")
+    p.add_argument("algorithm")
+    add_shape_arguments(p)
+    p.add_argument("--format", choices=("json", "csv"), default="json", help="json (lossless) or torch.distributed.pipelining CSV")
+    p.add_argument("--compute-only", action="store_true", help="leave out communication nodes")
+    p.add_argument("-o", "--output", type=Path, required=True, help="file to write ('-' for stdout)")
+    p.set_defaults(handler=cmd_export)
+
+    p = sub.add_parser("validate", help="check a table file (JSON or CSV); exit 0 only if it is valid",
+                       description="Check a schedule table. A compute-only table is validated as is and again with "
+                                   "communication added. Exit status 0 if valid, 1 otherwise.")
+    p.add_argument("file", type=Path)
+    p.add_argument("--max-in-flight", type=float, default=None, metavar="MICROBATCHES",
+                   help="also bound activations held per rank (1F1B-stage microbatch units)")
+    p.set_defaults(handler=cmd_validate)
+
+
+def _build(args: argparse.Namespace):
+    return build_schedule(args.algorithm, args.pp, args.microbatches, args.vpp, **parse_options(args.option))
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    table = Table(title="primuspipe algorithms")
+    for col in ("name", "placement", "vpp", "backward", "options", "summary"):
+        table.add_column(col, overflow="fold")
+    for info in list_algorithms():
+        opts = ", ".join(f"{p.name}={p.default!r}" for p in info.options()) or "-"
+        table.add_row(info.name, info.placement, str(info.vpp or "any"), "B + W" if info.split_backward else "BW",
+                      opts, info.summary)
+    Console().print(table)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    table = _build(args)
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(table.grid(compute_only=args.compute_only), markup=False)
+    peaks = ", ".join(f"{p:g}" for p in peak_in_flight(table))
+    console.print(f"peak activations in flight per rank (1F1B-stage microbatches): {peaks}", markup=False)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    text = dump_table(_build(args), args.format, args.compute_only)
+    if str(args.output) == "-":
+        print(text, end="")
+    else:
+        args.output.write_text(text)
+        Console(stderr=True).print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    console = Console(highlight=False, soft_wrap=True)
+    try:
+        table = load_table(args.file)
+        validate(table, max_in_flight=args.max_in_flight)
+        if not table.has_communication:
+            validate(add_communication(table), max_in_flight=args.max_in_flight)
+    except (ValidationError, TableFormatError) as exc:
+        console.print(f"INVALID {args.file}: {exc}", markup=False)
+        return 1
+    kind = "full" if table.has_communication else "compute-only"
+    console.print(f"valid: {args.file} ({kind} table, {table.algorithm}, pp={table.pp} vpp={table.vpp} "
+                  f"microbatches={table.microbatches})", markup=False)
+    return 0

@@ -1,0 +1,108 @@
+"""Where each model stage lives: the (rank, chunk) <-> stage map, kept as data on the table.
+
+The model has ``S = pp * vpp`` stages, each a contiguous slice of layers; rank ``r`` holds ``vpp`` of
+them as its chunks. Two layouts are built in (DESIGN.md §2):
+
+* interleaved ("loop"): stage = chunk * pp + rank — Megatron's virtual pipeline;
+* V-shape (vpp = 2): chunk 0 is stage ``rank``, chunk 1 is stage ``2*pp - 1 - rank``, so the first and
+  last stage share rank 0 and stages ``pp-1``/``pp`` hand off locally on rank ``pp-1``.
+
+Any other bijection can be given explicitly (``Placement("custom", stages)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from primuspipe.errors import TableFormatError
+
+
+@dataclass(frozen=True)
+class Placement:
+    name: str
+    stages: tuple[tuple[int, ...], ...]
+    """``stages[rank][chunk]`` is the global stage index of that chunk."""
+
+    def __post_init__(self) -> None:
+        if not self.stages or not self.stages[0]:
+            raise TableFormatError("a placement needs at least one rank with one chunk")
+        vpp = len(self.stages[0])
+        if any(len(row) != vpp for row in self.stages):
+            raise TableFormatError(f"every rank must hold the same number of chunks: {self.stages}")
+        flat = sorted(s for row in self.stages for s in row)
+        if flat != list(range(len(flat))):
+            raise TableFormatError(
+                f"placement {self.name!r} must map ranks x chunks one-to-one onto stages 0..{len(flat) - 1}, "
+                f"got {self.stages}"
+            )
+
+    @classmethod
+    def interleaved(cls, pp: int, vpp: int = 1) -> Placement:
+        return cls("interleaved", tuple(tuple(c * pp + r for c in range(vpp)) for r in range(pp)))
+
+    @classmethod
+    def vshape(cls, pp: int) -> Placement:
+        return cls("v", tuple((r, 2 * pp - 1 - r) for r in range(pp)))
+
+    @classmethod
+    def named(cls, name: str, pp: int, vpp: int) -> Placement:
+        """The built-in layout called ``name`` ("interleaved" or "v")."""
+        if name == "interleaved":
+            return cls.interleaved(pp, vpp)
+        if name == "v":
+            if vpp != 2:
+                raise TableFormatError(f"the V-shape placement needs vpp = 2, got vpp = {vpp}")
+            return cls.vshape(pp)
+        raise TableFormatError(f"unknown placement {name!r}; built-in ones are 'interleaved' and 'v'")
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def vpp(self) -> int:
+        return len(self.stages[0])
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vpp
+
+    def stage(self, rank: int, chunk: int) -> int:
+        return self.stages[rank][chunk]
+
+    def locate(self, stage: int) -> tuple[int, int]:
+        """``(rank, chunk)`` holding ``stage``."""
+        return self._where[stage]
+
+    @cached_property
+    def _where(self) -> dict[int, tuple[int, int]]:
+        return {s: (r, c) for r, row in enumerate(self.stages) for c, s in enumerate(row)}
+
+    def rank_of(self, stage: int) -> int:
+        return self._where[stage][0]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "stages": [list(row) for row in self.stages]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Placement:
+        try:
+            return cls(str(data["name"]), tuple(tuple(int(s) for s in row) for row in data["stages"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TableFormatError(f"bad placement {data!r}: needs 'name' and 'stages' [[stage per chunk] per rank]") from exc
+
+    @classmethod
+    def infer(cls, stages_per_rank: list[list[int]]) -> Placement:
+        """Placement from the stages seen on each rank (chunks in ascending stage order), named after
+        the built-in layout it matches."""
+        stages = tuple(tuple(sorted(set(row))) for row in stages_per_rank)
+        pp, vpp = len(stages), len(stages[0]) if stages else 0
+        for candidate in ("interleaved", "v"):
+            try:
+                built = cls.named(candidate, pp, vpp)
+            except TableFormatError:
+                continue
+            if tuple(tuple(sorted(row)) for row in built.stages) == stages:
+                return built
+        return cls("custom", stages)

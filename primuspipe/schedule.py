@@ -1,0 +1,51 @@
+"""The one call that turns an algorithm name and a shape into a validated, runnable table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from primuspipe.algorithms import ScheduleRequest, get_algorithm
+from primuspipe.communication import add_communication
+from primuspipe.costs import ComputeCosts
+from primuspipe.errors import ConfigError, ScheduleShapeError
+from primuspipe.table import ScheduleTable
+from primuspipe.validation import validate
+
+
+def build_schedule(
+    algorithm: str,
+    pp: int,
+    microbatches: int,
+    vpp: int | None = None,
+    *,
+    costs: ComputeCosts | None = None,
+    memory_limit: float | None = None,
+    communication: bool = True,
+    **options: Any,
+) -> ScheduleTable:
+    """Build ``algorithm``'s table for the shape, add communication and validate it.
+
+    ``vpp`` defaults to what the algorithm requires (or 1). Raises :class:`ScheduleShapeError` when the
+    algorithm refuses the shape and :class:`ConfigError` for unknown options.
+
+    >>> t = build_schedule("1f1b", pp=2, microbatches=3)
+    >>> [str(n) for n in t.ranks[1]]
+    ['RECV_F0.0<0', 'F0.0', 'BW0.0', 'SEND_B0.0>0', 'RECV_F1.0<0', 'F1.0', 'BW1.0', 'SEND_B1.0>0', 'RECV_F2.0<0', 'F2.0', 'BW2.0', 'SEND_B2.0>0']
+    """
+    info = get_algorithm(algorithm)
+    vpp = vpp if vpp is not None else (info.vpp or 1)
+    if pp < 1 or vpp < 1 or microbatches < 1:
+        raise ScheduleShapeError(f"{algorithm}: pp, vpp and microbatches must be >= 1, got pp={pp}, vpp={vpp}, microbatches={microbatches}")
+    if info.vpp is not None and vpp != info.vpp:
+        raise ScheduleShapeError(f"{algorithm} needs vpp = {info.vpp}, got vpp = {vpp}")
+    known = {p.name for p in info.options()}
+    if unknown := set(options) - known:
+        raise ConfigError(f"{algorithm} has no option(s) {sorted(unknown)}; its options are {sorted(known) or 'none'}")
+    if costs is not None and costs.num_stages != pp * vpp:
+        raise ConfigError(f"costs describe {costs.num_stages} stages but pp*vpp = {pp * vpp}")
+    table = info.build(ScheduleRequest(pp, vpp, microbatches, costs, memory_limit), **options)
+    assert (table.pp, table.vpp, table.microbatches) == (pp, vpp, microbatches), f"{algorithm} built the wrong shape"
+    assert not table.has_communication, f"{algorithm} must return a compute-only table"
+    if communication:
+        table = add_communication(table)
+    return validate(table)

@@ -1,0 +1,115 @@
+"""The timeline format: what the simulator produces and what real runs dump (``dump_pp_data``).
+
+One format for both, so pp_vis draws a simulated step and a measured one the same way and can lay them
+side by side. A timeline is a list of timed nodes per rank plus per-rank memory; times are seconds
+from the step's start (the simulator may use its cost model's unit, named in ``time_unit``).
+
+JSON layout (``version`` 1; documented in docs/timeline-format.md)::
+
+    {"format": "primuspipe.timeline", "version": 1, "source": "simulator" | "run",
+     "algorithm": "1f1b", "pp": 4, "vpp": 1, "microbatches": 8, "iteration": 0, "time_unit": "s",
+     "ranks": [{"rank": 0, "peak_memory_bytes": 123, "events": [{"node": "F0.0", "start": 0.0, "end": 1.0}, ...]}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from primuspipe.errors import TableFormatError
+from primuspipe.node import ScheduleNode
+
+TIMELINE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TimedNode:
+    node: ScheduleNode
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class RankTimeline:
+    rank: int
+    events: tuple[TimedNode, ...]
+    peak_memory_bytes: int | None = None
+    """Peak memory of the step on this rank (GPU: peak allocated; CPU: RSS); None if not measured."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    source: str
+    """"simulator" or "run"."""
+    algorithm: str
+    pp: int
+    vpp: int
+    microbatches: int
+    ranks: tuple[RankTimeline, ...]
+    iteration: int = 0
+    time_unit: str = "s"
+    meta: dict = field(default_factory=dict)
+    """Free-form facts about how the timeline was made (cost model, host, ...)."""
+
+    @property
+    def step_time(self) -> float:
+        ends = [e.end for r in self.ranks for e in r.events]
+        starts = [e.start for r in self.ranks for e in r.events]
+        return max(ends) - min(starts) if ends else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "format": "primuspipe.timeline",
+            "version": TIMELINE_VERSION,
+            "source": self.source,
+            "algorithm": self.algorithm,
+            "pp": self.pp,
+            "vpp": self.vpp,
+            "microbatches": self.microbatches,
+            "iteration": self.iteration,
+            "time_unit": self.time_unit,
+            "meta": self.meta,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "peak_memory_bytes": r.peak_memory_bytes,
+                    "events": [{"node": str(e.node), "start": e.start, "end": e.end} for e in r.events],
+                }
+                for r in self.ranks
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Timeline:
+        if data.get("format") != "primuspipe.timeline":
+            raise TableFormatError("not a primuspipe timeline: the JSON lacks format='primuspipe.timeline'")
+        if data.get("version") != TIMELINE_VERSION:
+            raise TableFormatError(f"timeline version {data.get('version')!r} is not supported (want {TIMELINE_VERSION})")
+        try:
+            ranks = tuple(
+                RankTimeline(
+                    int(r["rank"]),
+                    tuple(TimedNode(ScheduleNode.parse(e["node"]), float(e["start"]), float(e["end"])) for e in r["events"]),
+                    r.get("peak_memory_bytes"),
+                )
+                for r in data["ranks"]
+            )
+            return cls(str(data["source"]), str(data["algorithm"]), int(data["pp"]), int(data["vpp"]),
+                       int(data["microbatches"]), ranks, int(data.get("iteration", 0)),
+                       str(data.get("time_unit", "s")), dict(data.get("meta", {})))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TableFormatError(f"malformed timeline JSON: {exc!r}") from exc
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict()))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Timeline:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise TableFormatError(f"cannot read timeline {path}: {exc}") from exc
