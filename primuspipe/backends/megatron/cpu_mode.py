@@ -178,7 +178,11 @@ def _triton_stub() -> types.ModuleType:
 
     stub.paged_stash_copy_kernel = unavailable  # type: ignore[attr-defined]
     stub.paged_stash_pop_kernel = unavailable  # type: ignore[attr-defined]
-    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]  # type: ignore[attr-defined]
+    stub.__all__ = [  # type: ignore[attr-defined]
+        "GLOBAL_BLOCK_SIZE",
+        "paged_stash_copy_kernel",
+        "paged_stash_pop_kernel",
+    ]
     return stub
 
 

@@ -175,6 +175,7 @@ def run_on_gloo(
     if start_method == "fork":
         enable_cpu_mode()  # import megatron once, here, so children inherit it
     mp = multiprocessing.get_context(start_method)
+    logger.debug("launching %d gloo ranks (%s, %s)", layout.world_size, layout, start_method)
     store_dir = tempfile.mkdtemp(prefix="primuspipe-gloo-")
     store_path = os.path.join(store_dir, "store")
     processes, readers = [], []
@@ -199,7 +200,12 @@ def run_on_gloo(
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _collect(processes, readers, deadline: float, timeout_s: float) -> list:
+def _collect(
+    processes: list[multiprocessing.process.BaseProcess],
+    readers: list[multiprocessing.connection.Connection],
+    deadline: float,
+    timeout_s: float,
+) -> list:
     """Gather one message per rank; fail fast on the first error, death or the deadline."""
     results: dict[int, Any] = {}
     waiting = dict(enumerate(readers))
@@ -209,19 +215,20 @@ def _collect(processes, readers, deadline: float, timeout_s: float) -> list:
             raise PipelineHangError(
                 f"ranks {sorted(waiting)} did not finish within {timeout_s:.0f} s (killed)"
             )
-        sentinels = {processes[rank].sentinel: rank for rank in waiting}
-        ready = multiprocessing.connection.wait(list(waiting.values()) + list(sentinels), remaining)
-        for item in ready:
-            rank = sentinels.get(item) if item in sentinels else readers.index(item)
+        rank_of: dict[Any, int] = {}
+        for rank, reader in waiting.items():
+            rank_of[reader] = rank
+            rank_of[processes[rank].sentinel] = rank
+        for item in multiprocessing.connection.wait(list(rank_of), remaining):
+            rank = rank_of[item]
             if rank not in waiting:
-                continue
+                continue  # both its pipe and its sentinel were ready
             reader = waiting[rank]
             if not reader.poll():
-                # Exited without a message (e.g. killed, segfault).
+                # The process ended; give a message still in flight a moment to land.
                 processes[rank].join(timeout=1.0)
-                if reader.poll():
-                    continue  # message arrived after all; read it on the next pass
-                raise WorkerError(rank, f"process exited with code {processes[rank].exitcode}")
+                if not reader.poll(1.0):
+                    raise WorkerError(rank, f"process exited with code {processes[rank].exitcode}")
             status, value = pickle.loads(reader.recv_bytes())
             del waiting[rank]
             if status == "error":

@@ -114,7 +114,10 @@ def transformer_config(model: TinyModelConfig, pp: int, vpp: int = 1, **override
             moe_permute_fusion=False,
         )
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    try:
+        return TransformerConfig(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"Megatron rejects this TransformerConfig: {exc}") from exc
 
 
 def global_param_name(chunk: torch.nn.Module, local_name: str) -> str:
