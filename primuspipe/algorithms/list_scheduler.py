@@ -1,0 +1,222 @@
+"""Greedy list scheduling of split-backward (F / B / W) nodes under a per-rank activation cap.
+
+The zero-bubble papers build their schedules the same way once the memory budget is fixed: every rank
+runs, whenever it is free, the most useful node that can start now — a backward (frees memory and feeds
+the backward wave) or a forward (feeds the forward wave) — and spends any wait on a deferred weight-grad
+W, whose only dependant is the optimizer. The memory cap alone shapes the phases:
+
+* warm-up: forwards until the rank holds ``cap`` activations (so the cap *is* the warm-up count);
+* steady: a backward frees a slot, a forward takes it, and W's fill the gaps between arrivals;
+* cool-down: the remaining backwards, with the deferred W's filling the waits and draining at the end.
+
+Decisions are taken against the real per-stage costs (and P2P time), so non-uniform F/B/W costs move
+the W's into the gaps they actually fit. The result is a feasible timed execution of the order it
+returns, so its makespan is an upper bound on what an as-soon-as-possible simulation of the same table
+reports.
+
+Forwards and backwards of one chunk run in microbatch order (microbatches are interchangeable, so an
+exchange argument shows this loses nothing); W's run in the order their B's finished.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+from primuspipe.costs import ComputeCosts
+from primuspipe.dataflow import step_needs
+from primuspipe.errors import ScheduleShapeError
+from primuspipe.node import NodeKind, ScheduleNode
+from primuspipe.placement import Placement
+from primuspipe.table import ScheduleTable
+
+_KIND_STEP = {NodeKind.F: "F", NodeKind.B: "B", NodeKind.W: "W"}
+
+
+@dataclass(frozen=True)
+class FillPolicy:
+    """How a free rank picks its next node.
+
+    ``cap[r]`` bounds the activations rank ``r`` holds (forward done, input-grad B not yet), counted in
+    *chunk* activations. ``reserve`` slots stay free for forwards of the rank's last chunk: a V-shape
+    rank that filled its memory with chunk-0 forwards could never run the chunk-1 forward that starts
+    the backward wave. ``backward_first`` breaks a tie between a ready B and a ready F.
+    """
+
+    cap: tuple[int, ...]
+    reserve: int = 0
+    backward_first: bool = True
+
+
+@dataclass(frozen=True)
+class TimedRows:
+    """The per-rank node order the scheduler chose and the timing it assumed."""
+
+    rows: tuple[tuple[ScheduleNode, ...], ...]
+    makespan: float
+    busy: tuple[float, ...]
+    spans: tuple[tuple[float, float], ...]
+    """Per rank, (start of its first node, end of its last node)."""
+
+    @property
+    def bubble_rate(self) -> float:
+        """Largest per-rank idle share of the makespan, under the scheduler's own timing."""
+        return max((self.makespan - b) / self.makespan for b in self.busy) if self.makespan > 0 else 0.0
+
+    @property
+    def span_bubble_rate(self) -> float:
+        """Largest per-rank idle share of that rank's own span (first start to last end)."""
+        return max(((e - s) - b) / (e - s) if e > s else 0.0 for (s, e), b in zip(self.spans, self.busy))
+
+
+def unit_costs(num_stages: int) -> ComputeCosts:
+    """F = B = W = 1 on every stage: the costs shape-only algorithms plan with."""
+    return ComputeCosts.per_stage(num_stages, 1.0, 1.0, 1.0)
+
+
+def list_schedule(
+    placement: Placement,
+    microbatches: int,
+    costs: ComputeCosts,
+    policy: FillPolicy,
+    *,
+    p2p_time: float = 0.0,
+    algorithm: str = "list-schedule",
+) -> TimedRows:
+    """Greedy event-driven schedule (see the module doc); raises ScheduleShapeError if the caps stall it."""
+    pp, vpp, m = placement.pp, placement.vpp, microbatches
+    assert len(policy.cap) == pp
+    for r, cap in enumerate(policy.cap):
+        if cap < 1 + policy.reserve:
+            raise ScheduleShapeError(
+                f"{algorithm}: rank {r} may hold {cap} chunk activations, but needs at least "
+                f"{1 + policy.reserve} to make progress; raise the memory limit"
+            )
+    last_chunk = vpp - 1
+    finish: dict[tuple[str, int, int], float] = {}  # (step kind, stage, mb) -> end time
+    clock = [0.0] * pp
+    busy = [0.0] * pp
+    first = [None] * pp
+    held = [0] * pp
+    next_f = [[0] * vpp for _ in range(pp)]
+    next_b = [[0] * vpp for _ in range(pp)]
+    w_queue: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]
+    rows: list[list[ScheduleNode]] = [[] for _ in range(pp)]
+    remaining = [3 * m * vpp] * pp
+
+    durations = {NodeKind.F: costs.forward, NodeKind.B: costs.backward_input, NodeKind.W: costs.backward_weight}
+    # (kind, stage) -> [(needed step kind, needed stage, delay)]: dataflow's rules, resolved once
+    needs = {
+        (kind, placement.stage(r, c)): [
+            (need.kind, need.stage, p2p_time if placement.rank_of(need.stage) != r else 0.0)
+            for need in step_needs(placement, kind, placement.stage(r, c), 0)
+        ]
+        for kind in (NodeKind.F, NodeKind.B) for r in range(pp) for c in range(vpp)
+    }
+
+    def ready_time(kind: NodeKind, stage: int, mb: int) -> float | None:
+        """When the inputs of this node are available on its rank; None while a producer is unscheduled."""
+        t = 0.0
+        for need_kind, need_stage, delay in needs[(kind, stage)]:
+            done = finish.get((need_kind, need_stage, mb))
+            if done is None:
+                return None
+            t = max(t, done + delay)
+        return t
+
+    def candidates(rank: int) -> list[tuple[NodeKind, int, int, float | None]]:
+        """(kind, chunk, mb, ready) for the next F and B of each chunk that the memory cap allows."""
+        out = []
+        for c in range(vpp):
+            stage = placement.stage(rank, c)
+            mb = next_b[rank][c]
+            if mb < next_f[rank][c]:
+                out.append((NodeKind.B, c, mb, ready_time(NodeKind.B, stage, mb)))
+            mb = next_f[rank][c]
+            room = policy.cap[rank] - (0 if c == last_chunk else policy.reserve)
+            if mb < m and held[rank] + 1 <= room:
+                out.append((NodeKind.F, c, mb, ready_time(NodeKind.F, stage, mb)))
+        return out
+
+    def run(rank: int, kind: NodeKind, chunk: int, mb: int, start: float) -> None:
+        stage = placement.stage(rank, chunk)
+        end = start + durations[kind][stage]
+        finish[(_KIND_STEP[kind], stage, mb)] = end
+        busy[rank] += end - start
+        first[rank] = start if first[rank] is None else first[rank]
+        clock[rank] = end
+        remaining[rank] -= 1
+        rows[rank].append(ScheduleNode(kind, mb, chunk))
+        if kind is NodeKind.F:
+            next_f[rank][chunk] += 1
+            held[rank] += 1
+        elif kind is NodeKind.B:
+            next_b[rank][chunk] += 1
+            held[rank] -= 1
+            w_queue[rank].append((mb, chunk))
+
+    kind_rank = {NodeKind.B: 0, NodeKind.F: 1} if policy.backward_first else {NodeKind.F: 0, NodeKind.B: 1}
+    # ranks ordered by (clock, rank); a rank waiting for a producer nobody has scheduled yet sleeps
+    # until the next F or B is scheduled anywhere
+    awake = [(0.0, r) for r in range(pp)]
+    asleep: list[int] = []
+    while awake:
+        t, rank = heapq.heappop(awake)
+        cands = candidates(rank)
+        now = [c for c in cands if c[3] is not None and c[3] <= t]
+        if now:
+            kind, chunk, mb, _ = min(now, key=lambda c: (kind_rank[c[0]], -placement.stage(rank, c[1])))
+            run(rank, kind, chunk, mb, t)
+            for r in asleep:
+                heapq.heappush(awake, (clock[r], r))
+            asleep.clear()
+        elif w_queue[rank]:
+            mb, chunk = w_queue[rank].popleft()
+            run(rank, NodeKind.W, chunk, mb, t)
+        elif known := [c[3] for c in cands if c[3] is not None]:
+            clock[rank] = min(known)
+        else:
+            asleep.append(rank)
+            continue
+        if remaining[rank]:
+            heapq.heappush(awake, (clock[rank], rank))
+    if any(remaining):
+        raise ScheduleShapeError(
+            f"{algorithm}: with at most {policy.cap} chunk activations per rank the pipeline stalls "
+            f"({m} microbatches, pp={pp}); raise the memory limit"
+        )
+    makespan = max(clock)
+    spans = tuple((first[r], clock[r]) for r in range(pp))
+    return TimedRows(tuple(tuple(r) for r in rows), makespan, tuple(busy), spans)
+
+
+def best_fill(
+    placement: Placement,
+    microbatches: int,
+    costs: ComputeCosts | None,
+    policies: list[FillPolicy],
+    *,
+    p2p_time: float = 0.0,
+    algorithm: str,
+) -> ScheduleTable:
+    """The table of the policy with the shortest makespan under ``costs`` (unit costs if None).
+
+    Policies that stall are skipped; if all stall the last error is raised. Ties keep the earlier policy,
+    so list the preferred (usually lower-memory) policy first.
+    """
+    costs = costs or unit_costs(placement.num_stages)
+    best: TimedRows | None = None
+    error: ScheduleShapeError | None = None
+    for policy in policies:
+        try:
+            timed = list_schedule(placement, microbatches, costs, policy, p2p_time=p2p_time, algorithm=algorithm)
+        except ScheduleShapeError as exc:
+            error = exc
+            continue
+        if best is None or timed.makespan < best.makespan - 1e-9:
+            best = timed
+    if best is None:
+        assert error is not None
+        raise error
+    return ScheduleTable.build(placement, microbatches, best.rows, algorithm)

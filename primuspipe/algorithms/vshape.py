@@ -1,0 +1,59 @@
+"""The V-shape family: ZBV (Qi et al., "Zero Bubble Pipeline Parallelism") and V-half / V-min (Qi et
+al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024).
+
+Each rank holds two chunks placed in a V (chunk 0 = stage r, chunk 1 = stage 2p-1-r), so rank 0 holds
+the first and the last stage and the backward wave starts on the rank that started the forward wave.
+A schedule's peak activation memory is its injection rate times the activations' lifespan; the three
+schedules differ only in the budget, which is also their warm-up length:
+
+* ZBV: p microbatches' worth (1F1B's peak), zero bubble when F = B = W;
+* V-half: (p+2)//2, about half of 1F1B's memory, with about half of its bubble;
+* V-min: (p+4)//3, about a third of the memory, with about two thirds of 1F1B's bubble.
+
+Budgets are in 1F1B-stage microbatches; a chunk's activation is half of one (vpp = 2).
+"""
+
+from __future__ import annotations
+
+from primuspipe.algorithms.list_scheduler import FillPolicy, best_fill
+from primuspipe.algorithms.phases import require
+from primuspipe.algorithms.registry import ScheduleRequest, register
+from primuspipe.placement import Placement
+from primuspipe.table import ScheduleTable
+
+RESERVES = (1, 2)
+"""Chunk-activation slots kept for chunk-1 forwards (which start the backward wave). One is the least
+that never stalls; a larger reserve injects new microbatches more slowly. Each is tried and the one
+with the shortest step under the given costs is kept."""
+
+
+def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str, p2p_time: float) -> ScheduleTable:
+    """A V-shape schedule holding at most ``budget`` microbatches (1F1B-stage units) per rank."""
+    require(req.vpp == 2, algorithm, f"is a V-shape schedule with 2 chunks per rank, got vpp = {req.vpp}")
+    p = req.pp
+    cap = 2 * budget  # in chunk activations
+    # Warm-up: chunk-0 forwards until the budget less the reserve is held; chunk-1 forwards of the
+    # first microbatches follow as soon as they come back up the V.
+    # Steady: each B frees a slot, the next forward takes it; W's fill the waits.
+    # Cool-down: the last B's, with the deferred W's filling the gaps between them.
+    policies = [FillPolicy((cap,) * p, reserve, first) for reserve in RESERVES if reserve < cap
+                for first in (True, False)]
+    return best_fill(Placement.vshape(p), req.microbatches, req.costs, policies, p2p_time=p2p_time, algorithm=algorithm)
+
+
+@register("zbv", placement="v", vpp=2, split_backward=True)
+def zbv(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
+    """ZBV: V-shape zero bubble at 1F1B's activation memory (p microbatches per rank)."""
+    return vshape_schedule(req, req.pp, "zbv", p2p_time)
+
+
+@register("v-half", placement="v", vpp=2, split_backward=True)
+def v_half(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
+    """V-half: V-shape at (p+2)//2 microbatches of activations, about half of 1F1B's bubble."""
+    return vshape_schedule(req, (req.pp + 2) // 2, "v-half", p2p_time)
+
+
+@register("v-min", placement="v", vpp=2, split_backward=True)
+def v_min(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
+    """V-min: V-shape at (p+4)//3 microbatches of activations, about two thirds of 1F1B's bubble."""
+    return vshape_schedule(req, (req.pp + 4) // 3, "v-min", p2p_time)

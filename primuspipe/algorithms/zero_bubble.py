@@ -1,0 +1,43 @@
+"""ZB-H1 and ZB-H2 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with the backward
+split into B (input grad, on the critical path) and W (weight grad, free to move).
+
+Both keep 1F1B's order of forwards and input-grad backwards and differ only in how many activations a
+rank may hold, which is also its warm-up length:
+
+* ZB-H1 keeps 1F1B's memory (rank r holds at most p - r microbatches). Because the backward wave now
+  carries B only, it reaches rank 0 sooner, and the deferred W's fill the cool-down waits: bubble
+  (p-1)(F+B-W), a third of 1F1B's when F = B = W.
+* ZB-H2 lets rank r warm up with 2(p - r) - 1 forwards (2p - 1 on rank 0), filling the start-up
+  bubble with forwards; the W's fill the cool-down, so no rank idles within its own span when
+  F = B = W.
+"""
+
+from __future__ import annotations
+
+from primuspipe.algorithms.list_scheduler import FillPolicy, best_fill
+from primuspipe.algorithms.registry import ScheduleRequest, register
+from primuspipe.placement import Placement
+from primuspipe.table import ScheduleTable
+
+
+@register("zb-h1", vpp=1, split_backward=True)
+def zb_h1(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
+    """ZB-H1: 1F1B's activation memory (p on rank 0), bubble (p-1)(F+B-W) with deferred W's."""
+    p = req.pp
+    # Warm-up: rank r runs p - r forwards before its first B (1F1B's count), which is also its cap.
+    warmup = tuple(p - r for r in range(p))
+    # Steady: each B frees the slot of the next F; a W runs only where the rank would otherwise wait.
+    # Cool-down: the remaining B's, with the deferred W's filling the gaps between their arrivals.
+    return best_fill(Placement.interleaved(p, 1), req.microbatches, req.costs, [FillPolicy(warmup)],
+                     p2p_time=p2p_time, algorithm="zb-h1")
+
+
+@register("zb-h2", vpp=1, split_backward=True)
+def zb_h2(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
+    """ZB-H2: up to 2p-1 activations on rank 0; extra warm-up forwards fill the start-up bubble."""
+    p = req.pp
+    # Warm-up: rank r runs 2(p - r) - 1 forwards: enough to stay busy until its first B arrives.
+    warmup = tuple(2 * (p - r) - 1 for r in range(p))
+    # Steady and cool-down as in ZB-H1; the longer warm-up leaves more W's to fill the tail.
+    return best_fill(Placement.interleaved(p, 1), req.microbatches, req.costs, [FillPolicy(warmup)],
+                     p2p_time=p2p_time, algorithm="zb-h2")
