@@ -1,0 +1,13 @@
+"""The simulator: times a schedule table under a cost model, offline and deterministically.
+
+>>> from primuspipe.schedule import build_schedule
+>>> table = build_schedule("1f1b", pp=4, microbatches=8)
+>>> result = simulate(table, CostModel.per_stage(4, f=1, b=2, w=0))
+>>> round(result.bubble_rate, 4), result.peak_activations
+(0.2727, [4.0, 3.0, 2.0, 1.0])
+"""
+
+from primuspipe.simulator.cost_model import CostModel, Link, MemoryCost, P2PCost, read_cost_file
+from primuspipe.simulator.engine import RankResult, SimulationResult, simulate
+
+__all__ = ["CostModel", "Link", "MemoryCost", "P2PCost", "RankResult", "SimulationResult", "read_cost_file", "simulate"]

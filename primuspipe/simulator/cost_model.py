@@ -1,0 +1,264 @@
+"""The simulator's cost model: what each node costs in time and memory.
+
+Everything is resolved against one pipeline shape (``num_stages = pp * vpp`` stages, ``pp`` ranks), so
+a model is checked once when built and looked up by index while simulating. Times are in
+``time_unit`` (``"s"``, ``"ms"`` or ``"us"``); only their ratios matter to step time and bubble rate,
+the unit only labels timelines and scales Chrome traces.
+
+YAML form (every section but ``compute`` optional; a value given once applies to every stage, or
+rank, or it is a list with one value per stage, or rank)::
+
+    time_unit: ms
+    compute:
+      f: 1.0                 # forward time per stage
+      b: 1.0                 # input-grad backward (B)
+      w: 1.0                 # weight-grad backward (W)
+      bw: 1.8                # fused backward; defaults to b + w
+      fb_overlap: 0.0        # FB pair: F + B - fb_overlap * min(F, B); 0 = no gain, 1 = max(F, B)
+    p2p:
+      message_bytes: 16777216            # one activation (= its gradient) crossing a stage boundary
+      ranks_per_node: 8
+      intra_node: {latency: 0.005, bandwidth: 4.0e8}   # bandwidth in bytes per time unit
+      inter_node: {latency: 0.020, bandwidth: 2.5e7}   # omitted bandwidth: unlimited
+    memory:
+      activation_bytes: 2.0e9            # per stage, one microbatch, held from F until released
+      w_retained_fraction: 0.3           # share of those B keeps for W (W releases it)
+      parameter_bytes: 1.0e9             # per rank
+      gradient_bytes: 1.0e9
+      optimizer_bytes: 4.0e9
+
+>>> model = CostModel.per_stage(4, f=1, b=1, w=1)
+>>> model.bw_time(0), model.p2p.transfer_time(0, 1)
+(2.0, 0.0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from primuspipe.costs import ComputeCosts
+from primuspipe.errors import ConfigError
+
+TIME_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0}
+"""Microseconds per time unit (the Chrome trace's unit)."""
+
+Values = float | Sequence[float]
+
+
+def _expand(name: str, value: Values, count: int, what: str) -> tuple[float, ...]:
+    """One value for all ``count`` stages/ranks, or one per stage/rank; all >= 0."""
+    try:
+        values = (float(value),) * count if isinstance(value, (int, float)) else tuple(float(v) for v in value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name} must be a number or a list of numbers, got {value!r}") from exc
+    if len(values) != count:
+        raise ConfigError(f"{name} has {len(values)} values but there are {count} {what}; "
+                          f"give one value for all {what} or one per {what[:-1]}")
+    if any(v < 0 or math.isnan(v) for v in values):
+        raise ConfigError(f"{name} must be >= 0, got {values}")
+    return values
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point path: a message of ``n`` bytes takes ``latency + n / bandwidth``."""
+
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    """Bytes per time unit; ``math.inf`` (the default) makes the size free."""
+
+    def __post_init__(self) -> None:
+        if not (self.latency >= 0 and self.bandwidth > 0):
+            raise ConfigError(f"a link needs latency >= 0 and bandwidth > 0, got {self}")
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class P2PCost:
+    """Cost of moving one stage-boundary tensor between ranks. The default is free communication."""
+
+    message_bytes: float = 0.0
+    """Size of one activation (and of its gradient, the same shape) crossing a stage boundary."""
+    intra_node: Link = Link()
+    inter_node: Link = Link()
+    ranks_per_node: int = 8
+    """Ranks ``r`` and ``q`` share a node when ``r // ranks_per_node == q // ranks_per_node``."""
+
+    def __post_init__(self) -> None:
+        if self.message_bytes < 0 or self.ranks_per_node < 1:
+            raise ConfigError(f"p2p needs message_bytes >= 0 and ranks_per_node >= 1, got {self}")
+
+    def transfer_time(self, src: int, dst: int) -> float:
+        same_node = src // self.ranks_per_node == dst // self.ranks_per_node
+        return (self.intra_node if same_node else self.inter_node).time(self.message_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryCost:
+    """Bytes held per rank: static state plus activations of microbatches in flight.
+
+    Release rule: F holds ``activation_bytes[stage]``; B releases all but ``w_retained_fraction`` of it
+    (what W still needs, e.g. layer inputs); W releases the rest; a fused BW releases everything.
+    """
+
+    activation_bytes: tuple[float, ...]
+    """Per stage: one microbatch's activations."""
+    w_retained_fraction: float
+    parameter_bytes: tuple[float, ...]
+    """Per rank (so are gradient and optimizer bytes)."""
+    gradient_bytes: tuple[float, ...]
+    optimizer_bytes: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.w_retained_fraction <= 1.0:
+            raise ConfigError(f"w_retained_fraction must be in [0, 1], got {self.w_retained_fraction}")
+        pp = len(self.parameter_bytes)
+        if not (len(self.gradient_bytes) == len(self.optimizer_bytes) == pp):
+            raise ConfigError("parameter, gradient and optimizer bytes need one value per rank each")
+
+    @classmethod
+    def per_stage(
+        cls, num_stages: int, pp: int, *, activation_bytes: Values, w_retained_fraction: float,
+        parameter_bytes: Values = 0.0, gradient_bytes: Values = 0.0, optimizer_bytes: Values = 0.0,
+    ) -> MemoryCost:
+        return cls(
+            _expand("activation_bytes", activation_bytes, num_stages, "stages"), float(w_retained_fraction),
+            _expand("parameter_bytes", parameter_bytes, pp, "ranks"),
+            _expand("gradient_bytes", gradient_bytes, pp, "ranks"),
+            _expand("optimizer_bytes", optimizer_bytes, pp, "ranks"),
+        )
+
+    def static_bytes(self, rank: int) -> float:
+        return self.parameter_bytes[rank] + self.gradient_bytes[rank] + self.optimizer_bytes[rank]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Time and memory of every node of a table with ``compute.num_stages`` stages."""
+
+    compute: ComputeCosts
+    fused_backward: tuple[float, ...] | None = None
+    """BW time per stage; None means B + W (no gain from fusing)."""
+    fb_overlap: float = 0.0
+    """An FB node (F overlapped with another microbatch's B) costs ``F + B - fb_overlap * min(F, B)``."""
+    p2p: P2PCost = P2PCost()
+    memory: MemoryCost | None = None
+    """None: bytes are not modelled (reported as 0); microbatch-unit memory is always reported."""
+    time_unit: str = "ms"
+    _bw: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = self.compute.num_stages
+        if self.fused_backward is not None and len(self.fused_backward) != n:
+            raise ConfigError(f"fused_backward has {len(self.fused_backward)} values for {n} stages")
+        if not 0.0 <= self.fb_overlap <= 1.0:
+            raise ConfigError(f"fb_overlap must be in [0, 1] (0: F+B, 1: max(F, B)), got {self.fb_overlap}")
+        if self.memory is not None and len(self.memory.activation_bytes) != n:
+            raise ConfigError(f"memory.activation_bytes has {len(self.memory.activation_bytes)} values for {n} stages")
+        if self.time_unit not in TIME_UNITS:
+            raise ConfigError(f"time_unit must be one of {sorted(TIME_UNITS)}, got {self.time_unit!r}")
+        bw = self.fused_backward or tuple(self.compute.fused_backward(s) for s in range(n))
+        object.__setattr__(self, "_bw", bw)
+
+    @classmethod
+    def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values, *, bw: Values | None = None,
+                  **rest: Any) -> CostModel:
+        """Compute times as one value for all stages or one per stage; ``rest`` are the other fields."""
+        fused = None if bw is None else _expand("BW", bw, num_stages, "stages")
+        return cls(ComputeCosts.per_stage(num_stages, f, b, w), fused, **rest)
+
+    @property
+    def num_stages(self) -> int:
+        return self.compute.num_stages
+
+    def bw_time(self, stage: int) -> float:
+        return self._bw[stage]
+
+    def fb_time(self, f_stage: int, b_stage: int) -> float:
+        f, b = self.compute.forward[f_stage], self.compute.backward_input[b_stage]
+        return f + b - self.fb_overlap * min(f, b)
+
+    def static_bytes(self, rank: int) -> float:
+        return 0.0 if self.memory is None else self.memory.static_bytes(rank)
+
+    # -- dict / YAML --------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, pp: int, vpp: int) -> CostModel:
+        """Build from the YAML form (module docstring) for a pipeline of ``pp`` ranks x ``vpp`` chunks."""
+        top = _section(data, "cost model", {"time_unit", "compute", "p2p", "memory"})
+        comp = _section(top.get("compute"), "compute", {"f", "b", "w", "bw", "fb_overlap"}, required={"f", "b", "w"})
+        n = pp * vpp
+        p2p = _section(top.get("p2p", {}), "p2p", {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
+        links = {k: _section(p2p.get(k, {}), f"p2p.{k}", {"latency", "bandwidth"}) for k in ("intra_node", "inter_node")}
+        memory = None
+        try:
+            if "memory" in top:
+                mem = _section(top["memory"], "memory", {"activation_bytes", "w_retained_fraction", "parameter_bytes",
+                                                         "gradient_bytes", "optimizer_bytes"},
+                               required={"activation_bytes", "w_retained_fraction"})
+                memory = MemoryCost.per_stage(n, pp, **mem)
+            return cls.per_stage(
+                n, comp["f"], comp["b"], comp["w"], bw=comp.get("bw"), fb_overlap=float(comp.get("fb_overlap", 0.0)),
+                p2p=P2PCost(float(p2p.get("message_bytes", 0.0)), ranks_per_node=int(p2p.get("ranks_per_node", 8)),
+                            **{k: _link(v) for k, v in links.items()}),
+                memory=memory, time_unit=str(top.get("time_unit", "ms")),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"bad value in the cost model: {exc}") from exc
+
+    @classmethod
+    def load(cls, path: str | Path, *, pp: int, vpp: int) -> CostModel:
+        return cls.from_dict(read_cost_file(path), pp=pp, vpp=vpp)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML form, per-stage values spelled out; unlimited bandwidth is written as None."""
+        def link(k: Link) -> dict:
+            return {"latency": k.latency, "bandwidth": None if math.isinf(k.bandwidth) else k.bandwidth}
+
+        out: dict[str, Any] = {
+            "time_unit": self.time_unit,
+            "compute": {"f": list(self.compute.forward), "b": list(self.compute.backward_input),
+                        "w": list(self.compute.backward_weight), "bw": list(self._bw), "fb_overlap": self.fb_overlap},
+            "p2p": {"message_bytes": self.p2p.message_bytes, "ranks_per_node": self.p2p.ranks_per_node,
+                    "intra_node": link(self.p2p.intra_node), "inter_node": link(self.p2p.inter_node)},
+        }
+        if self.memory is not None:
+            m = self.memory
+            out["memory"] = {"activation_bytes": list(m.activation_bytes), "w_retained_fraction": m.w_retained_fraction,
+                             "parameter_bytes": list(m.parameter_bytes), "gradient_bytes": list(m.gradient_bytes),
+                             "optimizer_bytes": list(m.optimizer_bytes)}
+        return out
+
+
+def read_cost_file(path: str | Path) -> dict[str, Any]:
+    """The raw YAML mapping of a cost file (resolve it per shape with :meth:`CostModel.from_dict`)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read cost model {path}: {exc}") from exc
+    return _section(data, f"cost model {path}", {"time_unit", "compute", "p2p", "memory"})
+
+
+def _section(data: Any, name: str, allowed: set[str], required: set[str] = frozenset()) -> dict[str, Any]:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{name} must be a mapping, got {data!r}")
+    if unknown := set(data) - allowed:
+        raise ConfigError(f"{name} has unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    if missing := set(required) - set(data):
+        raise ConfigError(f"{name} lacks {sorted(missing)}")
+    return dict(data)
+
+
+def _link(data: Mapping[str, Any]) -> Link:
+    bandwidth = data.get("bandwidth")
+    return Link(float(data.get("latency", 0.0)), math.inf if bandwidth is None else float(bandwidth))
