@@ -3,7 +3,9 @@
 The CSV format has one row per rank and one action per cell, written as ``{stage}{type}{microbatch}``
 (``2F0``, ``1I3``, ``0SEND_F1``; ``B`` is torch's full backward, ``I`` its input-grad backward) and
 ``({a};{b})OVERLAP_F_B`` for an overlapped pair. Torch names global stages and leaves peers implicit,
-so reading a CSV infers the placement from which rank runs which stage.
+so reading a CSV infers the placement from which rank runs which stage. Torch's communication-lowered
+CSVs also carry FSDP resource actions (UNSHARD, RESHARD, REDUCE_GRAD); they move no pipeline data, so
+reading skips them and writing never emits them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ _TO_TORCH = {NodeKind.F: "F", NodeKind.B: "I", NodeKind.W: "W", NodeKind.BW: "B"
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)(\d+)$")
 _OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")
+_FSDP_RE = re.compile(r"^\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*$")
 
 
 def to_torch_csv(table: ScheduleTable, compute_only: bool = False) -> str:
@@ -43,7 +46,7 @@ def _torch_action(table: ScheduleTable, rank: int, node: ScheduleNode) -> str:
 
 def from_torch_csv(text: str, algorithm: str = "torch-csv") -> ScheduleTable:
     """Parse a torch.distributed.pipelining CSV (compute-only or with communication)."""
-    rows = [[cell.strip() for cell in row if cell.strip()] for row in csv.reader(io.StringIO(text))]
+    rows = [[c for cell in row if (c := cell.strip()) and not _FSDP_RE.match(c)] for row in csv.reader(io.StringIO(text))]
     while rows and not rows[-1]:
         rows.pop()
     if not rows:
@@ -68,7 +71,7 @@ def _parse_action(cell: str, rank: int) -> tuple[tuple[int, str, int], ...]:
         return ((int(m[1]), m[2], int(m[3])),)
     raise TableFormatError(
         f"rank {rank}: cannot read action {cell!r}; supported are F, I, W, B, SEND_F, RECV_F, SEND_B, RECV_B "
-        "and OVERLAP_F_B (FSDP's UNSHARD/RESHARD/REDUCE_GRAD are not schedule nodes: export compute-only)"
+        "and OVERLAP_F_B, written as {stage}{type}{microbatch}, e.g. 2F0"
     )
 
 

@@ -85,17 +85,19 @@ def check_completeness(table: ScheduleTable) -> None:
     for stage in range(table.num_stages):
         for mb in range(table.microbatches):
             f, b, w, bw = (seen.get((k, stage, mb), []) for k in ("F", "B", "W", "BW"))
-            problems = []
+            problems, marks = [], []
             if len(f) != 1:
                 problems.append(f"{len(f)} forwards")
+                marks += f
             if not ((len(bw) == 1 and not b and not w) or (not bw and len(b) == 1 and len(w) == 1)):
                 problems.append(f"{len(bw)} BW, {len(b)} B and {len(w)} W")
+                marks += b + w + bw
             if problems:
                 rank, chunk = placement.locate(stage)
                 _fail(table, "completeness",
                       f"stage {stage} (rank {rank}, chunk {chunk}), microbatch {mb} has {' and '.join(problems)}; "
                       "it needs exactly one F and either one BW or one B and one W",
-                      f + b + w + bw, f"add or remove nodes on rank {rank} so each microbatch is computed once")
+                      marks or f + b + w + bw, f"add or remove nodes on rank {rank} so each microbatch is computed once")
     if table.has_communication:
         _check_transfers_complete(table)
 
@@ -120,7 +122,7 @@ def _check_transfers_complete(table: ScheduleTable) -> None:
             if len(where) != 1:
                 src, dst = (table.placement.rank_of(t.src_stage), table.placement.rank_of(t.dst_stage))
                 _fail(table, "completeness", f"the {t} (rank {src} -> {dst}) has {len(where)} {name} nodes, needs 1",
-                      where, "rebuild communication with add_communication(table.compute_only())")
+                      sends[t] + recvs[t], "rebuild communication with add_communication(table.compute_only())")
 
 
 def check_order(table: ScheduleTable) -> None:

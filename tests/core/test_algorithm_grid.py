@@ -1,0 +1,33 @@
+"""Every registered algorithm, every small shape: a validated table or the project's refusal."""
+
+import pytest
+
+from primuspipe.algorithms import list_algorithms
+from primuspipe.errors import ScheduleShapeError
+from primuspipe.schedule import build_schedule
+from primuspipe.validation import validate
+
+
+def _shapes(info):
+    for pp in range(1, 9):
+        for vpp in ([info.vpp] if info.vpp else [1, 2, 3]):
+            for m in range(1, 3 * pp + 2):
+                yield pp, vpp, m
+
+
+@pytest.mark.parametrize("info", list_algorithms(), ids=lambda a: a.name)
+def test_every_shape_validates_or_is_refused(info):
+    fast = {"time_budget_s": 0.2} if "time_budget_s" in {p.name for p in info.options()} else {}
+    built = refused = 0
+    for pp, vpp, m in _shapes(info):
+        try:
+            table = build_schedule(info.name, pp, m, vpp, **fast)
+        except ScheduleShapeError as exc:
+            assert info.name in str(exc)
+            refused += 1
+            continue
+        # build_schedule validated the full table; the compute-only form must validate too
+        validate(table.compute_only())
+        assert (table.pp, table.vpp, table.microbatches) == (pp, vpp, m)
+        built += 1
+    assert built > 0, f"{info.name} refused every shape"
