@@ -164,11 +164,15 @@ class ScheduleRunner:
         for step in self.steps:
             node = step.node
             if node.kind.is_recv:
-                receiving[step.key] = transport.irecv(node, binder.recv_buffer(node))
+                pending = receiving[step.key] = transport.irecv(node, binder.recv_buffer(node))
+                if clock is not None:
+                    pending.posted_at = clock()
                 continue
             if node.kind.is_send:
                 tensor = outbox.pop(step.key)
                 pending = transport.isend(node, tensor)
+                if clock is not None:
+                    pending.posted_at = clock()
                 binder.sent(node, tensor)
                 if node.kind is NodeKind.SEND_F:
                     sent_activations[(node.chunk, node.microbatch)] = pending

@@ -37,7 +37,8 @@ class Pending:
     node: ScheduleNode
     tensor: Any
     work: Any
-    posted_at: float
+    posted_at: float = 0.0
+    """Set by a recording runner (its recorder's clock)."""
 
 
 class P2PTransport:
@@ -59,11 +60,11 @@ class P2PTransport:
         # deallocate_output_tensor) while the transfer still reads the old one, which the alias keeps alive.
         alias = tensor.detach()
         work = dist.isend(alias, dst=self._global[node.peer], group=self.group)
-        return Pending(node, alias, work, time.perf_counter())
+        return Pending(node, alias, work)
 
     def irecv(self, node: ScheduleNode, buffer: torch.Tensor) -> Pending:
         work = dist.irecv(buffer, src=self._global[node.peer], group=self.group)
-        return Pending(node, buffer, work, time.perf_counter())
+        return Pending(node, buffer, work)
 
     def is_done(self, pending: Pending) -> bool:
         """Non-blocking check; may stay False on gloo until :meth:`complete` is called."""

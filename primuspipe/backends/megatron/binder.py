@@ -1,0 +1,192 @@
+"""The Megatron binder: ``F`` -> megatron-core ``forward_step``, ``BW`` -> ``backward_step``.
+
+One binder serves one call of the forward-backward function (one step); its per-step state is explicit
+and keyed by ``(chunk, microbatch)``. What Megatron's own schedules do around those two calls is
+reproduced here, per node rather than per warm-up/steady/cool-down phase, so it holds for any table:
+
+* ``is_first_microbatch`` is microbatch 0 of a chunk (modulated by ``first_val_step`` when
+  evaluating), ``current_microbatch`` is the node's microbatch, ``vp_stage`` the chunk (``None``
+  without interleaving), ``is_last_stage`` the model's last stage;
+* gradient sync (:class:`GradSync`): Megatron's ``no_sync`` is entered for the whole step and left
+  only around each chunk's last backward on this rank (without ``grad_sync_func``) or right after it,
+  calling ``grad_sync_func[chunk]`` (with one); chunks not yet synchronized are synchronized at the end;
+* parameter sync with interleaving: ``param_sync_func`` for chunks 0 and 1 at the start, for chunk
+  c >= 2 before its first forward;
+* ``deallocate_pipeline_outputs``: an activation is pseudo-freed as soon as its send is posted (the
+  transport keeps its data alive until the transfer is done);
+* loss dicts are kept per microbatch and returned in microbatch order, as Megatron's schedules return
+  them for the built-in algorithms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from primuspipe.node import NodeKind, ScheduleNode
+from primuspipe.runner import ComputeCall
+
+
+@dataclass(frozen=True)
+class StepArgs:
+    """What one forward-backward call was given, normalised (lists even without interleaving)."""
+
+    forward_step_func: Callable
+    data_iterators: Sequence[Any]
+    models: Sequence[torch.nn.Module]
+    num_microbatches: int
+    config: Any
+    cp_group_size: int
+    forward_only: bool
+    collect_non_loss_data: bool
+    first_val_step: bool | None
+    interleaved: bool
+
+
+class GradSync:
+    """Megatron's ``no_sync`` / ``grad_sync_func`` / ``param_sync_func`` protocol for one step."""
+
+    def __init__(self, args: StepArgs, last_backward: dict[int, int], grad_sync_func, param_sync_func):
+        no_sync = args.config.no_sync_func
+        if isinstance(no_sync, list):
+            funcs = list(no_sync)
+
+            def no_sync():  # noqa: F811 - Megatron's multi-chunk no_sync
+                stack = contextlib.ExitStack()
+                for f in funcs:
+                    stack.enter_context(f())
+                return stack
+
+        self._no_sync = no_sync or contextlib.nullcontext
+        self._context = None
+        self.models = args.models
+        self.last_backward = last_backward
+        """chunk -> microbatch of that chunk's last backward on this rank."""
+        self.grad_sync = self._per_chunk(grad_sync_func)
+        self.param_sync = self._per_chunk(param_sync_func) if args.interleaved else None
+        self.synchronized: set[int] = set()
+        self.param_synced: set[int] = set()
+
+    def _per_chunk(self, func):
+        if func is None or isinstance(func, list):
+            return func
+        return [func for _ in self.models]
+
+    def disable(self) -> None:
+        if self._context is None:
+            self._context = self._no_sync()
+            self._context.__enter__()
+
+    def enable(self) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+
+    def begin(self) -> None:
+        self.disable()
+        if self.param_sync is not None:
+            for chunk in range(min(2, len(self.models))):
+                self._sync_params(chunk)
+
+    def _sync_params(self, chunk: int) -> None:
+        if chunk not in self.param_synced:
+            self.param_synced.add(chunk)
+            self.param_sync[chunk](self.models[chunk].parameters())
+
+    def before_forward(self, chunk: int) -> None:
+        if self.param_sync is not None:
+            self._sync_params(chunk)
+
+    @contextlib.contextmanager
+    def around_backward(self, chunk: int, microbatch: int):
+        last = self.last_backward.get(chunk) == microbatch
+        if last and self.grad_sync is None:
+            self.enable()
+            self.synchronized.add(chunk)
+        yield
+        if last and self.grad_sync is not None:
+            self.enable()
+            self.grad_sync[chunk](self.models[chunk].parameters())
+            self.synchronized.add(chunk)
+        self.disable()
+
+    def end(self) -> None:
+        self.enable()
+        if self.grad_sync is not None:
+            for chunk in range(len(self.models)):
+                if chunk not in self.synchronized:
+                    self.grad_sync[chunk](self.models[chunk].parameters())
+                    self.synchronized.add(chunk)
+
+
+class MegatronBinder:
+    """Runs ``F`` and ``BW`` nodes with megatron-core's ``forward_step`` and ``backward_step``."""
+
+    def __init__(self, args: StepArgs, *, num_stages: int, transfer_shape: Sequence[int], device: torch.device,
+                 sync: GradSync):
+        from megatron.core.pipeline_parallel import schedules
+
+        self._schedules = schedules
+        self.args = args
+        self.last_stage = num_stages - 1
+        self.transfer_shape = tuple(transfer_shape)
+        self.device = device
+        self.sync = sync
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
+        self.forward_data: dict[int, list] = {}
+        """microbatch -> what forward_step stored for it (loss dicts or non-loss data), last stage only."""
+        self._saved: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.handlers = MappingProxyType({NodeKind.F: self.forward, NodeKind.BW: self.backward})
+
+    def forward(self, call: ComputeCall) -> Any:
+        a = self.args
+        self.sync.before_forward(call.chunk)
+        store: list = []
+        is_first = call.microbatch == 0
+        if a.first_val_step is not None and a.forward_only:
+            is_first = a.first_val_step and is_first
+        output, num_tokens = self._schedules.forward_step(
+            a.forward_step_func,
+            a.data_iterators[call.chunk],
+            a.models[call.chunk],
+            a.num_microbatches,
+            call.received,
+            store,
+            a.config,
+            cp_group_size=a.cp_group_size,
+            collect_non_loss_data=a.collect_non_loss_data,
+            is_first_microbatch=is_first,
+            current_microbatch=call.microbatch,
+            vp_stage=call.chunk if a.interleaved else None,
+            is_last_stage=call.stage == self.last_stage,
+        )
+        self.total_num_tokens += num_tokens
+        if store:
+            self.forward_data.setdefault(call.microbatch, []).extend(store)
+        if not a.forward_only:
+            self._saved[(call.chunk, call.microbatch)] = (call.received, output)
+        return output
+
+    def backward(self, call: ComputeCall) -> Any:
+        input_tensor, output = self._saved.pop((call.chunk, call.microbatch))
+        with self.sync.around_backward(call.chunk, call.microbatch):
+            return self._schedules.backward_step(input_tensor, output, call.received, self.args.config)
+
+    def recv_buffer(self, node: ScheduleNode) -> torch.Tensor:
+        return torch.empty(self.transfer_shape, dtype=self.args.config.pipeline_dtype, device=self.device,
+                           requires_grad=node.kind is NodeKind.RECV_F)
+
+    def local_handoff(self, tensor: torch.Tensor, carries: str) -> torch.Tensor:
+        return tensor.detach().requires_grad_(carries == "F")
+
+    def sent(self, node: ScheduleNode, tensor: torch.Tensor) -> None:
+        if node.kind is NodeKind.SEND_F:
+            self._schedules.deallocate_output_tensor(tensor, self.args.config.deallocate_pipeline_outputs)
+
+    def forward_data_store(self) -> list:
+        return [item for mb in sorted(self.forward_data) for item in self.forward_data[mb]]

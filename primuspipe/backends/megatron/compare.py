@@ -1,0 +1,123 @@
+"""One training step of a tiny Megatron GPT through a given forward-backward function, reduced to
+comparable numbers: what tests, the bench and ``examples/train_gpt.py --compare-native`` share.
+
+Call inside an initialised process (``parallel_state`` set up, e.g. by
+:func:`~primuspipe.backends.megatron.distributed_cpu.run_on_gloo` or ``torchrun``). Weights come from
+:func:`~primuspipe.backends.megatron.tiny_models.build_model_chunks` (layout-independent), data from
+``synthetic_batches``, so two calls with the same arguments start from the same state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from primuspipe.backends.megatron import tiny_models
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    model: tiny_models.TinyModelConfig
+    num_microbatches: int
+    seed: int = 0
+    ddp: bool = False
+    """Wrap chunks in Megatron DDP and finalize grads (``finalize_model_grads``) as training does."""
+    optimizer_step: bool = False
+    """Then take an SGD step (needs ``ddp``)."""
+    forward_only: bool = False
+    lr: float = 0.1
+    config_overrides: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    losses: list
+    """The forward-backward function's return value (loss dicts on the last stage, ``[]`` elsewhere)."""
+    grads: dict[str, torch.Tensor | None]
+    """Global parameter name -> gradient (``main_grad`` under DDP)."""
+    params: dict[str, torch.Tensor]
+    step_time_s: float
+    """Wall time of the forward-backward call alone."""
+
+
+def build(spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None):
+    """``(config, chunks, model)``: the Megatron config, raw chunks, and what the schedule is given."""
+    config = tiny_models.transformer_config(spec.model, pp, vpp, **dict(spec.config_overrides))
+    chunks = tiny_models.build_model_chunks(spec.model, config, seed=spec.seed)
+    if device is not None:
+        chunks = [c.to(device) for c in chunks]
+    if not spec.ddp:
+        return config, chunks, chunks
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    wrapped = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    for m in wrapped:
+        m.zero_grad_buffer()
+    return config, chunks, wrapped
+
+
+def batches(spec: StepSpec, device: torch.device | None = None):
+    for batch in tiny_models.synthetic_batches(spec.model, spec.num_microbatches, seed=spec.seed):
+        yield batch if device is None else {k: v.to(device) for k, v in batch.items()}
+
+
+def run_step(schedule: Callable, spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None) -> StepResult:
+    """Build the model, run ``schedule`` once as Megatron's training loop calls it, collect results."""
+    config, chunks, model = build(spec, pp, vpp, device)
+    iterators = [batches(spec, device) for _ in model]
+    interleaved = vpp > 1
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    losses = schedule(
+        forward_step_func=tiny_models.forward_step,
+        data_iterator=iterators if interleaved else iterators[0],
+        model=model if interleaved else model[0],
+        num_microbatches=spec.num_microbatches,
+        seq_length=spec.model.seq_length,
+        micro_batch_size=spec.model.micro_batch_size,
+        forward_only=spec.forward_only,
+    )
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    grads = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            g = p.main_grad if spec.ddp else p.grad
+            grads[tiny_models.global_param_name(chunk, name)] = None if g is None else g.detach().clone()
+    if spec.optimizer_step:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        opt_config = OptimizerConfig(optimizer="sgd", lr=spec.lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
+                                     params_dtype=torch.float32)
+        get_megatron_optimizer(opt_config, model).step()
+    params = {tiny_models.global_param_name(c, n): p.detach().clone() for c in chunks for n, p in c.named_parameters()}
+    return StepResult([_detach(loss) for loss in losses], grads, params, elapsed)
+
+
+def _detach(item):
+    if isinstance(item, dict):
+        return {k: _detach(v) for k, v in item.items()}
+    return item.detach().cpu().clone() if isinstance(item, torch.Tensor) else item
+
+
+def max_abs_diff(a: Mapping[str, torch.Tensor | None], b: Mapping[str, torch.Tensor | None]) -> float:
+    """Largest absolute difference over tensors present in both (``inf`` if one side lacks a value)."""
+    worst = 0.0
+    for name in a.keys() & b.keys():
+        x, y = a[name], b[name]
+        if x is None or y is None:
+            if x is not y:
+                return float("inf")
+            continue
+        worst = max(worst, (x.float() - y.float()).abs().max().item())
+    return worst

@@ -1,0 +1,98 @@
+"""``dump_pp_data``: what a real step did, per rank, in the timeline format the simulator also writes.
+
+Each rank writes ``<dump_dir>/iter_<iteration>/rank_<rank>.json``: a :class:`~primuspipe.timeline.Timeline`
+with ``source="run"`` holding that rank's events (seconds from the rank's step start) and its peak
+memory: peak allocated bytes on GPU (the CUDA peak counter is reset at step start), peak resident set
+size sampled at every node boundary on CPU. ``meta["t0_unix"]`` is the rank's step start on the wall
+clock, so :func:`merge_rank_dumps` can lay all ranks on one time axis.
+
+On GPU every recorded time is taken after ``torch.cuda.synchronize()``, so a dumped step measures
+kernels, not launches (and runs slower than an undumped one).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from primuspipe.node import ScheduleNode
+from primuspipe.table import ScheduleTable
+from primuspipe.timeline import RankTimeline, TimedNode, Timeline
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:  # not Linux: fall back to the process-lifetime peak
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class StepRecorder:
+    """A :class:`~primuspipe.runner.Recorder` for one step of one rank."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        self.device = device
+        self.t0 = time.perf_counter()
+        self.t0_unix = time.time()
+        self.events: list[TimedNode] = []
+        self._peak_rss = _rss_bytes() if not self.cuda else 0
+
+    def clock(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        else:
+            self._peak_rss = max(self._peak_rss, _rss_bytes())
+        return time.perf_counter() - self.t0
+
+    def record(self, node: ScheduleNode, start: float, end: float) -> None:
+        self.events.append(TimedNode(node, start, end))
+
+    def peak_memory_bytes(self) -> int:
+        if self.cuda:
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max(self._peak_rss, _rss_bytes())
+
+    def timeline(self, table: ScheduleTable, rank: int, iteration: int) -> Timeline:
+        events = tuple(sorted(self.events, key=lambda e: (e.start, e.end)))
+        return Timeline(
+            source="run", algorithm=table.algorithm, pp=table.pp, vpp=table.vpp, microbatches=table.microbatches,
+            ranks=(RankTimeline(rank, events, self.peak_memory_bytes()),), iteration=iteration,
+            meta={"t0_unix": self.t0_unix, "device": str(self.device),
+                  "memory": "peak allocated" if self.cuda else "peak RSS"},
+        )
+
+
+def dump_path(dump_dir: str | os.PathLike, iteration: int, rank: int) -> Path:
+    return Path(dump_dir) / f"iter_{iteration:06d}" / f"rank_{rank}.json"
+
+
+def merge_rank_dumps(dump_dir: str | os.PathLike, iteration: int) -> Timeline:
+    """All ranks' dumps of one iteration as one timeline, times relative to the earliest rank's start."""
+    parts = sorted(
+        (Timeline.load(p) for p in (Path(dump_dir) / f"iter_{iteration:06d}").glob("rank_*.json")),
+        key=lambda t: t.ranks[0].rank,
+    )
+    if not parts:
+        raise FileNotFoundError(f"no rank dumps for iteration {iteration} under {dump_dir}")
+    origin = min(t.meta["t0_unix"] for t in parts)
+    ranks = []
+    for part in parts:
+        shift = part.meta["t0_unix"] - origin
+        (rank,) = part.ranks
+        ranks.append(RankTimeline(rank.rank, tuple(TimedNode(e.node, e.start + shift, e.end + shift) for e in rank.events),
+                                  rank.peak_memory_bytes))
+    first = parts[0]
+    return Timeline("run", first.algorithm, first.pp, first.vpp, first.microbatches, tuple(ranks), iteration,
+                    meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory")})

@@ -1,0 +1,80 @@
+"""Install primuspipe into Megatron: replace ``get_forward_backward_func`` everywhere it is bound.
+
+``megatron.core.pipeline_parallel.get_forward_backward_func`` is replaced (and the same name in
+``megatron.core.pipeline_parallel.schedules``); ``megatron.training.training`` binds the name at import
+time, so its copy is replaced too when that module is already loaded (install before importing it and
+it picks up the patched one). The replacement keeps Megatron's signature and returns a primuspipe
+:class:`~primuspipe.backends.megatron.schedule_func.PrimusForwardBackward` whenever there is a pipeline
+to schedule (pp > 1); with pp = 1 or multi-module process groups it returns Megatron's own function.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import replace
+from typing import Any, Optional
+
+from primuspipe.algorithms import get_algorithm
+from primuspipe.backends.megatron.config import AUTO, PrimusPipeConfig, load_config
+from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
+
+logger = logging.getLogger(__name__)
+
+_BOUND_IN = ("megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.schedules", "megatron.training.training")
+_NAME = "get_forward_backward_func"
+_originals: dict[str, Any] = {}
+
+
+def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusForwardBackward | None:
+    """Patch Megatron per ``config`` (default: :func:`load_config`, i.e. YAML and environment).
+
+    Returns the installed forward-backward function, or ``None`` when ``patch_primus_pipeline`` is off.
+    Installing again replaces the previous installation. Unknown algorithms fail here, not mid-training.
+    """
+    config = replace(config if config is not None else load_config(), **overrides)
+    if not config.patch_primus_pipeline:
+        logger.info("primuspipe: patch_primus_pipeline is off; Megatron's schedules stay in place")
+        return None
+    if config.pp_algorithm != AUTO:
+        get_algorithm(config.pp_algorithm)
+    from megatron.core import pipeline_parallel
+    from megatron.core.pipeline_parallel import schedules
+
+    native = _originals.get("megatron.core.pipeline_parallel.schedules", schedules.get_forward_backward_func)
+    func = PrimusForwardBackward(config)
+
+    def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,
+                                  schedule_pg_collection=None):
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+
+        if isinstance(schedule_pg_collection, MultiModuleProcessGroupCollection):
+            return native(pp_size, vp_size, schedule_pg_collection)
+        if pp_size is None and vp_size is None:
+            pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        return func if pp_size > 1 else native(pp_size, vp_size, schedule_pg_collection)
+
+    get_forward_backward_func.__doc__ = native.__doc__
+    get_forward_backward_func.primuspipe = func  # type: ignore[attr-defined]
+    for name in _BOUND_IN:
+        module = sys.modules.get(name) if name == "megatron.training.training" else {
+            "megatron.core.pipeline_parallel": pipeline_parallel, "megatron.core.pipeline_parallel.schedules": schedules}[name]
+        if module is None or not hasattr(module, _NAME):
+            continue
+        _originals.setdefault(name, native)  # every module binds schedules' function
+        setattr(module, _NAME, get_forward_backward_func)
+    logger.info("primuspipe: Megatron's %s now runs %s tables", _NAME, config.pp_algorithm)
+    return func
+
+
+def uninstall() -> None:
+    """Put Megatron's own ``get_forward_backward_func`` back wherever :func:`install` replaced it."""
+    for name, original in _originals.items():
+        if (module := sys.modules.get(name)) is not None:
+            setattr(module, _NAME, original)
+    _originals.clear()
+
+
+def is_installed() -> bool:
+    return bool(_originals)

@@ -1,0 +1,161 @@
+"""The forward-backward function that replaces Megatron's: same keyword signature (megatron-core 0.19),
+same return value, any primuspipe table.
+
+A call builds (or takes from the cache) the configured algorithm's table for this shape -- tables are
+immutable and cached per (algorithm, pp, vpp, microbatches, options) -- checks Megatron's config
+against it, runs this rank's row with :class:`~primuspipe.runner.ScheduleRunner` and the
+:class:`~primuspipe.backends.megatron.binder.MegatronBinder`, then finishes the step as Megatron's
+schedules do (embedding wgrad, ``finalize_model_grads_func`` with ``total_num_tokens`` when
+``calculate_per_token_loss``). ``forward_only`` runs the table's forward-only view.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Iterator, List, Optional, Union
+
+import torch
+
+from primuspipe.backends.megatron.binder import GradSync, MegatronBinder, StepArgs
+from primuspipe.backends.megatron.compat import check_megatron_config
+from primuspipe.backends.megatron.config import PrimusPipeConfig
+from primuspipe.backends.megatron.dump import StepRecorder, dump_path
+from primuspipe.errors import ConfigError
+from primuspipe.node import NodeKind
+from primuspipe.runner import cached_runner, forward_only_view
+from primuspipe.schedule import build_schedule
+from primuspipe.table import ScheduleTable
+from primuspipe.transport import P2PTransport
+
+
+
+@functools.lru_cache(maxsize=64)
+def cached_table(algorithm: str, pp: int, vpp: int, microbatches: int, options: tuple[tuple[str, Any], ...]) -> ScheduleTable:
+    """The validated full table for a shape, built once."""
+    return build_schedule(algorithm, pp, microbatches, vpp, **dict(options))
+
+
+def _last_backwards(table: ScheduleTable, rank: int) -> dict[int, int]:
+    last: dict[int, int] = {}
+    for node in table.ranks[rank]:
+        for kind, mb, chunk in node.parts():
+            if kind in (NodeKind.BW, NodeKind.W):
+                last[chunk] = mb
+    return last
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class PrimusForwardBackward:
+    """Callable with the keyword signature of Megatron's forward-backward functions."""
+
+    def __init__(self, config: PrimusPipeConfig):
+        self.config = config
+        self.iteration = 0
+        """Training (not forward-only) calls made so far: the iteration number of dumps."""
+
+    def table_for(self, pp: int, vpp: int, num_microbatches: int, megatron_config: Any) -> ScheduleTable:
+        algorithm = self.config.algorithm_for(vpp)
+        options = dict(self.config.algorithm_options)
+        group = getattr(megatron_config, "microbatch_group_size_per_vp_stage", None)
+        if algorithm == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
+            options["microbatch_group_size"] = group  # follow Megatron's setting; its default (pp) is ours
+        return cached_table(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
+
+    def __call__(
+        self,
+        *,
+        forward_step_func,
+        data_iterator: Union[Iterator, List[Iterator]],
+        model: Union[torch.nn.Module, List[torch.nn.Module]],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: Optional[int] = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: Optional[bool] = None,
+        adjust_tensor_shapes_fn: Optional[Callable] = None,
+        p2p_communicator=None,
+        pg_collection=None,
+        force_all_reduce: Optional[bool] = False,
+    ):
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import schedules
+        from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+        from megatron.core.utils import get_model_config
+
+        models = list(model) if isinstance(model, list) else [model]
+        iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
+        if len(iterators) != len(models):
+            raise ConfigError(f"got {len(models)} model chunk(s) but {len(iterators)} data iterator(s); pass one per chunk")
+        config = get_model_config(models[0])
+        if isinstance(pg_collection, MultiModuleProcessGroupCollection):
+            raise ConfigError("multi-module pipelines (MultiModuleProcessGroupCollection) are not supported by primuspipe")
+        if (p2p_communicator is None) != (pg_collection is None):
+            raise ConfigError("provide both p2p_communicator and pg_collection, or neither (as Megatron requires)")
+        if pg_collection is None:
+            pg_collection = schedules._build_default_pg_collection()
+            pp_group = parallel_state.get_pipeline_model_parallel_group()
+        else:
+            pp_group = p2p_communicator.pp_group
+        pp, rank = pp_group.size(), pp_group.rank()
+
+        full = self.table_for(pp, len(models), num_microbatches, config)
+        check_megatron_config(config, full, models)
+        table = forward_only_view(full) if forward_only else full
+        runner = cached_runner(table, rank)
+
+        shapes = schedules.get_tensor_shapes(
+            seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+            config=config, tp_group=pg_collection.tp, cp_group=pg_collection.cp)
+        if adjust_tensor_shapes_fn is not None:
+            recv_shapes, send_shapes = adjust_tensor_shapes_fn(shapes, shapes)
+            if len(recv_shapes) != 1 or list(recv_shapes) != list(send_shapes):
+                raise ConfigError("adjust_tensor_shapes_fn must keep one transfer tensor of one shape per hand-off "
+                                  f"with primuspipe; got receive {recv_shapes} and send {send_shapes}")
+            shapes = recv_shapes
+        (shape,) = shapes
+
+        if getattr(config, "moe_paged_stash", False):
+            schedules.paged_stash_reset(enabled=not forward_only, config=config)
+        embedding_module = None
+        last_rank = rank == pp - 1
+        if config.finalize_model_grads_func is not None and not forward_only:
+            embedding_module = schedules.clear_embedding_activation_buffer(config, models, last_rank)
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+
+        args = StepArgs(forward_step_func, iterators, models, num_microbatches, config, pg_collection.cp.size(),
+                        forward_only, collect_non_loss_data, first_val_step, interleaved=isinstance(model, list) and len(models) > 1)
+        sync = GradSync(args, _last_backwards(table, rank),
+                        None if forward_only else config.grad_sync_func,
+                        None if forward_only else config.param_sync_func)
+        device = _device()
+        binder = MegatronBinder(args, num_stages=table.num_stages, transfer_shape=shape, device=device, sync=sync)
+        transport = P2PTransport(pp_group, timeout_s=self.config.watchdog_timeout_s)
+        recorder = StepRecorder(device) if self.config.dump_pp_data and not forward_only else None
+
+        sync.begin()
+        runner.run(binder, transport, recorder)
+        sync.end()
+
+        if config.finalize_model_grads_func is not None and not forward_only:
+            schedules.finish_embedding_wgrad_compute(config, embedding_module, last_rank, pg_collection.tp)
+            config.finalize_model_grads_func(
+                models, binder.total_num_tokens if config.calculate_per_token_loss else None,
+                pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        if getattr(config, "fine_grained_activation_offloading", False):
+            schedules.off_interface.reset()
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        if getattr(config, "cuda_graph_impl", None) == "local":
+            schedules.create_cudagraphs()
+        if recorder is not None:
+            recorder.timeline(table, rank, self.iteration).save(dump_path(self.config.dump_dir, self.iteration, rank))
+        if not forward_only:
+            self.iteration += 1
+        return binder.forward_data_store()
