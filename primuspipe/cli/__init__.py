@@ -15,7 +15,7 @@ from rich.console import Console
 
 from primuspipe.errors import PrimusPipeError
 
-COMMAND_MODULES = ("primuspipe.cli.schedule_commands",)
+COMMAND_MODULES = ("primuspipe.cli.schedule_commands", "primuspipe.cli.simulate_command")
 
 
 def build_parser() -> argparse.ArgumentParser:

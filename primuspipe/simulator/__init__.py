@@ -7,7 +7,9 @@
 (0.2727, [4.0, 3.0, 2.0, 1.0])
 """
 
-from primuspipe.simulator.cost_model import CostModel, Link, MemoryCost, P2PCost, read_cost_file
+from primuspipe.simulator.cost_model import CostModel, Link, MemoryCost, P2PCost, read_cost_file, split_stages
 from primuspipe.simulator.engine import RankResult, SimulationResult, simulate
+from primuspipe.simulator.trace import chrome_trace, write_chrome_trace
 
-__all__ = ["CostModel", "Link", "MemoryCost", "P2PCost", "RankResult", "SimulationResult", "read_cost_file", "simulate"]
+__all__ = ["CostModel", "Link", "MemoryCost", "P2PCost", "RankResult", "SimulationResult", "chrome_trace",
+           "read_cost_file", "simulate", "split_stages", "write_chrome_trace"]

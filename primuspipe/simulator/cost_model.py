@@ -5,12 +5,18 @@ a model is checked once when built and looked up by index while simulating. Time
 ``time_unit`` (``"s"``, ``"ms"`` or ``"us"``); only their ratios matter to step time and bubble rate,
 the unit only labels timelines and scales Chrome traces.
 
-YAML form (every section but ``compute`` optional; a value given once applies to every stage, or
-rank, or it is a list with one value per stage, or rank)::
+YAML form (every section but ``compute`` optional). The file does not know the pipeline shape, so its
+per-stage quantities (times, activation bytes) describe *1F1B stages*, the model split ``pp`` ways: a
+number is one 1F1B stage's value, a list has one per 1F1B stage (``pp`` values). A schedule with
+``vpp`` chunks per rank cuts each 1F1B stage into ``vpp`` model stages, and model stage ``s`` gets
+``value[s // vpp] / vpp``; this is what makes algorithms of different ``vpp`` comparable under one
+file, and matches the microbatch units of memory (a chunk's activations are ``1/vpp`` of a unit). A
+list of ``pp * vpp`` values gives every model stage exactly. Per-rank quantities (parameter, gradient,
+optimizer bytes) are one number or ``pp`` values::
 
     time_unit: ms
     compute:
-      f: 1.0                 # forward time per stage
+      f: 1.0                 # forward time of a 1F1B stage (or a list, see above)
       b: 1.0                 # input-grad backward (B)
       w: 1.0                 # weight-grad backward (W)
       bw: 1.8                # fused backward; defaults to b + w
@@ -21,7 +27,7 @@ rank, or it is a list with one value per stage, or rank)::
       intra_node: {latency: 0.005, bandwidth: 4.0e8}   # bandwidth in bytes per time unit
       inter_node: {latency: 0.020, bandwidth: 2.5e7}   # omitted bandwidth: unlimited
     memory:
-      activation_bytes: 2.0e9            # per stage, one microbatch, held from F until released
+      activation_bytes: 2.0e9            # per 1F1B stage, one microbatch, held from F until released
       w_retained_fraction: 0.3           # share of those B keeps for W (W releases it)
       parameter_bytes: 1.0e9             # per rank
       gradient_bytes: 1.0e9
@@ -195,18 +201,24 @@ class CostModel:
         """Build from the YAML form (module docstring) for a pipeline of ``pp`` ranks x ``vpp`` chunks."""
         top = _section(data, "cost model", {"time_unit", "compute", "p2p", "memory"})
         comp = _section(top.get("compute"), "compute", {"f", "b", "w", "bw", "fb_overlap"}, required={"f", "b", "w"})
-        n = pp * vpp
         p2p = _section(top.get("p2p", {}), "p2p", {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
         links = {k: _section(p2p.get(k, {}), f"p2p.{k}", {"latency", "bandwidth"}) for k in ("intra_node", "inter_node")}
-        memory = None
+
+        def stages(name: str, value: Values) -> tuple[float, ...]:
+            return split_stages(name, value, pp, vpp)
+
         try:
+            memory = None
             if "memory" in top:
                 mem = _section(top["memory"], "memory", {"activation_bytes", "w_retained_fraction", "parameter_bytes",
                                                          "gradient_bytes", "optimizer_bytes"},
                                required={"activation_bytes", "w_retained_fraction"})
-                memory = MemoryCost.per_stage(n, pp, **mem)
+                mem["activation_bytes"] = stages("memory.activation_bytes", mem["activation_bytes"])
+                memory = MemoryCost.per_stage(pp * vpp, pp, **mem)
             return cls.per_stage(
-                n, comp["f"], comp["b"], comp["w"], bw=comp.get("bw"), fb_overlap=float(comp.get("fb_overlap", 0.0)),
+                pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), stages("W", comp["w"]),
+                bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
+                fb_overlap=float(comp.get("fb_overlap", 0.0)),
                 p2p=P2PCost(float(p2p.get("message_bytes", 0.0)), ranks_per_node=int(p2p.get("ranks_per_node", 8)),
                             **{k: _link(v) for k, v in links.items()}),
                 memory=memory, time_unit=str(top.get("time_unit", "ms")),
@@ -236,6 +248,23 @@ class CostModel:
                              "parameter_bytes": list(m.parameter_bytes), "gradient_bytes": list(m.gradient_bytes),
                              "optimizer_bytes": list(m.optimizer_bytes)}
         return out
+
+
+def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ...]:
+    """Per-model-stage values from 1F1B-stage values (module docstring): model stage ``s`` gets
+    ``value[s // vpp] / vpp``; a list of ``pp * vpp`` values is taken as is.
+
+    >>> split_stages("F", [2, 4], pp=2, vpp=2)
+    (1.0, 1.0, 2.0, 2.0)
+    """
+    if not isinstance(value, (int, float)):
+        if len(value) == pp * vpp:
+            return _expand(name, value, pp * vpp, "stages")
+        if len(value) != pp:
+            raise ConfigError(f"{name} has {len(value)} values; give one number, {pp} (one per 1F1B stage) or "
+                              f"{pp * vpp} (one per model stage at pp={pp}, vpp={vpp})")
+    per_1f1b_stage = _expand(name, value, pp, "1F1B stages")
+    return tuple(per_1f1b_stage[s // vpp] / vpp for s in range(pp * vpp))
 
 
 def read_cost_file(path: str | Path) -> dict[str, Any]:

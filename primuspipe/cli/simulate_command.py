@@ -1,0 +1,150 @@
+"""``simulate``: time one algorithm, or all of them, under a cost model and rank them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from primuspipe.algorithms import get_algorithm, list_algorithms
+from primuspipe.cli.options import add_shape_arguments, parse_options
+from primuspipe.errors import ConfigError, PrimusPipeError
+from primuspipe.schedule import build_schedule
+from primuspipe.simulator import CostModel, SimulationResult, read_cost_file, simulate
+from primuspipe.simulator.trace import write_chrome_trace
+
+_DESCRIPTION = """\
+Build each algorithm's table for the shape, simulate it under a cost model, and rank the algorithms by
+step time. Compute times come from --cost FILE (YAML, see primuspipe.simulator.cost_model) or from
+--f/--b/--w (default 1 each); an algorithm with fused backward (BW) nodes costs BW = B + W unless --bw
+or the file says otherwise. Times are those of a 1F1B stage (the model split pp ways): an algorithm with
+vpp chunks per rank runs each chunk in 1/vpp of it, so algorithms of different vpp compare fairly.
+A comma list gives one value per 1F1B stage (pp values), or per model stage (pp*vpp values).
+Communication is free unless --p2p or the file's p2p section costs it.
+Bubble rate is (step - busy) / step per rank; peak activations are in microbatches of one 1F1B stage
+(a chunk's forward counts 1/vpp), as 'primuspipe validate --max-in-flight' counts them."""
+
+_EPILOG = """\
+examples:
+  primuspipe simulate --algorithm all --pp 8 --vpp 2 -m 32
+  primuspipe simulate --algorithm 1f1b --pp 4 -m 8 --f 1 --b 1,1,2,1 --w 1 --p2p 0.1 -o out/
+  primuspipe simulate --algorithm all --pp 8 -m 32 --cost costs.yaml --memory-limit 8 --json"""
+
+
+def _numbers(text: str) -> float | list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or a comma-separated list of numbers") from None
+    return values[0] if len(values) == 1 else values
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="simulate algorithms under a cost model and rank them by step time",
+                       description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--algorithm", "-a", required=True, metavar="NAME|all",
+                   help="a registered algorithm (see 'primuspipe list') or 'all' to compare every one")
+    add_shape_arguments(p)
+    costs = p.add_argument_group("costs (use --cost FILE, or the flags below)")
+    costs.add_argument("--cost", type=Path, metavar="FILE",
+                       help="YAML cost model: compute times, p2p links, memory bytes (see primuspipe.simulator.cost_model)")
+    for flag, what in (("f", "forward (F)"), ("b", "input-grad backward (B)"), ("w", "weight-grad backward (W)")):
+        costs.add_argument(f"--{flag}", type=_numbers, metavar="X",
+                           help=f"{what} time of a 1F1B stage: one number, or a comma list with one per stage (default 1)")
+    costs.add_argument("--bw", type=_numbers, metavar="X",
+                       help="fused backward (BW) time, one number or one per stage (default B + W)")
+    costs.add_argument("--p2p", type=float, metavar="X",
+                       help="time of every cross-rank transfer (replaces the cost file's p2p section; default 0)")
+    p.add_argument("--memory-limit", type=float, metavar="MICROBATCHES",
+                   help="per-rank activation budget in 1F1B-stage microbatches: passed to cost-aware algorithms, "
+                        "and any algorithm whose peak exceeds it is marked as not fitting")
+    p.add_argument("-o", "--output-dir", type=Path, metavar="DIR",
+                   help="write ALGORITHM.timeline.json (primuspipe timeline) and ALGORITHM.trace.json "
+                        "(Chrome/Perfetto trace) for each simulated algorithm into DIR")
+    p.add_argument("--json", action="store_true",
+                   help='print {"results": [...]} as JSON instead of a table; refused shapes carry "error"')
+    p.set_defaults(handler=cmd_simulate)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    spec = _cost_spec(args)
+    options = parse_options(args.option)
+    names = [info.name for info in list_algorithms()] if args.algorithm == "all" else [get_algorithm(args.algorithm).name]
+    rows, results = [], {}
+    for name in names:
+        row, result = _evaluate(name, args, spec, options)
+        rows.append(row)
+        if result is not None:
+            results[name] = result
+    rows.sort(key=lambda r: ("error" in r, r.get("step_time", 0.0), r["algorithm"]))
+    if args.output_dir is not None:
+        for name, result in results.items():
+            timeline = result.timeline()
+            timeline.save(args.output_dir / f"{name}.timeline.json")
+            write_chrome_trace(args.output_dir / f"{name}.trace.json", timeline, result.table.placement)
+    if args.json:
+        print(json.dumps({"results": rows}, indent=1))
+    else:
+        _print_table(rows, args)
+    return 0 if results else 1
+
+
+def _cost_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The cost model in its YAML form, before it is resolved per algorithm's shape."""
+    flags = {k: getattr(args, k) for k in ("f", "b", "w", "bw") if getattr(args, k) is not None}
+    if args.cost is not None:
+        if flags:
+            raise ConfigError(f"give compute times either in --cost {args.cost} or as --f/--b/--w/--bw, not both")
+        spec = read_cost_file(args.cost)
+    else:
+        spec = {"compute": {"f": 1.0, "b": 1.0, "w": 1.0, **flags}}
+    if args.p2p is not None:
+        spec = {**spec, "p2p": {"intra_node": {"latency": args.p2p}, "inter_node": {"latency": args.p2p}}}
+    return spec
+
+
+def _evaluate(name: str, args: argparse.Namespace, spec: dict, options: dict) -> tuple[dict, SimulationResult | None]:
+    vpp = args.vpp or get_algorithm(name).vpp or 1
+    row: dict[str, Any] = {"algorithm": name, "pp": args.pp, "vpp": vpp, "microbatches": args.microbatches}
+    try:
+        cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp)
+        table = build_schedule(name, args.pp, args.microbatches, vpp, costs=cost.compute,
+                               memory_limit=args.memory_limit, **options)
+        result = simulate(table, cost)
+    except PrimusPipeError as exc:
+        return {**row, "error": str(exc)}, None
+    peak = max(result.peak_activations)
+    row.update(
+        step_time=result.step_time, bubble_rate=result.bubble_rate, bubble_rate_mean=result.bubble_rate_mean,
+        peak_activations=result.peak_activations, peak_memory_bytes=max(result.peak_memory_bytes),
+        fits=args.memory_limit is None or peak <= args.memory_limit + 1e-9,
+    )
+    return row, result
+
+
+def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    limit = "" if args.memory_limit is None else f", memory limit {args.memory_limit:g} microbatches"
+    table = Table(title=f"pp={args.pp} microbatches={args.microbatches}{limit}, ranked by step time")
+    table.add_column("#", justify="right")
+    table.add_column("algorithm", no_wrap=True)
+    for col in ("vpp", "step time", "bubble max", "bubble mean", "peak act. (mb)", "peak memory", "fits"):
+        table.add_column(col, justify="right")
+    refused = []
+    for k, row in enumerate(rows, 1):
+        if "error" in row:
+            refused.append(row)
+            continue
+        memory = f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" if row["peak_memory_bytes"] else "-"
+        table.add_row(str(k), row["algorithm"], str(row["vpp"]), f"{row['step_time']:g}", f"{row['bubble_rate']:.4f}",
+                      f"{row['bubble_rate_mean']:.4f}", f"{max(row['peak_activations']):g}", memory,
+                      "yes" if row["fits"] else "[bold red]OVER[/]")
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(table)
+    for row in refused:
+        reason = escape(row["error"].splitlines()[0])
+        console.print(f"[yellow]not simulated:[/] {row['algorithm']} (vpp={row['vpp']}): {reason}", markup=True)
