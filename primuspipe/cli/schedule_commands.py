@@ -49,14 +49,19 @@ def _build(args: argparse.Namespace):
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    table = Table(title="primuspipe algorithms")
-    for col in ("name", "placement", "vpp", "backward", "options", "summary"):
-        table.add_column(col, overflow="fold")
+    table = Table(title="primuspipe algorithms", show_lines=True)
+    table.add_column("name", no_wrap=True, style="bold")
+    table.add_column("placement / vpp / backward", no_wrap=True)
+    table.add_column("options (default)", no_wrap=True)
+    table.add_column("summary", overflow="fold")
     for info in list_algorithms():
-        opts = ", ".join(f"{p.name}={p.default!r}" for p in info.options()) or "-"
-        table.add_row(info.name, info.placement, str(info.vpp or "any"), "B + W" if info.split_backward else "BW",
-                      opts, info.summary)
-    Console().print(table)
+        opts = "\n".join(f"{p.name}={p.default!r}" for p in info.options()) or "-"
+        shape = f"{info.placement} / {info.vpp or 'any'} / {'B + W' if info.split_backward else 'BW'}"
+        table.add_row(info.name, shape, opts, info.summary)
+    console = Console()
+    if not console.is_terminal:
+        console.width = 160
+    console.print(table)
     return 0
 
 
