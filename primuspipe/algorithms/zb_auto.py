@@ -1,0 +1,196 @@
+"""``zb-auto``: the fastest schedule it can find for given per-stage costs and a memory limit.
+
+The search, within ``time_budget_s``:
+
+1. every fixed algorithm registered for this vpp (1F1B, ZB-H1/H2, ZBV, V-half, V-min, DualPipe-V, ...)
+   whose table fits the memory limit;
+2. the greedy list scheduler (the ZB paper's heuristic: B before F, W's into the gaps) over a grid of
+   per-rank activation caps within the limit, for the interleaved and (vpp = 2) the V placement;
+3. if the order MILP (:mod:`primuspipe.algorithms.zb_milp`) is small enough and time is left, HiGHS
+   improves on the best of 1-2, seeded with it, and reports a lower bound.
+
+Every candidate is timed by the simulator with the same costs, so the answer is the best *simulated*
+step time; the report says which method produced it and, when the MILP ran, the optimality gap.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from primuspipe.algorithms.list_scheduler import FillPolicy, list_schedule, unit_costs
+from primuspipe.algorithms.registry import ScheduleRequest, list_algorithms, register
+from primuspipe.algorithms.zb_milp import count_binaries, solve_order_milp, table_starts
+from primuspipe.communication import add_communication
+from primuspipe.costs import ComputeCosts
+from primuspipe.errors import ScheduleShapeError
+from primuspipe.placement import Placement
+from primuspipe.simulator import CostModel, Link, P2PCost, simulate
+from primuspipe.table import ScheduleTable
+from primuspipe.validation import peak_in_flight, validate
+
+logger = logging.getLogger(__name__)
+
+MILP_MAX_BINARIES = 3000
+"""Above this many order binaries HiGHS rarely improves on the heuristic within seconds."""
+
+Progress = Callable[[str, float], None]
+"""Called with a status line and the fraction of the time budget spent."""
+
+
+@dataclass(frozen=True)
+class ZbAutoReport:
+    method: str
+    """``"fixed"``, ``"heuristic"`` or ``"milp"``: what produced the returned table."""
+    source: str
+    """The candidate: an algorithm name, a list-scheduler policy, or the MILP."""
+    step_time: float
+    """Simulated step time of the returned table."""
+    peak_in_flight: float
+    """Its largest per-rank activation peak (1F1B-stage microbatches)."""
+    lower_bound: float | None
+    """A proven lower bound on the step time (from the MILP), if it ran."""
+    optimal: bool
+    candidates: int
+    """Candidate tables simulated."""
+    elapsed_s: float
+
+    @property
+    def gap(self) -> float | None:
+        """Relative optimality gap ``(step - bound) / step``, when a bound is known."""
+        if self.lower_bound is None or self.step_time <= 0:
+            return None
+        return max(self.step_time - self.lower_bound, 0.0) / self.step_time
+
+    @property
+    def summary(self) -> str:
+        gap = "gap unknown" if self.gap is None else ("optimal" if self.optimal else f"gap {self.gap:.1%}")
+        return f"{self.method}: {self.source}, step {self.step_time:g}, {gap}"
+
+
+def _cost_model(costs: ComputeCosts, p2p_time: float) -> CostModel:
+    link = Link(latency=p2p_time)
+    return CostModel(costs, p2p=P2PCost(intra_node=link, inter_node=link))
+
+
+def _fixed_candidates(req: ScheduleRequest) -> Iterator[tuple[str, ScheduleTable]]:
+    for info in list_algorithms():
+        if info.name == "zb-auto" or (info.vpp is not None and info.vpp != req.vpp):
+            continue
+        try:
+            yield info.name, info.build(req)
+        except ScheduleShapeError:
+            continue
+
+
+def _policies(req: ScheduleRequest, cap_limit: int) -> Iterator[tuple[str, Placement, FillPolicy]]:
+    """List-scheduler policies to try, cheapest memory first within each family."""
+    p, v = req.pp, req.vpp
+    placements = [Placement.interleaved(p, v)] + ([Placement.vshape(p)] if v == 2 else [])
+    for placement in placements:
+        reserves = (0,) if v == 1 else (1, 2, 3)
+        for top in range(1, cap_limit + 1):
+            for slope in (0, 1, 2):
+                caps = tuple(max(min(top - slope * r, cap_limit), 1) for r in range(p))
+                if slope and caps == tuple([caps[0]] * p):
+                    continue
+                for reserve in reserves:
+                    if reserve >= min(caps):
+                        continue
+                    for first in (True, False):
+                        name = f"list-schedule {placement.name} caps={caps[0]}-{slope}r reserve={reserve} {'B' if first else 'F'}-first"
+                        yield name, placement, FillPolicy(caps, reserve, first)
+
+
+def zb_auto_search(
+    req: ScheduleRequest,
+    *,
+    time_budget_s: float = 10.0,
+    p2p_time: float = 0.0,
+    use_milp: bool = True,
+    progress: Progress | None = None,
+) -> tuple[ScheduleTable, ZbAutoReport]:
+    """Search as described in the module doc; returns the best table and how it was found.
+
+    >>> req = ScheduleRequest(2, 1, 4, ComputeCosts.per_stage(2, 1, 1, 1), memory_limit=2)
+    >>> table, report = zb_auto_search(req, time_budget_s=5)
+    >>> report.step_time, report.optimal
+    (13.0, True)
+    """
+    began = time.monotonic()
+    deadline = began + time_budget_s
+    costs = req.costs or unit_costs(req.pp * req.vpp)
+    model = _cost_model(costs, p2p_time)
+    limit = req.memory_limit
+    cap_limit = 2 * req.pp * req.vpp if limit is None else int(limit * req.vpp + 1e-9)
+    best: tuple[float, float, str, str, ScheduleTable, object] | None = None
+    tried = 0
+
+    def report(line: str) -> None:
+        logger.info("zb-auto: %s", line)
+        if progress is not None:
+            progress(line, min((time.monotonic() - began) / time_budget_s, 1.0))
+
+    def consider(method: str, source: str, table: ScheduleTable) -> None:
+        nonlocal best, tried
+        peak = max(peak_in_flight(table))
+        if limit is not None and peak > limit + 1e-9:
+            return
+        tried += 1
+        result = simulate(table, model)
+        key = (result.step_time, peak)
+        if best is None or key < best[:2]:
+            best = (result.step_time, peak, method, source, table, result)
+            report(f"best so far {result.step_time:g} from {source} (peak {peak:g})")
+
+    # 1. the fixed algorithms
+    for name, table in _fixed_candidates(ScheduleRequest(req.pp, req.vpp, req.microbatches, costs, limit)):
+        consider("fixed", name, table)
+    # 2. the list scheduler over a grid of caps; stop at the budget's first half if the MILP may run
+    milp_size = count_binaries(Placement.interleaved(req.pp, req.vpp), req.microbatches) if use_milp else None
+    heuristic_deadline = began + time_budget_s * (0.5 if milp_size is not None and milp_size <= MILP_MAX_BINARIES else 1.0)
+    for source, placement, policy in _policies(req, cap_limit):
+        if time.monotonic() > heuristic_deadline:
+            report("heuristic search stopped at its share of the time budget")
+            break
+        try:
+            timed = list_schedule(placement, req.microbatches, costs, policy, p2p_time=p2p_time, algorithm="zb-auto")
+        except ScheduleShapeError:
+            continue
+        consider("heuristic", source, ScheduleTable.build(placement, req.microbatches, timed.rows, "zb-auto"))
+    if best is None:
+        raise ScheduleShapeError(
+            f"zb-auto: no schedule of pp={req.pp}, vpp={req.vpp}, {req.microbatches} microbatches holds at most "
+            f"{limit:g} microbatches of activations per rank; raise the memory limit"
+        )
+    # 3. the exact MILP, seeded with the best order so far (on the interleaved placement for vpp 1;
+    #    for vpp 2 on the placement of the best table)
+    lower_bound, optimal = None, False
+    step, peak, method, source, table, result = best
+    placement = table.placement
+    if use_milp and count_binaries(placement, req.microbatches) <= MILP_MAX_BINARIES and time.monotonic() < deadline:
+        report(f"MILP over {count_binaries(placement, req.microbatches)} order binaries")
+        starts = [list(r.starts) for r in result.ranks]
+        incumbent = table_starts(result.table, starts) if table.placement == placement else None
+        milp = solve_order_milp(placement, req.microbatches, costs, p2p_time=p2p_time, cap=cap_limit if limit is not None else None,
+                                upper_bound=step, time_limit_s=deadline - time.monotonic(), incumbent=incumbent)
+        lower_bound, optimal = milp.lower_bound, milp.optimal
+        if milp.rows is not None:
+            consider("milp", "order MILP (HiGHS)", ScheduleTable.build(placement, req.microbatches, milp.rows, "zb-auto"))
+            step, peak, method, source, table, result = best
+        optimal = optimal and step <= milp.lower_bound + 1e-6
+        report(f"MILP bound {lower_bound:g}, {'optimal' if optimal else 'not proven optimal'}")
+    final = ZbAutoReport(method, source, step, peak, lower_bound, optimal, tried, time.monotonic() - began)
+    report(final.summary)
+    validate(add_communication(table))
+    return ScheduleTable.build(table.placement, table.microbatches, table.ranks, f"zb-auto ({final.summary})"), final
+
+
+@register("zb-auto", split_backward=True)
+def zb_auto(
+    req: ScheduleRequest, *, time_budget_s: float = 10.0, p2p_time: float = 0.0, use_milp: bool = True
+) -> ScheduleTable:
+    """zb-auto: searches (fixed algorithms, greedy fill, order MILP) for the fastest schedule under a memory limit."""
+    return zb_auto_search(req, time_budget_s=time_budget_s, p2p_time=p2p_time, use_milp=use_milp)[0]

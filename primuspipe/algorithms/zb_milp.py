@@ -1,0 +1,241 @@
+"""The exact search behind ``zb-auto``: a mixed-integer program over node orders, solved with HiGHS.
+
+Formulation (the Zero Bubble paper's, made smaller):
+
+* a start time ``t[x]`` per node ``x = (kind, stage, microbatch)``, the makespan ``C >= t[x] + d[x]``;
+* dependencies: ``t[x] >= t[y] + d[y] (+ P2P if y runs on another rank)`` for every producer ``y``;
+* one binary ``o[a, b]`` per pair of nodes on one rank whose order is *not already implied*: the pair
+  runs one way or the other (big-M with M = the incumbent's makespan);
+* memory: right after each forward, the rank's held activations (forwards before it, input-grad
+  backwards before it) stay within the cap, written with the same order binaries.
+
+Why it is smaller: the microbatches are interchangeable (per-stage costs do not depend on them), so an
+exchange argument shows some optimal schedule runs each (kind, stage) in microbatch order. With that
+order fixed, node ``a`` of microbatch ``i`` precedes node ``b`` of microbatch ``j >= i`` whenever ``b``
+depends on ``a``'s kind and stage within one microbatch, and such pairs need no binary. The model's
+lower bound is therefore a lower bound on every schedule, and its optimum is the true optimum under
+the same timing rules (the simulator adds only rendezvous waits, which are zero with no P2P time).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from primuspipe.costs import ComputeCosts
+from primuspipe.node import NodeKind, ScheduleNode
+from primuspipe.placement import Placement
+from primuspipe.table import ScheduleTable
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, int, int]  # (step kind "F" | "B" | "W", stage, microbatch)
+
+
+@dataclass(frozen=True)
+class MilpResult:
+    rows: tuple[tuple[ScheduleNode, ...], ...] | None
+    """Best order found (None if the solver found none better than the incumbent it was given)."""
+    objective: float | None
+    lower_bound: float
+    optimal: bool
+
+
+def _reaches(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Within one microbatch, does step ``b`` (transitively) depend on step ``a``? Reflexive."""
+    (ka, sa), (kb, sb) = a, b
+    if ka == "F":
+        return kb != "F" or sa <= sb
+    if ka == "B":
+        return kb != "F" and sa >= sb
+    return kb == "W" and sa == sb
+
+
+def precedes(a: Key, b: Key) -> bool:
+    """``a`` runs before ``b`` in every microbatch-ordered schedule."""
+    return a != b and a[2] <= b[2] and _reaches(a[:2], b[:2])
+
+
+def count_binaries(placement: Placement, microbatches: int) -> int:
+    """How many order binaries the model needs (to decide up front whether it can be tried)."""
+    return sum(len(_free_pairs(_rank_nodes(placement, microbatches, r))) for r in range(placement.pp))
+
+
+def _rank_nodes(placement: Placement, m: int, rank: int) -> list[Key]:
+    return [(k, placement.stage(rank, c), i) for c in range(placement.vpp) for k in "FBW" for i in range(m)]
+
+
+def _free_pairs(nodes: list[Key]) -> list[tuple[Key, Key]]:
+    return [(a, b) for x, a in enumerate(nodes) for b in nodes[x + 1:] if not precedes(a, b) and not precedes(b, a)]
+
+
+def solve_order_milp(
+    placement: Placement,
+    microbatches: int,
+    costs: ComputeCosts,
+    *,
+    p2p_time: float,
+    cap: int | None,
+    upper_bound: float,
+    time_limit_s: float,
+    incumbent: dict[Key, float] | None = None,
+) -> MilpResult:
+    """Minimise the makespan; ``cap`` bounds each rank's held activations (chunk units), ``incumbent``
+    (start time per node, e.g. from simulating the heuristic's best table) seeds the search."""
+    import highspy
+
+    m, pp = microbatches, placement.pp
+    dur = {"F": costs.forward, "B": costs.backward_input, "W": costs.backward_weight}
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", max(time_limit_s, 0.1))
+    h.setOptionValue("threads", 1)
+    inf = highspy.kHighsInf
+    col: dict[object, int] = {}
+
+    def add_col(name: object, lo: float, hi: float, cost: float = 0.0, integer: bool = False) -> int:
+        idx = h.getNumCol()
+        h.addCol(cost, lo, hi, 0, [], [])
+        if integer:
+            h.changeColIntegrality(idx, highspy.HighsVarType.kInteger)
+        col[name] = idx
+        return idx
+
+    def add_row(lo: float, hi: float, terms: dict[int, float]) -> None:
+        h.addRow(lo, hi, len(terms), list(terms), list(terms.values()))
+
+    makespan = add_col("C", 0.0, upper_bound, 1.0)
+    rank_nodes = [_rank_nodes(placement, m, r) for r in range(pp)]
+    for nodes in rank_nodes:
+        for key in nodes:
+            add_col(key, 0.0, upper_bound - dur[key[0]][key[1]])
+    # dependencies and the makespan
+    last = placement.num_stages - 1
+    for r, nodes in enumerate(rank_nodes):
+        for kind, s, i in nodes:
+            me = col[(kind, s, i)]
+            producers = {"F": [("F", s - 1, i)] if s > 0 else [],
+                         "B": [("F", s, i)] + ([("B", s + 1, i)] if s < last else []),
+                         "W": [("B", s, i)]}[kind]
+            for pk, ps, _ in producers:
+                delay = p2p_time if placement.rank_of(ps) != r else 0.0
+                add_row(dur[pk][ps] + delay, inf, {me: 1.0, col[(pk, ps, i)]: -1.0})
+            if i > 0:  # microbatch order within (kind, stage)
+                add_row(dur[kind][s], inf, {me: 1.0, col[(kind, s, i - 1)]: -1.0})
+            add_row(dur[kind][s], inf, {makespan: 1.0, me: -1.0})
+    # one rank runs one node at a time: an order binary per undecided pair
+    big_m = upper_bound
+    order: dict[tuple[Key, Key], int] = {}
+    for nodes in rank_nodes:
+        for a, b in _free_pairs(nodes):
+            y = order[(a, b)] = add_col(("o", a, b), 0.0, 1.0, integer=True)
+            ta, tb = col[a], col[b]
+            add_row(dur[a[0]][a[1]] - big_m, inf, {tb: 1.0, ta: -1.0, y: -big_m})  # y = 1: a before b
+            add_row(dur[b[0]][b[1]], inf, {ta: 1.0, tb: -1.0, y: big_m})  # y = 0: b before a
+
+    h.changeColBounds(makespan, _static_bound(placement, rank_nodes, dur, p2p_time), upper_bound)
+
+    def before(a: Key, b: Key) -> tuple[float, dict[int, float]]:
+        """[a runs before b] as constant + linear terms."""
+        if precedes(a, b):
+            return 1.0, {}
+        if precedes(b, a):
+            return 0.0, {}
+        if (a, b) in order:
+            return 0.0, {order[(a, b)]: 1.0}
+        return 1.0, {order[(b, a)]: -1.0}
+
+    if cap is not None:
+        for nodes in rank_nodes:
+            forwards = [x for x in nodes if x[0] == "F"]
+            backwards = [x for x in nodes if x[0] == "B"]
+            for a in forwards:
+                const, terms = 1.0, {}
+                for other, sign in [(f, 1.0) for f in forwards if f != a] + [(b, -1.0) for b in backwards]:
+                    c, t = before(other, a)
+                    const += sign * c
+                    for idx, v in t.items():
+                        terms[idx] = terms.get(idx, 0.0) + sign * v
+                if terms:
+                    add_row(-inf, cap - const, terms)
+                else:
+                    assert const <= cap + 1e-9
+    logger.info("zb-auto MILP: %d columns (%d order binaries), %d rows, %.1f s limit",
+                h.getNumCol(), len(order), h.getNumRow(), time_limit_s)
+    if incumbent is not None:
+        values = [0.0] * h.getNumCol()
+        values[makespan] = max(incumbent[k] + dur[k[0]][k[1]] for k in incumbent)
+        for key, start in incumbent.items():
+            values[col[key]] = start
+        for (a, b), idx in order.items():
+            values[idx] = 1.0 if incumbent[a] < incumbent[b] or (incumbent[a] == incumbent[b] and dur[a[0]][a[1]] == 0) else 0.0
+        sol = highspy.HighsSolution()
+        sol.col_value = values
+        sol.value_valid = True
+        h.setSolution(sol)
+    h.run()
+    info = h.getInfo()
+    status = h.getModelStatus()
+    bound = max(float(info.mip_dual_bound), 0.0)
+    if info.primal_solution_status == 0:  # no feasible point
+        return MilpResult(None, None, bound, False)
+    values = h.getSolution().col_value
+    objective = float(info.objective_function_value)
+    optimal = status == highspy.HighsModelStatus.kOptimal
+    if optimal:
+        bound = objective
+    rows = []
+    for r, nodes in enumerate(rank_nodes):
+        timed = sorted(nodes, key=lambda x: (values[col[x]], sum(precedes(y, x) for y in nodes)))
+        rows.append(tuple(ScheduleNode(NodeKind(k), i, placement.locate(s)[1]) for k, s, i in timed))
+    return MilpResult(tuple(rows), objective, bound, optimal)
+
+
+def _static_bound(placement: Placement, rank_nodes: list[list[Key]], dur: dict, p2p_time: float) -> float:
+    """A makespan no order can beat: per rank, the earliest any of its nodes can start plus its whole
+    work, and for each node its earliest end plus the work on its rank that must follow it."""
+    earliest: dict[Key, float] = {}
+    last = placement.num_stages - 1
+
+    def start(key: Key) -> float:
+        if key not in earliest:
+            kind, s, i = key
+            producers = {"F": [("F", s - 1, i)] if s > 0 else [],
+                         "B": [("F", s, i)] + ([("B", s + 1, i)] if s < last else []),
+                         "W": [("B", s, i)]}[kind]
+            earliest[key] = max((start(p) + dur[p[0]][p[1]] + (p2p_time if placement.rank_of(p[1]) != placement.rank_of(s) else 0.0)
+                                 for p in producers), default=0.0)
+        return earliest[key]
+
+    for nodes in rank_nodes:
+        for x in nodes:
+            start(x)
+    bound = 0.0
+    for nodes in rank_nodes:
+        work = {x: dur[x[0]][x[1]] for x in nodes}
+        bound = max(bound, min(earliest[x] for x in nodes) + sum(work.values()))
+        for x in nodes:
+            bound = max(bound, earliest[x] + work[x] + sum(work[y] for y in nodes if precedes(x, y)))
+    return bound
+
+
+def table_starts(table: ScheduleTable, starts_by_rank: list[list[float]]) -> dict[Key, float] | None:
+    """Start time per node of a split-backward, microbatch-ordered table (for seeding), else None."""
+    out: dict[Key, float] = {}
+    for rank, row in enumerate(table.ranks):
+        compute = [(n, s) for n, s in zip(row, starts_by_rank[rank]) if n.kind.is_compute]
+        for node, start in compute:
+            if node.kind not in (NodeKind.F, NodeKind.B, NodeKind.W):
+                return None
+            out[(node.kind.value, table.placement.stage(rank, node.chunk), node.microbatch)] = start
+    for rank_nodes in _by_kind_stage(out).values():
+        if [i for _, i in sorted(rank_nodes)] != sorted(i for _, i in rank_nodes):
+            return None
+    return out
+
+
+def _by_kind_stage(starts: dict[Key, float]) -> dict[tuple[str, int], list[tuple[float, int]]]:
+    groups: dict[tuple[str, int], list[tuple[float, int]]] = {}
+    for (k, s, i), t in starts.items():
+        groups.setdefault((k, s), []).append((t, i))
+    return groups
