@@ -56,9 +56,14 @@ def precedes(a: Key, b: Key) -> bool:
     return a != b and a[2] <= b[2] and _reaches(a[:2], b[:2])
 
 
-def count_binaries(placement: Placement, microbatches: int) -> int:
-    """How many order binaries the model needs (to decide up front whether it can be tried)."""
-    return sum(len(_free_pairs(_rank_nodes(placement, microbatches, r))) for r in range(placement.pp))
+def count_binaries(placement: Placement, microbatches: int, limit: int) -> int | None:
+    """How many order binaries the model needs, or None if clearly more than ``limit`` (to decide up
+    front, cheaply, whether the MILP can be tried)."""
+    per_rank = 3 * microbatches * placement.vpp
+    if placement.pp * per_rank * per_rank // 8 > limit:  # at least a quarter of all pairs are free
+        return None
+    count = sum(len(_free_pairs(_rank_nodes(placement, microbatches, r))) for r in range(placement.pp))
+    return count if count <= limit else None
 
 
 def _rank_nodes(placement: Placement, m: int, rank: int) -> list[Key]:
@@ -92,12 +97,13 @@ def solve_order_milp(
     h.setOptionValue("threads", 1)
     inf = highspy.kHighsInf
     col: dict[object, int] = {}
+    integers: list[int] = []
 
     def add_col(name: object, lo: float, hi: float, cost: float = 0.0, integer: bool = False) -> int:
         idx = h.getNumCol()
         h.addCol(cost, lo, hi, 0, [], [])
         if integer:
-            h.changeColIntegrality(idx, highspy.HighsVarType.kInteger)
+            integers.append(idx)
         col[name] = idx
         return idx
 
@@ -160,6 +166,7 @@ def solve_order_milp(
                     add_row(-inf, cap - const, terms)
                 else:
                     assert const <= cap + 1e-9
+    h.changeColsIntegrality(len(integers), integers, [highspy.HighsVarType.kInteger] * len(integers))
     logger.info("zb-auto MILP: %d columns (%d order binaries), %d rows, %.1f s limit",
                 h.getNumCol(), len(order), h.getNumRow(), time_limit_s)
     if incumbent is not None:
