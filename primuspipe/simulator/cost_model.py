@@ -59,8 +59,8 @@ Values = float | Sequence[float]
 
 def _expand(name: str, value: Values, count: int, what: str) -> tuple[float, ...]:
     """One value for all ``count`` stages/ranks, or one per stage/rank; all >= 0."""
-    try:
-        values = (float(value),) * count if isinstance(value, (int, float)) else tuple(float(v) for v in value)
+    try:  # strings too: PyYAML reads 1.0e9 (no exponent sign) as a string
+        values = (float(value),) * count if isinstance(value, (int, float, str)) else tuple(float(v) for v in value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{name} must be a number or a list of numbers, got {value!r}") from exc
     if len(values) != count:
@@ -231,17 +231,19 @@ class CostModel:
         return cls.from_dict(read_cost_file(path), pp=pp, vpp=vpp)
 
     def to_dict(self) -> dict[str, Any]:
-        """The YAML form, per-stage values spelled out; unlimited bandwidth is written as None."""
+        """The YAML form with one value per model stage; unlimited bandwidth is written as None."""
         def link(k: Link) -> dict:
             return {"latency": k.latency, "bandwidth": None if math.isinf(k.bandwidth) else k.bandwidth}
 
         out: dict[str, Any] = {
             "time_unit": self.time_unit,
             "compute": {"f": list(self.compute.forward), "b": list(self.compute.backward_input),
-                        "w": list(self.compute.backward_weight), "bw": list(self._bw), "fb_overlap": self.fb_overlap},
+                        "w": list(self.compute.backward_weight), "fb_overlap": self.fb_overlap},
             "p2p": {"message_bytes": self.p2p.message_bytes, "ranks_per_node": self.p2p.ranks_per_node,
                     "intra_node": link(self.p2p.intra_node), "inter_node": link(self.p2p.inter_node)},
         }
+        if self.fused_backward is not None:
+            out["compute"]["bw"] = list(self.fused_backward)
         if self.memory is not None:
             m = self.memory
             out["memory"] = {"activation_bytes": list(m.activation_bytes), "w_retained_fraction": m.w_retained_fraction,
@@ -257,7 +259,7 @@ def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ..
     >>> split_stages("F", [2, 4], pp=2, vpp=2)
     (1.0, 1.0, 2.0, 2.0)
     """
-    if not isinstance(value, (int, float)):
+    if isinstance(value, Sequence) and not isinstance(value, str):
         if len(value) == pp * vpp:
             return _expand(name, value, pp * vpp, "stages")
         if len(value) != pp:

@@ -1,0 +1,109 @@
+"""``primuspipe simulate``."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from primuspipe.algorithms import list_algorithms
+from primuspipe.cli import main
+from primuspipe.timeline import Timeline
+
+KEYS = {"algorithm", "pp", "vpp", "microbatches", "step_time", "bubble_rate", "bubble_rate_mean",
+        "peak_activations", "peak_memory_bytes", "fits"}
+
+
+def _json(capsys, *argv) -> list[dict]:
+    assert main(["simulate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["results"]
+
+
+def test_all_algorithms_json_schema_ranking_and_refusals(capsys):
+    rows = _json(capsys, "--algorithm", "all", "--pp", "3", "-m", "6", "--memory-limit", "2")
+    assert {r["algorithm"] for r in rows} == {info.name for info in list_algorithms()}  # nothing dropped
+    simulated = [r for r in rows if "error" not in r]
+    refused = [r for r in rows if "error" in r]
+    for r in simulated:
+        assert set(r) == KEYS
+        assert len(r["peak_activations"]) == 3 and r["fits"] == (max(r["peak_activations"]) <= 2)
+        assert r["bubble_rate"] + 1e-12 >= r["bubble_rate_mean"] >= 0
+    assert [r["step_time"] for r in simulated] == sorted(r["step_time"] for r in simulated)
+    one_f_one_b = next(r for r in simulated if r["algorithm"] == "1f1b")
+    assert one_f_one_b["bubble_rate"] == pytest.approx(2 / 8) and not one_f_one_b["fits"]  # holds 3 on rank 0
+    # interleaved-1f1b needs vpp >= 2: listed with its reason, after every simulated row
+    interleaved = next(r for r in refused if r["algorithm"] == "interleaved-1f1b")
+    assert "vpp >= 2" in interleaved["error"] and interleaved["vpp"] == 1
+    assert rows[-len(refused):] == refused
+
+
+def test_given_vpp_applies_to_every_algorithm(capsys):
+    rows = {r["algorithm"]: r for r in _json(capsys, "-a", "all", "--pp", "2", "--vpp", "2", "-m", "4")}
+    assert "needs vpp = 1" in rows["1f1b"]["error"]
+    assert rows["interleaved-1f1b"]["bubble_rate"] == pytest.approx(1 / (2 * 4 + 1))
+    # a chunk costs half a 1F1B stage, so the step compares with 1f1b's (4 + 1) * 3
+    assert rows["interleaved-1f1b"]["step_time"] == pytest.approx((2 * 4 + 1) * 1.5)
+
+
+def test_per_stage_flags_and_p2p(capsys):
+    [row] = _json(capsys, "-a", "1f1b", "--pp", "2", "-m", "2", "--f", "1,2", "--b", "2,4", "--w", "0")
+    assert row["step_time"] == 15  # the hand-computed critical path in test_golden
+    [row] = _json(capsys, "-a", "1f1b", "--pp", "2", "-m", "2", "--p2p", "0.5")
+    assert row["step_time"] == 10  # test_engine's exact event log
+
+
+def test_cost_file_and_output_dir(capsys, tmp_path):
+    cost = tmp_path / "cost.yaml"
+    cost.write_text("compute: {f: 1, b: 1, w: 1}\nmemory: {activation_bytes: 1.0e9, w_retained_fraction: 0.5, "
+                    "parameter_bytes: 2.0e9}\n")
+    out = tmp_path / "out"
+    [row] = _json(capsys, "-a", "1f1b", "--pp", "4", "-m", "8", "--cost", str(cost), "-o", str(out))
+    assert row["peak_memory_bytes"] == 2e9 + 4e9
+    assert Timeline.load(out / "1f1b.timeline.json").step_time == row["step_time"]
+    assert json.loads((out / "1f1b.trace.json").read_text())["traceEvents"]
+
+
+def test_rich_table_marks_algorithms_over_the_limit_and_lists_refusals(capsys):
+    assert main(["simulate", "-a", "all", "--pp", "3", "-m", "6", "--memory-limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b" in out and "OVER" in out
+    assert "not simulated: interleaved-1f1b (vpp=1)" in out
+
+
+def test_single_refused_algorithm_fails(capsys):
+    assert main(["simulate", "-a", "1f1b", "--pp", "4", "--vpp", "2", "-m", "8", "--json"]) == 1
+    [row] = json.loads(capsys.readouterr().out)["results"]
+    assert "needs vpp = 1" in row["error"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cost", "x.yaml", "--f", "2"], "either in --cost"),
+    (["--f", "1,2,3"], "give one number, 4"),
+    (["-a", "nope"], "no algorithm named 'nope'"),
+])
+def test_user_mistakes(capsys, argv, message):
+    base = {"-a": "1f1b", "--pp": "4", "-m": "8"}
+    args = ["simulate"] + [x for k, v in base.items() if k not in argv for x in (k, v)] + argv
+    status = main(args)
+    captured = capsys.readouterr()
+    assert message in captured.err + captured.out
+    assert status == 1 or "error" in captured.out
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--algorithm", "--pp", "--vpp", "--microbatches", "--cost", "--f", "--b", "--w", "--bw", "--p2p",
+                 "--memory-limit", "--output-dir", "--json"):
+        assert flag in text
+
+
+def test_installed_console_script():
+    script = shutil.which("primuspipe") or str(Path(sys.executable).parent / "primuspipe")
+    proc = subprocess.run([script, "simulate", "-a", "1f1b", "--pp", "8", "-m", "32", "--json"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    [row] = json.loads(proc.stdout)["results"]
+    assert round(row["bubble_rate"], 4) == 0.1795
