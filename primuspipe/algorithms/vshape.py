@@ -21,10 +21,11 @@ from primuspipe.algorithms.registry import ScheduleRequest, register
 from primuspipe.placement import Placement
 from primuspipe.table import ScheduleTable
 
-RESERVES = (1, 2)
-"""Chunk-activation slots kept for chunk-1 forwards (which start the backward wave). One is the least
-that never stalls; a larger reserve injects new microbatches more slowly. Each is tried and the one
-with the shortest step under the given costs is kept."""
+FILL_ORDERS = ((1, True), (2, True), (2, False))
+"""(reserve, backward first) pairs tried. The reserve is the chunk-activation slots kept for chunk-1
+forwards (which start the backward wave): one is the least that never stalls, a larger one injects new
+microbatches more slowly. Each is tried and the one with the shortest step under the given costs kept
+(with one slot, breaking F/B ties forward-first never won in our sweeps, so it is not tried)."""
 
 
 def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str, p2p_time: float) -> ScheduleTable:
@@ -36,8 +37,7 @@ def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str, p2p_time:
     # first microbatches follow as soon as they come back up the V.
     # Steady: each B frees a slot, the next forward takes it; W's fill the waits.
     # Cool-down: the last B's, with the deferred W's filling the gaps between them.
-    policies = [FillPolicy((cap,) * p, reserve, first) for reserve in RESERVES if reserve < cap
-                for first in (True, False)]
+    policies = [FillPolicy((cap,) * p, reserve, first) for reserve, first in FILL_ORDERS if reserve < cap]
     return best_fill(Placement.vshape(p), req.microbatches, req.costs, policies, p2p_time=p2p_time, algorithm=algorithm)
 
 

@@ -1,0 +1,66 @@
+"""Shared checks for the zero-bubble family tests (grid sweep, CLI figures, per-rank span bubble),
+given to the tests as fixtures."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from primuspipe.cli import main
+from primuspipe.errors import ScheduleShapeError
+from primuspipe.schedule import build_schedule
+from primuspipe.simulator import SimulationResult
+
+
+def _sweep_grid(algorithm: str, **options) -> tuple[int, int, list]:
+    """Build every shape pp 1..8 x m 1..3pp+1; returns (built, refused, tables)."""
+    built, refused, tables = 0, 0, []
+    for pp in range(1, 9):
+        for m in range(1, 3 * pp + 2):
+            try:
+                tables.append(build_schedule(algorithm, pp, m, **options))
+                built += 1
+            except ScheduleShapeError as exc:
+                assert algorithm in str(exc)
+                refused += 1
+    return built, refused, tables
+
+
+def _cli_figures(algorithm: str, pp: int = 8, microbatches: int = 32) -> dict:
+    """``primuspipe simulate --json`` for one algorithm, F = B = W = 1, free P2P."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(["simulate", "--algorithm", algorithm, "--pp", str(pp), "-m", str(microbatches),
+                       "--f", "1", "--b", "1", "--w", "1", "--json"])
+    assert status == 0
+    (row,) = json.loads(out.getvalue())["results"]
+    return row
+
+
+def _span_bubble_rates(result: SimulationResult) -> list[float]:
+    """Per rank, idle share of the rank's own span (its first compute start to its last compute end):
+    the figure the zero-bubble papers quote, where the start-up wait of a later rank is not a bubble."""
+    rates = []
+    for rank in result.ranks:
+        spans = [(s, e) for n, s, e in zip(rank.nodes, rank.starts, rank.ends) if n.kind.is_compute]
+        span = max(e for _, e in spans) - min(s for s, _ in spans)
+        rates.append((span - rank.busy_time) / span)
+    return rates
+
+
+@pytest.fixture
+def sweep_grid():
+    return _sweep_grid
+
+
+@pytest.fixture
+def cli_figures():
+    return _cli_figures
+
+
+@pytest.fixture
+def span_bubble_rates():
+    return _span_bubble_rates
