@@ -43,7 +43,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", "-o", type=Path, default=Path(__file__).parent / "results" / "simulator.json",
                         help="where to write the JSON results")
-    parser.add_argument("--repeat", type=int, default=3, help="simulate each table this many times (min and median kept)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="simulate each table this many times (min and median kept)")
     args = parser.parse_args()
     headline = measure(*HEADLINE, args.repeat)
     report = {

@@ -52,10 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_shape_arguments(p)
     costs = p.add_argument_group("costs (use --cost FILE, or the flags below)")
     costs.add_argument("--cost", type=Path, metavar="FILE",
-                       help="YAML cost model: compute times, p2p links, memory bytes (see primuspipe.simulator.cost_model)")
+                       help="YAML cost model: compute times, p2p links, memory bytes "
+                            "(see primuspipe.simulator.cost_model)")
     for flag, what in (("f", "forward (F)"), ("b", "input-grad backward (B)"), ("w", "weight-grad backward (W)")):
         costs.add_argument(f"--{flag}", type=_numbers, metavar="X",
-                           help=f"{what} time of a 1F1B stage: one number, or a comma list with one per stage (default 1)")
+                           help=f"{what} time of a 1F1B stage: one number, or a comma list with one per stage "
+                                "(default 1)")
     costs.add_argument("--bw", type=_numbers, metavar="X",
                        help="fused backward (BW) time, one number or one per stage (default B + W)")
     costs.add_argument("--p2p", type=float, metavar="X",
@@ -74,7 +76,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     spec = _cost_spec(args)
     options = parse_options(args.option)
-    names = [info.name for info in list_algorithms()] if args.algorithm == "all" else [get_algorithm(args.algorithm).name]
+    if args.algorithm == "all":
+        names = [info.name for info in list_algorithms()]
+    else:
+        names = [get_algorithm(args.algorithm).name]
     rows, results = [], {}
     for name in names:
         row, result = _evaluate(name, args, spec, options)

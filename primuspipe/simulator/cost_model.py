@@ -202,7 +202,8 @@ class CostModel:
         top = _section(data, "cost model", {"time_unit", "compute", "p2p", "memory"})
         comp = _section(top.get("compute"), "compute", {"f", "b", "w", "bw", "fb_overlap"}, required={"f", "b", "w"})
         p2p = _section(top.get("p2p", {}), "p2p", {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
-        links = {k: _section(p2p.get(k, {}), f"p2p.{k}", {"latency", "bandwidth"}) for k in ("intra_node", "inter_node")}
+        links = {k: _section(p2p.get(k, {}), f"p2p.{k}", {"latency", "bandwidth"})
+                 for k in ("intra_node", "inter_node")}
 
         def stages(name: str, value: Values) -> tuple[float, ...]:
             return split_stages(name, value, pp, vpp)

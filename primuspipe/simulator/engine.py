@@ -102,7 +102,8 @@ class SimulationResult:
             "peak_activations": self.peak_activations,
         }
         ranks = tuple(RankTimeline(r.rank, r.events, round(r.peak_memory_bytes)) for r in self.ranks)
-        return Timeline("simulator", t.algorithm, t.pp, t.vpp, t.microbatches, ranks, iteration, self.cost.time_unit, meta)
+        return Timeline("simulator", t.algorithm, t.pp, t.vpp, t.microbatches, ranks, iteration,
+                        self.cost.time_unit, meta)
 
 
 def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
@@ -156,9 +157,10 @@ def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], 
         for node in row:
             kind, mb = node.kind, node.microbatch
             if kind is NodeKind.FB:
-                (_, fm, fc), (_, bm, bc) = parts = node.parts()
+                (_, _, fc), (_, _, bc) = parts = node.parts()
                 d = cost.fb_time(placement.stage(rank, fc), placement.stage(rank, bc))
-                needs = tuple(first_key(t) + mm for k, mm, ch in parts if (t := inbound(placement, rank, k, ch, mm)) is not None)
+                needs = tuple(first_key(t) + mm for k, mm, ch in parts
+                              if (t := inbound(placement, rank, k, ch, mm)) is not None)
                 ops.append((_COMPUTE, d, needs))
                 total += d
                 continue
@@ -184,7 +186,8 @@ def _shape(placement, rank: int, node: ScheduleNode, durations, cost: CostModel,
         return _COMPUTE, durations[kind][placement.stage(rank, chunk)], -1 if t is None else first_key(t), 0.0
     src, dst = (rank, node.peer) if kind.is_send else (node.peer, rank)
     lane = lanes.setdefault((src, dst), len(lanes))
-    return (_SEND if kind.is_send else _RECV), lane, first_key(transfer_of(placement, rank, node)), cost.p2p.transfer_time(src, dst)
+    code = _SEND if kind.is_send else _RECV
+    return code, lane, first_key(transfer_of(placement, rank, node)), cost.p2p.transfer_time(src, dst)
 
 
 def _run(table: ScheduleTable, programs: list[list[tuple]], routes: list[tuple], lanes: int

@@ -27,7 +27,8 @@ def chrome_trace(timeline: Timeline, placement: Placement) -> dict:
     if timeline.time_unit not in TIME_UNITS:
         raise TableFormatError(f"timeline time_unit {timeline.time_unit!r} is not one of {sorted(TIME_UNITS)}")
     scale = TIME_UNITS[timeline.time_unit]
-    title = f"{timeline.algorithm} pp={timeline.pp} vpp={timeline.vpp} microbatches={timeline.microbatches} ({timeline.source})"
+    title = (f"{timeline.algorithm} pp={timeline.pp} vpp={timeline.vpp} microbatches={timeline.microbatches} "
+             f"({timeline.source})")
     events: list[dict] = [{"ph": "M", "name": "process_name", "pid": _PID, "tid": 0, "args": {"name": title}}]
     producers: dict[Transfer, tuple[int, TimedNode]] = {}
     consumers: dict[Transfer, tuple[int, TimedNode]] = {}

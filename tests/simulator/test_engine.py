@@ -12,7 +12,8 @@ from primuspipe.table import ScheduleTable
 
 
 def _table(pp, rows, m, vpp=1):
-    return ScheduleTable.build(Placement.interleaved(pp, vpp), m, [[ScheduleNode.parse(t) for t in r.split()] for r in rows])
+    ranks = [[ScheduleNode.parse(t) for t in r.split()] for r in rows]
+    return ScheduleTable.build(Placement.interleaved(pp, vpp), m, ranks)
 
 
 def test_exact_event_log_with_p2p_latency():

@@ -73,7 +73,8 @@ def test_slow_middle_stage_sets_the_critical_path():
     first F+BW (3) while it has only F1 (2) to do (1 idle), then computes 8 x 6 = 48 back to back, and
     its last BW is followed by the fast BWs of stages 1 and 0 (4): 2 + 1 + 48 + 4 = 55.
     """
-    result = simulate(build_schedule("1f1b", pp=4, microbatches=8), CostModel.per_stage(4, [1, 1, 2, 1], [2, 2, 4, 2], 0))
+    cost = CostModel.per_stage(4, [1, 1, 2, 1], [2, 2, 4, 2], 0)
+    result = simulate(build_schedule("1f1b", pp=4, microbatches=8), cost)
     assert result.step_time == 55
     assert result.ranks[2].busy_time == 48
     assert result.ranks[2].bubble_rate == pytest.approx(7 / 55)
