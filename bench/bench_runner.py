@@ -1,6 +1,6 @@
 """primuspipe's 1F1B vs megatron-core's native 1F1B: step time in the same run (CPU, gloo, pp=2).
 
-    python bench/bench_runner.py [--microbatches 8] [--steps 30] [--hidden 128] [--out bench/results/runner.json]
+    python bench/bench_runner.py [--microbatches 8] [--steps 80] [--hidden 64] [--seq 32] [--out bench/results/runner.json]
 
 Two ranks, one thread each. Both schedules drive the same model chunks and data; steps alternate
 (native, primuspipe, native, ...) after a warm-up so drift hits both equally. Reports per-rank medians
@@ -21,10 +21,10 @@ from pathlib import Path
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=80)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--seq", type=int, default=32)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "runner.json"))
