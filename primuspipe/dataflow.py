@@ -85,11 +85,16 @@ def outbound(placement: Placement, rank: int, kind: NodeKind, chunk: int, mb: in
 
 def transfer_of(placement: Placement, rank: int, node: ScheduleNode) -> Transfer:
     """The transfer a communication node moves, derived from the local chunk it names."""
-    stage = placement.stage(rank, node.chunk)
-    delta = {NodeKind.SEND_F: 1, NodeKind.RECV_F: -1, NodeKind.SEND_B: -1, NodeKind.RECV_B: 1}[node.kind]
-    other = stage + delta
-    src, dst = (stage, other) if node.kind.is_send else (other, stage)
-    return Transfer(node.kind.carries, src, dst, node.microbatch)
+    stage = placement.stages[rank][node.chunk]
+    carries, delta, is_send = _COMM_SHAPE[node.kind]
+    src, dst = (stage, stage + delta) if is_send else (stage + delta, stage)
+    return Transfer(carries, src, dst, node.microbatch)
+
+
+_COMM_SHAPE = {  # kind -> (carries, offset of the peer's stage, is a send)
+    NodeKind.SEND_F: ("F", 1, True), NodeKind.RECV_F: ("F", -1, False),
+    NodeKind.SEND_B: ("B", -1, True), NodeKind.RECV_B: ("B", 1, False),
+}
 
 
 def comm_node(placement: Placement, transfer: Transfer, send: bool) -> ScheduleNode:

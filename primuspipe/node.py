@@ -49,20 +49,23 @@ class NodeKind(str, Enum):
 
     @property
     def is_send(self) -> bool:
-        return self in (NodeKind.SEND_F, NodeKind.SEND_B)
+        return self in _SENDS
 
     @property
     def is_recv(self) -> bool:
-        return self in (NodeKind.RECV_F, NodeKind.RECV_B)
+        return self in _RECVS
 
     @property
     def carries(self) -> str:
         """``"F"`` for activations, ``"B"`` for gradients (communication kinds only)."""
-        assert not self.is_compute, self
-        return self.value[-1]
+        return _CARRIES[self]
 
 
+# Looked up on every node of every pass, so kept as plain sets rather than rebuilt per call.
 _COMPUTE = frozenset({NodeKind.F, NodeKind.B, NodeKind.W, NodeKind.BW, NodeKind.FB})
+_SENDS = frozenset({NodeKind.SEND_F, NodeKind.SEND_B})
+_RECVS = frozenset({NodeKind.RECV_F, NodeKind.RECV_B})
+_CARRIES = {NodeKind.SEND_F: "F", NodeKind.RECV_F: "F", NodeKind.SEND_B: "B", NodeKind.RECV_B: "B"}
 
 _COMPUTE_RE = re.compile(r"^(BW|F|B|W)(\d+)\.(\d+)$")
 _PAIR_RE = re.compile(r"^F(\d+)\.(\d+)\+B(\d+)\.(\d+)$")

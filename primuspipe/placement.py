@@ -12,7 +12,7 @@ Any other bijection can be given explicitly (``Placement("custom", stages)``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from primuspipe.errors import TableFormatError
@@ -20,7 +20,9 @@ from primuspipe.errors import TableFormatError
 
 @dataclass(frozen=True)
 class Placement:
-    name: str
+    name: str = field(compare=False)
+    """The layout's name, for people; two placements are equal when they map stages the same way (at
+    pp = 1 the V-shape and the interleaved layout coincide)."""
     stages: tuple[tuple[int, ...], ...]
     """``stages[rank][chunk]`` is the global stage index of that chunk."""
 

@@ -29,8 +29,8 @@ def build_schedule(
     algorithm refuses the shape and :class:`ConfigError` for unknown options.
 
     >>> t = build_schedule("1f1b", pp=2, microbatches=3)
-    >>> [str(n) for n in t.ranks[1]]
-    ['RECV_F0.0<0', 'F0.0', 'BW0.0', 'SEND_B0.0>0', 'RECV_F1.0<0', 'F1.0', 'BW1.0', 'SEND_B1.0>0', 'RECV_F2.0<0', 'F2.0', 'BW2.0', 'SEND_B2.0>0']
+    >>> [str(n) for n in t.ranks[1]][:6]
+    ['RECV_F0.0<0', 'F0.0', 'RECV_F1.0<0', 'BW0.0', 'SEND_B0.0>0', 'F1.0']
     """
     info = get_algorithm(algorithm)
     vpp = vpp if vpp is not None else (info.vpp or 1)
