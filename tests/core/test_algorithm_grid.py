@@ -17,7 +17,7 @@ def _shapes(info):
 
 @pytest.mark.parametrize("info", list_algorithms(), ids=lambda a: a.name)
 def test_every_shape_validates_or_is_refused(info):
-    fast = {"time_budget_s": 0.2} if "time_budget_s" in {p.name for p in info.options()} else {}
+    fast = {"time_budget_s": 0.02} if "time_budget_s" in {p.name for p in info.options()} else {}
     built = refused = 0
     for pp, vpp, m in _shapes(info):
         try:

@@ -135,7 +135,9 @@ def test_random_mutations_are_refused_naming_a_rule(table, mutation, rnd):
         # move a forward after the backward of the same microbatch and chunk
         fwd = [i for i, n in enumerate(row) if n.kind.value == "F"]
         i = rnd.choice(fwd)
-        j = next(k for k, n in enumerate(row) if n.kind.value in ("BW", "B") and (n.microbatch, n.chunk) == (row[i].microbatch, row[i].chunk))
+        mb, chunk = row[i].microbatch, row[i].chunk
+        j = next(k for k, n in enumerate(row)
+                 if any(kind.value in ("BW", "B") and (m, c) == (mb, chunk) for kind, m, c in n.parts()))
         row.insert(j, row.pop(i))
     else:
         recvs = {}
