@@ -25,7 +25,7 @@ def build_schedule(
 ) -> ScheduleTable:
     """Build ``algorithm``'s table for the shape, add communication and validate it.
 
-    ``vpp`` defaults to what the algorithm requires (or 1). Raises :class:`ScheduleShapeError` when the
+    ``vpp`` defaults to what the algorithm requires, else its default (1, or 2 for interleaved-1f1b). Raises :class:`ScheduleShapeError` when the
     algorithm refuses the shape and :class:`ConfigError` for unknown options.
 
     >>> t = build_schedule("1f1b", pp=2, microbatches=3)
@@ -33,7 +33,7 @@ def build_schedule(
     ['RECV_F0.0<0', 'F0.0', 'RECV_F1.0<0', 'BW0.0', 'SEND_B0.0>0', 'F1.0']
     """
     info = get_algorithm(algorithm)
-    vpp = vpp if vpp is not None else (info.vpp or 1)
+    vpp = info.resolve_vpp(vpp)
     if pp < 1 or vpp < 1 or microbatches < 1:
         raise ScheduleShapeError(f"{algorithm}: pp, vpp and microbatches must be >= 1, got pp={pp}, vpp={vpp}, microbatches={microbatches}")
     if info.vpp is not None and vpp != info.vpp:

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from primuspipe.errors import TableFormatError
-from primuspipe.node import NodeKind, ScheduleNode
+from primuspipe.node import ScheduleNode
 from primuspipe.placement import Placement
 
 FORMAT_VERSION = 1

@@ -33,7 +33,7 @@ def one_f_one_b(req: ScheduleRequest) -> ScheduleTable:
     return ScheduleTable.build(Placement.interleaved(req.pp, 1), m, rows, "1f1b")
 
 
-@register("interleaved-1f1b")
+@register("interleaved-1f1b", default_vpp=2)
 def interleaved_1f1b(req: ScheduleRequest, *, microbatch_group_size: int | None = None) -> ScheduleTable:
     """Megatron's interleaved 1F1B: chunks take turns in groups of `microbatch_group_size` microbatches (default pp).
 

@@ -51,6 +51,12 @@ class AlgorithmInfo:
     """The vpp the algorithm requires, or None if it takes any."""
     split_backward: bool
     """True if its tables use separate B and W nodes (needs a runner that can split weight grads)."""
+    default_vpp: int = 1
+    """The vpp used when the caller gives none and the algorithm takes any."""
+
+    def resolve_vpp(self, vpp: int | None) -> int:
+        """The vpp to build with: the caller's, else the required one, else the default."""
+        return vpp if vpp is not None else (self.vpp or self.default_vpp)
 
     @property
     def summary(self) -> str:
@@ -64,7 +70,10 @@ _REGISTRY: dict[str, AlgorithmInfo] = {}
 _plugins_loaded = False
 
 
-def register(name: str, *, placement: str = "interleaved", vpp: int | None = None, split_backward: bool = False):
+def register(
+    name: str, *, placement: str = "interleaved", vpp: int | None = None, split_backward: bool = False,
+    default_vpp: int = 1,
+):
     """Decorator registering ``fn`` under ``name``; a name can be registered once."""
 
     def wrap(fn: Builder) -> Builder:
@@ -72,7 +81,7 @@ def register(name: str, *, placement: str = "interleaved", vpp: int | None = Non
             raise DuplicateAlgorithmError(
                 f"algorithm {name!r} is already registered by {_REGISTRY[name].build.__module__}; pick another name"
             )
-        _REGISTRY[name] = AlgorithmInfo(name, fn, placement, vpp, split_backward)
+        _REGISTRY[name] = AlgorithmInfo(name, fn, placement, vpp, split_backward, default_vpp)
         return fn
 
     return wrap

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 import yaml
+from rich.console import Console
 
 from primuspipe.errors import ConfigError
 
@@ -27,3 +28,11 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
             raise ConfigError(f"option {pair!r} must look like KEY=VALUE")
         options[key.strip().replace("-", "_")] = yaml.safe_load(value)
     return options
+
+
+def console(**kwargs: Any) -> Console:
+    """A rich console that keeps wide tables readable when output goes to a file or a pipe."""
+    out = Console(**kwargs)
+    if not out.is_terminal:
+        out.width = 160
+    return out

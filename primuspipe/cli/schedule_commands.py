@@ -10,7 +10,7 @@ from rich.table import Table
 
 from primuspipe.algorithms import list_algorithms
 from primuspipe.communication import add_communication
-from primuspipe.cli.options import add_shape_arguments, parse_options
+from primuspipe.cli.options import add_shape_arguments, console, parse_options
 from primuspipe.errors import TableFormatError, ValidationError
 from primuspipe.formats import dump_table, load_table
 from primuspipe.schedule import build_schedule
@@ -58,19 +58,16 @@ def cmd_list(args: argparse.Namespace) -> int:
         opts = "\n".join(f"{p.name}={p.default!r}" for p in info.options()) or "-"
         shape = f"{info.placement} / {info.vpp or 'any'} / {'B + W' if info.split_backward else 'BW'}"
         table.add_row(info.name, shape, opts, info.summary)
-    console = Console()
-    if not console.is_terminal:
-        console.width = 160
-    console.print(table)
+    console().print(table)
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     table = _build(args)
-    console = Console(highlight=False, soft_wrap=True)
-    console.print(table.grid(compute_only=args.compute_only), markup=False)
+    out = Console(highlight=False, soft_wrap=True)
+    out.print(table.grid(compute_only=args.compute_only), markup=False)
     peaks = ", ".join(f"{p:g}" for p in peak_in_flight(table))
-    console.print(f"peak activations in flight per rank (1F1B-stage microbatches): {peaks}", markup=False)
+    out.print(f"peak activations in flight per rank (1F1B-stage microbatches): {peaks}", markup=False)
     return 0
 
 
@@ -85,16 +82,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    console = Console(highlight=False, soft_wrap=True)
+    out = Console(highlight=False, soft_wrap=True)
     try:
         table = load_table(args.file)
         validate(table, max_in_flight=args.max_in_flight)
         if not table.has_communication:
             validate(add_communication(table), max_in_flight=args.max_in_flight)
     except (ValidationError, TableFormatError) as exc:
-        console.print(f"INVALID {args.file}: {exc}", markup=False)
+        out.print(f"INVALID {args.file}: {exc}", markup=False)
         return 1
     kind = "full" if table.has_communication else "compute-only"
-    console.print(f"valid: {args.file} ({kind} table, {table.algorithm}, pp={table.pp} vpp={table.vpp} "
+    out.print(f"valid: {args.file} ({kind} table, {table.algorithm}, pp={table.pp} vpp={table.vpp} "
                   f"microbatches={table.microbatches})", markup=False)
     return 0

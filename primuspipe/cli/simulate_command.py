@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from primuspipe.algorithms import get_algorithm, list_algorithms
 from primuspipe.cli.options import add_shape_arguments, parse_options
+from primuspipe.cli.options import console as cli_console
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.schedule import build_schedule
 from primuspipe.simulator import CostModel, SimulationResult, read_cost_file, simulate
@@ -114,7 +114,7 @@ def _cost_spec(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _evaluate(name: str, args: argparse.Namespace, spec: dict, options: dict) -> tuple[dict, SimulationResult | None]:
-    vpp = args.vpp or get_algorithm(name).vpp or 1
+    vpp = get_algorithm(name).resolve_vpp(args.vpp)
     row: dict[str, Any] = {"algorithm": name, "pp": args.pp, "vpp": vpp, "microbatches": args.microbatches}
     try:
         cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp)
@@ -126,6 +126,7 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, options: dict) ->
     peak = max(result.peak_activations)
     row.update(
         step_time=result.step_time, bubble_rate=result.bubble_rate, bubble_rate_mean=result.bubble_rate_mean,
+        bubble_rate_span=result.span_bubble_rate,
         peak_activations=result.peak_activations, peak_memory_bytes=max(result.peak_memory_bytes),
         fits=args.memory_limit is None or peak <= args.memory_limit + 1e-9,
     )
@@ -137,7 +138,7 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     table = Table(title=f"pp={args.pp} microbatches={args.microbatches}{limit}, ranked by step time")
     table.add_column("#", justify="right")
     table.add_column("algorithm", no_wrap=True)
-    for col in ("vpp", "step time", "bubble max", "bubble mean", "peak act. (mb)", "peak memory", "fits"):
+    for col in ("vpp", "step time", "bubble max", "bubble mean", "bubble (span)", "peak act. (mb)", "peak memory", "fits"):
         table.add_column(col, justify="right")
     refused = []
     for k, row in enumerate(rows, 1):
@@ -146,9 +147,9 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
             continue
         memory = f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" if row["peak_memory_bytes"] else "-"
         table.add_row(str(k), row["algorithm"], str(row["vpp"]), f"{row['step_time']:g}", f"{row['bubble_rate']:.4f}",
-                      f"{row['bubble_rate_mean']:.4f}", f"{max(row['peak_activations']):g}", memory,
+                      f"{row['bubble_rate_mean']:.4f}", f"{row['bubble_rate_span']:.4f}", f"{max(row['peak_activations']):g}", memory,
                       "yes" if row["fits"] else "[bold red]OVER[/]")
-    console = Console(highlight=False, soft_wrap=True)
+    console = cli_console(highlight=False, soft_wrap=True)
     console.print(table)
     for row in refused:
         reason = escape(row["error"].splitlines()[0])

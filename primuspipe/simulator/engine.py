@@ -44,6 +44,7 @@ class RankResult:
     busy_time: float
     """Total compute time (communication is assumed to overlap compute)."""
     bubble_rate: float
+    """``(step - busy) / step``: idle share of the whole step, start-up wait included."""
     peak_activations: float
     """Most activations held at once, in 1F1B-stage microbatches (a chunk's F counts 1/vpp)."""
     peak_activation_bytes: float
@@ -52,6 +53,15 @@ class RankResult:
     @property
     def peak_memory_bytes(self) -> float:
         return self.static_bytes + self.peak_activation_bytes
+
+    @property
+    def span_bubble_rate(self) -> float:
+        """Idle share of this rank's own span, from its first compute start to its last compute end."""
+        times = [(s, e) for n, s, e in zip(self.nodes, self.starts, self.ends) if n.kind.is_compute]
+        if not times:
+            return 0.0
+        span = max(e for _, e in times) - min(s for s, _ in times)
+        return (span - self.busy_time) / span if span > 0 else 0.0
 
     @cached_property
     def events(self) -> tuple[TimedNode, ...]:
@@ -74,6 +84,14 @@ class SimulationResult:
     @property
     def bubble_rate_mean(self) -> float:
         return sum(r.bubble_rate for r in self.ranks) / len(self.ranks)
+
+    @property
+    def span_bubble_rate(self) -> float:
+        """The zero-bubble papers' figure: idle share of each rank's own span (first compute start to
+        last compute end), worst rank. A later rank's start-up wait is not counted, as in a pipeline
+        whose optimizer step does not synchronise ranks (the ZB paper's post-validation); with a
+        synchronous optimizer step, :attr:`bubble_rate` is the one that costs time."""
+        return max(r.span_bubble_rate for r in self.ranks)
 
     @property
     def peak_activations(self) -> list[float]:
@@ -99,6 +117,7 @@ class SimulationResult:
             "step_time": self.step_time,
             "bubble_rate": self.bubble_rate,
             "bubble_rate_mean": self.bubble_rate_mean,
+            "bubble_rate_span": self.span_bubble_rate,
             "peak_activations": self.peak_activations,
         }
         ranks = tuple(RankTimeline(r.rank, r.events, round(r.peak_memory_bytes)) for r in self.ranks)

@@ -1,4 +1,4 @@
-"""Shared checks for the zero-bubble family tests (grid sweep, CLI figures, per-rank span bubble),
+"""Shared checks for the zero-bubble family tests (grid sweep, CLI figures),
 given to the tests as fixtures."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import pytest
 from primuspipe.cli import main
 from primuspipe.errors import ScheduleShapeError
 from primuspipe.schedule import build_schedule
-from primuspipe.simulator import SimulationResult
 
 
 def _sweep_grid(algorithm: str, **options) -> tuple[int, int, list]:
@@ -40,17 +39,6 @@ def _cli_figures(algorithm: str, pp: int = 8, microbatches: int = 32) -> dict:
     return row
 
 
-def _span_bubble_rates(result: SimulationResult) -> list[float]:
-    """Per rank, idle share of the rank's own span (its first compute start to its last compute end):
-    the figure the zero-bubble papers quote, where the start-up wait of a later rank is not a bubble."""
-    rates = []
-    for rank in result.ranks:
-        spans = [(s, e) for n, s, e in zip(rank.nodes, rank.starts, rank.ends) if n.kind.is_compute]
-        span = max(e for _, e in spans) - min(s for s, _ in spans)
-        rates.append((span - rank.busy_time) / span)
-    return rates
-
-
 @pytest.fixture
 def sweep_grid():
     return _sweep_grid
@@ -59,8 +47,3 @@ def sweep_grid():
 @pytest.fixture
 def cli_figures():
     return _cli_figures
-
-
-@pytest.fixture
-def span_bubble_rates():
-    return _span_bubble_rates

@@ -25,7 +25,7 @@ def test_v_shapes_need_two_chunks():
         build_schedule("v-half", 4, 8, vpp=3)
 
 
-def test_reference_figures_pp8_m32(cli_figures, span_bubble_rates):
+def test_reference_figures_pp8_m32(cli_figures):
     """DESIGN.md §7 at p = 8, m = 32, F = B = W = 1."""
     half, vmin, zbv = (cli_figures(a) for a in ("v-half", "v-min", "zbv"))
     assert half["bubble_rate"] <= 0.082 and max(half["peak_activations"]) <= (8 + 2) // 2
@@ -35,8 +35,7 @@ def test_reference_figures_pp8_m32(cli_figures, span_bubble_rates):
     # forwards on the last rank), so it is bubble-free within each rank's own span
     chunk_f = 0.5  # the CLI splits a 1F1B stage's F = 1 over the two chunks
     assert zbv["bubble_rate"] == pytest.approx(7 * chunk_f / zbv["step_time"], abs=1e-9)
-    result = simulate(build_schedule("zbv", 8, 32), CostModel.per_stage(16, 1, 1, 1))
-    assert max(span_bubble_rates(result)) <= 0.005
+    assert zbv["bubble_rate_span"] <= 0.005
 
 
 @pytest.mark.parametrize("algorithm", sorted(BUDGET))

@@ -25,7 +25,7 @@ def test_memory_per_rank_on_the_grid(algorithm, cap):
             assert all(peak <= min(cap(p, r), m) for r, peak in enumerate(peaks)), (p, m, peaks)
 
 
-def test_reference_figures_pp8_m32(cli_figures, span_bubble_rates):
+def test_reference_figures_pp8_m32(cli_figures):
     """DESIGN.md §7: 1F1B 0.180; ZB-H1 (p-1)(F+B-W) bubble at 1F1B's memory; ZB-H2 near zero at 2p-1."""
     one_f_one_b, h1, h2 = (cli_figures(a) for a in ("1f1b", "zb-h1", "zb-h2"))
     assert one_f_one_b["bubble_rate"] == pytest.approx(7 / 39, abs=5e-4)
@@ -36,8 +36,8 @@ def test_reference_figures_pp8_m32(cli_figures, span_bubble_rates):
     # the best possible is (p-1)F / step; ZB-H2 reaches exactly that, and within each rank's own
     # span (the paper's figure) it is bubble-free
     assert h2["bubble_rate"] == pytest.approx(7 / (96 + 7), abs=1e-9)
-    result = simulate(build_schedule("zb-h2", 8, 32), CostModel.per_stage(8, 1, 1, 1))
-    assert max(span_bubble_rates(result)) <= 0.02
+    assert h2["bubble_rate_span"] <= 0.02
+    assert one_f_one_b["bubble_rate_span"] == pytest.approx(7 / 39, abs=5e-4)
 
 
 @pytest.mark.parametrize("algorithm", ["zb-h1", "zb-h2"])

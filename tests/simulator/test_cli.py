@@ -12,7 +12,7 @@ from primuspipe.algorithms import list_algorithms
 from primuspipe.cli import main
 from primuspipe.timeline import Timeline
 
-KEYS = {"algorithm", "pp", "vpp", "microbatches", "step_time", "bubble_rate", "bubble_rate_mean",
+KEYS = {"algorithm", "pp", "vpp", "microbatches", "step_time", "bubble_rate", "bubble_rate_mean", "bubble_rate_span",
         "peak_activations", "peak_memory_bytes", "fits"}
 
 
@@ -22,7 +22,7 @@ def _json(capsys, *argv) -> list[dict]:
 
 
 def test_all_algorithms_json_schema_ranking_and_refusals(capsys):
-    rows = _json(capsys, "--algorithm", "all", "--pp", "3", "-m", "6", "--memory-limit", "2")
+    rows = _json(capsys, "--algorithm", "all", "--pp", "3", "-m", "4", "--memory-limit", "2")
     assert {r["algorithm"] for r in rows} == {info.name for info in list_algorithms()}  # nothing dropped
     simulated = [r for r in rows if "error" not in r]
     refused = [r for r in rows if "error" in r]
@@ -32,10 +32,11 @@ def test_all_algorithms_json_schema_ranking_and_refusals(capsys):
         assert r["bubble_rate"] + 1e-12 >= r["bubble_rate_mean"] >= 0
     assert [r["step_time"] for r in simulated] == sorted(r["step_time"] for r in simulated)
     one_f_one_b = next(r for r in simulated if r["algorithm"] == "1f1b")
-    assert one_f_one_b["bubble_rate"] == pytest.approx(2 / 8) and not one_f_one_b["fits"]  # holds 3 on rank 0
-    # interleaved-1f1b needs vpp >= 2: listed with its reason, after every simulated row
+    assert one_f_one_b["bubble_rate"] == pytest.approx(2 / 6) and not one_f_one_b["fits"]  # holds 3 on rank 0
+    # interleaved-1f1b (at its default vpp 2) refuses a last group of 1 < pp microbatches: listed with
+    # its reason, after every simulated row
     interleaved = next(r for r in refused if r["algorithm"] == "interleaved-1f1b")
-    assert "vpp >= 2" in interleaved["error"] and interleaved["vpp"] == 1
+    assert "last group would hold 1" in interleaved["error"] and interleaved["vpp"] == 2
     assert rows[-len(refused):] == refused
 
 
@@ -66,10 +67,10 @@ def test_cost_file_and_output_dir(capsys, tmp_path):
 
 
 def test_rich_table_marks_algorithms_over_the_limit_and_lists_refusals(capsys):
-    assert main(["simulate", "-a", "all", "--pp", "3", "-m", "6", "--memory-limit", "2"]) == 0
+    assert main(["simulate", "-a", "all", "--pp", "3", "-m", "4", "--memory-limit", "2"]) == 0
     out = capsys.readouterr().out
     assert "1f1b" in out and "OVER" in out
-    assert "not simulated: interleaved-1f1b (vpp=1)" in out
+    assert "not simulated: interleaved-1f1b (vpp=2)" in out
 
 
 def test_single_refused_algorithm_fails(capsys):
