@@ -15,7 +15,10 @@ want=$(cat requirements-dev.txt setup.py scripts/setup_env.sh | sha1sum | cut -d
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+log=.venv/setup.log
+: > "$log"
+# pip's own chatter goes to the log; on failure the log is shown.
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" >>"$log" 2>&1 || { cat "$log"; echo "[setup] failed: pip $*" >&2; exit 1; }; }
 echo "[setup] installing torch==2.13.0 (CPU build)"
 pip install "torch==2.13.0"
 echo "[setup] installing megatron-core==0.19.2"
