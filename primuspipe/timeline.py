@@ -14,6 +14,8 @@ JSON layout (``version`` 1; documented in docs/timeline-format.md)::
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,3 +115,40 @@ class Timeline:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError) as exc:
             raise TableFormatError(f"cannot read timeline {path}: {exc}") from exc
+
+
+# -- run dumps: one file per rank and iteration (written by primuspipe.backends.megatron.dump) --------
+# Kept here, free of torch, so tools can read a cluster's dumps on any machine.
+_ITER_DIR = re.compile(r"^iter_(\d+)$")
+
+
+def dump_path(dump_dir: str | os.PathLike, iteration: int, rank: int) -> Path:
+    return Path(dump_dir) / f"iter_{iteration:06d}" / f"rank_{rank}.json"
+
+
+def dump_iterations(dump_dir: str | os.PathLike) -> list[int]:
+    """The iterations dumped under ``dump_dir`` (``iter_<n>`` folders holding rank files), ascending."""
+    found = (_ITER_DIR.match(p.name) for p in Path(dump_dir).glob("iter_*") if any(p.glob("rank_*.json")))
+    return sorted(int(m[1]) for m in found if m)
+
+
+def merge_rank_dumps(dump_dir: str | os.PathLike, iteration: int) -> Timeline:
+    """All ranks' dumps of one iteration as one timeline, times relative to the earliest rank's start."""
+    parts = sorted(
+        (Timeline.load(p) for p in (Path(dump_dir) / f"iter_{iteration:06d}").glob("rank_*.json")),
+        key=lambda t: t.ranks[0].rank,
+    )
+    if not parts:
+        raise TableFormatError(f"no rank dumps for iteration {iteration} under {dump_dir} (expected "
+                               f"{dump_path(dump_dir, iteration, 0)}); dumped iterations: "
+                               f"{dump_iterations(dump_dir) or 'none'}")
+    origin = min(t.meta["t0_unix"] for t in parts)
+    ranks = []
+    for part in parts:
+        shift = part.meta["t0_unix"] - origin
+        (rank,) = part.ranks
+        ranks.append(RankTimeline(rank.rank, tuple(TimedNode(e.node, e.start + shift, e.end + shift) for e in rank.events),
+                                  rank.peak_memory_bytes))
+    first = parts[0]
+    return Timeline("run", first.algorithm, first.pp, first.vpp, first.microbatches, tuple(ranks), iteration,
+                    meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory")})

@@ -4,7 +4,7 @@ Each rank writes ``<dump_dir>/iter_<iteration>/rank_<rank>.json``: a :class:`~pr
 with ``source="run"`` holding that rank's events (seconds from the rank's step start) and its peak
 memory: peak allocated bytes on GPU (the CUDA peak counter is reset at step start), peak resident set
 size sampled at every node boundary on CPU. ``meta["t0_unix"]`` is the rank's step start on the wall
-clock, so :func:`merge_rank_dumps` can lay all ranks on one time axis.
+clock, so :func:`~primuspipe.timeline.merge_rank_dumps` can lay all ranks on one time axis.
 
 On GPU every recorded time is taken after ``torch.cuda.synchronize()``, so a dumped step measures
 kernels, not launches (and runs slower than an undumped one).
@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import torch
 
 from primuspipe.node import ScheduleNode
 from primuspipe.table import ScheduleTable
-from primuspipe.timeline import RankTimeline, TimedNode, Timeline
+from primuspipe.timeline import (  # dump_path, merge_rank_dumps: re-exported, they live torch-free in timeline
+    RankTimeline,
+    TimedNode,
+    Timeline,
+    dump_path,  # noqa: F401
+    merge_rank_dumps,  # noqa: F401
+)
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -72,27 +77,3 @@ class StepRecorder:
             meta={"t0_unix": self.t0_unix, "device": str(self.device),
                   "memory": "peak allocated" if self.cuda else "peak RSS"},
         )
-
-
-def dump_path(dump_dir: str | os.PathLike, iteration: int, rank: int) -> Path:
-    return Path(dump_dir) / f"iter_{iteration:06d}" / f"rank_{rank}.json"
-
-
-def merge_rank_dumps(dump_dir: str | os.PathLike, iteration: int) -> Timeline:
-    """All ranks' dumps of one iteration as one timeline, times relative to the earliest rank's start."""
-    parts = sorted(
-        (Timeline.load(p) for p in (Path(dump_dir) / f"iter_{iteration:06d}").glob("rank_*.json")),
-        key=lambda t: t.ranks[0].rank,
-    )
-    if not parts:
-        raise FileNotFoundError(f"no rank dumps for iteration {iteration} under {dump_dir}")
-    origin = min(t.meta["t0_unix"] for t in parts)
-    ranks = []
-    for part in parts:
-        shift = part.meta["t0_unix"] - origin
-        (rank,) = part.ranks
-        ranks.append(RankTimeline(rank.rank, tuple(TimedNode(e.node, e.start + shift, e.end + shift) for e in rank.events),
-                                  rank.peak_memory_bytes))
-    first = parts[0]
-    return Timeline("run", first.algorithm, first.pp, first.vpp, first.microbatches, tuple(ranks), iteration,
-                    meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory")})
