@@ -1,0 +1,167 @@
+"""Figures of a timeline (step time, bubble, per-kind mean node time, memory) and real vs simulated.
+
+Bubble rate is the simulator's: per rank ``(step - busy) / step`` with busy the rank's compute time and
+step the whole timeline's span, so a run and its simulation are measured by one rule.
+
+>>> from primuspipe.schedule import build_schedule
+>>> from primuspipe.simulator import CostModel, simulate
+>>> timeline = simulate(build_schedule("1f1b", pp=4, microbatches=8), CostModel.per_stage(4, 1, 1, 1)).timeline()
+>>> stats = timeline_stats(timeline)
+>>> stats.step_time, round(stats.bubble_rate, 4), stats.kind_means
+(33.0, 0.2727, {'F': 1.0, 'BW': 2.0})
+>>> compare_timelines(timeline, timeline).order_differences
+()
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from itertools import zip_longest
+
+from primuspipe.errors import TableFormatError
+from primuspipe.node import NodeKind, ScheduleNode
+from primuspipe.placement import Placement
+from primuspipe.simulator import CostModel, simulate
+from primuspipe.simulator.calibrate import executed_table
+from primuspipe.timeline import Timeline
+from primuspipe.tools.pp_vis.load import in_unit
+
+KIND_ORDER = (NodeKind.F, NodeKind.B, NodeKind.W, NodeKind.BW, NodeKind.FB)
+
+
+@dataclass(frozen=True)
+class TimelineStats:
+    label: str
+    """Where the timeline comes from, for people: ``"run"`` or ``"simulator"`` and its iteration."""
+    time_unit: str
+    step_time: float
+    ranks: tuple[int, ...]
+    busy: tuple[float, ...]
+    """Per rank (as ordered in ``ranks``): total compute time."""
+    kind_means: dict[str, float]
+    """Mean duration of each compute kind present (``"F"``, ``"B"``, ``"W"``, ``"BW"``, ``"FB"``)."""
+    peak_memory_bytes: tuple[int | None, ...]
+
+    @property
+    def bubble_rates(self) -> tuple[float, ...]:
+        return tuple((self.step_time - b) / self.step_time if self.step_time > 0 else 0.0 for b in self.busy)
+
+    @property
+    def bubble_rate(self) -> float:
+        """The worst rank's bubble rate."""
+        return max(self.bubble_rates, default=0.0)
+
+    @property
+    def bubble_rate_mean(self) -> float:
+        rates = self.bubble_rates
+        return sum(rates) / len(rates) if rates else 0.0
+
+
+def timeline_stats(timeline: Timeline) -> TimelineStats:
+    durations: dict[NodeKind, list[float]] = defaultdict(list)
+    ranks = sorted(timeline.ranks, key=lambda r: r.rank)
+    busy = []
+    for rt in ranks:
+        total = 0.0
+        for e in rt.events:
+            if e.node.kind.is_compute:
+                durations[e.node.kind].append(e.end - e.start)
+                total += e.end - e.start
+        busy.append(total)
+    means = {k.value: statistics.fmean(durations[k]) for k in KIND_ORDER if durations[k]}
+    return TimelineStats(f"{timeline.source} (iteration {timeline.iteration})", timeline.time_unit,
+                         timeline.step_time, tuple(r.rank for r in ranks), tuple(busy), means,
+                         tuple(r.peak_memory_bytes for r in ranks))
+
+
+def compute_order(timeline: Timeline) -> dict[int, tuple[ScheduleNode, ...]]:
+    """Per rank, its compute nodes in the order they ran."""
+    return {rt.rank: tuple(e.node for e in sorted(rt.events, key=lambda e: e.start) if e.node.kind.is_compute)
+            for rt in timeline.ranks}
+
+
+@dataclass(frozen=True)
+class OrderDifference:
+    """Position ``index`` of rank ``rank``'s compute sequence holds different nodes in the two timelines
+    (None where one sequence is shorter)."""
+
+    rank: int
+    index: int
+    run: ScheduleNode | None
+    simulated: ScheduleNode | None
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One compared quantity; None where a timeline lacks it (a kind it never ran, unmeasured memory)."""
+
+    name: str
+    run: float | None
+    simulated: float | None
+
+    @property
+    def difference(self) -> float | None:
+        """``simulated - run``."""
+        return None if self.run is None or self.simulated is None else self.simulated - self.run
+
+    @property
+    def relative(self) -> float | None:
+        """``(simulated - run) / run``; None when run is 0 or missing."""
+        d = self.difference
+        return None if d is None or not self.run else d / self.run
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A run and a simulation of the same table, on the run's time unit."""
+
+    run: Timeline
+    simulated: Timeline
+    """Converted to the run's time unit."""
+    run_stats: TimelineStats
+    simulated_stats: TimelineStats
+    order_differences: tuple[OrderDifference, ...]
+
+    def figures(self) -> list[Figure]:
+        """Per-kind mean node times, step time, bubble rates, then peak memory per rank."""
+        r, s = self.run_stats, self.simulated_stats
+        kinds = [k.value for k in KIND_ORDER if k.value in r.kind_means or k.value in s.kind_means]
+        out = [Figure(f"{k} mean", r.kind_means.get(k), s.kind_means.get(k)) for k in kinds]
+        out += [Figure("step time", r.step_time, s.step_time), Figure("bubble rate max", r.bubble_rate, s.bubble_rate),
+                Figure("bubble rate mean", r.bubble_rate_mean, s.bubble_rate_mean)]
+        memory = dict(zip(s.ranks, s.peak_memory_bytes))
+        out += [Figure(f"peak memory rank {rank} (bytes)", run_bytes, memory.get(rank))
+                for rank, run_bytes in zip(r.ranks, r.peak_memory_bytes)]
+        return out
+
+    @property
+    def marked_nodes(self) -> frozenset[tuple[int, ScheduleNode]]:
+        """``(rank, node)`` of every node whose position differs, to highlight in drawings."""
+        return frozenset((d.rank, n) for d in self.order_differences for n in (d.run, d.simulated) if n is not None)
+
+
+def compare_timelines(run: Timeline, simulated: Timeline) -> Comparison:
+    """Side-by-side figures and the compute nodes whose order differs, rank by rank."""
+    if (run.pp, run.vpp, run.microbatches) != (simulated.pp, simulated.vpp, simulated.microbatches):
+        raise TableFormatError(
+            f"cannot compare a pp={run.pp} vpp={run.vpp} m={run.microbatches} timeline with a pp={simulated.pp} "
+            f"vpp={simulated.vpp} m={simulated.microbatches} one; simulate the run's own shape (e.g. 'primuspipe "
+            "vis DUMP --cost FILE' replays the run's table)")
+    simulated = in_unit(simulated, run.time_unit)
+    ours, theirs = compute_order(run), compute_order(simulated)
+    differences = tuple(
+        OrderDifference(rank, i, a, b)
+        for rank in sorted(set(ours) | set(theirs))
+        for i, (a, b) in enumerate(zip_longest(ours.get(rank, ()), theirs.get(rank, ())))
+        if a != b
+    )
+    return Comparison(run, simulated, timeline_stats(run), timeline_stats(simulated), differences)
+
+
+def replay(timeline: Timeline, cost: CostModel, placement: Placement | None = None) -> Timeline:
+    """Simulate the table the timeline ran (its compute order per rank) under ``cost``: the simulated
+    counterpart of a run, for :func:`compare_timelines`."""
+    result = simulate(executed_table(timeline, placement), cost)
+    return result.timeline(iteration=timeline.iteration)
