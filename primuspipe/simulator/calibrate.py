@@ -109,7 +109,7 @@ class MeasuredCosts:
         def values(per_stage: Sequence[float]) -> list[float]:
             if per_model_stage or self.vpp == 1:
                 return list(per_stage)
-            return [sum(per_stage[k * self.vpp:(k + 1) * self.vpp]) for k in range(self.pp)]
+            return [_significant(sum(per_stage[k * self.vpp:(k + 1) * self.vpp])) for k in range(self.pp)]
 
         compute: dict[str, Any] = {"f": values(self.forward), "b": values(self.backward_input),
                                    "w": values(self.backward_weight)}
@@ -137,7 +137,7 @@ class MeasuredCosts:
             f"measured peak memory per rank: {memory}",
             *self.notes,
         ]
-        body = yaml.safe_dump(self.cost_dict(per_model_stage=per_model_stage), sort_keys=False)
+        body = yaml.safe_dump(self.cost_dict(per_model_stage=per_model_stage), sort_keys=False, default_flow_style=None)
         return "".join(f"# {line}\n" for line in header) + body
 
 
@@ -167,7 +167,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         out: list[float | None] = []
         for stage in range(n):
             means = [statistics.fmean(d) for s in samples if (d := s.durations.get((kind, stage)))]
-            out.append(statistics.median(means) if means else None)
+            out.append(_significant(statistics.median(means)) if means else None)
         return out
 
     f, b, w, bw = (median_of(k) for k in _TIMED_KINDS)
@@ -199,9 +199,16 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
     return MeasuredCosts(
         first.algorithm, first.pp, first.vpp, first.microbatches, first.time_unit,
         tuple(t.iteration for t in used), tuple(f), tuple(b), tuple(w), fused,
-        statistics.median(overlaps) if overlaps else None, statistics.median(delays) if delays else None,
+        _significant(statistics.median(overlaps)) if overlaps else None,
+        _significant(statistics.median(delays)) if delays else None,
         tuple(peaks), tuple(dict.fromkeys(notes)),
     )
+
+
+def _significant(x: float) -> float:
+    """``x`` to 12 significant digits: drops the float noise of ``end - start`` (1.0 not
+    0.9999999999999998) and stays far below any clock's resolution."""
+    return float(f"{x:.12g}")
 
 
 @dataclass(frozen=True)

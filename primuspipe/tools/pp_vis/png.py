@@ -107,7 +107,7 @@ def _draw_panel(ax, timeline: Timeline, span: float, marks: set, show_comm: bool
     for y, rt in enumerate(ranks):
         ax.text(1.005, y, style.memory_label(rt.peak_memory_bytes), transform=ax.get_yaxis_transform(),
                 va="center", fontsize=7, color="#444444")
-    ax.set_xlim(0, span)
+    ax.set_xlim(0, span * 1.005)
     ax.set_title(style.title(timeline), fontsize=10, loc="left")
     ax.grid(axis="x", color="#dddddd", linewidth=0.5)
     ax.set_axisbelow(True)

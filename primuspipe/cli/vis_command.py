@@ -1,0 +1,239 @@
+"""``vis`` (draw a timeline, or a run beside its simulation) and ``calibrate`` (a cost file from a run)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from primuspipe.cli.options import console as cli_console
+from primuspipe.simulator import CostModel
+from primuspipe.simulator.calibrate import MeasuredCosts, measure_costs, placement_of
+from primuspipe.timeline import Timeline
+from primuspipe.tools.pp_vis import (
+    Comparison,
+    compare_timelines,
+    draw_png,
+    load_iterations,
+    load_timeline,
+    replay,
+    timeline_stats,
+    write_html,
+    write_trace,
+)
+
+_INPUT_HELP = ("a timeline JSON file (from 'primuspipe simulate -o DIR') or a run's dump directory holding "
+               "iter_<n>/rank_<r>.json (dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR)")
+_PLACEMENT_HELP = ("stage layout of the run: 'interleaved' or 'v' (default: the one the timeline records, else "
+                   "the one its algorithm is registered with); needed only for unregistered algorithms")
+
+_VIS_DESCRIPTION = """\
+Draw a pipeline timeline -- a real run's dump or a simulated step, both in the primuspipe timeline
+format -- as a PNG, an interactive HTML page and/or a Perfetto trace, and print its step time, bubble
+rate (per rank (step - busy) / step, busy = compute time), mean time per node kind and peak memory.
+
+With --compare SIM_TIMELINE or --cost FILE the input (usually a run) is set beside a simulation of the
+same table: the drawings stack the two on one time scale, compute nodes whose position in a rank's
+order differs are outlined in red, and a table gives per-kind mean durations, step time, bubble rates
+and peak memory side by side. --cost replays the run's own compute order (each rank's nodes in the
+order they ran) under the cost model, e.g. one written by 'primuspipe calibrate'."""
+
+_VIS_EPILOG = """\
+examples:
+  primuspipe simulate -a zbv --pp 4 -m 8 -o sim/ && primuspipe vis sim/zbv.timeline.json --png zbv.png
+  primuspipe vis /tmp/pp_data --iteration 2 --png run.png --html run.html --trace run.trace.json
+  primuspipe calibrate /tmp/pp_data -o measured.yaml && primuspipe vis /tmp/pp_data --cost measured.yaml --png cmp.png"""
+
+_CALIBRATE_DESCRIPTION = """\
+Measure a cost model from a run's dump: per model stage the mean F, B, W and BW node time of each
+iteration, then the median over the iterations after the first --warmup ones; FB nodes give
+fb_overlap, matched sends/receives the p2p latency (arrival minus the later posting). Writes the
+YAML that 'primuspipe simulate --cost FILE' reads, in the dump's time unit (seconds for runs), with
+the measured peak memory per rank in its header comment (the cost format has no field for it).
+Times are written per 1F1B stage (pp values; with vpp chunks, a 1F1B stage is the sum of its vpp model
+stages), so the file serves every algorithm at the same pp; --per-model-stage writes pp*vpp values,
+exact for the dumped shape only. A run with only fused BW nodes gets B = W = BW/2 (noted in the file)."""
+
+_CALIBRATE_EPILOG = """\
+examples:
+  primuspipe calibrate /tmp/pp_data -o measured.yaml
+  primuspipe simulate --algorithm all --pp 4 -m 8 --cost measured.yaml"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("vis", help="draw a run's or a simulation's timeline (PNG, HTML, Perfetto), or compare them",
+                       description=_VIS_DESCRIPTION, epilog=_VIS_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", metavar="TIMELINE_OR_DUMP_DIR", type=Path, help=_INPUT_HELP)
+    p.add_argument("--iteration", type=int, metavar="N",
+                   help="iteration to draw from a dump directory (default: the last one dumped, the warmest)")
+    other = p.add_mutually_exclusive_group()
+    other.add_argument("--compare", type=Path, metavar="SIM_TIMELINE",
+                       help="a simulated timeline of the same table (pp, vpp, microbatches) to set beside the input")
+    other.add_argument("--cost", type=Path, metavar="FILE",
+                       help="cost model YAML (see 'primuspipe simulate --help'): simulate the input's own table "
+                            "under it and compare")
+    p.add_argument("--placement", choices=("interleaved", "v"), help=_PLACEMENT_HELP)
+    out = p.add_argument_group("outputs (any combination; with none, only the figures are printed)")
+    out.add_argument("--png", type=Path, metavar="OUT", help="static PNG: one row per rank, one bar per compute node")
+    out.add_argument("--html", type=Path, metavar="OUT",
+                     help="interactive HTML (plotly, self-contained): hover shows node, start, end, duration")
+    out.add_argument("--trace", type=Path, metavar="OUT",
+                     help="Chrome/Perfetto trace JSON of the input (open at https://ui.perfetto.dev); when comparing, "
+                          "the simulated one goes next to it as OUT with '.sim' before the extension")
+    out.add_argument("--no-comm", action="store_true",
+                     help="leave receives (thin grey line: posted -> arrived) out of the PNG")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
+    p.set_defaults(handler=cmd_vis)
+
+    c = sub.add_parser("calibrate", help="measure a cost model (YAML for 'simulate --cost') from a run's dump",
+                       description=_CALIBRATE_DESCRIPTION, epilog=_CALIBRATE_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("input", metavar="DUMP_DIR", type=Path,
+                   help="a run's dump directory (all its iterations are used), or one timeline JSON file")
+    c.add_argument("-o", "--output", type=Path, metavar="FILE", help="where to write the cost YAML (default: stdout)")
+    c.add_argument("--warmup", type=int, default=1, metavar="N",
+                   help="leading iterations to skip as warm-up (default 1; all are used if no more remain)")
+    c.add_argument("--per-model-stage", action="store_true",
+                   help="write pp*vpp per-model-stage values instead of pp per-1F1B-stage ones")
+    c.add_argument("--placement", choices=("interleaved", "v"), help=_PLACEMENT_HELP)
+    c.set_defaults(handler=cmd_calibrate)
+
+
+def cmd_vis(args: argparse.Namespace) -> int:
+    timeline = load_timeline(args.input, args.iteration)
+    placement = placement_of(timeline, args.placement)
+    comparison = None
+    if args.compare is not None:
+        comparison = compare_timelines(timeline, load_timeline(args.compare))
+    elif args.cost is not None:
+        cost = CostModel.load(args.cost, pp=timeline.pp, vpp=timeline.vpp)
+        comparison = compare_timelines(timeline, replay(timeline, cost, placement))
+    panels = [timeline] if comparison is None else [comparison.run, comparison.simulated]
+    marks = frozenset() if comparison is None else comparison.marked_nodes
+    written = []
+    if args.png is not None:
+        written.append(draw_png(panels, args.png, marks=marks, show_comm=not args.no_comm))
+    if args.html is not None:
+        written.append(write_html(panels, args.html, marks=marks))
+    if args.trace is not None:
+        written.append(write_trace(timeline, args.trace, placement))
+        if comparison is not None:
+            sim_path = args.trace.with_name(f"{args.trace.stem}.sim{args.trace.suffix}")
+            written.append(write_trace(comparison.simulated, sim_path, placement))
+    if args.json:
+        out: dict[str, Any] = {"timeline": _stats_json(timeline), "written": [str(p) for p in written]}
+        if comparison is not None:
+            out["comparison"] = _comparison_json(comparison)
+        print(json.dumps(out, indent=1))
+        return 0
+    console = cli_console(highlight=False, soft_wrap=True)
+    if comparison is None:
+        console.print(_stats_table(timeline))
+    else:
+        console.print(_comparison_table(comparison))
+        _print_order(console, comparison)
+    for path in written:
+        console.print(f"wrote {escape(str(path))}", markup=True)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    timelines = load_iterations(args.input)
+    placement = placement_of(timelines[0], args.placement)
+    measured = measure_costs(timelines, placement, warmup=args.warmup)
+    text = measured.to_yaml(per_model_stage=args.per_model_stage)
+    if args.output is None:
+        print(text, end="")
+        return 0
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
+    console = cli_console(highlight=False, soft_wrap=True)
+    console.print(_measured_table(measured))
+    for note in measured.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}", markup=True)
+    console.print(f"wrote {escape(str(args.output))}; use it with: primuspipe simulate --cost {escape(str(args.output))} "
+                  f"--pp {measured.pp} -m {measured.microbatches} --algorithm NAME|all", markup=True)
+    return 0
+
+
+def _stats_json(timeline: Timeline) -> dict[str, Any]:
+    s = timeline_stats(timeline)
+    return {"source": timeline.source, "algorithm": timeline.algorithm, "pp": timeline.pp, "vpp": timeline.vpp,
+            "microbatches": timeline.microbatches, "iteration": timeline.iteration, "time_unit": s.time_unit,
+            "step_time": s.step_time, "bubble_rate": s.bubble_rate, "bubble_rate_mean": s.bubble_rate_mean,
+            "bubble_rates": list(s.bubble_rates), "kind_means": s.kind_means,
+            "peak_memory_bytes": list(s.peak_memory_bytes)}
+
+
+def _comparison_json(c: Comparison) -> dict[str, Any]:
+    return {
+        "time_unit": c.run.time_unit,
+        "figures": [{"name": f.name, "run": f.run, "simulated": f.simulated, "difference": f.difference}
+                    for f in c.figures()],
+        "order_differences": [{"rank": d.rank, "index": d.index, "run": d.run and str(d.run),
+                               "simulated": d.simulated and str(d.simulated)} for d in c.order_differences],
+    }
+
+
+def _number(value: float | None, name: str = "") -> str:
+    if value is None:
+        return "-"
+    if "bubble" in name:
+        return f"{value:.2%}"
+    return f"{value:,.0f}" if "bytes" in name else f"{value:.6g}"
+
+
+def _stats_table(timeline: Timeline) -> Table:
+    s = timeline_stats(timeline)
+    table = Table(title=f"{timeline.source}: {timeline.algorithm} pp={timeline.pp} vpp={timeline.vpp} "
+                        f"m={timeline.microbatches} (iteration {timeline.iteration}): step {s.step_time:.6g} "
+                        f"{s.time_unit}, bubble max {s.bubble_rate:.2%} mean {s.bubble_rate_mean:.2%}; "
+                        + ", ".join(f"{k} {v:.4g}" for k, v in s.kind_means.items()) + f" {s.time_unit} mean")
+    for col in ("rank", f"busy ({s.time_unit})", "bubble rate", "peak memory (bytes)"):
+        table.add_column(col, justify="right")
+    for rank, busy, rate, peak in zip(s.ranks, s.busy, s.bubble_rates, s.peak_memory_bytes):
+        table.add_row(str(rank), f"{busy:.6g}", f"{rate:.2%}", _number(peak, "bytes"))
+    return table
+
+
+def _comparison_table(c: Comparison) -> Table:
+    table = Table(title=f"{c.run.source} vs {c.simulated.source}: {c.run.algorithm} pp={c.run.pp} vpp={c.run.vpp} "
+                        f"m={c.run.microbatches}, times in {c.run.time_unit}")
+    for col in ("figure", escape(c.run_stats.label), escape(c.simulated_stats.label), "sim - run", "relative"):
+        table.add_column(col, justify="right")
+    for f in c.figures():
+        rel = f.relative
+        table.add_row(f.name, _number(f.run, f.name), _number(f.simulated, f.name), _number(f.difference, f.name),
+                      "-" if rel is None else f"{rel:+.1%}")
+    return table
+
+
+def _print_order(console, c: Comparison, limit: int = 20) -> None:
+    if not c.order_differences:
+        console.print("compute order: identical on every rank")
+        return
+    console.print(f"[bold red]compute order differs[/] at {len(c.order_differences)} position(s) "
+                  "(outlined in red in the drawings):", markup=True)
+    for d in c.order_differences[:limit]:
+        console.print(f"  rank {d.rank} #{d.index}: run {d.run or '-'}, simulated {d.simulated or '-'}")
+    if len(c.order_differences) > limit:
+        console.print(f"  ... and {len(c.order_differences) - limit} more (--json lists all)")
+
+
+def _measured_table(m: MeasuredCosts) -> Table:
+    table = Table(title=f"measured from {m.algorithm} pp={m.pp} vpp={m.vpp} m={m.microbatches}, iterations "
+                        f"{', '.join(map(str, m.iterations))}; times in {m.time_unit} per model stage")
+    for col in ("stage", "F", "B", "W", "BW"):
+        table.add_column(col, justify="right")
+    for s in range(m.pp * m.vpp):
+        bw = "-" if m.fused_backward is None else f"{m.fused_backward[s]:.6g}"
+        table.add_row(str(s), f"{m.forward[s]:.6g}", f"{m.backward_input[s]:.6g}", f"{m.backward_weight[s]:.6g}", bw)
+    table.caption = (f"fb_overlap {'-' if m.fb_overlap is None else f'{m.fb_overlap:.3g}'}, p2p latency "
+                     f"{'-' if m.p2p_latency is None else f'{m.p2p_latency:.6g}'}; peak memory per rank (bytes): "
+                     + ", ".join(_number(b, "bytes") for b in m.peak_memory_bytes))
+    return table
