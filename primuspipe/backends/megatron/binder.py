@@ -1,4 +1,8 @@
-"""The Megatron binder: ``F`` -> megatron-core ``forward_step``, ``BW`` -> ``backward_step``.
+"""The Megatron binder: ``F`` -> megatron-core ``forward_step``, ``BW`` -> ``backward_step``; the
+split backward: ``B`` -> ``backward_step`` with weight GEMMs deferred to a
+:class:`~primuspipe.backends.megatron.wgrad_store.WeightGradStore`, ``W`` -> that store's flush, ``FB``
+-> its ``F`` then its ``B`` (one after the other: on one device stream the overlap is the schedule's
+placement of the pair, not concurrency).
 
 One binder serves one call of the forward-backward function (one step); its per-step state is explicit
 and keyed by ``(chunk, microbatch)``. What Megatron's own schedules do around those two calls is
@@ -8,8 +12,10 @@ reproduced here, per node rather than per warm-up/steady/cool-down phase, so it 
   evaluating), ``current_microbatch`` is the node's microbatch, ``vp_stage`` the chunk (``None``
   without interleaving), ``is_last_stage`` the model's last stage;
 * gradient sync (:class:`GradSync`): Megatron's ``no_sync`` is entered for the whole step and left
-  only around each chunk's last backward on this rank (without ``grad_sync_func``) or right after it,
-  calling ``grad_sync_func[chunk]`` (with one); chunks not yet synchronized are synchronized at the end;
+  only around each chunk's last ``BW`` or ``W`` on this rank (without ``grad_sync_func``) or right after
+  it, calling ``grad_sync_func[chunk]`` (with one): with a split backward a weight's gradient is
+  complete only after the chunk's last ``W``, so a ``B`` never opens the sync; chunks not yet
+  synchronized are synchronized at the end;
 * parameter sync with interleaving: ``param_sync_func`` for chunks 0 and 1 at the start, for chunk
   c >= 2 before its first forward;
 * ``deallocate_pipeline_outputs``: an activation is pseudo-freed as soon as its send is posted (the
@@ -28,6 +34,7 @@ from typing import Any
 
 import torch
 
+from primuspipe.backends.megatron.wgrad_store import WeightGradStore
 from primuspipe.node import NodeKind, ScheduleNode
 from primuspipe.runner import ComputeCall
 
@@ -125,7 +132,8 @@ class GradSync:
 
 
 class MegatronBinder:
-    """Runs ``F`` and ``BW`` nodes with megatron-core's ``forward_step`` and ``backward_step``."""
+    """Runs ``F``, ``BW``, ``B``, ``W`` and ``FB`` nodes with megatron-core's ``forward_step`` and
+    ``backward_step``; ``wgrad`` holds the weight gradients deferred from ``B`` to ``W``."""
 
     def __init__(self, args: StepArgs, *, num_stages: int, transfer_shape: Sequence[int], device: torch.device,
                  sync: GradSync):
@@ -141,7 +149,10 @@ class MegatronBinder:
         self.forward_data: dict[int, list] = {}
         """microbatch -> what forward_step stored for it (loss dicts or non-loss data), last stage only."""
         self._saved: dict[tuple[int, int], tuple[Any, Any]] = {}
-        self.handlers = MappingProxyType({NodeKind.F: self.forward, NodeKind.BW: self.backward})
+        self.wgrad = WeightGradStore()
+        self.handlers = MappingProxyType({
+            NodeKind.F: self.forward, NodeKind.BW: self.backward, NodeKind.B: self.backward_input,
+            NodeKind.W: self.backward_weight, NodeKind.FB: self.forward_backward_input})
 
     def forward(self, call: ComputeCall) -> Any:
         a = self.args
@@ -176,6 +187,21 @@ class MegatronBinder:
         input_tensor, output = self._saved.pop((call.chunk, call.microbatch))
         with self.sync.around_backward(call.chunk, call.microbatch):
             return self._schedules.backward_step(input_tensor, output, call.received, self.args.config)
+
+    def backward_input(self, call: ComputeCall) -> Any:
+        """``B``: the input gradient now; the weight GEMMs wait in :attr:`wgrad` for this microbatch's ``W``."""
+        input_tensor, output = self._saved.pop((call.chunk, call.microbatch))
+        with self.wgrad.collecting(call.chunk, call.microbatch):
+            return self._schedules.backward_step(input_tensor, output, call.received, self.args.config)
+
+    def backward_weight(self, call: ComputeCall) -> None:
+        """``W``: the weight gradients ``B`` deferred; the chunk's last ``W`` opens gradient sync."""
+        with self.sync.around_backward(call.chunk, call.microbatch):
+            self.wgrad.flush(call.chunk, call.microbatch)
+
+    def forward_backward_input(self, f_call: ComputeCall, b_call: ComputeCall) -> tuple[Any, Any]:
+        """``FB``: the overlapped pair, run as its ``F`` then its ``B``."""
+        return self.forward(f_call), self.backward_input(b_call)
 
     def recv_buffer(self, node: ScheduleNode) -> torch.Tensor:
         return torch.empty(self.transfer_shape, dtype=self.args.config.pipeline_dtype, device=self.device,

@@ -31,6 +31,8 @@ class StepSpec:
     forward_only: bool = False
     lr: float = 0.1
     config_overrides: Mapping[str, Any] = field(default_factory=dict)
+    placement: str = "interleaved"
+    """How chunks map to stages: ``"interleaved"`` (Megatron's) or ``"v"`` (V-shape tables, vpp=2)."""
 
 
 @dataclass
@@ -47,7 +49,7 @@ class StepResult:
 def build(spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None):
     """``(config, chunks, model)``: the Megatron config, raw chunks, and what the schedule is given."""
     config = tiny_models.transformer_config(spec.model, pp, vpp, **dict(spec.config_overrides))
-    chunks = tiny_models.build_model_chunks(spec.model, config, seed=spec.seed)
+    chunks = tiny_models.build_model_chunks(spec.model, config, seed=spec.seed, placement=spec.placement)
     if device is not None:
         chunks = [c.to(device) for c in chunks]
     if not spec.ddp:

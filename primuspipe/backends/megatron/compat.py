@@ -25,16 +25,18 @@ _UNSUPPORTED_FLAGS: tuple[tuple[str, str], ...] = (
      "variable_seq_lengths"),
     ("overlap_moe_expert_parallel_comm",
      "Megatron's combined 1F1B path overlaps the forward of one microbatch with the backward of another "
-     "inside its own schedule; a primuspipe table would express that as overlapped F+B nodes, which this "
-     "binder does not run"),
+     "through its own schedule's combined_forward_backward_step; primuspipe runs an overlapped F+B node's "
+     "forward and backward one after the other through forward_step/backward_step, which that path does "
+     "not support"),
     ("num_microbatches_with_partial_activation_checkpoints",
      "Megatron picks the microbatches to checkpoint from its own warm-up counts, which a primuspipe table "
      "does not have; use recompute settings that apply to every microbatch"),
 )
 
 
-def check_megatron_config(config: Any, table: ScheduleTable, models: Sequence[Any]) -> None:
-    """Refuse Megatron settings and tables this backend cannot run correctly."""
+def check_megatron_config(config: Any, table: ScheduleTable, models: Sequence[Any], rank: int = 0) -> None:
+    """Refuse Megatron settings and tables this backend cannot run correctly (``models``: pipeline rank
+    ``rank``'s chunks)."""
     for flag, why in _UNSUPPORTED_FLAGS:
         value = getattr(config, flag, None)
         if value not in (None, False, 0):
@@ -42,24 +44,11 @@ def check_megatron_config(config: Any, table: ScheduleTable, models: Sequence[An
                               f"Unset {flag} or turn patch_primus_pipeline off.")
     if getattr(config, "pipeline_dtype", None) is None:
         raise ConfigError("Megatron's pipeline_dtype is unset; pipeline transfers need it (set it to params_dtype)")
-    if table.placement != Placement.interleaved(table.pp, table.vpp):
-        raise ConfigError(
-            f"{table.algorithm} places stages as {table.placement.name!r}, but Megatron builds model chunk c of "
-            "pipeline rank r as stage c*pp + r (interleaved); use an algorithm with the interleaved placement")
     if len(models) != table.vpp:
         raise ConfigError(f"the model has {len(models)} chunk(s) per rank but the {table.algorithm} table has vpp={table.vpp}")
-    has_w = any(n.kind in (NodeKind.W, NodeKind.B, NodeKind.FB) for _, _, n in table.positions())
-    if has_w:
-        for model in models:
-            ddp = getattr(model, "ddp_config", None)
-            for flag in ("overlap_grad_reduce", "overlap_param_gather"):
-                if ddp is not None and getattr(ddp, flag, False):
-                    raise ConfigError(
-                        f"{table.algorithm} splits the backward into B and W nodes, but DDP's {flag}=True: with "
-                        "split weight gradients a parameter's gradient is complete only after its last W, while "
-                        f"{flag} starts bucket communication from Megatron's backward hooks and 'last "
-                        "microbatch' flag, which assume a fused backward. Set "
-                        f"{flag}=False with split-backward schedules.")
+    _check_placement(table, models, rank)
+    if any(n.kind in (NodeKind.W, NodeKind.B, NodeKind.FB) for _, _, n in table.positions()):
+        _check_split_backward(table, models)
     _check_data_order(table)
 
 
@@ -77,3 +66,53 @@ def _check_data_order(table: ScheduleTable) -> None:
                             "data iterators hand out batches in call order, so each chunk's forwards must run in "
                             "microbatch order")
                     seen[chunk] = mb
+
+
+def _unwrap(model: Any) -> Any:
+    """The GPTModel (or other MegatronModule) inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _check_placement(table: ScheduleTable, models: Sequence[Any], rank: int) -> None:
+    """Each chunk must hold the stage the table gives it: Megatron builds chunk c of rank r as stage
+    c*pp + r (interleaved); V-shape tables need chunks built with ``v_placement``. Chunks that say whether
+    they pre-/post-process (GPTModel does) are checked against the table's first and last stage."""
+    interleaved = table.placement == Placement.interleaved(table.pp, table.vpp)
+    for chunk, model in enumerate(models):
+        stage = table.placement.stage(rank, chunk)
+        inner = _unwrap(model)
+        pre, post = getattr(inner, "pre_process", None), getattr(inner, "post_process", None)
+        if pre is None or post is None:
+            if interleaved:
+                continue
+            raise ConfigError(
+                f"{table.algorithm} places stages as {table.placement.name!r}, but Megatron builds model chunk c of "
+                "pipeline rank r as stage c*pp + r (interleaved) and this model does not say which stage its chunks "
+                "hold; build the chunks with primuspipe.backends.megatron.v_placement (see docs/megatron.md)")
+        want = (stage == 0, stage == table.num_stages - 1)
+        if (bool(pre), bool(post)) != want:
+            how = ("build them with primuspipe.backends.megatron.v_placement (docs/megatron.md, 'Zero-bubble "
+                   "schedules')" if not interleaved else "build them as Megatron does (interleaved placement)")
+            raise ConfigError(
+                f"{table.algorithm} places stage {stage} ({table.placement.name} placement) on pipeline rank {rank} "
+                f"chunk {chunk}, but that chunk was built with pre_process={pre}, post_process={post} (stage 0 "
+                f"pre-processes, stage {table.num_stages - 1} post-processes); {how}")
+
+
+def _check_split_backward(table: ScheduleTable, models: Sequence[Any]) -> None:
+    """Tables with ``B``/``W`` nodes defer weight gradients (``wgrad_store``)."""
+    from primuspipe.backends.megatron.wgrad_store import check_deferrable
+
+    for model in models:
+        ddp = getattr(model, "ddp_config", None)
+        if ddp is not None and getattr(ddp, "overlap_grad_reduce", False):
+            raise ConfigError(
+                f"{table.algorithm} splits the backward into B and W nodes, but DDP's overlap_grad_reduce=True. "
+                "Its backward hooks assert that every parameter has a gradient when its hook runs, while a B "
+                "node leaves the weights' gradients to W; and a bucket's reduction starts once all its parameters "
+                "reported in the 'last microbatch', which for a split backward spans the chunk's last B "
+                "(norms, biases) and its last W (weights). Set overlap_grad_reduce=False (the gradients are then "
+                "reduced in finalize_model_grads, after every W).")
+    check_deferrable([_unwrap(m) for m in models])

@@ -6,7 +6,9 @@ immutable and cached per (algorithm, pp, vpp, microbatches, options) -- checks M
 against it, runs this rank's row with :class:`~primuspipe.runner.ScheduleRunner` and the
 :class:`~primuspipe.backends.megatron.binder.MegatronBinder`, then finishes the step as Megatron's
 schedules do (embedding wgrad, ``finalize_model_grads_func`` with ``total_num_tokens`` when
-``calculate_per_token_loss``). ``forward_only`` runs the table's forward-only view.
+``calculate_per_token_loss``). ``forward_only`` runs the table's forward-only view. Tables with a split
+backward (``B``/``W``/``FB``) defer weight gradients from ``B`` to ``W``; the step ends with every
+deferred gradient applied (else :class:`~primuspipe.backends.megatron.wgrad_store.WeightGradError`).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class PrimusForwardBackward:
         pp, rank = pp_group.size(), pp_group.rank()
 
         full = self.table_for(pp, len(models), num_microbatches, config)
-        check_megatron_config(config, full, models)
+        check_megatron_config(config, full, models, rank)
         table = forward_only_view(full) if forward_only else full
         runner = cached_runner(table, rank)
 
@@ -123,7 +125,7 @@ class PrimusForwardBackward:
         if getattr(config, "moe_paged_stash", False):
             schedules.paged_stash_reset(enabled=not forward_only, config=config)
         embedding_module = None
-        last_rank = rank == pp - 1
+        last_rank = table.placement.rank_of(table.num_stages - 1) == rank  # holds the output layer
         if config.finalize_model_grads_func is not None and not forward_only:
             embedding_module = schedules.clear_embedding_activation_buffer(config, models, last_rank)
         if config.timers is not None:
@@ -141,6 +143,7 @@ class PrimusForwardBackward:
 
         sync.begin()
         runner.run(binder, transport, recorder)
+        binder.wgrad.check_empty()
         sync.end()
 
         if config.finalize_model_grads_func is not None and not forward_only:

@@ -6,9 +6,10 @@ Public API
 ``TINY_MODELS``                ``{"tiny-gpt": TinyModelConfig(...), "tiny-moe": TinyModelConfig(...)}``.
 ``transformer_config(model, pp, vpp) -> TransformerConfig``
     CPU-safe Megatron config (float32, no dropout, no fusions, ``use_cpu_initialization``).
-``build_model_chunks(model, config, seed=0) -> list[GPTModel]``
+``build_model_chunks(model, config, seed=0, placement="interleaved") -> list[GPTModel]``
     This rank's ``vpp`` chunks (``vp_stage`` 0..vpp-1) under the current ``parallel_state``; every
     parameter is filled from ``seed`` and its *global* name, so pp=1 and pp=P models are identical.
+    ``placement="v"`` builds the V-shape chunks (chunk 1 of rank r = stage 2p-1-r; see ``v_placement``).
 ``global_param_name(chunk, local_name) -> str``
     ``decoder.layers.<local>.…`` → ``decoder.layers.<global>.…`` (global = ``layer_number - 1``).
 ``synthetic_batches(model, num_microbatches, seed=0) -> Iterator[dict[str, Tensor]]``
@@ -139,32 +140,54 @@ def _fill_(param: torch.Tensor, name: str, seed: int) -> None:
             param.copy_(0.1 * noise)
 
 
-def build_model_chunks(model: TinyModelConfig, config, seed: int = 0) -> list[torch.nn.Module]:
+PLACEMENTS = ("interleaved", "v")
+
+
+def build_model_chunks(model: TinyModelConfig, config, seed: int = 0,
+                       placement: str = "interleaved") -> list[torch.nn.Module]:
     """Build this rank's chunks (one per ``vp_stage``) with layout-independent weights.
 
     Embeddings are untied: tying across pipeline stages calls ``.cuda()`` at build time and adds an
-    embedding all-reduce that pp=1 does not have.
+    embedding all-reduce that pp=1 does not have. ``placement="v"`` (two chunks per rank) builds chunk 1
+    as stage ``2p-1-r`` with :mod:`~primuspipe.backends.megatron.v_placement`.
     """
+    import contextlib
+
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from primuspipe.backends.megatron.v_placement import v_layer_offsets, v_stage_flags
+
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"unknown placement {placement!r}; known: {PLACEMENTS}")
     vpp = config.virtual_pipeline_model_parallel_size or 1
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if placement == "v" and vpp != 2:
+        raise ConfigError(f"the V placement has two chunks per rank; the config has vpp={vpp}")
     spec = get_gpt_layer_local_spec(num_experts=model.num_moe_experts, moe_grouped_gemm=False)
     chunks = []
     for vp_stage in range(vpp):
         stage = vp_stage if vpp > 1 else None
-        chunk = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=model.vocab_size,
-            max_sequence_length=model.seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="learned_absolute",
-            vp_stage=stage,
-        )
+        if placement == "v":
+            pre, post = v_stage_flags(pp, parallel_state.get_pipeline_model_parallel_rank(), vp_stage)
+            offsets = v_layer_offsets(pp)
+        else:
+            pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+            post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+            offsets = contextlib.nullcontext()
+        with offsets:
+            chunk = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=model.vocab_size,
+                max_sequence_length=model.seq_length,
+                pre_process=pre,
+                post_process=post,
+                share_embeddings_and_output_weights=False,
+                position_embedding_type="learned_absolute",
+                vp_stage=stage,
+            )
         for name, param in chunk.named_parameters():
             _fill_(param, global_param_name(chunk, name), seed)
         chunks.append(chunk)
