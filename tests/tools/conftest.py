@@ -1,0 +1,36 @@
+"""Run dumps in the real on-disk format (what dump_pp_data writes: one Timeline per rank and iteration,
+``meta.t0_unix`` the rank's wall-clock start, times relative to it), made from known timelines."""
+
+from dataclasses import replace
+
+import pytest
+
+from primuspipe.timeline import RankTimeline, TimedNode, Timeline, dump_path
+
+T0 = 1_700_000_000.0
+
+
+def split_into_rank_files(timeline: Timeline, dump_dir, iteration: int, skew: float = 0.25) -> None:
+    """Write ``timeline`` as rank files. Rank r's clock starts ``r * skew`` earlier (ranks enter the step
+    at different wall-clock times), so reading the files back must realign them: the merged timeline is
+    the original shifted by ``(pp - 1) * skew``."""
+    for rt in timeline.ranks:
+        shift = rt.rank * skew
+        events = tuple(sorted((TimedNode(e.node, e.start + shift, e.end + shift) for e in rt.events),
+                              key=lambda e: (e.start, e.end)))
+        part = replace(timeline, source="run", iteration=iteration,
+                       ranks=(RankTimeline(rt.rank, events, rt.peak_memory_bytes),),
+                       meta={"t0_unix": T0 - shift, "device": "cpu", "memory": "peak RSS"})
+        part.save(dump_path(dump_dir, iteration, rt.rank))
+
+
+@pytest.fixture
+def write_dump(tmp_path):
+    """``write_dump([timeline per iteration])`` -> the dump directory."""
+    def write(timelines, skew: float = 0.25):
+        dump_dir = tmp_path / "pp_data"
+        for iteration, timeline in enumerate(timelines):
+            split_into_rank_files(timeline, dump_dir, iteration, skew)
+        return dump_dir
+
+    return write
