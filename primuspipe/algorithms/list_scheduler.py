@@ -16,6 +16,10 @@ reports.
 
 Forwards and backwards of one chunk run in microbatch order (microbatches are interchangeable, so an
 exchange argument shows this loses nothing); W's run in the order their B's finished.
+
+A :class:`FixedOrder` policy instead takes each rank's F/B order from a constructed schedule (e.g. a
+repeated building block) and leaves the scheduler only the W's: the order fixes the activation
+memory, the fill squeezes the constructed timing to as-soon-as-possible and moves W's into the waits.
 """
 
 from __future__ import annotations
@@ -50,6 +54,18 @@ class FillPolicy:
 
 
 @dataclass(frozen=True)
+class FixedOrder:
+    """Every rank runs its F's and B's in a given order; only the W's are placed by the fill.
+
+    ``sequence[r]`` lists rank ``r``'s F and B nodes as (kind, chunk); the microbatch of each is implied
+    (one chunk's forwards and backwards run in microbatch order). The order alone decides the peak
+    activations, so no cap is applied.
+    """
+
+    sequence: tuple[tuple[tuple[NodeKind, int], ...], ...]
+
+
+@dataclass(frozen=True)
 class TimedRows:
     """The per-rank node order the scheduler chose and the timing it assumed."""
 
@@ -79,15 +95,16 @@ def list_schedule(
     placement: Placement,
     microbatches: int,
     costs: ComputeCosts,
-    policy: FillPolicy,
+    policy: FillPolicy | FixedOrder,
     *,
     p2p_time: float = 0.0,
     algorithm: str = "list-schedule",
 ) -> TimedRows:
     """Greedy event-driven schedule (see the module doc); raises ScheduleShapeError if the caps stall it."""
     pp, vpp, m = placement.pp, placement.vpp, microbatches
-    assert len(policy.cap) == pp
-    for r, cap in enumerate(policy.cap):
+    fixed = isinstance(policy, FixedOrder)
+    assert len(policy.sequence if fixed else policy.cap) == pp
+    for r, cap in enumerate(() if fixed else policy.cap):
         if cap < 1 + policy.reserve:
             raise ScheduleShapeError(
                 f"{algorithm}: rank {r} may hold {cap} chunk activations, but needs at least "
@@ -126,7 +143,15 @@ def list_schedule(
         return t
 
     def candidates(rank: int) -> list[tuple[NodeKind, int, int, float | None]]:
-        """(kind, chunk, mb, ready) for the next F and B of each chunk that the memory cap allows."""
+        """(kind, chunk, mb, ready) for the next F and B of each chunk that the memory cap allows, or
+        the rank's next node of a fixed order."""
+        if fixed:
+            done = sum(next_f[rank]) + sum(next_b[rank])
+            if done == len(policy.sequence[rank]):
+                return []
+            kind, c = policy.sequence[rank][done]
+            mb = (next_f if kind is NodeKind.F else next_b)[rank][c]
+            return [(kind, c, mb, ready_time(kind, placement.stage(rank, c), mb))]
         out = []
         for c in range(vpp):
             stage = placement.stage(rank, c)
@@ -156,7 +181,10 @@ def list_schedule(
             held[rank] -= 1
             w_queue[rank].append((mb, chunk))
 
-    kind_rank = {NodeKind.B: 0, NodeKind.F: 1} if policy.backward_first else {NodeKind.F: 0, NodeKind.B: 1}
+    def w_cost(rank: int) -> float:
+        return costs.backward_weight[placement.stage(rank, w_queue[rank][0][1])]
+
+    kind_rank = {NodeKind.B: 0, NodeKind.F: 1} if fixed or policy.backward_first else {NodeKind.F: 0, NodeKind.B: 1}
     # ranks ordered by (clock, rank); a rank waiting for a producer nobody has scheduled yet sleeps
     # until the next F or B is scheduled anywhere
     awake = [(0.0, r) for r in range(pp)]
@@ -171,7 +199,7 @@ def list_schedule(
             for r in asleep:
                 heapq.heappush(awake, (clock[r], r))
             asleep.clear()
-        elif w_queue[rank]:
+        elif w_queue[rank] and not (fixed and _delays(cands, t + w_cost(rank))):
             mb, chunk = w_queue[rank].popleft()
             run(rank, NodeKind.W, chunk, mb, t)
         elif known := [c[3] for c in cands if c[3] is not None]:
@@ -191,11 +219,16 @@ def list_schedule(
     return TimedRows(tuple(tuple(r) for r in rows), makespan, tuple(busy), spans)
 
 
+def _delays(cands: list[tuple[NodeKind, int, int, float | None]], w_end: float) -> bool:
+    """True if a W ending at ``w_end`` would hold up a node known to be ready before then."""
+    return any(ready is not None and ready < w_end - 1e-9 for *_, ready in cands)
+
+
 def best_fill(
     placement: Placement,
     microbatches: int,
     costs: ComputeCosts | None,
-    policies: list[FillPolicy],
+    policies: list[FillPolicy | FixedOrder],
     *,
     p2p_time: float = 0.0,
     algorithm: str,

@@ -11,21 +11,32 @@ schedules differ only in the budget, which is also their warm-up length:
 * V-min: (p+4)//3, about a third of the memory, with about two thirds of 1F1B's bubble.
 
 Budgets are in 1F1B-stage microbatches; a chunk's activation is half of one (vpp = 2).
+
+Two constructions compete under the request's costs, and the shorter step wins: the paper's repeated
+building block (:mod:`~primuspipe.algorithms.building_blocks`; its lifespans give about p/3 microbatches,
+so it is tried wherever it fits the budget, and it is what keeps V-min near two thirds of 1F1B's bubble
+at large p) and the greedy list scheduler capped at the budget (which uses a larger budget better).
 """
 
 from __future__ import annotations
 
-from primuspipe.algorithms.list_scheduler import FillPolicy, best_fill
+from primuspipe.algorithms.building_blocks import block_orders
+from primuspipe.algorithms.list_scheduler import FillPolicy, best_fill, unit_costs
 from primuspipe.algorithms.phases import require
 from primuspipe.algorithms.registry import ScheduleRequest, register
 from primuspipe.placement import Placement
 from primuspipe.table import ScheduleTable
 
-FILL_ORDERS = ((1, True), (2, True), (2, False))
-"""(reserve, backward first) pairs tried. The reserve is the chunk-activation slots kept for chunk-1
-forwards (which start the backward wave): one is the least that never stalls, a larger one injects new
-microbatches more slowly. Each is tried and the one with the shortest step under the given costs kept
-(with one slot, breaking F/B ties forward-first never won in our sweeps, so it is not tried)."""
+
+
+def fill_policies(p: int, cap: int) -> list[FillPolicy]:
+    """Greedy policies tried: every (reserve, backward first) pair below.
+
+    The reserve is the chunk-activation slots kept for chunk-1 forwards (which start the backward
+    wave): one is the least that never stalls, a larger one injects new microbatches more slowly, which
+    pays at large p (about a sixth of the cap was best in our sweeps at p = 16 and 32)."""
+    reserves = dict.fromkeys(r for r in (1, 2, cap // 6, cap // 4) if 1 <= r < cap)
+    return [FillPolicy((cap,) * p, reserve, first) for reserve in reserves for first in (True, False)]
 
 
 def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str, p2p_time: float) -> ScheduleTable:
@@ -33,12 +44,18 @@ def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str, p2p_time:
     require(req.vpp == 2, algorithm, f"is a V-shape schedule with 2 chunks per rank, got vpp = {req.vpp}")
     p = req.pp
     cap = 2 * budget  # in chunk activations
+    placement = Placement.vshape(p)
+    costs = req.costs or unit_costs(placement.num_stages)
+    # Building blocks: one microbatch's chain laid out on the period (with the real costs, blended
+    # toward uniform ones down to the paper's block), repeated m times, squeezed, W's filling the waits
+    # under the real costs; kept where the order stays within the budget.
+    blocks = block_orders(placement, req.microbatches, costs, p2p_time, cap)
     # Warm-up: chunk-0 forwards until the budget less the reserve is held; chunk-1 forwards of the
     # first microbatches follow as soon as they come back up the V.
     # Steady: each B frees a slot, the next forward takes it; W's fill the waits.
     # Cool-down: the last B's, with the deferred W's filling the gaps between them.
-    policies = [FillPolicy((cap,) * p, reserve, first) for reserve, first in FILL_ORDERS if reserve < cap]
-    return best_fill(Placement.vshape(p), req.microbatches, req.costs, policies, p2p_time=p2p_time, algorithm=algorithm)
+    return best_fill(placement, req.microbatches, costs, [*blocks, *fill_policies(p, cap)], p2p_time=p2p_time,
+                     algorithm=algorithm)
 
 
 @register("zbv", placement="v", vpp=2, split_backward=True)
