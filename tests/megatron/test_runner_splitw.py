@@ -1,6 +1,6 @@
 """Zero-bubble tables (B, W and overlapped FB nodes) in real megatron-core training (CPU, gloo).
 
-Losses and every parameter gradient equal Megatron's native 1F1B at the same pp (vpp=1 tables) or a
+Losses and every parameter gradient (and forward_only's losses) equal Megatron's native 1F1B at the same pp (vpp=1 tables) or a
 pp=1 run (V-shape tables, whose chunks Megatron's own schedules cannot run); all comparisons are
 bitwise (the deferred weight GEMM is the same arithmetic, accumulated in the same microbatch order).
 A DDP + finalize_model_grads + SGD step matches too. The W node really is only the weight GEMMs
@@ -48,9 +48,9 @@ class Case:
         extra += "".join(f"-{k}={v}" for k, v in self.options)
         return f"{self.algorithm}-m{self.m}{extra}"
 
-    def spec(self, placement=None):
-        return compare.StepSpec(self.model, self.m, ddp=self.train, optimizer_step=self.train,
-                                placement=placement or self.placement)
+    def spec(self, forward_only=False):
+        return compare.StepSpec(self.model, self.m, ddp=self.train, optimizer_step=self.train and not forward_only,
+                                forward_only=forward_only, placement=self.placement)
 
     def schedule(self):
         return PrimusForwardBackward(PrimusPipeConfig(True, self.algorithm, algorithm_options=dict(self.options)))
@@ -135,7 +135,8 @@ def _worker(layout, ctx):
 
     out = {}
     for case in CASES[layout]:
-        row = {"ours": compare.run_step(case.schedule(), case.spec(), layout.pp, layout.vpp)}
+        row = {"ours": compare.run_step(case.schedule(), case.spec(), layout.pp, layout.vpp),
+               "ours_fwd": compare.run_step(case.schedule(), case.spec(forward_only=True), layout.pp, layout.vpp)}
         if layout.vpp == 1:
             row["native"] = compare.run_step(get_forward_backward_func(), case.spec(), layout.pp, layout.vpp)
         out[case.id] = row
@@ -208,6 +209,7 @@ def test_split_backward_table_matches_megatron(layout, case):
     _assert_equal(_merged(results, case, "ours", "grads"), want_grads, "grad")
     if case.train:
         _assert_equal(_merged(results, case, "ours", "params"), want_params, "param after optimizer step")
+    assert torch.equal(_losses(holder[case.id]["ours_fwd"]), got_losses), "forward_only gives the training losses"
 
 
 def test_w_runs_only_the_weight_gemms():

@@ -24,7 +24,7 @@ from primuspipe.backends.megatron.compat import check_megatron_config
 from primuspipe.backends.megatron.config import PrimusPipeConfig
 from primuspipe.backends.megatron.dump import StepRecorder, dump_path
 from primuspipe.errors import ConfigError
-from primuspipe.node import NodeKind
+from primuspipe.node import NodeKind, ScheduleNode
 from primuspipe.runner import cached_runner, forward_only_view
 from primuspipe.schedule import build_schedule
 from primuspipe.table import ScheduleTable
@@ -36,6 +36,17 @@ from primuspipe.transport import P2PTransport
 def cached_table(algorithm: str, pp: int, vpp: int, microbatches: int, options: tuple[tuple[str, Any], ...]) -> ScheduleTable:
     """The validated full table for a shape, built once."""
     return build_schedule(algorithm, pp, microbatches, vpp, **dict(options))
+
+
+@functools.lru_cache(maxsize=64)
+def evaluation_table(table: ScheduleTable) -> ScheduleTable:
+    """The forward-only view (``forward_only=True``); overlapped ``F+B`` nodes count as their ``F`` there."""
+    if any(n.kind is NodeKind.FB for _, _, n in table.positions()):
+        table = table.with_ranks(
+            tuple(lowered for node in row
+                  for lowered in ((ScheduleNode(*node.parts()[0]),) if node.kind is NodeKind.FB else (node,)))
+            for row in table.ranks)
+    return forward_only_view(table)
 
 
 def _last_backwards(table: ScheduleTable, rank: int) -> dict[int, int]:
@@ -108,7 +119,7 @@ class PrimusForwardBackward:
 
         full = self.table_for(pp, len(models), num_microbatches, config)
         check_megatron_config(config, full, models, rank)
-        table = forward_only_view(full) if forward_only else full
+        table = evaluation_table(full) if forward_only else full
         runner = cached_runner(table, rank)
 
         shapes = schedules.get_tensor_shapes(
