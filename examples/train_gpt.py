@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 examples/train_gpt.py --pp 2 --vpp 2 --microbatches 4 \
         --pp-algorithm interleaved-1f1b --compare-native --dump-dir /tmp/pp_data
     torchrun --nproc-per-node 2 examples/train_gpt.py --pp 2 --microbatches 4 --config primuspipe.yaml
+    torchrun --nproc-per-node 2 examples/train_gpt.py --pp 2 --microbatches 4 --pp-algorithm zbv --compare-native
 
 The schedule comes from ``--config`` (YAML, see docs/megatron.md), the environment, or the flags
 (flags win). The last line printed (rank 0) is one JSON object: ``algorithm``, ``loss`` (last
@@ -11,11 +12,18 @@ iteration's mean per-token loss), ``step_time_s`` (median forward-backward time)
 ``--compare-native`` the same model, weights and data also go through Megatron's own schedule in this
 run, adding ``native_loss``, ``native_step_time_s`` and ``max_abs_grad_diff`` (over all parameters of
 all ranks, first iteration).
+
+Zero-bubble algorithms (``zb-h1``, ``zb-h2``, ``zbv``, ``v-half``, ``v-min``, ``dualpipe-v``, ``zb-auto``)
+split the backward into B and W nodes. V-shape ones (``zbv``, ``v-half``, ``v-min``, ``dualpipe-v``)
+need two chunks per rank in the V placement: ``--vpp`` defaults to the algorithm's, and the model is
+built with ``placement="v"``; ``--compare-native`` then runs Megatron's own schedule for the same
+layout (interleaved 1F1B for vpp 2, on interleaved-built chunks with the same global weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -30,7 +38,7 @@ import torch.distributed as dist
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (= number of processes)")
-    p.add_argument("--vpp", type=int, default=1, help="model chunks per rank")
+    p.add_argument("--vpp", type=int, default=None, help="model chunks per rank (default: the algorithm's, else 1)")
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--pp-algorithm", default=None, help="primuspipe algorithm (default: config, else auto)")
     p.add_argument("--config", default=None, help="primuspipe YAML config (else $PRIMUSPIPE_CONFIG)")
@@ -117,21 +125,36 @@ def gather_grads(grads: dict) -> dict:
     return {k: v for part in everything for k, v in part.items()}
 
 
-def broadcast_from_last(value):
-    holder = [value]
-    dist.broadcast_object_list(holder, src=dist.get_world_size() - 1)
-    return holder[0]
+def from_loss_rank(value):
+    """``value`` of the rank holding the last stage (the last rank; rank 0 in the V placement)."""
+    everything = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, value)
+    return next((v for v in everything if v not in (None, [])), value)
+
+
+def resolve_layout(args, algorithm: str | None) -> str:
+    """Fill ``args.vpp`` from the algorithm when not given; return the chunk placement it needs."""
+    from primuspipe.algorithms import get_algorithm
+
+    info = get_algorithm(algorithm) if algorithm not in (None, "auto") else None
+    if args.vpp is None:
+        args.vpp = (info.vpp or info.default_vpp) if info is not None else 1
+    return "v" if info is not None and info.placement == "v" else "interleaved"
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    from primuspipe.backends.megatron import load_config
+
+    file_config = load_config(args.config)
+    placement = resolve_layout(args, args.pp_algorithm or file_config.pp_algorithm)
     device = init_distributed(args)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from primuspipe.backends.megatron import compare, load_config, tiny_models
+    from primuspipe.backends.megatron import compare, tiny_models
     from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
 
-    config = load_config(args.config)
+    config = file_config
     overrides = {"patch_primus_pipeline": True}
     if args.pp_algorithm:
         overrides["pp_algorithm"] = args.pp_algorithm
@@ -141,17 +164,18 @@ def main(argv=None) -> None:
     ours = PrimusForwardBackward(config)
     model_cfg = tiny_models.get_tiny_model(args.model)
 
-    def spec_for(iteration):
-        return compare.StepSpec(model_cfg, args.microbatches, seed=iteration, ddp=True)
+    def spec_for(iteration, placement=placement):
+        return compare.StepSpec(model_cfg, args.microbatches, seed=iteration, ddp=True, placement=placement)
 
     losses, times, grads = train(ours, spec_for, args, device)
     result = {"algorithm": config.algorithm_for(args.vpp), "pp": args.pp, "vpp": args.vpp,
               "microbatches": args.microbatches, "model": args.model, "device": device.type,
-              "loss": broadcast_from_last(losses[-1] if losses else None),
-              "losses": broadcast_from_last(losses), "step_time_s": statistics.median(times)}
+              "loss": from_loss_rank(losses[-1] if losses else None),
+              "losses": from_loss_rank(losses), "step_time_s": statistics.median(times)}
     if args.compare_native:
-        native_losses, native_times, native_grads = train(get_forward_backward_func(), spec_for, args, device)
-        result.update(native_loss=broadcast_from_last(native_losses[-1] if native_losses else None),
+        native_spec = functools.partial(spec_for, placement="interleaved")
+        native_losses, native_times, native_grads = train(get_forward_backward_func(), native_spec, args, device)
+        result.update(native_loss=from_loss_rank(native_losses[-1] if native_losses else None),
                       native_step_time_s=statistics.median(native_times),
                       max_abs_grad_diff=compare.max_abs_diff(gather_grads(grads), gather_grads(native_grads)))
     if dist.get_rank() == 0:

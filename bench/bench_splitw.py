@@ -1,0 +1,105 @@
+"""Split backward in real Megatron (CPU, gloo, pp=2): zb-h1 vs 1f1b step time, and B / W node times vs BW.
+
+    python bench/bench_splitw.py [--microbatches 8] [--steps 30] [--hidden 128] [--seq 64] [--out bench/results/splitw.json]
+
+Two ranks, one thread each, the same model and data through primuspipe's 1f1b and zb-h1 tables (steps
+alternate after a warm-up). Node times come from ``dump_pp_data`` timelines of the same runs: if W
+recomputed the input gradient it would cost about a whole BW; deferred, B + W ~ BW and W is only
+the weight GEMMs. On CPU every op runs on one thread, so the zero-bubble gain in step time is what the
+schedule's shorter bubbles give when F, B and W really are separate costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def _node_medians(dump_dir: Path, iterations: range) -> dict[str, dict[str, float]]:
+    """Median duration of each compute kind, per rank, over the given iterations' dumps."""
+    from primuspipe.backends.megatron.dump import dump_path
+    from primuspipe.timeline import Timeline
+
+    per_kind: dict[str, dict[str, list[float]]] = {}
+    for it in iterations:
+        for path in sorted(dump_path(dump_dir, it, 0).parent.glob("rank_*.json")):
+            for rank in Timeline.load(path).ranks:
+                for e in rank.events:
+                    if e.node.kind.is_compute:
+                        per_kind.setdefault(f"rank{rank.rank}", {}).setdefault(e.node.kind.value, []).append(
+                            e.end - e.start)
+    return {r: {k: statistics.median(v) for k, v in kinds.items()} for r, kinds in per_kind.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "splitw.json"))
+    args = p.parse_args()
+
+    from primuspipe.backends.megatron import compare, tiny_models
+    from primuspipe.backends.megatron.config import PrimusPipeConfig
+    from primuspipe.backends.megatron.distributed_cpu import ParallelLayout, run_on_gloo
+    from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
+
+    model = dataclasses.replace(tiny_models.TINY_MODELS["tiny-gpt"], hidden_size=args.hidden,
+                                ffn_hidden_size=4 * args.hidden, num_attention_heads=4, seq_length=args.seq,
+                                micro_batch_size=args.micro_batch_size, num_layers=args.layers, vocab_size=512)
+    spec = compare.StepSpec(model, args.microbatches)
+    dump_root = Path(tempfile.mkdtemp(prefix="primuspipe-splitw-"))
+    algorithms = ("1f1b", "zb-h1")
+
+    def work(ctx):
+        _, chunks, _ = compare.build(spec, 2, 1)
+        schedules = {a: PrimusForwardBackward(PrimusPipeConfig(True, a, dump_pp_data=True, dump_dir=str(dump_root / a)))
+                     for a in algorithms}
+        times = {a: [] for a in algorithms}
+        for step in range(args.warmup + args.steps):
+            for name in (algorithms if step % 2 == 0 else algorithms[::-1]):
+                for c in chunks:
+                    c.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                schedules[name](forward_step_func=tiny_models.forward_step, data_iterator=compare.batches(spec),
+                                model=chunks[0], num_microbatches=args.microbatches, seq_length=model.seq_length,
+                                micro_batch_size=model.micro_batch_size)
+                if step >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+        return times
+
+    per_rank = run_on_gloo(work, ParallelLayout(2), timeout_s=3600)
+    step = {a: [max(r[a][i] for r in per_rank) for i in range(args.steps)] for a in algorithms}
+    measured = range(args.warmup, args.warmup + args.steps)
+    nodes = {a: _node_medians(dump_root / a, measured) for a in algorithms}
+    shutil.rmtree(dump_root, ignore_errors=True)
+    b_plus_w = {r: nodes["zb-h1"][r]["B"] + nodes["zb-h1"][r]["W"] for r in nodes["zb-h1"]}
+    result = {
+        "bench": "splitw", "pp": 2, "microbatches": args.microbatches, "model": dataclasses.asdict(model),
+        "steps": args.steps, "threads_per_rank": 1,
+        "step_median_s": {a: statistics.median(step[a]) for a in algorithms},
+        "zb_h1_over_1f1b_ratio_median": statistics.median(z / o for z, o in zip(step["zb-h1"], step["1f1b"])),
+        "node_median_s": nodes,
+        "w_over_bw": {r: nodes["zb-h1"][r]["W"] / nodes["1f1b"][r]["BW"] for r in b_plus_w},
+        "b_plus_w_over_bw": {r: b_plus_w[r] / nodes["1f1b"][r]["BW"] for r in b_plus_w},
+        "step_s": step, "host": platform.node(), "python": platform.python_version(),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("step_median_s", "zb_h1_over_1f1b_ratio_median", "w_over_bw",
+                                              "b_plus_w_over_bw")}))
+
+
+if __name__ == "__main__":
+    main()
