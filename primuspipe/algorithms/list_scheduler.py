@@ -186,9 +186,13 @@ def list_schedule(
 
     kind_rank = {NodeKind.B: 0, NodeKind.F: 1} if fixed or policy.backward_first else {NodeKind.F: 0, NodeKind.B: 1}
     # ranks ordered by (clock, rank); a rank waiting for a producer nobody has scheduled yet sleeps
-    # until the next F or B is scheduled anywhere
+    # until an F or B is scheduled on a neighbouring stage (the only nodes its candidates can need)
     awake = [(0.0, r) for r in range(pp)]
-    asleep: list[int] = []
+    asleep: set[int] = set()
+    neighbours = [
+        {placement.rank_of(s) for s in (stage - 1, stage + 1) if 0 <= s < placement.num_stages}
+        for stage in range(placement.num_stages)
+    ]
     while awake:
         t, rank = heapq.heappop(awake)
         cands = candidates(rank)
@@ -196,16 +200,16 @@ def list_schedule(
         if now:
             kind, chunk, mb, _ = min(now, key=lambda c: (kind_rank[c[0]], -placement.stage(rank, c[1])))
             run(rank, kind, chunk, mb, t)
-            for r in asleep:
+            for r in asleep & neighbours[placement.stage(rank, chunk)]:
+                asleep.discard(r)
                 heapq.heappush(awake, (clock[r], r))
-            asleep.clear()
         elif w_queue[rank] and not (fixed and _delays(cands, t + w_cost(rank))):
             mb, chunk = w_queue[rank].popleft()
             run(rank, NodeKind.W, chunk, mb, t)
         elif known := [c[3] for c in cands if c[3] is not None]:
             clock[rank] = min(known)
         else:
-            asleep.append(rank)
+            asleep.add(rank)
             continue
         if remaining[rank]:
             heapq.heappush(awake, (clock[rank], rank))

@@ -30,13 +30,16 @@ from primuspipe.table import ScheduleTable
 
 
 def fill_policies(p: int, cap: int) -> list[FillPolicy]:
-    """Greedy policies tried: every (reserve, backward first) pair below.
+    """Greedy policies tried, as (reserve, backward first) pairs.
 
     The reserve is the chunk-activation slots kept for chunk-1 forwards (which start the backward
     wave): one is the least that never stalls, a larger one injects new microbatches more slowly, which
-    pays at large p (about a sixth of the cap was best in our sweeps at p = 16 and 32)."""
-    reserves = dict.fromkeys(r for r in (1, 2, cap // 6, cap // 4) if 1 <= r < cap)
-    return [FillPolicy((cap,) * p, reserve, first) for reserve in reserves for first in (True, False)]
+    pays at large p (about a sixth of the cap was best in our sweeps at p = 16 and 32). With one slot,
+    breaking F/B ties forward-first never won, so it is not tried."""
+    pairs = [(1, True), (2, True), (2, False)]
+    if cap // 6 > 2:
+        pairs += [(cap // 6, True), (cap // 6, False)]
+    return [FillPolicy((cap,) * p, reserve, first) for reserve, first in pairs if reserve < cap]
 
 
 def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str, p2p_time: float) -> ScheduleTable:
