@@ -120,7 +120,8 @@ class SimulationResult:
             "bubble_rate_span": self.span_bubble_rate,
             "peak_activations": self.peak_activations,
         }
-        ranks = tuple(RankTimeline(r.rank, r.events, round(r.peak_memory_bytes)) for r in self.ranks)
+        modelled = self.cost.memory is not None  # without a memory section, bytes are unknown, not zero
+        ranks = tuple(RankTimeline(r.rank, r.events, round(r.peak_memory_bytes) if modelled else None) for r in self.ranks)
         return Timeline("simulator", t.algorithm, t.pp, t.vpp, t.microbatches, ranks, iteration,
                         self.cost.time_unit, meta)
 
