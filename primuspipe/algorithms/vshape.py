@@ -34,9 +34,9 @@ def fill_policies(p: int, cap: int) -> list[FillPolicy]:
 
     The reserve is the chunk-activation slots kept for chunk-1 forwards (which start the backward
     wave): one is the least that never stalls, a larger one injects new microbatches more slowly, which
-    pays at large p (about a sixth of the cap was best in our sweeps at p = 16 and 32). With one slot,
-    breaking F/B ties forward-first never won, so it is not tried."""
-    pairs = [(1, True), (2, True), (2, False)]
+    pays at large p (about a sixth of the cap was best in our sweeps at p = 16 and 32). Forward-first
+    tie breaks win under uneven costs (B much slower than F)."""
+    pairs = [(1, True), (1, False), (2, True), (2, False)]
     if cap // 6 > 2:
         pairs += [(cap // 6, True), (cap // 6, False)]
     return [FillPolicy((cap,) * p, reserve, first) for reserve, first in pairs if reserve < cap]

@@ -2,11 +2,16 @@
 
 import pytest
 
+from primuspipe.algorithms.building_blocks import peak_chunk_activations, repeated_order, vshape_block
+from primuspipe.algorithms.list_scheduler import list_schedule, unit_costs
+from primuspipe.communication import add_communication
 from primuspipe.costs import ComputeCosts
 from primuspipe.errors import ScheduleShapeError
 from primuspipe.schedule import build_schedule
+from primuspipe.placement import Placement
 from primuspipe.simulator import CostModel, simulate
-from primuspipe.validation import peak_in_flight
+from primuspipe.table import ScheduleTable
+from primuspipe.validation import peak_in_flight, validate
 
 BUDGET = {"zbv": lambda p: p, "v-half": lambda p: (p + 2) // 2, "v-min": lambda p: (p + 4) // 3}
 
@@ -48,3 +53,35 @@ def test_non_uniform_costs_drive_the_fill(algorithm):
     blind = build_schedule(algorithm, 4, 12)
     assert simulate(aware, model).step_time < simulate(blind, model).step_time
     assert max(peak_in_flight(aware)) <= BUDGET[algorithm](4)
+
+
+def _bubble_time(algorithm: str, pp: int, m: int) -> tuple[float, float]:
+    """(bubble time over the step, peak activations) at F = B = W = 1 per 1F1B stage."""
+    table = build_schedule(algorithm, pp, m)
+    result = simulate(table, CostModel.per_stage(table.num_stages, 1 / table.vpp, 1 / table.vpp, 1 / table.vpp))
+    return result.step_time - 3 * m, max(peak_in_flight(table))
+
+
+def test_larger_pp_figures_pp16_m64():
+    """The paper's V-min and V-half at p = 16, m = 64: about 2/3 and 1/2 of 1F1B's bubble at a third and
+    half of its memory (the greedy fill alone gave V-min 1.2x 1F1B's bubble here)."""
+    one_f_one_b, _ = _bubble_time("1f1b", 16, 64)
+    assert one_f_one_b == pytest.approx(15 * 3)
+    vmin, vmin_peak = _bubble_time("v-min", 16, 64)
+    half, half_peak = _bubble_time("v-half", 16, 64)
+    assert vmin <= 0.7 * one_f_one_b and vmin_peak <= (16 + 4) // 3
+    assert half <= 0.5 * one_f_one_b and half_peak <= (16 + 2) // 2
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 5, 8, 11])
+def test_repeated_building_block_is_a_valid_schedule_within_v_min_memory(pp):
+    """The block order on its own (not only where it wins): valid for every m, its predicted peak is the
+    table's, and under uniform costs it needs no more than V-min's budget."""
+    placement = Placement.vshape(pp)
+    costs = unit_costs(placement.num_stages)
+    for m in (1, 2, pp, 2 * pp + 1):
+        order = repeated_order(placement, m, vshape_block(placement, costs))
+        timed = list_schedule(placement, m, costs, order)
+        table = ScheduleTable.build(placement, m, timed.rows, "block")
+        validate(add_communication(table))
+        assert max(peak_in_flight(table)) == peak_chunk_activations(order) / 2 <= (pp + 4) // 3
