@@ -1,6 +1,6 @@
 """Split backward in real Megatron (CPU, gloo, pp=2): zb-h1 vs 1f1b step time, and B / W node times vs BW.
 
-    python bench/bench_splitw.py [--microbatches 8] [--steps 30] [--hidden 128] [--seq 64] [--out bench/results/splitw.json]
+    python bench/bench_splitw.py [--microbatches 8] [--steps 20] [--hidden 256] [--seq 128] [--out bench/results/splitw.json]
 
 Two ranks, one thread each, the same model and data through primuspipe's 1f1b and zb-h1 tables (steps
 alternate after a warm-up). Node times come from ``dump_pp_data`` timelines of the same runs: if W
@@ -41,10 +41,10 @@ def _node_medians(dump_dir: Path, iterations: range) -> dict[str, dict[str, floa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "splitw.json"))
