@@ -1,4 +1,4 @@
-"""Bubble rate and peak activation memory of every fixed schedule, pp in {4, 8, 16}, m in {pp, 2pp, 4pp}.
+"""Bubble rate and peak activation memory of every fixed schedule, pp in {4, 8, 16, 32}, m in {pp, 2pp, 4pp}.
 
 F = B = W = 1 per 1F1B stage (a chunk of a vpp = 2 schedule costs 1/2), free P2P, FB pairs without
 overlap gain. Two bubble figures per schedule: over the whole step ("step", what the simulator
@@ -23,7 +23,7 @@ from primuspipe.simulator import CostModel, SimulationResult, simulate
 
 ALGORITHMS = [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zbv", 2), ("v-half", 2),
               ("v-min", 2), ("dualpipe-v", 2)]
-SHAPES = [(pp, m) for pp in (4, 8, 16) for m in (pp, 2 * pp, 4 * pp)]
+SHAPES = [(pp, m) for pp in (4, 8, 16, 32) for m in (pp, 2 * pp, 4 * pp)]
 
 
 def span_bubble(result: SimulationResult) -> float:

@@ -10,8 +10,8 @@ cool-down bubble.
 
 The block here is laid out along the microbatch's dependency chain (down the V's forward, back up,
 then the backward the same way), each node at the earliest time after its producer at which its rank
-has that part of the period free. Extra ``slack`` before every backward lengthens the lifespans (more
-memory) in exchange for a block whose backwards meet fewer occupied slots. Repeating the block ``m``
+has that part of the period free (with F = B = W: a chain of 4p chunk nodes, each rank's two lifespans
+adding up to about 4p, so about p/3 microbatches of memory, V-min's). Repeating the block ``m``
 times and sorting each rank's nodes by time gives the F/B order; the list scheduler then runs that
 order as soon as possible (squeezing out the redundant gaps of the repetition) and places the W's in
 the waits (see :class:`~primuspipe.algorithms.list_scheduler.FixedOrder`).
@@ -36,12 +36,12 @@ def _earliest_free(t: float, duration: float, taken: list[tuple[float, float]], 
         moved = False
         for start, length in taken:
             into = (t - start) % period  # how far t lies past the start of a taken slot
-            ahead = (start - t) % period  # how far the taken slot starts after t
-            if into < length - _EPS and into < period - _EPS:
+            into = 0.0 if into > period - _EPS else into
+            if into < length - _EPS:  # t is inside the slot
                 t += length - into
                 moved = True
-            elif ahead < duration - _EPS and ahead > _EPS:
-                t += ahead + length
+            elif period - into < duration - _EPS:  # the slot starts before [t, t + duration) ends
+                t += period - into + length
                 moved = True
     return t
 
@@ -58,11 +58,11 @@ class Block:
 def vshape_block(placement: Placement, costs: ComputeCosts, p2p_time: float = 0.0) -> Block:
     """The tightest block: the chain laid out greedily (module doc), P2P time between ranks."""
     num_stages = placement.num_stages
-    period = max(
+    period = max(_EPS, *(
         sum(costs.forward[s] + costs.backward_input[s] + costs.backward_weight[s]
             for s in (placement.stage(r, c) for c in range(placement.vpp)))
         for r in range(placement.pp)
-    )
+    ))
     chain = [(NodeKind.F, s) for s in range(num_stages)] + [(NodeKind.B, s) for s in reversed(range(num_stages))]
     taken: list[list[tuple[float, float]]] = [[] for _ in range(placement.pp)]
     starts: dict[tuple[NodeKind, int], float] = {}

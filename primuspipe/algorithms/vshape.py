@@ -28,7 +28,6 @@ from primuspipe.placement import Placement
 from primuspipe.table import ScheduleTable
 
 
-
 def fill_policies(p: int, cap: int) -> list[FillPolicy]:
     """Greedy policies tried, as (reserve, backward first) pairs.
 

@@ -7,8 +7,8 @@ from primuspipe.algorithms.list_scheduler import list_schedule, unit_costs
 from primuspipe.communication import add_communication
 from primuspipe.costs import ComputeCosts
 from primuspipe.errors import ScheduleShapeError
-from primuspipe.schedule import build_schedule
 from primuspipe.placement import Placement
+from primuspipe.schedule import build_schedule
 from primuspipe.simulator import CostModel, simulate
 from primuspipe.table import ScheduleTable
 from primuspipe.validation import peak_in_flight, validate
