@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from primuspipe.backends.megatron import tiny_models
+from primuspipe.backends.megatron import compare, tiny_models
 from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
 from primuspipe.backends.megatron.distributed_cpu import ParallelLayout, WorkerContext, run_on_gloo
 from primuspipe.errors import ConfigError
@@ -75,77 +75,14 @@ class RankResult:
     params: dict[str, torch.Tensor]
 
 
-def _wrap_ddp(config, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=False, overlap_grad_reduce=False, use_distributed_optimizer=False
-    )
-    # Megatron's training loop buckets only the first chunk; later chunks get one bucket each.
-    wrapped = [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
-        for i, chunk in enumerate(chunks)
-    ]
-    config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    for model in wrapped:
-        model.zero_grad_buffer()
-    return wrapped
-
-
-def _optimizer(case: PipelineCase, chunks: list[torch.nn.Module]):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    # clip_grad=0: Megatron's grad-norm helper asserts CUDA tensors.
-    config = OptimizerConfig(
-        optimizer="sgd", lr=case.lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
-        params_dtype=torch.float32,
-    )
-    return get_megatron_optimizer(config, chunks)
-
-
 def _run_case(case: PipelineCase, ctx: WorkerContext) -> RankResult:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model_cfg = tiny_models.get_tiny_model(case.model)
-    config = tiny_models.transformer_config(
-        model_cfg, ctx.layout.pp, ctx.layout.vpp, **dict(case.config_overrides)
-    )
-    chunks = tiny_models.build_model_chunks(model_cfg, config, seed=case.seed)
-    model = _wrap_ddp(config, chunks) if case.ddp else chunks
-    iterators = [
-        tiny_models.synthetic_batches(model_cfg, case.num_microbatches, seed=case.seed)
-        for _ in model
-    ]
-    schedule = case.schedule or get_forward_backward_func()
-    interleaved = ctx.layout.vpp > 1
-    losses = schedule(
-        forward_step_func=tiny_models.forward_step,
-        data_iterator=iterators if interleaved else iterators[0],
-        model=model if interleaved else model[0],
-        num_microbatches=case.num_microbatches,
-        seq_length=model_cfg.seq_length,
-        micro_batch_size=model_cfg.micro_batch_size,
-    )
-    grads = {}
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            grad = param.main_grad if case.ddp else param.grad
-            grads[tiny_models.global_param_name(chunk, name)] = (
-                None if grad is None else grad.detach().clone()
-            )
-    if case.optimizer_step:
-        _optimizer(case, model).step()
-    params = {
-        tiny_models.global_param_name(chunk, name): param.detach().clone()
-        for chunk in chunks
-        for name, param in chunk.named_parameters()
-    }
-    return RankResult(ctx.rank, ctx.pp_rank, ctx.dp_rank, list(losses), grads, params)
+    spec = compare.StepSpec(tiny_models.get_tiny_model(case.model), case.num_microbatches, seed=case.seed,
+                            ddp=case.ddp, optimizer_step=case.optimizer_step, lr=case.lr,
+                            config_overrides=case.config_overrides)
+    result = compare.run_step(case.schedule or get_forward_backward_func(), spec, ctx.layout.pp, ctx.layout.vpp)
+    return RankResult(ctx.rank, ctx.pp_rank, ctx.dp_rank, result.losses, result.grads, result.params)
 
 
 def run_pipeline_cases(
