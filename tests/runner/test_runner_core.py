@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from runner_gloo import RankFailed, run_ranks
+from primuspipe.gloo_launch import WorkerError, run_gloo
 
 from primuspipe.binder import ModuleBinder
 from primuspipe.communication import add_communication
@@ -74,7 +74,7 @@ def _run_table(table: ScheduleTable, forward_only: bool = False, timeout_s: floa
         grads = {(placement.stage(rank, c), n): p.grad for c, ch in enumerate(chunks) for n, p in ch.named_parameters()}
         return binder.losses, grads, events, [str(n) for n in run_table.ranks[rank]]
 
-    return run_ranks(work, table.pp)
+    return run_gloo(work, table.pp)
 
 
 def _vshape_table(pp: int, m: int) -> ScheduleTable:
@@ -156,8 +156,8 @@ def test_stuck_peer_raises_pipeline_hang_error_within_the_timeout():
         return "no error", 0.0
 
     try:
-        results = run_ranks(work, 2)
-    except RankFailed as exc:  # the hang error must come from the watchdog, not from elsewhere
+        results = run_gloo(work, 2)
+    except WorkerError as exc:  # the hang error must come from the watchdog, not from elsewhere
         raise AssertionError(str(exc)) from exc
     message, elapsed = results[1]
     assert "pipeline rank 1" in message and "RECV_F0.0<0" in message and "pipeline rank 0" in message, message
