@@ -27,8 +27,8 @@ vpp chunks per rank runs each chunk in 1/vpp of it, so algorithms of different v
 A comma list gives one value per 1F1B stage (pp values), or per model stage (pp*vpp values).
 Communication is free unless --p2p or the file's p2p section costs it.
 Bubble rate is (step - busy) / step per rank (max and mean over ranks); 'bubble (span)' (bubble_rate_span
-in --json) measures each rank over its own first-to-last compute, the zero-bubble papers' figure; peak activations are in microbatches of one 1F1B stage
-(a chunk's forward counts 1/vpp), as 'primuspipe validate --max-in-flight' counts them."""
+in --json) measures each rank over its own first-to-last compute, the zero-bubble papers' figure.
+Peak activations are in microbatches of one 1F1B stage (a chunk's forward counts 1/vpp), as 'primuspipe validate --max-in-flight' counts them."""
 
 _EPILOG = """\
 examples:
