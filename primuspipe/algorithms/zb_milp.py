@@ -192,7 +192,7 @@ def solve_order_milp(
     if optimal:
         bound = objective
     rows = []
-    for r, nodes in enumerate(rank_nodes):
+    for nodes in rank_nodes:
         timed = sorted(nodes, key=lambda x: (values[col[x]], sum(precedes(y, x) for y in nodes)))
         rows.append(tuple(ScheduleNode(NodeKind(k), i, placement.locate(s)[1]) for k, s, i in timed))
     return MilpResult(tuple(rows), objective, bound, optimal)

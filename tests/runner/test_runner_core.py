@@ -107,7 +107,7 @@ def test_runner_matches_sequential_model(name, make):
     last_rank = table.placement.rank_of(table.num_stages - 1)
     losses = results[last_rank][0]
     torch.testing.assert_close(torch.stack([losses[i] for i in range(table.microbatches)]), torch.stack(want_losses))
-    for rank, (_, _, events, row) in enumerate(results):
+    for _, _, events, row in results:
         assert [e[0] for e in events if not e[0].startswith(("SEND", "RECV"))] == [n for n in row if not n.startswith(("SEND", "RECV"))]
         assert sorted(e[0] for e in events) == sorted(row), "every node is recorded once"
         assert all(start <= end for _, start, end in events)
