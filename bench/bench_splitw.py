@@ -18,8 +18,9 @@ import platform
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
+
+from pipeline_bench import add_arguments, alternating_step_times, tiny_gpt
 
 
 def _node_medians(dump_dir: Path, iterations: range) -> dict[str, dict[str, float]]:
@@ -40,47 +41,20 @@ def _node_medians(dump_dir: Path, iterations: range) -> dict[str, dict[str, floa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "splitw.json"))
+    add_arguments(p, steps=20, hidden=256, seq=128, layers=4, out="splitw.json")
     args = p.parse_args()
-
-    from primuspipe.backends.megatron import compare, tiny_models
-    from primuspipe.backends.megatron.config import PrimusPipeConfig
-    from primuspipe.backends.megatron.distributed_cpu import ParallelLayout, run_on_gloo
-    from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
-
-    model = dataclasses.replace(tiny_models.TINY_MODELS["tiny-gpt"], hidden_size=args.hidden,
-                                ffn_hidden_size=4 * args.hidden, num_attention_heads=4, seq_length=args.seq,
-                                micro_batch_size=args.micro_batch_size, num_layers=args.layers, vocab_size=512)
-    spec = compare.StepSpec(model, args.microbatches)
     dump_root = Path(tempfile.mkdtemp(prefix="primuspipe-splitw-"))
     algorithms = ("1f1b", "zb-h1")
 
-    def work(ctx):
-        _, chunks, _ = compare.build(spec, 2, 1)
-        schedules = {a: PrimusForwardBackward(PrimusPipeConfig(True, a, dump_pp_data=True, dump_dir=str(dump_root / a)))
-                     for a in algorithms}
-        times = {a: [] for a in algorithms}
-        for step in range(args.warmup + args.steps):
-            for name in (algorithms if step % 2 == 0 else algorithms[::-1]):
-                for c in chunks:
-                    c.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                schedules[name](forward_step_func=tiny_models.forward_step, data_iterator=compare.batches(spec),
-                                model=chunks[0], num_microbatches=args.microbatches, seq_length=model.seq_length,
-                                micro_batch_size=model.micro_batch_size)
-                if step >= args.warmup:
-                    times[name].append(time.perf_counter() - t0)
-        return times
+    def schedules():
+        from primuspipe.backends.megatron.config import PrimusPipeConfig
+        from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
 
-    per_rank = run_on_gloo(work, ParallelLayout(2), timeout_s=3600)
-    step = {a: [max(r[a][i] for r in per_rank) for i in range(args.steps)] for a in algorithms}
+        return {a: PrimusForwardBackward(PrimusPipeConfig(True, a, dump_pp_data=True, dump_dir=str(dump_root / a)))
+                for a in algorithms}
+
+    step = alternating_step_times(schedules, args)
+    model = tiny_gpt(args)
     measured = range(args.warmup, args.warmup + args.steps)
     nodes = {a: _node_medians(dump_root / a, measured) for a in algorithms}
     shutil.rmtree(dump_root, ignore_errors=True)

@@ -12,7 +12,6 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from primuspipe.errors import TableFormatError
 from primuspipe.node import NodeKind, ScheduleNode
 from primuspipe.timeline import Timeline
 from primuspipe.tools.pp_vis import style
@@ -24,12 +23,7 @@ _HOVER = ("%{customdata[0]} on rank %{customdata[4]}<br>start %{customdata[1]:.6
 def timeline_figure(timelines: Timeline | Sequence[Timeline], *,
                     marks: Collection[tuple[int, ScheduleNode]] = ()) -> go.Figure:
     """The figure of one timeline, or of several stacked on one shared time axis (one time unit)."""
-    panels = [timelines] if isinstance(timelines, Timeline) else list(timelines)
-    if not panels:
-        raise TableFormatError("nothing to draw: no timeline given")
-    if len({t.time_unit for t in panels}) > 1:
-        raise TableFormatError(f"timelines in {sorted({t.time_unit for t in panels})} cannot share an axis; "
-                               "convert them to one unit first (pp_vis.in_unit)")
+    panels = style.panels(timelines)
     rows = [max(len(t.ranks), 1) for t in panels]
     fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.12 / len(panels),
                         subplot_titles=[style.title(t) for t in panels], row_heights=rows)

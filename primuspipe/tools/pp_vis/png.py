@@ -17,7 +17,6 @@ from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from primuspipe.errors import TableFormatError
 from primuspipe.node import NodeKind, ScheduleNode
 from primuspipe.timeline import Timeline
 from primuspipe.tools.pp_vis import style
@@ -33,12 +32,7 @@ def draw_png(timelines: Timeline | Sequence[Timeline], path: str | os.PathLike, 
     """Write the drawing of one timeline, or of several stacked on one time axis (they must share a
     time unit; see :func:`~primuspipe.tools.pp_vis.load.in_unit`). ``marks`` are ``(rank, node)`` to
     outline in red (nodes whose order differs between a run and its simulation)."""
-    panels = [timelines] if isinstance(timelines, Timeline) else list(timelines)
-    if not panels:
-        raise TableFormatError("nothing to draw: no timeline given")
-    if len({t.time_unit for t in panels}) > 1:
-        raise TableFormatError(f"timelines in {sorted({t.time_unit for t in panels})} cannot share an axis; "
-                               "convert them to one unit first (pp_vis.in_unit)")
+    panels = style.panels(timelines)
     rows = [max(len(t.ranks), 1) for t in panels]
     height = sum(r * _ROW_IN + _PANEL_EXTRA_IN for r in rows) + 0.6
     fig = Figure(figsize=(_WIDTH_IN, height), dpi=_DPI)

@@ -3,8 +3,11 @@ shade and a hatch per chunk, and the label written in a bar."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from matplotlib.colors import to_hex, to_rgb
 
+from primuspipe.errors import TableFormatError
 from primuspipe.node import NodeKind, ScheduleNode
 from primuspipe.timeline import Timeline
 from primuspipe.tools.pp_vis.stats import timeline_stats
@@ -60,3 +63,14 @@ def memory_label(nbytes: int | None) -> str:
     if nbytes is None:
         return "peak n/a"
     return f"{nbytes / 2**30:.2f} GiB" if nbytes else ""
+
+
+def panels(timelines: Timeline | Sequence[Timeline]) -> list[Timeline]:
+    """The timelines to stack on one time axis: at least one, all in one time unit."""
+    out = [timelines] if isinstance(timelines, Timeline) else list(timelines)
+    if not out:
+        raise TableFormatError("nothing to draw: no timeline given")
+    if len({t.time_unit for t in out}) > 1:
+        raise TableFormatError(f"timelines in {sorted({t.time_unit for t in out})} cannot share an axis; "
+                               "convert them to one unit first (pp_vis.in_unit)")
+    return out
