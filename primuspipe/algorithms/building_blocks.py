@@ -99,20 +99,22 @@ def block_orders(placement: Placement, microbatches: int, costs: ComputeCosts, p
                  max_chunk_activations: int) -> list[FixedOrder]:
     """The distinct repeated-block orders, from the real costs to uniform ones, that fit the budget."""
     orders = dict.fromkeys(
-        repeated_order(placement, microbatches, vshape_block(placement, blended(costs, weight), p2p_time))
+        repeated_order(placement, microbatches, vshape_block(placement, blended(costs, weight), p2p_time),
+                       max_chunk_activations)
         for weight in BLEND_WEIGHTS
     )
     return [o for o in orders if peak_chunk_activations(o) <= max_chunk_activations]
 
 
-def repeated_order(placement: Placement, microbatches: int, block: Block) -> FixedOrder:
+def repeated_order(placement: Placement, microbatches: int, block: Block, cap: int) -> FixedOrder:
     """Each rank's F/B order when the block repeats once per microbatch."""
     events: list[list[tuple[float, int, NodeKind, int]]] = [[] for _ in range(placement.pp)]
     for (kind, stage), start in block.starts.items():
         rank, chunk = placement.locate(stage)
         for mb in range(microbatches):
             events[rank].append((start + mb * block.period, mb, kind, chunk))
-    return FixedOrder(tuple(tuple((kind, chunk) for _, _, kind, chunk in sorted(e, key=lambda x: x[:2])) for e in events))
+    return FixedOrder(tuple(tuple((kind, chunk) for _, _, kind, chunk in sorted(e, key=lambda x: x[:2])) for e in events),
+                      cap)
 
 
 def peak_chunk_activations(order: FixedOrder) -> int:

@@ -43,7 +43,10 @@ class FillPolicy:
     """How a free rank picks its next node.
 
     ``cap[r]`` bounds the activations rank ``r`` holds (forward done, input-grad B not yet), counted in
-    *chunk* activations. ``reserve`` slots stay free for forwards of the rank's last chunk: a V-shape
+    *chunk* activations, and, unless ``pending_w`` says otherwise, also the weight-grad W's it may keep
+    pending: a W needs the inputs of every GEMM, most of a layer's activations, so W's are deferred only
+    while fewer than that many wait, which keeps memory bounded independently of the number of
+    microbatches. ``reserve`` slots stay free for forwards of the rank's last chunk: a V-shape
     rank that filled its memory with chunk-0 forwards could never run the chunk-1 forward that starts
     the backward wave. ``backward_first`` breaks a tie between a ready B and a ready F.
     """
@@ -51,6 +54,11 @@ class FillPolicy:
     cap: tuple[int, ...]
     reserve: int = 0
     backward_first: bool = True
+    pending_w: tuple[int, ...] | None = None
+    """Per rank, how many W's may wait at once, if not ``cap``."""
+
+    def w_limit(self, rank: int) -> int:
+        return (self.pending_w or self.cap)[rank]
 
 
 @dataclass(frozen=True)
@@ -58,11 +66,12 @@ class FixedOrder:
     """Every rank runs its F's and B's in a given order; only the W's are placed by the fill.
 
     ``sequence[r]`` lists rank ``r``'s F and B nodes as (kind, chunk); the microbatch of each is implied
-    (one chunk's forwards and backwards run in microbatch order). The order alone decides the peak
-    activations, so no cap is applied.
+    (one chunk's forwards and backwards run in microbatch order). ``cap`` bounds the W's a rank keeps
+    pending (as in :class:`FillPolicy`): a forward waits for a W to run first when ``cap`` are pending.
     """
 
     sequence: tuple[tuple[tuple[NodeKind, int], ...], ...]
+    cap: int
 
 
 @dataclass(frozen=True)
@@ -150,6 +159,8 @@ def list_schedule(
             if done == len(policy.sequence[rank]):
                 return []
             kind, c = policy.sequence[rank][done]
+            if kind is NodeKind.F and len(w_queue[rank]) >= policy.cap:
+                return []  # a deferred W must run first
             mb = (next_f if kind is NodeKind.F else next_b)[rank][c]
             return [(kind, c, mb, ready_time(kind, placement.stage(rank, c), mb))]
         out = []
@@ -160,7 +171,7 @@ def list_schedule(
                 out.append((NodeKind.B, c, mb, ready_time(NodeKind.B, stage, mb)))
             mb = next_f[rank][c]
             room = policy.cap[rank] - (0 if c == last_chunk else policy.reserve)
-            if mb < m and held[rank] + 1 <= room:
+            if mb < m and held[rank] + 1 <= room and len(w_queue[rank]) < policy.w_limit(rank):
                 out.append((NodeKind.F, c, mb, ready_time(NodeKind.F, stage, mb)))
         return out
 
@@ -203,7 +214,7 @@ def list_schedule(
             for r in asleep & neighbours[placement.stage(rank, chunk)]:
                 asleep.discard(r)
                 heapq.heappush(awake, (clock[r], r))
-        elif w_queue[rank] and not (fixed and _delays(cands, t + w_cost(rank))):
+        elif w_queue[rank] and not (fixed and cands and _delays(cands, t + w_cost(rank))):
             mb, chunk = w_queue[rank].popleft()
             run(rank, NodeKind.W, chunk, mb, t)
         elif known := [c[3] for c in cands if c[3] is not None]:

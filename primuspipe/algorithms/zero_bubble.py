@@ -28,7 +28,8 @@ def zb_h1(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
     warmup = tuple(p - r for r in range(p))
     # Steady: each B frees the slot of the next F; a W runs only where the rank would otherwise wait.
     # Cool-down: the remaining B's, with the deferred W's filling the gaps between their arrivals.
-    return best_fill(Placement.interleaved(p, 1), req.microbatches, req.costs, [FillPolicy(warmup)],
+    # W's wait at most p at a time on any rank: 1F1B's peak (rank 0's), whatever m is.
+    return best_fill(Placement.interleaved(p, 1), req.microbatches, req.costs, [FillPolicy(warmup, pending_w=(p,) * p)],
                      p2p_time=p2p_time, algorithm="zb-h1")
 
 
@@ -39,5 +40,6 @@ def zb_h2(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
     # Warm-up: rank r runs 2(p - r) - 1 forwards: enough to stay busy until its first B arrives.
     warmup = tuple(2 * (p - r) - 1 for r in range(p))
     # Steady and cool-down as in ZB-H1; the longer warm-up leaves more W's to fill the tail.
-    return best_fill(Placement.interleaved(p, 1), req.microbatches, req.costs, [FillPolicy(warmup)],
-                     p2p_time=p2p_time, algorithm="zb-h2")
+    # W's wait at most 2p - 1 at a time on any rank (rank 0's activation budget), whatever m is.
+    return best_fill(Placement.interleaved(p, 1), req.microbatches, req.costs,
+                     [FillPolicy(warmup, pending_w=(2 * p - 1,) * p)], p2p_time=p2p_time, algorithm="zb-h2")

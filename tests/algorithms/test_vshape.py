@@ -75,13 +75,15 @@ def test_larger_pp_figures_pp16_m64():
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 5, 8, 11])
 def test_repeated_building_block_is_a_valid_schedule_within_v_min_memory(pp):
-    """The block order on its own (not only where it wins): valid for every m, its predicted peak is the
-    table's, and under uniform costs it needs no more than V-min's budget."""
+    """The block order on its own (not only where it wins): valid for every m, its F/B order fits
+    V-min's budget under uniform costs, and with the W's placed the table (activations held until W)
+    stays within it."""
     placement = Placement.vshape(pp)
     costs = unit_costs(placement.num_stages)
+    budget = (pp + 4) // 3
     for m in (1, 2, pp, 2 * pp + 1):
-        order = repeated_order(placement, m, vshape_block(placement, costs))
+        order = repeated_order(placement, m, vshape_block(placement, costs), 2 * budget)
         timed = list_schedule(placement, m, costs, order)
         table = ScheduleTable.build(placement, m, timed.rows, "block")
         validate(add_communication(table))
-        assert max(peak_in_flight(table)) == peak_chunk_activations(order) / 2 <= (pp + 4) // 3
+        assert peak_chunk_activations(order) / 2 <= max(peak_in_flight(table)) <= budget
