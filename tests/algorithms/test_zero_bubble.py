@@ -63,14 +63,15 @@ def test_non_uniform_costs_drive_the_fill(algorithm, case):
         assert simulate(aware, model).step_time == expected[algorithm] < simulate(blind, model).step_time
 
 
-def test_deferred_weight_grads_stay_bounded_whatever_the_microbatch_count():
-    """A W keeps most of its layer's activations alive (the inputs of every GEMM), so ZB-H1 and ZB-H2
-    defer at most p and 2p - 1 of them per rank: the same at m = 4p as at m = 16p."""
+def test_memory_counted_until_w_is_1f1bs_whatever_the_microbatch_count():
+    """A W keeps most of its layer's activations alive (the inputs of every GEMM), so a microbatch is
+    counted from its F until its W: ZB-H1 then holds at most p on every rank (1F1B's peak) and ZB-H2
+    2p - 1, the same at m = 4p as at m = 16p."""
     for algorithm, bound in (("zb-h1", 8), ("zb-h2", 15)):
         for m in (32, 128):
             for row in build_schedule(algorithm, 8, m).compute_only().ranks:
-                pending = worst = 0
+                held = worst = 0
                 for node in row:
-                    pending += {"B": 1, "W": -1}.get(node.kind.value, 0)
-                    worst = max(worst, pending)
+                    held += {"F": 1, "W": -1}.get(node.kind.value, 0)
+                    worst = max(worst, held)
                 assert worst <= bound, (algorithm, m, worst)
