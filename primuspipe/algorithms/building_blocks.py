@@ -96,11 +96,12 @@ def blended(costs: ComputeCosts, weight: float) -> ComputeCosts:
 
 
 def block_orders(placement: Placement, microbatches: int, costs: ComputeCosts, p2p_time: float,
-                 max_chunk_activations: int) -> list[FixedOrder]:
-    """The distinct repeated-block orders, from the real costs to uniform ones, that fit the budget."""
+                 max_chunk_activations: int, max_deferred_w: int) -> list[FixedOrder]:
+    """The distinct repeated-block orders, from the real costs to uniform ones, that fit the budget
+    (each deferring at most ``max_deferred_w`` W's per rank)."""
     orders = dict.fromkeys(
         repeated_order(placement, microbatches, vshape_block(placement, blended(costs, weight), p2p_time),
-                       max_chunk_activations)
+                       max_deferred_w)
         for weight in BLEND_WEIGHTS
     )
     return [o for o in orders if peak_chunk_activations(o) <= max_chunk_activations]

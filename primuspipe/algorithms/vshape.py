@@ -28,7 +28,7 @@ from primuspipe.placement import Placement
 from primuspipe.table import ScheduleTable
 
 
-def fill_policies(p: int, cap: int) -> list[FillPolicy]:
+def fill_policies(p: int, cap: int, max_deferred_w: int) -> list[FillPolicy]:
     """Greedy policies tried, as (reserve, backward first) pairs.
 
     The reserve is the chunk-activation slots kept for chunk-1 forwards (which start the backward
@@ -38,41 +38,46 @@ def fill_policies(p: int, cap: int) -> list[FillPolicy]:
     pairs = [(1, True), (1, False), (2, True), (2, False)]
     if cap // 6 > 2:
         pairs += [(cap // 6, True), (cap // 6, False)]
-    return [FillPolicy((cap,) * p, reserve, first) for reserve, first in pairs if reserve < cap]
+    return [FillPolicy((cap,) * p, reserve, first, (max_deferred_w,) * p) for reserve, first in pairs if reserve < cap]
 
 
-def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str, p2p_time: float) -> ScheduleTable:
-    """A V-shape schedule holding at most ``budget`` microbatches (1F1B-stage units) per rank."""
+def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str, p2p_time: float,
+                    max_deferred_w: int | None) -> ScheduleTable:
+    """A V-shape schedule holding at most ``budget`` microbatches (1F1B-stage units) per rank from F to
+    B, deferring at most ``max_deferred_w`` W's per rank (default: as many as the budget's chunks)."""
     require(req.vpp == 2, algorithm, f"is a V-shape schedule with 2 chunks per rank, got vpp = {req.vpp}")
+    require(max_deferred_w is None or max_deferred_w >= 1, algorithm,
+            f"max_deferred_w must be >= 1 (a W follows its B), got {max_deferred_w}")
     p = req.pp
     cap = 2 * budget  # in chunk activations
+    deferred = cap if max_deferred_w is None else max_deferred_w
     placement = Placement.vshape(p)
     costs = req.costs or unit_costs(placement.num_stages)
     # Building blocks: one microbatch's chain laid out on the period (with the real costs, blended
     # toward uniform ones down to the paper's block), repeated m times, squeezed, W's filling the waits
     # under the real costs; kept where the order stays within the budget.
-    blocks = block_orders(placement, req.microbatches, costs, p2p_time, cap)
+    blocks = block_orders(placement, req.microbatches, costs, p2p_time, cap, deferred)
     # Warm-up: chunk-0 forwards until the budget less the reserve is held; chunk-1 forwards of the
     # first microbatches follow as soon as they come back up the V.
     # Steady: each B frees a slot, the next forward takes it; W's fill the waits.
     # Cool-down: the last B's, with the deferred W's filling the gaps between them.
-    return best_fill(placement, req.microbatches, costs, [*blocks, *fill_policies(p, cap)], p2p_time=p2p_time,
+    return best_fill(placement, req.microbatches, costs, [*blocks, *fill_policies(p, cap, deferred)], p2p_time=p2p_time,
                      algorithm=algorithm)
 
 
 @register("zbv", placement="v", vpp=2, split_backward=True)
-def zbv(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
+def zbv(req: ScheduleRequest, *, p2p_time: float = 0.0, max_deferred_w: int | None = None) -> ScheduleTable:
     """ZBV: V-shape zero bubble at 1F1B's activation memory (p microbatches per rank)."""
-    return vshape_schedule(req, req.pp, "zbv", p2p_time)
+    return vshape_schedule(req, req.pp, "zbv", p2p_time, max_deferred_w)
 
 
 @register("v-half", placement="v", vpp=2, split_backward=True)
-def v_half(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
+def v_half(req: ScheduleRequest, *, p2p_time: float = 0.0, max_deferred_w: int | None = None) -> ScheduleTable:
     """V-half: V-shape at (p+2)//2 microbatches of activations, about half of 1F1B's bubble."""
-    return vshape_schedule(req, (req.pp + 2) // 2, "v-half", p2p_time)
+    return vshape_schedule(req, (req.pp + 2) // 2, "v-half", p2p_time, max_deferred_w)
 
 
 @register("v-min", placement="v", vpp=2, split_backward=True)
-def v_min(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
+def v_min(req: ScheduleRequest, *, p2p_time: float = 0.0, max_deferred_w: int | None = None) -> ScheduleTable:
     """V-min: V-shape at (p+4)//3 microbatches of activations, about two thirds of 1F1B's bubble."""
-    return vshape_schedule(req, (req.pp + 4) // 3, "v-min", p2p_time)
+    return vshape_schedule(req, (req.pp + 4) // 3, "v-min", p2p_time, max_deferred_w)
