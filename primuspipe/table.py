@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
+from primuspipe.dataflow import Transfer, transfer_of
 from primuspipe.errors import TableFormatError
 from primuspipe.node import ScheduleNode
 from primuspipe.placement import Placement
@@ -61,6 +63,17 @@ class ScheduleTable:
 
     def with_ranks(self, ranks: Iterable[Iterable[ScheduleNode]]) -> ScheduleTable:
         return ScheduleTable.build(self.placement, self.microbatches, ranks, self.algorithm)
+
+    @cached_property
+    def transfers(self) -> tuple[tuple[Transfer | None, ...], ...]:
+        """Per rank and node: the transfer a communication node moves, None for compute nodes.
+
+        Derived once per table (passes look it up for every node); the table must name existing chunks
+        (:func:`~primuspipe.validation.check_structure`)."""
+        return tuple(
+            tuple(None if n.kind.is_compute else transfer_of(self.placement, r, n) for n in row)
+            for r, row in enumerate(self.ranks)
+        )
 
     def positions(self) -> Iterator[tuple[int, int, ScheduleNode]]:
         """Every ``(rank, index, node)`` in rank order."""

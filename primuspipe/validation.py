@@ -116,7 +116,7 @@ def _check_transfers_complete(table: ScheduleTable) -> None:
     recvs: dict[Transfer, list] = defaultdict(list)
     for rank, i, node in table.positions():
         if not node.kind.is_compute:
-            (sends if node.kind.is_send else recvs)[transfer_of(table.placement, rank, node)].append((rank, i))
+            (sends if node.kind.is_send else recvs)[table.transfers[rank][i]].append((rank, i))
     for t in sorted(_required_transfers(table) | set(sends) | set(recvs)):
         for name, where in (("send", sends[t]), ("receive", recvs[t])):
             if len(where) != 1:
@@ -134,10 +134,10 @@ def check_order(table: ScheduleTable) -> None:
         received: set[Transfer] = set()
         for i, node in enumerate(row):
             if node.kind.is_recv:
-                received.add(transfer_of(placement, rank, node))
+                received.add(table.transfers[rank][i])
                 continue
             if node.kind.is_send:
-                t = transfer_of(placement, rank, node)
+                t = table.transfers[rank][i]
                 if Step(t.carries, t.src_stage, t.microbatch) not in done:
                     _fail(table, "order", f"{_at(table, rank, i)} sends a tensor before {t.carries}{node.microbatch}.{node.chunk} computes it",
                           [(rank, i)], "place the send after its producer")
@@ -157,12 +157,11 @@ def check_order(table: ScheduleTable) -> None:
 
 def check_pairing(table: ScheduleTable) -> None:
     """Per direction, the k-th send and the k-th receive carry the same tensor."""
-    placement = table.placement
     lanes: dict[tuple[int, int, bool], list[tuple[int, Transfer]]] = defaultdict(list)
     for rank, i, node in table.positions():
         if not node.kind.is_compute:
             pair = (rank, node.peer) if node.kind.is_send else (node.peer, rank)
-            lanes[(*pair, node.kind.is_send)].append((i, transfer_of(placement, rank, node)))
+            lanes[(*pair, node.kind.is_send)].append((i, table.transfers[rank][i]))
     for (src, dst, is_send), sends in sorted(lanes.items()):
         if not is_send:
             continue
@@ -192,7 +191,7 @@ def check_deadlock(table: ScheduleTable) -> None:
             node = row[ptr[rank]]
             produced: list[Transfer] = []
             if node.kind.is_send:
-                produced.append(transfer_of(placement, rank, node))
+                produced.append(table.transfers[rank][ptr[rank]])
             elif node.kind.is_compute:
                 missing = [t for kind, mb, chunk in node.parts()
                            if (t := inbound(placement, rank, kind, chunk, mb)) is not None and t not in available]
