@@ -25,6 +25,14 @@ from primuspipe.node import ScheduleNode
 TIMELINE_VERSION = 1
 
 
+def idle_share(window: float, busy: float) -> float:
+    """The bubble rate of a rank: the share of ``window`` it spent not computing (0 for an empty window).
+
+    The one definition the simulator and pp_vis share: ``window`` is the whole step for the step bubble
+    rate, the rank's own first-to-last compute for the zero-bubble papers' span figure."""
+    return (window - busy) / window if window > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class TimedNode:
     node: ScheduleNode

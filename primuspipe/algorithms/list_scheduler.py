@@ -76,23 +76,11 @@ class FixedOrder:
 
 @dataclass(frozen=True)
 class TimedRows:
-    """The per-rank node order the scheduler chose and the timing it assumed."""
+    """The per-rank node order the scheduler chose and the makespan its own timing gives (policies are
+    compared by it; the simulator measures the chosen table)."""
 
     rows: tuple[tuple[ScheduleNode, ...], ...]
     makespan: float
-    busy: tuple[float, ...]
-    spans: tuple[tuple[float, float], ...]
-    """Per rank, (start of its first node, end of its last node)."""
-
-    @property
-    def bubble_rate(self) -> float:
-        """Largest per-rank idle share of the makespan, under the scheduler's own timing."""
-        return max((self.makespan - b) / self.makespan for b in self.busy) if self.makespan > 0 else 0.0
-
-    @property
-    def span_bubble_rate(self) -> float:
-        """Largest per-rank idle share of that rank's own span (first start to last end)."""
-        return max(((e - s) - b) / (e - s) if e > s else 0.0 for (s, e), b in zip(self.spans, self.busy))
 
 
 def unit_costs(num_stages: int) -> ComputeCosts:
@@ -122,8 +110,6 @@ def list_schedule(
     last_chunk = vpp - 1
     finish: dict[tuple[str, int, int], float] = {}  # (step kind, stage, mb) -> end time
     clock = [0.0] * pp
-    busy = [0.0] * pp
-    first = [None] * pp
     held = [0] * pp
     next_f = [[0] * vpp for _ in range(pp)]
     next_b = [[0] * vpp for _ in range(pp)]
@@ -179,8 +165,6 @@ def list_schedule(
         stage = placement.stage(rank, chunk)
         end = start + durations[kind][stage]
         finish[(_KIND_STEP[kind], stage, mb)] = end
-        busy[rank] += end - start
-        first[rank] = start if first[rank] is None else first[rank]
         clock[rank] = end
         remaining[rank] -= 1
         rows[rank].append(ScheduleNode(kind, mb, chunk))
@@ -229,9 +213,7 @@ def list_schedule(
             f"{algorithm}: with at most {policy.cap} chunk activations per rank the pipeline stalls "
             f"({m} microbatches, pp={pp}); raise the memory limit"
         )
-    makespan = max(clock)
-    spans = tuple((first[r], clock[r]) for r in range(pp))
-    return TimedRows(tuple(tuple(r) for r in rows), makespan, tuple(busy), spans)
+    return TimedRows(tuple(tuple(r) for r in rows), max(clock))
 
 
 def _delays(cands: list[tuple[NodeKind, int, int, float | None]], w_end: float) -> bool:

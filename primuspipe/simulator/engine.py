@@ -29,7 +29,7 @@ from primuspipe.node import NodeKind, ScheduleNode
 from primuspipe.simulator.cost_model import CostModel
 from primuspipe.simulator.memory import peak_activations
 from primuspipe.table import ScheduleTable
-from primuspipe.timeline import RankTimeline, Timeline, TimedNode
+from primuspipe.timeline import RankTimeline, Timeline, TimedNode, idle_share
 
 _COMPUTE, _SEND, _RECV = 0, 1, 2
 
@@ -60,8 +60,7 @@ class RankResult:
         times = [(s, e) for n, s, e in zip(self.nodes, self.starts, self.ends) if n.kind.is_compute]
         if not times:
             return 0.0
-        span = max(e for _, e in times) - min(s for s, _ in times)
-        return (span - self.busy_time) / span if span > 0 else 0.0
+        return idle_share(max(e for _, e in times) - min(s for s, _ in times), self.busy_time)
 
     @cached_property
     def events(self) -> tuple[TimedNode, ...]:
@@ -145,7 +144,7 @@ def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
     units, act_bytes = peak_activations(full, cost.memory)
     ranks = tuple(
         RankResult(r, full.ranks[r], tuple(starts[r]), tuple(ends[r]), busy[r],
-                   (step - busy[r]) / step if step > 0 else 0.0, units[r], act_bytes[r], cost.static_bytes(r))
+                   idle_share(step, busy[r]), units[r], act_bytes[r], cost.static_bytes(r))
         for r in range(full.pp)
     )
     return SimulationResult(full, cost, step, ranks)

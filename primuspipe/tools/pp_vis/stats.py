@@ -25,7 +25,7 @@ from primuspipe.node import NodeKind, ScheduleNode
 from primuspipe.placement import Placement
 from primuspipe.simulator import CostModel, simulate
 from primuspipe.simulator.calibrate import executed_table
-from primuspipe.timeline import Timeline
+from primuspipe.timeline import Timeline, idle_share
 from primuspipe.tools.pp_vis.load import in_unit
 
 KIND_ORDER = (NodeKind.F, NodeKind.B, NodeKind.W, NodeKind.BW, NodeKind.FB)
@@ -46,7 +46,7 @@ class TimelineStats:
 
     @property
     def bubble_rates(self) -> tuple[float, ...]:
-        return tuple((self.step_time - b) / self.step_time if self.step_time > 0 else 0.0 for b in self.busy)
+        return tuple(idle_share(self.step_time, b) for b in self.busy)
 
     @property
     def bubble_rate(self) -> float:
