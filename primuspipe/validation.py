@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
 
-from primuspipe.dataflow import Step, Transfer, inbound, step_needs, steps_done, transfer_of
+from primuspipe.dataflow import Step, Transfer, inbound, outbound, step_needs, steps_done, transfer_of
 from primuspipe.errors import ValidationError
 from primuspipe.node import NodeKind
 from primuspipe.table import ScheduleTable
@@ -200,8 +200,8 @@ def check_deadlock(table: ScheduleTable) -> None:
                     waiting[missing[0]].append(rank)
                     break
                 if not comm:  # compute-only: a transfer is available as soon as its producer ran
-                    produced = [Transfer(s.kind, s.stage, s.stage + (1 if s.kind == "F" else -1), s.microbatch)
-                                for s in steps_done(placement, rank, node) if s.kind in ("F", "B")]
+                    produced = [t for kind, mb, chunk in node.parts()
+                                if (t := outbound(placement, rank, kind, chunk, mb)) is not None]
             for t in produced:
                 available.add(t)
                 for r in waiting.pop(t, []):

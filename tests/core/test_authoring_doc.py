@@ -3,20 +3,10 @@
 import re
 from pathlib import Path
 
-import pytest
 
-from primuspipe.algorithms import registry
 from primuspipe.cli import main
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "authoring.md"
-
-
-@pytest.fixture
-def clean_registry():
-    saved = dict(registry._REGISTRY)
-    yield
-    registry._REGISTRY.clear()
-    registry._REGISTRY.update(saved)
 
 
 def test_authoring_example_runs(clean_registry, tmp_path, capsys):

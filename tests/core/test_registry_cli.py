@@ -12,15 +12,6 @@ from primuspipe.schedule import build_schedule
 from primuspipe.table import ScheduleTable
 
 
-@pytest.fixture
-def clean_registry():
-    saved, loaded = dict(registry._REGISTRY), registry._plugins_loaded
-    yield
-    registry._REGISTRY.clear()
-    registry._REGISTRY.update(saved)
-    registry._plugins_loaded = loaded
-
-
 def test_duplicate_names_are_rejected(clean_registry):
     with pytest.raises(DuplicateAlgorithmError, match="'1f1b' is already registered"):
         register("1f1b")(lambda req: None)

@@ -17,6 +17,13 @@ def _edit(table, rank, new_row):
     return table.with_ranks(rows)
 
 
+def _refused(table, rank, row, check=validate) -> ValidationError:
+    """The error ``check`` raises on ``table`` with ``rank``'s row replaced by ``row``."""
+    with pytest.raises(ValidationError) as err:
+        check(_edit(table, rank, row))
+    return err.value
+
+
 def _parse_rows(*rows):
     return [[ScheduleNode.parse(t) for t in row.split()] for row in rows]
 
@@ -30,30 +37,27 @@ def test_valid_tables_pass():
 def test_dropped_node_is_refused_naming_completeness():
     table = build_schedule("1f1b", 2, 3)
     row = [n for n in table.ranks[1] if str(n) != "BW1.0"]
-    with pytest.raises(ValidationError) as err:
-        validate(_edit(table, 1, row))
-    assert err.value.rule == "completeness"
-    assert "stage 1 (rank 1, chunk 0), microbatch 1 has 0 BW, 0 B and 0 W" in str(err.value)
-    assert "fix:" in str(err.value)
+    error = _refused(table, 1, row)
+    assert error.rule == "completeness"
+    assert "stage 1 (rank 1, chunk 0), microbatch 1 has 0 BW, 0 B and 0 W" in str(error)
+    assert "fix:" in str(error)
 
 
 def test_duplicated_node_is_refused_and_marked():
     table = build_schedule("1f1b", 2, 3).compute_only()
     row = list(table.ranks[0]) + [table.ranks[0][0]]
-    with pytest.raises(ValidationError) as err:
-        validate(_edit(table, 0, row))
-    assert err.value.rule == "completeness" and "2 forwards" in str(err.value)
-    assert set(err.value.nodes) == {(0, 0), (0, len(row) - 1)}  # only the two forwards are marked
-    assert ">>F0.0<<" in str(err.value)
+    error = _refused(table, 0, row)
+    assert error.rule == "completeness" and "2 forwards" in str(error)
+    assert set(error.nodes) == {(0, 0), (0, len(row) - 1)}  # only the two forwards are marked
+    assert ">>F0.0<<" in str(error)
 
 
 def test_consumer_before_producer_is_refused_naming_order():
     table = build_schedule("1f1b", 1, 2).compute_only()
     row = list(table.ranks[0])  # F0 BW0 F1 BW1
     row[0], row[1] = row[1], row[0]
-    with pytest.raises(ValidationError) as err:
-        validate(_edit(table, 0, row))
-    assert err.value.rule == "order" and "BW0.0" in str(err.value) and "F(stage 0, mb 0)" in str(err.value)
+    error = _refused(table, 0, row)
+    assert error.rule == "order" and "BW0.0" in str(error) and "F(stage 0, mb 0)" in str(error)
 
 
 def test_swapped_receives_are_refused_naming_pairing():
@@ -61,11 +65,10 @@ def test_swapped_receives_are_refused_naming_pairing():
     row = list(table.ranks[1])  # starts RECV_F0.0<0 RECV_F1.0<0 F0.0
     i, j = row.index(ScheduleNode.parse("RECV_F0.0<0")), row.index(ScheduleNode.parse("RECV_F1.0<0"))
     row[i], row[j] = row[j], row[i]
-    with pytest.raises(ValidationError) as err:
-        validate(_edit(table, 1, row))
-    assert err.value.rule == "pairing"
-    assert "rank 0's send #0 to rank 1 is SEND_F0.0>1" in str(err.value)
-    assert "RECV_F1.0<0" in str(err.value)
+    error = _refused(table, 1, row)
+    assert error.rule == "pairing"
+    assert "rank 0's send #0 to rank 1 is SEND_F0.0>1" in str(error)
+    assert "RECV_F1.0<0" in str(error)
 
 
 def test_activation_and_gradient_between_same_two_ranks_cannot_be_confused():
@@ -75,9 +78,8 @@ def test_activation_and_gradient_between_same_two_ranks_cannot_be_confused():
     recv_f = next(i for i, n in enumerate(row) if str(n).startswith("RECV_F") and n.chunk == 1)
     recv_b = next(i for i, n in enumerate(row) if str(n).startswith("RECV_B"))
     row[recv_f], row[recv_b] = row[recv_b], row[recv_f]
-    with pytest.raises(ValidationError) as err:
-        check_pairing(_edit(table, 1, row))
-    assert "activation" in str(err.value) and "gradient" in str(err.value) and "swapped" in str(err.value)
+    error = _refused(table, 1, row, check_pairing)
+    assert "activation" in str(error) and "gradient" in str(error) and "swapped" in str(error)
 
 
 def test_cross_rank_compute_cycle_is_refused_naming_the_waiting_nodes():
@@ -149,7 +151,6 @@ def test_random_mutations_are_refused_naming_a_rule(table, mutation, rnd):
             return
         i, j = sorted(rnd.sample(rnd.choice(lanes), 2))
         row[i], row[j] = row[j], row[i]
-    with pytest.raises(ValidationError) as err:
-        validate(_edit(table, rank, row))
-    assert err.value.rule in {"structure", "completeness", "order", "pairing", "deadlock"}
-    assert err.value.nodes and "fix:" in str(err.value)
+    error = _refused(table, rank, row)
+    assert error.rule in {"structure", "completeness", "order", "pairing", "deadlock"}
+    assert error.nodes and "fix:" in str(error)

@@ -1,0 +1,13 @@
+import pytest
+
+from primuspipe.algorithms import registry
+
+
+@pytest.fixture
+def clean_registry():
+    """Algorithms a test registers (or plug-ins it loads) are forgotten afterwards."""
+    saved, loaded = dict(registry._REGISTRY), registry._plugins_loaded
+    yield
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(saved)
+    registry._plugins_loaded = loaded
