@@ -36,3 +36,9 @@ def console(**kwargs: Any) -> Console:
     if not out.is_terminal:
         out.width = 160
     return out
+
+
+def report_console() -> Console:
+    """The :func:`console` commands print their reports on: no automatic colouring of numbers and
+    paths, and long lines (error reasons, file names) left whole rather than wrapped."""
+    return console(highlight=False, soft_wrap=True)

@@ -11,8 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from primuspipe.algorithms import get_algorithm, list_algorithms
-from primuspipe.cli.options import add_shape_arguments, parse_options
-from primuspipe.cli.options import console as cli_console
+from primuspipe.cli.options import add_shape_arguments, parse_options, report_console
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.schedule import build_schedule
 from primuspipe.simulator import CostModel, SimulationResult, read_cost_file, simulate
@@ -150,7 +149,7 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         table.add_row(str(k), row["algorithm"], str(row["vpp"]), f"{row['step_time']:g}", f"{row['bubble_rate']:.4f}",
                       f"{row['bubble_rate_mean']:.4f}", f"{row['bubble_rate_span']:.4f}", f"{max(row['peak_activations']):g}", memory,
                       "yes" if row["fits"] else "[bold red]OVER[/]")
-    console = cli_console(highlight=False, soft_wrap=True)
+    console = report_console()
     console.print(table)
     for row in refused:
         reason = escape(row["error"].splitlines()[0])

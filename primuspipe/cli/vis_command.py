@@ -10,7 +10,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from primuspipe.cli.options import console as cli_console
+from primuspipe.cli.options import report_console
 from primuspipe.simulator import CostModel
 from primuspipe.simulator.calibrate import MeasuredCosts, measure_costs, placement_of
 from primuspipe.timeline import Timeline
@@ -28,8 +28,6 @@ from primuspipe.tools.pp_vis import (
 
 _INPUT_HELP = ("a timeline JSON file (from 'primuspipe simulate -o DIR') or a run's dump directory holding "
                "iter_<n>/rank_<r>.json (dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR)")
-_PLACEMENT_HELP = ("stage layout of the run: 'interleaved' or 'v' (default: the one the timeline records, else "
-                   "the one its algorithm is registered with); needed only for unregistered algorithms")
 
 _VIS_DESCRIPTION = """\
 Draw a pipeline timeline -- a real run's dump or a simulated step, both in the primuspipe timeline
@@ -77,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     other.add_argument("--cost", type=Path, metavar="FILE",
                        help="cost model YAML (see 'primuspipe simulate --help'): simulate the input's own table "
                             "under it and compare")
-    p.add_argument("--placement", choices=("interleaved", "v"), help=_PLACEMENT_HELP)
+    _add_placement_argument(p)
     out = p.add_argument_group("outputs (any combination; with none, only the figures are printed)")
     out.add_argument("--png", type=Path, metavar="OUT", help="static PNG: one row per rank, one bar per compute node")
     out.add_argument("--html", type=Path, metavar="OUT",
@@ -100,8 +98,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="leading iterations to skip as warm-up (default 1; all are used if no more remain)")
     c.add_argument("--per-model-stage", action="store_true",
                    help="write pp*vpp per-model-stage values instead of pp per-1F1B-stage ones")
-    c.add_argument("--placement", choices=("interleaved", "v"), help=_PLACEMENT_HELP)
+    _add_placement_argument(c)
     c.set_defaults(handler=cmd_calibrate)
+
+
+def _add_placement_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--placement", choices=("interleaved", "v"),
+                        help="stage layout of the run: 'interleaved' or 'v' (default: the one the timeline records, "
+                             "else the one its algorithm is registered with); needed only for unregistered algorithms")
 
 
 def cmd_vis(args: argparse.Namespace) -> int:
@@ -131,7 +135,7 @@ def cmd_vis(args: argparse.Namespace) -> int:
             out["comparison"] = _comparison_json(comparison)
         print(json.dumps(out, indent=1))
         return 0
-    console = cli_console(highlight=False, soft_wrap=True)
+    console = report_console()
     if comparison is None:
         console.print(_stats_table(timeline))
     else:
@@ -152,7 +156,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return 0
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
-    console = cli_console(highlight=False, soft_wrap=True)
+    console = report_console()
     console.print(_measured_table(measured))
     for note in measured.notes:
         console.print(f"[yellow]note:[/] {escape(note)}", markup=True)

@@ -35,10 +35,10 @@ from typing import Any
 import yaml
 
 from primuspipe.algorithms import get_algorithm
-from primuspipe.dataflow import transfer_of
 from primuspipe.errors import TableFormatError, UnknownAlgorithmError
-from primuspipe.node import NodeKind
+from primuspipe.node import NodeKind, ScheduleNode
 from primuspipe.placement import Placement
+from primuspipe.simulator.trace import matched_transfers
 from primuspipe.table import ScheduleTable
 from primuspipe.timeline import Timeline
 
@@ -63,16 +63,21 @@ def placement_of(timeline: Timeline, name: str | None = None) -> Placement:
     return Placement.named(layout, timeline.pp, timeline.vpp)
 
 
+def compute_order(timeline: Timeline) -> dict[int, tuple[ScheduleNode, ...]]:
+    """Per rank, its compute nodes in the order they ran (start order: a rank runs one compute node at
+    a time, so this order is exact)."""
+    return {rt.rank: tuple(e.node for e in sorted(rt.events, key=lambda e: e.start) if e.node.kind.is_compute)
+            for rt in timeline.ranks}
+
+
 def executed_table(timeline: Timeline, placement: Placement | None = None) -> ScheduleTable:
-    """The compute-only table the timeline ran: each rank's compute nodes in start order (a rank runs
-    one compute node at a time, so this order is exact; communication is what ``add_communication``
-    derives from it)."""
+    """The compute-only table the timeline ran, from :func:`compute_order` (communication is what
+    ``add_communication`` derives from it)."""
     placement = placement or placement_of(timeline)
-    rows = [[] for _ in range(timeline.pp)]
-    for rt in timeline.ranks:
-        if not 0 <= rt.rank < timeline.pp:
-            raise TableFormatError(f"the timeline has rank {rt.rank} but pp = {timeline.pp}")
-        rows[rt.rank] = [e.node for e in sorted(rt.events, key=lambda e: e.start) if e.node.kind.is_compute]
+    order = compute_order(timeline)
+    if stray := sorted(r for r in order if not 0 <= r < timeline.pp):
+        raise TableFormatError(f"the timeline has rank {stray[0]} but pp = {timeline.pp}")
+    rows = [order.get(r, ()) for r in range(timeline.pp)]
     return ScheduleTable.build(placement, timeline.microbatches, rows, timeline.algorithm)
 
 
@@ -223,7 +228,7 @@ class _Samples:
 
 def _samples(timeline: Timeline, placement: Placement) -> _Samples:
     durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
-    pairs, posted, arrived = [], {}, {}
+    pairs = []
     for rt in timeline.ranks:
         for e in rt.events:
             node = e.node
@@ -232,10 +237,6 @@ def _samples(timeline: Timeline, placement: Placement) -> _Samples:
                 pairs.append((placement.stage(rt.rank, fc), placement.stage(rt.rank, bc), e.end - e.start))
             elif node.kind.is_compute:
                 durations[(node.kind, placement.stage(rt.rank, node.chunk))].append(e.end - e.start)
-            else:
-                transfer = transfer_of(placement, rt.rank, node)
-                posted.setdefault(transfer, []).append(e.start)
-                if node.kind.is_recv:
-                    arrived[transfer] = e.end
-    delays = [max(0.0, end - max(posted[t])) for t, end in arrived.items() if len(posted[t]) == 2]
+    delays = [max(0.0, recv.end - max(send.start, recv.start))
+              for send, recv in matched_transfers(timeline, placement).values()]
     return _Samples(dict(durations), pairs, delays)

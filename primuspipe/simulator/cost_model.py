@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +159,6 @@ class CostModel:
     memory: MemoryCost | None = None
     """None: bytes are not modelled (reported as 0); microbatch-unit memory is always reported."""
     time_unit: str = "ms"
-    _bw: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = self.compute.num_stages
@@ -171,8 +170,6 @@ class CostModel:
             raise ConfigError(f"memory.activation_bytes has {len(self.memory.activation_bytes)} values for {n} stages")
         if self.time_unit not in TIME_UNITS:
             raise ConfigError(f"time_unit must be one of {sorted(TIME_UNITS)}, got {self.time_unit!r}")
-        bw = self.fused_backward or tuple(self.compute.fused_backward(s) for s in range(n))
-        object.__setattr__(self, "_bw", bw)
 
     @classmethod
     def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values, *, bw: Values | None = None,
@@ -186,7 +183,9 @@ class CostModel:
         return self.compute.num_stages
 
     def bw_time(self, stage: int) -> float:
-        return self._bw[stage]
+        if self.fused_backward is not None:
+            return self.fused_backward[stage]
+        return self.compute.fused_backward(stage)
 
     def fb_time(self, f_stage: int, b_stage: int) -> float:
         f, b = self.compute.forward[f_stage], self.compute.backward_input[b_stage]

@@ -29,7 +29,7 @@ from primuspipe.node import NodeKind, ScheduleNode
 from primuspipe.simulator.cost_model import CostModel
 from primuspipe.simulator.memory import peak_activations
 from primuspipe.table import ScheduleTable
-from primuspipe.timeline import RankTimeline, Timeline, TimedNode, idle_share
+from primuspipe.timeline import RankTimeline, TimedNode, Timeline, idle_share
 
 _COMPUTE, _SEND, _RECV = 0, 1, 2
 

@@ -32,7 +32,6 @@ def chrome_trace(timeline: Timeline, placement: Placement) -> dict:
     events: list[dict] = [{"ph": "M", "name": "process_name", "pid": _PID, "tid": 0, "args": {"name": title}}]
     producers: dict[Transfer, tuple[int, TimedNode]] = {}
     consumers: dict[Transfer, tuple[int, TimedNode]] = {}
-    posted: dict[tuple[Transfer, bool], TimedNode] = {}
     for rt in timeline.ranks:
         rank = rt.rank
         events += [{"ph": "M", "name": "thread_name", "pid": _PID, "tid": rank, "args": {"name": f"rank {rank}"}},
@@ -40,7 +39,6 @@ def chrome_trace(timeline: Timeline, placement: Placement) -> dict:
         for e in rt.events:
             node = e.node
             if not node.kind.is_compute:
-                posted[(transfer_of(placement, rank, node), node.kind.is_send)] = e
                 continue
             events.append({"ph": "X", "name": str(node), "cat": node.kind.value, "pid": _PID, "tid": rank,
                            "ts": e.start * scale, "dur": (e.end - e.start) * scale,
@@ -51,11 +49,13 @@ def chrome_trace(timeline: Timeline, placement: Placement) -> dict:
                     producers[t] = (rank, e)
                 if (t := inbound(placement, rank, kind, chunk, mb)) is not None:
                     consumers[t] = (rank, e)
+    matched = matched_transfers(timeline, placement)
     flows = sorted((p[1].start, p[0], t) for t, p in producers.items() if t in consumers)
     for flow_id, (_, src, t) in enumerate(flows):
         (_, made), (dst, used) = producers[t], consumers[t]
         args = {"transfer": str(t)}
-        if (send := posted.get((t, True))) is not None and (recv := posted.get((t, False))) is not None:
+        if t in matched:
+            send, recv = matched[t]
             args.update(send_posted=send.start, recv_posted=recv.start, arrived=recv.end)
         name = "activation" if t.carries == "F" else "gradient"
         events += [
@@ -66,6 +66,18 @@ def chrome_trace(timeline: Timeline, placement: Placement) -> dict:
         ]
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"source": timeline.source, "algorithm": timeline.algorithm, "time_unit": timeline.time_unit}}
+
+
+def matched_transfers(timeline: Timeline, placement: Placement) -> dict[Transfer, tuple[TimedNode, TimedNode]]:
+    """Each transfer whose send and receive are both in the timeline, as ``(send, receive)`` events: a
+    send's ``start`` is when it was posted, a receive's ``start`` and ``end`` when it was posted and
+    when the tensor arrived. Timelines without SEND/RECV nodes give an empty mapping."""
+    posted: dict[tuple[Transfer, bool], TimedNode] = {
+        (transfer_of(placement, rt.rank, e.node), e.node.kind.is_send): e
+        for rt in timeline.ranks for e in rt.events if not e.node.kind.is_compute
+    }
+    return {t: (send, posted[(t, False)]) for (t, is_send), send in posted.items()
+            if is_send and (t, False) in posted}
 
 
 def write_chrome_trace(path: str | Path, timeline: Timeline, placement: Placement) -> Path:

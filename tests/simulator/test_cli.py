@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from simulator_support import simulate_rows
 
 from primuspipe.algorithms import list_algorithms
 from primuspipe.cli import main
@@ -16,13 +17,8 @@ KEYS = {"algorithm", "pp", "vpp", "microbatches", "step_time", "bubble_rate", "b
         "peak_activations", "peak_memory_bytes", "fits"}
 
 
-def _json(capsys, *argv) -> list[dict]:
-    assert main(["simulate", *argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)["results"]
-
-
 def test_all_algorithms_json_schema_ranking_and_refusals(capsys):
-    rows = _json(capsys, "--algorithm", "all", "--pp", "3", "-m", "4", "--memory-limit", "2")
+    rows = simulate_rows(capsys, "--algorithm", "all", "--pp", "3", "-m", "4", "--memory-limit", "2")
     assert {r["algorithm"] for r in rows} == {info.name for info in list_algorithms()}  # nothing dropped
     simulated = [r for r in rows if "error" not in r]
     refused = [r for r in rows if "error" in r]
@@ -41,7 +37,7 @@ def test_all_algorithms_json_schema_ranking_and_refusals(capsys):
 
 
 def test_given_vpp_applies_to_every_algorithm(capsys):
-    rows = {r["algorithm"]: r for r in _json(capsys, "-a", "all", "--pp", "2", "--vpp", "2", "-m", "4")}
+    rows = {r["algorithm"]: r for r in simulate_rows(capsys, "-a", "all", "--pp", "2", "--vpp", "2", "-m", "4")}
     assert "needs vpp = 1" in rows["1f1b"]["error"]
     assert rows["interleaved-1f1b"]["bubble_rate"] == pytest.approx(1 / (2 * 4 + 1))
     # a chunk costs half a 1F1B stage, so the step compares with 1f1b's (4 + 1) * 3
@@ -49,9 +45,9 @@ def test_given_vpp_applies_to_every_algorithm(capsys):
 
 
 def test_per_stage_flags_and_p2p(capsys):
-    [row] = _json(capsys, "-a", "1f1b", "--pp", "2", "-m", "2", "--f", "1,2", "--b", "2,4", "--w", "0")
+    [row] = simulate_rows(capsys, "-a", "1f1b", "--pp", "2", "-m", "2", "--f", "1,2", "--b", "2,4", "--w", "0")
     assert row["step_time"] == 15  # the hand-computed critical path in test_golden
-    [row] = _json(capsys, "-a", "1f1b", "--pp", "2", "-m", "2", "--p2p", "0.5")
+    [row] = simulate_rows(capsys, "-a", "1f1b", "--pp", "2", "-m", "2", "--p2p", "0.5")
     assert row["step_time"] == 10  # test_engine's exact event log
 
 
@@ -60,7 +56,7 @@ def test_cost_file_and_output_dir(capsys, tmp_path):
     cost.write_text("compute: {f: 1, b: 1, w: 1}\nmemory: {activation_bytes: 1.0e9, w_retained_fraction: 0.5, "
                     "parameter_bytes: 2.0e9}\n")
     out = tmp_path / "out"
-    [row] = _json(capsys, "-a", "1f1b", "--pp", "4", "-m", "8", "--cost", str(cost), "-o", str(out))
+    [row] = simulate_rows(capsys, "-a", "1f1b", "--pp", "4", "-m", "8", "--cost", str(cost), "-o", str(out))
     assert row["peak_memory_bytes"] == 2e9 + 4e9
     assert Timeline.load(out / "1f1b.timeline.json").step_time == row["step_time"]
     assert json.loads((out / "1f1b.trace.json").read_text())["traceEvents"]

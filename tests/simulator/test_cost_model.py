@@ -3,14 +3,12 @@
 import math
 
 import pytest
+from simulator_support import text_table
 
 from primuspipe.errors import ConfigError
-from primuspipe.node import ScheduleNode
-from primuspipe.placement import Placement
 from primuspipe.schedule import build_schedule
 from primuspipe.simulator import CostModel, Link, MemoryCost, simulate, split_stages
 from primuspipe.simulator.cost_model import read_cost_file
-from primuspipe.table import ScheduleTable
 
 YAML = """
 time_unit: us
@@ -72,10 +70,6 @@ def test_unreadable_cost_file(tmp_path):
         read_cost_file(tmp_path / "missing.yaml")
 
 
-def _single_rank(order: str) -> ScheduleTable:
-    return ScheduleTable.build(Placement.interleaved(1, 1), 2, [[ScheduleNode.parse(t) for t in order.split()]])
-
-
 @pytest.mark.parametrize("order,peak_bytes,peak_units", [
     ("F0.0 F1.0 B0.0 W0.0 B1.0 W1.0", 200, 2),  # both held at once
     ("F0.0 B0.0 F1.0 W0.0 B1.0 W1.0", 130, 1),  # B0 keeps 30 for W0 while F1 adds 100
@@ -84,7 +78,7 @@ def _single_rank(order: str) -> ScheduleTable:
 def test_activation_release_rule(order, peak_bytes, peak_units):
     memory = MemoryCost.per_stage(1, 1, activation_bytes=100, w_retained_fraction=0.3,
                                   parameter_bytes=1000, gradient_bytes=1000, optimizer_bytes=2000)
-    rank = simulate(_single_rank(order), CostModel.per_stage(1, 1, 1, 1, memory=memory)).ranks[0]
+    rank = simulate(text_table(1, [order], m=2), CostModel.per_stage(1, 1, 1, 1, memory=memory)).ranks[0]
     assert rank.peak_activation_bytes == pytest.approx(peak_bytes)
     assert rank.peak_activations == peak_units
     assert rank.peak_memory_bytes == pytest.approx(4000 + peak_bytes)

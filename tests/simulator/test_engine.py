@@ -1,19 +1,12 @@
 """The event loop: exact event logs, determinism, communication costs, FB nodes and failures."""
 
 import pytest
+from simulator_support import text_table
 
 from primuspipe.communication import add_communication
 from primuspipe.errors import SimulationError
-from primuspipe.node import ScheduleNode
-from primuspipe.placement import Placement
 from primuspipe.schedule import build_schedule
 from primuspipe.simulator import CostModel, Link, P2PCost, simulate
-from primuspipe.table import ScheduleTable
-
-
-def _table(pp, rows, m, vpp=1):
-    ranks = [[ScheduleNode.parse(t) for t in r.split()] for r in rows]
-    return ScheduleTable.build(Placement.interleaved(pp, vpp), m, ranks)
 
 
 def test_exact_event_log_with_p2p_latency():
@@ -76,7 +69,7 @@ def test_intra_and_inter_node_links():
 
 
 def test_fb_node_costs_through_the_overlap_factor():
-    table = _table(1, ["F0.0 F1.0+B0.0 W0.0 B1.0 W1.0"], m=2)
+    table = text_table(1, ["F0.0 F1.0+B0.0 W0.0 B1.0 W1.0"], m=2)
     base = dict(f=1, b=2, w=1)
     assert simulate(table, CostModel.per_stage(1, **base)).step_time == 1 + 3 + 1 + 2 + 1
     assert simulate(table, CostModel.per_stage(1, **base, fb_overlap=0.5)).step_time == 1 + 2.5 + 1 + 2 + 1
@@ -97,13 +90,13 @@ def test_wrong_number_of_stages_is_refused():
 
 def test_deadlocked_table_raises_instead_of_hanging():
     # rank 0 waits for the gradient of mb 0 before sending F1; rank 1 wants F1 before it runs BW0
-    table = add_communication(_table(2, ["F0.0 BW0.0 F1.0 BW1.0", "F0.0 F1.0 BW0.0 BW1.0"], m=2))
+    table = add_communication(text_table(2, ["F0.0 BW0.0 F1.0 BW1.0", "F0.0 F1.0 BW0.0 BW1.0"], m=2))
     with pytest.raises(SimulationError, match=r"cannot complete.*rank 0 .*BW0\.0.*validate"):
         simulate(table, CostModel.per_stage(2, 1, 1, 1))
 
 
 def test_receive_posted_after_its_consumer_raises():
-    table = _table(2, ["F0.0 SEND_F0.0>1 RECV_B0.0<1 BW0.0", "F0.0 RECV_F0.0<0 BW0.0 SEND_B0.0>0"], m=1)
+    table = text_table(2, ["F0.0 SEND_F0.0>1 RECV_B0.0<1 BW0.0", "F0.0 RECV_F0.0<0 BW0.0 SEND_B0.0>0"], m=1)
     with pytest.raises(SimulationError, match="rank 1 at node 0 .*waits for the activation of mb 0"):
         simulate(table, CostModel.per_stage(2, 1, 1, 1))
 
@@ -112,10 +105,10 @@ def test_swapped_receives_are_reported_not_silently_matched():
     rows = ["F0.0 SEND_F0.0>1 F1.0 SEND_F1.0>1 RECV_B0.0<1 BW0.0 RECV_B1.0<1 BW1.0",
             "RECV_F1.0<0 RECV_F0.0<0 F0.0 BW0.0 SEND_B0.0>0 F1.0 BW1.0 SEND_B1.0>0"]
     with pytest.raises(SimulationError, match="expects another tensor"):
-        simulate(_table(2, rows, m=2), CostModel.per_stage(2, 1, 1, 1))
+        simulate(text_table(2, rows, m=2), CostModel.per_stage(2, 1, 1, 1))
 
 
 def test_unmatched_send_raises():
     rows = ["F0.0 SEND_F0.0>1 SEND_F0.0>1 RECV_B0.0<1 BW0.0", "RECV_F0.0<0 F0.0 BW0.0 SEND_B0.0>0"]
     with pytest.raises(SimulationError, match="never matched"):
-        simulate(_table(2, rows, m=1), CostModel.per_stage(2, 1, 1, 1))
+        simulate(text_table(2, rows, m=1), CostModel.per_stage(2, 1, 1, 1))

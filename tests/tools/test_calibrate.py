@@ -1,12 +1,11 @@
 """Measured cost models: simulate with known costs -> calibrate -> the same costs and step time."""
 
-import json
 from dataclasses import replace
 
 import pytest
 import yaml
+from simulator_support import simulate_rows
 
-from primuspipe.cli import main
 from primuspipe.errors import TableFormatError
 from primuspipe.schedule import build_schedule
 from primuspipe.simulator import CostModel, Link, P2PCost, simulate
@@ -21,12 +20,6 @@ def _timeline(algorithm, pp, m, vpp, f, b, w, **rest):
     return simulate(build_schedule(algorithm, pp, m, vpp, costs=cost.compute), cost)  # as `simulate` builds it
 
 
-def _simulate_json(capsys, *argv):
-    assert main(["simulate", *argv, "--json"]) == 0
-    (row,) = json.loads(capsys.readouterr().out)["results"]
-    return row
-
-
 def test_split_backward_costs_are_recovered_per_stage_and_reproduce_the_step(tmp_path, capsys):
     f, b, w = [1.0, 1.25, 0.75, 1.0], [1.5, 2.0, 1.0, 1.5], [0.5, 1.0, 0.75, 0.5]
     result = _timeline("zb-h1", 4, 8, 1, f, b, w)
@@ -38,7 +31,7 @@ def test_split_backward_costs_are_recovered_per_stage_and_reproduce_the_step(tmp
     path.write_text(measured.to_yaml())
     data = yaml.safe_load(path.read_text())
     assert data["compute"] == {"f": f, "b": b, "w": w} and data["time_unit"] == "s"
-    row = _simulate_json(capsys, "--algorithm", "zb-h1", "--pp", "4", "-m", "8", "--cost", str(path))
+    (row,) = simulate_rows(capsys, "--algorithm", "zb-h1", "--pp", "4", "-m", "8", "--cost", str(path))
     assert row["step_time"] == pytest.approx(result.step_time, rel=1e-12)
 
 
@@ -53,12 +46,13 @@ def test_vpp2_file_is_per_1f1b_stage_unless_asked_per_model_stage(tmp_path, caps
     assert portable["compute"]["f"] == [1.25, 1.0, 0.75] and portable["compute"]["bw"] == [2.0, 2.0, 2.0]
     exact = tmp_path / "exact.yaml"
     exact.write_text(measured.to_yaml(per_model_stage=True))
-    row = _simulate_json(capsys, "-a", "interleaved-1f1b", "--pp", "3", "--vpp", "2", "-m", "6", "--cost", str(exact))
+    (row,) = simulate_rows(capsys, "-a", "interleaved-1f1b", "--pp", "3", "--vpp", "2", "-m", "6", "--cost", str(exact))
     assert row["step_time"] == pytest.approx(result.step_time, rel=1e-12)
     # the portable file serves other algorithms of the same pp
     portable_path = tmp_path / "portable.yaml"
     portable_path.write_text(measured.to_yaml())
-    assert _simulate_json(capsys, "-a", "1f1b", "--pp", "3", "-m", "6", "--cost", str(portable_path))["step_time"] > 0
+    (row,) = simulate_rows(capsys, "-a", "1f1b", "--pp", "3", "-m", "6", "--cost", str(portable_path))
+    assert row["step_time"] > 0
 
 
 def test_overlapped_pairs_give_fb_overlap():

@@ -14,7 +14,7 @@ See docs/pp_vis.md.
 [('bubble rate mean', 0.0), ('peak memory rank 0 (bytes)', None), ('peak memory rank 1 (bytes)', None)]
 """
 
-from primuspipe.simulator.calibrate import MeasuredCosts, executed_table, measure_costs, placement_of
+from primuspipe.simulator.calibrate import MeasuredCosts, compute_order, executed_table, measure_costs, placement_of
 from primuspipe.tools.pp_vis.html import timeline_figure, write_html
 from primuspipe.tools.pp_vis.load import in_unit, load_iterations, load_timeline
 from primuspipe.tools.pp_vis.png import draw_png
@@ -24,7 +24,6 @@ from primuspipe.tools.pp_vis.stats import (
     OrderDifference,
     TimelineStats,
     compare_timelines,
-    compute_order,
     replay,
     timeline_stats,
 )

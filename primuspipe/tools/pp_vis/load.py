@@ -4,15 +4,13 @@ directory (``dump_pp_data``: ``<dump_dir>/iter_<n>/rank_<r>.json``), both in the
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import replace
 from pathlib import Path
 
 from primuspipe.errors import TableFormatError
 from primuspipe.simulator.cost_model import TIME_UNITS
-from primuspipe.timeline import TimedNode, Timeline, dump_iterations, merge_rank_dumps
+from primuspipe.timeline import TimedNode, Timeline, dump_iterations, dump_path, merge_rank_dumps
 
-_ITER_DIR = re.compile(r"^iter_(\d+)$")
 _WHAT = ("a timeline JSON file (from 'primuspipe simulate -o DIR') or a dump directory holding "
          "iter_<n>/rank_<r>.json (from a run with dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR)")
 
@@ -27,11 +25,11 @@ def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Time
             raise TableFormatError(f"{path} is one timeline file; an iteration can only be chosen in a dump directory")
         return Timeline.load(path)
     if path.is_dir():
-        if (m := _ITER_DIR.match(path.name)) and dump_iterations(path.parent):
-            if iteration is not None and iteration != int(m[1]):
-                raise TableFormatError(f"{path} holds iteration {int(m[1])}, not {iteration}; pass the dump directory "
+        if (own := _iteration_folder(path)) is not None:
+            if iteration is not None and iteration != own:
+                raise TableFormatError(f"{path} holds iteration {own}, not {iteration}; pass the dump directory "
                                        f"{path.parent} to choose another")
-            return merge_rank_dumps(path.parent, int(m[1]))
+            return merge_rank_dumps(path.parent, own)
         if iterations := dump_iterations(path):
             return merge_rank_dumps(path, iterations[-1] if iteration is None else iteration)
         files = sorted(path.glob("*.timeline.json"))
@@ -41,6 +39,11 @@ def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Time
             raise TableFormatError(f"{path} holds {len(files)} timelines ({', '.join(f.name for f in files)}); "
                                    "pass one of them")
     raise TableFormatError(f"{path} is neither {_WHAT}")
+
+
+def _iteration_folder(path: Path) -> int | None:
+    """The iteration ``path`` holds when it is one ``iter_<n>`` folder of a dump directory."""
+    return next((i for i in dump_iterations(path.parent) if dump_path(path.parent, i, 0).parent == path), None)
 
 
 def load_iterations(path: str | os.PathLike) -> list[Timeline]:

@@ -24,7 +24,7 @@ from primuspipe.errors import TableFormatError
 from primuspipe.node import NodeKind, ScheduleNode
 from primuspipe.placement import Placement
 from primuspipe.simulator import CostModel, simulate
-from primuspipe.simulator.calibrate import executed_table
+from primuspipe.simulator.calibrate import compute_order, executed_table
 from primuspipe.timeline import Timeline, idle_share
 from primuspipe.tools.pp_vis.load import in_unit
 
@@ -74,12 +74,6 @@ def timeline_stats(timeline: Timeline) -> TimelineStats:
     return TimelineStats(f"{timeline.source} (iteration {timeline.iteration})", timeline.time_unit,
                          timeline.step_time, tuple(r.rank for r in ranks), tuple(busy), means,
                          tuple(r.peak_memory_bytes for r in ranks))
-
-
-def compute_order(timeline: Timeline) -> dict[int, tuple[ScheduleNode, ...]]:
-    """Per rank, its compute nodes in the order they ran."""
-    return {rt.rank: tuple(e.node for e in sorted(rt.events, key=lambda e: e.start) if e.node.kind.is_compute)
-            for rt in timeline.ranks}
 
 
 @dataclass(frozen=True)
