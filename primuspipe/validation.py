@@ -16,7 +16,7 @@ ranks, on a transfer that is posted only after it. The replay finds that chain.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 
 from primuspipe.dataflow import Step, Transfer, inbound, outbound, step_needs, steps_done, transfer_of
 from primuspipe.errors import ValidationError
@@ -227,14 +227,19 @@ def _report_deadlock(table: ScheduleTable, ptr: list[int], blocked_on: dict[int,
           "and post receives in the order the peer sends")
 
 
+# Chunk activations a node's forward part takes and its backward part frees (an FB node does both,
+# its forward first, so the pair holds both at once).
+_TAKES = {NodeKind.F: 1, NodeKind.FB: 1}
+_FREES = {NodeKind.B: 1, NodeKind.BW: 1, NodeKind.FB: 1}
+
+
 def _held_levels(row) -> list[tuple[int, int]]:
     """``(index, chunk activations held right after the node's forwards)`` for each node of a rank."""
     held, levels = 0, []
     for i, node in enumerate(row):
-        kinds = Counter(kind for kind, _, _ in node.parts())
-        held += kinds[NodeKind.F]
+        held += _TAKES.get(node.kind, 0)
         levels.append((i, held))
-        held -= kinds[NodeKind.B] + kinds[NodeKind.BW]
+        held -= _FREES.get(node.kind, 0)
     return levels
 
 

@@ -13,7 +13,7 @@ from primuspipe.errors import ConfigError
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (ranks)")
-    parser.add_argument("--vpp", type=int, default=None, help="chunks per rank (default: what the algorithm needs, else 1)")
+    parser.add_argument("--vpp", type=int, default=None, help="chunks per rank (default: what the algorithm needs, else its default: 1, or 2 for interleaved-1f1b)")
     parser.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches per step")
     parser.add_argument("--option", "-O", action="append", default=[], metavar="KEY=VALUE",
                         help="algorithm option, e.g. -O microbatch_group_size=4 (see 'primuspipe list'); repeatable")

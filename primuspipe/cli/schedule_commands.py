@@ -10,7 +10,7 @@ from rich.table import Table
 
 from primuspipe.algorithms import list_algorithms
 from primuspipe.communication import add_communication
-from primuspipe.cli.options import add_shape_arguments, console, parse_options
+from primuspipe.cli.options import add_shape_arguments, console, parse_options, report_console
 from primuspipe.errors import TableFormatError, ValidationError
 from primuspipe.formats import dump_table, load_table
 from primuspipe.schedule import build_schedule
@@ -64,7 +64,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     table = _build(args)
-    out = Console(highlight=False, soft_wrap=True)
+    out = report_console()
     out.print(table.grid(compute_only=args.compute_only), markup=False)
     peaks = ", ".join(f"{p:g}" for p in peak_in_flight(table))
     out.print(f"peak activations in flight per rank (1F1B-stage microbatches): {peaks}", markup=False)
@@ -82,7 +82,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    out = Console(highlight=False, soft_wrap=True)
+    out = report_console()
     try:
         table = load_table(args.file)
         validate(table, max_in_flight=args.max_in_flight)
