@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,11 +38,10 @@ def alternating_step_times(make_schedules: Callable[[], dict[str, Callable]], ar
 
     ``make_schedules`` runs inside each rank and returns ``{name: forward_backward_func}``.
     """
-    from primuspipe.backends.megatron import compare, tiny_models
+    from primuspipe.backends.megatron import compare
     from primuspipe.backends.megatron.distributed_cpu import ParallelLayout, run_on_gloo
 
-    model = tiny_gpt(args)
-    spec = compare.StepSpec(model, args.microbatches)
+    spec = compare.StepSpec(tiny_gpt(args), args.microbatches)
 
     def work(ctx):
         _, chunks, _ = compare.build(spec, 2, 1)
@@ -54,12 +52,9 @@ def alternating_step_times(make_schedules: Callable[[], dict[str, Callable]], ar
             for name in (names if step % 2 == 0 else names[::-1]):
                 for c in chunks:
                     c.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                schedules[name](forward_step_func=tiny_models.forward_step, data_iterator=compare.batches(spec),
-                                model=chunks[0], num_microbatches=args.microbatches, seq_length=model.seq_length,
-                                micro_batch_size=model.micro_batch_size)
+                _, seconds = compare.call_schedule(schedules[name], spec, chunks)
                 if step >= args.warmup:
-                    times[name].append(time.perf_counter() - t0)
+                    times[name].append(seconds)
         return times
 
     per_rank = run_on_gloo(work, ParallelLayout(2), timeout_s=timeout_s)

@@ -27,7 +27,6 @@ import functools
 import json
 import os
 import statistics
-import time
 from dataclasses import replace
 from datetime import timedelta
 
@@ -85,33 +84,21 @@ def train(schedule, spec_for, args, device):
     (per-iteration losses on the last stage, step times, first iteration's grads)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from primuspipe.backends.megatron import compare, tiny_models
+    from primuspipe.backends.megatron import compare
 
-    spec = spec_for(0)
-    config, chunks, model = compare.build(spec, args.pp, args.vpp, device)
+    _, chunks, model = compare.build(spec_for(0), args.pp, args.vpp, device)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="sgd", lr=args.lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
                         params_dtype=torch.float32), model)
     losses, times, first_grads = [], [], None
     for it in range(args.iterations):
-        spec = spec_for(it)
         for m in model:
             m.zero_grad_buffer()
         optimizer.zero_grad()
-        iterators = [compare.batches(spec, device) for _ in model]
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = schedule(forward_step_func=tiny_models.forward_step,
-                       data_iterator=iterators if args.vpp > 1 else iterators[0],
-                       model=model if args.vpp > 1 else model[0], num_microbatches=args.microbatches,
-                       seq_length=spec.model.seq_length, micro_batch_size=spec.model.micro_batch_size)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        out, seconds = compare.call_schedule(schedule, spec_for(it), model, device)
+        times.append(seconds)
         if first_grads is None:
-            first_grads = {tiny_models.global_param_name(c, n): p.main_grad.detach().cpu().clone()
-                           for c in chunks for n, p in c.named_parameters()}
+            first_grads = {name: g.cpu() for name, g in compare.param_grads(chunks, ddp=True).items()}
         optimizer.step()
         if out:
             total = torch.stack([d["lm loss"] for d in out]).sum(0)
@@ -154,13 +141,12 @@ def main(argv=None) -> None:
     from primuspipe.backends.megatron import compare, tiny_models
     from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
 
-    config = file_config
     overrides = {"patch_primus_pipeline": True}
     if args.pp_algorithm:
         overrides["pp_algorithm"] = args.pp_algorithm
     if args.dump_dir:
         overrides.update(dump_pp_data=True, dump_dir=args.dump_dir)
-    config = replace(config, **overrides)
+    config = replace(file_config, **overrides)
     ours = PrimusForwardBackward(config)
     model_cfg = tiny_models.get_tiny_model(args.model)
 

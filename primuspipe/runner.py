@@ -82,7 +82,6 @@ class Binder(Protocol):
 class Transport(Protocol):
     def isend(self, node: ScheduleNode, tensor: Any) -> Pending: ...
     def irecv(self, node: ScheduleNode, buffer: Any) -> Pending: ...
-    def is_done(self, pending: Pending) -> bool: ...
     def complete(self, pending: Pending) -> None: ...
 
 
@@ -146,7 +145,7 @@ class ScheduleRunner:
         inbox: dict[Key, Any] = {}
         outbox: dict[Key, Any] = {}
         receiving: dict[Key, Pending] = {}
-        sent_activations: dict[tuple[int, int], Pending] = {}
+        sent_activations: dict[Key, Pending] = {}
         sending: list[Pending] = []
         clock = recorder.clock if recorder is not None else None
 
@@ -175,14 +174,14 @@ class ScheduleRunner:
                     pending.posted_at = clock()
                 binder.sent(node, tensor)
                 if node.kind is NodeKind.SEND_F:
-                    sent_activations[(node.chunk, node.microbatch)] = pending
+                    sent_activations[step.key] = pending
                 else:
                     sending.append(pending)
                 continue
             calls = []
             for part in step.parts:
                 received = take(part.takes) if part.takes is not None else None
-                if part.releases is not None and (done := sent_activations.pop(part.releases[1:], None)):
+                if part.releases is not None and (done := sent_activations.pop(part.releases, None)):
                     finish(done)  # its gradient came back, so the peer consumed it: frees it on gloo too
                 calls.append(ComputeCall(part.kind, part.microbatch, part.chunk, part.stage, received))
             start = clock() if clock is not None else 0.0
@@ -237,16 +236,17 @@ def _plan_step(table: ScheduleTable, rank: int, node: ScheduleNode) -> _Step:
 
 @functools.lru_cache(maxsize=64)
 def forward_only_view(table: ScheduleTable) -> ScheduleTable:
-    """The table's forwards and activation transfers only, in the table's order (evaluation).
+    """The table's forwards and activation transfers only, in the table's order (evaluation); an
+    overlapped ``F+B`` node counts as its ``F``.
 
     Dropping backward nodes and gradient transfers keeps each direction's sends and receives in the
     same relative order, so pairing still holds; the view is re-checked (structure, order, pairing,
     deadlock) anyway, since completeness no longer applies.
     """
-    keep = (NodeKind.F, NodeKind.SEND_F, NodeKind.RECV_F)
-    if any(n.kind is NodeKind.FB for _, _, n in table.positions()):
-        raise ConfigError("a forward-only view of a table with overlapped F+B nodes is not defined yet")
-    view = table.with_ranks(tuple(n for n in row if n.kind in keep) for row in table.ranks)
+    keep = (NodeKind.F, NodeKind.FB, NodeKind.SEND_F, NodeKind.RECV_F)
+    view = table.with_ranks(
+        tuple(ScheduleNode(*n.parts()[0]) if n.kind is NodeKind.FB else n for n in row if n.kind in keep)
+        for row in table.ranks)
     for check in (check_structure, check_order, check_pairing, check_deadlock):
         check(view)
     return view

@@ -66,10 +66,6 @@ class P2PTransport:
         work = dist.irecv(buffer, src=self._global[node.peer], group=self.group)
         return Pending(node, buffer, work)
 
-    def is_done(self, pending: Pending) -> bool:
-        """Non-blocking check; may stay False on gloo until :meth:`complete` is called."""
-        return pending.work.is_completed()
-
     def complete(self, pending: Pending) -> None:
         """Wait for the request, raising :class:`PipelineHangError` past the watchdog timeout."""
         if self.timeout_s <= 0:

@@ -20,6 +20,8 @@ pytestmark = [
     ),
 ]
 
+from megatron_harness import assert_same_tensors  # noqa: E402
+
 from primuspipe.backends.megatron.cpu_step import (  # noqa: E402
     PipelineCase,
     last_stage_losses,
@@ -90,13 +92,6 @@ def _reference() -> dict:
     return {_reference_key(case): result for case, result in zip(cases, results)}
 
 
-def _assert_same_tensors(got: dict, want: dict, what: str) -> None:
-    assert got.keys() == want.keys(), f"{what}: names differ: {sorted(got.keys() ^ want.keys())}"
-    for name in want:
-        assert got[name] is not None and want[name] is not None, f"{what}: {name} has no value"
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=f"{what} {name}")
-
-
 def _assert_same_losses(got: list, want: list) -> None:
     assert len(got) == len(want) and len(want) > 0
     for g, w in zip(got, want):
@@ -117,8 +112,8 @@ def test_megatron_schedule_matches_pp1(layout, case_id):
     want = _reference()[_reference_key(case)]
     assert len(got) == layout.world_size
     _assert_same_losses(last_stage_losses(got), last_stage_losses(want))
-    _assert_same_tensors(merged_grads(got), merged_grads(want), "grad")
-    _assert_same_tensors(merged_params(got), merged_params(want), "param")
+    assert_same_tensors(merged_grads(got), merged_grads(want), "grad")
+    assert_same_tensors(merged_params(got), merged_params(want), "param")
     non_last = [r for r in got if r.pp_rank != layout.pp - 1]
     assert all(r.losses == [] for r in non_last), "only the last stage reports losses"
 
@@ -127,11 +122,11 @@ def test_training_step_is_ddp_main_grad_then_sgd():
     """Under DDP the grads are the plain autograd grads, and the optimizer applies p - lr * g."""
     ref = _reference()
     plain, train = ref[("tiny-gpt", 4, False, False)], ref[("tiny-gpt", 4, True, True)]
-    _assert_same_tensors(merged_grads(train), merged_grads(plain), "ddp main_grad")
+    assert_same_tensors(merged_grads(train), merged_grads(plain), "ddp main_grad")
     lr = PipelineCase(4, **TRAIN).lr
     before, grads = merged_params(plain), merged_grads(plain)
     expected = {name: before[name].add(grads[name], alpha=-lr) for name in before}
-    _assert_same_tensors(merged_params(train), expected, "param after SGD")
+    assert_same_tensors(merged_params(train), expected, "param after SGD")
     assert not torch.equal(merged_params(train)["output_layer.weight"], before["output_layer.weight"])
 
 

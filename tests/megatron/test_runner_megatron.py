@@ -18,6 +18,8 @@ import torch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 
+from megatron_harness import assert_same_tensors, merged, pp1_references, stacked_losses  # noqa: E402
+
 from primuspipe.backends.megatron import compare, install, is_installed, tiny_models, uninstall  # noqa: E402
 from primuspipe.backends.megatron.config import PrimusPipeConfig  # noqa: E402
 from primuspipe.backends.megatron.distributed_cpu import ParallelLayout, run_on_gloo  # noqa: E402
@@ -133,41 +135,7 @@ def _run(layout, dump_dir=""):
     return run_on_gloo(functools.partial(_worker, layout, dump_dir), layout, timeout_s=300)
 
 
-@functools.lru_cache(maxsize=None)
-def _pp1():
-    cases = {(c.model, c.m, c.train) for cases in CASES.values() for c in cases if c.reference == "pp1"}
-
-    def work(ctx):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        return {key: compare.run_step(get_forward_backward_func(), compare.StepSpec(key[0], key[1], ddp=key[2],
-                                                                                     optimizer_step=key[2]), 1, 1)
-                for key in cases}
-
-    return run_on_gloo(work, ParallelLayout(1))[0]
-
-
-def _merged(results, case, key, attr):
-    merged = {}
-    for rank in results:
-        for name, value in getattr(rank[case.id][key], attr).items():
-            assert name not in merged
-            merged[name] = value
-    return merged
-
-
-def _losses(result):
-    return torch.stack([d["lm loss"] for d in result.losses])
-
-
-def _assert_close(got, want, bitwise, what):
-    assert got.keys() == want.keys(), what
-    for name in want:
-        assert got[name] is not None and want[name] is not None, f"{what}: {name} has no value"
-        if bitwise:
-            assert torch.equal(got[name], want[name]), f"{what}: {name} differs"
-        else:
-            torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=f"{what} {name}")
+PP1_KEYS = frozenset((c.model, c.m, c.train) for cases in CASES.values() for c in cases if c.reference == "pp1")
 
 
 PARAMS = [pytest.param(layout, case, id=f"pp{layout.pp}-vpp{layout.vpp}-{case.id}")
@@ -180,19 +148,20 @@ def test_table_matches_megatron(layout, case, tmp_path_factory):
     last = results[-1][case.id]
     assert all(r[case.id]["ours"].losses == [] for r in results[:-1]), "only the last stage reports losses"
     if case.reference == "native":
-        want_losses = _losses(last["native"])
-        want_grads, want_params = (_merged(results, case, "native", a) for a in ("grads", "params"))
+        want_losses = stacked_losses(last["native"])
+        want_grads, want_params = (merged(results, case.id, "native", a) for a in ("grads", "params"))
         bitwise = case.algorithm in ("1f1b", "interleaved-1f1b")  # the same arithmetic in the same order
     else:
-        ref = _pp1()[(case.model, case.m, case.train)]
-        want_losses, want_grads, want_params, bitwise = _losses(ref), ref.grads, ref.params, False
-    got_losses = _losses(last["ours"])
+        ref = pp1_references(PP1_KEYS)[(case.model, case.m, case.train)]
+        want_losses, want_grads, want_params, bitwise = stacked_losses(ref), ref.grads, ref.params, False
+    got_losses = stacked_losses(last["ours"])
     assert len(got_losses) == case.m
     torch.testing.assert_close(got_losses, want_losses, rtol=0, atol=1e-6)
-    _assert_close(_merged(results, case, "ours", "grads"), want_grads, bitwise, "grad")
+    assert_same_tensors(merged(results, case.id, "ours", "grads"), want_grads, "grad", bitwise=bitwise)
     if case.train:
-        _assert_close(_merged(results, case, "ours", "params"), want_params, bitwise, "param after optimizer step")
-    assert torch.equal(_losses(last["ours_fwd"]), got_losses), "forward_only gives the training losses"
+        assert_same_tensors(merged(results, case.id, "ours", "params"), want_params, "param after optimizer step",
+                            bitwise=bitwise)
+    assert torch.equal(stacked_losses(last["ours_fwd"]), got_losses), "forward_only gives the training losses"
     assert all(g is None or not g.any() for r in results for g in r[case.id]["ours_fwd"].grads.values())
 
 

@@ -17,6 +17,8 @@ import torch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 
+from megatron_harness import assert_same_tensors, merged, pp1_references, stacked_losses  # noqa: E402
+
 from primuspipe.backends.megatron import compare, tiny_models  # noqa: E402
 from primuspipe.backends.megatron.binder import MegatronBinder  # noqa: E402
 from primuspipe.backends.megatron.config import PrimusPipeConfig  # noqa: E402
@@ -120,7 +122,7 @@ def _gemm_counts(layout):
 
 
 def _refusals(layout):
-    """Messages of the ConfigErrors a V table on interleaved-built chunks and overlap_grad_reduce give."""
+    """The message of the ConfigError a V table on interleaved-built chunks gives."""
     out = {}
     try:
         compare.run_step(Case("zbv", 2).schedule(), compare.StepSpec(GPT, 2, placement="interleaved"), layout.pp,
@@ -152,39 +154,7 @@ def _run(layout):
     return run_on_gloo(functools.partial(_worker, layout), layout, timeout_s=300)
 
 
-@functools.lru_cache(maxsize=None)
-def _pp1():
-    keys = {(c.model, c.m, c.train) for layout, cases in CASES.items() if layout.vpp > 1 for c in cases}
-
-    def work(ctx):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        return {key: compare.run_step(get_forward_backward_func(),
-                                      compare.StepSpec(key[0], key[1], ddp=key[2], optimizer_step=key[2]), 1, 1)
-                for key in keys}
-
-    return run_on_gloo(work, ParallelLayout(1))[0]
-
-
-def _merged(results, case, key, attr):
-    merged = {}
-    for rank in results:
-        for name, value in getattr(rank[case.id][key], attr).items():
-            assert name not in merged, f"{name} on two ranks"
-            merged[name] = value
-    return merged
-
-
-def _losses(result):
-    return torch.stack([d["lm loss"] for d in result.losses])
-
-
-def _assert_equal(got, want, what):
-    assert got.keys() == want.keys(), what
-    for name in want:
-        assert got[name] is not None and want[name] is not None, f"{what}: {name} has no value"
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=f"{what} {name}")
-        assert torch.equal(got[name], want[name]), f"{what}: {name} is close but not bitwise equal"
+PP1_KEYS = frozenset((c.model, c.m, c.train) for layout, cases in CASES.items() if layout.vpp > 1 for c in cases)
 
 
 PARAMS = [pytest.param(layout, case, id=f"pp{layout.pp}-vpp{layout.vpp}-{case.id}")
@@ -197,19 +167,20 @@ def test_split_backward_table_matches_megatron(layout, case):
     holder = next(r for r in results if r[case.id]["ours"].losses)  # rank 0 under V, the last rank otherwise
     assert sum(bool(r[case.id]["ours"].losses) for r in results) == 1, "only the last stage reports losses"
     if layout.vpp == 1:
-        want_losses = _losses(next(r for r in results if r[case.id]["native"].losses)[case.id]["native"])
-        want_grads, want_params = (_merged(results, case, "native", a) for a in ("grads", "params"))
+        want_losses = stacked_losses(next(r for r in results if r[case.id]["native"].losses)[case.id]["native"])
+        want_grads, want_params = (merged(results, case.id, "native", a) for a in ("grads", "params"))
     else:
         assert holder is results[0], "the V places the loss on rank 0"
-        ref = _pp1()[(case.model, case.m, case.train)]
-        want_losses, want_grads, want_params = _losses(ref), ref.grads, ref.params
-    got_losses = _losses(holder[case.id]["ours"])
+        ref = pp1_references(PP1_KEYS)[(case.model, case.m, case.train)]
+        want_losses, want_grads, want_params = stacked_losses(ref), ref.grads, ref.params
+    got_losses = stacked_losses(holder[case.id]["ours"])
     assert len(got_losses) == case.m
     assert torch.equal(got_losses, want_losses)
-    _assert_equal(_merged(results, case, "ours", "grads"), want_grads, "grad")
+    assert_same_tensors(merged(results, case.id, "ours", "grads"), want_grads, "grad", bitwise=True)
     if case.train:
-        _assert_equal(_merged(results, case, "ours", "params"), want_params, "param after optimizer step")
-    assert torch.equal(_losses(holder[case.id]["ours_fwd"]), got_losses), "forward_only gives the training losses"
+        assert_same_tensors(merged(results, case.id, "ours", "params"), want_params, "param after optimizer step",
+                            bitwise=True)
+    assert torch.equal(stacked_losses(holder[case.id]["ours_fwd"]), got_losses), "forward_only gives the training losses"
 
 
 def test_w_runs_only_the_weight_gemms():

@@ -125,6 +125,16 @@ def test_forward_only_view_gives_the_same_losses():
     assert all(g is None for _, grads, _, _ in results for g in grads.values())
 
 
+def test_forward_only_view_runs_an_overlapped_pair_as_its_forward():
+    table = build_schedule("dualpipe-v", pp=2, microbatches=4)
+    assert any(n.kind is NodeKind.FB for _, _, n in table.positions())
+    view = forward_only_view(table)
+    for row, full in zip(view.ranks, table.ranks):
+        assert all(n.kind in (NodeKind.F, NodeKind.SEND_F, NodeKind.RECV_F) for n in row)
+        want = [ScheduleNode(*part) for n in full for part in n.parts() if part[0] is NodeKind.F]
+        assert [n for n in row if n.kind is NodeKind.F] == want, "every forward, in the table's order"
+
+
 def test_binder_without_a_handler_is_refused():
     compute = build_schedule("1f1b", pp=2, microbatches=2, communication=False)
     split = compute.with_ranks(

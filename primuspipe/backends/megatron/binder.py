@@ -27,7 +27,7 @@ reproduced here, per node rather than per warm-up/steady/cool-down phase, so it 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -58,7 +58,7 @@ class StepArgs:
 class GradSync:
     """Megatron's ``no_sync`` / ``grad_sync_func`` / ``param_sync_func`` protocol for one step."""
 
-    def __init__(self, args: StepArgs, last_backward: dict[int, int], grad_sync_func, param_sync_func):
+    def __init__(self, args: StepArgs, last_backward: Mapping[int, int], grad_sync_func, param_sync_func):
         no_sync = args.config.no_sync_func
         if isinstance(no_sync, list):
             funcs = list(no_sync)
@@ -183,16 +183,18 @@ class MegatronBinder:
             self._saved[(call.chunk, call.microbatch)] = (call.received, output)
         return output
 
-    def backward(self, call: ComputeCall) -> Any:
+    def _backward_step(self, call: ComputeCall) -> Any:
         input_tensor, output = self._saved.pop((call.chunk, call.microbatch))
+        return self._schedules.backward_step(input_tensor, output, call.received, self.args.config)
+
+    def backward(self, call: ComputeCall) -> Any:
         with self.sync.around_backward(call.chunk, call.microbatch):
-            return self._schedules.backward_step(input_tensor, output, call.received, self.args.config)
+            return self._backward_step(call)
 
     def backward_input(self, call: ComputeCall) -> Any:
         """``B``: the input gradient now; the weight GEMMs wait in :attr:`wgrad` for this microbatch's ``W``."""
-        input_tensor, output = self._saved.pop((call.chunk, call.microbatch))
         with self.wgrad.collecting(call.chunk, call.microbatch):
-            return self._schedules.backward_step(input_tensor, output, call.received, self.args.config)
+            return self._backward_step(call)
 
     def backward_weight(self, call: ComputeCall) -> None:
         """``W``: the weight gradients ``B`` deferred; the chunk's last ``W`` opens gradient sync."""

@@ -10,13 +10,15 @@ Call inside an initialised process (``parallel_state`` set up, e.g. by
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from primuspipe.backends.megatron import tiny_models
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -71,12 +73,14 @@ def batches(spec: StepSpec, device: torch.device | None = None):
         yield batch if device is None else {k: v.to(device) for k, v in batch.items()}
 
 
-def run_step(schedule: Callable, spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None) -> StepResult:
-    """Build the model, run ``schedule`` once as Megatron's training loop calls it, collect results."""
-    config, chunks, model = build(spec, pp, vpp, device)
+def call_schedule(schedule: Callable, spec: StepSpec, model, device: torch.device | None = None) -> tuple[list, float]:
+    """Call ``schedule`` once on ``model`` (the chunks :func:`build` returned) as Megatron's training loop
+    does -- model and data iterators are lists only with more than one chunk -- and return its result
+    and the wall time of the call alone (the device synchronised on both sides)."""
     iterators = [batches(spec, device) for _ in model]
-    interleaved = vpp > 1
-    if device is not None and device.type == "cuda":
+    interleaved = len(model) > 1
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
     losses = schedule(
@@ -88,14 +92,26 @@ def run_step(schedule: Callable, spec: StepSpec, pp: int, vpp: int, device: torc
         micro_batch_size=spec.model.micro_batch_size,
         forward_only=spec.forward_only,
     )
-    if device is not None and device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
+    return losses, time.perf_counter() - start
+
+
+def param_grads(chunks, ddp: bool) -> dict[str, torch.Tensor | None]:
+    """Global parameter name -> a copy of its gradient (``main_grad`` under DDP)."""
     grads = {}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            g = p.main_grad if spec.ddp else p.grad
+            g = p.main_grad if ddp else p.grad
             grads[tiny_models.global_param_name(chunk, name)] = None if g is None else g.detach().clone()
+    return grads
+
+
+def run_step(schedule: Callable, spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None) -> StepResult:
+    """Build the model, run ``schedule`` once as Megatron's training loop calls it, collect results."""
+    config, chunks, model = build(spec, pp, vpp, device)
+    losses, elapsed = call_schedule(schedule, spec, model, device)
+    grads = param_grads(chunks, spec.ddp)
     if spec.optimizer_step:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -123,3 +139,14 @@ def max_abs_diff(a: Mapping[str, torch.Tensor | None], b: Mapping[str, torch.Ten
             continue
         worst = max(worst, (x.float() - y.float()).abs().max().item())
     return worst
+
+
+def merge_ranks(parts: Iterable[Mapping[str, T]]) -> dict[str, T]:
+    """Fold per-pipeline-rank ``{global name: value}`` maps into what one pp=1 model holds; a name on two
+    ranks is a harness bug (a data-parallel replica passed in, or a wrong global name)."""
+    merged: dict[str, T] = {}
+    for part in parts:
+        for name, value in part.items():
+            assert name not in merged, f"{name} held by two pipeline ranks"
+            merged[name] = value
+    return merged

@@ -102,14 +102,8 @@ def run_pipeline_cases(
 
 
 def _merge(results: Sequence[RankResult], attr: str) -> dict[str, Optional[torch.Tensor]]:
-    merged: dict[str, Optional[torch.Tensor]] = {}
-    for result in results:
-        if result.dp_rank != 0:
-            continue  # data-parallel replicas hold the same parameters
-        for name, value in getattr(result, attr).items():
-            assert name not in merged, f"{name} held by two pipeline ranks"
-            merged[name] = value
-    return merged
+    # Data-parallel replicas hold the same parameters: data-parallel rank 0 stands for them.
+    return compare.merge_ranks(getattr(r, attr) for r in results if r.dp_rank == 0)
 
 
 def merged_grads(results: Sequence[RankResult]) -> dict[str, Optional[torch.Tensor]]:

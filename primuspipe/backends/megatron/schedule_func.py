@@ -14,7 +14,8 @@ deferred gradient applied (else :class:`~primuspipe.backends.megatron.wgrad_stor
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, Iterator, List, Optional, Union
 
 import torch
@@ -24,12 +25,11 @@ from primuspipe.backends.megatron.compat import check_megatron_config
 from primuspipe.backends.megatron.config import PrimusPipeConfig
 from primuspipe.backends.megatron.dump import StepRecorder, dump_path
 from primuspipe.errors import ConfigError
-from primuspipe.node import NodeKind, ScheduleNode
+from primuspipe.node import NodeKind
 from primuspipe.runner import cached_runner, forward_only_view
 from primuspipe.schedule import build_schedule
 from primuspipe.table import ScheduleTable
 from primuspipe.transport import P2PTransport
-
 
 
 @functools.lru_cache(maxsize=64)
@@ -39,23 +39,14 @@ def cached_table(algorithm: str, pp: int, vpp: int, microbatches: int, options: 
 
 
 @functools.lru_cache(maxsize=64)
-def evaluation_table(table: ScheduleTable) -> ScheduleTable:
-    """The forward-only view (``forward_only=True``); overlapped ``F+B`` nodes count as their ``F`` there."""
-    if any(n.kind is NodeKind.FB for _, _, n in table.positions()):
-        table = table.with_ranks(
-            tuple(lowered for node in row
-                  for lowered in ((ScheduleNode(*node.parts()[0]),) if node.kind is NodeKind.FB else (node,)))
-            for row in table.ranks)
-    return forward_only_view(table)
-
-
-def _last_backwards(table: ScheduleTable, rank: int) -> dict[int, int]:
+def _last_backwards(table: ScheduleTable, rank: int) -> Mapping[int, int]:
+    """chunk -> microbatch of its last ``BW``/``W`` on ``rank``: derived once per table, like the runner."""
     last: dict[int, int] = {}
     for node in table.ranks[rank]:
         for kind, mb, chunk in node.parts():
             if kind in (NodeKind.BW, NodeKind.W):
                 last[chunk] = mb
-    return last
+    return MappingProxyType(last)
 
 
 def _device() -> torch.device:
@@ -119,7 +110,7 @@ class PrimusForwardBackward:
 
         full = self.table_for(pp, len(models), num_microbatches, config)
         check_megatron_config(config, full, models, rank)
-        table = evaluation_table(full) if forward_only else full
+        table = forward_only_view(full) if forward_only else full
         runner = cached_runner(table, rank)
 
         shapes = schedules.get_tensor_shapes(
