@@ -14,25 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 from primuspipe.errors import ScheduleShapeError
 from primuspipe.schedule import build_schedule
-from primuspipe.simulator import CostModel, SimulationResult, simulate
+from primuspipe.simulator import CostModel, simulate
 
 ALGORITHMS = [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zbv", 2), ("v-half", 2),
               ("v-min", 2), ("dualpipe-v", 2)]
 SHAPES = [(pp, m) for pp in (4, 8, 16, 32) for m in (pp, 2 * pp, 4 * pp)]
-
-
-def span_bubble(result: SimulationResult) -> float:
-    worst = 0.0
-    for rank in result.ranks:
-        spans = [(s, e) for n, s, e in zip(rank.nodes, rank.starts, rank.ends) if n.kind.is_compute]
-        span = max(e for _, e in spans) - min(s for s, _ in spans)
-        worst = max(worst, (span - rank.busy_time) / span)
-    return worst
 
 
 def measure(algorithm: str, vpp: int, pp: int, m: int) -> dict:
@@ -46,7 +38,7 @@ def measure(algorithm: str, vpp: int, pp: int, m: int) -> dict:
     result = simulate(table, CostModel.per_stage(pp * vpp, 1 / vpp, 1 / vpp, 1 / vpp))
     return {**row, "build_s": round(build_s, 4), "step_time": result.step_time,
             "bubble_rate": round(result.bubble_rate, 4), "bubble_rate_mean": round(result.bubble_rate_mean, 4),
-            "span_bubble_rate": round(span_bubble(result), 4), "peak_activations": max(result.peak_activations)}
+            "span_bubble_rate": round(result.span_bubble_rate, 4), "peak_activations": max(result.peak_activations)}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -77,7 +69,6 @@ def main() -> None:
     if args.markdown:
         args.markdown.write_text(table)
     else:
-        import sys
         sys.stdout.write(table)
 
 

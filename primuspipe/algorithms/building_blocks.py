@@ -29,10 +29,15 @@ from primuspipe.placement import Placement
 _EPS = 1e-9
 
 
-def _earliest_free(t: float, duration: float, taken: list[tuple[float, float]], period: float) -> float:
-    """Earliest time >= t at which [time, time + duration) overlaps none of ``taken`` modulo ``period``."""
+def _earliest_free(t: float, duration: float, taken: list[tuple[float, float]], period: float) -> float | None:
+    """Earliest time >= t at which [time, time + duration) overlaps none of ``taken`` modulo ``period``;
+    None if no free gap of the period is that long (the search never skips a fitting start, so one
+    not found within a period from ``t`` does not exist)."""
+    give_up = t + period + _EPS
     moved = True
     while moved:
+        if t > give_up:
+            return None
         moved = False
         for start, length in taken:
             into = (t - start) % period  # how far t lies past the start of a taken slot
@@ -55,8 +60,9 @@ class Block:
     period: float
 
 
-def vshape_block(placement: Placement, costs: ComputeCosts, p2p_time: float = 0.0) -> Block:
-    """The tightest block: the chain laid out greedily (module doc), P2P time between ranks."""
+def vshape_block(placement: Placement, costs: ComputeCosts, p2p_time: float = 0.0) -> Block | None:
+    """The tightest block: the chain laid out greedily (module doc), P2P time between ranks; None if a
+    node finds no gap of its rank's period long enough (uneven costs can fragment the free time)."""
     num_stages = placement.num_stages
     period = max(_EPS, *(
         sum(costs.forward[s] + costs.backward_input[s] + costs.backward_weight[s]
@@ -71,6 +77,8 @@ def vshape_block(placement: Placement, costs: ComputeCosts, p2p_time: float = 0.
         rank = placement.rank_of(stage)
         duration = costs.forward[stage] if kind is NodeKind.F else costs.backward_input[stage]
         t = _earliest_free(t + (p2p_time if rank != previous_rank else 0.0), duration, taken[rank], period)
+        if t is None:
+            return None
         taken[rank].append((t % period, duration))
         starts[(kind, stage)] = t
         t, previous_rank = t + duration, rank
@@ -99,11 +107,8 @@ def block_orders(placement: Placement, microbatches: int, costs: ComputeCosts, p
                  max_chunk_activations: int, max_deferred_w: int) -> list[FixedOrder]:
     """The distinct repeated-block orders, from the real costs to uniform ones, that fit the budget
     (each deferring at most ``max_deferred_w`` W's per rank)."""
-    orders = dict.fromkeys(
-        repeated_order(placement, microbatches, vshape_block(placement, blended(costs, weight), p2p_time),
-                       max_deferred_w)
-        for weight in BLEND_WEIGHTS
-    )
+    blocks = (vshape_block(placement, blended(costs, weight), p2p_time) for weight in BLEND_WEIGHTS)
+    orders = dict.fromkeys(repeated_order(placement, microbatches, b, max_deferred_w) for b in blocks if b is not None)
     return [o for o in orders if peak_chunk_activations(o) <= max_chunk_activations]
 
 

@@ -18,7 +18,7 @@ from collections import deque
 
 from primuspipe.algorithms.phases import require
 from primuspipe.algorithms.registry import ScheduleRequest, register
-from primuspipe.node import B, F, FB, W, NodeKind, ScheduleNode
+from primuspipe.node import FB, B, F, NodeKind, ScheduleNode, W
 from primuspipe.placement import Placement
 from primuspipe.table import ScheduleTable
 

@@ -35,8 +35,6 @@ from primuspipe.node import NodeKind, ScheduleNode
 from primuspipe.placement import Placement
 from primuspipe.table import ScheduleTable
 
-_KIND_STEP = {NodeKind.F: "F", NodeKind.B: "B", NodeKind.W: "W"}
-
 
 @dataclass(frozen=True)
 class FillPolicy:
@@ -164,7 +162,7 @@ def list_schedule(
     def run(rank: int, kind: NodeKind, chunk: int, mb: int, start: float) -> None:
         stage = placement.stage(rank, chunk)
         end = start + durations[kind][stage]
-        finish[(_KIND_STEP[kind], stage, mb)] = end
+        finish[(kind.value, stage, mb)] = end
         clock[rank] = end
         remaining[rank] -= 1
         rows[rank].append(ScheduleNode(kind, mb, chunk))

@@ -18,7 +18,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cache
+from itertools import product
+from typing import NamedTuple
 
 from primuspipe.algorithms.list_scheduler import FillPolicy, list_schedule, unit_costs
 from primuspipe.algorithms.registry import ScheduleRequest, list_algorithms, register
@@ -27,7 +30,7 @@ from primuspipe.communication import add_communication
 from primuspipe.costs import ComputeCosts
 from primuspipe.errors import ScheduleShapeError
 from primuspipe.placement import Placement
-from primuspipe.simulator import CostModel, Link, P2PCost, simulate
+from primuspipe.simulator import CostModel, Link, P2PCost, SimulationResult, simulate
 from primuspipe.table import ScheduleTable
 from primuspipe.validation import peak_in_flight, validate
 
@@ -73,6 +76,17 @@ class ZbAutoReport:
         return f"{self.method}: {self.source}, step {self.step_time:g}, {gap}"
 
 
+class _Candidate(NamedTuple):
+    """The best table so far, its simulated step time and peak (compared in that order), and its source."""
+
+    step_time: float
+    peak: float
+    method: str
+    source: str
+    table: ScheduleTable
+    result: SimulationResult
+
+
 def _cost_model(costs: ComputeCosts, p2p_time: float) -> CostModel:
     link = Link(latency=p2p_time)
     return CostModel(costs, p2p=P2PCost(intra_node=link, inter_node=link))
@@ -92,19 +106,15 @@ def _policies(req: ScheduleRequest, cap_limit: int) -> Iterator[tuple[str, Place
     """List-scheduler policies to try, most memory first (more memory rarely hurts the step time)."""
     p, v = req.pp, req.vpp
     placements = [Placement.interleaved(p, v)] + ([Placement.vshape(p)] if v == 2 else [])
-    for placement in placements:
-        reserves = (0,) if v == 1 else (1, 2, 3)
-        for top in range(cap_limit, 0, -1):
-            for slope in (0, 1, 2):
-                caps = tuple(max(min(top - slope * r, cap_limit), 1) for r in range(p))
-                if slope and caps == tuple([caps[0]] * p):
-                    continue
-                for reserve in reserves:
-                    if reserve >= min(caps):
-                        continue
-                    for first in (True, False):
-                        name = f"list-schedule {placement.name} caps={caps[0]}-{slope}r reserve={reserve} {'B' if first else 'F'}-first"
-                        yield name, placement, FillPolicy(caps, reserve, first)
+    reserves = (0,) if v == 1 else (1, 2, 3)
+    for placement, top, slope in product(placements, range(cap_limit, 0, -1), (0, 1, 2)):
+        caps = tuple(max(top - slope * r, 1) for r in range(p))
+        if slope and len(set(caps)) == 1:
+            continue  # the caps of slope 0
+        for reserve, first in product(reserves, (True, False)):
+            if reserve < min(caps):
+                name = f"list-schedule {placement.name} caps={top}-{slope}r reserve={reserve} {'B' if first else 'F'}-first"
+                yield name, placement, FillPolicy(caps, reserve, first)
 
 
 def zb_auto_search(
@@ -131,8 +141,12 @@ def zb_auto_search(
     model = _cost_model(costs, p2p_time)
     limit = req.memory_limit
     cap_limit = 2 * req.pp * req.vpp if limit is None else int(limit * req.vpp + 1e-9)
-    best: tuple[float, float, str, str, ScheduleTable, object] | None = None
+    best: _Candidate | None = None
     tried = 0
+
+    @cache
+    def milp_size(placement: Placement) -> int | None:
+        return count_binaries(placement, req.microbatches, MILP_MAX_BINARIES) if use_milp else None
 
     def report(line: str) -> None:
         logger.info("zb-auto: %s", line)
@@ -146,19 +160,18 @@ def zb_auto_search(
             return
         tried += 1
         result = simulate(table, model)
-        key = (result.step_time, peak)
-        if best is None or key < best[:2]:
-            best = (result.step_time, peak, method, source, table, result)
+        if best is None or (result.step_time, peak) < (best.step_time, best.peak):
+            best = _Candidate(result.step_time, peak, method, source, table, result)
             report(f"best so far {result.step_time:g} from {source} (peak {peak:g})")
 
     # 1. the fixed algorithms
-    for name, table in _fixed_candidates(ScheduleRequest(req.pp, req.vpp, req.microbatches, costs, limit)):
+    for name, table in _fixed_candidates(replace(req, costs=costs)):
         consider("fixed", name, table)
         if best is not None and time.monotonic() > deadline:
             break
     # 2. the list scheduler over a grid of caps; stop at the budget's first half if the MILP may run
-    milp_size = count_binaries(Placement.interleaved(req.pp, req.vpp), req.microbatches, MILP_MAX_BINARIES) if use_milp else None
-    heuristic_deadline = began + time_budget_s * (0.5 if milp_size is not None else 1.0)
+    may_run_milp = milp_size(Placement.interleaved(req.pp, req.vpp)) is not None
+    heuristic_deadline = began + time_budget_s * (0.5 if may_run_milp else 1.0)
     for source, placement, policy in _policies(req, cap_limit):
         if time.monotonic() > heuristic_deadline:
             report("heuristic search stopped at its share of the time budget")
@@ -173,29 +186,26 @@ def zb_auto_search(
             f"zb-auto: no schedule of pp={req.pp}, vpp={req.vpp}, {req.microbatches} microbatches holds at most "
             f"{limit:g} microbatches of activations per rank; raise the memory limit"
         )
-    # 3. the exact MILP, seeded with the best order so far (on the interleaved placement for vpp 1;
-    #    for vpp 2 on the placement of the best table)
+    # 3. the exact MILP on the best table's placement, seeded with its simulated start times
     lower_bound, optimal = None, False
-    step, peak, method, source, table, result = best
-    placement = table.placement
-    size = count_binaries(placement, req.microbatches, MILP_MAX_BINARIES) if use_milp else None
+    placement = best.table.placement
+    size = milp_size(placement)
     if size is not None and deadline - time.monotonic() > MILP_MIN_TIME_S:
         report(f"MILP over {size} order binaries")
-        starts = [list(r.starts) for r in result.ranks]
-        incumbent = table_starts(result.table, starts) if table.placement == placement else None
+        incumbent = table_starts(best.result.table, [r.starts for r in best.result.ranks])
         milp = solve_order_milp(placement, req.microbatches, costs, p2p_time=p2p_time, cap=cap_limit if limit is not None else None,
-                                upper_bound=step, time_limit_s=deadline - time.monotonic(), incumbent=incumbent)
-        lower_bound, optimal = milp.lower_bound, milp.optimal
+                                upper_bound=best.step_time, time_limit_s=deadline - time.monotonic(), incumbent=incumbent)
+        lower_bound = milp.lower_bound
         if milp.rows is not None:
             consider("milp", "order MILP (HiGHS)", ScheduleTable.build(placement, req.microbatches, milp.rows, "zb-auto"))
-            step, peak, method, source, table, result = best
-        optimal = optimal and step <= milp.lower_bound + 1e-6
+        optimal = milp.optimal and best.step_time <= milp.lower_bound + 1e-6
         report(f"MILP bound {lower_bound:g}, {'optimal' if optimal else 'not proven optimal'}")
-    final = ZbAutoReport(method, source, step, peak, lower_bound, optimal, tried, time.monotonic() - began)
+    final = ZbAutoReport(best.method, best.source, best.step_time, best.peak, lower_bound, optimal, tried,
+                         time.monotonic() - began)
     report(final.summary)
     if check:
-        validate(add_communication(table))
-    return ScheduleTable.build(table.placement, table.microbatches, table.ranks, f"zb-auto ({final.summary})"), final
+        validate(add_communication(best.table))
+    return replace(best.table, algorithm=f"zb-auto ({final.summary})"), final
 
 
 @register("zb-auto", split_backward=True)

@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 
 from primuspipe.costs import ComputeCosts
+from primuspipe.dataflow import step_needs
 from primuspipe.node import NodeKind, ScheduleNode
 from primuspipe.placement import Placement
 from primuspipe.table import ScheduleTable
@@ -36,7 +37,6 @@ Key = tuple[str, int, int]  # (step kind "F" | "B" | "W", stage, microbatch)
 class MilpResult:
     rows: tuple[tuple[ScheduleNode, ...], ...] | None
     """Best order found (None if the solver found none better than the incumbent it was given)."""
-    objective: float | None
     lower_bound: float
     optimal: bool
 
@@ -64,6 +64,12 @@ def count_binaries(placement: Placement, microbatches: int, limit: int) -> int |
         return None
     count = sum(len(_free_pairs(_rank_nodes(placement, microbatches, r))) for r in range(placement.pp))
     return count if count <= limit else None
+
+
+def _producers(placement: Placement, key: Key) -> list[Key]:
+    """The steps ``key`` waits for (dataflow's rules; a Step is a Key)."""
+    kind, stage, mb = key
+    return step_needs(placement, NodeKind(kind), stage, mb)
 
 
 def _rank_nodes(placement: Placement, m: int, rank: int) -> list[Key]:
@@ -116,14 +122,10 @@ def solve_order_milp(
         for key in nodes:
             add_col(key, 0.0, upper_bound - dur[key[0]][key[1]])
     # dependencies and the makespan
-    last = placement.num_stages - 1
     for r, nodes in enumerate(rank_nodes):
         for kind, s, i in nodes:
             me = col[(kind, s, i)]
-            producers = {"F": [("F", s - 1, i)] if s > 0 else [],
-                         "B": [("F", s, i)] + ([("B", s + 1, i)] if s < last else []),
-                         "W": [("B", s, i)]}[kind]
-            for pk, ps, _ in producers:
+            for pk, ps, _ in _producers(placement, (kind, s, i)):
                 delay = p2p_time if placement.rank_of(ps) != r else 0.0
                 add_row(dur[pk][ps] + delay, inf, {me: 1.0, col[(pk, ps, i)]: -1.0})
             if i > 0:  # microbatch order within (kind, stage)
@@ -185,7 +187,7 @@ def solve_order_milp(
     status = h.getModelStatus()
     bound = max(float(info.mip_dual_bound), 0.0)
     if info.primal_solution_status == 0:  # no feasible point
-        return MilpResult(None, None, bound, False)
+        return MilpResult(None, bound, False)
     values = h.getSolution().col_value
     objective = float(info.objective_function_value)
     optimal = status == highspy.HighsModelStatus.kOptimal
@@ -195,23 +197,19 @@ def solve_order_milp(
     for nodes in rank_nodes:
         timed = sorted(nodes, key=lambda x: (values[col[x]], sum(precedes(y, x) for y in nodes)))
         rows.append(tuple(ScheduleNode(NodeKind(k), i, placement.locate(s)[1]) for k, s, i in timed))
-    return MilpResult(tuple(rows), objective, bound, optimal)
+    return MilpResult(tuple(rows), bound, optimal)
 
 
 def _static_bound(placement: Placement, rank_nodes: list[list[Key]], dur: dict, p2p_time: float) -> float:
     """A makespan no order can beat: per rank, the earliest any of its nodes can start plus its whole
     work, and for each node its earliest end plus the work on its rank that must follow it."""
     earliest: dict[Key, float] = {}
-    last = placement.num_stages - 1
 
     def start(key: Key) -> float:
         if key not in earliest:
-            kind, s, i = key
-            producers = {"F": [("F", s - 1, i)] if s > 0 else [],
-                         "B": [("F", s, i)] + ([("B", s + 1, i)] if s < last else []),
-                         "W": [("B", s, i)]}[kind]
-            earliest[key] = max((start(p) + dur[p[0]][p[1]] + (p2p_time if placement.rank_of(p[1]) != placement.rank_of(s) else 0.0)
-                                 for p in producers), default=0.0)
+            rank = placement.rank_of(key[1])
+            earliest[key] = max((start(p) + dur[p[0]][p[1]] + (p2p_time if placement.rank_of(p[1]) != rank else 0.0)
+                                 for p in _producers(placement, key)), default=0.0)
         return earliest[key]
 
     for nodes in rank_nodes:

@@ -108,3 +108,13 @@ def test_max_deferred_w_trades_span_bubble_for_memory(algorithm):
         assert max(one.peak_memory_bytes) < 0.6 * max(default.peak_memory_bytes)
     with pytest.raises(ScheduleShapeError, match="max_deferred_w must be >= 1"):
         build_schedule(algorithm, 4, 8, max_deferred_w=0)
+
+
+def test_a_block_that_fits_no_gap_is_skipped_not_searched_forever():
+    """Uneven costs with P2P time can leave a rank's free time in gaps each shorter than the next node;
+    the block is then dropped (the greedy fill still schedules) instead of the layout looping forever."""
+    costs = ComputeCosts.per_stage(12, [1 + (s % 3) * 0.5 for s in range(12)], [2 - (s % 2) * 0.5 for s in range(12)],
+                                   [0.5 + (s % 4) * 0.25 for s in range(12)])
+    assert vshape_block(Placement.vshape(6), costs, p2p_time=0.3) is None
+    table = build_schedule("zbv", 6, 7, costs=costs, p2p_time=0.3)
+    assert max(peak_in_flight(table)) <= BUDGET["zbv"](6)

@@ -1,6 +1,7 @@
 """ZB-H1 and ZB-H2: every small shape validates, and the paper's bubble and memory figures hold."""
 
 import pytest
+
 from primuspipe.costs import ComputeCosts
 from primuspipe.node import NodeKind
 from primuspipe.schedule import build_schedule
