@@ -112,15 +112,16 @@ def block_orders(placement: Placement, microbatches: int, costs: ComputeCosts, p
     return [o for o in orders if peak_chunk_activations(o) <= max_chunk_activations]
 
 
-def repeated_order(placement: Placement, microbatches: int, block: Block, cap: int) -> FixedOrder:
-    """Each rank's F/B order when the block repeats once per microbatch."""
+def repeated_order(placement: Placement, microbatches: int, block: Block, pending_w: int) -> FixedOrder:
+    """Each rank's F/B order when the block repeats once per microbatch (deferring at most ``pending_w``
+    W's per rank when it runs)."""
     events: list[list[tuple[float, int, NodeKind, int]]] = [[] for _ in range(placement.pp)]
     for (kind, stage), start in block.starts.items():
         rank, chunk = placement.locate(stage)
         for mb in range(microbatches):
             events[rank].append((start + mb * block.period, mb, kind, chunk))
     return FixedOrder(tuple(tuple((kind, chunk) for _, _, kind, chunk in sorted(e, key=lambda x: x[:2])) for e in events),
-                      cap)
+                      pending_w)
 
 
 def peak_chunk_activations(order: FixedOrder) -> int:

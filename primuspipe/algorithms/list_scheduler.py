@@ -64,12 +64,15 @@ class FixedOrder:
     """Every rank runs its F's and B's in a given order; only the W's are placed by the fill.
 
     ``sequence[r]`` lists rank ``r``'s F and B nodes as (kind, chunk); the microbatch of each is implied
-    (one chunk's forwards and backwards run in microbatch order). ``cap`` bounds the W's a rank keeps
-    pending (as in :class:`FillPolicy`): a forward waits for a W to run first when ``cap`` are pending.
+    (one chunk's forwards and backwards run in microbatch order). ``pending_w`` bounds the W's a rank
+    keeps pending, as in :class:`FillPolicy`: a forward waits for a W to run first when that many wait.
     """
 
     sequence: tuple[tuple[tuple[NodeKind, int], ...], ...]
-    cap: int
+    pending_w: int
+
+    def w_limit(self, rank: int) -> int:
+        return self.pending_w
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,7 @@ def list_schedule(
             if done == len(policy.sequence[rank]):
                 return []
             kind, c = policy.sequence[rank][done]
-            if kind is NodeKind.F and len(w_queue[rank]) >= policy.cap:
+            if kind is NodeKind.F and len(w_queue[rank]) >= policy.w_limit(rank):
                 return []  # a deferred W must run first
             mb = (next_f if kind is NodeKind.F else next_b)[rank][c]
             return [(kind, c, mb, ready_time(kind, placement.stage(rank, c), mb))]
@@ -208,8 +211,8 @@ def list_schedule(
             heapq.heappush(awake, (clock[rank], rank))
     if any(remaining):
         raise ScheduleShapeError(
-            f"{algorithm}: with at most {policy.cap} chunk activations per rank the pipeline stalls "
-            f"({m} microbatches, pp={pp}); raise the memory limit"
+            f"{algorithm}: with {_limits(policy)} the pipeline stalls ({m} microbatches, pp={pp}); "
+            "raise the memory limit"
         )
     return TimedRows(tuple(tuple(r) for r in rows), max(clock))
 
@@ -217,6 +220,12 @@ def list_schedule(
 def _delays(cands: list[tuple[NodeKind, int, int, float | None]], w_end: float) -> bool:
     """True if a W ending at ``w_end`` would hold up a node known to be ready before then."""
     return any(ready is not None and ready < w_end - 1e-9 for *_, ready in cands)
+
+
+def _limits(policy: FillPolicy | FixedOrder) -> str:
+    if isinstance(policy, FixedOrder):
+        return f"a fixed F/B order and at most {policy.pending_w} deferred W's per rank"
+    return f"at most {policy.cap} chunk activations per rank"
 
 
 def best_fill(
