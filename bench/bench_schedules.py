@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from primuspipe.errors import ScheduleShapeError
-from primuspipe.schedule import build_schedule
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, simulate
 
 ALGORITHMS = [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zbv", 2), ("v-half", 2),

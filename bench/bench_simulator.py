@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from primuspipe.schedule import build_schedule
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, simulate
 
 HEADLINE = ("interleaved-1f1b", 64, 2, 512)

@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser, *, steps: int, hidden: int, seq: i
 
 
 def tiny_gpt(args: argparse.Namespace):
-    from primuspipe.backends.megatron import tiny_models
+    from primuspipe.testing.megatron import tiny_models
 
     return dataclasses.replace(tiny_models.TINY_MODELS["tiny-gpt"], hidden_size=args.hidden,
                                ffn_hidden_size=4 * args.hidden, num_attention_heads=4, seq_length=args.seq,
@@ -38,8 +38,8 @@ def alternating_step_times(make_schedules: Callable[[], dict[str, Callable]], ar
 
     ``make_schedules`` runs inside each rank and returns ``{name: forward_backward_func}``.
     """
-    from primuspipe.backends.megatron import compare
-    from primuspipe.backends.megatron.distributed_cpu import ParallelLayout, run_on_gloo
+    from primuspipe.testing.megatron import compare
+    from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo
 
     spec = compare.StepSpec(tiny_gpt(args), args.microbatches)
 

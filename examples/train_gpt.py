@@ -84,7 +84,7 @@ def train(schedule, spec_for, args, device):
     (per-iteration losses on the last stage, step times, first iteration's grads)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from primuspipe.backends.megatron import compare
+    from primuspipe.testing.megatron import compare
 
     _, chunks, model = compare.build(spec_for(0), args.pp, args.vpp, device)
     optimizer = get_megatron_optimizer(
@@ -138,7 +138,7 @@ def main(argv=None) -> None:
     device = init_distributed(args)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from primuspipe.backends.megatron import compare, tiny_models
+    from primuspipe.testing.megatron import compare, tiny_models
     from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
 
     overrides = {"patch_primus_pipeline": True}

@@ -1,6 +1,10 @@
-"""Schedule algorithms: pure functions from a shape to a compute-only table (no torch here)."""
+"""Schedule algorithms: pure functions from a shape to a compute-only table (no torch here).
 
-from primuspipe.algorithms import classic, dualpipe_v, vshape, zb_auto, zero_bubble  # noqa: F401  (registers the built-in algorithms)
+The built-in algorithms register themselves when their modules are imported; the registry imports
+them (and the ``zb-auto`` search, which lives a layer up in :mod:`primuspipe.search`) on first look-up,
+exactly as it loads third-party plug-ins, so this package never imports the layers above it.
+"""
+
 from primuspipe.algorithms.registry import (
     AlgorithmInfo,
     ScheduleRequest,

@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from primuspipe.algorithms.list_scheduler import FixedOrder
-from primuspipe.costs import ComputeCosts
-from primuspipe.node import NodeKind
-from primuspipe.placement import Placement
+from primuspipe.ir.costs import ComputeCosts
+from primuspipe.ir.node import NodeKind
+from primuspipe.ir.placement import Placement
 
 _EPS = 1e-9
 

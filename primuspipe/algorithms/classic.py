@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from primuspipe.algorithms.phases import require, warmup_steady_cooldown
 from primuspipe.algorithms.registry import ScheduleRequest, register
-from primuspipe.node import BW, F
-from primuspipe.placement import Placement
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.node import BW, F
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
 
 
 @register("gpipe")

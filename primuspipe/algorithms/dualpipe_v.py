@@ -18,9 +18,9 @@ from collections import deque
 
 from primuspipe.algorithms.phases import require
 from primuspipe.algorithms.registry import ScheduleRequest, register
-from primuspipe.node import FB, B, F, NodeKind, ScheduleNode, W
-from primuspipe.placement import Placement
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.node import FB, B, F, NodeKind, ScheduleNode, W
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
 
 
 class _RankProgram:
@@ -111,7 +111,7 @@ def lower_overlap(table: ScheduleTable) -> ScheduleTable:
     """The same schedule with each overlapped ``FB`` node run as its F, then its B, for runners that
     cannot overlap two microbatches. Takes and returns a compute-only table.
 
-    >>> from primuspipe.node import FB
+    >>> from primuspipe.ir.node import FB
     >>> t = ScheduleTable.build(Placement.vshape(1), 1, [[FB(0, 0, 0, 1)]])
     >>> [str(n) for n in lower_overlap(t).ranks[0]]
     ['F0.0', 'B0.1']

@@ -28,12 +28,12 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from primuspipe.costs import ComputeCosts
-from primuspipe.dataflow import step_needs
+from primuspipe.ir.costs import ComputeCosts
+from primuspipe.ir.dataflow import step_needs
 from primuspipe.errors import ScheduleShapeError
-from primuspipe.node import NodeKind, ScheduleNode
-from primuspipe.placement import Placement
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from primuspipe.errors import ScheduleShapeError
-from primuspipe.node import ScheduleNode
+from primuspipe.ir.node import ScheduleNode
 
 
 def warmup_steady_cooldown(

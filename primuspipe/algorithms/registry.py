@@ -13,16 +13,26 @@ Third-party packages declare, in their packaging metadata::
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from primuspipe.costs import ComputeCosts
+from primuspipe.ir.costs import ComputeCosts
 from primuspipe.errors import DuplicateAlgorithmError, PrimusPipeError, UnknownAlgorithmError
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.table import ScheduleTable
 
 ENTRY_POINT_GROUP = "primuspipe.algorithms"
+
+BUILTIN_MODULES = (
+    "primuspipe.algorithms.classic",
+    "primuspipe.algorithms.zero_bubble",
+    "primuspipe.algorithms.vshape",
+    "primuspipe.algorithms.dualpipe_v",
+    "primuspipe.search.zb_auto",
+)
+"""Modules whose import registers the built-in algorithms, loaded on first look-up like plug-ins."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,8 @@ def _load_plugins() -> None:
     if _plugins_loaded:
         return
     _plugins_loaded = True
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             ep.load()

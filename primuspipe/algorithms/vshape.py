@@ -24,8 +24,8 @@ from primuspipe.algorithms.building_blocks import block_orders
 from primuspipe.algorithms.list_scheduler import FillPolicy, best_fill, unit_costs
 from primuspipe.algorithms.phases import require
 from primuspipe.algorithms.registry import ScheduleRequest, register
-from primuspipe.placement import Placement
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
 
 
 def fill_policies(p: int, cap: int, max_deferred_w: int) -> list[FillPolicy]:

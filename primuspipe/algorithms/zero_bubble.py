@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from primuspipe.algorithms.list_scheduler import FillPolicy, best_fill
 from primuspipe.algorithms.registry import ScheduleRequest, register
-from primuspipe.placement import Placement
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
 
 
 @register("zb-h1", vpp=1, split_backward=True)

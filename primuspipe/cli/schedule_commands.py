@@ -9,12 +9,12 @@ from rich.console import Console
 from rich.table import Table
 
 from primuspipe.algorithms import list_algorithms
-from primuspipe.communication import add_communication
+from primuspipe.passes.communication import add_communication
 from primuspipe.cli.options import add_shape_arguments, console, parse_options, report_console
 from primuspipe.errors import TableFormatError, ValidationError
-from primuspipe.formats import dump_table, load_table
-from primuspipe.schedule import build_schedule
-from primuspipe.validation import peak_in_flight, validate
+from primuspipe.ir.formats import dump_table, load_table
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.passes.validation import peak_in_flight, validate
 
 
 def register(sub: argparse._SubParsersAction) -> None:

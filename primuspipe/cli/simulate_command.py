@@ -13,7 +13,7 @@ from rich.table import Table
 from primuspipe.algorithms import get_algorithm, list_algorithms
 from primuspipe.cli.options import add_shape_arguments, parse_options, report_console
 from primuspipe.errors import ConfigError, PrimusPipeError
-from primuspipe.schedule import build_schedule
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, SimulationResult, read_cost_file, simulate
 from primuspipe.simulator.trace import write_chrome_trace
 

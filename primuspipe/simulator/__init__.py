@@ -1,6 +1,6 @@
 """The simulator: times a schedule table under a cost model, offline and deterministically.
 
->>> from primuspipe.schedule import build_schedule
+>>> from primuspipe.algorithms.build import build_schedule
 >>> table = build_schedule("1f1b", pp=4, microbatches=8)
 >>> result = simulate(table, CostModel.per_stage(4, f=1, b=2, w=0))
 >>> round(result.bubble_rate, 4), result.peak_activations

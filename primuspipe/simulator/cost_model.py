@@ -48,7 +48,7 @@ from typing import Any
 
 import yaml
 
-from primuspipe.costs import ComputeCosts
+from primuspipe.ir.costs import ComputeCosts
 from primuspipe.errors import ConfigError
 
 TIME_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0}

@@ -13,7 +13,7 @@ Semantics are the validator's (DESIGN.md §3), with time added:
 Because every start time is a function of the table and the costs only, the result does not depend on
 the order ranks are visited in; the loop still visits them in a fixed order (a FIFO of woken ranks)
 so even its work is reproducible. A compute-only table gets its communication from
-:func:`~primuspipe.communication.add_communication` first, so transfers are costed too.
+:func:`~primuspipe.passes.communication.add_communication` first, so transfers are costed too.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
 
-from primuspipe.communication import add_communication
-from primuspipe.dataflow import Transfer, inbound, transfer_of
+from primuspipe.passes.communication import add_communication
+from primuspipe.ir.dataflow import Transfer, inbound, transfer_of
 from primuspipe.errors import SimulationError
-from primuspipe.node import NodeKind, ScheduleNode
+from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.simulator.cost_model import CostModel
 from primuspipe.simulator.memory import peak_activations
-from primuspipe.table import ScheduleTable
-from primuspipe.timeline import RankTimeline, TimedNode, Timeline, idle_share
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline, idle_share
 
 _COMPUTE, _SEND, _RECV = 0, 1, 2
 
@@ -127,9 +127,9 @@ class SimulationResult:
 
 def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
     """Time ``table`` under ``cost``. Raises :class:`SimulationError` if the table cannot complete
-    (run :func:`~primuspipe.validation.validate` on it for the full diagnosis).
+    (run :func:`~primuspipe.passes.validation.validate` on it for the full diagnosis).
 
-    >>> from primuspipe.schedule import build_schedule
+    >>> from primuspipe.algorithms.build import build_schedule
     >>> result = simulate(build_schedule("1f1b", pp=8, microbatches=32), CostModel.per_stage(8, f=1, b=1, w=1))
     >>> result.step_time, round(result.bubble_rate, 4)
     (117.0, 0.1795)

@@ -3,20 +3,20 @@
 Memory on a rank changes only at its own nodes, which run in table order, so the peaks are a property
 of the table and the byte counts, not of timing. A node's forwards are counted before its backwards
 release anything (an FB pair holds both at once). The unit count is
-:func:`primuspipe.validation.peak_in_flight`'s: a chunk's activation is 1/vpp of a unit, held from F
+:func:`primuspipe.passes.validation.peak_in_flight`'s: a chunk's activation is 1/vpp of a unit, held from F
 until B or BW; the byte count follows the release rule, B keeping the share W still needs.
 """
 
 from __future__ import annotations
 
-from primuspipe.node import NodeKind
+from primuspipe.ir.node import NodeKind
 from primuspipe.simulator.cost_model import MemoryCost
-from primuspipe.table import ScheduleTable
-from primuspipe.validation import peak_in_flight
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.validation import peak_in_flight
 
 
 def peak_activations(table: ScheduleTable, memory: MemoryCost | None) -> tuple[list[float], list[float]]:
-    """Per rank: (peak microbatch units, as :func:`~primuspipe.validation.peak_in_flight` counts them;
+    """Per rank: (peak microbatch units, as :func:`~primuspipe.passes.validation.peak_in_flight` counts them;
     peak activation bytes, 0 when memory is not modelled)."""
     units = peak_in_flight(table)
     if memory is None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from primuspipe.dataflow import Transfer, inbound, outbound, transfer_of
+from primuspipe.ir.dataflow import Transfer, inbound, outbound, transfer_of
 from primuspipe.errors import TableFormatError
-from primuspipe.placement import Placement
+from primuspipe.ir.placement import Placement
 from primuspipe.simulator.cost_model import TIME_UNITS
-from primuspipe.timeline import TimedNode, Timeline
+from primuspipe.ir.timeline import TimedNode, Timeline
 
 _PID = 0
 

@@ -11,7 +11,7 @@ import pytest
 
 from primuspipe.cli import main
 from primuspipe.errors import ScheduleShapeError
-from primuspipe.schedule import build_schedule
+from primuspipe.algorithms.build import build_schedule
 
 
 def _sweep_grid(algorithm: str, **options) -> tuple[int, int, list]:

@@ -3,12 +3,12 @@
 import pytest
 
 from primuspipe.algorithms.dualpipe_v import lower_overlap
-from primuspipe.communication import add_communication
+from primuspipe.passes.communication import add_communication
 from primuspipe.errors import ScheduleShapeError
-from primuspipe.node import NodeKind
-from primuspipe.schedule import build_schedule
+from primuspipe.ir.node import NodeKind
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, simulate
-from primuspipe.validation import validate
+from primuspipe.passes.validation import validate
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -4,14 +4,14 @@ import pytest
 
 from primuspipe.algorithms.building_blocks import peak_chunk_activations, repeated_order, vshape_block
 from primuspipe.algorithms.list_scheduler import list_schedule, unit_costs
-from primuspipe.communication import add_communication
-from primuspipe.costs import ComputeCosts
+from primuspipe.passes.communication import add_communication
+from primuspipe.ir.costs import ComputeCosts
 from primuspipe.errors import ScheduleShapeError
-from primuspipe.placement import Placement
-from primuspipe.schedule import build_schedule
+from primuspipe.ir.placement import Placement
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, simulate
-from primuspipe.table import ScheduleTable
-from primuspipe.validation import peak_in_flight, validate
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.validation import peak_in_flight, validate
 
 BUDGET = {"zbv": lambda p: p, "v-half": lambda p: (p + 2) // 2, "v-min": lambda p: (p + 4) // 3}
 

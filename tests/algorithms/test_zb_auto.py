@@ -3,12 +3,12 @@
 import pytest
 
 from primuspipe.algorithms import ScheduleRequest, get_algorithm, list_algorithms
-from primuspipe.algorithms.zb_auto import zb_auto_search
-from primuspipe.costs import ComputeCosts
+from primuspipe.search.zb_auto import zb_auto_search
+from primuspipe.ir.costs import ComputeCosts
 from primuspipe.errors import ScheduleShapeError
-from primuspipe.schedule import build_schedule
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, P2PCost, simulate
-from primuspipe.validation import peak_in_flight
+from primuspipe.passes.validation import peak_in_flight
 
 CASES = {
     # name: (pp, vpp, m, f, b, w, p2p, memory limit)

@@ -2,11 +2,11 @@
 
 import pytest
 
-from primuspipe.costs import ComputeCosts
-from primuspipe.node import NodeKind
-from primuspipe.schedule import build_schedule
+from primuspipe.ir.costs import ComputeCosts
+from primuspipe.ir.node import NodeKind
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, simulate
-from primuspipe.validation import peak_in_flight
+from primuspipe.passes.validation import peak_in_flight
 
 
 @pytest.mark.parametrize("algorithm", ["zb-h1", "zb-h2"])

@@ -4,8 +4,8 @@ import pytest
 
 from primuspipe.algorithms import list_algorithms
 from primuspipe.errors import ScheduleShapeError
-from primuspipe.schedule import build_schedule
-from primuspipe.validation import validate
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.passes.validation import validate
 
 
 def _shapes(info):

@@ -5,8 +5,8 @@ import types
 import pytest
 
 from primuspipe.errors import ScheduleShapeError
-from primuspipe.node import NodeKind
-from primuspipe.schedule import build_schedule
+from primuspipe.ir.node import NodeKind
+from primuspipe.algorithms.build import build_schedule
 
 
 def _compute(table, rank):

@@ -4,13 +4,13 @@ import pytest
 from hypothesis import given
 from schedule_strategies import tables
 
-from primuspipe.communication import add_communication
-from primuspipe.dataflow import transfer_of
+from primuspipe.passes.communication import add_communication
+from primuspipe.ir.dataflow import transfer_of
 from primuspipe.errors import TableFormatError
-from primuspipe.node import BW, F, NodeKind
-from primuspipe.placement import Placement
-from primuspipe.schedule import build_schedule
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.node import BW, F, NodeKind
+from primuspipe.ir.placement import Placement
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.ir.table import ScheduleTable
 
 
 def test_sends_follow_their_producer_and_receives_precede_consumer_by_one_step():

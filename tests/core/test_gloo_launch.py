@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from primuspipe.errors import ConfigError, PipelineHangError
-from primuspipe.gloo_launch import WorkerError, run_gloo
+from primuspipe.testing.gloo import WorkerError, run_gloo
 
 
 def test_ranks_share_a_gloo_group_and_return_results_by_rank():

@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from primuspipe.errors import TableFormatError
-from primuspipe.node import FB, NodeKind, ScheduleNode
+from primuspipe.ir.node import FB, NodeKind, ScheduleNode
 
 
 def nodes():

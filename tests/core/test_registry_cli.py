@@ -8,8 +8,8 @@ import pytest
 from primuspipe.algorithms import get_algorithm, list_algorithms, register, registry
 from primuspipe.cli import main
 from primuspipe.errors import ConfigError, DuplicateAlgorithmError, PrimusPipeError, UnknownAlgorithmError
-from primuspipe.schedule import build_schedule
-from primuspipe.table import ScheduleTable
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.ir.table import ScheduleTable
 
 
 def test_duplicate_names_are_rejected(clean_registry):
@@ -38,9 +38,9 @@ def _make_plugin(tmp_path: Path, module: str, module_body: str) -> None:
 def test_entry_point_plugins_are_loaded(clean_registry, tmp_path, monkeypatch):
     _make_plugin(tmp_path, "myplug_good", (
         "from primuspipe.algorithms import register\n"
-        "from primuspipe.node import F, BW\n"
-        "from primuspipe.placement import Placement\n"
-        "from primuspipe.table import ScheduleTable\n"
+        "from primuspipe.ir.node import F, BW\n"
+        "from primuspipe.ir.placement import Placement\n"
+        "from primuspipe.ir.table import ScheduleTable\n"
         "@register('reverse-gpipe', vpp=1)\n"
         "def reverse_gpipe(req):\n"
         "    '''GPipe with backwards in reverse microbatch order.'''\n"

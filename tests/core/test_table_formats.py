@@ -5,11 +5,11 @@ from hypothesis import given
 from schedule_strategies import tables
 
 from primuspipe.errors import TableFormatError
-from primuspipe.formats import dump_table, from_torch_csv, load_table, to_torch_csv
-from primuspipe.placement import Placement
-from primuspipe.schedule import build_schedule
-from primuspipe.table import ScheduleTable
-from primuspipe.validation import validate
+from primuspipe.ir.formats import dump_table, from_torch_csv, load_table, to_torch_csv
+from primuspipe.ir.placement import Placement
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.validation import validate
 
 
 @given(tables())
@@ -85,7 +85,7 @@ def test_csv_written_by_torch_pipelining_loads_and_validates(tmp_path, name, n_s
     assert (table.pp, table.num_stages, table.microbatches) == (pp, n_stages, m)
     assert table.has_communication == (fmt == "compute_comms")
     validate(table)
-    from primuspipe.communication import add_communication
+    from primuspipe.passes.communication import add_communication
 
     validate(add_communication(table.compute_only()))
 

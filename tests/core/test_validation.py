@@ -4,11 +4,11 @@ from hypothesis import strategies as st
 from schedule_strategies import tables
 
 from primuspipe.errors import ValidationError
-from primuspipe.node import BW, F, ScheduleNode
-from primuspipe.placement import Placement
-from primuspipe.schedule import build_schedule
-from primuspipe.table import ScheduleTable
-from primuspipe.validation import check_pairing, peak_in_flight, validate
+from primuspipe.ir.node import BW, F, ScheduleNode
+from primuspipe.ir.placement import Placement
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.validation import check_pairing, peak_in_flight, validate
 
 
 def _edit(table, rank, new_row):

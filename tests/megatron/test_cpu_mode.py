@@ -22,14 +22,14 @@ pytestmark = [
 
 from megatron_harness import assert_same_tensors  # noqa: E402
 
-from primuspipe.backends.megatron.cpu_step import (  # noqa: E402
+from primuspipe.testing.megatron.cpu_step import (  # noqa: E402
     PipelineCase,
     last_stage_losses,
     merged_grads,
     merged_params,
     run_pipeline_cases,
 )
-from primuspipe.backends.megatron.distributed_cpu import (  # noqa: E402
+from primuspipe.testing.megatron.distributed_cpu import (  # noqa: E402
     ParallelLayout,
     WorkerError,
     run_on_gloo,
@@ -186,7 +186,7 @@ def test_launcher_returns_results_by_rank():
 
 
 def test_user_mistakes_raise_config_error():
-    from primuspipe.backends.megatron.tiny_models import get_tiny_model, transformer_config
+    from primuspipe.testing.megatron.tiny_models import get_tiny_model, transformer_config
 
     with pytest.raises(ConfigError):
         ParallelLayout(0)

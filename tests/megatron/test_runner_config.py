@@ -38,7 +38,7 @@ class TestMegatronFlags:
     @pytest.fixture(scope="class")
     def make_config(self):
         from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
-        from primuspipe.backends.megatron.tiny_models import TINY_MODELS, transformer_config
+        from primuspipe.testing.megatron.tiny_models import TINY_MODELS, transformer_config
 
         enable_cpu_mode()
         return lambda **kw: transformer_config(TINY_MODELS["tiny-gpt"], 2, 1, **kw)
@@ -47,7 +47,7 @@ class TestMegatronFlags:
                                             ("num_microbatches_with_partial_activation_checkpoints", 2)])
     def test_incompatible_flag_is_named(self, make_config, flag, value):
         from primuspipe.backends.megatron.compat import check_megatron_config
-        from primuspipe.schedule import build_schedule
+        from primuspipe.algorithms.build import build_schedule
 
         table = build_schedule("1f1b", pp=2, microbatches=4)
         check_megatron_config(make_config(), table, [object()])
@@ -58,12 +58,12 @@ class TestMegatronFlags:
 
     def test_tables_megatron_cannot_run(self, make_config):
         from primuspipe.backends.megatron.compat import check_megatron_config
-        from primuspipe.communication import add_communication
-        from primuspipe.node import BW, F
-        from primuspipe.placement import Placement
-        from primuspipe.schedule import build_schedule
-        from primuspipe.table import ScheduleTable
-        from primuspipe.validation import validate
+        from primuspipe.passes.communication import add_communication
+        from primuspipe.ir.node import BW, F
+        from primuspipe.ir.placement import Placement
+        from primuspipe.algorithms.build import build_schedule
+        from primuspipe.ir.table import ScheduleTable
+        from primuspipe.passes.validation import validate
 
         rows = [[F(0, 0), F(1, 0), F(0, 1), F(1, 1), BW(0, 1), BW(1, 1), BW(0, 0), BW(1, 0)] for _ in range(2)]
         vshape = validate(add_communication(ScheduleTable.build(Placement.vshape(2), 2, rows)))

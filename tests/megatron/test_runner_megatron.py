@@ -20,13 +20,14 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, re
 
 from megatron_harness import assert_same_tensors, merged, pp1_references, stacked_losses  # noqa: E402
 
-from primuspipe.backends.megatron import compare, install, is_installed, tiny_models, uninstall  # noqa: E402
+from primuspipe.backends.megatron import install, is_installed, uninstall  # noqa: E402
+from primuspipe.testing.megatron import compare, tiny_models  # noqa: E402
 from primuspipe.backends.megatron.config import PrimusPipeConfig  # noqa: E402
-from primuspipe.backends.megatron.distributed_cpu import ParallelLayout, run_on_gloo  # noqa: E402
+from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo  # noqa: E402
 from primuspipe.backends.megatron.dump import merge_rank_dumps  # noqa: E402
 from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward  # noqa: E402
-from primuspipe.node import NodeKind  # noqa: E402
-from primuspipe.schedule import build_schedule  # noqa: E402
+from primuspipe.ir.node import NodeKind  # noqa: E402
+from primuspipe.algorithms.build import build_schedule  # noqa: E402
 
 GPT8 = tiny_models.TINY_MODELS["tiny-gpt"]
 GPT6 = dataclasses.replace(GPT8, num_layers=6)

@@ -19,10 +19,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, re
 
 from megatron_harness import assert_same_tensors, merged, pp1_references, stacked_losses  # noqa: E402
 
-from primuspipe.backends.megatron import compare, tiny_models  # noqa: E402
+from primuspipe.testing.megatron import compare, tiny_models  # noqa: E402
 from primuspipe.backends.megatron.binder import MegatronBinder  # noqa: E402
 from primuspipe.backends.megatron.config import PrimusPipeConfig  # noqa: E402
-from primuspipe.backends.megatron.distributed_cpu import ParallelLayout, run_on_gloo  # noqa: E402
+from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo  # noqa: E402
 from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward  # noqa: E402
 from primuspipe.errors import ConfigError  # noqa: E402
 
@@ -286,7 +286,7 @@ def test_overlap_grad_reduce_is_refused_with_split_tables():
 
     from primuspipe.backends.megatron.compat import check_megatron_config
     from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
-    from primuspipe.schedule import build_schedule
+    from primuspipe.algorithms.build import build_schedule
 
     enable_cpu_mode()
     config = tiny_models.transformer_config(GPT, 2, 1)

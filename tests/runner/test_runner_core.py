@@ -7,18 +7,18 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from primuspipe.gloo_launch import WorkerError, run_gloo
+from primuspipe.testing.gloo import WorkerError, run_gloo
 
-from primuspipe.binder import ModuleBinder
-from primuspipe.communication import add_communication
+from primuspipe.runtime.reference_binder import ModuleBinder
+from primuspipe.passes.communication import add_communication
 from primuspipe.errors import ConfigError, PipelineHangError
-from primuspipe.node import BW, F, NodeKind, ScheduleNode
-from primuspipe.placement import Placement
-from primuspipe.runner import ScheduleRunner, forward_only_view
-from primuspipe.schedule import build_schedule
-from primuspipe.table import ScheduleTable
-from primuspipe.transport import P2PTransport
-from primuspipe.validation import validate
+from primuspipe.ir.node import BW, F, NodeKind, ScheduleNode
+from primuspipe.ir.placement import Placement
+from primuspipe.runtime.runner import ScheduleRunner, forward_only_view
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.runtime.transport import P2PTransport
+from primuspipe.passes.validation import validate
 
 H, BATCH = 6, 3
 

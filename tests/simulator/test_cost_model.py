@@ -6,7 +6,7 @@ import pytest
 from simulator_support import text_table
 
 from primuspipe.errors import ConfigError
-from primuspipe.schedule import build_schedule
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, MemoryCost, simulate, split_stages
 from primuspipe.simulator.cost_model import read_cost_file
 

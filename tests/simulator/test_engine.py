@@ -3,9 +3,9 @@
 import pytest
 from simulator_support import text_table
 
-from primuspipe.communication import add_communication
+from primuspipe.passes.communication import add_communication
 from primuspipe.errors import SimulationError
-from primuspipe.schedule import build_schedule
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, P2PCost, simulate
 
 

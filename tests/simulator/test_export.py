@@ -5,9 +5,9 @@ from collections import Counter
 
 import pytest
 
-from primuspipe.schedule import build_schedule
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, P2PCost, chrome_trace, simulate, write_chrome_trace
-from primuspipe.timeline import Timeline
+from primuspipe.ir.timeline import Timeline
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,9 @@
 
 import pytest
 
-from primuspipe.schedule import build_schedule
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, simulate
-from primuspipe.validation import peak_in_flight
+from primuspipe.passes.validation import peak_in_flight
 
 FBW = [(1, 1, 1), (1, 2, 0), (1.5, 0.7, 0.3), (2, 1, 0)]
 

@@ -10,8 +10,8 @@ import functools
 
 import torch
 
-from primuspipe.backends.megatron import compare
-from primuspipe.backends.megatron.distributed_cpu import ParallelLayout, run_on_gloo
+from primuspipe.testing.megatron import compare
+from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from primuspipe.algorithms import list_algorithms
 from primuspipe.errors import ScheduleShapeError
-from primuspipe.schedule import build_schedule
+from primuspipe.algorithms.build import build_schedule
 
 FAST = [a for a in list_algorithms() if "time_budget_s" not in {p.name for p in a.options()}]
 

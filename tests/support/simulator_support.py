@@ -4,9 +4,9 @@
 import json
 
 from primuspipe.cli import main
-from primuspipe.node import ScheduleNode
-from primuspipe.placement import Placement
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.node import ScheduleNode
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
 
 
 def text_table(pp: int, rows: list[str], m: int, vpp: int = 1) -> ScheduleTable:

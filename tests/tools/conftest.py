@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from primuspipe.timeline import RankTimeline, TimedNode, Timeline, dump_path
+from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline, dump_path
 
 T0 = 1_700_000_000.0
 

@@ -7,9 +7,9 @@ import yaml
 from simulator_support import simulate_rows
 
 from primuspipe.errors import TableFormatError
-from primuspipe.schedule import build_schedule
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, P2PCost, simulate
-from primuspipe.simulator.calibrate import executed_table, measure_costs
+from primuspipe.calibration.measure import executed_table, measure_costs
 from primuspipe.tools.pp_vis import load_iterations
 
 P2P = P2PCost(intra_node=Link(0.05), inter_node=Link(0.05))

@@ -10,8 +10,8 @@ from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from primuspipe.errors import TableFormatError
-from primuspipe.node import NodeKind
-from primuspipe.schedule import build_schedule
+from primuspipe.ir.node import NodeKind
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, P2PCost, simulate
 from primuspipe.tools.pp_vis import (
     compare_timelines,

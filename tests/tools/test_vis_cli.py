@@ -6,9 +6,9 @@ from dataclasses import replace
 import pytest
 
 from primuspipe.cli import build_parser, main
-from primuspipe.schedule import build_schedule
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, simulate
-from primuspipe.timeline import Timeline, dump_path
+from primuspipe.ir.timeline import Timeline, dump_path
 
 
 @pytest.fixture

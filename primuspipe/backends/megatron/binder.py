@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from primuspipe.backends.megatron.wgrad_store import WeightGradStore
-from primuspipe.node import NodeKind, ScheduleNode
-from primuspipe.runner import ComputeCall
+from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.runtime.runner import ComputeCall
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from primuspipe.errors import ConfigError
-from primuspipe.node import NodeKind
-from primuspipe.placement import Placement
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.node import NodeKind
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
 
 _UNSUPPORTED_FLAGS: tuple[tuple[str, str], ...] = (
     ("variable_seq_lengths",

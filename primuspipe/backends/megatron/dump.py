@@ -1,10 +1,10 @@
 """``dump_pp_data``: what a real step did, per rank, in the timeline format the simulator also writes.
 
-Each rank writes ``<dump_dir>/iter_<iteration>/rank_<rank>.json``: a :class:`~primuspipe.timeline.Timeline`
+Each rank writes ``<dump_dir>/iter_<iteration>/rank_<rank>.json``: a :class:`~primuspipe.ir.timeline.Timeline`
 with ``source="run"`` holding that rank's events (seconds from the rank's step start) and its peak
 memory: peak allocated bytes on GPU (the CUDA peak counter is reset at step start), peak resident set
 size sampled at every node boundary on CPU. ``meta["t0_unix"]`` is the rank's step start on the wall
-clock, so :func:`~primuspipe.timeline.merge_rank_dumps` can lay all ranks on one time axis.
+clock, so :func:`~primuspipe.ir.timeline.merge_rank_dumps` can lay all ranks on one time axis.
 
 On GPU every recorded time is taken after ``torch.cuda.synchronize()``, so a dumped step measures
 kernels, not launches (and runs slower than an undumped one).
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from primuspipe.node import ScheduleNode
-from primuspipe.table import ScheduleTable
-from primuspipe.timeline import (  # dump_path, merge_rank_dumps: re-exported, they live torch-free in timeline
+from primuspipe.ir.node import ScheduleNode
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.ir.timeline import (  # dump_path, merge_rank_dumps: re-exported, they live torch-free in timeline
     RankTimeline,
     TimedNode,
     Timeline,
@@ -41,7 +41,7 @@ def _rss_bytes() -> int:
 
 
 class StepRecorder:
-    """A :class:`~primuspipe.runner.Recorder` for one step of one rank."""
+    """A :class:`~primuspipe.runtime.runner.Recorder` for one step of one rank."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"

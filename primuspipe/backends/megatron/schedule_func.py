@@ -3,7 +3,7 @@ same return value, any primuspipe table.
 
 A call builds (or takes from the cache) the configured algorithm's table for this shape -- tables are
 immutable and cached per (algorithm, pp, vpp, microbatches, options) -- checks Megatron's config
-against it, runs this rank's row with :class:`~primuspipe.runner.ScheduleRunner` and the
+against it, runs this rank's row with :class:`~primuspipe.runtime.runner.ScheduleRunner` and the
 :class:`~primuspipe.backends.megatron.binder.MegatronBinder`, then finishes the step as Megatron's
 schedules do (embedding wgrad, ``finalize_model_grads_func`` with ``total_num_tokens`` when
 ``calculate_per_token_loss``). ``forward_only`` runs the table's forward-only view. Tables with a split
@@ -25,11 +25,11 @@ from primuspipe.backends.megatron.compat import check_megatron_config
 from primuspipe.backends.megatron.config import PrimusPipeConfig
 from primuspipe.backends.megatron.dump import StepRecorder, dump_path
 from primuspipe.errors import ConfigError
-from primuspipe.node import NodeKind
-from primuspipe.runner import cached_runner, forward_only_view
-from primuspipe.schedule import build_schedule
-from primuspipe.table import ScheduleTable
-from primuspipe.transport import P2PTransport
+from primuspipe.ir.node import NodeKind
+from primuspipe.runtime.runner import cached_runner, forward_only_view
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.runtime.transport import P2PTransport
 
 
 @functools.lru_cache(maxsize=64)

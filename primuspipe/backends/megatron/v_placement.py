@@ -28,7 +28,7 @@ import contextlib
 from collections.abc import Iterator
 
 from primuspipe.errors import ConfigError
-from primuspipe.placement import Placement
+from primuspipe.ir.placement import Placement
 
 _OFFSET_MODULES = ("megatron.core.transformer.transformer_layer", "megatron.core.transformer.transformer_block")
 

@@ -1,11 +1,11 @@
 """pp_vis: draw pipeline timelines from real runs (``dump_pp_data``) and from the simulator, and set a
 run beside its simulation.
 
-Everything takes :class:`~primuspipe.timeline.Timeline` values (the one format both sides write) and
+Everything takes :class:`~primuspipe.ir.timeline.Timeline` values (the one format both sides write) and
 returns values or writes files; ``primuspipe vis`` and ``primuspipe calibrate`` are the command line.
 See docs/pp_vis.md.
 
->>> from primuspipe.schedule import build_schedule
+>>> from primuspipe.algorithms.build import build_schedule
 >>> from primuspipe.simulator import CostModel, simulate
 >>> cost = CostModel.per_stage(2, f=1, b=1, w=1)
 >>> run = simulate(build_schedule("1f1b", pp=2, microbatches=4), cost).timeline()
@@ -14,7 +14,7 @@ See docs/pp_vis.md.
 [('bubble rate mean', 0.0), ('peak memory rank 0 (bytes)', None), ('peak memory rank 1 (bytes)', None)]
 """
 
-from primuspipe.simulator.calibrate import MeasuredCosts, compute_order, executed_table, measure_costs, placement_of
+from primuspipe.calibration.measure import MeasuredCosts, compute_order, executed_table, measure_costs, placement_of
 from primuspipe.tools.pp_vis.html import timeline_figure, write_html
 from primuspipe.tools.pp_vis.load import in_unit, load_iterations, load_timeline
 from primuspipe.tools.pp_vis.png import draw_png

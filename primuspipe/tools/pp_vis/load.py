@@ -9,7 +9,7 @@ from pathlib import Path
 
 from primuspipe.errors import TableFormatError
 from primuspipe.simulator.cost_model import TIME_UNITS
-from primuspipe.timeline import TimedNode, Timeline, dump_iterations, dump_path, merge_rank_dumps
+from primuspipe.ir.timeline import TimedNode, Timeline, dump_iterations, dump_path, merge_rank_dumps
 
 _WHAT = ("a timeline JSON file (from 'primuspipe simulate -o DIR') or a dump directory holding "
          "iter_<n>/rank_<r>.json (from a run with dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR)")

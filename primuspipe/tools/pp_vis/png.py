@@ -17,8 +17,8 @@ from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from primuspipe.node import NodeKind, ScheduleNode
-from primuspipe.timeline import Timeline
+from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.timeline import Timeline
 from primuspipe.tools.pp_vis import style
 
 _WIDTH_IN, _DPI = 16.0, 100

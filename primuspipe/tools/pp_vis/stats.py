@@ -3,7 +3,7 @@
 Bubble rate is the simulator's: per rank ``(step - busy) / step`` with busy the rank's compute time and
 step the whole timeline's span, so a run and its simulation are measured by one rule.
 
->>> from primuspipe.schedule import build_schedule
+>>> from primuspipe.algorithms.build import build_schedule
 >>> from primuspipe.simulator import CostModel, simulate
 >>> timeline = simulate(build_schedule("1f1b", pp=4, microbatches=8), CostModel.per_stage(4, 1, 1, 1)).timeline()
 >>> stats = timeline_stats(timeline)
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from itertools import zip_longest
 
 from primuspipe.errors import TableFormatError
-from primuspipe.node import NodeKind, ScheduleNode
-from primuspipe.placement import Placement
+from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.placement import Placement
 from primuspipe.simulator import CostModel, simulate
-from primuspipe.simulator.calibrate import compute_order, executed_table
-from primuspipe.timeline import Timeline, idle_share
+from primuspipe.calibration.measure import compute_order, executed_table
+from primuspipe.ir.timeline import Timeline, idle_share
 from primuspipe.tools.pp_vis.load import in_unit
 
 KIND_ORDER = (NodeKind.F, NodeKind.B, NodeKind.W, NodeKind.BW, NodeKind.FB)

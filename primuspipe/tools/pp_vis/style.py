@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from matplotlib.colors import to_hex, to_rgb
 
 from primuspipe.errors import TableFormatError
-from primuspipe.node import NodeKind, ScheduleNode
-from primuspipe.timeline import Timeline
+from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.timeline import Timeline
 from primuspipe.tools.pp_vis.stats import timeline_stats
 
 KIND_COLORS = {NodeKind.F: "#4C72B0", NodeKind.B: "#55A868", NodeKind.W: "#DD8452", NodeKind.BW: "#8172B3",

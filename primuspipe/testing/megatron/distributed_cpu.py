@@ -13,9 +13,9 @@ Public API
     :class:`WorkerError` with that rank's traceback; a run longer than ``timeout_s`` is killed and
     raises :class:`primuspipe.errors.PipelineHangError`.
 ``WorkerError``
-    From :mod:`primuspipe.gloo_launch`, which starts the processes and joins them with gloo.
+    From :mod:`primuspipe.testing.gloo`, which starts the processes and joins them with gloo.
 
-Inside each worker, before ``fn``: what :func:`primuspipe.gloo_launch.run_gloo` does (one thread, a
+Inside each worker, before ``fn``: what :func:`primuspipe.testing.gloo.run_gloo` does (one thread, a
 gloo group on a private ``FileStore``), then :func:`enable_cpu_mode`, ``initialize_model_parallel(pp,
 vpp)`` and :func:`cpu_rng_seed`. After ``fn``, in every case: ``destroy_model_parallel`` and
 ``destroy_process_group``.
@@ -36,7 +36,7 @@ from typing import Any, Callable, TypeVar
 
 from primuspipe.backends.megatron.cpu_mode import cpu_rng_seed, enable_cpu_mode
 from primuspipe.errors import ConfigError
-from primuspipe.gloo_launch import WorkerError, run_gloo
+from primuspipe.testing.gloo import WorkerError, run_gloo
 
 T = TypeVar("T")
 

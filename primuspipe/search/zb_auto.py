@@ -6,7 +6,7 @@ The search, within ``time_budget_s``:
    whose table fits the memory limit;
 2. the greedy list scheduler (the ZB paper's heuristic: B before F, W's into the gaps) over a grid of
    per-rank activation caps within the limit, for the interleaved and (vpp = 2) the V placement;
-3. if the order MILP (:mod:`primuspipe.algorithms.zb_milp`) is small enough and time is left, HiGHS
+3. if the order MILP (:mod:`primuspipe.search.zb_milp`) is small enough and time is left, HiGHS
    improves on the best of 1-2, seeded with it, and reports a lower bound.
 
 Every candidate is timed by the simulator with the same costs, so the answer is the best *simulated*
@@ -25,14 +25,14 @@ from typing import NamedTuple
 
 from primuspipe.algorithms.list_scheduler import FillPolicy, list_schedule, unit_costs
 from primuspipe.algorithms.registry import ScheduleRequest, list_algorithms, register
-from primuspipe.algorithms.zb_milp import count_binaries, solve_order_milp, table_starts
-from primuspipe.communication import add_communication
-from primuspipe.costs import ComputeCosts
+from primuspipe.search.zb_milp import count_binaries, solve_order_milp, table_starts
+from primuspipe.passes.communication import add_communication
+from primuspipe.ir.costs import ComputeCosts
 from primuspipe.errors import ScheduleShapeError
-from primuspipe.placement import Placement
+from primuspipe.ir.placement import Placement
 from primuspipe.simulator import CostModel, Link, P2PCost, SimulationResult, simulate
-from primuspipe.table import ScheduleTable
-from primuspipe.validation import peak_in_flight, validate
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.validation import peak_in_flight, validate
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 comparable numbers: what tests, the bench and ``examples/train_gpt.py --compare-native`` share.
 
 Call inside an initialised process (``parallel_state`` set up, e.g. by
-:func:`~primuspipe.backends.megatron.distributed_cpu.run_on_gloo` or ``torchrun``). Weights come from
-:func:`~primuspipe.backends.megatron.tiny_models.build_model_chunks` (layout-independent), data from
+:func:`~primuspipe.testing.megatron.distributed_cpu.run_on_gloo` or ``torchrun``). Weights come from
+:func:`~primuspipe.testing.megatron.tiny_models.build_model_chunks` (layout-independent), data from
 ``synthetic_batches``, so two calls with the same arguments start from the same state.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from primuspipe.backends.megatron import tiny_models
+from primuspipe.testing.megatron import tiny_models
 
 T = TypeVar("T")
 

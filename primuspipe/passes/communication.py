@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from primuspipe.dataflow import Transfer, comm_node, inbound, outbound
+from primuspipe.ir.dataflow import Transfer, comm_node, inbound, outbound
 from primuspipe.errors import TableFormatError
-from primuspipe.node import ScheduleNode
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.node import ScheduleNode
+from primuspipe.ir.table import ScheduleTable
 
 
 def add_communication(table: ScheduleTable) -> ScheduleTable:

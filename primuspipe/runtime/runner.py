@@ -5,13 +5,13 @@ one visible map from node kind to handler (:class:`Binder`), so what runs for ``
 ``W`` is never hidden in the runner, and a table whose kinds the binder cannot run is refused up front
 with :class:`~primuspipe.errors.ConfigError`.
 
-Semantics (exactly the ones :func:`primuspipe.validation.check_deadlock` proves safe):
+Semantics (exactly the ones :func:`primuspipe.passes.validation.check_deadlock` proves safe):
 
 * a receive is posted where the table places it and never blocks; a send is posted right where the
   table places it and never blocks;
 * a compute node waits only for its own inbound receives;
 * per direction, the k-th send meets the k-th receive (one ordered channel per pair, see
-  :mod:`primuspipe.transport`);
+  :mod:`primuspipe.runtime.transport`);
 * everything outstanding is completed before :meth:`ScheduleRunner.run` returns.
 
 Tensors move through explicit per-step state keyed by ``(carries, chunk, microbatch)``: a completed
@@ -19,7 +19,7 @@ receive or a same-rank hand-off fills the *inbox* of the consuming chunk; a comp
 to the *outbox* its send node reads. Nothing is looked up by searching the table, and the table is
 never mutated: :class:`ScheduleRunner` holds a plan derived once from the immutable table.
 
->>> from primuspipe.schedule import build_schedule
+>>> from primuspipe.algorithms.build import build_schedule
 >>> runner = ScheduleRunner(build_schedule("1f1b", pp=2, microbatches=2), rank=1)
 >>> sorted(k.value for k in runner.compute_kinds)
 ['BW', 'F']
@@ -32,12 +32,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from primuspipe.dataflow import outbound
+from primuspipe.ir.dataflow import outbound
 from primuspipe.errors import ConfigError
-from primuspipe.node import NodeKind, ScheduleNode
-from primuspipe.table import ScheduleTable
-from primuspipe.transport import Pending
-from primuspipe.validation import check_deadlock, check_order, check_pairing, check_structure
+from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.runtime.transport import Pending
+from primuspipe.passes.validation import check_deadlock, check_order, check_pairing, check_structure
 
 Key = tuple[str, int, int]
 """``(carries, local chunk, microbatch)``: ``carries`` is ``"F"`` (activation) or ``"B"`` (gradient)."""

@@ -2,7 +2,7 @@
 
 A table is an immutable value: algorithms return one, passes return new ones, the runner and the
 simulator only read it. JSON is the lossless exchange format (``to_json``/``from_json``); the
-torch.distributed.pipelining CSV format lives in :mod:`primuspipe.formats`.
+torch.distributed.pipelining CSV format lives in :mod:`primuspipe.ir.formats`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from primuspipe.dataflow import Transfer, transfer_of
+from primuspipe.ir.dataflow import Transfer, transfer_of
 from primuspipe.errors import TableFormatError
-from primuspipe.node import ScheduleNode
-from primuspipe.placement import Placement
+from primuspipe.ir.node import ScheduleNode
+from primuspipe.ir.placement import Placement
 
 FORMAT_VERSION = 1
 
@@ -69,7 +69,7 @@ class ScheduleTable:
         """Per rank and node: the transfer a communication node moves, None for compute nodes.
 
         Derived once per table (passes look it up for every node); the table must name existing chunks
-        (:func:`~primuspipe.validation.check_structure`)."""
+        (:func:`~primuspipe.passes.validation.check_structure`)."""
         return tuple(
             tuple(None if n.kind.is_compute else transfer_of(self.placement, r, n) for n in row)
             for r, row in enumerate(self.ranks)
@@ -84,7 +84,7 @@ class ScheduleTable:
     # -- JSON ---------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
-            "format": "primuspipe.schedule",
+            "format": "primuspipe.algorithms.build",
             "version": FORMAT_VERSION,
             "algorithm": self.algorithm,
             "pp": self.pp,
@@ -99,8 +99,8 @@ class ScheduleTable:
 
     @classmethod
     def from_dict(cls, data: dict) -> ScheduleTable:
-        if data.get("format") != "primuspipe.schedule":
-            raise TableFormatError("not a primuspipe schedule: the JSON lacks format='primuspipe.schedule'")
+        if data.get("format") != "primuspipe.algorithms.build":
+            raise TableFormatError("not a primuspipe schedule: the JSON lacks format='primuspipe.algorithms.build'")
         if data.get("version") != FORMAT_VERSION:
             raise TableFormatError(f"schedule JSON version {data.get('version')!r} is not supported (want {FORMAT_VERSION})")
         try:

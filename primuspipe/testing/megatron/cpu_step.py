@@ -30,9 +30,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from primuspipe.backends.megatron import compare, tiny_models
+from primuspipe.testing.megatron import compare, tiny_models
 from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
-from primuspipe.backends.megatron.distributed_cpu import ParallelLayout, WorkerContext, run_on_gloo
+from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, WorkerContext, run_on_gloo
 from primuspipe.errors import ConfigError
 
 ForwardBackwardFunc = Callable[..., list]

@@ -1,7 +1,7 @@
 """Run a function on N local CPU processes joined by a gloo process group.
 
 This is how a schedule runs without a cluster: the runner's tests, the Megatron CPU-mode harness
-(:mod:`primuspipe.backends.megatron.distributed_cpu`) and anyone debugging a table on a laptop start
+(:mod:`primuspipe.testing.megatron.distributed_cpu`) and anyone debugging a table on a laptop start
 their ranks here. Each process gets one thread (N ranks share a few cores) and a private
 ``FileStore`` (no port to race for); results come back to the parent through pipes.
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from primuspipe.costs import ComputeCosts
-from primuspipe.dataflow import step_needs
-from primuspipe.node import NodeKind, ScheduleNode
-from primuspipe.placement import Placement
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.costs import ComputeCosts
+from primuspipe.ir.dataflow import step_needs
+from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Point-to-point transport for the runner: non-blocking sends and receives with a hang watchdog.
 
-Semantics are the ones the validator proves deadlock-free (see :mod:`primuspipe.validation`):
+Semantics are the ones the validator proves deadlock-free (see :mod:`primuspipe.passes.validation`):
 posting never blocks; per direction (this rank -> peer) messages are matched in posting order, across
 kinds. Every message between a pair goes through one channel (one process group, one tag) on purpose:
 that is how NCCL/RCCL match point-to-point messages (they ignore tags), so a table that is safe here is
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from primuspipe.errors import PipelineHangError
-from primuspipe.node import ScheduleNode
+from primuspipe.ir.node import ScheduleNode
 
 _POLL_SLEEP_S = 50e-6
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from primuspipe.node import NodeKind, ScheduleNode
-from primuspipe.placement import Placement
+from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.placement import Placement
 
 
 class Step(NamedTuple):

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from primuspipe.algorithms import ScheduleRequest, get_algorithm
-from primuspipe.communication import add_communication
-from primuspipe.costs import ComputeCosts
+from primuspipe.passes.communication import add_communication
+from primuspipe.ir.costs import ComputeCosts
 from primuspipe.errors import ConfigError, ScheduleShapeError
-from primuspipe.table import ScheduleTable
-from primuspipe.validation import validate
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.validation import validate
 
 
 def build_schedule(

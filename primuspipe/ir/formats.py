@@ -15,11 +15,11 @@ import io
 import re
 from pathlib import Path
 
-from primuspipe.dataflow import comm_node, transfer_of
+from primuspipe.ir.dataflow import comm_node, transfer_of
 from primuspipe.errors import TableFormatError
-from primuspipe.node import NodeKind, ScheduleNode
-from primuspipe.placement import Placement
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
 
 _TO_TORCH = {NodeKind.F: "F", NodeKind.B: "I", NodeKind.W: "W", NodeKind.BW: "B"}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}

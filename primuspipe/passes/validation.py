@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from primuspipe.dataflow import Step, Transfer, inbound, outbound, step_needs, steps_done, transfer_of
+from primuspipe.ir.dataflow import Step, Transfer, inbound, outbound, step_needs, steps_done, transfer_of
 from primuspipe.errors import ValidationError
-from primuspipe.node import NodeKind
-from primuspipe.table import ScheduleTable
+from primuspipe.ir.node import NodeKind
+from primuspipe.ir.table import ScheduleTable
 
 
 def validate(table: ScheduleTable, *, max_in_flight: float | None = None) -> ScheduleTable:

@@ -16,7 +16,7 @@ model stages ``k*vpp .. k*vpp+vpp-1``), so it serves every algorithm of the same
 vpp (docs/simulator.md); ``per_model_stage=True`` writes ``pp * vpp`` values instead, exact for this
 shape only. At vpp = 1 the two are the same.
 
->>> from primuspipe.schedule import build_schedule
+>>> from primuspipe.algorithms.build import build_schedule
 >>> from primuspipe.simulator import CostModel, simulate
 >>> timeline = simulate(build_schedule("zb-h1", pp=2, microbatches=4), CostModel.per_stage(2, 1, [2, 3], 1)).timeline()
 >>> measured = measure_costs([timeline])
@@ -36,11 +36,11 @@ import yaml
 
 from primuspipe.algorithms import get_algorithm
 from primuspipe.errors import TableFormatError, UnknownAlgorithmError
-from primuspipe.node import NodeKind, ScheduleNode
-from primuspipe.placement import Placement
+from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.placement import Placement
 from primuspipe.simulator.trace import matched_transfers
-from primuspipe.table import ScheduleTable
-from primuspipe.timeline import Timeline
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.ir.timeline import Timeline
 
 _TIMED_KINDS = (NodeKind.F, NodeKind.B, NodeKind.W, NodeKind.BW)
 

@@ -1,6 +1,6 @@
 """The reference binder: runs a table on plain torch modules, one module per local chunk.
 
-It is the smallest complete :class:`~primuspipe.runner.Binder` (``F`` and ``BW``), used to test the
+It is the smallest complete :class:`~primuspipe.runtime.runner.Binder` (``F`` and ``BW``), used to test the
 runner without Megatron and as a template for other backends. Per-step state (what ``BW`` needs from
 its ``F``) lives in a dict keyed by ``(chunk, microbatch)``; build a new binder per step.
 
@@ -15,8 +15,8 @@ from types import MappingProxyType
 
 import torch
 
-from primuspipe.node import NodeKind, ScheduleNode
-from primuspipe.runner import ComputeCall
+from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.runtime.runner import ComputeCall
 
 
 class ModuleBinder:
