@@ -25,7 +25,7 @@ from pipeline_bench import add_arguments, alternating_step_times, tiny_gpt
 
 def _node_medians(dump_dir: Path, iterations: range) -> dict[str, dict[str, float]]:
     """Median duration of each compute kind, per rank, over the given iterations' dumps."""
-    from primuspipe.backends.megatron.dump import dump_path
+    from primuspipe.ir.timeline import dump_path
     from primuspipe.ir.timeline import Timeline
 
     per_kind: dict[str, dict[str, list[float]]] = {}
@@ -34,7 +34,7 @@ def _node_medians(dump_dir: Path, iterations: range) -> dict[str, dict[str, floa
             for rank in Timeline.load(path).ranks:
                 for e in rank.events:
                     if e.node.kind.is_compute:
-                        per_kind.setdefault(f"rank{rank.rank}", {}).setdefault(e.node.kind.value, []).append(
+                        per_kind.setdefault(f"rank{rank.rank}", {}).setdefault(e.node.kind.name, []).append(
                             e.end - e.start)
     return {r: {k: statistics.median(v) for k, v in kinds.items()} for r, kinds in per_kind.items()}
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from primuspipe.algorithms.list_scheduler import FixedOrder
+from primuspipe.ir.activations import peak_level
 from primuspipe.ir.costs import ComputeCosts
 from primuspipe.ir.node import NodeKind
 from primuspipe.ir.placement import Placement
@@ -124,12 +125,6 @@ def repeated_order(placement: Placement, microbatches: int, block: Block, pendin
                       pending_w)
 
 
-def peak_chunk_activations(order: FixedOrder) -> int:
-    """Most chunk activations any rank holds under the given F/B orders."""
-    worst = 0
-    for row in order.sequence:
-        held = 0
-        for kind, _ in row:
-            held += 1 if kind is NodeKind.F else -1
-            worst = max(worst, held)
-    return worst
+def peak_chunk_activations(order: FixedOrder) -> float:
+    """Most chunk activations any rank holds under the given F/B orders (the one activation counter)."""
+    return max((peak_level(row) for row in order.sequence), default=0.0)

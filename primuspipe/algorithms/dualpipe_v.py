@@ -9,7 +9,7 @@ W to a FIFO that phases 3, 7 and 8 drain into the waits. In DeepSeek's notation 
 F&B = an overlapped pair) the bubble is (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages.
 
 Runners that cannot overlap two microbatches get the same order with each FB lowered to F then B
-(``overlap=False`` or :func:`lower_overlap`).
+(``overlap=False`` or :func:`~primuspipe.passes.overlap.lower_overlap`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from primuspipe.algorithms.phases import require
 from primuspipe.algorithms.registry import ScheduleRequest, register
 from primuspipe.ir.node import FB, B, F, NodeKind, ScheduleNode, W
 from primuspipe.ir.placement import Placement
+from primuspipe.passes.overlap import lower_overlap
 from primuspipe.ir.table import ScheduleTable
 
 
@@ -105,23 +106,6 @@ def dualpipe_v_rank(p: int, m: int, rank: int) -> list[ScheduleNode]:
         prog.weight()
     assert prog.next_f == [m, m] and prog.next_b == [m, m], (rank, prog.next_f, prog.next_b)
     return prog.nodes
-
-
-def lower_overlap(table: ScheduleTable) -> ScheduleTable:
-    """The same schedule with each overlapped ``FB`` node run as its F, then its B, for runners that
-    cannot overlap two microbatches. Takes and returns a compute-only table.
-
-    >>> from primuspipe.ir.node import FB
-    >>> t = ScheduleTable.build(Placement.vshape(1), 1, [[FB(0, 0, 0, 1)]])
-    >>> [str(n) for n in lower_overlap(t).ranks[0]]
-    ['F0.0', 'B0.1']
-    """
-    assert not table.has_communication, "lower_overlap takes a compute-only table"
-    return table.with_ranks(
-        [ScheduleNode(kind, mb, chunk) for node in row for kind, mb, chunk in node.parts()]
-        if any(n.kind is NodeKind.FB for n in row) else row
-        for row in table.ranks
-    )
 
 
 @register("dualpipe-v", placement="v", vpp=2, split_backward=True)

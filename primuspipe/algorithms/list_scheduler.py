@@ -36,6 +36,10 @@ from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
 
 
+_SCHEDULED = (NodeKind.F, NodeKind.B, NodeKind.W)
+"""The kinds this scheduler places: a split backward, one node per step."""
+
+
 @dataclass(frozen=True)
 class FillPolicy:
     """How a free rank picks its next node.
@@ -109,23 +113,23 @@ def list_schedule(
                 f"{1 + policy.reserve} to make progress; raise the memory limit"
             )
     last_chunk = vpp - 1
-    finish: dict[tuple[str, int, int], float] = {}  # (step kind, stage, mb) -> end time
+    finish: dict[tuple[NodeKind, int, int], float] = {}  # (step kind, stage, mb) -> end time
     clock = [0.0] * pp
     held = [0] * pp
     next_f = [[0] * vpp for _ in range(pp)]
     next_b = [[0] * vpp for _ in range(pp)]
     w_queue: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]
     rows: list[list[ScheduleNode]] = [[] for _ in range(pp)]
-    remaining = [3 * m * vpp] * pp
+    remaining = [len(_SCHEDULED) * m * vpp] * pp
 
-    durations = {NodeKind.F: costs.forward, NodeKind.B: costs.backward_input, NodeKind.W: costs.backward_weight}
+    durations = {kind: costs.of(kind) for kind in _SCHEDULED}
     # (kind, stage) -> [(needed step kind, needed stage, delay)]: dataflow's rules, resolved once
     needs = {
         (kind, placement.stage(r, c)): [
             (need.kind, need.stage, p2p_time if placement.rank_of(need.stage) != r else 0.0)
             for need in step_needs(placement, kind, placement.stage(r, c), 0)
         ]
-        for kind in (NodeKind.F, NodeKind.B) for r in range(pp) for c in range(vpp)
+        for kind in _SCHEDULED for r in range(pp) for c in range(vpp)
     }
 
     def ready_time(kind: NodeKind, stage: int, mb: int) -> float | None:
@@ -165,16 +169,15 @@ def list_schedule(
     def run(rank: int, kind: NodeKind, chunk: int, mb: int, start: float) -> None:
         stage = placement.stage(rank, chunk)
         end = start + durations[kind][stage]
-        finish[(kind.value, stage, mb)] = end
+        finish[(kind, stage, mb)] = end
         clock[rank] = end
         remaining[rank] -= 1
         rows[rank].append(ScheduleNode(kind, mb, chunk))
+        held[rank] += kind.spec.activation_delta()
         if kind is NodeKind.F:
             next_f[rank][chunk] += 1
-            held[rank] += 1
         elif kind is NodeKind.B:
             next_b[rank][chunk] += 1
-            held[rank] -= 1
             w_queue[rank].append((mb, chunk))
 
     def w_cost(rank: int) -> float:

@@ -34,51 +34,18 @@ from typing import Any
 
 import yaml
 
-from primuspipe.algorithms import get_algorithm
-from primuspipe.errors import TableFormatError, UnknownAlgorithmError
-from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.calibration.replay import placement_of
+from primuspipe.errors import TableFormatError
+from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.placement import Placement
-from primuspipe.simulator.trace import matched_transfers
-from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.timeline import Timeline
-
-_TIMED_KINDS = (NodeKind.F, NodeKind.B, NodeKind.W, NodeKind.BW)
-
-
-def placement_of(timeline: Timeline, name: str | None = None) -> Placement:
-    """Where the timeline's stages lived: the named built-in layout, else the placement a simulated
-    timeline records in ``meta``, else the layout its algorithm is registered with (run dumps do not
-    record one)."""
-    if name is not None:
-        return Placement.named(name, timeline.pp, timeline.vpp)
-    if "placement" in timeline.meta:
-        return Placement.from_dict(timeline.meta["placement"])
-    try:
-        layout = get_algorithm(timeline.algorithm).placement
-    except UnknownAlgorithmError:
-        raise TableFormatError(
-            f"the timeline's algorithm {timeline.algorithm!r} is not registered and the timeline records no "
-            "placement, so its chunks cannot be mapped to stages; name the layout (--placement interleaved or v)"
-        ) from None
-    return Placement.named(layout, timeline.pp, timeline.vpp)
+from primuspipe.simulator.trace import matched_transfers
 
 
-def compute_order(timeline: Timeline) -> dict[int, tuple[ScheduleNode, ...]]:
-    """Per rank, its compute nodes in the order they ran (start order: a rank runs one compute node at
-    a time, so this order is exact)."""
-    return {rt.rank: tuple(e.node for e in sorted(rt.events, key=lambda e: e.start) if e.node.kind.is_compute)
-            for rt in timeline.ranks}
 
-
-def executed_table(timeline: Timeline, placement: Placement | None = None) -> ScheduleTable:
-    """The compute-only table the timeline ran, from :func:`compute_order` (communication is what
-    ``add_communication`` derives from it)."""
-    placement = placement or placement_of(timeline)
-    order = compute_order(timeline)
-    if stray := sorted(r for r in order if not 0 <= r < timeline.pp):
-        raise TableFormatError(f"the timeline has rank {stray[0]} but pp = {timeline.pp}")
-    rows = [order.get(r, ()) for r in range(timeline.pp)]
-    return ScheduleTable.build(placement, timeline.microbatches, rows, timeline.algorithm)
+def _timed_kinds() -> dict[str, NodeKind]:
+    """Cost key (``f``, ``b``, ``w``, ``bw``) -> the single-part compute kind it times."""
+    return {k.spec.cost: k for k in compute_kinds() if k.spec.cost and not k.spec.parts}
 
 
 @dataclass(frozen=True)
@@ -175,7 +142,8 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
             out.append(_significant(statistics.median(means)) if means else None)
         return out
 
-    f, b, w, bw = (median_of(k) for k in _TIMED_KINDS)
+    times = {key: median_of(kind) for key, kind in _timed_kinds().items()}
+    f, b, w, bw = (times[key] for key in ("f", "b", "w", "bw"))
     fused_only = []
     for stage in range(n):
         if f[stage] is None:
@@ -232,7 +200,7 @@ def _samples(timeline: Timeline, placement: Placement) -> _Samples:
     for rt in timeline.ranks:
         for e in rt.events:
             node = e.node
-            if node.kind is NodeKind.FB:
+            if node.pair is not None:
                 (_, _, fc), (_, _, bc) = node.parts()
                 pairs.append((placement.stage(rt.rank, fc), placement.stage(rt.rank, bc), e.end - e.start))
             elif node.kind.is_compute:

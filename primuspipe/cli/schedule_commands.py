@@ -14,7 +14,8 @@ from primuspipe.cli.options import add_shape_arguments, console, parse_options, 
 from primuspipe.errors import TableFormatError, ValidationError
 from primuspipe.ir.formats import dump_table, load_table
 from primuspipe.algorithms.build import build_schedule
-from primuspipe.passes.validation import peak_in_flight, validate
+from primuspipe.ir.activations import peak_in_flight
+from primuspipe.passes.validation import validate
 
 
 def register(sub: argparse._SubParsersAction) -> None:

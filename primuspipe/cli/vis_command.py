@@ -12,7 +12,8 @@ from rich.table import Table
 
 from primuspipe.cli.options import report_console
 from primuspipe.simulator import CostModel
-from primuspipe.calibration.measure import MeasuredCosts, measure_costs, placement_of
+from primuspipe.calibration.measure import MeasuredCosts, measure_costs
+from primuspipe.calibration.replay import placement_of
 from primuspipe.ir.timeline import Timeline
 from primuspipe.tools.pp_vis import (
     Comparison,

@@ -1,4 +1,5 @@
-"""Per-stage compute times, the part of a cost model that algorithms may read.
+"""Per-stage compute times, the part of a cost model that algorithms may read, and the one parser of
+per-stage (or per-rank) values that every cost input goes through.
 
 Kept in the core (not the simulator) because cost-aware algorithms such as ``zb-auto`` take it as
 input while staying free of the simulator; the simulator's full cost model embeds it.
@@ -6,19 +7,34 @@ input while staying free of the simulator; the simulator's full cost model embed
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from primuspipe.errors import ConfigError
+from primuspipe.ir.kinds import NodeKind
+
+Values = float | Sequence[float]
+"""One value for every stage (or rank), or a list with one value each."""
 
 
-def _per_stage(name: str, value: float | Sequence[float], num_stages: int) -> tuple[float, ...]:
-    values = (float(value),) * num_stages if isinstance(value, (int, float)) else tuple(float(v) for v in value)
-    if len(values) != num_stages:
-        raise ConfigError(f"{name} has {len(values)} values but the pipeline has {num_stages} stages; "
-                          "give one value for all stages or one per stage")
-    if any(v < 0 for v in values):
-        raise ConfigError(f"{name} times must be >= 0, got {values}")
+def per_stage_values(name: str, value: Values, count: int, what: str = "stages") -> tuple[float, ...]:
+    """``value`` as ``count`` finite numbers >= 0: one number repeated, or a list of exactly ``count``.
+
+    Strings are read as numbers too (PyYAML reads ``1.0e9``, without an exponent sign, as a string).
+
+    >>> per_stage_values("F", 2, 3)
+    (2.0, 2.0, 2.0)
+    """
+    try:
+        values = (float(value),) * count if isinstance(value, (int, float, str)) else tuple(float(v) for v in value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name} must be a number or a list of numbers, got {value!r}") from exc
+    if len(values) != count:
+        raise ConfigError(f"{name} has {len(values)} values but there are {count} {what}; "
+                          f"give one value for all {what} or one per {what.rstrip('s')}")
+    if not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ConfigError(f"{name} must be >= 0 and finite, got {values}")
     return values
 
 
@@ -31,11 +47,10 @@ class ComputeCosts:
     backward_weight: tuple[float, ...]
 
     @classmethod
-    def per_stage(
-        cls, num_stages: int, f: float | Sequence[float], b: float | Sequence[float], w: float | Sequence[float]
-    ) -> ComputeCosts:
+    def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values) -> ComputeCosts:
         """One value for every stage, or a list with one value per stage."""
-        return cls(_per_stage("F", f, num_stages), _per_stage("B", b, num_stages), _per_stage("W", w, num_stages))
+        return cls(per_stage_values("F", f, num_stages), per_stage_values("B", b, num_stages),
+                   per_stage_values("W", w, num_stages))
 
     @property
     def num_stages(self) -> int:
@@ -43,3 +58,13 @@ class ComputeCosts:
 
     def fused_backward(self, stage: int) -> float:
         return self.backward_input[stage] + self.backward_weight[stage]
+
+    def of(self, kind: NodeKind) -> tuple[float, ...]:
+        """Per-stage times of a single-part compute kind, by its cost key in the kind table (BW: B + W)."""
+        key = kind.spec.cost
+        if key == "bw":
+            return tuple(map(self.fused_backward, range(self.num_stages)))
+        times = {"f": self.forward, "b": self.backward_input, "w": self.backward_weight}
+        if key not in times:
+            raise ConfigError(f"compute costs have no {key!r} times for {kind} nodes; they give f, b, w (and bw)")
+        return times[key]

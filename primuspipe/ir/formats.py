@@ -17,13 +17,21 @@ from pathlib import Path
 
 from primuspipe.ir.dataflow import comm_node, transfer_of
 from primuspipe.errors import TableFormatError
-from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.kinds import NodeKind, all_kinds, overlapped_kind
+from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
 
-_TO_TORCH = {NodeKind.F: "F", NodeKind.B: "I", NodeKind.W: "W", NodeKind.BW: "B"}
-_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)(\d+)$")
+
+
+def _torch_actions() -> dict[str, NodeKind]:
+    """torch's action type -> our single-part kind (the kind table's ``torch_action``)."""
+    return {k.spec.torch_action: k for k in all_kinds() if k.spec.torch_action and not k.spec.parts}
+
+
+def _action_re() -> re.Pattern:
+    names = sorted(_torch_actions(), key=len, reverse=True)  # SEND_F before F
+    return re.compile(rf"^(\d+)({'|'.join(names)})(\d+)$")
 _OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 _FSDP_RE = re.compile(r"^\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*$")
 
@@ -38,10 +46,10 @@ def to_torch_csv(table: ScheduleTable, compute_only: bool = False) -> str:
 
 def _torch_action(table: ScheduleTable, rank: int, node: ScheduleNode) -> str:
     stage = table.placement.stage(rank, node.chunk)
-    if node.kind is NodeKind.FB:
-        b_stage = table.placement.stage(rank, node.pair[1])
-        return f"({stage}F{node.microbatch};{b_stage}I{node.pair[0]})OVERLAP_F_B"
-    return f"{stage}{_TO_TORCH.get(node.kind, node.kind.value)}{node.microbatch}"
+    if node.pair is not None:
+        inner = ";".join(f"{table.placement.stage(rank, chunk)}{kind.spec.torch_action}{mb}" for kind, mb, chunk in node.parts())
+        return f"({inner}){node.kind.spec.torch_action}"
+    return f"{stage}{node.kind.spec.torch_action}{node.microbatch}"
 
 
 def from_torch_csv(text: str, algorithm: str = "torch-csv") -> ScheduleTable:
@@ -52,7 +60,8 @@ def from_torch_csv(text: str, algorithm: str = "torch-csv") -> ScheduleTable:
     if not rows:
         raise TableFormatError("the CSV holds no actions")
     parsed = [[_parse_action(cell, r) for cell in row] for r, row in enumerate(rows)]
-    stages = [[s for action in row for s, kind, _ in action if kind in _FROM_TORCH] for row in parsed]
+    computes = {name for name, kind in _torch_actions().items() if kind.is_compute}
+    stages = [[s for action in row for s, kind, _ in action if kind in computes] for row in parsed]
     for r, seen in enumerate(stages):
         if not seen:
             raise TableFormatError(f"rank {r} of the CSV runs no compute action, so its stages cannot be inferred")
@@ -67,7 +76,7 @@ def from_torch_csv(text: str, algorithm: str = "torch-csv") -> ScheduleTable:
 def _parse_action(cell: str, rank: int) -> tuple[tuple[int, str, int], ...]:
     if m := _OVERLAP_RE.match(cell):
         return tuple(part for sub in m[1].split(";") for part in _parse_action(sub.strip(), rank))
-    if m := _ACTION_RE.match(cell):
+    if m := _action_re().match(cell):
         return ((int(m[1]), m[2], int(m[3])),)
     raise TableFormatError(
         f"rank {rank}: cannot read action {cell!r}; supported are F, I, W, B, SEND_F, RECV_F, SEND_B, RECV_B "
@@ -82,17 +91,20 @@ def _to_node(placement: Placement, rank: int, action: tuple[tuple[int, str, int]
             raise TableFormatError(f"rank {rank}: action {cell!r} names stage {stage}, which runs on rank {where}")
         return chunk
 
+    kinds = _torch_actions()
     if len(action) == 2:
         (fs, fk, fmb), (bs, bk, bmb) = action
-        if (fk, bk) != ("F", "I"):
-            raise TableFormatError(f"rank {rank}: {cell!r} must overlap one F and one I (input-grad) action")
-        return ScheduleNode(NodeKind.FB, fmb, local_chunk(fs), pair=(bmb, local_chunk(bs)))
-    (stage, kind, mb), = action
-    if kind in _FROM_TORCH:
-        return ScheduleNode(_FROM_TORCH[kind], mb, local_chunk(stage))
-    node_kind = NodeKind(kind)
-    probe = ScheduleNode(node_kind, mb, local_chunk(stage), peer=0)
-    return comm_node(placement, transfer_of(placement, rank, probe), send=node_kind.is_send)
+        try:
+            kind = overlapped_kind((kinds[fk], kinds[bk]))
+        except (KeyError, TableFormatError):
+            raise TableFormatError(f"rank {rank}: {cell!r} must overlap one F and one I (input-grad) action") from None
+        return ScheduleNode(kind, fmb, local_chunk(fs), pair=(bmb, local_chunk(bs)))
+    (stage, name, mb), = action
+    kind = kinds[name]
+    if kind.is_compute:
+        return ScheduleNode(kind, mb, local_chunk(stage))
+    probe = ScheduleNode(kind, mb, local_chunk(stage), peer=0)
+    return comm_node(placement, transfer_of(placement, rank, probe), send=kind.is_send)
 
 
 def load_table(path: str | Path) -> ScheduleTable:

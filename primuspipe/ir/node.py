@@ -18,7 +18,7 @@ Communication nodes name the *local* chunk they serve (the producer's for a send
 receive), so a node is meaningful without the peer's table.
 
 >>> ScheduleNode.parse("SEND_F3.1>2")
-ScheduleNode(kind=<NodeKind.SEND_F: 'SEND_F'>, microbatch=3, chunk=1, peer=2, pair=None)
+ScheduleNode(kind=NodeKind.SEND_F, microbatch=3, chunk=1, peer=2, pair=None)
 >>> str(ScheduleNode(NodeKind.BW, 0, 1))
 'BW0.1'
 """
@@ -27,57 +27,30 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from enum import Enum
+from typing import NamedTuple
 
 from primuspipe.errors import TableFormatError
+from primuspipe.ir.kinds import NodeKind, overlapped_kind
+
+__all__ = ["B", "BW", "F", "FB", "NodeKind", "Part", "ScheduleNode", "W"]
+
+_SIMPLE_RE = re.compile(r"^([A-Z][A-Z_]*?)(\d+)\.(\d+)(?:([<>])(\d+))?$")
 
 
-class NodeKind(str, Enum):
-    F = "F"
-    B = "B"
-    W = "W"
-    BW = "BW"
-    FB = "FB"
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
+class Part(NamedTuple):
+    """One compute step a node performs: ``(kind, microbatch, chunk)``."""
 
-    @property
-    def is_compute(self) -> bool:
-        return self in _COMPUTE
-
-    @property
-    def is_send(self) -> bool:
-        return self in _SENDS
-
-    @property
-    def is_recv(self) -> bool:
-        return self in _RECVS
-
-    @property
-    def carries(self) -> str:
-        """``"F"`` for activations, ``"B"`` for gradients (communication kinds only)."""
-        return _CARRIES[self]
-
-
-# Looked up on every node of every pass, so kept as plain sets rather than rebuilt per call.
-_COMPUTE = frozenset({NodeKind.F, NodeKind.B, NodeKind.W, NodeKind.BW, NodeKind.FB})
-_SENDS = frozenset({NodeKind.SEND_F, NodeKind.SEND_B})
-_RECVS = frozenset({NodeKind.RECV_F, NodeKind.RECV_B})
-_CARRIES = {NodeKind.SEND_F: "F", NodeKind.RECV_F: "F", NodeKind.SEND_B: "B", NodeKind.RECV_B: "B"}
-
-_COMPUTE_RE = re.compile(r"^(BW|F|B|W)(\d+)\.(\d+)$")
-_PAIR_RE = re.compile(r"^F(\d+)\.(\d+)\+B(\d+)\.(\d+)$")
-_COMM_RE = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B)(\d+)\.(\d+)([<>])(\d+)$")
+    kind: NodeKind
+    microbatch: int
+    chunk: int
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduleNode:
     """One step of one rank's schedule.
 
-    ``pair`` is set only on ``FB`` nodes: the ``(microbatch, chunk)`` of the input-grad backward that is
-    overlapped with this node's forward.
+    ``pair`` is set only on overlapped nodes (``FB``): the ``(microbatch, chunk)`` of the second part
+    (the input-grad backward overlapped with this node's forward).
     """
 
     kind: NodeKind
@@ -87,19 +60,22 @@ class ScheduleNode:
     pair: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, NodeKind):
+            raise TableFormatError(f"a node's kind must be a NodeKind, got {self.kind!r}")
         if self.microbatch < 0 or self.chunk < 0:
-            raise TableFormatError(f"{self.kind.value} node has a negative microbatch or chunk")
+            raise TableFormatError(f"{self.kind} node has a negative microbatch or chunk")
         if self.kind.is_compute and self.peer is not None:
-            raise TableFormatError(f"compute node {self.kind.value} cannot name a peer rank")
+            raise TableFormatError(f"compute node {self.kind} cannot name a peer rank")
         if not self.kind.is_compute and (self.peer is None or self.peer < 0):
-            raise TableFormatError(f"communication node {self.kind.value} needs a peer rank >= 0")
-        if (self.kind is NodeKind.FB) != (self.pair is not None):
-            raise TableFormatError("exactly the FB kind carries a pair (microbatch, chunk) of its B part")
+            raise TableFormatError(f"communication node {self.kind} needs a peer rank >= 0")
+        if bool(self.kind.spec.parts) != (self.pair is not None):
+            raise TableFormatError("exactly the overlapped kinds (FB) carry a pair (microbatch, chunk) of their "
+                                   "second part")
 
     def __str__(self) -> str:
-        base = f"{self.kind.value}{self.microbatch}.{self.chunk}"
-        if self.kind is NodeKind.FB:
-            return f"F{self.microbatch}.{self.chunk}+B{self.pair[0]}.{self.pair[1]}"
+        if self.pair is not None:
+            return "+".join(f"{p.kind}{p.microbatch}.{p.chunk}" for p in self.parts())
+        base = f"{self.kind}{self.microbatch}.{self.chunk}"
         if self.kind.is_compute:
             return base
         return f"{base}{'>' if self.kind.is_send else '<'}{self.peer}"
@@ -108,26 +84,32 @@ class ScheduleNode:
     def parse(cls, text: str) -> ScheduleNode:
         """Parse the text form; raises :class:`TableFormatError` naming the expected forms."""
         text = text.strip()
-        if m := _COMPUTE_RE.match(text):
-            return cls(NodeKind(m[1]), int(m[2]), int(m[3]))
-        if m := _PAIR_RE.match(text):
-            return cls(NodeKind.FB, int(m[1]), int(m[2]), pair=(int(m[3]), int(m[4])))
-        if m := _COMM_RE.match(text):
-            kind = NodeKind(m[1])
-            if (m[4] == ">") != kind.is_send:
-                raise TableFormatError(f"{text!r}: sends use '>peer', receives use '<peer'")
-            return cls(kind, int(m[2]), int(m[3]), peer=int(m[5]))
-        raise TableFormatError(
-            f"cannot parse schedule node {text!r}; expected e.g. F3.1, B3.1, W3.1, BW3.1, F3.1+B5.0, "
-            "SEND_F3.1>2, RECV_B3.1<2"
-        )
+        if "+" in text:
+            parts = [cls.parse(t) for t in text.split("+")]
+            if len(parts) != 2 or any(p.peer is not None or p.pair is not None for p in parts):
+                raise TableFormatError(f"cannot parse overlapped node {text!r}; expected e.g. F3.1+B5.0")
+            kind = overlapped_kind(tuple(p.kind for p in parts))
+            return cls(kind, parts[0].microbatch, parts[0].chunk, pair=(parts[1].microbatch, parts[1].chunk))
+        m = _SIMPLE_RE.match(text)
+        if m is None or m[1] not in NodeKind._table or (NodeKind(m[1]).is_compute and m[4] is not None):
+            raise TableFormatError(
+                f"cannot parse schedule node {text!r}; expected e.g. F3.1, B3.1, W3.1, BW3.1, F3.1+B5.0, "
+                "SEND_F3.1>2, RECV_B3.1<2 (compute nodes name no peer)"
+            )
+        kind = NodeKind(m[1])
+        if kind.is_compute:
+            return cls(kind, int(m[2]), int(m[3]))
+        if m[4] is None or (m[4] == ">") != kind.is_send:
+            raise TableFormatError(f"{text!r}: sends use '>peer', receives use '<peer'")
+        return cls(kind, int(m[2]), int(m[3]), peer=int(m[5]))
 
-    def parts(self) -> tuple[tuple[NodeKind, int, int], ...]:
-        """The compute steps this node performs as ``(kind, microbatch, chunk)``; an FB node has two."""
-        if self.kind is NodeKind.FB:
-            return ((NodeKind.F, self.microbatch, self.chunk), (NodeKind.B, *self.pair))
+    def parts(self) -> tuple[Part, ...]:
+        """The compute steps this node performs; an overlapped node has one per part."""
+        if self.pair is not None:
+            first, second = self.kind.parts
+            return (Part(first, self.microbatch, self.chunk), Part(second, *self.pair))
         if self.kind.is_compute:
-            return ((self.kind, self.microbatch, self.chunk),)
+            return (Part(self.kind, self.microbatch, self.chunk),)
         return ()
 
 

@@ -54,8 +54,9 @@ class ScheduleTable:
     def num_stages(self) -> int:
         return self.placement.num_stages
 
-    @property
+    @cached_property
     def has_communication(self) -> bool:
+        """True if the table has SEND/RECV nodes (derived once: passes ask for every node)."""
         return any(not n.kind.is_compute for row in self.ranks for n in row)
 
     def compute_only(self) -> ScheduleTable:

@@ -125,7 +125,7 @@ class Timeline:
             raise TableFormatError(f"cannot read timeline {path}: {exc}") from exc
 
 
-# -- run dumps: one file per rank and iteration (written by primuspipe.backends.megatron.dump) --------
+# -- run dumps: one file per rank and iteration (written by primuspipe.runtime.recorder) --------
 # Kept here, free of torch, so tools can read a cluster's dumps on any machine.
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
 

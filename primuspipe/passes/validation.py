@@ -18,9 +18,19 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from primuspipe.ir.dataflow import Step, Transfer, inbound, outbound, step_needs, steps_done, transfer_of
 from primuspipe.errors import ValidationError
-from primuspipe.ir.node import NodeKind
+from primuspipe.ir.activations import running_levels
+from primuspipe.ir.dataflow import (
+    Step,
+    Transfer,
+    inbound,
+    outbound,
+    required_transfers,
+    step_needs,
+    steps_done,
+    transfer_of,
+)
+from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.table import ScheduleTable
 
 
@@ -75,40 +85,38 @@ def check_structure(table: ScheduleTable) -> None:
 
 
 def check_completeness(table: ScheduleTable) -> None:
-    """Each (stage, microbatch) has one F and one BW or one B and one W; each needed transfer has one
-    send and one receive."""
+    """Each (stage, microbatch) completes every required step (F, B, W) exactly once -- one F and either
+    one BW or one B and one W -- and an optional step at most once; each needed transfer has one send
+    and one receive."""
     placement = table.placement
-    seen: dict[tuple[str, int, int], list[tuple[int, int]]] = defaultdict(list)
+    seen: dict[tuple[NodeKind, int, int], list[tuple[int, int]]] = defaultdict(list)
     for rank, i, node in table.positions():
         for kind, mb, chunk in node.parts():
-            seen[(kind.value, placement.stage(rank, chunk), mb)].append((rank, i))
+            seen[(kind, placement.stage(rank, chunk), mb)].append((rank, i))
+    kinds = [k for k in compute_kinds() if not k.spec.parts]
+    required = {step for k in kinds if not k.spec.optional for step in k.completes}
     for stage in range(table.num_stages):
         for mb in range(table.microbatches):
-            f, b, w, bw = (seen.get((k, stage, mb), []) for k in ("F", "B", "W", "BW"))
-            problems, marks = [], []
-            if len(f) != 1:
-                problems.append(f"{len(f)} forwards")
-                marks += f
-            if not ((len(bw) == 1 and not b and not w) or (not bw and len(b) == 1 and len(w) == 1)):
-                problems.append(f"{len(bw)} BW, {len(b)} B and {len(w)} W")
-                marks += b + w + bw
-            if problems:
-                rank, chunk = placement.locate(stage)
-                _fail(table, "completeness",
-                      f"stage {stage} (rank {rank}, chunk {chunk}), microbatch {mb} has {' and '.join(problems)}; "
-                      "it needs exactly one F and either one BW or one B and one W",
-                      marks or f + b + w + bw, f"add or remove nodes on rank {rank} so each microbatch is computed once")
+            ran = {k: seen.get((k, stage, mb), []) for k in kinds}
+            done = {step: sum(len(ran[k]) for k in kinds if step in k.completes) for k in kinds for step in k.completes}
+            wrong = [step for step, n in done.items() if n != 1 and (step in required or n > 1)]
+            if not wrong:
+                continue
+            problems = [f"{len(ran[NodeKind.F])} forwards"] if NodeKind.F in wrong else []
+            others = sorted((k for k in kinds if k is not NodeKind.F and any(s in wrong for s in k.completes)),
+                            key=lambda k: -len(k.completes))
+            if others:
+                counts = [f"{len(ran[k])} {k}" for k in others]
+                problems.append(", ".join(counts[:-1]) + f" and {counts[-1]}" if len(counts) > 1 else counts[0])
+            marks = [pos for k in kinds if any(s in wrong for s in k.completes) for pos in ran[k]]
+            rank, chunk = placement.locate(stage)
+            _fail(table, "completeness",
+                  f"stage {stage} (rank {rank}, chunk {chunk}), microbatch {mb} has {' and '.join(problems)}; it needs "
+                  "exactly one F and either one BW or one B and one W",
+                  marks or [pos for k in kinds for pos in ran[k]],
+                  f"add or remove nodes on rank {rank} so each microbatch is computed once")
     if table.has_communication:
         _check_transfers_complete(table)
-
-
-def _required_transfers(table: ScheduleTable) -> set[Transfer]:
-    placement, out = table.placement, set()
-    for s in range(table.num_stages - 1):
-        if placement.rank_of(s) != placement.rank_of(s + 1):
-            for mb in range(table.microbatches):
-                out |= {Transfer("F", s, s + 1, mb), Transfer("B", s + 1, s, mb)}
-    return out
 
 
 def _check_transfers_complete(table: ScheduleTable) -> None:
@@ -117,7 +125,7 @@ def _check_transfers_complete(table: ScheduleTable) -> None:
     for rank, i, node in table.positions():
         if not node.kind.is_compute:
             (sends if node.kind.is_send else recvs)[table.transfers[rank][i]].append((rank, i))
-    for t in sorted(_required_transfers(table) | set(sends) | set(recvs)):
+    for t in sorted(required_transfers(table.placement, table.microbatches) | set(sends) | set(recvs)):
         for name, where in (("send", sends[t]), ("receive", recvs[t])):
             if len(where) != 1:
                 src, dst = (table.placement.rank_of(t.src_stage), table.placement.rank_of(t.dst_stage))
@@ -227,32 +235,11 @@ def _report_deadlock(table: ScheduleTable, ptr: list[int], blocked_on: dict[int,
           "and post receives in the order the peer sends")
 
 
-# Chunk activations a node's forward part takes and its backward part frees (an FB node does both,
-# its forward first, so the pair holds both at once).
-_TAKES = {NodeKind.F: 1, NodeKind.FB: 1}
-_FREES = {NodeKind.B: 1, NodeKind.BW: 1, NodeKind.FB: 1}
-
-
-def _held_levels(row) -> list[tuple[int, int]]:
-    """``(index, chunk activations held right after the node's forwards)`` for each node of a rank."""
-    held, levels = 0, []
-    for i, node in enumerate(row):
-        held += _TAKES.get(node.kind, 0)
-        levels.append((i, held))
-        held -= _FREES.get(node.kind, 0)
-    return levels
-
-
 def check_in_flight(table: ScheduleTable, limit: float) -> None:
     """No rank holds more than ``limit`` microbatches of activations (1F1B-stage units) at once."""
     for rank, row in enumerate(table.ranks):
-        for i, held in _held_levels(row):
+        for i, held in enumerate(running_levels(row)):
             if held > limit * table.vpp + 1e-9:
                 _fail(table, "memory", f"{_at(table, rank, i)} raises the activations held on rank {rank} to "
                       f"{held / table.vpp:g} microbatches, over the limit of {limit:g}",
                       [(rank, i)], "run backwards earlier, or raise the limit")
-
-
-def peak_in_flight(table: ScheduleTable) -> list[float]:
-    """Per rank, the most activations held at once in 1F1B-stage microbatch units (see validate)."""
-    return [max((h for _, h in _held_levels(row)), default=0) / table.vpp for row in table.ranks]

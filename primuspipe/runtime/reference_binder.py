@@ -16,7 +16,7 @@ from types import MappingProxyType
 import torch
 
 from primuspipe.ir.node import NodeKind, ScheduleNode
-from primuspipe.runtime.runner import ComputeCall
+from primuspipe.runtime.protocols import ComputeCall
 
 
 class ModuleBinder:
@@ -58,8 +58,8 @@ class ModuleBinder:
     def recv_buffer(self, node: ScheduleNode) -> torch.Tensor:
         return torch.empty(self.transfer_shape, dtype=self.dtype, requires_grad=node.kind is NodeKind.RECV_F)
 
-    def local_handoff(self, tensor: torch.Tensor, carries: str) -> torch.Tensor:
-        return tensor.detach().requires_grad_(carries == "F")
+    def local_handoff(self, tensor: torch.Tensor, carries: NodeKind) -> torch.Tensor:
+        return tensor.detach().requires_grad_(carries is NodeKind.F)
 
     def sent(self, node: ScheduleNode, tensor: torch.Tensor) -> None:
         pass

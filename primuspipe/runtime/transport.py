@@ -17,28 +17,15 @@ so polling ``is_completed`` would spin forever), elsewhere by polling ``is_compl
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from primuspipe.errors import PipelineHangError
 from primuspipe.ir.node import ScheduleNode
+from primuspipe.runtime.protocols import Pending
 
 _POLL_SLEEP_S = 50e-6
-
-
-@dataclass
-class Pending:
-    """A posted send or receive: the node it serves, its tensor and the transport's request."""
-
-    node: ScheduleNode
-    tensor: Any
-    work: Any
-    posted_at: float = 0.0
-    """Set by a recording runner (its recorder's clock)."""
 
 
 class P2PTransport:

@@ -32,7 +32,8 @@ from primuspipe.errors import ScheduleShapeError
 from primuspipe.ir.placement import Placement
 from primuspipe.simulator import CostModel, Link, P2PCost, SimulationResult, simulate
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.passes.validation import peak_in_flight, validate
+from primuspipe.ir.activations import peak_in_flight
+from primuspipe.passes.validation import validate
 
 logger = logging.getLogger(__name__)
 

@@ -23,14 +23,18 @@ import logging
 from dataclasses import dataclass
 
 from primuspipe.ir.costs import ComputeCosts
-from primuspipe.ir.dataflow import step_needs
+from primuspipe.ir.dataflow import Step, reaches, step_needs
 from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[str, int, int]  # (step kind "F" | "B" | "W", stage, microbatch)
+Key = Step
+"""A node of the model: its kind, stage and microbatch (one node completes one step)."""
+
+_KINDS = (NodeKind.F, NodeKind.B, NodeKind.W)
+"""The kinds the model orders: a split backward."""
 
 
 @dataclass(frozen=True)
@@ -41,19 +45,13 @@ class MilpResult:
     optimal: bool
 
 
-def _reaches(a: tuple[str, int], b: tuple[str, int]) -> bool:
-    """Within one microbatch, does step ``b`` (transitively) depend on step ``a``? Reflexive."""
-    (ka, sa), (kb, sb) = a, b
-    if ka == "F":
-        return kb != "F" or sa <= sb
-    if ka == "B":
-        return kb != "F" and sa >= sb
-    return kb == "W" and sa == sb
-
-
-def precedes(a: Key, b: Key) -> bool:
-    """``a`` runs before ``b`` in every microbatch-ordered schedule."""
-    return a != b and a[2] <= b[2] and _reaches(a[:2], b[:2])
+def precedes(a: Key, b: Key, num_stages: int) -> bool:
+    """``a`` runs before ``b`` in every microbatch-ordered schedule: ``b`` depends on ``a``'s kind and
+    stage within one microbatch (the dependency model's transitive closure) and ``a``'s microbatch is
+    not later."""
+    if a == b or a.microbatch > b.microbatch:
+        return False
+    return (Step(a.kind, a.stage, 0), Step(b.kind, b.stage, 0)) in reaches(num_stages)
 
 
 def count_binaries(placement: Placement, microbatches: int, limit: int) -> int | None:
@@ -62,22 +60,22 @@ def count_binaries(placement: Placement, microbatches: int, limit: int) -> int |
     per_rank = 3 * microbatches * placement.vpp
     if placement.pp * per_rank * per_rank // 8 > limit:  # at least a quarter of all pairs are free
         return None
-    count = sum(len(_free_pairs(_rank_nodes(placement, microbatches, r))) for r in range(placement.pp))
+    count = sum(len(_free_pairs(_rank_nodes(placement, microbatches, r), placement.num_stages)) for r in range(placement.pp))
     return count if count <= limit else None
 
 
 def _producers(placement: Placement, key: Key) -> list[Key]:
-    """The steps ``key`` waits for (dataflow's rules; a Step is a Key)."""
-    kind, stage, mb = key
-    return step_needs(placement, NodeKind(kind), stage, mb)
+    """The steps ``key`` waits for (dataflow's rules)."""
+    return step_needs(placement, key.kind, key.stage, key.microbatch)
 
 
 def _rank_nodes(placement: Placement, m: int, rank: int) -> list[Key]:
-    return [(k, placement.stage(rank, c), i) for c in range(placement.vpp) for k in "FBW" for i in range(m)]
+    return [Step(k, placement.stage(rank, c), i) for c in range(placement.vpp) for k in _KINDS for i in range(m)]
 
 
-def _free_pairs(nodes: list[Key]) -> list[tuple[Key, Key]]:
-    return [(a, b) for x, a in enumerate(nodes) for b in nodes[x + 1:] if not precedes(a, b) and not precedes(b, a)]
+def _free_pairs(nodes: list[Key], num_stages: int) -> list[tuple[Key, Key]]:
+    return [(a, b) for x, a in enumerate(nodes) for b in nodes[x + 1:]
+            if not precedes(a, b, num_stages) and not precedes(b, a, num_stages)]
 
 
 def solve_order_milp(
@@ -96,7 +94,8 @@ def solve_order_milp(
     import highspy
 
     m, pp = microbatches, placement.pp
-    dur = {"F": costs.forward, "B": costs.backward_input, "W": costs.backward_weight}
+    num_stages = placement.num_stages
+    dur = {kind: costs.of(kind) for kind in _KINDS}
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", max(time_limit_s, 0.1))
@@ -125,7 +124,7 @@ def solve_order_milp(
     for r, nodes in enumerate(rank_nodes):
         for kind, s, i in nodes:
             me = col[(kind, s, i)]
-            for pk, ps, _ in _producers(placement, (kind, s, i)):
+            for pk, ps, _ in _producers(placement, Step(kind, s, i)):
                 delay = p2p_time if placement.rank_of(ps) != r else 0.0
                 add_row(dur[pk][ps] + delay, inf, {me: 1.0, col[(pk, ps, i)]: -1.0})
             if i > 0:  # microbatch order within (kind, stage)
@@ -135,7 +134,7 @@ def solve_order_milp(
     big_m = upper_bound
     order: dict[tuple[Key, Key], int] = {}
     for nodes in rank_nodes:
-        for a, b in _free_pairs(nodes):
+        for a, b in _free_pairs(nodes, num_stages):
             y = order[(a, b)] = add_col(("o", a, b), 0.0, 1.0, integer=True)
             ta, tb = col[a], col[b]
             add_row(dur[a[0]][a[1]] - big_m, inf, {tb: 1.0, ta: -1.0, y: -big_m})  # y = 1: a before b
@@ -145,9 +144,9 @@ def solve_order_milp(
 
     def before(a: Key, b: Key) -> tuple[float, dict[int, float]]:
         """[a runs before b] as constant + linear terms."""
-        if precedes(a, b):
+        if precedes(a, b, num_stages):
             return 1.0, {}
-        if precedes(b, a):
+        if precedes(b, a, num_stages):
             return 0.0, {}
         if (a, b) in order:
             return 0.0, {order[(a, b)]: 1.0}
@@ -155,11 +154,14 @@ def solve_order_milp(
 
     if cap is not None:
         for nodes in rank_nodes:
-            forwards = [x for x in nodes if x[0] == "F"]
-            backwards = [x for x in nodes if x[0] == "B"]
+            # held right after forward a: one chunk activation per part before it, by the kind's effect
+            forwards = [x for x in nodes if x.kind is NodeKind.F]
             for a in forwards:
-                const, terms = 1.0, {}
-                for other, sign in [(f, 1.0) for f in forwards if f != a] + [(b, -1.0) for b in backwards]:
+                const, terms = a.kind.spec.activation_delta(), {}
+                for other in nodes:
+                    sign = other.kind.spec.activation_delta()
+                    if other == a or not sign:
+                        continue
                     c, t = before(other, a)
                     const += sign * c
                     for idx, v in t.items():
@@ -195,8 +197,8 @@ def solve_order_milp(
         bound = objective
     rows = []
     for nodes in rank_nodes:
-        timed = sorted(nodes, key=lambda x: (values[col[x]], sum(precedes(y, x) for y in nodes)))
-        rows.append(tuple(ScheduleNode(NodeKind(k), i, placement.locate(s)[1]) for k, s, i in timed))
+        timed = sorted(nodes, key=lambda x: (values[col[x]], sum(precedes(y, x, num_stages) for y in nodes)))
+        rows.append(tuple(ScheduleNode(k, i, placement.locate(s)[1]) for k, s, i in timed))
     return MilpResult(tuple(rows), bound, optimal)
 
 
@@ -220,7 +222,7 @@ def _static_bound(placement: Placement, rank_nodes: list[list[Key]], dur: dict, 
         work = {x: dur[x[0]][x[1]] for x in nodes}
         bound = max(bound, min(earliest[x] for x in nodes) + sum(work.values()))
         for x in nodes:
-            bound = max(bound, earliest[x] + work[x] + sum(work[y] for y in nodes if precedes(x, y)))
+            bound = max(bound, earliest[x] + work[x] + sum(work[y] for y in nodes if precedes(x, y, placement.num_stages)))
     return bound
 
 
@@ -232,7 +234,7 @@ def table_starts(table: ScheduleTable, starts_by_rank: list[list[float]]) -> dic
         for node, start in compute:
             if node.kind not in (NodeKind.F, NodeKind.B, NodeKind.W):
                 return None
-            out[(node.kind.value, table.placement.stage(rank, node.chunk), node.microbatch)] = start
+            out[Step(node.kind, table.placement.stage(rank, node.chunk), node.microbatch)] = start
     for rank_nodes in _by_kind_stage(out).values():
         if [i for _, i in sorted(rank_nodes)] != sorted(i for _, i in rank_nodes):
             return None

@@ -34,7 +34,7 @@ optimizer bytes) are one number or ``pp`` values::
       optimizer_bytes: 4.0e9
 
 >>> model = CostModel.per_stage(4, f=1, b=1, w=1)
->>> model.bw_time(0), model.p2p.transfer_time(0, 1)
+>>> model.duration(NodeKind.BW, 0), model.p2p.transfer_time(0, 1)
 (2.0, 0.0)
 """
 
@@ -48,27 +48,14 @@ from typing import Any
 
 import yaml
 
-from primuspipe.ir.costs import ComputeCosts
 from primuspipe.errors import ConfigError
+from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
+from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.node import ScheduleNode
+from primuspipe.ir.placement import Placement
 
 TIME_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0}
 """Microseconds per time unit (the Chrome trace's unit)."""
-
-Values = float | Sequence[float]
-
-
-def _expand(name: str, value: Values, count: int, what: str) -> tuple[float, ...]:
-    """One value for all ``count`` stages/ranks, or one per stage/rank; all >= 0."""
-    try:  # strings too: PyYAML reads 1.0e9 (no exponent sign) as a string
-        values = (float(value),) * count if isinstance(value, (int, float, str)) else tuple(float(v) for v in value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name} must be a number or a list of numbers, got {value!r}") from exc
-    if len(values) != count:
-        raise ConfigError(f"{name} has {len(values)} values but there are {count} {what}; "
-                          f"give one value for all {what} or one per {what[:-1]}")
-    if any(v < 0 or math.isnan(v) for v in values):
-        raise ConfigError(f"{name} must be >= 0, got {values}")
-    return values
 
 
 @dataclass(frozen=True)
@@ -136,10 +123,10 @@ class MemoryCost:
         parameter_bytes: Values = 0.0, gradient_bytes: Values = 0.0, optimizer_bytes: Values = 0.0,
     ) -> MemoryCost:
         return cls(
-            _expand("activation_bytes", activation_bytes, num_stages, "stages"), float(w_retained_fraction),
-            _expand("parameter_bytes", parameter_bytes, pp, "ranks"),
-            _expand("gradient_bytes", gradient_bytes, pp, "ranks"),
-            _expand("optimizer_bytes", optimizer_bytes, pp, "ranks"),
+            per_stage_values("activation_bytes", activation_bytes, num_stages, "stages"), float(w_retained_fraction),
+            per_stage_values("parameter_bytes", parameter_bytes, pp, "ranks"),
+            per_stage_values("gradient_bytes", gradient_bytes, pp, "ranks"),
+            per_stage_values("optimizer_bytes", optimizer_bytes, pp, "ranks"),
         )
 
     def static_bytes(self, rank: int) -> float:
@@ -175,7 +162,7 @@ class CostModel:
     def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values, *, bw: Values | None = None,
                   **rest: Any) -> CostModel:
         """Compute times as one value for all stages or one per stage; ``rest`` are the other fields."""
-        fused = None if bw is None else _expand("BW", bw, num_stages, "stages")
+        fused = None if bw is None else per_stage_values("BW", bw, num_stages, "stages")
         return cls(ComputeCosts.per_stage(num_stages, f, b, w), fused, **rest)
 
     @property
@@ -187,9 +174,28 @@ class CostModel:
             return self.fused_backward[stage]
         return self.compute.fused_backward(stage)
 
-    def fb_time(self, f_stage: int, b_stage: int) -> float:
-        f, b = self.compute.forward[f_stage], self.compute.backward_input[b_stage]
-        return f + b - self.fb_overlap * min(f, b)
+    def duration(self, kind: NodeKind, stage: int) -> float:
+        """Time of one compute part of ``kind`` on ``stage``: the per-stage time the kind table names
+        (:attr:`~primuspipe.ir.kinds.KindSpec.cost`); a kind that names none takes no time."""
+        key = kind.spec.cost
+        if key is None:
+            return 0.0
+        if key == "bw":
+            return self.bw_time(stage)
+        return self.compute.of(kind)[stage]
+
+    def overlapped_time(self, parts: Sequence[tuple[NodeKind, int]]) -> float:
+        """Time of an overlapped node (FB) running ``(kind, stage)`` parts together: their sum less
+        ``fb_overlap`` times the shorter one (0: no gain, 1: the longer part alone)."""
+        times = [self.duration(kind, stage) for kind, stage in parts]
+        return sum(times) - self.fb_overlap * min(times)
+
+    def node_time(self, placement: Placement, rank: int, node: ScheduleNode) -> float:
+        """Compute time of a node on ``rank`` (0 for communication nodes)."""
+        parts = [(kind, placement.stage(rank, chunk)) for kind, _, chunk in node.parts()]
+        if len(parts) > 1:
+            return self.overlapped_time(parts)
+        return self.duration(*parts[0]) if parts else 0.0
 
     def static_bytes(self, rank: int) -> float:
         return 0.0 if self.memory is None else self.memory.static_bytes(rank)
@@ -261,11 +267,11 @@ def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ..
     """
     if isinstance(value, Sequence) and not isinstance(value, str):
         if len(value) == pp * vpp:
-            return _expand(name, value, pp * vpp, "stages")
+            return per_stage_values(name, value, pp * vpp, "stages")
         if len(value) != pp:
             raise ConfigError(f"{name} has {len(value)} values; give one number, {pp} (one per 1F1B stage) or "
                               f"{pp * vpp} (one per model stage at pp={pp}, vpp={vpp})")
-    per_1f1b_stage = _expand(name, value, pp, "1F1B stages")
+    per_1f1b_stage = per_stage_values(name, value, pp, "1F1B stages")
     return tuple(per_1f1b_stage[s // vpp] / vpp for s in range(pp * vpp))
 
 

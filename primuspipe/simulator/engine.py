@@ -25,7 +25,7 @@ from functools import cached_property
 from primuspipe.passes.communication import add_communication
 from primuspipe.ir.dataflow import Transfer, inbound, transfer_of
 from primuspipe.errors import SimulationError
-from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.node import ScheduleNode
 from primuspipe.simulator.cost_model import CostModel
 from primuspipe.simulator.memory import peak_activations
 from primuspipe.ir.table import ScheduleTable
@@ -159,9 +159,7 @@ def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], 
     microbatch is looked up once per (rank, kind, chunk, peer): this keeps simulate fast enough for
     search loops over large tables.
     """
-    placement, c, m = table.placement, cost.compute, table.microbatches
-    durations = {NodeKind.F: c.forward, NodeKind.B: c.backward_input, NodeKind.W: c.backward_weight,
-                 NodeKind.BW: tuple(cost.bw_time(s) for s in range(table.num_stages))}
+    placement, m = table.placement, table.microbatches
     lanes: dict[tuple[int, int], int] = {}
     routes: dict[tuple, int] = {}
 
@@ -171,24 +169,19 @@ def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], 
 
     programs, busy = [], []
     for rank, row in enumerate(table.ranks):
-        shape: dict[tuple, tuple] = {}  # (kind, chunk, peer) -> (code, duration or lane, route key or -1, time)
+        shape: dict[tuple, tuple] = {}  # (kind, chunk, peer, pair chunk) -> (code, duration or lane, keys, time)
         ops, total = [], 0.0
         for node in row:
-            kind, mb = node.kind, node.microbatch
-            if kind is NodeKind.FB:
-                (_, _, fc), (_, _, bc) = parts = node.parts()
-                d = cost.fb_time(placement.stage(rank, fc), placement.stage(rank, bc))
-                needs = tuple(first_key(t) + mm for k, mm, ch in parts
-                              if (t := inbound(placement, rank, k, ch, mm)) is not None)
-                ops.append((_COMPUTE, d, needs))
-                total += d
-                continue
-            shape_key = (kind, node.chunk, node.peer)
+            mb = node.microbatch
+            shape_key = (node.kind, node.chunk, node.peer, node.pair and node.pair[1])
             if (known := shape.get(shape_key)) is None:
-                known = shape[shape_key] = _shape(placement, rank, node, durations, cost, lanes, first_key)
+                known = shape[shape_key] = _shape(placement, rank, node, cost, lanes, first_key)
             code, value, key0, duration = known
             if code == _COMPUTE:
-                ops.append((_COMPUTE, value, () if key0 < 0 else (key0 + mb,)))
+                # the inbound transfers of each part, at that part's microbatch
+                mbs = (mb,) if node.pair is None else (mb, node.pair[0])
+                needs = tuple(k + part_mb for k, part_mb in zip(key0, mbs) if k >= 0)
+                ops.append((_COMPUTE, value, needs))
                 total += value
             else:
                 ops.append((code, value, key0 + mb, duration))
@@ -197,12 +190,14 @@ def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], 
     return programs, busy, list(routes), len(lanes)
 
 
-def _shape(placement, rank: int, node: ScheduleNode, durations, cost: CostModel, lanes: dict, first_key) -> tuple:
-    """What a node of this (rank, kind, chunk, peer) compiles to; its transfer key is microbatch 0's."""
-    kind, chunk = node.kind, node.chunk
+def _shape(placement, rank: int, node: ScheduleNode, cost: CostModel, lanes: dict, first_key) -> tuple:
+    """What a node of this (rank, kind, chunk, peer) compiles to. A compute node's transfer keys are
+    microbatch 0's, one per part (-1 where the part needs no transfer)."""
+    kind = node.kind
     if kind.is_compute:
-        t = inbound(placement, rank, kind, chunk, 0)
-        return _COMPUTE, durations[kind][placement.stage(rank, chunk)], -1 if t is None else first_key(t), 0.0
+        keys = tuple(-1 if (t := inbound(placement, rank, k, chunk, 0)) is None else first_key(t)
+                     for k, _, chunk in node.parts())
+        return _COMPUTE, cost.node_time(placement, rank, node), keys, 0.0
     src, dst = (rank, node.peer) if kind.is_send else (node.peer, rank)
     lane = lanes.setdefault((src, dst), len(lanes))
     code = _SEND if kind.is_send else _RECV

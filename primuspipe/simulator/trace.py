@@ -15,6 +15,7 @@ from pathlib import Path
 
 from primuspipe.ir.dataflow import Transfer, inbound, outbound, transfer_of
 from primuspipe.errors import TableFormatError
+from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.placement import Placement
 from primuspipe.simulator.cost_model import TIME_UNITS
 from primuspipe.ir.timeline import TimedNode, Timeline
@@ -40,7 +41,7 @@ def chrome_trace(timeline: Timeline, placement: Placement) -> dict:
             node = e.node
             if not node.kind.is_compute:
                 continue
-            events.append({"ph": "X", "name": str(node), "cat": node.kind.value, "pid": _PID, "tid": rank,
+            events.append({"ph": "X", "name": str(node), "cat": node.kind.name, "pid": _PID, "tid": rank,
                            "ts": e.start * scale, "dur": (e.end - e.start) * scale,
                            "args": {"microbatch": node.microbatch, "chunk": node.chunk,
                                     "stage": placement.stage(rank, node.chunk)}})
@@ -57,7 +58,7 @@ def chrome_trace(timeline: Timeline, placement: Placement) -> dict:
         if t in matched:
             send, recv = matched[t]
             args.update(send_posted=send.start, recv_posted=recv.start, arrived=recv.end)
-        name = "activation" if t.carries == "F" else "gradient"
+        name = "activation" if t.carries is NodeKind.F else "gradient"
         events += [
             {"ph": "s", "id": flow_id, "name": name, "cat": "p2p", "pid": _PID, "tid": src,
              "ts": (made.start + made.end) / 2 * scale, "args": args},

@@ -2,7 +2,7 @@
 
 import pytest
 
-from primuspipe.algorithms.dualpipe_v import lower_overlap
+from primuspipe.passes.overlap import lower_overlap
 from primuspipe.passes.communication import add_communication
 from primuspipe.errors import ScheduleShapeError
 from primuspipe.ir.node import NodeKind

@@ -11,7 +11,8 @@ from primuspipe.ir.placement import Placement
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, simulate
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.passes.validation import peak_in_flight, validate
+from primuspipe.ir.activations import peak_in_flight
+from primuspipe.passes.validation import validate
 
 BUDGET = {"zbv": lambda p: p, "v-half": lambda p: (p + 2) // 2, "v-min": lambda p: (p + 4) // 3}
 

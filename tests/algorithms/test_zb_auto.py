@@ -8,7 +8,7 @@ from primuspipe.ir.costs import ComputeCosts
 from primuspipe.errors import ScheduleShapeError
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, P2PCost, simulate
-from primuspipe.passes.validation import peak_in_flight
+from primuspipe.ir.activations import peak_in_flight
 
 CASES = {
     # name: (pp, vpp, m, f, b, w, p2p, memory limit)

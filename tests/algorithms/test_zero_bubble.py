@@ -6,7 +6,7 @@ from primuspipe.ir.costs import ComputeCosts
 from primuspipe.ir.node import NodeKind
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, simulate
-from primuspipe.passes.validation import peak_in_flight
+from primuspipe.ir.activations import peak_in_flight
 
 
 @pytest.mark.parametrize("algorithm", ["zb-h1", "zb-h2"])
@@ -73,6 +73,6 @@ def test_memory_counted_until_w_is_1f1bs_whatever_the_microbatch_count():
             for row in build_schedule(algorithm, 8, m).compute_only().ranks:
                 held = worst = 0
                 for node in row:
-                    held += {"F": 1, "W": -1}.get(node.kind.value, 0)
+                    held += {"F": 1, "W": -1}.get(node.kind.name, 0)
                     worst = max(worst, held)
                 assert worst <= bound, (algorithm, m, worst)

@@ -10,7 +10,7 @@ from primuspipe.algorithms.build import build_schedule
 
 
 def _compute(table, rank):
-    return [(n.kind.value, n.microbatch, n.chunk) for n in table.ranks[rank] if n.kind.is_compute]
+    return [(n.kind.name, n.microbatch, n.chunk) for n in table.ranks[rank] if n.kind.is_compute]
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])

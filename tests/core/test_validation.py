@@ -8,7 +8,8 @@ from primuspipe.ir.node import BW, F, ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.passes.validation import check_pairing, peak_in_flight, validate
+from primuspipe.ir.activations import peak_in_flight
+from primuspipe.passes.validation import check_pairing, validate
 
 
 def _edit(table, rank, new_row):
@@ -135,11 +136,11 @@ def test_random_mutations_are_refused_naming_a_rule(table, mutation, rnd):
         row.insert(rnd.randrange(len(row) + 1), row[rnd.randrange(len(row))])
     elif mutation == "producer_after_consumer":
         # move a forward after the backward of the same microbatch and chunk
-        fwd = [i for i, n in enumerate(row) if n.kind.value == "F"]
+        fwd = [i for i, n in enumerate(row) if n.kind.name == "F"]
         i = rnd.choice(fwd)
         mb, chunk = row[i].microbatch, row[i].chunk
         j = next(k for k, n in enumerate(row)
-                 if any(kind.value in ("BW", "B") and (m, c) == (mb, chunk) for kind, m, c in n.parts()))
+                 if any(kind.name in ("BW", "B") and (m, c) == (mb, chunk) for kind, m, c in n.parts()))
         row.insert(j, row.pop(i))
     else:
         recvs = {}

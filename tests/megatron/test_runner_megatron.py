@@ -24,7 +24,7 @@ from primuspipe.backends.megatron import install, is_installed, uninstall  # noq
 from primuspipe.testing.megatron import compare, tiny_models  # noqa: E402
 from primuspipe.backends.megatron.config import PrimusPipeConfig  # noqa: E402
 from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo  # noqa: E402
-from primuspipe.backends.megatron.dump import merge_rank_dumps  # noqa: E402
+from primuspipe.ir.timeline import merge_rank_dumps  # noqa: E402
 from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward  # noqa: E402
 from primuspipe.ir.node import NodeKind  # noqa: E402
 from primuspipe.algorithms.build import build_schedule  # noqa: E402
@@ -173,7 +173,7 @@ def test_megatron_native_compute_order_is_the_table(layout):
         algorithm = "1f1b" if layout.vpp == 1 else "interleaved-1f1b"
         table = build_schedule(algorithm, layout.pp, m, layout.vpp, communication=False)
         for rank, result in enumerate(results):
-            want = [(n.kind.value, n.microbatch, n.chunk) for n in table.ranks[rank]]
+            want = [(n.kind.name, n.microbatch, n.chunk) for n in table.ranks[rank]]
             assert result["orders"][("native", m)] == want, f"rank {rank}, m={m}: Megatron's executed order"
             assert result["orders"][("ours", m)] == want, f"rank {rank}, m={m}: primuspipe's executed order"
 

@@ -14,7 +14,8 @@ from primuspipe.passes.communication import add_communication
 from primuspipe.errors import ConfigError, PipelineHangError
 from primuspipe.ir.node import BW, F, NodeKind, ScheduleNode
 from primuspipe.ir.placement import Placement
-from primuspipe.runtime.runner import ScheduleRunner, forward_only_view
+from primuspipe.passes.forward_only import forward_only_view
+from primuspipe.runtime.runner import ScheduleRunner
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.runtime.transport import P2PTransport

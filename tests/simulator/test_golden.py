@@ -4,7 +4,7 @@ import pytest
 
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, simulate
-from primuspipe.passes.validation import peak_in_flight
+from primuspipe.ir.activations import peak_in_flight
 
 FBW = [(1, 1, 1), (1, 2, 0), (1.5, 0.7, 0.3), (2, 1, 0)]
 

@@ -9,7 +9,8 @@ from simulator_support import simulate_rows
 from primuspipe.errors import TableFormatError
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, P2PCost, simulate
-from primuspipe.calibration.measure import executed_table, measure_costs
+from primuspipe.calibration.measure import measure_costs
+from primuspipe.calibration.replay import executed_table
 from primuspipe.tools.pp_vis import load_iterations
 
 P2P = P2PCost(intra_node=Link(0.05), inter_node=Link(0.05))

@@ -25,7 +25,7 @@ from primuspipe.tools.pp_vis import (
     write_html,
     write_trace,
 )
-from primuspipe.tools.pp_vis.style import KIND_COLORS, node_color
+from primuspipe.tools.pp_vis.style import kind_color, node_color
 
 PP, M = 4, 8
 COST = CostModel.per_stage(PP, f=[1.0, 1.0, 1.5, 1.0], b=1.0, w=1.0, p2p=P2PCost(intra_node=Link(0.1)), time_unit="s")
@@ -108,7 +108,7 @@ def test_png_is_a_readable_drawing_of_every_kind(run, tmp_path):
 def test_png_of_chunks_and_overlapped_pairs(tmp_path):
     timeline = simulate(build_schedule("dualpipe-v", pp=4, microbatches=8), CostModel.per_stage(8, 1, 1, 1)).timeline()
     pixels = imread(draw_png(timeline, tmp_path / "dv.png", show_comm=False))[..., :3]
-    for color in (KIND_COLORS[NodeKind.FB], node_color(NodeKind.F, 1, 2)):
+    for color in (kind_color(NodeKind.FB), node_color(NodeKind.F, 1, 2)):
         assert np.all(np.abs(pixels - np.array(to_rgb(color))) < 0.02, axis=-1).mean() > 0.002
 
 

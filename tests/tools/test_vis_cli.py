@@ -74,7 +74,7 @@ def test_unreadable_input_is_a_clear_error(dump_dir, tmp_path, capsys):
 def test_dumps_written_by_the_megatron_recorder_are_read(tmp_path):
     """The backend's own writer (StepRecorder, used under dump_pp_data) produces files pp_vis reads."""
     torch = pytest.importorskip("torch")
-    from primuspipe.backends.megatron.dump import StepRecorder
+    from primuspipe.runtime.recorder import StepRecorder
     from primuspipe.tools.pp_vis import load_timeline, measure_costs
 
     table = build_schedule("1f1b", pp=2, microbatches=2)

@@ -1,8 +1,8 @@
 """The Megatron binder: ``F`` -> megatron-core ``forward_step``, ``BW`` -> ``backward_step``; the
 split backward: ``B`` -> ``backward_step`` with weight GEMMs deferred to a
-:class:`~primuspipe.backends.megatron.wgrad_store.WeightGradStore`, ``W`` -> that store's flush, ``FB``
--> its ``F`` then its ``B`` (one after the other: on one device stream the overlap is the schedule's
-placement of the pair, not concurrency).
+:class:`~primuspipe.backends.megatron.wgrad_store.WeightGradStore`, ``W`` -> that store's flush. An
+overlapped ``FB`` node has no handler of its own, so the runner runs its ``F`` then its ``B`` (on one
+device stream the overlap is the schedule's placement of the pair, not concurrency).
 
 One binder serves one call of the forward-backward function (one step); its per-step state is explicit
 and keyed by ``(chunk, microbatch)``. What Megatron's own schedules do around those two calls is
@@ -36,7 +36,7 @@ import torch
 
 from primuspipe.backends.megatron.wgrad_store import WeightGradStore
 from primuspipe.ir.node import NodeKind, ScheduleNode
-from primuspipe.runtime.runner import ComputeCall
+from primuspipe.runtime.protocols import ComputeCall
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class MegatronBinder:
         self.wgrad = WeightGradStore()
         self.handlers = MappingProxyType({
             NodeKind.F: self.forward, NodeKind.BW: self.backward, NodeKind.B: self.backward_input,
-            NodeKind.W: self.backward_weight, NodeKind.FB: self.forward_backward_input})
+            NodeKind.W: self.backward_weight})
 
     def forward(self, call: ComputeCall) -> Any:
         a = self.args
@@ -201,16 +201,12 @@ class MegatronBinder:
         with self.sync.around_backward(call.chunk, call.microbatch):
             self.wgrad.flush(call.chunk, call.microbatch)
 
-    def forward_backward_input(self, f_call: ComputeCall, b_call: ComputeCall) -> tuple[Any, Any]:
-        """``FB``: the overlapped pair, run as its ``F`` then its ``B``."""
-        return self.forward(f_call), self.backward_input(b_call)
-
     def recv_buffer(self, node: ScheduleNode) -> torch.Tensor:
         return torch.empty(self.transfer_shape, dtype=self.args.config.pipeline_dtype, device=self.device,
                            requires_grad=node.kind is NodeKind.RECV_F)
 
-    def local_handoff(self, tensor: torch.Tensor, carries: str) -> torch.Tensor:
-        return tensor.detach().requires_grad_(carries == "F")
+    def local_handoff(self, tensor: torch.Tensor, carries: NodeKind) -> torch.Tensor:
+        return tensor.detach().requires_grad_(carries is NodeKind.F)
 
     def sent(self, node: ScheduleNode, tensor: torch.Tensor) -> None:
         if node.kind is NodeKind.SEND_F:

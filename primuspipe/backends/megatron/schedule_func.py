@@ -3,7 +3,8 @@ same return value, any primuspipe table.
 
 A call builds (or takes from the cache) the configured algorithm's table for this shape -- tables are
 immutable and cached per (algorithm, pp, vpp, microbatches, options) -- checks Megatron's config
-against it, runs this rank's row with :class:`~primuspipe.runtime.runner.ScheduleRunner` and the
+against it, runs this rank's row through the backend-neutral
+:class:`~primuspipe.runtime.driver.StepDriver` with the
 :class:`~primuspipe.backends.megatron.binder.MegatronBinder`, then finishes the step as Megatron's
 schedules do (embedding wgrad, ``finalize_model_grads_func`` with ``total_num_tokens`` when
 ``calculate_per_token_loss``). ``forward_only`` runs the table's forward-only view. Tables with a split
@@ -13,9 +14,7 @@ deferred gradient applied (else :class:`~primuspipe.backends.megatron.wgrad_stor
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+from collections.abc import Callable
 from typing import Any, Iterator, List, Optional, Union
 
 import torch
@@ -23,30 +22,9 @@ import torch
 from primuspipe.backends.megatron.binder import GradSync, MegatronBinder, StepArgs
 from primuspipe.backends.megatron.compat import check_megatron_config
 from primuspipe.backends.megatron.config import PrimusPipeConfig
-from primuspipe.backends.megatron.dump import StepRecorder, dump_path
 from primuspipe.errors import ConfigError
-from primuspipe.ir.node import NodeKind
-from primuspipe.runtime.runner import cached_runner, forward_only_view
-from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.runtime.transport import P2PTransport
-
-
-@functools.lru_cache(maxsize=64)
-def cached_table(algorithm: str, pp: int, vpp: int, microbatches: int, options: tuple[tuple[str, Any], ...]) -> ScheduleTable:
-    """The validated full table for a shape, built once."""
-    return build_schedule(algorithm, pp, microbatches, vpp, **dict(options))
-
-
-@functools.lru_cache(maxsize=64)
-def _last_backwards(table: ScheduleTable, rank: int) -> Mapping[int, int]:
-    """chunk -> microbatch of its last ``BW``/``W`` on ``rank``: derived once per table, like the runner."""
-    last: dict[int, int] = {}
-    for node in table.ranks[rank]:
-        for kind, mb, chunk in node.parts():
-            if kind in (NodeKind.BW, NodeKind.W):
-                last[chunk] = mb
-    return MappingProxyType(last)
+from primuspipe.runtime.driver import StepDriver, cached_schedule, last_backwards
 
 
 def _device() -> torch.device:
@@ -58,8 +36,8 @@ class PrimusForwardBackward:
 
     def __init__(self, config: PrimusPipeConfig):
         self.config = config
-        self.iteration = 0
-        """Training (not forward-only) calls made so far: the iteration number of dumps."""
+        self.driver = StepDriver(watchdog_timeout_s=config.watchdog_timeout_s,
+                                 dump_dir=config.dump_dir if config.dump_pp_data else None)
 
     def table_for(self, pp: int, vpp: int, num_microbatches: int, megatron_config: Any) -> ScheduleTable:
         algorithm = self.config.algorithm_for(vpp)
@@ -67,7 +45,7 @@ class PrimusForwardBackward:
         group = getattr(megatron_config, "microbatch_group_size_per_vp_stage", None)
         if algorithm == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
             options["microbatch_group_size"] = group  # follow Megatron's setting; its default (pp) is ours
-        return cached_table(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
+        return cached_schedule(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
 
     def __call__(
         self,
@@ -110,8 +88,7 @@ class PrimusForwardBackward:
 
         full = self.table_for(pp, len(models), num_microbatches, config)
         check_megatron_config(config, full, models, rank)
-        table = forward_only_view(full) if forward_only else full
-        runner = cached_runner(table, rank)
+        table = self.driver.view(full, forward_only)
 
         shapes = schedules.get_tensor_shapes(
             seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
@@ -135,16 +112,14 @@ class PrimusForwardBackward:
 
         args = StepArgs(forward_step_func, iterators, models, num_microbatches, config, pg_collection.cp.size(),
                         forward_only, collect_non_loss_data, first_val_step, interleaved=isinstance(model, list) and len(models) > 1)
-        sync = GradSync(args, _last_backwards(table, rank),
+        sync = GradSync(args, last_backwards(table, rank),
                         None if forward_only else config.grad_sync_func,
                         None if forward_only else config.param_sync_func)
         device = _device()
         binder = MegatronBinder(args, num_stages=table.num_stages, transfer_shape=shape, device=device, sync=sync)
-        transport = P2PTransport(pp_group, timeout_s=self.config.watchdog_timeout_s)
-        recorder = StepRecorder(device) if self.config.dump_pp_data and not forward_only else None
 
         sync.begin()
-        runner.run(binder, transport, recorder)
+        self.driver.execute(table, rank, binder, pp_group, device=device, forward_only=forward_only)
         binder.wgrad.check_empty()
         sync.end()
 
@@ -159,8 +134,4 @@ class PrimusForwardBackward:
             config.timers("forward-backward").stop()
         if getattr(config, "cuda_graph_impl", None) == "local":
             schedules.create_cudagraphs()
-        if recorder is not None:
-            recorder.timeline(table, rank, self.iteration).save(dump_path(self.config.dump_dir, self.iteration, rank))
-        if not forward_only:
-            self.iteration += 1
         return binder.forward_data_store()

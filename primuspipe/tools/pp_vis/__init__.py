@@ -14,7 +14,8 @@ See docs/pp_vis.md.
 [('bubble rate mean', 0.0), ('peak memory rank 0 (bytes)', None), ('peak memory rank 1 (bytes)', None)]
 """
 
-from primuspipe.calibration.measure import MeasuredCosts, compute_order, executed_table, measure_costs, placement_of
+from primuspipe.calibration.measure import MeasuredCosts, measure_costs
+from primuspipe.calibration.replay import compute_order, executed_table, placement_of
 from primuspipe.tools.pp_vis.html import timeline_figure, write_html
 from primuspipe.tools.pp_vis.load import in_unit, load_iterations, load_timeline
 from primuspipe.tools.pp_vis.png import draw_png

@@ -65,16 +65,15 @@ def _traces(timeline: Timeline, marks: set) -> list[go.Bar]:
                 waits.append(entry)
     where = "run" if timeline.source == "run" else "simulated"
     hover = _HOVER.replace("{unit}", timeline.time_unit).replace("{where}", where)
-    order = list(style.KIND_COLORS)
     traces = []
-    for (kind, chunk), entries in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
+    for (kind, chunk), entries in sorted(groups.items(), key=lambda kv: (style.kind_rank(kv[0][0]), kv[0][1])):
         color = style.node_color(kind, chunk, timeline.vpp)
-        name = style.KIND_NAMES[kind] + (f", chunk {chunk}" if timeline.vpp > 1 else "")
+        name = style.kind_name(kind) + (f", chunk {chunk}" if timeline.vpp > 1 else "")
         traces.append(go.Bar(
             **_bars(entries), orientation="h", name=name, legendgroup=name, hovertemplate=hover,
             text=[style.bar_label(e.node) for _, e, _ in entries], textposition="inside", insidetextanchor="middle",
             textfont={"color": style.text_color(color), "size": 10},
-            marker={"color": color, "pattern": {"shape": style.plotly_pattern(chunk), "fgcolor": style.KIND_COLORS[kind]},
+            marker={"color": color, "pattern": {"shape": style.plotly_pattern(chunk), "fgcolor": style.kind_color(kind)},
                     "line": {"color": [style.MARK_COLOR if m else "white" for _, _, m in entries],
                              "width": [2.5 if m else 0.5 for _, _, m in entries]}},
         ))

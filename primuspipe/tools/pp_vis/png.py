@@ -45,10 +45,10 @@ def draw_png(timelines: Timeline | Sequence[Timeline], path: str | os.PathLike, 
     axes[-1, 0].set_xlabel(f"time ({panels[0].time_unit})")
     vpp = max(t.vpp for t in panels)
     handles = []
-    for k, c in sorted(kinds, key=lambda kc: (list(style.KIND_COLORS).index(kc[0]), kc[1])):
-        with rc_context({"hatch.color": style.KIND_COLORS[k], "hatch.linewidth": 0.6}):
+    for k, c in sorted(kinds, key=lambda kc: (style.kind_rank(kc[0]), kc[1])):
+        with rc_context({"hatch.color": style.kind_color(k), "hatch.linewidth": 0.6}):
             handles.append(Patch(facecolor=style.node_color(k, c, vpp), hatch=style.hatch(c), edgecolor="white",
-                                 label=style.KIND_NAMES[k] + (f", chunk {c}" if vpp > 1 else "")))
+                                 label=style.kind_name(k) + (f", chunk {c}" if vpp > 1 else "")))
     if show_comm:
         handles.append(Patch(facecolor=style.COMM_COLOR, alpha=0.6, label="receive: posted -> arrived"))
     if marks:
@@ -86,7 +86,7 @@ def _draw_panel(ax, timeline: Timeline, span: float, marks: set, show_comm: bool
                 ax.text(e.start + width / 2, y, label, ha="center", va="center", fontsize=7, color=color,
                         clip_on=True)
     for (kind, chunk), (xranges, ys) in groups.items():
-        with rc_context({"hatch.color": style.KIND_COLORS[kind], "hatch.linewidth": 0.6}):
+        with rc_context({"hatch.color": style.kind_color(kind), "hatch.linewidth": 0.6}):
             for y in sorted(set(ys)):
                 ax.broken_barh([x for x, yy in zip(xranges, ys) if yy == y], (y - _BAR / 2, _BAR),
                                facecolors=style.node_color(kind, chunk, timeline.vpp), edgecolors="white",

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from itertools import zip_longest
 
 from primuspipe.errors import TableFormatError
-from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.kinds import NodeKind, compute_kinds
+from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.simulator import CostModel, simulate
-from primuspipe.calibration.measure import compute_order, executed_table
+from primuspipe.calibration.replay import compute_order, executed_table
 from primuspipe.ir.timeline import Timeline, idle_share
 from primuspipe.tools.pp_vis.load import in_unit
 
-KIND_ORDER = (NodeKind.F, NodeKind.B, NodeKind.W, NodeKind.BW, NodeKind.FB)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def timeline_stats(timeline: Timeline) -> TimelineStats:
                 durations[e.node.kind].append(e.end - e.start)
                 total += e.end - e.start
         busy.append(total)
-    means = {k.value: statistics.fmean(durations[k]) for k in KIND_ORDER if durations[k]}
+    means = {k.name: statistics.fmean(durations[k]) for k in compute_kinds() if durations[k]}
     return TimelineStats(f"{timeline.source} (iteration {timeline.iteration})", timeline.time_unit,
                          timeline.step_time, tuple(r.rank for r in ranks), tuple(busy), means,
                          tuple(r.peak_memory_bytes for r in ranks))
@@ -121,7 +121,7 @@ class Comparison:
     def figures(self) -> list[Figure]:
         """Per-kind mean node times, step time, bubble rates, then peak memory per rank."""
         r, s = self.run_stats, self.simulated_stats
-        kinds = [k.value for k in KIND_ORDER if k.value in r.kind_means or k.value in s.kind_means]
+        kinds = [k.name for k in compute_kinds() if k.name in r.kind_means or k.name in s.kind_means]
         out = [Figure(f"{k} mean", r.kind_means.get(k), s.kind_means.get(k)) for k in kinds]
         out += [Figure("step time", r.step_time, s.step_time), Figure("bubble rate max", r.bubble_rate, s.bubble_rate),
                 Figure("bubble rate mean", r.bubble_rate_mean, s.bubble_rate_mean)]

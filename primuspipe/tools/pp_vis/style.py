@@ -8,14 +8,27 @@ from collections.abc import Sequence
 from matplotlib.colors import to_hex, to_rgb
 
 from primuspipe.errors import TableFormatError
-from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.kinds import NodeKind, compute_kinds
+from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.timeline import Timeline
 from primuspipe.tools.pp_vis.stats import timeline_stats
 
-KIND_COLORS = {NodeKind.F: "#4C72B0", NodeKind.B: "#55A868", NodeKind.W: "#DD8452", NodeKind.BW: "#8172B3",
-               NodeKind.FB: "#C44E52"}
-KIND_NAMES = {NodeKind.F: "F forward", NodeKind.B: "B input grad", NodeKind.W: "W weight grad",
-              NodeKind.BW: "BW fused backward", NodeKind.FB: "FB forward + backward"}
+
+
+def kind_color(kind: NodeKind) -> str:
+    """The kind's colour in the kind table."""
+    return kind.spec.color
+
+
+def kind_name(kind: NodeKind) -> str:
+    """Legend entry: the kind and what it does (``F forward``)."""
+    return f"{kind} {kind.spec.label}"
+
+
+def kind_rank(kind: NodeKind) -> int:
+    """Where the kind comes in legends: the kind table's order."""
+    return compute_kinds().index(kind)
+
 HATCHES = ("", "//", "..", "xx", "\\\\", "oo")
 """Matplotlib hatch per chunk (chunk 0 plain); plotly gets the same pattern from :func:`plotly_pattern`."""
 _PLOTLY_PATTERNS = {"": "", "//": "/", "..": ".", "xx": "x", "\\\\": "\\", "oo": "+"}
@@ -26,7 +39,7 @@ MARK_COLOR = "#d62728"
 def node_color(kind: NodeKind, chunk: int, vpp: int) -> str:
     """The kind's colour, mixed with white by up to 50% for later chunks."""
     mix = 0.5 * chunk / (vpp - 1) if vpp > 1 else 0.0
-    r, g, b = (c + (1.0 - c) * mix for c in to_rgb(KIND_COLORS[kind]))
+    r, g, b = (c + (1.0 - c) * mix for c in to_rgb(kind_color(kind)))
     return to_hex((r, g, b))
 
 
@@ -46,7 +59,7 @@ def plotly_pattern(chunk: int) -> str:
 
 def bar_label(node: ScheduleNode) -> str:
     """The microbatch number; an FB pair shows both microbatches (``3/5``)."""
-    return f"{node.microbatch}/{node.pair[0]}" if node.kind is NodeKind.FB else str(node.microbatch)
+    return f"{node.microbatch}/{node.pair[0]}" if node.pair is not None else str(node.microbatch)
 
 
 def title(timeline: Timeline) -> str:

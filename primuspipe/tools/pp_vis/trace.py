@@ -7,12 +7,12 @@ import os
 from pathlib import Path
 
 from primuspipe.ir.placement import Placement
-from primuspipe.calibration.measure import placement_of
+from primuspipe.calibration.replay import placement_of
 from primuspipe.simulator.trace import write_chrome_trace
 from primuspipe.ir.timeline import Timeline
 
 
 def write_trace(timeline: Timeline, path: str | os.PathLike, placement: Placement | None = None) -> Path:
     """Write the trace (open it at https://ui.perfetto.dev); the placement defaults to
-    :func:`~primuspipe.calibration.measure.placement_of` the timeline."""
+    :func:`~primuspipe.calibration.replay.placement_of` the timeline."""
     return write_chrome_trace(path, timeline, placement or placement_of(timeline))

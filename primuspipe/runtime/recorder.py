@@ -19,13 +19,7 @@ import torch
 
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.ir.timeline import (  # dump_path, merge_rank_dumps: re-exported, they live torch-free in timeline
-    RankTimeline,
-    TimedNode,
-    Timeline,
-    dump_path,  # noqa: F401
-    merge_rank_dumps,  # noqa: F401
-)
+from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -75,5 +69,6 @@ class StepRecorder:
             source="run", algorithm=table.algorithm, pp=table.pp, vpp=table.vpp, microbatches=table.microbatches,
             ranks=(RankTimeline(rank, events, self.peak_memory_bytes()),), iteration=iteration,
             meta={"t0_unix": self.t0_unix, "device": str(self.device),
-                  "memory": "peak allocated" if self.cuda else "peak RSS"},
+                  "memory": "peak allocated" if self.cuda else "peak RSS",
+                  "placement": table.placement.to_dict()},
         )

@@ -1,0 +1,51 @@
+"""What a recorded timeline ran: its placement, each rank's compute order, and that order as a table.
+
+Run dumps and simulated timelines both record nodes with their times; replaying or comparing a run
+needs the table behind it. A rank runs one compute node at a time, so the start order of its compute
+nodes is exactly the order it ran them; communication is what ``add_communication`` derives from it.
+"""
+
+from __future__ import annotations
+
+from primuspipe.algorithms import get_algorithm
+from primuspipe.errors import TableFormatError, UnknownAlgorithmError
+from primuspipe.ir.node import ScheduleNode
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.ir.timeline import Timeline
+
+
+def placement_of(timeline: Timeline, name: str | None = None) -> Placement:
+    """Where the timeline's stages lived: the named built-in layout, else the placement a simulated
+    timeline records in ``meta``, else the layout its algorithm is registered with (run dumps do not
+    record one)."""
+    if name is not None:
+        return Placement.named(name, timeline.pp, timeline.vpp)
+    if "placement" in timeline.meta:
+        return Placement.from_dict(timeline.meta["placement"])
+    try:
+        layout = get_algorithm(timeline.algorithm).placement
+    except UnknownAlgorithmError:
+        raise TableFormatError(
+            f"the timeline's algorithm {timeline.algorithm!r} is not registered and the timeline records no "
+            "placement, so its chunks cannot be mapped to stages; name the layout (--placement interleaved or v)"
+        ) from None
+    return Placement.named(layout, timeline.pp, timeline.vpp)
+
+
+def compute_order(timeline: Timeline) -> dict[int, tuple[ScheduleNode, ...]]:
+    """Per rank, its compute nodes in the order they ran (start order: a rank runs one compute node at
+    a time, so this order is exact)."""
+    return {rt.rank: tuple(e.node for e in sorted(rt.events, key=lambda e: e.start) if e.node.kind.is_compute)
+            for rt in timeline.ranks}
+
+
+def executed_table(timeline: Timeline, placement: Placement | None = None) -> ScheduleTable:
+    """The compute-only table the timeline ran, from :func:`compute_order` (communication is what
+    ``add_communication`` derives from it)."""
+    placement = placement or placement_of(timeline)
+    order = compute_order(timeline)
+    if stray := sorted(r for r in order if not 0 <= r < timeline.pp):
+        raise TableFormatError(f"the timeline has rank {stray[0]} but pp = {timeline.pp}")
+    rows = [order.get(r, ()) for r in range(timeline.pp)]
+    return ScheduleTable.build(placement, timeline.microbatches, rows, timeline.algorithm)

@@ -1,0 +1,248 @@
+"""Node kinds as data: one table entry per kind, read by every pass and every consumer.
+
+A kind's properties live here and nowhere else: its category (compute, send, receive), the pipeline
+*steps* it completes and the steps it needs first (the dependency model, :mod:`primuspipe.ir.dataflow`,
+derives every hand-off and transfer from them), its effect on held activations (the one activation
+counter, :mod:`primuspipe.ir.activations`), the cost-model field that times it, its action in
+torch.distributed.pipelining's CSV, and how drawings show it. The validator, the communication pass,
+the simulator, the runner's plan, the formats and pp_vis all read this table.
+
+A *step* is "kind K is done for (stage, microbatch)"; steps are named by the compute kinds ``F``
+(forward), ``B`` (input gradient) and ``W`` (weight gradient). ``BW`` completes both ``B`` and ``W``;
+``FB`` runs an ``F`` and a ``B`` of two microbatches as one node.
+
+The dependency rules, as ``needs`` entries ``(step, stage offset)`` (DESIGN: docs/design.md):
+
+======  ===============================  ================================================
+kind    completes                        needs
+======  ===============================  ================================================
+F       F                                F of the previous stage (its activation)
+B       B                                F of its own stage, B of the next stage (gradient)
+W       W                                B of its own stage
+BW      B, W                             as B
+FB      (its parts: F, then B)           (its parts')
+======  ===============================  ================================================
+
+A need on another stage is a hand-off: local when both stages live on one rank, otherwise a transfer
+(``SEND_*`` / ``RECV_*``, named after the step whose result they carry). The first and last stage
+drop the needs that fall off the pipeline (the last stage's B starts from its own loss).
+
+Adding a kind is one :func:`define_kind` call here (or in a plug-in) plus a handler in the binder
+that runs it; ``tests/core/test_kinds.py`` adds a toy kind that way.
+
+>>> NodeKind("BW").spec.completes
+('B', 'W')
+>>> [k.name for k in compute_kinds()]
+['F', 'B', 'W', 'BW', 'FB']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import ClassVar
+
+from primuspipe.errors import TableFormatError
+
+
+class Category(Enum):
+    COMPUTE = "compute"
+    SEND = "send"
+    RECV = "recv"
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """Everything primuspipe knows about one node kind."""
+
+    name: str
+    """The kind's name and the prefix of its nodes' text form (``F3.1``, ``SEND_F3.1>2``)."""
+    category: Category
+    label: str
+    """What the kind does, for people (legends, ``--help``)."""
+    completes: tuple[str, ...] = ()
+    """The steps this kind completes for its (stage, microbatch)."""
+    needs: tuple[tuple[str, int], ...] = ()
+    """``(step, stage offset)`` that must be done before it may start (see the module docstring)."""
+    parts: tuple[str, ...] = ()
+    """For a kind that runs several compute kinds of different microbatches as one node (``FB``):
+    those kinds, in the order they run. Its text form joins the parts with ``+``."""
+    optional: bool = False
+    """True if a table need not run this kind's steps for every (stage, microbatch) (the validator's
+    completeness rule then asks for at most one); the F/B/W steps are required."""
+    activation: tuple[float, float] = (0.0, 0.0)
+    """Effect on the activations held for its (stage, microbatch), as ``(a, b)``: the held amount
+    changes by ``a + b * retained``, where ``retained`` is the share of the activations a deferred W
+    still needs. F takes one (``+1``); B frees all but the retained share; W frees that share; BW
+    frees everything. With ``retained = 0`` this counts a microbatch from its F until its B."""
+    cost: str | None = None
+    """The cost model's per-stage time of this kind (``f``, ``b``, ``w``, ``bw``; YAML key); an
+    overlapped kind costs its parts through the model's overlap rule; None: takes no compute time."""
+    carries: str | None = None
+    """Communication kinds: the step whose result the tensor is (``F``: activation, ``B``: gradient)."""
+    peer_offset: int = 0
+    """Communication kinds: where the peer's stage is, relative to the local one (``SEND_F``: +1)."""
+    torch_action: str | None = None
+    """The action's type in torch.distributed.pipelining's CSV (``I`` is torch's input-grad backward,
+    ``B`` its full backward)."""
+    color: str = "#7f7f7f"
+    """Drawing colour (pp_vis)."""
+
+    def activation_delta(self, retained: float = 0.0) -> float:
+        """How much this kind changes the activations held (see :attr:`activation`)."""
+        a, b = self.activation
+        return a + b * retained
+
+
+class NodeKind:
+    """A node kind: a name whose properties are its :class:`KindSpec` in the kind table.
+
+    Kinds are interned (``NodeKind("F") is NodeKind.F``), compare by identity and pickle by name.
+    """
+
+    __slots__ = ("name", "spec")
+    _table: ClassVar[dict[str, NodeKind]] = {}
+
+    F: ClassVar[NodeKind]
+    B: ClassVar[NodeKind]
+    W: ClassVar[NodeKind]
+    BW: ClassVar[NodeKind]
+    FB: ClassVar[NodeKind]
+    SEND_F: ClassVar[NodeKind]
+    RECV_F: ClassVar[NodeKind]
+    SEND_B: ClassVar[NodeKind]
+    RECV_B: ClassVar[NodeKind]
+
+    name: str
+    spec: KindSpec
+
+    def __new__(cls, name: str) -> NodeKind:
+        try:
+            return cls._table[name]
+        except (KeyError, TypeError):
+            raise TableFormatError(f"unknown node kind {name!r}; known kinds: {', '.join(cls._table)}") from None
+
+    def __repr__(self) -> str:
+        return f"NodeKind.{self.name}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __reduce__(self):
+        return NodeKind, (self.name,)
+
+    def __lt__(self, other: NodeKind) -> bool:
+        return self.name < other.name
+
+    @property
+    def is_compute(self) -> bool:
+        return self.spec.category is Category.COMPUTE
+
+    @property
+    def is_send(self) -> bool:
+        return self.spec.category is Category.SEND
+
+    @property
+    def is_recv(self) -> bool:
+        return self.spec.category is Category.RECV
+
+    @property
+    def carries(self) -> NodeKind:
+        """The step whose result a communication node moves (``F``: activation, ``B``: gradient)."""
+        assert self.spec.carries is not None, f"{self.name} carries no tensor"
+        return NodeKind(self.spec.carries)
+
+    @property
+    def parts(self) -> tuple[NodeKind, ...]:
+        """The compute kinds this kind runs: itself, or an overlapped kind's parts."""
+        return tuple(NodeKind(p) for p in self.spec.parts) or (self,)
+
+    @property
+    def completes(self) -> tuple[NodeKind, ...]:
+        return tuple(NodeKind(s) for s in self.spec.completes)
+
+
+_listeners: list[Callable[[], object]] = []
+
+
+def on_kinds_changed(listener: Callable[[], object]) -> None:
+    """Call ``listener`` whenever a kind is defined or forgotten (modules that cache what they derive
+    from the table clear their caches)."""
+    _listeners.append(listener)
+
+
+def define_kind(spec: KindSpec) -> NodeKind:
+    """Add ``spec`` to the kind table and return its kind; a name can be defined once."""
+    if spec.name in NodeKind._table:
+        raise TableFormatError(f"node kind {spec.name!r} is already defined")
+    if not spec.name.replace("_", "").isalpha() or not spec.name.isupper():
+        raise TableFormatError(f"a node kind's name is upper-case letters and '_', got {spec.name!r}")
+    kind = object.__new__(NodeKind)
+    kind.name, kind.spec = spec.name, spec
+    NodeKind._table[spec.name] = kind
+    for listener in _listeners:
+        listener()
+    return kind
+
+
+def forget_kind(kind: NodeKind) -> None:
+    """Remove a kind :func:`define_kind` added (for tests and plug-ins that clean up)."""
+    del NodeKind._table[kind.name]
+    for listener in _listeners:
+        listener()
+
+
+def all_kinds() -> Iterator[NodeKind]:
+    """Every defined kind, in definition order."""
+    return iter(list(NodeKind._table.values()))
+
+
+def compute_kinds() -> list[NodeKind]:
+    return [k for k in all_kinds() if k.is_compute]
+
+
+def comm_kind(send: bool, carries: NodeKind) -> NodeKind:
+    """The SEND (``send``) or RECV kind that moves the result of step ``carries``."""
+    category = Category.SEND if send else Category.RECV
+    for kind in all_kinds():
+        if kind.spec.category is category and kind.spec.carries == carries.name:
+            return kind
+    raise AssertionError(f"no {category.value} kind carries {carries}")
+
+
+def overlapped_kind(parts: tuple[NodeKind, ...]) -> NodeKind:
+    """The kind that runs ``parts`` as one node (``(F, B)`` -> ``FB``)."""
+    names = tuple(p.name for p in parts)
+    for kind in all_kinds():
+        if kind.spec.parts == names:
+            return kind
+    raise TableFormatError(f"no node kind overlaps {'+'.join(names)}; overlapped kinds: "
+                           f"{', '.join('+'.join(k.spec.parts) for k in all_kinds() if k.spec.parts) or 'none'}")
+
+
+_PREVIOUS, _NEXT = -1, 1
+
+NodeKind.F = define_kind(KindSpec(
+    "F", Category.COMPUTE, "forward", completes=("F",), needs=(("F", _PREVIOUS),),
+    activation=(1.0, 0.0), cost="f", torch_action="F", color="#4C72B0"))
+NodeKind.B = define_kind(KindSpec(
+    "B", Category.COMPUTE, "input grad", completes=("B",), needs=(("F", 0), ("B", _NEXT)),
+    activation=(-1.0, 1.0), cost="b", torch_action="I", color="#55A868"))
+NodeKind.W = define_kind(KindSpec(
+    "W", Category.COMPUTE, "weight grad", completes=("W",), needs=(("B", 0),),
+    activation=(0.0, -1.0), cost="w", torch_action="W", color="#DD8452"))
+NodeKind.BW = define_kind(KindSpec(
+    "BW", Category.COMPUTE, "fused backward", completes=("B", "W"), needs=(("F", 0), ("B", _NEXT)),
+    activation=(-1.0, 0.0), cost="bw", torch_action="B", color="#8172B3"))
+NodeKind.FB = define_kind(KindSpec(
+    "FB", Category.COMPUTE, "forward + backward", parts=("F", "B"), torch_action="OVERLAP_F_B",
+    color="#C44E52"))
+NodeKind.SEND_F = define_kind(KindSpec(
+    "SEND_F", Category.SEND, "send activation", carries="F", peer_offset=_NEXT, torch_action="SEND_F"))
+NodeKind.RECV_F = define_kind(KindSpec(
+    "RECV_F", Category.RECV, "receive activation", carries="F", peer_offset=_PREVIOUS, torch_action="RECV_F"))
+NodeKind.SEND_B = define_kind(KindSpec(
+    "SEND_B", Category.SEND, "send gradient", carries="B", peer_offset=_PREVIOUS, torch_action="SEND_B"))
+NodeKind.RECV_B = define_kind(KindSpec(
+    "RECV_B", Category.RECV, "receive gradient", carries="B", peer_offset=_NEXT, torch_action="RECV_B"))

@@ -1,0 +1,79 @@
+"""The backend-neutral part of a training step: which table, which view of it, and how it runs.
+
+A backend (Megatron's ``get_forward_backward_func`` replacement, the plain-torch stage runner) owns
+its model and its binder; everything around running a table is here, once:
+
+* tables are built and validated once per (algorithm, shape, options) and cached (immutable values);
+* ``forward_only`` runs the table's forward-only view (:mod:`primuspipe.passes.forward_only`);
+* one :class:`~primuspipe.runtime.runner.ScheduleRunner` per (table, rank);
+* :func:`last_backwards`: per chunk, the microbatch of its last weight-gradient node on a rank (where a
+  backend may start gradient synchronisation);
+* the point-to-point transport with its hang watchdog, and, when dumping, the
+  :class:`~primuspipe.runtime.recorder.StepRecorder` whose timeline is written per rank and iteration.
+
+A minimal backend is a binder plus ``StepDriver(...).execute(...)``: see docs/backends.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.ir.timeline import dump_path
+from primuspipe.passes.forward_only import forward_only_view
+from primuspipe.runtime.protocols import Binder
+from primuspipe.runtime.runner import cached_runner
+
+
+@functools.lru_cache(maxsize=64)
+def cached_schedule(algorithm: str, pp: int, vpp: int, microbatches: int,
+                    options: tuple[tuple[str, Any], ...] = ()) -> ScheduleTable:
+    """The validated full table for a shape, built once (``options`` as sorted ``(name, value)`` pairs)."""
+    return build_schedule(algorithm, pp, microbatches, vpp, **dict(options))
+
+
+@functools.lru_cache(maxsize=64)
+def last_backwards(table: ScheduleTable, rank: int) -> Mapping[int, int]:
+    """chunk -> microbatch of its last node completing a weight gradient (``BW``/``W``) on ``rank``."""
+    last: dict[int, int] = {}
+    for node in table.ranks[rank]:
+        for kind, mb, chunk in node.parts():
+            if NodeKind.W in kind.completes:
+                last[chunk] = mb
+    return MappingProxyType(last)
+
+
+class StepDriver:
+    """Runs one rank's row of a table per step, with the transport, watchdog and dumps configured once."""
+
+    def __init__(self, *, watchdog_timeout_s: float, dump_dir: str | None = None):
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self.dump_dir = dump_dir
+        """Where each training step's timeline goes (``None``: no dumps)."""
+        self.iteration = 0
+        """Training (not forward-only) steps run so far: the iteration number of dumps."""
+
+    @staticmethod
+    def view(table: ScheduleTable, forward_only: bool) -> ScheduleTable:
+        """What a step runs: the table, or its forward-only view."""
+        return forward_only_view(table) if forward_only else table
+
+    def execute(self, table: ScheduleTable, rank: int, binder: Binder, group: Any, *, device: Any,
+                forward_only: bool = False) -> None:
+        """Run ``rank``'s row of ``table`` (already :meth:`view`-ed) over ``group``; dump its timeline
+        when dumping and training."""
+        from primuspipe.runtime.recorder import StepRecorder
+        from primuspipe.runtime.transport import P2PTransport
+
+        recorder = StepRecorder(device) if self.dump_dir is not None and not forward_only else None
+        transport = P2PTransport(group, timeout_s=self.watchdog_timeout_s)
+        cached_runner(table, rank).run(binder, transport, recorder)
+        if recorder is not None:
+            recorder.timeline(table, rank, self.iteration).save(dump_path(self.dump_dir, self.iteration, rank))
+        if not forward_only:
+            self.iteration += 1

@@ -1,0 +1,82 @@
+"""What the runner needs from a backend and a transport: the seam every backend plugs into.
+
+A backend supplies a :class:`Binder` -- one visible map from node kind to :data:`Handler`, plus three
+small tensor hooks -- and the runner does the rest (hand-offs, communication order, completion). Every
+handler has the same signature: it takes one :class:`ComputeCall` and returns what the part hands to
+the neighbouring stage. An overlapped kind (``FB``) gets one call whose :attr:`ComputeCall.partner` is
+its second part and returns one result per part; a binder that has no handler for an overlapped kind
+gets its parts run one after the other through their own handlers.
+
+Nothing here imports torch: tensors are opaque to the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.node import ScheduleNode
+
+
+@dataclass(frozen=True)
+class ComputeCall:
+    """One compute part as a handler sees it."""
+
+    kind: NodeKind
+    """The part's kind (``F``, ``B``, ``W``, ``BW``; an overlapped node's call has its first part's)."""
+    microbatch: int
+    chunk: int
+    stage: int
+    received: Any
+    """What this part consumes from a neighbouring stage: the activation for ``F``, the output gradient
+    for ``B``/``BW``; ``None`` on the first stage's ``F``, the last stage's backward, and ``W``."""
+    partner: ComputeCall | None = None
+    """For an overlapped node (``FB``): its second part, run together with this one."""
+
+
+Handler = Callable[[ComputeCall], Any]
+"""Runs one node; returns what it hands to the neighbouring stage (``F``: activation, ``B``/``BW``:
+input gradient; ignored where there is no consumer), or, for an overlapped node, a tuple with one
+result per part."""
+
+
+class Binder(Protocol):
+    """What the runner needs from a model backend."""
+
+    handlers: Mapping[NodeKind, Handler]
+    """Node kind -> handler (see :data:`Handler`)."""
+
+    def recv_buffer(self, node: ScheduleNode) -> Any:
+        """An empty tensor to receive ``node``'s transfer into."""
+
+    def local_handoff(self, tensor: Any, carries: NodeKind) -> Any:
+        """Pass a tensor to a stage on the same rank (e.g. detach it into a new autograd leaf)."""
+
+    def sent(self, node: ScheduleNode, tensor: Any) -> None:
+        """Called right after ``tensor``'s send was posted (the transport keeps its data alive)."""
+
+
+@dataclass
+class Pending:
+    """A posted send or receive: the node it serves, its tensor and the transport's request."""
+
+    node: ScheduleNode
+    tensor: Any
+    work: Any
+    posted_at: float = 0.0
+    """Set by a recording runner (its recorder's clock)."""
+
+
+class Transport(Protocol):
+    def isend(self, node: ScheduleNode, tensor: Any) -> Pending: ...
+    def irecv(self, node: ScheduleNode, buffer: Any) -> Pending: ...
+    def complete(self, pending: Pending) -> None: ...
+
+
+class Recorder(Protocol):
+    """Receives the start/end time of every node (``dump_pp_data``)."""
+
+    def clock(self) -> float: ...
+    def record(self, node: ScheduleNode, start: float, end: float) -> None: ...
