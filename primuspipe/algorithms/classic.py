@@ -11,7 +11,15 @@ from primuspipe.ir.table import ScheduleTable
 
 @register("gpipe")
 def gpipe(req: ScheduleRequest) -> ScheduleTable:
-    """GPipe: every forward, then every backward; holds all microbatches' activations."""
+    """GPipe: every forward, then every backward; holds all microbatches' activations.
+
+    Its compute order at pp=4, m=4 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
+
+        rank 0 | F0 F1 F2 F3 BW0 BW1 BW2 BW3
+        rank 1 | F0 F1 F2 F3 BW0 BW1 BW2 BW3
+        rank 2 | F0 F1 F2 F3 BW0 BW1 BW2 BW3
+        rank 3 | F0 F1 F2 F3 BW0 BW1 BW2 BW3
+    """
     chunks = range(req.vpp)
     rows = [
         [F(i, c) for c in chunks for i in range(req.microbatches)]
@@ -23,7 +31,15 @@ def gpipe(req: ScheduleRequest) -> ScheduleTable:
 
 @register("1f1b", vpp=1)
 def one_f_one_b(req: ScheduleRequest) -> ScheduleTable:
-    """1F1B (PipeDream-flush), Megatron's non-interleaved order: rank r warms up with min(pp-r-1, m) forwards."""
+    """1F1B (PipeDream-flush), Megatron's non-interleaved order: rank r warms up with min(pp-r-1, m) forwards.
+
+    Its compute order at pp=4, m=6 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
+
+        rank 0 | F0 F1 F2 F3 BW0 F4 BW1 F5 BW2 BW3 BW4 BW5
+        rank 1 | F0 F1 F2 BW0 F3 BW1 F4 BW2 F5 BW3 BW4 BW5
+        rank 2 | F0 F1 BW0 F2 BW1 F3 BW2 F4 BW3 F5 BW4 BW5
+        rank 3 | F0 BW0 F1 BW1 F2 BW2 F3 BW3 F4 BW4 F5 BW5
+    """
     require(req.vpp == 1, "1f1b", f"needs vpp = 1, got {req.vpp}; use interleaved-1f1b for vpp > 1")
     m = req.microbatches
     rows = [
@@ -41,6 +57,13 @@ def interleaved_1f1b(req: ScheduleRequest, *, microbatch_group_size: int | None 
     group size in [pp, m] and a last group of 0 or at least pp microbatches; a shorter last group makes
     ranks wait on each other (the validator proves the deadlock), so it is refused here too. Beyond
     Megatron, m < pp is accepted as a single group of m microbatches, which validates.
+
+    Its compute order at pp=4, m=4 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
+
+        rank 0 | F0 F1 F2 F3 f0 f1 f2 f3 bw0 bw1 bw2 bw3 BW0 BW1 BW2 BW3
+        rank 1 | F0 F1 F2 F3 f0 f1 f2 f3 bw0 bw1 bw2 bw3 BW0 BW1 BW2 BW3
+        rank 2 | F0 F1 F2 F3 f0 f1 f2 bw0 f3 bw1 bw2 bw3 BW0 BW1 BW2 BW3
+        rank 3 | F0 F1 F2 F3 f0 bw0 f1 bw1 f2 bw2 f3 bw3 BW0 BW1 BW2 BW3
     """
     p, v, m = req.pp, req.vpp, req.microbatches
     g = min(p, m) if microbatch_group_size is None else microbatch_group_size

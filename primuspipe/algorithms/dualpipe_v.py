@@ -63,46 +63,48 @@ class _RankProgram:
 
 
 def dualpipe_v_rank(p: int, m: int, rank: int) -> list[ScheduleNode]:
-    """The node list of ``rank``; each phase's count is computed from the rank's place in the V."""
+    """The node list of ``rank``, phase by phase in DeepSeek's notation: ``nF0`` is n forwards of
+    chunk 0, ``F0B1`` an overlapped pair, a trailing ``W`` a deferred weight gradient. Every count is
+    the rank's place in the V: ``below`` ranks lie between it and the bottom of the V, ``above``
+    (= rank) between it and the top."""
     prog = _RankProgram()
-    last = rank == p - 1
-    to_end = p - rank - 1  # ranks between this one and the bottom of the V
-    # Phase 1, warm-up: chunk-0 forwards until the first microbatch comes back up the V.
-    for _ in range(2 * to_end):
+    below, above = p - rank - 1, rank
+    bottom = rank == p - 1
+    warmup_f0 = 2 * below  # nF0: until microbatch 0 comes back up the V to chunk 1
+    alternating_f0f1 = above + 1  # nF0F1
+    zero_bubble_b1w1f1 = below  # nB1W1F1: W deferred, the oldest deferred W runs at once
+    steady_f0b1f1b0 = m - 2 * p + above + 1  # nF0B1F1B0, the main phase
+    drain_b1f1b0 = below  # nB1F1B0: chunk-0 forwards have run out
+    cooldown_b1b0 = above + 1  # nB1B0: the second half defers its W's
+    fill_wb0 = below  # nWB0: a deferred W fills each wait for a chunk-0 gradient
+
+    for _ in range(warmup_f0):
         prog.forward(0)
-    # Phase 2: alternate chunk-0 and chunk-1 forwards.
-    for _ in range(rank + 1):
+    for _ in range(alternating_f0f1):
         prog.forward(0)
         prog.forward(1)
-    # Phase 3: chunk-1 B (W deferred), a deferred W, a chunk-1 forward.
-    for _ in range(to_end):
+    for _ in range(zero_bubble_b1w1f1):
         prog.backward(1, zero_bubble=True)
         prog.weight()
         prog.forward(1)
-    # Phase 4, steady: overlapped pairs F0&B1, F1&B0 (the bottom rank's first pair is not
-    # overlapped: its B1 needs the F1 of the very microbatch its F0 produces).
-    for i in range(m - 2 * p + rank + 1):
-        if i == 0 and last:
+    for i in range(steady_f0b1f1b0):
+        if i == 0 and bottom:  # its B1 needs the F1 of the microbatch its F0 produces: no overlap yet
             prog.forward(0)
             prog.backward(1)
         else:
             prog.forward_backward(0, 1)
         prog.forward_backward(1, 0)
-    # Phase 5: forwards run out on chunk 0: B1, then F1&B0.
-    for _ in range(to_end):
+    for _ in range(drain_b1f1b0):
         prog.backward(1)
         prog.forward_backward(1, 0)
-    # Phase 6, cool-down: B1, B0; the second half defers W's (odd ranks switch one B earlier).
-    steps = rank + 1
-    for i in range(steps):
-        prog.backward(1, zero_bubble=i > steps // 2 or (i == steps // 2 and rank % 2 == 1))
-        prog.backward(0, zero_bubble=i >= steps // 2)
-    # Phase 7: a deferred W fills the wait for each remaining chunk-0 gradient.
-    for _ in range(to_end):
+    half = cooldown_b1b0 // 2
+    for i in range(cooldown_b1b0):  # odd ranks switch to deferred W's one B earlier
+        prog.backward(1, zero_bubble=i > half or (i == half and rank % 2 == 1))
+        prog.backward(0, zero_bubble=i >= half)
+    for _ in range(fill_wb0):
         prog.weight()
         prog.backward(0, zero_bubble=True)
-    # Phase 8: drain the deferred W's.
-    while prog.deferred:
+    while prog.deferred:  # nW: drain the deferred W's
         prog.weight()
     assert prog.next_f == [m, m] and prog.next_b == [m, m], (rank, prog.next_f, prog.next_b)
     return prog.nodes
@@ -110,7 +112,15 @@ def dualpipe_v_rank(p: int, m: int, rank: int) -> list[ScheduleNode]:
 
 @register("dualpipe-v", placement="v", vpp=2, split_backward=True)
 def dualpipe_v(req: ScheduleRequest, *, overlap: bool = True) -> ScheduleTable:
-    """DualPipe-V: V-shape with overlapped F&B pairs (FB nodes); overlap=False lowers them to F, B."""
+    """DualPipe-V: V-shape with overlapped F&B pairs (FB nodes); overlap=False lowers them to F, B.
+
+    Its compute order at pp=4, m=8 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
+
+        rank 0 | F0 F1 F2 F3 F4 F5 F6 f0 b0 w0 f1 b1 w1 f2 b2 w2 f3 F7+b3 w3 f4+B0 W0 b4 w4 f5+B1 W1 b5 w5 f6+B2 W2 b6 w6 f7+B3 W3 b7 w7 B4 W4 B5 W5 B6 W6 B7 W7
+        rank 1 | F0 F1 F2 F3 F4 f0 F5 f1 b0 w0 f2 b1 w1 f3 F6+b2 w2 f4+B0 W0 F7+b3 w3 f5+B1 W1 b4 w4 f6+B2 W2 b5 w5 f7+B3 W3 b6 w6 B4 W4 b7 B5 w7 B6 W5 B7 W6 W7
+        rank 2 | F0 F1 F2 f0 F3 f1 F4 f2 b0 w0 f3 F5+b1 w1 f4+B0 W0 F6+b2 w2 f5+B1 W1 F7+b3 w3 f6+B2 W2 b4 w4 f7+B3 W3 b5 w5 B4 W4 b6 w6 B5 b7 B6 W5 B7 w7 W6 W7
+        rank 3 | F0 f0 F1 f1 F2 f2 F3 f3 F4 b0 w0 f4+B0 W0 F5+b1 w1 f5+B1 W1 F6+b2 w2 f6+B2 W2 F7+b3 w3 f7+B3 W3 b4 w4 B4 W4 b5 w5 B5 W5 b6 B6 b7 B7 w6 W6 w7 W7
+    """
     p, m = req.pp, req.microbatches
     require(req.vpp == 2, "dualpipe-v", f"is a V-shape schedule with 2 chunks per rank, got vpp = {req.vpp}")
     require(m >= 2 * p, "dualpipe-v",

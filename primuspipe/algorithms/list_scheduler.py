@@ -17,9 +17,12 @@ reports.
 Forwards and backwards of one chunk run in microbatch order (microbatches are interchangeable, so an
 exchange argument shows this loses nothing); W's run in the order their B's finished.
 
-A :class:`FixedOrder` policy instead takes each rank's F/B order from a constructed schedule (e.g. a
-repeated building block) and leaves the scheduler only the W's: the order fixes the activation
-memory, the fill squeezes the constructed timing to as-soon-as-possible and moves W's into the waits.
+Two fills share one event loop (:func:`_fill`) and differ only in their candidates:
+
+* :func:`greedy_fill` (a :class:`FillPolicy`): the next F and B of every chunk that the caps allow;
+* :func:`fixed_order_fill` (a :class:`FixedOrder`): each rank's next F or B of a constructed order
+  (e.g. a repeated building block), so the order fixes the activation memory and the fill squeezes
+  the constructed timing to as-soon-as-possible and moves W's into the waits.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from primuspipe.ir.costs import ComputeCosts
 from primuspipe.ir.dataflow import step_needs
@@ -93,100 +97,137 @@ def unit_costs(num_stages: int) -> ComputeCosts:
     return ComputeCosts.per_stage(num_stages, 1.0, 1.0, 1.0)
 
 
-def list_schedule(
-    placement: Placement,
-    microbatches: int,
-    costs: ComputeCosts,
-    policy: FillPolicy | FixedOrder,
-    *,
-    p2p_time: float = 0.0,
-    algorithm: str = "list-schedule",
-) -> TimedRows:
-    """Greedy event-driven schedule (see the module doc); raises ScheduleShapeError if the caps stall it."""
-    pp, vpp, m = placement.pp, placement.vpp, microbatches
-    fixed = isinstance(policy, FixedOrder)
-    assert len(policy.sequence if fixed else policy.cap) == pp
-    for r, cap in enumerate(() if fixed else policy.cap):
+class Candidate(NamedTuple):
+    """A node a free rank could run next, and when its inputs are there (None: a producer is not
+    scheduled yet)."""
+
+    kind: NodeKind
+    chunk: int
+    microbatch: int
+    ready: float | None
+
+
+class _Pipeline:
+    """The state both fills share: what ran where and when, per rank."""
+
+    def __init__(self, placement: Placement, microbatches: int, costs: ComputeCosts, p2p_time: float):
+        pp, vpp = placement.pp, placement.vpp
+        self.placement, self.m = placement, microbatches
+        self.finish: dict[tuple[NodeKind, int, int], float] = {}  # (step kind, stage, mb) -> end time
+        self.clock = [0.0] * pp
+        self.held = [0.0] * pp  # chunk activations held (the one counter's F -> B rule)
+        self.next_f = [[0] * vpp for _ in range(pp)]
+        self.next_b = [[0] * vpp for _ in range(pp)]
+        self.w_queue: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]
+        self.rows: list[list[ScheduleNode]] = [[] for _ in range(pp)]
+        self.remaining = [len(_SCHEDULED) * microbatches * vpp] * pp
+        self.durations = {kind: costs.of(kind) for kind in _SCHEDULED}
+        # (kind, stage) -> [(needed step kind, needed stage, delay)]: dataflow's rules, resolved once
+        self.needs = {
+            (kind, placement.stage(r, c)): [
+                (need.kind, need.stage, p2p_time if placement.rank_of(need.stage) != r else 0.0)
+                for need in step_needs(placement, kind, placement.stage(r, c), 0)
+            ]
+            for kind in _SCHEDULED for r in range(pp) for c in range(vpp)
+        }
+
+    def candidate(self, rank: int, kind: NodeKind, chunk: int) -> Candidate:
+        """The next ``kind`` node of ``chunk`` on ``rank``, with the time its inputs are there."""
+        mb = (self.next_f if kind is NodeKind.F else self.next_b)[rank][chunk]
+        t: float | None = 0.0
+        for need_kind, need_stage, delay in self.needs[(kind, self.placement.stage(rank, chunk))]:
+            done = self.finish.get((need_kind, need_stage, mb))
+            if done is None:
+                t = None
+                break
+            t = max(t, done + delay)
+        return Candidate(kind, chunk, mb, t)
+
+    def run(self, rank: int, kind: NodeKind, chunk: int, mb: int, start: float) -> None:
+        stage = self.placement.stage(rank, chunk)
+        end = start + self.durations[kind][stage]
+        self.finish[(kind, stage, mb)] = end
+        self.clock[rank] = end
+        self.remaining[rank] -= 1
+        self.rows[rank].append(ScheduleNode(kind, mb, chunk))
+        self.held[rank] += kind.spec.activation_delta()
+        if kind is NodeKind.F:
+            self.next_f[rank][chunk] += 1
+        elif kind is NodeKind.B:
+            self.next_b[rank][chunk] += 1
+            self.w_queue[rank].append((mb, chunk))
+
+    def run_deferred_w(self, rank: int, start: float) -> None:
+        mb, chunk = self.w_queue[rank].popleft()
+        self.run(rank, NodeKind.W, chunk, mb, start)
+
+    def next_w_time(self, rank: int) -> float:
+        return self.durations[NodeKind.W][self.placement.stage(rank, self.w_queue[rank][0][1])]
+
+
+def greedy_fill(placement: Placement, microbatches: int, costs: ComputeCosts, policy: FillPolicy, *,
+                p2p_time: float = 0.0, algorithm: str = "list-schedule") -> TimedRows:
+    """The zero-bubble papers' heuristic (module doc): a free rank runs the best ready F or B the caps
+    allow, else a deferred W. Raises ScheduleShapeError if the caps stall it."""
+    pp, vpp = placement.pp, placement.vpp
+    assert len(policy.cap) == pp
+    for r, cap in enumerate(policy.cap):
         if cap < 1 + policy.reserve:
             raise ScheduleShapeError(
                 f"{algorithm}: rank {r} may hold {cap} chunk activations, but needs at least "
                 f"{1 + policy.reserve} to make progress; raise the memory limit"
             )
-    last_chunk = vpp - 1
-    finish: dict[tuple[NodeKind, int, int], float] = {}  # (step kind, stage, mb) -> end time
-    clock = [0.0] * pp
-    held = [0] * pp
-    next_f = [[0] * vpp for _ in range(pp)]
-    next_b = [[0] * vpp for _ in range(pp)]
-    w_queue: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]
-    rows: list[list[ScheduleNode]] = [[] for _ in range(pp)]
-    remaining = [len(_SCHEDULED) * m * vpp] * pp
+    state = _Pipeline(placement, microbatches, costs, p2p_time)
+    forward_room = NodeKind.F.spec.activation_delta()
 
-    durations = {kind: costs.of(kind) for kind in _SCHEDULED}
-    # (kind, stage) -> [(needed step kind, needed stage, delay)]: dataflow's rules, resolved once
-    needs = {
-        (kind, placement.stage(r, c)): [
-            (need.kind, need.stage, p2p_time if placement.rank_of(need.stage) != r else 0.0)
-            for need in step_needs(placement, kind, placement.stage(r, c), 0)
-        ]
-        for kind in _SCHEDULED for r in range(pp) for c in range(vpp)
-    }
-
-    def ready_time(kind: NodeKind, stage: int, mb: int) -> float | None:
-        """When the inputs of this node are available on its rank; None while a producer is unscheduled."""
-        t = 0.0
-        for need_kind, need_stage, delay in needs[(kind, stage)]:
-            done = finish.get((need_kind, need_stage, mb))
-            if done is None:
-                return None
-            t = max(t, done + delay)
-        return t
-
-    def candidates(rank: int) -> list[tuple[NodeKind, int, int, float | None]]:
-        """(kind, chunk, mb, ready) for the next F and B of each chunk that the memory cap allows, or
-        the rank's next node of a fixed order."""
-        if fixed:
-            done = sum(next_f[rank]) + sum(next_b[rank])
-            if done == len(policy.sequence[rank]):
-                return []
-            kind, c = policy.sequence[rank][done]
-            if kind is NodeKind.F and len(w_queue[rank]) >= policy.w_limit(rank):
-                return []  # a deferred W must run first
-            mb = (next_f if kind is NodeKind.F else next_b)[rank][c]
-            return [(kind, c, mb, ready_time(kind, placement.stage(rank, c), mb))]
+    def candidates(rank: int) -> list[Candidate]:
+        """The next B and F of each chunk that the memory cap and the W limit allow."""
         out = []
         for c in range(vpp):
-            stage = placement.stage(rank, c)
-            mb = next_b[rank][c]
-            if mb < next_f[rank][c]:
-                out.append((NodeKind.B, c, mb, ready_time(NodeKind.B, stage, mb)))
-            mb = next_f[rank][c]
-            room = policy.cap[rank] - (0 if c == last_chunk else policy.reserve)
-            if mb < m and held[rank] + 1 <= room and len(w_queue[rank]) < policy.w_limit(rank):
-                out.append((NodeKind.F, c, mb, ready_time(NodeKind.F, stage, mb)))
+            if state.next_b[rank][c] < state.next_f[rank][c]:
+                out.append(state.candidate(rank, NodeKind.B, c))
+            room = policy.cap[rank] - (0 if c == vpp - 1 else policy.reserve)
+            if (state.next_f[rank][c] < microbatches and state.held[rank] + forward_room <= room
+                    and len(state.w_queue[rank]) < policy.w_limit(rank)):
+                out.append(state.candidate(rank, NodeKind.F, c))
         return out
 
-    def run(rank: int, kind: NodeKind, chunk: int, mb: int, start: float) -> None:
-        stage = placement.stage(rank, chunk)
-        end = start + durations[kind][stage]
-        finish[(kind, stage, mb)] = end
-        clock[rank] = end
-        remaining[rank] -= 1
-        rows[rank].append(ScheduleNode(kind, mb, chunk))
-        held[rank] += kind.spec.activation_delta()
-        if kind is NodeKind.F:
-            next_f[rank][chunk] += 1
-        elif kind is NodeKind.B:
-            next_b[rank][chunk] += 1
-            w_queue[rank].append((mb, chunk))
+    first = (NodeKind.B, NodeKind.F) if policy.backward_first else (NodeKind.F, NodeKind.B)
+    return _fill(state, candidates, lambda rank, cands, t: True, first, policy, algorithm)
 
-    def w_cost(rank: int) -> float:
-        return costs.backward_weight[placement.stage(rank, w_queue[rank][0][1])]
 
-    kind_rank = {NodeKind.B: 0, NodeKind.F: 1} if fixed or policy.backward_first else {NodeKind.F: 0, NodeKind.B: 1}
-    # ranks ordered by (clock, rank); a rank waiting for a producer nobody has scheduled yet sleeps
-    # until an F or B is scheduled on a neighbouring stage (the only nodes its candidates can need)
-    awake = [(0.0, r) for r in range(pp)]
+def fixed_order_fill(placement: Placement, microbatches: int, costs: ComputeCosts, order: FixedOrder, *,
+                     p2p_time: float = 0.0, algorithm: str = "list-schedule") -> TimedRows:
+    """Each rank runs its F/B nodes in ``order`` as soon as possible; a deferred W fills a wait only
+    where it holds up nothing known to be ready before it would end."""
+    assert len(order.sequence) == placement.pp
+    state = _Pipeline(placement, microbatches, costs, p2p_time)
+
+    def candidates(rank: int) -> list[Candidate]:
+        """The rank's next node of the order, unless a deferred W must run first."""
+        done = sum(state.next_f[rank]) + sum(state.next_b[rank])
+        if done == len(order.sequence[rank]):
+            return []
+        kind, chunk = order.sequence[rank][done]
+        if kind is NodeKind.F and len(state.w_queue[rank]) >= order.w_limit(rank):
+            return []
+        return [state.candidate(rank, kind, chunk)]
+
+    def w_may_run(rank: int, cands: list[Candidate], t: float) -> bool:
+        w_end = t + state.next_w_time(rank)
+        return not any(c.ready is not None and c.ready < w_end - 1e-9 for c in cands)
+
+    return _fill(state, candidates, w_may_run, (NodeKind.B, NodeKind.F), order, algorithm)
+
+
+def _fill(state: _Pipeline, candidates, w_may_run, preference: tuple[NodeKind, NodeKind],
+          policy: FillPolicy | FixedOrder, algorithm: str) -> TimedRows:
+    """The event loop both fills share: ranks in (clock, rank) order; a rank runs a ready candidate
+    (``preference`` breaks kind ties, then the later stage), else a deferred W where ``w_may_run``,
+    else waits for its earliest known candidate or sleeps until a neighbour schedules something."""
+    placement = state.placement
+    rank_of_kind = {kind: i for i, kind in enumerate(preference)}
+    awake = [(0.0, r) for r in range(placement.pp)]
     asleep: set[int] = set()
     neighbours = [
         {placement.rank_of(s) for s in (stage - 1, stage + 1) if 0 <= s < placement.num_stages}
@@ -195,34 +236,35 @@ def list_schedule(
     while awake:
         t, rank = heapq.heappop(awake)
         cands = candidates(rank)
-        now = [c for c in cands if c[3] is not None and c[3] <= t]
+        now = [c for c in cands if c.ready is not None and c.ready <= t]
         if now:
-            kind, chunk, mb, _ = min(now, key=lambda c: (kind_rank[c[0]], -placement.stage(rank, c[1])))
-            run(rank, kind, chunk, mb, t)
-            for r in asleep & neighbours[placement.stage(rank, chunk)]:
+            best = min(now, key=lambda c: (rank_of_kind[c.kind], -placement.stage(rank, c.chunk)))
+            state.run(rank, best.kind, best.chunk, best.microbatch, t)
+            for r in asleep & neighbours[placement.stage(rank, best.chunk)]:
                 asleep.discard(r)
-                heapq.heappush(awake, (clock[r], r))
-        elif w_queue[rank] and not (fixed and cands and _delays(cands, t + w_cost(rank))):
-            mb, chunk = w_queue[rank].popleft()
-            run(rank, NodeKind.W, chunk, mb, t)
-        elif known := [c[3] for c in cands if c[3] is not None]:
-            clock[rank] = min(known)
+                heapq.heappush(awake, (state.clock[r], r))
+        elif state.w_queue[rank] and (not cands or w_may_run(rank, cands, t)):
+            state.run_deferred_w(rank, t)
+        elif known := [c.ready for c in cands if c.ready is not None]:
+            state.clock[rank] = min(known)
         else:
             asleep.add(rank)
             continue
-        if remaining[rank]:
-            heapq.heappush(awake, (clock[rank], rank))
-    if any(remaining):
+        if state.remaining[rank]:
+            heapq.heappush(awake, (state.clock[rank], rank))
+    if any(state.remaining):
         raise ScheduleShapeError(
-            f"{algorithm}: with {_limits(policy)} the pipeline stalls ({m} microbatches, pp={pp}); "
+            f"{algorithm}: with {_limits(policy)} the pipeline stalls ({state.m} microbatches, pp={placement.pp}); "
             "raise the memory limit"
         )
-    return TimedRows(tuple(tuple(r) for r in rows), max(clock))
+    return TimedRows(tuple(tuple(r) for r in state.rows), max(state.clock))
 
 
-def _delays(cands: list[tuple[NodeKind, int, int, float | None]], w_end: float) -> bool:
-    """True if a W ending at ``w_end`` would hold up a node known to be ready before then."""
-    return any(ready is not None and ready < w_end - 1e-9 for *_, ready in cands)
+def list_schedule(placement: Placement, microbatches: int, costs: ComputeCosts, policy: FillPolicy | FixedOrder, *,
+                  p2p_time: float = 0.0, algorithm: str = "list-schedule") -> TimedRows:
+    """:func:`greedy_fill` for a :class:`FillPolicy`, :func:`fixed_order_fill` for a :class:`FixedOrder`."""
+    fill = greedy_fill if isinstance(policy, FillPolicy) else fixed_order_fill
+    return fill(placement, microbatches, costs, policy, p2p_time=p2p_time, algorithm=algorithm)
 
 
 def _limits(policy: FillPolicy | FixedOrder) -> str:

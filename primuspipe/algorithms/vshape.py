@@ -67,17 +67,41 @@ def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str, p2p_time:
 
 @register("zbv", placement="v", vpp=2, split_backward=True)
 def zbv(req: ScheduleRequest, *, p2p_time: float = 0.0, max_deferred_w: int | None = None) -> ScheduleTable:
-    """ZBV: V-shape zero bubble at 1F1B's activation memory (p microbatches per rank)."""
+    """ZBV: V-shape zero bubble at 1F1B's activation memory (p microbatches per rank).
+
+    Its compute order at pp=4, m=4 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
+
+        rank 0 | F0 F1 F2 F3 f0 b0 f1 b1 f2 b2 f3 b3 B0 w0 B1 w1 B2 w2 B3 w3 W0 W1 W2 W3
+        rank 1 | F0 F1 F2 F3 f0 f1 b0 f2 b1 f3 b2 B0 b3 B1 w0 B2 w1 B3 w2 W0 w3 W1 W2 W3
+        rank 2 | F0 F1 F2 f0 F3 f1 f2 b0 f3 b1 B0 b2 B1 b3 B2 w0 B3 w1 W0 w2 W1 w3 W2 W3
+        rank 3 | F0 f0 F1 f1 F2 f2 F3 f3 b0 B0 b1 B1 b2 B2 b3 B3 w0 W0 w1 W1 w2 W2 w3 W3
+    """
     return vshape_schedule(req, req.pp, "zbv", p2p_time, max_deferred_w)
 
 
 @register("v-half", placement="v", vpp=2, split_backward=True)
 def v_half(req: ScheduleRequest, *, p2p_time: float = 0.0, max_deferred_w: int | None = None) -> ScheduleTable:
-    """V-half: V-shape at (p+2)//2 microbatches of activations, about half of 1F1B's bubble."""
+    """V-half: V-shape at (p+2)//2 microbatches of activations, about half of 1F1B's bubble.
+
+    Its compute order at pp=4, m=4 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
+
+        rank 0 | F0 F1 F2 F3 f0 b0 f1 b1 w0 w1 f2 b2 B0 w2 B1 W0 f3 b3 B2 W1 w3 W2 B3 W3
+        rank 1 | F0 F1 F2 F3 f0 f1 b0 w0 b1 f2 w1 B0 b2 B1 W0 f3 w2 B2 b3 W1 W2 w3 B3 W3
+        rank 2 | F0 F1 F2 f0 F3 f1 b0 f2 b1 B0 w0 B1 b2 f3 w1 B2 W0 W1 b3 w2 W2 B3 w3 W3
+        rank 3 | F0 f0 F1 f1 F2 f2 b0 B0 b1 B1 F3 f3 b2 B2 w0 W0 w1 W1 b3 B3 w2 W2 w3 W3
+    """
     return vshape_schedule(req, (req.pp + 2) // 2, "v-half", p2p_time, max_deferred_w)
 
 
 @register("v-min", placement="v", vpp=2, split_backward=True)
 def v_min(req: ScheduleRequest, *, p2p_time: float = 0.0, max_deferred_w: int | None = None) -> ScheduleTable:
-    """V-min: V-shape at (p+4)//3 microbatches of activations, about two thirds of 1F1B's bubble."""
+    """V-min: V-shape at (p+4)//3 microbatches of activations, about two thirds of 1F1B's bubble.
+
+    Its compute order at pp=4, m=4 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
+
+        rank 0 | F0 F1 f0 b0 F2 w0 f1 b1 B0 F3 w1 W0 f2 b2 B1 w2 W1 f3 b3 B2 w3 W2 B3 W3
+        rank 1 | F0 f0 F1 b0 w0 f1 F2 B0 b1 W0 w1 f2 F3 B1 b2 W1 w2 f3 B2 b3 W2 w3 B3 W3
+        rank 2 | F0 f0 F1 b0 f1 w0 B0 F2 W0 b1 f2 w1 B1 F3 W1 b2 f3 w2 B2 W2 b3 w3 B3 W3
+        rank 3 | F0 f0 F1 f1 b0 B0 w0 W0 F2 f2 b1 B1 w1 W1 F3 f3 b2 B2 w2 W2 b3 B3 w3 W3
+    """
     return vshape_schedule(req, (req.pp + 4) // 3, "v-min", p2p_time, max_deferred_w)

@@ -11,7 +11,7 @@ A *step* is "kind K is done for (stage, microbatch)"; steps are named by the com
 (forward), ``B`` (input gradient) and ``W`` (weight gradient). ``BW`` completes both ``B`` and ``W``;
 ``FB`` runs an ``F`` and a ``B`` of two microbatches as one node.
 
-The dependency rules, as ``needs`` entries ``(step, stage offset)`` (DESIGN: docs/design.md):
+The dependency rules, as ``needs`` entries ``(step, stage offset)`` (docs/design.md §2):
 
 ======  ===============================  ================================================
 kind    completes                        needs

@@ -1,7 +1,7 @@
 """Where each model stage lives: the (rank, chunk) <-> stage map, kept as data on the table.
 
 The model has ``S = pp * vpp`` stages, each a contiguous slice of layers; rank ``r`` holds ``vpp`` of
-them as its chunks. Two layouts are built in (DESIGN.md §2):
+them as its chunks. Two layouts are built in (docs/design.md §2):
 
 * interleaved ("loop"): stage = chunk * pp + rank — Megatron's virtual pipeline;
 * V-shape (vpp = 2): chunk 0 is stage ``rank``, chunk 1 is stage ``2*pp - 1 - rank``, so the first and

@@ -127,6 +127,23 @@ class ScheduleTable:
         """Plain-text grid, one line per rank; nodes at ``marks`` ((rank, index)) are shown ``>>NODE<<``."""
         return render_grid(self, marks, compute_only)
 
+    def compact_grid(self) -> str:
+        """The compute order in the papers' shorthand, for docstrings: ``F3`` is microbatch 3's forward
+        on chunk 0, ``f3`` on chunk 1 (vpp = 2; a larger vpp keeps the full text form), ``F3+b1`` an
+        overlapped pair.
+
+        >>> from primuspipe.ir.node import F, BW
+        >>> print(ScheduleTable.build(Placement.interleaved(1, 2), 1, [[F(0, 0), F(0, 1), BW(0, 1), BW(0, 0)]]).compact_grid())
+        rank 0 | F0 f0 bw0 BW0
+        """
+        def cell(node: ScheduleNode) -> str:
+            if self.vpp > 2:
+                return str(node)
+            return "+".join(f"{k.name.lower() if c else k.name}{mb}" for k, mb, c in node.parts())
+
+        return "\n".join(f"rank {r} | " + " ".join(cell(n) for n in row if n.kind.is_compute)
+                         for r, row in enumerate(self.ranks))
+
     def __str__(self) -> str:
         return self.grid()
 

@@ -9,7 +9,7 @@ Placement policy, and why:
 * per direction (source rank -> destination rank) the receives are posted in exactly the order the
   source posts its sends. Transports match point-to-point messages between a pair in posting order
   (NCCL/RCCL, gloo), so this is what keeps an activation from ever being matched with a gradient when
-  both neighbours are the same rank (DESIGN.md §3). Where consumption order differs from production
+  both neighbours are the same rank (docs/design.md §3). Where consumption order differs from production
   order, the receive is moved earlier, never the compute;
 * a hand-off between chunks on the same rank stays local: no communication node.
 """

@@ -4,7 +4,7 @@ Each rule is a small function that raises :class:`ValidationError` naming the ru
 nodes (marked in the printed grid) and what would fix it. :func:`validate` runs them in order, so a
 later rule may rely on the earlier ones (e.g. the deadlock replay trusts that sends and receives pair up).
 
-The deadlock replay models the runner's communication semantics (DESIGN.md §3):
+The deadlock replay models the runner's communication semantics (docs/design.md §3):
 
 * posting a send or a receive never blocks; a send can complete once its receive is posted;
 * between two ranks, per direction, the k-th send is matched with the k-th receive (posting order);

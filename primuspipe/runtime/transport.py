@@ -5,7 +5,7 @@ posting never blocks; per direction (this rank -> peer) messages are matched in 
 kinds. Every message between a pair goes through one channel (one process group, one tag) on purpose:
 that is how NCCL/RCCL match point-to-point messages (they ignore tags), so a table that is safe here is
 safe there, and the order the table gives is the only thing that keeps an activation apart from a
-gradient when both neighbours are the same rank (DESIGN.md §3). Ops are never batched
+gradient when both neighbours are the same rank (docs/design.md §3). Ops are never batched
 (``batch_isend_irecv`` may reorder them on gloo).
 
 The watchdog turns a transfer that does not complete within ``timeout_s`` into

@@ -1,6 +1,6 @@
 """The event loop: replays a full table under a cost model and times every node.
 
-Semantics are the validator's (DESIGN.md §3), with time added:
+Semantics are the validator's (docs/design.md §3), with time added:
 
 * each rank runs its nodes in table order, one at a time;
 * posting a send or a receive takes no rank time and never blocks;

@@ -3,7 +3,7 @@
 import pytest
 
 from primuspipe.algorithms.building_blocks import peak_chunk_activations, repeated_order, vshape_block
-from primuspipe.algorithms.list_scheduler import list_schedule, unit_costs
+from primuspipe.algorithms.list_scheduler import fixed_order_fill, unit_costs
 from primuspipe.passes.communication import add_communication
 from primuspipe.ir.costs import ComputeCosts
 from primuspipe.errors import ScheduleShapeError
@@ -32,7 +32,7 @@ def test_v_shapes_need_two_chunks():
 
 
 def test_reference_figures_pp8_m32(cli_figures):
-    """DESIGN.md §7 at p = 8, m = 32, F = B = W = 1."""
+    """docs/design.md §7 at p = 8, m = 32, F = B = W = 1."""
     half, vmin, zbv = (cli_figures(a) for a in ("v-half", "v-min", "zbv"))
     assert half["bubble_rate"] <= 0.082 and max(half["peak_activations"]) <= (8 + 2) // 2
     assert vmin["bubble_rate"] <= 0.124 and max(vmin["peak_activations"]) <= (8 + 4) // 3
@@ -84,7 +84,7 @@ def test_repeated_building_block_is_a_valid_schedule_within_v_min_memory(pp):
     budget = (pp + 4) // 3
     for m in (1, 2, pp, 2 * pp + 1):
         order = repeated_order(placement, m, vshape_block(placement, costs), 2 * budget)
-        timed = list_schedule(placement, m, costs, order)
+        timed = fixed_order_fill(placement, m, costs, order)
         table = ScheduleTable.build(placement, m, timed.rows, "block")
         validate(add_communication(table))
         assert peak_chunk_activations(order) / 2 <= max(peak_in_flight(table)) <= budget

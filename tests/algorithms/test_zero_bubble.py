@@ -27,7 +27,7 @@ def test_memory_per_rank_on_the_grid(algorithm, cap):
 
 
 def test_reference_figures_pp8_m32(cli_figures):
-    """DESIGN.md §7: 1F1B 0.180; ZB-H1 (p-1)(F+B-W) bubble at 1F1B's memory; ZB-H2 near zero at 2p-1."""
+    """docs/design.md §7: 1F1B 0.180; ZB-H1 (p-1)(F+B-W) bubble at 1F1B's memory; ZB-H2 near zero at 2p-1."""
     one_f_one_b, h1, h2 = (cli_figures(a) for a in ("1f1b", "zb-h1", "zb-h2"))
     assert one_f_one_b["bubble_rate"] == pytest.approx(7 / 39, abs=5e-4)
     assert h1["bubble_rate"] <= 0.069 and max(h1["peak_activations"]) <= 8

@@ -131,7 +131,7 @@ def test_training_step_is_ddp_main_grad_then_sgd():
 
 
 def test_batched_p2p_on_gloo_swaps_tensors_at_pp2_vpp2():
-    """Documents a megatron-core bug (DESIGN.md §3): with both neighbours on one rank, the batched
+    """Documents a megatron-core bug (docs/design.md §3): with both neighbours on one rank, the batched
     isend/irecv of the interleaved schedule matches an activation with a gradient on gloo. If this
     test fails, Megatron fixed it and ``transformer_config`` may stop forcing ``batch_p2p_comm=False``.
     """

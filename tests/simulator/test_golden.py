@@ -1,4 +1,4 @@
-"""Golden figures (DESIGN.md §7) and hand-computed critical paths, zero-cost communication."""
+"""Golden figures (docs/design.md §7) and hand-computed critical paths, zero-cost communication."""
 
 import pytest
 

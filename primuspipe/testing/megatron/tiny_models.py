@@ -77,7 +77,7 @@ def transformer_config(model: TinyModelConfig, pp: int, vpp: int = 1, **override
 
     Dropout is 0 and fusions are off so pp=1 and pp=P runs take the same arithmetic path.
     ``batch_p2p_comm`` defaults to False: megatron's batched p2p swaps tensors on gloo when both
-    pipeline neighbours are one rank (pp=2, vpp=2); see DESIGN.md §3.
+    pipeline neighbours are one rank (pp=2, vpp=2); see docs/design.md §3.
     """
     from megatron.core.transformer import TransformerConfig
 
