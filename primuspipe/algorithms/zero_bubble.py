@@ -49,12 +49,12 @@ def zb_h1(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
 def zb_h2(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
     """ZB-H2: up to 2p-1 activations on rank 0; extra warm-up forwards fill the start-up bubble.
 
-    Its compute order at pp=4, m=6 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
+    Its compute order at pp=4, m=5 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
 
-        rank 0 | F0 F1 F2 F3 F4 F5 B0 W0 B1 W1 B2 W2 B3 W3 B4 W4 B5 W5
-        rank 1 | F0 F1 F2 F3 F4 B0 F5 B1 W0 B2 W1 B3 W2 B4 W3 B5 W4 W5
-        rank 2 | F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 W0 B4 W1 B5 W2 W3 W4 W5
-        rank 3 | F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 W0 W1 W2 W3 W4 W5
+        rank 0 | F0 F1 F2 F3 F4 B0 W0 B1 W1 B2 W2 B3 W3 B4 W4
+        rank 1 | F0 F1 F2 F3 F4 B0 W0 B1 W1 B2 W2 B3 W3 B4 W4
+        rank 2 | F0 F1 F2 B0 F3 B1 F4 B2 W0 B3 W1 B4 W2 W3 W4
+        rank 3 | F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 W0 W1 W2 W3 W4
     """
     p = req.pp
     # Warm-up: rank r runs 2(p - r) - 1 forwards: enough to stay busy until its first B arrives.

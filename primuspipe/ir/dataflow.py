@@ -104,19 +104,20 @@ def _handoffs_out(kind: NodeKind, num_stages: int, stage: int) -> tuple[tuple[No
 
 def inbound(placement: Placement, rank: int, kind: NodeKind, chunk: int, mb: int) -> Transfer | None:
     """The cross-rank transfer a compute part consumes, if its input comes from another rank."""
-    stage = placement.stage(rank, chunk)
-    found = [Transfer(step, src, stage, mb) for step, src in handoffs_in(placement, kind, stage)
-             if placement.rank_of(src) != rank]
-    assert len(found) <= 1, f"{kind} consumes more than one transfer"
-    return found[0] if found else None
+    return _crossing(placement, rank, kind, chunk, mb, incoming=True)
 
 
 def outbound(placement: Placement, rank: int, kind: NodeKind, chunk: int, mb: int) -> Transfer | None:
     """The cross-rank transfer a compute part produces, if its consumer lives on another rank."""
+    return _crossing(placement, rank, kind, chunk, mb, incoming=False)
+
+
+def _crossing(placement: Placement, rank: int, kind: NodeKind, chunk: int, mb: int, incoming: bool) -> Transfer | None:
     stage = placement.stage(rank, chunk)
-    found = [Transfer(step, stage, dst, mb) for step, dst in handoffs_out(placement, kind, stage)
-             if placement.rank_of(dst) != rank]
-    assert len(found) <= 1, f"{kind} produces more than one transfer"
+    handoffs = (handoffs_in if incoming else handoffs_out)(placement, kind, stage)
+    found = [Transfer(step, other, stage, mb) if incoming else Transfer(step, stage, other, mb)
+             for step, other in handoffs if placement.rank_of(other) != rank]
+    assert len(found) <= 1, f"{kind} moves more than one transfer each way"
     return found[0] if found else None
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from primuspipe.ir.dataflow import Transfer, transfer_of
+from primuspipe.ir.documents import check_envelope, envelope
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
@@ -85,8 +86,7 @@ class ScheduleTable:
     # -- JSON ---------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
-            "format": "primuspipe.algorithms.build",
-            "version": FORMAT_VERSION,
+            **envelope("primuspipe.schedule", FORMAT_VERSION),
             "algorithm": self.algorithm,
             "pp": self.pp,
             "vpp": self.vpp,
@@ -100,10 +100,7 @@ class ScheduleTable:
 
     @classmethod
     def from_dict(cls, data: dict) -> ScheduleTable:
-        if data.get("format") != "primuspipe.algorithms.build":
-            raise TableFormatError("not a primuspipe schedule: the JSON lacks format='primuspipe.algorithms.build'")
-        if data.get("version") != FORMAT_VERSION:
-            raise TableFormatError(f"schedule JSON version {data.get('version')!r} is not supported (want {FORMAT_VERSION})")
+        check_envelope(data, "primuspipe.schedule", FORMAT_VERSION, "schedule")
         try:
             placement = Placement.from_dict(data["placement"])
             ranks = [[ScheduleNode.parse(t) for t in row] for row in data["ranks"]]

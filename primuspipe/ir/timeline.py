@@ -6,7 +6,7 @@ from the step's start (the simulator may use its cost model's unit, named in ``t
 
 JSON layout (``version`` 1; documented in docs/timeline-format.md)::
 
-    {"format": "primuspipe.ir.timeline", "version": 1, "source": "simulator" | "run",
+    {"format": "primuspipe.timeline", "version": 1, "source": "simulator" | "run",
      "algorithm": "1f1b", "pp": 4, "vpp": 1, "microbatches": 8, "iteration": 0, "time_unit": "s",
      "ranks": [{"rank": 0, "peak_memory_bytes": 123, "events": [{"node": "F0.0", "start": 0.0, "end": 1.0}, ...]}, ...]}
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primuspipe.errors import TableFormatError
+from primuspipe.ir.documents import check_envelope, envelope
 from primuspipe.ir.node import ScheduleNode
 
 TIMELINE_VERSION = 1
@@ -69,17 +70,10 @@ class Timeline:
         return max(ends) - min(starts) if ends else 0.0
 
     def to_dict(self) -> dict:
+        header = ("source", "algorithm", "pp", "vpp", "microbatches", "iteration", "time_unit", "meta")
         return {
-            "format": "primuspipe.ir.timeline",
-            "version": TIMELINE_VERSION,
-            "source": self.source,
-            "algorithm": self.algorithm,
-            "pp": self.pp,
-            "vpp": self.vpp,
-            "microbatches": self.microbatches,
-            "iteration": self.iteration,
-            "time_unit": self.time_unit,
-            "meta": self.meta,
+            **envelope("primuspipe.timeline", TIMELINE_VERSION),
+            **{name: getattr(self, name) for name in header},
             "ranks": [
                 {
                     "rank": r.rank,
@@ -92,10 +86,7 @@ class Timeline:
 
     @classmethod
     def from_dict(cls, data: dict) -> Timeline:
-        if data.get("format") != "primuspipe.ir.timeline":
-            raise TableFormatError("not a primuspipe timeline: the JSON lacks format='primuspipe.ir.timeline'")
-        if data.get("version") != TIMELINE_VERSION:
-            raise TableFormatError(f"timeline version {data.get('version')!r} is not supported (want {TIMELINE_VERSION})")
+        check_envelope(data, "primuspipe.timeline", TIMELINE_VERSION, "timeline")
         try:
             ranks = tuple(
                 RankTimeline(

@@ -69,11 +69,16 @@ class RankResult:
 
 @dataclass(frozen=True)
 class SimulationResult:
+    """What one simulated step did: per-rank timings and memory, and the step's summary figures."""
+
     table: ScheduleTable
     """The full table that was simulated (with communication)."""
     cost: CostModel
+    """The cost model it was timed with."""
     step_time: float
+    """From the step's start to its last node's end, in the cost model's time unit."""
     ranks: tuple[RankResult, ...]
+    """Per rank, in rank order."""
 
     @property
     def bubble_rate(self) -> float:

@@ -33,11 +33,15 @@ from primuspipe.tools.pp_vis.load import in_unit
 
 @dataclass(frozen=True)
 class TimelineStats:
+    """The figures pp_vis reports for one timeline, run or simulated, by one rule."""
+
     label: str
     """Where the timeline comes from, for people: ``"run"`` or ``"simulator"`` and its iteration."""
+    ranks: tuple[int, ...]
+    """The ranks present, ascending."""
     time_unit: str
     step_time: float
-    ranks: tuple[int, ...]
+    """The timeline's span: first node start to last node end."""
     busy: tuple[float, ...]
     """Per rank (as ordered in ``ranks``): total compute time."""
     kind_means: dict[str, float]
@@ -71,8 +75,8 @@ def timeline_stats(timeline: Timeline) -> TimelineStats:
                 total += e.end - e.start
         busy.append(total)
     means = {k.name: statistics.fmean(durations[k]) for k in compute_kinds() if durations[k]}
-    return TimelineStats(f"{timeline.source} (iteration {timeline.iteration})", timeline.time_unit,
-                         timeline.step_time, tuple(r.rank for r in ranks), tuple(busy), means,
+    return TimelineStats(f"{timeline.source} (iteration {timeline.iteration})", tuple(r.rank for r in ranks),
+                         timeline.time_unit, timeline.step_time, tuple(busy), means,
                          tuple(r.peak_memory_bytes for r in ranks))
 
 
