@@ -19,7 +19,7 @@ from primuspipe.simulator.trace import write_chrome_trace
 
 _DESCRIPTION = """\
 Build each algorithm's table for the shape, simulate it under a cost model, and rank the algorithms by
-step time. Compute times come from --cost FILE (YAML, see primuspipe.simulator.cost_model) or from
+step time. Compute times come from --cost FILE (YAML, see primuspipe.ir.cost_model) or from
 --f/--b/--w (default 1 each); an algorithm with fused backward (BW) nodes costs BW = B + W unless --bw
 or the file says otherwise. Times are those of a 1F1B stage (the model split pp ways): an algorithm with
 vpp chunks per rank runs each chunk in 1/vpp of it, so algorithms of different vpp compare fairly.
@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     costs = p.add_argument_group("costs (use --cost FILE, or the flags below)")
     costs.add_argument("--cost", type=Path, metavar="FILE",
                        help="YAML cost model: compute times, p2p links, memory bytes "
-                            "(see primuspipe.simulator.cost_model)")
+                            "(see primuspipe.ir.cost_model)")
     for flag, what in (("f", "forward (F)"), ("b", "input-grad backward (B)"), ("w", "weight-grad backward (W)")):
         costs.add_argument(f"--{flag}", type=_numbers, metavar="X",
                            help=f"{what} time of a 1F1B stage: one number, or a comma list with one per stage "

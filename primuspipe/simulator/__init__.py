@@ -1,5 +1,9 @@
 """The simulator: times a schedule table under a cost model, offline and deterministically.
 
+The cost model itself lives in :mod:`primuspipe.ir.cost_model`, so cost-aware algorithms and the
+search read the very model the simulator times them with; it is re-exported here as the simulator's
+input.
+
 >>> from primuspipe.algorithms.build import build_schedule
 >>> table = build_schedule("1f1b", pp=4, microbatches=8)
 >>> result = simulate(table, CostModel.per_stage(4, f=1, b=2, w=0))
@@ -7,7 +11,7 @@
 (0.2727, [4.0, 3.0, 2.0, 1.0])
 """
 
-from primuspipe.simulator.cost_model import CostModel, Link, MemoryCost, P2PCost, read_cost_file, split_stages
+from primuspipe.ir.cost_model import CostModel, Link, MemoryCost, P2PCost, read_cost_file, split_stages
 from primuspipe.simulator.engine import RankResult, SimulationResult, simulate
 from primuspipe.simulator.trace import chrome_trace, write_chrome_trace
 

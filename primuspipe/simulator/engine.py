@@ -26,7 +26,7 @@ from primuspipe.passes.communication import add_communication
 from primuspipe.ir.dataflow import Transfer, inbound, transfer_of
 from primuspipe.errors import SimulationError
 from primuspipe.ir.node import ScheduleNode
-from primuspipe.simulator.cost_model import CostModel
+from primuspipe.ir.cost_model import CostModel
 from primuspipe.simulator.memory import peak_activations
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline, idle_share

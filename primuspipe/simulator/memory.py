@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from primuspipe.ir.activations import peak_in_flight, running_levels
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.simulator.cost_model import MemoryCost
+from primuspipe.ir.cost_model import MemoryCost
 
 
 def peak_activations(table: ScheduleTable, memory: MemoryCost | None) -> tuple[list[float], list[float]]:

@@ -17,7 +17,7 @@ from primuspipe.ir.dataflow import Transfer, inbound, outbound, transfer_of
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.placement import Placement
-from primuspipe.simulator.cost_model import TIME_UNITS
+from primuspipe.ir.cost_model import TIME_UNITS
 from primuspipe.ir.timeline import TimedNode, Timeline
 
 _PID = 0

@@ -95,7 +95,7 @@ def test_max_deferred_w_trades_span_bubble_for_memory(algorithm):
     """With activations mostly kept for W (flash attention: W needs ~all of them), deferring one W at a
     time never uses more bytes than the default, keeps the activation budget, and for ZBV gives the
     same step time with markedly less memory."""
-    from primuspipe.simulator.cost_model import MemoryCost
+    from primuspipe.ir.cost_model import MemoryCost
 
     stages = 16
     cost = CostModel(ComputeCosts.per_stage(stages, 0.5, 0.5, 0.5),

@@ -8,7 +8,7 @@ from simulator_support import text_table
 from primuspipe.errors import ConfigError
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, MemoryCost, simulate, split_stages
-from primuspipe.simulator.cost_model import read_cost_file
+from primuspipe.ir.cost_model import read_cost_file
 
 YAML = """
 time_unit: us

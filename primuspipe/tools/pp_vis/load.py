@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from primuspipe.errors import TableFormatError
-from primuspipe.simulator.cost_model import TIME_UNITS
+from primuspipe.ir.cost_model import TIME_UNITS
 from primuspipe.ir.timeline import TimedNode, Timeline, dump_iterations, dump_path, merge_rank_dumps
 
 _WHAT = ("a timeline JSON file (from 'primuspipe simulate -o DIR') or a dump directory holding "

@@ -1,4 +1,4 @@
-"""The simulator's cost model: what each node costs in time and memory.
+"""The cost model: what each node costs in time and memory, shared by the simulator and the algorithms.
 
 Everything is resolved against one pipeline shape (``num_stages = pp * vpp`` stages, ``pp`` ranks), so
 a model is checked once when built and looked up by index while simulating. Times are in
