@@ -15,17 +15,8 @@ from primuspipe.simulator import CostModel
 from primuspipe.calibration.measure import MeasuredCosts, measure_costs
 from primuspipe.calibration.replay import placement_of
 from primuspipe.ir.timeline import Timeline
-from primuspipe.tools.pp_vis import (
-    Comparison,
-    compare_timelines,
-    draw_png,
-    load_iterations,
-    load_timeline,
-    replay,
-    timeline_stats,
-    write_html,
-    write_trace,
-)
+from primuspipe.tools import pp_vis
+from primuspipe.tools.pp_vis import Comparison, compare_timelines, load_iterations, load_timeline, replay, timeline_stats, write_trace
 
 _INPUT_HELP = ("a timeline JSON file (from 'primuspipe simulate -o DIR') or a run's dump directory holding "
                "iter_<n>/rank_<r>.json (dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR)")
@@ -122,9 +113,9 @@ def cmd_vis(args: argparse.Namespace) -> int:
     marks = frozenset() if comparison is None else comparison.marked_nodes
     written = []
     if args.png is not None:
-        written.append(draw_png(panels, args.png, marks=marks, show_comm=not args.no_comm))
+        written.append(pp_vis.draw_png(panels, args.png, marks=marks, show_comm=not args.no_comm))
     if args.html is not None:
-        written.append(write_html(panels, args.html, marks=marks))
+        written.append(pp_vis.write_html(panels, args.html, marks=marks))
     if args.trace is not None:
         written.append(write_trace(timeline, args.trace, placement))
         if comparison is not None:
