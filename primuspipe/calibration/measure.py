@@ -1,15 +1,33 @@
-"""Measured cost models: the simulator's per-stage costs learnt from timelines of real steps.
+"""Measured cost models: the simulator's costs learnt from timelines of real steps.
 
 A run dump (``dump_pp_data``, see docs/pp_vis.md) times every node of a step; the simulator wants a
-time per (stage, kind). :func:`measure_costs` goes from one to the other, so ``primuspipe simulate
---cost FILE`` replays the measured step and ranks other algorithms under the measured costs.
+cost model. :func:`measure_costs` goes from one to the other, so ``primuspipe simulate --cost FILE``
+replays the measured step and ranks other algorithms under the measured costs. Every term of the cost
+model is measured (docs/simulator.md, "Calibration"):
 
-How a figure is made: per iteration, the mean duration of each (model stage, kind) over its
-microbatches; then the median of those means over the iterations kept (the first ``warmup``
-iterations are dropped: allocator growth, autotuning and lazy initialisation make them slow). FB nodes
-(an F overlapped with a B) give ``fb_overlap``; receives matched with their sends give the p2p latency
-(arrival minus the later of the two postings). Any timeline of the shared format works, simulated ones
-too, which is how the round trip simulate -> calibrate -> simulate is tested.
+* **compute** -- per (model stage, kind), the mean node time of each iteration, then the median over
+  the iterations kept (the first ``warmup`` iterations are dropped: allocator growth, autotuning and
+  lazy initialisation make them slow). A chunk's first node of a kind in a step is left out of the
+  mean; how much longer it takes than the rest is its **cold start** (median over ranks and chunks).
+  FB nodes (an F overlapped with a B) give ``fb_overlap``.
+* **host** -- a rank's time between nodes. Walking each rank's nodes in table order, the rank is free
+  to go on at the end of its last compute node or posting, or, for a compute node whose input arrived
+  later, at that arrival (a receive's end: when the runner got the tensor); a posting's host time is
+  from then to its stamp (posts are stamped once made), a compute node's from then to its start.
+  Medians per kind.
+* **p2p** -- a compute node that waited for its input (the input arrived later than the rank was free
+  by more than an input-less node's host time, i.e. more than taking an already-arrived input takes)
+  gives one sample of the transfer time: the arrival minus the later of the two postings (median).
+  Where events carry message sizes of at least two kinds, ``latency + bytes / bandwidth`` is fitted.
+* **cores** -- ranks on one host's CPUs may slow each other (and other processes may slow them).
+  Events of such a run carry their thread's CPU time; the effective number of cores the ranks shared
+  is fitted from it (:func:`effective_cores`). When it is below ``pp``, ``host.cores`` is set, work is
+  what a node took of its thread's CPU time, not its wall time (a node that waited for a core took
+  longer without working more), host times are CPU times too, and the CPU the process spent outside
+  its main thread, per message, is ``host.comm_cpu``.
+
+Any timeline of the shared format works, simulated ones too, which is how the round trip simulate ->
+calibrate -> simulate is tested, exactly.
 
 The cost file is written per *1F1B stage* by default (``pp`` values: 1F1B stage ``k`` is the sum of
 model stages ``k*vpp .. k*vpp+vpp-1``), so it serves every algorithm of the same ``pp`` whatever its
@@ -26,21 +44,21 @@ shape only. At vpp = 1 the two are the same.
 
 from __future__ import annotations
 
+import bisect
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from primuspipe.calibration.replay import placement_of
+from primuspipe.calibration.replay import placement_of, run_table
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.placement import Placement
-from primuspipe.ir.timeline import Timeline
-from primuspipe.simulator.trace import matched_transfers
-
+from primuspipe.ir.timeline import TimedNode, Timeline
 
 
 def _timed_kinds() -> dict[str, NodeKind]:
@@ -68,12 +86,26 @@ class MeasuredCosts:
     fb_overlap: float | None
     """From FB nodes: ``(F + B - FB) / min(F, B)`` clamped to [0, 1]; None without FB nodes."""
     p2p_latency: float | None
-    """Median time from the later of a send's and its receive's posting to the arrival; None without
-    cross-rank receives."""
+    """Median transfer time of the transfers a consumer waited for (see the module docstring); None
+    without any (the latency part when a bandwidth was fitted)."""
     peak_memory_bytes: tuple[int | None, ...]
     """Per rank, the highest peak over the iterations kept; None where not measured."""
     notes: tuple[str, ...] = ()
     """Assumptions the figures rest on, for people (written into the cost file's header)."""
+    cold_start: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None = None
+    """Per stage, the extra time of a chunk's first F, B and W of a step; None when none was longer."""
+    host_overhead: dict[str, float] = field(default_factory=dict)
+    """Per compute kind (lower-case name), the host time before each of its nodes."""
+    host_post: dict[str, float] = field(default_factory=dict)
+    """``send`` / ``recv``: the host time to post one."""
+    p2p_bandwidth: float | None = None
+    """Bytes per time unit, fitted where messages of several sizes were timed; None otherwise."""
+    message_bytes: int | None = None
+    """The size of the run's messages (the most common one), where the dump records sizes."""
+    cores: float | None = None
+    """Cores the ranks shared (``host.cores``); None when each rank had its own."""
+    comm_cpu: float | None = None
+    """With ``cores``: CPU time per message on communication threads."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for
@@ -89,10 +121,28 @@ class MeasuredCosts:
             compute["bw"] = values(self.fused_backward)
         if self.fb_overlap is not None:
             compute["fb_overlap"] = self.fb_overlap
+        if self.cold_start is not None:
+            compute["cold_start"] = {key: values(v) for key, v in zip("fbw", self.cold_start)}
         out: dict[str, Any] = {"time_unit": self.time_unit, "compute": compute}
-        if self.p2p_latency:
-            link = {"latency": self.p2p_latency}
+        host: dict[str, Any] = {}
+        if any(self.host_overhead.values()):
+            host["overhead"] = dict(self.host_overhead)
+        host.update((k, v) for k, v in self.host_post.items() if v)
+        if self.cores is not None:
+            host["cores"] = self.cores
+            if self.comm_cpu:
+                host["comm_cpu"] = self.comm_cpu
+        if host:
+            out["host"] = host
+        if self.p2p_latency or self.p2p_bandwidth:
+            link: dict[str, Any] = {"latency": self.p2p_latency or 0.0}
+            if self.p2p_bandwidth:
+                link["bandwidth"] = self.p2p_bandwidth
             out["p2p"] = {"intra_node": dict(link), "inter_node": dict(link)}
+            if self.message_bytes:
+                out["p2p"] = {"message_bytes": self.message_bytes, **out["p2p"]}
+            if self.cores is not None:
+                out["p2p"]["ranks_per_node"] = self.pp  # one host: ranks_per_node says which ranks share cores
         return out
 
     def to_yaml(self, *, per_model_stage: bool = False) -> str:
@@ -132,13 +182,14 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
     if not used:
         used = list(timelines)
         notes.append(f"only {len(timelines)} iteration(s), so no warm-up iteration was skipped: times may be high")
-    samples = [_samples(t, placement) for t in used]
+    cores = effective_cores(used, placement)
+    samples = [_Samples.of(t, placement, use_cpu=cores is not None) for t in used]
     n = placement.num_stages
 
-    def median_of(kind: NodeKind) -> list[float | None]:
+    def median_of(kind: NodeKind, which: str = "durations") -> list[float | None]:
         out: list[float | None] = []
         for stage in range(n):
-            means = [statistics.fmean(d) for s in samples if (d := s.durations.get((kind, stage)))]
+            means = [statistics.fmean(d) for s in samples if (d := getattr(s, which).get((kind, stage)))]
             out.append(_significant(statistics.median(means)) if means else None)
         return out
 
@@ -163,7 +214,15 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         fused = tuple(bw[s] if bw[s] is not None else b[s] + w[s] for s in range(n))
     overlaps = [min(1.0, max(0.0, (f[fs] + b[bs] - d) / min(f[fs], b[bs])))
                 for s in samples for fs, bs, d in s.pairs if min(f[fs], b[bs]) > 0]
-    delays = [statistics.median(s.delays) for s in samples if s.delays]
+    cold = _cold_start(samples, n, fused_only)
+    host_overhead = _medians(s.host for s in samples)
+    host_post = _medians(s.post for s in samples)
+    latency, bandwidth, size = _transfer_fit(samples)
+    comm_cpu = [c for s in samples for c in s.comm_cpu]
+    if cores is not None:
+        notes.append(f"the {first.pp} ranks ran as if sharing {cores:g} cores (fitted from how much longer than "
+                     "their CPU time nodes took while others were busy): compute and host times are CPU times, and "
+                     "host.cores makes the simulator share the cores the same way")
     peaks = []
     for rank in range(first.pp):
         seen = [rt.peak_memory_bytes for t in used for rt in t.ranks
@@ -172,10 +231,140 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
     return MeasuredCosts(
         first.algorithm, first.pp, first.vpp, first.microbatches, first.time_unit,
         tuple(t.iteration for t in used), tuple(f), tuple(b), tuple(w), fused,
-        _significant(statistics.median(overlaps)) if overlaps else None,
-        _significant(statistics.median(delays)) if delays else None,
-        tuple(peaks), tuple(dict.fromkeys(notes)),
+        _significant(statistics.median(overlaps)) if overlaps else None, latency,
+        tuple(peaks), tuple(dict.fromkeys(notes)), cold, host_overhead,
+        {k.removeprefix("post_"): v for k, v in host_post.items()}, bandwidth, size, cores,
+        _significant(statistics.median(comm_cpu)) if cores is not None and comm_cpu else None,
     )
+
+
+def effective_cores(timelines: Sequence[Timeline], placement: Placement) -> float | None:
+    """The cores a run's ranks behaved as sharing, or None if they did not slow each other.
+
+    Only a run on one host's CPUs (every rank's dump names the same host, events carry the rank
+    thread's CPU time) can share cores. A rank is *busy* from the moment it is free to go on (its
+    previous node done, or the input it waited for arrived) to the end of its next node; were ``C``
+    cores shared evenly among the ``n(t)`` busy ranks (processor sharing), the ranks together would
+    get ``min(n(t), C)`` seconds of CPU per second. ``C`` is the value for which that matches the CPU
+    time the busy ranks actually got (a bisection: the total grows with ``C``). Other processes on the
+    host lower it below the core count. None when it reaches ``pp`` (nothing was shared)."""
+    first = timelines[0]
+    facts = first.meta.get("ranks") or []
+    if len(facts) != first.pp or None in (hosts := {r.get("host") for r in facts}) or len(hosts) != 1:
+        return None
+    if not all(e.cpu is not None for t in timelines for rt in t.ranks for e in rt.events):
+        return None
+    busy: list[tuple[float, float]] = []
+    got = 0.0  # CPU seconds the ranks' own threads got while busy
+    for timeline in timelines:
+        for start, end, cpu in _busy_intervals(timeline, placement):
+            if cpu is None:
+                return None
+            busy.append((start + timeline.iteration * 1e6, end + timeline.iteration * 1e6))  # iterations apart
+            got += cpu
+    level = _Concurrency(busy)
+
+    def cpu_at(cores: float) -> float:
+        return level.capped_area(cores)
+
+    if not busy or cpu_at(first.pp) <= got * (1 + 1e-9):
+        return None
+    low, high = 0.0, float(first.pp)
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cpu_at(mid) < got else (low, mid)
+    return _significant(round(high, 2))
+
+
+def _busy_intervals(timeline: Timeline, placement: Placement) -> list[tuple[float, float, float | None]]:
+    """When each rank was busy (see :func:`effective_cores`), with the CPU time its thread got then
+    (None where the timeline has no CPU times)."""
+    table = run_table(timeline, placement)
+    events = {rt.rank: {e.node: e for e in rt.events} for rt in timeline.ranks}
+    wiring = table.wiring
+    received = {key: events.get(rank, {}).get(node) for rank, row in enumerate(table.ranks)
+                for node, key in zip(row, wiring.moves[rank]) if key >= 0 and node.kind.is_recv}
+    out = []
+    for rank, row in enumerate(table.ranks):
+        timed = [events.get(rank, {}).get(node) for node in row]
+        for (free, e), taken in zip(_after_free(row, timed), wiring.takes[rank]):
+            if e is None or free is None:
+                continue
+            end = e.end if e.node.kind.is_compute else e.start
+            arrived = max((r for key in taken if (r := received.get(key)) is not None), key=lambda r: r.end, default=None)
+            if arrived is not None and arrived.end > free[0]:
+                free = (arrived.end, arrived.cpu[1] if arrived.cpu else None)
+            begin, begin_cpu = free
+            done_cpu = None if e.cpu is None else e.cpu[1] if e.node.kind.is_compute else e.cpu[0]
+            cpu = None if done_cpu is None or begin_cpu is None else done_cpu - begin_cpu
+            if end > begin:
+                out.append((begin, end, cpu))
+    return out
+
+
+class _Concurrency:
+    """How many intervals cover each instant (a step function, from the intervals' ends)."""
+
+    def __init__(self, intervals: list[tuple[float, float]]):
+        changes = sorted([(a, 1) for a, b in intervals if b > a] + [(b, -1) for a, b in intervals if b > a])
+        self.times, self.counts, self.area = [], [], []
+        level = total = 0.0
+        last = changes[0][0] if changes else 0.0
+        for t, delta in changes:
+            total += level * (t - last)
+            level += delta
+            self.times.append(t)
+            self.counts.append(level)
+            self.area.append(total)
+            last = t
+
+    def capped_area(self, cap: float) -> float:
+        """The integral over time of ``min(count, cap)``."""
+        total = 0.0
+        for i in range(len(self.times) - 1):
+            total += min(self.counts[i], cap) * (self.times[i + 1] - self.times[i])
+        return total
+
+
+def _medians(groups) -> dict[str, float]:
+    pooled: dict[str, list[float]] = defaultdict(list)
+    for group in groups:
+        for key, values in group.items():
+            pooled[key] += values
+    return {key: _significant(max(0.0, statistics.median(v))) for key, v in sorted(pooled.items())}
+
+
+def _cold_start(samples: list[_Samples], n: int, fused_only: list[int]):
+    """Per stage and kind (F, B, W), the median extra time of a chunk's first node; None if none is
+    longer. A fused-only stage's BW extra is split like its time."""
+    def extra(kind: NodeKind, stage: int) -> float:
+        values = [x for s in samples for x in s.cold.get((kind, stage), ())]
+        return max(0.0, statistics.median(values)) if values else 0.0
+
+    f = [extra(NodeKind.F, s) for s in range(n)]
+    b = [extra(NodeKind.BW, s) / 2 if s in fused_only else extra(NodeKind.B, s) for s in range(n)]
+    w = [extra(NodeKind.BW, s) / 2 if s in fused_only else extra(NodeKind.W, s) for s in range(n)]
+    if not any(f + b + w):
+        return None
+    return tuple(tuple(map(_significant, v)) for v in (f, b, w))
+
+
+def _transfer_fit(samples: list[_Samples]):
+    """``(latency, bandwidth, message bytes)`` from the waited-for transfers: a least-squares line
+    through (bytes, time) where at least two sizes were timed, else the median time."""
+    points = [(size, took) for s in samples for took, size in s.waits]
+    if not points:
+        return None, None, None
+    sizes = [size for size, _ in points if size is not None]
+    size = max(set(sizes), key=sizes.count) if sizes else None
+    if len(set(sizes)) >= 2 and len(sizes) == len(points):
+        mean_x, mean_y = statistics.fmean(sizes), statistics.fmean(t for _, t in points)
+        slope = (sum((x - mean_x) * (t - mean_y) for x, t in points)
+                 / sum((x - mean_x) ** 2 for x in sizes))
+        if slope > 0:
+            latency = max(0.0, mean_y - slope * mean_x)
+            return _significant(latency), _significant(1 / slope), size
+    return _significant(max(0.0, statistics.median(t for _, t in points))), None, size
 
 
 def _significant(x: float) -> float:
@@ -186,25 +375,113 @@ def _significant(x: float) -> float:
 
 @dataclass(frozen=True)
 class _Samples:
+    """What one timeline says about each cost term (see the module docstring)."""
+
     durations: dict[tuple[NodeKind, int], list[float]]
-    """(kind, model stage) -> durations of its nodes."""
+    """(kind, model stage) -> time of its nodes, chunks' first ones left out (work, with shared cores)."""
+    cold: dict[tuple[NodeKind, int], list[float]]
+    """(kind, model stage) -> how much longer a chunk's first node took than the stage's others."""
     pairs: list[tuple[int, int, float]]
     """FB nodes as (F's stage, B's stage, duration)."""
-    delays: list[float]
-    """Per cross-rank transfer: arrival minus the later posting."""
+    host: dict[str, list[float]]
+    """Compute kind (lower-case name) -> host time before each of its nodes that did not wait."""
+    post: dict[str, list[float]]
+    """``post_send`` / ``post_recv`` -> host time of each posting."""
+    waits: list[tuple[float, int | None]]
+    """Per compute node that waited for its input: how long the transfer took after both ends were
+    posted (its arrival is when the consumer went on), and its size in bytes where known."""
+    comm_cpu: list[float]
+    """Per rank: CPU per message outside the rank's own thread."""
+
+    @classmethod
+    def of(cls, timeline: Timeline, placement: Placement, *, use_cpu: bool) -> _Samples:
+        table = run_table(timeline, placement)
+        wiring = table.wiring
+        events = {rt.rank: {e.node: e for e in rt.events} for rt in timeline.ranks}
+        rows = [[events.get(rank, {}).get(node) for node in row] for rank, row in enumerate(table.ranks)]
+        sent: dict[int, TimedNode] = {}
+        received: dict[int, TimedNode] = {}
+        for rank, row in enumerate(table.ranks):
+            for node, e, key in zip(row, rows[rank], wiring.moves[rank]):
+                if key >= 0 and e is not None:
+                    (sent if node.kind.is_send else received)[key] = e
+
+        def span(e: TimedNode) -> float:
+            return e.cpu[1] - e.cpu[0] if use_cpu and e.cpu is not None else e.end - e.start
+
+        # what a node that cannot wait (it takes no transfer) spends on the host: the tolerance below
+        # which an input "arriving" after the rank was free is the cost of taking it, not a wait
+        free_gaps = [_gap(free, e, False) for rank, row in enumerate(table.ranks)
+                     for (free, e), taken in zip(_after_free(row, rows[rank]), wiring.takes[rank])
+                     if free is not None and e is not None and e.node.kind.is_compute and not taken]
+        tolerance = statistics.median(free_gaps) if free_gaps else 0.0
+
+        durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
+        firsts: list[tuple[NodeKind, int, float]] = []
+        pairs, waits, comm_cpu = [], [], []
+        host: dict[str, list[float]] = defaultdict(list)
+        post: dict[str, list[float]] = defaultdict(list)
+        for rank, row in enumerate(table.ranks):
+            seen: set[tuple] = set()
+            for (free, e), taken in zip(_after_free(row, rows[rank]), wiring.takes[rank]):
+                if e is None:
+                    continue
+                node, kind = e.node, e.node.kind
+                if not kind.is_compute:
+                    if free is not None:
+                        post[f"post_{'send' if kind.is_send else 'recv'}"].append(_gap(free, e, use_cpu))
+                    continue
+                if node.pair is not None:
+                    (_, _, fc), (_, _, bc) = node.parts()
+                    pairs.append((placement.stage(rank, fc), placement.stage(rank, bc), e.end - e.start))
+                else:
+                    stage = placement.stage(rank, node.chunk)
+                    if (kind, node.chunk) in seen:
+                        durations[(kind, stage)].append(span(e))
+                    else:
+                        seen.add((kind, node.chunk))
+                        firsts.append((kind, stage, span(e)))
+                if free is None:
+                    continue
+                inputs = [(sent.get(key), received.get(key)) for key in taken]
+                if inputs and all(x is not None and r is not None for x, r in inputs):
+                    send, recv = max(inputs, key=lambda pair: pair[1].end)
+                    if recv.end > free[0]:  # the rank went on from the input's arrival
+                        if recv.end - free[0] > tolerance:  # longer than taking an input takes: it waited
+                            waits.append((recv.end - max(send.start, recv.start), recv.bytes))
+                        free = (recv.end, recv.cpu[1] if recv.cpu else None)
+                host[kind.name.lower()].append(_gap(free, e, use_cpu))
+        cold: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
+        for kind, stage, took in firsts:
+            if rest := durations.get((kind, stage)):
+                cold[(kind, stage)].append(_significant(took) - _significant(statistics.median(rest)))
+            else:  # a chunk with one node of this kind: it is all there is to time
+                durations[(kind, stage)].append(took)
+        for rt in timeline.ranks:
+            facts = next((r for r in timeline.meta.get("ranks", ()) if r.get("rank") == rt.rank), {})
+            messages = sum(1 for e in rt.events if not e.node.kind.is_compute)
+            if messages and "process_cpu" in facts and "thread_cpu" in facts:
+                comm_cpu.append(max(0.0, facts["process_cpu"] - facts["thread_cpu"]) / messages)
+        return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits, comm_cpu)
 
 
-def _samples(timeline: Timeline, placement: Placement) -> _Samples:
-    durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
-    pairs = []
-    for rt in timeline.ranks:
-        for e in rt.events:
-            node = e.node
-            if node.pair is not None:
-                (_, _, fc), (_, _, bc) = node.parts()
-                pairs.append((placement.stage(rt.rank, fc), placement.stage(rt.rank, bc), e.end - e.start))
-            elif node.kind.is_compute:
-                durations[(node.kind, placement.stage(rt.rank, node.chunk))].append(e.end - e.start)
-    delays = [max(0.0, recv.end - max(send.start, recv.start))
-              for send, recv in matched_transfers(timeline, placement).values()]
-    return _Samples(dict(durations), pairs, delays)
+def _after_free(row, timed):
+    """Per node of a rank's row, ``(free, event)``: when the rank was done with its previous node --
+    ``(wall time, CPU time)`` of that compute node's end or that posting's stamp, None before the
+    first node or after one the timeline lacks -- and the node's event (None if missing)."""
+    free = None
+    for node, e in zip(row, timed):
+        yield free, e
+        if e is None:
+            free = None
+        elif node.kind.is_compute:
+            free = (e.end, e.cpu[1] if e.cpu else None)
+        else:
+            free = (e.start, e.cpu[0] if e.cpu else None)
+
+
+def _gap(free: tuple[float, float | None], e: TimedNode, use_cpu: bool) -> float:
+    """Host time from the rank being free to this event's start: CPU time where cores were shared."""
+    if use_cpu and e.cpu is not None and free[1] is not None:
+        return e.cpu[0] - free[1]
+    return e.start - free[0]

@@ -21,6 +21,13 @@ optimizer bytes) are one number or ``pp`` values::
       w: 1.0                 # weight-grad backward (W)
       bw: 1.8                # fused backward; defaults to b + w
       fb_overlap: 0.0        # FB pair: F + B - fb_overlap * min(F, B); 0 = no gain, 1 = max(F, B)
+      cold_start: {f: 0.3, b: 0.1, w: 0.05}  # extra time of each chunk's first F, B, W in a step
+    host:                    # time on the host, outside the kernels (every key optional, default 0)
+      overhead: {f: 0.03, b: 0.04, w: 0.02, bw: 0.04}   # rank time before each node of a kind
+      send: 0.15             # rank time to post a send (the transfer can start once it is posted)
+      recv: 0.10             # rank time to post a receive
+      cores: 2               # cores the ranks of one node share; omitted: one per rank (no contention)
+      comm_cpu: 0.2          # with cores: CPU time one message takes from its node's cores
     p2p:
       message_bytes: 16777216            # one activation (= its gradient) crossing a stage boundary
       ranks_per_node: 8
@@ -50,7 +57,7 @@ import yaml
 
 from primuspipe.errors import ConfigError
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
-from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 
@@ -92,6 +99,45 @@ class P2PCost:
     def transfer_time(self, src: int, dst: int) -> float:
         same_node = src // self.ranks_per_node == dst // self.ranks_per_node
         return (self.intra_node if same_node else self.inter_node).time(self.message_bytes)
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """Time a rank spends on the host around its nodes, and the cores ranks share (docs/simulator.md).
+
+    The default is a free host: no overheads, a core per rank."""
+
+    overhead: tuple[tuple[str, float], ...] = ()
+    """``(kind, time)`` pairs, kinds by lower-case name (``f``, ``b``, ``w``, ``bw``, ``fb``): the rank
+    time spent before each node of that kind once its inputs are in (dispatch, taking the inputs,
+    bookkeeping); an unnamed kind takes none."""
+    send: float = 0.0
+    """Rank time to post one send; the transfer can start once both its ends are posted."""
+    recv: float = 0.0
+    """Rank time to post one receive."""
+    cores: float | None = None
+    """Cores the ranks of one node (``p2p.ranks_per_node`` of them) share for compute and host work;
+    when more ranks are busy than there are cores, they share them evenly (processor sharing, the fluid
+    form of an OS time-slicing them). None: every rank has its own (an accelerator per rank)."""
+    comm_cpu: float = 0.0
+    """With ``cores``: CPU time one message costs its node's communication threads, taken from the
+    shared cores while the transfer is in flight without holding up the rank."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overhead", tuple(sorted(self.overhead)))  # one model, one value
+        values = [v for _, v in self.overhead] + [self.send, self.recv, self.comm_cpu]
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ConfigError(f"host times must be >= 0 and finite, got {self}")
+        if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
+            raise ConfigError(f"host.cores must be a number > 0 (or omitted), got {self.cores}")
+
+    def before(self, kind: NodeKind) -> float:
+        """Rank time before a node of ``kind``."""
+        return dict(self.overhead).get(kind.name.lower(), 0.0)
+
+    def post(self, kind: NodeKind) -> float:
+        """Rank time to post a node of a communication ``kind``."""
+        return self.send if kind.is_send else self.recv
 
 
 @dataclass(frozen=True)
@@ -143,6 +189,10 @@ class CostModel:
     fb_overlap: float = 0.0
     """An FB node (F overlapped with another microbatch's B) costs ``F + B - fb_overlap * min(F, B)``."""
     p2p: P2PCost = P2PCost()
+    host: HostCost = HostCost()
+    cold_start: ComputeCosts | None = None
+    """Per stage, the extra time of each chunk's first F, B and W node in a step (BW: B + W) -- caches,
+    allocator and lazily built state are cold then; None: none."""
     memory: MemoryCost | None = None
     """None: bytes are not modelled (reported as 0); microbatch-unit memory is always reported."""
     time_unit: str = "ms"
@@ -153,6 +203,8 @@ class CostModel:
             raise ConfigError(f"fused_backward has {len(self.fused_backward)} values for {n} stages")
         if not 0.0 <= self.fb_overlap <= 1.0:
             raise ConfigError(f"fb_overlap must be in [0, 1] (0: F+B, 1: max(F, B)), got {self.fb_overlap}")
+        if self.cold_start is not None and self.cold_start.num_stages != n:
+            raise ConfigError(f"compute.cold_start has {self.cold_start.num_stages} values for {n} stages")
         if self.memory is not None and len(self.memory.activation_bytes) != n:
             raise ConfigError(f"memory.activation_bytes has {len(self.memory.activation_bytes)} values for {n} stages")
         if self.time_unit not in TIME_UNITS:
@@ -197,6 +249,12 @@ class CostModel:
             return self.overlapped_time(parts)
         return self.duration(*parts[0]) if parts else 0.0
 
+    def cold_start_time(self, parts: Sequence[tuple[NodeKind, int]]) -> float:
+        """Extra time of a node whose ``(kind, stage)`` parts are their chunks' first of that kind."""
+        if self.cold_start is None:
+            return 0.0
+        return sum(self.cold_start.of(kind)[stage] for kind, stage in parts if kind.spec.cost is not None)
+
     def static_bytes(self, rank: int) -> float:
         return 0.0 if self.memory is None else self.memory.static_bytes(rank)
 
@@ -204,8 +262,9 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, pp: int, vpp: int) -> CostModel:
         """Build from the YAML form (module docstring) for a pipeline of ``pp`` ranks x ``vpp`` chunks."""
-        top = _section(data, "cost model", {"time_unit", "compute", "p2p", "memory"})
-        comp = _section(top.get("compute"), "compute", {"f", "b", "w", "bw", "fb_overlap"}, required={"f", "b", "w"})
+        top = _section(data, "cost model", _SECTIONS)
+        comp = _section(top.get("compute"), "compute", {"f", "b", "w", "bw", "fb_overlap", "cold_start"},
+                        required={"f", "b", "w"})
         p2p = _section(top.get("p2p", {}), "p2p", {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
         links = {k: _section(p2p.get(k, {}), f"p2p.{k}", {"latency", "bandwidth"})
                  for k in ("intra_node", "inter_node")}
@@ -228,6 +287,7 @@ class CostModel:
                 p2p=P2PCost(float(p2p.get("message_bytes", 0.0)), ranks_per_node=int(p2p.get("ranks_per_node", 8)),
                             **{k: _link(v) for k, v in links.items()}),
                 memory=memory, time_unit=str(top.get("time_unit", "ms")),
+                host=_host(top.get("host", {})), cold_start=_cold_start(comp.get("cold_start"), pp, vpp),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"bad value in the cost model: {exc}") from exc
@@ -250,6 +310,13 @@ class CostModel:
         }
         if self.fused_backward is not None:
             out["compute"]["bw"] = list(self.fused_backward)
+        if self.cold_start is not None:
+            c = self.cold_start
+            out["compute"]["cold_start"] = {"f": list(c.forward), "b": list(c.backward_input), "w": list(c.backward_weight)}
+        if self.host != HostCost():
+            h = self.host
+            out["host"] = {"overhead": dict(h.overhead), "send": h.send, "recv": h.recv, "cores": h.cores,
+                           "comm_cpu": h.comm_cpu}
         if self.memory is not None:
             m = self.memory
             out["memory"] = {"activation_bytes": list(m.activation_bytes), "w_retained_fraction": m.w_retained_fraction,
@@ -281,7 +348,7 @@ def read_cost_file(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read cost model {path}: {exc}") from exc
-    return _section(data, f"cost model {path}", {"time_unit", "compute", "p2p", "memory"})
+    return _section(data, f"cost model {path}", _SECTIONS)
 
 
 def _section(data: Any, name: str, allowed: set[str], required: set[str] = frozenset()) -> dict[str, Any]:
@@ -294,6 +361,26 @@ def _section(data: Any, name: str, allowed: set[str], required: set[str] = froze
     if missing := set(required) - set(data):
         raise ConfigError(f"{name} lacks {sorted(missing)}")
     return dict(data)
+
+
+_SECTIONS = {"time_unit", "compute", "host", "p2p", "memory"}
+
+
+def _host(data: Any) -> HostCost:
+    host = _section(data, "host", {"overhead", "send", "recv", "cores", "comm_cpu"})
+    overhead = _section(host.get("overhead", {}), "host.overhead", {k.name.lower() for k in compute_kinds()})
+    cores = host.get("cores")
+    return HostCost(tuple((k, float(v)) for k, v in overhead.items()), float(host.get("send", 0.0)),
+                    float(host.get("recv", 0.0)), None if cores is None else float(cores),
+                    float(host.get("comm_cpu", 0.0)))
+
+
+def _cold_start(data: Any, pp: int, vpp: int) -> ComputeCosts | None:
+    """``compute.cold_start`` per model stage: like the times, per 1F1B stage and split among its chunks."""
+    if data is None:
+        return None
+    cold = _section(data, "compute.cold_start", {"f", "b", "w"})
+    return ComputeCosts(*(split_stages(f"compute.cold_start.{k}", cold.get(k, 0.0), pp, vpp) for k in ("f", "b", "w")))
 
 
 def _link(data: Mapping[str, Any]) -> Link:

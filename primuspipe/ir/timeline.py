@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from primuspipe.errors import TableFormatError
@@ -39,6 +39,12 @@ class TimedNode:
     node: ScheduleNode
     start: float
     end: float
+    cpu: tuple[float, float] | None = None
+    """Run dumps on CPU: the rank's own thread's CPU time at ``start`` and at ``end`` (from its step
+    start, in the timeline's unit), so time spent waiting for a core shows as wall time without CPU
+    time; None where not measured."""
+    bytes: int | None = None
+    """Run dumps: the size of the tensor a SEND/RECV node moved; None where not measured."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class Timeline:
                 {
                     "rank": r.rank,
                     "peak_memory_bytes": r.peak_memory_bytes,
-                    "events": [{"node": str(e.node), "start": e.start, "end": e.end} for e in r.events],
+                    "events": [_event_dict(e) for e in r.events],
                 }
                 for r in self.ranks
             ],
@@ -91,7 +97,10 @@ class Timeline:
             ranks = tuple(
                 RankTimeline(
                     int(r["rank"]),
-                    tuple(TimedNode(ScheduleNode.parse(e["node"]), float(e["start"]), float(e["end"])) for e in r["events"]),
+                    tuple(TimedNode(ScheduleNode.parse(e["node"]), float(e["start"]), float(e["end"]),
+                                    None if e.get("cpu") is None else (float(e["cpu"][0]), float(e["cpu"][1])),
+                                    None if e.get("bytes") is None else int(e["bytes"]))
+                          for e in r["events"]),
                     r.get("peak_memory_bytes"),
                 )
                 for r in data["ranks"]
@@ -114,6 +123,16 @@ class Timeline:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError) as exc:
             raise TableFormatError(f"cannot read timeline {path}: {exc}") from exc
+
+
+def _event_dict(e: TimedNode) -> dict:
+    """One event's JSON: node, start, end, and ``cpu`` / ``bytes`` where measured."""
+    out = {"node": str(e.node), "start": e.start, "end": e.end}
+    if e.cpu is not None:
+        out["cpu"] = list(e.cpu)
+    if e.bytes is not None:
+        out["bytes"] = e.bytes
+    return out
 
 
 # -- run dumps: one file per rank and iteration (written by primuspipe.runtime.recorder) --------
@@ -146,8 +165,15 @@ def merge_rank_dumps(dump_dir: str | os.PathLike, iteration: int) -> Timeline:
     for part in parts:
         shift = part.meta["t0_unix"] - origin
         (rank,) = part.ranks
-        ranks.append(RankTimeline(rank.rank, tuple(TimedNode(e.node, e.start + shift, e.end + shift) for e in rank.events),
+        ranks.append(RankTimeline(rank.rank, tuple(replace(e, start=e.start + shift, end=e.end + shift) for e in rank.events),
                                   rank.peak_memory_bytes))
     first = parts[0]
+    hosts = [{"rank": part.ranks[0].rank, **{k: part.meta[k] for k in _RANK_FACTS if k in part.meta}} for part in parts]
     return Timeline("run", first.algorithm, first.pp, first.vpp, first.microbatches, tuple(ranks), iteration,
-                    meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory")})
+                    meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory"),
+                          "ranks": hosts})
+
+
+_RANK_FACTS = ("host", "cpus", "threads", "process_cpu", "thread_cpu")
+"""What a rank's dump says about where and how it ran (see primuspipe.runtime.recorder); kept per rank
+in the merged timeline's ``meta["ranks"]``."""

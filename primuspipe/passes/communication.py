@@ -31,15 +31,12 @@ def add_communication(table: ScheduleTable) -> ScheduleTable:
             "pass table.compute_only() to rebuild its communication"
         )
     placement, wiring, m = table.placement, table.wiring, table.microbatches
-    ends: list[tuple] = []  # per route: (its send node at microbatch 0, its receive node, source rank)
+    ends: list[tuple] = []  # per route: ((kind, chunk, peer) of its send, of its receive), source rank
     for route in wiring.routes:
         first = Transfer(*route, 0)
-        ends.append((comm_node(placement, first, send=True), comm_node(placement, first, send=False),
+        send, recv = comm_node(placement, first, send=True), comm_node(placement, first, send=False)
+        ends.append(((send.kind, send.chunk, send.peer), (recv.kind, recv.chunk, recv.peer),
                      placement.rank_of(route.src_stage)))
-
-    def node_for(key: int, send: bool) -> ScheduleNode:
-        template = ends[key // m][0 if send else 1]
-        return ScheduleNode(template.kind, key % m, template.chunk, template.peer)
 
     send_order: dict[int, int] = {}  # transfer key -> its position among its source's sends
     for gives in wiring.gives:
@@ -55,10 +52,15 @@ def add_communication(table: ScheduleTable) -> ScheduleTable:
         new_row: list[ScheduleNode] = []
         row_moves, row_takes, row_gives = [], [], []
         for k, (node, taken, given) in enumerate(zip(row, wiring.takes[rank], wiring.gives[rank])):
-            before = recvs_before[k]
-            new_row += [node_for(key, send=False) for key in before]
+            for key in recvs_before.get(k, ()):
+                kind, chunk, peer = ends[key // m][1]
+                new_row.append(ScheduleNode(kind, key % m, chunk, peer))
             new_row.append(node)
-            new_row += [node_for(key, send=True) for key in given]
+            for key in given:
+                kind, chunk, peer = ends[key // m][0]
+                new_row.append(ScheduleNode(kind, key % m, chunk, peer))
+            # a communication node moves one key and takes or gives none; a compute node keeps its own
+            before = recvs_before.get(k, ())
             row_moves += [*before, -1, *given]
             row_takes += [()] * len(before) + [taken] + [()] * len(given)
             row_gives += [()] * len(before) + [given] + [()] * len(given)

@@ -106,11 +106,13 @@ def check_completeness(table: ScheduleTable) -> None:
     steps = list(dict.fromkeys(step for k in kinds for step in k.completes))
     done = _step_counts(table, steps)
     m = table.microbatches
-    for stage in range(table.num_stages):
-        for mb in range(m):
-            cell = stage * m + mb
-            if any(counts[cell] != 1 and (step in required or counts[cell] > 1) for step, counts in zip(steps, done)):
-                _refuse_cell(table, kinds, required, stage, mb)
+    if any(counts.count(1) != len(counts) if step in required else max(counts, default=0) > 1
+           for step, counts in zip(steps, done)):
+        for stage in range(table.num_stages):
+            for mb in range(m):
+                cell = stage * m + mb
+                if any(counts[cell] != 1 and (step in required or counts[cell] > 1) for step, counts in zip(steps, done)):
+                    _refuse_cell(table, kinds, required, stage, mb)
     if table.has_communication:
         _check_transfers_complete(table)
 
@@ -123,7 +125,7 @@ def _step_counts(table: ScheduleTable, steps: list[NodeKind]) -> list[list[int]]
     for rank, row in enumerate(table.ranks):
         completes: dict[tuple[NodeKind, int], tuple] = {}  # (kind, chunk) -> (step counters, first cell)
         for node in row:
-            for kind, mb, chunk in node.parts():
+            for kind, mb, chunk in ((node.kind, node.microbatch, node.chunk),) if node.pair is None else node.parts():
                 if (known := completes.get((kind, chunk))) is None:
                     stage = placement.stage(rank, chunk)
                     known = completes[(kind, chunk)] = (
@@ -217,7 +219,8 @@ def check_order(table: ScheduleTable) -> None:
                     _fail(table, "order", f"{_at(table, rank, i)} sends a tensor before {wiring.transfer(moved).carries}{node.microbatch}.{node.chunk} computes it",
                           [(rank, i)], "place the send after its producer")
                 continue
-            for part_kind, mb, chunk in node.parts():
+            parts = ((kind, node.microbatch, node.chunk),) if node.pair is None else node.parts()
+            for part_kind, mb, chunk in parts:
                 if (shape := shapes.get((part_kind, chunk))) is None:
                     stage = placement.stage(rank, chunk)
                     local = tuple((need, step_key(need.kind, need.stage)) for need in step_needs(placement, part_kind, stage, 0)
@@ -234,8 +237,9 @@ def check_order(table: ScheduleTable) -> None:
                 if first_in >= 0 and first_in + mb not in received:
                     _fail(table, "order", f"{_at(table, rank, i)} needs the {wiring.transfer(first_in + mb)} but no receive for it is posted before it",
                           [(rank, i)], "post the receive before its consumer")
-            for part_kind, mb, chunk in node.parts():
-                done.update(key + mb for key in shapes[(part_kind, chunk)][2])
+            for part_kind, mb, chunk in parts:
+                for key in shapes[(part_kind, chunk)][2]:
+                    done.add(key + mb)
 
 
 def check_pairing(table: ScheduleTable) -> None:

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline, dump_path
+from primuspipe.ir.timeline import RankTimeline, Timeline, dump_path
 
 T0 = 1_700_000_000.0
 
@@ -16,11 +16,13 @@ def split_into_rank_files(timeline: Timeline, dump_dir, iteration: int, skew: fl
     the original shifted by ``(pp - 1) * skew``."""
     for rt in timeline.ranks:
         shift = rt.rank * skew
-        events = tuple(sorted((TimedNode(e.node, e.start + shift, e.end + shift) for e in rt.events),
+        events = tuple(sorted((replace(e, start=e.start + shift, end=e.end + shift) for e in rt.events),
                               key=lambda e: (e.start, e.end)))
+        where = next((r for r in timeline.meta.get("ranks", ()) if r["rank"] == rt.rank), {})  # shared cores
         part = replace(timeline, source="run", iteration=iteration,
                        ranks=(RankTimeline(rt.rank, events, rt.peak_memory_bytes),),
-                       meta={"t0_unix": T0 - shift, "device": "cpu", "memory": "peak RSS"})
+                       meta={"t0_unix": T0 - shift, "device": "cpu", "memory": "peak RSS",
+                             **{k: v for k, v in where.items() if k != "rank"}})
         part.save(dump_path(dump_dir, iteration, rt.rank))
 
 
