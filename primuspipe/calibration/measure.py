@@ -44,12 +44,10 @@ shape only. At vpp = 1 the two are the same.
 
 from __future__ import annotations
 
-import bisect
-import math
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
@@ -106,6 +104,9 @@ class MeasuredCosts:
     """Cores the ranks shared (``host.cores``); None when each rank had its own."""
     comm_cpu: float | None = None
     """With ``cores``: CPU time per message on communication threads."""
+    step_gap: tuple[float, ...] | None = None
+    """Per rank, the time from its step's end to its next step's start (consecutive dumped iterations);
+    None where the dump cannot tell."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for
@@ -132,17 +133,22 @@ class MeasuredCosts:
             host["cores"] = self.cores
             if self.comm_cpu:
                 host["comm_cpu"] = self.comm_cpu
+        if self.step_gap is not None:
+            host["step_gap"] = list(self.step_gap)
         if host:
             out["host"] = host
+        p2p: dict[str, Any] = {}
+        if self.message_bytes:
+            p2p["message_bytes"] = self.message_bytes
+        if self.cores is not None:
+            p2p["ranks_per_node"] = self.pp  # the run's ranks shared one host's cores
         if self.p2p_latency or self.p2p_bandwidth:
             link: dict[str, Any] = {"latency": self.p2p_latency or 0.0}
             if self.p2p_bandwidth:
                 link["bandwidth"] = self.p2p_bandwidth
-            out["p2p"] = {"intra_node": dict(link), "inter_node": dict(link)}
-            if self.message_bytes:
-                out["p2p"] = {"message_bytes": self.message_bytes, **out["p2p"]}
-            if self.cores is not None:
-                out["p2p"]["ranks_per_node"] = self.pp  # one host: ranks_per_node says which ranks share cores
+            p2p.update(intra_node=dict(link), inter_node=dict(link))
+        if p2p:
+            out["p2p"] = p2p
         return out
 
     def to_yaml(self, *, per_model_stage: bool = False) -> str:
@@ -219,6 +225,14 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
     host_post = _medians(s.post for s in samples)
     latency, bandwidth, size = _transfer_fit(samples)
     comm_cpu = [c for s in samples for c in s.comm_cpu]
+
+    def host_time(kind: NodeKind) -> float:
+        """What the rank spends on the host before a node of ``kind`` (as measured just above)."""
+        if kind.is_compute:
+            return host_overhead.get(kind.name.lower(), 0.0)
+        return host_post.get("post_send" if kind.is_send else "post_recv", 0.0)
+
+    gaps = _step_gaps(used, host_time)
     if cores is not None:
         notes.append(f"the {first.pp} ranks ran as if sharing {cores:g} cores (fitted from how much longer than "
                      "their CPU time nodes took while others were busy): compute and host times are CPU times, and "
@@ -234,7 +248,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         _significant(statistics.median(overlaps)) if overlaps else None, latency,
         tuple(peaks), tuple(dict.fromkeys(notes)), cold, host_overhead,
         {k.removeprefix("post_"): v for k, v in host_post.items()}, bandwidth, size, cores,
-        _significant(statistics.median(comm_cpu)) if cores is not None and comm_cpu else None,
+        _significant(statistics.median(comm_cpu)) if cores is not None and comm_cpu else None, gaps,
     )
 
 
@@ -262,10 +276,11 @@ def effective_cores(timelines: Sequence[Timeline], placement: Placement) -> floa
                 return None
             busy.append((start + timeline.iteration * 1e6, end + timeline.iteration * 1e6))  # iterations apart
             got += cpu
-    level = _Concurrency(busy)
+    pieces = _levels(busy)
 
     def cpu_at(cores: float) -> float:
-        return level.capped_area(cores)
+        """CPU seconds the busy ranks would get on ``cores`` shared cores."""
+        return sum(span * min(count, cores) for span, count in pieces)
 
     if not busy or cpu_at(first.pp) <= got * (1 + 1e-9):
         return None
@@ -279,51 +294,55 @@ def effective_cores(timelines: Sequence[Timeline], placement: Placement) -> floa
 def _busy_intervals(timeline: Timeline, placement: Placement) -> list[tuple[float, float, float | None]]:
     """When each rank was busy (see :func:`effective_cores`), with the CPU time its thread got then
     (None where the timeline has no CPU times)."""
-    table = run_table(timeline, placement)
-    events = {rt.rank: {e.node: e for e in rt.events} for rt in timeline.ranks}
-    wiring = table.wiring
-    received = {key: events.get(rank, {}).get(node) for rank, row in enumerate(table.ranks)
-                for node, key in zip(row, wiring.moves[rank]) if key >= 0 and node.kind.is_recv}
     out = []
-    for rank, row in enumerate(table.ranks):
-        timed = [events.get(rank, {}).get(node) for node in row]
-        for (free, e), taken in zip(_after_free(row, timed), wiring.takes[rank]):
-            if e is None or free is None:
-                continue
-            end = e.end if e.node.kind.is_compute else e.start
-            arrived = max((r for key in taken if (r := received.get(key)) is not None), key=lambda r: r.end, default=None)
-            if arrived is not None and arrived.end > free[0]:
-                free = (arrived.end, arrived.cpu[1] if arrived.cpu else None)
-            begin, begin_cpu = free
-            done_cpu = None if e.cpu is None else e.cpu[1] if e.node.kind.is_compute else e.cpu[0]
-            cpu = None if done_cpu is None or begin_cpu is None else done_cpu - begin_cpu
-            if end > begin:
-                out.append((begin, end, cpu))
+    for step in _walk(timeline, placement):
+        if step.ready is None:
+            continue
+        e = step.event
+        end, done_cpu = (e.end, e.cpu and e.cpu[1]) if e.node.kind.is_compute else (e.start, e.cpu and e.cpu[0])
+        if end > step.ready[0]:
+            cpu = None if done_cpu is None or step.ready[1] is None else done_cpu - step.ready[1]
+            out.append((step.ready[0], end, cpu))
     return out
 
 
-class _Concurrency:
-    """How many intervals cover each instant (a step function, from the intervals' ends)."""
+def _levels(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """How many intervals cover the time line, as ``(duration, count)`` pieces."""
+    changes = sorted([(a, 1) for a, b in intervals if b > a] + [(b, -1) for a, b in intervals if b > a])
+    pieces, level = [], 0
+    for (t, delta), (following, _) in zip(changes, changes[1:]):
+        level += delta
+        pieces.append((following - t, level))
+    return pieces
 
-    def __init__(self, intervals: list[tuple[float, float]]):
-        changes = sorted([(a, 1) for a, b in intervals if b > a] + [(b, -1) for a, b in intervals if b > a])
-        self.times, self.counts, self.area = [], [], []
-        level = total = 0.0
-        last = changes[0][0] if changes else 0.0
-        for t, delta in changes:
-            total += level * (t - last)
-            level += delta
-            self.times.append(t)
-            self.counts.append(level)
-            self.area.append(total)
-            last = t
 
-    def capped_area(self, cap: float) -> float:
-        """The integral over time of ``min(count, cap)``."""
-        total = 0.0
-        for i in range(len(self.times) - 1):
-            total += min(self.counts[i], cap) * (self.times[i + 1] - self.times[i])
-        return total
+def _step_gaps(timelines: Sequence[Timeline], host_time) -> tuple[float, ...] | None:
+    """Per rank, the median time from the end of its last node of a step to its entering the next,
+    over the consecutive dumped iterations, on the wall clock (a run dump's ``t0_unix``). A rank enters
+    a step when its recorder starts (its own ``t0_unix``); a timeline without that uses its first
+    node's start less that node's host time. None without two consecutive iterations, or if any gap
+    is negative (iterations not dumped in time order)."""
+    def ends(t: Timeline) -> dict[int, tuple[float, float]]:
+        origin = t.meta["t0_unix"]
+        entered = {r["rank"]: r["t0_unix"] for r in t.meta.get("ranks", ()) if "t0_unix" in r}
+        out = {}
+        for rt in t.ranks:
+            if rt.events:
+                first = min(rt.events, key=lambda e: e.start)
+                start = entered.get(rt.rank, origin + first.start - host_time(first.node.kind))
+                out[rt.rank] = (start, origin + max(e.end for e in rt.events))
+        return out
+
+    by_iteration = {t.iteration: ends(t) for t in timelines if "t0_unix" in t.meta}
+    gaps: dict[int, list[float]] = defaultdict(list)
+    for k, ranks in by_iteration.items():
+        for rank, (_, last) in ranks.items():
+            if (after := by_iteration.get(k + 1, {}).get(rank)) is not None:
+                gaps[rank].append(after[0] - last)
+    pp = timelines[0].pp
+    if sorted(gaps) != list(range(pp)) or min(min(v) for v in gaps.values()) < 0:
+        return None
+    return tuple(_significant(statistics.median(gaps[r])) for r in range(pp))
 
 
 def _medians(groups) -> dict[str, float]:
@@ -395,62 +414,45 @@ class _Samples:
 
     @classmethod
     def of(cls, timeline: Timeline, placement: Placement, *, use_cpu: bool) -> _Samples:
-        table = run_table(timeline, placement)
-        wiring = table.wiring
-        events = {rt.rank: {e.node: e for e in rt.events} for rt in timeline.ranks}
-        rows = [[events.get(rank, {}).get(node) for node in row] for rank, row in enumerate(table.ranks)]
-        sent: dict[int, TimedNode] = {}
-        received: dict[int, TimedNode] = {}
-        for rank, row in enumerate(table.ranks):
-            for node, e, key in zip(row, rows[rank], wiring.moves[rank]):
-                if key >= 0 and e is not None:
-                    (sent if node.kind.is_send else received)[key] = e
+        steps = list(_walk(timeline, placement))
+        # what a node that cannot wait (it takes no transfer) spends on the host: the tolerance below
+        # which an input arriving after the rank was free is the cost of taking it, not a wait
+        free_gaps = [_gap(s.ready, s.event, False) for s in steps
+                     if s.ready is not None and s.event.node.kind.is_compute and not s.takes_input]
+        tolerance = statistics.median(free_gaps) if free_gaps else 0.0
 
         def span(e: TimedNode) -> float:
             return e.cpu[1] - e.cpu[0] if use_cpu and e.cpu is not None else e.end - e.start
 
-        # what a node that cannot wait (it takes no transfer) spends on the host: the tolerance below
-        # which an input "arriving" after the rank was free is the cost of taking it, not a wait
-        free_gaps = [_gap(free, e, False) for rank, row in enumerate(table.ranks)
-                     for (free, e), taken in zip(_after_free(row, rows[rank]), wiring.takes[rank])
-                     if free is not None and e is not None and e.node.kind.is_compute and not taken]
-        tolerance = statistics.median(free_gaps) if free_gaps else 0.0
-
         durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         firsts: list[tuple[NodeKind, int, float]] = []
+        seen: set[tuple] = set()
         pairs, waits, comm_cpu = [], [], []
         host: dict[str, list[float]] = defaultdict(list)
         post: dict[str, list[float]] = defaultdict(list)
-        for rank, row in enumerate(table.ranks):
-            seen: set[tuple] = set()
-            for (free, e), taken in zip(_after_free(row, rows[rank]), wiring.takes[rank]):
-                if e is None:
-                    continue
-                node, kind = e.node, e.node.kind
-                if not kind.is_compute:
-                    if free is not None:
-                        post[f"post_{'send' if kind.is_send else 'recv'}"].append(_gap(free, e, use_cpu))
-                    continue
-                if node.pair is not None:
-                    (_, _, fc), (_, _, bc) = node.parts()
-                    pairs.append((placement.stage(rank, fc), placement.stage(rank, bc), e.end - e.start))
+        for step in steps:
+            e, rank = step.event, step.rank
+            node, kind = e.node, e.node.kind
+            if not kind.is_compute:
+                if step.ready is not None:
+                    post[f"post_{'send' if kind.is_send else 'recv'}"].append(_gap(step.ready, e, use_cpu))
+                continue
+            if node.pair is not None:
+                (_, _, fc), (_, _, bc) = node.parts()
+                pairs.append((placement.stage(rank, fc), placement.stage(rank, bc), e.end - e.start))
+            else:
+                stage = placement.stage(rank, node.chunk)
+                if (rank, kind, node.chunk) in seen:
+                    durations[(kind, stage)].append(span(e))
                 else:
-                    stage = placement.stage(rank, node.chunk)
-                    if (kind, node.chunk) in seen:
-                        durations[(kind, stage)].append(span(e))
-                    else:
-                        seen.add((kind, node.chunk))
-                        firsts.append((kind, stage, span(e)))
-                if free is None:
-                    continue
-                inputs = [(sent.get(key), received.get(key)) for key in taken]
-                if inputs and all(x is not None and r is not None for x, r in inputs):
-                    send, recv = max(inputs, key=lambda pair: pair[1].end)
-                    if recv.end > free[0]:  # the rank went on from the input's arrival
-                        if recv.end - free[0] > tolerance:  # longer than taking an input takes: it waited
-                            waits.append((recv.end - max(send.start, recv.start), recv.bytes))
-                        free = (recv.end, recv.cpu[1] if recv.cpu else None)
-                host[kind.name.lower()].append(_gap(free, e, use_cpu))
+                    seen.add((rank, kind, node.chunk))
+                    firsts.append((kind, stage, span(e)))
+            if step.ready is None:
+                continue
+            host[kind.name.lower()].append(_gap(step.ready, e, use_cpu))
+            if step.waited is not None and step.idle > tolerance:  # longer than taking an input takes
+                send, recv = step.waited
+                waits.append((recv.end - max(send.start, recv.start), recv.bytes))
         cold: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         for kind, stage, took in firsts:
             if rest := durations.get((kind, stage)):
@@ -465,19 +467,51 @@ class _Samples:
         return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits, comm_cpu)
 
 
-def _after_free(row, timed):
-    """Per node of a rank's row, ``(free, event)``: when the rank was done with its previous node --
-    ``(wall time, CPU time)`` of that compute node's end or that posting's stamp, None before the
-    first node or after one the timeline lacks -- and the node's event (None if missing)."""
-    free = None
-    for node, e in zip(row, timed):
-        yield free, e
-        if e is None:
-            free = None
-        elif node.kind.is_compute:
-            free = (e.end, e.cpu[1] if e.cpu else None)
-        else:
-            free = (e.start, e.cpu[0] if e.cpu else None)
+@dataclass(frozen=True)
+class _Step:
+    """One node of a rank's row as it ran, with when the rank was ready to start on it."""
+
+    rank: int
+    event: TimedNode
+    ready: tuple[float, float | None] | None
+    """``(wall time, CPU time)`` the rank was free to go on with this node: the end of its previous
+    compute node or the stamp of its previous posting, or, for a compute node whose input arrived
+    later, that arrival (a receive's end). None before the rank's first node or after a missing one."""
+    takes_input: bool
+    """A compute node that consumes a transfer."""
+    waited: tuple[TimedNode, TimedNode] | None = None
+    """``(send, receive)`` of the input that arrived after the rank was free, if one did."""
+    idle: float = 0.0
+    """How long the rank was free before that input arrived."""
+
+
+def _walk(timeline: Timeline, placement: Placement) -> Iterator[_Step]:
+    """Every recorded node of every rank, in table order (the full table the run executed)."""
+    table = run_table(timeline, placement)
+    wiring = table.wiring
+    events = {rt.rank: {e.node: e for e in rt.events} for rt in timeline.ranks}
+    rows = [[events.get(rank, {}).get(node) for node in row] for rank, row in enumerate(table.ranks)]
+    sent: dict[int, TimedNode] = {}
+    received: dict[int, TimedNode] = {}
+    for rank, row in enumerate(table.ranks):
+        for node, e, key in zip(row, rows[rank], wiring.moves[rank]):
+            if key >= 0 and e is not None:
+                (sent if node.kind.is_send else received)[key] = e
+    for rank, row in enumerate(table.ranks):
+        free = None
+        for e, taken in zip(rows[rank], wiring.takes[rank]):
+            if e is None:
+                free = None
+                continue
+            step = _Step(rank, e, free, bool(taken))
+            ends = [(sent.get(key), received.get(key)) for key in taken]
+            if free is not None and ends and all(x is not None and r is not None for x, r in ends):
+                send, recv = max(ends, key=lambda pair: pair[1].end)
+                if recv.end > free[0]:
+                    step = replace(step, ready=(recv.end, recv.cpu and recv.cpu[1]), waited=(send, recv),
+                                   idle=recv.end - free[0])
+            yield step
+            free = (e.end, e.cpu and e.cpu[1]) if e.node.kind.is_compute else (e.start, e.cpu and e.cpu[0])
 
 
 def _gap(free: tuple[float, float | None], e: TimedNode, use_cpu: bool) -> float:

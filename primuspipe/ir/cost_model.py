@@ -28,6 +28,7 @@ optimizer bytes) are one number or ``pp`` values::
       recv: 0.10             # rank time to post a receive
       cores: 2               # cores the ranks of one node share; omitted: one per rank (no contention)
       comm_cpu: 0.2          # with cores: CPU time one message takes from its node's cores
+      step_gap: 3.0          # per rank (one number or pp values): from its step's end to its next step
     p2p:
       message_bytes: 16777216            # one activation (= its gradient) crossing a stage boundary
       ranks_per_node: 8
@@ -122,10 +123,15 @@ class HostCost:
     comm_cpu: float = 0.0
     """With ``cores``: CPU time one message costs its node's communication threads, taken from the
     shared cores while the transfer is in flight without holding up the rank."""
+    step_gap: tuple[float, ...] | None = None
+    """Per rank, the time from the end of its step to the start of its next (optimizer, gradient
+    synchronisation, the next batch): a rank that finishes early starts the next step early, so in the
+    steady state of training ranks enter a step at different times. None: every rank starts every
+    step together (as after a step-end synchronisation)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overhead", tuple(sorted(self.overhead)))  # one model, one value
-        values = [v for _, v in self.overhead] + [self.send, self.recv, self.comm_cpu]
+        values = [v for _, v in self.overhead] + [self.send, self.recv, self.comm_cpu, *(self.step_gap or ())]
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ConfigError(f"host times must be >= 0 and finite, got {self}")
         if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
@@ -287,7 +293,7 @@ class CostModel:
                 p2p=P2PCost(float(p2p.get("message_bytes", 0.0)), ranks_per_node=int(p2p.get("ranks_per_node", 8)),
                             **{k: _link(v) for k, v in links.items()}),
                 memory=memory, time_unit=str(top.get("time_unit", "ms")),
-                host=_host(top.get("host", {})), cold_start=_cold_start(comp.get("cold_start"), pp, vpp),
+                host=_host(top.get("host", {}), pp), cold_start=_cold_start(comp.get("cold_start"), pp, vpp),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"bad value in the cost model: {exc}") from exc
@@ -316,7 +322,7 @@ class CostModel:
         if self.host != HostCost():
             h = self.host
             out["host"] = {"overhead": dict(h.overhead), "send": h.send, "recv": h.recv, "cores": h.cores,
-                           "comm_cpu": h.comm_cpu}
+                           "comm_cpu": h.comm_cpu, "step_gap": None if h.step_gap is None else list(h.step_gap)}
         if self.memory is not None:
             m = self.memory
             out["memory"] = {"activation_bytes": list(m.activation_bytes), "w_retained_fraction": m.w_retained_fraction,
@@ -366,13 +372,14 @@ def _section(data: Any, name: str, allowed: set[str], required: set[str] = froze
 _SECTIONS = {"time_unit", "compute", "host", "p2p", "memory"}
 
 
-def _host(data: Any) -> HostCost:
-    host = _section(data, "host", {"overhead", "send", "recv", "cores", "comm_cpu"})
+def _host(data: Any, pp: int) -> HostCost:
+    host = _section(data, "host", {"overhead", "send", "recv", "cores", "comm_cpu", "step_gap"})
     overhead = _section(host.get("overhead", {}), "host.overhead", {k.name.lower() for k in compute_kinds()})
-    cores = host.get("cores")
+    cores, gap = host.get("cores"), host.get("step_gap")
     return HostCost(tuple((k, float(v)) for k, v in overhead.items()), float(host.get("send", 0.0)),
                     float(host.get("recv", 0.0)), None if cores is None else float(cores),
-                    float(host.get("comm_cpu", 0.0)))
+                    float(host.get("comm_cpu", 0.0)),
+                    None if gap is None else per_stage_values("host.step_gap", gap, pp, "ranks"))
 
 
 def _cold_start(data: Any, pp: int, vpp: int) -> ComputeCosts | None:

@@ -174,6 +174,6 @@ def merge_rank_dumps(dump_dir: str | os.PathLike, iteration: int) -> Timeline:
                           "ranks": hosts})
 
 
-_RANK_FACTS = ("host", "cpus", "threads", "process_cpu", "thread_cpu")
+_RANK_FACTS = ("t0_unix", "host", "cpus", "threads", "process_cpu", "thread_cpu")
 """What a rank's dump says about where and how it ran (see primuspipe.runtime.recorder); kept per rank
 in the merged timeline's ``meta["ranks"]``."""

@@ -22,7 +22,6 @@ for all of them together (:func:`_run_shared`). A compute-only table gets its co
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import math
@@ -39,6 +38,9 @@ from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline, idle_share
 
 _COMPUTE, _SEND, _RECV = 0, 1, 2
+_STEADY_STATE_ROUNDS = 50
+"""With step gaps, steps are replayed until each rank enters the step at the same offset as in the
+previous one (a pipeline settles in a few rounds); at most this many."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class RankResult:
     cpu: tuple[tuple[float, float], ...] | None = None
     """With ranks sharing cores (``host.cores``): per node, the CPU time this rank had got by its start
     and by its end (as a run dump records it); None otherwise."""
+    entered: float = 0.0
+    """When the rank entered the step: 0, or with step gaps its steady-state offset."""
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -89,6 +93,9 @@ class SimulationResult:
     """From the step's start to its last node's end, in the cost model's time unit."""
     ranks: tuple[RankResult, ...]
     """Per rank, in rank order."""
+    period: float | None = None
+    """With step gaps (``host.step_gap``): the steady-state time from one step's start to the next's,
+    ranks entering each step at their ``starts`` offsets; None without."""
 
     @property
     def bubble_rate(self) -> float:
@@ -134,9 +141,16 @@ class SimulationResult:
             "bubble_rate_span": self.span_bubble_rate,
             "peak_activations": self.peak_activations,
         }
-        if self.cost.host.cores is not None:  # which ranks share cores, as a run dump says where ranks ran
-            per_node = self.cost.p2p.ranks_per_node
-            meta["ranks"] = [{"rank": r.rank, "host": f"node {r.rank // per_node}"} for r in self.ranks]
+        facts: list[dict] = [{"rank": r.rank} for r in self.ranks]  # what a run dump says per rank
+        if self.period is not None:
+            meta["period"] = self.period
+            for fact, r in zip(facts, self.ranks):
+                fact["entered"] = r.entered
+        if self.cost.host.cores is not None:  # which ranks share cores
+            for fact in facts:
+                fact["host"] = f"node {fact['rank'] // self.cost.p2p.ranks_per_node}"
+        if len(facts[0]) > 1:
+            meta["ranks"] = facts
         modelled = self.cost.memory is not None  # without a memory section, bytes are unknown, not zero
         ranks = tuple(RankTimeline(r.rank, r.events, round(r.peak_memory_bytes) if modelled else None) for r in self.ranks)
         return Timeline("simulator", t.algorithm, t.pp, t.vpp, t.microbatches, ranks, iteration,
@@ -155,21 +169,36 @@ def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
     if cost.num_stages != table.num_stages:
         raise SimulationError(f"the cost model describes {cost.num_stages} stages but the table has "
                               f"{table.num_stages} (pp={table.pp} x vpp={table.vpp}); build the costs for this shape")
+    gaps = cost.host.step_gap
+    if gaps is not None and len(gaps) != table.pp:
+        raise SimulationError(f"host.step_gap has {len(gaps)} values but the table has {table.pp} ranks; give one "
+                              "number or one per rank")
     full = table if table.has_communication else add_communication(table)
     programs, lanes = _compile(full, cost)
-    if cost.host.cores is None:
-        (starts, ends, busy), cpu = _run_dedicated(full, programs, lanes), None
-    else:
-        starts, ends, busy, cpu = _run_shared(full, programs, lanes, cost=cost)
+    offsets = [0.0] * full.pp
+    for _ in range(_STEADY_STATE_ROUNDS if gaps is not None and any(gaps) else 1):
+        if cost.host.cores is None:
+            (starts, ends, busy), cpu = _run_dedicated(full, programs, lanes, offsets), None
+        else:
+            starts, ends, busy, cpu = _run_shared(full, programs, lanes, offsets, cost=cost)
+        if gaps is None:
+            break
+        # the next step: each rank starts its step gap after its own end
+        nxt = [max(e, default=o) + g for e, o, g in zip(ends, offsets, gaps)]
+        nxt = [x - min(nxt) for x in nxt]
+        if all(abs(a - b) <= 1e-12 * (1 + abs(a)) for a, b in zip(nxt, offsets)):
+            break
+        offsets = nxt
     step = max((max(e, default=0.0) for e in ends), default=0.0)
+    period = None if gaps is None else min(max(e, default=o) + g - o for e, o, g in zip(ends, offsets, gaps))
     units, act_bytes = peak_activations(full, cost.memory)
     ranks = tuple(
         RankResult(r, full.ranks[r], tuple(starts[r]), tuple(ends[r]), busy[r],
                    idle_share(step, busy[r]), units[r], act_bytes[r], cost.static_bytes(r),
-                   None if cpu is None else tuple(cpu[r]))
+                   None if cpu is None else tuple(cpu[r]), offsets[r])
         for r in range(full.pp)
     )
-    return SimulationResult(full, cost, step, ranks)
+    return SimulationResult(full, cost, step, ranks, period)
 
 
 def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], list[tuple[int, int]]]:
@@ -216,17 +245,18 @@ def _shape(placement, rank: int, node: ScheduleNode, cost: CostModel, lanes: dic
     return _SEND if kind.is_send else _RECV, cost.host.post(kind), lane, cost.p2p.transfer_time(src, dst)
 
 
-def _run_dedicated(table: ScheduleTable, programs: list[list[tuple]], lanes: list[tuple[int, int]]):
+def _run_dedicated(table: ScheduleTable, programs: list[list[tuple]], lanes: list[tuple[int, int]],
+                   offsets: list[float]):
     """The event loop for ranks with a device each: every rank runs as far as it can, then waits for a
-    transfer; an arrival wakes its consumer. Returns per-rank start and end times (indexed like the
-    table's rows) and busy (compute) time."""
+    transfer; an arrival wakes its consumer. Rank ``r`` enters the step at ``offsets[r]``. Returns
+    per-rank start and end times (indexed like the table's rows) and busy (compute) time."""
     pp = len(programs)
     starts = [[0.0] * len(p) for p in programs]
     ends = [[0.0] * len(p) for p in programs]
     posted = [([], []) for _ in lanes]  # per lane: (sends, receives) as [(time, rank, index, transfer)]
     arrival: dict[int, float] = {}  # transfer key -> arrival time
     waiting: dict[int, int] = {}  # transfer key -> the rank blocked on it
-    ptr, clock = [0] * pp, [0.0] * pp
+    ptr, clock = [0] * pp, list(offsets)
     ready = deque(range(pp))
     while ready:
         rank = ready.popleft()
@@ -266,8 +296,8 @@ def _run_dedicated(table: ScheduleTable, programs: list[list[tuple]], lanes: lis
     return starts, ends, busy
 
 
-def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[tuple[int, int]], *,
-                cost: CostModel):
+def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[tuple[int, int]],
+                offsets: list[float], *, cost: CostModel):
     """The event loop for ranks sharing ``host.cores`` cores per node (``p2p.ranks_per_node`` ranks):
     processor sharing, i.e. while ``n`` CPU jobs of a node are running each progresses at
     ``min(1, cores / n)``. A rank's host time and compute are jobs of its node; each message adds a
@@ -359,8 +389,8 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
                 for end in lanes[lane]:
                     start_job(node_of[end], cost.host.comm_cpu / 2, -1, _DETACHED)
 
-    for rank in range(pp):
-        advance(rank)
+    for rank in range(pp):  # a rank entering the step later arrives like a transfer (key ~rank)
+        heapq.heappush(arrivals, (offsets[rank], ~rank))
     while True:
         best, node = math.inf, -1
         for n in range(nodes):
@@ -378,6 +408,9 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
         now = best
         if node < 0:
             _, transfer, *ends_posted = heapq.heappop(arrivals)
+            if transfer < 0:
+                advance(~transfer)
+                continue
             for _, end_rank, end_index, _ in ends_posted:
                 cpu[end_rank][end_index][1] = cpu_now(end_rank)
             arrived.add(transfer)

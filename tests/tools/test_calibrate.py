@@ -102,24 +102,27 @@ def test_mismatched_timelines_are_refused():
 
 
 # -- every term of the cost model, recovered exactly from a dump of a step simulated with it ----------
-HOST = HostCost(overhead=(("f", 0.0625), ("b", 0.125), ("w", 0.03125)), send=0.09375, recv=0.046875)
+HOST = HostCost(overhead=(("f", 0.0625), ("b", 0.125), ("w", 0.03125)), send=0.09375, recv=0.046875,
+                step_gap=(0.5, 1.0, 0.25, 0.75))
 COLD = ComputeCosts.per_stage(4, [0.5, 0.25, 0.5, 0.75], 0.25, 0.125)
 F, B, W = [1.0, 1.25, 1.0, 1.5], [1.5, 2.0, 1.0, 1.5], [0.5, 1.0, 0.75, 0.5]
 
 
 @pytest.mark.parametrize("cores", [None, 1.5, 2.0], ids=["a core per rank", "1.5 cores", "2 cores"])
 def test_host_latency_cold_start_and_cores_are_recovered_exactly(write_dump, cores):
-    """Host overheads per kind, posting times, the p2p latency, cold starts and the cores ranks share:
-    simulated, dumped in the on-disk format (two iterations, ranks' clocks skewed), measured back."""
+    """Host overheads per kind, posting times, the gaps between steps, the p2p latency, cold starts
+    and the cores ranks share: a steady-state step simulated with them, dumped in the on-disk format
+    (three consecutive iterations, ranks' clocks skewed), measured back."""
     cost = CostModel.per_stage(4, F, B, W, p2p=P2P, time_unit="s", host=replace(HOST, cores=cores), cold_start=COLD)
     timeline = simulate(build_schedule("zb-h1", 4, 8, costs=cost.compute), cost).timeline()
-    measured = measure_costs(load_iterations(write_dump([timeline, timeline])))
+    measured = measure_costs(load_iterations(write_dump([timeline] * 3)))
     assert (measured.forward, measured.backward_input, measured.backward_weight) == (tuple(F), tuple(B), tuple(W))
     assert measured.cold_start == (COLD.forward, COLD.backward_input, COLD.backward_weight)
     assert measured.host_overhead == dict(HOST.overhead)
     assert measured.host_post == {"send": HOST.send, "recv": HOST.recv}
     assert measured.p2p_latency == 0.05
     assert measured.cores == cores
+    assert measured.step_gap == HOST.step_gap
     file = CostModel.from_dict(measured.cost_dict(), pp=4, vpp=1)
     assert file.host == cost.host and file.cold_start == cost.cold_start
     assert simulate(executed_table(timeline), file).timeline().step_time == pytest.approx(timeline.step_time, rel=1e-9)
