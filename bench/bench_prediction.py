@@ -184,10 +184,43 @@ def primuspipe(*argv: str) -> dict:
     return json.loads(done.stdout)
 
 
+def measure_runs(pp: int, args: argparse.Namespace, work: Path) -> dict[str, list[dict]]:
+    """Every algorithm's runs at ``pp``, in turn, ``--runs`` times; kept in ``work`` for ``--reuse``."""
+    saved = work / f"pp{pp}" / "runs.json"
+    if args.reuse:
+        return json.loads(saved.read_text())
+    runs: dict[str, list[dict]] = {name: [] for name in (CALIBRATION, *PREDICTED)}
+    for rep in range(args.runs):
+        for name in runs:
+            runs[name].append(accepted_run(name, pp, args, work, rep))
+    saved.write_text(json.dumps(runs, indent=1))
+    return runs
+
+
+def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work: Path) -> dict:
+    """Predicted (from the 1F1B runs) vs measured step and bubble of every algorithm at ``pp``."""
+    calibration, predicted = predict(runs[CALIBRATION], pp, args, work)
+    table = []
+    for name, records in runs.items():
+        per_run = [load_iterations(r["dump"])[1:] for r in records]  # each run's iterations but its first
+        steps = [statistics.median(t.step_time for t in run) for run in per_run]
+        bubbles = [statistics.median(map(bubble_rate, run)) for run in per_run]
+        step, bubble, row = statistics.median(steps), statistics.median(bubbles), predicted[name]
+        table.append({"algorithm": name, "vpp": row["vpp"], "predicted_step_s": row["step_time"],
+                      "measured_step_s": step, "error": row["step_time"] / step - 1,
+                      "predicted_bubble_rate": row["bubble_rate"], "measured_bubble_rate": bubble,
+                      "measured_runs": [{"step_s": x, "bubble_rate": y, **{k: r[k] for k in (
+                          "schedule_call_s", "external_cores", "external_cores_tries")}}
+                          for x, y, r in zip(steps, bubbles, records)]})
+        print(f"pp={pp} {name:17s} predicted {row['step_time'] * 1e3:7.2f} ms, measured {step * 1e3:7.2f} ms "
+              f"({row['step_time'] / step - 1:+.1%}); bubble {row['bubble_rate']:.3f} vs {bubble:.3f}", flush=True)
+    return {"calibration": calibration, "algorithms": table}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each algorithm per pp (median over them)")
-    parser.add_argument("--iterations", type=int, default=12, help="training iterations per run (first dropped)")
+    parser.add_argument("--iterations", type=int, default=10, help="training iterations per run (first dropped)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128, help="hidden size of the GPT (ffn: 4x)")
     parser.add_argument("--seq", type=int, default=64, help="sequence length")
@@ -200,34 +233,20 @@ def main() -> None:
                         help="cores other processes may take during a run before it is done again")
     parser.add_argument("--retries", type=int, default=2)
     parser.add_argument("--keep", type=Path, help="keep the dumps and cost files here (default: a temporary folder)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="run nothing: calibrate, predict and compare again from the runs kept in --keep")
     parser.add_argument("-o", "--output", type=Path, default=ROOT / "bench" / "results" / "prediction.json")
     args = parser.parse_args()
+    if args.reuse and args.keep is None:
+        parser.error("--reuse needs --keep DIR, the folder of an earlier run")
     with contextlib.ExitStack() as stack:
         work = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="primuspipe-prediction-")))
         report: dict = {"bench": "prediction", "host": platform.node(), "cpus": os.cpu_count(),
                         "python": platform.python_version(), "microbatches": args.microbatches,
-                        "iterations": args.iterations, "runs": args.runs, "calibrated_from": CALIBRATION,
-                        "target_relative_error": TARGET, "pp": {}}
+                        "iterations": args.iterations, "runs": args.runs, "model": dataclasses.asdict(model(args)),
+                        "calibrated_from": CALIBRATION, "target_relative_error": TARGET, "pp": {}}
         for pp in args.pp:
-            runs: dict[str, list[dict]] = {name: [] for name in (CALIBRATION, *PREDICTED)}
-            for rep in range(args.runs):
-                for name in runs:
-                    runs[name].append(accepted_run(name, pp, args, work, rep))
-            calibration, predicted = predict(runs[CALIBRATION], pp, args, work)
-            table = []
-            for name, records in runs.items():
-                step = statistics.median(r["step_s"] for r in records)
-                bubble = statistics.median(r["bubble_rate"] for r in records)
-                row = predicted[name]
-                table.append({"algorithm": name, "vpp": row["vpp"], "predicted_step_s": row["step_time"],
-                              "measured_step_s": step, "error": row["step_time"] / step - 1,
-                              "predicted_bubble_rate": row["bubble_rate"], "measured_bubble_rate": bubble,
-                              "measured_runs": [{k: r[k] for k in ("step_s", "bubble_rate", "schedule_call_s",
-                                                                   "external_cores", "external_cores_tries")}
-                                                for r in records]})
-                print(f"pp={pp} {name:17s} predicted {row['step_time'] * 1e3:7.2f} ms, measured {step * 1e3:7.2f} ms "
-                      f"({row['step_time'] / step - 1:+.1%}); bubble {row['bubble_rate']:.3f} vs {bubble:.3f}", flush=True)
-            report["pp"][str(pp)] = {"calibration": calibration, "algorithms": table}
+            report["pp"][str(pp)] = compare(pp, measure_runs(pp, args, work), args, work)
         errors = [abs(row["error"]) for entry in report["pp"].values() for row in entry["algorithms"]
                   if row["algorithm"] != CALIBRATION]
         report["max_abs_error"] = max(errors)

@@ -176,7 +176,7 @@ def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
     full = table if table.has_communication else add_communication(table)
     programs, lanes = _compile(full, cost)
     offsets = [0.0] * full.pp
-    for _ in range(_STEADY_STATE_ROUNDS if gaps is not None and any(gaps) else 1):
+    for _ in range(1 if gaps is None else _STEADY_STATE_ROUNDS):
         if cost.host.cores is None:
             (starts, ends, busy), cpu = _run_dedicated(full, programs, lanes, offsets), None
         else:
@@ -304,7 +304,11 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
     detached ``host.comm_cpu`` job, half on each end's node, while it is in flight. Time passes for all
     ranks together: the next event is the earliest job completion (tracked per node in *virtual time*,
     the work a job running since the start would have done) or transfer arrival. Also returns, per
-    rank and node, the CPU time the rank had got by the node's start and end."""
+    rank and node, the CPU time the rank had got by the node's start and end.
+
+    A compute node is reported as an OS time-slicing ranks shows it in a run's dump: ending when its
+    work is done, lasting its work (a rank holds its core through a node and waits for one between
+    nodes), so busy time is work and the time spent sharing is idle time before the node."""
     pp, cores, per_node = len(programs), cost.host.cores, cost.p2p.ranks_per_node
     node_of = [r // per_node for r in range(pp)]
     nodes = node_of[-1] + 1 if pp else 0
@@ -370,7 +374,8 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
             end_work(rank, i)
 
     def end_work(rank: int, i: int) -> None:
-        ends[rank][i] = now
+        # drawn as the OS runs it: its own work at full speed, ending now, after waiting for a core
+        starts[rank][i], ends[rank][i] = now - programs[rank][i][2], now
         cpu[rank][i][1] = got[rank]
         ptr[rank] = i + 1
         advance(rank)
@@ -432,8 +437,7 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
         else:
             end_work(rank, i)
     _check_finished(table, programs, ptr, waiting, posted)
-    busy = [sum(e - s for op, s, e in zip(ops, st, en) if op[0] == _COMPUTE)
-            for ops, st, en in zip(programs, starts, ends)]
+    busy = [sum(op[2] for op in ops if op[0] == _COMPUTE) for ops in programs]
     return starts, ends, busy, [[tuple(c) for c in row] for row in cpu]
 
 
