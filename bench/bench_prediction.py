@@ -1,28 +1,31 @@
 """Does the simulator predict real runs? Calibrate from 1F1B alone, predict other algorithms, run them.
 
     python bench/bench_prediction.py [--runs 3] [--iterations 10] [--microbatches 8] [--hidden 128]
-                                     [--lock FILE] [--keep DIR] [-o bench/results/prediction.json]
+                                     [--lock FILE] [--keep DIR [--reuse]] [-o bench/results/prediction.json]
 
 For pp = 2 and pp = 4 (megatron-core GPT on CPU, gloo ranks of one thread each through the Megatron
-CPU harness, primuspipe's schedule with ``dump_pp_data``): run 1f1b, zb-h1, zbv, interleaved-1f1b and
-v-half, ``--runs`` times each, in turn (1f1b, zb-h1, ..., then again), so slow spells of the machine
-hit every algorithm alike. Then
+CPU harness, primuspipe's schedules with ``dump_pp_data``), each run is one session that trains a
+model per algorithm -- 1f1b, zb-h1, zbv, interleaved-1f1b, v-half -- a step of each in turn, so every
+algorithm meets the machine in the same state (on a shared machine the speed drifts by ten percent
+from minute to minute); a barrier starts every step on all ranks together, as a synchronising
+optimizer step does. ``--runs`` sessions per pp. Then
 
-* **calibrate** from the 1f1b runs only: ``measure_costs`` over all their iterations (each run's
-  first dropped), written as the portable cost file ``primuspipe calibrate`` writes;
+* **calibrate** from the 1f1b dumps only: ``measure_costs`` over all their iterations (each session's
+  first dropped), written as the portable cost file ``primuspipe calibrate`` writes (without step
+  gaps: steps start together here);
 * **predict** with ``primuspipe simulate --cost FILE -a all --json``, the command a user runs;
 * **measure** each algorithm's step: the dump's step span (first node start to last node end over all
-  ranks, what the simulator predicts), median over a run's iterations after the first, then the median
-  over runs; the bubble rate likewise (worst rank's ``(step - busy) / step``).
+  ranks, what the simulator predicts), median over a session's iterations after the first, then the
+  median over sessions; the bubble rate likewise (worst rank's ``(step - busy) / step``).
 
 The GPT is tiny-gpt widened (``--hidden 128 --seq 64``, 8 layers, micro-batch 4): at the example's
 hidden size of 16 a node is mostly Python and a split backward's B + W costs a quarter more than the
-fused BW, a cost no 1F1B run can show; here compute dominates as in real training and the split costs
-a few percent. The machine is shared: before each run the bench waits (up to ``--quiet-wait`` s) for
-the CPUs to be idle, and it measures how much CPU other processes took during the run (the host's busy
-time less its own and its children's); a run where they took more than ``--max-external`` cores is
-done again (up to ``--retries`` times) and the figure is kept in the results either way. Target: every
-predicted step time within 5 % of the measured one. The table goes in the README.
+fused BW, a cost no 1F1B run can show; here compute dominates as in real training. Before each session
+the bench waits (up to ``--quiet-wait`` s) for the CPUs to be idle, and it measures how much CPU other
+processes took during it (the host's busy time less its own and its children's); a session where they
+took more than ``--max-external`` cores is done again (up to ``--retries`` times) and the figure is
+kept in the results either way. Target: every predicted step time within 5 % of the measured one. The
+table goes in the README.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from primuspipe.calibration.accuracy import replay_accuracy  # noqa: E402
 from primuspipe.calibration.measure import measure_costs  # noqa: E402
+from primuspipe.ir.cost_model import CostModel  # noqa: E402
 from primuspipe.ir.timeline import Timeline, idle_share  # noqa: E402
 from primuspipe.tools.pp_vis import load_iterations  # noqa: E402
 
@@ -93,41 +98,52 @@ def held(lock: Path | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_training(algorithm: str, pp: int, args: argparse.Namespace, dump_dir: Path) -> dict:
-    """One run of ``algorithm`` on ``pp`` gloo ranks (Megatron CPU harness) with dumps; returns its
-    figures and how much CPU other processes took meanwhile."""
+def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) -> dict[str, dict]:
+    """One gloo session of ``pp`` ranks (Megatron CPU harness) that trains every algorithm's model
+    ``--iterations`` times, a step of each in turn (the order rotating every round), with dumps: all
+    algorithms see the machine in the same state. Returns per algorithm its dump folder and what
+    other processes took meanwhile."""
     from primuspipe.algorithms import get_algorithm
     from primuspipe.backends.megatron.config import PrimusPipeConfig
     from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
     from primuspipe.testing.megatron import compare
     from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo
 
-    info = get_algorithm(algorithm)
-    vpp = info.resolve_vpp(None)
-    spec = compare.StepSpec(model(args), args.microbatches, ddp=True, placement=info.placement)
+    names = (CALIBRATION, *PREDICTED)
+    dumps = {name: dump_root / f"{name}-run{rep}" for name in names}
 
-    def work(ctx) -> list[float]:
-        schedule = PrimusForwardBackward(PrimusPipeConfig(True, algorithm, dump_pp_data=True, dump_dir=str(dump_dir)))
-        _, chunks, built = compare.build(spec, pp, vpp)
-        seconds = []
-        for _ in range(args.iterations):
-            for chunk in built:
-                chunk.zero_grad_buffer()
-            seconds.append(compare.call_schedule(schedule, spec, built)[1])
-        return seconds
+    def work(ctx) -> None:
+        import torch.distributed
+        from megatron.core import parallel_state
+
+        def layout(vpp: int) -> None:  # one process holds models of both vpp: say which one runs
+            parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+
+        runs = {}
+        for name in names:
+            info = get_algorithm(name)
+            vpp = info.resolve_vpp(None)
+            spec = compare.StepSpec(model(args), args.microbatches, ddp=True, placement=info.placement)
+            layout(vpp)
+            schedule = PrimusForwardBackward(PrimusPipeConfig(True, name, dump_pp_data=True, dump_dir=str(dumps[name])))
+            runs[name] = (vpp, spec, compare.build(spec, pp, vpp)[2], schedule)
+        for step in range(args.iterations):
+            for name in names[step % len(names):] + names[:step % len(names)]:
+                vpp, spec, built, schedule = runs[name]
+                layout(vpp)
+                for chunk in built:
+                    chunk.zero_grad_buffer()
+                torch.distributed.barrier()  # every step starts on all ranks together
+                compare.call_schedule(schedule, spec, built)
 
     waited = wait_for_quiet(args.quiet_wait)
     with held(args.lock):
         busy, ours, start = _busy_seconds(), _own_seconds(), time.monotonic()
-        calls = run_on_gloo(work, ParallelLayout(pp, vpp), timeout_s=1800)
+        run_on_gloo(work, ParallelLayout(pp, 2), timeout_s=3600)
         wall = time.monotonic() - start
         external = max(0.0, (_busy_seconds() - busy) - (_own_seconds() - ours)) / wall
-    timelines = load_iterations(dump_dir)[1:]  # the first iteration warms up
-    return {"algorithm": algorithm, "pp": pp, "vpp": vpp, "dump": str(dump_dir),
-            "step_s": statistics.median(t.step_time for t in timelines),
-            "bubble_rate": statistics.median(map(bubble_rate, timelines)),
-            "schedule_call_s": statistics.median(max(per_rank) for per_rank in zip(*(c[1:] for c in calls))),
-            "external_cores": round(external, 3), "quiet_wait_s": round(waited, 1)}
+    return {name: {"dump": str(dumps[name]), "external_cores": round(external, 3), "quiet_wait_s": round(waited, 1)}
+            for name in names}
 
 
 def model(args: argparse.Namespace):
@@ -146,32 +162,37 @@ def bubble_rate(timeline: Timeline) -> float:
                for rt in timeline.ranks)
 
 
-def accepted_run(algorithm: str, pp: int, args: argparse.Namespace, work: Path, rep: int) -> dict:
-    """A run in which other processes took at most ``--max-external`` cores (the last try otherwise)."""
+def accepted_session(pp: int, args: argparse.Namespace, work: Path, rep: int) -> dict[str, dict]:
+    """A session in which other processes took at most ``--max-external`` cores (the last try
+    otherwise)."""
     tries = []
     for attempt in range(args.retries + 1):
-        record = run_training(algorithm, pp, args, work / f"pp{pp}" / f"{algorithm}-run{rep}-try{attempt}")
-        tries.append(record["external_cores"])
-        if record["external_cores"] <= args.max_external:
+        records = run_session(pp, args, work / f"pp{pp}" / f"try{attempt}", rep)
+        tries.append(records[CALIBRATION]["external_cores"])
+        if tries[-1] <= args.max_external:
             break
-    record["external_cores_tries"] = tries
-    print(f"  pp={pp} {algorithm:17s} run {rep}: step {record['step_s'] * 1e3:7.2f} ms, bubble "
-          f"{record['bubble_rate']:.3f}, other processes {record['external_cores']:.2f} cores", flush=True)
-    return record
+    for name, record in records.items():
+        record["external_cores_tries"] = tries
+        timelines = load_iterations(record["dump"])[1:]
+        print(f"  pp={pp} {name:17s} run {rep}: step {statistics.median(t.step_time for t in timelines) * 1e3:7.2f} ms, "
+              f"other processes {tries[-1]:.2f} cores", flush=True)
+    return records
 
 
 def predict(calibration_runs: list[dict], pp: int, args: argparse.Namespace, work: Path) -> tuple[dict, dict]:
     """Calibrate from the 1F1B runs; simulate every algorithm with ``primuspipe simulate -a all``."""
     timelines = [t for run in calibration_runs for t in load_iterations(run["dump"])[1:]]
-    measured = measure_costs(timelines, warmup=0)
+    # steps start together here (a barrier before each) and a dump's consecutive iterations are not
+    # consecutive steps (the other algorithms run in between): no gaps between steps to model
+    measured = dataclasses.replace(measure_costs(timelines, warmup=0), step_gap=None)
     cost_file = work / f"pp{pp}" / "measured_cost.yaml"
     cost_file.write_text(measured.to_yaml())
-    own = primuspipe("calibrate", calibration_runs[0]["dump"], "--json")
+    own = replay_accuracy(timelines, CostModel.load(cost_file, pp=pp, vpp=1))
     simulated = primuspipe("simulate", "-a", "all", "--pp", str(pp), "-m", str(args.microbatches),
                            "--cost", str(cost_file), "--json")
     rows = {row["algorithm"]: row for row in simulated["results"] if "error" not in row}
     calibration = {"cost_model": measured.cost_dict(), "notes": list(measured.notes),
-                   "own_run_step_time_error": own["step_time_error"]}
+                   "replay_of_the_1f1b_runs": own.to_dict()}
     return calibration, rows
 
 
@@ -191,8 +212,8 @@ def measure_runs(pp: int, args: argparse.Namespace, work: Path) -> dict[str, lis
         return json.loads(saved.read_text())
     runs: dict[str, list[dict]] = {name: [] for name in (CALIBRATION, *PREDICTED)}
     for rep in range(args.runs):
-        for name in runs:
-            runs[name].append(accepted_run(name, pp, args, work, rep))
+        for name, record in accepted_session(pp, args, work, rep).items():
+            runs[name].append(record)
     saved.write_text(json.dumps(runs, indent=1))
     return runs
 
@@ -210,8 +231,7 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
                       "measured_step_s": step, "error": row["step_time"] / step - 1,
                       "predicted_bubble_rate": row["bubble_rate"], "measured_bubble_rate": bubble,
                       "measured_runs": [{"step_s": x, "bubble_rate": y, **{k: r[k] for k in (
-                          "schedule_call_s", "external_cores", "external_cores_tries")}}
-                          for x, y, r in zip(steps, bubbles, records)]})
+                          "external_cores", "external_cores_tries")}} for x, y, r in zip(steps, bubbles, records)]})
         print(f"pp={pp} {name:17s} predicted {row['step_time'] * 1e3:7.2f} ms, measured {step * 1e3:7.2f} ms "
               f"({row['step_time'] / step - 1:+.1%}); bubble {row['bubble_rate']:.3f} vs {bubble:.3f}", flush=True)
     return {"calibration": calibration, "algorithms": table}
