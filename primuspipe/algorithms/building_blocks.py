@@ -191,6 +191,7 @@ class _Grid:
 
     def __init__(self, placement: Placement, microbatches: int, block: Block, retained: float):
         self.placement = placement
+        self._needs: dict[tuple[NodeKind, int], list[tuple[NodeKind, int]]] = {}
         self.delta = {kind: kind.spec.activation_delta(retained) for kind in _SPLIT}
         self.rows: list[dict[int, Step]] = [{} for _ in range(placement.pp)]
         self.slot: dict[Step, int] = {}
@@ -229,11 +230,13 @@ class _Grid:
 
     def earliest(self, step: Step) -> int:
         """The first slot after the step's inputs and its predecessor of the same kind and stage."""
-        needs = step_needs(self.placement, step.kind, step.stage, step.microbatch) if step.kind is not NodeKind.W \
-            else [Step(NodeKind.B, step.stage, step.microbatch)]
-        if step.microbatch:
-            needs = [*needs, Step(step.kind, step.stage, step.microbatch - 1)]
-        return max((self.slot[n] + 1 for n in needs), default=0)
+        kind, stage, mb = step
+        if (needs := self._needs.get((kind, stage))) is None:
+            needs = self._needs[(kind, stage)] = [(n.kind, n.stage) for n in step_needs(self.placement, kind, stage, 0)] \
+                if kind is not NodeKind.W else [(NodeKind.B, stage)]
+        slot = self.slot
+        first = max((slot[Step(k, s, mb)] + 1 for k, s in needs), default=0)
+        return max(first, slot[Step(kind, stage, mb - 1)] + 1) if mb else first
 
     def drop_w(self, steps: set[Step]) -> None:
         for step in steps:
@@ -249,9 +252,9 @@ class _Grid:
                 step = row.get(t)
                 if step is None or (cap := limit(rank, step)) is None:
                     continue
-                delta, levels = self.delta[step.kind], self.levels[rank]
+                delta, levels, first = self.delta[step.kind], self.levels[rank], self.earliest(step)
                 target, j = None, t - 1
-                while j >= self.earliest(step) and levels[j] + delta <= cap + _EPS:  # the slots it may move over
+                while j >= first and levels[j] + delta <= cap + _EPS:  # the slots it may move over
                     if j not in row:
                         target = j
                     j -= 1

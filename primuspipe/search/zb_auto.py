@@ -41,16 +41,17 @@ from primuspipe.simulator import SimulationResult, simulate
 
 logger = logging.getLogger(__name__)
 
-MILP_MAX_BINARIES = 3000
+MILP_MAX_BINARIES = 800
 """Above this many order binaries HiGHS rarely improves on the heuristics within its work limits."""
 
 FILLS_PER_PLACEMENT = 48
-"""Default work bound: greedy-fill policies tried per interleaved placement (most warm-up first)."""
+"""Default work bound: constructions filled per placement (greedy-fill policies, most warm-up first, on
+the interleaved layouts; the V-shape family's constructions on the V)."""
 
-MILP_NODES = 500
+MILP_NODES = 200
 """Default work bound: branch-and-bound nodes the MILP may explore."""
 
-MILP_ITERATIONS = 200_000
+MILP_ITERATIONS = 50_000
 """Default work bound: simplex iterations the MILP may spend."""
 
 Progress = Callable[[str, float], None]
@@ -151,6 +152,7 @@ def zb_auto_search(
     *,
     placement: str | None = None,
     fills: int = FILLS_PER_PLACEMENT,
+    include_fixed: bool = True,
     use_milp: bool = True,
     milp_nodes: int = MILP_NODES,
     milp_iterations: int = MILP_ITERATIONS,
@@ -160,7 +162,8 @@ def zb_auto_search(
     """Search as described in the module doc; returns the best table and how it was found.
 
     ``placement`` pins "interleaved" or "v"; ``req.vpp`` pins the vpp (None: search 1 and 2).
-    ``fills``, ``milp_nodes`` and ``milp_iterations`` bound the work (see the module doc).
+    ``fills`` (constructions filled per placement), ``milp_nodes`` and ``milp_iterations`` bound the
+    work (see the module doc); ``include_fixed=False`` leaves out the registered algorithms' tables.
     ``check=False`` skips validating the answer (for callers such as ``build_schedule`` that validate).
 
     >>> from primuspipe.ir.cost_model import CostModel
@@ -200,7 +203,7 @@ def zb_auto_search(
 
     for layout in layouts:
         sub = ScheduleRequest(req.pp, layout.vpp, req.microbatches, req.cost_model(layout.vpp), limit)
-        for name, table in _fixed_candidates(sub, layout):
+        for name, table in _fixed_candidates(sub, layout) if include_fixed else ():
             consider("fixed", name, table, layout)
         for candidate in _constructions(sub, layout, fills):
             consider("heuristic", candidate.source, candidate.table, layout)
@@ -248,7 +251,7 @@ def _constructions(req: ScheduleRequest, layout: Placement, fills: int) -> list[
         policies, ready = vshape_candidates(req, chunks, (zbv_handcrafted(req.pp, req.microbatches),))
     else:
         policies, ready = grid(layout, req.microbatches, cap, fills), []
-    filled = fill_all(layout, req.microbatches, req.cost_model(layout.vpp), policies, algorithm="zb-auto")
+    filled = fill_all(layout, req.microbatches, req.cost_model(layout.vpp), policies[:fills], algorithm="zb-auto")
     return [*shortlist(filled), *ready]
 
 
@@ -272,8 +275,8 @@ def _improve_with_milp(req: ScheduleRequest, layout: Placement, by_layout: dict,
 
 @register("zb-auto", placement="any", split_backward=True)
 def zb_auto(
-    req: ScheduleRequest, *, placement: str | None = None, fills: int = FILLS_PER_PLACEMENT, use_milp: bool = True,
-    milp_nodes: int = MILP_NODES, milp_iterations: int = MILP_ITERATIONS,
+    req: ScheduleRequest, *, placement: str | None = None, fills: int = FILLS_PER_PLACEMENT, include_fixed: bool = True,
+    use_milp: bool = True, milp_nodes: int = MILP_NODES, milp_iterations: int = MILP_ITERATIONS,
 ) -> ScheduleTable:
     """zb-auto: searches every placement (fixed algorithms, constructions at the memory limit, order MILP) for the fastest schedule under the cost model and memory limit.
 
@@ -282,5 +285,5 @@ def zb_auto(
 
         TO BE FILLED
     """
-    return zb_auto_search(req, placement=placement, fills=fills, use_milp=use_milp, milp_nodes=milp_nodes,
-                          milp_iterations=milp_iterations, check=False)[0]
+    return zb_auto_search(req, placement=placement, fills=fills, include_fixed=include_fixed, use_milp=use_milp,
+                          milp_nodes=milp_nodes, milp_iterations=milp_iterations, check=False)[0]
