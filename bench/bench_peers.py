@@ -48,6 +48,9 @@ def compare(entry: dict, theirs, costs: str) -> dict:
     their_memory = max(peak_in_flight(theirs, 1.0))
     row = {"peer": theirs.algorithm.split()[0], "algorithm": entry["algorithm"], "pp": pp, "microbatches": m,
            "costs": costs, "their_step": simulate(theirs, cost).step_time, "their_memory": their_memory}
+    if "planned_with" in entry:  # a cost-aware peer table: the costs it was built for
+        planned = entry["planned_with"]
+        row["planned_for"] = next(n for n, c in COSTS.items() if c == (planned["f"], planned["b"], planned["w"]))
     name = COUNTERPART[entry["algorithm"]]
     limit = their_memory if name == "zb-auto" else None
     ours = build_schedule(name, pp, m, vpp if name != "zb-auto" else None, cost=cost, memory_limit=limit)
@@ -69,7 +72,8 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| peer table | pp | m | costs | theirs: step / memory | ours | ours: step / memory |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = "" if r["our_step"] <= r["their_step"] + 1e-9 and r["our_memory"] <= r["their_memory"] + 1e-9 else " **(behind)**"
-        lines.append(f"| {r['peer']} {r['algorithm']} | {r['pp']} | {r['microbatches']} | {r['costs']} | "
+        planned = f" (planned for {r['planned_for']})" if "planned_for" in r else ""
+        lines.append(f"| {r['peer']} {r['algorithm']}{planned} | {r['pp']} | {r['microbatches']} | {r['costs']} | "
                      f"{r['their_step']:g} / {r['their_memory']:g} | {r['ours']} | {r['our_step']:g} / {r['our_memory']:g}{mark} |")
     return "\n".join(lines) + "\n\nMemory: peak microbatches of one 1F1B stage per rank, each counted from its F until its W.\n"
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace

@@ -148,10 +148,10 @@ def v_half(req: ScheduleRequest) -> ScheduleTable:
 
     Its compute order at pp=4, m=5 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
 
-        rank 0 | F0 F1 F2 F3 F4 f0 b0 w0 f1 b1 w1 f2 b2 f3 b3 B0 B1 w2 w3 f4 b4 W0 W1 B2 B3 w4 W2 B4 W3 W4
-        rank 1 | F0 F1 F2 F3 F4 f0 b0 f1 w0 b1 f2 B0 f3 b2 B1 b3 w1 W0 f4 w2 W1 b4 B2 B3 w3 w4 B4 W2 W3 W4
-        rank 2 | F0 F1 F2 f0 F3 f1 b0 f2 w0 B0 b1 f3 W0 B1 F4 b2 b3 f4 w1 W1 B2 B3 b4 w2 w3 B4 W2 W3 w4 W4
-        rank 3 | F0 f0 F1 f1 F2 f2 b0 B0 F3 f3 b1 B1 w0 W0 F4 f4 b2 b3 B2 B3 w1 W1 b4 B4 w2 w3 W2 W3 w4 W4
+        rank 0 | F0 F1 F2 F3 F4 f0 b0 w0 f1 b1 w1 f2 b2 B0 w2 W0 f3 b3 B1 w3 W1 f4 b4 B2 w4 B3 W2 W3 B4 W4
+        rank 1 | F0 F1 F2 F3 f0 f1 b0 w0 f2 b1 w1 B0 F4 b2 W0 f3 w2 B1 b3 W1 w3 f4 B2 b4 B3 W2 w4 W3 B4 W4
+        rank 2 | F0 F1 F2 f0 f1 f2 b0 w0 F3 B0 b1 W0 w1 f3 F4 B1 b2 W1 w2 f4 b3 B2 w3 B3 b4 W2 W3 B4 w4 W4
+        rank 3 | F0 f0 F1 f1 F2 f2 b0 B0 w0 F3 W0 f3 b1 B1 w1 F4 W1 f4 b2 B2 b3 B3 w2 W2 b4 B4 w3 W3 w4 W4
     """
     return vshape_schedule(req, (req.pp + 2) // 2, "v-half")
 
@@ -162,9 +162,9 @@ def v_min(req: ScheduleRequest) -> ScheduleTable:
 
     Its compute order at pp=4, m=6 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
 
-        rank 0 | F0 F1 f0 b0 F2 w0 f1 b1 B0 F3 w1 W0 f2 b2 B1 F4 w2 W1 f3 b3 B2 F5 w3 W2 f4 b4 B3 w4 W3 f5 b5 B4 w5 W4 B5 W5
-        rank 1 | F0 f0 F1 b0 w0 f1 F2 B0 b1 W0 w1 f2 F3 B1 b2 W1 w2 f3 F4 B2 b3 W2 w3 f4 F5 B3 b4 W3 w4 f5 B4 b5 W4 w5 B5 W5
-        rank 2 | F0 f0 F1 b0 f1 w0 B0 F2 W0 b1 f2 w1 B1 F3 W1 b2 f3 w2 B2 F4 W2 b3 f4 w3 B3 F5 W3 b4 f5 w4 B4 W4 b5 w5 B5 W5
-        rank 3 | F0 f0 F1 f1 b0 B0 w0 W0 F2 f2 b1 B1 w1 W1 F3 f3 b2 B2 w2 W2 F4 f4 b3 B3 w3 W3 F5 f5 b4 B4 w4 W4 b5 B5 w5 W5
+        rank 0 | F0 F1 F2 f0 b0 w0 f1 b1 w1 F3 B0 W0 f2 b2 B1 w2 F4 W1 f3 b3 B2 w3 F5 W2 f4 b4 B3 w4 W3 f5 b5 B4 w5 W4 B5 W5
+        rank 1 | F0 F1 f0 f1 b0 w0 F2 b1 w1 B0 F3 W0 f2 B1 b2 W1 w2 f3 F4 B2 b3 W2 w3 f4 F5 B3 b4 W3 w4 f5 B4 b5 W4 w5 B5 W5
+        rank 2 | F0 F1 f0 f1 b0 w0 F2 B0 b1 W0 w1 f2 F3 B1 W1 b2 f3 w2 B2 F4 W2 b3 f4 w3 B3 F5 W3 b4 f5 w4 B4 W4 b5 w5 B5 W5
+        rank 3 | F0 f0 F1 f1 b0 B0 w0 F2 W0 f2 b1 B1 w1 F3 W1 f3 b2 B2 w2 W2 F4 f4 b3 B3 w3 W3 F5 f5 b4 B4 w4 W4 b5 B5 w5 W5
     """
     return vshape_schedule(req, (req.pp + 4) // 3, "v-min")

@@ -162,14 +162,17 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     for col in ("vpp", "step time", "bubble max", "bubble mean", "bubble (span)", "peak act. (mb)", "peak memory", "fits"):
         table.add_column(col, justify="right")
     refused = []
-    for k, row in enumerate(rows, 1):
+    steps = [row["step_time"] for row in rows if "error" not in row]
+    for row in rows:
         if "error" in row:
             refused.append(row)
             continue
+        rank = 1 + sum(step < row["step_time"] - 1e-9 for step in steps)  # equal step times share a rank
         memory = f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" if row["peak_memory_bytes"] else "-"
-        table.add_row(str(k), row["algorithm"], f"{row['vpp']} {'V' if row['placement'] == 'v' else ''}".strip(), f"{row['step_time']:g}", f"{row['bubble_rate']:.4f}",
-                      f"{row['bubble_rate_mean']:.4f}", f"{row['bubble_rate_span']:.4f}", f"{max(row['peak_activations']):.4g}", memory,
-                      "yes" if row["fits"] else "[bold red]OVER[/]")
+        vpp = f"{row['vpp']} V" if row["placement"] == "v" else str(row["vpp"])
+        table.add_row(str(rank), row["algorithm"], vpp, f"{row['step_time']:g}", f"{row['bubble_rate']:.4f}",
+                      f"{row['bubble_rate_mean']:.4f}", f"{row['bubble_rate_span']:.4f}",
+                      f"{max(row['peak_activations']):.4g}", memory, "yes" if row["fits"] else "[bold red]OVER[/]")
     console = report_console()
     console.print(table)
     for row in rows:

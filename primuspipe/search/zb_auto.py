@@ -280,10 +280,13 @@ def zb_auto(
 ) -> ScheduleTable:
     """zb-auto: searches every placement (fixed algorithms, constructions at the memory limit, order MILP) for the fastest schedule under the cost model and memory limit.
 
-    Its compute order at pp=4, m=4 (F = B = W per 1F1B stage, no memory limit; notation:
-    :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
+    Its compute order at pp=4, m=4 (F = B = W per 1F1B stage, no memory limit: interleaved with two
+    chunks, proven optimal; notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
 
-        TO BE FILLED
+        rank 0 | F0 F1 F2 F3 f0 f1 f2 f3 b0 w0 b1 w1 b2 B0 B1 w2 b3 B2 W0 W1 B3 w3 W2 W3
+        rank 1 | F0 F1 F2 F3 f0 f1 f2 f3 b0 w0 b1 w1 b2 B0 B1 w2 b3 B2 W0 W1 B3 w3 W2 W3
+        rank 2 | F0 F1 F2 F3 f0 f1 f2 b0 f3 b1 w0 b2 B0 B1 w1 b3 B2 w2 W0 B3 W1 w3 W2 W3
+        rank 3 | F0 F1 F2 F3 f0 b0 f1 b1 f2 b2 B0 B1 f3 b3 B2 w0 w1 B3 w2 W0 W1 w3 W2 W3
     """
     return zb_auto_search(req, placement=placement, fills=fills, include_fixed=include_fixed, use_milp=use_milp,
                           milp_nodes=milp_nodes, milp_iterations=milp_iterations, check=False)[0]

@@ -1,82 +1,35 @@
-"""zb-auto: never slower than the best fixed algorithm that fits the memory limit (computed here, from
-build_schedule and the simulator alone), on every placement; deterministic; proven optimal where the
-MILP is small; its report is its own value."""
+"""zb-auto: never slower than the best fixed algorithm that fits the memory limit (bench/bench_zb_auto.py's
+sweep of 24 cost cases; "best fixed" from build_schedule and the simulator alone), on every placement;
+deterministic; proven optimal where the MILP is small; its report is its own value."""
+
+import sys
+from pathlib import Path
 
 import pytest
 
-from primuspipe.algorithms import ScheduleRequest, get_algorithm, list_algorithms
+from primuspipe.algorithms import ScheduleRequest, get_algorithm
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import ConfigError, ScheduleShapeError
 from primuspipe.ir.activations import peak_in_flight
-from primuspipe.ir.cost_model import CostModel, Link, P2PCost
+from primuspipe.ir.cost_model import CostModel
 from primuspipe.search.zb_auto import zb_auto_search
 from primuspipe.simulator import simulate
 
-SLOW_FIRST = {4: [1.5, 1, 1, 1], 6: [1.5] + [1] * 5, 8: [1.5] + [1] * 7}
-SLOW_LAST = {4: [1, 1, 1, 1.5], 6: [1] * 5 + [1.5], 8: [1] * 7 + [1.5]}
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 
-CASES = {
-    # name: (pp, m, f, b, w, p2p, memory limit in 1F1B-stage microbatches counted until W)
-    "uniform, no limit": (4, 8, 1, 1, 1, 0.0, None),
-    "uniform, V-min's memory": (4, 8, 1, 1, 1, 0.0, 2),
-    "uniform, V-half's memory": (4, 12, 1, 1, 1, 0.0, 3),
-    "B twice F, 1F1B's memory": (4, 12, 1, 2, 1, 0.0, 4),
-    "B:W 1.5:0.5, no limit": (4, 16, 1, 1.5, 0.5, 0.0, None),
-    "slow last stage, P2P 5 %, 1F1B's memory": (4, 12, SLOW_LAST[4], 1.2, 0.8, 0.05, 4),
-    "slow first stage, 2p": (4, 8, SLOW_FIRST[4], 1, 1, 0.0, 8),
-    "P2P 20 %, 1F1B's memory": (4, 8, 1, 1, 1, 0.2, 4),
-    "W heavy, V-half's memory": (4, 8, 1, 1, 2, 0.0, 3),
-    "B:W 1.5:0.5, 1F1B's memory": (6, 18, 1, 1.5, 0.5, 0.0, 6),
-    "uniform, V-min's memory, pp 6": (6, 12, 1, 1, 1, 0.0, 3),
-    "P2P 10 %, between V-half and 1F1B": (6, 12, 1, 1, 1, 0.1, 4.5),
-    "slow last stage, 2p": (6, 12, SLOW_LAST[6], SLOW_LAST[6], SLOW_LAST[6], 0.0, 12),
-    "B twice F, 5 of 6": (6, 12, 1, 2, 1, 0.0, 5),
-    "P2P 10 %, V-half's memory, pp 8": (8, 24, 1, 1, 1, 0.1, 5),
-    "B:W 1.5:0.5, V-half's memory, pp 8": (8, 16, 1, 1.5, 0.5, 0.0, 5),
-    "B:W 1.5:0.5, no limit, pp 8": (8, 32, 1, 1.5, 0.5, 0.0, None),
-    "uniform, V-min's memory, pp 8": (8, 16, 1, 1, 1, 0.0, 4),
-    "slow first stage, 1F1B's memory, pp 8": (8, 16, SLOW_FIRST[8], 1, 1, 0.0, 8),
-    "P2P 5 %, B twice F, 2p": (8, 16, 1, 2, 1, 0.05, 16),
-    "uniform, tiny": (3, 6, 1, 1, 1, 0.0, 2),
-    "B twice F, two ranks": (2, 4, 1, 2, 1, 0.0, 2),
-    "P2P 10 %, B:W 1.5:0.5, pp 5": (5, 10, 1, 1.5, 0.5, 0.1, 3),
-    "between V-min and V-half, pp 8": (8, 16, 1, 1.5, 0.5, 0.0, 4.5),
-}
-
-
-def _model(pp, f, b, w, p2p) -> CostModel:
-    link = Link(p2p)
-    return CostModel.per_stage(pp, f, b, w, p2p=P2PCost(intra_node=link, inter_node=link))
-
-
-def _best_fixed(pp, m, cost, limit):
-    """(step, algorithm, vpp) of the fastest registered fixed algorithm, on every vpp it takes (1 and 2
-    for those that take any), whose table fits the limit; timed by the simulator under ``cost``."""
-    best = None
-    for info in list_algorithms():
-        if info.name == "zb-auto":
-            continue
-        for vpp in [info.vpp] if info.vpp else [1, 2]:
-            try:
-                table = build_schedule(info.name, pp, m, vpp, cost=cost)
-            except ScheduleShapeError:
-                continue
-            if limit is None or max(peak_in_flight(table)) <= limit + 1e-9:
-                step = simulate(table, cost.for_shape(pp, vpp)).step_time
-                best = min(best or (step, info.name, vpp), (step, info.name, vpp))
-    return best
+from bench_zb_auto import CASES, best_fixed, model  # noqa: E402  the sweep and "best fixed", from build_schedule alone
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_never_slower_than_the_best_fixed_algorithm_within_the_limit(case):
     pp, m, f, b, w, p2p, limit = CASES[case]
-    cost = _model(pp, f, b, w, p2p)
+    cost = model(pp, f, b, w, p2p)
     table = build_schedule("zb-auto", pp, m, cost=cost, memory_limit=limit)
     step = simulate(table, cost.for_shape(pp, table.vpp)).step_time
     if limit is not None:
         assert max(peak_in_flight(table)) <= limit + 1e-9
-    fixed = _best_fixed(pp, m, cost, limit)
+    fixed = best_fixed(pp, m, cost, limit)
     assert fixed is not None, "each case has a fixed algorithm that fits, so the comparison is not vacuous"
     assert step <= fixed[0] + 1e-9, (step, fixed)
     assert table.algorithm == "zb-auto"
