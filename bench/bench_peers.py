@@ -13,14 +13,12 @@ Writes JSON (default bench/results/peers.json) and a markdown table (stdout or -
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from write_results import run_bench  # noqa: E402
 from peer_orders import PRIMUS_FILE, TORCH_FILE, peer_tables  # noqa: E402
 
 from primuspipe.algorithms.build import build_schedule  # noqa: E402
@@ -79,19 +77,11 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "peers.json")
-    parser.add_argument("--markdown", type=Path, help="also write the markdown table here")
-    args = parser.parse_args()
-    rows = measure()
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(),
-                                       "costs": COSTS, "results": rows}, indent=1))
-    table = markdown(rows)
-    if args.markdown:
-        args.markdown.write_text(table)
-    else:
-        sys.stdout.write(table)
+    def produce() -> tuple[dict, str]:
+        rows = measure()
+        return {"costs": COSTS, "results": rows}, markdown(rows)
+
+    run_bench(__doc__, "peers", produce)
 
 
 if __name__ == "__main__":

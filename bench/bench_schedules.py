@@ -16,15 +16,13 @@ its search takes minutes. Writes JSON (default bench/results/schedules.json) and
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from write_results import run_bench  # noqa: E402
 from peer_orders import peer_tables  # noqa: E402
 
 from primuspipe.algorithms.build import build_schedule  # noqa: E402
@@ -98,22 +96,14 @@ def v_min_markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "schedules.json")
-    parser.add_argument("--markdown", type=Path, help="also write the markdown table here")
-    args = parser.parse_args()
-    rows = [measure(a, vpp, pp, m) for a, vpp in ALGORITHMS for pp, m in SHAPES]
-    v_min = v_min_comparison()
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(),
-                                       "costs": "F = B = W = 1 per 1F1B stage, P2P 0",
-                                       "memory": "counted until W; W keeps 32/34 (V-min comparison: whole microbatches)",
-                                       "results": rows, "v_min_vs_primus": v_min}, indent=1))
-    table = markdown(rows) + "\n" + v_min_markdown(v_min)
-    if args.markdown:
-        args.markdown.write_text(table)
-    else:
-        sys.stdout.write(table)
+    def produce() -> tuple[dict, str]:
+        rows = [measure(a, vpp, pp, m) for a, vpp in ALGORITHMS for pp, m in SHAPES]
+        v_min = v_min_comparison()
+        return ({"costs": "F = B = W = 1 per 1F1B stage, P2P 0",
+                 "memory": "counted until W; W keeps 32/34 (V-min comparison: whole microbatches)",
+                 "results": rows, "v_min_vs_primus": v_min}, markdown(rows) + "\n" + v_min_markdown(v_min))
+
+    run_bench(__doc__, "schedules", produce)
 
 
 if __name__ == "__main__":

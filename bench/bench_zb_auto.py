@@ -14,12 +14,13 @@ bench/results/zb_auto.json) and a markdown table (stdout or --markdown)::
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from write_results import run_bench  # noqa: E402
 
 from primuspipe.algorithms import ScheduleRequest, list_algorithms
 from primuspipe.algorithms.build import build_schedule
@@ -113,19 +114,11 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "zb_auto.json")
-    parser.add_argument("--markdown", type=Path, help="also write the markdown table here")
-    args = parser.parse_args()
-    rows = [measure(name) for name in CASES]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(),
-                                       "results": rows}, indent=1))
-    table = markdown(rows)
-    if args.markdown:
-        args.markdown.write_text(table)
-    else:
-        sys.stdout.write(table)
+    def produce() -> tuple[dict, str]:
+        rows = [measure(name) for name in CASES]
+        return {"results": rows}, markdown(rows)
+
+    run_bench(__doc__, "zb_auto", produce)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from primuspipe.passes.validation import validate
 BUDGET = {"zbv": lambda p: p, "v-half": lambda p: (p + 2) // 2, "v-min": lambda p: (p + 4) // 3}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", sorted(BUDGET))
 def test_every_small_shape_builds_within_its_memory_bound(algorithm, sweep_grid):
     """Counted until W, as the device holds it (the default cost model: W keeps 32/34 of B's)."""
