@@ -43,7 +43,7 @@ def peer_tables(path: Path = PRIMUS_FILE):
         yield entry, ScheduleTable.build(placement, entry["microbatches"], rows, f"{data['peer']} {entry['algorithm']}")
 
 
-def _torch_rows(schedule_class, pp: int, m: int) -> list[str]:
+def torch_rows(schedule_class, pp: int, m: int) -> list[str]:
     """Every rank's compute order of a torch V-shape schedule, in primuspipe's text form."""
     import torch
     from torch.distributed.pipelining import schedules
@@ -85,7 +85,7 @@ def write_torch_orders(path: Path = TORCH_FILE) -> int:
             if m < needs * pp:
                 continue  # DualPipeV needs m >= 2 pp
             tables.append({"algorithm": name, "source": f"torch.distributed.pipelining.schedules.{cls.__name__}",
-                           "pp": pp, "vpp": 2, "placement": "v", "microbatches": m, "rows": _torch_rows(cls, pp, m)})
+                           "pp": pp, "vpp": 2, "placement": "v", "microbatches": m, "rows": torch_rows(cls, pp, m)})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
         "peer": "torch", "torch_version": torch.__version__,

@@ -55,7 +55,7 @@ MILP_ITERATIONS = 50_000
 """Default work bound: simplex iterations the MILP may spend."""
 
 Progress = Callable[[str, float], None]
-"""Called with a status line and the fraction of the search's work done."""
+"""Called with a status line and the fraction of the search done (placements searched so far)."""
 
 
 @dataclass(frozen=True)
@@ -198,10 +198,11 @@ def zb_auto_search(
             by_layout[layout] = candidate
         if best is None or (candidate.step_time, peak) < (best.step_time, best.peak):
             best = candidate
-            report(f"best so far {result.step_time:g} from {source} ({_name(layout.name, layout.vpp)}, peak {peak:g})",
-                   min(tried / (len(layouts) * (fills + 16)), 1.0))
+            report(f"best so far {result.step_time:g} from {source} ({_name(layout.name, layout.vpp)}, peak {peak:.4g})",
+                   layouts.index(layout) / len(layouts))
 
-    for layout in layouts:
+    for i, layout in enumerate(layouts):
+        report(f"searching {_name(layout.name, layout.vpp)}", i / len(layouts))
         sub = ScheduleRequest(req.pp, layout.vpp, req.microbatches, req.cost_model(layout.vpp), limit)
         for name, table in _fixed_candidates(sub, layout) if include_fixed else ():
             consider("fixed", name, table, layout)
