@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from write_results import run_bench  # noqa: E402
+from write_results import markdown_table, run_bench  # noqa: E402
 from peer_orders import PRIMUS_FILE, TORCH_FILE, peer_tables  # noqa: E402
 
 from primuspipe.algorithms.build import build_schedule  # noqa: E402
@@ -67,13 +67,16 @@ def measure() -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| peer table | pp | m | costs | theirs: step / memory | ours | ours: step / memory |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        mark = "" if r["our_step"] <= r["their_step"] + 1e-9 and r["our_memory"] <= r["their_memory"] + 1e-9 else " **(behind)**"
+    def cells(r: dict) -> list[str]:
+        behind = r["our_step"] > r["their_step"] + 1e-9 or r["our_memory"] > r["their_memory"] + 1e-9
         planned = f" (planned for {r['planned_for']})" if "planned_for" in r else ""
-        lines.append(f"| {r['peer']} {r['algorithm']}{planned} | {r['pp']} | {r['microbatches']} | {r['costs']} | "
-                     f"{r['their_step']:g} / {r['their_memory']:g} | {r['ours']} | {r['our_step']:g} / {r['our_memory']:g}{mark} |")
-    return "\n".join(lines) + "\n\nMemory: peak microbatches of one 1F1B stage per rank, each counted from its F until its W.\n"
+        return [f"{r['peer']} {r['algorithm']}{planned}", str(r["pp"]), str(r["microbatches"]), r["costs"],
+                f"{r['their_step']:g} / {r['their_memory']:g}", r["ours"],
+                f"{r['our_step']:g} / {r['our_memory']:g}{' **(behind)**' if behind else ''}"]
+
+    table = markdown_table(["peer table", "pp", "m", "costs", "theirs: step / memory", "ours", "ours: step / memory"],
+                           map(cells, rows))
+    return table + "\nMemory: peak microbatches of one 1F1B stage per rank, each counted from its F until its W.\n"
 
 
 def main() -> None:

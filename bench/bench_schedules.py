@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from write_results import run_bench  # noqa: E402
+from write_results import markdown_table, run_bench  # noqa: E402
 from peer_orders import peer_tables  # noqa: E402
 
 from primuspipe.algorithms.build import build_schedule  # noqa: E402
@@ -70,29 +70,29 @@ def v_min_comparison() -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = "| algorithm | vpp | " + " | ".join(f"pp={pp} m={m}" for pp, m in SHAPES) + " |"
-    lines = [head, "|" + "---|" * (2 + len(SHAPES))]
     by_key = {(r["algorithm"], r["pp"], r["microbatches"]): r for r in rows}
-    for algorithm, vpp in ALGORITHMS:
-        cells = []
-        for pp, m in SHAPES:
-            r = by_key[(algorithm, pp, m)]
-            chosen = f" ({'V' if r.get('placement') == 'v' else 'vpp ' + str(r.get('vpp'))})" if vpp is None else ""
-            cells.append(("not run" if r["error"].startswith("not run") else "refused") if "error" in r else
-                         f"{r['bubble_rate']:.3f} / {r['span_bubble_rate']:.3f} / {r['peak_activations']:.3g}{chosen}")
-        lines.append(f"| {algorithm} | {vpp or 'its pick'} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nCells: bubble rate over the step / over each rank's own span / peak activations " \
-                              "(1F1B-stage microbatches, worst rank, each counted from its F until its W).\n"
+
+    def cell(r: dict, pick: bool) -> str:
+        if "error" in r:
+            return "not run" if r["error"].startswith("not run") else "refused"
+        chosen = f" ({'V' if r['placement'] == 'v' else 'vpp ' + str(r['vpp'])})" if pick else ""
+        return f"{r['bubble_rate']:.3f} / {r['span_bubble_rate']:.3f} / {r['peak_activations']:.3g}{chosen}"
+
+    table = markdown_table(["algorithm", "vpp", *(f"pp={pp} m={m}" for pp, m in SHAPES)],
+                           ([algorithm, str(vpp or "its pick"), *(cell(by_key[(algorithm, pp, m)], vpp is None)
+                                                                  for pp, m in SHAPES)] for algorithm, vpp in ALGORITHMS))
+    return table + "\nCells: bubble rate over the step / over each rank's own span / peak activations " \
+                   "(1F1B-stage microbatches, worst rank, each counted from its F until its W).\n"
 
 
 def v_min_markdown(rows: list[dict]) -> str:
-    lines = ["| V-min | budget | ours: step / bubble / memory | Primus: step / bubble / memory |", "|---|---|---|---|"]
-    for r in rows:
-        ours, theirs = r["ours"], r["primus"]
-        lines.append(f"| pp={r['pp']} m={r['microbatches']} | {r['budget']} | {ours['step_time']:g} / "
-                     f"{ours['bubble_rate']:.3f} / {ours['peak_activations']:g} | {theirs['step_time']:g} / "
-                     f"{theirs['bubble_rate']:.3f} / {theirs['peak_activations']:g} |")
-    return "\n".join(lines) + "\n\nF = B = W; memory: whole microbatches until W (Primus's count), worst rank.\n"
+    def figures(r: dict) -> str:
+        return f"{r['step_time']:g} / {r['bubble_rate']:.3f} / {r['peak_activations']:g}"
+
+    table = markdown_table(["V-min", "budget", "ours: step / bubble / memory", "Primus: step / bubble / memory"],
+                           ([f"pp={r['pp']} m={r['microbatches']}", str(r["budget"]), figures(r["ours"]),
+                             figures(r["primus"])] for r in rows))
+    return table + "\nF = B = W; memory: whole microbatches until W (Primus's count), worst rank.\n"
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from write_results import run_bench  # noqa: E402
+from write_results import markdown_table, run_bench  # noqa: E402
 
 from primuspipe.algorithms import ScheduleRequest, list_algorithms
 from primuspipe.algorithms.build import build_schedule
@@ -102,15 +102,14 @@ def measure(name: str) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| case | pp | m | limit | zb-auto: step (placement, found by) | best fixed: step (algorithm) |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
+    def cells(r: dict) -> list[str]:
         mark = "" if r["zb_auto_step"] <= r["best_fixed_step"] + 1e-9 else " **slower**"
-        limit = "none" if r["limit"] is None else f"{r['limit']:g}"
-        lines.append(f"| {r['case']} | {r['pp']} | {r['microbatches']} | {limit} | {r['zb_auto_step']:.4g} "
-                     f"({r['zb_auto_placement']}, {r['zb_auto_method']}{', optimal' if r['optimal'] else ''}){mark} | "
-                     f"{r['best_fixed_step']:.4g} ({r['best_fixed']}) |")
-    return "\n".join(lines) + "\n"
+        found = f"{r['zb_auto_placement']}, {r['zb_auto_method']}{', optimal' if r['optimal'] else ''}"
+        return [r["case"], str(r["pp"]), str(r["microbatches"]), "none" if r["limit"] is None else f"{r['limit']:g}",
+                f"{r['zb_auto_step']:.4g} ({found}){mark}", f"{r['best_fixed_step']:.4g} ({r['best_fixed']})"]
+
+    return markdown_table(["case", "pp", "m", "limit", "zb-auto: step (placement, found by)",
+                           "best fixed: step (algorithm)"], map(cells, rows))
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ import argparse
 import json
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -27,3 +27,9 @@ def run_bench(doc: str, name: str, produce: Callable[[], tuple[dict, str]]) -> N
         args.markdown.write_text(table)
     else:
         sys.stdout.write(table)
+
+
+def markdown_table(header: list[str], rows: Iterable[list[str]]) -> str:
+    """A markdown table of ``header`` and one line per row of cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join([*lines, *("| " + " | ".join(cells) + " |" for cells in rows)]) + "\n"

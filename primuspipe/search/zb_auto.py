@@ -92,7 +92,7 @@ class ZbAutoReport:
     def summary(self) -> str:
         gap = "gap unknown" if self.gap is None else ("optimal" if self.optimal else f"gap {self.gap:.1%}")
         return (f"{self.method}: {self.source} ({_name(self.placement, self.vpp)}), step {self.step_time:g}, "
-                f"peak {self.peak_in_flight:g}, {gap}; searched {', '.join(self.searched)}")
+                f"peak {self.peak_in_flight:.4g}, {gap}; searched {', '.join(self.searched)}")
 
 
 @dataclass(frozen=True)
@@ -181,8 +181,8 @@ def zb_auto_search(
     tried = 0
     by_layout: dict[Placement, _Best] = {}
 
-    def report(line: str, done: float) -> None:
-        logger.info("zb-auto: %s", line)
+    def report(line: str, done: float, level: int = logging.INFO) -> None:
+        logger.log(level, "zb-auto: %s", line)
         if progress is not None:
             progress(line, done)
 
@@ -199,7 +199,7 @@ def zb_auto_search(
         if best is None or (candidate.step_time, peak) < (best.step_time, best.peak):
             best = candidate
             report(f"best so far {result.step_time:g} from {source} ({_name(layout.name, layout.vpp)}, peak {peak:.4g})",
-                   layouts.index(layout) / len(layouts))
+                   layouts.index(layout) / len(layouts), logging.DEBUG)
 
     for i, layout in enumerate(layouts):
         report(f"searching {_name(layout.name, layout.vpp)}", i / len(layouts))
