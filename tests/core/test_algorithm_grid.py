@@ -15,6 +15,7 @@ def _shapes(info):
                 yield pp, vpp, m
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("info", list_algorithms(), ids=lambda a: a.name)
 def test_every_shape_validates_or_is_refused(info):
     # zb-auto's own constructions on every placement, at small work bounds (the fixed algorithms it also
