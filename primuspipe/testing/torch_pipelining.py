@@ -8,7 +8,9 @@ Tests and benches compare primuspipe with torch's own pipelining on the same mod
   size and rank while building their orders);
 * :func:`torch_runtime`: torch's ``_PipelineScheduleRuntime`` for this rank's stage modules, running a
   table from the CSV primuspipe writes for it (``_load_csv``, ``compute_comms``, default settings);
-* :func:`torch_schedule`: one of torch's schedule classes on the same modules.
+* :func:`torch_schedule`: one of torch's schedule classes on the same modules;
+* :func:`plain_model`: the plain 8-layer model they run, and :func:`sequential_reference`, its
+  gradients in one process.
 """
 
 from __future__ import annotations
@@ -120,3 +122,26 @@ def torch_step(schedule: Any, rank_has_first: bool, rank_has_last: bool, inputs:
     losses: list = [] if rank_has_last else None
     schedule.step(*(inputs if rank_has_first else ()), target=target if rank_has_last else None, losses=losses)
     return losses
+
+
+def plain_model(hidden: int = 32, layers: int = 8, seed: int = 0) -> torch.nn.Sequential:
+    """``layers`` blocks of Linear, GELU and LayerNorm; the same weights for the same seed."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
+                                                     torch.nn.LayerNorm(hidden)) for _ in range(layers)])
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def sequential_reference(model: torch.nn.Module, inputs: torch.Tensor, target: torch.Tensor, microbatches: int,
+                         loss_fn: Callable = mse) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-microbatch losses and the parameter gradients of ``model`` run in one process: each
+    microbatch's mean loss, gradients divided by the microbatch count (torch's ``scale_grads``)."""
+    losses = []
+    for x, y in zip(inputs.tensor_split(microbatches), target.tensor_split(microbatches)):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, [p.grad / microbatches for p in model.parameters()]
