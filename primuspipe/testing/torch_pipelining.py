@@ -28,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from primuspipe.ir.formats import to_torch_csv
+from primuspipe.passes.communication import add_communication
 from primuspipe.ir.table import ScheduleTable
 
 SCHEDULE_CLASSES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleLoopedBFS", "ScheduleInterleaved1F1B",
@@ -103,7 +104,7 @@ def torch_runtime(table: ScheduleTable, modules: Mapping[int, torch.nn.Module], 
         _stages(modules, table.num_stages, group, torch.device(device)), table.microbatches, loss_fn=loss_fn)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "schedule.csv"
-        path.write_text(to_torch_csv(table))
+        path.write_text(to_torch_csv(table if table.has_communication else add_communication(table)))
         runtime._load_csv(str(path), format="compute_comms")
     return runtime
 
