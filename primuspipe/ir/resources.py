@@ -27,6 +27,7 @@ runs a primuspipe CSV with the resource actions its own schedules get, and the p
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
@@ -67,8 +68,10 @@ class ResourcePlan:
     """Actions after the whole row."""
 
 
+@functools.lru_cache(maxsize=64)
 def resource_plan(table: ScheduleTable, rank: int, max_active: int = MAX_ACTIVE_STAGES) -> ResourcePlan:
-    """Where ``rank`` unshards, reshards and reduces each of its stages (see the module docstring)."""
+    """Where ``rank`` unshards, reshards and reduces each of its stages (see the module docstring);
+    derived once per (immutable) table and rank."""
     row = table.ranks[rank]
     placement = table.placement
     compute = [(i, [placement.stage(rank, chunk) for _, _, chunk in node.parts()])

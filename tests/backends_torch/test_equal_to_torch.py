@@ -63,7 +63,6 @@ def _run_all(pp: int, m: int):
     return tables, run_gloo(work, pp, timeout_s=300)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_algorithm_equals_one_process_and_torch_runtime(pp):
     m = 2 * pp

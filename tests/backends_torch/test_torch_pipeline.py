@@ -2,7 +2,6 @@
 them, across ranks and across a V-shape's same-rank hand-off), several inputs, eval, unscaled
 gradients, timelines, data parallelism under DDP and FSDP2 (pp 2 x dp 2), and one-line refusals."""
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -197,11 +196,9 @@ def _data_parallel_run(wrap: str, algorithms):
         assert all(r[alg][1] == table.vpp for r in results), f"{wrap} {alg}: one reduction per stage and step"
 
 
-@pytest.mark.slow
 def test_ddp_stages_reduce_once_per_step():
     _data_parallel_run("ddp", [("1f1b", 1), ("zbv", 2)])
 
 
-@pytest.mark.slow
 def test_fsdp2_stages_reduce_scatter_once_per_step():
     _data_parallel_run("fsdp", [("interleaved-1f1b", 2), ("zbv", 2)])

@@ -25,7 +25,7 @@ import torch
 from primuspipe.backends.torch import data_parallel
 from primuspipe.backends.torch.meta import StageMeta, as_tensors, pack
 from primuspipe.backends.torch.split_backward import DeferredWeightGrad, backward_input
-from primuspipe.errors import ConfigError, PrimusPipeError
+from primuspipe.errors import PrimusPipeError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.resources import Resource, ResourceAction, resource_plan
@@ -71,11 +71,12 @@ class TorchBinder:
         self._saved: dict[Key, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         self._deferred: dict[Key, DeferredWeightGrad] = {}
         last = last_backwards(table, rank)
-        self._last_backward = {(chunk, mb) for chunk, mb in last.items()}
+        self._last_backward = set(last.items())
         plan = resource_plan(table, rank)
         row = table.ranks[rank]
-        self._before = {_first_part(row[i]): actions for i, actions in plan.before.items()}
-        self._after = {_last_part(row[i]): actions for i, actions in plan.after.items()}
+        # keyed by a node's first part (before) or last part (after): an overlapped node's parts run in turn
+        self._before = {row[i].parts()[0]: actions for i, actions in plan.before.items()}
+        self._after = {row[i].parts()[-1]: actions for i, actions in plan.after.items()}
         self._at_end = plan.at_end
         self.handlers = MappingProxyType({NodeKind.F: self.forward, NodeKind.B: self.backward_input,
                                           NodeKind.W: self.backward_weight, NodeKind.BW: self.backward})
@@ -203,12 +204,3 @@ class TorchBinder:
     def sent(self, node: ScheduleNode, tensor: Any) -> None:
         pass
 
-
-def _first_part(node: ScheduleNode) -> tuple:
-    kind, mb, chunk = node.parts()[0]
-    return kind, mb, chunk
-
-
-def _last_part(node: ScheduleNode) -> tuple:
-    kind, mb, chunk = node.parts()[-1]
-    return kind, mb, chunk
