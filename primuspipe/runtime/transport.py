@@ -2,7 +2,8 @@
 
 Semantics are the ones the validator proves deadlock-free (see :mod:`primuspipe.passes.validation`):
 posting never blocks; per direction (this rank -> peer) messages are matched in posting order, across
-kinds. Every message between a pair goes through one channel (one process group, one tag) on purpose:
+kinds. A transfer of several tensors (a tuple, e.g. a stage that passes hidden states and a mask) is
+posted as consecutive messages, in tuple order, by both sides, so it keeps that matching. Every message between a pair goes through one channel (one process group, one tag) on purpose:
 that is how NCCL/RCCL match point-to-point messages (they ignore tags), so a table that is safe here is
 safe there, and the order the table gives is the only thing that keeps an activation apart from a
 gradient when both neighbours are the same rank (docs/design.md §3). Ops are never batched
@@ -42,36 +43,44 @@ class P2PTransport:
         self._global = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
         self._wait_with_timeout = dist.get_backend(group) == "gloo"
 
-    def isend(self, node: ScheduleNode, tensor: torch.Tensor) -> Pending:
+    def isend(self, node: ScheduleNode, tensor: torch.Tensor | tuple[torch.Tensor, ...]) -> Pending:
         # Send an alias, not the tensor itself: a caller may then swap the tensor's storage (Megatron's
         # deallocate_output_tensor) while the transfer still reads the old one, which the alias keeps alive.
+        if isinstance(tensor, tuple):
+            aliases = tuple(t.detach() for t in tensor)
+            works = [dist.isend(a, dst=self._global[node.peer], group=self.group) for a in aliases]
+            return Pending(node, aliases, works)
         alias = tensor.detach()
-        work = dist.isend(alias, dst=self._global[node.peer], group=self.group)
-        return Pending(node, alias, work)
+        return Pending(node, alias, [dist.isend(alias, dst=self._global[node.peer], group=self.group)])
 
-    def irecv(self, node: ScheduleNode, buffer: torch.Tensor) -> Pending:
-        work = dist.irecv(buffer, src=self._global[node.peer], group=self.group)
-        return Pending(node, buffer, work)
+    def irecv(self, node: ScheduleNode, buffer: torch.Tensor | tuple[torch.Tensor, ...]) -> Pending:
+        buffers = buffer if isinstance(buffer, tuple) else (buffer,)
+        works = [dist.irecv(b, src=self._global[node.peer], group=self.group) for b in buffers]
+        return Pending(node, buffer, works)
 
     def complete(self, pending: Pending) -> None:
-        """Wait for the request, raising :class:`PipelineHangError` past the watchdog timeout."""
+        """Wait for the request(s), raising :class:`PipelineHangError` past the watchdog timeout."""
+        deadline = time.perf_counter() + self.timeout_s
+        for work in pending.work:
+            self._wait(pending, work, deadline)
+
+    def _wait(self, pending: Pending, work, deadline: float) -> None:
         if self.timeout_s <= 0:
-            pending.work.wait()
+            work.wait()
             return
         if self._wait_with_timeout:
             try:
-                pending.work.wait(timedelta(seconds=self.timeout_s))
+                work.wait(timedelta(seconds=max(deadline - time.perf_counter(), 1e-3)))
             except RuntimeError as exc:
                 if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
                     raise
                 raise self._hang(pending, exc) from exc
             return
-        deadline = time.perf_counter() + self.timeout_s
-        while not pending.work.is_completed():
+        while not work.is_completed():
             if time.perf_counter() > deadline:
                 raise self._hang(pending, None)
             time.sleep(_POLL_SLEEP_S)
-        pending.work.wait()
+        work.wait()
 
     def _hang(self, pending: Pending, cause: Exception | None) -> PipelineHangError:
         node = pending.node
