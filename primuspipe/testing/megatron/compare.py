@@ -9,6 +9,7 @@ Call inside an initialised process (``parallel_state`` set up, e.g. by
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +35,8 @@ class StepSpec:
     lr: float = 0.1
     config_overrides: Mapping[str, Any] = field(default_factory=dict)
     placement: str = "interleaved"
-    """How chunks map to stages: ``"interleaved"`` (Megatron's) or ``"v"`` (V-shape tables, vpp=2)."""
+    """How chunks map to stages: ``"interleaved"`` (Megatron's) or ``"v"`` (V-shape tables, vpp=2); see
+    :func:`placement_of` for a table's."""
 
 
 @dataclass
@@ -48,9 +50,29 @@ class StepResult:
     """Wall time of the forward-backward call alone."""
 
 
+def placement_of(table) -> str:
+    """The :attr:`StepSpec.placement` that builds model chunks for ``table`` (a primuspipe table)."""
+    from primuspipe.errors import ConfigError, TableFormatError
+    from primuspipe.ir.placement import Placement
+
+    for name in tiny_models.PLACEMENTS:
+        with contextlib.suppress(TableFormatError):
+            if table.placement == Placement.named(name, table.pp, table.vpp):
+                return name
+    raise ConfigError(f"{table.algorithm}: no way to build Megatron chunks for its {table.placement.name!r} placement")
+
+
 def build(spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None):
-    """``(config, chunks, model)``: the Megatron config, raw chunks, and what the schedule is given."""
-    config = tiny_models.transformer_config(spec.model, pp, vpp, **dict(spec.config_overrides))
+    """``(config, chunks, model)``: the Megatron config, raw chunks, and what the schedule is given.
+
+    Tensor- and expert-parallel sizes come from ``parallel_state``; its virtual pipeline size is set to
+    ``vpp`` (Megatron's own schedules read it there), so one process group serves any vpp."""
+    from megatron.core import parallel_state
+
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+    config = tiny_models.transformer_config(spec.model, pp, vpp, tp=parallel_state.get_tensor_model_parallel_world_size(),
+                                            ep=parallel_state.get_expert_model_parallel_world_size(),
+                                            **dict(spec.config_overrides))
     chunks = tiny_models.build_model_chunks(spec.model, config, seed=spec.seed, placement=spec.placement)
     if device is not None:
         chunks = [c.to(device) for c in chunks]
