@@ -65,14 +65,14 @@ def placement_of(table) -> str:
 def build(spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None):
     """``(config, chunks, model)``: the Megatron config, raw chunks, and what the schedule is given.
 
-    Tensor- and expert-parallel sizes come from ``parallel_state``; its virtual pipeline size is set to
+    Tensor- and (for MoE models) expert-parallel sizes come from ``parallel_state``; its virtual pipeline size is set to
     ``vpp`` (Megatron's own schedules read it there), so one process group serves any vpp."""
     from megatron.core import parallel_state
 
     parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+    ep = parallel_state.get_expert_model_parallel_world_size() if spec.model.num_moe_experts else 1
     config = tiny_models.transformer_config(spec.model, pp, vpp, tp=parallel_state.get_tensor_model_parallel_world_size(),
-                                            ep=parallel_state.get_expert_model_parallel_world_size(),
-                                            **dict(spec.config_overrides))
+                                            ep=ep, **dict(spec.config_overrides))
     chunks = tiny_models.build_model_chunks(spec.model, config, seed=spec.seed, placement=spec.placement)
     if device is not None:
         chunks = [c.to(device) for c in chunks]
