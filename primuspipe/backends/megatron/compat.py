@@ -8,7 +8,6 @@ the table decides the communication, which is always unbatched, ordered and non-
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,23 +55,20 @@ def check_megatron_config(config: Any, table: ScheduleTable, models: Sequence[An
     _check_tied_copies(table, models)
 
 
-_TIED_CHECKED: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
 def _check_tied_copies(table: ScheduleTable, models: Sequence[Any]) -> None:
     """Where one rank holds both copies of tied embeddings (the V), they must start equal: chunks built
     outside ``v_layer_offsets`` leave the output layer's copy zeroed (checked once per model)."""
     from primuspipe.backends.megatron.v_placement import tied_copies
 
     copies = tied_copies(models)
-    if copies is None or copies[1] in _TIED_CHECKED:
+    if copies is None or getattr(copies[1], "_primuspipe_tie_checked", False):
         return
     if not torch.equal(copies[0], copies[1]):
         raise ConfigError(
             f"{table.algorithm}: tied embeddings, but the output layer's copy on this rank differs from the word "
             "embedding; build the V chunks inside primuspipe.backends.megatron.v_placement.v_layer_offsets, which "
             "initialises it from the word embedding (docs/megatron.md)")
-    _TIED_CHECKED.add(copies[1])
+    copies[1]._primuspipe_tie_checked = True
 
 
 def _check_data_order(table: ScheduleTable) -> None:

@@ -119,13 +119,27 @@ def call_schedule(schedule: Callable, spec: StepSpec, model, device: torch.devic
     return losses, time.perf_counter() - start
 
 
-def param_grads(chunks, ddp: bool) -> dict[str, torch.Tensor | None]:
-    """Global parameter name -> a copy of its gradient (``main_grad`` under DDP)."""
+def shard_name(chunk, local_name: str, param: torch.Tensor) -> str:
+    """The parameter's global name, plus ``@tp<rank>`` for a tensor-parallel shard of a dense weight (the
+    same on every layout of that tensor-parallel size; experts are already named globally)."""
+    from megatron.core import parallel_state
+
+    name = tiny_models.global_param_name(chunk, local_name)
+    sharded = getattr(param, "tensor_model_parallel", False) and getattr(param, "allreduce", True)
+    if sharded and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        name += f"@tp{parallel_state.get_tensor_model_parallel_rank()}"
+    return name
+
+
+def param_grads(chunks, ddp: bool, shards: bool = False) -> dict[str, torch.Tensor | None]:
+    """Global parameter name (:func:`shard_name` with ``shards``) -> a copy of its gradient (``main_grad``
+    under DDP)."""
     grads = {}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             g = p.main_grad if ddp else p.grad
-            grads[tiny_models.global_param_name(chunk, name)] = None if g is None else g.detach().clone()
+            key = shard_name(chunk, name, p) if shards else tiny_models.global_param_name(chunk, name)
+            grads[key] = None if g is None else g.detach().clone()
     return grads
 
 
