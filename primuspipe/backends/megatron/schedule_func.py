@@ -139,8 +139,8 @@ class PrimusForwardBackward:
 
         if config.finalize_model_grads_func is not None and not forward_only:
             schedules.finish_embedding_wgrad_compute(config, embedding_module, last_rank, pg_collection.tp)
-            both_ends_here = table.placement.rank_of(0) == loss_rank and pp > 1
-            with tied_embedding_grads(models) if both_ends_here else contextlib.nullcontext():
+            ends_on_one_rank = table.placement.rank_of(0) == loss_rank and pp > 1
+            with tied_embedding_grads(models) if ends_on_one_rank else contextlib.nullcontext():
                 config.finalize_model_grads_func(
                     models, binder.total_num_tokens if config.calculate_per_token_loss else None,
                     pg_collection=pg_collection, force_all_reduce=force_all_reduce)

@@ -46,7 +46,8 @@ class TinyModelConfig:
     """Shape of a tiny GPT; defaults are small enough for a 2-core CI machine."""
 
     num_layers: int = 8
-    """Transformer layers in the whole model; must divide by ``pp * vpp``."""
+    """Transformer layers in the whole model; must divide by ``pp * vpp`` unless the first and/or last
+    stage get their own count (``num_layers_in_first/last_pipeline_stage``)."""
     hidden_size: int = 16
     num_attention_heads: int = 2
     ffn_hidden_size: int = 32
