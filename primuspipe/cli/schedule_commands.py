@@ -12,7 +12,7 @@ from primuspipe.algorithms import list_algorithms
 from primuspipe.passes.communication import add_communication
 from primuspipe.cli.options import add_shape_arguments, console, parse_options, report_console
 from primuspipe.errors import TableFormatError, ValidationError
-from primuspipe.ir.formats import dump_table, load_table
+from primuspipe.ir.formats import dump_table, load_table, save_table
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.activations import W_RETAINED_FRACTION, peak_in_flight
 from primuspipe.passes.validation import validate
@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write an algorithm's validated table as JSON or torch CSV")
     p.add_argument("algorithm")
     add_shape_arguments(p)
-    p.add_argument("--format", choices=("json", "csv"), default="json", help="json (lossless) or torch.distributed.pipelining CSV")
+    p.add_argument("--format", choices=("json", "csv"), default="json", help="json (lossless) or torch.distributed.pipelining CSV (with a <file>.meta.json sidecar "
+                   "holding the microbatch count and algorithm name)")
     p.add_argument("--compute-only", action="store_true", help="leave out communication nodes")
     p.add_argument("-o", "--output", type=Path, required=True, help="file to write ('-' for stdout)")
     p.set_defaults(handler=cmd_export)
@@ -77,12 +78,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    text = dump_table(_build(args), args.format, args.compute_only)
+    table = _build(args)
     if str(args.output) == "-":
-        print(text, end="")
-    else:
-        args.output.write_text(text)
-        Console(stderr=True).print(f"wrote {args.output}")
+        print(dump_table(table, args.format, args.compute_only), end="")
+        return 0
+    for path in save_table(table, args.output, args.format, args.compute_only):
+        Console(stderr=True).print(f"wrote {path}")
     return 0
 
 
