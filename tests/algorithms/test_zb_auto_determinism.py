@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import primuspipe
 
 SEARCH = textwrap.dedent("""
@@ -29,6 +31,7 @@ ENV = {**os.environ, "PYTHONPATH": str(Path(primuspipe.__file__).parents[1])}  #
 BURN = "import time\nend = time.time() + 120\nwhile time.time() < end: pass\n"
 
 
+@pytest.mark.slow
 def test_two_processes_one_under_load_build_identical_tables():
     quiet = subprocess.run([sys.executable, "-c", SEARCH], capture_output=True, text=True, check=True, env=ENV).stdout
     burners = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(3)]
