@@ -1,32 +1,41 @@
-"""Train a tiny megatron-core GPT with a primuspipe schedule, on CPU (gloo) or GPU (nccl).
+"""Train a megatron-core GPT with a primuspipe schedule, on CPU (gloo) or GPU (nccl), with Megatron's own
+model and parallelism flags.
 
     torchrun --nproc-per-node 4 examples/train_gpt.py --pp 4 --microbatches 8 --pp-algorithm 1f1b
-    torchrun --nproc-per-node 2 examples/train_gpt.py --pp 2 --vpp 2 --microbatches 4 \
-        --pp-algorithm interleaved-1f1b --compare-native --dump-dir /tmp/pp_data
+    torchrun --nproc-per-node 3 examples/train_gpt.py --pp 3 --num-layers 7 --microbatches 6 --compare-native
+    torchrun --nproc-per-node 4 examples/train_gpt.py --pp 2 --microbatches 4 --pp-algorithm zbv \\
+        --tensor-model-parallel-size 2 --sequence-parallel --num-experts 4 --expert-model-parallel-size 2 \\
+        --moe-token-dispatcher-type alltoall --recompute-granularity full --recompute-method uniform \\
+        --recompute-num-layers 1 --compare-native
     torchrun --nproc-per-node 2 examples/train_gpt.py --pp 2 --microbatches 4 --config primuspipe.yaml
-    torchrun --nproc-per-node 2 examples/train_gpt.py --pp 2 --microbatches 4 --pp-algorithm zbv --compare-native
 
-The schedule comes from ``--config`` (YAML, see docs/megatron.md), the environment, or the flags
-(flags win). The last line printed (rank 0) is one JSON object: ``algorithm``, ``loss`` (last
-iteration's mean per-token loss), ``step_time_s`` (median forward-backward time); with
-``--compare-native`` the same model, weights and data also go through Megatron's own schedule in this
-run, adding ``native_loss``, ``native_step_time_s`` and ``max_abs_grad_diff`` (over all parameters of
-all ranks, first iteration).
+The schedule comes from ``--config`` (YAML, see docs/megatron.md), the environment, or the flags (flags
+win). The model's chunks are built for the placement and vpp of the table the algorithm returns (V-shape
+algorithms: two chunks per rank in the V). The world size is ``pp * tensor-parallel * data-parallel``;
+data parallelism fills the rest.
 
-Zero-bubble algorithms (``zb-h1``, ``zb-h2``, ``zbv``, ``v-half``, ``v-min``, ``dualpipe-v``, ``zb-auto``)
-split the backward into B and W nodes. V-shape ones (``zbv``, ``v-half``, ``v-min``, ``dualpipe-v``)
-need two chunks per rank in the V placement: ``--vpp`` defaults to the algorithm's, and the model is
-built with ``placement="v"``; ``--compare-native`` then runs Megatron's own schedule for the same
-layout (interleaved 1F1B for vpp 2, on interleaved-built chunks with the same global weights).
+Model and parallelism flags keep Megatron-LM's names and meanings: embeddings are tied unless
+``--untie-embeddings-and-output-weights``; gradient-accumulation fusion is on unless
+``--no-gradient-accumulation-fusion``. When ``--num-layers`` does not split evenly over the pipeline
+stages and neither ``--decoder-first-pipeline-num-layers`` nor ``--decoder-last-pipeline-num-layers``
+is given, the first and last stage get their own count (Megatron's uneven split), and the run says so.
+
+The last line printed (rank 0) is one JSON object: ``algorithm``, ``loss`` (last iteration's mean
+per-token loss), ``step_time_s`` (median forward-backward time); with ``--compare-native`` the same
+model, weights and data also go through Megatron's own schedule for the same pp and vpp in this run
+(interleaved-built chunks for V tables), adding ``native_loss``, ``native_step_time_s``,
+``max_abs_grad_diff`` (over all parameters of all ranks, first iteration) and ``reference``: where
+Megatron's own schedule refuses the shape (e.g. pp=4, vpp=2, 6 microbatches), the reference is a pp=1
+run of the same model on the same ranks instead, and ``reference`` says why.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
+import sys
 from dataclasses import replace
 from datetime import timedelta
 
@@ -35,25 +44,114 @@ import torch.distributed as dist
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (= number of processes)")
-    p.add_argument("--vpp", type=int, default=None, help="model chunks per rank (default: the algorithm's, else 1)")
-    p.add_argument("--microbatches", type=int, required=True)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, required=True,
+                   help="pipeline-parallel size")
+    p.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int, default=None,
+                   help="model chunks per rank (default: the algorithm's)")
+    p.add_argument("--microbatches", type=int, required=True, help="microbatches per step and data-parallel rank")
     p.add_argument("--pp-algorithm", default=None, help="primuspipe algorithm (default: config, else auto)")
     p.add_argument("--config", default=None, help="primuspipe YAML config (else $PRIMUSPIPE_CONFIG)")
-    p.add_argument("--model", default="tiny-gpt", choices=["tiny-gpt", "tiny-moe"])
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--dump-dir", default=None, help="turn on dump_pp_data and write timelines here")
     p.add_argument("--compare-native", action="store_true", help="also run Megatron's own schedule and compare")
     p.add_argument("--lr", type=float, default=0.05)
+    m = p.add_argument_group("model (Megatron-LM's flags)")
+    m.add_argument("--num-layers", type=int, default=8)
+    m.add_argument("--hidden-size", type=int, default=16)
+    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 2 * hidden size")
+    m.add_argument("--num-attention-heads", type=int, default=2)
+    m.add_argument("--seq-length", type=int, default=8)
+    m.add_argument("--micro-batch-size", type=int, default=2)
+    m.add_argument("--vocab-size", type=int, default=64)
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    m.add_argument("--disable-bias-linear", action="store_true",
+                   help="no bias in linear layers (always so for MoE: megatron-core 0.19's local experts take none)")
+    m.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    m.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    m.add_argument("--calculate-per-token-loss", action="store_true")
+    m.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
+    par = p.add_argument_group("parallelism (Megatron-LM's flags)")
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--sequence-parallel", action="store_true")
+    par.add_argument("--expert-model-parallel-size", type=int, default=1)
+    moe = p.add_argument_group("mixture of experts (Megatron-LM's flags)")
+    moe.add_argument("--num-experts", type=int, default=None)
+    moe.add_argument("--moe-router-topk", type=int, default=2)
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    moe.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"])
+    moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                     help="> 0 turns on the load-balancing aux loss")
+    rec = p.add_argument_group("activation recompute (Megatron-LM's flags)")
+    rec.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    rec.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    rec.add_argument("--recompute-num-layers", type=int, default=None)
+    rec.add_argument("--recompute-modules", nargs="*", default=None)
     return p.parse_args(argv)
 
 
-def init_distributed(args) -> torch.device:
-    """``env://`` init (torchrun), Megatron's parallel state and RNG; CPU mode without a GPU."""
+def uneven_split(num_layers: int, pp: int) -> tuple[int, int]:
+    """``(first, last)`` stage layer counts that let the middle stages split the rest evenly, the first
+    and last as close to an even share as possible."""
+    if pp == 2:
+        return num_layers - num_layers // 2, num_layers // 2
+    fits = [x for x in range(1, num_layers) if num_layers - 2 * x >= pp - 2 and (num_layers - 2 * x) % (pp - 2) == 0]
+    if not fits:
+        raise SystemExit(f"{num_layers} layers cannot be split over {pp} pipeline stages; give "
+                         "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers")
+    ends = min(fits, key=lambda x: abs(x - num_layers / pp))
+    return ends, ends
+
+
+def model_and_overrides(args, table, say) -> tuple:
+    """The tiny-model shape and the Megatron ``TransformerConfig`` fields the flags ask for (chunks for
+    ``table``'s placement and vpp)."""
+    from primuspipe.testing.megatron import tiny_models
+
+    moe = args.num_experts is not None
+    model = tiny_models.TinyModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size or 2 * args.hidden_size, vocab_size=args.vocab_size,
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk, add_bias_linear=not (args.disable_bias_linear or moe),
+        tie_embeddings=not args.untie_embeddings_and_output_weights)
+    overrides = {"sequence_parallel": args.sequence_parallel,
+                 "gradient_accumulation_fusion": args.gradient_accumulation_fusion,
+                 "calculate_per_token_loss": args.calculate_per_token_loss}
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    stages = args.pp * table.vpp
+    if table.placement.name == "v" and (args.num_layers % stages or first is not None or last is not None):
+        raise SystemExit(f"{table.algorithm} runs {stages} stages in the V placement, which is built with even stages: "
+                         f"--num-layers must be a multiple of {stages} (got {args.num_layers}), without "
+                         "--decoder-first/last-pipeline-num-layers")
+    if first is None and last is None and args.num_layers % stages:
+        if table.vpp > 1:
+            raise SystemExit(f"{args.num_layers} layers do not split evenly over pp*vpp={stages} stages; give "
+                             "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers")
+        first, last = uneven_split(args.num_layers, args.pp)
+        say(f"{args.num_layers} layers do not split evenly over {args.pp} pipeline stages: using "
+            f"--decoder-first-pipeline-num-layers {first} --decoder-last-pipeline-num-layers {last}")
+    if first is not None:
+        overrides["num_layers_in_first_pipeline_stage"] = first
+    if last is not None:
+        overrides["num_layers_in_last_pipeline_stage"] = last
+    if moe:
+        overrides.update(moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+                         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+                         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                         moe_router_load_balancing_type="aux_loss" if args.moe_aux_loss_coeff > 0 else "none")
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    return model, overrides
+
+
+def init_distributed(args, vpp: int) -> torch.device:
+    """``env://`` init (torchrun) with a timeout; CPU mode without a GPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != args.pp:
-        raise SystemExit(f"run with --nproc-per-node {args.pp} (got WORLD_SIZE={world}); data parallelism is not used here")
+    tp = args.tensor_model_parallel_size
+    if world % (args.pp * tp):
+        raise SystemExit(f"WORLD_SIZE={world} is not a multiple of pp*tensor-parallel={args.pp * tp}")
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -63,30 +161,39 @@ def init_distributed(args) -> torch.device:
         torch.set_num_threads(1)
         enable_cpu_mode()
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=5))
+    set_parallel_state(args, args.pp, vpp)
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def set_parallel_state(args, pp: int, vpp: int) -> None:
+    """Megatron's parallel state and model-parallel RNG for a pipeline of ``pp`` stages."""
     from megatron.core import parallel_state
 
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=args.vpp if args.vpp > 1 else None)
-    if cuda:
+        tensor_model_parallel_size=args.tensor_model_parallel_size, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        expert_model_parallel_size=args.expert_model_parallel_size, expert_tensor_parallel_size=1)
+    if torch.cuda.is_available():
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         torch.manual_seed(0)
         model_parallel_cuda_manual_seed(0)
-        return torch.device("cuda", torch.cuda.current_device())
-    from primuspipe.backends.megatron.cpu_mode import cpu_rng_seed
+    else:
+        from primuspipe.backends.megatron.cpu_mode import cpu_rng_seed
 
-    cpu_rng_seed(0)
-    return torch.device("cpu")
+        cpu_rng_seed(0)
 
 
-def train(schedule, spec_for, args, device):
-    """``iterations`` steps (DDP, finalize grads, SGD) from fresh weights; returns
-    (per-iteration losses on the last stage, step times, first iteration's grads)."""
+def train(schedule, spec_for, args, pp: int, vpp: int, device):
+    """``iterations`` steps (DDP, finalize grads, SGD) from fresh weights; returns (per-iteration losses
+    on the last stage, step times, first iteration's grads by shard)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from primuspipe.testing.megatron import compare
 
-    _, chunks, model = compare.build(spec_for(0), args.pp, args.vpp, device)
+    _, chunks, model = compare.build(spec_for(0), pp, vpp, device)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="sgd", lr=args.lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
                         params_dtype=torch.float32), model)
@@ -98,7 +205,7 @@ def train(schedule, spec_for, args, device):
         out, seconds = compare.call_schedule(schedule, spec_for(it), model, device)
         times.append(seconds)
         if first_grads is None:
-            first_grads = {name: g.cpu() for name, g in compare.param_grads(chunks, ddp=True).items()}
+            first_grads = {name: g.cpu() for name, g in compare.param_grads(chunks, ddp=True, shards=True).items()}
         optimizer.step()
         if out:
             total = torch.stack([d["lm loss"] for d in out]).sum(0)
@@ -107,64 +214,81 @@ def train(schedule, spec_for, args, device):
 
 
 def gather_grads(grads: dict) -> dict:
+    """Every rank's gradients by shard name (data-parallel replicas hold the same values)."""
     everything = [None] * dist.get_world_size()
     dist.all_gather_object(everything, grads)
     return {k: v for part in everything for k, v in part.items()}
 
 
 def from_loss_rank(value):
-    """``value`` of the rank holding the last stage (the last rank; rank 0 in the V placement)."""
+    """``value`` of a rank holding the last pipeline stage (the others report nothing)."""
     everything = [None] * dist.get_world_size()
     dist.all_gather_object(everything, value)
     return next((v for v in everything if v not in (None, [])), value)
 
 
-def resolve_layout(args, algorithm: str | None) -> str:
-    """Fill ``args.vpp`` from the algorithm when not given; return the chunk placement it needs."""
-    from primuspipe.algorithms import get_algorithm
-
-    info = get_algorithm(algorithm) if algorithm not in (None, "auto") else None
-    if args.vpp is None:
-        args.vpp = (info.vpp or info.default_vpp) if info is not None else 1
-    return "v" if info is not None and info.placement == "v" else "interleaved"
+def refused_everywhere(error: Exception | None) -> str | None:
+    """Megatron's own schedule checks the shape before any transfer, on every rank alike; agree anyway."""
+    everything = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, None if error is None else f"{type(error).__name__}: {error}")
+    return next((e for e in everything if e is not None), None)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from primuspipe.backends.megatron import load_config
-
-    file_config = load_config(args.config)
-    placement = resolve_layout(args, args.pp_algorithm or file_config.pp_algorithm)
-    device = init_distributed(args)
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from primuspipe.testing.megatron import compare, tiny_models
-    from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
+    from primuspipe.backends.megatron import PrimusForwardBackward, load_config
 
     overrides = {"patch_primus_pipeline": True}
     if args.pp_algorithm:
         overrides["pp_algorithm"] = args.pp_algorithm
     if args.dump_dir:
         overrides.update(dump_pp_data=True, dump_dir=args.dump_dir)
-    config = replace(file_config, **overrides)
+    config = replace(load_config(args.config), **overrides)
     ours = PrimusForwardBackward(config)
-    model_cfg = tiny_models.get_tiny_model(args.model)
+    table = ours.table_for(args.pp, args.vpp, args.microbatches)
+    rank0 = os.environ.get("RANK", "0") == "0"
 
-    def spec_for(iteration, placement=placement):
-        return compare.StepSpec(model_cfg, args.microbatches, seed=iteration, ddp=True, placement=placement)
+    def say(line: str) -> None:
+        if rank0:
+            print(f"train_gpt: {line}", file=sys.stderr, flush=True)
 
-    losses, times, grads = train(ours, spec_for, args, device)
-    result = {"algorithm": config.algorithm_for(args.vpp), "pp": args.pp, "vpp": args.vpp,
-              "microbatches": args.microbatches, "model": args.model, "device": device.type,
+    model, overrides = model_and_overrides(args, table, say)
+    device = init_distributed(args, table.vpp)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from primuspipe.testing.megatron import compare
+
+    placement = compare.placement_of(table)
+
+    def spec_for(iteration, placement=placement, overrides=overrides):
+        return compare.StepSpec(model, args.microbatches, seed=iteration, ddp=True, placement=placement,
+                                config_overrides=overrides)
+
+    losses, times, grads = train(ours, spec_for, args, args.pp, table.vpp, device)
+    result = {"algorithm": table.algorithm, "pp": args.pp, "vpp": table.vpp, "placement": placement,
+              "microbatches": args.microbatches, "device": device.type,
               "loss": from_loss_rank(losses[-1] if losses else None),
               "losses": from_loss_rank(losses), "step_time_s": statistics.median(times)}
     if args.compare_native:
-        native_spec = functools.partial(spec_for, placement="interleaved")
-        native_losses, native_times, native_grads = train(get_forward_backward_func(), native_spec, args, device)
+        native, error = get_forward_backward_func(args.pp, table.vpp if table.vpp > 1 else None), None
+        try:
+            native_run = train(native, lambda it: spec_for(it, placement="interleaved"), args, args.pp, table.vpp, device)
+        except (AssertionError, RuntimeError, ValueError) as exc:
+            error = exc
+        if (why := refused_everywhere(error)) is not None:
+            reference = f"pp=1 (Megatron's own schedule refuses pp={args.pp}, vpp={table.vpp}: {why})"
+            say(f"comparing with a pp=1 run instead: {why}")
+            set_parallel_state(args, 1, 1)
+            flat = {k: v for k, v in overrides.items() if not k.startswith("num_layers_in_")}
+            native_run = train(get_forward_backward_func(), lambda it: spec_for(it, "interleaved", flat), args, 1, 1,
+                               device)
+        else:
+            reference = f"Megatron's own schedule, pp={args.pp}, vpp={table.vpp}"
+        native_losses, native_times, native_grads = native_run
         result.update(native_loss=from_loss_rank(native_losses[-1] if native_losses else None),
-                      native_step_time_s=statistics.median(native_times),
+                      native_step_time_s=statistics.median(native_times), reference=reference,
                       max_abs_grad_diff=compare.max_abs_diff(gather_grads(grads), gather_grads(native_grads)))
-    if dist.get_rank() == 0:
+    if rank0:
         print(json.dumps(result), flush=True)
     from megatron.core import parallel_state
 

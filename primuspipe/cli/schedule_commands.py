@@ -12,9 +12,9 @@ from primuspipe.algorithms import list_algorithms
 from primuspipe.passes.communication import add_communication
 from primuspipe.cli.options import add_shape_arguments, console, parse_options, report_console
 from primuspipe.errors import TableFormatError, ValidationError
-from primuspipe.ir.formats import dump_table, load_table
+from primuspipe.ir.formats import dump_table, load_table, save_table
 from primuspipe.algorithms.build import build_schedule
-from primuspipe.ir.activations import peak_in_flight
+from primuspipe.ir.activations import W_RETAINED_FRACTION, peak_in_flight
 from primuspipe.passes.validation import validate
 
 
@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write an algorithm's validated table as JSON or torch CSV")
     p.add_argument("algorithm")
     add_shape_arguments(p)
-    p.add_argument("--format", choices=("json", "csv"), default="json", help="json (lossless) or torch.distributed.pipelining CSV")
+    p.add_argument("--format", choices=("json", "csv"), default="json", help="json (lossless) or torch.distributed.pipelining CSV (with a <file>.meta.json sidecar "
+                   "holding the microbatch count and algorithm name)")
     p.add_argument("--compute-only", action="store_true", help="leave out communication nodes")
     p.add_argument("-o", "--output", type=Path, required=True, help="file to write ('-' for stdout)")
     p.set_defaults(handler=cmd_export)
@@ -41,7 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "communication added. Exit status 0 if valid, 1 otherwise.")
     p.add_argument("file", type=Path)
     p.add_argument("--max-in-flight", type=float, default=None, metavar="MICROBATCHES",
-                   help="also bound activations held per rank (1F1B-stage microbatch units)")
+                   help="also bound activations held per rank (1F1B-stage microbatch units, each counted from its F "
+                        "until its W, as simulate's peak and --memory-limit count them)")
+    p.add_argument("--w-retained", type=float, default=W_RETAINED_FRACTION, metavar="SHARE",
+                   help="share of a microbatch's activations its B keeps for its W (default 32/34, see "
+                        "docs/simulator.md)")
     p.set_defaults(handler=cmd_validate)
 
 
@@ -67,18 +72,18 @@ def cmd_show(args: argparse.Namespace) -> int:
     table = _build(args)
     out = report_console()
     out.print(table.grid(compute_only=args.compute_only), markup=False)
-    peaks = ", ".join(f"{p:g}" for p in peak_in_flight(table))
-    out.print(f"peak activations in flight per rank (1F1B-stage microbatches): {peaks}", markup=False)
+    peaks = ", ".join(f"{p:.4g}" for p in peak_in_flight(table))
+    out.print(f"peak activations per rank (1F1B-stage microbatches, each counted until its W): {peaks}", markup=False)
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    text = dump_table(_build(args), args.format, args.compute_only)
+    table = _build(args)
     if str(args.output) == "-":
-        print(text, end="")
-    else:
-        args.output.write_text(text)
-        Console(stderr=True).print(f"wrote {args.output}")
+        print(dump_table(table, args.format, args.compute_only), end="")
+        return 0
+    for path in save_table(table, args.output, args.format, args.compute_only):
+        Console(stderr=True).print(f"wrote {path}")
     return 0
 
 
@@ -86,9 +91,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     out = report_console()
     try:
         table = load_table(args.file)
-        validate(table, max_in_flight=args.max_in_flight)
+        validate(table, max_in_flight=args.max_in_flight, retained=args.w_retained)
         if not table.has_communication:
-            validate(add_communication(table), max_in_flight=args.max_in_flight)
+            validate(add_communication(table), max_in_flight=args.max_in_flight, retained=args.w_retained)
     except (ValidationError, TableFormatError) as exc:
         out.print(f"INVALID {args.file}: {exc}", markup=False)
         return 1

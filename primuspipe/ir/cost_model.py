@@ -35,8 +35,8 @@ optimizer bytes) are one number or ``pp`` values::
       intra_node: {latency: 0.005, bandwidth: 4.0e8}   # bandwidth in bytes per time unit
       inter_node: {latency: 0.020, bandwidth: 2.5e7}   # omitted bandwidth: unlimited
     memory:
+      w_retained_fraction: 0.94          # share of a microbatch's activations B keeps for W (default 32/34)
       activation_bytes: 2.0e9            # per 1F1B stage, one microbatch, held from F until released
-      w_retained_fraction: 0.3           # share of those B keeps for W (W releases it)
       parameter_bytes: 1.0e9             # per rank
       gradient_bytes: 1.0e9
       optimizer_bytes: 4.0e9
@@ -50,13 +50,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from primuspipe.errors import ConfigError
+from primuspipe.ir.activations import W_RETAINED_FRACTION
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.node import ScheduleNode
@@ -148,40 +149,50 @@ class HostCost:
 
 @dataclass(frozen=True)
 class MemoryCost:
-    """Bytes held per rank: static state plus activations of microbatches in flight.
+    """What a rank holds: activations of microbatches in flight, and (optionally) bytes.
 
-    Release rule: F holds ``activation_bytes[stage]``; B releases all but ``w_retained_fraction`` of it
-    (what W still needs, e.g. layer inputs); W releases the rest; a fused BW releases everything.
+    Release rule: F takes a microbatch's activations of its stage; B releases all but
+    ``w_retained_fraction`` of them (what the deferred W still needs, the inputs of its GEMMs); W
+    releases the rest; a fused BW releases everything. Memory counted this way is what the device
+    holds, and it is the one count of every memory figure: ``peak_activations`` (microbatch units),
+    the peak bytes, ``--memory-limit``, ``validate --max-in-flight`` and the algorithms' budgets.
     """
 
-    activation_bytes: tuple[float, ...]
-    """Per stage: one microbatch's activations."""
-    w_retained_fraction: float
-    parameter_bytes: tuple[float, ...]
-    """Per rank (so are gradient and optimizer bytes)."""
-    gradient_bytes: tuple[float, ...]
-    optimizer_bytes: tuple[float, ...]
+    w_retained_fraction: float = W_RETAINED_FRACTION
+    """Share of a microbatch's activations that B keeps for W (default 32/34, see
+    :data:`~primuspipe.ir.activations.W_RETAINED_FRACTION`)."""
+    activation_bytes: tuple[float, ...] | None = None
+    """Per stage: one microbatch's activations; None: bytes are not modelled (reported as unknown)."""
+    parameter_bytes: tuple[float, ...] = ()
+    """Per rank (so are gradient and optimizer bytes); empty: none modelled."""
+    gradient_bytes: tuple[float, ...] = ()
+    optimizer_bytes: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.w_retained_fraction <= 1.0:
             raise ConfigError(f"w_retained_fraction must be in [0, 1], got {self.w_retained_fraction}")
-        pp = len(self.parameter_bytes)
-        if not (len(self.gradient_bytes) == len(self.optimizer_bytes) == pp):
+        if not (len(self.parameter_bytes) == len(self.gradient_bytes) == len(self.optimizer_bytes)):
             raise ConfigError("parameter, gradient and optimizer bytes need one value per rank each")
 
     @classmethod
     def per_stage(
-        cls, num_stages: int, pp: int, *, activation_bytes: Values, w_retained_fraction: float,
+        cls, num_stages: int, pp: int, *, activation_bytes: Values, w_retained_fraction: float = W_RETAINED_FRACTION,
         parameter_bytes: Values = 0.0, gradient_bytes: Values = 0.0, optimizer_bytes: Values = 0.0,
     ) -> MemoryCost:
         return cls(
-            per_stage_values("activation_bytes", activation_bytes, num_stages, "stages"), float(w_retained_fraction),
+            float(w_retained_fraction), per_stage_values("activation_bytes", activation_bytes, num_stages, "stages"),
             per_stage_values("parameter_bytes", parameter_bytes, pp, "ranks"),
             per_stage_values("gradient_bytes", gradient_bytes, pp, "ranks"),
             per_stage_values("optimizer_bytes", optimizer_bytes, pp, "ranks"),
         )
 
+    @property
+    def models_bytes(self) -> bool:
+        return self.activation_bytes is not None
+
     def static_bytes(self, rank: int) -> float:
+        if not self.parameter_bytes:
+            return 0.0
         return self.parameter_bytes[rank] + self.gradient_bytes[rank] + self.optimizer_bytes[rank]
 
 
@@ -199,8 +210,8 @@ class CostModel:
     cold_start: ComputeCosts | None = None
     """Per stage, the extra time of each chunk's first F, B and W node in a step (BW: B + W) -- caches,
     allocator and lazily built state are cold then; None: none."""
-    memory: MemoryCost | None = None
-    """None: bytes are not modelled (reported as 0); microbatch-unit memory is always reported."""
+    memory: MemoryCost = MemoryCost()
+    """What W keeps of B's activations (always) and bytes (when modelled)."""
     time_unit: str = "ms"
 
     def __post_init__(self) -> None:
@@ -211,7 +222,7 @@ class CostModel:
             raise ConfigError(f"fb_overlap must be in [0, 1] (0: F+B, 1: max(F, B)), got {self.fb_overlap}")
         if self.cold_start is not None and self.cold_start.num_stages != n:
             raise ConfigError(f"compute.cold_start has {self.cold_start.num_stages} values for {n} stages")
-        if self.memory is not None and len(self.memory.activation_bytes) != n:
+        if self.memory.models_bytes and len(self.memory.activation_bytes) != n:
             raise ConfigError(f"memory.activation_bytes has {len(self.memory.activation_bytes)} values for {n} stages")
         if self.time_unit not in TIME_UNITS:
             raise ConfigError(f"time_unit must be one of {sorted(TIME_UNITS)}, got {self.time_unit!r}")
@@ -262,7 +273,33 @@ class CostModel:
         return sum(self.cold_start.of(kind)[stage] for kind, stage in parts if kind.spec.cost is not None)
 
     def static_bytes(self, rank: int) -> float:
-        return 0.0 if self.memory is None else self.memory.static_bytes(rank)
+        return self.memory.static_bytes(rank)
+
+    def for_shape(self, pp: int, vpp: int) -> CostModel:
+        """The same model cut into ``pp * vpp`` stages: each 1F1B stage (``num_stages // pp`` consecutive
+        model stages) keeps its total time and activation bytes, split evenly over its ``vpp`` new
+        stages (as the YAML form splits a 1F1B stage's value). A search that compares placements of
+        different ``vpp`` (``zb-auto``) times each under this one model."""
+        if self.num_stages == pp * vpp:
+            return self
+        if pp < 1 or vpp < 1 or self.num_stages % pp:
+            raise ConfigError(f"a cost model of {self.num_stages} stages cannot be cut for pp={pp}, vpp={vpp}")
+
+        def recut(name: str, values: tuple[float, ...]) -> tuple[float, ...]:
+            k = len(values) // pp
+            return split_stages(name, [sum(values[i * k:(i + 1) * k]) for i in range(pp)], pp, vpp)
+
+        memory = self.memory
+        if memory.models_bytes:
+            memory = replace(memory, activation_bytes=recut("activation_bytes", memory.activation_bytes))
+        def recut_costs(name: str, costs: ComputeCosts) -> ComputeCosts:
+            return ComputeCosts(recut(f"{name}F", costs.forward), recut(f"{name}B", costs.backward_input),
+                                recut(f"{name}W", costs.backward_weight))
+
+        return replace(self, compute=recut_costs("", self.compute),
+                       fused_backward=None if self.fused_backward is None else recut("BW", self.fused_backward),
+                       cold_start=None if self.cold_start is None else recut_costs("cold_start.", self.cold_start),
+                       memory=memory)
 
     # -- dict / YAML --------------------------------------------------------------------------------
     @classmethod
@@ -279,13 +316,7 @@ class CostModel:
             return split_stages(name, value, pp, vpp)
 
         try:
-            memory = None
-            if "memory" in top:
-                mem = _section(top["memory"], "memory", {"activation_bytes", "w_retained_fraction", "parameter_bytes",
-                                                         "gradient_bytes", "optimizer_bytes"},
-                               required={"activation_bytes", "w_retained_fraction"})
-                mem["activation_bytes"] = stages("memory.activation_bytes", mem["activation_bytes"])
-                memory = MemoryCost.per_stage(pp * vpp, pp, **mem)
+            memory = _memory(top.get("memory", {}), pp, vpp)
             return cls.per_stage(
                 pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), stages("W", comp["w"]),
                 bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
@@ -323,11 +354,11 @@ class CostModel:
             h = self.host
             out["host"] = {"overhead": dict(h.overhead), "send": h.send, "recv": h.recv, "cores": h.cores,
                            "comm_cpu": h.comm_cpu, "step_gap": None if h.step_gap is None else list(h.step_gap)}
-        if self.memory is not None:
-            m = self.memory
-            out["memory"] = {"activation_bytes": list(m.activation_bytes), "w_retained_fraction": m.w_retained_fraction,
-                             "parameter_bytes": list(m.parameter_bytes), "gradient_bytes": list(m.gradient_bytes),
-                             "optimizer_bytes": list(m.optimizer_bytes)}
+        m = self.memory
+        out["memory"] = {"w_retained_fraction": m.w_retained_fraction}
+        if m.models_bytes:
+            out["memory"].update(activation_bytes=list(m.activation_bytes), parameter_bytes=list(m.parameter_bytes),
+                                 gradient_bytes=list(m.gradient_bytes), optimizer_bytes=list(m.optimizer_bytes))
         return out
 
 
@@ -355,6 +386,22 @@ def read_cost_file(path: str | Path) -> dict[str, Any]:
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read cost model {path}: {exc}") from exc
     return _section(data, f"cost model {path}", _SECTIONS)
+
+
+def _memory(data: Any, pp: int, vpp: int) -> MemoryCost:
+    """The ``memory`` section: the retained share alone (default :data:`W_RETAINED_FRACTION`), or bytes,
+    which then must say what W keeps (the byte figures depend on it)."""
+    mem = _section(data, "memory", {"activation_bytes", "w_retained_fraction", "parameter_bytes", "gradient_bytes",
+                                    "optimizer_bytes"})
+    if "activation_bytes" not in mem:
+        if set(mem) - {"w_retained_fraction"}:
+            raise ConfigError("memory: parameter, gradient and optimizer bytes need activation_bytes too")
+        return MemoryCost(float(mem.get("w_retained_fraction", W_RETAINED_FRACTION)))
+    if "w_retained_fraction" not in mem:
+        raise ConfigError("memory lacks ['w_retained_fraction']: with activation_bytes, say what share of them B keeps "
+                          f"for W (e.g. {W_RETAINED_FRACTION:.3f} with flash attention, see docs/simulator.md)")
+    mem["activation_bytes"] = split_stages("memory.activation_bytes", mem["activation_bytes"], pp, vpp)
+    return MemoryCost.per_stage(pp * vpp, pp, **mem)
 
 
 def _section(data: Any, name: str, allowed: set[str], required: set[str] = frozenset()) -> dict[str, Any]:

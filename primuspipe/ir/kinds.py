@@ -9,7 +9,8 @@ the simulator, the runner's plan, the formats and pp_vis all read this table.
 
 A *step* is "kind K is done for (stage, microbatch)"; steps are named by the compute kinds ``F``
 (forward), ``B`` (input gradient) and ``W`` (weight gradient). ``BW`` completes both ``B`` and ``W``;
-``FB`` runs an ``F`` and a ``B`` of two microbatches as one node.
+``FB`` runs an ``F`` and a ``B`` of two microbatches as one node, ``FBW`` an ``F`` and a ``BW`` (torch's
+``OVERLAP_F_B`` with a full backward, as its DualPipeV writes).
 
 The dependency rules, as ``needs`` entries ``(step, stage offset)`` (docs/design.md §2):
 
@@ -21,6 +22,7 @@ B       B                                F of its own stage, B of the next stage
 W       W                                B of its own stage
 BW      B, W                             as B
 FB      (its parts: F, then B)           (its parts')
+FBW     (its parts: F, then BW)          (its parts')
 ======  ===============================  ================================================
 
 A need on another stage is a hand-off: local when both stages live on one rank, otherwise a transfer
@@ -33,7 +35,7 @@ that runs it; ``tests/core/test_kinds.py`` adds a toy kind that way.
 >>> NodeKind("BW").spec.completes
 ('B', 'W')
 >>> [k.name for k in compute_kinds()]
-['F', 'B', 'W', 'BW', 'FB']
+['F', 'B', 'W', 'BW', 'FB', 'FBW']
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class NodeKind:
     W: ClassVar[NodeKind]
     BW: ClassVar[NodeKind]
     FB: ClassVar[NodeKind]
+    FBW: ClassVar[NodeKind]
     SEND_F: ClassVar[NodeKind]
     RECV_F: ClassVar[NodeKind]
     SEND_B: ClassVar[NodeKind]
@@ -233,6 +236,9 @@ NodeKind.BW = define_kind(KindSpec(
 NodeKind.FB = define_kind(KindSpec(
     "FB", Category.COMPUTE, "forward + backward", parts=("F", "B"), torch_action="OVERLAP_F_B",
     color="#C44E52"))
+NodeKind.FBW = define_kind(KindSpec(
+    "FBW", Category.COMPUTE, "forward + fused backward", parts=("F", "BW"), torch_action="OVERLAP_F_B",
+    color="#937860"))
 NodeKind.SEND_F = define_kind(KindSpec(
     "SEND_F", Category.SEND, "send activation", carries="F", peer_offset=_NEXT, torch_action="SEND_F"))
 NodeKind.RECV_F = define_kind(KindSpec(

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 from primuspipe.errors import ValidationError
-from primuspipe.ir.activations import running_levels
+from primuspipe.ir.activations import W_RETAINED_FRACTION, running_levels
 from primuspipe.ir.dataflow import (
     Transfer,
     inbound,
@@ -32,11 +32,13 @@ from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.table import ScheduleTable
 
 
-def validate(table: ScheduleTable, *, max_in_flight: float | None = None) -> ScheduleTable:
+def validate(table: ScheduleTable, *, max_in_flight: float | None = None,
+             retained: float = W_RETAINED_FRACTION) -> ScheduleTable:
     """Run every rule; return the table unchanged so calls chain.
 
-    ``max_in_flight`` bounds, per rank, the activations held at once (forward done, input-grad backward
-    not yet), in microbatches of one 1F1B stage: a chunk's activation counts ``1/vpp``.
+    ``max_in_flight`` bounds, per rank, the activations held at once, in microbatches of one 1F1B stage
+    (a chunk's activation counts ``1/vpp``), each from its F until its W, at ``retained`` of its size
+    between B and W (docs/design.md §4).
     """
     check_structure(table)
     check_completeness(table)
@@ -45,7 +47,7 @@ def validate(table: ScheduleTable, *, max_in_flight: float | None = None) -> Sch
         check_pairing(table)
     check_deadlock(table)
     if max_in_flight is not None:
-        check_in_flight(table, max_in_flight)
+        check_in_flight(table, max_in_flight, retained)
     return table
 
 
@@ -317,11 +319,11 @@ def _report_deadlock(table: ScheduleTable, ptr: list[int], blocked_on: dict[int,
           "and post receives in the order the peer sends")
 
 
-def check_in_flight(table: ScheduleTable, limit: float) -> None:
+def check_in_flight(table: ScheduleTable, limit: float, retained: float = W_RETAINED_FRACTION) -> None:
     """No rank holds more than ``limit`` microbatches of activations (1F1B-stage units) at once."""
     for rank, row in enumerate(table.ranks):
-        for i, held in enumerate(running_levels(row)):
+        for i, held in enumerate(running_levels(row, retained=retained)):
             if held > limit * table.vpp + 1e-9:
                 _fail(table, "memory", f"{_at(table, rank, i)} raises the activations held on rank {rank} to "
                       f"{held / table.vpp:g} microbatches, over the limit of {limit:g}",
-                      [(rank, i)], "run backwards earlier, or raise the limit")
+                      [(rank, i)], "run backwards and weight-gradient (W) nodes earlier, or raise the limit")

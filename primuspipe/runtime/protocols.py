@@ -60,7 +60,8 @@ class Binder(Protocol):
 
 @dataclass
 class Pending:
-    """A posted send or receive: the node it serves, its tensor and the transport's request."""
+    """A posted send or receive: the node it serves, its tensor (or tuple of tensors) and the
+    transport's requests (one per tensor)."""
 
     node: ScheduleNode
     tensor: Any

@@ -1,7 +1,8 @@
 """The reference binder: runs a table on plain torch modules, one module per local chunk.
 
-It is the smallest complete :class:`~primuspipe.runtime.runner.Binder` (``F`` and ``BW``), used to test the
-runner without Megatron and as a template for other backends. Per-step state (what ``BW`` needs from
+It is the smallest complete :class:`~primuspipe.runtime.runner.Binder` (``F`` and ``BW``, one fixed
+transfer shape), used to test the runner core without Megatron and as a template for other backends.
+To train a PyTorch model, use the plain-torch backend, :mod:`primuspipe.backends.torch`. Per-step state (what ``BW`` needs from
 its ``F``) lives in a dict keyed by ``(chunk, microbatch)``; build a new binder per step.
 
 The first stage's ``F`` reads ``inputs[microbatch]``; the last stage's ``F`` applies

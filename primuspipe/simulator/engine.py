@@ -55,7 +55,8 @@ class RankResult:
     bubble_rate: float
     """``(step - busy) / step``: idle share of the whole step, start-up wait included."""
     peak_activations: float
-    """Most activations held at once, in 1F1B-stage microbatches (a chunk's F counts 1/vpp)."""
+    """Most activations held at once, in 1F1B-stage microbatches (a chunk's F counts 1/vpp), each from
+    its F until its W (at the cost model's ``w_retained_fraction`` between B and W)."""
     peak_activation_bytes: float
     static_bytes: float
     cpu: tuple[tuple[float, float], ...] | None = None
@@ -151,7 +152,7 @@ class SimulationResult:
                 fact["host"] = f"node {fact['rank'] // self.cost.p2p.ranks_per_node}"
         if len(facts[0]) > 1:
             meta["ranks"] = facts
-        modelled = self.cost.memory is not None  # without a memory section, bytes are unknown, not zero
+        modelled = self.cost.memory.models_bytes  # without activation bytes, bytes are unknown, not zero
         ranks = tuple(RankTimeline(r.rank, r.events, round(r.peak_memory_bytes) if modelled else None) for r in self.ranks)
         return Timeline("simulator", t.algorithm, t.pp, t.vpp, t.microbatches, ranks, iteration,
                         self.cost.time_unit, meta)
@@ -303,10 +304,8 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
     ``min(1, cores / n)``. A rank's host time and compute are jobs of its node; each message adds a
     detached ``host.comm_cpu`` job, half on each end's node, while it is in flight. Time passes for all
     ranks together: the next event is the earliest job completion (tracked per node in *virtual time*,
-    the work a job running since the start would have done) or transfer arrival. A transfer due while
-    its destination's cores are all taken is delivered when one of them frees (the communication
-    thread that receives it needs a core, and the OS gives it one at the next switch). Also returns,
-    per rank and node, the CPU time the rank had got by the node's start and end.
+    the work a job running since the start would have done) or transfer arrival. Also returns, per
+    rank and node, the CPU time the rank had got by the node's start and end.
 
     A compute node is reported as an OS time-slicing ranks shows it in a run's dump: ending when its
     work is done, lasting its work (a rank holds its core through a node and waits for one between
@@ -322,7 +321,6 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
     posted = [([], []) for _ in lanes]
     arrived: set[int] = set()
     waiting: dict[int, int] = {}
-    deferred: list[list[tuple]] = [[] for _ in range(nodes)]  # per node: transfers in, waiting for a core
     ptr, seq, now = [0] * pp, itertools.count(), 0.0
     got = [0.0] * pp  # CPU time each rank's finished jobs took
     running: dict[int, float] = {}  # rank -> virtual time its running job started at
@@ -397,15 +395,6 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
                 for end in lanes[lane]:
                     start_job(node_of[end], cost.host.comm_cpu / 2, -1, _DETACHED)
 
-    def deliver(transfer: int, ends_posted: list[tuple]) -> None:
-        """The transfer is in: its send and receive end now; its consumer may go on."""
-        for _, end_rank, end_index, _ in ends_posted:
-            ends[end_rank][end_index] = now
-            cpu[end_rank][end_index][1] = cpu_now(end_rank)
-        arrived.add(transfer)
-        if transfer in waiting:
-            advance(waiting.pop(transfer))
-
     for rank in range(pp):  # a rank entering the step later arrives like a transfer (key ~rank)
         heapq.heappush(arrivals, (offsets[rank], ~rank))
     while True:
@@ -427,15 +416,15 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
             _, transfer, *ends_posted = heapq.heappop(arrivals)
             if transfer < 0:
                 advance(~transfer)
-            elif active[there := node_of[ends_posted[1][1]]] >= cores:
-                deferred[there].append((transfer, ends_posted))
-            else:
-                deliver(transfer, ends_posted)
+                continue
+            for _, end_rank, end_index, _ in ends_posted:
+                cpu[end_rank][end_index][1] = cpu_now(end_rank)
+            arrived.add(transfer)
+            if transfer in waiting:
+                advance(waiting.pop(transfer))
             continue
         finish, _, rank, phase = heapq.heappop(jobs[node])
         virtual[node], active[node] = finish, active[node] - 1
-        while deferred[node] and active[node] < cores:
-            deliver(*deferred[node].pop(0))
         if phase == _DETACHED:
             continue
         got[rank] += finish - running.pop(rank)

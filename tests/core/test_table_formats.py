@@ -1,15 +1,27 @@
+"""Tables as JSON and as torch.distributed.pipelining CSV: lossless both ways, torch's own CSVs
+included, and refusals that name the stage at fault."""
+
+import csv
+import io
 import json
+import re
 
 import pytest
 from hypothesis import given
 from schedule_strategies import tables
 
-from primuspipe.errors import TableFormatError
-from primuspipe.ir.formats import dump_table, from_torch_csv, load_table, to_torch_csv
+from primuspipe.errors import TableFormatError, ValidationError
+from primuspipe.ir.formats import (
+    dump_table, from_torch_csv, load_table, read_torch_csv, save_table, sidecar_path, to_torch_csv,
+)
+from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.communication import add_communication
 from primuspipe.passes.validation import validate
+from primuspipe.testing.torch_pipelining import SCHEDULE_CLASSES, is_single_stage, torch_orders
 
 
 @given(tables())
@@ -54,45 +66,137 @@ def test_bad_json_and_csv_are_refused(tmp_path):
         load_table(tmp_path / "missing.json")
 
 
-def _torch_schedule_csv(schedule_cls, n_stages, pp, microbatches, path, fmt):
-    """Let torch.distributed.pipelining build one of its own schedules and write its CSV."""
-    import torch
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
-
-    class Stage:  # the schedule only reads these attributes while building its order
-        def __init__(self, index):
-            self.stage_index, self.num_stages, self.group_rank, self.group_size = index, n_stages, 0, pp
-            self.submod = torch.nn.Identity()
-
-    stages = [Stage(i) for i in range(n_stages // pp)]
-    sched = schedule_cls(stages, microbatches, loss_fn=lambda a, b: a.sum())
-    pipeline_order = sched.pipeline_order
-    runtime = _PipelineScheduleRuntime(stages, microbatches, loss_fn=lambda a, b: a.sum())
-    runtime.pipeline_order = pipeline_order
-    runtime._validate_and_set_stage_mapping(pipeline_order)
-    runtime._prepare_schedule_with_comms(pipeline_order)
-    runtime._dump_csv(str(path), format=fmt)
-    return path
-
-
-@pytest.mark.parametrize("name, n_stages, pp, m", [("ScheduleInterleaved1F1B", 4, 2, 4), ("ScheduleInterleavedZeroBubble", 8, 4, 8), ("ScheduleLoopedBFS", 4, 2, 2)])
-@pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
-def test_csv_written_by_torch_pipelining_loads_and_validates(tmp_path, name, n_stages, pp, m, fmt):
-    import torch.distributed.pipelining.schedules as sched_mod
-
-    path = _torch_schedule_csv(getattr(sched_mod, name), n_stages, pp, m, tmp_path / "s.csv", fmt)
-    table = load_table(path)
-    assert (table.pp, table.num_stages, table.microbatches) == (pp, n_stages, m)
-    assert table.has_communication == (fmt == "compute_comms")
-    validate(table)
-    from primuspipe.passes.communication import add_communication
-
-    validate(add_communication(table.compute_only()))
-
-
 def test_dump_table_formats():
     table = build_schedule("interleaved-1f1b", 2, 4, 2)
     assert ScheduleTable.from_json(dump_table(table, "json")) == table
     assert not ScheduleTable.from_json(dump_table(table, "json", compute_only=True)).has_communication
     with pytest.raises(TableFormatError, match="unknown format"):
         dump_table(table, "xml")
+
+
+def _cells(text: str) -> list[list[str]]:
+    return list(csv.reader(io.StringIO(text)))
+
+
+TORCH_SHAPES = [(2, 4), (4, 8), (4, 5)]
+"""(pp, microbatches); interleaved classes use 2 chunks per rank."""
+
+
+@pytest.mark.parametrize("name", SCHEDULE_CLASSES)
+def test_every_torch_schedule_csv_round_trips_cell_for_cell(name):
+    """Each torch 2.13 schedule class's CSV, compute-only and with communication, loads into primuspipe
+    and writes back identically: bubbles, OVERLAP_F_B with I or B, UNSHARD, RESHARD, REDUCE_GRAD."""
+    checked = 0
+    for pp, m in TORCH_SHAPES:
+        if name == "ScheduleDualPipeV" and m < 2 * pp:
+            continue  # torch refuses it
+        vpp = 1 if is_single_stage(name) else 2
+        for fmt, text in zip(("compute_only", "compute_comms"), torch_orders(name, pp, vpp, m)):
+            if text is None:
+                continue  # torch cannot lower its own order (Schedule1F1B, see below)
+            read = read_torch_csv(text)
+            assert _cells(read.text()) == _cells(text)
+            table = read.table
+            assert (table.pp, table.num_stages, table.microbatches) == (pp, pp * vpp, m)
+            assert table.has_communication == (fmt == "compute_comms")
+            if name != "Schedule1F1B":
+                validate(table)
+                validate(add_communication(table.compute_only()))
+            checked += 1
+    assert checked >= 3
+
+
+def test_torch_overlapped_full_backward_reads_as_fbw():
+    compute_only, comms = torch_orders("ScheduleDualPipeV", 2, 2, 4)
+    table = read_torch_csv(compute_only).table
+    kinds = {n.kind for _, _, n in table.positions()}
+    assert NodeKind.FBW in kinds and NodeKind.BW in kinds and NodeKind.B in kinds
+    node = next(n for _, _, n in table.positions() if n.kind is NodeKind.FBW)
+    assert ScheduleNode.parse(str(node)) == node and "+BW" in str(node)
+    validate(table)
+    validate(read_torch_csv(comms).table)
+    with pytest.raises(TableFormatError, match="an F .first. with an I or a B"):
+        from_torch_csv("(0B0;0F1)OVERLAP_F_B\n")
+    with pytest.raises(TableFormatError, match="exactly two"):
+        from_torch_csv("(0F0;0F1;0I0)OVERLAP_F_B\n")
+
+
+@pytest.mark.parametrize("name, vpp", [("ScheduleInterleaved1F1B", 2), ("ScheduleZBVZeroBubble", 2),
+                                       ("ScheduleDualPipeV", 2), ("ScheduleGPipe", 1)])
+def test_written_resource_actions_are_torch_lowerings(name, vpp):
+    """The UNSHARD/RESHARD/REDUCE_GRAD primuspipe writes for a table are the ones torch's own lowering
+    adds to the same compute order: each sits next to the same compute action."""
+    compute_only, comms = torch_orders(name, 4, vpp, 8)
+    table = add_communication(read_torch_csv(compute_only).table.compute_only())
+    ours, theirs = _cells(to_torch_csv(table)), _cells(comms)
+    assert _resources_by_neighbour(ours) == _resources_by_neighbour(theirs)
+    assert all(sum(c.endswith("REDUCE_GRAD") for c in row) == vpp for row in ours)
+
+
+def _resources_by_neighbour(rows):
+    """Per rank: each UNSHARD/RESHARD with the next compute action, each REDUCE_GRAD with the one before."""
+    out = []
+    for row in rows:
+        compute = [(i, c) for i, c in enumerate(row) if c and not re.search(r"SEND|RECV|SHARD|REDUCE", c)]
+        pairs = []
+        for i, c in enumerate(row):
+            if c.endswith(("UNSHARD", "RESHARD")):
+                pairs.append((c, next((a for j, a in compute if j > i), None)))
+            elif c.endswith("REDUCE_GRAD"):
+                pairs.append((c, [a for j, a in compute if j < i][-1]))
+        out.append(sorted(pairs, key=str))
+    return out
+
+
+def test_torch_1f1b_order_is_blamed_on_the_stage_that_is_incomplete():
+    """torch 2.13's Schedule1F1B order skips F0 on the last rank and runs F{m} there instead. The count
+    comes from the complete stages, so the refusal names the last stage, not stage 0."""
+    compute_only, comms = torch_orders("Schedule1F1B", 4, 1, 8)
+    assert comms is None  # torch cannot lower it either
+    table = read_torch_csv(compute_only).table
+    assert table.microbatches == 8
+    with pytest.raises(ValidationError, match=r"rank 3 node \d+ \(F8\.0\)"):
+        validate(table)
+    without_stray = table.with_ranks([n for n in row if n.microbatch < 8] for row in table.ranks)
+    with pytest.raises(ValidationError, match=r"stage 3 \(rank 3, chunk 0\), microbatch 0 has 0 forwards"):
+        validate(without_stray)
+
+
+def test_missing_last_microbatch_is_blamed_on_its_stage():
+    table = build_schedule("zbv", 4, 8)
+    text = "\n".join(",".join(c for c in row if c != "5W7") for row in _cells(to_torch_csv(table, compute_only=True)))
+    with pytest.raises(ValidationError, match=r"stage 5 \(rank 2, chunk 1\), microbatch 7"):
+        validate(from_torch_csv(text))
+
+
+def test_primuspipe_csv_reduces_gradients_once_per_stage_after_its_last_weight_gradient():
+    table = build_schedule("zbv", 2, 4)
+    rows = _cells(to_torch_csv(table))
+    for rank, row in enumerate(rows):
+        for stage in table.placement.stages[rank]:
+            at = row.index(f"{stage}REDUCE_GRAD")
+            last_w = max(i for i, c in enumerate(row) if re.fullmatch(rf"{stage}W\d+", c))
+            assert last_w < at and all("SEND" in c for c in row[last_w + 1:at])
+            assert row.count(f"{stage}UNSHARD") == row.count(f"{stage}RESHARD") == 1
+    assert not any("SHARD" in c or "REDUCE" in c for row in _cells(to_torch_csv(table, compute_only=True)) for c in row)
+
+
+def test_sidecar_keeps_microbatches_and_algorithm(tmp_path):
+    table = build_schedule("dualpipe-v", 2, 6)
+    path = tmp_path / "s.csv"
+    assert save_table(table, path) == [path, sidecar_path(path)]
+    back = load_table(path)
+    assert (back.algorithm, back.microbatches, back.ranks) == ("dualpipe-v", 6, table.ranks)
+    # a CSV where no stage runs its last microbatch: only the sidecar knows the count
+    trimmed = build_schedule("1f1b", 2, 3)
+    path.write_text("\n".join(",".join(c for c in row if not c.endswith("2")) for row in _cells(to_torch_csv(trimmed))))
+    save = sidecar_path(path).read_text()
+    sidecar_path(path).write_text(save.replace('"microbatches": 6', '"microbatches": 3').replace('"vpp": 2', '"vpp": 1'))
+    with pytest.raises(ValidationError, match="microbatch 2"):
+        validate(load_table(path))
+    sidecar_path(path).write_text(save)
+    with pytest.raises(TableFormatError, match="sidecar belongs to another schedule"):
+        load_table(path)
+    sidecar_path(path).write_text("{}")
+    with pytest.raises(TableFormatError, match="not a primuspipe torch CSV sidecar"):
+        load_table(path)

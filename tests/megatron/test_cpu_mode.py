@@ -4,6 +4,7 @@ Each pipeline layout is one gloo launch that runs all of its cases; the pp=1 ref
 launch. Grads are compared under global parameter names (local layer numbers mapped to global).
 """
 
+import dataclasses
 import functools
 import importlib.util
 import time
@@ -38,6 +39,13 @@ from primuspipe.errors import ConfigError, PipelineHangError  # noqa: E402
 
 GROUP = "microbatch_group_size_per_vp_stage"
 TRAIN = dict(ddp=True, optimizer_step=True)
+# MoE with expert parallelism 2 over tensor parallelism 2 (+ sequence parallelism, as Megatron requires),
+# the alltoall dispatcher, a shared expert and the aux loss; with the recompute modes and the shared
+# expert's side stream the feature matrix (test_feature_matrix.py) does not cover.
+MOE_EP = {"sequence_parallel": True, "moe_token_dispatcher_type": "alltoall", "moe_shared_expert_intermediate_size": 32,
+          "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01}
+BLOCK = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2}
+SELECTIVE_MOE = {"recompute_granularity": "selective", "recompute_modules": ["moe", "shared_experts", "layernorm", "core_attn"]}
 
 # Per layout: (case id, case). m < pp and m not a multiple of pp wherever Megatron accepts them;
 # the interleaved schedule needs pp <= microbatch group size <= m.
@@ -68,11 +76,19 @@ CASES = {
     ParallelLayout(2, dp=2): [
         ("train-m4", PipelineCase(4, **TRAIN)),
     ],
+    ParallelLayout(2, tp=2, ep=2): [
+        ("moe-ep2-recompute-block", PipelineCase(4, model="tiny-moe", **TRAIN, config_overrides={**MOE_EP, **BLOCK})),
+        ("moe-ep2-recompute-selective", PipelineCase(4, model="tiny-moe", **TRAIN,
+                                                     config_overrides={**MOE_EP, **SELECTIVE_MOE})),
+        ("moe-ep2-shared-expert-overlap", PipelineCase(4, model="tiny-moe", **TRAIN,
+                                                       config_overrides={**MOE_EP, "moe_shared_expert_overlap": True})),
+    ],
 }
 
 
-def _reference_key(case: PipelineCase):
-    return (case.model, case.num_microbatches, case.ddp, case.optimizer_step)
+def _reference_key(layout: ParallelLayout, case: PipelineCase):
+    return (layout.tp, layout.ep, case.model, case.num_microbatches, case.ddp, case.optimizer_step,
+            tuple(sorted((k, str(v)) for k, v in case.config_overrides.items() if k != GROUP)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,13 +99,14 @@ def _run(layout: ParallelLayout) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference() -> dict:
-    """pp=1 results for every (model, m, ddp, optimizer) combination used above, plus plain m=4."""
-    keys = {_reference_key(case) for cases in CASES.values() for _, case in cases}
-    keys.add(("tiny-gpt", 4, False, False))
-    cases = [PipelineCase(m, model=model, ddp=ddp, optimizer_step=opt) for model, m, ddp, opt in sorted(keys)]
-    results = run_pipeline_cases(ParallelLayout(1), cases)
-    return {_reference_key(case): result for case, result in zip(cases, results)}
+def _reference(tp: int = 1, ep: int = 1) -> dict:
+    """pp=1 results (same tensor/expert parallelism) for every case above, plus plain m=4."""
+    cases = {_reference_key(layout, case): dataclasses.replace(case, config_overrides={
+                 k: v for k, v in case.config_overrides.items() if k != GROUP})
+             for layout, named in CASES.items() if (layout.tp, layout.ep) == (tp, ep) for _, case in named}
+    cases[_reference_key(ParallelLayout(1), PipelineCase(4))] = PipelineCase(4)
+    results = run_pipeline_cases(ParallelLayout(1, tp=tp, ep=ep), list(cases.values()))
+    return dict(zip(cases, results))
 
 
 def _assert_same_losses(got: list, want: list) -> None:
@@ -99,7 +116,7 @@ def _assert_same_losses(got: list, want: list) -> None:
 
 
 PARAMS = [
-    pytest.param(layout, case_id, id=f"pp{layout.pp}-vpp{layout.vpp}-dp{layout.dp}-{case_id}")
+    pytest.param(layout, case_id, id=f"pp{layout.pp}-vpp{layout.vpp}-dp{layout.dp}-tp{layout.tp}-ep{layout.ep}-{case_id}")
     for layout, cases in CASES.items()
     for case_id, _ in cases
 ]
@@ -109,19 +126,20 @@ PARAMS = [
 def test_megatron_schedule_matches_pp1(layout, case_id):
     case = dict(CASES[layout])[case_id]
     got = _run(layout)[case_id]
-    want = _reference()[_reference_key(case)]
+    want = _reference(layout.tp, layout.ep)[_reference_key(layout, case)]
     assert len(got) == layout.world_size
     _assert_same_losses(last_stage_losses(got), last_stage_losses(want))
     assert_same_tensors(merged_grads(got), merged_grads(want), "grad")
     assert_same_tensors(merged_params(got), merged_params(want), "param")
     non_last = [r for r in got if r.pp_rank != layout.pp - 1]
+    assert len(non_last) == layout.world_size // layout.pp * (layout.pp - 1)
     assert all(r.losses == [] for r in non_last), "only the last stage reports losses"
 
 
 def test_training_step_is_ddp_main_grad_then_sgd():
     """Under DDP the grads are the plain autograd grads, and the optimizer applies p - lr * g."""
-    ref = _reference()
-    plain, train = ref[("tiny-gpt", 4, False, False)], ref[("tiny-gpt", 4, True, True)]
+    ref, pp1 = _reference(), ParallelLayout(1)
+    plain, train = ref[_reference_key(pp1, PipelineCase(4))], ref[_reference_key(pp1, PipelineCase(4, **TRAIN))]
     assert_same_tensors(merged_grads(train), merged_grads(plain), "ddp main_grad")
     lr = PipelineCase(4, **TRAIN).lr
     before, grads = merged_params(plain), merged_grads(plain)
@@ -137,7 +155,7 @@ def test_batched_p2p_on_gloo_swaps_tensors_at_pp2_vpp2():
     """
     layout = ParallelLayout(2, vpp=2)
     (got,) = run_pipeline_cases(layout, [PipelineCase(4, config_overrides={"batch_p2p_comm": True})])
-    want = _reference()[("tiny-gpt", 4, False, False)]
+    want = _reference()[_reference_key(ParallelLayout(1), PipelineCase(4))]
     got_grads, want_grads = merged_grads(got), merged_grads(want)
     assert any(not torch.allclose(got_grads[n], want_grads[n], atol=1e-4) for n in want_grads)
 

@@ -206,6 +206,9 @@ def test_signature_matches_megatron():
 
 
 def test_install_patches_every_binding_and_uninstall_restores():
+    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
+
+    enable_cpu_mode()  # megatron's pipeline package imports triton (stubbed in CPU mode)
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
 
@@ -225,3 +228,28 @@ def test_install_patches_every_binding_and_uninstall_restores():
         del sys.modules["megatron.training.training"]
     assert pipeline_parallel.get_forward_backward_func is native and schedules.get_forward_backward_func is native
     assert training.get_forward_backward_func is native
+
+
+def test_uninstall_restores_megatron_training_imported_after_install():
+    """megatron.training.training binds get_forward_backward_func when it is imported; imported after
+    install() it holds primuspipe's, which uninstall() must put back too."""
+    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
+
+    enable_cpu_mode()
+    from megatron.core import pipeline_parallel
+    from megatron.core.pipeline_parallel import schedules
+
+    native = schedules.get_forward_backward_func
+    saved = sys.modules.pop("megatron.training.training", None)
+    try:
+        install(PrimusPipeConfig(patch_primus_pipeline=True, pp_algorithm="zbv"))
+        training = types.ModuleType("megatron.training.training")
+        training.get_forward_backward_func = pipeline_parallel.get_forward_backward_func  # its `from ... import`
+        sys.modules["megatron.training.training"] = training
+        uninstall()
+        assert training.get_forward_backward_func is native and not is_installed()
+    finally:
+        uninstall()
+        sys.modules.pop("megatron.training.training", None)
+        if saved is not None:
+            sys.modules["megatron.training.training"] = saved

@@ -146,6 +146,47 @@ def _worker(layout, ctx):
         out["gemms"] = _gemm_counts(layout)
     if layout == ParallelLayout(2, vpp=2):
         out["refusals"] = _refusals(layout)
+        out["tied"] = _tied_v_embeddings(ctx)
+    return out
+
+
+def _tied_v_embeddings(ctx):
+    """The documented recipe (v_stage_flags + v_layer_offsets around GPTModel) with tied embeddings: what
+    Megatron's own initialisation leaves in the output layer's copy, and the two refusals."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from primuspipe.backends.megatron.compat import check_megatron_config
+    from primuspipe.backends.megatron.v_placement import v_layer_offsets, v_stage_flags
+
+    model = dataclasses.replace(GPT, tie_embeddings=True)
+    config = tiny_models.transformer_config(model, 2, 2)
+    chunks = []
+    for vp_stage in (0, 1):
+        pre, post = v_stage_flags(2, ctx.pp_rank, vp_stage)
+        with v_layer_offsets(2):
+            chunks.append(GPTModel(config, get_gpt_layer_local_spec(), model.vocab_size, model.seq_length,
+                                   pre_process=pre, post_process=post, share_embeddings_and_output_weights=True,
+                                   position_embedding_type="learned_absolute", vp_stage=vp_stage))
+    out = {}
+    if ctx.pp_rank == 0:
+        embedding, output = chunks[0].embedding.word_embeddings.weight, chunks[1].output_layer.weight
+        out["initialised"] = torch.equal(embedding, output) and bool(output.any())
+        table = Case("zbv", 2).schedule().table_for(2, 2, 2)
+        with torch.no_grad():
+            output.add_(1.0)
+        try:
+            check_megatron_config(config, table, chunks, 0)
+        except ConfigError as exc:
+            out["drifted"] = str(exc)
+    spec = compare.StepSpec(model, 2, ddp=True, placement="v")
+    _, _, wrapped = compare.build(spec, 2, 2)
+    config = wrapped[0].config
+    config.finalize_model_grads_func = lambda *args, **kwargs: None  # not Megatron's: never sums the copies
+    try:
+        compare.call_schedule(Case("zbv", 2).schedule(), spec, wrapped)
+    except ConfigError as exc:
+        out["finalize"] = str(exc)
     return out
 
 
@@ -164,13 +205,12 @@ PARAMS = [pytest.param(layout, case, id=f"pp{layout.pp}-vpp{layout.vpp}-{case.id
 @pytest.mark.parametrize("layout,case", PARAMS)
 def test_split_backward_table_matches_megatron(layout, case):
     results = _run(layout)
-    holder = next(r for r in results if r[case.id]["ours"].losses)  # rank 0 under V, the last rank otherwise
-    assert sum(bool(r[case.id]["ours"].losses) for r in results) == 1, "only the last stage reports losses"
+    holder = results[-1]  # Megatron's contract: loss dicts on the last pipeline rank, also for the V
+    assert [bool(r[case.id]["ours"].losses) for r in results] == [False] * (layout.pp - 1) + [True]
     if layout.vpp == 1:
-        want_losses = stacked_losses(next(r for r in results if r[case.id]["native"].losses)[case.id]["native"])
+        want_losses = stacked_losses(results[-1][case.id]["native"])
         want_grads, want_params = (merged(results, case.id, "native", a) for a in ("grads", "params"))
     else:
-        assert holder is results[0], "the V places the loss on rank 0"
         ref = pp1_references(PP1_KEYS)[(case.model, case.m, case.train)]
         want_losses, want_grads, want_params = stacked_losses(ref), ref.grads, ref.params
     got_losses = stacked_losses(holder[case.id]["ours"])
@@ -193,6 +233,17 @@ def test_w_runs_only_the_weight_gemms():
             b, w, bw = split[("B", 0, mb)], split[("W", 0, mb)], fused[("BW", 0, mb)]
             assert b + w == bw, f"rank {rank} mb {mb}: B {b} + W {w} GEMMs != fused backward {bw}"
             assert w >= 4 * tiny_models.TINY_MODELS["tiny-gpt"].num_layers // 2, f"rank {rank}: W has only {w} GEMMs"
+
+
+def test_tied_embeddings_in_the_v():
+    """On rank 0 the output layer's copy starts as the word embedding (Megatron's all-reduce would give it,
+    but the embedding group is the wrong set of ranks in the V); copies that drifted and a finalize
+    function that skips Megatron's embedding step are refused. Training with tied embeddings matches
+    Megatron bitwise in test_feature_matrix.py."""
+    rank0, rank1 = (r["tied"] for r in _run(ParallelLayout(2, vpp=2)))
+    assert rank0["initialised"]
+    assert "differs from the word embedding" in rank0["drifted"] and "v_layer_offsets" in rank0["drifted"]
+    assert "did not call it" in rank0["finalize"] and "finalize" not in rank1
 
 
 def test_v_table_on_interleaved_chunks_is_refused():
@@ -279,6 +330,22 @@ def test_transformer_engine_layers_are_refused():
     with pytest.raises(ConfigError, match="moe_grouped_gemm"):
         check_deferrable([model])
     check_deferrable([torch.nn.Sequential(torch.nn.Linear(2, 2))])
+
+
+def test_grouped_gemm_experts_are_refused_with_split_tables():
+    """The local spec ignores moe_grouped_gemm and builds SequentialMLP; split tables refuse the flag, as
+    documented, instead of running something else than asked."""
+    from primuspipe.backends.megatron.compat import check_megatron_config
+    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
+    from primuspipe.algorithms.build import build_schedule
+
+    enable_cpu_mode()
+    config = tiny_models.transformer_config(MOE, 2, 1)
+    check_megatron_config(config, build_schedule("zb-h1", pp=2, microbatches=2), [torch.nn.Linear(1, 1)])
+    config.moe_grouped_gemm = True  # after __post_init__, which wants Transformer Engine for it
+    check_megatron_config(config, build_schedule("1f1b", pp=2, microbatches=2), [torch.nn.Linear(1, 1)])
+    with pytest.raises(ConfigError, match="moe_grouped_gemm=True.*SequentialMLP"):
+        check_megatron_config(config, build_schedule("zb-h1", pp=2, microbatches=2), [torch.nn.Linear(1, 1)])
 
 
 def test_overlap_grad_reduce_is_refused_with_split_tables():

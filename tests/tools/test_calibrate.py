@@ -22,7 +22,7 @@ P2P = P2PCost(intra_node=Link(0.05), inter_node=Link(0.05))
 
 def _timeline(algorithm, pp, m, vpp, f, b, w, **rest):
     cost = CostModel.per_stage(pp * vpp, f, b, w, p2p=P2P, time_unit="s", **rest)
-    return simulate(build_schedule(algorithm, pp, m, vpp, costs=cost.compute), cost)  # as `simulate` builds it
+    return simulate(build_schedule(algorithm, pp, m, vpp, cost=cost), cost)  # as `simulate` builds it
 
 
 def test_split_backward_costs_are_recovered_per_stage_and_reproduce_the_step(tmp_path, capsys):
@@ -114,7 +114,7 @@ def test_host_latency_cold_start_and_cores_are_recovered_exactly(write_dump, cor
     and the cores ranks share: a steady-state step simulated with them, dumped in the on-disk format
     (three consecutive iterations, ranks' clocks skewed), measured back."""
     cost = CostModel.per_stage(4, F, B, W, p2p=P2P, time_unit="s", host=replace(HOST, cores=cores), cold_start=COLD)
-    timeline = simulate(build_schedule("zb-h1", 4, 8, costs=cost.compute), cost).timeline()
+    timeline = simulate(build_schedule("zb-h1", 4, 8, cost=cost), cost).timeline()
     measured = measure_costs(load_iterations(write_dump([timeline] * 3)))
     assert (measured.forward, measured.backward_input, measured.backward_weight) == (tuple(F), tuple(B), tuple(W))
     assert measured.cold_start == (COLD.forward, COLD.backward_input, COLD.backward_weight)
@@ -138,7 +138,7 @@ def test_calibrate_json_reports_how_well_the_model_replays_the_run(write_dump, c
     """The contract of 'primuspipe calibrate DUMP --json': step_time_error is the largest relative error
     of a rank's finish, per_rank lists every rank; a dump of a simulated step replays exactly."""
     cost = CostModel.per_stage(4, F, B, W, p2p=P2P, time_unit="s", host=HOST, cold_start=COLD)
-    timeline = simulate(build_schedule("zb-h1", 4, 8, costs=cost.compute), cost).timeline()
+    timeline = simulate(build_schedule("zb-h1", 4, 8, cost=cost), cost).timeline()
     dump = write_dump([timeline, timeline, timeline])
     out = tmp_path / "measured.yaml"
     assert main(["calibrate", str(dump), "--json", "-o", str(out)]) == 0

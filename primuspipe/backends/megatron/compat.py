@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from primuspipe.errors import ConfigError
 from primuspipe.ir.node import NodeKind
 from primuspipe.ir.placement import Placement
@@ -48,8 +50,25 @@ def check_megatron_config(config: Any, table: ScheduleTable, models: Sequence[An
         raise ConfigError(f"the model has {len(models)} chunk(s) per rank but the {table.algorithm} table has vpp={table.vpp}")
     _check_placement(table, models, rank)
     if any(n.kind in (NodeKind.W, NodeKind.B, NodeKind.FB) for _, _, n in table.positions()):
-        _check_split_backward(table, models)
+        _check_split_backward(table, config, models)
     _check_data_order(table)
+    _check_tied_copies(table, models)
+
+
+def _check_tied_copies(table: ScheduleTable, models: Sequence[Any]) -> None:
+    """Where one rank holds both copies of tied embeddings (the V), they must start equal: chunks built
+    outside ``v_layer_offsets`` leave the output layer's copy zeroed (checked once per model)."""
+    from primuspipe.backends.megatron.v_placement import tied_copies
+
+    copies = tied_copies(models)
+    if copies is None or getattr(copies[1], "_primuspipe_tie_checked", False):
+        return
+    if not torch.equal(copies[0], copies[1]):
+        raise ConfigError(
+            f"{table.algorithm}: tied embeddings, but the output layer's copy on this rank differs from the word "
+            "embedding; build the V chunks inside primuspipe.backends.megatron.v_placement.v_layer_offsets, which "
+            "initialises it from the word embedding (docs/megatron.md)")
+    copies[1]._primuspipe_tie_checked = True
 
 
 def _check_data_order(table: ScheduleTable) -> None:
@@ -101,9 +120,17 @@ def _check_placement(table: ScheduleTable, models: Sequence[Any], rank: int) -> 
                 f"pre-processes, stage {table.num_stages - 1} post-processes); {how}")
 
 
-def _check_split_backward(table: ScheduleTable, models: Sequence[Any]) -> None:
+def _check_split_backward(table: ScheduleTable, config: Any, models: Sequence[Any]) -> None:
     """Tables with ``B``/``W`` nodes defer weight gradients (``wgrad_store``)."""
     from primuspipe.backends.megatron.wgrad_store import check_deferrable
+
+    if getattr(config, "moe_grouped_gemm", False):
+        raise ConfigError(
+            f"{table.algorithm} splits the backward into B and W nodes, which defers weight gradients of megatron-core's "
+            "local linear layers only, but moe_grouped_gemm=True asks for grouped-GEMM experts (Transformer Engine's "
+            "TEGroupedMLP, whose weight gradient TE computes inside its own backward; the local layer spec ignores "
+            "the flag and builds SequentialMLP). Set moe_grouped_gemm=False (SequentialMLP experts), or use a "
+            "schedule with a fused backward (1f1b, interleaved-1f1b)")
 
     for model in models:
         ddp = getattr(model, "ddp_config", None)

@@ -49,7 +49,9 @@ class PrimusPipeConfig:
     dump_dir: str = "pp_data"
     """Directory of the dumps (``iter_<n>/rank_<r>.json``, primuspipe timeline format)."""
     watchdog_timeout_s: float = 300.0
-    """A send or receive pending longer than this raises PipelineHangError; 0 disables the watchdog."""
+    """A send or receive not complete this long after it was posted raises PipelineHangError naming the
+    rank, node, peer and the ranks that stopped beating; 0 disables the watchdog. It never blocks the host
+    on NCCL (a monitor thread watches; see runtime/transport.py)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.pp_algorithm, str) or not self.pp_algorithm:

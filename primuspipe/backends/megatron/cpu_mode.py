@@ -16,31 +16,63 @@ Public API
 Why this shape
 --------------
 megatron-core has no CPU switch, but only a few places stand in the way, so the fix is scoped to
-them instead of patching ``torch`` for the whole process (which would silently change user code):
+them instead of patching ``torch`` for the whole process (which would silently change user code).
+Each shim below is a few lines, applies only after ``enable_cpu_mode()`` and only to megatron:
 
-* ``megatron.core.transformer.moe.ops.paged_stash`` does ``import triton`` unguarded and is reached
-  from ``pipeline_parallel.schedules``; when triton is missing that one module is replaced by a stub
-  whose kernels raise if ever called (paged stash is a GPU-memory feature, off by default).
-* The modules listed in ``CPU_MODE_PATCHED_MODULES`` build tensors on ``device="cuda"`` /
-  ``torch.cuda.current_device()`` and call ``torch.cuda.synchronize`` / streams. Inside exactly
-  those modules the global ``torch`` is rebound to :class:`_CpuTorch`, a thin proxy that forwards
-  everything to the real ``torch`` except that CUDA devices passed to ``torch.*`` functions become
-  CPU and ``torch.cuda``'s device/stream/synchronisation calls are no-ops. Tensors, classes and
-  sub-packages (``torch.distributed``, ``torch.nn``) are the real ones.
+* **CUDA calls** -- the modules listed in ``CPU_MODE_PATCHED_MODULES`` build tensors on
+  ``device="cuda"`` / ``torch.cuda.current_device()`` and call ``torch.cuda.synchronize`` / streams /
+  events. Inside exactly those modules the global ``torch`` is rebound to :class:`_CpuTorch`, a thin
+  proxy that forwards everything to the real ``torch`` except that CUDA devices passed to ``torch.*``
+  functions become CPU and ``torch.cuda``'s device/stream/event/synchronisation calls are no-ops (on
+  one CPU thread every op is already ordered; this is what lets the MoE alltoall dispatcher and the
+  shared expert's side stream run). Tensors, classes and sub-packages are the real ones.
+* **triton** -- ``megatron.core.transformer.moe.ops.paged_stash`` does ``import triton`` unguarded and
+  is reached from ``pipeline_parallel.schedules``; when triton is missing that one module is replaced
+  by a stub whose kernels raise if ever called (paged stash is a GPU-memory feature, off by default).
+* **Sequence parallelism** -- Megatron's torch norm wrapper (``WrappedTorchNorm``, what the local
+  spec uses without apex) refuses ``sequence_parallel``; its fused norm accepts it and marks its
+  parameters ``sequence_parallel`` so ``finalize_model_grads`` all-reduces their gradients across
+  tensor-parallel ranks. The shim builds the torch norm and marks the parameters the same way.
+* **Gradient-accumulation fusion** -- without apex, ``fused_weight_gradient_mlp_cuda`` is missing and
+  Megatron's linear layers refuse ``gradient_accumulation_fusion``. The shim gives
+  ``megatron.core.tensor_parallel.layers`` a CPU stand-in (:class:`CpuWgradAccumulation`:
+  ``main_grad += grad_output^T @ input``, the same GEMM and add as the unfused path, so results match it
+  bit for bit).
+* **Recompute** -- ``tensor_parallel.random`` saves and restores the CUDA generator around every
+  checkpointed region (full and selective recompute). On CPU there is no CUDA generator: the shim makes
+  those two functions save nothing and restore nothing (the CPU generator and the model-parallel RNG
+  tracker are still saved and restored by Megatron's own code). Selective recompute of ``layernorm``
+  (``CheckpointWithoutOutput``) takes Transformer Engine's FP8 path even for ``fp8=False`` (its test is
+  ``fp8 is not None``); without TE the shim keeps it off the FP8 path unless FP8 was asked for. After
+  recomputing, ``CheckpointWithoutOutput`` re-points the discarded output's storage at the recomputed
+  one with a C++ extension it compiles on first use (a minute, and a compiler); the shim copies the
+  recomputed bytes into that storage instead (same values, every view sees them).
+* **MoE alltoall dispatcher** -- it moves its split sizes to the host as numpy arrays, but only when
+  they are on a GPU (``maybe_move_tensor_to_cpu``); on CPU they stay tensors, which
+  ``all_to_all_single`` refuses. The shim converts them as the GPU path does.
+* **Tied embeddings with pp > 1** -- ``LanguageModule.setup_embeddings_and_output_layer`` moves the
+  shared weight with ``.cuda()`` before its all-reduce. The shim runs that method under a
+  :class:`~torch.overrides.TorchFunctionMode` in which ``Tensor.cuda`` returns the tensor itself (the
+  mode is thread-local and active only during that call).
+* **megatron.training on Python 3.11** -- ``megatron.training`` imports ``typing.override`` (3.12+).
+  When it is missing the shim adds ``typing_extensions.override`` under that name, and
+  ``megatron.training.utils.common_utils`` (reductions in ``train_step``) joins the CUDA-call shim.
 
 What the model must do itself (see ``tiny_models``): ``use_cpu_initialization=True``, float32,
-fusions off, an explicit attention mask (the default causal mask is built on CUDA), untied
-embeddings when pp > 1 (tying calls ``.cuda()``), and ``clip_grad=0`` (grad-norm asserts CUDA).
+fusions off, an explicit attention mask (the default causal mask is built on CUDA), and
+``clip_grad=0`` (grad-norm asserts CUDA).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import logging
 import sys
 import types
+import typing
 from typing import Any, Callable
 
 import torch
@@ -59,9 +91,20 @@ CPU_MODE_PATCHED_MODULES: tuple[str, ...] = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.random",
 )
 """Modules that hard-code CUDA on the paths a training step takes (schedules, p2p, DDP buffers,
-grad finalisation, the non-distributed optimizer, the MoE router). Nothing else is touched."""
+grad finalisation, the non-distributed optimizer, the MoE router, dispatcher and shared expert, the
+tensor-parallel layers, mappings and recompute). Nothing else is touched."""
+
+CPU_MODE_PATCHED_TRAINING_MODULES: tuple[str, ...] = ("megatron.training.utils.common_utils",)
+"""The same for ``megatron.training`` (``train_step``'s model-parallel reductions), when installed."""
 
 _TRITON_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
 
@@ -186,8 +229,124 @@ def _triton_stub() -> types.ModuleType:
     return stub
 
 
+class CpuWgradAccumulation:
+    """CPU stand-in for apex's ``fused_weight_gradient_mlp_cuda`` (gradient-accumulation fusion):
+    accumulate a linear layer's weight gradient straight into ``main_grad``."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        main_grad.add_(grad_output.t().to(main_grad.dtype).matmul(total_input.to(main_grad.dtype)))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
+class _CudaIsCpu(torch.overrides.TorchFunctionMode):
+    """``Tensor.cuda()`` returns the tensor itself (thread-local, only while the mode is entered)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _rebind_torch(names: tuple[str, ...], proxy: _CpuTorch) -> None:
+    for name in names:
+        module = importlib.import_module(name)
+        if isinstance(getattr(module, "torch", None), _CpuTorch):
+            continue
+        if getattr(module, "torch", None) is not torch:
+            raise ConfigError(f"{name} has no global 'torch' to rebind; megatron-core version mismatch?")
+        module.torch = proxy  # type: ignore[attr-defined]
+
+
+def _sequence_parallel_torch_norms() -> None:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    build = WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, hidden_size, *args, **kwargs)
+        unmarked = copy.copy(config)
+        unmarked.sequence_parallel = False
+        norm = build(cls, unmarked, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True  # as Megatron's fused norm marks its weight and bias
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def _gradient_accumulation_fusion() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:
+        layers.fused_weight_gradient_mlp_cuda = CpuWgradAccumulation
+        layers._grad_accum_fusion_available = True
+
+
+def _share_storage_by_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """What Megatron's compiled ``share_storage`` gives ``dst`` (the recomputed bytes in its own storage,
+    seen by all its views), by a copy instead of a pointer swap: no C++ extension to compile."""
+    storage = dst.untyped_storage()
+    storage.resize_(src.untyped_storage().nbytes())
+    storage.copy_(src.untyped_storage())
+
+
+def _recompute_without_cuda_generator() -> None:
+    from megatron.core.tensor_parallel import random
+
+    random._get_cuda_rng_state = lambda *args, **kwargs: None
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
+    random._get_share_storage = lambda: _share_storage_by_copy
+    if not hasattr(random, "FP8GlobalStateManager"):  # Transformer Engine is not installed
+        init = random.CheckpointWithoutOutput.__init__
+
+        def __init__(self, fp8=False):
+            init(self, fp8)
+            self.fp8 = fp8 not in (None, False)  # Megatron's `fp8 is not None` takes TE's FP8 path for False
+
+        random.CheckpointWithoutOutput.__init__ = __init__
+
+
+def _alltoall_splits_on_host() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    move = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()  # what the device-to-host copy gives on GPU
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _tied_embeddings_stay_on_cpu() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        with _CudaIsCpu():
+            setup(self)
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+def _megatron_training(proxy: _CpuTorch) -> None:
+    if importlib.util.find_spec("megatron.training") is None:
+        return
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override  # type: ignore[attr-defined]
+    _rebind_torch(CPU_MODE_PATCHED_TRAINING_MODULES, proxy)
+
+
 def enable_cpu_mode() -> None:
-    """Make megatron-core's pipeline schedules, DDP and grad finalisation run on CPU.
+    """Make megatron-core's pipeline schedules, DDP, grad finalisation, the features of the module
+    docstring and ``megatron.training``'s ``train_step`` run on CPU.
 
     Idempotent; safe to call in a parent before forking workers. Raises :class:`ConfigError` when
     megatron-core is not installed or a CUDA device is visible (CPU mode would then mix devices).
@@ -206,13 +365,13 @@ def enable_cpu_mode() -> None:
         sys.modules[_TRITON_MODULE] = _triton_stub()
         logger.debug("stubbed %s (triton missing)", _TRITON_MODULE)
     proxy = _CpuTorch()
-    for name in CPU_MODE_PATCHED_MODULES:
-        module = importlib.import_module(name)
-        if isinstance(getattr(module, "torch", None), _CpuTorch):
-            continue
-        if getattr(module, "torch", None) is not torch:
-            raise ConfigError(f"{name} has no global 'torch' to rebind; megatron-core version mismatch?")
-        module.torch = proxy  # type: ignore[attr-defined]
+    _rebind_torch(CPU_MODE_PATCHED_MODULES, proxy)
+    _sequence_parallel_torch_norms()
+    _gradient_accumulation_fusion()
+    _recompute_without_cuda_generator()
+    _alltoall_splits_on_host()
+    _tied_embeddings_stay_on_cpu()
+    _megatron_training(proxy)
     _enabled = True
     logger.info("megatron CPU mode enabled (patched: %s)", ", ".join(CPU_MODE_PATCHED_MODULES))
 

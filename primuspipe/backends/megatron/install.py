@@ -3,7 +3,9 @@
 ``megatron.core.pipeline_parallel.get_forward_backward_func`` is replaced (and the same name in
 ``megatron.core.pipeline_parallel.schedules``); ``megatron.training.training`` binds the name at import
 time, so its copy is replaced too when that module is already loaded (install before importing it and
-it picks up the patched one). The replacement keeps Megatron's signature and returns a primuspipe
+it picks up the patched one). :func:`uninstall` puts Megatron's function back in every one of these
+modules that holds an installed one, including ``megatron.training.training`` imported after
+``install``. The replacement keeps Megatron's signature and returns a primuspipe
 :class:`~primuspipe.backends.megatron.schedule_func.PrimusForwardBackward` whenever there is a pipeline
 to schedule (pp > 1); with pp = 1 or multi-module process groups it returns Megatron's own function.
 """
@@ -23,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 _BOUND_IN = ("megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.schedules", "megatron.training.training")
 _NAME = "get_forward_backward_func"
-_originals: dict[str, Any] = {}
+_native: list = []
+"""Megatron's own ``get_forward_backward_func`` while primuspipe is installed (one entry)."""
 
 
 def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusForwardBackward | None:
@@ -41,7 +44,9 @@ def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusF
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
 
-    native = _originals.get("megatron.core.pipeline_parallel.schedules", schedules.get_forward_backward_func)
+    if not _native:
+        _native.append(schedules.get_forward_backward_func)
+    native = _native[0]
     func = PrimusForwardBackward(config)
 
     def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,
@@ -62,19 +67,22 @@ def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusF
             "megatron.core.pipeline_parallel": pipeline_parallel, "megatron.core.pipeline_parallel.schedules": schedules}[name]
         if module is None or not hasattr(module, _NAME):
             continue
-        _originals.setdefault(name, native)  # every module binds schedules' function
         setattr(module, _NAME, get_forward_backward_func)
     logger.info("primuspipe: Megatron's %s now runs %s tables", _NAME, config.pp_algorithm)
     return func
 
 
 def uninstall() -> None:
-    """Put Megatron's own ``get_forward_backward_func`` back wherever :func:`install` replaced it."""
-    for name, original in _originals.items():
-        if (module := sys.modules.get(name)) is not None:
-            setattr(module, _NAME, original)
-    _originals.clear()
+    """Put Megatron's own ``get_forward_backward_func`` back wherever an installed one is bound, also in
+    modules that imported it after :func:`install` (``megatron.training.training``)."""
+    if not _native:
+        return
+    for name in _BOUND_IN:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(getattr(module, _NAME, None), "primuspipe"):
+            setattr(module, _NAME, _native[0])
+    _native.clear()
 
 
 def is_installed() -> bool:
-    return bool(_originals)
+    return bool(_native)

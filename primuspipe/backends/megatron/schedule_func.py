@@ -10,6 +10,11 @@ schedules do (embedding wgrad, ``finalize_model_grads_func`` with ``total_num_to
 ``calculate_per_token_loss``). ``forward_only`` runs the table's forward-only view. Tables with a split
 backward (``B``/``W``/``FB``) defer weight gradients from ``B`` to ``W``; the step ends with every
 deferred gradient applied (else :class:`~primuspipe.backends.megatron.wgrad_store.WeightGradError`).
+
+Whatever the placement, the call keeps Megatron's contracts: loss dicts and the loss-token count end
+on the last pipeline rank (:mod:`~primuspipe.backends.megatron.last_stage`), and the two copies of tied
+embeddings get the same summed gradient (:func:`~primuspipe.backends.megatron.v_placement.tied_embedding_grads`
+where both are on one rank, as in the V).
 """
 
 from __future__ import annotations
@@ -17,11 +22,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Iterator, List, Optional, Union
 
+import contextlib
+
 import torch
 
 from primuspipe.backends.megatron.binder import GradSync, MegatronBinder, StepArgs
 from primuspipe.backends.megatron.compat import check_megatron_config
 from primuspipe.backends.megatron.config import PrimusPipeConfig
+from primuspipe.backends.megatron.last_stage import hand_to_last_rank
+from primuspipe.backends.megatron.v_placement import tied_embedding_grads
 from primuspipe.errors import ConfigError
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.runtime.driver import StepDriver, cached_schedule, last_backwards
@@ -39,8 +48,10 @@ class PrimusForwardBackward:
         self.driver = StepDriver(watchdog_timeout_s=config.watchdog_timeout_s,
                                  dump_dir=config.dump_dir if config.dump_pp_data else None)
 
-    def table_for(self, pp: int, vpp: int, num_microbatches: int, megatron_config: Any) -> ScheduleTable:
-        algorithm = self.config.algorithm_for(vpp)
+    def table_for(self, pp: int, vpp: int | None, num_microbatches: int, megatron_config: Any = None) -> ScheduleTable:
+        """The table a call runs for this shape (``vpp=None``: the algorithm's own choice). Build the model
+        chunks for its ``placement`` and ``vpp``."""
+        algorithm = self.config.algorithm_for(vpp or 1)
         options = dict(self.config.algorithm_options)
         group = getattr(megatron_config, "microbatch_group_size_per_vp_stage", None)
         if algorithm == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
@@ -104,7 +115,8 @@ class PrimusForwardBackward:
         if getattr(config, "moe_paged_stash", False):
             schedules.paged_stash_reset(enabled=not forward_only, config=config)
         embedding_module = None
-        last_rank = table.placement.rank_of(table.num_stages - 1) == rank  # holds the output layer
+        loss_rank = table.placement.rank_of(table.num_stages - 1)  # holds the output layer and the loss
+        last_rank = loss_rank == rank
         if config.finalize_model_grads_func is not None and not forward_only:
             embedding_module = schedules.clear_embedding_activation_buffer(config, models, last_rank)
         if config.timers is not None:
@@ -122,16 +134,20 @@ class PrimusForwardBackward:
         self.driver.execute(table, rank, binder, pp_group, device=device, forward_only=forward_only)
         binder.wgrad.check_empty()
         sync.end()
+        forward_data = hand_to_last_rank(binder.forward_data_store(), binder.total_num_tokens, src=loss_rank,
+                                         rank=rank, group=pp_group, device=device)
 
         if config.finalize_model_grads_func is not None and not forward_only:
             schedules.finish_embedding_wgrad_compute(config, embedding_module, last_rank, pg_collection.tp)
-            config.finalize_model_grads_func(
-                models, binder.total_num_tokens if config.calculate_per_token_loss else None,
-                pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+            ends_on_one_rank = table.placement.rank_of(0) == loss_rank and pp > 1
+            with tied_embedding_grads(models) if ends_on_one_rank else contextlib.nullcontext():
+                config.finalize_model_grads_func(
+                    models, binder.total_num_tokens if config.calculate_per_token_loss else None,
+                    pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         if getattr(config, "fine_grained_activation_offloading", False):
             schedules.off_interface.reset()
         if config.timers is not None:
             config.timers("forward-backward").stop()
         if getattr(config, "cuda_graph_impl", None) == "local":
             schedules.create_cudagraphs()
-        return binder.forward_data_store()
+        return forward_data

@@ -196,7 +196,8 @@ class WeightGradStore:
                 f"it on this rank in this step, or its W already ran (pending: {have})") from None
         weights, grads = [], []
         for item in work:
-            grad = _compute_wgrad(item)
+            with torch.no_grad():  # as inside autograd's backward, where Megatron computes them
+                grad = _compute_wgrad(item)
             if grad is not None:
                 weights.append(item.weight)
                 grads.append(grad)

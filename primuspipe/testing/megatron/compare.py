@@ -9,6 +9,7 @@ Call inside an initialised process (``parallel_state`` set up, e.g. by
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +35,8 @@ class StepSpec:
     lr: float = 0.1
     config_overrides: Mapping[str, Any] = field(default_factory=dict)
     placement: str = "interleaved"
-    """How chunks map to stages: ``"interleaved"`` (Megatron's) or ``"v"`` (V-shape tables, vpp=2)."""
+    """How chunks map to stages: ``"interleaved"`` (Megatron's) or ``"v"`` (V-shape tables, vpp=2); see
+    :func:`placement_of` for a table's."""
 
 
 @dataclass
@@ -48,9 +50,29 @@ class StepResult:
     """Wall time of the forward-backward call alone."""
 
 
+def placement_of(table) -> str:
+    """The :attr:`StepSpec.placement` that builds model chunks for ``table`` (a primuspipe table)."""
+    from primuspipe.errors import ConfigError, TableFormatError
+    from primuspipe.ir.placement import Placement
+
+    for name in tiny_models.PLACEMENTS:
+        with contextlib.suppress(TableFormatError):
+            if table.placement == Placement.named(name, table.pp, table.vpp):
+                return name
+    raise ConfigError(f"{table.algorithm}: no way to build Megatron chunks for its {table.placement.name!r} placement")
+
+
 def build(spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None):
-    """``(config, chunks, model)``: the Megatron config, raw chunks, and what the schedule is given."""
-    config = tiny_models.transformer_config(spec.model, pp, vpp, **dict(spec.config_overrides))
+    """``(config, chunks, model)``: the Megatron config, raw chunks, and what the schedule is given.
+
+    Tensor- and (for MoE models) expert-parallel sizes come from ``parallel_state``; its virtual pipeline size is set to
+    ``vpp`` (Megatron's own schedules read it there), so one process group serves any vpp."""
+    from megatron.core import parallel_state
+
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+    ep = parallel_state.get_expert_model_parallel_world_size() if spec.model.num_moe_experts else 1
+    config = tiny_models.transformer_config(spec.model, pp, vpp, tp=parallel_state.get_tensor_model_parallel_world_size(),
+                                            ep=ep, **dict(spec.config_overrides))
     chunks = tiny_models.build_model_chunks(spec.model, config, seed=spec.seed, placement=spec.placement)
     if device is not None:
         chunks = [c.to(device) for c in chunks]
@@ -97,13 +119,27 @@ def call_schedule(schedule: Callable, spec: StepSpec, model, device: torch.devic
     return losses, time.perf_counter() - start
 
 
-def param_grads(chunks, ddp: bool) -> dict[str, torch.Tensor | None]:
-    """Global parameter name -> a copy of its gradient (``main_grad`` under DDP)."""
+def shard_name(chunk, local_name: str, param: torch.Tensor) -> str:
+    """The parameter's global name, plus ``@tp<rank>`` for a tensor-parallel shard of a dense weight (the
+    same on every layout of that tensor-parallel size; experts are already named globally)."""
+    from megatron.core import parallel_state
+
+    name = tiny_models.global_param_name(chunk, local_name)
+    sharded = getattr(param, "tensor_model_parallel", False) and getattr(param, "allreduce", True)
+    if sharded and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        name += f"@tp{parallel_state.get_tensor_model_parallel_rank()}"
+    return name
+
+
+def param_grads(chunks, ddp: bool, shards: bool = False) -> dict[str, torch.Tensor | None]:
+    """Global parameter name (:func:`shard_name` with ``shards``) -> a copy of its gradient (``main_grad``
+    under DDP)."""
     grads = {}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             g = p.main_grad if ddp else p.grad
-            grads[tiny_models.global_param_name(chunk, name)] = None if g is None else g.detach().clone()
+            key = shard_name(chunk, name, p) if shards else tiny_models.global_param_name(chunk, name)
+            grads[key] = None if g is None else g.detach().clone()
     return grads
 
 

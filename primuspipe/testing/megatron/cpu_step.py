@@ -9,7 +9,7 @@ optimizer_step=False, lr=0.1, config_overrides={})``
     data_iterator, model, num_microbatches, seq_length, micro_batch_size, ...``); ``None`` means
     Megatron's own schedule for the current layout.
 ``RankResult``
-    ``rank, pp_rank, dp_rank, losses`` (the schedule's return value: a list of
+    ``rank, pp_rank, dp_rank, tp_rank, tp_size, losses`` (the schedule's return value: a list of
     ``{"lm loss": tensor([loss_sum, num_tokens])}`` on the last stage, ``[]`` elsewhere),
     ``grads`` and ``params`` (``{global parameter name: tensor}``; grads are ``main_grad`` under DDP,
     after ``finalize_model_grads``; params are read after the optimizer step, if any).
@@ -17,7 +17,8 @@ optimizer_step=False, lr=0.1, config_overrides={})``
     Runs every case, in order, inside one gloo launch (``[case][rank]``): a launch costs about a
     second, a case a fraction of that.
 ``merged_grads(results) -> dict[str, Tensor]``, ``merged_params(results)``, ``last_stage_losses(results)``
-    Fold one case's per-rank results into what a pp=1 run would report, for direct comparison.
+    Fold one case's per-rank results into what a pp=1 run of the same tensor-parallel size would report
+    (names get ``@tp<rank>`` with tensor parallelism), for direct comparison.
 
 The schedule is called exactly as Megatron's training loop calls it: model and data iterator are
 lists when vpp > 1, ``config.no_sync_func`` / ``finalize_model_grads_func`` are set when ``ddp``.
@@ -70,6 +71,8 @@ class RankResult:
     rank: int
     pp_rank: int
     dp_rank: int
+    tp_rank: int
+    tp_size: int
     losses: list
     grads: dict[str, torch.Tensor]
     params: dict[str, torch.Tensor]
@@ -82,7 +85,8 @@ def _run_case(case: PipelineCase, ctx: WorkerContext) -> RankResult:
                             ddp=case.ddp, optimizer_step=case.optimizer_step, lr=case.lr,
                             config_overrides=case.config_overrides)
     result = compare.run_step(case.schedule or get_forward_backward_func(), spec, ctx.layout.pp, ctx.layout.vpp)
-    return RankResult(ctx.rank, ctx.pp_rank, ctx.dp_rank, result.losses, result.grads, result.params)
+    return RankResult(ctx.rank, ctx.pp_rank, ctx.dp_rank, ctx.tp_rank, ctx.layout.tp, result.losses, result.grads,
+                      result.params)
 
 
 def run_pipeline_cases(
@@ -103,7 +107,11 @@ def run_pipeline_cases(
 
 def _merge(results: Sequence[RankResult], attr: str) -> dict[str, Optional[torch.Tensor]]:
     # Data-parallel replicas hold the same parameters: data-parallel rank 0 stands for them.
-    return compare.merge_ranks(getattr(r, attr) for r in results if r.dp_rank == 0)
+    def named(r: RankResult) -> dict:
+        values = getattr(r, attr)
+        return values if r.tp_size == 1 else {f"{name}@tp{r.tp_rank}": v for name, v in values.items()}
+
+    return compare.merge_ranks(named(r) for r in results if r.dp_rank == 0)
 
 
 def merged_grads(results: Sequence[RankResult]) -> dict[str, Optional[torch.Tensor]]:
@@ -116,7 +124,7 @@ def merged_params(results: Sequence[RankResult]) -> dict[str, Optional[torch.Ten
 
 
 def last_stage_losses(results: Sequence[RankResult]) -> list:
-    """The loss list of the last pipeline stage (data-parallel rank 0)."""
+    """The loss list of the last pipeline stage (data-parallel and tensor-parallel rank 0)."""
     last = max(r.pp_rank for r in results)
-    (result,) = [r for r in results if r.pp_rank == last and r.dp_rank == 0]
+    (result,) = [r for r in results if r.pp_rank == last and r.dp_rank == 0 and r.tp_rank == 0]
     return result.losses

@@ -2,11 +2,12 @@
 
 Public API
 ----------
-``ParallelLayout(pp, vpp=1, dp=1)``
-    Frozen dataclass; ``world_size = pp * dp``. Invalid sizes raise :class:`ConfigError`.
+``ParallelLayout(pp, vpp=1, dp=1, tp=1, ep=1)``
+    Frozen dataclass; ``world_size = pp * tp * dp``; expert parallelism is carved out of ``tp * dp``
+    (expert tensor parallelism 1). Invalid sizes raise :class:`ConfigError`.
 ``WorkerContext``
     What the function receives in each process: ``rank``, ``world_size``, ``layout``, ``pp_rank``,
-    ``dp_rank``, ``seed``.
+    ``dp_rank``, ``tp_rank``, ``ep_rank``, ``seed``.
 ``run_on_gloo(fn, layout, *, seed=0, timeout_s=120.0, start_method="fork") -> list``
     Calls ``fn(ctx)`` on every rank and returns the results ordered by global rank. ``fn``'s result
     must be picklable (tensors are fine). A rank that raises makes the call raise
@@ -16,8 +17,8 @@ Public API
     From :mod:`primuspipe.testing.gloo`, which starts the processes and joins them with gloo.
 
 Inside each worker, before ``fn``: what :func:`primuspipe.testing.gloo.run_gloo` does (one thread, a
-gloo group on a private ``FileStore``), then :func:`enable_cpu_mode`, ``initialize_model_parallel(pp,
-vpp)`` and :func:`cpu_rng_seed`. After ``fn``, in every case: ``destroy_model_parallel`` and
+gloo group on a private ``FileStore``), then :func:`enable_cpu_mode`, ``initialize_model_parallel(tp,
+pp, vpp, ep)`` and :func:`cpu_rng_seed`. After ``fn``, in every case: ``destroy_model_parallel`` and
 ``destroy_process_group``.
 
 Why fork
@@ -45,7 +46,7 @@ __all__ = ["ParallelLayout", "WorkerContext", "WorkerError", "run_on_gloo"]
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Process grid of one run (tensor parallelism is always 1 here)."""
+    """Process grid of one run."""
 
     pp: int
     """Pipeline-parallel size."""
@@ -53,18 +54,24 @@ class ParallelLayout:
     """Model chunks per pipeline rank (1 = no interleaving)."""
     dp: int = 1
     """Data-parallel size."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    ep: int = 1
+    """Expert-parallel size (MoE); must divide ``tp * dp`` (experts are not tensor-parallel here)."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "vpp", "dp"):
+        for name in ("pp", "vpp", "dp", "tp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError("vpp > 1 needs pp > 1 (Megatron has no interleaving without pipelining)")
+        if (self.tp * self.dp) % self.ep:
+            raise ConfigError(f"ep={self.ep} must divide tp*dp={self.tp * self.dp} (expert tensor parallelism is 1)")
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.tp * self.dp
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ class WorkerContext:
     layout: ParallelLayout
     pp_rank: int
     dp_rank: int
+    tp_rank: int
+    ep_rank: int
     seed: int
 
 
@@ -86,15 +95,19 @@ def _megatron_rank(fn: Callable[[WorkerContext], Any], layout: ParallelLayout, s
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1,
+        tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=1,
     )
     try:
         cpu_rng_seed(seed)
         return fn(WorkerContext(rank=rank, world_size=world_size, layout=layout,
                                 pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-                                dp_rank=parallel_state.get_data_parallel_rank(), seed=seed))
+                                dp_rank=parallel_state.get_data_parallel_rank(),
+                                tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                                ep_rank=parallel_state.get_expert_model_parallel_rank(), seed=seed))
     finally:
         parallel_state.destroy_model_parallel()
 

@@ -4,14 +4,16 @@ Public API
 ----------
 ``TinyModelConfig``            sizes of the model and of one microbatch (frozen dataclass).
 ``TINY_MODELS``                ``{"tiny-gpt": TinyModelConfig(...), "tiny-moe": TinyModelConfig(...)}``.
-``transformer_config(model, pp, vpp) -> TransformerConfig``
+``transformer_config(model, pp, vpp, tp=1, ep=1) -> TransformerConfig``
     CPU-safe Megatron config (float32, no dropout, no fusions, ``use_cpu_initialization``).
 ``build_model_chunks(model, config, seed=0, placement="interleaved") -> list[GPTModel]``
     This rank's ``vpp`` chunks (``vp_stage`` 0..vpp-1) under the current ``parallel_state``; every
-    parameter is filled from ``seed`` and its *global* name, so pp=1 and pp=P models are identical.
-    ``placement="v"`` builds the V-shape chunks (chunk 1 of rank r = stage 2p-1-r; see ``v_placement``).
+    parameter is filled from ``seed``, its *global* name and its tensor-parallel rank, so models of
+    different pipeline layouts are identical. ``placement="v"`` builds the V-shape chunks (chunk 1 of
+    rank r = stage 2p-1-r; see ``v_placement``).
 ``global_param_name(chunk, local_name) -> str``
-    ``decoder.layers.<local>.…`` → ``decoder.layers.<global>.…`` (global = ``layer_number - 1``).
+    ``decoder.layers.<local>.…`` → ``decoder.layers.<global>.…`` (global = ``layer_number - 1``) and
+    ``….experts.local_experts.<local>.…`` → ``….experts.local_experts.<global expert>.…``.
 ``synthetic_batches(model, num_microbatches, seed=0) -> Iterator[dict[str, Tensor]]``
     Deterministic microbatches (tokens, labels, loss_mask, position_ids, attention_mask); give each
     chunk its own iterator, every stage draws the same sequence.
@@ -44,7 +46,8 @@ class TinyModelConfig:
     """Shape of a tiny GPT; defaults are small enough for a 2-core CI machine."""
 
     num_layers: int = 8
-    """Transformer layers in the whole model; must divide by ``pp * vpp``."""
+    """Transformer layers in the whole model; must divide by ``pp * vpp`` unless the first and/or last
+    stage get their own count (``num_layers_in_first/last_pipeline_stage``)."""
     hidden_size: int = 16
     num_attention_heads: int = 2
     ffn_hidden_size: int = 32
@@ -56,7 +59,11 @@ class TinyModelConfig:
     moe_router_topk: int = 2
     add_bias_linear: bool = True
     """Expert MLPs need False: with a bias, megatron-core 0.19's expert MLP adds it in place to a
-    custom-Function view output, which autograd forbids."""
+    custom-Function view output, which autograd forbids. Selective recompute of ``mlp`` needs False
+    too: megatron-core 0.19 checkpoints the MLP's returned bias parameter, whose recompute then recurses
+    without end."""
+    tie_embeddings: bool = False
+    """``share_embeddings_and_output_weights`` (Megatron's default is tied)."""
 
 
 TINY_MODELS: dict[str, TinyModelConfig] = {
@@ -72,7 +79,7 @@ def get_tiny_model(name: str) -> TinyModelConfig:
         raise ConfigError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS)}") from None
 
 
-def transformer_config(model: TinyModelConfig, pp: int, vpp: int = 1, **overrides):
+def transformer_config(model: TinyModelConfig, pp: int, vpp: int = 1, tp: int = 1, ep: int = 1, **overrides):
     """Megatron ``TransformerConfig`` that runs on CPU; ``overrides`` go straight to Megatron.
 
     Dropout is 0 and fusions are off so pp=1 and pp=P runs take the same arithmetic path.
@@ -81,8 +88,10 @@ def transformer_config(model: TinyModelConfig, pp: int, vpp: int = 1, **override
     """
     from megatron.core.transformer import TransformerConfig
 
-    if model.num_layers % (pp * vpp):
-        raise ConfigError(f"num_layers={model.num_layers} does not split into pp*vpp={pp * vpp} stages")
+    uneven = {"num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"} & overrides.keys()
+    if model.num_layers % (pp * vpp) and not uneven:
+        raise ConfigError(f"num_layers={model.num_layers} does not split into pp*vpp={pp * vpp} stages; give the first "
+                          "and/or last stage its own count (num_layers_in_first/last_pipeline_stage)")
     fields = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -91,6 +100,9 @@ def transformer_config(model: TinyModelConfig, pp: int, vpp: int = 1, **override
         add_bias_linear=model.add_bias_linear,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
         use_cpu_initialization=True,
@@ -122,15 +134,24 @@ def transformer_config(model: TinyModelConfig, pp: int, vpp: int = 1, **override
 
 
 def global_param_name(chunk: torch.nn.Module, local_name: str) -> str:
-    """Name a parameter as it is called in the pp=1 model."""
+    """Name a parameter as it is called in the pp=1, ep=1 model."""
     parts = local_name.split(".")
     if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
         layer = chunk.decoder.layers[int(parts[2])]
         parts[2] = str(layer.layer_number - 1)
+        if parts[4:6] == ["experts", "local_experts"]:
+            experts = layer.mlp.experts
+            parts[6] = str(experts.ep_group.rank() * experts.num_local_experts + int(parts[6]))
     return ".".join(parts)
 
 
 def _fill_(param: torch.Tensor, name: str, seed: int) -> None:
+    from megatron.core import parallel_state
+
+    if getattr(param, "tensor_model_parallel", False) and not getattr(param, "allreduce", True):
+        name += f"@expert-tp{parallel_state.get_expert_tensor_parallel_rank()}"
+    elif getattr(param, "tensor_model_parallel", False):
+        name += f"@tp{parallel_state.get_tensor_model_parallel_rank()}"  # each shard its own values
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1_000_003 * seed)
     noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
     with torch.no_grad():
@@ -141,15 +162,16 @@ def _fill_(param: torch.Tensor, name: str, seed: int) -> None:
 
 
 PLACEMENTS = ("interleaved", "v")
+_TIED_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def build_model_chunks(model: TinyModelConfig, config, seed: int = 0,
                        placement: str = "interleaved") -> list[torch.nn.Module]:
     """Build this rank's chunks (one per ``vp_stage``) with layout-independent weights.
 
-    Embeddings are untied: tying across pipeline stages calls ``.cuda()`` at build time and adds an
-    embedding all-reduce that pp=1 does not have. ``placement="v"`` (two chunks per rank) builds chunk 1
-    as stage ``2p-1-r`` with :mod:`~primuspipe.backends.megatron.v_placement`.
+    Tied embeddings (``model.tie_embeddings``) follow Megatron: the output layer's copy on the last stage
+    starts as the word embedding. ``placement="v"`` (two chunks per rank) builds chunk 1 as stage
+    ``2p-1-r`` with :mod:`~primuspipe.backends.megatron.v_placement`.
     """
     import contextlib
 
@@ -184,12 +206,14 @@ def build_model_chunks(model: TinyModelConfig, config, seed: int = 0,
                 max_sequence_length=model.seq_length,
                 pre_process=pre,
                 post_process=post,
-                share_embeddings_and_output_weights=False,
+                share_embeddings_and_output_weights=model.tie_embeddings,
                 position_embedding_type="learned_absolute",
                 vp_stage=stage,
             )
         for name, param in chunk.named_parameters():
-            _fill_(param, global_param_name(chunk, name), seed)
+            # The output layer's tied copy gets the word embedding's values, as Megatron's tying gives it.
+            _fill_(param, _TIED_EMBEDDING if getattr(param, "shared_embedding", False) else global_param_name(chunk, name),
+                   seed)
         chunks.append(chunk)
     return chunks
 

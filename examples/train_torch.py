@@ -1,0 +1,129 @@
+"""Train a plain PyTorch model with any primuspipe schedule (no Megatron), on CPU (gloo) or GPU (nccl).
+
+    torchrun --nproc-per-node 4 examples/train_torch.py --pp 4 --microbatches 8 --algorithm zbv
+    torchrun --nproc-per-node 2 examples/train_torch.py --pp 2 --microbatches 4 --algorithm dualpipe-v --compare-torch
+    torchrun --nproc-per-node 2 examples/train_torch.py --pp 2 --microbatches 4 --schedule my_order.csv
+
+The model is an ``nn.Sequential`` of ``--layers`` blocks (Linear, GELU, LayerNorm), cut into the
+table's ``pp * vpp`` stages; each rank builds the stages the table places on it. ``--schedule`` runs a
+table from a file instead (primuspipe JSON, or a torch.distributed.pipelining CSV such as one torch's
+own schedules wrote). With ``--compare-torch`` the same weights and data also go through
+torch.distributed.pipelining's runtime running the same table from CSV, and the first iteration's
+gradients are compared. The last line printed (rank 0) is one JSON object: ``algorithm``, ``losses``
+(mean loss per iteration), ``step_time_s`` (median), and with ``--compare-torch``
+``max_abs_grad_diff_vs_torch`` over all parameters of all ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.backends.torch import TorchPipeline, split_sequential
+from primuspipe.ir.formats import load_table
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (= number of processes)")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (not with --schedule)")
+    p.add_argument("--algorithm", default="1f1b", help="primuspipe algorithm (see 'primuspipe list')")
+    p.add_argument("--vpp", type=int, default=None, help="chunks per rank (default: the algorithm's)")
+    p.add_argument("--schedule", default=None, help="run this table file (.json or torch .csv) instead")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--microbatch-size", type=int, default=4)
+    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--compare-torch", action="store_true", help="also run torch.distributed.pipelining and compare")
+    return p.parse_args(argv)
+
+
+def make_model(args) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(args.hidden, args.hidden), torch.nn.GELU(),
+                                                     torch.nn.LayerNorm(args.hidden)) for _ in range(args.layers)])
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    if dist.get_world_size() != args.pp:
+        raise SystemExit(f"run with --nproc-per-node {args.pp} (got a world of {dist.get_world_size()})")
+    rank = dist.get_rank()
+    if args.schedule:
+        table = load_table(args.schedule)
+    else:
+        if args.microbatches is None:
+            raise SystemExit("give --microbatches (or --schedule)")
+        table = build_schedule(args.algorithm, args.pp, args.microbatches, args.vpp)
+
+    def my_stages():
+        stages = split_sequential(make_model(args).to(device), table.num_stages)
+        return {s: stages[s] for s in table.placement.stages[rank]}
+
+    stages = my_stages()
+    loss_fn = torch.nn.functional.mse_loss
+    pipe = TorchPipeline(table, stages, loss_fn=loss_fn, device=device)
+    params = [p for module in stages.values() for p in module.parameters()]
+    optimizer = torch.optim.SGD(params, lr=args.lr)
+    gen = torch.Generator().manual_seed(1)
+    batch = args.microbatch_size * table.microbatches
+    x = torch.randn(batch, args.hidden, generator=gen).to(device)
+    y = torch.randn(batch, args.hidden, generator=gen).to(device)
+
+    result: dict = {"algorithm": table.algorithm, "pp": table.pp, "vpp": table.vpp, "microbatches": table.microbatches}
+    if args.compare_torch:
+        result["max_abs_grad_diff_vs_torch"] = _compare_with_torch(table, my_stages(), pipe, x, y, loss_fn, device)
+    losses, times = [], []
+    for _ in range(args.iterations):
+        optimizer.zero_grad()
+        dist.barrier()
+        start = time.perf_counter()
+        step_losses = pipe.step(x, target=y)
+        times.append(time.perf_counter() - start)
+        optimizer.step()
+        if step_losses is not None:
+            losses.append(torch.stack(step_losses).mean().item())
+    result["losses"] = _from_last_stage(losses, table, rank)
+    result["step_time_s"] = statistics.median(times)
+    if rank == 0:
+        print(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _compare_with_torch(table, theirs, pipe, x, y, loss_fn, device) -> float:
+    """The first step's gradients of primuspipe and of torch's runtime on the same table, weights, data."""
+    from primuspipe.testing.torch_pipelining import torch_runtime, torch_step
+
+    pipe.step(x, target=y)
+    torch_step(torch_runtime(table, theirs, loss_fn, device=device), pipe.has_first_stage, pipe.has_last_stage, (x,), y)
+    ours = [p.grad for module in pipe.modules for p in module.parameters()]
+    other = [p.grad for s in sorted(theirs) for p in theirs[s].parameters()]
+    diff = torch.tensor(max((a - b).abs().max().item() for a, b in zip(ours, other)), device=device)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    for module in pipe.modules:
+        module.zero_grad()
+    return diff.item()
+
+
+def _from_last_stage(losses: list[float], table, rank: int) -> list[float]:
+    """The loss history, sent from the rank holding the last stage to rank 0."""
+    box = [losses]
+    dist.broadcast_object_list(box, src=table.placement.rank_of(table.num_stages - 1))
+    return box[0]
+
+
+if __name__ == "__main__":
+    main()

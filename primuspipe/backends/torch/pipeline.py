@@ -1,0 +1,183 @@
+"""``TorchPipeline``: run any primuspipe table on a plain PyTorch model split into stages.
+
+Each rank builds the modules of the stages the table places on it (``table.placement.stages[rank]``;
+:func:`split_sequential` cuts an ``nn.Sequential`` evenly) and calls :meth:`TorchPipeline.step` with
+the whole batch, as with torch.distributed.pipelining: the rank holding the first stage splits its
+inputs into the table's microbatches along dimension 0, the rank holding the last stage splits the
+target the same way and returns the per-microbatch losses; other ranks may pass nothing.
+
+Semantics match torch.distributed.pipelining's runtime on the same table (docs/torch.md): the same
+forward and backward calls per node, losses from ``loss_fn(output, target)`` per microbatch, and, with
+``scale_grads`` (the default), gradients divided by the microbatch count after each stage's last
+weight gradient, so a mean loss per microbatch gives the gradient of the mean over the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from primuspipe.backends.torch import data_parallel
+from primuspipe.backends.torch.binder import StepData, TorchBinder
+from primuspipe.backends.torch.meta import StageMeta, infer_stage_meta
+from primuspipe.errors import ConfigError
+from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.communication import add_communication
+from primuspipe.passes.validation import validate
+from primuspipe.runtime.driver import StepDriver
+
+
+@dataclass(frozen=True)
+class EvalOutput:
+    """What :meth:`TorchPipeline.eval` returns on the rank holding the last stage."""
+
+    output: Any
+    """The last stage's outputs of all microbatches, concatenated along dimension 0."""
+    losses: list[torch.Tensor] | None
+    """Per microbatch loss, when a target was given (and a loss_fn)."""
+
+
+class TorchPipeline:
+    """This rank's share of a pipeline: its stage modules, run under ``table`` one step at a time.
+
+    ``stages`` maps each stage index the table places on this rank to its module (wrapped in DDP or
+    FSDP2 or not). ``group`` is the pipeline's process group (default: the whole world), ``device``
+    where activations live (default: the first parameter's device). ``watchdog_timeout_s`` turns a
+    transfer stuck that long into :class:`~primuspipe.errors.PipelineHangError`; ``dump_dir`` writes
+    each step's timeline (``dump_pp_data``)."""
+
+    def __init__(self, table: ScheduleTable, stages: Mapping[int, torch.nn.Module], *,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, group: Any = None,
+                 device: torch.device | str | None = None, scale_grads: bool = True,
+                 watchdog_timeout_s: float = 300.0, dump_dir: str | None = None):
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        if dist.get_world_size(self.group) != table.pp:
+            raise ConfigError(f"the {table.algorithm} table has pp={table.pp} ranks but the pipeline group has "
+                              f"{dist.get_world_size(self.group)}")
+        self.table = validate(table if table.has_communication else add_communication(table))
+        mine = self.table.placement.stages[self.rank]
+        if set(stages) != set(mine):
+            raise ConfigError(f"pipeline rank {self.rank} holds stages {sorted(mine)} of the {table.algorithm} table "
+                              f"({table.placement.name} placement), but was given modules for {sorted(stages)}")
+        self.modules = [stages[s] for s in mine]
+        """This rank's modules by chunk (``modules[c]`` is stage ``table.placement.stage(rank, c)``)."""
+        data_parallel.check_wrappers(self.modules, any(n.kind is NodeKind.W for n in self.table.ranks[self.rank]))
+        self.loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self.device = torch.device(device) if device is not None else _device_of(self.modules)
+        self.driver = StepDriver(watchdog_timeout_s=watchdog_timeout_s, dump_dir=dump_dir)
+        self.meta: list[StageMeta] | None = None
+        """Per chunk, what its stage receives and sends; inferred at the first step or eval."""
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.table.placement.stages[self.rank]
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.table.num_stages - 1 in self.table.placement.stages[self.rank]
+
+    def step(self, *inputs: torch.Tensor, target: Any = None) -> list[torch.Tensor] | None:
+        """One training step on the whole batch: forwards, backwards and gradient accumulation as the
+        table orders them. Returns the per-microbatch losses on the rank holding the last stage
+        (None elsewhere). Gradients accumulate into ``.grad``; zero them before each step (with
+        ``scale_grads`` the step divides ``.grad`` by the microbatch count)."""
+        if self.loss_fn is None:
+            raise ConfigError("step() trains, so it needs a loss_fn; pass one to TorchPipeline or call eval()")
+        if not torch.is_grad_enabled():
+            raise ConfigError("step() runs backward passes and cannot run under torch.no_grad(); call eval()")
+        if self.scale_grads:
+            self._refuse_stale_grads()
+        binder = self._run(inputs, target, training=True)
+        return [binder.losses[mb] for mb in range(self.table.microbatches)] if self.has_last_stage else None
+
+    def eval(self, *inputs: torch.Tensor, target: Any = None) -> EvalOutput | None:
+        """Forwards only (the table's forward-only view, no autograd graph). On the rank holding the
+        last stage: the concatenated outputs, and the losses when a target is given."""
+        with torch.no_grad():
+            binder = self._run(inputs, target, training=False)
+        if not self.has_last_stage:
+            return None
+        m = range(self.table.microbatches)
+        outputs = [binder.outputs[mb] for mb in m]
+        merged = (tuple(torch.cat(parts) for parts in zip(*outputs)) if isinstance(outputs[0], tuple)
+                  else torch.cat(outputs))
+        return EvalOutput(merged, [binder.losses[mb] for mb in m] if binder.losses else None)
+
+    def _run(self, inputs: Sequence[torch.Tensor], target: Any, *, training: bool) -> TorchBinder:
+        m = self.table.microbatches
+        split_inputs = _split(inputs, m, "inputs") if self.has_first_stage else None
+        targets = _split((target,), m, "target") if self.has_last_stage and target is not None else None
+        if self.meta is None:
+            self.meta = infer_stage_meta(self.modules, self.table.placement, self.rank,
+                                         split_inputs[0] if split_inputs else None, self.group, self.device)
+        if split_inputs is not None:
+            self._check_inputs(split_inputs[0])
+        loss_fn = self.loss_fn if training or targets is not None else None
+        data = StepData(split_inputs, None if targets is None else [t for (t,) in targets], loss_fn, training,
+                        m if self.scale_grads else 1)
+        binder = TorchBinder(self.table, self.rank, self.modules, self.meta, data, self.device)
+        view = self.driver.view(self.table, forward_only=not training)
+        self.driver.execute(view, self.rank, binder, self.group, device=self.device, forward_only=not training)
+        binder.finish()
+        return binder
+
+    def _check_inputs(self, first: tuple[torch.Tensor, ...]) -> None:
+        want = self.meta[self.table.placement.locate(0)[1]].inputs
+        got = [(tuple(t.shape), t.dtype) for t in first]
+        if got != [(m.shape, m.dtype) for m in want]:
+            raise ConfigError(f"a microbatch's inputs are {got}, but the pipeline's shapes were inferred at the first "
+                              f"step as {[(m.shape, m.dtype) for m in want]}; every step must use the batch shape of "
+                              "the first (build a new TorchPipeline for another shape)")
+
+    def _refuse_stale_grads(self) -> None:
+        for chunk, module in enumerate(self.modules):
+            for name, p in module.named_parameters():
+                if p.grad is not None:
+                    raise ConfigError(
+                        f"stage {self.table.placement.stage(self.rank, chunk)} parameter {name!r} already holds a "
+                        "gradient at the start of step(); with scale_grads=True the step divides .grad by the "
+                        "microbatch count (as torch.distributed.pipelining does), which would also divide that "
+                        "gradient. Call optimizer.zero_grad() (set_to_none=True, the default) before each step, or "
+                        "pass scale_grads=False and scale the loss yourself")
+
+
+def _split(values: Sequence[Any], m: int, what: str) -> list[tuple[torch.Tensor, ...]]:
+    """``m`` microbatches of each tensor in ``values`` along dimension 0 (torch's ``tensor_split``)."""
+    if not values:
+        raise ConfigError(f"this rank holds the {'first' if what == 'inputs' else 'last'} stage, so step() needs "
+                          f"the {what}")
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            raise ConfigError(f"the {what} must be tensors (split into microbatches along dimension 0), got "
+                              f"{type(v).__name__}")
+        if v.dim() == 0 or v.shape[0] < m:
+            raise ConfigError(f"the {what} have a batch of {v.shape[0] if v.dim() else 0}, fewer than the table's "
+                              f"{m} microbatches")
+    return list(zip(*(torch.tensor_split(v, m, dim=0) for v in values)))
+
+
+def _device_of(modules: Sequence[torch.nn.Module]) -> torch.device:
+    for module in modules:
+        for p in module.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def split_sequential(model: torch.nn.Sequential, num_stages: int) -> list[torch.nn.Sequential]:
+    """``model``'s layers cut into ``num_stages`` contiguous stages, as even as the layer count allows
+    (earlier stages get the extra layers)."""
+    layers = list(model)
+    if not 1 <= num_stages <= len(layers):
+        raise ConfigError(f"cannot cut {len(layers)} layers into {num_stages} stages (each needs at least one layer)")
+    base, extra = divmod(len(layers), num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + base + (s < extra))
+    return [torch.nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
