@@ -23,8 +23,8 @@ model is measured (docs/simulator.md, "Calibration"):
   Events of such a run carry their thread's CPU time; the effective number of cores the ranks shared
   is fitted from it (:func:`effective_cores`). When it is below ``pp``, ``host.cores`` is set, work is
   what a node took of its thread's CPU time, not its wall time (a node that waited for a core took
-  longer without working more), host times are CPU times too, and the CPU the process spent outside
-  its main thread, per message, is ``host.comm_cpu``.
+  longer without working more), host times are CPU times too, and the CPU the processes spent outside
+  their main threads, per message (both its ends), is ``host.comm_cpu``.
 
 Any timeline of the shared format works, simulated ones too, which is how the round trip simulate ->
 calibrate -> simulate is tested, exactly.
@@ -52,11 +52,13 @@ from typing import Any
 
 import yaml
 
-from primuspipe.calibration.replay import placement_of, run_table
+from primuspipe.calibration.replay import executed_table, placement_of, run_table
 from primuspipe.errors import TableFormatError
+from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.timeline import TimedNode, Timeline
+from primuspipe.simulator import simulate
 
 
 def _timed_kinds() -> dict[str, NodeKind]:
@@ -242,7 +244,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         seen = [rt.peak_memory_bytes for t in used for rt in t.ranks
                 if rt.rank == rank and rt.peak_memory_bytes is not None]
         peaks.append(max(seen) if seen else None)
-    return MeasuredCosts(
+    measured = MeasuredCosts(
         first.algorithm, first.pp, first.vpp, first.microbatches, first.time_unit,
         tuple(t.iteration for t in used), tuple(f), tuple(b), tuple(w), fused,
         _significant(statistics.median(overlaps)) if overlaps else None, latency,
@@ -250,6 +252,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         {k.removeprefix("post_"): v for k, v in host_post.items()}, bandwidth, size, cores,
         _significant(statistics.median(comm_cpu)) if cores is not None and comm_cpu else None, gaps,
     )
+    return measured if cores is None else replace(measured, cores=replayed_cores(measured, used, placement))
 
 
 def effective_cores(timelines: Sequence[Timeline], placement: Placement) -> float | None:
@@ -277,6 +280,7 @@ def effective_cores(timelines: Sequence[Timeline], placement: Placement) -> floa
                 return None
             busy.append((start + apart, end + apart))
             got += cpu
+        got += sum(_comm_cpu(timeline).values())
     pieces = _levels(busy)
 
     def cpu_at(cores: float) -> float:
@@ -290,6 +294,46 @@ def effective_cores(timelines: Sequence[Timeline], placement: Placement) -> floa
         mid = (low + high) / 2
         low, high = (mid, high) if cpu_at(mid) < got else (low, mid)
     return _significant(round(high, 2))
+
+
+def replayed_cores(measured: MeasuredCosts, timelines: Sequence[Timeline], placement: Placement) -> float:
+    """``measured.cores`` (the CPU fit of :func:`effective_cores`), or, where the run's own node order
+    replayed under ``measured`` misses the run's step time (median over ``timelines``) by more than
+    :data:`REPLAY_TOLERANCE`, the core count at which it takes that time (a bisection between 0 and
+    ``pp``; the replay's step only shrinks as cores are added). The CPU fit assumes every rank that is
+    free to go on competes for a core and that communication threads' CPU falls while ranks work; the
+    replay holds the simulator to what the run took under the simulator's own sharing rule."""
+    table = executed_table(timelines[0], placement)
+    data = measured.cost_dict(per_model_stage=True)
+    target = statistics.median(t.step_time for t in timelines)
+
+    def step_at(cores: float) -> float:
+        data["host"]["cores"] = cores
+        return simulate(table, CostModel.from_dict(data, pp=measured.pp, vpp=measured.vpp)).step_time
+
+    if abs(step_at(measured.cores) / target - 1) <= REPLAY_TOLERANCE:
+        return measured.cores
+    low, high = 0.0, float(measured.pp)
+    if step_at(high) > target:  # slower than the run even with a core per rank: no sharing explains it
+        return high
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if step_at(mid) > target else (low, mid)
+    return _significant(round(high, 2))
+
+
+REPLAY_TOLERANCE = 0.01
+"""Relative miss of the replayed step under the CPU fit of the cores beyond which the replay refits them."""
+
+
+def _comm_cpu(timeline: Timeline) -> dict[int, float]:
+    """Per rank that says it, the CPU its process spent outside its own thread in the step (the
+    communication threads that carry its messages)."""
+    out = {}
+    for facts in timeline.meta.get("ranks", ()):
+        if "process_cpu" in facts and "thread_cpu" in facts:
+            out[facts["rank"]] = max(0.0, facts["process_cpu"] - facts["thread_cpu"])
+    return out
 
 
 def _busy_intervals(timeline: Timeline, placement: Placement) -> list[tuple[float, float, float | None]]:
@@ -418,7 +462,8 @@ class _Samples:
     """Per compute node that waited for its input: how long the transfer took after both ends were
     posted (its arrival is when the consumer went on), and its size in bytes where known."""
     comm_cpu: list[float]
-    """Per rank: CPU per message outside the rank's own thread."""
+    """CPU per message outside the ranks' own threads (both its ends; one value, or none where the
+    timeline does not say)."""
 
     @classmethod
     def of(cls, timeline: Timeline, placement: Placement, *, use_cpu: bool) -> _Samples:
@@ -467,11 +512,10 @@ class _Samples:
                 cold[(kind, stage)].append(_significant(took) - _significant(statistics.median(rest)))
             else:  # a chunk with one node of this kind: it is all there is to time
                 durations[(kind, stage)].append(took)
-        for rt in timeline.ranks:
-            facts = next((r for r in timeline.meta.get("ranks", ()) if r.get("rank") == rt.rank), {})
-            messages = sum(1 for e in rt.events if not e.node.kind.is_compute)
-            if messages and "process_cpu" in facts and "thread_cpu" in facts:
-                comm_cpu.append(max(0.0, facts["process_cpu"] - facts["thread_cpu"]) / messages)
+        outside = _comm_cpu(timeline)  # a message costs CPU at both its ends
+        messages = sum(1 for rt in timeline.ranks for e in rt.events if e.node.kind.is_send)
+        if messages and len(outside) == timeline.pp:
+            comm_cpu.append(sum(outside.values()) / messages)
         return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits, comm_cpu)
 
 
