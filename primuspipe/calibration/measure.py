@@ -263,7 +263,8 @@ def effective_cores(timelines: Sequence[Timeline], placement: Placement) -> floa
     previous node done, or the input it waited for arrived) to the end of its next node; were ``C``
     cores shared evenly among the ``n(t)`` busy ranks (processor sharing), the ranks together would
     get ``min(n(t), C)`` seconds of CPU per second. ``C`` is the value for which that matches the CPU
-    time the busy ranks actually got (a bisection: the total grows with ``C``). Other processes on the
+    time the busy ranks actually got, their processes' communication threads included (a bisection:
+    the total grows with ``C``); :func:`replayed_cores` then holds it to the run's replay. Other processes on the
     host lower it below the core count. None when it reaches ``pp`` (nothing was shared)."""
     first = timelines[0]
     facts = first.meta.get("ranks") or []

@@ -13,8 +13,8 @@ from primuspipe.cli import main
 from primuspipe.ir.cost_model import HostCost
 from primuspipe.ir.costs import ComputeCosts
 from primuspipe.simulator import CostModel, Link, P2PCost, simulate
-from primuspipe.calibration.measure import measure_costs
-from primuspipe.calibration.replay import executed_table
+from primuspipe.calibration.measure import REPLAY_TOLERANCE, measure_costs, replayed_cores
+from primuspipe.calibration.replay import executed_table, placement_of
 from primuspipe.tools.pp_vis import load_iterations
 
 P2P = P2PCost(intra_node=Link(0.05), inter_node=Link(0.05))
@@ -163,3 +163,36 @@ def test_calibrate_json_error_is_the_worst_rank(write_dump, capsys):
     report = replay_accuracy([run], CostModel.from_dict(measure_costs([slower]).cost_dict(), pp=4, vpp=1))
     errors = [r.error for r in report.ranks]
     assert all(e > 0 for e in errors) and report.step_time_error == max(errors)
+
+
+@pytest.mark.parametrize("comm_cpu", [0.125, 0.5])
+def test_communication_cpu_is_per_message_and_the_replay_keeps_the_step(comm_cpu):
+    """The CPU the processes spent outside their ranks' threads (what communication threads take from
+    the shared cores), over the step's messages, is ``host.comm_cpu``; the cores fitted beside it make
+    the run's own order replay in the run's step time."""
+    host = replace(HOST, cores=1.5, comm_cpu=comm_cpu, step_gap=None)
+    cost = CostModel.per_stage(4, F, B, W, p2p=P2P, time_unit="s", host=host, cold_start=COLD)
+    timeline = simulate(build_schedule("zb-h1", 4, 8, cost=cost), cost).timeline()
+    sends = sum(1 for rt in timeline.ranks for e in rt.events if e.node.kind.is_send)
+    share = [1, 2, 3, 2]  # ranks carry different shares of it; only the total counts
+    facts = [{**r, "thread_cpu": 10.0, "process_cpu": 10.0 + comm_cpu * sends * share[r["rank"]] / sum(share)}
+             for r in timeline.meta["ranks"]]
+    timeline = replace(timeline, meta={**timeline.meta, "ranks": facts})
+    measured = measure_costs([timeline, timeline], warmup=0)
+    assert measured.comm_cpu == comm_cpu
+    assert measured.cores == pytest.approx(1.5, abs=0.02)
+    replayed = simulate(executed_table(timeline), CostModel.from_dict(measured.cost_dict(), pp=4, vpp=1))
+    assert replayed.step_time == pytest.approx(timeline.step_time, rel=REPLAY_TOLERANCE)
+
+
+def test_cores_the_replay_contradicts_are_refitted_on_it():
+    """A core count under which the run's own order would replay too slowly (or too fast) is refitted:
+    the replay then takes the run's step time."""
+    cost = CostModel.per_stage(4, F, B, W, p2p=P2P, time_unit="s", host=replace(HOST, cores=1.5, step_gap=None))
+    timeline = simulate(build_schedule("zb-h1", 4, 8, cost=cost), cost).timeline()
+    measured = measure_costs([timeline], warmup=0)
+    for wrong in (0.75, 3.0):
+        refit = replayed_cores(replace(measured, cores=wrong), [timeline], placement_of(timeline))
+        model = CostModel.from_dict(replace(measured, cores=refit).cost_dict(), pp=4, vpp=1)
+        assert simulate(executed_table(timeline), model).step_time == pytest.approx(timeline.step_time, rel=0.005)
+        assert refit == pytest.approx(1.5, abs=0.05)
