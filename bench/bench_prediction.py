@@ -47,12 +47,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from primuspipe.calibration.accuracy import replay_accuracy  # noqa: E402
 from primuspipe.calibration.measure import measure_costs  # noqa: E402
 from primuspipe.ir.cost_model import CostModel  # noqa: E402
 from primuspipe.ir.timeline import Timeline, idle_share  # noqa: E402
 from primuspipe.tools.pp_vis import load_iterations  # noqa: E402
+from write_results import markdown_table  # noqa: E402
 
 CALIBRATION = "1f1b"
 PREDICTED = ("zb-h1", "zbv", "interleaved-1f1b", "v-half")
@@ -237,6 +239,20 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
     return {"calibration": calibration, "algorithms": table}
 
 
+def markdown(report: dict) -> str:
+    """The README's table: per pp and algorithm, predicted vs measured step (ms) and bubble rate."""
+    rows = []
+    for pp, entry in report["pp"].items():
+        for row in entry["algorithms"]:
+            runs = [r["step_s"] * 1e3 for r in row["measured_runs"]]
+            rows.append([pp, row["algorithm"] + (" (calibration)" if row["algorithm"] == CALIBRATION else ""),
+                         str(row["vpp"]), f"{row['predicted_step_s'] * 1e3:.1f}",
+                         f"{row['measured_step_s'] * 1e3:.1f} ({min(runs):.0f}-{max(runs):.0f})", f"{row['error']:+.1%}",
+                         f"{row['predicted_bubble_rate']:.3f} / {row['measured_bubble_rate']:.3f}"])
+    return markdown_table(["pp", "algorithm", "vpp", "predicted step (ms)", "measured step (ms): median (runs)",
+                           "error", "bubble: predicted / measured"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each algorithm per pp (median over them)")
@@ -256,6 +272,7 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true",
                         help="run nothing: calibrate, predict and compare again from the runs kept in --keep")
     parser.add_argument("-o", "--output", type=Path, default=ROOT / "bench" / "results" / "prediction.json")
+    parser.add_argument("--markdown", type=Path, help="also write the table (README form) here")
     args = parser.parse_args()
     if args.reuse and args.keep is None:
         parser.error("--reuse needs --keep DIR, the folder of an earlier run")
@@ -273,6 +290,10 @@ def main() -> None:
         report["meets_target"] = max(errors) <= TARGET
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=1))
+        table = markdown(report)
+        if args.markdown:
+            args.markdown.write_text(table)
+        print(table)
         print(json.dumps({"max_abs_error": report["max_abs_error"], "meets_target": report["meets_target"]}))
         print(f"wrote {args.output}")
 
