@@ -50,20 +50,24 @@ def add_communication(table: ScheduleTable) -> ScheduleTable:
         for slot, _, _, key in sorted(_recv_slots(wanted, send_order)):
             recvs_before[slot].append(key)
         new_row: list[ScheduleNode] = []
-        row_moves, row_takes, row_gives = [], [], []
+        row_moves, row_takes, row_gives = [], [], []  # a communication node moves one key, takes and gives none
+
+        def comm(key: int, end: int) -> None:
+            kind, chunk, peer = ends[key // m][end]
+            new_row.append(ScheduleNode(kind, key % m, chunk, peer))
+            row_moves.append(key)
+            row_takes.append(())
+            row_gives.append(())
+
         for k, (node, taken, given) in enumerate(zip(row, wiring.takes[rank], wiring.gives[rank])):
             for key in recvs_before.get(k, ()):
-                kind, chunk, peer = ends[key // m][1]
-                new_row.append(ScheduleNode(kind, key % m, chunk, peer))
-            new_row.append(node)
+                comm(key, 1)
+            new_row.append(node)  # a compute node keeps its own
+            row_moves.append(-1)
+            row_takes.append(taken)
+            row_gives.append(given)
             for key in given:
-                kind, chunk, peer = ends[key // m][0]
-                new_row.append(ScheduleNode(kind, key % m, chunk, peer))
-            # a communication node moves one key and takes or gives none; a compute node keeps its own
-            before = recvs_before.get(k, ())
-            row_moves += [*before, -1, *given]
-            row_takes += [()] * len(before) + [taken] + [()] * len(given)
-            row_gives += [()] * len(before) + [given] + [()] * len(given)
+                comm(key, 0)
         ranks.append(new_row)
         moves.append(row_moves)
         takes.append(row_takes)
