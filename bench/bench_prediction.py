@@ -182,13 +182,14 @@ def accepted_session(pp: int, args: argparse.Namespace, work: Path, rep: int) ->
     return records
 
 
-def predict(calibration_runs: list[dict], pp: int, args: argparse.Namespace, work: Path) -> tuple[dict, dict]:
+def predict(calibration_runs: list[dict], pp: int, args: argparse.Namespace, folder: Path) -> tuple[dict, dict]:
     """Calibrate from the 1F1B runs; simulate every algorithm with ``primuspipe simulate -a all``."""
     timelines = [t for run in calibration_runs for t in load_iterations(run["dump"])[1:]]
     # steps start together here (a barrier before each) and a dump's consecutive iterations are not
     # consecutive steps (the other algorithms run in between): no gaps between steps to model
     measured = dataclasses.replace(measure_costs(timelines, warmup=0), step_gap=None)
-    cost_file = work / f"pp{pp}" / "measured_cost.yaml"
+    folder.mkdir(parents=True, exist_ok=True)
+    cost_file = folder / "measured_cost.yaml"
     cost_file.write_text(measured.to_yaml())
     own = replay_accuracy(timelines, CostModel.load(cost_file, pp=pp, vpp=1))
     simulated = primuspipe("simulate", "-a", "all", "--pp", str(pp), "-m", str(args.microbatches),
@@ -222,22 +223,33 @@ def measure_runs(pp: int, args: argparse.Namespace, work: Path) -> dict[str, lis
 
 
 def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work: Path) -> dict:
-    """Predicted (from the 1F1B runs) vs measured step and bubble of every algorithm at ``pp``."""
-    calibration, predicted = predict(runs[CALIBRATION], pp, args, work)
+    """Predicted vs measured step and bubble of every algorithm at ``pp``. Each session is calibrated
+    from its own 1F1B runs and predicts the other algorithms of that session (they met the machine in
+    the same state); the error is the median over sessions. ``pooled`` is the prediction of one file
+    calibrated from every session's 1F1B runs, against the median step over sessions."""
+    sessions = [predict([run], pp, args, work / f"pp{pp}" / f"session{i}") for i, run in enumerate(runs[CALIBRATION])]
+    _, pooled = predict(runs[CALIBRATION], pp, args, work / f"pp{pp}")
     table = []
     for name, records in runs.items():
         per_run = [load_iterations(r["dump"])[1:] for r in records]  # each run's iterations but its first
         steps = [statistics.median(t.step_time for t in run) for run in per_run]
         bubbles = [statistics.median(map(bubble_rate, run)) for run in per_run]
-        step, bubble, row = statistics.median(steps), statistics.median(bubbles), predicted[name]
-        table.append({"algorithm": name, "vpp": row["vpp"], "predicted_step_s": row["step_time"],
-                      "measured_step_s": step, "error": row["step_time"] / step - 1,
-                      "predicted_bubble_rate": row["bubble_rate"], "measured_bubble_rate": bubble,
-                      "measured_runs": [{"step_s": x, "bubble_rate": y, **{k: r[k] for k in (
-                          "external_cores", "external_cores_tries")}} for x, y, r in zip(steps, bubbles, records)]})
-        print(f"pp={pp} {name:17s} predicted {row['step_time'] * 1e3:7.2f} ms, measured {step * 1e3:7.2f} ms "
-              f"({row['step_time'] / step - 1:+.1%}); bubble {row['bubble_rate']:.3f} vs {bubble:.3f}", flush=True)
-    return {"calibration": calibration, "algorithms": table}
+        predicted = [rows[name] for _, rows in sessions]
+        errors = [p["step_time"] / step - 1 for p, step in zip(predicted, steps)]
+        step, error = statistics.median(steps), statistics.median(errors)
+        table.append({
+            "algorithm": name, "vpp": predicted[0]["vpp"],
+            "predicted_step_s": statistics.median(p["step_time"] for p in predicted), "measured_step_s": step,
+            "error": error, "session_errors": errors,
+            "predicted_bubble_rate": statistics.median(p["bubble_rate"] for p in predicted),
+            "measured_bubble_rate": statistics.median(bubbles),
+            "pooled": {"predicted_step_s": pooled[name]["step_time"], "error": pooled[name]["step_time"] / step - 1},
+            "measured_runs": [{"step_s": x, "bubble_rate": y, "predicted_step_s": p["step_time"], **{k: r[k] for k in (
+                "external_cores", "external_cores_tries")}} for x, y, p, r in zip(steps, bubbles, predicted, records)]})
+        print(f"pp={pp} {name:17s} measured {step * 1e3:7.2f} ms; per session predicted/measured - 1: "
+              f"{', '.join(f'{e:+.1%}' for e in errors)} (median {error:+.1%}); pooled file "
+              f"{table[-1]['pooled']['error']:+.1%}", flush=True)
+    return {"calibration": [calibration for calibration, _ in sessions], "algorithms": table}
 
 
 def markdown(report: dict) -> str:
@@ -246,12 +258,16 @@ def markdown(report: dict) -> str:
     for pp, entry in report["pp"].items():
         for row in entry["algorithms"]:
             runs = [r["step_s"] * 1e3 for r in row["measured_runs"]]
+            errors = row["session_errors"]
             rows.append([pp, row["algorithm"] + (" (calibration)" if row["algorithm"] == CALIBRATION else ""),
-                         str(row["vpp"]), f"{row['predicted_step_s'] * 1e3:.1f}",
-                         f"{row['measured_step_s'] * 1e3:.1f} ({min(runs):.0f}-{max(runs):.0f})", f"{row['error']:+.1%}",
+                         str(row["vpp"]), f"{row['predicted_step_s'] * 1e3:.0f}",
+                         f"{row['measured_step_s'] * 1e3:.0f} ({min(runs):.0f}-{max(runs):.0f})",
+                         f"{row['error']:+.1%} ({min(errors):+.1%} to {max(errors):+.1%})",
+                         f"{row['pooled']['error']:+.1%}",
                          f"{row['predicted_bubble_rate']:.3f} / {row['measured_bubble_rate']:.3f}"])
-    return markdown_table(["pp", "algorithm", "vpp", "predicted step (ms)", "measured step (ms): median (runs)",
-                           "error", "bubble: predicted / measured"], rows)
+    return markdown_table(["pp", "algorithm", "vpp", "predicted step (ms)", "measured step (ms): median (sessions)",
+                           "error: median (sessions)", "error, one file from all sessions",
+                           "bubble: predicted / measured"], rows)
 
 
 def main() -> None:
