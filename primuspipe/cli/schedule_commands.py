@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from primuspipe.algorithms import list_algorithms
+from primuspipe.algorithms import list_algorithms, list_aliases
 from primuspipe.passes.communication import add_communication
 from primuspipe.cli.options import add_shape_arguments, console, parse_options, report_console
 from primuspipe.errors import TableFormatError, ValidationError
@@ -65,6 +65,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         shape = f"{info.placement} / {info.vpp or 'any'} / {'B + W' if info.split_backward else 'BW'}"
         table.add_row(info.name, shape, opts, info.summary)
     console().print(table)
+    aliases = Table(title="aliases: other frameworks' names (docs/primus.md)", show_lines=True)
+    for column in ("name", "runs", "from", "difference"):
+        aliases.add_column(column, no_wrap=column != "difference", overflow="fold")
+    for alias in list_aliases():
+        fixed = "".join(f" {k}={v!r}" for k, v in alias.options.items()) + (f" vpp={alias.vpp}" if alias.vpp else "")
+        aliases.add_row(alias.name, alias.target + fixed, alias.origin, alias.note)
+    console().print(aliases)
     return 0
 
 
