@@ -53,8 +53,8 @@ class PrimusPipeConfig:
     """Master switch: replace Megatron's forward-backward function. Off unless asked for, so a config
     read from an empty environment leaves Megatron untouched."""
     pp_algorithm: str = AUTO
-    """A registered algorithm (``primuspipe list``); ``auto`` picks Megatron's own choice: ``1f1b`` for
-    vpp = 1, ``interleaved-1f1b`` for vpp > 1."""
+    """A registered algorithm or an alias such as Primus's ``zbv-formatted`` (``primuspipe list``);
+    ``auto`` picks Megatron's own choice: ``1f1b`` for vpp = 1, ``interleaved-1f1b`` for vpp > 1."""
     algorithm_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Keyword options of the algorithm, e.g. ``{"microbatch_group_size": 4}`` for interleaved-1f1b.
     Without one, interleaved-1f1b follows Megatron's ``microbatch_group_size_per_vp_stage``."""
@@ -77,8 +77,8 @@ class PrimusPipeConfig:
     """Move activations to host memory between F and B (OFFLOAD/RELOAD nodes). Consumed by the offload
     pass; this build has none yet, so ``true`` is refused."""
     offload_ops: str = ""
-    """Comma-separated ops whose inputs are offloaded (Primus: ``attn``); empty = whole chunks. Consumed by
-    the offload pass, with ``offload``."""
+    """Comma-separated ops whose activations are offloaded (Primus runs ``attn``); empty leaves the choice
+    to the offload pass, which consumes it with ``offload``."""
     pp_cost_f: Any = None
     """Forward time per pipeline stage: one number or one per rank (null: Primus's default, 1000). With
     ``pp_cost_b``/``pp_cost_w`` it becomes the cost model every cost-aware algorithm plans with (zb-h1,
@@ -90,7 +90,8 @@ class PrimusPipeConfig:
     pp_max_mem: float | None = None
     """Activation limit per rank for memory-aware algorithms (zb-auto / zero-bubble-heuristic), in
     microbatches of one 1F1B stage, each counted whole from its F until its W -- Primus's count (it adds
-    1 at F and takes 1 at W), so the cost model's ``w_retained_fraction`` is 1 when it is set."""
+    1 at F and takes 1 at W), so the cost model built from ``pp_cost_*`` has ``w_retained_fraction`` 1 when
+    it is set (a cost file in ``algorithm_options.cost`` keeps its own)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.pp_algorithm, str) or not self.pp_algorithm:
