@@ -125,8 +125,14 @@ def test_calibrate_recovers_the_costs_of_a_primus_run(tmp_path, capsys):
     measured = measure_costs(load_iterations(folder))  # the first iteration is the warm-up
     assert (measured.forward, measured.backward_input, measured.backward_weight) == (tuple(f), tuple(b), tuple(w))
     assert measured.time_unit == "ms" and measured.iterations == (2,)
-    assert main(["calibrate", str(folder), "-o", str(tmp_path / "cost.yaml")]) == 0
+    cost = tmp_path / "cost.yaml"
+    assert main(["calibrate", str(folder), "-o", str(cost)]) == 0
     assert "iterations 2" in capsys.readouterr().out
+    assert main(["vis", str(folder), "--cost", str(cost), "--json"]) == 0  # the run beside its replay
+    comparison = json.loads(capsys.readouterr().out)["comparison"]
+    step = next(f for f in comparison["figures"] if f["name"].startswith("step time"))
+    assert step["run"] == steps[-1].step_time and step["difference"] == 0
+    assert comparison["order_differences"] == []
 
 
 def test_overlapped_forward_backward_is_one_node(tmp_path):
