@@ -19,8 +19,9 @@ from typing import Literal
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
 
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
-"""Megatron's ``recompute_modules`` this projection models (``moe_act`` and ``mla_up_proj`` are not)."""
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
+"""Megatron's ``recompute_modules`` this projection models (``layernorm``, ``moe_act`` and ``mla_up_proj`` are not:
+megatron-core runs them only with Transformer Engine, so they cannot be checked against a real layer here)."""
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local")
 
@@ -52,8 +53,7 @@ class TrainingSpec:
     checkpoints the first recompute_num_layers layers of every model chunk."""
     recompute_num_layers: int | None = None
     recompute_modules: tuple[str, ...] = ("core_attn",)
-    """With selective recompute: which parts are recomputed (one of core_attn, layernorm, mlp, moe,
-    shared_experts)."""
+    """With selective recompute: which parts are recomputed (some of core_attn, mlp, moe, shared_experts)."""
     use_distributed_optimizer: bool = True
     """Shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -69,6 +69,8 @@ class TrainingSpec:
     """Unfused attention computes (and keeps) the probabilities in fp32, plus a low-precision copy."""
     bias_activation_fusion: bool = True
     """Fused SwiGLU/GeLU keeps only its input; unfused keeps every intermediate."""
+    apply_rope_fusion: bool = True
+    """Fused rotary embedding; unfused keeps the cos/sin tables it multiplies queries and keys by."""
     overlap_grad_reduce: bool = True
     """Gradient reduce-scatter/all-reduce hidden behind backward compute (only its tail is exposed)."""
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"

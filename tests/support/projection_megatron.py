@@ -5,6 +5,7 @@ activation bytes of one layer forward (counted with ``saved_tensors_hooks``)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -98,3 +99,82 @@ def megatron_rank_params(model, training, stage_counts) -> list[int]:
                 total += sum(p.numel() for p in chunk.parameters())
             counts.append(total)
     return counts
+
+
+@contextlib.contextmanager
+def cpu_checkpointing():
+    """Megatron's activation checkpointing snapshots CUDA RNG states; on CPU the CPU generator's state
+    stands in (dropout is still reproduced, from the CPU generator)."""
+    from unittest import mock
+
+    with mock.patch("megatron.core.tensor_parallel.random._get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()), \
+            mock.patch("megatron.core.tensor_parallel.random._set_cuda_rng_state", lambda *a, **k: None):
+        yield
+
+
+def saved_bytes(module: torch.nn.Module, run, *, exclude=()) -> int:
+    """Bytes of the distinct storages autograd saves while ``run()`` does a forward through ``module``:
+    a tensor saved twice, or a view of a saved storage, counts once (what stays alive); parameters,
+    buffers and the tensors in ``exclude`` (constant inputs such as the attention mask) are not
+    activations."""
+    skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers(), *exclude)}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = run()
+    del output
+    return sum(seen.values())
+
+
+def block_saved_bytes(model, training, kinds) -> int:
+    """Saved bytes of one microbatch through a ``TransformerBlock`` of layers of ``kinds`` (the training
+    spec's precision, recompute and kernels), on CPU."""
+    enable_cpu_mode()
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+
+    from primuspipe.projection.benchmark.megatron_model import (
+        DTYPES, causal_mask, layer_spec, rotary_embedding, transformer_config)
+
+    whole = dataclasses.replace(training, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=1)
+    with fake_parallel_state(whole), cpu_checkpointing():
+        config = transformer_config(model, training, num_layers=len(kinds))
+        spec = TransformerBlockSubmodules(layer_specs=[layer_spec(model, k) for k in kinds])
+        block = TransformerBlock(config, spec, post_layer_norm=False).to(DTYPES[training.precision])
+        tokens = model.seq_length // training.cp
+        x = torch.randn(tokens, training.micro_batch_size, model.hidden_size, dtype=DTYPES[training.precision],
+                        requires_grad=True)
+        mask, rope = causal_mask(tokens), rotary_embedding(model, training)
+        extra = [mask] if rope is None else [mask, rope]
+        return saved_bytes(block, lambda: block(x, attention_mask=mask, rotary_pos_emb=rope), exclude=extra)
+
+
+def model_saved_bytes(model, training) -> int:
+    """Saved bytes of one microbatch through the whole model (one pipeline stage: embedding, every
+    layer, final norm, output layer and the vocab-parallel cross entropy), on CPU."""
+    from primuspipe.projection.benchmark.megatron_model import DTYPES, build_gpt_chunk, causal_mask, transformer_config
+
+    whole = dataclasses.replace(training, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=1)
+    with fake_parallel_state(whole), cpu_checkpointing(), _host_rotary_tables():
+        config = transformer_config(model, whole)
+        gpt = build_gpt_chunk(model, whole, config, vp_stage=None, pre_process=True, post_process=True)
+        gpt = gpt.to(DTYPES[training.precision])
+        b, s = training.micro_batch_size, model.seq_length
+        tokens = torch.randint(model.padded_vocab(1), (b, s))
+        positions = torch.arange(s).unsqueeze(0).expand(b, s)
+        mask = causal_mask(s)
+        return saved_bytes(gpt, lambda: gpt(tokens, positions, mask, labels=tokens), exclude=[mask])
+
+
+@contextlib.contextmanager
+def _host_rotary_tables():
+    """GPTModel's rotary embedding moves its table to the current CUDA device; keep it on the host."""
+    from unittest import mock
+
+    with mock.patch("torch.cuda.current_device", lambda: "cpu"):
+        yield

@@ -40,7 +40,8 @@ def transformer_config(model: ModelSpec, training: TrainingSpec, *, stage_counts
         attention_softmax_in_fp32=training.attention_softmax_in_fp32,
         bias_activation_fusion=training.bias_activation_fusion, use_cpu_initialization=True,
         transformer_impl="local", perform_initialization=initialize, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False, batch_p2p_comm=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=training.apply_rope_fusion,
+        batch_p2p_comm=False,
         recompute_granularity=training.recompute_granularity, recompute_method=training.recompute_method,
         recompute_num_layers=training.recompute_num_layers,
         recompute_modules=list(training.recompute_modules) if training.recompute_granularity == "selective" else None,
@@ -64,8 +65,8 @@ def transformer_config(model: ModelSpec, training: TrainingSpec, *, stage_counts
         fields.update(q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
                       qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim, rope_type="rope")
         fields.pop("kv_channels")
-        return MLATransformerConfig(**fields, **overrides)
-    return TransformerConfig(**fields, **overrides)
+        return MLATransformerConfig(**{**fields, **overrides})
+    return TransformerConfig(**{**fields, **overrides})
 
 
 def layer_spec(model: ModelSpec, kind: LayerKind):
@@ -108,8 +109,10 @@ def rotary_embedding(model: ModelSpec, training: TrainingSpec) -> torch.Tensor |
         return None
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    return RotaryEmbedding(kv_channels=model.head_dim, rotary_percent=1.0, use_cpu_initialization=True)(
-        model.seq_length // training.cp)
+    # RotaryEmbedding.forward moves its table to the current CUDA device; its own math, on the host:
+    rope = RotaryEmbedding(kv_channels=model.head_dim, rotary_percent=1.0, use_cpu_initialization=True)
+    freqs = rope.get_freqs_non_repeated(model.seq_length // training.cp)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
 
 def causal_mask(seq_length: int) -> torch.Tensor:
