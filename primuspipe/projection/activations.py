@@ -212,16 +212,23 @@ class ActivationModel:
         """What a fully recomputed group of layers keeps: its input."""
         return self._hidden()
 
-    def layer_bytes(self, chunk_layers: range) -> list[float]:
-        """Saved bytes of each layer of one model chunk, full recompute applied."""
+    def recomputed(self, chunk_layers: range) -> list[bool]:
+        """Which layers of one model chunk a full recompute re-runs in backward."""
         t = self.training
-        full = [self._layers[self.model.layer_kinds[i]].total for i in chunk_layers]
         if t.recompute_granularity != "full":
-            return full
-        n = t.recompute_num_layers
+            return [False] * len(chunk_layers)
         if t.recompute_method == "block":
-            return [self.checkpoint() if j < n else b for j, b in enumerate(full)]
-        return [self.checkpoint() if j % n == 0 else 0.0 for j in range(len(full))]
+            return [j < t.recompute_num_layers for j in range(len(chunk_layers))]
+        return [True] * len(chunk_layers)
+
+    def layer_bytes(self, chunk_layers: range) -> list[float]:
+        """Saved bytes of each layer of one model chunk, full recompute applied (uniform keeps one input
+        per group of recompute_num_layers layers, block one per recomputed layer)."""
+        t = self.training
+        uniform = t.recompute_method == "uniform"
+        return [(self.checkpoint() if not uniform or j % t.recompute_num_layers == 0 else 0.0) if again
+                else self._layers[self.model.layer_kinds[i]].total
+                for j, (i, again) in enumerate(zip(chunk_layers, self.recomputed(chunk_layers)))]
 
     def recompute_working_set(self, chunk_layers: range) -> float:
         """Bytes a full-recompute backward rebuilds at once (one group's activations), held only while

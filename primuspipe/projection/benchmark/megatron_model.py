@@ -3,9 +3,9 @@ what the tests hold the projection's formulas against.
 
 Models are built with megatron-core's local (non-Transformer-Engine) layer spec and settings that run on
 CPU as well as GPU: CPU initialisation, no fused kernels that need CUDA, the all-gather token dispatcher,
-sequential (non-grouped) experts. ``bias_activation_fusion``, the attention backend and dropout follow
-the training spec only as far as the local spec can: its attention is always the unfused
-``DotProductAttention``.
+sequential (non-grouped) experts. ``bias_activation_fusion`` and dropout follow the training spec; the
+attention backend and RoPE fusion do not: the local spec's attention is always the unfused
+``DotProductAttention`` and its rotary embedding unfused (the fused ones need Transformer Engine).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def transformer_config(model: ModelSpec, training: TrainingSpec, *, stage_counts
         attention_softmax_in_fp32=training.attention_softmax_in_fp32,
         bias_activation_fusion=training.bias_activation_fusion, use_cpu_initialization=True,
         transformer_impl="local", perform_initialization=initialize, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=training.apply_rope_fusion,
+        persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
         batch_p2p_comm=False,
         recompute_granularity=training.recompute_granularity, recompute_method=training.recompute_method,
         recompute_num_layers=training.recompute_num_layers,

@@ -1,0 +1,200 @@
+"""The layer benchmark: real megatron-core layers timed on the local device, turned into a calibration.
+
+Every part the model has -- a dense and/or an MoE transformer layer, the embedding, the head (final
+norm, output layer, vocab-parallel cross entropy) -- is built once at the shape one rank of the target
+configuration computes (heads, groups, MLP width and vocabulary divided by TP, experts by EP, sequence
+by CP) and timed pass by pass: F is the forward; B the backward with the weight-gradient GEMMs of
+megatron-core's linear layers deferred (primuspipe's weight-gradient store, as split-backward schedules
+run it); W those deferred GEMMs. Each figure is the median over ``iterations`` after ``warmup`` runs.
+
+The calibration factor of a (part, pass) is the measured time over the analytical time of the same
+benchmark shape on the given hardware spec; projected times are then analytical times of any
+configuration times the factors, so a benchmark at the target's own shape reproduces its measured
+times exactly, and one at another shape carries its measured efficiency over.
+
+On a CPU host the timing runs in ``concurrent_ranks`` processes at once (one thread each), so that a
+run with more ranks than cores is benchmarked under the same sharing as it will run; on a GPU it runs
+in this process, on the current device. The local spec's attention is always the unfused
+``DotProductAttention``; multi-latent attention cannot be built by it (megatron-core 0.19).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from primuspipe.projection.benchmark.megatron_model import (
+    DTYPES, build_layer, causal_mask, rotary_embedding, transformer_config)
+from primuspipe.projection.compute import PARTS, PASSES, Calibration, WorkModel
+from primuspipe.projection.framework import ConfigError
+from primuspipe.projection.hardware_spec import HardwareSpec
+from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.training_spec import TrainingSpec
+
+Timings = dict[tuple[str, str], float]
+"""``(part, pass) -> seconds``."""
+
+
+def benchmark_shape(model: ModelSpec, training: TrainingSpec) -> tuple[ModelSpec, TrainingSpec]:
+    """The single-device model and configuration whose layers compute what one rank of ``training`` does."""
+    if model.multi_latent_attention:
+        raise ConfigError(f"{model.source}: multi_latent_attention: the layer benchmark builds megatron-core's local "
+                          "layers, which cannot run multi-latent attention; project without --benchmark-layers")
+    t = training
+    shard = dict(num_attention_heads=model.num_attention_heads // t.tp, num_query_groups=model.query_groups // t.tp,
+                 kv_channels=model.head_dim, ffn_hidden_size=model.ffn // t.tp, seq_length=model.seq_length // t.cp,
+                 padded_vocab_size=model.padded_vocab(t.tp) // t.tp, max_position_embeddings=model.seq_length // t.cp)
+    if model.is_moe:
+        local = model.num_experts // t.ep
+        shared = model.moe_shared_expert_intermediate_size
+        shard.update(num_experts=local, moe_router_topk=min(model.moe_router_topk, local),
+                     moe_ffn_hidden_size=model.expert_ffn // t.etp,
+                     moe_shared_expert_intermediate_size=shared // t.tp if shared else None)
+    one = dataclasses.replace(t, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              virtual_pipeline_model_parallel_size=1, context_parallel_size=1, data_parallel_size=1,
+                              expert_model_parallel_size=1, expert_tensor_parallel_size=None, sequence_parallel=False,
+                              recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                              decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                              global_batch_size=t.micro_batch_size, attention_backend="local")
+    return dataclasses.replace(model, **shard), one
+
+
+def _median_time(run: Callable[[int], None], iterations: int, warmup: int, sync: Callable[[], None]) -> float:
+    samples = []
+    for i in range(warmup + iterations):
+        sync()
+        start = time.perf_counter()
+        run(i)
+        sync()
+        if i >= warmup:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _time_passes(forward: Callable[[], torch.Tensor], parameters, iterations: int, warmup: int, device: torch.device
+                 ) -> tuple[float, float, float]:
+    """(F, B, W) seconds of ``forward`` (a callable returning a tensor to back-propagate from)."""
+    from primuspipe.backends.megatron.wgrad_store import WeightGradStore
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    store = WeightGradStore()
+    outputs: dict[int, torch.Tensor] = {}
+
+    def run_forward(i: int) -> None:
+        outputs[i] = forward()
+
+    def run_backward_input(i: int) -> None:
+        out = outputs.pop(i)
+        with store.collecting(0, i):
+            torch.autograd.backward(out, torch.ones_like(out))
+
+    def run_backward_weight(i: int) -> None:
+        store.flush(0, i)
+        for p in parameters:
+            p.grad = None
+
+    times = []
+    for step in (run_forward, run_backward_input, run_backward_weight):
+        times.append(_median_time(step, iterations, warmup, sync))
+    return tuple(times)
+
+
+def _build_parts(model: ModelSpec, training: TrainingSpec, device: torch.device) -> dict[str, tuple[Callable, list]]:
+    """Per part: a forward callable and the parameters it trains."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    dtype, config = DTYPES[training.precision], transformer_config(model, training)
+    b, s, h = training.micro_batch_size, model.seq_length, model.hidden_size
+    mask = causal_mask(s).to(device)
+    rope = rotary_embedding(model, training)
+    rope = None if rope is None else rope.to(device)
+
+    def hidden() -> torch.Tensor:
+        return torch.randn(s, b, h, dtype=dtype, device=device, requires_grad=True)
+
+    parts = {}
+    for kind in sorted(set(model.layer_kinds)):
+        layer = build_layer(model, training, kind, config).to(device)
+        parts[kind] = (lambda layer=layer: layer(hidden(), attention_mask=mask, rotary_pos_emb=rope)[0],
+                       list(layer.parameters()))
+    vocab = model.padded_vocab(1)
+    embedding = LanguageModelEmbedding(config, vocab, model.max_position_embeddings or s,
+                                       model.position_embedding_type).to(device=device, dtype=dtype)
+    tokens = torch.randint(vocab, (b, s), device=device)
+    positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    parts["embedding"] = (lambda: embedding(tokens, positions), list(embedding.parameters()))
+    norm = WrappedTorchNorm(config=config, hidden_size=h).to(device=device, dtype=dtype)
+    output = tensor_parallel.ColumnParallelLinear(h, vocab, config=config, init_method=config.init_method, bias=False,
+                                                  gather_output=False).to(device=device, dtype=dtype)
+    labels = tokens.transpose(0, 1).contiguous()
+    parts["head"] = (lambda: tensor_parallel.vocab_parallel_cross_entropy(output(norm(hidden()))[0], labels),
+                     [*norm.parameters(), *output.parameters()])
+    return parts
+
+
+def time_parts(model: ModelSpec, training: TrainingSpec, *, iterations: int, warmup: int,
+               device: torch.device) -> Timings:
+    """Seconds of every pass of every part, at the given (single-device) shape, in an initialised
+    megatron ``parallel_state``."""
+    timings = {}
+    for part, (forward, params) in _build_parts(model, training, device).items():
+        timings.update(zip(((part, p) for p in PASSES), _time_passes(forward, params, iterations, warmup, device)))
+    return timings
+
+
+def measure(model: ModelSpec, training: TrainingSpec, *, iterations: int = 5, warmup: int = 2,
+            concurrent_ranks: int = 1) -> Timings:
+    """Time the benchmark shape of (model, training) on this host's device (see the module docstring)."""
+    bench_model, bench_training = benchmark_shape(model, training)
+    if torch.cuda.is_available():
+        return _on_current_gpu(lambda: time_parts(bench_model, bench_training, iterations=iterations, warmup=warmup,
+                                                  device=torch.device("cuda", torch.cuda.current_device())))
+    from primuspipe.backends.megatron.distributed_cpu import ParallelLayout, run_on_gloo
+
+    def work(ctx) -> Timings:
+        return time_parts(bench_model, bench_training, iterations=iterations, warmup=warmup, device=torch.device("cpu"))
+
+    per_rank = run_on_gloo(work, ParallelLayout(pp=concurrent_ranks), timeout_s=3600)
+    return {key: statistics.median(r[key] for r in per_rank) for key in per_rank[0]}
+
+
+def _on_current_gpu(run: Callable[[], Timings]) -> Timings:
+    """``run`` under a one-rank process group and Megatron's parallel state (set up here unless the caller has)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(0)
+    try:
+        return run()
+    finally:
+        if owned:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def benchmark_calibration(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, *, iterations: int = 5,
+                          warmup: int = 2, concurrent_ranks: int = 1) -> Calibration:
+    """Calibration factors (measured / analytical, per part and pass) from timing the local device."""
+    bench_model, bench_training = benchmark_shape(model, training)
+    measured = measure(model, training, iterations=iterations, warmup=warmup, concurrent_ranks=concurrent_ranks)
+    work = WorkModel(bench_model, bench_training)
+    factors = {}
+    for part in PARTS:
+        if (part, "forward") not in measured:
+            continue
+        for name, analytical in zip(PASSES, work.part(part).passes()):
+            seconds = analytical.seconds(hardware, bench_training.precision)
+            factors[(part, name)] = measured[(part, name)] / seconds if seconds > 0 else 1.0
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{concurrent_ranks} ranks"
+    return Calibration(factors, source=f"layer benchmark ({device})")
