@@ -51,7 +51,7 @@ class Collectives:
 
     def gather(self, nbytes: float, ranks: int, span: int) -> float:
         """All-gather (or reduce-scatter, or all-to-all) of a ``nbytes`` buffer over ``ranks``."""
-        if ranks == 1:
+        if ranks == 1 or nbytes == 0:
             return 0.0
         bandwidth, latency = self._link(span)
         return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency

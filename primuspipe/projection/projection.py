@@ -104,8 +104,10 @@ class Projector:
     _part_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def evaluate(self, training: TrainingSpec, algorithm: str) -> ProjectionResult | Refusal:
-        """Project one configuration under one algorithm (``training.vpp`` chunks per rank)."""
+        """Project one configuration under one algorithm (with ``training.vpp`` chunks per rank where the
+        algorithm takes any vpp, see :func:`algorithm_vpp`)."""
         info = get_algorithm(algorithm)
+        training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=algorithm_vpp(algorithm, training.vpp))
         refused = dict(algorithm=algorithm, pp=training.pp, vpp=training.vpp, micro_batch_size=training.micro_batch_size,
                        recompute=recompute_label(training))
         try:
@@ -229,8 +231,7 @@ def candidates(model: ModelSpec, training: TrainingSpec, algorithms: list[str], 
     """The (configuration, algorithm) pairs to project: the given configuration under every algorithm,
     or with ``search`` every pp / vpp / micro-batch size / recompute the GPU count allows."""
     if not search:
-        for name in algorithms:
-            yield dataclasses.replace(training, virtual_pipeline_model_parallel_size=algorithm_vpp(name, training.vpp)), name
+        yield from ((training, name) for name in algorithms)
         return
     gpus, per_stage = training.world_size, training.tp * training.cp
     for pp in (p for p in range(1, gpus // per_stage + 1) if (gpus // per_stage) % p == 0 and p <= model.num_layers):

@@ -63,44 +63,36 @@ def benchmark_shape(model: ModelSpec, training: TrainingSpec) -> tuple[ModelSpec
     return dataclasses.replace(model, **shard), one
 
 
-def _median_time(run: Callable[[int], None], iterations: int, warmup: int, sync: Callable[[], None]) -> float:
-    samples = []
-    for i in range(warmup + iterations):
-        sync()
-        start = time.perf_counter()
-        run(i)
-        sync()
-        if i >= warmup:
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def _time_passes(forward: Callable[[], torch.Tensor], parameters, iterations: int, warmup: int, device: torch.device
                  ) -> tuple[float, float, float]:
-    """(F, B, W) seconds of ``forward`` (a callable returning a tensor to back-propagate from)."""
+    """Median (F, B, W) seconds of ``forward`` (a callable returning a tensor to back-propagate from).
+
+    Each iteration runs F, B and W of one input in turn, as a pipeline's steady state does: timing all
+    forwards first would keep every graph alive and time the allocator's growth instead (on CPU, a third
+    more per forward)."""
     from primuspipe.backends.megatron.wgrad_store import WeightGradStore
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     store = WeightGradStore()
-    outputs: dict[int, torch.Tensor] = {}
-
-    def run_forward(i: int) -> None:
-        outputs[i] = forward()
-
-    def run_backward_input(i: int) -> None:
-        out = outputs.pop(i)
+    samples: list[tuple[float, float, float]] = []
+    for i in range(warmup + iterations):
+        sync()
+        start = time.perf_counter()
+        out = forward()
+        sync()
+        after_forward = time.perf_counter()
         with store.collecting(0, i):
             torch.autograd.backward(out, torch.ones_like(out))
-
-    def run_backward_weight(i: int) -> None:
+        sync()
+        after_backward = time.perf_counter()
         store.flush(0, i)
+        sync()
+        end = time.perf_counter()
         for p in parameters:
             p.grad = None
-
-    times = []
-    for step in (run_forward, run_backward_input, run_backward_weight):
-        times.append(_median_time(step, iterations, warmup, sync))
-    return tuple(times)
+        if i >= warmup:
+            samples.append((after_forward - start, after_backward - after_forward, end - after_backward))
+    return tuple(statistics.median(s[k] for s in samples) for k in range(3))
 
 
 def _build_parts(model: ModelSpec, training: TrainingSpec, device: torch.device) -> dict[str, tuple[Callable, list]]:
