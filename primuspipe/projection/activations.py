@@ -39,8 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from primuspipe.projection.model_spec import LayerKind, ModelSpec
-from primuspipe.projection.training_spec import TrainingSpec
+from primuspipe.projection.model_spec import LayerKind
+from primuspipe.projection.training_spec import RankShape
 
 _INDEX, _FP32, _MASK = 8, 4, 1
 """Bytes of an int64 index, an fp32 value, a boolean mask element."""
@@ -63,30 +63,8 @@ class LayerActivations:
 
 
 @dataclass(frozen=True)
-class ActivationModel:
+class ActivationModel(RankShape):
     """The activation formulas for one (model, training) pair; sizes per rank and microbatch."""
-
-    model: ModelSpec
-    training: TrainingSpec
-
-    # -- sizes --------------------------------------------------------------------------------------
-    @property
-    def e(self) -> int:
-        return self.training.activation_bytes
-
-    @property
-    def tokens(self) -> float:
-        """T: tokens of one microbatch on one context-parallel rank."""
-        return self.training.micro_batch_size * self.model.seq_length / self.training.cp
-
-    @property
-    def residual_tokens(self) -> float:
-        """T_r: tokens of the residual stream on one rank (sequence parallelism shards it over TP)."""
-        return self.tokens / (self.training.tp if self.training.sp else 1)
-
-    def _hidden(self) -> float:
-        """One residual-stream tensor (T_r x H)."""
-        return self.residual_tokens * self.model.hidden_size * self.e
 
     def _norm(self, tokens: float, width: int) -> float:
         stats = 1 if self.model.normalization == "RMSNorm" else 2
@@ -116,7 +94,7 @@ class ActivationModel:
             kv_heads = m.query_groups / tp
             latents = 0.0
             mixed = tokens * (heads + 2 * kv_heads) * qk_dim * e  # the fused QKV projection's output
-        qkv_in = self._hidden()
+        qkv_in = self.hidden_bytes
         context = tokens * heads * v_dim * e
         scores = t.micro_batch_size * heads * (m.seq_length / t.cp) * m.seq_length
         per_head_norms = m.qk_layernorm and not m.multi_latent_attention
@@ -147,7 +125,7 @@ class ActivationModel:
             core += mixed
         kept = qkv_in + latents + core + context
         gemm_inputs = qkv_in + latents + context
-        grads = tokens * ((heads + 2 * kv_heads) * qk_dim) * e + self._hidden()
+        grads = tokens * ((heads + 2 * kv_heads) * qk_dim) * e + self.hidden_bytes
         return kept, gemm_inputs, grads
 
     # -- MLP / MoE ------------------------------------------------------------------------------------
@@ -163,9 +141,9 @@ class ActivationModel:
 
     def _moe(self) -> tuple[dict[str, float], float, float]:
         m, t = self.model, self.training
-        block_input = self._hidden()
+        block_input = self.hidden_bytes
         if t.recomputes("moe"):
-            return {"moe_mlp": self._hidden()}, self._hidden(), 0.0
+            return {"moe_mlp": self.hidden_bytes}, self.hidden_bytes, 0.0
         copies = self.residual_tokens * m.moe_router_topk * t.etp
         width = m.expert_ffn / t.etp
         routed_act = copies * self._mlp_activation(width, probs_scaled=True) * self.e
@@ -192,7 +170,7 @@ class ActivationModel:
         parts = {"input_norm": self._norm(self.residual_tokens, m.hidden_size), "attention": attention,
                  "pre_mlp_norm": self._norm(self.residual_tokens, m.hidden_size)}
         if kind == "dense":
-            mlp_in = self._hidden()
+            mlp_in = self.hidden_bytes
             act, act_in, act_grads = self._dense_mlp(m.ffn, self.tokens, recompute=t.recomputes("mlp"))
             parts["mlp"] = mlp_in + act
             inputs, grads = attn_in + mlp_in + act_in, attn_grads + act_grads
@@ -210,7 +188,7 @@ class ActivationModel:
 
     def checkpoint(self) -> float:
         """What a fully recomputed group of layers keeps: its input."""
-        return self._hidden()
+        return self.hidden_bytes
 
     def recomputed(self, chunk_layers: range) -> list[bool]:
         """Which layers of one model chunk a full recompute re-runs in backward."""
@@ -256,9 +234,9 @@ class ActivationModel:
         cross entropy (``T V / TP`` floats) and the labels."""
         m, tp = self.model, self.training.tp
         logits = self.tokens * m.padded_vocab(tp) / tp * _FP32
-        return self._norm(self.residual_tokens, m.hidden_size) + self._hidden() + logits + self.tokens * 2 * _INDEX
+        return self._norm(self.residual_tokens, m.hidden_size) + self.hidden_bytes + logits + self.tokens * 2 * _INDEX
 
     def head_gemm_bytes(self) -> float:
         """Output layer input and its output gradient (what a deferred W of the last stage reads)."""
         m, tp = self.model, self.training.tp
-        return self._hidden() + self.tokens * m.padded_vocab(tp) / tp * self.e
+        return self.hidden_bytes + self.tokens * m.padded_vocab(tp) / tp * self.e

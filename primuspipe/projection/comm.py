@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import ParamCount
-from primuspipe.projection.training_spec import TrainingSpec
+from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,8 @@ class LayerComm:
 
 
 def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, kind: str) -> LayerComm:
-    t, net = training, Collectives(hardware)
-    e = t.activation_bytes
-    tokens = t.micro_batch_size * model.seq_length / t.cp
+    t, net, shape = training, Collectives(hardware), RankShape(model, training)
+    e, tokens = shape.e, shape.tokens
     activation = tokens * model.hidden_size * e  # the full (gathered) T x H tensor
     tp = net.all_reduce(activation, t.tp, t.tp) * 2  # two per layer: after attention and after the MLP
     head_dim = model.qk_head_dim + model.qk_pos_emb_head_dim if model.multi_latent_attention else model.head_dim
@@ -81,7 +80,7 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     cp = net.gather(kv, t.cp, t.tp * t.cp)
     ep = 0.0
     if kind == "moe":
-        copies = tokens / (t.tp if t.sp else 1) * model.moe_router_topk
+        copies = shape.residual_tokens * model.moe_router_topk
         ep = 2 * net.gather(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
     regather = 2 * net.gather(activation, t.tp, t.tp) if t.sp else 0.0
     return LayerComm(tp + cp + ep, tp + 2 * cp + ep, regather)
@@ -89,8 +88,7 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
 
 def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:
     """One activation crossing a stage boundary (sequence parallelism sends each rank's shard)."""
-    t = training
-    return t.micro_batch_size * model.seq_length / t.cp / (t.tp if t.sp else 1) * model.hidden_size * t.activation_bytes
+    return RankShape(model, training).hidden_bytes
 
 
 def pipeline_ranks_per_node(training: TrainingSpec, hardware: HardwareSpec) -> int:

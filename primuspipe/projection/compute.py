@@ -24,9 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from primuspipe.projection.hardware_spec import HardwareSpec
-from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import attention_params, layer_params
-from primuspipe.projection.training_spec import TrainingSpec
+from primuspipe.projection.training_spec import RankShape
 
 PASSES = ("forward", "backward_input", "backward_weight")
 PARTS = ("dense", "moe", "embedding", "head")
@@ -70,19 +69,8 @@ class PassWork:
 
 
 @dataclass(frozen=True)
-class WorkModel:
+class WorkModel(RankShape):
     """Per-rank work of each part of the model for one microbatch."""
-
-    model: ModelSpec
-    training: TrainingSpec
-
-    @property
-    def tokens(self) -> float:
-        return self.training.micro_batch_size * self.model.seq_length / self.training.cp
-
-    @property
-    def residual_tokens(self) -> float:
-        return self.tokens / (self.training.tp if self.training.sp else 1)
 
     def _gemm(self, tokens: float, weights: float) -> PassWork:
         flops = 2 * tokens * weights
@@ -96,7 +84,7 @@ class WorkModel:
         causal = 0.5 * square
         forward = causal if t.flash_attention else square
         backward = 2.5 * causal if t.flash_attention else 2 * square
-        e = t.activation_bytes
+        e = self.e
         scores = square / (qk + v) / 2  # elements of the score matrix
         softmax = 0.0 if t.flash_attention else scores * (2 * e + (8 if t.attention_softmax_in_fp32 else 2 * e))
         fwd = Work(attention_flops=forward, memory_bytes=softmax)
@@ -105,8 +93,8 @@ class WorkModel:
     def _elementwise(self, kind: str) -> Work:
         """Norms, residual adds, rotary embedding and the activation function of one layer, forward."""
         m, t = self.model, self.training
-        e, hidden = t.activation_bytes, self.residual_tokens * m.hidden_size
-        moved = (2 * 2 + 2 * 3) * hidden * e  # two norms (read, write), two residual adds (2 reads, 1 write)
+        e = self.e
+        moved = (2 * 2 + 2 * 3) * self.hidden_bytes  # two norms (read, write), two residual adds (2 reads, 1 write)
         if m.position_embedding_type == "rope":
             moved += 2 * self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
         act = 3 if m.swiglu else 2  # SwiGLU reads 2F, writes F; GELU reads F, writes F
@@ -144,7 +132,7 @@ class WorkModel:
     def embedding(self) -> PassWork:
         """Token (and position) lookup: memory-bound; its gradient, a scatter-add, runs in B (split-backward
         runners do not defer it)."""
-        moved = self.residual_tokens * self.model.hidden_size * self.training.activation_bytes
+        moved = self.hidden_bytes
         return PassWork(Work(memory_bytes=moved), Work(memory_bytes=2 * moved), Work())
 
     def head(self) -> PassWork:
@@ -153,7 +141,7 @@ class WorkModel:
         vocab = m.padded_vocab(t.tp) / t.tp
         output = self._gemm(self.tokens, vocab * m.hidden_size)
         loss = Work(memory_bytes=self.tokens * vocab * (t.activation_bytes + 3 * 4))  # logits -> fp32 softmax
-        norm = Work(memory_bytes=2 * self.residual_tokens * m.hidden_size * t.activation_bytes)
+        norm = Work(memory_bytes=2 * self.hidden_bytes)
         return PassWork(output.forward + loss + norm, output.backward_input + loss + norm.scaled(2),
                         output.backward_weight)
 

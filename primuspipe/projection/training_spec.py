@@ -23,9 +23,6 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
 """Megatron's ``recompute_modules`` this projection models (``layernorm``, ``moe_act`` and ``mla_up_proj`` are not:
 megatron-core runs them only with Transformer Engine, so they cannot be checked against a real layer here)."""
 
-ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local")
-
-
 @dataclass(frozen=True)
 class TrainingSpec:
     """One training configuration of one model (one pipeline replica's view, times DP replicas)."""
@@ -166,6 +163,34 @@ class TrainingSpec:
             self._fail(("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                         "pipeline_model_parallel_size"), "uneven first/last stages need a pipeline",
                        "remove them or set pipeline_model_parallel_size > 1")
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """What one rank sees of one microbatch: the sizes the memory, time and communication formulas share."""
+
+    model: ModelSpec
+    training: TrainingSpec
+
+    @property
+    def e(self) -> int:
+        """Bytes of one activation element."""
+        return self.training.activation_bytes
+
+    @property
+    def tokens(self) -> float:
+        """T: tokens of one microbatch on one context-parallel rank."""
+        return self.training.micro_batch_size * self.model.seq_length / self.training.cp
+
+    @property
+    def residual_tokens(self) -> float:
+        """T_r: tokens of the residual stream on one rank (sequence parallelism shards it over TP)."""
+        return self.tokens / (self.training.tp if self.training.sp else 1)
+
+    @property
+    def hidden_bytes(self) -> float:
+        """One residual-stream tensor on one rank (T_r x H)."""
+        return self.residual_tokens * self.model.hidden_size * self.e
 
 
 def load_training(path: str | Path | None) -> TrainingSpec:
