@@ -105,7 +105,7 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
     grad_bytes = 4  # fp32 main gradients (mixed precision accumulates and reduces in fp32)
     weight_bytes = 4 if t.precision == "fp32" else 2
     span = t.tp * t.cp * t.dp
-    groups = ((params.dense, t.dp * t.cp), (params.expert, t.tp * t.cp * t.dp // (t.etp * t.ep)))
+    groups = ((params.dense, t.dense_data_parallel_size), (params.expert, t.expert_data_parallel_size))
     reduce = gather = 0.0
     for count, ranks in groups:
         if t.use_distributed_optimizer:

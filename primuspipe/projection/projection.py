@@ -30,6 +30,7 @@ from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import embedding_params
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.stage_costs import StageCosts, stage_costs
+from primuspipe.projection.static_memory import optimizer_params
 from primuspipe.projection.training_spec import TrainingSpec, check_compatible
 
 logger = logging.getLogger("primuspipe.projection")
@@ -114,11 +115,12 @@ class Projector:
             check_compatible(self.model, training)
             placement = Placement.named(info.placement, training.pp, training.vpp)
             costs = stage_costs(self.model, training, self.hardware, self._parts(training), placement)
+            cost_model = costs.cost_model()
             with _quiet(ALGORITHM_LOGGER):  # one projection builds many tables; their progress is noise here
                 table = build_schedule(algorithm, training.pp, training.microbatches, training.vpp,
-                                       costs=costs.cost_model().compute, memory_limit=self._activation_budget(costs),
+                                       costs=cost_model.compute, memory_limit=self._activation_budget(costs),
                                        **self._options(info, costs))
-            simulated = simulate(table, costs.cost_model())
+            simulated = simulate(table, cost_model)
         except PrimusPipeError as exc:
             return Refusal(**refused, error=str(exc).splitlines()[0])
         return self._result(training, algorithm, costs, simulated)
@@ -152,7 +154,7 @@ class Projector:
             embedding_params(self.model, t.tp)
         sync = max(gradient_sync(p, t, h, tied_embedding=tied if r in (costs.layout.embedding_rank, costs.layout.head_rank) else 0)
                    for r, p in enumerate(costs.params))
-        optimizer = max(optimizer_seconds(_local(p, t), h) for p in costs.params)
+        optimizer = max(optimizer_seconds(optimizer_params(p, t), h) for p in costs.params)
         step = simulated.step_time + sync + optimizer
         peaks = [r.peak_memory_bytes + transient for r, transient in zip(simulated.ranks, costs.transient_bytes)]
         worst = max(range(len(peaks)), key=peaks.__getitem__)
@@ -185,14 +187,6 @@ def _quiet(name: str) -> Iterator[None]:
         yield
     finally:
         target.setLevel(level)
-
-
-def _local(params, training: TrainingSpec) -> float:
-    """Parameters whose optimizer state one rank updates (its shard with the distributed optimizer)."""
-    t = training
-    if not t.use_distributed_optimizer:
-        return params.total
-    return params.dense / (t.dp * t.cp) + params.expert / (t.tp * t.cp * t.dp // (t.etp * t.ep))
 
 
 def recompute_label(training: TrainingSpec) -> str:

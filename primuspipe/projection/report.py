@@ -13,6 +13,7 @@ JSON (``primuspipe project --json``)::
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from rich.console import Console
@@ -69,6 +70,9 @@ def print_report(console: Console, projector: Projector, training: TrainingSpec,
     console.print(table)
     if len(results) > top:
         console.print(f"({len(results) - top} more; --top N shows more, --json shows all)")
-    for r in refusals[:top]:
+    reasons = Counter(r.error for r in refusals)
+    for r in refusals if len(refusals) <= top else []:
         console.print(f"[yellow]not projected:[/] {r.algorithm} pp={r.pp} vpp={r.vpp} mbs={r.micro_batch_size} "
                       f"{r.recompute}: {escape(r.error)}", markup=True, highlight=False)
+    for reason, count in reasons.most_common(top) if len(refusals) > top else []:
+        console.print(f"[yellow]{count} candidates not projected:[/] {escape(reason)}", markup=True, highlight=False)

@@ -34,7 +34,12 @@ class StaticMemory:
 def static_memory(params: ParamCount, training: TrainingSpec) -> StaticMemory:
     mixed = training.precision != "fp32"
     weight, grad, state = (2, 4, 12) if mixed else (4, 4, 8)
+    return StaticMemory(weight * params.total, grad * params.total, state * optimizer_params(params, training))
+
+
+def optimizer_params(params: ParamCount, training: TrainingSpec) -> float:
+    """Parameters whose optimizer state (and update) one rank holds: its shard under the distributed optimizer."""
     t = training
-    dense_shards, expert_shards = (t.dp * t.cp, t.tp * t.cp * t.dp // (t.etp * t.ep)) if t.use_distributed_optimizer else (1, 1)
-    optimizer = state * (params.dense / dense_shards + params.expert / expert_shards)
-    return StaticMemory(weight * params.total, grad * params.total, optimizer)
+    if not t.use_distributed_optimizer:
+        return params.total
+    return params.dense / t.dense_data_parallel_size + params.expert / t.expert_data_parallel_size

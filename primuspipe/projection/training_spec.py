@@ -111,6 +111,16 @@ class TrainingSpec:
         return self.sequence_parallel and self.tp > 1
 
     @property
+    def dense_data_parallel_size(self) -> int:
+        """Ranks holding the same dense parameters (gradients reduced and optimizer state sharded over them)."""
+        return self.dp * self.cp
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks holding the same experts: a stage's TP * CP * DP ranks over the ETP * EP that split them."""
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
+
+    @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 

@@ -24,6 +24,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -63,9 +64,16 @@ def benchmark_shape(model: ModelSpec, training: TrainingSpec) -> tuple[ModelSpec
     return dataclasses.replace(model, **shard), one
 
 
-def _time_passes(forward: Callable[[], torch.Tensor], parameters, iterations: int, warmup: int, device: torch.device
-                 ) -> tuple[float, float, float]:
-    """Median (F, B, W) seconds of ``forward`` (a callable returning a tensor to back-propagate from).
+class _Part(NamedTuple):
+    """A part to time: its forward from an input ``make_input`` builds (untimed), and its parameters."""
+
+    forward: Callable[[torch.Tensor | None], torch.Tensor]
+    make_input: Callable[[], torch.Tensor | None]
+    parameters: list[torch.nn.Parameter]
+
+
+def _time_passes(part: _Part, iterations: int, warmup: int, device: torch.device) -> tuple[float, float, float]:
+    """Median (F, B, W) seconds of ``part`` (its forward returns a tensor to back-propagate from).
 
     Each iteration runs F, B and W of one input in turn, as a pipeline's steady state does: timing all
     forwards first would keep every graph alive and time the allocator's growth instead (on CPU, a third
@@ -76,9 +84,10 @@ def _time_passes(forward: Callable[[], torch.Tensor], parameters, iterations: in
     store = WeightGradStore()
     samples: list[tuple[float, float, float]] = []
     for i in range(warmup + iterations):
+        x = part.make_input()
         sync()
         start = time.perf_counter()
-        out = forward()
+        out = part.forward(x)
         sync()
         after_forward = time.perf_counter()
         with store.collecting(0, i):
@@ -88,15 +97,15 @@ def _time_passes(forward: Callable[[], torch.Tensor], parameters, iterations: in
         store.flush(0, i)
         sync()
         end = time.perf_counter()
-        for p in parameters:
+        for p in part.parameters:
             p.grad = None
         if i >= warmup:
             samples.append((after_forward - start, after_backward - after_forward, end - after_backward))
     return tuple(statistics.median(s[k] for s in samples) for k in range(3))
 
 
-def _build_parts(model: ModelSpec, training: TrainingSpec, device: torch.device) -> dict[str, tuple[Callable, list]]:
-    """Per part: a forward callable and the parameters it trains."""
+def _build_parts(model: ModelSpec, training: TrainingSpec, device: torch.device) -> dict[str, _Part]:
+    """Every part of the model at the benchmark shape, on ``device``."""
     from megatron.core import tensor_parallel
     from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -113,20 +122,20 @@ def _build_parts(model: ModelSpec, training: TrainingSpec, device: torch.device)
     parts = {}
     for kind in sorted(set(model.layer_kinds)):
         layer = build_layer(model, training, kind, config).to(device)
-        parts[kind] = (lambda layer=layer: layer(hidden(), attention_mask=mask, rotary_pos_emb=rope)[0],
-                       list(layer.parameters()))
+        parts[kind] = _Part(lambda x, layer=layer: layer(x, attention_mask=mask, rotary_pos_emb=rope)[0], hidden,
+                            list(layer.parameters()))
     vocab = model.padded_vocab(1)
     embedding = LanguageModelEmbedding(config, vocab, model.max_position_embeddings or s,
                                        model.position_embedding_type).to(device=device, dtype=dtype)
     tokens = torch.randint(vocab, (b, s), device=device)
     positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
-    parts["embedding"] = (lambda: embedding(tokens, positions), list(embedding.parameters()))
+    parts["embedding"] = _Part(lambda _: embedding(tokens, positions), lambda: None, list(embedding.parameters()))
     norm = WrappedTorchNorm(config=config, hidden_size=h).to(device=device, dtype=dtype)
     output = tensor_parallel.ColumnParallelLinear(h, vocab, config=config, init_method=config.init_method, bias=False,
                                                   gather_output=False).to(device=device, dtype=dtype)
     labels = tokens.transpose(0, 1).contiguous()
-    parts["head"] = (lambda: tensor_parallel.vocab_parallel_cross_entropy(output(norm(hidden()))[0], labels),
-                     [*norm.parameters(), *output.parameters()])
+    parts["head"] = _Part(lambda x: tensor_parallel.vocab_parallel_cross_entropy(output(norm(x))[0], labels), hidden,
+                          [*norm.parameters(), *output.parameters()])
     return parts
 
 
@@ -135,8 +144,8 @@ def time_parts(model: ModelSpec, training: TrainingSpec, *, iterations: int, war
     """Seconds of every pass of every part, at the given (single-device) shape, in an initialised
     megatron ``parallel_state``."""
     timings = {}
-    for part, (forward, params) in _build_parts(model, training, device).items():
-        timings.update(zip(((part, p) for p in PASSES), _time_passes(forward, params, iterations, warmup, device)))
+    for name, part in _build_parts(model, training, device).items():
+        timings.update(zip(((name, p) for p in PASSES), _time_passes(part, iterations, warmup, device)))
     return timings
 
 
@@ -178,8 +187,16 @@ def _on_current_gpu(run: Callable[[], Timings]) -> Timings:
 def benchmark_calibration(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, *, iterations: int = 5,
                           warmup: int = 2, concurrent_ranks: int = 1) -> Calibration:
     """Calibration factors (measured / analytical, per part and pass) from timing the local device."""
-    bench_model, bench_training = benchmark_shape(model, training)
     measured = measure(model, training, iterations=iterations, warmup=warmup, concurrent_ranks=concurrent_ranks)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{concurrent_ranks} ranks"
+    return calibration_from_timings(model, training, hardware, measured, source=f"layer benchmark ({device})")
+
+
+def calibration_from_timings(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, measured: Timings,
+                             *, source: str) -> Calibration:
+    """Factors from benchmark timings of (model, training)'s benchmark shape: measured over the analytical
+    time of the same shape on ``hardware``, per part and pass (1 where the analytical time is zero)."""
+    bench_model, bench_training = benchmark_shape(model, training)
     work = WorkModel(bench_model, bench_training)
     factors = {}
     for part in PARTS:
@@ -188,5 +205,4 @@ def benchmark_calibration(model: ModelSpec, training: TrainingSpec, hardware: Ha
         for name, analytical in zip(PASSES, work.part(part).passes()):
             seconds = analytical.seconds(hardware, bench_training.precision)
             factors[(part, name)] = measured[(part, name)] / seconds if seconds > 0 else 1.0
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{concurrent_ranks} ranks"
-    return Calibration(factors, source=f"layer benchmark ({device})")
+    return Calibration(factors, source=source)
