@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from primuspipe.cli.options import report_console
-from primuspipe.errors import ConfigError
 from primuspipe.projection.compute import Calibration
+from primuspipe.projection.framework import ConfigError
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.measured import calibration_from_cost_file
 from primuspipe.projection.megatron_args import load_megatron_config

@@ -38,10 +38,13 @@ class HardwareSpec:
     """Bandwidth between two accelerators of a node (point-to-point pipeline sends); None means
     intra_node_bandwidth (a switched fabric); a fully connected mesh gives one link's bandwidth here."""
     intra_node_latency_s: float = 5e-6
+    """Start-up time of one message or collective step inside a node."""
     inter_node_latency_s: float = 1e-5
+    """Start-up time of one message or collective step between nodes."""
     network_efficiency: float = 0.8
     """Share of link bandwidth that collectives and sends reach."""
     gpus_per_node: int = 8
+    """Accelerators sharing the intra-node fabric."""
     source: str = "<built-in>"
     """Where the values came from; named in error messages."""
 

@@ -58,11 +58,13 @@ class ModelSpec:
     padded_vocab_size: int | None = None
     """The padded vocabulary itself (overrides vocab_size and the padding rule)."""
     make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this (times TP)."""
     untie_embeddings_and_output_weights: bool = False
     """False: the output layer reuses the word embedding (a copy on the last stage when pp > 1)."""
     swiglu: bool = False
     """Gated SiLU MLP (three GEMMs); False: GELU MLP (two)."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """LayerNorm has a weight and a bias per channel; RMSNorm a weight."""
     add_bias_linear: bool = True
     """Biases on every linear layer (Megatron's default); Llama-style models turn them off."""
     add_qkv_bias: bool = False
@@ -70,6 +72,7 @@ class ModelSpec:
     qk_layernorm: bool = False
     """Norms on queries and keys per head (Qwen3), or on the MLA latents."""
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """Learned positions add a table on the first stage; RoPE adds no parameters."""
     max_position_embeddings: int | None = None
     """Rows of the learned position table; None means seq_length."""
     attention_dropout: float = 0.0
@@ -92,11 +95,13 @@ class ModelSpec:
     q_lora_rank: int | None = None
     """MLA query compression rank; None: queries are projected directly."""
     kv_lora_rank: int = 512
+    """MLA key/value compression rank."""
     qk_head_dim: int = 128
     """MLA per-head query/key width without the rotary part."""
     qk_pos_emb_head_dim: int = 64
     """MLA per-head rotary width."""
     v_head_dim: int = 128
+    """MLA per-head value width."""
     source: str = "<built-in>"
     """Where the values came from; named in error messages."""
 

@@ -32,23 +32,29 @@ class TrainingSpec:
     global_batch_size: int = 128
     """Samples per optimizer step over all data-parallel replicas."""
     tensor_model_parallel_size: int = 1
+    """TP: attention heads, MLP width and vocabulary split over this many ranks."""
     pipeline_model_parallel_size: int = 4
+    """PP: pipeline ranks."""
     virtual_pipeline_model_parallel_size: int = 1
     """Model chunks per pipeline rank for algorithms that take any vpp (interleaved-1f1b uses 2 when this is 1;
     V-shape algorithms always use 2)."""
     expert_model_parallel_size: int = 1
+    """EP: routed experts split over this many ranks (carved out of TP * CP * DP)."""
     expert_tensor_parallel_size: int | None = None
     """Tensor parallelism inside experts; None means tensor_model_parallel_size (Megatron's default)."""
     context_parallel_size: int = 1
+    """CP: the sequence split over this many ranks."""
     data_parallel_size: int = 1
     """Pipeline replicas; ``--target-nodes`` replaces it with what the nodes hold."""
     sequence_parallel: bool = False
     """Shard norms, dropouts and residuals over TP (needs TP > 1; Megatron requires it for MoE with TP > 1)."""
     recompute_granularity: Literal["full", "selective"] | None = None
+    """None: keep every activation; full: recompute whole layers; selective: recompute the modules in recompute_modules."""
     recompute_method: Literal["uniform", "block"] | None = None
     """With full recompute: ``uniform`` checkpoints every group of recompute_num_layers layers; ``block``
     checkpoints the first recompute_num_layers layers of every model chunk."""
     recompute_num_layers: int | None = None
+    """With full recompute: layers per checkpointed group (uniform) or per chunk (block)."""
     recompute_modules: tuple[str, ...] = ("core_attn",)
     """With selective recompute: which parts are recomputed (some of core_attn, mlp, moe, shared_experts)."""
     use_distributed_optimizer: bool = True
@@ -71,6 +77,7 @@ class TrainingSpec:
     overlap_grad_reduce: bool = True
     """Gradient reduce-scatter/all-reduce hidden behind backward compute (only its tail is exposed)."""
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """How MoE layers move token copies to their experts (the communication model treats both as all-to-alls)."""
     source: str = "<built-in defaults>"
     """Where the values came from; named in error messages."""
 
