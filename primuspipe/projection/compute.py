@@ -21,6 +21,7 @@ the layer benchmark (real megatron-core layers timed on the local device) or fro
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from primuspipe.projection.hardware_spec import HardwareSpec
@@ -155,7 +156,8 @@ class WorkModel(RankShape):
             return sum(w.gemm_flops for w in work.passes()) + work.forward.attention_flops * attention_share * 3
 
         causal_share = 1.0 if self.training.flash_attention else 0.5
-        return sum(useful(self.layer(k), causal_share) for k in self.model.layer_kinds) + useful(self.head(), 0)
+        layers = Counter(self.model.layer_kinds)
+        return sum(n * useful(self.layer(k), causal_share) for k, n in layers.items()) + useful(self.head(), 0)
 
 
 def _sum(*works: PassWork) -> PassWork:

@@ -69,3 +69,15 @@ def test_errors_are_one_line_with_status_1(capsys, tmp_path):
     assert "num_attention_heads=32" in err and "tensor_model_parallel_size=3" in err
     assert main(["project", "--hardware", HARDWARE]) == 1
     assert "--model FILE" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_benchmark_layers_calibrates_from_this_host(capsys, tmp_path):
+    model = tmp_path / "tiny.yaml"
+    model.write_text("name: tiny\nnum_layers: 4\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\n"
+                     "vocab_size: 256\nmake_vocab_size_divisible_by: 1\n")
+    training = tmp_path / "fp32.yaml"
+    training.write_text("pipeline_model_parallel_size: 2\nprecision: fp32\n")  # CPU kernels are fastest in fp32
+    out = _json(capsys, "--model", str(model), "--training", str(training), "--hardware", HARDWARE, "--benchmark-layers",
+                "-a", "1f1b")
+    assert out["calibration"].startswith("layer benchmark (CPU") and out["results"][0]["step_time_s"] > 0
