@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     shape = p.add_argument_group("overrides of the training configuration")
     shape.add_argument("--pp", type=int, metavar="N", help="pipeline-parallel size")
     shape.add_argument("--vpp", type=int, metavar="N", help="chunks per rank for algorithms that take any vpp")
-    shape.add_argument("--micro-batch-size", type=int, metavar="N")
+    shape.add_argument("--micro-batch-size", type=int, metavar="N", help="samples per microbatch")
     shape.add_argument("--target-nodes", type=int, metavar="N",
                        help="run on N nodes: data parallelism becomes what they hold (N * GPUs per node / (TP*PP*CP))")
     what = p.add_argument_group("what to project")
