@@ -7,8 +7,8 @@ one thread each) and its forward-backward step is timed (median over steps after
 slowest rank per step). Independently, the projection predicts that step (rounds of projection and
 measurement alternate; the error is the median of the rounds' errors, each round's two figures taken
 under the same host speed): the layer benchmark times
-the model's real layers (F, dgrad, wgrad), embedding and head on this host, run as pp concurrent
-processes like the pipeline's ranks (this host may have fewer cores than ranks); a gloo ping-pong
+the model's real layers (F, dgrad, wgrad), embedding and head on this host, scaled by pp / cores where
+the pipeline's ranks outnumber this host's cores (they time-share them); a gloo ping-pong
 measures the point-to-point link; the projection simulates 1F1B with those costs. The check: the
 projected pipeline time within 10 % of the measured step.
 

@@ -85,7 +85,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     how.add_argument("--measured-costs", type=Path, metavar="FILE",
                      help="a 'primuspipe calibrate' cost file of a run of this model under this training configuration")
     calibration.add_argument("--benchmark-ranks", type=int, default=1, metavar="N",
-                             help="CPU only: time in N processes at once, as N ranks sharing this host's cores (default 1)")
+                             help="CPU only: the run puts N single-threaded ranks on this host; beyond its core count they "
+                                  "time-share cores and the benchmark's times scale by N / cores (default 1)")
     out = p.add_argument_group("output")
     out.add_argument("--risk-margin", type=float, default=RISK_MARGIN, metavar="FRACTION",
                      help=f"share of HBM a FITS configuration must leave free (default {RISK_MARGIN})")
@@ -110,7 +111,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     if args.benchmark_layers:
         from primuspipe.projection.benchmark.layers import benchmark_calibration  # torch and megatron: only when asked
 
-        calibration = benchmark_calibration(model, training, hardware, concurrent_ranks=args.benchmark_ranks)
+        calibration = benchmark_calibration(model, training, hardware, host_ranks=args.benchmark_ranks)
     elif args.measured_costs is not None:
         calibration = calibration_from_cost_file(args.measured_costs, model, training, hardware)
     projector = Projector(model, hardware, calibration, args.risk_margin)

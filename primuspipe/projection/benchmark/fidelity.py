@@ -3,8 +3,8 @@
 What ``bench/bench_projection.py`` reports and the projection tests check loosely: the tiny GPT of
 :mod:`primuspipe.backends.megatron.tiny_models` trains with megatron-core's own 1F1B on ``pp`` gloo
 ranks (one thread each) and its forward-backward step is timed; the projection predicts the same step
-from the layer benchmark (the model's real layers timed on this host, in ``pp`` concurrent processes as
-the run shares the host), a gloo ping-pong for the point-to-point link, and the simulator.
+from the layer benchmark (the model's real layers timed on this host, scaled for ``pp`` ranks sharing its
+cores), a gloo ping-pong for the point-to-point link, and the simulator.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def projected_step(tiny, pp: int, microbatches: int, iterations: int) -> dict:
                         intra_node_bandwidth_bytes_per_s=bandwidth, inter_node_bandwidth_bytes_per_s=bandwidth,
                         intra_node_latency_s=latency, inter_node_latency_s=latency, network_efficiency=1.0,
                         gpus_per_node=64)
-    calibration = benchmark_calibration(model, training, host, iterations=iterations, warmup=3, concurrent_ranks=pp)
+    calibration = benchmark_calibration(model, training, host, iterations=iterations, warmup=3, host_ranks=pp)
     result = Projector(model, host, calibration).evaluate(training, "1f1b")
     return {"projected_step_s": result.pipeline_time_s, "bubble_rate": result.bubble_rate,
             "p2p_latency_s": latency, "p2p_bandwidth_bytes_per_s": bandwidth}

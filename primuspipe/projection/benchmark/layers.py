@@ -12,15 +12,18 @@ benchmark shape on the given hardware spec; projected times are then analytical 
 configuration times the factors, so a benchmark at the target's own shape reproduces its measured
 times exactly, and one at another shape carries its measured efficiency over.
 
-On a CPU host the timing runs in ``concurrent_ranks`` processes at once (one thread each), so that a
-run with more ranks than cores is benchmarked under the same sharing as it will run; on a GPU it runs
-in this process, on the current device. The local spec's attention is always the unfused
+On a CPU host the timing runs in one single-threaded process; a run that puts more single-threaded
+ranks on the host than it has cores time-shares them, each rank getting ``cores / ranks`` of a core
+while all are busy, so the times are scaled by ``ranks / cores`` then (``host_ranks``; steady state
+exactly, a pipeline's fill and drain, when fewer ranks are busy, pessimistically). On a GPU it runs in
+this process, on the current device. The local spec's attention is always the unfused
 ``DotProductAttention``; multi-latent attention cannot be built by it (megatron-core 0.19).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -150,8 +153,9 @@ def time_parts(model: ModelSpec, training: TrainingSpec, *, iterations: int, war
 
 
 def measure(model: ModelSpec, training: TrainingSpec, *, iterations: int = 5, warmup: int = 2,
-            concurrent_ranks: int = 1) -> Timings:
-    """Time the benchmark shape of (model, training) on this host's device (see the module docstring)."""
+            host_ranks: int = 1) -> Timings:
+    """Time the benchmark shape of (model, training) on this host's device (see the module docstring);
+    on CPU, for a run that puts ``host_ranks`` single-threaded ranks on this host."""
     bench_model, bench_training = benchmark_shape(model, training)
     if torch.cuda.is_available():
         return _on_current_gpu(lambda: time_parts(bench_model, bench_training, iterations=iterations, warmup=warmup,
@@ -161,8 +165,8 @@ def measure(model: ModelSpec, training: TrainingSpec, *, iterations: int = 5, wa
     def work(ctx) -> Timings:
         return time_parts(bench_model, bench_training, iterations=iterations, warmup=warmup, device=torch.device("cpu"))
 
-    per_rank = run_on_gloo(work, ParallelLayout(pp=concurrent_ranks), timeout_s=3600)
-    return {key: statistics.median(r[key] for r in per_rank) for key in per_rank[0]}
+    sharing = max(1.0, host_ranks / len(os.sched_getaffinity(0)))
+    return {key: seconds * sharing for key, seconds in run_on_gloo(work, ParallelLayout(pp=1), timeout_s=3600)[0].items()}
 
 
 def _on_current_gpu(run: Callable[[], Timings]) -> Timings:
@@ -185,10 +189,10 @@ def _on_current_gpu(run: Callable[[], Timings]) -> Timings:
 
 
 def benchmark_calibration(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, *, iterations: int = 5,
-                          warmup: int = 2, concurrent_ranks: int = 1) -> Calibration:
+                          warmup: int = 2, host_ranks: int = 1) -> Calibration:
     """Calibration factors (measured / analytical, per part and pass) from timing the local device."""
-    measured = measure(model, training, iterations=iterations, warmup=warmup, concurrent_ranks=concurrent_ranks)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{concurrent_ranks} ranks"
+    measured = measure(model, training, iterations=iterations, warmup=warmup, host_ranks=host_ranks)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {host_ranks} rank(s) per host"
     return calibration_from_timings(model, training, hardware, measured, source=f"layer benchmark ({device})")
 
 
