@@ -1,6 +1,6 @@
 """Projection fidelity: projected vs measured step time of a real CPU run, and the projection's speed.
 
-    python bench/bench_projection.py [--pp 2 4] [--microbatches 8] [--rounds 3] [--out bench/results/projection.json]
+    PYTHONPATH=. python bench/bench_projection.py [--pp 2 4] [--microbatches 32] [--rounds 3] [--out bench/results/projection.json]
 
 For each pp: a tiny megatron-core GPT trains with Megatron's own 1F1B schedule on pp CPU ranks (gloo,
 one thread each) and its forward-backward step is timed (median over steps after a warm-up, the
@@ -58,12 +58,12 @@ def project_wall_times() -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=32)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6, help="timed steps of the real run per round")
+    p.add_argument("--steps", type=int, default=5, help="timed steps of the real run per round")
     p.add_argument("--rounds", type=int, default=3, help="projection + measurement rounds per pp (medians are reported)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iterations", type=int, default=15, help="timed repetitions per pass in the layer benchmark")
