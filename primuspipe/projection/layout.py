@@ -12,8 +12,8 @@ rest evenly, and each rank's layers split evenly over its chunks.
 
 >>> layer_counts(61, pp=4, vpp=1)
 (16, 15, 15, 15)
->>> layer_counts(24, pp=4, vpp=2, first=3, last=5, placement=Placement.interleaved(4, 2))
-(1, 2, 2, 2, 2, 2, 2, 3)
+>>> layer_counts(24, pp=4, vpp=2, first=2, last=6, placement=Placement.interleaved(4, 2))
+(1, 4, 4, 3, 1, 4, 4, 3)
 """
 
 from __future__ import annotations
