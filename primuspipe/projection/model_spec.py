@@ -131,11 +131,6 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts is not None
 
-    @property
-    def mlp_gemms(self) -> int:
-        """Weight matrices of an MLP: gate, up and down with SwiGLU, up and down otherwise."""
-        return 3 if self.swiglu else 2
-
     def padded_vocab(self, tp: int) -> int:
         """Megatron's ``_vocab_size_with_padding``: up to a multiple of divisible_by * TP."""
         if self.padded_vocab_size is not None:

@@ -43,9 +43,6 @@ class ParamCount:
     def __add__(self, other: ParamCount) -> ParamCount:
         return ParamCount(self.dense + other.dense, self.expert + other.expert)
 
-    def __mul__(self, times: int) -> ParamCount:
-        return ParamCount(self.dense * times, self.expert * times)
-
     @property
     def total(self) -> int:
         return self.dense + self.expert
