@@ -24,7 +24,8 @@ from typing import Any
 import yaml
 
 from primuspipe.projection.model_spec import ModelSpec
-from primuspipe.projection.spec_fields import read_yaml, spec_from_mapping
+from primuspipe.projection.framework import ConfigError
+from primuspipe.projection.spec_fields import spec_from_mapping
 from primuspipe.projection.training_spec import TrainingSpec
 
 logger = logging.getLogger("primuspipe.projection")
@@ -117,11 +118,17 @@ def from_arguments(text: str, source: str) -> tuple[ModelSpec, TrainingSpec]:
 
 
 def load_megatron_config(path: str | Path) -> tuple[ModelSpec, TrainingSpec]:
-    """From a file: a YAML mapping of Megatron arguments (Primus style), or an argument list."""
-    text = Path(path).read_text() if Path(path).is_file() else ""
-    if text.lstrip().startswith("--") or " --" in text:
+    """From a file: a YAML mapping of Megatron arguments (Primus style), else an argument list."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the Megatron configuration {path}: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None  # a launch script is rarely valid YAML
+    if not isinstance(data, Mapping):
         return from_arguments(text, str(path))
-    data = read_yaml(path, "Megatron configuration")
     for module in (data.get("modules") or {}).values():
         if isinstance(module, Mapping) and isinstance(module.get("overrides"), Mapping):
             data = {**data, **module["overrides"]}
