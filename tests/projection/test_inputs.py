@@ -12,7 +12,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from primuspipe.errors import ConfigError
+from primuspipe.projection.framework import ConfigError
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.megatron_args import from_arguments, load_megatron_config
 from primuspipe.projection.model_spec import ModelSpec, load_model

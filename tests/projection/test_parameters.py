@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from projection_megatron import megatron_rank_params
 
-from primuspipe.placement import Placement
+from primuspipe.projection.framework import Placement
 from primuspipe.projection.layout import StageLayout, layer_counts
 from primuspipe.projection.model_spec import ModelSpec, load_model
 from primuspipe.projection.parameters import layer_params, rank_params, total_params

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from primuspipe.placement import Placement
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
+from primuspipe.projection.framework import Placement
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.measured import calibration_from_cost_file
 from primuspipe.projection.model_spec import load_model

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from primuspipe.placement import Placement
 from primuspipe.projection.comm import Collectives, gradient_sync, layer_comm, p2p_message_bytes, pipeline_ranks_per_node
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
+from primuspipe.projection.framework import Placement
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import ParamCount
