@@ -39,9 +39,9 @@ ALGORITHM_LOGGER = "primuspipe.algorithms"
 RISK_MARGIN = 0.10
 """Default share of HBM kept free before a configuration is called AT-RISK."""
 
-ALGORITHM_OPTIONS = {"zb-auto": {"fills": 8, "milp_nodes": 20}}
-"""Options the projection builds algorithms with (zb-auto's work bound is smaller than its default so a
-projection over many configurations stays fast)."""
+ALGORITHM_OPTIONS = {"zb-auto": {"fills": 8, "milp_nodes": 20, "include_fixed": False}}
+"""Options the projection builds algorithms with: zb-auto's work bound is smaller than its default, and it
+leaves out the fixed algorithms (the projection evaluates each of them anyway), so a projection stays fast."""
 
 SEARCH_MICRO_BATCHES = (1, 2, 4, 8)
 SEARCH_VPPS = (1, 2, 4)
@@ -114,16 +114,19 @@ class Projector:
                        recompute=recompute_label(training))
         try:
             check_compatible(self.model, training)
-            # An algorithm that picks its own placement ("any", zb-auto) plans with the interleaved one's
-            # costs: per stage they are the same, only where the embedding and head sit differs.
-            layout = "interleaved" if info.placement == "any" else info.placement
+            # An algorithm that picks its own placement and vpp ("any": zb-auto) plans with the configured
+            # interleaved layout's costs, re-cut to the layouts it tries; the answer is then costed as
+            # what it is (only where layers, embedding and head sit differs).
+            chooses = info.placement == "any"
             costs = stage_costs(self.model, training, self.hardware, self._parts(training),
-                                Placement.named(layout, training.pp, training.vpp))
+                                Placement.named("interleaved" if chooses else info.placement, training.pp, training.vpp))
             with _quiet(ALGORITHM_LOGGER):  # one projection builds many tables; their progress is noise here
-                table = build_schedule(algorithm, training.pp, training.microbatches, training.vpp,
+                table = build_schedule(algorithm, training.pp, training.microbatches, None if chooses else training.vpp,
                                        cost=costs.cost_model(), memory_limit=self._activation_budget(costs),
                                        **ALGORITHM_OPTIONS.get(info.name, {}))
             if table.placement != costs.layout.placement:
+                training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=table.placement.vpp)
+                check_compatible(self.model, training)
                 costs = stage_costs(self.model, training, self.hardware, self._parts(training), table.placement)
             simulated = simulate(table, costs.cost_model())
         except PrimusPipeError as exc:
