@@ -74,3 +74,15 @@ def test_training_run_builds_with_the_costs_and_the_limit():
     options = PrimusForwardBackward(PrimusPipeConfig(True, "zb-h1", algorithm_options={
         "cost": {"compute": {"f": 1, "b": 1, "w": [1, 1, 1, 8]}}})).table_for(4, 1, 8)
     assert options == slow_w.table_for(4, 1, 8)
+
+
+@needs_megatron
+def test_primus_interleaved_name_follows_megatrons_group_size_too():
+    from types import SimpleNamespace
+
+    from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
+
+    megatron = SimpleNamespace(microbatch_group_size_per_vp_stage=3)
+    ours, primus = (PrimusForwardBackward(PrimusPipeConfig(True, name)).table_for(2, 2, 6, megatron)
+                    for name in ("interleaved-1f1b", "1f1b-interleaved"))
+    assert primus == ours != PrimusForwardBackward(PrimusPipeConfig(True, "1f1b-interleaved")).table_for(2, 2, 6)

@@ -26,6 +26,7 @@ import contextlib
 
 import torch
 
+from primuspipe.algorithms import get_algorithm
 from primuspipe.backends.megatron.binder import GradSync, MegatronBinder, StepArgs
 from primuspipe.backends.megatron.compat import check_megatron_config
 from primuspipe.backends.megatron.config import PrimusPipeConfig
@@ -56,7 +57,8 @@ class PrimusForwardBackward:
         algorithm = self.config.algorithm_for(vpp or 1)
         options = self.config.schedule_options(pp, vpp or 1)
         group = getattr(megatron_config, "microbatch_group_size_per_vp_stage", None)
-        if algorithm == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
+        runs = get_algorithm(algorithm).alias_of or algorithm  # Primus's 1f1b-interleaved is interleaved-1f1b
+        if runs == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
             options["microbatch_group_size"] = group  # follow Megatron's setting; its default (pp) is ours
         return cached_schedule(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
 
