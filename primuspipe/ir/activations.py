@@ -10,8 +10,10 @@ with these effects, so "what a rank holds" means one thing everywhere: what the 
 Offload: an OFFLOAD node moves the share ``offloaded`` (the cost model's
 ``memory.offload_fraction``; 1 = all of them) of a microbatch's activations on a chunk to host memory,
 so they are not held from the OFFLOAD until its RELOAD brings them back (docs/offload.md). In table
-order the drop is counted at the OFFLOAD node; the simulator feeds the same counter its events in time
-order, where an offload frees the device once its copy has finished.
+order (:func:`running_levels`) the drop is counted at the OFFLOAD node. A copy takes time, though: with
+node times, :func:`timed_levels` counts the same effects in time order, an offload freeing the device
+once its copy has finished and a reload taking it from its copy's start (the simulator's memory, and
+the offload pass's estimate).
 
 Units: ``weight(stage)`` is what one microbatch of a stage holds — 1 chunk activation by default, bytes
 in the simulator. An overlapped node counts its forward before its backward frees, so the pair holds
@@ -24,7 +26,7 @@ both at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from primuspipe.ir.kinds import NodeKind
@@ -61,6 +63,27 @@ def running_levels(row: Iterable[ScheduleNode], chunk_weight: Callable[[int], fl
             held += kind.spec.activation_delta(retained, offloaded) * chunk_weight(chunk)
             top = max(top, held)
         levels.append(top)
+    return levels
+
+
+def timed_levels(row: Sequence[ScheduleNode], starts: Sequence[float], ends: Sequence[float],
+                 chunk_weight: Callable[[int], float] = lambda chunk: 1.0, retained: float = W_RETAINED_FRACTION,
+                 offloaded: float = OFFLOAD_FRACTION) -> list[float]:
+    """Per node of one rank's row, with the nodes' ``starts`` and ``ends``: the most held while it runs,
+    its effects applied in time order -- a node that frees on a host copy (OFFLOAD) at its end, every
+    other node at its start; at one moment a finished offload first, then table order. Without host
+    copies this is :func:`running_levels` (a rank's compute starts are in table order)."""
+    keyed = []
+    for i, node in enumerate(row):
+        late = node.kind.spec.offload < 0
+        keyed.append(((ends[i] if late else starts[i], not late, i), i))
+    held, levels = 0.0, [0.0] * len(row)
+    for _, i in sorted(keyed):
+        top = held
+        for kind, _, chunk in row[i].parts():
+            held += kind.spec.activation_delta(retained, offloaded) * chunk_weight(chunk)
+            top = max(top, held)
+        levels[i] = top
     return levels
 
 

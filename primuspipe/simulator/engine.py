@@ -7,7 +7,10 @@ Semantics are the validator's (docs/design.md §3), with time added:
 * per direction (source rank -> destination rank) the k-th send is matched with the k-th receive; the
   transfer starts once both are posted (rendezvous, as NCCL's p2p kernels do) and takes
   ``P2PCost.transfer_time`` (links are not contended);
-* a compute node starts when its rank is free and its inbound transfers have arrived;
+* a compute node starts when its rank is free and its inbound transfers have arrived (and, for a
+  backward whose activations were offloaded, its reload);
+* OFFLOAD / RELOAD copy on the rank's copy streams, overlapping compute
+  (:mod:`primuspipe.simulator.host_copies`);
 * the step ends when the last node (compute or transfer) finishes.
 
 Because every start time is a function of the table and the costs only, the result does not depend on
@@ -25,13 +28,15 @@ from functools import cached_property
 from primuspipe.passes.communication import add_communication
 from primuspipe.ir.dataflow import Transfer, inbound, transfer_of
 from primuspipe.errors import SimulationError
+from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.cost_model import CostModel
+from primuspipe.simulator import host_copies
 from primuspipe.simulator.memory import peak_activations
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline, idle_share
 
-_COMPUTE, _SEND, _RECV = 0, 1, 2
+_COMPUTE, _SEND, _RECV, _COPY = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,8 @@ class RankResult:
     @property
     def span_bubble_rate(self) -> float:
         """Idle share of this rank's own span, from its first compute start to its last compute end."""
-        times = [(s, e) for n, s, e in zip(self.nodes, self.starts, self.ends) if n.kind.is_compute]
+        times = [(s, e) for n, s, e in zip(self.nodes, self.starts, self.ends)
+                 if n.kind.is_compute and not n.kind.on_host_stream]
         if not times:
             return 0.0
         return idle_share(max(e for _, e in times) - min(s for s, _ in times), self.busy_time)
@@ -147,7 +153,7 @@ def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
     programs, busy, routes, lanes = _compile(full, cost)
     starts, ends = _run(full, programs, routes, lanes)
     step = max((max(e, default=0.0) for e in ends), default=0.0)
-    units, act_bytes = peak_activations(full, cost.memory)
+    units, act_bytes = peak_activations(full, cost.memory, starts, ends)
     ranks = tuple(
         RankResult(r, full.ranks[r], tuple(starts[r]), tuple(ends[r]), busy[r],
                    idle_share(step, busy[r]), units[r], act_bytes[r], cost.static_bytes(r))
@@ -177,8 +183,14 @@ def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], 
     for rank, row in enumerate(table.ranks):
         shape: dict[tuple, tuple] = {}  # (kind, chunk, peer, pair chunk) -> (code, duration or lane, keys, time)
         ops, total = [], 0.0
+        reloads = host_copies.reloaded(table, rank)
         for node in row:
             mb = node.microbatch
+            if node.kind.on_host_stream:
+                key = host_copies.reload_key(rank, node.chunk, mb, table) if node.kind is NodeKind.RELOAD else None
+                ops.append((_COPY, host_copies.copy_stream(node.kind),
+                            cost.copy_time(placement.stage(rank, node.chunk)), key))
+                continue
             shape_key = (node.kind, node.chunk, node.peer, node.pair and node.pair[1])
             if (known := shape.get(shape_key)) is None:
                 known = shape[shape_key] = _shape(placement, rank, node, cost, lanes, first_key)
@@ -187,6 +199,8 @@ def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], 
                 # the inbound transfers of each part, at that part's microbatch
                 mbs = (mb,) if node.pair is None else (mb, node.pair[0])
                 needs = tuple(k + part_mb for k, part_mb in zip(key0, mbs) if k >= 0)
+                if reloads:
+                    needs += host_copies.waits_for_reload(table, rank, node, reloads)
                 ops.append((_COMPUTE, value, needs))
                 total += value
             else:
@@ -220,6 +234,7 @@ def _run(table: ScheduleTable, programs: list[list[tuple]], routes: list[tuple],
     arrival: dict[int, float] = {}  # transfer key -> arrival time
     waiting: dict[int, int] = {}  # transfer key -> the rank blocked on it
     ptr, clock = [0] * pp, [0.0] * pp
+    copies_free = [[0.0, 0.0] for _ in range(pp)]  # per rank: when each copy stream is free
     ready = deque(range(pp))
     while ready:
         rank = ready.popleft()
@@ -241,6 +256,14 @@ def _run(table: ScheduleTable, programs: list[list[tuple]], routes: list[tuple],
                     continue
                 waiting[need] = rank
                 break
+            if op[0] == _COPY:
+                _, stream, duration, key = op
+                st[i] = start = max(t, copies_free[rank][stream])
+                en[i] = copies_free[rank][stream] = start + duration
+                if key is not None:
+                    arrival[key] = en[i]
+                i += 1
+                continue
             code, lane, transfer, duration = op
             st[i] = t
             sends, recvs = posted[lane]
@@ -272,7 +295,8 @@ def _check_finished(table, programs, ptr, waiting, posted, routes) -> None:
     stuck = [r for r in range(len(programs)) if ptr[r] < len(programs[r])]
     if stuck:
         m = table.microbatches
-        blocked = {r: Transfer(*routes[k // m], k % m) for k, r in waiting.items()}
+        blocked = {r: host_copies.describe_key(k, table) if k < 0 else Transfer(*routes[k // m], k % m)
+                   for k, r in waiting.items()}
         lines = [f"rank {r} at node {ptr[r]} ({table.ranks[r][ptr[r]]}) waits for the {blocked[r]}" for r in stuck]
         raise SimulationError("the table cannot complete; " + "; ".join(lines)
                               + ". Run validate(table) for the full diagnosis.")
