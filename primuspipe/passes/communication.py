@@ -37,6 +37,7 @@ def add_communication(table: ScheduleTable) -> ScheduleTable:
     for rank, row in enumerate(table.ranks):
         sends_after.append([])
         recv_wanted.append([])
+        before = 0  # where a receive for this node wants posting: before the previous compute-stream node
         for k, node in enumerate(row):
             sends = []
             for kind, mb, chunk in node.parts():
@@ -44,8 +45,10 @@ def add_communication(table: ScheduleTable) -> ScheduleTable:
                     send_order[t] = len(send_order)
                     sends.append(comm_node(placement, t, send=True))
                 if (t := inbound(placement, rank, kind, chunk, mb)) is not None:
-                    recv_wanted[rank].append((k, placement.rank_of(t.src_stage), t))
+                    recv_wanted[rank].append((before, placement.rank_of(t.src_stage), t))
             sends_after[rank].append(sends)
+            if not node.kind.on_host_stream:  # host copies (OFFLOAD, RELOAD) take no compute time
+                before = k
 
     ranks = []
     for rank, row in enumerate(table.ranks):
@@ -67,18 +70,18 @@ def _recv_slots(
 ) -> list[tuple[int, int, int, Transfer]]:
     """Slot (compute index the receive is posted before) for every receive of one rank.
 
-    Each receive wants the slot one step before its consumer; walking each source's receives backwards
-    in the source's send order, a receive is pulled earlier until it precedes the next one.
+    Each receive wants the slot one compute step before its consumer (``wanted`` gives it); walking
+    each source's receives backwards in the source's send order, a receive is pulled earlier until it
+    precedes the next one.
     """
     by_src: dict[int, list[tuple[int, int, Transfer]]] = defaultdict(list)
-    for consumer, src, t in wanted:
+    for slot, src, t in wanted:
         # a transfer nobody sends sorts last; the validator reports it as incomplete
-        by_src[src].append((send_order.get(t, len(send_order)), consumer, t))
+        by_src[src].append((send_order.get(t, len(send_order)), slot, t))
     slots = []
     for src, recvs in by_src.items():
         latest = None
-        for order, consumer, t in sorted(recvs, reverse=True):
-            slot = max(consumer - 1, 0)
+        for order, slot, t in sorted(recvs, reverse=True):
             if latest is not None:
                 slot = min(slot, latest)
             latest = slot
