@@ -5,7 +5,7 @@ loss on the last stage; ``BW`` is one ``torch.autograd.backward`` (as torch.dist
 full backward); ``B`` computes the input gradients only and leaves the weight-gradient work of its
 microbatch to ``W`` (:mod:`primuspipe.backends.torch.split_backward`). Overlapped nodes (``FB``,
 ``FBW``) have no handler of their own: the runner runs their parts in turn. ``OFFLOAD`` and ``RELOAD``
-move a forward's saved activations to host memory and back (:mod:`primuspipe.backends.torch.offload`).
+move a forward's saved activations to host memory and back (:mod:`primuspipe.runtime.activation_offload`).
 
 Around the compute parts the binder does the resource plan of :mod:`primuspipe.ir.resources`: FSDP
 unshards and reshards, and after the part that completes a stage's last weight gradient, the
@@ -26,7 +26,7 @@ import torch
 
 from primuspipe.backends.torch import data_parallel
 from primuspipe.backends.torch.meta import StageMeta, as_tensors, pack
-from primuspipe.backends.torch.offload import ActivationOffload
+from primuspipe.runtime.activation_offload import ActivationOffload
 from primuspipe.backends.torch.split_backward import DeferredWeightGrad, backward_input
 from primuspipe.errors import PrimusPipeError
 from primuspipe.ir.kinds import NodeKind

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from primuspipe.backends.torch import data_parallel
 from primuspipe.backends.torch.binder import StepData, TorchBinder
 from primuspipe.backends.torch.meta import StageMeta, infer_stage_meta
-from primuspipe.backends.torch.offload import ActivationOffload, SavedBytes
+from primuspipe.runtime.activation_offload import ActivationOffload, SavedBytes
 from primuspipe.errors import ConfigError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
@@ -53,7 +53,7 @@ class TorchPipeline:
     each step's timeline (``dump_pp_data``).
 
     A table with OFFLOAD/RELOAD nodes (:func:`~primuspipe.passes.offload.offload_activations`) moves
-    saved activations to host memory and back (:mod:`primuspipe.backends.torch.offload`): all that a
+    saved activations to host memory and back (:mod:`primuspipe.runtime.activation_offload`): all that a
     chunk's forward saves, or with ``offload_ops`` only what submodules whose names contain one of them
     save. ``count_saved_bytes`` counts what autograd holds on the device even without offload
     (:attr:`saved_bytes`)."""

@@ -1,4 +1,4 @@
-"""Activation offload for the plain-torch backend: what OFFLOAD and RELOAD nodes do, through
+"""Activation offload for the torch backends (plain torch, Megatron): what OFFLOAD and RELOAD nodes do, through
 ``torch.autograd.graph.saved_tensors_hooks``.
 
 While a chunk runs a forward, every tensor autograd saves for the backward goes through :meth:`pack`
