@@ -114,3 +114,27 @@ def test_the_validator_refuses_misplaced_copies_naming_the_node(lean, case, patt
     assert err.value.nodes and all(rank == 1 for rank, _ in err.value.nodes)
     with pytest.raises(ValidationError, match=r"\[offload\]"):
         validate(bad.compute_only())
+
+
+def test_the_cost_model_keeps_its_host_link(lean):
+    plain, _ = lean
+    cost = _cost(plain, bandwidth=2e9, latency=0.01, fraction=0.5)
+    assert cost.host_link.bandwidth == 2e9 and cost.memory.offload_fraction == 0.5
+    assert CostModel.from_dict(cost.to_dict(), pp=plain.pp, vpp=plain.vpp) == cost
+    with pytest.raises(ConfigError, match="offload_fraction"):
+        CostModel.from_dict({"compute": {"f": 1, "b": 1, "w": 1}, "memory": {"offload_fraction": 2}}, pp=2, vpp=1)
+
+
+def test_the_cli_offloads_to_the_limit(capsys, tmp_path):
+    from simulator_support import simulate_rows
+
+    from primuspipe.cli import main
+
+    (row,) = simulate_rows(capsys, "-a", "v-half", "--pp", "4", "-m", "8", "--memory-limit", "2", "--offload")
+    assert row["fits"] and max(row["peak_activations"]) <= 2 and row["offloads"] > 0
+    assert main(["simulate", "-a", "v-half", "--pp", "4", "-m", "8", "--offload"]) == 1
+    assert "--offload brings tables under --memory-limit" in capsys.readouterr().err
+    out = tmp_path / "lean.json"
+    assert main(["export", "v-half", "--pp", "4", "-m", "8", "--offload", "2", "-o", str(out)]) == 0
+    table = validate(ScheduleTable.from_json(out.read_text()), max_in_flight=2.0)
+    assert any(n.kind is NodeKind.OFFLOAD for row in table.ranks for n in row)
