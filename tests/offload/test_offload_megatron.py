@@ -1,22 +1,19 @@
-"""Offload inside real megatron-core training (CPU, gloo): a V-shape table with the offload pass's
-OFFLOAD/RELOAD nodes gives the same losses and every gradient, bitwise, as the same table without them."""
+"""The Megatron backend has no OFFLOAD/RELOAD handlers yet: an offloaded table is refused before the step
+with the reason, never run without its copies (docs/offload.md, Limits)."""
 
-import dataclasses
 import importlib.util
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 
 from primuspipe.backends.megatron.config import PrimusPipeConfig  # noqa: E402
 from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward  # noqa: E402
+from primuspipe.errors import ConfigError  # noqa: E402
 from primuspipe.ir.cost_model import CostModel, MemoryCost  # noqa: E402
 from primuspipe.passes.offload import offload_activations  # noqa: E402
 from primuspipe.testing.megatron import compare, tiny_models  # noqa: E402
 from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo  # noqa: E402
-
-M = 4
 
 
 class Offloaded(PrimusForwardBackward):
@@ -29,24 +26,14 @@ class Offloaded(PrimusForwardBackward):
 
 
 def _worker(ctx):
-    spec = compare.StepSpec(tiny_models.TINY_MODELS["tiny-gpt"], M, placement="v")
-    config = PrimusPipeConfig(True, "v-half")
-    plain = compare.run_step(PrimusForwardBackward(config), spec, 2, 2)
-    schedule = Offloaded(config)
-    lean = compare.run_step(schedule, spec, 2, 2)
-    offloads = sum(n.kind.name == "OFFLOAD" for n in schedule.table_for(2, 2, M).ranks[ctx.pp_rank])
-    return plain, lean, offloads
+    spec = compare.StepSpec(tiny_models.TINY_MODELS["tiny-gpt"], 4, placement="v")
+    try:
+        compare.run_step(Offloaded(PrimusPipeConfig(True, "v-half")), spec, 2, 2)
+    except ConfigError as exc:
+        return str(exc)
+    return "ran"
 
 
-def test_offload_in_megatron_is_bitwise_neutral():
-    results = run_on_gloo(_worker, ParallelLayout(2, vpp=2), timeout_s=300)
-    assert all(offloads > 0 for _, _, offloads in results), "every rank offloads something"
-    for plain, lean, _ in results:
-        assert len(plain.losses) == len(lean.losses)
-        for a, b in zip(plain.losses, lean.losses):
-            for key in a:
-                assert torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]
-        assert plain.grads.keys() == lean.grads.keys() and plain.grads
-        for name, grad in plain.grads.items():
-            assert (grad is None) == (lean.grads[name] is None)
-            assert grad is None or torch.equal(grad, lean.grads[name]), f"{name} differs"
+def test_megatron_refuses_an_offloaded_table():
+    for message in run_on_gloo(_worker, ParallelLayout(2, vpp=2), timeout_s=300):
+        assert "OFFLOAD" in message and "no handler" in message and "run the table without offload" in message

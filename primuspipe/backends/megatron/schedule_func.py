@@ -26,7 +26,6 @@ import contextlib
 
 import torch
 
-from primuspipe.runtime.activation_offload import ActivationOffload
 from primuspipe.backends.megatron.binder import GradSync, MegatronBinder, StepArgs
 from primuspipe.backends.megatron.compat import check_megatron_config
 from primuspipe.backends.megatron.config import PrimusPipeConfig
@@ -129,9 +128,7 @@ class PrimusForwardBackward:
                         None if forward_only else config.grad_sync_func,
                         None if forward_only else config.param_sync_func)
         device = _device()
-        offloads = any(n.kind.on_host_stream for n in table.ranks[rank])
-        binder = MegatronBinder(args, num_stages=table.num_stages, transfer_shape=shape, device=device, sync=sync,
-                                offload=ActivationOffload(models, device) if offloads else None)
+        binder = MegatronBinder(args, num_stages=table.num_stages, transfer_shape=shape, device=device, sync=sync)
 
         sync.begin()
         self.driver.execute(table, rank, binder, pp_group, device=device, forward_only=forward_only)

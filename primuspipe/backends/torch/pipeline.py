@@ -86,6 +86,10 @@ class TorchPipeline:
         if offload_ops and not offloads:
             raise ConfigError(f"offload_ops={list(offload_ops)} but rank {self.rank}'s row of the {table.algorithm} "
                               "table has no OFFLOAD nodes; run primuspipe.passes.offload.offload_activations on it")
+        if offloads and any(data_parallel.fsdp_modules(m) for m in self.modules):
+            raise ConfigError(f"rank {self.rank}'s row of the {table.algorithm} table offloads activations, but its "
+                              "stages are FSDP2-sharded: FSDP frees and re-gathers the weights autograd saved, which "
+                              "offload would copy; run the table without the offload pass, or without fully_shard")
         self.offload = (ActivationOffload(self.modules, self.device, offload_ops)
                         if offloads or count_saved_bytes else None)
 
