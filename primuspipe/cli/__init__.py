@@ -19,7 +19,8 @@ from rich.logging import RichHandler
 
 from primuspipe.errors import PrimusPipeError
 
-COMMAND_MODULES = ("primuspipe.cli.schedule_commands", "primuspipe.cli.simulate_command", "primuspipe.cli.vis_command")
+COMMAND_MODULES = ("primuspipe.cli.schedule_commands", "primuspipe.cli.simulate_command", "primuspipe.cli.vis_command",
+                   "primuspipe.cli.project_command")
 
 
 def build_parser() -> argparse.ArgumentParser:

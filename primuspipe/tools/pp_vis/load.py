@@ -1,5 +1,7 @@
-"""What pp_vis reads: a timeline JSON file (``primuspipe simulate -o DIR`` writes them) or a run's dump
-directory (``dump_pp_data``: ``<dump_dir>/iter_<n>/rank_<r>.json``), both in the one timeline format."""
+"""What pp_vis reads: a timeline JSON file (``primuspipe simulate -o DIR`` writes them), a run's dump
+directory (``dump_pp_data``: ``<dump_dir>/iter_<n>/rank_<r>.json``), both in the one timeline format, or
+a Primus dump folder (its runs' ``dump_pp_data`` or its simulator's output: ``config.json`` and
+``pp_rank_<r>.json``, :mod:`primuspipe.tools.pp_vis.primus_dump`)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,16 @@ from pathlib import Path
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.cost_model import TIME_UNITS
 from primuspipe.ir.timeline import TimedNode, Timeline, dump_iterations, dump_path, merge_rank_dumps
+from primuspipe.tools.pp_vis.primus_dump import (
+    is_primus_dump,
+    load_primus_dump,
+    load_primus_iterations,
+    primus_dumps_under,
+)
 
-_WHAT = ("a timeline JSON file (from 'primuspipe simulate -o DIR') or a dump directory holding "
-         "iter_<n>/rank_<r>.json (from a run with dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR)")
+_WHAT = ("a timeline JSON file (from 'primuspipe simulate -o DIR'), a dump directory holding "
+         "iter_<n>/rank_<r>.json (from a run with dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR), nor a "
+         "Primus dump folder holding config.json and pp_rank_<r>.json")
 
 
 def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Timeline:
@@ -25,6 +34,11 @@ def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Time
             raise TableFormatError(f"{path} is one timeline file; an iteration can only be chosen in a dump directory")
         return Timeline.load(path)
     if path.is_dir():
+        if is_primus_dump(path):
+            return load_primus_dump(path, iteration)
+        if found := primus_dumps_under(path):
+            raise TableFormatError(f"{path} holds {len(found)} Primus dump folders ({', '.join(p.name for p in found)}); "
+                                   "pass one of them")
         if (own := _iteration_folder(path)) is not None:
             if iteration is not None and iteration != own:
                 raise TableFormatError(f"{path} holds iteration {own}, not {iteration}; pass the dump directory "
@@ -49,6 +63,8 @@ def _iteration_folder(path: Path) -> int | None:
 def load_iterations(path: str | os.PathLike) -> list[Timeline]:
     """Every dumped iteration of a run, oldest first (a timeline file gives just itself)."""
     path = Path(path)
+    if is_primus_dump(path):
+        return load_primus_iterations(path)
     if path.is_dir() and (iterations := dump_iterations(path)):
         return [merge_rank_dumps(path, i) for i in iterations]
     return [load_timeline(path)]
