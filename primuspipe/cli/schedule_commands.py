@@ -11,7 +11,9 @@ from rich.table import Table
 from primuspipe.algorithms import list_algorithms, list_aliases
 from primuspipe.passes.communication import add_communication
 from primuspipe.cli.options import add_shape_arguments, console, parse_options, report_console
-from primuspipe.errors import TableFormatError, ValidationError
+from primuspipe.errors import ConfigError, TableFormatError, ValidationError
+from primuspipe.ir.cost_model import CostModel
+from primuspipe.passes.offload import offload_activations
 from primuspipe.ir.formats import dump_table, load_table, save_table
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.activations import W_RETAINED_FRACTION, peak_in_flight
@@ -26,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("algorithm")
     add_shape_arguments(p)
     p.add_argument("--compute-only", action="store_true", help="hide communication nodes")
+    _add_offload_arguments(p)
     p.set_defaults(handler=cmd_show)
 
     p = sub.add_parser("export", help="write an algorithm's validated table as JSON, torch CSV or Primus's table form")
@@ -37,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "debug_scheduler_table prints, after a comment line with the shape; docs/primus.md)")
     p.add_argument("--compute-only", action="store_true", help="leave out communication nodes")
     p.add_argument("-o", "--output", type=Path, required=True, help="file to write ('-' for stdout)")
+    _add_offload_arguments(p)
     p.set_defaults(handler=cmd_export)
 
     p = sub.add_parser("validate", help="check a table file (JSON or CSV); exit 0 only if it is valid",
@@ -54,8 +58,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_validate)
 
 
+def _add_offload_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--offload", type=float, metavar="MICROBATCHES",
+                   help="run the offload pass: OFFLOAD/RELOAD nodes bring every rank's activations under this many "
+                        "1F1B-stage microbatches (docs/offload.md)")
+    p.add_argument("--cost", type=Path, metavar="FILE",
+                   help="with --offload: the YAML cost model whose compute times, host_link and memory the pass "
+                        "plans with (default F = B = W = 1, free copies)")
+
+
 def _build(args: argparse.Namespace):
-    return build_schedule(args.algorithm, args.pp, args.microbatches, args.vpp, **parse_options(args.option))
+    table = build_schedule(args.algorithm, args.pp, args.microbatches, args.vpp, **parse_options(args.option))
+    if args.cost is not None and args.offload is None:
+        raise ConfigError("--cost is read by --offload; give the memory limit with --offload MICROBATCHES")
+    if args.offload is None:
+        return table
+    cost = (CostModel.load(args.cost, pp=table.pp, vpp=table.vpp) if args.cost is not None
+            else CostModel.per_stage(table.num_stages, 1, 1, 1))
+    return offload_activations(table, cost, memory_limit=args.offload)
 
 
 def cmd_list(args: argparse.Namespace) -> int:

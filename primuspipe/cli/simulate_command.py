@@ -15,6 +15,8 @@ from primuspipe.algorithms import ScheduleRequest, get_algorithm, list_algorithm
 from primuspipe.cli.options import add_shape_arguments, parse_options, report_console
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.algorithms.build import build_schedule, check_options
+from primuspipe.ir.kinds import NodeKind
+from primuspipe.passes.offload import offload_activations
 from primuspipe.search.zb_auto import ZbAutoReport, zb_auto_search
 from primuspipe.simulator import CostModel, SimulationResult, read_cost_file, simulate
 from primuspipe.simulator.trace import write_chrome_trace
@@ -34,14 +36,19 @@ Peak activations are in microbatches of one 1F1B stage (a chunk's forward counts
 until its W, at the share W keeps of it (memory.w_retained_fraction, default 32/34 = 0.94: flash attention)
 between its B and its W: what the device holds. --memory-limit, 'fits' and 'primuspipe validate
 --max-in-flight' count the same way. zb-auto searches every placement (interleaved vpp 1 and 2, and the
-V) unless --vpp or -O placement=... pins one, and reports how it found its table."""
+V) unless --vpp or -O placement=... pins one, and reports how it found its table.
+--offload runs the offload pass on each table whose peak is over --memory-limit: OFFLOAD/RELOAD nodes move
+the activations of microbatches with long F-to-B gaps to host memory and back (docs/offload.md); the host
+link comes from the cost file's host_link section or --host-link, and the step time shows what the copies
+cost (a backward waiting for its reload)."""
 
 _EPILOG = """\
 examples:
   primuspipe simulate --algorithm all --pp 8 --vpp 2 -m 32
   primuspipe simulate --algorithm 1f1b --pp 4 -m 8 --f 1 --b 1,1,2,1 --w 1 --p2p 0.1 -o out/
   primuspipe simulate --algorithm all --pp 8 -m 32 --cost costs.yaml --memory-limit 8 --json
-  primuspipe simulate --algorithm zb-auto --pp 8 -m 24 --f 1 --b 1.5 --w 0.5 --memory-limit 5"""
+  primuspipe simulate --algorithm zb-auto --pp 8 -m 24 --f 1 --b 1.5 --w 0.5 --memory-limit 5
+  primuspipe simulate --algorithm v-half --pp 8 -m 32 --memory-limit 4 --offload --host-link 0.01,2"""
 
 
 def _numbers(text: str) -> float | list[float]:
@@ -76,6 +83,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-limit", type=float, metavar="MICROBATCHES",
                    help="per-rank activation budget in 1F1B-stage microbatches, each counted until its W: passed to "
                         "cost-aware algorithms, and any algorithm whose peak exceeds it is marked as not fitting")
+    p.add_argument("--offload", action="store_true",
+                   help="insert OFFLOAD/RELOAD nodes (the offload pass) into each table over --memory-limit, "
+                        "so it fits; the row's 'offloads' counts them")
+    costs.add_argument("--host-link", type=_numbers, metavar="LATENCY,BANDWIDTH",
+                       help="device<->host copy link for --offload: latency in time units, bandwidth in bytes per time "
+                            "unit (replaces the cost file's host_link; default free). A copy moves a chunk's "
+                            "memory.activation_bytes (from --cost) times memory.offload_fraction; without bytes "
+                            "it takes the latency alone")
     p.add_argument("-o", "--output-dir", type=Path, metavar="DIR",
                    help="write ALGORITHM.timeline.json (primuspipe timeline) and ALGORITHM.trace.json "
                         "(Chrome/Perfetto trace) for each simulated algorithm into DIR")
@@ -123,6 +138,13 @@ def _cost_spec(args: argparse.Namespace) -> dict[str, Any]:
         spec = {**spec, "p2p": {"intra_node": {"latency": args.p2p}, "inter_node": {"latency": args.p2p}}}
     if args.w_retained is not None:
         spec = {**spec, "memory": {**spec.get("memory", {}), "w_retained_fraction": args.w_retained}}
+    if args.offload and args.memory_limit is None:
+        raise ConfigError("--offload brings tables under --memory-limit; give the limit (1F1B-stage microbatches)")
+    if args.host_link is not None:
+        link = args.host_link if isinstance(args.host_link, list) else [args.host_link]
+        if len(link) != 2:
+            raise ConfigError(f"--host-link takes LATENCY,BANDWIDTH, got {args.host_link}")
+        spec = {**spec, "host_link": {"latency": link[0], "bandwidth": link[1]}}
     return spec
 
 
@@ -139,7 +161,10 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, options: dict) ->
         else:
             table = build_schedule(name, args.pp, args.microbatches, vpp, cost=cost, memory_limit=args.memory_limit,
                                    **options)
-        result = simulate(table, cost.for_shape(args.pp, table.vpp))
+        cost = cost.for_shape(args.pp, table.vpp)
+        if args.offload:
+            table = offload_activations(table, cost, memory_limit=args.memory_limit)
+        result = simulate(table, cost)
     except PrimusPipeError as exc:
         return {**row, "error": str(exc)}, None
     peak = max(result.peak_activations)
@@ -151,6 +176,8 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, options: dict) ->
         w_retained_fraction=cost.memory.w_retained_fraction,
         fits=args.memory_limit is None or peak <= args.memory_limit + 1e-9,
     )
+    if args.offload:
+        row["offloads"] = sum(n.kind is NodeKind.OFFLOAD for r in table.ranks for n in r)
     return row, result
 
 
@@ -159,7 +186,10 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     table = Table(title=f"pp={args.pp} microbatches={args.microbatches}{limit}, ranked by step time")
     table.add_column("#", justify="right")
     table.add_column("algorithm", no_wrap=True)
-    for col in ("vpp", "step time", "bubble max", "bubble mean", "bubble (span)", "peak act. (mb)", "peak memory", "fits"):
+    columns = ["vpp", "step time", "bubble max", "bubble mean", "bubble (span)", "peak act. (mb)", "peak memory", "fits"]
+    if args.offload:
+        columns.append("offloads")
+    for col in columns:
         table.add_column(col, justify="right")
     refused = []
     steps = [row["step_time"] for row in rows if "error" not in row]
@@ -170,9 +200,10 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         rank = 1 + sum(step < row["step_time"] - 1e-9 for step in steps)  # equal step times share a rank
         memory = f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" if row["peak_memory_bytes"] else "-"
         vpp = f"{row['vpp']} V" if row["placement"] == "v" else str(row["vpp"])
-        table.add_row(str(rank), row["algorithm"], vpp, f"{row['step_time']:g}", f"{row['bubble_rate']:.4f}",
-                      f"{row['bubble_rate_mean']:.4f}", f"{row['bubble_rate_span']:.4f}",
-                      f"{max(row['peak_activations']):.4g}", memory, "yes" if row["fits"] else "[bold red]OVER[/]")
+        cells = [str(rank), row["algorithm"], vpp, f"{row['step_time']:g}", f"{row['bubble_rate']:.4f}",
+                 f"{row['bubble_rate_mean']:.4f}", f"{row['bubble_rate_span']:.4f}",
+                 f"{max(row['peak_activations']):.4g}", memory, "yes" if row["fits"] else "[bold red]OVER[/]"]
+        table.add_row(*cells, *([str(row["offloads"])] if args.offload else []))
     console = report_console()
     console.print(table)
     for row in rows:

@@ -7,6 +7,14 @@ frees that share, BW frees everything. The validator's memory rule, ``peak_in_fl
 simulator's peaks (units and bytes), the list scheduler, the building blocks and the MILP all count
 with these effects, so "what a rank holds" means one thing everywhere: what the device holds.
 
+Offload: an OFFLOAD node moves the share ``offloaded`` (the cost model's
+``memory.offload_fraction``; 1 = all of them) of a microbatch's activations on a chunk to host memory,
+so they are not held from the OFFLOAD until its RELOAD brings them back (docs/offload.md). In table
+order (:func:`running_levels`) the drop is counted at the OFFLOAD node. A copy takes time, though: with
+node times, :func:`timed_levels` counts the same effects in time order, an offload freeing the device
+once its copy has finished and a reload taking it from its copy's start (the simulator's memory, and
+the offload pass's estimate).
+
 Units: ``weight(stage)`` is what one microbatch of a stage holds — 1 chunk activation by default, bytes
 in the simulator. An overlapped node counts its forward before its backward frees, so the pair holds
 both at once.
@@ -18,7 +26,7 @@ both at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from primuspipe.ir.kinds import NodeKind
@@ -39,33 +47,62 @@ says so with ``memory.w_retained_fraction``.
 """
 
 
+OFFLOAD_FRACTION = 1.0
+"""Default share of a microbatch's activations on a chunk that an OFFLOAD moves: all of them (the
+runner offloads every tensor autograd saves in the chunk's forward unless told which ops)."""
+
+
 def running_levels(row: Iterable[ScheduleNode], chunk_weight: Callable[[int], float] = lambda chunk: 1.0,
-                   retained: float = W_RETAINED_FRACTION) -> list[float]:
+                   retained: float = W_RETAINED_FRACTION, offloaded: float = OFFLOAD_FRACTION) -> list[float]:
     """Per node of one rank's row: the most held while it runs (after its forward parts, before the
     backward parts of the same node free anything, i.e. the level right after each part, maxed)."""
     held, levels = 0.0, []
     for node in row:
         top = held
         for kind, _, chunk in node.parts():
-            held += kind.spec.activation_delta(retained) * chunk_weight(chunk)
+            held += kind.spec.activation_delta(retained, offloaded) * chunk_weight(chunk)
             top = max(top, held)
         levels.append(top)
     return levels
 
 
+def timed_levels(row: Sequence[ScheduleNode], starts: Sequence[float], ends: Sequence[float],
+                 chunk_weight: Callable[[int], float] = lambda chunk: 1.0, retained: float = W_RETAINED_FRACTION,
+                 offloaded: float = OFFLOAD_FRACTION) -> list[float]:
+    """Per node of one rank's row, with the nodes' ``starts`` and ``ends``: the most held while it runs,
+    its effects applied in time order -- a node that frees on a host copy (OFFLOAD) at its end, every
+    other node at its start; at one moment a finished offload first, then table order. Without host
+    copies this is :func:`running_levels` (a rank's compute starts are in table order)."""
+    keyed = []
+    for i, node in enumerate(row):
+        late = node.kind.spec.offload < 0
+        keyed.append(((ends[i] if late else starts[i], not late, i), i))
+    held, levels = 0.0, [0.0] * len(row)
+    for _, i in sorted(keyed):
+        top = held
+        for kind, _, chunk in row[i].parts():
+            held += kind.spec.activation_delta(retained, offloaded) * chunk_weight(chunk)
+            top = max(top, held)
+        levels[i] = top
+    return levels
+
+
 def peak_level(kinds: Iterable[tuple[NodeKind, int]], chunk_weight: Callable[[int], float] = lambda chunk: 1.0,
-               retained: float = W_RETAINED_FRACTION) -> float:
-    """The most held over a sequence of ``(kind, chunk)`` compute parts (e.g. a constructed order)."""
+               retained: float = W_RETAINED_FRACTION, offloaded: float = OFFLOAD_FRACTION) -> float:
+    """The most held over a sequence of ``(kind, chunk)`` compute parts (e.g. a constructed order, or
+    a rank's events in time order)."""
     held = peak = 0.0
     for kind, chunk in kinds:
-        held += kind.spec.activation_delta(retained) * chunk_weight(chunk)
+        held += kind.spec.activation_delta(retained, offloaded) * chunk_weight(chunk)
         peak = max(peak, held)
     return peak
 
 
-def peak_in_flight(table: ScheduleTable, retained: float = W_RETAINED_FRACTION) -> list[float]:
+def peak_in_flight(table: ScheduleTable, retained: float = W_RETAINED_FRACTION,
+                   offloaded: float = OFFLOAD_FRACTION) -> list[float]:
     """Per rank, the most activations held at once, in microbatches of one 1F1B stage (a chunk's are
     ``1/vpp`` of one): each microbatch counted from its F until its W, at ``retained`` of its size
     between its B and its W. ``retained = 1`` counts whole microbatches until W (Primus's count);
     ``retained = 0`` from F until B (the zero-bubble papers' count)."""
-    return [max(running_levels(row, retained=retained), default=0.0) / table.vpp for row in table.ranks]
+    return [max(running_levels(row, retained=retained, offloaded=offloaded), default=0.0) / table.vpp
+            for row in table.ranks]

@@ -34,8 +34,10 @@ optimizer bytes) are one number or ``pp`` values::
       ranks_per_node: 8
       intra_node: {latency: 0.005, bandwidth: 4.0e8}   # bandwidth in bytes per time unit
       inter_node: {latency: 0.020, bandwidth: 2.5e7}   # omitted bandwidth: unlimited
+    host_link: {latency: 0.01, bandwidth: 2.5e7}   # device <-> host copies (OFFLOAD/RELOAD); default free
     memory:
       w_retained_fraction: 0.94          # share of a microbatch's activations B keeps for W (default 32/34)
+      offload_fraction: 1.0              # share of them an OFFLOAD moves to host (default 1: all)
       activation_bytes: 2.0e9            # per 1F1B stage, one microbatch, held from F until released
       parameter_bytes: 1.0e9             # per rank
       gradient_bytes: 1.0e9
@@ -57,7 +59,7 @@ from typing import Any
 import yaml
 
 from primuspipe.errors import ConfigError
-from primuspipe.ir.activations import W_RETAINED_FRACTION
+from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.node import ScheduleNode
@@ -167,10 +169,15 @@ class MemoryCost:
     """Per rank (so are gradient and optimizer bytes); empty: none modelled."""
     gradient_bytes: tuple[float, ...] = ()
     optimizer_bytes: tuple[float, ...] = ()
+    offload_fraction: float = OFFLOAD_FRACTION
+    """Share of a microbatch's activations on a chunk that an OFFLOAD node moves to host memory (1: all
+    the chunk's saved tensors; less when the runner offloads chosen ops only, e.g. the MLP's inputs)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.w_retained_fraction <= 1.0:
             raise ConfigError(f"w_retained_fraction must be in [0, 1], got {self.w_retained_fraction}")
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise ConfigError(f"memory.offload_fraction must be in [0, 1], got {self.offload_fraction}")
         if not (len(self.parameter_bytes) == len(self.gradient_bytes) == len(self.optimizer_bytes)):
             raise ConfigError("parameter, gradient and optimizer bytes need one value per rank each")
 
@@ -178,12 +185,14 @@ class MemoryCost:
     def per_stage(
         cls, num_stages: int, pp: int, *, activation_bytes: Values, w_retained_fraction: float = W_RETAINED_FRACTION,
         parameter_bytes: Values = 0.0, gradient_bytes: Values = 0.0, optimizer_bytes: Values = 0.0,
+        offload_fraction: float = OFFLOAD_FRACTION,
     ) -> MemoryCost:
         return cls(
             float(w_retained_fraction), per_stage_values("activation_bytes", activation_bytes, num_stages, "stages"),
             per_stage_values("parameter_bytes", parameter_bytes, pp, "ranks"),
             per_stage_values("gradient_bytes", gradient_bytes, pp, "ranks"),
             per_stage_values("optimizer_bytes", optimizer_bytes, pp, "ranks"),
+            float(offload_fraction),
         )
 
     @property
@@ -213,6 +222,10 @@ class CostModel:
     memory: MemoryCost = MemoryCost()
     """What W keeps of B's activations (always) and bytes (when modelled)."""
     time_unit: str = "ms"
+    host_link: Link = Link()
+    """The device <-> host path an OFFLOAD or RELOAD copies over (PCIe on a GPU): a copy of ``n`` bytes
+    takes ``latency + n / bandwidth`` on the rank's copy stream of its direction, overlapping compute.
+    Default free (zero latency, unlimited bandwidth): give it to price offload (docs/offload.md)."""
 
     def __post_init__(self) -> None:
         n = self.compute.num_stages
@@ -275,6 +288,16 @@ class CostModel:
     def static_bytes(self, rank: int) -> float:
         return self.memory.static_bytes(rank)
 
+    def offload_bytes(self, stage: int) -> float:
+        """What one OFFLOAD (or RELOAD) of ``stage`` moves: its microbatch's activations times
+        ``memory.offload_fraction`` (0 when bytes are not modelled)."""
+        m = self.memory
+        return m.activation_bytes[stage] * m.offload_fraction if m.models_bytes else 0.0
+
+    def copy_time(self, stage: int) -> float:
+        """Time of one OFFLOAD or RELOAD of ``stage`` on the host link."""
+        return self.host_link.time(self.offload_bytes(stage))
+
     def for_shape(self, pp: int, vpp: int) -> CostModel:
         """The same model cut into ``pp * vpp`` stages: each 1F1B stage (``num_stages // pp`` consecutive
         model stages) keeps its total time and activation bytes, split evenly over its ``vpp`` new
@@ -325,6 +348,7 @@ class CostModel:
                             **{k: _link(v) for k, v in links.items()}),
                 memory=memory, time_unit=str(top.get("time_unit", "ms")),
                 host=_host(top.get("host", {}), pp), cold_start=_cold_start(comp.get("cold_start"), pp, vpp),
+                host_link=_link(_section(top.get("host_link", {}), "host_link", {"latency", "bandwidth"})),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"bad value in the cost model: {exc}") from exc
@@ -344,6 +368,7 @@ class CostModel:
                         "w": list(self.compute.backward_weight), "fb_overlap": self.fb_overlap},
             "p2p": {"message_bytes": self.p2p.message_bytes, "ranks_per_node": self.p2p.ranks_per_node,
                     "intra_node": link(self.p2p.intra_node), "inter_node": link(self.p2p.inter_node)},
+            "host_link": link(self.host_link),
         }
         if self.fused_backward is not None:
             out["compute"]["bw"] = list(self.fused_backward)
@@ -355,7 +380,7 @@ class CostModel:
             out["host"] = {"overhead": dict(h.overhead), "send": h.send, "recv": h.recv, "cores": h.cores,
                            "comm_cpu": h.comm_cpu, "step_gap": None if h.step_gap is None else list(h.step_gap)}
         m = self.memory
-        out["memory"] = {"w_retained_fraction": m.w_retained_fraction}
+        out["memory"] = {"w_retained_fraction": m.w_retained_fraction, "offload_fraction": m.offload_fraction}
         if m.models_bytes:
             out["memory"].update(activation_bytes=list(m.activation_bytes), parameter_bytes=list(m.parameter_bytes),
                                  gradient_bytes=list(m.gradient_bytes), optimizer_bytes=list(m.optimizer_bytes))
@@ -392,11 +417,12 @@ def _memory(data: Any, pp: int, vpp: int) -> MemoryCost:
     """The ``memory`` section: the retained share alone (default :data:`W_RETAINED_FRACTION`), or bytes,
     which then must say what W keeps (the byte figures depend on it)."""
     mem = _section(data, "memory", {"activation_bytes", "w_retained_fraction", "parameter_bytes", "gradient_bytes",
-                                    "optimizer_bytes"})
+                                    "optimizer_bytes", "offload_fraction"})
     if "activation_bytes" not in mem:
-        if set(mem) - {"w_retained_fraction"}:
+        if set(mem) - {"w_retained_fraction", "offload_fraction"}:
             raise ConfigError("memory: parameter, gradient and optimizer bytes need activation_bytes too")
-        return MemoryCost(float(mem.get("w_retained_fraction", W_RETAINED_FRACTION)))
+        return MemoryCost(float(mem.get("w_retained_fraction", W_RETAINED_FRACTION)),
+                          offload_fraction=float(mem.get("offload_fraction", OFFLOAD_FRACTION)))
     if "w_retained_fraction" not in mem:
         raise ConfigError("memory lacks ['w_retained_fraction']: with activation_bytes, say what share of them B keeps "
                           f"for W (e.g. {W_RETAINED_FRACTION:.3f} with flash attention, see docs/simulator.md)")
@@ -416,7 +442,7 @@ def _section(data: Any, name: str, allowed: set[str], required: set[str] = froze
     return dict(data)
 
 
-_SECTIONS = {"time_unit", "compute", "host", "p2p", "memory"}
+_SECTIONS = {"time_unit", "compute", "host", "p2p", "memory", "host_link"}
 
 
 def _host(data: Any, pp: int) -> HostCost:

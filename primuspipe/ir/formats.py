@@ -117,6 +117,9 @@ def _with_resources(table: ScheduleTable, rank: int) -> list[str]:
 
 
 def _torch_action(table: ScheduleTable, rank: int, node: ScheduleNode) -> str:
+    if node.kind.spec.torch_action is None:
+        raise TableFormatError(f"torch's CSV has no action for {node.kind} (rank {rank}, {node}); write the table as "
+                               "JSON, or export it before the offload pass")
     if node.pair is not None:
         inner = ";".join(f"{table.placement.stage(rank, chunk)}{kind.spec.torch_action}{mb}" for kind, mb, chunk in node.parts())
         return f"({inner}){node.kind.spec.torch_action}"

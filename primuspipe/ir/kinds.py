@@ -23,7 +23,16 @@ W       W                                B of its own stage
 BW      B, W                             as B
 FB      (its parts: F, then B)           (its parts')
 FBW     (its parts: F, then BW)          (its parts')
+OFFLOAD OFFLOAD                          F of its own stage
+RELOAD  RELOAD                           OFFLOAD of its own stage
 ======  ===============================  ================================================
+
+``OFFLOAD`` and ``RELOAD`` are resource actions made first-class nodes (as torch.pipelining's
+``UNSHARD``/``RESHARD`` are actions of its lowered programs): they move the activations a microbatch's
+F saved on a chunk to host memory and back, on the rank's copy streams, not its compute stream
+(``stream="host"``). Both are optional (a table offloads what it chooses); when a (stage, microbatch)
+is offloaded, its backward must run after its reload (the validator's offload rule,
+:func:`primuspipe.passes.validation.check_offload`). docs/offload.md.
 
 A need on another stage is a hand-off: local when both stages live on one rank, otherwise a transfer
 (``SEND_*`` / ``RECV_*``, named after the step whose result they carry). The first and last stage
@@ -35,7 +44,7 @@ that runs it; ``tests/core/test_kinds.py`` adds a toy kind that way.
 >>> NodeKind("BW").spec.completes
 ('B', 'W')
 >>> [k.name for k in compute_kinds()]
-['F', 'B', 'W', 'BW', 'FB', 'FBW']
+['F', 'B', 'W', 'BW', 'FB', 'FBW', 'OFFLOAD', 'RELOAD']
 """
 
 from __future__ import annotations
@@ -78,6 +87,12 @@ class KindSpec:
     changes by ``a + b * retained``, where ``retained`` is the share of the activations a deferred W
     still needs. F takes one (``+1``); B frees all but the retained share; W frees that share; BW
     frees everything. With ``retained = 0`` this counts a microbatch from its F until its B."""
+    offload: float = 0.0
+    """Effect on the activations held, per share of them a host copy moves (``offloaded``, the cost
+    model's ``memory.offload_fraction``): OFFLOAD ``-1`` (they leave the device), RELOAD ``+1``."""
+    stream: str = "compute"
+    """Where the kind runs: ``compute`` (the rank's compute stream, one node at a time) or ``host``
+    (the rank's copy streams to and from host memory, overlapping compute: OFFLOAD, RELOAD)."""
     cost: str | None = None
     """The cost model's per-stage time of this kind (``f``, ``b``, ``w``, ``bw``; YAML key); an
     overlapped kind costs its parts through the model's overlap rule; None: takes no compute time."""
@@ -91,10 +106,10 @@ class KindSpec:
     color: str = "#7f7f7f"
     """Drawing colour (pp_vis)."""
 
-    def activation_delta(self, retained: float = 0.0) -> float:
-        """How much this kind changes the activations held (see :attr:`activation`)."""
+    def activation_delta(self, retained: float = 0.0, offloaded: float = 1.0) -> float:
+        """How much this kind changes the activations held (see :attr:`activation`, :attr:`offload`)."""
         a, b = self.activation
-        return a + b * retained
+        return a + b * retained + self.offload * offloaded
 
 
 class NodeKind:
@@ -103,7 +118,7 @@ class NodeKind:
     Kinds are interned (``NodeKind("F") is NodeKind.F``), compare by identity and pickle by name.
     """
 
-    __slots__ = ("name", "spec", "is_compute", "is_send", "is_recv")
+    __slots__ = ("name", "spec", "is_compute", "is_send", "is_recv", "on_host_stream")
     _table: ClassVar[dict[str, NodeKind]] = {}
 
     F: ClassVar[NodeKind]
@@ -112,6 +127,8 @@ class NodeKind:
     BW: ClassVar[NodeKind]
     FB: ClassVar[NodeKind]
     FBW: ClassVar[NodeKind]
+    OFFLOAD: ClassVar[NodeKind]
+    RELOAD: ClassVar[NodeKind]
     SEND_F: ClassVar[NodeKind]
     RECV_F: ClassVar[NodeKind]
     SEND_B: ClassVar[NodeKind]
@@ -122,7 +139,9 @@ class NodeKind:
     is_compute: bool
     is_send: bool
     is_recv: bool
-    """The kind's category as flags, set once from its spec: passes ask them for every node."""
+    on_host_stream: bool
+    """The kind's category, and whether it runs on the host-copy streams (OFFLOAD, RELOAD: compute-category
+    nodes that use no compute time), as flags set once from its spec: passes ask them for every node."""
 
     def __new__(cls, name: str) -> NodeKind:
         try:
@@ -178,6 +197,7 @@ def define_kind(spec: KindSpec) -> NodeKind:
     kind.is_compute = spec.category is Category.COMPUTE
     kind.is_send = spec.category is Category.SEND
     kind.is_recv = spec.category is Category.RECV
+    kind.on_host_stream = spec.stream == "host"
     NodeKind._table[spec.name] = kind
     for listener in _listeners:
         listener()
@@ -239,6 +259,12 @@ NodeKind.FB = define_kind(KindSpec(
 NodeKind.FBW = define_kind(KindSpec(
     "FBW", Category.COMPUTE, "forward + fused backward", parts=("F", "BW"), torch_action="OVERLAP_F_B",
     color="#937860"))
+NodeKind.OFFLOAD = define_kind(KindSpec(
+    "OFFLOAD", Category.COMPUTE, "offload activations to host", completes=("OFFLOAD",), needs=(("F", 0),),
+    optional=True, offload=-1.0, stream="host", color="#b0b0b0"))
+NodeKind.RELOAD = define_kind(KindSpec(
+    "RELOAD", Category.COMPUTE, "reload activations from host", completes=("RELOAD",), needs=(("OFFLOAD", 0),),
+    optional=True, offload=1.0, stream="host", color="#606060"))
 NodeKind.SEND_F = define_kind(KindSpec(
     "SEND_F", Category.SEND, "send activation", carries="F", peer_offset=_NEXT, torch_action="SEND_F"))
 NodeKind.RECV_F = define_kind(KindSpec(

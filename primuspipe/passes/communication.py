@@ -45,7 +45,8 @@ def add_communication(table: ScheduleTable) -> ScheduleTable:
                 send_order[key] = len(send_order)
     ranks, moves, takes, gives = [], [], [], []  # the full table's rows and wiring
     for rank, row in enumerate(table.ranks):
-        wanted = [(k, ends[key // m][2], key) for k, keys in enumerate(wiring.takes[rank]) for key in keys]
+        wanted = [(slot, ends[key // m][2], key) for slot, keys in zip(_receive_slots(row), wiring.takes[rank])
+                  for key in keys]
         recvs_before: dict[int, list[int]] = defaultdict(list)
         for slot, _, _, key in sorted(_recv_slots(wanted, send_order)):
             recvs_before[slot].append(key)
@@ -75,23 +76,34 @@ def add_communication(table: ScheduleTable) -> ScheduleTable:
     return table.with_ranks(ranks, wiring.with_rows(moves, takes, gives))
 
 
+def _receive_slots(row: list[ScheduleNode]) -> list[int]:
+    """Per node, where a receive it consumes wants posting: before the previous compute-stream node (host
+    copies, OFFLOAD and RELOAD, take no compute time, so a receive keeps its place around them)."""
+    slots, before = [], 0
+    for k, node in enumerate(row):
+        slots.append(before)
+        if not node.kind.on_host_stream:
+            before = k
+    return slots
+
+
 def _recv_slots(wanted: list[tuple[int, int, int]], send_order: dict[int, int]) -> list[tuple[int, int, int, int]]:
     """Slot (compute index the receive is posted before) for every receive of one rank, as
-    ``(slot, source rank, send order, transfer key)``; ``wanted`` holds ``(consumer index, source rank,
+    ``(slot, source rank, send order, transfer key)``; ``wanted`` holds ``(wanted slot, source rank,
     transfer key)``.
 
-    Each receive wants the slot one step before its consumer; walking each source's receives backwards
-    in the source's send order, a receive is pulled earlier until it precedes the next one.
+    Each receive wants the slot one compute step before its consumer (``wanted`` gives it); walking
+    each source's receives backwards in the source's send order, a receive is pulled earlier until it
+    precedes the next one.
     """
     by_src: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-    for consumer, src, key in wanted:
+    for slot, src, key in wanted:
         # a transfer nobody sends sorts last; the validator reports it as incomplete
-        by_src[src].append((send_order.get(key, len(send_order)), consumer, key))
+        by_src[src].append((send_order.get(key, len(send_order)), slot, key))
     slots = []
     for src, recvs in by_src.items():
         latest = None
-        for order, consumer, key in sorted(recvs, reverse=True):
-            slot = max(consumer - 1, 0)
+        for order, slot, key in sorted(recvs, reverse=True):
             if latest is not None:
                 slot = min(slot, latest)
             latest = slot

@@ -1,5 +1,8 @@
 """The validator: proves a table safe to run before any process starts.
 
+Rules, in order: structure, offload (every RELOAD follows its OFFLOAD and precedes the backward that
+consumes it), completeness, order, pairing, deadlock, memory.
+
 Each rule is a small function that raises :class:`ValidationError` naming the rule, the offending
 nodes (marked in the printed grid) and what would fix it. :func:`validate` runs them in order, so a
 later rule may rely on the earlier ones (e.g. the deadlock replay trusts that sends and receives pair up).
@@ -19,7 +22,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 from primuspipe.errors import ValidationError
-from primuspipe.ir.activations import W_RETAINED_FRACTION, running_levels
+from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION, running_levels
 from primuspipe.ir.dataflow import (
     Transfer,
     inbound,
@@ -33,21 +36,23 @@ from primuspipe.ir.table import ScheduleTable
 
 
 def validate(table: ScheduleTable, *, max_in_flight: float | None = None,
-             retained: float = W_RETAINED_FRACTION) -> ScheduleTable:
+             retained: float = W_RETAINED_FRACTION, offloaded: float = OFFLOAD_FRACTION) -> ScheduleTable:
     """Run every rule; return the table unchanged so calls chain.
 
     ``max_in_flight`` bounds, per rank, the activations held at once, in microbatches of one 1F1B stage
     (a chunk's activation counts ``1/vpp``), each from its F until its W, at ``retained`` of its size
-    between B and W (docs/design.md §4).
+    between B and W (docs/design.md §4), and without the share ``offloaded`` of it between an OFFLOAD
+    and its RELOAD.
     """
     check_structure(table)
+    check_offload(table)
     check_completeness(table)
     check_order(table)
     if table.has_communication:
         check_pairing(table)
     check_deadlock(table)
     if max_in_flight is not None:
-        check_in_flight(table, max_in_flight, retained)
+        check_in_flight(table, max_in_flight, retained, offloaded)
     return table
 
 
@@ -97,6 +102,51 @@ def _check_peer(table: ScheduleTable, placement, rank: int, i: int, node) -> Non
     if node.peer != want:
         _fail(table, "structure", f"{_at(table, rank, i)} names peer {node.peer}, but stage {other} lives on rank {want}",
               [(rank, i)], f"use peer {want}")
+
+
+def check_offload(table: ScheduleTable) -> None:
+    """Per rank and (chunk, microbatch): at most one OFFLOAD and one RELOAD, both or neither; the
+    OFFLOAD after the F and before the backward, the RELOAD after the OFFLOAD and before the backward
+    (B or BW), which needs the activations back on the device (docs/offload.md)."""
+    for rank, row in enumerate(table.ranks):
+        where: dict[tuple[NodeKind, int, int], list[int]] = defaultdict(list)
+        for i, node in enumerate(row):
+            for kind, mb, chunk in node.parts():
+                where[(kind, chunk, mb)].append(i)
+        copied = {(c, mb) for k, c, mb in where if k.on_host_stream}
+        for chunk, mb in sorted(copied):
+            offloads, reloads = where.get((NodeKind.OFFLOAD, chunk, mb), []), where.get((NodeKind.RELOAD, chunk, mb), [])
+            forwards = where.get((NodeKind.F, chunk, mb), [])
+            backwards = sorted(where.get((NodeKind.B, chunk, mb), []) + where.get((NodeKind.BW, chunk, mb), []))
+            name = f"{mb}.{chunk}"
+            for kind, seen in ((NodeKind.OFFLOAD, offloads), (NodeKind.RELOAD, reloads)):
+                if len(seen) > 1:
+                    _fail(table, "offload", f"{_at(table, rank, seen[1])} is the second {kind} of microbatch {mb} on "
+                          f"chunk {chunk} (the first is node {seen[0]})", [(rank, i) for i in seen],
+                          f"keep one OFFLOAD{name} and one RELOAD{name}")
+            if not offloads:
+                _fail(table, "offload", f"{_at(table, rank, reloads[0])} reloads activations no OFFLOAD{name} moved to host",
+                      [(rank, reloads[0])], f"remove RELOAD{name} or put OFFLOAD{name} after F{name}")
+            off = offloads[0]
+            if not reloads:
+                _fail(table, "offload", f"{_at(table, rank, off)} is never reloaded, so the backward of microbatch {mb} "
+                      f"on chunk {chunk} would find no activations", [(rank, off)],
+                      f"add RELOAD{name} before the backward of {name}, or remove OFFLOAD{name}")
+            reload = reloads[0]
+            if not forwards or forwards[0] > off:
+                _fail(table, "offload", f"{_at(table, rank, off)} offloads before F{name} has made the activations",
+                      [(rank, off)] + [(rank, i) for i in forwards[:1]], f"move OFFLOAD{name} after F{name}")
+            if backwards and backwards[0] < off:
+                _fail(table, "offload", f"{_at(table, rank, off)} offloads after its backward "
+                      f"{_at(table, rank, backwards[0])} has run", [(rank, backwards[0]), (rank, off)],
+                      f"offload between F{name} and its backward, or remove OFFLOAD{name} and RELOAD{name}")
+            if reload < off:
+                _fail(table, "offload", f"{_at(table, rank, reload)} reloads before {_at(table, rank, off)} offloads",
+                      [(rank, reload), (rank, off)], f"move RELOAD{name} after OFFLOAD{name}")
+            if backwards and backwards[0] < reload:
+                _fail(table, "offload", f"{_at(table, rank, reload)} comes after its consumer "
+                      f"{_at(table, rank, backwards[0])}, which needs the activations back on the device",
+                      [(rank, backwards[0]), (rank, reload)], f"move RELOAD{name} before node {backwards[0]}")
 
 
 def check_completeness(table: ScheduleTable) -> None:
@@ -319,10 +369,11 @@ def _report_deadlock(table: ScheduleTable, ptr: list[int], blocked_on: dict[int,
           "and post receives in the order the peer sends")
 
 
-def check_in_flight(table: ScheduleTable, limit: float, retained: float = W_RETAINED_FRACTION) -> None:
+def check_in_flight(table: ScheduleTable, limit: float, retained: float = W_RETAINED_FRACTION,
+                    offloaded: float = OFFLOAD_FRACTION) -> None:
     """No rank holds more than ``limit`` microbatches of activations (1F1B-stage units) at once."""
     for rank, row in enumerate(table.ranks):
-        for i, held in enumerate(running_levels(row, retained=retained)):
+        for i, held in enumerate(running_levels(row, retained=retained, offloaded=offloaded)):
             if held > limit * table.vpp + 1e-9:
                 _fail(table, "memory", f"{_at(table, rank, i)} raises the activations held on rank {rank} to "
                       f"{held / table.vpp:g} microbatches, over the limit of {limit:g}",

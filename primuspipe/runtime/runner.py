@@ -69,10 +69,12 @@ class ScheduleRunner:
         if missing:
             names = ", ".join(sorted(k.name for k in missing))
             have = ", ".join(sorted(k.name for k in binder.handlers)) or "none"
+            fix = ("run the table without offload, or a binder that moves activations to host (the plain-torch "
+                   "backend's)" if any(k.on_host_stream for k in missing) else
+                   "pick an algorithm with a fused backward (BW) or a binder that splits the backward")
             raise ConfigError(
                 f"the {self.table.algorithm} table has {names} nodes but {type(binder).__name__} has no handler "
-                f"for them (it handles: {have}); pick an algorithm with a fused backward (BW) or a binder "
-                "that splits the backward"
+                f"for them (it handles: {have}); {fix}"
             )
         return handlers
 

@@ -10,6 +10,8 @@ Semantics are the validator's (docs/design.md §3), with time added (docs/simula
   ``P2PCost.transfer_time`` (links are not contended);
 * a compute node starts when its rank is free and its inbound transfers have arrived, plus its kind's
   host overhead; it takes its cost, plus its cold start when it is its chunk's first of its kind in the step;
+* OFFLOAD / RELOAD copy on the rank's copy streams, overlapping compute
+  (:mod:`primuspipe.simulator.host_copies`);
 * the step ends when the last node (compute or transfer) finishes.
 
 Ranks with a device each (``host.cores`` unset) never slow each other, so each rank is run as far as
@@ -31,13 +33,15 @@ from functools import cached_property
 
 from primuspipe.passes.communication import add_communication
 from primuspipe.errors import SimulationError
+from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.cost_model import CostModel
+from primuspipe.simulator import host_copies
 from primuspipe.simulator.memory import peak_activations
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline, idle_share
 
-_COMPUTE, _SEND, _RECV = 0, 1, 2
+_COMPUTE, _SEND, _RECV, _COPY = 0, 1, 2, 3
 _STEADY_STATE_ROUNDS = 50
 """With step gaps, steps are replayed until each rank enters the step at the same offset as in the
 previous one (a pipeline settles in a few rounds); at most this many."""
@@ -72,7 +76,8 @@ class RankResult:
     @property
     def span_bubble_rate(self) -> float:
         """Idle share of this rank's own span, from its first compute start to its last compute end."""
-        times = [(s, e) for n, s, e in zip(self.nodes, self.starts, self.ends) if n.kind.is_compute]
+        times = [(s, e) for n, s, e in zip(self.nodes, self.starts, self.ends)
+                 if n.kind.is_compute and not n.kind.on_host_stream]
         if not times:
             return 0.0
         return idle_share(max(e for _, e in times) - min(s for s, _ in times), self.busy_time)
@@ -192,7 +197,7 @@ def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
         offsets = nxt
     step = max((max(e, default=0.0) for e in ends), default=0.0)
     period = None if gaps is None else min(max(e, default=o) + g - o for e, o, g in zip(ends, offsets, gaps))
-    units, act_bytes = peak_activations(full, cost.memory)
+    units, act_bytes = peak_activations(full, cost.memory, starts, ends)
     ranks = tuple(
         RankResult(r, full.ranks[r], tuple(starts[r]), tuple(ends[r]), busy[r],
                    idle_share(step, busy[r]), units[r], act_bytes[r], cost.static_bytes(r),
@@ -205,7 +210,8 @@ def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
 def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], list[tuple[int, int]]]:
     """Per rank, the nodes as flat ops, and each lane's ``(source, destination)`` ranks. An op is
     ``(_COMPUTE, host time before it, duration, inbound transfer keys)`` or ``(_SEND | _RECV, host
-    time to post it, lane, transfer key, transfer time)``; keys are the table's
+    time to post it, lane, transfer key, transfer time)`` or ``(_COPY, copy stream, copy time, reload key or
+    None)``; keys are the table's
     :class:`~primuspipe.ir.dataflow.Wiring`.
 
     Everything but the microbatch is looked up once per (rank, kind, chunk, peer): this keeps simulate
@@ -217,9 +223,14 @@ def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], 
     for rank, (row, moves, takes) in enumerate(zip(table.ranks, wiring.moves, wiring.takes)):
         shapes: dict[tuple, tuple] = {}  # (kind, chunk, peer, pair chunk) -> the op less its microbatch
         warmed: set[tuple] = set()  # (kind, chunk) whose first node of the step has run
+        reloads = host_copies.reloaded(table, rank)
         ops = []
         for node, moved, needs in zip(row, moves, takes):
             kind = node.kind
+            if kind.on_host_stream:
+                key = host_copies.reload_key(rank, node.chunk, node.microbatch, table) if kind is NodeKind.RELOAD else None
+                ops.append((_COPY, host_copies.copy_stream(kind), cost.copy_time(placement.stage(rank, node.chunk)), key))
+                continue
             shape_key = (kind, node.chunk, node.peer, node.pair and node.pair[1])
             if (known := shapes.get(shape_key)) is None:
                 known = shapes[shape_key] = _shape(placement, rank, node, cost, lanes)
@@ -230,6 +241,8 @@ def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], 
             if cost.cold_start is not None and (first := [p for p in node.parts() if (p.kind, p.chunk) not in warmed]):
                 warmed.update((p.kind, p.chunk) for p in first)
                 duration += cost.cold_start_time([(p.kind, placement.stage(rank, p.chunk)) for p in first])
+            if reloads:
+                needs = (*needs, *host_copies.waits_for_reload(table, rank, node, reloads))
             ops.append((_COMPUTE, known[1], duration, needs))
         programs.append(ops)
     return programs, list(lanes)
@@ -258,6 +271,7 @@ def _run_dedicated(table: ScheduleTable, programs: list[list[tuple]], lanes: lis
     arrival: dict[int, float] = {}  # transfer key -> arrival time
     waiting: dict[int, int] = {}  # transfer key -> the rank blocked on it
     ptr, clock = [0] * pp, list(offsets)
+    copies_free = [[0.0, 0.0] for _ in range(pp)]  # per rank: when each copy stream is free
     ready = deque(range(pp))
     while ready:
         rank = ready.popleft()
@@ -279,6 +293,14 @@ def _run_dedicated(table: ScheduleTable, programs: list[list[tuple]], lanes: lis
                     continue
                 waiting[need] = rank
                 break
+            if op[0] == _COPY:
+                _, stream, duration, key = op
+                st[i] = start = max(t, copies_free[rank][stream])
+                en[i] = copies_free[rank][stream] = start + duration
+                if key is not None:
+                    arrival[key] = en[i]
+                i += 1
+                continue
             code, before, lane, transfer, duration = op
             t += before
             st[i] = t
@@ -310,6 +332,9 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
     A compute node is reported as an OS time-slicing ranks shows it in a run's dump: ending when its
     work is done, lasting its work (a rank holds its core through a node and waits for one between
     nodes), so busy time is work and the time spent sharing is idle time before the node."""
+    if any(op[0] == _COPY for ops in programs for op in ops):
+        raise SimulationError("host copies (OFFLOAD/RELOAD) are not modelled with ranks sharing cores (host.cores); "
+                              "simulate the offloaded table with a cost model without host.cores")
     pp, cores, per_node = len(programs), cost.host.cores, cost.p2p.ranks_per_node
     node_of = [r // per_node for r in range(pp)]
     nodes = node_of[-1] + 1 if pp else 0
@@ -458,7 +483,8 @@ def _match(table, send: tuple, recv: tuple, duration: float, ends: list[list[flo
 def _check_finished(table, programs, ptr, waiting, posted) -> None:
     stuck = [r for r in range(len(programs)) if ptr[r] < len(programs[r])]
     if stuck:
-        blocked = {r: table.wiring.transfer(k) for k, r in waiting.items()}
+        blocked = {r: host_copies.describe_key(k, table) if k < 0 else table.wiring.transfer(k)
+                   for k, r in waiting.items()}
         lines = [f"rank {r} at node {ptr[r]} ({table.ranks[r][ptr[r]]}) waits for the {blocked[r]}" for r in stuck]
         raise SimulationError("the table cannot complete; " + "; ".join(lines)
                               + ". Run validate(table) for the full diagnosis.")

@@ -1,28 +1,38 @@
 """Activations held per rank: in 1F1B-stage microbatch units and in bytes (the release rule).
 
-Memory on a rank changes only at its own nodes, which run in table order, so the peaks are a property
-of the table and the memory model, not of timing. Both figures come from the one activation counter
-(:mod:`primuspipe.ir.activations`) with the model's ``w_retained_fraction``: a microbatch is held
-from its F until its W, at the retained share between its B and its W — what the device holds.
+Memory on a rank changes at its own nodes. Compute nodes run in table order, so without host copies
+the peaks are a property of the table and the memory model, not of timing. Host copies run beside the
+compute (:mod:`primuspipe.simulator.host_copies`): an OFFLOAD frees the device only when its copy has
+finished, a RELOAD takes the device from its copy's start. So the simulator feeds the one activation
+counter (:mod:`primuspipe.ir.activations`) each rank's parts in *time* order -- compute parts at their
+node's start, an offload at its copy's end, a reload at its copy's start -- with the model's
+``w_retained_fraction`` and ``offload_fraction``: a microbatch is held from its F until its W, at the
+retained share between its B and its W, less the offloaded share while it is on the host.
 """
 
 from __future__ import annotations
 
-from primuspipe.ir.activations import peak_in_flight, running_levels
+from collections.abc import Sequence
+
+from primuspipe.ir.activations import timed_levels
 from primuspipe.ir.cost_model import MemoryCost
 from primuspipe.ir.table import ScheduleTable
 
 
-def peak_activations(table: ScheduleTable, memory: MemoryCost) -> tuple[list[float], list[float]]:
-    """Per rank: (peak microbatch units, as :func:`~primuspipe.ir.activations.peak_in_flight` counts them;
-    peak activation bytes, 0 when bytes are not modelled)."""
-    retained = memory.w_retained_fraction
-    units = peak_in_flight(table, retained)
-    if not memory.models_bytes:
-        return units, [0.0] * table.pp
-    peaks = []
+def peak_activations(table: ScheduleTable, memory: MemoryCost, starts: Sequence[Sequence[float]],
+                     ends: Sequence[Sequence[float]]) -> tuple[list[float], list[float]]:
+    """Per rank: (peak microbatch units, 1F1B-stage microbatches as
+    :func:`~primuspipe.ir.activations.peak_in_flight` counts them; peak activation bytes, 0 when bytes
+    are not modelled), with the nodes' simulated ``starts`` and ``ends``."""
+    retained, offloaded = memory.w_retained_fraction, memory.offload_fraction
+    units, peaks = [], []
     for rank, row in enumerate(table.ranks):
-        stages = table.placement.stages[rank]
-        levels = running_levels(row, lambda chunk: memory.activation_bytes[stages[chunk]], retained)
-        peaks.append(max(levels, default=0.0))
+        levels = timed_levels(row, starts[rank], ends[rank], retained=retained, offloaded=offloaded)
+        units.append(max(levels, default=0.0) / table.vpp)
+        if memory.models_bytes:
+            stages = table.placement.stages[rank]
+            weight = lambda chunk: memory.activation_bytes[stages[chunk]]  # noqa: E731
+            peaks.append(max(timed_levels(row, starts[rank], ends[rank], weight, retained, offloaded), default=0.0))
+        else:
+            peaks.append(0.0)
     return units, peaks

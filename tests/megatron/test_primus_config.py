@@ -35,7 +35,7 @@ def test_cost_file_mapping_in_algorithm_options():
 @pytest.mark.parametrize("values,match", [
     ({"communication_method": "batch_p2p"}, "batch_p2p is not supported.*use 'async_p2p'"),
     ({"communication_method": "nccl"}, "communication_method must be 'async_p2p'"),
-    ({"offload": True}, "offload.*not in this build.*v-half or v-min, or zb-auto under pp_max_mem"),
+    ({"offload": True}, "offload: the Megatron backend does not run OFFLOAD/RELOAD.*v-half or v-min, or zb-auto under pp_max_mem"),
     ({"offload_ops": "attn,mlp"}, r"offload_ops: unknown op\(s\) \['mlp'\]"),
     ({"pp_max_mem": [4, 6]}, "one limit.*give one number"),
     ({"pp_max_mem": 0}, "pp_max_mem must be > 0"),

@@ -74,8 +74,8 @@ class PrimusPipeConfig:
     """Print every newly built table's grid (with its SEND/RECV nodes) on pipeline rank 0, as Primus
     prints its scheduler table."""
     offload: bool = False
-    """Move activations to host memory between F and B (OFFLOAD/RELOAD nodes). Consumed by the offload
-    pass; this build has none yet, so ``true`` is refused."""
+    """Move activations to host memory between F and B (OFFLOAD/RELOAD nodes, docs/offload.md). The
+    Megatron backend does not run them yet, so ``true`` is refused with the reason."""
     offload_ops: str = ""
     """Comma-separated ops whose activations are offloaded (Primus runs ``attn``); empty leaves the choice
     to the offload pass, which consumes it with ``offload``."""
@@ -111,9 +111,9 @@ class PrimusPipeConfig:
         if self.communication_method != ASYNC_P2P:
             raise ConfigError(f"communication_method must be {ASYNC_P2P!r}, got {self.communication_method!r}")
         if self.offload:
-            raise ConfigError("offload: activation offload (OFFLOAD/RELOAD nodes) is coming with the offload pass and "
-                              "is not in this build; set offload: false, and lower activation memory with v-half or "
-                              "v-min, or zb-auto under pp_max_mem")
+            raise ConfigError("offload: the Megatron backend does not run OFFLOAD/RELOAD nodes yet (the plain-torch "
+                              "backend does, docs/offload.md); set offload: false, and lower activation memory with "
+                              "v-half or v-min, or zb-auto under pp_max_mem")
         if unknown := set(self.offload_op_list) - set(OFFLOAD_OPS):
             raise ConfigError(f"offload_ops: unknown op(s) {sorted(unknown)}; known: {', '.join(OFFLOAD_OPS)}")
         if "costs" in self.algorithm_options:

@@ -4,7 +4,8 @@
 loss on the last stage; ``BW`` is one ``torch.autograd.backward`` (as torch.distributed.pipelining's
 full backward); ``B`` computes the input gradients only and leaves the weight-gradient work of its
 microbatch to ``W`` (:mod:`primuspipe.backends.torch.split_backward`). Overlapped nodes (``FB``,
-``FBW``) have no handler of their own: the runner runs their parts in turn.
+``FBW``) have no handler of their own: the runner runs their parts in turn. ``OFFLOAD`` and ``RELOAD``
+move a forward's saved activations to host memory and back (:mod:`primuspipe.runtime.activation_offload`).
 
 Around the compute parts the binder does the resource plan of :mod:`primuspipe.ir.resources`: FSDP
 unshards and reshards, and after the part that completes a stage's last weight gradient, the
@@ -16,6 +17,7 @@ gradient reduction across replicas and the division by the microbatch count
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -24,6 +26,7 @@ import torch
 
 from primuspipe.backends.torch import data_parallel
 from primuspipe.backends.torch.meta import StageMeta, as_tensors, pack
+from primuspipe.runtime.activation_offload import ActivationOffload
 from primuspipe.backends.torch.split_backward import DeferredWeightGrad, backward_input
 from primuspipe.errors import PrimusPipeError
 from primuspipe.ir.kinds import NodeKind
@@ -57,11 +60,13 @@ class StepData:
 
 
 class TorchBinder:
-    """Handlers ``F``, ``B``, ``W``, ``BW`` over this rank's chunk modules, for one step of ``table``."""
+    """Handlers ``F``, ``B``, ``W``, ``BW`` (and, given an :class:`ActivationOffload`, ``OFFLOAD`` and
+    ``RELOAD``) over this rank's chunk modules, for one step of ``table``."""
 
     def __init__(self, table: ScheduleTable, rank: int, modules: Sequence[torch.nn.Module], meta: Sequence[StageMeta],
-                 data: StepData, device: torch.device):
+                 data: StepData, device: torch.device, offload: ActivationOffload | None = None):
         self.modules, self.meta, self.data, self.device = list(modules), list(meta), data, device
+        self.offload = offload
         self.last_stage = table.num_stages - 1
         self.losses: dict[int, torch.Tensor] = {}
         """microbatch -> its loss (detached), on the rank with the last stage."""
@@ -78,8 +83,12 @@ class TorchBinder:
         self._before = {row[i].parts()[0]: actions for i, actions in plan.before.items()}
         self._after = {row[i].parts()[-1]: actions for i, actions in plan.after.items()}
         self._at_end = plan.at_end
-        self.handlers = MappingProxyType({NodeKind.F: self.forward, NodeKind.B: self.backward_input,
-                                          NodeKind.W: self.backward_weight, NodeKind.BW: self.backward})
+        handlers = {NodeKind.F: self.forward, NodeKind.B: self.backward_input, NodeKind.W: self.backward_weight,
+                    NodeKind.BW: self.backward}
+        if offload is not None:
+            handlers.update({NodeKind.OFFLOAD: lambda call: offload.offload(call.chunk, call.microbatch),
+                             NodeKind.RELOAD: lambda call: offload.reload(call.chunk, call.microbatch)})
+        self.handlers = MappingProxyType(handlers)
 
     # -- compute ------------------------------------------------------------------------------------
     def forward(self, call: ComputeCall) -> Any:
@@ -89,14 +98,17 @@ class TorchBinder:
             inputs = self.data.inputs[call.microbatch]
         else:
             inputs = call.received if isinstance(call.received, tuple) else (call.received,)
-        with data_parallel.forward_context(module):
-            output = module(*inputs)
+        saving = self.offload.forward(call.chunk, call.microbatch) if self.offload and self.data.training else nullcontext()
+        with saving:
+            with data_parallel.forward_context(module):
+                output = module(*inputs)
+            if call.stage == self.last_stage and self.data.loss_fn is not None:
+                target = () if self.data.targets is None else (self.data.targets[call.microbatch],)
+                loss = self.data.loss_fn(output, *target)
         if call.stage == self.last_stage:
             if self.data.loss_fn is None:
                 self.outputs[call.microbatch] = output
                 return None
-            target = () if self.data.targets is None else (self.data.targets[call.microbatch],)
-            loss = self.data.loss_fn(output, *target)
             self.losses[call.microbatch] = loss.detach()
             if not self.data.training:
                 self.outputs[call.microbatch] = output

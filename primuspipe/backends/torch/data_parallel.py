@@ -83,16 +83,17 @@ def reduce_gradients(module: torch.nn.Module) -> None:
 
 
 def unshard(module: torch.nn.Module) -> None:
-    for sub in _fsdp_modules(module):
+    for sub in fsdp_modules(module):
         sub.unshard()
 
 
 def reshard(module: torch.nn.Module) -> None:
-    for sub in _fsdp_modules(module):
+    for sub in fsdp_modules(module):
         sub.reshard()
 
 
-def _fsdp_modules(module: torch.nn.Module) -> list[FSDPModule]:
+def fsdp_modules(module: torch.nn.Module) -> list[FSDPModule]:
+    """The FSDP2-sharded modules in ``module`` (itself included)."""
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from primuspipe.backends.torch import data_parallel
 from primuspipe.backends.torch.binder import StepData, TorchBinder
 from primuspipe.backends.torch.meta import StageMeta, infer_stage_meta
+from primuspipe.runtime.activation_offload import ActivationOffload, SavedBytes
 from primuspipe.errors import ConfigError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
@@ -49,12 +50,19 @@ class TorchPipeline:
     FSDP2 or not). ``group`` is the pipeline's process group (default: the whole world), ``device``
     where activations live (default: the first parameter's device). ``watchdog_timeout_s`` turns a
     transfer stuck that long into :class:`~primuspipe.errors.PipelineHangError`; ``dump_dir`` writes
-    each step's timeline (``dump_pp_data``)."""
+    each step's timeline (``dump_pp_data``).
+
+    A table with OFFLOAD/RELOAD nodes (:func:`~primuspipe.passes.offload.offload_activations`) moves
+    saved activations to host memory and back (:mod:`primuspipe.runtime.activation_offload`): all that a
+    chunk's forward saves, or with ``offload_ops`` only what submodules whose names contain one of them
+    save. ``count_saved_bytes`` counts what autograd holds on the device even without offload
+    (:attr:`saved_bytes`)."""
 
     def __init__(self, table: ScheduleTable, stages: Mapping[int, torch.nn.Module], *,
                  loss_fn: Callable[..., torch.Tensor] | None = None, group: Any = None,
                  device: torch.device | str | None = None, scale_grads: bool = True,
-                 watchdog_timeout_s: float = 300.0, dump_dir: str | None = None):
+                 watchdog_timeout_s: float = 300.0, dump_dir: str | None = None,
+                 offload_ops: Sequence[str] = (), count_saved_bytes: bool = False):
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         if dist.get_world_size(self.group) != table.pp:
@@ -74,6 +82,21 @@ class TorchPipeline:
         self.driver = StepDriver(watchdog_timeout_s=watchdog_timeout_s, dump_dir=dump_dir)
         self.meta: list[StageMeta] | None = None
         """Per chunk, what its stage receives and sends; inferred at the first step or eval."""
+        offloads = any(n.kind.on_host_stream for n in self.table.ranks[self.rank])
+        if offload_ops and not offloads:
+            raise ConfigError(f"offload_ops={list(offload_ops)} but rank {self.rank}'s row of the {table.algorithm} "
+                              "table has no OFFLOAD nodes; run primuspipe.passes.offload.offload_activations on it")
+        if offloads and any(data_parallel.fsdp_modules(m) for m in self.modules):
+            raise ConfigError(f"rank {self.rank}'s row of the {table.algorithm} table offloads activations, but its "
+                              "stages are FSDP2-sharded: FSDP frees and re-gathers the weights autograd saved, which "
+                              "offload would copy; run the table without the offload pass, or without fully_shard")
+        self.offload = (ActivationOffload(self.modules, self.device, offload_ops)
+                        if offloads or count_saved_bytes else None)
+
+    @property
+    def saved_bytes(self) -> SavedBytes | None:
+        """What autograd held on the device during the last step (with offload or ``count_saved_bytes``)."""
+        return None if self.offload is None else self.offload.saved
 
     @property
     def has_first_stage(self) -> bool:
@@ -122,7 +145,9 @@ class TorchPipeline:
         loss_fn = self.loss_fn if training or targets is not None else None
         data = StepData(split_inputs, None if targets is None else [t for (t,) in targets], loss_fn, training,
                         m if self.scale_grads else 1)
-        binder = TorchBinder(self.table, self.rank, self.modules, self.meta, data, self.device)
+        if self.offload is not None:
+            self.offload.begin_step()
+        binder = TorchBinder(self.table, self.rank, self.modules, self.meta, data, self.device, self.offload)
         view = self.driver.view(self.table, forward_only=not training)
         self.driver.execute(view, self.rank, binder, self.group, device=self.device, forward_only=not training)
         binder.finish()

@@ -59,6 +59,8 @@ def _traces(timeline: Timeline, marks: set) -> list[go.Bar]:
     for rt in timeline.ranks:
         for e in rt.events:
             entry = (rt.rank, e, (rt.rank, e.node) in marks)
+            if e.node.kind.on_host_stream:
+                continue  # host copies overlap the compute bars; the PNG draws them as lines
             if e.node.kind.is_compute:
                 groups[(e.node.kind, e.node.chunk)].append(entry)
             elif e.node.kind.is_recv:

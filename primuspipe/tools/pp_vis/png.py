@@ -66,11 +66,14 @@ def _draw_panel(ax, timeline: Timeline, span: float, marks: set, show_comm: bool
     """Draw one timeline into ``ax``; returns the (kind, chunk) groups it used, for the legend."""
     ranks = sorted(timeline.ranks, key=lambda r: r.rank)
     groups: dict[tuple[NodeKind, int], tuple[list, list]] = defaultdict(lambda: ([], []))
-    marked, waits = [], []
+    marked, waits, copies = [], [], []
     px_per_unit = _WIDTH_IN * _DPI * 0.86 / span
     for y, rt in enumerate(ranks):
         for e in rt.events:
             node, width = e.node, e.end - e.start
+            if node.kind.on_host_stream:  # OFFLOAD / RELOAD: a copy beside the compute, a thin line above it
+                copies.append([(e.start, y - _BAR / 2 - 0.06), (e.end, y - _BAR / 2 - 0.06)])
+                continue
             if not node.kind.is_compute:
                 if show_comm and node.kind.is_recv and width > 0:
                     waits.append([(e.start, y + _BAR / 2 + 0.04), (e.end, y + _BAR / 2 + 0.04)])
@@ -96,6 +99,8 @@ def _draw_panel(ax, timeline: Timeline, span: float, marks: set, show_comm: bool
                        linewidths=1.5, zorder=3)
     if waits:
         ax.add_collection(LineCollection(waits, colors=style.COMM_COLOR, linewidths=1.2, alpha=0.6))
+    if copies:
+        ax.add_collection(LineCollection(copies, colors=style.kind_color(NodeKind.OFFLOAD), linewidths=1.2))
     ax.set_ylim(len(ranks) - 0.5, -0.5)
     ax.set_yticks(range(len(ranks)), [f"rank {rt.rank}" for rt in ranks])
     for y, rt in enumerate(ranks):
