@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from primuspipe.algorithms import list_algorithms
 from primuspipe.passes.communication import add_communication
-from primuspipe.cli.options import add_shape_arguments, console, parse_options, report_console
-from primuspipe.errors import TableFormatError, ValidationError
+from primuspipe.cli.options import (
+    add_shape_arguments,
+    console,
+    number_type,
+    output_file,
+    parse_options,
+    report_console,
+)
+from primuspipe.errors import ScheduleShapeError, TableFormatError, ValidationError
 from primuspipe.ir.formats import dump_table, load_table, save_table
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.activations import peak_in_flight
@@ -41,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Check a schedule table. A compute-only table is validated as is and again with "
                                    "communication added. Exit status 0 if valid, 1 otherwise.")
     p.add_argument("file", type=Path)
-    p.add_argument("--max-in-flight", type=float, default=None, metavar="MICROBATCHES",
+    p.add_argument("--max-in-flight", type=number_type(minimum=0), default=None, metavar="MICROBATCHES",
                    help="also bound activations held per rank (1F1B-stage microbatch units)")
     p.set_defaults(handler=cmd_validate)
 
@@ -74,12 +81,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    output_file(args.output, "-o")
     table = _build(args)
     if str(args.output) == "-":
         print(dump_table(table, args.format, args.compute_only), end="")
         return 0
     for path in save_table(table, args.output, args.format, args.compute_only):
-        Console(stderr=True).print(f"wrote {path}")
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -90,7 +98,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         validate(table, max_in_flight=args.max_in_flight)
         if not table.has_communication:
             validate(add_communication(table), max_in_flight=args.max_in_flight)
-    except (ValidationError, TableFormatError) as exc:
+    except (ValidationError, TableFormatError, ScheduleShapeError) as exc:
         out.print(f"INVALID {args.file}: {exc}", markup=False)
         return 1
     kind = "full" if table.has_communication else "compute-only"

@@ -7,13 +7,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rich.markup import escape
 from rich.table import Table
 
 from primuspipe.algorithms import get_algorithm, list_algorithms
-from primuspipe.cli.options import add_shape_arguments, parse_options, report_console
+from primuspipe.cli.options import (
+    add_shape_arguments,
+    number_type,
+    numbers_type,
+    output_dir,
+    parse_options,
+    report_console,
+)
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.algorithms.build import build_schedule
+from primuspipe.ir.table import check_shape
 from primuspipe.simulator import CostModel, SimulationResult, read_cost_file, simulate
 from primuspipe.simulator.trace import write_chrome_trace
 
@@ -36,14 +43,6 @@ examples:
   primuspipe simulate --algorithm all --pp 8 -m 32 --cost costs.yaml --memory-limit 8 --json"""
 
 
-def _numbers(text: str) -> float | list[float]:
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number or a comma-separated list of numbers") from None
-    return values[0] if len(values) == 1 else values
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate algorithms under a cost model and rank them by step time",
                        description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,14 +54,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="YAML cost model: compute times, p2p links, memory bytes "
                             "(see primuspipe.ir.cost_model)")
     for flag, what in (("f", "forward (F)"), ("b", "input-grad backward (B)"), ("w", "weight-grad backward (W)")):
-        costs.add_argument(f"--{flag}", type=_numbers, metavar="X",
+        costs.add_argument(f"--{flag}", type=numbers_type, metavar="X",
                            help=f"{what} time of a 1F1B stage: one number, or a comma list with one per stage "
                                 "(default 1)")
-    costs.add_argument("--bw", type=_numbers, metavar="X",
+    costs.add_argument("--bw", type=numbers_type, metavar="X",
                        help="fused backward (BW) time, one number or one per stage (default B + W)")
-    costs.add_argument("--p2p", type=float, metavar="X",
+    costs.add_argument("--p2p", type=number_type(minimum=0), metavar="X",
                        help="time of every cross-rank transfer (replaces the cost file's p2p section; default 0)")
-    p.add_argument("--memory-limit", type=float, metavar="MICROBATCHES",
+    p.add_argument("--memory-limit", type=number_type(minimum=None, above=0), metavar="MICROBATCHES",
                    help="per-rank activation budget in 1F1B-stage microbatches: passed to cost-aware algorithms, "
                         "and any algorithm whose peak exceeds it is marked as not fitting")
     p.add_argument("-o", "--output-dir", type=Path, metavar="DIR",
@@ -74,6 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.output_dir is not None:
+        output_dir(args.output_dir, "-o")
     spec = _cost_spec(args)
     options = parse_options(args.option)
     if args.algorithm == "all":
@@ -117,7 +118,8 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, options: dict) ->
     vpp = get_algorithm(name).resolve_vpp(args.vpp)
     row: dict[str, Any] = {"algorithm": name, "pp": args.pp, "vpp": vpp, "microbatches": args.microbatches}
     try:
-        cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp)
+        check_shape(args.pp, vpp, args.microbatches)
+        cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp, source=str(args.cost) if args.cost else "--f/--b/--w/--bw")
         table = build_schedule(name, args.pp, args.microbatches, vpp, costs=cost.compute,
                                memory_limit=args.memory_limit, **options)
         result = simulate(table, cost)
@@ -148,9 +150,9 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         memory = f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" if row["peak_memory_bytes"] else "-"
         table.add_row(str(k), row["algorithm"], str(row["vpp"]), f"{row['step_time']:g}", f"{row['bubble_rate']:.4f}",
                       f"{row['bubble_rate_mean']:.4f}", f"{row['bubble_rate_span']:.4f}", f"{max(row['peak_activations']):g}", memory,
-                      "yes" if row["fits"] else "[bold red]OVER[/]")
+                      "yes" if row["fits"] else "OVER")
     console = report_console()
     console.print(table)
     for row in refused:
-        reason = escape(row["error"].splitlines()[0])
-        console.print(f"[yellow]not simulated:[/] {row['algorithm']} (vpp={row['vpp']}): {reason}", markup=True)
+        reason = row["error"].splitlines()[0]
+        console.print(f"not simulated: {row['algorithm']} (vpp={row['vpp']}): {reason}")

@@ -32,19 +32,21 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from primuspipe.errors import TableFormatError
+from primuspipe.errors import ScheduleShapeError, TableFormatError
+from primuspipe.ir import strict
 from primuspipe.ir.dataflow import comm_node, transfer_of
-from primuspipe.ir.documents import check_envelope, envelope
+from primuspipe.ir.documents import check_envelope, envelope, write_atomically
 from primuspipe.ir.kinds import NodeKind, all_kinds, overlapped_kind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.resources import Resource, resource_plan
-from primuspipe.ir.table import ScheduleTable
+from primuspipe.ir.table import MAX_NODES, ScheduleTable
 
 SIDECAR_SUFFIX = ".meta.json"
 _SIDECAR_FORMAT, _SIDECAR_VERSION = "primuspipe.torch-csv-meta", 1
-_RESOURCE_RE = re.compile(rf"^(\d+)({'|'.join(r.value for r in Resource)})(\d*)$")
-_OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")
+_RESOURCE_RE = re.compile(rf"([0-9]{{1,12}})({'|'.join(r.value for r in Resource)})([0-9]{{0,12}})", re.ASCII)
+_OVERLAP_RE = re.compile(r"\((.*)\)OVERLAP_F_B")
+_SIDECAR_KEYS = {"format", "version", "algorithm", "microbatches", "pp", "vpp"}
 
 Action = tuple[int, str, int]
 """One parsed single action: ``(stage, torch type, microbatch)``."""
@@ -57,7 +59,7 @@ def _torch_actions() -> dict[str, NodeKind]:
 
 def _action_re() -> re.Pattern:
     names = sorted(_torch_actions(), key=len, reverse=True)  # SEND_F before F
-    return re.compile(rf"^(\d+)({'|'.join(names)})(\d+)$")
+    return re.compile(rf"([0-9]{{1,12}})({'|'.join(names)})([0-9]{{1,12}})", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -127,16 +129,21 @@ def read_torch_csv(text: str, *, microbatches: int | None = None, algorithm: str
 
     ``microbatches`` is the step's microbatch count when known (a sidecar, the caller); otherwise it
     is inferred (see the module docstring)."""
-    rows = [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
+    try:
+        rows = [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
+    except csv.Error as exc:
+        raise TableFormatError(f"the CSV cannot be read: {exc}") from None
     while rows and not any(rows[-1]):
         rows.pop()
     if not rows:
         raise TableFormatError("the CSV holds no actions")
+    if (cells := sum(map(len, rows))) > MAX_NODES:
+        raise TableFormatError(f"the CSV has {cells:,} cells, more than the {MAX_NODES:,} nodes a table may have")
     parsed: list[list[tuple[Action, ...]]] = []
     cells: list[list[str]] = []
     extras: list[tuple[tuple[int, str], ...]] = []
     for r, row in enumerate(rows):
-        extra = tuple((col, cell) for col, cell in enumerate(row) if not cell or _RESOURCE_RE.match(cell))
+        extra = tuple((col, cell) for col, cell in enumerate(row) if not cell or _RESOURCE_RE.fullmatch(cell))
         skip = {col for col, _ in extra}
         cells.append([cell for col, cell in enumerate(row) if col not in skip])
         parsed.append([_parse_action(cell, r) for cell in cells[-1]])
@@ -155,9 +162,9 @@ def from_torch_csv(text: str, algorithm: str = "torch-csv", microbatches: int | 
 
 
 def _parse_action(cell: str, rank: int) -> tuple[Action, ...]:
-    if m := _OVERLAP_RE.match(cell):
+    if m := _OVERLAP_RE.fullmatch(cell):
         return tuple(part for sub in m[1].split(";") for part in _parse_action(sub.strip(), rank))
-    if m := _action_re().match(cell):
+    if m := _action_re().fullmatch(cell):
         return ((int(m[1]), m[2], int(m[3])),)
     raise TableFormatError(
         f"rank {rank}: cannot read action {cell!r}; supported are F, I, W, B, SEND_F, RECV_F, SEND_B, RECV_B "
@@ -187,7 +194,7 @@ def _infer_placement(parsed: list[list[tuple[Action, ...]]]) -> Placement:
 def _check_resource_stages(placement: Placement, extras: list[tuple[tuple[int, str], ...]]) -> None:
     for rank, extra in enumerate(extras):
         for _, cell in extra:
-            if (m := _RESOURCE_RE.match(cell)) and (int(m[1]) >= placement.num_stages or placement.rank_of(int(m[1])) != rank):
+            if (m := _RESOURCE_RE.fullmatch(cell)) and (int(m[1]) >= placement.num_stages or placement.rank_of(int(m[1])) != rank):
                 raise TableFormatError(f"rank {rank}: resource action {cell!r} names stage {m[1]}, which this rank "
                                        f"does not run (its stages: {list(placement.stages[rank])})")
 
@@ -246,15 +253,18 @@ def sidecar_path(path: str | Path) -> Path:
 
 def load_table(path: str | Path) -> ScheduleTable:
     """Read a table from ``.json`` (ours) or ``.csv`` (torch.distributed.pipelining actions, with its
-    sidecar when there is one)."""
+    sidecar when there is one); every error names the file."""
     path = Path(path)
-    text = _read(path)
+    text = strict.read_text(path, "schedule file", error=TableFormatError)
     if path.suffix.lower() != ".csv":
-        return ScheduleTable.from_json(text)
+        return ScheduleTable.from_json(text, str(path))
     meta = _read_sidecar(path)
-    table = from_torch_csv(text, algorithm=meta.get("algorithm", path.stem), microbatches=meta.get("microbatches"))
-    if "pp" in meta and (table.pp, table.vpp) != (meta["pp"], meta["vpp"]):
-        raise TableFormatError(f"{sidecar_path(path)} describes pp={meta['pp']}, vpp={meta['vpp']} but {path} has "
+    try:
+        table = from_torch_csv(text, algorithm=meta.get("algorithm", path.stem), microbatches=meta.get("microbatches"))
+    except (TableFormatError, ScheduleShapeError) as exc:
+        raise TableFormatError(f"{path}: {exc}") from None
+    if (table.pp, table.vpp) != (meta.get("pp", table.pp), meta.get("vpp", table.vpp)):
+        raise TableFormatError(f"{sidecar_path(path)} describes pp={meta.get('pp')}, vpp={meta.get('vpp')} but {path} has "
                                f"pp={table.pp}, vpp={table.vpp}; the sidecar belongs to another schedule (delete it "
                                "or write both again)")
     return table
@@ -265,33 +275,29 @@ def save_table(table: ScheduleTable, path: str | Path, fmt: str | None = None, c
     with its sidecar; returns the files written."""
     path = Path(path)
     fmt = fmt or ("csv" if path.suffix.lower() == ".csv" else "json")
-    path.write_text(dump_table(table, fmt, compute_only))
+    write_atomically(path, dump_table(table, fmt, compute_only))
     if fmt != "csv":
         return [path]
     meta = {**envelope(_SIDECAR_FORMAT, _SIDECAR_VERSION), "algorithm": table.algorithm,
             "microbatches": table.microbatches, "pp": table.pp, "vpp": table.vpp}
-    sidecar_path(path).write_text(json.dumps(meta, indent=1))
+    write_atomically(sidecar_path(path), json.dumps(meta, indent=1))
     return [path, sidecar_path(path)]
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError as exc:
-        raise TableFormatError(f"cannot read schedule file {path}: {exc.strerror}") from exc
 
 
 def _read_sidecar(path: Path) -> dict:
     side = sidecar_path(path)
     if not side.exists():
         return {}
-    try:
-        data = json.loads(_read(side))
-    except json.JSONDecodeError as exc:
-        raise TableFormatError(f"{side} is not valid JSON: {exc}") from exc
-    check_envelope(data, _SIDECAR_FORMAT, _SIDECAR_VERSION, "torch CSV sidecar")
-    if not isinstance(data.get("microbatches"), int) or data["microbatches"] < 1:
-        raise TableFormatError(f"{side}: 'microbatches' must be an integer >= 1, got {data.get('microbatches')!r}")
+    data = strict.load_json(strict.read_text(side, "torch CSV sidecar", error=TableFormatError), str(side),
+                            error=TableFormatError)
+    check_envelope(data, _SIDECAR_FORMAT, _SIDECAR_VERSION, "torch CSV sidecar", str(side))
+    data = strict.keys(data, str(side), _SIDECAR_KEYS, required={"microbatches"}, error=TableFormatError)
+    strict.count(data["microbatches"], f"{side}: microbatches", minimum=1, error=TableFormatError)
+    for key in ("pp", "vpp"):
+        if key in data:
+            strict.count(data[key], f"{side}: {key}", minimum=1, error=TableFormatError)
+    if "algorithm" in data:
+        strict.text(data["algorithm"], f"{side}: algorithm", error=TableFormatError)
     return data
 
 
