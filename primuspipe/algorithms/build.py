@@ -6,9 +6,10 @@ from typing import Any
 
 from primuspipe.algorithms import ScheduleRequest, get_algorithm
 from primuspipe.passes.communication import add_communication
+from primuspipe.ir import strict
 from primuspipe.ir.costs import ComputeCosts
 from primuspipe.errors import ConfigError, ScheduleShapeError
-from primuspipe.ir.table import ScheduleTable
+from primuspipe.ir.table import ScheduleTable, check_shape
 from primuspipe.passes.validation import validate
 
 
@@ -26,7 +27,8 @@ def build_schedule(
     """Build ``algorithm``'s table for the shape, add communication and validate it.
 
     ``vpp`` defaults to what the algorithm requires, else its default (1, or 2 for interleaved-1f1b). Raises :class:`ScheduleShapeError` when the
-    algorithm refuses the shape and :class:`ConfigError` for unknown options.
+    algorithm refuses the shape or it is too large to build (:func:`~primuspipe.ir.table.check_shape`) and
+    :class:`ConfigError` for unknown options or values of the wrong type.
 
     >>> t = build_schedule("1f1b", pp=2, microbatches=3)
     >>> [str(n) for n in t.ranks[1]][:6]
@@ -34,13 +36,15 @@ def build_schedule(
     """
     info = get_algorithm(algorithm)
     vpp = info.resolve_vpp(vpp)
-    if pp < 1 or vpp < 1 or microbatches < 1:
-        raise ScheduleShapeError(f"{algorithm}: pp, vpp and microbatches must be >= 1, got pp={pp}, vpp={vpp}, microbatches={microbatches}")
+    for name, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleShapeError(f"{algorithm}: {name} must be an integer >= 1, got {value!r}")
     if info.vpp is not None and vpp != info.vpp:
         raise ScheduleShapeError(f"{algorithm} needs vpp = {info.vpp}, got vpp = {vpp}")
-    known = {p.name for p in info.options()}
-    if unknown := set(options) - known:
-        raise ConfigError(f"{algorithm} has no option(s) {sorted(unknown)}; its options are {sorted(known) or 'none'}")
+    check_shape(pp, vpp, microbatches)
+    options = info.check_options(options)
+    if memory_limit is not None:
+        strict.number(memory_limit, "memory_limit", above=0)
     if costs is not None and costs.num_stages != pp * vpp:
         raise ConfigError(f"costs describe {costs.num_stages} stages but pp*vpp = {pp * vpp}")
     table = info.build(ScheduleRequest(pp, vpp, microbatches, costs, memory_limit), **options)

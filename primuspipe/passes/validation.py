@@ -12,13 +12,20 @@ The deadlock replay models the runner's communication semantics (docs/design.md 
 
 Under these rules a table hangs exactly when some compute node waits, directly or through a chain of
 ranks, on a transfer that is posted only after it. The replay finds that chain.
+
+**The proof is cached per table.** A table is an immutable value, so once :func:`validate` accepts
+one, :func:`is_proven` says so in O(1) for as long as that table object lives; the runner validates
+any table it has not seen proven (whoever built it) and pays nothing for the ones
+``build_schedule`` and the backends already validated.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict, deque
 
 from primuspipe.errors import ValidationError
+from primuspipe.ir import strict
 from primuspipe.ir.activations import running_levels
 from primuspipe.ir.dataflow import (
     Step,
@@ -34,21 +41,35 @@ from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.table import ScheduleTable
 
 
-def validate(table: ScheduleTable, *, max_in_flight: float | None = None) -> ScheduleTable:
-    """Run every rule; return the table unchanged so calls chain.
+_proven: weakref.WeakValueDictionary[int, ScheduleTable] = weakref.WeakValueDictionary()
+"""``id(table) -> table`` of every table object a full validation accepted (dropped with the table)."""
+
+
+def validate(table: ScheduleTable, *, max_in_flight: float | None = None, complete: bool = True) -> ScheduleTable:
+    """Run every rule (once per table object: see the module docstring); return the table unchanged
+    so calls chain.
 
     ``max_in_flight`` bounds, per rank, the activations held at once (forward done, input-grad backward
-    not yet), in microbatches of one 1F1B stage: a chunk's activation counts ``1/vpp``.
+    not yet), in microbatches of one 1F1B stage: a chunk's activation counts ``1/vpp``. ``complete=False``
+    leaves out completeness, for views that run part of each microbatch's steps (the forward-only view).
     """
-    check_structure(table)
-    check_completeness(table)
-    check_order(table)
-    if table.has_communication:
-        check_pairing(table)
-    check_deadlock(table)
+    if not is_proven(table):
+        check_structure(table)
+        if complete:
+            check_completeness(table)
+        check_order(table)
+        if table.has_communication:
+            check_pairing(table)
+        check_deadlock(table)
+        _proven[id(table)] = table
     if max_in_flight is not None:
-        check_in_flight(table, max_in_flight)
+        check_in_flight(table, strict.number(max_in_flight, "max_in_flight", minimum=0))
     return table
+
+
+def is_proven(table: ScheduleTable) -> bool:
+    """True when :func:`validate` accepted this very table object: it is safe to run."""
+    return _proven.get(id(table)) is table
 
 
 def _fail(table: ScheduleTable, rule: str, what: str, nodes: list[tuple[int, int]], fix: str) -> None:

@@ -57,6 +57,8 @@ class StepDriver:
         """Where each training step's timeline goes (``None``: no dumps)."""
         self.iteration = 0
         """Training (not forward-only) steps run so far: the iteration number of dumps."""
+        self.run_id: str | None = None
+        """The run id every dump of this run carries (agreed by the pipeline's ranks at the first dump)."""
 
     @staticmethod
     def view(table: ScheduleTable, forward_only: bool) -> ScheduleTable:
@@ -67,10 +69,13 @@ class StepDriver:
                 forward_only: bool = False) -> None:
         """Run ``rank``'s row of ``table`` (already :meth:`view`-ed) over ``group``; dump its timeline
         when dumping and training."""
-        from primuspipe.runtime.recorder import StepRecorder
+        from primuspipe.runtime.recorder import StepRecorder, shared_run_id
         from primuspipe.runtime.transport import P2PTransport
 
-        recorder = StepRecorder(device) if self.dump_dir is not None and not forward_only else None
+        recorder = None
+        if self.dump_dir is not None and not forward_only:
+            self.run_id = self.run_id or shared_run_id(group)
+            recorder = StepRecorder(device, self.run_id)
         transport = P2PTransport(group, timeout_s=self.watchdog_timeout_s)
         cached_runner(table, rank).run(binder, transport, recorder)
         if recorder is not None:
