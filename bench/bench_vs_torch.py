@@ -122,7 +122,6 @@ def simulated_bench() -> list[dict]:
     from primuspipe.algorithms.build import build_schedule
     from primuspipe.errors import ScheduleShapeError
     from primuspipe.ir.cost_model import CostModel, split_stages
-    from primuspipe.ir.costs import ComputeCosts
     from primuspipe.ir.formats import from_torch_csv
     from primuspipe.passes.communication import add_communication
     from primuspipe.passes.validation import validate
@@ -138,7 +137,7 @@ def simulated_bench() -> list[dict]:
                 for ours_name, torch_name in SIM_PAIRS:
                     row = {"pp": pp, "microbatches": m, "B:W": ratio, "algorithm": ours_name, "torch": torch_name}
                     try:
-                        ours = build_schedule(ours_name, pp, m, 2, costs=ComputeCosts.per_stage(2 * pp, *per_chunk))
+                        ours = build_schedule(ours_name, pp, m, 2, cost=cost)
                         row["primuspipe_step"] = simulate(ours, cost).step_time
                     except ScheduleShapeError as exc:
                         row["primuspipe_step"], row["primuspipe_refused"] = None, str(exc)

@@ -49,3 +49,7 @@ class SimulationError(PrimusPipeError):
 
 class PipelineHangError(PrimusPipeError):
     """A send or receive did not complete within the watchdog timeout."""
+
+
+class TableMismatchError(PrimusPipeError):
+    """The ranks of one pipeline hold different schedule tables (running them would hang or corrupt)."""

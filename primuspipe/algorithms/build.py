@@ -5,12 +5,28 @@ from __future__ import annotations
 from typing import Any
 
 from primuspipe.algorithms import ScheduleRequest, get_algorithm
-from primuspipe.passes.communication import add_communication
-from primuspipe.ir import strict
-from primuspipe.ir.costs import ComputeCosts
 from primuspipe.errors import ConfigError, ScheduleShapeError
+from primuspipe.ir import strict
+from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.table import ScheduleTable, check_shape
+from primuspipe.passes.communication import add_communication
 from primuspipe.passes.validation import validate
+
+REMOVED_OPTIONS = {
+    "p2p_time": "algorithms take P2P time from the cost model: pass cost=CostModel(..., p2p=P2PCost(...)) "
+                "(CLI: --p2p X or the cost file's p2p section)",
+    "costs": "pass the cost model itself: cost=CostModel(...) (CostModel(compute_costs) wraps per-stage times)",
+}
+"""Keyword arguments that once existed, and what replaced them."""
+
+
+def check_options(algorithm: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` checked for ``algorithm``: a removed one is named with what replaced it, then names and
+    value types (:meth:`~primuspipe.algorithms.registry.AlgorithmInfo.check_options`). Raises :class:`ConfigError`."""
+    if removed := set(options) & set(REMOVED_OPTIONS):
+        name = sorted(removed)[0]
+        raise ConfigError(f"{algorithm}: option {name!r} is gone; {REMOVED_OPTIONS[name]}")
+    return get_algorithm(algorithm).check_options(options)
 
 
 def build_schedule(
@@ -19,14 +35,18 @@ def build_schedule(
     microbatches: int,
     vpp: int | None = None,
     *,
-    costs: ComputeCosts | None = None,
+    cost: CostModel | None = None,
     memory_limit: float | None = None,
     communication: bool = True,
     **options: Any,
 ) -> ScheduleTable:
     """Build ``algorithm``'s table for the shape, add communication and validate it.
 
-    ``vpp`` defaults to what the algorithm requires, else its default (1, or 2 for interleaved-1f1b). Raises :class:`ScheduleShapeError` when the
+    ``vpp`` defaults to what the algorithm requires, else its default (1, or 2 for interleaved-1f1b);
+    an algorithm that chooses its placement (``zb-auto``) picks it unless ``vpp`` is given, and the
+    table says which. ``cost`` is the cost model the table will be judged by (the simulator's);
+    cost-aware algorithms plan with it, and with ``memory_limit`` (1F1B-stage microbatches per rank,
+    counted until W with the model's retained share). Raises :class:`ScheduleShapeError` when the
     algorithm refuses the shape or it is too large to build (:func:`~primuspipe.ir.table.check_shape`) and
     :class:`ConfigError` for unknown options or values of the wrong type.
 
@@ -37,18 +57,24 @@ def build_schedule(
     info = get_algorithm(algorithm)
     vpp = info.resolve_vpp(vpp)
     for name, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
+        if value is None and name == "vpp":
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleShapeError(f"{algorithm}: {name} must be an integer >= 1, got {value!r}")
     if info.vpp is not None and vpp != info.vpp:
         raise ScheduleShapeError(f"{algorithm} needs vpp = {info.vpp}, got vpp = {vpp}")
-    check_shape(pp, vpp, microbatches)
-    options = info.check_options(options)
+    check_shape(pp, vpp or 2, microbatches)  # an algorithm that picks its placement may pick vpp 2
+    options = check_options(algorithm, options)
     if memory_limit is not None:
         strict.number(memory_limit, "memory_limit", above=0)
-    if costs is not None and costs.num_stages != pp * vpp:
-        raise ConfigError(f"costs describe {costs.num_stages} stages but pp*vpp = {pp * vpp}")
-    table = info.build(ScheduleRequest(pp, vpp, microbatches, costs, memory_limit), **options)
-    assert (table.pp, table.vpp, table.microbatches) == (pp, vpp, microbatches), f"{algorithm} built the wrong shape"
+    if cost is not None and cost.num_stages % pp:
+        raise ConfigError(f"the cost model describes {cost.num_stages} stages, which {pp} ranks cannot share")
+    if cost is not None and vpp is not None and cost.num_stages not in (pp, pp * vpp):
+        raise ConfigError(f"the cost model describes {cost.num_stages} stages but pp*vpp = {pp * vpp}; "
+                          "build it for this shape (CostModel.for_shape) or per 1F1B stage")
+    table = info.build(ScheduleRequest(pp, vpp, microbatches, cost, memory_limit), **options)
+    assert (table.pp, table.microbatches) == (pp, microbatches) and vpp in (None, table.vpp), \
+        f"{algorithm} built the wrong shape"
     assert not table.has_communication, f"{algorithm} must return a compute-only table"
     if communication:
         table = add_communication(table)

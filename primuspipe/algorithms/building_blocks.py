@@ -4,30 +4,49 @@ Controllable Memory", NeurIPS 2024).
 A building block is where one microbatch's F and B nodes sit in time on every rank. Repeating it every
 ``period`` (the busiest rank's F+B+W time per microbatch) gives a schedule whose steady state has no
 bubble if no two nodes of one rank overlap modulo the period; the activation memory of a rank is then
-the number of its blocks alive at once, i.e. its lifespans (F start to B end, per chunk) divided by the
+the number of its blocks alive at once, i.e. its lifespans (F start to W end, per chunk) divided by the
 period. So the block decides memory, and how far its chain is stretched decides the start-up and
 cool-down bubble.
 
 The block here is laid out along the microbatch's dependency chain (down the V's forward, back up,
 then the backward the same way), each node at the earliest time after its producer at which its rank
 has that part of the period free (with F = B = W: a chain of 4p chunk nodes, each rank's two lifespans
-adding up to about 4p, so about p/3 microbatches of memory, V-min's). Repeating the block ``m``
-times and sorting each rank's nodes by time gives the F/B order; the list scheduler then runs that
-order as soon as possible (squeezing out the redundant gaps of the repetition) and places the W's in
-the waits (see :class:`~primuspipe.algorithms.list_scheduler.FixedOrder`).
+adding up to about 4p, so about p/3 microbatches of memory, V-min's). Two knobs shape it: ``stretch``
+makes each hop down the pipeline wait one more node length (V-half's block, about p/2 microbatches),
+``turn`` waits before the first backward.
+
+Two ways turn a block into a schedule, and both are kept as candidates:
+
+* :func:`repeated_order`: repeat the block ``m`` times and sort each rank's F/B nodes by time; the list
+  scheduler then runs that order as soon as possible and places the W's in the waits (see
+  :class:`~primuspipe.algorithms.list_scheduler.FixedOrder`). Works with any costs.
+* :func:`squeezed_order`: on the unit time grid of uniform costs, place every W in the rank's first
+  free slot after its B, then *squeeze*: visiting the slots in time order, move each node to the
+  earliest free slot after its inputs where the rank's memory (counted until W) stays within the
+  budget, and in the cool-down to the earliest free slot at all. The squeeze front-loads the warm-up
+  (rank 0 runs forwards until its memory is full) and closes the cool-down's gaps, which the repeated
+  order alone cannot do; the list scheduler then times the squeezed F/B order under the real costs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import deque
+from dataclasses import dataclass, replace
 
 from primuspipe.algorithms.list_scheduler import FixedOrder
 from primuspipe.ir.activations import peak_level
+from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.costs import ComputeCosts
+from primuspipe.ir.dataflow import Step, step_needs
 from primuspipe.ir.node import NodeKind
 from primuspipe.ir.placement import Placement
 
 _EPS = 1e-9
+_SPLIT = (NodeKind.F, NodeKind.B, NodeKind.W)
+
+FBOrder = tuple[tuple[tuple[NodeKind, int], ...], ...]
+"""Per rank, its F and B nodes in order, as ``(kind, chunk)`` (microbatches are implied)."""
 
 
 def _earliest_free(t: float, duration: float, taken: list[tuple[float, float]], period: float) -> float | None:
@@ -61,70 +80,192 @@ class Block:
     period: float
 
 
-def vshape_block(placement: Placement, costs: ComputeCosts, p2p_time: float = 0.0) -> Block | None:
-    """The tightest block: the chain laid out greedily (module doc), P2P time between ranks; None if a
-    node finds no gap of its rank's period long enough (uneven costs can fragment the free time)."""
+def vshape_block(placement: Placement, cost: CostModel, stretch: int = 0, turn: int = 0) -> Block | None:
+    """The block laid out greedily along the chain (module doc), P2P time between ranks; a hop to the
+    next rank down the pipeline first waits ``stretch`` lengths of the node it leaves, and the first
+    backward ``turn`` lengths of the last forward. None if a node finds no gap of its rank's period
+    long enough (uneven costs can fragment the free time)."""
     num_stages = placement.num_stages
+    duration = {(kind, s): cost.duration(kind, s) for kind in _SPLIT for s in range(num_stages)}
     period = max(_EPS, *(
-        sum(costs.forward[s] + costs.backward_input[s] + costs.backward_weight[s]
-            for s in (placement.stage(r, c) for c in range(placement.vpp)))
+        sum(duration[(kind, placement.stage(r, c))] for kind in _SPLIT for c in range(placement.vpp))
         for r in range(placement.pp)
     ))
     chain = [(NodeKind.F, s) for s in range(num_stages)] + [(NodeKind.B, s) for s in reversed(range(num_stages))]
     taken: list[list[tuple[float, float]]] = [[] for _ in range(placement.pp)]
     starts: dict[tuple[NodeKind, int], float] = {}
-    t, previous_rank = 0.0, 0
+    t, previous_rank, previous_length = 0.0, 0, 0.0
     for kind, stage in chain:
         rank = placement.rank_of(stage)
-        duration = costs.forward[stage] if kind is NodeKind.F else costs.backward_input[stage]
-        t = _earliest_free(t + (p2p_time if rank != previous_rank else 0.0), duration, taken[rank], period)
+        if rank != previous_rank:
+            t += cost.p2p.transfer_time(previous_rank, rank) + (stretch * previous_length if rank > previous_rank else 0.0)
+        if kind is NodeKind.B and stage == num_stages - 1:
+            t += turn * previous_length
+        length = duration[(kind, stage)]
+        t = _earliest_free(t, length, taken[rank], period)
         if t is None:
             return None
-        taken[rank].append((t % period, duration))
+        taken[rank].append((t % period, length))
         starts[(kind, stage)] = t
-        t, previous_rank = t + duration, rank
+        t, previous_rank, previous_length = t + length, rank, length
     return Block(starts, period)
 
 
-BLEND_WEIGHTS = (1.0, 0.5, 0.25, 0.125, 0.0)
-"""How much of the real costs' unevenness a block is laid out with (0: the paper's uniform block).
-Uneven costs stretch the chain against the period and so the block's memory; a blend keeps part of
-the adaptation within a budget the real-cost block would exceed."""
+BLEND_WEIGHTS = (1.0, 0.5)
+"""How much of the real costs' unevenness a block is laid out with (the uniform block, weight 0, is
+squeezed on the unit grid instead). Uneven costs stretch the chain against the period and so the
+block's memory; a blend keeps part of the adaptation within a budget the real-cost block would exceed."""
+
+SHAPES = ((0, 0), (0, 2), (1, 0), (1, 2))
+"""The ``(stretch, turn)`` of the uniform blocks squeezed on the unit grid: V-min's tight block and
+V-half's stretched one, each turning at once or two nodes later (which leaves the W's of the turn
+their slots; the paper's blocks use such gaps at some p)."""
 
 
-def blended(costs: ComputeCosts, weight: float) -> ComputeCosts:
-    """``costs`` moved toward their overall mean: weight 1 keeps them, 0 makes every node equal."""
-    values = costs.forward + costs.backward_input + costs.backward_weight
+def blended(cost: CostModel, weight: float) -> CostModel:
+    """``cost`` with compute times moved toward their overall mean: weight 1 keeps them, 0 makes every
+    node equal (P2P time is kept)."""
+    c = cost.compute
+    values = c.forward + c.backward_input + c.backward_weight
     mean = sum(values) / len(values)
 
-    def blend(times: tuple[float, ...]) -> list[float]:
-        return [weight * t + (1 - weight) * mean for t in times]
+    def blend(times: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(weight * t + (1 - weight) * mean for t in times)
 
-    return ComputeCosts.per_stage(costs.num_stages, blend(costs.forward), blend(costs.backward_input),
-                                  blend(costs.backward_weight))
-
-
-def block_orders(placement: Placement, microbatches: int, costs: ComputeCosts, p2p_time: float,
-                 max_chunk_activations: int, max_deferred_w: int) -> list[FixedOrder]:
-    """The distinct repeated-block orders, from the real costs to uniform ones, that fit the budget
-    (each deferring at most ``max_deferred_w`` W's per rank)."""
-    blocks = (vshape_block(placement, blended(costs, weight), p2p_time) for weight in BLEND_WEIGHTS)
-    orders = dict.fromkeys(repeated_order(placement, microbatches, b, max_deferred_w) for b in blocks if b is not None)
-    return [o for o in orders if peak_chunk_activations(o) <= max_chunk_activations]
+    return replace(cost, compute=ComputeCosts(blend(c.forward), blend(c.backward_input), blend(c.backward_weight)),
+                   fused_backward=None)
 
 
-def repeated_order(placement: Placement, microbatches: int, block: Block, pending_w: int) -> FixedOrder:
-    """Each rank's F/B order when the block repeats once per microbatch (deferring at most ``pending_w``
-    W's per rank when it runs)."""
+def block_orders(placement: Placement, microbatches: int, cost: CostModel, memory: float) -> list[FixedOrder]:
+    """The distinct block orders that fit ``memory`` chunk activations (counted until W with the cost
+    model's retained share): the uniform blocks of :data:`SHAPES` squeezed, then the real-cost blocks
+    (blended toward uniform ones) repeated, each run with and without the fill's lookahead."""
+    unit = CostModel.per_stage(placement.num_stages, 1.0, 1.0, 1.0, memory=cost.memory)
+    retained = cost.memory.w_retained_fraction
+    sequences: dict[FBOrder, str] = {}
+    for stretch, turn in SHAPES:
+        if (block := vshape_block(placement, unit, stretch, turn)) is not None:
+            for cooldown in (False, True):
+                if (seq := squeezed_order(placement, microbatches, block, retained, memory, cooldown)) is not None:
+                    sequences.setdefault(seq, f"block stretch={stretch} turn={turn}, squeezed"
+                                              f"{' with its cool-down' if cooldown else ''}")
+    for weight in BLEND_WEIGHTS:
+        if (block := vshape_block(placement, blended(cost, weight))) is not None:
+            sequences.setdefault(repeated_order(placement, microbatches, block), f"block of the costs blended {weight:g}")
+    return [FixedOrder(seq, memory, lookahead, source) for seq, source in sequences.items()
+            if peak_chunk_activations(seq) <= memory + _EPS for lookahead in (False, True)]
+
+
+def repeated_order(placement: Placement, microbatches: int, block: Block) -> FBOrder:
+    """Each rank's F/B order when the block repeats once per microbatch."""
     events: list[list[tuple[float, int, NodeKind, int]]] = [[] for _ in range(placement.pp)]
     for (kind, stage), start in block.starts.items():
         rank, chunk = placement.locate(stage)
         for mb in range(microbatches):
             events[rank].append((start + mb * block.period, mb, kind, chunk))
-    return FixedOrder(tuple(tuple((kind, chunk) for _, _, kind, chunk in sorted(e, key=lambda x: x[:2])) for e in events),
-                      pending_w)
+    return tuple(tuple((kind, chunk) for _, _, kind, chunk in sorted(e, key=lambda x: x[:2])) for e in events)
 
 
-def peak_chunk_activations(order: FixedOrder) -> float:
-    """Most chunk activations any rank holds under the given F/B orders (the one activation counter)."""
-    return max((peak_level(row) for row in order.sequence), default=0.0)
+def squeezed_order(placement: Placement, microbatches: int, block: Block, retained: float, memory: float,
+                   cooldown: bool) -> FBOrder | None:
+    """Each rank's F/B order after repeating a unit-grid block, placing the W's and squeezing (module
+    doc); ``cooldown`` also closes the cool-down's gaps. None if the block's layout holds more than
+    ``memory`` chunk activations (counted until W) on some rank."""
+    grid = _Grid(placement, microbatches, block, retained)
+    if grid.peak > memory + _EPS:
+        return None
+    last_forward = [grid.slot[Step(NodeKind.F, placement.stage(r, placement.vpp - 1), microbatches - 1)]
+                    for r in range(placement.pp)]
+    in_cooldown = {step for r in range(placement.pp) for t, step in grid.rows[r].items() if t > last_forward[r]}
+    grid.squeeze(lambda rank, step: memory)
+    if cooldown:
+        grid.drop_w(in_cooldown)
+        grid.squeeze(lambda rank, step: math.inf if step in in_cooldown else None)
+    return tuple(tuple((step.kind, placement.locate(step.stage)[1]) for _, step in sorted(row.items())
+                       if step.kind is not NodeKind.W) for row in grid.rows)
+
+
+class _Grid:
+    """A repeated block on the unit time grid (one node per slot): who runs in which slot, and what each
+    rank holds after each slot."""
+
+    def __init__(self, placement: Placement, microbatches: int, block: Block, retained: float):
+        self.placement = placement
+        self._needs: dict[tuple[NodeKind, int], list[tuple[NodeKind, int]]] = {}
+        self.delta = {kind: kind.spec.activation_delta(retained) for kind in _SPLIT}
+        self.rows: list[dict[int, Step]] = [{} for _ in range(placement.pp)]
+        self.slot: dict[Step, int] = {}
+        period = round(block.period)
+        for (kind, stage), start in block.starts.items():
+            rank = placement.rank_of(stage)
+            for mb in range(microbatches):
+                self._put(rank, Step(kind, stage, mb), round(start) + mb * period)
+        # each W in the first free slot after its B (first come, first served)
+        self.levels: list[list[float]] = []
+        for rank, row in enumerate(self.rows):
+            waiting: deque[Step] = deque()
+            held, levels, t = 0.0, [], 0
+            end = max(row) + 1
+            while t < end or waiting:
+                step = row.get(t)
+                if step is None and waiting:
+                    step = waiting.popleft()
+                    self._put(rank, step, t)
+                if step is not None:
+                    held += self.delta[step.kind]
+                    if step.kind is NodeKind.B:
+                        waiting.append(Step(NodeKind.W, step.stage, step.microbatch))
+                levels.append(held)
+                t += 1
+            self.levels.append(levels)
+        self.horizon = max(map(len, self.levels))
+        for levels in self.levels:
+            levels.extend([levels[-1]] * (self.horizon - len(levels)))
+        self.peak = max(max(levels) for levels in self.levels)
+
+    def _put(self, rank: int, step: Step, t: int) -> None:
+        assert t not in self.rows[rank], "a block's nodes overlap on the grid"
+        self.rows[rank][t] = step
+        self.slot[step] = t
+
+    def earliest(self, step: Step) -> int:
+        """The first slot after the step's inputs and its predecessor of the same kind and stage."""
+        kind, stage, mb = step
+        if (needs := self._needs.get((kind, stage))) is None:
+            needs = self._needs[(kind, stage)] = [(n.kind, n.stage) for n in step_needs(self.placement, kind, stage, 0)] \
+                if kind is not NodeKind.W else [(NodeKind.B, stage)]
+        slot = self.slot
+        first = max((slot[Step(k, s, mb)] + 1 for k, s in needs), default=0)
+        return max(first, slot[Step(kind, stage, mb - 1)] + 1) if mb else first
+
+    def drop_w(self, steps: set[Step]) -> None:
+        for step in steps:
+            if step.kind is NodeKind.W:
+                del self.rows[self.placement.rank_of(step.stage)][self.slot.pop(step)]
+
+    def squeeze(self, limit) -> None:
+        """Visit the slots in time order (all ranks); move each node to the earliest free slot after its
+        inputs such that the rank's memory stays within ``limit(rank, step)`` (None: leave it) until
+        the slot it leaves."""
+        for t in range(self.horizon):
+            for rank, row in enumerate(self.rows):
+                step = row.get(t)
+                if step is None or (cap := limit(rank, step)) is None:
+                    continue
+                delta, levels, first = self.delta[step.kind], self.levels[rank], self.earliest(step)
+                target, j = None, t - 1
+                while j >= first and levels[j] + delta <= cap + _EPS:  # the slots it may move over
+                    if j not in row:
+                        target = j
+                    j -= 1
+                if target is not None:
+                    for j in range(target, t):
+                        levels[j] += delta
+                    del row[t]
+                    self._put(rank, step, target)
+
+
+def peak_chunk_activations(sequence: FBOrder) -> float:
+    """Most chunk activations any rank holds under the F/B orders alone, each from its F until its B
+    (a lower bound on what any placement of the W's holds, counted until W)."""
+    return max((peak_level(row, retained=0.0) for row in sequence), default=0.0)

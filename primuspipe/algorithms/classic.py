@@ -51,12 +51,15 @@ def one_f_one_b(req: ScheduleRequest) -> ScheduleTable:
 
 @register("interleaved-1f1b", default_vpp=2)
 def interleaved_1f1b(req: ScheduleRequest, *, microbatch_group_size: int | None = None) -> ScheduleTable:
-    """Megatron's interleaved 1F1B: chunks take turns in groups of `microbatch_group_size` microbatches (default pp).
+    """Megatron's interleaved 1F1B: chunks take turns in groups of `microbatch_group_size` microbatches (default: pp, or the least valid size).
 
-    Matches megatron-core's order (``get_schedule_table`` and its warm-up count). Megatron requires the
-    group size in [pp, m] and a last group of 0 or at least pp microbatches; a shorter last group makes
-    ranks wait on each other (the validator proves the deadlock), so it is refused here too. Beyond
-    Megatron, m < pp is accepted as a single group of m microbatches, which validates.
+    Matches megatron-core's order (``get_schedule_table`` and its warm-up count) for every shape Megatron
+    accepts. Megatron requires the group size in [pp, m] and a last group of 0 or at least pp
+    microbatches; a shorter last group makes ranks wait on each other (the validator proves the
+    deadlock). So where pp does not divide m, the default is the least group size that leaves no short
+    last group (pp=4, m=9: 5; pp=2, m=3: 3, one group), which is Megatron's order for that group size,
+    and m < pp is a single group of m microbatches: every m >= 1 builds. A group size given explicitly
+    is checked, not changed.
 
     Its compute order at pp=4, m=4 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
 
@@ -66,14 +69,14 @@ def interleaved_1f1b(req: ScheduleRequest, *, microbatch_group_size: int | None 
         rank 3 | F0 F1 F2 F3 f0 bw0 f1 bw1 f2 bw2 f3 bw3 BW0 BW1 BW2 BW3
     """
     p, v, m = req.pp, req.vpp, req.microbatches
-    g = min(p, m) if microbatch_group_size is None else microbatch_group_size
     require(v >= 2, "interleaved-1f1b", f"needs vpp >= 2, got {v}; use 1f1b for vpp = 1")
+    g = least_group_size(p, m) if microbatch_group_size is None else microbatch_group_size
     require(min(p, m) <= g <= m, "interleaved-1f1b",
             f"microbatch_group_size must be in [min(pp, microbatches)={min(p, m)}, microbatches={m}], got {g}")
     require(m % g == 0 or m % g >= p, "interleaved-1f1b",
             f"the last group would hold {m % g} < pp={p} microbatches (m={m}, group size {g}) and the ranks "
-            "would deadlock; use a microbatch count that is a multiple of the group size or leaves at least "
-            "pp over, or another group size")
+            f"would deadlock; use group size {least_group_size(p, m)} (the default), or a microbatch count that is "
+            "a multiple of the group size or leaves at least pp over")
     groups = [range(start, min(start + g, m)) for start in range(0, m, g)]
     order = [(i, c) for grp in groups for c in range(v) for i in grp]
     forwards = [F(i, c) for i, c in order]
@@ -83,3 +86,14 @@ def interleaved_1f1b(req: ScheduleRequest, *, microbatch_group_size: int | None 
         for r in range(p)
     ]
     return ScheduleTable.build(Placement.interleaved(p, v), m, rows, "interleaved-1f1b")
+
+
+def least_group_size(pp: int, microbatches: int) -> int:
+    """The least group size of at least ``min(pp, m)`` that leaves no short last group (0 or >= pp
+    microbatches over); ``m`` itself always qualifies.
+
+    >>> least_group_size(4, 8), least_group_size(4, 9), least_group_size(2, 3), least_group_size(4, 3)
+    (4, 5, 3, 3)
+    """
+    return next(g for g in range(min(pp, microbatches), microbatches + 1)
+                if microbatches % g == 0 or microbatches % g >= pp)

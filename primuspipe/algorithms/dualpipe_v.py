@@ -14,52 +14,12 @@ Runners that cannot overlap two microbatches get the same order with each FB low
 
 from __future__ import annotations
 
-from collections import deque
-
-from primuspipe.algorithms.phases import require
+from primuspipe.algorithms.phases import RankProgram, require
 from primuspipe.algorithms.registry import ScheduleRequest, register
-from primuspipe.ir.node import FB, B, F, NodeKind, ScheduleNode, W
+from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.passes.overlap import lower_overlap
 from primuspipe.ir.table import ScheduleTable
-
-
-class _RankProgram:
-    """One rank's node list under construction: next microbatch per chunk and kind, deferred W's."""
-
-    def __init__(self) -> None:
-        self.nodes: list[ScheduleNode] = []
-        self.next_f = [0, 0]
-        self.next_b = [0, 0]
-        self.deferred: deque[tuple[int, int]] = deque()
-
-    def _take(self, counters: list[int], chunk: int) -> int:
-        counters[chunk] += 1
-        return counters[chunk] - 1
-
-    def forward(self, chunk: int) -> None:
-        self.nodes.append(F(self._take(self.next_f, chunk), chunk))
-
-    def _finish_backward(self, mb: int, chunk: int, zero_bubble: bool) -> None:
-        if zero_bubble:
-            self.deferred.append((mb, chunk))
-        else:
-            self.nodes.append(W(mb, chunk))
-
-    def backward(self, chunk: int, *, zero_bubble: bool = False) -> None:
-        mb = self._take(self.next_b, chunk)
-        self.nodes.append(B(mb, chunk))
-        self._finish_backward(mb, chunk, zero_bubble)
-
-    def forward_backward(self, f_chunk: int, b_chunk: int) -> None:
-        """Overlapped F of the next microbatch of ``f_chunk`` and full backward of ``b_chunk``'s."""
-        f_mb = self._take(self.next_f, f_chunk)
-        b_mb = self._take(self.next_b, b_chunk)
-        self.nodes.append(FB(f_mb, f_chunk, b_mb, b_chunk))
-        self._finish_backward(b_mb, b_chunk, zero_bubble=False)
-
-    def weight(self) -> None:
-        self.nodes.append(W(*self.deferred.popleft()))
 
 
 def dualpipe_v_rank(p: int, m: int, rank: int) -> list[ScheduleNode]:
@@ -67,7 +27,7 @@ def dualpipe_v_rank(p: int, m: int, rank: int) -> list[ScheduleNode]:
     chunk 0, ``F0B1`` an overlapped pair, a trailing ``W`` a deferred weight gradient. Every count is
     the rank's place in the V: ``below`` ranks lie between it and the bottom of the V, ``above``
     (= rank) between it and the top."""
-    prog = _RankProgram()
+    prog = RankProgram()
     below, above = p - rank - 1, rank
     bottom = rank == p - 1
     warmup_f0 = 2 * below  # nF0: until microbatch 0 comes back up the V to chunk 1

@@ -1,18 +1,22 @@
-"""Greedy list scheduling of split-backward (F / B / W) nodes under a per-rank activation cap.
+"""Greedy list scheduling of split-backward (F / B / W) nodes under a per-rank memory budget.
 
 The zero-bubble papers build their schedules the same way once the memory budget is fixed: every rank
 runs, whenever it is free, the most useful node that can start now — a backward (frees memory and feeds
 the backward wave) or a forward (feeds the forward wave) — and spends any wait on a deferred weight-grad
-W, whose only dependant is the optimizer. The memory cap alone shapes the phases:
+W, whose only dependant is the optimizer. The budget alone shapes the phases:
 
-* warm-up: forwards until the rank holds ``cap`` activations (so the cap *is* the warm-up count);
+* warm-up: forwards until the rank holds its cap of activations (so the cap *is* the warm-up count);
 * steady: a backward frees a slot, a forward takes it, and W's fill the gaps between arrivals;
 * cool-down: the remaining backwards, with the deferred W's filling the waits and draining at the end.
 
-Decisions are taken against the real per-stage costs (and P2P time), so non-uniform F/B/W costs move
-the W's into the gaps they actually fit. The result is a feasible timed execution of the order it
-returns, so its makespan is an upper bound on what an as-soon-as-possible simulation of the same table
-reports.
+Memory is counted as the device holds it (:mod:`primuspipe.ir.activations`): a microbatch from its F
+until its W, at the cost model's retained share between its B and its W. A deferred W therefore holds
+memory, and a forward that would exceed the budget waits for W's to run first: the budget bounds the
+warm-up and the W's held back together, whatever the number of microbatches.
+
+Decisions are taken against the request's cost model (per-stage times, P2P time between ranks), so
+non-uniform F/B/W costs move the W's into the gaps they actually fit. The result is a feasible timed
+execution of the order it returns; callers compare candidates by simulating them.
 
 Forwards and backwards of one chunk run in microbatch order (microbatches are interchangeable, so an
 exchange argument shows this loses nothing); W's run in the order their B's finished.
@@ -21,50 +25,58 @@ Two fills share one event loop (:func:`_fill`) and differ only in their candidat
 
 * :func:`greedy_fill` (a :class:`FillPolicy`): the next F and B of every chunk that the caps allow;
 * :func:`fixed_order_fill` (a :class:`FixedOrder`): each rank's next F or B of a constructed order
-  (e.g. a repeated building block), so the order fixes the activation memory and the fill squeezes
-  the constructed timing to as-soon-as-possible and moves W's into the waits.
+  (e.g. a repeated building block), so the order fixes when activations are taken and the fill
+  squeezes the constructed timing to as-soon-as-possible and moves W's into the waits.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import logging
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from primuspipe.ir.costs import ComputeCosts
+from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.dataflow import step_needs
 from primuspipe.errors import ScheduleShapeError
 from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
+from primuspipe.simulator import simulate
 
+
+logger = logging.getLogger(__name__)
 
 _SCHEDULED = (NodeKind.F, NodeKind.B, NodeKind.W)
 """The kinds this scheduler places: a split backward, one node per step."""
+
+_EPS = 1e-9
 
 
 @dataclass(frozen=True)
 class FillPolicy:
     """How a free rank picks its next node.
 
-    ``cap[r]`` bounds the activations rank ``r`` holds (forward done, input-grad B not yet), counted in
-    *chunk* activations, and, unless ``pending_w`` says otherwise, also the weight-grad W's it may keep
-    pending: a W needs the inputs of every GEMM, most of a layer's activations, so W's are deferred only
-    while fewer than that many wait, which keeps memory bounded independently of the number of
-    microbatches. ``reserve`` slots stay free for forwards of the rank's last chunk: a V-shape
-    rank that filled its memory with chunk-0 forwards could never run the chunk-1 forward that starts
-    the backward wave. ``backward_first`` breaks a tie between a ready B and a ready F.
+    ``memory[r]`` is rank ``r``'s budget: the chunk activations it may hold, counted until W (the
+    module docstring). ``in_flight[r]`` bounds the forwards whose B has not run yet, which is the
+    warm-up length (ZB-H1 warms rank r up with p - r forwards inside 1F1B's memory of p). ``reserve``
+    slots of both stay free for forwards of the rank's last chunk: a V-shape rank that filled its
+    memory with chunk-0 forwards could never run the chunk-1 forward that starts the backward wave.
+    ``backward_first`` breaks a tie between a ready B and a ready F.
     """
 
-    cap: tuple[int, ...]
+    in_flight: tuple[int, ...]
+    memory: tuple[float, ...]
     reserve: int = 0
     backward_first: bool = True
-    pending_w: tuple[int, ...] | None = None
-    """Per rank, how many W's may wait at once, if not ``cap``."""
 
-    def w_limit(self, rank: int) -> int:
-        return (self.pending_w or self.cap)[rank]
+    def __str__(self) -> str:
+        caps = f"{self.in_flight[0]}" if len(set(self.in_flight)) == 1 else "-".join(map(str, self.in_flight))
+        return (f"greedy fill, in flight {caps}, memory {max(self.memory):g}, reserve {self.reserve}, "
+                f"{'B' if self.backward_first else 'F'} first")
 
 
 @dataclass(frozen=True)
@@ -72,66 +84,72 @@ class FixedOrder:
     """Every rank runs its F's and B's in a given order; only the W's are placed by the fill.
 
     ``sequence[r]`` lists rank ``r``'s F and B nodes as (kind, chunk); the microbatch of each is implied
-    (one chunk's forwards and backwards run in microbatch order). ``pending_w`` bounds the W's a rank
-    keeps pending, as in :class:`FillPolicy`: a forward waits for a W to run first when that many wait.
+    (one chunk's forwards and backwards run in microbatch order). ``memory`` is each rank's budget in
+    chunk activations counted until W: a forward that would exceed it waits for deferred W's to run.
     """
 
     sequence: tuple[tuple[tuple[NodeKind, int], ...], ...]
-    pending_w: int
+    memory: float
+    lookahead: bool = False
+    """Whether a rank whose next node is not ready may run a later one of the order that is."""
+    source: str = "a fixed order"
+    """Where the order comes from, for people (e.g. a building block's shape)."""
 
-    def w_limit(self, rank: int) -> int:
-        return self.pending_w
+    def __str__(self) -> str:
+        return f"{self.source}{', lookahead' if self.lookahead else ''}"
 
 
 @dataclass(frozen=True)
 class TimedRows:
-    """The per-rank node order the scheduler chose and the makespan its own timing gives (policies are
-    compared by it; the simulator measures the chosen table)."""
+    """The per-rank node order the scheduler chose and the makespan its own timing gives."""
 
     rows: tuple[tuple[ScheduleNode, ...], ...]
     makespan: float
 
 
-def unit_costs(num_stages: int) -> ComputeCosts:
-    """F = B = W = 1 on every stage: the costs shape-only algorithms plan with."""
-    return ComputeCosts.per_stage(num_stages, 1.0, 1.0, 1.0)
-
-
 class Candidate(NamedTuple):
     """A node a free rank could run next, and when its inputs are there (None: a producer is not
-    scheduled yet)."""
+    scheduled yet); of the ready ones the rank runs the one of least ``priority``."""
 
     kind: NodeKind
     chunk: int
     microbatch: int
     ready: float | None
+    priority: tuple = ()
 
 
 class _Pipeline:
-    """The state both fills share: what ran where and when, per rank."""
+    """The state both fills share: what ran where and when, and what each rank holds."""
 
-    def __init__(self, placement: Placement, microbatches: int, costs: ComputeCosts, p2p_time: float):
+    def __init__(self, placement: Placement, microbatches: int, cost: CostModel):
         pp, vpp = placement.pp, placement.vpp
         self.placement, self.m = placement, microbatches
         self.finish: dict[tuple[NodeKind, int, int], float] = {}  # (step kind, stage, mb) -> end time
         self.clock = [0.0] * pp
-        self.held = [0.0] * pp  # chunk activations held (the one counter's F -> B rule)
+        self.in_flight = [0] * pp  # forwards whose B has not run
+        self.held = [0.0] * pp  # chunk activations held, counted until W (the one counter's rule)
+        self.delta = {kind: kind.spec.activation_delta(cost.memory.w_retained_fraction) for kind in _SCHEDULED}
         self.next_f = [[0] * vpp for _ in range(pp)]
         self.next_b = [[0] * vpp for _ in range(pp)]
         self.w_queue: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]
         self.rows: list[list[ScheduleNode]] = [[] for _ in range(pp)]
         self.remaining = [len(_SCHEDULED) * microbatches * vpp] * pp
-        self.durations = {kind: costs.of(kind) for kind in _SCHEDULED}
+        self.durations = {kind: [cost.duration(kind, s) for s in range(placement.num_stages)] for kind in _SCHEDULED}
         # (kind, stage) -> [(needed step kind, needed stage, delay)]: dataflow's rules, resolved once
         self.needs = {
             (kind, placement.stage(r, c)): [
-                (need.kind, need.stage, p2p_time if placement.rank_of(need.stage) != r else 0.0)
+                (need.kind, need.stage, 0.0 if (src := placement.rank_of(need.stage)) == r
+                 else cost.p2p.transfer_time(src, r))
                 for need in step_needs(placement, kind, placement.stage(r, c), 0)
             ]
             for kind in _SCHEDULED for r in range(pp) for c in range(vpp)
         }
 
-    def candidate(self, rank: int, kind: NodeKind, chunk: int) -> Candidate:
+    def fits_forward(self, rank: int, limit: float) -> bool:
+        """Whether one more forward keeps the rank's memory (counted until W) within ``limit``."""
+        return self.held[rank] + self.delta[NodeKind.F] <= limit + _EPS
+
+    def candidate(self, rank: int, kind: NodeKind, chunk: int, priority: tuple) -> Candidate:
         """The next ``kind`` node of ``chunk`` on ``rank``, with the time its inputs are there."""
         mb = (self.next_f if kind is NodeKind.F else self.next_b)[rank][chunk]
         t: float | None = 0.0
@@ -141,7 +159,7 @@ class _Pipeline:
                 t = None
                 break
             t = max(t, done + delay)
-        return Candidate(kind, chunk, mb, t)
+        return Candidate(kind, chunk, mb, t, priority)
 
     def run(self, rank: int, kind: NodeKind, chunk: int, mb: int, start: float) -> None:
         stage = self.placement.stage(rank, chunk)
@@ -150,11 +168,13 @@ class _Pipeline:
         self.clock[rank] = end
         self.remaining[rank] -= 1
         self.rows[rank].append(ScheduleNode(kind, mb, chunk))
-        self.held[rank] += kind.spec.activation_delta()
+        self.held[rank] += self.delta[kind]
         if kind is NodeKind.F:
             self.next_f[rank][chunk] += 1
+            self.in_flight[rank] += 1
         elif kind is NodeKind.B:
             self.next_b[rank][chunk] += 1
+            self.in_flight[rank] -= 1
             self.w_queue[rank].append((mb, chunk))
 
     def run_deferred_w(self, rank: int, start: float) -> None:
@@ -165,68 +185,85 @@ class _Pipeline:
         return self.durations[NodeKind.W][self.placement.stage(rank, self.w_queue[rank][0][1])]
 
 
-def greedy_fill(placement: Placement, microbatches: int, costs: ComputeCosts, policy: FillPolicy, *,
-                p2p_time: float = 0.0, algorithm: str = "list-schedule") -> TimedRows:
+def greedy_fill(placement: Placement, microbatches: int, cost: CostModel, policy: FillPolicy, *,
+                algorithm: str = "list-schedule") -> TimedRows:
     """The zero-bubble papers' heuristic (module doc): a free rank runs the best ready F or B the caps
     allow, else a deferred W. Raises ScheduleShapeError if the caps stall it."""
     pp, vpp = placement.pp, placement.vpp
-    assert len(policy.cap) == pp
-    for r, cap in enumerate(policy.cap):
-        if cap < 1 + policy.reserve:
+    assert len(policy.in_flight) == len(policy.memory) == pp
+    for r, cap in enumerate(policy.memory):
+        if min(cap, policy.in_flight[r]) < 1 + policy.reserve:
             raise ScheduleShapeError(
-                f"{algorithm}: rank {r} may hold {cap} chunk activations, but needs at least "
+                f"{algorithm}: rank {r} may hold {cap:g} chunk activations, but needs at least "
                 f"{1 + policy.reserve} to make progress; raise the memory limit"
             )
-    state = _Pipeline(placement, microbatches, costs, p2p_time)
-    forward_room = NodeKind.F.spec.activation_delta()
+    state = _Pipeline(placement, microbatches, cost)
 
     def candidates(rank: int) -> list[Candidate]:
-        """The next B and F of each chunk that the memory cap and the W limit allow."""
+        """The next B and F of each chunk that the caps allow."""
         out = []
         for c in range(vpp):
+            later_stage_first = -placement.stage(rank, c)
             if state.next_b[rank][c] < state.next_f[rank][c]:
-                out.append(state.candidate(rank, NodeKind.B, c))
-            room = policy.cap[rank] - (0 if c == vpp - 1 else policy.reserve)
-            if (state.next_f[rank][c] < microbatches and state.held[rank] + forward_room <= room
-                    and len(state.w_queue[rank]) < policy.w_limit(rank)):
-                out.append(state.candidate(rank, NodeKind.F, c))
+                out.append(state.candidate(rank, NodeKind.B, c, (first.index(NodeKind.B), later_stage_first)))
+            reserve = 0 if c == vpp - 1 else policy.reserve
+            if (state.next_f[rank][c] < microbatches and state.in_flight[rank] + 1 <= policy.in_flight[rank] - reserve
+                    and state.fits_forward(rank, policy.memory[rank] - reserve)):
+                out.append(state.candidate(rank, NodeKind.F, c, (first.index(NodeKind.F), later_stage_first)))
         return out
 
     first = (NodeKind.B, NodeKind.F) if policy.backward_first else (NodeKind.F, NodeKind.B)
-    return _fill(state, candidates, lambda rank, cands, t: True, first, policy, algorithm)
+    return _fill(state, candidates, lambda rank, cands, t: True, policy, algorithm)
 
 
-def fixed_order_fill(placement: Placement, microbatches: int, costs: ComputeCosts, order: FixedOrder, *,
-                     p2p_time: float = 0.0, algorithm: str = "list-schedule") -> TimedRows:
+def fixed_order_fill(placement: Placement, microbatches: int, cost: CostModel, order: FixedOrder, *,
+                     algorithm: str = "list-schedule") -> TimedRows:
     """Each rank runs its F/B nodes in ``order`` as soon as possible; a deferred W fills a wait only
-    where it holds up nothing known to be ready before it would end."""
+    where it holds up nothing known to be ready before it would end, and runs before a forward that
+    would otherwise exceed the memory budget. With ``order.lookahead`` a rank whose next node is not
+    ready runs the earliest later node of the order that is (and fits), as a squeeze of the
+    constructed timing would move it into the wait."""
     assert len(order.sequence) == placement.pp
-    state = _Pipeline(placement, microbatches, costs, p2p_time)
+    state = _Pipeline(placement, microbatches, cost)
+    # per rank, (kind, chunk) -> positions in the order of its nodes (consumed in microbatch order)
+    positions = []
+    for row in order.sequence:
+        where: dict[tuple[NodeKind, int], list[int]] = {}
+        for i, key in enumerate(row):
+            where.setdefault(key, []).append(i)
+        positions.append(where)
 
     def candidates(rank: int) -> list[Candidate]:
-        """The rank's next node of the order, unless a deferred W must run first."""
-        done = sum(state.next_f[rank]) + sum(state.next_b[rank])
-        if done == len(order.sequence[rank]):
-            return []
-        kind, chunk = order.sequence[rank][done]
-        if kind is NodeKind.F and len(state.w_queue[rank]) >= order.w_limit(rank):
-            return []
-        return [state.candidate(rank, kind, chunk)]
+        """The rank's next node of the order (with lookahead, the next of every (kind, chunk)), unless
+        deferred W's must run first to make room for a forward."""
+        out = []
+        for (kind, chunk), where in positions[rank].items():
+            done = (state.next_f if kind is NodeKind.F else state.next_b)[rank][chunk]
+            if done < len(where):
+                out.append((where[done], kind, chunk))
+        out.sort()
+        if not order.lookahead:
+            out = out[:1]
+        return [state.candidate(rank, kind, chunk, (i,)) for i, kind, chunk in out
+                if kind is not NodeKind.F or state.fits_forward(rank, order.memory - skipped_forwards(rank, i))]
+
+    def skipped_forwards(rank: int, position: int) -> int:
+        """Forwards of the order before ``position`` not run yet: room a node run ahead of them keeps."""
+        return sum(bisect.bisect_left(where, position) - state.next_f[rank][chunk]
+                   for (kind, chunk), where in positions[rank].items() if kind is NodeKind.F)
 
     def w_may_run(rank: int, cands: list[Candidate], t: float) -> bool:
         w_end = t + state.next_w_time(rank)
-        return not any(c.ready is not None and c.ready < w_end - 1e-9 for c in cands)
+        return not any(c.ready is not None and c.ready < w_end - _EPS for c in cands)
 
-    return _fill(state, candidates, w_may_run, (NodeKind.B, NodeKind.F), order, algorithm)
+    return _fill(state, candidates, w_may_run, order, algorithm)
 
 
-def _fill(state: _Pipeline, candidates, w_may_run, preference: tuple[NodeKind, NodeKind],
-          policy: FillPolicy | FixedOrder, algorithm: str) -> TimedRows:
-    """The event loop both fills share: ranks in (clock, rank) order; a rank runs a ready candidate
-    (``preference`` breaks kind ties, then the later stage), else a deferred W where ``w_may_run``,
-    else waits for its earliest known candidate or sleeps until a neighbour schedules something."""
+def _fill(state: _Pipeline, candidates, w_may_run, policy: FillPolicy | FixedOrder, algorithm: str) -> TimedRows:
+    """The event loop both fills share: ranks in (clock, rank) order; a rank runs its ready candidate
+    of least priority, else a deferred W where ``w_may_run``, else waits for its earliest known
+    candidate or sleeps until a neighbour schedules something."""
     placement = state.placement
-    rank_of_kind = {kind: i for i, kind in enumerate(preference)}
     awake = [(0.0, r) for r in range(placement.pp)]
     asleep: set[int] = set()
     neighbours = [
@@ -238,7 +275,7 @@ def _fill(state: _Pipeline, candidates, w_may_run, preference: tuple[NodeKind, N
         cands = candidates(rank)
         now = [c for c in cands if c.ready is not None and c.ready <= t]
         if now:
-            best = min(now, key=lambda c: (rank_of_kind[c.kind], -placement.stage(rank, c.chunk)))
+            best = min(now, key=lambda c: c.priority)
             state.run(rank, best.kind, best.chunk, best.microbatch, t)
             for r in asleep & neighbours[placement.stage(rank, best.chunk)]:
                 asleep.discard(r)
@@ -260,45 +297,84 @@ def _fill(state: _Pipeline, candidates, w_may_run, preference: tuple[NodeKind, N
     return TimedRows(tuple(tuple(r) for r in state.rows), max(state.clock))
 
 
-def list_schedule(placement: Placement, microbatches: int, costs: ComputeCosts, policy: FillPolicy | FixedOrder, *,
-                  p2p_time: float = 0.0, algorithm: str = "list-schedule") -> TimedRows:
+def list_schedule(placement: Placement, microbatches: int, cost: CostModel, policy: FillPolicy | FixedOrder, *,
+                  algorithm: str = "list-schedule") -> TimedRows:
     """:func:`greedy_fill` for a :class:`FillPolicy`, :func:`fixed_order_fill` for a :class:`FixedOrder`."""
     fill = greedy_fill if isinstance(policy, FillPolicy) else fixed_order_fill
-    return fill(placement, microbatches, costs, policy, p2p_time=p2p_time, algorithm=algorithm)
+    return fill(placement, microbatches, cost, policy, algorithm=algorithm)
 
 
 def _limits(policy: FillPolicy | FixedOrder) -> str:
     if isinstance(policy, FixedOrder):
-        return f"a fixed F/B order and at most {policy.pending_w} deferred W's per rank"
-    return f"at most {policy.cap} chunk activations per rank"
+        return f"a fixed F/B order and at most {policy.memory:g} chunk activations per rank (counted until W)"
+    return f"at most {policy.memory} chunk activations per rank (counted until W)"
+
+
+SHORTLIST = 4
+"""How many of the fills with the shortest own makespan the simulator times to pick the answer. With
+free P2P the fill's timing is the simulator's (as soon as possible in the given order), so the first
+is already the fastest; with P2P time the simulator's rendezvous can reorder close candidates."""
+
+
+class Filled(NamedTuple):
+    """A candidate table, where it comes from (for people), and its step time (the fill's own timing
+    before :func:`fastest`, the simulator's after)."""
+
+    table: ScheduleTable
+    source: str
+    step_time: float
+
+
+def fill_all(placement: Placement, microbatches: int, cost: CostModel, policies: Sequence[FillPolicy | FixedOrder], *,
+             algorithm: str) -> list[Filled]:
+    """Every policy's table, timed by the fill (a table two policies give is kept once, as the first's);
+    policies that stall are skipped."""
+    filled: dict[tuple, Filled] = {}
+    for policy in policies:
+        try:
+            result = list_schedule(placement, microbatches, cost, policy, algorithm=algorithm)
+        except ScheduleShapeError:
+            continue
+        if result.rows not in filled:
+            table = ScheduleTable.build(placement, microbatches, result.rows, algorithm)
+            filled[result.rows] = Filled(table, str(policy), result.makespan)
+    return list(filled.values())
+
+
+def shortlist(filled: Sequence[Filled], size: int = SHORTLIST) -> list[Filled]:
+    """The ``size`` candidates of least step time (the earlier of equals)."""
+    return sorted(filled, key=lambda c: c.step_time)[:size]
+
+
+def fastest(candidates: Iterable[Filled], cost: CostModel) -> Filled:
+    """The candidate with the shortest step under ``cost`` as the simulator times it (the first of
+    equals), so an algorithm that builds several keeps the one the user will measure."""
+    best: Filled | None = None
+    for candidate in candidates:
+        step = simulate(candidate.table, cost).step_time
+        if best is None or step < best.step_time - _EPS:
+            best = candidate._replace(step_time=step)
+    assert best is not None, "no candidate to choose from"
+    return best
 
 
 def best_fill(
     placement: Placement,
     microbatches: int,
-    costs: ComputeCosts | None,
-    policies: list[FillPolicy | FixedOrder],
+    cost: CostModel,
+    policies: Sequence[FillPolicy | FixedOrder],
     *,
-    p2p_time: float = 0.0,
     algorithm: str,
+    also: Sequence[Filled] = (),
 ) -> ScheduleTable:
-    """The table of the policy with the shortest makespan under ``costs`` (unit costs if None).
-
-    Policies that stall are skipped; if all stall the last error is raised. Ties keep the earlier policy,
-    so list the preferred (usually lower-memory) policy first.
-    """
-    costs = costs or unit_costs(placement.num_stages)
-    best: TimedRows | None = None
-    error: ScheduleShapeError | None = None
-    for policy in policies:
-        try:
-            timed = list_schedule(placement, microbatches, costs, policy, p2p_time=p2p_time, algorithm=algorithm)
-        except ScheduleShapeError as exc:
-            error = exc
-            continue
-        if best is None or timed.makespan < best.makespan - 1e-9:
-            best = timed
-    if best is None:
-        assert error is not None
-        raise error
-    return ScheduleTable.build(placement, microbatches, best.rows, algorithm)
+    """The fastest, as the simulator times it under ``cost``, of the :data:`SHORTLIST` fills with the
+    shortest makespan and the ready-made candidates ``also``. Raises ScheduleShapeError if every policy
+    stalls and nothing else is given. Ties keep the earlier policy, so list the preferred (usually
+    lower-memory) policy first."""
+    filled = fill_all(placement, microbatches, cost, policies, algorithm=algorithm)
+    if not filled and not also:
+        raise ScheduleShapeError(f"{algorithm}: every construction stalls for pp={placement.pp}, {microbatches} "
+                                 "microbatches within the memory budget; raise the memory limit")
+    winner = fastest([*shortlist(filled), *also], cost)
+    logger.debug("%s: %s wins, step %g (%d candidates)", algorithm, winner.source, winner.step_time, len(filled) + len(also))
+    return replace(winner.table, algorithm=algorithm)

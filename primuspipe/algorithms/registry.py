@@ -22,7 +22,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from primuspipe.ir import strict
-from primuspipe.ir.costs import ComputeCosts
+from primuspipe.ir.cost_model import CostModel, MemoryCost
 from primuspipe.errors import ConfigError, DuplicateAlgorithmError, PrimusPipeError, UnknownAlgorithmError
 from primuspipe.ir.table import ScheduleTable
 
@@ -43,12 +43,27 @@ class ScheduleRequest:
     """The shape an algorithm is asked to schedule, plus what cost-aware algorithms may use."""
 
     pp: int
-    vpp: int
+    vpp: int | None
+    """Chunks per rank; None only for an algorithm that chooses its placement (``zb-auto``)."""
     microbatches: int
-    costs: ComputeCosts | None = None
-    """Per-stage F/B/W times; algorithms that need none ignore it."""
+    cost: CostModel | None = None
+    """The cost model the table will be judged by (the simulator's: per-stage times, P2P, what W keeps
+    of the activations); None means F = B = W = 1 per 1F1B stage, free P2P, the default memory model."""
     memory_limit: float | None = None
-    """Per-rank bound on activations held, in microbatches of one 1F1B stage; None means unbounded."""
+    """Per-rank bound on activations held, in microbatches of one 1F1B stage, each counted from its F
+    until its W (docs/design.md §4); None means unbounded."""
+
+    def cost_model(self, vpp: int | None = None) -> CostModel:
+        """The cost model for ``pp * vpp`` stages (the request's vpp by default), re-cut from the given
+        one (:meth:`~primuspipe.ir.cost_model.CostModel.for_shape`) or the unit model."""
+        vpp = vpp or self.vpp
+        assert vpp is not None, "an algorithm that chooses its placement must name the vpp it costs"
+        return (self.cost or CostModel.per_stage(self.pp, 1.0, 1.0, 1.0)).for_shape(self.pp, vpp)
+
+    @property
+    def retained(self) -> float:
+        """Share of a microbatch's activations its B keeps for its W, from the cost model."""
+        return (self.cost.memory if self.cost is not None else MemoryCost()).w_retained_fraction
 
 
 Builder = Callable[..., ScheduleTable]
@@ -59,7 +74,8 @@ class AlgorithmInfo:
     name: str
     build: Builder
     placement: str
-    """Built-in placement the algorithm uses: "interleaved" or "v"."""
+    """Built-in placement the algorithm uses: "interleaved" or "v", or "any" for one that chooses it
+    (and its vpp, unless the caller gives one)."""
     vpp: int | None
     """The vpp the algorithm requires, or None if it takes any."""
     split_backward: bool
@@ -67,9 +83,12 @@ class AlgorithmInfo:
     default_vpp: int = 1
     """The vpp used when the caller gives none and the algorithm takes any."""
 
-    def resolve_vpp(self, vpp: int | None) -> int:
-        """The vpp to build with: the caller's, else the required one, else the default."""
-        return vpp if vpp is not None else (self.vpp or self.default_vpp)
+    def resolve_vpp(self, vpp: int | None) -> int | None:
+        """The vpp to build with: the caller's, else the required one, else the default (None for an
+        algorithm that chooses its placement)."""
+        if vpp is not None or self.vpp is not None:
+            return vpp if vpp is not None else self.vpp
+        return None if self.placement == "any" else self.default_vpp
 
     @property
     def summary(self) -> str:

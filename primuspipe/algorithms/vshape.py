@@ -10,63 +10,126 @@ schedules differ only in the budget, which is also their warm-up length:
 * V-half: (p+2)//2, about half of 1F1B's memory, with about half of its bubble;
 * V-min: (p+4)//3, about a third of the memory, with about two thirds of 1F1B's bubble.
 
-Budgets are in 1F1B-stage microbatches; a chunk's activation is half of one (vpp = 2).
+Budgets are in 1F1B-stage microbatches (a chunk's activation is half of one), each microbatch counted
+from its F until its W as the device holds it (docs/design.md §4), so a deferred W costs memory.
 
-Two constructions compete under the request's costs, and the shorter step wins: the paper's repeated
-building block (:mod:`~primuspipe.algorithms.building_blocks`; its lifespans give about p/3 microbatches,
-so it is tried wherever it fits the budget, and it is what keeps V-min near two thirds of 1F1B's bubble
-at large p) and the greedy list scheduler capped at the budget (which uses a larger budget better).
+Several constructions compete under the request's cost model, and the shortest simulated step wins:
+
+* the papers' building blocks (:mod:`~primuspipe.algorithms.building_blocks`): V-min's tight block and
+  V-half's stretched one on the unit grid, squeezed within the budget, and blocks laid out with the
+  real costs; their F/B order is then timed by the list scheduler, which places the W's;
+* the greedy list scheduler capped at the budget (which uses a larger budget better);
+* for ZBV, the Zero Bubble paper's hand-crafted order (:func:`zbv_handcrafted_rank`, the order
+  torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` runs), as is and re-timed by the list
+  scheduler, so ``zbv`` is never slower than that order under the given costs.
 """
 
 from __future__ import annotations
 
 from primuspipe.algorithms.building_blocks import block_orders
-from primuspipe.algorithms.list_scheduler import FillPolicy, best_fill, unit_costs
-from primuspipe.algorithms.phases import require
+from primuspipe.algorithms.list_scheduler import FillPolicy, Filled, FixedOrder, best_fill
+from primuspipe.algorithms.phases import RankProgram, require
 from primuspipe.algorithms.registry import ScheduleRequest, register
+from primuspipe.ir.activations import peak_in_flight
+from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
 
 
-def fill_policies(p: int, cap: int, max_deferred_w: int) -> list[FillPolicy]:
-    """Greedy policies tried, as (reserve, backward first) pairs.
+def fill_policies(p: int, cap: int) -> list[FillPolicy]:
+    """Greedy policies tried, as (reserve, backward first) pairs, each holding at most ``cap`` chunk
+    activations counted until W.
 
     The reserve is the chunk-activation slots kept for chunk-1 forwards (which start the backward
     wave): one is the least that never stalls, a larger one injects new microbatches more slowly, which
     pays at large p (about a sixth of the cap was best in our sweeps at p = 16 and 32). Forward-first
     tie breaks win under uneven costs (B much slower than F)."""
-    pairs = [(1, True), (1, False), (2, True), (2, False)]
+    pairs = [(1, True), (1, False), (2, True)]
     if cap // 6 > 2:
-        pairs += [(cap // 6, True), (cap // 6, False)]
-    return [FillPolicy((cap,) * p, reserve, first, (max_deferred_w,) * p) for reserve, first in pairs if reserve < cap]
+        pairs += [(cap // 6, True)]
+    return [FillPolicy((cap,) * p, (float(cap),) * p, reserve, first) for reserve, first in pairs if reserve < cap]
 
 
-def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str, p2p_time: float,
-                    max_deferred_w: int | None) -> ScheduleTable:
-    """A V-shape schedule holding at most ``budget`` microbatches (1F1B-stage units) per rank from F to
-    B, deferring at most ``max_deferred_w`` W's per rank (default: as many as the budget's chunks)."""
+def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str,
+                    handcrafted: tuple[ScheduleTable, ...] = ()) -> ScheduleTable:
+    """A V-shape schedule holding at most ``budget`` microbatches (1F1B-stage units) per rank, each
+    counted from its F until its W (at the cost model's retained share between B and W); the
+    ``handcrafted`` tables compete as they are and with their F/B order re-timed."""
     require(req.vpp == 2, algorithm, f"is a V-shape schedule with 2 chunks per rank, got vpp = {req.vpp}")
-    require(max_deferred_w is None or max_deferred_w >= 1, algorithm,
-            f"max_deferred_w must be >= 1 (a W follows its B), got {max_deferred_w}")
+    policies, ready = vshape_candidates(req, 2 * budget, handcrafted)
+    return best_fill(Placement.vshape(req.pp), req.microbatches, req.cost_model(), policies, algorithm=algorithm,
+                     also=ready)
+
+
+def vshape_candidates(req: ScheduleRequest, cap: int, handcrafted: tuple[ScheduleTable, ...] = ()
+                      ) -> tuple[list[FillPolicy | FixedOrder], list[Filled]]:
+    """What competes for a V-shape schedule within ``cap`` chunk activations per rank (counted until
+    W): fill policies for the list scheduler, and ready-made tables (the ``handcrafted`` ones that fit)."""
     p = req.pp
-    cap = 2 * budget  # in chunk activations
-    deferred = cap if max_deferred_w is None else max_deferred_w
     placement = Placement.vshape(p)
-    costs = req.costs or unit_costs(placement.num_stages)
-    # Building blocks: one microbatch's chain laid out on the period (with the real costs, blended
-    # toward uniform ones down to the paper's block), repeated m times, squeezed, W's filling the waits
-    # under the real costs; kept where the order stays within the budget.
-    blocks = block_orders(placement, req.microbatches, costs, p2p_time, cap, deferred)
+    cost = req.cost_model(2)
+    fitting = [t for t in handcrafted if max(peak_in_flight(t, req.retained)) * 2 <= cap + 1e-9]
+    # Building blocks: one microbatch's chain laid out on the period (uniform and squeezed, or with the
+    # real costs blended toward uniform ones), repeated m times, its F/B order timed under the real
+    # costs with the W's filling the waits; kept where the order stays within the budget.
+    blocks = block_orders(placement, req.microbatches, cost, cap)
     # Warm-up: chunk-0 forwards until the budget less the reserve is held; chunk-1 forwards of the
     # first microbatches follow as soon as they come back up the V.
-    # Steady: each B frees a slot, the next forward takes it; W's fill the waits.
+    # Steady: each B frees a slot, the next forward takes it; W's fill the waits, and run before a
+    # forward that would exceed the budget.
     # Cool-down: the last B's, with the deferred W's filling the gaps between them.
-    return best_fill(placement, req.microbatches, costs, [*blocks, *fill_policies(p, cap, deferred)], p2p_time=p2p_time,
-                     algorithm=algorithm)
+    orders = [FixedOrder(forward_backward_order(t), cap, lookahead, f"{t.algorithm} F/B order")
+              for t in fitting for lookahead in (False, True)]
+    return [*orders, *blocks, *fill_policies(p, cap)], [Filled(t, t.algorithm, 0.0) for t in fitting]
+
+
+def forward_backward_order(table: ScheduleTable) -> tuple[tuple[tuple[NodeKind, int], ...], ...]:
+    """Each rank's F and B nodes of a compute-only split-backward table, as ``(kind, chunk)``."""
+    return tuple(tuple((n.kind, n.chunk) for n in row if n.kind in (NodeKind.F, NodeKind.B)) for row in table.ranks)
+
+
+def zbv_handcrafted_rank(p: int, m: int, rank: int) -> list[ScheduleNode]:
+    """The Zero Bubble paper's hand-crafted ZBV order of ``rank``, phase by phase (``F0`` a forward of
+    chunk 0, ``B1W1`` an input-grad backward of chunk 1 and its W at once). The pattern needs 2p - 1
+    microbatches; with fewer it is written for 2p - 1 and the missing microbatches' nodes dropped."""
+    prog = RankProgram()
+    n = max(2 * p - 1, m)
+    above, below = rank, p - rank
+    for _ in range(2 * below - 1):  # warm-up: nF0, until microbatch 0 comes back up the V
+        prog.forward(0)
+    for _ in range(above):  # nF1F0
+        prog.forward(1)
+        prog.forward(0)
+    for _ in range(below):  # nF1B1W1: chunk 1's backward starts at once
+        prog.forward(1)
+        prog.backward(1)
+    while prog.next_f[1] < prog.next_f[0] or prog.next_f[0] < n:  # steady: F0 B0W0 F1 B1W1
+        if prog.next_f[0] < n:
+            prog.forward(0)
+        prog.backward(0)
+        prog.forward(1)
+        prog.backward(1)
+    for _ in range(above):  # cool-down: nB0B1, W's deferred
+        prog.backward(0, zero_bubble=True)
+        prog.backward(1, zero_bubble=True)
+    for _ in range(below):  # nB0W0: each B0 followed by the oldest deferred chunk-0 W
+        prog.backward(0, zero_bubble=True)
+        prog.weight(0)
+    while any(c == 1 for _, c in prog.deferred):  # the deferred W's, chunk 1's first
+        prog.weight(1)
+    while prog.deferred:
+        prog.weight(0)
+    return [node for node in prog.nodes if all(mb < m for _, mb, _ in node.parts())]
+
+
+def zbv_handcrafted(p: int, m: int) -> ScheduleTable:
+    """The hand-crafted ZBV table (:func:`zbv_handcrafted_rank`)."""
+    return ScheduleTable.build(Placement.vshape(p), m, [zbv_handcrafted_rank(p, m, r) for r in range(p)],
+                               "hand-crafted ZBV")
 
 
 @register("zbv", placement="v", vpp=2, split_backward=True)
-def zbv(req: ScheduleRequest, *, p2p_time: float = 0.0, max_deferred_w: int | None = None) -> ScheduleTable:
+def zbv(req: ScheduleRequest) -> ScheduleTable:
     """ZBV: V-shape zero bubble at 1F1B's activation memory (p microbatches per rank).
 
     Its compute order at pp=4, m=4 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
@@ -76,32 +139,32 @@ def zbv(req: ScheduleRequest, *, p2p_time: float = 0.0, max_deferred_w: int | No
         rank 2 | F0 F1 F2 f0 F3 f1 f2 b0 f3 b1 B0 b2 B1 b3 B2 w0 B3 w1 W0 w2 W1 w3 W2 W3
         rank 3 | F0 f0 F1 f1 F2 f2 F3 f3 b0 B0 b1 B1 b2 B2 b3 B3 w0 W0 w1 W1 w2 W2 w3 W3
     """
-    return vshape_schedule(req, req.pp, "zbv", p2p_time, max_deferred_w)
+    return vshape_schedule(req, req.pp, "zbv", (zbv_handcrafted(req.pp, req.microbatches),))
 
 
 @register("v-half", placement="v", vpp=2, split_backward=True)
-def v_half(req: ScheduleRequest, *, p2p_time: float = 0.0, max_deferred_w: int | None = None) -> ScheduleTable:
+def v_half(req: ScheduleRequest) -> ScheduleTable:
     """V-half: V-shape at (p+2)//2 microbatches of activations, about half of 1F1B's bubble.
 
     Its compute order at pp=4, m=5 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
 
-        rank 0 | F0 F1 F2 F3 F4 f0 b0 w0 f1 b1 w1 f2 b2 f3 b3 B0 B1 w2 w3 f4 b4 W0 W1 B2 B3 w4 W2 B4 W3 W4
-        rank 1 | F0 F1 F2 F3 F4 f0 b0 f1 w0 b1 f2 B0 f3 b2 B1 b3 w1 W0 f4 w2 W1 b4 B2 B3 w3 w4 B4 W2 W3 W4
-        rank 2 | F0 F1 F2 f0 F3 f1 b0 f2 w0 B0 b1 f3 W0 B1 F4 b2 b3 f4 w1 W1 B2 B3 b4 w2 w3 B4 W2 W3 w4 W4
-        rank 3 | F0 f0 F1 f1 F2 f2 b0 B0 F3 f3 b1 B1 w0 W0 F4 f4 b2 b3 B2 B3 w1 W1 b4 B4 w2 w3 W2 W3 w4 W4
+        rank 0 | F0 F1 F2 F3 F4 f0 b0 w0 f1 b1 w1 f2 b2 B0 w2 W0 f3 b3 B1 w3 W1 f4 b4 B2 w4 B3 W2 W3 B4 W4
+        rank 1 | F0 F1 F2 F3 f0 f1 b0 w0 f2 b1 w1 B0 F4 b2 W0 f3 w2 B1 b3 W1 w3 f4 B2 b4 B3 W2 w4 W3 B4 W4
+        rank 2 | F0 F1 F2 f0 f1 f2 b0 w0 F3 B0 b1 W0 w1 f3 F4 B1 b2 W1 w2 f4 b3 B2 w3 B3 b4 W2 W3 B4 w4 W4
+        rank 3 | F0 f0 F1 f1 F2 f2 b0 B0 w0 F3 W0 f3 b1 B1 w1 F4 W1 f4 b2 B2 b3 B3 w2 W2 b4 B4 w3 W3 w4 W4
     """
-    return vshape_schedule(req, (req.pp + 2) // 2, "v-half", p2p_time, max_deferred_w)
+    return vshape_schedule(req, (req.pp + 2) // 2, "v-half")
 
 
 @register("v-min", placement="v", vpp=2, split_backward=True)
-def v_min(req: ScheduleRequest, *, p2p_time: float = 0.0, max_deferred_w: int | None = None) -> ScheduleTable:
+def v_min(req: ScheduleRequest) -> ScheduleTable:
     """V-min: V-shape at (p+4)//3 microbatches of activations, about two thirds of 1F1B's bubble.
 
     Its compute order at pp=4, m=6 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
 
-        rank 0 | F0 F1 f0 b0 F2 w0 f1 b1 B0 F3 w1 W0 f2 b2 B1 F4 w2 W1 f3 b3 B2 F5 w3 W2 f4 b4 B3 w4 W3 f5 b5 B4 w5 W4 B5 W5
-        rank 1 | F0 f0 F1 b0 w0 f1 F2 B0 b1 W0 w1 f2 F3 B1 b2 W1 w2 f3 F4 B2 b3 W2 w3 f4 F5 B3 b4 W3 w4 f5 B4 b5 W4 w5 B5 W5
-        rank 2 | F0 f0 F1 b0 f1 w0 B0 F2 W0 b1 f2 w1 B1 F3 W1 b2 f3 w2 B2 F4 W2 b3 f4 w3 B3 F5 W3 b4 f5 w4 B4 W4 b5 w5 B5 W5
-        rank 3 | F0 f0 F1 f1 b0 B0 w0 W0 F2 f2 b1 B1 w1 W1 F3 f3 b2 B2 w2 W2 F4 f4 b3 B3 w3 W3 F5 f5 b4 B4 w4 W4 b5 B5 w5 W5
+        rank 0 | F0 F1 F2 f0 b0 w0 f1 b1 w1 F3 B0 W0 f2 b2 B1 w2 F4 W1 f3 b3 B2 w3 F5 W2 f4 b4 B3 w4 W3 f5 b5 B4 w5 W4 B5 W5
+        rank 1 | F0 F1 f0 f1 b0 w0 F2 b1 w1 B0 F3 W0 f2 B1 b2 W1 w2 f3 F4 B2 b3 W2 w3 f4 F5 B3 b4 W3 w4 f5 B4 b5 W4 w5 B5 W5
+        rank 2 | F0 F1 f0 f1 b0 w0 F2 B0 b1 W0 w1 f2 F3 B1 W1 b2 f3 w2 B2 F4 W2 b3 f4 w3 B3 F5 W3 b4 f5 w4 B4 W4 b5 w5 B5 W5
+        rank 3 | F0 f0 F1 f1 b0 B0 w0 F2 W0 f2 b1 B1 w1 F3 W1 f3 b2 B2 w2 W2 F4 f4 b3 B3 w3 W3 F5 f5 b4 B4 w4 W4 b5 B5 w5 W5
     """
-    return vshape_schedule(req, (req.pp + 4) // 3, "v-min", p2p_time, max_deferred_w)
+    return vshape_schedule(req, (req.pp + 4) // 3, "v-min")

@@ -4,14 +4,13 @@ split into B (input grad, on the critical path) and W (weight grad, free to move
 Both keep 1F1B's order of forwards and input-grad backwards and differ only in how many activations a
 rank may hold, which is also its warm-up length:
 
-* ZB-H1 keeps 1F1B's memory. Rank r warms up with p - r forwards and defers at most r + 1 W's, so
-  counting a microbatch from its F until its W (a W needs the inputs of every GEMM, most of the
-  activations), no rank holds more than p: 1F1B's peak. Because the backward wave now carries B
-  only, it reaches rank 0 sooner, and the deferred W's fill the waits: bubble (p-1)(F+B-W), a third of
-  1F1B's when F = B = W.
-* ZB-H2 lets rank r warm up with 2(p - r) - 1 forwards and defer 2r + 1 W's (2p - 1 microbatches held
-  at most), filling the start-up bubble with forwards; the W's fill the cool-down, so no rank idles
-  within its own span when F = B = W.
+* ZB-H1 keeps 1F1B's memory. Rank r warms up with p - r forwards, and counting a microbatch from its
+  F until its W (a W needs the inputs of every GEMM, most of the activations), no rank holds more
+  than p: 1F1B's peak. Because the backward wave now carries B only, it reaches rank 0 sooner, and
+  the deferred W's fill the waits: bubble (p-1)(F+B-W), a third of 1F1B's when F = B = W.
+* ZB-H2 lets rank r warm up with 2(p - r) - 1 forwards within 2p - 1 microbatches held until W,
+  filling the start-up bubble with forwards; the W's fill the cool-down, so no rank idles within its
+  own span when F = B = W.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from primuspipe.ir.table import ScheduleTable
 
 
 @register("zb-h1", vpp=1, split_backward=True)
-def zb_h1(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
+def zb_h1(req: ScheduleRequest) -> ScheduleTable:
     """ZB-H1: 1F1B's activation memory (p on rank 0), bubble (p-1)(F+B-W) with deferred W's.
 
     Its compute order at pp=4, m=6 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
@@ -38,15 +37,14 @@ def zb_h1(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
     warmup = tuple(p - r for r in range(p))
     # Steady: each B frees the slot of the next F; a W runs only where the rank would otherwise wait.
     # Cool-down: the remaining B's, with the deferred W's filling the gaps between their arrivals.
-    # Memory: rank r defers at most r + 1 W's, so with its p - r activations in flight it never holds
-    # more than p microbatches until their W (1F1B's peak, rank 0's), whatever m is.
-    pending_w = tuple(r + 1 for r in range(p))
-    return best_fill(Placement.interleaved(p, 1), req.microbatches, req.costs, _policies(warmup, pending_w),
-                     p2p_time=p2p_time, algorithm="zb-h1")
+    # Memory: counted until W, no rank holds more than p microbatches (1F1B's peak, rank 0's): a
+    # forward that would exceed it waits for deferred W's, whatever m is.
+    return best_fill(Placement.interleaved(p, 1), req.microbatches, req.cost_model(), _policies(warmup, p),
+                     algorithm="zb-h1")
 
 
 @register("zb-h2", vpp=1, split_backward=True)
-def zb_h2(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
+def zb_h2(req: ScheduleRequest) -> ScheduleTable:
     """ZB-H2: up to 2p-1 activations on rank 0; extra warm-up forwards fill the start-up bubble.
 
     Its compute order at pp=4, m=5 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
@@ -60,14 +58,12 @@ def zb_h2(req: ScheduleRequest, *, p2p_time: float = 0.0) -> ScheduleTable:
     # Warm-up: rank r runs 2(p - r) - 1 forwards: enough to stay busy until its first B arrives.
     warmup = tuple(2 * (p - r) - 1 for r in range(p))
     # Steady and cool-down as in ZB-H1; the longer warm-up leaves more W's to fill the tail.
-    # Memory: rank r defers at most 2r + 1 W's, so it never holds more than 2p - 1 microbatches until
-    # their W, whatever m is.
-    pending_w = tuple(2 * r + 1 for r in range(p))
-    return best_fill(Placement.interleaved(p, 1), req.microbatches, req.costs, _policies(warmup, pending_w),
-                     p2p_time=p2p_time, algorithm="zb-h2")
+    # Memory: no rank holds more than 2p - 1 microbatches until their W, whatever m is.
+    return best_fill(Placement.interleaved(p, 1), req.microbatches, req.cost_model(), _policies(warmup, 2 * p - 1),
+                     algorithm="zb-h2")
 
 
-def _policies(warmup: tuple[int, ...], pending_w: tuple[int, ...]) -> list[FillPolicy]:
+def _policies(warmup: tuple[int, ...], memory: int) -> list[FillPolicy]:
     """A ready forward goes before a ready backward (so B's arriving back to back cannot starve the
     forward wave while W's are at their limit); the other tie-break is kept where costs make it faster."""
-    return [FillPolicy(warmup, 0, backward_first, pending_w) for backward_first in (False, True)]
+    return [FillPolicy(warmup, (float(memory),) * len(warmup), 0, backward_first) for backward_first in (False, True)]

@@ -36,8 +36,10 @@ def count_type(minimum: int = 1) -> Callable[[str], int]:
     return _argument_type(lambda t: strict.count(t, "the value", minimum=minimum, text=True), "integer")
 
 
-def number_type(minimum: float | None = 0.0, above: float | None = None) -> Callable[[str], float]:
-    return _argument_type(lambda t: strict.number(t, "the value", minimum=minimum, above=above), "number")
+def number_type(minimum: float | None = 0.0, above: float | None = None,
+                maximum: float | None = None) -> Callable[[str], float]:
+    return _argument_type(lambda t: strict.number(t, "the value", minimum=minimum, above=above, maximum=maximum),
+                          "number")
 
 
 def numbers_type(text: str) -> float | list[float]:

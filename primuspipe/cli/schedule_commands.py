@@ -21,7 +21,7 @@ from primuspipe.cli.options import (
 from primuspipe.errors import ScheduleShapeError, TableFormatError, ValidationError
 from primuspipe.ir.formats import dump_table, load_table, save_table
 from primuspipe.algorithms.build import build_schedule
-from primuspipe.ir.activations import peak_in_flight
+from primuspipe.ir.activations import W_RETAINED_FRACTION, peak_in_flight
 from primuspipe.passes.validation import validate
 
 
@@ -49,7 +49,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "communication added. Exit status 0 if valid, 1 otherwise.")
     p.add_argument("file", type=Path)
     p.add_argument("--max-in-flight", type=number_type(minimum=0), default=None, metavar="MICROBATCHES",
-                   help="also bound activations held per rank (1F1B-stage microbatch units)")
+                   help="also bound activations held per rank (1F1B-stage microbatch units, each counted from its F "
+                        "until its W, as simulate's peak and --memory-limit count them)")
+    p.add_argument("--w-retained", type=number_type(minimum=0, maximum=1), default=W_RETAINED_FRACTION,
+                   metavar="SHARE", help="share of a microbatch's activations its B keeps for its W (default 32/34, "
+                                         "see docs/simulator.md)")
     p.set_defaults(handler=cmd_validate)
 
 
@@ -75,8 +79,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     table = _build(args)
     out = report_console()
     out.print(table.grid(compute_only=args.compute_only), markup=False)
-    peaks = ", ".join(f"{p:g}" for p in peak_in_flight(table))
-    out.print(f"peak activations in flight per rank (1F1B-stage microbatches): {peaks}", markup=False)
+    peaks = ", ".join(f"{p:.4g}" for p in peak_in_flight(table))
+    out.print(f"peak activations per rank (1F1B-stage microbatches, each counted until its W): {peaks}", markup=False)
     return 0
 
 
@@ -95,9 +99,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     out = report_console()
     try:
         table = load_table(args.file)
-        validate(table, max_in_flight=args.max_in_flight)
+        validate(table, max_in_flight=args.max_in_flight, retained=args.w_retained)
         if not table.has_communication:
-            validate(add_communication(table), max_in_flight=args.max_in_flight)
+            validate(add_communication(table), max_in_flight=args.max_in_flight, retained=args.w_retained)
     except (ValidationError, TableFormatError, ScheduleShapeError) as exc:
         out.print(f"INVALID {args.file}: {exc}", markup=False)
         return 1

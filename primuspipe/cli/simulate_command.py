@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
-from primuspipe.algorithms import get_algorithm, list_algorithms
+from primuspipe.algorithms import ScheduleRequest, get_algorithm, list_algorithms
 from primuspipe.cli.options import (
     add_shape_arguments,
     number_type,
@@ -19,8 +20,9 @@ from primuspipe.cli.options import (
     report_console,
 )
 from primuspipe.errors import ConfigError, PrimusPipeError
-from primuspipe.algorithms.build import build_schedule
+from primuspipe.algorithms.build import build_schedule, check_options
 from primuspipe.ir.table import check_shape
+from primuspipe.search.zb_auto import ZbAutoReport, zb_auto_search
 from primuspipe.simulator import CostModel, SimulationResult, read_cost_file, simulate
 from primuspipe.simulator.trace import write_chrome_trace
 
@@ -31,16 +33,22 @@ step time. Compute times come from --cost FILE (YAML, see primuspipe.ir.cost_mod
 or the file says otherwise. Times are those of a 1F1B stage (the model split pp ways): an algorithm with
 vpp chunks per rank runs each chunk in 1/vpp of it, so algorithms of different vpp compare fairly.
 A comma list gives one value per 1F1B stage (pp values), or per model stage (pp*vpp values).
-Communication is free unless --p2p or the file's p2p section costs it.
+Communication is free unless --p2p or the file's p2p section costs it. Cost-aware algorithms (zero-bubble
+family, V-shapes, zb-auto) plan with the very cost model they are simulated with.
 Bubble rate is (step - busy) / step per rank (max and mean over ranks); 'bubble (span)' (bubble_rate_span
 in --json) measures each rank over its own first-to-last compute, the zero-bubble papers' figure.
-Peak activations are in microbatches of one 1F1B stage (a chunk's forward counts 1/vpp), as 'primuspipe validate --max-in-flight' counts them."""
+Peak activations are in microbatches of one 1F1B stage (a chunk's forward counts 1/vpp), each held from its F
+until its W, at the share W keeps of it (memory.w_retained_fraction, default 32/34 = 0.94: flash attention)
+between its B and its W: what the device holds. --memory-limit, 'fits' and 'primuspipe validate
+--max-in-flight' count the same way. zb-auto searches every placement (interleaved vpp 1 and 2, and the
+V) unless --vpp or -O placement=... pins one, and reports how it found its table."""
 
 _EPILOG = """\
 examples:
   primuspipe simulate --algorithm all --pp 8 --vpp 2 -m 32
   primuspipe simulate --algorithm 1f1b --pp 4 -m 8 --f 1 --b 1,1,2,1 --w 1 --p2p 0.1 -o out/
-  primuspipe simulate --algorithm all --pp 8 -m 32 --cost costs.yaml --memory-limit 8 --json"""
+  primuspipe simulate --algorithm all --pp 8 -m 32 --cost costs.yaml --memory-limit 8 --json
+  primuspipe simulate --algorithm zb-auto --pp 8 -m 24 --f 1 --b 1.5 --w 0.5 --memory-limit 5"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -61,9 +69,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="fused backward (BW) time, one number or one per stage (default B + W)")
     costs.add_argument("--p2p", type=number_type(minimum=0), metavar="X",
                        help="time of every cross-rank transfer (replaces the cost file's p2p section; default 0)")
+    costs.add_argument("--w-retained", type=number_type(minimum=0, maximum=1), metavar="SHARE",
+                       help="share of a microbatch's activations its B keeps for its W (replaces the cost file's "
+                            "memory.w_retained_fraction; default 32/34, see docs/simulator.md)")
     p.add_argument("--memory-limit", type=number_type(minimum=None, above=0), metavar="MICROBATCHES",
-                   help="per-rank activation budget in 1F1B-stage microbatches: passed to cost-aware algorithms, "
-                        "and any algorithm whose peak exceeds it is marked as not fitting")
+                   help="per-rank activation budget in 1F1B-stage microbatches, each counted until its W: passed to "
+                        "cost-aware algorithms, and any algorithm whose peak exceeds it is marked as not fitting")
     p.add_argument("-o", "--output-dir", type=Path, metavar="DIR",
                    help="write ALGORITHM.timeline.json (primuspipe timeline) and ALGORITHM.trace.json "
                         "(Chrome/Perfetto trace) for each simulated algorithm into DIR")
@@ -111,6 +122,8 @@ def _cost_spec(args: argparse.Namespace) -> dict[str, Any]:
         spec = {"compute": {"f": 1.0, "b": 1.0, "w": 1.0, **flags}}
     if args.p2p is not None:
         spec = {**spec, "p2p": {"intra_node": {"latency": args.p2p}, "inter_node": {"latency": args.p2p}}}
+    if args.w_retained is not None:
+        spec = {**spec, "memory": {**spec.get("memory", {}), "w_retained_fraction": args.w_retained}}
     return spec
 
 
@@ -118,18 +131,27 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, options: dict) ->
     vpp = get_algorithm(name).resolve_vpp(args.vpp)
     row: dict[str, Any] = {"algorithm": name, "pp": args.pp, "vpp": vpp, "microbatches": args.microbatches}
     try:
-        check_shape(args.pp, vpp, args.microbatches)
-        cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp, source=str(args.cost) if args.cost else "--f/--b/--w/--bw")
-        table = build_schedule(name, args.pp, args.microbatches, vpp, costs=cost.compute,
-                               memory_limit=args.memory_limit, **options)
-        result = simulate(table, cost)
+        check_shape(args.pp, vpp or 2, args.microbatches)
+        cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp or 1,
+                                   source=str(args.cost) if args.cost else "--f/--b/--w/--bw")
+        if name == "zb-auto":  # the search's report is shown beside its table
+            options = check_options(name, options)
+            request = ScheduleRequest(args.pp, vpp, args.microbatches, cost, args.memory_limit)
+            table, report = zb_auto_search(request, **options)
+            row["search"] = asdict(report)
+        else:
+            table = build_schedule(name, args.pp, args.microbatches, vpp, cost=cost, memory_limit=args.memory_limit,
+                                   **options)
+        result = simulate(table, cost.for_shape(args.pp, table.vpp))
     except PrimusPipeError as exc:
         return {**row, "error": str(exc)}, None
     peak = max(result.peak_activations)
     row.update(
+        vpp=table.vpp, placement=table.placement.name,
         step_time=result.step_time, bubble_rate=result.bubble_rate, bubble_rate_mean=result.bubble_rate_mean,
         bubble_rate_span=result.span_bubble_rate,
         peak_activations=result.peak_activations, peak_memory_bytes=max(result.peak_memory_bytes),
+        w_retained_fraction=cost.memory.w_retained_fraction,
         fits=args.memory_limit is None or peak <= args.memory_limit + 1e-9,
     )
     return row, result
@@ -143,16 +165,22 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     for col in ("vpp", "step time", "bubble max", "bubble mean", "bubble (span)", "peak act. (mb)", "peak memory", "fits"):
         table.add_column(col, justify="right")
     refused = []
-    for k, row in enumerate(rows, 1):
+    steps = [row["step_time"] for row in rows if "error" not in row]
+    for row in rows:
         if "error" in row:
             refused.append(row)
             continue
+        rank = 1 + sum(step < row["step_time"] - 1e-9 for step in steps)  # equal step times share a rank
         memory = f"{row['peak_memory_bytes'] / 2**30:.2f} GiB" if row["peak_memory_bytes"] else "-"
-        table.add_row(str(k), row["algorithm"], str(row["vpp"]), f"{row['step_time']:g}", f"{row['bubble_rate']:.4f}",
-                      f"{row['bubble_rate_mean']:.4f}", f"{row['bubble_rate_span']:.4f}", f"{max(row['peak_activations']):g}", memory,
-                      "yes" if row["fits"] else "OVER")
+        vpp = f"{row['vpp']} V" if row["placement"] == "v" else str(row["vpp"])
+        table.add_row(str(rank), row["algorithm"], vpp, f"{row['step_time']:g}", f"{row['bubble_rate']:.4f}",
+                      f"{row['bubble_rate_mean']:.4f}", f"{row['bubble_rate_span']:.4f}",
+                      f"{max(row['peak_activations']):.4g}", memory, "yes" if row["fits"] else "OVER")
     console = report_console()
     console.print(table)
+    for row in rows:
+        if "search" in row:
+            console.print(f"zb-auto found it as {ZbAutoReport(**row['search']).summary}")
     for row in refused:
         reason = row["error"].splitlines()[0]
         console.print(f"not simulated: {row['algorithm']} (vpp={row['vpp']}): {reason}")

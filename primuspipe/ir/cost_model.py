@@ -27,8 +27,8 @@ optimizer bytes) are one number or ``pp`` values::
       intra_node: {latency: 0.005, bandwidth: 4.0e8}   # bandwidth in bytes per time unit
       inter_node: {latency: 0.020, bandwidth: 2.5e7}   # omitted bandwidth: unlimited
     memory:
+      w_retained_fraction: 0.94          # share of a microbatch's activations B keeps for W (default 32/34)
       activation_bytes: 2.0e9            # per 1F1B stage, one microbatch, held from F until released
-      w_retained_fraction: 0.3           # share of those B keeps for W (W releases it)
       parameter_bytes: 1.0e9             # per rank
       gradient_bytes: 1.0e9
       optimizer_bytes: 4.0e9
@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from primuspipe.errors import ConfigError
 from primuspipe.ir import strict
+from primuspipe.ir.activations import W_RETAINED_FRACTION
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
@@ -95,40 +96,50 @@ class P2PCost:
 
 @dataclass(frozen=True)
 class MemoryCost:
-    """Bytes held per rank: static state plus activations of microbatches in flight.
+    """What a rank holds: activations of microbatches in flight, and (optionally) bytes.
 
-    Release rule: F holds ``activation_bytes[stage]``; B releases all but ``w_retained_fraction`` of it
-    (what W still needs, e.g. layer inputs); W releases the rest; a fused BW releases everything.
+    Release rule: F takes a microbatch's activations of its stage; B releases all but
+    ``w_retained_fraction`` of them (what the deferred W still needs, the inputs of its GEMMs); W
+    releases the rest; a fused BW releases everything. Memory counted this way is what the device
+    holds, and it is the one count of every memory figure: ``peak_activations`` (microbatch units),
+    the peak bytes, ``--memory-limit``, ``validate --max-in-flight`` and the algorithms' budgets.
     """
 
-    activation_bytes: tuple[float, ...]
-    """Per stage: one microbatch's activations."""
-    w_retained_fraction: float
-    parameter_bytes: tuple[float, ...]
-    """Per rank (so are gradient and optimizer bytes)."""
-    gradient_bytes: tuple[float, ...]
-    optimizer_bytes: tuple[float, ...]
+    w_retained_fraction: float = W_RETAINED_FRACTION
+    """Share of a microbatch's activations that B keeps for W (default 32/34, see
+    :data:`~primuspipe.ir.activations.W_RETAINED_FRACTION`)."""
+    activation_bytes: tuple[float, ...] | None = None
+    """Per stage: one microbatch's activations; None: bytes are not modelled (reported as unknown)."""
+    parameter_bytes: tuple[float, ...] = ()
+    """Per rank (so are gradient and optimizer bytes); empty: none modelled."""
+    gradient_bytes: tuple[float, ...] = ()
+    optimizer_bytes: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.w_retained_fraction <= 1.0:
             raise ConfigError(f"w_retained_fraction must be in [0, 1], got {self.w_retained_fraction}")
-        pp = len(self.parameter_bytes)
-        if not (len(self.gradient_bytes) == len(self.optimizer_bytes) == pp):
+        if not (len(self.parameter_bytes) == len(self.gradient_bytes) == len(self.optimizer_bytes)):
             raise ConfigError("parameter, gradient and optimizer bytes need one value per rank each")
 
     @classmethod
     def per_stage(
-        cls, num_stages: int, pp: int, *, activation_bytes: Values, w_retained_fraction: float,
+        cls, num_stages: int, pp: int, *, activation_bytes: Values, w_retained_fraction: float = W_RETAINED_FRACTION,
         parameter_bytes: Values = 0.0, gradient_bytes: Values = 0.0, optimizer_bytes: Values = 0.0,
     ) -> MemoryCost:
         return cls(
-            per_stage_values("activation_bytes", activation_bytes, num_stages, "stages"), float(w_retained_fraction),
+            float(w_retained_fraction), per_stage_values("activation_bytes", activation_bytes, num_stages, "stages"),
             per_stage_values("parameter_bytes", parameter_bytes, pp, "ranks"),
             per_stage_values("gradient_bytes", gradient_bytes, pp, "ranks"),
             per_stage_values("optimizer_bytes", optimizer_bytes, pp, "ranks"),
         )
 
+    @property
+    def models_bytes(self) -> bool:
+        return self.activation_bytes is not None
+
     def static_bytes(self, rank: int) -> float:
+        if not self.parameter_bytes:
+            return 0.0
         return self.parameter_bytes[rank] + self.gradient_bytes[rank] + self.optimizer_bytes[rank]
 
 
@@ -142,8 +153,8 @@ class CostModel:
     fb_overlap: float = 0.0
     """An FB node (F overlapped with another microbatch's B) costs ``F + B - fb_overlap * min(F, B)``."""
     p2p: P2PCost = P2PCost()
-    memory: MemoryCost | None = None
-    """None: bytes are not modelled (reported as 0); microbatch-unit memory is always reported."""
+    memory: MemoryCost = MemoryCost()
+    """What W keeps of B's activations (always) and bytes (when modelled)."""
     time_unit: str = "ms"
 
     def __post_init__(self) -> None:
@@ -152,7 +163,7 @@ class CostModel:
             raise ConfigError(f"fused_backward has {len(self.fused_backward)} values for {n} stages")
         if not 0.0 <= self.fb_overlap <= 1.0:
             raise ConfigError(f"fb_overlap must be in [0, 1] (0: F+B, 1: max(F, B)), got {self.fb_overlap}")
-        if self.memory is not None and len(self.memory.activation_bytes) != n:
+        if self.memory.models_bytes and len(self.memory.activation_bytes) != n:
             raise ConfigError(f"memory.activation_bytes has {len(self.memory.activation_bytes)} values for {n} stages")
         if self.time_unit not in TIME_UNITS:
             raise ConfigError(f"time_unit must be one of {sorted(TIME_UNITS)}, got {self.time_unit!r}")
@@ -197,7 +208,30 @@ class CostModel:
         return self.duration(*parts[0]) if parts else 0.0
 
     def static_bytes(self, rank: int) -> float:
-        return 0.0 if self.memory is None else self.memory.static_bytes(rank)
+        return self.memory.static_bytes(rank)
+
+    def for_shape(self, pp: int, vpp: int) -> CostModel:
+        """The same model cut into ``pp * vpp`` stages: each 1F1B stage (``num_stages // pp`` consecutive
+        model stages) keeps its total time and activation bytes, split evenly over its ``vpp`` new
+        stages (as the YAML form splits a 1F1B stage's value). A search that compares placements of
+        different ``vpp`` (``zb-auto``) times each under this one model."""
+        if self.num_stages == pp * vpp:
+            return self
+        if pp < 1 or vpp < 1 or self.num_stages % pp:
+            raise ConfigError(f"a cost model of {self.num_stages} stages cannot be cut for pp={pp}, vpp={vpp}")
+
+        def recut(name: str, values: tuple[float, ...]) -> tuple[float, ...]:
+            k = len(values) // pp
+            return split_stages(name, [sum(values[i * k:(i + 1) * k]) for i in range(pp)], pp, vpp)
+
+        c = self.compute
+        memory = self.memory
+        if memory.models_bytes:
+            memory = replace(memory, activation_bytes=recut("activation_bytes", memory.activation_bytes))
+        return replace(self, compute=ComputeCosts(recut("F", c.forward), recut("B", c.backward_input),
+                                                  recut("W", c.backward_weight)),
+                       fused_backward=None if self.fused_backward is None else recut("BW", self.fused_backward),
+                       memory=memory)
 
     # -- dict / YAML --------------------------------------------------------------------------------
     @classmethod
@@ -218,17 +252,7 @@ class CostModel:
             return strict.number(section.get(key, default), f"{source}: {name}", **bounds)
 
         try:
-            memory = None
-            if "memory" in top:
-                mem = _section(top["memory"], f"{source}: memory", {"activation_bytes", "w_retained_fraction",
-                               "parameter_bytes", "gradient_bytes", "optimizer_bytes"},
-                               required={"activation_bytes", "w_retained_fraction"})
-                mem["activation_bytes"] = stages("memory.activation_bytes", mem["activation_bytes"])
-                mem["w_retained_fraction"] = number(mem, "w_retained_fraction", "memory.w_retained_fraction", 0.0,
-                                                    minimum=0, maximum=1)
-                for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
-                    mem[key] = per_stage_values(f"{source}: memory.{key}", mem.get(key, 0.0), pp, "ranks")
-                memory = MemoryCost.per_stage(pp * vpp, pp, **mem)
+            memory = _memory(top.get("memory", {}), pp, vpp, source)
             return cls.per_stage(
                 pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), stages("W", comp["w"]),
                 bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
@@ -261,11 +285,11 @@ class CostModel:
         }
         if self.fused_backward is not None:
             out["compute"]["bw"] = list(self.fused_backward)
-        if self.memory is not None:
-            m = self.memory
-            out["memory"] = {"activation_bytes": list(m.activation_bytes), "w_retained_fraction": m.w_retained_fraction,
-                             "parameter_bytes": list(m.parameter_bytes), "gradient_bytes": list(m.gradient_bytes),
-                             "optimizer_bytes": list(m.optimizer_bytes)}
+        m = self.memory
+        out["memory"] = {"w_retained_fraction": m.w_retained_fraction}
+        if m.models_bytes:
+            out["memory"].update(activation_bytes=list(m.activation_bytes), parameter_bytes=list(m.parameter_bytes),
+                                 gradient_bytes=list(m.gradient_bytes), optimizer_bytes=list(m.optimizer_bytes))
         return out
 
 
@@ -290,6 +314,27 @@ def read_cost_file(path: str | Path) -> dict[str, Any]:
     """The raw YAML mapping of a cost file (resolve it per shape with :meth:`CostModel.from_dict`)."""
     data = strict.load_yaml(strict.read_text(path, "cost model"), f"cost model {path}")
     return _section(data, f"cost model {path}", {"time_unit", "compute", "p2p", "memory"})
+
+
+def _memory(data: Any, pp: int, vpp: int, source: str) -> MemoryCost:
+    """The ``memory`` section: the retained share alone (default :data:`W_RETAINED_FRACTION`), or bytes,
+    which then must say what W keeps (the byte figures depend on it)."""
+    mem = _section(data, f"{source}: memory", {"activation_bytes", "w_retained_fraction", "parameter_bytes",
+                                               "gradient_bytes", "optimizer_bytes"})
+    retained = strict.number(mem.get("w_retained_fraction", W_RETAINED_FRACTION),
+                             f"{source}: memory.w_retained_fraction", minimum=0, maximum=1)
+    if "activation_bytes" not in mem:
+        if set(mem) - {"w_retained_fraction"}:
+            raise ConfigError(f"{source}: memory: parameter, gradient and optimizer bytes need activation_bytes too")
+        return MemoryCost(retained)
+    if "w_retained_fraction" not in mem:
+        raise ConfigError(f"{source}: memory lacks ['w_retained_fraction']: with activation_bytes, say what share of "
+                          f"them B keeps for W (e.g. {W_RETAINED_FRACTION:.3f} with flash attention, see docs/simulator.md)")
+    mem["w_retained_fraction"] = retained
+    mem["activation_bytes"] = split_stages(f"{source}: memory.activation_bytes", mem["activation_bytes"], pp, vpp)
+    for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
+        mem[key] = per_stage_values(f"{source}: memory.{key}", mem.get(key, 0.0), pp, "ranks")
+    return MemoryCost.per_stage(pp * vpp, pp, **mem)
 
 
 def _section(data: Any, name: str, allowed: set[str], required: set[str] = frozenset()) -> dict[str, Any]:

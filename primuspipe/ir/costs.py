@@ -1,8 +1,6 @@
-"""Per-stage compute times, the part of a cost model that algorithms may read, and the one parser of
-per-stage (or per-rank) values that every cost input goes through.
-
-Kept in the core (not the simulator) because cost-aware algorithms such as ``zb-auto`` take it as
-input while staying free of the simulator; the simulator's full cost model embeds it.
+"""Per-stage compute times (the compute part of :class:`~primuspipe.ir.cost_model.CostModel`, which
+algorithms and the simulator share), and the one parser of per-stage (or per-rank) values that every
+cost input goes through.
 """
 
 from __future__ import annotations

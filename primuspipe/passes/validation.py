@@ -26,7 +26,7 @@ from collections import defaultdict, deque
 
 from primuspipe.errors import ValidationError
 from primuspipe.ir import strict
-from primuspipe.ir.activations import running_levels
+from primuspipe.ir.activations import W_RETAINED_FRACTION, running_levels
 from primuspipe.ir.dataflow import (
     Step,
     Transfer,
@@ -41,19 +41,22 @@ from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.table import ScheduleTable
 
 
-_proven: weakref.WeakValueDictionary[int, ScheduleTable] = weakref.WeakValueDictionary()
-"""``id(table) -> table`` of every table object a full validation accepted (dropped with the table)."""
+_proven: weakref.WeakValueDictionary[tuple[int, bool], ScheduleTable] = weakref.WeakValueDictionary()
+"""``(id(table), complete) -> table`` for every table object a validation accepted, with or without the
+completeness rule (dropped with the table)."""
 
 
-def validate(table: ScheduleTable, *, max_in_flight: float | None = None, complete: bool = True) -> ScheduleTable:
+def validate(table: ScheduleTable, *, max_in_flight: float | None = None, retained: float = W_RETAINED_FRACTION,
+             complete: bool = True) -> ScheduleTable:
     """Run every rule (once per table object: see the module docstring); return the table unchanged
     so calls chain.
 
-    ``max_in_flight`` bounds, per rank, the activations held at once (forward done, input-grad backward
-    not yet), in microbatches of one 1F1B stage: a chunk's activation counts ``1/vpp``. ``complete=False``
-    leaves out completeness, for views that run part of each microbatch's steps (the forward-only view).
+    ``max_in_flight`` bounds, per rank, the activations held at once, in microbatches of one 1F1B stage
+    (a chunk's activation counts ``1/vpp``), each from its F until its W, at ``retained`` of its size
+    between B and W (docs/design.md §4). ``complete=False`` leaves out completeness, for views that run
+    part of each microbatch's steps (the forward-only view); such a proof does not stand for a full one.
     """
-    if not is_proven(table):
+    if not is_proven(table, complete=complete):
         check_structure(table)
         if complete:
             check_completeness(table)
@@ -61,15 +64,17 @@ def validate(table: ScheduleTable, *, max_in_flight: float | None = None, comple
         if table.has_communication:
             check_pairing(table)
         check_deadlock(table)
-        _proven[id(table)] = table
+        _proven[id(table), complete] = table
     if max_in_flight is not None:
-        check_in_flight(table, strict.number(max_in_flight, "max_in_flight", minimum=0))
+        check_in_flight(table, strict.number(max_in_flight, "max_in_flight", minimum=0),
+                        strict.number(retained, "retained", minimum=0, maximum=1))
     return table
 
 
-def is_proven(table: ScheduleTable) -> bool:
-    """True when :func:`validate` accepted this very table object: it is safe to run."""
-    return _proven.get(id(table)) is table
+def is_proven(table: ScheduleTable, *, complete: bool = True) -> bool:
+    """True when :func:`validate` accepted this very table object (with completeness, unless
+    ``complete=False`` asks whether it was proven at least without it): it is safe to run."""
+    return _proven.get((id(table), True)) is table or (not complete and _proven.get((id(table), False)) is table)
 
 
 def _fail(table: ScheduleTable, rule: str, what: str, nodes: list[tuple[int, int]], fix: str) -> None:
@@ -256,11 +261,11 @@ def _report_deadlock(table: ScheduleTable, ptr: list[int], blocked_on: dict[int,
           "and post receives in the order the peer sends")
 
 
-def check_in_flight(table: ScheduleTable, limit: float) -> None:
+def check_in_flight(table: ScheduleTable, limit: float, retained: float = W_RETAINED_FRACTION) -> None:
     """No rank holds more than ``limit`` microbatches of activations (1F1B-stage units) at once."""
     for rank, row in enumerate(table.ranks):
-        for i, held in enumerate(running_levels(row)):
+        for i, held in enumerate(running_levels(row, retained=retained)):
             if held > limit * table.vpp + 1e-9:
                 _fail(table, "memory", f"{_at(table, rank, i)} raises the activations held on rank {rank} to "
                       f"{held / table.vpp:g} microbatches, over the limit of {limit:g}",
-                      [(rank, i)], "run backwards earlier, or raise the limit")
+                      [(rank, i)], "run backwards and weight-gradient (W) nodes earlier, or raise the limit")

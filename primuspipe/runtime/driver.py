@@ -6,6 +6,10 @@ its model and its binder; everything around running a table is here, once:
 * tables are built and validated once per (algorithm, shape, options) and cached (immutable values);
 * ``forward_only`` runs the table's forward-only view (:mod:`primuspipe.passes.forward_only`);
 * one :class:`~primuspipe.runtime.runner.ScheduleRunner` per (table, rank);
+* before a table's first step on a process group, every rank checks that all ranks hold the same table
+  (:func:`check_same_table`: a digest of it, gathered once per table and group), so ranks that built
+  different tables — another algorithm, other options, a search that ended elsewhere — refuse with a
+  clear error instead of hanging or training on mismatched halves;
 * :func:`last_backwards`: per chunk, the microbatch of its last weight-gradient node on a rank (where a
   backend may start gradient synchronisation);
 * the point-to-point transport with its hang watchdog, and, when dumping, the
@@ -17,11 +21,13 @@ A minimal backend is a binder plus ``StepDriver(...).execute(...)``: see docs/ba
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 from primuspipe.algorithms.build import build_schedule
+from primuspipe.errors import TableMismatchError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.timeline import dump_path
@@ -48,6 +54,34 @@ def last_backwards(table: ScheduleTable, rank: int) -> Mapping[int, int]:
     return MappingProxyType(last)
 
 
+def table_digest(table: ScheduleTable) -> str:
+    """sha256 of the table's JSON form: its algorithm, shape, placement and every rank's nodes."""
+    return hashlib.sha256(table.to_json(indent=None).encode()).hexdigest()
+
+
+def check_same_table(table: ScheduleTable, rank: int, group: Any) -> None:
+    """Raise :class:`TableMismatchError` on every rank unless all ranks of ``group`` hold ``table``.
+
+    One ``all_gather_object`` of (digest, algorithm, shape) per call; every rank sees every digest, so
+    all of them refuse together, naming rank 0 and the first rank that differs, before any node runs."""
+    import torch.distributed as dist
+
+    mine = (table_digest(table), table.algorithm, table.pp, table.vpp, table.microbatches)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for other, theirs in enumerate(everyone):
+        if theirs[0] != everyone[0][0]:
+            raise TableMismatchError(
+                f"the pipeline's ranks hold different schedule tables: {_holding(0, everyone[0])}, but "
+                f"{_holding(other, theirs)} (this is rank {rank}); nothing was run. Give every rank the same "
+                "algorithm, options and cost model (or build the table on one rank and send it to the others)")
+
+
+def _holding(rank: int, entry: tuple) -> str:
+    digest, algorithm, pp, vpp, m = entry
+    return f"rank {rank} holds {algorithm!r} (pp={pp}, vpp={vpp}, {m} microbatches, sha256 {digest[:16]})"
+
+
 class StepDriver:
     """Runs one rank's row of a table per step, with the transport, watchdog and dumps configured once."""
 
@@ -59,6 +93,8 @@ class StepDriver:
         """Training (not forward-only) steps run so far: the iteration number of dumps."""
         self.run_id: str | None = None
         """The run id every dump of this run carries (agreed by the pipeline's ranks at the first dump)."""
+        self._agreed: dict[tuple[int, int], tuple[ScheduleTable, Any]] = {}
+        """(id of table, id of group) -> both, once every rank of the group was seen to hold the table."""
 
     @staticmethod
     def view(table: ScheduleTable, forward_only: bool) -> ScheduleTable:
@@ -72,6 +108,10 @@ class StepDriver:
         from primuspipe.runtime.recorder import StepRecorder, shared_run_id
         from primuspipe.runtime.transport import P2PTransport
 
+        key = (id(table), id(group))
+        if key not in self._agreed:  # steady-state steps pay nothing
+            check_same_table(table, rank, group)
+            self._agreed[key] = (table, group)  # held, so the ids stay theirs
         recorder = None
         if self.dump_dir is not None and not forward_only:
             self.run_id = self.run_id or shared_run_id(group)

@@ -52,7 +52,7 @@ class ScheduleRunner:
             raise ConfigError("the runner needs a full table; pass it through add_communication (build_schedule does)")
         if not 0 <= rank < table.pp:
             raise ConfigError(f"rank {rank} is outside the table's pipeline of {table.pp} ranks")
-        if not is_proven(table):
+        if not is_proven(table, complete=False):  # proof before execution; a forward-only view carries its own
             validate(table)
         self.table = table
         self.rank = rank

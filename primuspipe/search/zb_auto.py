@@ -1,68 +1,85 @@
-"""``zb-auto``: the fastest schedule it can find for given per-stage costs and a memory limit.
+"""``zb-auto``: the fastest schedule it can find for a cost model and a memory limit.
 
-The search, within ``time_budget_s``:
+It searches every placement the shape allows — interleaved with one and with two chunks per rank, and
+the V — unless the caller pins the vpp or the placement, and in each:
 
-1. every fixed algorithm registered for this vpp (1F1B, ZB-H1/H2, ZBV, V-half, V-min, DualPipe-V, ...)
-   whose table fits the memory limit;
-2. the greedy list scheduler (the ZB paper's heuristic: B before F, W's into the gaps) over a grid of
-   per-rank activation caps within the limit, for the interleaved and (vpp = 2) the V placement;
-3. if the order MILP (:mod:`primuspipe.search.zb_milp`) is small enough and time is left, HiGHS
-   improves on the best of 1-2, seeded with it, and reports a lower bound.
+1. every fixed algorithm registered for that placement (1F1B, ZB-H1/H2, interleaved 1F1B, ZBV, V-half,
+   V-min, DualPipe-V, plug-ins...) whose table fits the memory limit;
+2. constructions at the memory limit itself: the greedy list scheduler over a grid of warm-up caps
+   (the zero-bubble papers' heuristic), and on the V the V-shape family's constructions (building
+   blocks, the hand-crafted ZBV order, greedy fills) at the limit's budget;
+3. where the order MILP (:mod:`primuspipe.search.zb_milp`) is small enough, HiGHS improves on the best
+   table of its placement, seeded with it, and proves a lower bound.
 
-Every candidate is timed by the simulator with the same costs, so the answer is the best *simulated*
-step time; the report says which method produced it and, when the MILP ran, the optimality gap.
+Every candidate is timed by the simulator under the request's cost model (compute per stage, P2P, what
+W keeps of the activations), and memory is counted as the device holds it (each microbatch from its
+F until its W). The search is bounded by work — the number of fills per placement, the MILP's node and
+iteration limits — never by the clock, so the same request gives the same table on every machine and
+under any load; a real run can still check that every rank holds the same table
+(:mod:`primuspipe.runtime.driver`). How the answer was found is a separate value, the
+:class:`ZbAutoReport` that :func:`zb_auto_search` returns; the table's name stays ``zb-auto``.
+Progress goes to ``logging`` (``primuspipe.search.zb_auto``) and to an optional callback.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from functools import cache
-from itertools import product
-from typing import NamedTuple
 
-from primuspipe.algorithms.list_scheduler import FillPolicy, list_schedule, unit_costs
+from primuspipe.algorithms.list_scheduler import FillPolicy, Filled, fill_all, shortlist
 from primuspipe.algorithms.registry import ScheduleRequest, list_algorithms, register
-from primuspipe.search.zb_milp import count_binaries, solve_order_milp, table_starts
-from primuspipe.passes.communication import add_communication
-from primuspipe.ir.costs import ComputeCosts
-from primuspipe.errors import ScheduleShapeError
-from primuspipe.ir.placement import Placement
-from primuspipe.simulator import CostModel, Link, P2PCost, SimulationResult, simulate
-from primuspipe.ir.table import ScheduleTable
+from primuspipe.algorithms.vshape import vshape_candidates, zbv_handcrafted
+from primuspipe.errors import ConfigError, ScheduleShapeError
 from primuspipe.ir.activations import peak_in_flight
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.communication import add_communication
 from primuspipe.passes.validation import validate
+from primuspipe.search.zb_milp import count_binaries, solve_order_milp, table_starts
+from primuspipe.simulator import SimulationResult, simulate
 
 logger = logging.getLogger(__name__)
 
-MILP_MAX_BINARIES = 3000
-"""Above this many order binaries HiGHS rarely improves on the heuristic within seconds."""
+MILP_MAX_BINARIES = 800
+"""Above this many order binaries HiGHS rarely improves on the heuristics within its work limits."""
 
-MILP_MIN_TIME_S = 0.05
-"""Below this much time left the MILP is not started."""
+FILLS_PER_PLACEMENT = 48
+"""Default work bound: constructions filled per placement (greedy-fill policies, most warm-up first, on
+the interleaved layouts; the V-shape family's constructions on the V)."""
+
+MILP_NODES = 200
+"""Default work bound: branch-and-bound nodes the MILP may explore."""
+
+MILP_ITERATIONS = 50_000
+"""Default work bound: simplex iterations the MILP may spend."""
 
 Progress = Callable[[str, float], None]
-"""Called with a status line and the fraction of the time budget spent."""
+"""Called with a status line and the fraction of the search done (placements searched so far)."""
 
 
 @dataclass(frozen=True)
 class ZbAutoReport:
+    """How :func:`zb_auto_search` found its table (the same for the same request, everywhere)."""
+
     method: str
     """``"fixed"``, ``"heuristic"`` or ``"milp"``: what produced the returned table."""
     source: str
-    """The candidate: an algorithm name, a list-scheduler policy, or the MILP."""
+    """The candidate: an algorithm name, a construction or list-scheduler policy, or the MILP."""
+    placement: str
+    """The returned table's placement (``"interleaved"`` or ``"v"``)."""
+    vpp: int
     step_time: float
     """Simulated step time of the returned table."""
     peak_in_flight: float
-    """Its largest per-rank activation peak (1F1B-stage microbatches)."""
+    """Its largest per-rank memory peak (1F1B-stage microbatches, counted until W)."""
     lower_bound: float | None
-    """A proven lower bound on the step time (from the MILP), if it ran."""
+    """A proven lower bound on the step time of any table of that placement (from the MILP), if it ran."""
     optimal: bool
     candidates: int
     """Candidate tables simulated."""
-    elapsed_s: float
+    searched: tuple[str, ...]
+    """The placements searched, e.g. ``("interleaved vpp=1", "interleaved vpp=2", "v")``."""
 
     @property
     def gap(self) -> float | None:
@@ -74,11 +91,13 @@ class ZbAutoReport:
     @property
     def summary(self) -> str:
         gap = "gap unknown" if self.gap is None else ("optimal" if self.optimal else f"gap {self.gap:.1%}")
-        return f"{self.method}: {self.source}, step {self.step_time:g}, {gap}"
+        return (f"{self.method}: {self.source} ({_name(self.placement, self.vpp)}), step {self.step_time:g}, "
+                f"peak {self.peak_in_flight:.4g}, {gap}; searched {', '.join(self.searched)}")
 
 
-class _Candidate(NamedTuple):
-    """The best table so far, its simulated step time and peak (compared in that order), and its source."""
+@dataclass(frozen=True)
+class _Best:
+    """The best candidate so far; compared by (step time, memory peak), the earlier of equals kept."""
 
     step_time: float
     peak: float
@@ -88,130 +107,187 @@ class _Candidate(NamedTuple):
     result: SimulationResult
 
 
-def _cost_model(costs: ComputeCosts, p2p_time: float) -> CostModel:
-    link = Link(latency=p2p_time)
-    return CostModel(costs, p2p=P2PCost(intra_node=link, inter_node=link))
+def _name(placement: str, vpp: int) -> str:
+    return "v" if placement == "v" else f"interleaved vpp={vpp}"
 
 
-def _fixed_candidates(req: ScheduleRequest) -> Iterator[tuple[str, ScheduleTable]]:
-    for info in list_algorithms():
-        if info.name == "zb-auto" or (info.vpp is not None and info.vpp != req.vpp):
-            continue
-        try:
-            yield info.name, info.build(req)
-        except ScheduleShapeError:
-            continue
+def placements(req: ScheduleRequest, pinned: str | None) -> list[Placement]:
+    """The layouts to search: interleaved with vpp 1 and 2 and the V, or those the request's vpp or
+    the ``pinned`` placement name allow."""
+    if pinned not in (None, "interleaved", "v"):
+        raise ConfigError(f"zb-auto: placement must be 'interleaved' or 'v', got {pinned!r}")
+    p = req.pp
+    vpps = [req.vpp] if req.vpp is not None else [1, 2]
+    found = []
+    if pinned in (None, "interleaved"):
+        found += [Placement.interleaved(p, v) for v in vpps]
+    if pinned in (None, "v") and 2 in vpps:
+        found.append(Placement.vshape(p))
+    if not found:
+        raise ScheduleShapeError(f"zb-auto: the V placement needs vpp = 2, got vpp = {req.vpp}")
+    return list(dict.fromkeys(found))  # at pp = 1 the V and the interleaved layout coincide
 
 
-def _policies(req: ScheduleRequest, cap_limit: int) -> Iterator[tuple[str, Placement, FillPolicy]]:
-    """List-scheduler policies to try, most memory first (more memory rarely hurts the step time)."""
-    p, v = req.pp, req.vpp
-    placements = [Placement.interleaved(p, v)] + ([Placement.vshape(p)] if v == 2 else [])
-    reserves = (0,) if v == 1 else (1, 2, 3)
-    for placement, top, slope in product(placements, range(cap_limit, 0, -1), (0, 1, 2)):
-        caps = tuple(max(top - slope * r, 1) for r in range(p))
-        if slope and len(set(caps)) == 1:
-            continue  # the caps of slope 0
-        for reserve, first in product(reserves, (True, False)):
-            if reserve < min(caps):
-                name = f"list-schedule {placement.name} caps={top}-{slope}r reserve={reserve} {'B' if first else 'F'}-first"
-                yield name, placement, FillPolicy(caps, reserve, first)
+def grid(placement: Placement, microbatches: int, cap: float | None, size: int) -> list[FillPolicy]:
+    """The first ``size`` greedy-fill policies, most warm-up first: per-rank caps on forwards in flight
+    ``top - slope * rank`` (slope 0, 1, 2: ZB-H2 warms rank r up with 2(p - r) - 1), within the memory
+    cap (chunk activations counted until W; None: unbounded)."""
+    p, v = placement.pp, placement.vpp
+    memory = (float("inf") if cap is None else cap,) * p
+    highest = min(2 * placement.num_stages, microbatches * v, int(cap + 1e-9) if cap is not None else 2 * placement.num_stages)
+    found = []
+    for top in range(highest, 0, -1):
+        for slope in (0, 1, 2):
+            caps = tuple(max(top - slope * r, 1) for r in range(p))
+            if slope and len(set(caps)) == 1:
+                continue  # the caps of slope 0
+            for reserve in (0,) if v == 1 else (0, 1, 2):
+                if reserve < min(caps):
+                    found += [FillPolicy(caps, memory, reserve, first) for first in (True, False)]
+    return found[:size]
 
 
 def zb_auto_search(
     req: ScheduleRequest,
     *,
-    time_budget_s: float = 10.0,
-    p2p_time: float = 0.0,
+    placement: str | None = None,
+    fills: int = FILLS_PER_PLACEMENT,
+    include_fixed: bool = True,
     use_milp: bool = True,
+    milp_nodes: int = MILP_NODES,
+    milp_iterations: int = MILP_ITERATIONS,
     progress: Progress | None = None,
     check: bool = True,
 ) -> tuple[ScheduleTable, ZbAutoReport]:
     """Search as described in the module doc; returns the best table and how it was found.
 
+    ``placement`` pins "interleaved" or "v"; ``req.vpp`` pins the vpp (None: search 1 and 2).
+    ``fills`` (constructions filled per placement), ``milp_nodes`` and ``milp_iterations`` bound the
+    work (see the module doc); ``include_fixed=False`` leaves out the registered algorithms' tables.
     ``check=False`` skips validating the answer (for callers such as ``build_schedule`` that validate).
 
-    >>> req = ScheduleRequest(2, 1, 4, ComputeCosts.per_stage(2, 1, 1, 1), memory_limit=2)
-    >>> table, report = zb_auto_search(req, time_budget_s=5)
-    >>> report.step_time, report.optimal
-    (13.0, True)
+    >>> from primuspipe.ir.cost_model import CostModel
+    >>> req = ScheduleRequest(2, 1, 4, CostModel.per_stage(2, 1, 1, 1), memory_limit=2)
+    >>> table, report = zb_auto_search(req)
+    >>> report.step_time, report.optimal, table.algorithm
+    (13.0, True, 'zb-auto')
     """
-    began = time.monotonic()
-    deadline = began + time_budget_s
-    costs = req.costs or unit_costs(req.pp * req.vpp)
-    model = _cost_model(costs, p2p_time)
-    limit = req.memory_limit
-    cap_limit = 2 * req.pp * req.vpp if limit is None else int(limit * req.vpp + 1e-9)
-    best: _Candidate | None = None
+    if fills < 0 or milp_nodes < 0 or milp_iterations < 0:
+        raise ConfigError(f"zb-auto: fills, milp_nodes and milp_iterations must be >= 0, got {fills}, {milp_nodes}, "
+                          f"{milp_iterations}")
+    layouts = placements(req, placement)
+    limit, retained = req.memory_limit, req.retained
+    best: _Best | None = None
     tried = 0
+    by_layout: dict[Placement, _Best] = {}
 
-    @cache
-    def milp_size(placement: Placement) -> int | None:
-        return count_binaries(placement, req.microbatches, MILP_MAX_BINARIES) if use_milp else None
-
-    def report(line: str) -> None:
-        logger.info("zb-auto: %s", line)
+    def report(line: str, done: float, level: int = logging.INFO) -> None:
+        logger.log(level, "zb-auto: %s", line)
         if progress is not None:
-            progress(line, min((time.monotonic() - began) / time_budget_s, 1.0))
+            progress(line, done)
 
-    def consider(method: str, source: str, table: ScheduleTable) -> None:
+    def consider(method: str, source: str, table: ScheduleTable, layout: Placement) -> None:
         nonlocal best, tried
-        peak = max(peak_in_flight(table))
+        peak = max(peak_in_flight(table, retained))
         if limit is not None and peak > limit + 1e-9:
             return
         tried += 1
-        result = simulate(table, model)
-        if best is None or (result.step_time, peak) < (best.step_time, best.peak):
-            best = _Candidate(result.step_time, peak, method, source, table, result)
-            report(f"best so far {result.step_time:g} from {source} (peak {peak:g})")
+        result = simulate(table, req.cost_model(table.vpp))
+        candidate = _Best(result.step_time, peak, method, source, table, result)
+        if layout not in by_layout or (candidate.step_time, peak) < (by_layout[layout].step_time, by_layout[layout].peak):
+            by_layout[layout] = candidate
+        if best is None or (candidate.step_time, peak) < (best.step_time, best.peak):
+            best = candidate
+            report(f"best so far {result.step_time:g} from {source} ({_name(layout.name, layout.vpp)}, peak {peak:.4g})",
+                   layouts.index(layout) / len(layouts), logging.DEBUG)
 
-    # 1. the fixed algorithms
-    for name, table in _fixed_candidates(replace(req, costs=costs)):
-        consider("fixed", name, table)
-        if best is not None and time.monotonic() > deadline:
-            break
-    # 2. the list scheduler over a grid of caps; stop at the budget's first half if the MILP may run
-    may_run_milp = milp_size(Placement.interleaved(req.pp, req.vpp)) is not None
-    heuristic_deadline = began + time_budget_s * (0.5 if may_run_milp else 1.0)
-    for source, placement, policy in _policies(req, cap_limit):
-        if time.monotonic() > heuristic_deadline:
-            report("heuristic search stopped at its share of the time budget")
-            break
-        try:
-            timed = list_schedule(placement, req.microbatches, costs, policy, p2p_time=p2p_time, algorithm="zb-auto")
-        except ScheduleShapeError:
-            continue
-        consider("heuristic", source, ScheduleTable.build(placement, req.microbatches, timed.rows, "zb-auto"))
+    for i, layout in enumerate(layouts):
+        report(f"searching {_name(layout.name, layout.vpp)}", i / len(layouts))
+        sub = ScheduleRequest(req.pp, layout.vpp, req.microbatches, req.cost_model(layout.vpp), limit)
+        for name, table in _fixed_candidates(sub, layout) if include_fixed else ():
+            consider("fixed", name, table, layout)
+        for candidate in _constructions(sub, layout, fills):
+            consider("heuristic", candidate.source, candidate.table, layout)
     if best is None:
         raise ScheduleShapeError(
-            f"zb-auto: no schedule of pp={req.pp}, vpp={req.vpp}, {req.microbatches} microbatches holds at most "
-            f"{limit:g} microbatches of activations per rank; raise the memory limit"
+            f"zb-auto: no schedule of pp={req.pp}, {req.microbatches} microbatches "
+            f"({', '.join(_name(lay.name, lay.vpp) for lay in layouts)}) holds at most {limit:g} microbatches of "
+            "activations per rank (counted until W); raise the memory limit"
         )
-    # 3. the exact MILP on the best table's placement, seeded with its simulated start times
-    lower_bound, optimal = None, False
-    placement = best.table.placement
-    size = milp_size(placement)
-    if size is not None and deadline - time.monotonic() > MILP_MIN_TIME_S:
-        report(f"MILP over {size} order binaries")
-        incumbent = table_starts(best.result.table, [r.starts for r in best.result.ranks])
-        milp = solve_order_milp(placement, req.microbatches, costs, p2p_time=p2p_time, cap=cap_limit if limit is not None else None,
-                                upper_bound=best.step_time, time_limit_s=deadline - time.monotonic(), incumbent=incumbent)
-        lower_bound = milp.lower_bound
-        if milp.rows is not None:
-            consider("milp", "order MILP (HiGHS)", ScheduleTable.build(placement, req.microbatches, milp.rows, "zb-auto"))
-        optimal = milp.optimal and best.step_time <= milp.lower_bound + 1e-6
-        report(f"MILP bound {lower_bound:g}, {'optimal' if optimal else 'not proven optimal'}")
-    final = ZbAutoReport(best.method, best.source, best.step_time, best.peak, lower_bound, optimal, tried,
-                         time.monotonic() - began)
-    report(final.summary)
+    lower_bound, optimal = _improve_with_milp(req, best.table.placement, by_layout, consider, report, use_milp,
+                                              milp_nodes, milp_iterations)
+    best = min(by_layout.values(), key=lambda c: (c.step_time, c.peak))
+    optimal = optimal and best.step_time <= (lower_bound or 0.0) + 1e-6
+    final = ZbAutoReport(best.method, best.source, best.table.placement.name, best.table.vpp, best.step_time, best.peak,
+                         lower_bound, optimal, tried, tuple(_name(lay.name, lay.vpp) for lay in layouts))
+    report(final.summary, 1.0)
+    table = replace(best.table, algorithm="zb-auto")
     if check:
-        validate(add_communication(best.table))
-    return replace(best.table, algorithm=f"zb-auto ({final.summary})"), final
+        validate(add_communication(table))
+    return table, final
 
 
-@register("zb-auto", split_backward=True)
+def _fixed_candidates(req: ScheduleRequest, layout: Placement) -> Iterator[tuple[str, ScheduleTable]]:
+    """The registered algorithms' tables on this layout (each built with the request's cost model)."""
+    for info in list_algorithms():
+        if info.placement == "any" or info.vpp not in (None, layout.vpp):
+            continue
+        try:
+            table = info.build(req)
+        except ScheduleShapeError:
+            continue
+        if table.placement == layout:
+            yield info.name, table
+
+
+def _constructions(req: ScheduleRequest, layout: Placement, fills: int) -> list[Filled]:
+    """Tables built at the memory limit itself: the shortlist of the greedy fills (and, on the V, of the
+    V-shape family's constructions), plus ready-made tables such as the hand-crafted ZBV."""
+    limit = req.memory_limit
+    cap = None if limit is None else limit * layout.vpp
+    if layout.name == "v" and layout.vpp == 2:
+        chunks = 2 * req.pp if cap is None else int(cap + 1e-9)
+        if chunks < 1:
+            return []
+        policies, ready = vshape_candidates(req, chunks, (zbv_handcrafted(req.pp, req.microbatches),))
+    else:
+        policies, ready = grid(layout, req.microbatches, cap, fills), []
+    filled = fill_all(layout, req.microbatches, req.cost_model(layout.vpp), policies[:fills], algorithm="zb-auto")
+    return [*shortlist(filled), *ready]
+
+
+def _improve_with_milp(req: ScheduleRequest, layout: Placement, by_layout: dict, consider, report, use_milp: bool,
+                       nodes: int, iterations: int) -> tuple[float | None, bool]:
+    """Run the order MILP on the best table's layout when it is small enough; returns (bound, optimal)."""
+    if not use_milp or (size := count_binaries(layout, req.microbatches, MILP_MAX_BINARIES)) is None:
+        return None, False
+    seed = by_layout[layout]
+    incumbent = table_starts(seed.result.table, [r.starts for r in seed.result.ranks])
+    cost = req.cost_model(layout.vpp)
+    cap = None if req.memory_limit is None else req.memory_limit * layout.vpp
+    report(f"MILP over {size} order binaries ({_name(layout.name, layout.vpp)}), at most {nodes} nodes", 0.9)
+    milp = solve_order_milp(layout, req.microbatches, cost, cap=cap, upper_bound=seed.step_time, node_limit=nodes,
+                            iteration_limit=iterations, incumbent=incumbent)
+    if milp.rows is not None:
+        consider("milp", "order MILP (HiGHS)", ScheduleTable.build(layout, req.microbatches, milp.rows, "zb-auto"), layout)
+    report(f"MILP bound {milp.lower_bound:g}, {'optimal' if milp.optimal else 'not proven optimal'}", 0.95)
+    return milp.lower_bound, milp.optimal
+
+
+@register("zb-auto", placement="any", split_backward=True)
 def zb_auto(
-    req: ScheduleRequest, *, time_budget_s: float = 10.0, p2p_time: float = 0.0, use_milp: bool = True
+    req: ScheduleRequest, *, placement: str | None = None, fills: int = FILLS_PER_PLACEMENT, include_fixed: bool = True,
+    use_milp: bool = True, milp_nodes: int = MILP_NODES, milp_iterations: int = MILP_ITERATIONS,
 ) -> ScheduleTable:
-    """zb-auto: searches (fixed algorithms, greedy fill, order MILP) for the fastest schedule under a memory limit."""
-    return zb_auto_search(req, time_budget_s=time_budget_s, p2p_time=p2p_time, use_milp=use_milp, check=False)[0]
+    """zb-auto: searches every placement (fixed algorithms, constructions at the memory limit, order MILP) for the fastest schedule under the cost model and memory limit.
+
+    Its compute order at pp=4, m=4 (F = B = W per 1F1B stage, no memory limit: interleaved with two
+    chunks, proven optimal; notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
+
+        rank 0 | F0 F1 F2 F3 f0 f1 f2 f3 b0 w0 b1 w1 b2 B0 B1 w2 b3 B2 W0 W1 B3 w3 W2 W3
+        rank 1 | F0 F1 F2 F3 f0 f1 f2 f3 b0 w0 b1 w1 b2 B0 B1 w2 b3 B2 W0 W1 B3 w3 W2 W3
+        rank 2 | F0 F1 F2 F3 f0 f1 f2 b0 f3 b1 w0 b2 B0 B1 w1 b3 B2 w2 W0 B3 W1 w3 W2 W3
+        rank 3 | F0 F1 F2 F3 f0 b0 f1 b1 f2 b2 B0 B1 f3 b3 B2 w0 w1 B3 w2 W0 W1 w3 W2 W3
+    """
+    return zb_auto_search(req, placement=placement, fills=fills, include_fixed=include_fixed, use_milp=use_milp,
+                          milp_nodes=milp_nodes, milp_iterations=milp_iterations, check=False)[0]

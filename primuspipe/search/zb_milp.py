@@ -6,8 +6,9 @@ Formulation (the Zero Bubble paper's, made smaller):
 * dependencies: ``t[x] >= t[y] + d[y] (+ P2P if y runs on another rank)`` for every producer ``y``;
 * one binary ``o[a, b]`` per pair of nodes on one rank whose order is *not already implied*: the pair
   runs one way or the other (big-M with M = the incumbent's makespan);
-* memory: right after each forward, the rank's held activations (forwards before it, input-grad
-  backwards before it) stay within the cap, written with the same order binaries.
+* memory: right after each forward, the rank's held activations (the effects of the forwards, B's and
+  W's before it: each microbatch held from its F until its W, the cost model's retained share between
+  its B and its W) stay within the cap, written with the same order binaries.
 
 Why it is smaller: the microbatches are interchangeable (per-stage costs do not depend on them), so an
 exchange argument shows some optimal schedule runs each (kind, stage) in microbatch order. With that
@@ -15,6 +16,9 @@ order fixed, node ``a`` of microbatch ``i`` precedes node ``b`` of microbatch ``
 depends on ``a``'s kind and stage within one microbatch, and such pairs need no binary. The model's
 lower bound is therefore a lower bound on every schedule, and its optimum is the true optimum under
 the same timing rules (the simulator adds only rendezvous waits, which are zero with no P2P time).
+
+The solver runs bounded by work (branch-and-bound nodes, simplex iterations, one thread), never by the
+clock, so its answer is the same on every machine and under any load.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from primuspipe.ir.costs import ComputeCosts
+from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.dataflow import Step, reaches, step_needs
 from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.ir.placement import Placement
@@ -81,25 +85,31 @@ def _free_pairs(nodes: list[Key], num_stages: int) -> list[tuple[Key, Key]]:
 def solve_order_milp(
     placement: Placement,
     microbatches: int,
-    costs: ComputeCosts,
+    cost: CostModel,
     *,
-    p2p_time: float,
-    cap: int | None,
+    cap: float | None,
     upper_bound: float,
-    time_limit_s: float,
+    node_limit: int,
+    iteration_limit: int,
     incumbent: dict[Key, float] | None = None,
 ) -> MilpResult:
-    """Minimise the makespan; ``cap`` bounds each rank's held activations (chunk units), ``incumbent``
-    (start time per node, e.g. from simulating the heuristic's best table) seeds the search."""
+    """Minimise the makespan; ``cap`` bounds each rank's held activations (chunk units, each counted
+    until its W with the cost model's retained share), ``incumbent`` (start time per node, e.g. from
+    simulating the heuristic's best table) seeds the search.
+
+    The solver is bounded by work, never by the clock: at most ``node_limit`` branch-and-bound nodes
+    and ``iteration_limit`` simplex iterations, on one thread, so the same inputs give the same answer
+    on every machine and under any load."""
     import highspy
 
     m, pp = microbatches, placement.pp
     num_stages = placement.num_stages
-    dur = {kind: costs.of(kind) for kind in _KINDS}
+    dur = {kind: tuple(cost.duration(kind, s) for s in range(num_stages)) for kind in _KINDS}
+    delta = {kind: kind.spec.activation_delta(cost.memory.w_retained_fraction) for kind in _KINDS}
     h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", max(time_limit_s, 0.1))
-    h.setOptionValue("threads", 1)
+    for option, value in (("output_flag", False), ("threads", 1), ("random_seed", 0), ("time_limit", highspy.kHighsInf),
+                          ("mip_max_nodes", node_limit), ("simplex_iteration_limit", iteration_limit)):
+        h.setOptionValue(option, value)
     inf = highspy.kHighsInf
     col: dict[object, int] = {}
     integers: list[int] = []
@@ -125,7 +135,7 @@ def solve_order_milp(
         for kind, s, i in nodes:
             me = col[(kind, s, i)]
             for pk, ps, _ in _producers(placement, Step(kind, s, i)):
-                delay = p2p_time if placement.rank_of(ps) != r else 0.0
+                delay = _delay(cost, placement.rank_of(ps), r)
                 add_row(dur[pk][ps] + delay, inf, {me: 1.0, col[(pk, ps, i)]: -1.0})
             if i > 0:  # microbatch order within (kind, stage)
                 add_row(dur[kind][s], inf, {me: 1.0, col[(kind, s, i - 1)]: -1.0})
@@ -140,7 +150,7 @@ def solve_order_milp(
             add_row(dur[a[0]][a[1]] - big_m, inf, {tb: 1.0, ta: -1.0, y: -big_m})  # y = 1: a before b
             add_row(dur[b[0]][b[1]], inf, {ta: 1.0, tb: -1.0, y: big_m})  # y = 0: b before a
 
-    h.changeColBounds(makespan, _static_bound(placement, rank_nodes, dur, p2p_time), upper_bound)
+    h.changeColBounds(makespan, _static_bound(placement, rank_nodes, dur, cost), upper_bound)
 
     def before(a: Key, b: Key) -> tuple[float, dict[int, float]]:
         """[a runs before b] as constant + linear terms."""
@@ -157,9 +167,9 @@ def solve_order_milp(
             # held right after forward a: one chunk activation per part before it, by the kind's effect
             forwards = [x for x in nodes if x.kind is NodeKind.F]
             for a in forwards:
-                const, terms = a.kind.spec.activation_delta(), {}
+                const, terms = delta[a.kind], {}
                 for other in nodes:
-                    sign = other.kind.spec.activation_delta()
+                    sign = delta[other.kind]
                     if other == a or not sign:
                         continue
                     c, t = before(other, a)
@@ -171,8 +181,8 @@ def solve_order_milp(
                 else:
                     assert const <= cap + 1e-9
     h.changeColsIntegrality(len(integers), integers, [highspy.HighsVarType.kInteger] * len(integers))
-    logger.info("zb-auto MILP: %d columns (%d order binaries), %d rows, %.1f s limit",
-                h.getNumCol(), len(order), h.getNumRow(), time_limit_s)
+    logger.info("zb-auto MILP: %d columns (%d order binaries), %d rows, at most %d nodes",
+                h.getNumCol(), len(order), h.getNumRow(), node_limit)
     if incumbent is not None:
         values = [0.0] * h.getNumCol()
         values[makespan] = max(incumbent[k] + dur[k[0]][k[1]] for k in incumbent)
@@ -202,7 +212,7 @@ def solve_order_milp(
     return MilpResult(tuple(rows), bound, optimal)
 
 
-def _static_bound(placement: Placement, rank_nodes: list[list[Key]], dur: dict, p2p_time: float) -> float:
+def _static_bound(placement: Placement, rank_nodes: list[list[Key]], dur: dict, cost: CostModel) -> float:
     """A makespan no order can beat: per rank, the earliest any of its nodes can start plus its whole
     work, and for each node its earliest end plus the work on its rank that must follow it."""
     earliest: dict[Key, float] = {}
@@ -210,7 +220,7 @@ def _static_bound(placement: Placement, rank_nodes: list[list[Key]], dur: dict, 
     def start(key: Key) -> float:
         if key not in earliest:
             rank = placement.rank_of(key[1])
-            earliest[key] = max((start(p) + dur[p[0]][p[1]] + (p2p_time if placement.rank_of(p[1]) != rank else 0.0)
+            earliest[key] = max((start(p) + dur[p[0]][p[1]] + _delay(cost, placement.rank_of(p[1]), rank)
                                  for p in _producers(placement, key)), default=0.0)
         return earliest[key]
 
@@ -224,6 +234,10 @@ def _static_bound(placement: Placement, rank_nodes: list[list[Key]], dur: dict, 
         for x in nodes:
             bound = max(bound, earliest[x] + work[x] + sum(work[y] for y in nodes if precedes(x, y, placement.num_stages)))
     return bound
+
+
+def _delay(cost: CostModel, src: int, dst: int) -> float:
+    return cost.p2p.transfer_time(src, dst) if src != dst else 0.0
 
 
 def table_starts(table: ScheduleTable, starts_by_rank: list[list[float]]) -> dict[Key, float] | None:

@@ -46,7 +46,8 @@ class RankResult:
     bubble_rate: float
     """``(step - busy) / step``: idle share of the whole step, start-up wait included."""
     peak_activations: float
-    """Most activations held at once, in 1F1B-stage microbatches (a chunk's F counts 1/vpp)."""
+    """Most activations held at once, in 1F1B-stage microbatches (a chunk's F counts 1/vpp), each from
+    its F until its W (at the cost model's ``w_retained_fraction`` between B and W)."""
     peak_activation_bytes: float
     static_bytes: float
 
@@ -124,7 +125,7 @@ class SimulationResult:
             "bubble_rate_span": self.span_bubble_rate,
             "peak_activations": self.peak_activations,
         }
-        modelled = self.cost.memory is not None  # without a memory section, bytes are unknown, not zero
+        modelled = self.cost.memory.models_bytes  # without activation bytes, bytes are unknown, not zero
         ranks = tuple(RankTimeline(r.rank, r.events, round(r.peak_memory_bytes) if modelled else None) for r in self.ranks)
         return Timeline("simulator", t.algorithm, t.pp, t.vpp, t.microbatches, ranks, iteration,
                         self.cost.time_unit, meta)

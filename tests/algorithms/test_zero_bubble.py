@@ -2,7 +2,6 @@
 
 import pytest
 
-from primuspipe.ir.costs import ComputeCosts
 from primuspipe.ir.node import NodeKind
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, simulate
@@ -20,10 +19,14 @@ def test_every_small_shape_builds_and_validates(algorithm, sweep_grid):
 
 @pytest.mark.parametrize("algorithm, cap", [("zb-h1", lambda p, r: p - r), ("zb-h2", lambda p, r: 2 * (p - r) - 1)])
 def test_memory_per_rank_on_the_grid(algorithm, cap):
+    """Counted from F until B (the warm-up), rank r holds its cap; counted until W (what the device
+    holds), no rank more than rank 0's cap."""
     for p in (1, 3, 6):
         for m in (1, p, 3 * p + 1):
-            peaks = peak_in_flight(build_schedule(algorithm, p, m))
+            table = build_schedule(algorithm, p, m)
+            peaks = peak_in_flight(table, retained=0.0)
             assert all(peak <= min(cap(p, r), m) for r, peak in enumerate(peaks)), (p, m, peaks)
+            assert max(peak_in_flight(table, retained=1.0)) <= min(cap(p, 0), m), (p, m)
 
 
 def test_reference_figures_pp8_m32(cli_figures):
@@ -54,9 +57,8 @@ def test_non_uniform_costs_drive_the_fill(algorithm, case):
     unit-cost plan, and faster where the W's have room to move (ZB-H2 on uneven stages). With W's
     bounded in number (memory), ZB-H1's plan is often already as good."""
     (f, b, w), expected = COST_CASES[case]
-    costs = ComputeCosts.per_stage(4, f, b, w)
-    model = CostModel(costs)
-    aware = build_schedule(algorithm, 4, 12, costs=costs)
+    model = CostModel.per_stage(4, f, b, w)
+    aware = build_schedule(algorithm, 4, 12, cost=model)
     blind = build_schedule(algorithm, 4, 12)
     assert aware.compute_only().ranks != blind.compute_only().ranks
     assert simulate(aware, model).step_time <= simulate(blind, model).step_time

@@ -81,11 +81,28 @@ def test_interleaved_group_size_equals_megatron_core(megatron_schedules, pp, vpp
 
 def test_interleaved_refuses_what_would_deadlock_and_accepts_m_below_pp():
     with pytest.raises(ScheduleShapeError, match="last group would hold 1 < pp=4"):
-        build_schedule("interleaved-1f1b", 4, 5, 2)
+        build_schedule("interleaved-1f1b", 4, 5, 2, microbatch_group_size=4)  # given explicitly: checked, not changed
     with pytest.raises(ScheduleShapeError, match="vpp >= 2"):
         build_schedule("interleaved-1f1b", 4, 8, 1)
     small = build_schedule("interleaved-1f1b", 4, 3, 2)  # Megatron refuses m < pp; one group of 3 validates
     assert sum(n.kind is NodeKind.F for n in small.ranks[0]) == 6
+
+
+@pytest.mark.parametrize("pp, vpp, m, group", [(2, 2, 3, 3), (4, 2, 5, 5), (4, 2, 9, 5), (4, 2, 13, 7),
+                                               (3, 3, 7, 4), (8, 2, 20, 10)])
+def test_interleaved_builds_every_m_with_the_least_valid_group_size(megatron_schedules, pp, vpp, m, group):
+    """Where the default group size (pp) would leave a short last group, the least valid one is taken:
+    the table is Megatron's own order for that group size (validated by build_schedule)."""
+    table = build_schedule("interleaved-1f1b", pp, m, vpp)
+    for rank in range(pp):
+        assert _compute(table, rank) == _megatron_interleaved_order(megatron_schedules, pp, rank, vpp, m, group)
+
+
+def test_interleaved_builds_every_m_at_every_pp_and_vpp():
+    for pp in range(1, 7):
+        for vpp in (2, 3, 4):
+            for m in range(1, 3 * pp + 2):
+                build_schedule("interleaved-1f1b", pp, m, vpp)  # validated, never refused
 
 
 def test_gpipe_runs_all_forwards_first():

@@ -95,7 +95,7 @@ def test_cli_validate_rejects_a_broken_table(tmp_path, capsys):
 def test_cli_errors_exit_1_with_the_message(capsys):
     assert main(["show", "1f1b", "--pp", "2", "--vpp", "2", "-m", "4"]) == 1
     assert "1f1b needs vpp = 1" in capsys.readouterr().err
-    assert main(["show", "interleaved-1f1b", "--pp", "4", "--vpp", "2", "-m", "5"]) == 1
+    assert main(["show", "interleaved-1f1b", "--pp", "4", "--vpp", "2", "-m", "5", "-O", "microbatch_group_size=4"]) == 1
     assert "last group would hold 1" in capsys.readouterr().err
 
 

@@ -13,8 +13,8 @@ from primuspipe.algorithms import list_algorithms
 from primuspipe.cli import main
 from primuspipe.ir.timeline import Timeline
 
-KEYS = {"algorithm", "pp", "vpp", "microbatches", "step_time", "bubble_rate", "bubble_rate_mean", "bubble_rate_span",
-        "peak_activations", "peak_memory_bytes", "fits"}
+KEYS = {"algorithm", "pp", "vpp", "placement", "microbatches", "step_time", "bubble_rate", "bubble_rate_mean",
+        "bubble_rate_span", "peak_activations", "peak_memory_bytes", "w_retained_fraction", "fits"}
 
 
 def test_all_algorithms_json_schema_ranking_and_refusals(capsys):
@@ -23,16 +23,17 @@ def test_all_algorithms_json_schema_ranking_and_refusals(capsys):
     simulated = [r for r in rows if "error" not in r]
     refused = [r for r in rows if "error" in r]
     for r in simulated:
-        assert set(r) == KEYS
+        assert set(r) == KEYS | ({"search"} if r["algorithm"] == "zb-auto" else set())
         assert len(r["peak_activations"]) == 3 and r["fits"] == (max(r["peak_activations"]) <= 2)
         assert r["bubble_rate"] + 1e-12 >= r["bubble_rate_mean"] >= 0
     assert [r["step_time"] for r in simulated] == sorted(r["step_time"] for r in simulated)
     one_f_one_b = next(r for r in simulated if r["algorithm"] == "1f1b")
     assert one_f_one_b["bubble_rate"] == pytest.approx(2 / 6) and not one_f_one_b["fits"]  # holds 3 on rank 0
-    # interleaved-1f1b (at its default vpp 2) refuses a last group of 1 < pp microbatches: listed with
-    # its reason, after every simulated row
-    interleaved = next(r for r in refused if r["algorithm"] == "interleaved-1f1b")
-    assert "last group would hold 1" in interleaved["error"] and interleaved["vpp"] == 2
+    # dualpipe-v (vpp 2) refuses fewer than 2 pp microbatches: listed with its reason, after every
+    # simulated row (interleaved-1f1b builds every m: it picks a group size that leaves no short last group)
+    dualpipe = next(r for r in refused if r["algorithm"] == "dualpipe-v")
+    assert "at least 2*pp = 6 microbatches" in dualpipe["error"] and dualpipe["vpp"] == 2
+    assert "interleaved-1f1b" in {r["algorithm"] for r in simulated}
     assert rows[-len(refused):] == refused
 
 
@@ -66,7 +67,7 @@ def test_rich_table_marks_algorithms_over_the_limit_and_lists_refusals(capsys):
     assert main(["simulate", "-a", "all", "--pp", "3", "-m", "4", "--memory-limit", "2"]) == 0
     out = capsys.readouterr().out
     assert "1f1b" in out and "OVER" in out
-    assert "not simulated: interleaved-1f1b (vpp=2)" in out
+    assert "not simulated: dualpipe-v (vpp=2)" in out
 
 
 def test_single_refused_algorithm_fails(capsys):

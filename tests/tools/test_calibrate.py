@@ -18,7 +18,7 @@ P2P = P2PCost(intra_node=Link(0.05), inter_node=Link(0.05))
 
 def _timeline(algorithm, pp, m, vpp, f, b, w, **rest):
     cost = CostModel.per_stage(pp * vpp, f, b, w, p2p=P2P, time_unit="s", **rest)
-    return simulate(build_schedule(algorithm, pp, m, vpp, costs=cost.compute), cost)  # as `simulate` builds it
+    return simulate(build_schedule(algorithm, pp, m, vpp, cost=cost), cost)  # as `simulate` builds it
 
 
 def test_split_backward_costs_are_recovered_per_stage_and_reproduce_the_step(tmp_path, capsys):
