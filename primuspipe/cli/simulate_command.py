@@ -99,6 +99,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if result is not None:
             results[name] = result
     rows.sort(key=lambda r: ("error" in r, r.get("step_time", 0.0), r["algorithm"]))
+    if not results and not args.json:  # nothing to rank: the reason(s), on one line
+        reasons = dict.fromkeys(row["error"].splitlines()[0] for row in rows)
+        raise ConfigError(next(iter(reasons)) if len(reasons) == 1 else
+                          "no algorithm could be simulated: " + "; ".join(reasons))
     if args.output_dir is not None:
         for name, result in results.items():
             timeline = result.timeline()

@@ -52,7 +52,7 @@ class PrimusForwardBackward:
         """The table a call runs for this shape (``vpp=None``: the algorithm's own choice). Build the model
         chunks for its ``placement`` and ``vpp``."""
         algorithm = self.config.algorithm_for(vpp or 1)
-        options = dict(self.config.algorithm_options)
+        options = dict(self.config.algorithm_options) if algorithm in self.config.algorithms() else {}
         group = getattr(megatron_config, "microbatch_group_size_per_vp_stage", None)
         if algorithm == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
             options["microbatch_group_size"] = group  # follow Megatron's setting; its default (pp) is ours
