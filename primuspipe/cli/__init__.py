@@ -3,7 +3,7 @@
 Each sub-command lives in its own module exposing ``register(subparsers)``, which adds its parser and
 sets ``handler`` (a function of the parsed args returning an exit status). Library errors
 (:class:`~primuspipe.errors.PrimusPipeError`) and failed file writes end the program with one plain-text
-line, ``error: ...``, and status 1; malformed arguments are argparse's (status 2). Nothing the user
+line, ``error: ...``, and status 1 (130 when interrupted); malformed arguments are argparse's (status 2). Nothing the user
 typed is read as markup. The library reports progress through :mod:`logging` (e.g. zb-auto's search,
 iterations a dump reader skipped); the command shows it on stderr, ``--quiet`` hides all but warnings.
 """
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # an output that cannot be written: the path and the reason, not a traceback
         where = f" {exc.filename}" if exc.filename else ""
         _error(f"cannot write{where}: {exc.strerror or exc}")
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
     return 1
 
 
