@@ -59,15 +59,15 @@ class Placement:
             return cls.vshape(pp)
         raise TableFormatError(f"unknown placement {name!r}; built-in ones are 'interleaved' and 'v'")
 
-    @property
+    @cached_property
     def pp(self) -> int:
         return len(self.stages)
 
-    @property
+    @cached_property
     def vpp(self) -> int:
         return len(self.stages[0])
 
-    @property
+    @cached_property
     def num_stages(self) -> int:
         return self.pp * self.vpp
 

@@ -121,13 +121,14 @@ def check_completeness(table: ScheduleTable) -> None:
             seen[(kind, placement.stage(rank, chunk), mb)].append((rank, i))
     kinds = [k for k in compute_kinds() if not k.spec.parts]
     required = {step for k in kinds if not k.spec.optional for step in k.completes}
+    doers = {step: [k for k in kinds if step in k.completes] for k in kinds for step in k.completes}
     for stage in range(table.num_stages):
         for mb in range(table.microbatches):
-            ran = {k: seen.get((k, stage, mb), []) for k in kinds}
-            done = {step: sum(len(ran[k]) for k in kinds if step in k.completes) for k in kinds for step in k.completes}
+            done = {step: sum(len(seen.get((k, stage, mb), ())) for k in ks) for step, ks in doers.items()}
             wrong = [step for step, n in done.items() if n != 1 and (step in required or n > 1)]
             if not wrong:
                 continue
+            ran = {k: seen.get((k, stage, mb), []) for k in kinds}
             problems = [f"{len(ran[NodeKind.F])} forwards"] if NodeKind.F in wrong else []
             others = sorted((k for k in kinds if k is not NodeKind.F and any(s in wrong for s in k.completes)),
                             key=lambda k: -len(k.completes))
