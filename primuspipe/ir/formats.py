@@ -25,6 +25,7 @@ the count, is blamed on that stage.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import re
@@ -36,7 +37,7 @@ from primuspipe.errors import ScheduleShapeError, TableFormatError
 from primuspipe.ir import strict
 from primuspipe.ir.dataflow import comm_node, transfer_of
 from primuspipe.ir.documents import check_envelope, envelope, write_atomically
-from primuspipe.ir.kinds import NodeKind, all_kinds, overlapped_kind
+from primuspipe.ir.kinds import NodeKind, all_kinds, on_kinds_changed, overlapped_kind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.resources import Resource, resource_plan
@@ -52,14 +53,20 @@ Action = tuple[int, str, int]
 """One parsed single action: ``(stage, torch type, microbatch)``."""
 
 
+@functools.cache
 def _torch_actions() -> dict[str, NodeKind]:
-    """torch's action type -> our single-part kind (the kind table's ``torch_action``)."""
+    """torch's action type -> our single-part kind (the kind table's ``torch_action``; cached per kind table)."""
     return {k.spec.torch_action: k for k in all_kinds() if k.spec.torch_action and not k.spec.parts}
 
 
+@functools.cache
 def _action_re() -> re.Pattern:
     names = sorted(_torch_actions(), key=len, reverse=True)  # SEND_F before F
     return re.compile(rf"([0-9]{{1,12}})({'|'.join(names)})([0-9]{{1,12}})", re.ASCII)
+
+
+on_kinds_changed(_torch_actions.cache_clear)
+on_kinds_changed(_action_re.cache_clear)
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ class NodeKind:
     Kinds are interned (``NodeKind("F") is NodeKind.F``), compare by identity and pickle by name.
     """
 
-    __slots__ = ("name", "spec")
+    __slots__ = ("name", "spec", "is_compute", "is_send", "is_recv")
     _table: ClassVar[dict[str, NodeKind]] = {}
 
     F: ClassVar[NodeKind]
@@ -121,6 +121,10 @@ class NodeKind:
 
     name: str
     spec: KindSpec
+    is_compute: bool
+    is_send: bool
+    is_recv: bool
+    """The spec's category, as plain attributes (asked for every node by every pass)."""
 
     def __new__(cls, name: str) -> NodeKind:
         try:
@@ -140,17 +144,6 @@ class NodeKind:
     def __lt__(self, other: NodeKind) -> bool:
         return self.name < other.name
 
-    @property
-    def is_compute(self) -> bool:
-        return self.spec.category is Category.COMPUTE
-
-    @property
-    def is_send(self) -> bool:
-        return self.spec.category is Category.SEND
-
-    @property
-    def is_recv(self) -> bool:
-        return self.spec.category is Category.RECV
 
     @property
     def carries(self) -> NodeKind:
@@ -191,6 +184,8 @@ def define_kind(spec: KindSpec) -> NodeKind:
         raise TableFormatError(f"a node kind's name is upper-case letters and '_', got {spec.name!r}")
     kind = object.__new__(NodeKind)
     kind.name, kind.spec = spec.name, spec
+    kind.is_compute, kind.is_send, kind.is_recv = (spec.category is c for c in (Category.COMPUTE, Category.SEND,
+                                                                                  Category.RECV))
     NodeKind._table[spec.name] = kind
     for listener in _listeners:
         listener()

@@ -152,7 +152,9 @@ def _check_transfers_complete(table: ScheduleTable) -> None:
     for rank, i, node in table.positions():
         if not node.kind.is_compute:
             (sends if node.kind.is_send else recvs)[table.transfers[rank][i]].append((rank, i))
-    for t in sorted(required_transfers(table.placement, table.microbatches) | set(sends) | set(recvs)):
+    every = required_transfers(table.placement, table.microbatches) | sends.keys() | recvs.keys()
+    wrong = [t for t in every if len(sends[t]) != 1 or len(recvs[t]) != 1]
+    for t in sorted(wrong):  # sorted only when something is wrong: the first one is reported
         for name, where in (("send", sends[t]), ("receive", recvs[t])):
             if len(where) != 1:
                 src, dst = (table.placement.rank_of(t.src_stage), table.placement.rank_of(t.dst_stage))

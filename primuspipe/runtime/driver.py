@@ -108,6 +108,7 @@ class StepDriver:
         from primuspipe.runtime.recorder import StepRecorder, shared_run_id
         from primuspipe.runtime.transport import P2PTransport
 
+        runner = cached_runner(table, rank)  # proves an unproven table first: nothing runs or talks before
         key = (id(table), id(group))
         if key not in self._agreed:  # steady-state steps pay nothing
             check_same_table(table, rank, group)
@@ -117,7 +118,7 @@ class StepDriver:
             self.run_id = self.run_id or shared_run_id(group)
             recorder = StepRecorder(device, self.run_id)
         transport = P2PTransport(group, timeout_s=self.watchdog_timeout_s)
-        cached_runner(table, rank).run(binder, transport, recorder)
+        runner.run(binder, transport, recorder)
         if recorder is not None:
             recorder.timeline(table, rank, self.iteration).save(dump_path(self.dump_dir, self.iteration, rank))
         if not forward_only:
