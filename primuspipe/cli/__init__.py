@@ -17,7 +17,8 @@ import sys
 
 from primuspipe.errors import PrimusPipeError
 
-COMMAND_MODULES = ("primuspipe.cli.schedule_commands", "primuspipe.cli.simulate_command", "primuspipe.cli.vis_command")
+COMMAND_MODULES = ("primuspipe.cli.schedule_commands", "primuspipe.cli.simulate_command", "primuspipe.cli.vis_command",
+                   "primuspipe.cli.project_command")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,7 +32,7 @@ LAYERS = {
 
 TORCH_FREE = ["primuspipe.ir", "primuspipe.passes", "primuspipe.algorithms", "primuspipe.simulator",
               "primuspipe.search", "primuspipe.calibration", "primuspipe.runtime.runner", "primuspipe.runtime.driver",
-              "primuspipe.tools.pp_vis", "primuspipe.cli"]
+              "primuspipe.tools.pp_vis", "primuspipe.projection", "primuspipe.projection.projection", "primuspipe.cli"]
 
 
 def _subpackage(module: str) -> str | None:

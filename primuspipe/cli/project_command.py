@@ -1,0 +1,133 @@
+"""``project``: which schedule and layout to run for a model on a cluster, how fast, and whether it fits."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from primuspipe.cli.options import report_console
+from primuspipe.projection.compute import Calibration
+from primuspipe.projection.framework import ConfigError
+from primuspipe.projection.hardware_spec import load_hardware
+from primuspipe.projection.measured import calibration_from_cost_file
+from primuspipe.projection.megatron_args import load_megatron_config
+from primuspipe.projection.model_spec import load_model
+from primuspipe.projection.projection import RISK_MARGIN, Projector, project, scale_to_nodes
+from primuspipe.projection.report import print_report, report_dict
+from primuspipe.projection.training_spec import load_training
+
+_DESCRIPTION = f"""\
+Project training of a model on a cluster without a GPU: for every pipeline algorithm (and, with --search,
+every pp / vpp / micro-batch size / recompute the GPU count allows) the step time, bubble rate, per-rank
+peak memory with its breakdown, tokens/s per GPU, MFU and whether it fits, ranked by throughput.
+
+Inputs (YAML; examples in examples/projection/):
+  --model     the model in Megatron's argument names: num_layers, hidden_size, ffn_hidden_size,
+              num_attention_heads, num_query_groups, kv_channels, seq_length, vocab_size, swiglu,
+              normalization, untie_embeddings_and_output_weights, MoE (num_experts, moe_router_topk,
+              moe_ffn_hidden_size, moe_shared_expert_intermediate_size, moe_layer_freq), MLA, ...
+  --training  batch sizes, parallelism (TP, PP, VPP, EP, CP, DP), sequence parallel, recompute, distributed
+              optimizer, precision, uneven first/last stages, kernels (attention backend, fusions);
+              without it: MBS 1, GBS 128, PP 4, the rest 1, no recompute, distributed optimizer, bf16, flash
+  --hardware  one accelerator (peak dense bf16 TFLOP/s, achievable fraction, HBM bytes and bandwidth) and its
+              links (GPUs per node, intra/inter-node bandwidth and latency)
+  --megatron-config  instead of --model/--training: a Megatron argument list (--num-layers 32 ...) or a
+              Primus-style YAML of Megatron arguments (Megatron's defaults apply to what it leaves out)
+
+Times are analytical (FLOPs at the achievable throughput, element-wise traffic at HBM bandwidth, collectives
+on the links) unless calibrated: --benchmark-layers times real megatron-core layers on this host's device;
+--measured-costs scales them to a real run's timings (a 'primuspipe calibrate' file of a run of this model
+and training configuration). Memory is simulated: what each rank holds in flight under the algorithm's
+table (including what B keeps for a deferred W), plus weights, gradients and optimizer state.
+
+Verdicts: OOM when a rank's peak exceeds HBM; AT-RISK within --risk-margin of it (default {RISK_MARGIN:.0%}:
+fragmentation, communication buffers and workspaces are not modelled); FITS otherwise."""
+
+_EPILOG = """\
+examples:
+  primuspipe project --model examples/projection/models/llama2-7b.yaml --hardware examples/projection/hardware/mi300x.yaml
+  primuspipe project --model examples/projection/models/llama3-70b.yaml --hardware examples/projection/hardware/h100.yaml \\
+      --training examples/projection/training/llama3-70b.yaml --target-nodes 16
+  primuspipe project --model examples/projection/models/mixtral-8x7b.yaml --hardware examples/projection/hardware/mi355x.yaml \\
+      --training examples/projection/training/mixtral-8x7b.yaml --search --json
+  primuspipe project --megatron-config my_run_args.txt --hardware examples/projection/hardware/h200.yaml --pp 8"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("project", help="project step time, memory and MFU of a model on a cluster for every schedule",
+                       description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    inputs = p.add_argument_group("inputs")
+    inputs.add_argument("--model", type=Path, metavar="FILE", help="model YAML (see above)")
+    inputs.add_argument("--training", type=Path, metavar="FILE", help="training YAML (default: the built-in setup)")
+    inputs.add_argument("--megatron-config", type=Path, metavar="FILE",
+                        help="a Megatron argument list or Primus-style YAML, instead of --model and --training")
+    inputs.add_argument("--hardware", type=Path, metavar="FILE", required=True, help="hardware YAML (see above)")
+    shape = p.add_argument_group("overrides of the training configuration")
+    shape.add_argument("--pp", type=int, metavar="N", help="pipeline-parallel size")
+    shape.add_argument("--vpp", type=int, metavar="N", help="chunks per rank for algorithms that take any vpp")
+    shape.add_argument("--micro-batch-size", type=int, metavar="N", help="samples per microbatch")
+    shape.add_argument("--target-nodes", type=int, metavar="N",
+                       help="run on N nodes: data parallelism becomes what they hold (N * GPUs per node / (TP*PP*CP))")
+    what = p.add_argument_group("what to project")
+    what.add_argument("--algorithm", "-a", action="append", metavar="NAME",
+                      help="only this algorithm (repeatable; default: every registered one; --search skips zb-auto "
+                           "unless named, its own search being slow)")
+    what.add_argument("--search", action="store_true",
+                      help="also vary pp, vpp, micro-batch size and recompute (none / selective core_attn / full "
+                           "uniform 1) over what the GPU count allows")
+    calibration = p.add_argument_group("calibration (default: analytical times)")
+    how = calibration.add_mutually_exclusive_group()
+    how.add_argument("--benchmark-layers", action="store_true",
+                     help="time real megatron-core layers (F, dgrad, wgrad) on this host's device and scale the "
+                          "analytical times by what they measure (needs torch and megatron-core)")
+    how.add_argument("--measured-costs", type=Path, metavar="FILE",
+                     help="a 'primuspipe calibrate' cost file of a run of this model under this training configuration")
+    calibration.add_argument("--benchmark-ranks", type=int, default=1, metavar="N",
+                             help="CPU only: the run puts N single-threaded ranks on this host; beyond its core count they "
+                                  "time-share cores and the benchmark's times scale by N / cores (default 1)")
+    out = p.add_argument_group("output")
+    out.add_argument("--risk-margin", type=float, default=RISK_MARGIN, metavar="FRACTION",
+                     help=f"share of HBM a FITS configuration must leave free (default {RISK_MARGIN})")
+    out.add_argument("--top", type=int, default=20, metavar="N", help="rows of the table (default 20)")
+    out.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
+    p.set_defaults(handler=cmd_project)
+
+
+def cmd_project(args: argparse.Namespace) -> int:
+    model, training = _inputs(args)
+    hardware = load_hardware(args.hardware)
+    if not 0 <= args.risk_margin < 1:
+        raise ConfigError(f"--risk-margin must be in [0, 1), got {args.risk_margin}")
+    overrides = {name: value for name, value in (("pipeline_model_parallel_size", args.pp),
+                                                 ("virtual_pipeline_model_parallel_size", args.vpp),
+                                                 ("micro_batch_size", args.micro_batch_size)) if value is not None}
+    training = dataclasses.replace(training, **overrides, source=f"{training.source} with command-line overrides"
+                                   if overrides else training.source)
+    if args.target_nodes is not None:
+        training = scale_to_nodes(training, hardware, args.target_nodes)
+    calibration = Calibration()
+    if args.benchmark_layers:
+        from primuspipe.projection.benchmark.layers import benchmark_calibration  # torch and megatron: only when asked
+
+        calibration = benchmark_calibration(model, training, hardware, host_ranks=args.benchmark_ranks)
+    elif args.measured_costs is not None:
+        calibration = calibration_from_cost_file(args.measured_costs, model, training, hardware)
+    projector = Projector(model, hardware, calibration, args.risk_margin)
+    results, refusals = project(projector, training, algorithms=args.algorithm, search=args.search)
+    if args.json:
+        print(json.dumps(report_dict(projector, training, results, refusals), indent=1))
+    else:
+        print_report(report_console(), projector, training, results, refusals, top=args.top)
+    return 0 if results else 1
+
+
+def _inputs(args: argparse.Namespace):
+    if args.megatron_config is not None:
+        if args.model is not None or args.training is not None:
+            raise ConfigError("give either --megatron-config or --model [--training], not both")
+        return load_megatron_config(args.megatron_config)
+    if args.model is None:
+        raise ConfigError("give the model: --model FILE (or --megatron-config FILE)")
+    return load_model(args.model), load_training(args.training)

@@ -1,0 +1,242 @@
+"""Activation bytes one microbatch leaves saved for backward, per layer and per component.
+
+What is counted is what autograd really keeps in megatron-core (checked against saved tensors of real
+layers in the tests), per rank, for one microbatch of ``b`` samples: ``T = b * s / CP`` tokens, the
+residual stream sharded by TP only under sequence parallelism (``T_r = T / TP`` with SP, else ``T``),
+element size ``e`` (2 bytes in bf16/fp16). Following Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models"), per layer:
+
+* each norm keeps its input ``T_r H e`` and per-token statistics (fp32);
+* attention keeps the QKV projection input ``T_r H e``; flash/fused attention keeps Q, K, V as
+  projected (``T (a + 2g) d e / TP``), its output ``T a d e / TP`` (also the output projection's input)
+  and fp32 log-sum-exp rows; the unfused (local) attention keeps Q and the head-expanded K, V
+  (``3 T a d e / TP``), the softmax probabilities ``b (a/TP) (s/CP) s`` in fp32 plus the low-precision
+  copy the value GEMM reads, and the output projection's input;
+* the MLP keeps its input ``T_r H e``, the activation function's saved tensors and the down
+  projection's input: fused SwiGLU keeps only its input (``2F``), unfused SwiGLU four ``F``-wide
+  tensors, GELU one; then ``F`` for the down projection, all ``T e / TP``;
+* an MoE layer routes ``T_r * k`` token copies (times ETP, whose ranks all see their group's tokens):
+  each keeps its hidden state (``H``) and an expert MLP's tensors (width ``F_e / ETP``; the routing
+  probability scales the activation, which keeps one more ``F_e`` tensor when unfused); the shared
+  expert is an MLP over all tokens; the router keeps top-k indices and probabilities, the routing map
+  and the permutation indices (a few bytes per token and expert);
+* unfused rotary embedding keeps its cos/sin tables (``4 (s/CP) d e``);
+* dropout (when > 0) keeps a one-byte mask per element.
+
+The MoE-MLP component (routed experts plus the shared expert, whose input is the MoE block's input) is
+``T (k + 1) (H + 3 F_e) e`` with fused SwiGLU and a shared expert as wide as one routed expert: the
+Primus projection's formula.
+
+Recompute (Megatron's): ``full`` keeps only the input of each checkpointed group of layers (uniform:
+groups of ``recompute_num_layers``; block: the first ``recompute_num_layers`` layers of each chunk, one
+by one); ``selective`` drops what the named modules would keep and keeps their inputs instead
+(``core_attn``: attention keeps the rotated query and key and the fused QKV output V is sliced from; ``mlp`` / ``moe``:
+only the block input; ``shared_experts``: only the shared expert's input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from primuspipe.projection.model_spec import LayerKind
+from primuspipe.projection.training_spec import RankShape
+
+_INDEX, _FP32, _MASK = 8, 4, 1
+"""Bytes of an int64 index, an fp32 value, a boolean mask element."""
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """One layer's saved bytes for one microbatch on one rank."""
+
+    components: dict[str, float]
+    """Bytes per component (norms, attention, MLP or router + MoE MLP, dropout masks)."""
+    gemm_inputs: float
+    """Of those, the inputs of weight GEMMs: what a deferred weight-gradient pass (W) still reads."""
+    gemm_output_grads: float
+    """Gradients of the weight GEMMs' outputs, created by the input-gradient pass (B) and kept for W."""
+
+    @property
+    def total(self) -> float:
+        return sum(self.components.values())
+
+
+@dataclass(frozen=True)
+class ActivationModel(RankShape):
+    """The activation formulas for one (model, training) pair; sizes per rank and microbatch."""
+
+    def _norm(self, tokens: float, width: int) -> float:
+        stats = 1 if self.model.normalization == "RMSNorm" else 2
+        return tokens * (width * self.e + stats * _FP32)
+
+    def _mlp_activation(self, width: float, *, probs_scaled: bool) -> float:
+        """Elements per token the activation function keeps (and the down projection's input)."""
+        if self.model.swiglu:
+            kept = 2 * width if self.training.bias_activation_fusion else 4 * width
+        else:
+            kept = width
+        scaled = width if probs_scaled and not (self.model.swiglu and self.training.bias_activation_fusion) else 0
+        return kept + scaled + width
+
+    # -- attention ------------------------------------------------------------------------------------
+    def _attention(self) -> tuple[float, float, float]:
+        """(kept bytes, GEMM inputs, GEMM output grads) of the attention block."""
+        m, t, tp = self.model, self.training, self.training.tp
+        e, tokens, heads = self.e, self.tokens, m.num_attention_heads / tp
+        if m.multi_latent_attention:
+            qk_dim, v_dim = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+            kv_heads = heads
+            latents = tokens * (m.kv_lora_rank + (m.q_lora_rank or 0)) * e  # the low-rank projections' outputs
+            mixed = tokens * heads * (qk_dim + v_dim) * e  # the key/value up-projection's output
+        else:
+            qk_dim = v_dim = m.head_dim
+            kv_heads = m.query_groups / tp
+            latents = 0.0
+            mixed = tokens * (heads + 2 * kv_heads) * qk_dim * e  # the fused QKV projection's output
+        qkv_in = self.hidden_bytes
+        context = tokens * heads * v_dim * e
+        scores = t.micro_batch_size * heads * (m.seq_length / t.cp) * m.seq_length
+        per_head_norms = m.qk_layernorm and not m.multi_latent_attention
+        rope = m.position_embedding_type == "rope" and not m.multi_latent_attention
+        # With grouped queries the query is reshaped out of the fused QKV output into a copy; K and V are
+        # views of that output, so a saved K or V slice keeps all of it alive.
+        query_copy = tokens * heads * qk_dim * e if heads > kv_heads else 0.0
+        keeps_mixed = per_head_norms or t.recomputes("core_attn")
+        core = 0.0
+        if per_head_norms:  # their inputs: the query (copy) and the key slice; their fp32 statistics
+            stats = 1 if m.normalization == "RMSNorm" else 2
+            core += query_copy + tokens * (heads + kv_heads) * stats * _FP32
+        if rope and not t.apply_rope_fusion:  # cos and sin, once for queries and once for keys
+            core += 4 * (m.seq_length / t.cp) * qk_dim * e
+        if t.recomputes("core_attn"):  # the checkpoint keeps its inputs: query, key, and V's slice
+            new_qk = rope or per_head_norms  # rotated or normalised query and key are new tensors
+            core += tokens * (heads + kv_heads) * qk_dim * e if new_qk else query_copy
+        elif t.flash_attention:
+            core += tokens * (heads * qk_dim + kv_heads * (qk_dim + v_dim)) * e + scores / m.seq_length * _FP32
+        else:
+            probs = scores * (_FP32 if t.attention_softmax_in_fp32 else e)
+            if m.attention_dropout > 0:
+                probs += scores * (_MASK + e)
+            elif t.attention_softmax_in_fp32 and e < _FP32:  # the low-precision copy the value GEMM reads
+                probs += scores * e
+            core += tokens * heads * (2 * qk_dim + v_dim) * e + probs
+        if keeps_mixed:
+            core += mixed
+        kept = qkv_in + latents + core + context
+        gemm_inputs = qkv_in + latents + context
+        grads = tokens * ((heads + 2 * kv_heads) * qk_dim) * e + self.hidden_bytes
+        return kept, gemm_inputs, grads
+
+    # -- MLP / MoE ------------------------------------------------------------------------------------
+    def _dense_mlp(self, width: int, tokens: float, *, recompute: bool) -> tuple[float, float, float]:
+        """(kept, GEMM inputs, GEMM output grads) of an MLP of ``width`` over ``tokens`` whose input
+        (``T_r H``) is counted by the caller."""
+        if recompute:
+            return 0.0, 0.0, 0.0
+        shard = width / self.training.tp
+        act = tokens * self._mlp_activation(shard, probs_scaled=False) * self.e
+        up = shard * (2 if self.model.swiglu else 1)
+        return act, tokens * shard * self.e, tokens * (up + self.model.hidden_size) * self.e
+
+    def _moe(self) -> tuple[dict[str, float], float, float]:
+        m, t = self.model, self.training
+        block_input = self.hidden_bytes
+        if t.recomputes("moe"):
+            return {"moe_mlp": self.hidden_bytes}, self.hidden_bytes, 0.0
+        copies = self.residual_tokens * m.moe_router_topk * t.etp
+        width = m.expert_ffn / t.etp
+        routed_act = copies * self._mlp_activation(width, probs_scaled=True) * self.e
+        routed = copies * m.hidden_size * self.e + routed_act
+        routed_grads = copies * (width * (2 if m.swiglu else 1) + m.hidden_size) * self.e
+        routed_inputs = copies * (m.hidden_size + width) * self.e
+        router = self.residual_tokens * (m.moe_router_topk * (2 * _INDEX + _FP32 + self.e) + m.num_experts * (_MASK + self.e))
+        if m.moe_shared_expert_intermediate_size:
+            shared, shared_in, shared_grads = self._dense_mlp(m.moe_shared_expert_intermediate_size, self.tokens,
+                                                              recompute=t.recomputes("shared_experts"))
+            moe_mlp = routed + block_input + shared
+        else:
+            shared = shared_in = shared_grads = 0.0
+            moe_mlp = routed
+            router += block_input
+        return ({"router": router, "moe_mlp": moe_mlp}, block_input + routed_inputs + shared_in,
+                routed_grads + shared_grads)
+
+    # -- a whole layer --------------------------------------------------------------------------------
+    def layer(self, kind: LayerKind) -> LayerActivations:
+        """Saved bytes of one layer of ``kind`` (without full recompute: see :meth:`stage`)."""
+        m, t = self.model, self.training
+        attention, attn_in, attn_grads = self._attention()
+        parts = {"input_norm": self._norm(self.residual_tokens, m.hidden_size), "attention": attention,
+                 "pre_mlp_norm": self._norm(self.residual_tokens, m.hidden_size)}
+        if kind == "dense":
+            mlp_in = self.hidden_bytes
+            act, act_in, act_grads = self._dense_mlp(m.ffn, self.tokens, recompute=t.recomputes("mlp"))
+            parts["mlp"] = mlp_in + act
+            inputs, grads = attn_in + mlp_in + act_in, attn_grads + act_grads
+        else:
+            moe, moe_in, moe_grads = self._moe()
+            parts.update(moe)
+            inputs, grads = attn_in + moe_in, attn_grads + moe_grads
+        if m.hidden_dropout > 0:
+            parts["dropout"] = 2 * self.residual_tokens * m.hidden_size * _MASK
+        return LayerActivations(parts, inputs, grads)
+
+    @cached_property
+    def _layers(self) -> dict[LayerKind, LayerActivations]:
+        return {kind: self.layer(kind) for kind in set(self.model.layer_kinds)}
+
+    def checkpoint(self) -> float:
+        """What a fully recomputed group of layers keeps: its input."""
+        return self.hidden_bytes
+
+    def recomputed(self, chunk_layers: range) -> list[bool]:
+        """Which layers of one model chunk a full recompute re-runs in backward."""
+        t = self.training
+        if t.recompute_granularity != "full":
+            return [False] * len(chunk_layers)
+        if t.recompute_method == "block":
+            return [j < t.recompute_num_layers for j in range(len(chunk_layers))]
+        return [True] * len(chunk_layers)
+
+    def layer_bytes(self, chunk_layers: range) -> list[float]:
+        """Saved bytes of each layer of one model chunk, full recompute applied (uniform keeps one input
+        per group of recompute_num_layers layers, block one per recomputed layer)."""
+        t = self.training
+        uniform = t.recompute_method == "uniform"
+        return [(self.checkpoint() if not uniform or j % t.recompute_num_layers == 0 else 0.0) if again
+                else self._layers[self.model.layer_kinds[i]].total
+                for j, (i, again) in enumerate(zip(chunk_layers, self.recomputed(chunk_layers)))]
+
+    def recompute_working_set(self, chunk_layers: range) -> float:
+        """Bytes a full-recompute backward rebuilds at once (one group's activations), held only while
+        that group's backward runs."""
+        t = self.training
+        if t.recompute_granularity != "full":
+            return 0.0
+        group = 1 if t.recompute_method == "block" else t.recompute_num_layers
+        return group * max(self._layers[self.model.layer_kinds[i]].total for i in chunk_layers)
+
+    def wgrad_bytes(self, chunk_layers: range) -> float:
+        """Bytes a deferred W needs after B: GEMM inputs and output gradients of every layer."""
+        return sum(self._layers[k].gemm_inputs + self._layers[k].gemm_output_grads
+                   for k in (self.model.layer_kinds[i] for i in chunk_layers))
+
+    # -- first and last stage -------------------------------------------------------------------------
+    def embedding(self) -> float:
+        """The first stage's extra: token (and position) indices, and the embedding dropout mask."""
+        m = self.model
+        indices = self.tokens * _INDEX * (2 if m.position_embedding_type == "learned_absolute" else 1)
+        return indices + (self.residual_tokens * m.hidden_size * _MASK if m.hidden_dropout > 0 else 0)
+
+    def head(self) -> float:
+        """The last stage's extra: final norm, output-layer input, fp32 softmax of the vocab-parallel
+        cross entropy (``T V / TP`` floats) and the labels."""
+        m, tp = self.model, self.training.tp
+        logits = self.tokens * m.padded_vocab(tp) / tp * _FP32
+        return self._norm(self.residual_tokens, m.hidden_size) + self.hidden_bytes + logits + self.tokens * 2 * _INDEX
+
+    def head_gemm_bytes(self) -> float:
+        """Output layer input and its output gradient (what a deferred W of the last stage reads)."""
+        m, tp = self.model, self.training.tp
+        return self.hidden_bytes + self.tokens * m.padded_vocab(tp) / tp * self.e

@@ -1,0 +1,117 @@
+"""Communication time: the collectives each parallelism adds, and the pipeline's point-to-point link.
+
+Collectives follow the ring (bandwidth-optimal) cost model of Thakur et al. 2005 ("Optimization of
+Collective Communication Operations in MPICH") over ``n`` ranks moving a buffer of ``S`` bytes:
+all-reduce ``2 (n-1)/n * S / bw + 2 (n-1) * latency``; all-gather, reduce-scatter and all-to-all
+``(n-1)/n * S / bw + (n-1) * latency``. The bandwidth is the intra-node fabric's when the group fits in
+one node, else the network's (no hierarchical algorithms), times ``network_efficiency``.
+
+Ranks are ordered as Megatron orders them (tensor, context, data, pipeline, innermost first; experts:
+expert-tensor, expert, data), so a group spans a run of consecutive ranks: TP ``tp``, CP ``tp * cp``,
+EP ``etp * ep``, data parallel ``tp * cp * dp`` ranks.
+
+Where the collectives fall (Narayanan et al. 2021; Korthikanti et al. 2022; none overlapped with
+compute, except the data-parallel gradient reduction when ``overlap_grad_reduce``):
+
+* TP: per layer two all-reduces of a ``T H`` activation in F and two in B (with sequence parallelism,
+  an all-gather and a reduce-scatter each, the same time); with sequence parallelism W all-gathers the
+  two sharded GEMM inputs again;
+* CP: per layer an all-gather of K and V in F, and an all-gather plus a reduce-scatter of their
+  gradients in B;
+* EP: per MoE layer an all-to-all to dispatch the ``T_r k`` token copies and one to combine them, in
+  F and again in B;
+* DP, once per step after the last backward: with the distributed optimizer a reduce-scatter of the
+  fp32 gradients and an all-gather of the updated bf16 weights, else an all-reduce of the gradients;
+  expert parameters over the expert-data-parallel group; tied embeddings add an all-reduce of the
+  embedding gradient between the first and last stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from primuspipe.projection.hardware_spec import HardwareSpec
+from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.parameters import ParamCount
+from primuspipe.projection.training_spec import RankShape, TrainingSpec
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Collective timings for groups of a given span on one cluster."""
+
+    hardware: HardwareSpec
+
+    def _link(self, span: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a group covering ``span`` consecutive ranks."""
+        h = self.hardware
+        if span <= h.gpus_per_node:
+            return h.intra_node_bandwidth_bytes_per_s * h.network_efficiency, h.intra_node_latency_s
+        return h.inter_node_bandwidth_bytes_per_s * h.network_efficiency, h.inter_node_latency_s
+
+    def gather(self, nbytes: float, ranks: int, span: int) -> float:
+        """All-gather (or reduce-scatter, or all-to-all) of a ``nbytes`` buffer over ``ranks``."""
+        if ranks == 1 or nbytes == 0:
+            return 0.0
+        bandwidth, latency = self._link(span)
+        return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency
+
+    def all_reduce(self, nbytes: float, ranks: int, span: int) -> float:
+        return 2 * self.gather(nbytes, ranks, span)
+
+
+@dataclass(frozen=True)
+class LayerComm:
+    """Seconds a layer of each kind waits on TP / CP / EP collectives, per pass and microbatch."""
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+
+
+def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, kind: str) -> LayerComm:
+    t, net, shape = training, Collectives(hardware), RankShape(model, training)
+    e, tokens = shape.e, shape.tokens
+    activation = tokens * model.hidden_size * e  # the full (gathered) T x H tensor
+    tp = net.all_reduce(activation, t.tp, t.tp) * 2  # two per layer: after attention and after the MLP
+    head_dim = model.qk_head_dim + model.qk_pos_emb_head_dim if model.multi_latent_attention else model.head_dim
+    kv_heads = model.num_attention_heads if model.multi_latent_attention else model.query_groups
+    kv = tokens * t.cp * 2 * kv_heads / t.tp * head_dim * e
+    cp = net.gather(kv, t.cp, t.tp * t.cp)
+    ep = 0.0
+    if kind == "moe":
+        copies = shape.residual_tokens * model.moe_router_topk
+        ep = 2 * net.gather(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
+    regather = 2 * net.gather(activation, t.tp, t.tp) if t.sp else 0.0
+    return LayerComm(tp + cp + ep, tp + 2 * cp + ep, regather)
+
+
+def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:
+    """One activation crossing a stage boundary (sequence parallelism sends each rank's shard)."""
+    return RankShape(model, training).hidden_bytes
+
+
+def pipeline_ranks_per_node(training: TrainingSpec, hardware: HardwareSpec) -> int:
+    """Consecutive pipeline ranks sharing a node (1 when one stage's TP*CP*DP ranks fill a node or more)."""
+    return max(1, hardware.gpus_per_node // (training.tp * training.cp * training.dp))
+
+
+def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: HardwareSpec, *, tied_embedding: float = 0.0
+                  ) -> float:
+    """Seconds one rank's data-parallel gradient reduction and weight all-gather add after the last
+    backward (the reduction is hidden with ``overlap_grad_reduce``); ``tied_embedding`` are the
+    embedding parameters whose gradients the first and last stage all-reduce."""
+    t, net = training, Collectives(hardware)
+    grad_bytes = 4  # fp32 main gradients (mixed precision accumulates and reduces in fp32)
+    weight_bytes = 4 if t.precision == "fp32" else 2
+    span = t.tp * t.cp * t.dp
+    groups = ((params.dense, t.dense_data_parallel_size), (params.expert, t.expert_data_parallel_size))
+    reduce = gather = 0.0
+    for count, ranks in groups:
+        if t.use_distributed_optimizer:
+            reduce += net.gather(count * grad_bytes, ranks, span)
+            gather += net.gather(count * weight_bytes, ranks, span)
+        else:
+            reduce += net.all_reduce(count * grad_bytes, ranks, span)
+    tied = net.all_reduce(tied_embedding * grad_bytes, 2, span * t.pp)
+    return gather + tied + (0.0 if t.overlap_grad_reduce else reduce)

@@ -1,0 +1,16 @@
+"""The projection's only door into the rest of primuspipe: schedules, the simulator, algorithms, errors.
+
+Every other projection module imports what it needs from here, so when those packages move, one
+file's import lines change. Nothing here adds behaviour; it re-exports.
+"""
+
+from primuspipe.algorithms import get_algorithm, list_algorithms
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.errors import ConfigError, PrimusPipeError
+from primuspipe.ir.cost_model import CostModel, Link, MemoryCost, P2PCost
+from primuspipe.ir.costs import ComputeCosts
+from primuspipe.ir.placement import Placement
+from primuspipe.simulator import simulate
+
+__all__ = ["ComputeCosts", "ConfigError", "CostModel", "Link", "MemoryCost", "P2PCost", "Placement", "PrimusPipeError",
+           "build_schedule", "get_algorithm", "list_algorithms", "simulate"]

@@ -1,0 +1,68 @@
+"""The cluster: one accelerator's compute and memory, and the links between accelerators.
+
+A hardware YAML lists the fields of :class:`HardwareSpec` (``examples/projection/hardware/`` has the
+MI300X, MI355X, H100 and H200 with their published figures). Bandwidths are bytes per second in one
+direction, latencies seconds; ``*_fraction`` fields say how much of a peak real kernels reach.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One node type of a homogeneous cluster."""
+
+    peak_bf16_tflops: float
+    """Dense (no sparsity) bf16/fp16 matrix throughput of one accelerator, TFLOP/s."""
+    hbm_bytes: float
+    """Memory of one accelerator, bytes."""
+    hbm_bandwidth_bytes_per_s: float
+    """Peak memory bandwidth of one accelerator."""
+    intra_node_bandwidth_bytes_per_s: float
+    """One accelerator's bandwidth into its node's fabric (NVLink / Infinity Fabric), used by collectives."""
+    inter_node_bandwidth_bytes_per_s: float
+    """One accelerator's share of the network between nodes (its NIC)."""
+    name: str = "accelerator"
+    """Shown in reports."""
+    achievable_fraction: float = 0.6
+    """Share of the bf16 peak that large GEMMs and flash attention sustain (clock throttling, wave
+    quantisation); fp32 runs at half of it on top."""
+    memory_bandwidth_fraction: float = 0.8
+    """Share of the HBM bandwidth that element-wise kernels (norms, activations, softmax) sustain."""
+    intra_node_peer_bandwidth_bytes_per_s: float | None = None
+    """Bandwidth between two accelerators of a node (point-to-point pipeline sends); None means
+    intra_node_bandwidth (a switched fabric); a fully connected mesh gives one link's bandwidth here."""
+    intra_node_latency_s: float = 5e-6
+    """Start-up time of one message or collective step inside a node."""
+    inter_node_latency_s: float = 1e-5
+    """Start-up time of one message or collective step between nodes."""
+    network_efficiency: float = 0.8
+    """Share of link bandwidth that collectives and sends reach."""
+    gpus_per_node: int = 8
+    """Accelerators sharing the intra-node fabric."""
+    source: str = "<built-in>"
+    """Where the values came from; named in error messages."""
+
+    def __post_init__(self) -> None:
+        for name in ("peak_bf16_tflops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
+                     "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node"):
+            if getattr(self, name) == 0:
+                raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
+        for name in ("achievable_fraction", "memory_bandwidth_fraction", "network_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise InputError([(self.source, name, getattr(self, name))], "a fraction must be in (0, 1]",
+                                 "give the share of the peak that real kernels reach, e.g. 0.6")
+
+    @property
+    def peer_bandwidth(self) -> float:
+        return self.intra_node_peer_bandwidth_bytes_per_s or self.intra_node_bandwidth_bytes_per_s
+
+
+def load_hardware(path: str | Path) -> HardwareSpec:
+    """A :class:`HardwareSpec` from a hardware YAML file."""
+    return spec_from_mapping(HardwareSpec, read_yaml(path, "hardware"), str(path))

@@ -1,0 +1,102 @@
+"""Which transformer layers each pipeline stage holds, and which rank holds each stage.
+
+The model is cut into ``S = pp * vpp`` stages in model order; the algorithm's placement (interleaved
+or V) maps stages to ranks. Stage 0 also holds the embedding, stage ``S - 1`` the final norm, output
+layer and loss -- on the last rank with the interleaved placement, on rank 0 with the V placement.
+
+Layers are split as the Primus projection does when no explicit split is given: evenly, with the
+remainder going to the first stages (61 layers over 4 stages: 16, 15, 15, 15). With
+``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers`` the split is Megatron's:
+the first (last) pipeline rank holds that many layers over all its chunks, the other ranks share the
+rest evenly, and each rank's layers split evenly over its chunks.
+
+>>> layer_counts(61, pp=4, vpp=1)
+(16, 15, 15, 15)
+>>> layer_counts(24, pp=4, vpp=2, first=2, last=6, placement=Placement.interleaved(4, 2))
+(1, 4, 4, 3, 1, 4, 4, 3)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from primuspipe.projection.framework import Placement
+from primuspipe.projection.spec_fields import InputError
+from primuspipe.projection.training_spec import TrainingSpec
+
+
+def layer_counts(num_layers: int, pp: int, vpp: int, *, first: int | None = None, last: int | None = None,
+                 placement: Placement | None = None) -> tuple[int, ...]:
+    """Layers of each stage, in stage order (``placement`` is needed only with ``first``/``last``)."""
+    stages = pp * vpp
+    if first is None and last is None:
+        base, extra = divmod(num_layers, stages)
+        return tuple(base + (s < extra) for s in range(stages))
+    assert placement is not None, "uneven first/last stages are per rank: give the placement"
+    per_rank = _uneven_rank_counts(num_layers, pp, first, last)
+    counts = []
+    for stage in range(stages):
+        rank = placement.rank_of(stage)
+        if per_rank[rank] % vpp:
+            raise ValueError(f"pipeline rank {rank} holds {per_rank[rank]} layers, which do not split evenly over "
+                             f"its {vpp} model chunks")
+        counts.append(per_rank[rank] // vpp)
+    return tuple(counts)
+
+
+def _uneven_rank_counts(num_layers: int, pp: int, first: int | None, last: int | None) -> list[int]:
+    """Megatron's per-rank split with explicit first/last rank counts."""
+    fixed = {0: first} if first is not None else {}
+    if last is not None:
+        fixed[pp - 1] = last
+    rest, others = num_layers - sum(fixed.values()), pp - len(fixed)
+    if rest < 0 or (others and rest % others) or (not others and rest):
+        raise ValueError(f"after the first/last ranks' layers, {rest} layers remain for {others} middle ranks; "
+                         "they must split evenly")
+    return [fixed.get(r, rest // others if others else 0) for r in range(pp)]
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Layers per stage and the placement of stages on ranks for one (algorithm, pp, vpp)."""
+
+    counts: tuple[int, ...]
+    """Layers of each stage, in stage (model) order."""
+    placement: Placement
+
+    @classmethod
+    def build(cls, num_layers: int, training: TrainingSpec, placement: Placement) -> StageLayout:
+        first, last = training.decoder_first_pipeline_num_layers, training.decoder_last_pipeline_num_layers
+        try:
+            counts = layer_counts(num_layers, placement.pp, placement.vpp, first=first, last=last, placement=placement)
+        except ValueError as exc:
+            raise InputError([(training.source, "decoder_first_pipeline_num_layers", first),
+                              (training.source, "decoder_last_pipeline_num_layers", last)], str(exc),
+                             "choose first/last counts that leave the middle ranks equal shares divisible by vpp") from None
+        if min(counts) < 1:
+            raise InputError([(training.source, "pipeline_model_parallel_size", placement.pp)],
+                             f"stage {counts.index(min(counts))} gets no transformer layer (split {list(counts)})",
+                             "lower pp * vpp or change the first/last stage layer counts")
+        return cls(counts, placement)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.counts)
+
+    @cached_property
+    def stage_layers(self) -> tuple[range, ...]:
+        """Global layer indices of each stage."""
+        starts = [sum(self.counts[:s]) for s in range(self.num_stages)]
+        return tuple(range(start, start + n) for start, n in zip(starts, self.counts))
+
+    def rank_stages(self, rank: int) -> tuple[int, ...]:
+        return self.placement.stages[rank]
+
+    @property
+    def embedding_rank(self) -> int:
+        return self.placement.rank_of(0)
+
+    @property
+    def head_rank(self) -> int:
+        return self.placement.rank_of(self.num_stages - 1)

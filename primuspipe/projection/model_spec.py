@@ -1,0 +1,215 @@
+"""The model being projected: a decoder-only transformer described in Megatron's argument names.
+
+A model YAML lists the fields of :class:`ModelSpec` (``examples/projection/models/`` has real ones)::
+
+    name: llama2-7b
+    num_layers: 32
+    hidden_size: 4096
+    ffn_hidden_size: 11008
+    num_attention_heads: 32
+    seq_length: 4096
+    vocab_size: 32000
+    swiglu: true
+    normalization: RMSNorm
+    add_bias_linear: false
+    position_embedding_type: rope
+    untie_embeddings_and_output_weights: true
+
+Mixture-of-experts models add ``num_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``,
+``moe_shared_expert_intermediate_size`` and ``moe_layer_freq`` (which layers are MoE); multi-latent
+attention (DeepSeek) sets ``multi_latent_attention`` and its ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
+
+LayerKind = Literal["dense", "moe"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT-style model as megatron-core builds it (``GPTModel`` with the given layer options)."""
+
+    num_layers: int
+    """Transformer layers of the whole model."""
+    hidden_size: int
+    """Width of the residual stream (H)."""
+    num_attention_heads: int
+    """Query heads (a)."""
+    seq_length: int
+    """Tokens per sample (s)."""
+    name: str = "model"
+    """Shown in reports."""
+    ffn_hidden_size: int | None = None
+    """Dense MLP width (F); Megatron's default: 4H, or int(8H/3 / 64) * 64 with SwiGLU."""
+    num_query_groups: int | None = None
+    """Key/value heads (g) for grouped-query attention; None means one per query head."""
+    kv_channels: int | None = None
+    """Head dimension; None means H / a."""
+    vocab_size: int | None = None
+    """Tokenizer vocabulary; padded as Megatron does (to a multiple of make_vocab_size_divisible_by * TP)."""
+    padded_vocab_size: int | None = None
+    """The padded vocabulary itself (overrides vocab_size and the padding rule)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this (times TP)."""
+    untie_embeddings_and_output_weights: bool = False
+    """False: the output layer reuses the word embedding (a copy on the last stage when pp > 1)."""
+    swiglu: bool = False
+    """Gated SiLU MLP (three GEMMs); False: GELU MLP (two)."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """LayerNorm has a weight and a bias per channel; RMSNorm a weight."""
+    add_bias_linear: bool = True
+    """Biases on every linear layer (Megatron's default); Llama-style models turn them off."""
+    add_qkv_bias: bool = False
+    """Biases on the QKV projection only (Qwen2)."""
+    qk_layernorm: bool = False
+    """Norms on queries and keys per head (Qwen3), or on the MLA latents."""
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """Learned positions add a table on the first stage; RoPE adds no parameters."""
+    max_position_embeddings: int | None = None
+    """Rows of the learned position table; None means seq_length."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (Megatron's default is 0.1; current pre-training uses 0)."""
+    hidden_dropout: float = 0.0
+    """Dropout before each residual add."""
+    num_experts: int | None = None
+    """Routed experts per MoE layer; None: a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is sent to (k)."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of one routed expert (F_e); None means ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Total width of the shared expert(s) every token also goes through; None: no shared expert."""
+    moe_layer_freq: int | tuple[int, ...] | str = 1
+    """Which layers are MoE: N (every N-th, from layer 0), a list of 0/1 per layer, or Megatron's string
+    form such as ``"([0]*1+[1]*26)"``."""
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-latent attention instead of (grouped-query) self-attention."""
+    q_lora_rank: int | None = None
+    """MLA query compression rank; None: queries are projected directly."""
+    kv_lora_rank: int = 512
+    """MLA key/value compression rank."""
+    qk_head_dim: int = 128
+    """MLA per-head query/key width without the rotary part."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA per-head rotary width."""
+    v_head_dim: int = 128
+    """MLA per-head value width."""
+    source: str = "<built-in>"
+    """Where the values came from; named in error messages."""
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    # -- derived sizes --------------------------------------------------------------------------------
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return int(8 * self.hidden_size / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def padded_vocab(self, tp: int) -> int:
+        """Megatron's ``_vocab_size_with_padding``: up to a multiple of divisible_by * TP."""
+        if self.padded_vocab_size is not None:
+            return self.padded_vocab_size
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    @cached_property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """``"dense"`` or ``"moe"`` for every layer, in model order."""
+        if not self.is_moe:
+            return ("dense",) * self.num_layers
+        pattern = _moe_pattern(self.moe_layer_freq, self.num_layers, self.source)
+        return tuple("moe" if p else "dense" for p in pattern)
+
+    # -- validation -----------------------------------------------------------------------------------
+    def _check(self) -> None:
+        def fail(names: tuple[str, ...], problem: str, fix: str):
+            raise InputError([(self.source, n, getattr(self, n)) for n in names], problem, fix)
+
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by",
+                     "ffn_hidden_size", "num_query_groups", "kv_channels", "vocab_size", "padded_vocab_size",
+                     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                     "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim"):
+            if getattr(self, name) == 0:
+                fail((name,), "must be at least 1", "give a positive size (or leave it out for the default)")
+        if self.vocab_size is None and self.padded_vocab_size is None:
+            fail(("vocab_size",), "the vocabulary size is missing", "give vocab_size (or padded_vocab_size)")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            fail(("hidden_size", "num_attention_heads"), "the hidden size does not split into heads",
+                 "give kv_channels (the head dimension) or a head count that divides hidden_size")
+        if self.num_attention_heads % self.query_groups:
+            fail(("num_attention_heads", "num_query_groups"), "query heads do not split evenly over key/value groups",
+                 "make num_query_groups a divisor of num_attention_heads")
+        for name in ("attention_dropout", "hidden_dropout"):
+            if getattr(self, name) >= 1:
+                fail((name,), "a dropout probability must be below 1", "give a value in [0, 1)")
+        if self.is_moe:
+            if self.moe_router_topk > self.num_experts:
+                fail(("moe_router_topk", "num_experts"), "each token cannot go to more experts than there are",
+                     "make moe_router_topk at most num_experts")
+            self.layer_kinds  # noqa: B018  (checks moe_layer_freq now, at load time)
+        if self.multi_latent_attention and self.position_embedding_type == "learned_absolute":
+            fail(("multi_latent_attention", "position_embedding_type"), "MLA carries its own rotary embedding",
+                 "set position_embedding_type: rope")
+
+
+def _moe_pattern(freq: int | tuple[int, ...] | str, num_layers: int, source: str) -> tuple[int, ...]:
+    """Megatron's ``moe_layer_freq`` as one 0/1 per layer."""
+    if isinstance(freq, int):
+        if freq < 1:
+            raise InputError([(source, "moe_layer_freq", freq)], "must be at least 1", "give N >= 1 (every N-th layer)")
+        return tuple(int(i % freq == 0) for i in range(num_layers))
+    pattern = _parse_pattern(freq, source) if isinstance(freq, str) else freq
+    if len(pattern) != num_layers or set(pattern) - {0, 1}:
+        raise InputError([(source, "moe_layer_freq", freq), (source, "num_layers", num_layers)],
+                         f"the list has {len(pattern)} entries of 0/1 for {num_layers} layers" if len(pattern) != num_layers
+                         else "entries must be 0 (dense) or 1 (MoE)", "give one 0 or 1 per layer")
+    return tuple(pattern)
+
+
+_TERM = re.compile(r"\[([01](?:\s*,\s*[01])*)\]\s*\*\s*(\d+)")
+
+
+def _parse_pattern(text: str, source: str) -> tuple[int, ...]:
+    """Megatron's string form, a sum of ``[bits]*count`` terms, e.g. ``([0]*3+[1]*58)``, read without eval."""
+    body = text.strip()
+    if body.startswith("(") and body.endswith(")"):
+        body = body[1:-1]
+    pattern: list[int] = []
+    for term in body.split("+"):
+        match = _TERM.fullmatch(term.strip())
+        if not match:
+            raise InputError([(source, "moe_layer_freq", text)], f"cannot read the term {term.strip()!r}",
+                             "write it as a sum of [0/1 list]*count terms, e.g. ([0]*1+[1]*26), or as a list")
+        pattern += [int(b) for b in match.group(1).split(",")] * int(match.group(2))
+    return tuple(pattern)
+
+
+def load_model(path: str | Path) -> ModelSpec:
+    """A :class:`ModelSpec` from a model YAML file."""
+    return spec_from_mapping(ModelSpec, read_yaml(path, "model"), str(path))

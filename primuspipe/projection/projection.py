@@ -1,0 +1,268 @@
+"""Project every applicable schedule (and, with search, every layout the GPUs allow) and rank them.
+
+For one configuration and one algorithm: build the algorithm's table for the shape (pp ranks, vpp
+chunks, ``GBS / (MBS * DP)`` microbatches) and simulate it under the per-stage costs
+(:mod:`~primuspipe.projection.stage_costs`). The simulated step, plus the data-parallel gradient
+synchronisation and the optimizer step that follow it, is the step time. Memory per rank is the
+simulated peak -- static bytes plus the activations the table actually holds in flight, B keeping what
+a deferred W needs -- plus a full recompute's transient working set. Verdict against HBM: ``OOM`` above
+it, ``AT-RISK`` within ``risk_margin`` of it (allocator fragmentation, communication buffers and
+workspaces are not modelled), else ``FITS``.
+
+Tokens/s per GPU is ``GBS * s / step / GPUs``; MFU is model FLOPs per step (GEMMs and causal attention,
+three passes, no recompute) over ``step * GPUs * peak``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from primuspipe.projection.comm import gradient_sync
+from primuspipe.projection.compute import Calibration, PartTimes, WorkModel, optimizer_seconds, part_times
+from primuspipe.projection.framework import (
+    Placement, PrimusPipeError, build_schedule, get_algorithm, list_algorithms, simulate)
+from primuspipe.projection.hardware_spec import HardwareSpec
+from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.parameters import embedding_params
+from primuspipe.projection.spec_fields import InputError
+from primuspipe.projection.stage_costs import StageCosts, stage_costs
+from primuspipe.projection.static_memory import optimizer_params
+from primuspipe.projection.training_spec import TrainingSpec, check_compatible
+
+logger = logging.getLogger("primuspipe.projection")
+ALGORITHM_LOGGER = "primuspipe.algorithms"
+
+RISK_MARGIN = 0.10
+"""Default share of HBM kept free before a configuration is called AT-RISK."""
+
+ALGORITHM_OPTIONS = {"zb-auto": {"fills": 8, "milp_nodes": 20, "include_fixed": False}}
+"""Options the projection builds algorithms with: zb-auto's work bound is smaller than its default, and it
+leaves out the fixed algorithms (the projection evaluates each of them anyway), so a projection stays fast."""
+
+SEARCH_MICRO_BATCHES = (1, 2, 4, 8)
+SEARCH_VPPS = (1, 2, 4)
+SEARCH_RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ProjectionResult:
+    """One (configuration, algorithm): how fast, how full, whether it fits."""
+
+    algorithm: str
+    pp: int
+    vpp: int
+    micro_batch_size: int
+    recompute: str
+    """``none``, ``selective`` (with its modules) or ``full`` (with its method and layer count)."""
+    data_parallel_size: int
+    microbatches: int
+    step_time_s: float
+    pipeline_time_s: float
+    """The simulated pipeline part of the step."""
+    gradient_sync_s: float
+    """Exposed data-parallel gradient synchronisation (the slowest rank's)."""
+    optimizer_s: float
+    bubble_rate: float
+    peak_memory_bytes: tuple[float, ...]
+    """Per pipeline rank: static bytes + simulated activation peak + recompute working set."""
+    memory_breakdown: dict[str, float]
+    """The fullest rank's peak: weights, gradients, optimizer, activations, recompute working set."""
+    tokens_per_s_per_gpu: float
+    mfu: float
+    verdict: str
+
+    def row(self) -> dict:
+        """The JSON row (``--json`` contract)."""
+        return dataclasses.asdict(self) | {"peak_memory_bytes": list(self.peak_memory_bytes)}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A candidate that could not be projected (the algorithm refuses the shape, the layers do not split)."""
+
+    algorithm: str
+    pp: int
+    vpp: int
+    micro_batch_size: int
+    recompute: str
+    error: str
+
+    def row(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Projector:
+    """Projects configurations of one model on one cluster."""
+
+    model: ModelSpec
+    hardware: HardwareSpec
+    calibration: Calibration = Calibration()
+    risk_margin: float = RISK_MARGIN
+    _part_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def evaluate(self, training: TrainingSpec, algorithm: str) -> ProjectionResult | Refusal:
+        """Project one configuration under one algorithm (with ``training.vpp`` chunks per rank where the
+        algorithm takes any vpp, see :func:`algorithm_vpp`)."""
+        info = get_algorithm(algorithm)
+        training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=algorithm_vpp(algorithm, training.vpp))
+        refused = dict(algorithm=algorithm, pp=training.pp, vpp=training.vpp, micro_batch_size=training.micro_batch_size,
+                       recompute=recompute_label(training))
+        try:
+            check_compatible(self.model, training)
+            # An algorithm that picks its own placement and vpp ("any": zb-auto) plans with the configured
+            # interleaved layout's costs, re-cut to the layouts it tries; the answer is then costed as
+            # what it is (only where layers, embedding and head sit differs).
+            chooses = info.placement == "any"
+            costs = stage_costs(self.model, training, self.hardware, self._parts(training),
+                                Placement.named("interleaved" if chooses else info.placement, training.pp, training.vpp))
+            with _quiet(ALGORITHM_LOGGER):  # one projection builds many tables; their progress is noise here
+                table = build_schedule(algorithm, training.pp, training.microbatches, None if chooses else training.vpp,
+                                       cost=costs.cost_model(), memory_limit=self._activation_budget(costs),
+                                       **ALGORITHM_OPTIONS.get(info.name, {}))
+            if table.placement != costs.layout.placement:
+                training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=table.placement.vpp)
+                check_compatible(self.model, training)
+                costs = stage_costs(self.model, training, self.hardware, self._parts(training), table.placement)
+            simulated = simulate(table, costs.cost_model())
+        except PrimusPipeError as exc:
+            return Refusal(**refused, error=str(exc).splitlines()[0])
+        return self._result(training, algorithm, costs, simulated)
+
+    def _parts(self, training: TrainingSpec) -> dict[str, PartTimes]:
+        """Per-part times, computed once per configuration (they do not depend on pp, vpp or the algorithm)."""
+        key = dataclasses.replace(training, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=1,
+                                  decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
+        if key not in self._part_cache:
+            self._part_cache[key] = part_times(WorkModel(self.model, training), self.hardware, self.calibration)
+        return self._part_cache[key]
+
+    def _activation_budget(self, costs: StageCosts) -> float:
+        """Activations that fit beside static memory, in the simulator's units (one microbatch through all
+        of a rank's chunks), for memory-aware algorithms; the tightest rank decides."""
+        free = [self.hardware.hbm_bytes * (1 - self.risk_margin) - s.total - t
+                for s, t in zip(costs.static, costs.transient_bytes)]
+        return max(1.0, min(f / u for f, u in zip(free, costs.activation_units_per_rank())))
+
+
+    def _result(self, training: TrainingSpec, algorithm: str, costs: StageCosts, simulated) -> ProjectionResult:
+        t, h = training, self.hardware
+        tied = 0 if self.model.untie_embeddings_and_output_weights or costs.layout.num_stages == 1 else \
+            embedding_params(self.model, t.tp)
+        sync = max(gradient_sync(p, t, h, tied_embedding=tied if r in (costs.layout.embedding_rank, costs.layout.head_rank) else 0)
+                   for r, p in enumerate(costs.params))
+        optimizer = max(optimizer_seconds(optimizer_params(p, t), h) for p in costs.params)
+        step = simulated.step_time + sync + optimizer
+        peaks = [r.peak_memory_bytes + transient for r, transient in zip(simulated.ranks, costs.transient_bytes)]
+        worst = max(range(len(peaks)), key=peaks.__getitem__)
+        static = costs.static[worst]
+        breakdown = {"weights": static.weights, "gradients": static.gradients, "optimizer": static.optimizer,
+                     "activations": simulated.ranks[worst].peak_activation_bytes,
+                     "recompute_working_set": costs.transient_bytes[worst]}
+        tokens = t.global_batch_size * self.model.seq_length
+        model_flops = WorkModel(self.model, t).model_flops() * t.tp * t.cp * t.microbatches * t.dp
+        return ProjectionResult(
+            algorithm=algorithm, pp=t.pp, vpp=t.vpp, micro_batch_size=t.micro_batch_size, recompute=recompute_label(t),
+            data_parallel_size=t.dp, microbatches=t.microbatches, step_time_s=step, pipeline_time_s=simulated.step_time,
+            gradient_sync_s=sync, optimizer_s=optimizer, bubble_rate=simulated.bubble_rate, peak_memory_bytes=tuple(peaks),
+            memory_breakdown=breakdown, tokens_per_s_per_gpu=tokens / step / t.world_size,
+            mfu=model_flops / (step * t.world_size * h.peak_bf16_tflops * 1e12), verdict=self.verdict(max(peaks)))
+
+    def verdict(self, peak_bytes: float) -> str:
+        if peak_bytes > self.hardware.hbm_bytes:
+            return "OOM"
+        return "AT-RISK" if peak_bytes > self.hardware.hbm_bytes * (1 - self.risk_margin) else "FITS"
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Only warnings from logger ``name`` while the block runs."""
+    target = logging.getLogger(name)
+    level = target.level
+    target.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        target.setLevel(level)
+
+
+def recompute_label(training: TrainingSpec) -> str:
+    t = training
+    if t.recompute_granularity == "full":
+        return f"full/{t.recompute_method}/{t.recompute_num_layers}"
+    if t.recompute_granularity == "selective":
+        return "selective/" + "+".join(t.recompute_modules)
+    return "none"
+
+
+def algorithm_vpp(algorithm: str, requested: int) -> int:
+    """The vpp an algorithm runs with: its required one, else the configuration's (interleaved-1f1b needs
+    at least 2 chunks, so it takes its default when the configuration has 1)."""
+    info = get_algorithm(algorithm)
+    if info.vpp is not None:
+        return info.vpp
+    return requested if requested > 1 or info.default_vpp == 1 else info.default_vpp
+
+
+def scale_to_nodes(training: TrainingSpec, hardware: HardwareSpec, nodes: int) -> TrainingSpec:
+    """The configuration on ``nodes`` nodes: data parallelism takes whatever the GPUs allow."""
+    gpus = nodes * hardware.gpus_per_node
+    per_replica = training.tp * training.pp * training.cp
+    if nodes < 1 or gpus % per_replica:
+        raise InputError([(training.source, "tensor_model_parallel_size", training.tp),
+                          (training.source, "pipeline_model_parallel_size", training.pp),
+                          (training.source, "context_parallel_size", training.cp)],
+                         f"{nodes} node(s) x {hardware.gpus_per_node} GPUs = {gpus} GPUs do not hold whole TP * PP * CP = "
+                         f"{per_replica} replicas", "pick a node count whose GPUs are a multiple of TP * PP * CP")
+    return dataclasses.replace(training, data_parallel_size=gpus // per_replica)
+
+
+def candidates(model: ModelSpec, training: TrainingSpec, algorithms: list[str], search: bool
+               ) -> Iterator[tuple[TrainingSpec, str]]:
+    """The (configuration, algorithm) pairs to project: the given configuration under every algorithm,
+    or with ``search`` every pp / vpp / micro-batch size / recompute the GPU count allows."""
+    if not search:
+        yield from ((training, name) for name in algorithms)
+        return
+    gpus, per_stage = training.world_size, training.tp * training.cp
+    for pp in (p for p in range(1, gpus // per_stage + 1) if (gpus // per_stage) % p == 0 and p <= model.num_layers):
+        dp = gpus // (per_stage * pp)
+        for mbs in sorted({*SEARCH_MICRO_BATCHES, training.micro_batch_size}):
+            if training.global_batch_size % (mbs * dp):
+                continue
+            for recompute in SEARCH_RECOMPUTE:
+                base = _with_recompute(dataclasses.replace(
+                    training, pipeline_model_parallel_size=pp, data_parallel_size=dp, micro_batch_size=mbs,
+                    decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None), recompute)
+                for name in algorithms:
+                    for vpp in sorted({algorithm_vpp(name, v) for v in SEARCH_VPPS}):
+                        if pp * vpp <= model.num_layers and (pp > 1 or vpp == 1):
+                            yield dataclasses.replace(base, virtual_pipeline_model_parallel_size=vpp), name
+
+
+def _with_recompute(training: TrainingSpec, recompute: str) -> TrainingSpec:
+    settings = {"none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None),
+                "selective": dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None,
+                                  recompute_modules=("core_attn",)),
+                "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+    return dataclasses.replace(training, **settings[recompute])
+
+
+def project(projector: Projector, training: TrainingSpec, *, algorithms: list[str] | None = None, search: bool = False
+            ) -> tuple[list[ProjectionResult], list[Refusal]]:
+    """Results ranked by throughput (tokens/s per GPU, fitting ones first), and the refused candidates."""
+    check_compatible(projector.model, training)
+    names = algorithms or [info.name for info in list_algorithms() if not (search and info.name == "zb-auto")]
+    pairs = list(candidates(projector.model, training, names, search))
+    results, refusals = [], []
+    for k, (config, name) in enumerate(pairs, 1):
+        if search and k % 20 == 0:
+            logger.info("projected %d of %d candidates", k, len(pairs))
+        outcome = projector.evaluate(config, name)
+        (results if isinstance(outcome, ProjectionResult) else refusals).append(outcome)
+    results.sort(key=lambda r: (r.verdict == "OOM", -r.tokens_per_s_per_gpu, r.algorithm))
+    return results, refusals

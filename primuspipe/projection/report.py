@@ -1,0 +1,78 @@
+"""The projection's two outputs: a ranked rich table for people and one JSON document for scripts.
+
+JSON (``primuspipe project --json``)::
+
+    {"model": ..., "hardware": ..., "gpus": N, "calibration": "analytical" | ...,
+     "results": [{"algorithm", "pp", "vpp", "micro_batch_size", "recompute", "step_time_s", "bubble_rate",
+                  "peak_memory_bytes": [per rank], "memory_breakdown": {...}, "tokens_per_s_per_gpu", "mfu",
+                  "verdict", ...}, ...],                        # ranked, best first
+     "refused": [{"algorithm", "pp", "vpp", "micro_batch_size", "recompute", "error"}, ...],
+     "parameters": {"total": N, "per_rank": [per pipeline rank of the given configuration]},
+     "memory": {"dense": {component: bytes}, "moe": {...}}}   # one layer, one microbatch, one rank
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from primuspipe.projection.activations import ActivationModel
+from primuspipe.projection.framework import Placement
+from primuspipe.projection.layout import StageLayout
+from primuspipe.projection.parameters import rank_params, total_params
+from primuspipe.projection.projection import Projector, ProjectionResult, Refusal
+from primuspipe.projection.training_spec import TrainingSpec
+
+GIB = 2**30
+VERDICT_STYLE = {"FITS": "green", "AT-RISK": "yellow", "OOM": "bold red"}
+
+
+def report_dict(projector: Projector, training: TrainingSpec, results: list[ProjectionResult],
+                refusals: list[Refusal]) -> dict[str, Any]:
+    """The JSON document (module docstring)."""
+    model = projector.model
+    layout = StageLayout.build(model.num_layers, training, Placement.interleaved(training.pp, training.vpp))
+    activations = ActivationModel(model, training)
+    return {
+        "model": model.name, "hardware": projector.hardware.name, "gpus": training.world_size,
+        "calibration": projector.calibration.source,
+        "results": [r.row() for r in results],
+        "refused": [r.row() for r in refusals],
+        "parameters": {"total": total_params(model), "per_rank": [p.total for p in rank_params(model, training, layout)]},
+        "memory": {kind: activations.layer(kind).components for kind in sorted(set(model.layer_kinds))},
+    }
+
+
+def print_report(console: Console, projector: Projector, training: TrainingSpec, results: list[ProjectionResult],
+                 refusals: list[Refusal], *, top: int) -> None:
+    """The ranked table, then what was not projected and why."""
+    h = projector.hardware
+    table = Table(title=f"{projector.model.name} on {training.world_size} x {h.name} "
+                        f"(TP {training.tp}, CP {training.cp}, EP {training.ep}, GBS {training.global_batch_size}, "
+                        f"{h.hbm_bytes / GIB:.0f} GiB HBM; times: {projector.calibration.source}), ranked by tokens/s per GPU")
+    for name, justify in (("#", "right"), ("algorithm", "left"), ("pp", "right"), ("vpp", "right"), ("dp", "right"),
+                          ("mbs", "right"), ("recompute", "left"), ("step (s)", "right"), ("bubble", "right"),
+                          ("peak GiB", "right"), ("weights+grads+opt / act GiB", "right"), ("tokens/s/GPU", "right"),
+                          ("MFU", "right"), ("verdict", "left")):
+        table.add_column(name, justify=justify, no_wrap=name in ("algorithm", "recompute"))
+    for k, r in enumerate(results[:top], 1):
+        b = r.memory_breakdown
+        static = b["weights"] + b["gradients"] + b["optimizer"]
+        dynamic = b["activations"] + b["recompute_working_set"]
+        table.add_row(str(k), r.algorithm, str(r.pp), str(r.vpp), str(r.data_parallel_size), str(r.micro_batch_size),
+                      r.recompute, f"{r.step_time_s:.3f}", f"{r.bubble_rate:.3f}", f"{max(r.peak_memory_bytes) / GIB:.1f}",
+                      f"{static / GIB:.1f} / {dynamic / GIB:.1f}", f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.mfu:.1%}",
+                      f"[{VERDICT_STYLE[r.verdict]}]{r.verdict}[/]")
+    console.print(table)
+    if len(results) > top:
+        console.print(f"({len(results) - top} more; --top N shows more, --json shows all)")
+    reasons = Counter(r.error for r in refusals)
+    for r in refusals if len(refusals) <= top else []:
+        console.print(f"[yellow]not projected:[/] {r.algorithm} pp={r.pp} vpp={r.vpp} mbs={r.micro_batch_size} "
+                      f"{r.recompute}: {escape(r.error)}", markup=True, highlight=False)
+    for reason, count in reasons.most_common(top) if len(refusals) > top else []:
+        console.print(f"[yellow]{count} candidates not projected:[/] {escape(reason)}", markup=True, highlight=False)

@@ -1,0 +1,158 @@
+"""Reading the projection's YAML inputs into typed specs, with errors that say where and how to fix.
+
+The three inputs (model, training, hardware) are frozen dataclasses whose fields carry Megatron's names
+and a docstring each. :func:`spec_from_mapping` checks a YAML mapping against such a class: no unknown
+keys (with a "did you mean"), every value of its field's type -- integers integral, numbers finite and
+non-negative (they are sizes, rates and fractions), booleans real booleans -- and reports the first
+problem as one :class:`InputError` naming the file, the field and the fix. Checks that need several
+fields (heads divisible by TP, ...) live with the specs and raise the same error.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from primuspipe.projection.framework import ConfigError
+
+T = TypeVar("T")
+
+
+class InputError(ConfigError):
+    """A projection input is missing, malformed or inconsistent.
+
+    ``places`` are ``(source, field, value)`` triples; the message names each, then the problem and the
+    fix, on one line::
+
+        llama.yaml: num_attention_heads=30 and train.yaml: tensor_model_parallel_size=4: ...; ...
+    """
+
+    def __init__(self, places: list[tuple[str, str, Any]], problem: str, fix: str):
+        where = " and ".join(f"{source}: {name}={value!r}" for source, name, value in places)
+        super().__init__(f"{where}: {problem}; {fix}")
+        self.places = places
+
+
+def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
+    """The mapping at the top of a YAML file (``what`` names the input in errors)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"the {what} file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"the {what} file {path} must hold a mapping of fields, got {type(data).__name__}")
+    return dict(data)
+
+
+def spec_from_mapping(cls: type[T], data: Mapping[str, Any], source: str) -> T:
+    """An instance of the dataclass ``cls`` from ``data``; missing fields take their defaults.
+
+    ``cls`` must have a ``source`` field (where the values came from, for later error messages).
+    """
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(cls) if f.name != "source"]
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            fix = f"did you mean {close[0]!r}?" if close else f"known fields: {', '.join(sorted(known))}"
+            raise InputError([(source, str(key), value)], "unknown field", fix)
+        values[key] = coerce(hints[key], value, source, key)
+    required = [f.name for f in fields(cls) if f.name not in values
+                and f.default is MISSING and f.default_factory is MISSING]
+    if required:
+        raise InputError([(source, name, None) for name in required], "required field missing",
+                         "add it to the file")
+    return cls(**values, source=source)
+
+
+def coerce(hint: Any, value: Any, source: str, name: str) -> Any:
+    """``value`` as the annotated type, or an :class:`InputError` naming the field."""
+    try:
+        return _coerce(hint, value)
+    except (TypeError, ValueError) as exc:
+        raise InputError([(source, name, value)], str(exc), f"give {_describe(hint)}") from None
+
+
+def _coerce(hint: Any, value: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value)
+            except (TypeError, ValueError):
+                continue
+        raise ValueError("not a valid value")
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"not one of {', '.join(map(str, args))}")
+        return value
+    if origin is tuple:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise TypeError("not a list")
+        return tuple(_coerce(args[0], v) for v in value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError("not a boolean")
+    if hint is int:
+        return _count(value)
+    if hint is float:
+        return _number(value)
+    if hint is str:
+        if not isinstance(value, str) or not value:
+            raise TypeError("not a non-empty string")
+        return value
+    raise AssertionError(f"spec field type {hint!r} has no reader")
+
+
+ASCII_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", re.ASCII)
+"""A number written out (float() would also take full-width digits, '_' separators and 'nan')."""
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool):
+        raise TypeError("a boolean is not a number")
+    if isinstance(value, str) and not ASCII_NUMBER.fullmatch(value):
+        raise TypeError("not a number")
+    try:  # numeric strings too: PyYAML reads 1.0e9 (no exponent sign) as a string
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError("not a number") from None
+    if not math.isfinite(number):
+        raise ValueError("not a finite number")
+    if number < 0:
+        raise ValueError("negative")
+    return number
+
+
+def _count(value: Any) -> int:
+    number = _number(value)
+    if number != int(number):
+        raise ValueError("not a whole number")
+    return int(number)
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin is tuple:
+        return f"a list of {_describe(args[0])}"
+    return {bool: "true or false", int: "a whole number >= 0", float: "a finite number >= 0", str: "a name",
+            type(None): "null"}[hint]

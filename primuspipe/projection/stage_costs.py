@@ -1,0 +1,110 @@
+"""Per-stage costs for the simulator: the model's parts summed over each stage's layers.
+
+For one (model, training, cluster, placement) this adds up, per pipeline stage: the F / B / W seconds
+of its layers (compute, plus the TP / CP / EP collectives they wait on, plus recompute's repeated
+forward in B), the embedding on stage 0 and the head on the last stage; the activation bytes one
+microbatch leaves on the stage; and per rank the static bytes (weights, gradients, optimizer state).
+What a deferred W keeps after B (GEMM inputs and output gradients) becomes the simulator's
+``w_retained_fraction``: one share for the whole pipeline, the byte-weighted mean over stages, capped
+at 1 (with recompute a W can need more than the stage held; the cap then under-counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from primuspipe.projection.activations import ActivationModel
+from primuspipe.projection.comm import layer_comm, p2p_message_bytes, pipeline_ranks_per_node
+from primuspipe.projection.compute import PartTimes
+from primuspipe.projection.framework import ComputeCosts, CostModel, Link, MemoryCost, P2PCost, Placement
+from primuspipe.projection.hardware_spec import HardwareSpec
+from primuspipe.projection.layout import StageLayout
+from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.parameters import ParamCount, rank_params
+from primuspipe.projection.static_memory import StaticMemory, static_memory
+from primuspipe.projection.training_spec import TrainingSpec
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """What one pipeline layout costs, per stage (times, activations) and per rank (static memory)."""
+
+    layout: StageLayout
+    forward: tuple[float, ...]
+    """Seconds per stage and microbatch (so are the next two)."""
+    backward_input: tuple[float, ...]
+    backward_weight: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+    """Bytes one microbatch leaves saved on each stage."""
+    w_retained_fraction: float
+    params: tuple[ParamCount, ...]
+    """Per rank."""
+    static: tuple[StaticMemory, ...]
+    """Per rank."""
+    transient_bytes: tuple[float, ...]
+    """Per rank: what a full-recompute backward rebuilds at once, on top of what the schedule holds."""
+    p2p: P2PCost
+    communication: tuple[float, float, float]
+    """Seconds of TP / CP / EP collectives inside F, B and W, summed over stages (part of the times above)."""
+
+    def cost_model(self) -> CostModel:
+        """The simulator's cost model, in seconds."""
+        memory = MemoryCost(w_retained_fraction=self.w_retained_fraction, activation_bytes=self.activation_bytes,
+                            parameter_bytes=tuple(s.weights for s in self.static),
+                            gradient_bytes=tuple(s.gradients for s in self.static),
+                            optimizer_bytes=tuple(s.optimizer for s in self.static))
+        return CostModel(ComputeCosts(self.forward, self.backward_input, self.backward_weight), p2p=self.p2p,
+                         memory=memory, time_unit="s")
+
+    def activation_units_per_rank(self) -> list[float]:
+        """Bytes of one microbatch through all of a rank's chunks: the simulator's unit of held memory."""
+        return [sum(self.activation_bytes[s] for s in self.layout.rank_stages(r)) for r in range(self.layout.placement.pp)]
+
+
+def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, parts: dict[str, PartTimes],
+                placement: Placement) -> StageCosts:
+    """Costs of ``placement`` (pp ranks x vpp chunks) with per-part times ``parts``."""
+    layout = StageLayout.build(model.num_layers, training, placement)
+    activations = ActivationModel(model, training)
+    comm = {kind: layer_comm(model, training, hardware, kind) for kind in set(model.layer_kinds)}
+    last = layout.num_stages - 1
+    forward, backward_input, backward_weight, held, kept_for_w, transient = [], [], [], [], [], []
+    communication = [0.0, 0.0, 0.0]
+    for stage, layers in enumerate(layout.stage_layers):
+        kinds = [model.layer_kinds[i] for i in layers]
+        extras = [parts[p] for p, here in (("embedding", stage == 0), ("head", stage == last)) if here]
+        again = activations.recomputed(layers)
+        waits = [sum(comm[k].forward for k in kinds),
+                 sum(comm[k].backward_input + (comm[k].forward if full else 0.0) for k, full in zip(kinds, again)),
+                 sum(comm[k].backward_weight for k in kinds)]
+        communication = [c + w for c, w in zip(communication, waits)]
+        f = sum(parts[k].forward for k in kinds)
+        b = sum(parts[k].backward_input + (parts[k].forward if full else parts[k].recompute) for k, full in zip(kinds, again))
+        w = sum(parts[k].backward_weight for k in kinds)
+        forward.append(f + waits[0] + sum(x.forward for x in extras))
+        backward_input.append(b + waits[1] + sum(x.backward_input for x in extras))
+        backward_weight.append(w + waits[2] + sum(x.backward_weight for x in extras))
+        stage_bytes = (sum(activations.layer_bytes(layers)) + (activations.embedding() if stage == 0 else 0.0)
+                       + (activations.head() if stage == last else 0.0))
+        held.append(stage_bytes)
+        w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if stage == last else 0.0)
+        kept_for_w.append(min(stage_bytes, w_bytes))
+        transient.append(activations.recompute_working_set(layers))
+    params = rank_params(model, training, layout)
+    ranks = range(placement.pp)
+    return StageCosts(
+        layout, tuple(forward), tuple(backward_input), tuple(backward_weight), tuple(held),
+        sum(kept_for_w) / sum(held), tuple(params), tuple(static_memory(p, training) for p in params),
+        tuple(max(transient[s] for s in layout.rank_stages(r)) for r in ranks),
+        _p2p(model, training, hardware), tuple(communication),
+    )
+
+
+def _p2p(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec) -> P2PCost:
+    efficiency = hardware.network_efficiency
+    return P2PCost(
+        message_bytes=p2p_message_bytes(model, training),
+        intra_node=Link(hardware.intra_node_latency_s, hardware.peer_bandwidth * efficiency),
+        inter_node=Link(hardware.inter_node_latency_s, hardware.inter_node_bandwidth_bytes_per_s * efficiency),
+        ranks_per_node=pipeline_ranks_per_node(training, hardware),
+    )

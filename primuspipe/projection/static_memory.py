@@ -1,0 +1,45 @@
+"""Bytes of weights, gradients and optimizer state per rank, as megatron-core keeps them.
+
+Mixed precision (bf16/fp16, Megatron's ``DistributedDataParallel`` with fp32 gradient accumulation and
+its ``DistributedOptimizer`` / ``Float16OptimizerWithFloat16Params``; Rajbhandari et al. 2020, "ZeRO")
+keeps per parameter: the 2-byte weight, a 4-byte fp32 main gradient, and for Adam a 4-byte fp32
+master weight and two 4-byte moments. The distributed optimizer shards the 12 optimizer bytes over the
+data-parallel group -- DP * CP ranks for dense parameters, the expert-data-parallel group
+(TP * CP * DP / (ETP * EP) ranks) for expert parameters -- giving Megatron's ``6 + 12/d`` bytes per
+parameter; without it every rank keeps all 18. fp32 training keeps a 4-byte weight and gradient and
+8 bytes of moments (the weight is its own master copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from primuspipe.projection.parameters import ParamCount
+from primuspipe.projection.training_spec import TrainingSpec
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """One rank's bytes that live for the whole step."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def static_memory(params: ParamCount, training: TrainingSpec) -> StaticMemory:
+    mixed = training.precision != "fp32"
+    weight, grad, state = (2, 4, 12) if mixed else (4, 4, 8)
+    return StaticMemory(weight * params.total, grad * params.total, state * optimizer_params(params, training))
+
+
+def optimizer_params(params: ParamCount, training: TrainingSpec) -> float:
+    """Parameters whose optimizer state (and update) one rank holds: its shard under the distributed optimizer."""
+    t = training
+    if not t.use_distributed_optimizer:
+        return params.total
+    return params.dense / t.dense_data_parallel_size + params.expert / t.expert_data_parallel_size

@@ -1,0 +1,274 @@
+"""How the model is trained: batch sizes, parallelism, recompute, optimizer and kernel choices.
+
+Field names are Megatron's. Every field has a default, and the defaults are the built-in training
+setup :func:`load_training` returns without a file (``examples/projection/training/default.yaml``
+spells them out): micro-batch 1, global batch 128, pp 4, everything else 1, no recompute, distributed
+optimizer, bf16, flash attention.
+
+:func:`check_compatible` is where a model and a training setup meet: heads divisible by TP, layers
+enough for pp * vpp, experts divisible by EP, the global batch divisible by micro-batch * DP, ...
+Each problem is one :class:`~primuspipe.projection.spec_fields.InputError` naming both files' fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
+"""Megatron's ``recompute_modules`` this projection models (``layernorm``, ``moe_act`` and ``mla_up_proj`` are not:
+megatron-core runs them only with Transformer Engine, so they cannot be checked against a real layer here)."""
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """One training configuration of one model (one pipeline replica's view, times DP replicas)."""
+
+    micro_batch_size: int = 1
+    """Samples per microbatch (b)."""
+    global_batch_size: int = 128
+    """Samples per optimizer step over all data-parallel replicas."""
+    tensor_model_parallel_size: int = 1
+    """TP: attention heads, MLP width and vocabulary split over this many ranks."""
+    pipeline_model_parallel_size: int = 4
+    """PP: pipeline ranks."""
+    virtual_pipeline_model_parallel_size: int = 1
+    """Model chunks per pipeline rank for algorithms that take any vpp (interleaved-1f1b uses 2 when this is 1;
+    V-shape algorithms always use 2)."""
+    expert_model_parallel_size: int = 1
+    """EP: routed experts split over this many ranks (carved out of TP * CP * DP)."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor parallelism inside experts; None means tensor_model_parallel_size (Megatron's default)."""
+    context_parallel_size: int = 1
+    """CP: the sequence split over this many ranks."""
+    data_parallel_size: int = 1
+    """Pipeline replicas; ``--target-nodes`` replaces it with what the nodes hold."""
+    sequence_parallel: bool = False
+    """Shard norms, dropouts and residuals over TP (needs TP > 1; Megatron requires it for MoE with TP > 1)."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """None: keep every activation; full: recompute whole layers; selective: recompute the modules in recompute_modules."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With full recompute: ``uniform`` checkpoints every group of recompute_num_layers layers; ``block``
+    checkpoints the first recompute_num_layers layers of every model chunk."""
+    recompute_num_layers: int | None = None
+    """With full recompute: layers per checkpointed group (uniform) or per chunk (block)."""
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """With selective recompute: which parts are recomputed (some of core_attn, mlp, moe, shared_experts)."""
+    use_distributed_optimizer: bool = True
+    """Shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Mixed bf16/fp16 keeps fp32 main grads and master weights; fp32 trains in fp32 throughout."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Layers on the first pipeline rank (all its chunks); the rest split evenly."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Layers on the last pipeline rank."""
+    attention_backend: Literal["flash", "fused", "unfused", "local"] = "flash"
+    """flash/fused keep Q, K, V, the output and per-row softmax statistics; unfused/local (megatron-core's
+    local DotProductAttention) keep the full softmax probabilities."""
+    attention_softmax_in_fp32: bool = True
+    """Unfused attention computes (and keeps) the probabilities in fp32, plus a low-precision copy."""
+    bias_activation_fusion: bool = True
+    """Fused SwiGLU/GeLU keeps only its input; unfused keeps every intermediate."""
+    apply_rope_fusion: bool = True
+    """Fused rotary embedding; unfused keeps the cos/sin tables it multiplies queries and keys by."""
+    overlap_grad_reduce: bool = True
+    """Gradient reduce-scatter/all-reduce hidden behind backward compute (only its tail is exposed)."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """How MoE layers move token copies to their experts (the communication model treats both as all-to-alls)."""
+    source: str = "<built-in defaults>"
+    """Where the values came from; named in error messages."""
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def vpp(self) -> int:
+        return self.virtual_pipeline_model_parallel_size
+
+    @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def dp(self) -> int:
+        return self.data_parallel_size
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (Megatron ignores the flag at TP = 1)."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def dense_data_parallel_size(self) -> int:
+        """Ranks holding the same dense parameters (gradients reduced and optimizer state sharded over them)."""
+        return self.dp * self.cp
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks holding the same experts: a stage's TP * CP * DP ranks over the ETP * EP that split them."""
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches one pipeline runs per step."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def flash_attention(self) -> bool:
+        return self.attention_backend in ("flash", "fused")
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of one activation element."""
+        return 4 if self.precision == "fp32" else 2
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute covers ``module``."""
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
+
+    def _fail(self, names: tuple[str, ...], problem: str, fix: str):
+        raise InputError([(self.source, n, getattr(self, n)) for n in names], problem, fix)
+
+    def _check(self) -> None:
+        for name in ("micro_batch_size", "global_batch_size", "tensor_model_parallel_size",
+                     "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                     "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size",
+                     "data_parallel_size", "recompute_num_layers", "decoder_first_pipeline_num_layers",
+                     "decoder_last_pipeline_num_layers"):
+            if getattr(self, name) == 0:
+                self._fail((name,), "must be at least 1", "give a positive number (or leave it out for the default)")
+        if self.global_batch_size % (self.micro_batch_size * self.dp):
+            self._fail(("global_batch_size", "micro_batch_size", "data_parallel_size"),
+                       "the global batch does not split into whole microbatches per data-parallel replica",
+                       f"make global_batch_size a multiple of micro_batch_size * data_parallel_size = "
+                       f"{self.micro_batch_size * self.dp}")
+        if self.recompute_granularity == "full" and (self.recompute_method is None or self.recompute_num_layers is None):
+            self._fail(("recompute_granularity", "recompute_method", "recompute_num_layers"),
+                       "full recompute needs a method and a layer count",
+                       "set recompute_method (uniform or block) and recompute_num_layers, as Megatron requires")
+        if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
+            self._fail(("recompute_granularity", "recompute_method", "recompute_num_layers"),
+                       "recompute_method and recompute_num_layers apply to full recompute only",
+                       "set recompute_granularity: full, or remove them")
+        if unknown := set(self.recompute_modules) - set(RECOMPUTE_MODULES):
+            self._fail(("recompute_modules",), f"{sorted(unknown)} are not modelled",
+                       f"use some of {', '.join(RECOMPUTE_MODULES)}")
+        if (self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers) and self.pp == 1:
+            self._fail(("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                        "pipeline_model_parallel_size"), "uneven first/last stages need a pipeline",
+                       "remove them or set pipeline_model_parallel_size > 1")
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """What one rank sees of one microbatch: the sizes the memory, time and communication formulas share."""
+
+    model: ModelSpec
+    training: TrainingSpec
+
+    @property
+    def e(self) -> int:
+        """Bytes of one activation element."""
+        return self.training.activation_bytes
+
+    @property
+    def tokens(self) -> float:
+        """T: tokens of one microbatch on one context-parallel rank."""
+        return self.training.micro_batch_size * self.model.seq_length / self.training.cp
+
+    @property
+    def residual_tokens(self) -> float:
+        """T_r: tokens of the residual stream on one rank (sequence parallelism shards it over TP)."""
+        return self.tokens / (self.training.tp if self.training.sp else 1)
+
+    @property
+    def hidden_bytes(self) -> float:
+        """One residual-stream tensor on one rank (T_r x H)."""
+        return self.residual_tokens * self.model.hidden_size * self.e
+
+
+def load_training(path: str | Path | None) -> TrainingSpec:
+    """A :class:`TrainingSpec` from a training YAML file, or the built-in defaults when ``path`` is None."""
+    if path is None:
+        return TrainingSpec()
+    return spec_from_mapping(TrainingSpec, read_yaml(path, "training"), str(path))
+
+
+def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
+    """Raise one :class:`InputError` for the first way ``training`` cannot train ``model``."""
+    def fail(model_fields: tuple[str, ...], training_fields: tuple[str, ...], problem: str, fix: str):
+        places = [(model.source, n, getattr(model, n)) for n in model_fields]
+        places += [(training.source, n, getattr(training, n)) for n in training_fields]
+        raise InputError(places, problem, fix)
+
+    tp, pp, vpp = training.tp, training.pp, training.vpp
+    if model.num_attention_heads % tp or model.query_groups % tp:
+        fail(("num_attention_heads", "num_query_groups"), ("tensor_model_parallel_size",),
+             "attention heads and key/value groups must split evenly over TP ranks",
+             f"use a TP that divides both (one of {_divisors(_gcd(model.num_attention_heads, model.query_groups))})")
+    if model.ffn % tp:
+        fail(("ffn_hidden_size",), ("tensor_model_parallel_size",), "the MLP width must split evenly over TP ranks",
+             f"use a TP that divides {model.ffn}")
+    if model.num_layers < pp * vpp:
+        fail(("num_layers",), ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"),
+             f"{model.num_layers} layers cannot fill pp * vpp = {pp * vpp} pipeline stages",
+             "lower pp or vpp so that every stage holds at least one layer")
+    if model.seq_length % (2 * training.cp) and training.cp > 1:
+        fail(("seq_length",), ("context_parallel_size",), "context parallelism splits the sequence into 2 * CP chunks",
+             f"use a CP with seq_length divisible by 2 * CP ({model.seq_length} is not)")
+    if model.is_moe:
+        if model.num_experts % training.ep:
+            fail(("num_experts",), ("expert_model_parallel_size",), "experts must split evenly over EP ranks",
+                 f"use an EP that divides {model.num_experts} (one of {_divisors(model.num_experts)})")
+        if model.expert_ffn % training.etp or (model.moe_shared_expert_intermediate_size or 0) % tp:
+            fail(("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"),
+                 ("expert_tensor_parallel_size", "tensor_model_parallel_size"),
+                 "expert widths must split evenly over their tensor-parallel ranks", "pick divisors of the widths")
+        if (tp * training.cp * training.dp) % (training.etp * training.ep):
+            fail((), ("expert_model_parallel_size", "expert_tensor_parallel_size", "tensor_model_parallel_size",
+                      "context_parallel_size", "data_parallel_size"),
+                 "expert parallel groups (ETP * EP ranks) must tile the TP * CP * DP ranks of a pipeline stage",
+                 "make TP * CP * DP a multiple of ETP * EP (e.g. raise data_parallel_size)")
+        if tp > 1 and not training.sequence_parallel:
+            fail(("num_experts",), ("tensor_model_parallel_size", "sequence_parallel"),
+                 "Megatron requires sequence parallelism for MoE layers with TP > 1", "set sequence_parallel: true")
+    elif training.ep > 1:
+        fail(("num_experts",), ("expert_model_parallel_size",), "a dense model has no experts to spread",
+             "set expert_model_parallel_size: 1")
+    if training.recompute_granularity == "full" and training.recompute_num_layers > model.num_layers // (pp * vpp):
+        fail(("num_layers",), ("recompute_num_layers", "pipeline_model_parallel_size"),
+             "recompute_num_layers exceeds the layers of one model chunk",
+             f"use at most {model.num_layers // (pp * vpp)}")
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -1,0 +1,83 @@
+"""``primuspipe project``: the JSON contract scripts rely on, the help text, errors as one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from primuspipe.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
+MODEL = str(EXAMPLES / "models" / "llama2-7b.yaml")
+HARDWARE = str(EXAMPLES / "hardware" / "mi300x.yaml")
+ROW_KEYS = {"algorithm", "pp", "vpp", "micro_batch_size", "step_time_s", "bubble_rate", "peak_memory_bytes",
+            "tokens_per_s_per_gpu", "mfu", "verdict"}
+
+
+def _json(capsys, *args) -> dict:
+    assert main(["project", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_contract_without_a_training_file(capsys):
+    out = _json(capsys, "--model", MODEL, "--hardware", HARDWARE, "-a", "1f1b", "-a", "zbv")
+    assert [r["algorithm"] for r in out["results"]] in (["1f1b", "zbv"], ["zbv", "1f1b"])
+    for row in out["results"]:
+        assert ROW_KEYS <= set(row) and len(row["peak_memory_bytes"]) == 4
+        assert row["verdict"] in ("FITS", "AT-RISK", "OOM")
+    assert out["parameters"]["total"] == 6_738_415_616 and len(out["parameters"]["per_rank"]) == 4
+    assert set(out["memory"]) == {"dense"}
+    assert set(out["memory"]["dense"]) == {"input_norm", "attention", "pre_mlp_norm", "mlp"}
+
+
+def test_moe_memory_per_layer_kind_and_overrides(capsys):
+    out = _json(capsys, "--model", str(EXAMPLES / "models" / "deepseek-v2-lite.yaml"), "--hardware",
+                str(EXAMPLES / "hardware" / "h200.yaml"), "--training", str(EXAMPLES / "training" / "deepseek-v2-lite.yaml"),
+                "--pp", "3", "--micro-batch-size", "2", "-a", "1f1b")
+    assert set(out["memory"]) == {"dense", "moe"} and {"router", "moe_mlp"} <= set(out["memory"]["moe"])
+    assert (out["results"][0]["pp"], out["results"][0]["micro_batch_size"]) == (3, 2)
+
+
+def test_target_nodes_and_search(capsys):
+    out = _json(capsys, "--model", MODEL, "--hardware", HARDWARE, "--target-nodes", "1", "--search", "-a", "1f1b")
+    assert out["gpus"] == 8
+    assert {(r["pp"], r["micro_batch_size"]) for r in out["results"]} >= {(1, 1), (2, 2), (8, 8)}
+
+
+def test_table_output(capsys):
+    assert main(["project", "--model", MODEL, "--hardware", HARDWARE, "-a", "1f1b", "-a", "gpipe"]) == 0
+    out = capsys.readouterr().out
+    assert "llama2-7b on 4 x MI300X" in out and "1f1b" in out and "OOM" in out
+
+
+def test_help_explains_inputs_thresholds_and_examples(capsys):
+    with pytest.raises(SystemExit):
+        main(["project", "--help"])
+    text = capsys.readouterr().out
+    for words in ("--model", "--training", "--hardware", "--megatron-config", "OOM when", "AT-RISK within",
+                  "--target-nodes", "--search", "--benchmark-layers", "examples:"):
+        assert words in text
+
+
+def test_errors_are_one_line_with_status_1(capsys, tmp_path):
+    training = tmp_path / "t.yaml"
+    training.write_text("tensor_model_parallel_size: 3\n")
+    assert main(["project", "--model", MODEL, "--hardware", HARDWARE, "--training", str(training)]) == 1
+    err = capsys.readouterr().err
+    assert "num_attention_heads=32" in err and "tensor_model_parallel_size=3" in err
+    assert main(["project", "--hardware", HARDWARE]) == 1
+    assert "--model FILE" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_benchmark_layers_calibrates_from_this_host(capsys, tmp_path):
+    model = tmp_path / "tiny.yaml"
+    model.write_text("name: tiny\nnum_layers: 4\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\n"
+                     "vocab_size: 256\nmake_vocab_size_divisible_by: 1\n")
+    training = tmp_path / "fp32.yaml"
+    training.write_text("pipeline_model_parallel_size: 2\nprecision: fp32\n")  # CPU kernels are fastest in fp32
+    out = _json(capsys, "--model", str(model), "--training", str(training), "--hardware", HARDWARE, "--benchmark-layers",
+                "-a", "1f1b")
+    assert out["calibration"].startswith("layer benchmark (CPU") and out["results"][0]["step_time_s"] > 0

@@ -1,0 +1,170 @@
+"""Reading the projection's inputs: shipped examples, the built-in training default, Megatron argument
+lists and Primus-style YAML, and one clear error for every kind of bad or inconsistent input."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from primuspipe.projection.framework import ConfigError
+from primuspipe.projection.hardware_spec import load_hardware
+from primuspipe.projection.megatron_args import from_arguments, load_megatron_config
+from primuspipe.projection.model_spec import ModelSpec, load_model
+from primuspipe.projection.spec_fields import InputError, spec_from_mapping
+from primuspipe.projection.training_spec import TrainingSpec, check_compatible, load_training
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
+MODELS = sorted((EXAMPLES / "models").glob("*.yaml"))
+HARDWARE = sorted((EXAMPLES / "hardware").glob("*.yaml"))
+TRAININGS = sorted((EXAMPLES / "training").glob("*.yaml"))
+SMALL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=100)
+
+
+def test_every_shipped_example_loads():
+    assert {p.stem for p in MODELS} == {"llama2-7b", "llama3-70b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v2-lite"}
+    assert {p.stem for p in HARDWARE} == {"mi300x", "mi355x", "h100", "h200"}
+    for path in MODELS:
+        assert load_model(path).source == str(path)
+    for path in HARDWARE:
+        assert load_hardware(path).hbm_bytes > 0
+    for path in TRAININGS:
+        load_training(path)
+
+
+def test_default_training_file_spells_out_the_built_in_defaults():
+    written = load_training(EXAMPLES / "training" / "default.yaml")
+    assert dataclasses.replace(written, source="") == dataclasses.replace(load_training(None), source="")
+
+
+def test_moe_layer_patterns():
+    assert ModelSpec(**SMALL, num_experts=4, moe_layer_freq=2).layer_kinds == ("moe", "dense", "moe", "dense")
+    assert ModelSpec(**SMALL, num_experts=4, moe_layer_freq="([0]*1+[1]*3)").layer_kinds == ("dense", "moe", "moe", "moe")
+    assert ModelSpec(**SMALL, num_experts=4, moe_layer_freq=(1, 0, 0, 1)).layer_kinds == ("moe", "dense", "dense", "moe")
+    assert load_model(EXAMPLES / "models" / "deepseek-v2-lite.yaml").layer_kinds == ("dense",) + ("moe",) * 26
+
+
+@pytest.mark.parametrize("change, names, words", [
+    (dict(hidden_sizee=64), ["hidden_sizee"], "did you mean 'hidden_size'"),
+    (dict(num_layers=-2), ["num_layers"], "negative"),
+    (dict(num_layers=2.5), ["num_layers"], "not a whole number"),
+    (dict(hidden_size=float("nan")), ["hidden_size"], "not a finite number"),
+    (dict(seq_length="long"), ["seq_length"], "not a number"),
+    (dict(swiglu="yes"), ["swiglu"], "not a boolean"),
+    (dict(num_layers=0), ["num_layers"], "at least 1"),
+    (dict(normalization="BatchNorm"), ["normalization"], "not one of LayerNorm, RMSNorm"),
+    (dict(num_query_groups=3), ["num_attention_heads", "num_query_groups"], "split evenly"),
+    (dict(num_experts=4, moe_router_topk=8), ["moe_router_topk", "num_experts"], "more experts than there are"),
+    (dict(num_experts=4, moe_layer_freq="([0]*1+[1]*2)"), ["moe_layer_freq", "num_layers"], "3 entries"),
+    (dict(num_experts=4, moe_layer_freq="[1]*two"), ["moe_layer_freq"], "cannot read"),
+])
+def test_bad_model_fields_name_the_file_and_field(change, names, words):
+    with pytest.raises(InputError) as err:
+        spec_from_mapping(ModelSpec, {**SMALL, **change}, "m.yaml")
+    message = str(err.value)
+    assert "\n" not in message and words in message
+    assert all(f"m.yaml: {name}=" in message for name in names)
+
+
+def test_missing_required_field_and_vocabulary():
+    with pytest.raises(InputError, match="m.yaml: hidden_size=None: required field missing"):
+        spec_from_mapping(ModelSpec, {k: v for k, v in SMALL.items() if k != "hidden_size"}, "m.yaml")
+    with pytest.raises(InputError, match="vocab_size=None: the vocabulary size is missing"):
+        spec_from_mapping(ModelSpec, {k: v for k, v in SMALL.items() if k != "vocab_size"}, "m.yaml")
+
+
+@given(field=st.sampled_from(["num_layers", "hidden_size", "seq_length", "vocab_size"]),
+       value=st.one_of(st.floats(allow_nan=True, allow_infinity=True).filter(lambda x: not (x >= 0 and x == int(x))
+                                                                             if math.isfinite(x) else True),
+                       st.integers(max_value=-1), st.booleans(),
+                       st.text(max_size=5).filter(lambda t: not (t.isascii() and t.strip().isdigit())), st.none()))
+def test_non_counts_are_refused_with_one_line(field, value):
+    with pytest.raises(ConfigError) as err:
+        spec_from_mapping(ModelSpec, {**SMALL, field: value}, "m.yaml")
+    assert f"m.yaml: {field}=" in str(err.value) and "\n" not in str(err.value)
+
+
+def _incompatible(model_change, training_change):
+    model = ModelSpec(**{**SMALL, **model_change}, source="model.yaml")
+    training = dataclasses.replace(TrainingSpec(source="train.yaml"), **training_change)
+    with pytest.raises(InputError) as err:
+        check_compatible(model, training)
+    return str(err.value)
+
+
+def test_inconsistent_model_and_training_name_both_files_and_the_fix():
+    heads = _incompatible({}, dict(tensor_model_parallel_size=3))
+    assert "model.yaml: num_attention_heads=4" in heads and "train.yaml: tensor_model_parallel_size=3" in heads
+    assert "use a TP that divides both (one of 1, 2, 4)" in heads
+    layers = _incompatible({}, dict(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2))
+    assert "4 layers cannot fill pp * vpp = 8" in layers and "lower pp or vpp" in layers
+    experts = _incompatible(dict(num_experts=6), dict(expert_model_parallel_size=4, data_parallel_size=4,
+                                                      global_batch_size=128))
+    assert "experts must split evenly over EP ranks" in experts and "one of 1, 2, 3, 6" in experts
+    sequence = _incompatible(dict(num_experts=4), dict(tensor_model_parallel_size=2))
+    assert "set sequence_parallel: true" in sequence
+
+
+def test_global_batch_must_split_into_microbatches_per_replica():
+    with pytest.raises(InputError) as err:
+        TrainingSpec(global_batch_size=100, micro_batch_size=2, data_parallel_size=8, source="t.yaml")
+    message = str(err.value)
+    assert all(f"t.yaml: {n}=" in message for n in ("global_batch_size", "micro_batch_size", "data_parallel_size"))
+    assert "multiple of micro_batch_size * data_parallel_size = 16" in message
+
+
+def test_recompute_settings_are_checked():
+    with pytest.raises(InputError, match="full recompute needs a method and a layer count"):
+        TrainingSpec(recompute_granularity="full")
+    with pytest.raises(InputError, match=r"\['layernorm'\] are not modelled"):
+        TrainingSpec(recompute_granularity="selective", recompute_modules=("layernorm",))
+
+
+def test_bad_hardware_fraction_and_unreadable_files(tmp_path):
+    bad = tmp_path / "hw.yaml"
+    bad.write_text(yaml.safe_dump({**yaml.safe_load((EXAMPLES / "hardware" / "h100.yaml").read_text()),
+                                   "achievable_fraction": 1.5}))
+    with pytest.raises(InputError, match=r"hw.yaml: achievable_fraction=1.5: a fraction must be in \(0, 1\]"):
+        load_hardware(bad)
+    with pytest.raises(ConfigError, match="cannot read the model file"):
+        load_model(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of fields"):
+        load_model(tmp_path / "list.yaml")
+
+
+def test_megatron_argument_list_takes_megatron_defaults(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text("torchrun pretrain_gpt.py \\\n  --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 \\\n"
+                      "  --num-attention-heads 32 --group-query-attention --num-query-groups 8 --seq-length 4096 \\\n"
+                      "  --max-position-embeddings 4096 --vocab-size 32000 --swiglu --normalization RMSNorm \\\n"
+                      "  --disable-bias-linear --position-embedding-type rope --untie-embeddings-and-output-weights \\\n"
+                      "  --num-experts 8 --moe-router-topk 2 --micro-batch-size 1 --global-batch-size 256 \\\n"
+                      "  --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --expert-model-parallel-size 8 \\\n"
+                      "  --bf16 --use-distributed-optimizer --lr 3e-4 --attention-dropout 0.0 --hidden-dropout 0.0\n")
+    model, training = load_megatron_config(script)
+    mixtral = load_model(EXAMPLES / "models" / "mixtral-8x7b.yaml")
+    differing = {f.name for f in dataclasses.fields(ModelSpec) if getattr(model, f.name) != getattr(mixtral, f.name)}
+    assert differing == {"name", "source", "max_position_embeddings", "moe_ffn_hidden_size"}  # spelled differently, same model
+    assert model.expert_ffn == mixtral.expert_ffn == 14336
+    assert (training.pp, training.ep, training.precision, training.use_distributed_optimizer) == (4, 8, "bf16", True)
+    assert training.overlap_grad_reduce is False  # Megatron's default, not the projection's
+    _, defaults = from_arguments("--num-layers 2 --hidden-size 8 --num-attention-heads 2 --seq-length 4 "
+                                 "--vocab-size 10 --micro-batch-size 2", "args")
+    assert (defaults.precision, defaults.global_batch_size, defaults.pp) == ("fp32", 2, 1)
+
+
+def test_primus_style_yaml_reads_overrides(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({"work_group": "x", "modules": {"pre_trainer": {"framework": "megatron", "overrides": {
+        "num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 128, "vocab_size": 1000,
+        "micro_batch_size": 2, "global_batch_size": 32, "num_layers_per_virtual_pipeline_stage": 2,
+        "pipeline_model_parallel_size": 2, "bf16": True, "recompute_granularity": "full",
+        "recompute_method": "uniform", "recompute_num_layers": 1, "lr": 1e-4}}}}))
+    model, training = load_megatron_config(path)
+    assert (model.num_layers, training.vpp, training.recompute_granularity, training.precision) == (8, 2, "full", "bf16")

@@ -1,0 +1,125 @@
+"""Layer assignment and parameter counts: hand-computed values, published totals, and the parameters
+megatron-core itself allocates on each pipeline rank (built on the meta device, any TP/PP/EP layout)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from projection_megatron import megatron_rank_params
+
+from primuspipe.projection.framework import Placement
+from primuspipe.projection.layout import StageLayout, layer_counts
+from primuspipe.projection.model_spec import ModelSpec, load_model
+from primuspipe.projection.parameters import layer_params, rank_params, total_params
+from primuspipe.projection.spec_fields import InputError
+from primuspipe.projection.static_memory import static_memory
+from primuspipe.projection.training_spec import TrainingSpec, load_training
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
+SHIPPED = ["llama2-7b", "llama3-70b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v2-lite"]
+
+
+def test_layer_split_remainder_goes_to_the_first_stages():
+    assert layer_counts(61, pp=4, vpp=1) == (16, 15, 15, 15)
+    assert layer_counts(61, pp=4, vpp=2) == (8, 8, 8, 8, 8, 7, 7, 7)
+    assert layer_counts(32, pp=4, vpp=1) == (8, 8, 8, 8)
+
+
+def test_explicit_first_and_last_stage_counts_follow_megatron():
+    assert layer_counts(30, pp=4, vpp=1, first=6, last=8, placement=Placement.interleaved(4)) == (6, 8, 8, 8)
+    # V placement: rank 0 holds stages 0 and 7, so its first-rank count covers both
+    assert layer_counts(28, pp=4, vpp=2, first=4, placement=Placement.vshape(4)) == (2, 4, 4, 4, 4, 4, 4, 2)
+    training = TrainingSpec(decoder_first_pipeline_num_layers=5, source="t.yaml")
+    with pytest.raises(InputError, match="t.yaml: decoder_first_pipeline_num_layers=5.*must split evenly"):
+        StageLayout.build(30, training, Placement.interleaved(4))
+
+
+def test_layout_places_embedding_and_head():
+    v = StageLayout.build(16, TrainingSpec(), Placement.vshape(4))
+    assert (v.embedding_rank, v.head_rank) == (0, 0)
+    loop = StageLayout.build(16, TrainingSpec(), Placement.interleaved(4, 2))
+    assert (loop.embedding_rank, loop.head_rank) == (0, 3)
+    assert [list(r) for r in loop.stage_layers[:2]] == [[0, 1], [2, 3]]
+
+
+def test_hand_computed_dense_layer():
+    # H = 64, a = 4, g = 2, d = 16, F = 160, SwiGLU, RMSNorm, no biases, TP 2
+    model = ModelSpec(num_layers=2, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4, num_query_groups=2,
+                      seq_length=8, vocab_size=100, swiglu=True, normalization="RMSNorm", add_bias_linear=False)
+    parts = layer_params(model, TrainingSpec(tensor_model_parallel_size=2), "dense")
+    assert parts["input_norm"].total == 64
+    assert parts["attention"].total == 64 * (4 + 2 * 2) * 16 // 2 + 4 * 16 * 64 // 2
+    assert parts["mlp"].total == (64 * 160 * 2 + 160 * 64) // 2
+
+
+def test_hand_computed_moe_layer_and_sharding():
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=8, vocab_size=100, swiglu=True,
+                      add_bias_linear=False, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
+                      moe_shared_expert_intermediate_size=48)
+    parts = layer_params(model, TrainingSpec(expert_model_parallel_size=4, data_parallel_size=4), "moe")
+    assert parts["router"].total == 8 * 64
+    assert parts["experts"].expert == 2 * (64 * 32 * 2 + 32 * 64) and parts["experts"].dense == 0
+    assert parts["shared_expert"].total == 64 * 48 * 2 + 48 * 64
+
+
+@pytest.mark.parametrize("name, published", [
+    ("llama2-7b", 6_738_415_616), ("llama3-70b", 70_553_706_496), ("mixtral-8x7b", 46_702_792_704),
+    ("qwen3-235b-a22b", 235_093_634_560),
+    # DeepSeek's release counts 15,706,484,224; megatron-core adds a norm (2048 weights) fused into each
+    # layer's query projection when qk_layernorm is set without a query latent
+    ("deepseek-v2-lite", 15_706_484_224 + 27 * 2048),
+])
+def test_totals_match_the_published_models(name, published):
+    assert total_params(load_model(EXAMPLES / "models" / f"{name}.yaml")) == published
+
+
+def _shipped(name):
+    model = load_model(EXAMPLES / "models" / f"{name}.yaml")
+    path = EXAMPLES / "training" / f"{name}.yaml"
+    return model, load_training(path if path.exists() else None)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_per_rank_counts_equal_megatron_core(name):
+    """Each shipped model under its shipped training layout (TP, PP, EP as in the file)."""
+    model, training = _shipped(name)
+    layout = StageLayout.build(model.num_layers, training, Placement.interleaved(training.pp, training.vpp))
+    assert [p.total for p in rank_params(model, training, layout)] == megatron_rank_params(model, training, layout.counts)
+
+
+@pytest.mark.parametrize("model_change, training_change", [
+    (dict(), dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)),
+    (dict(num_layers=10, untie_embeddings_and_output_weights=False), dict(pipeline_model_parallel_size=3)),  # remainder
+    (dict(add_bias_linear=True, normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute"),
+     dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=3)),
+    (dict(num_experts=8, moe_shared_expert_intermediate_size=64, moe_layer_freq=2),
+     dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2, data_parallel_size=2,
+          expert_tensor_parallel_size=1, pipeline_model_parallel_size=2)),
+    (dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+          v_head_dim=16, qk_layernorm=True, position_embedding_type="rope"), dict(pipeline_model_parallel_size=2)),
+])
+def test_small_layouts_equal_megatron_core(model_change, training_change):
+    """Tensor/expert sharding, tied embeddings across stages, remainder and explicit uneven splits, MLA."""
+    base = ModelSpec(num_layers=8, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                     seq_length=16, vocab_size=250, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+                     position_embedding_type="rope", untie_embeddings_and_output_weights=True)
+    model = dataclasses.replace(base, **model_change)
+    training = dataclasses.replace(TrainingSpec(), **training_change)
+    layout = StageLayout.build(model.num_layers, training, Placement.interleaved(training.pp, training.vpp))
+    assert [p.total for p in rank_params(model, training, layout)] == megatron_rank_params(model, training, layout.counts)
+
+
+def test_static_bytes_follow_megatron_mixed_precision():
+    from primuspipe.projection.parameters import ParamCount
+
+    params = ParamCount(dense=1000, expert=800)
+    dist = TrainingSpec(data_parallel_size=4, expert_model_parallel_size=2)
+    memory = static_memory(params, dist)
+    assert (memory.weights, memory.gradients) == (2 * 1800, 4 * 1800)
+    assert memory.optimizer == 12 * 1000 / 4 + 12 * 800 / 2  # experts shard over DP / EP = 2 ranks
+    plain = static_memory(params, dataclasses.replace(dist, use_distributed_optimizer=False))
+    assert plain.total == 18 * 1800
+    fp32 = static_memory(params, dataclasses.replace(dist, use_distributed_optimizer=False, precision="fp32"))
+    assert fp32.total == 16 * 1800

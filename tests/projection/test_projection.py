@@ -1,0 +1,133 @@
+"""The projection end to end: memory held in flight comes from the simulated table, results are ranked,
+verdicts follow the thresholds, search stays within the GPU count, calibrations scale the times."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from primuspipe.projection.compute import Calibration, WorkModel, part_times
+from primuspipe.projection.framework import Placement
+from primuspipe.projection.hardware_spec import load_hardware
+from primuspipe.projection.measured import calibration_from_cost_file
+from primuspipe.projection.model_spec import load_model
+from primuspipe.projection.projection import Projector, ProjectionResult, candidates, project, scale_to_nodes
+from primuspipe.projection.spec_fields import InputError
+from primuspipe.projection.stage_costs import stage_costs
+from primuspipe.projection.training_spec import TrainingSpec, load_training
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
+LLAMA = load_model(EXAMPLES / "models" / "llama2-7b.yaml")
+MI300X = load_hardware(EXAMPLES / "hardware" / "mi300x.yaml")
+H100 = load_hardware(EXAMPLES / "hardware" / "h100.yaml")
+TRAINING = TrainingSpec(global_batch_size=32)
+
+
+def _evaluate(algorithm: str, training: TrainingSpec = TRAINING, hardware=MI300X) -> ProjectionResult:
+    result = Projector(LLAMA, hardware).evaluate(training, algorithm)
+    assert isinstance(result, ProjectionResult), result
+    return result
+
+
+def _stage_bytes(training: TrainingSpec, placement: Placement) -> tuple[float, ...]:
+    parts = part_times(WorkModel(LLAMA, training), MI300X, Calibration())
+    return stage_costs(LLAMA, training, MI300X, parts, placement).activation_bytes
+
+
+def test_memory_in_flight_comes_from_the_schedule():
+    """Peak activations in units of rank 0's stage (one microbatch): 1F1B holds pp, GPipe every
+    microbatch; interleaved 1F1B matches the usual PP * (1 + (PP-1)/(PP*VPP)) factor, but the
+    zero-bubble schedules do not -- B keeps what the deferred W reads (here nearly all of it: the GEMM
+    inputs and output gradients), which no fixed factor expresses."""
+    act = _stage_bytes(TRAINING, Placement.interleaved(4))
+
+    def held(algorithm: str) -> float:
+        return _evaluate(algorithm).memory_breakdown["activations"] / act[0]
+
+    assert held("1f1b") == pytest.approx(4)
+    assert held("interleaved-1f1b") == pytest.approx(4 * (1 + 3 / 8), rel=1e-4)  # the embedding sits in one chunk
+    gpipe = _evaluate("gpipe")  # every microbatch's forward before any backward, fullest on the head's rank
+    assert gpipe.memory_breakdown["activations"] == pytest.approx(TRAINING.microbatches * act[3])
+    assert held("zb-h1") > held("1f1b") and held("zb-h2") > 1.5 * held("1f1b")
+    assert held("zbv") > held("1f1b")  # the V's 1F1B-like peak plus what B keeps for W
+    assert held("v-min") < 0.7 * held("1f1b")
+
+
+def test_step_time_adds_gradient_sync_and_optimizer_and_derives_throughput():
+    r = _evaluate("1f1b", dataclasses.replace(TRAINING, data_parallel_size=2, global_batch_size=32))
+    assert r.step_time_s == pytest.approx(r.pipeline_time_s + r.gradient_sync_s + r.optimizer_s)
+    assert r.gradient_sync_s > 0 and r.microbatches == 16
+    assert r.tokens_per_s_per_gpu == pytest.approx(32 * 4096 / r.step_time_s / 8)
+    assert 0 < r.mfu < MI300X.achievable_fraction
+    assert 0 < r.bubble_rate < 1
+
+
+def test_verdicts_against_hbm():
+    projector = Projector(LLAMA, H100, risk_margin=0.1)
+    hbm = H100.hbm_bytes
+    assert [projector.verdict(x * hbm) for x in (0.5, 0.95, 1.01)] == ["FITS", "AT-RISK", "OOM"]
+    gpipe = Projector(LLAMA, H100).evaluate(dataclasses.replace(TRAINING, global_batch_size=128), "gpipe")
+    assert gpipe.verdict == "OOM"
+
+
+def test_results_are_ranked_by_throughput_with_fitting_first():
+    results, refusals = project(Projector(LLAMA, H100), dataclasses.replace(TRAINING, global_batch_size=128))
+    assert {r.algorithm for r in results} | {r.algorithm for r in refusals} >= {"1f1b", "zbv", "gpipe", "zb-h1"}
+    fitting = [r for r in results if r.verdict != "OOM"]
+    assert results[:len(fitting)] == fitting
+    assert [r.tokens_per_s_per_gpu for r in fitting] == sorted((r.tokens_per_s_per_gpu for r in fitting), reverse=True)
+
+
+def test_refusals_carry_the_reason():
+    short = dataclasses.replace(LLAMA, num_layers=6)
+    refused = Projector(short, H100).evaluate(dataclasses.replace(TRAINING, virtual_pipeline_model_parallel_size=2), "zbv")
+    assert "6 layers cannot fill pp * vpp = 8" in refused.error and refused.vpp == 2
+
+
+def test_target_nodes_scale_data_parallelism():
+    training = load_training(EXAMPLES / "training" / "llama3-70b.yaml")
+    assert scale_to_nodes(training, H100, 16).data_parallel_size == 4
+    with pytest.raises(InputError, match="3 node.*do not hold whole TP \\* PP \\* CP = 32 replicas"):
+        scale_to_nodes(training, H100, 3)
+
+
+def test_search_stays_within_the_gpu_count():
+    training = TrainingSpec(global_batch_size=64, pipeline_model_parallel_size=2, data_parallel_size=4)
+    pairs = list(candidates(LLAMA, training, ["1f1b", "interleaved-1f1b", "zbv"], search=True))
+    configs = {(t.pp, t.vpp, t.micro_batch_size, t.recompute_granularity, name) for t, name in pairs}
+    assert all(t.world_size == 8 for t, _ in pairs)
+    assert {c[0] for c in configs} == {1, 2, 4, 8}
+    assert {c[2] for c in configs} == {1, 2, 4, 8}
+    assert {c[3] for c in configs} == {None, "selective", "full"}
+    assert all(c[1] == 2 for c in configs if c[4] == "zbv") and all(c[1] == 1 for c in configs if c[4] == "1f1b")
+    assert not any(c[0] == 1 and c[1] > 1 for c in configs)
+
+
+def test_calibration_from_a_cost_file_of_the_same_configuration(tmp_path):
+    """A run measured exactly as modelled gives factors of 1; one twice as slow, 2."""
+    training = dataclasses.replace(TRAINING, tensor_model_parallel_size=2, sequence_parallel=True)
+    parts = part_times(WorkModel(LLAMA, training), MI300X, Calibration())
+    modelled = stage_costs(LLAMA, training, MI300X, parts, Placement.interleaved(4))
+    costs = modelled.cost_model().to_dict()
+    (tmp_path / "same.yaml").write_text(yaml.safe_dump(costs))
+    same = calibration_from_cost_file(tmp_path / "same.yaml", LLAMA, training, MI300X)
+    assert all(f == pytest.approx(1.0) for f in same.factors.values())
+    comm = modelled.communication
+    slow = {**costs, "compute": {**costs["compute"], **{k: [2 * v - c / 4 for v in costs["compute"][k]]
+                                                         for k, c in zip("fbw", comm)}}}
+    (tmp_path / "slow.yaml").write_text(yaml.safe_dump(slow))
+    factors = calibration_from_cost_file(tmp_path / "slow.yaml", LLAMA, training, MI300X).factors
+    assert all(f == pytest.approx(2.0) for f in factors.values())
+
+
+def test_shipped_pairs_project_without_error():
+    for name, hardware in (("mixtral-8x7b", "h100"), ("qwen3-235b-a22b", "mi355x"), ("deepseek-v2-lite", "h200"),
+                           ("llama3-70b", "h100")):
+        model = load_model(EXAMPLES / "models" / f"{name}.yaml")
+        training = load_training(EXAMPLES / "training" / f"{name}.yaml")
+        results, _ = project(Projector(model, load_hardware(EXAMPLES / "hardware" / f"{hardware}.yaml")), training,
+                             algorithms=["1f1b", "zbv"])
+        assert len(results) == 2 and all(r.step_time_s > 0 and 0 < r.mfu < 1 for r in results)

@@ -1,0 +1,112 @@
+"""The time model against hand-computed values: GEMM and attention FLOPs per pass, recompute's extra
+forward, collective costs and where they fall, and the stage costs the simulator receives."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from primuspipe.projection.comm import Collectives, gradient_sync, layer_comm, p2p_message_bytes, pipeline_ranks_per_node
+from primuspipe.projection.compute import Calibration, WorkModel, part_times
+from primuspipe.projection.framework import Placement
+from primuspipe.projection.hardware_spec import HardwareSpec
+from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.parameters import ParamCount
+from primuspipe.projection.stage_costs import stage_costs
+from primuspipe.projection.training_spec import TrainingSpec
+
+MODEL = ModelSpec(num_layers=4, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=8, seq_length=2048,
+                  vocab_size=32000, make_vocab_size_divisible_by=128, swiglu=False, add_bias_linear=False,
+                  normalization="RMSNorm", position_embedding_type="rope", untie_embeddings_and_output_weights=True)
+TRAINING = TrainingSpec(micro_batch_size=2, pipeline_model_parallel_size=2, global_batch_size=16)
+HW = HardwareSpec(name="test", peak_bf16_tflops=100.0, achievable_fraction=0.5, hbm_bytes=80e9,
+                  hbm_bandwidth_bytes_per_s=2e12, memory_bandwidth_fraction=0.5, intra_node_bandwidth_bytes_per_s=100e9,
+                  inter_node_bandwidth_bytes_per_s=10e9, intra_node_latency_s=1e-5, inter_node_latency_s=2e-5,
+                  network_efficiency=1.0, gpus_per_node=8)
+
+
+def test_layer_flops_per_pass():
+    t = 2 * 2048  # tokens of one microbatch
+    h, f, s = 1024, 4096, 2048
+    layer = WorkModel(MODEL, TRAINING).layer("dense")
+    gemm = 2 * t * (3 * h * h + h * h + 2 * h * f)  # QKV, output, up and down projections
+    assert layer.forward.gemm_flops == layer.backward_input.gemm_flops == layer.backward_weight.gemm_flops == gemm
+    causal = 0.5 * 2 * 2 * 2 * s * s * h  # QK^T and PV over a, d (a * d = h), causal half
+    assert layer.forward.attention_flops == causal  # flash skips masked tiles
+    assert layer.backward_input.attention_flops == 2.5 * causal  # ... and recomputes the scores backward
+    assert layer.backward_weight.attention_flops == 0
+    unfused = WorkModel(MODEL, dataclasses.replace(TRAINING, attention_backend="local")).layer("dense")
+    assert unfused.forward.attention_flops == 2 * causal and unfused.backward_input.attention_flops == 4 * causal
+
+
+def test_model_flops_count_three_passes_and_causal_attention_once():
+    work = WorkModel(MODEL, TRAINING)
+    layer, head = work.layer("dense"), work.head()
+    per_layer = 3 * layer.forward.gemm_flops + 3 * layer.forward.attention_flops
+    assert work.model_flops() == pytest.approx(4 * per_layer + 3 * head.forward.gemm_flops)
+    local = WorkModel(MODEL, dataclasses.replace(TRAINING, attention_backend="local"))
+    assert local.model_flops() == pytest.approx(work.model_flops())  # the unfused kernel's waste is not model FLOPs
+
+
+def test_times_from_throughput_and_recompute_in_backward():
+    parts = part_times(WorkModel(MODEL, TRAINING), HW, Calibration())
+    layer = WorkModel(MODEL, TRAINING).layer("dense")
+    flops_per_s, bytes_per_s = 100e12 * 0.5, 2e12 * 0.5
+    assert parts["dense"].backward_weight == pytest.approx(layer.backward_weight.gemm_flops / flops_per_s)
+    assert parts["dense"].forward == pytest.approx(
+        (layer.forward.gemm_flops + layer.forward.attention_flops) / flops_per_s + layer.forward.memory_bytes / bytes_per_s)
+    selective = dataclasses.replace(TRAINING, recompute_granularity="selective")
+    assert part_times(WorkModel(MODEL, selective), HW, Calibration())["dense"].recompute == pytest.approx(
+        layer.forward.attention_flops / flops_per_s)
+    scaled = part_times(WorkModel(MODEL, TRAINING), HW, Calibration({("dense", "forward"): 2.0}))
+    assert scaled["dense"].forward == pytest.approx(2 * parts["dense"].forward)
+    assert scaled["dense"].backward_input == pytest.approx(parts["dense"].backward_input)
+
+
+def test_full_recompute_adds_the_forward_to_b():
+    plain = stage_costs(MODEL, TRAINING, HW, part_times(WorkModel(MODEL, TRAINING), HW, Calibration()),
+                        Placement.interleaved(2))
+    full = dataclasses.replace(TRAINING, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    again = stage_costs(MODEL, full, HW, part_times(WorkModel(MODEL, full), HW, Calibration()), Placement.interleaved(2))
+    parts = part_times(WorkModel(MODEL, TRAINING), HW, Calibration())
+    assert again.backward_input[1] - plain.backward_input[1] == pytest.approx(2 * parts["dense"].forward)
+    assert again.forward == plain.forward and again.backward_weight == plain.backward_weight
+    assert again.activation_bytes[1] < plain.activation_bytes[1] and again.transient_bytes[1] > 0
+
+
+def test_ring_collectives_and_link_choice():
+    net = Collectives(HW)
+    assert net.gather(8e9, 8, 8) == pytest.approx(7 / 8 * 8e9 / 100e9 + 7 * 1e-5)  # one node: the fabric
+    assert net.gather(8e9, 8, 16) == pytest.approx(7 / 8 * 8e9 / 10e9 + 7 * 2e-5)  # spans two nodes: the network
+    assert net.all_reduce(8e9, 8, 8) == pytest.approx(2 * net.gather(8e9, 8, 8))
+    assert net.gather(8e9, 1, 1) == 0
+
+
+def test_where_tensor_context_and_expert_parallel_collectives_fall():
+    assert dataclasses.astuple(layer_comm(MODEL, TRAINING, HW, "dense")) == (0, 0, 0)  # nothing to talk about at TP = CP = EP = 1
+    tp = dataclasses.replace(TRAINING, tensor_model_parallel_size=4, sequence_parallel=True)
+    comm = layer_comm(MODEL, tp, HW, "dense")
+    activation = 2 * 2048 * 1024 * 2
+    per_all_reduce = Collectives(HW).all_reduce(activation, 4, 4)
+    assert comm.forward == pytest.approx(2 * per_all_reduce) == pytest.approx(comm.backward_input)
+    assert comm.backward_weight == pytest.approx(2 * Collectives(HW).gather(activation, 4, 4))  # W re-gathers inputs
+    moe = dataclasses.replace(MODEL, num_experts=8, moe_router_topk=2)
+    ep = dataclasses.replace(TRAINING, expert_model_parallel_size=8, data_parallel_size=8, global_batch_size=64)
+    a2a = 2 * Collectives(HW).gather(2 * 2048 * 2 * 1024 * 2, 8, 8)  # dispatch + combine of the token copies
+    assert layer_comm(moe, ep, HW, "moe").forward == pytest.approx(a2a)
+
+
+def test_pipeline_link_and_gradient_sync():
+    assert p2p_message_bytes(MODEL, TRAINING) == 2 * 2048 * 1024 * 2
+    assert pipeline_ranks_per_node(TRAINING, HW) == 8
+    assert pipeline_ranks_per_node(dataclasses.replace(TRAINING, tensor_model_parallel_size=8), HW) == 1
+    params = ParamCount(dense=10**9)
+    dp = dataclasses.replace(TRAINING, data_parallel_size=8, global_batch_size=32)
+    net = Collectives(HW)
+    # distributed optimizer: the fp32 gradient reduce-scatter hides behind backward; the bf16 gather does not
+    assert gradient_sync(params, dp, HW) == pytest.approx(net.gather(2e9, 8, 8))
+    exposed = dataclasses.replace(dp, overlap_grad_reduce=False)
+    assert gradient_sync(params, exposed, HW) == pytest.approx(net.gather(4e9, 8, 8) + net.gather(2e9, 8, 8))
+    plain = dataclasses.replace(exposed, use_distributed_optimizer=False)
+    assert gradient_sync(params, plain, HW) == pytest.approx(net.all_reduce(4e9, 8, 8))
