@@ -67,6 +67,7 @@ def test_own_launcher(tmp_path, fault):
         assert p.returncode != 0, f"rank {r} exited 0"
         assert ended[r] - fault_time < TIMEOUT_S + 10, f"rank {r} took {ended[r] - fault_time:.1f} s"
         lines = [line for line in err.splitlines() if line.startswith("error: ")]
+        print(f"SIG{fault} rank {r} after {ended[r] - fault_time:.1f} s, status {p.returncode}: {lines}")
         assert len(lines) == 1 and "Traceback" not in err, err
         assert _names_the_faulty_rank(lines[0]), f"rank {r} does not name rank {FAULTY} (alone) as the cause: {lines[0]}"
 
@@ -118,6 +119,7 @@ def test_torchrun(tmp_path, fault):
     assert proc.returncode != 0, launcher_output[-2000:]
     for r in survivors:
         lines = _report_lines(logs, r)
+        print(f"torchrun SIG{fault} rank {r} after {spoke.get(r, time.time()) - fault_time:.1f} s: {lines}")
         assert lines and _names_the_faulty_rank(lines[-1]), \
             f"rank {r} does not name rank {FAULTY} as the cause: {lines}\n{launcher_output[-3000:]}"
         assert spoke.get(r, time.time()) - fault_time < TIMEOUT_S + 10, f"rank {r} spoke late"
