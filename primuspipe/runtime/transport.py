@@ -53,6 +53,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -73,8 +74,8 @@ from primuspipe.runtime.protocols import Pending
 
 logger = logging.getLogger(__name__)
 
-_HEARTBEAT_PREFIX = "primuspipe/heartbeat/"
-_FAILURE_PREFIX = "primuspipe/failure/"
+_HEARTBEAT_PREFIX = "primuspipe/{attempt}/heartbeat/"
+_FAILURE_PREFIX = "primuspipe/{attempt}/failure/"
 _MAX_HEARTBEAT_S = 10.0
 _MAX_POLL_S = 1.0
 _CAUSE_WAIT_S = 3.0
@@ -89,10 +90,12 @@ class PeerLiveness:
         self.store = store
         self.global_ranks: Sequence[int] = dist.get_process_group_ranks(group)
         self.me = dist.get_rank()
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted run keeps torchrun's store
+        self._heartbeat_prefix = _HEARTBEAT_PREFIX.format(attempt=attempt)
+        self._failure_prefix = _FAILURE_PREFIX.format(attempt=attempt)
 
-    @staticmethod
-    def _key(global_rank: int) -> str:
-        return f"{_HEARTBEAT_PREFIX}{global_rank}"
+    def _key(self, global_rank: int) -> str:
+        return f"{self._heartbeat_prefix}{global_rank}"
 
     def beat(self) -> None:
         self.store.set(self._key(self.me), repr(time.time()))
@@ -117,13 +120,13 @@ class PeerLiveness:
 
     def record_failure(self, blamed: dict[int, str]) -> None:
         """Say, before raising, which ranks of the group this rank holds responsible (group rank -> why)."""
-        self.store.set(f"{_FAILURE_PREFIX}{self.me}", json.dumps({str(r): why for r, why in blamed.items()}))
+        self.store.set(f"{self._failure_prefix}{self.me}", json.dumps({str(r): why for r, why in blamed.items()}))
 
     def failure_records(self) -> dict[int, dict[int, str]]:
         """The failure records of the group's other ranks: reporting group rank -> {blamed group rank: why}."""
         out = {}
         for group_rank, global_rank in enumerate(self.global_ranks):
-            key = f"{_FAILURE_PREFIX}{global_rank}"
+            key = f"{self._failure_prefix}{global_rank}"
             if global_rank != self.me and self.store.check([key]):
                 out[group_rank] = {int(r): why for r, why in json.loads(self.store.get(key).decode()).items()}
         return out
@@ -210,7 +213,7 @@ class TransferWatchdog:
             how = f"did not complete within {self.timeout_s:g} s"
             hint = "The peer is stuck, dead or runs a different schedule; raise watchdog_timeout_s if it is merely slow."
         else:
-            how = f"failed ({' '.join(str(cause).split())})"
+            how = f"failed ({_backend_message(cause)})"
             hint = "Look at the log of the rank named first."
         blamed = self._causes(None if timed_out else node.peer)
         if blamed and self.liveness is not None:
@@ -287,6 +290,12 @@ class TransferWatchdog:
 
 
 _watchdogs: "weakref.WeakKeyDictionary[Any, TransferWatchdog]" = weakref.WeakKeyDictionary()
+
+
+def _backend_message(cause: Exception) -> str:
+    """gloo's error on one line, without its source location and generic advice (the report gives better)."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(cause).split()))
+    return text.split(" This is typically caused by")[0].rstrip(".")
 
 
 def _named(blamed: dict[int, str] | None) -> str:
