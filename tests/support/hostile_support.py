@@ -142,12 +142,12 @@ def not_valid_afterwards(*paths: Path) -> None:
 
 
 def write_summary(terminalreporter) -> None:
-    """Print the tally (and write it to ``$PRIMUSPIPE_HOSTILE_TALLY`` as JSON when set)."""
+    """Print the tally (and write it to ``$HOSTILE_TALLY_JSON`` as JSON when set)."""
     if not CASES:
         return
     parts = ", ".join(f"{TALLY[k]} {k}" for k in ("clear", "garbled", "traceback", "silent", "hang"))
     terminalreporter.write_line(f"hostile inputs: {len(CASES)} ({parts})")
-    if path := os.environ.get("PRIMUSPIPE_HOSTILE_TALLY"):
+    if path := os.environ.get("HOSTILE_TALLY_JSON"):
         Path(path).write_text(json.dumps({"inputs": len(CASES), **{k: TALLY[k] for k in
                                           ("clear", "garbled", "traceback", "silent", "hang")}}, indent=1))
 
