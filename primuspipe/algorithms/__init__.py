@@ -10,7 +10,8 @@ from primuspipe.algorithms.registry import (
     ScheduleRequest,
     get_algorithm,
     list_algorithms,
+    list_aliases,
     register,
 )
 
-__all__ = ["AlgorithmInfo", "ScheduleRequest", "get_algorithm", "list_algorithms", "register"]
+__all__ = ["AlgorithmInfo", "ScheduleRequest", "get_algorithm", "list_algorithms", "list_aliases", "register"]

@@ -72,7 +72,7 @@ def build_schedule(
     if cost is not None and vpp is not None and cost.num_stages not in (pp, pp * vpp):
         raise ConfigError(f"the cost model describes {cost.num_stages} stages but pp*vpp = {pp * vpp}; "
                           "build it for this shape (CostModel.for_shape) or per 1F1B stage")
-    table = info.build(ScheduleRequest(pp, vpp, microbatches, cost, memory_limit), **options)
+    table = info.build(ScheduleRequest(pp, vpp, microbatches, cost, memory_limit), **info.preset, **options)
     assert (table.pp, table.microbatches) == (pp, microbatches) and vpp in (None, table.vpp), \
         f"{algorithm} built the wrong shape"
     assert not table.has_communication, f"{algorithm} must return a compute-only table"

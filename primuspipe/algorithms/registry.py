@@ -17,10 +17,12 @@ import importlib
 import inspect
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from types import MappingProxyType
 from typing import Any
 
+from primuspipe.algorithms.aliases import ALIASES, BY_NAME, Alias
 from primuspipe.ir import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost
 from primuspipe.errors import ConfigError, DuplicateAlgorithmError, PrimusPipeError, UnknownAlgorithmError
@@ -82,6 +84,10 @@ class AlgorithmInfo:
     """True if its tables use separate B and W nodes (needs a runner that can split weight grads)."""
     default_vpp: int = 1
     """The vpp used when the caller gives none and the algorithm takes any."""
+    preset: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Options fixed by the name it was looked up by (an alias, :mod:`primuspipe.algorithms.aliases`)."""
+    alias_of: str | None = None
+    """The registered algorithm an alias runs; None for a registered name."""
 
     def resolve_vpp(self, vpp: int | None) -> int | None:
         """The vpp to build with: the caller's, else the required one, else the default (None for an
@@ -95,7 +101,8 @@ class AlgorithmInfo:
         return (inspect.getdoc(self.build) or "").split("\n")[0]
 
     def options(self) -> list[inspect.Parameter]:
-        return [p for p in inspect.signature(self.build).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        return [p for p in inspect.signature(self.build).parameters.values()
+                if p.kind is p.KEYWORD_ONLY and p.name not in self.preset]
 
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """``options`` checked against the algorithm's keyword parameters: known names (an unknown one is
@@ -129,6 +136,9 @@ def register(
     """Decorator registering ``fn`` under ``name``; a name can be registered once."""
 
     def wrap(fn: Builder) -> Builder:
+        if name in BY_NAME:
+            raise DuplicateAlgorithmError(f"{name!r} is {BY_NAME[name].origin}'s name for {BY_NAME[name].target!r}; "
+                                          "pick another name")
         if name in _REGISTRY:
             raise DuplicateAlgorithmError(
                 f"algorithm {name!r} is already registered by {_REGISTRY[name].build.__module__}; pick another name"
@@ -156,15 +166,32 @@ def _load_plugins() -> None:
 
 
 def get_algorithm(name: str) -> AlgorithmInfo:
+    """The algorithm registered as ``name``, or the one an alias (another framework's name) runs."""
     _load_plugins()
+    if name in BY_NAME:
+        return _resolve(BY_NAME[name])
     try:
         return _REGISTRY[name]
     except KeyError:
         raise UnknownAlgorithmError(
-            f"no algorithm named {name!r}; registered: {', '.join(sorted(_REGISTRY))}"
+            f"no algorithm named {name!r}; registered: {', '.join(sorted(_REGISTRY))}; "
+            f"aliases: {', '.join(sorted(BY_NAME))}"
         ) from None
 
 
+def _resolve(alias: Alias) -> AlgorithmInfo:
+    target = _REGISTRY[alias.target]
+    return AlgorithmInfo(alias.name, target.build, alias.placement or target.placement,
+                         alias.vpp if alias.vpp is not None else target.vpp, target.split_backward,
+                         target.default_vpp, alias.options, alias.target)
+
+
 def list_algorithms() -> list[AlgorithmInfo]:
+    """The registered algorithms, by name (aliases are :func:`list_aliases`)."""
     _load_plugins()
     return [_REGISTRY[n] for n in sorted(_REGISTRY)]
+
+
+def list_aliases() -> tuple[Alias, ...]:
+    """Other frameworks' names for registered algorithms (:mod:`primuspipe.algorithms.aliases`)."""
+    return ALIASES

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from primuspipe.algorithms import list_algorithms
+from primuspipe.algorithms import list_algorithms, list_aliases
 from primuspipe.passes.communication import add_communication
 from primuspipe.cli.options import (
     add_shape_arguments,
@@ -35,11 +35,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compute-only", action="store_true", help="hide communication nodes")
     p.set_defaults(handler=cmd_show)
 
-    p = sub.add_parser("export", help="write an algorithm's validated table as JSON or torch CSV")
+    p = sub.add_parser("export", help="write an algorithm's validated table as JSON, torch CSV or Primus's table form")
     p.add_argument("algorithm")
     add_shape_arguments(p)
-    p.add_argument("--format", choices=("json", "csv"), default="json", help="json (lossless) or torch.distributed.pipelining CSV (with a <file>.meta.json sidecar "
-                   "holding the microbatch count and algorithm name)")
+    p.add_argument("--format", choices=("json", "csv", "primus"), default="json",
+                   help="json (lossless), torch.distributed.pipelining CSV (with a <file>.meta.json sidecar holding the "
+                        "microbatch count and algorithm name) or primus (the 'Rank r: (F|mb|chunk),...' lines Primus's "
+                        "debug_scheduler_table prints, after a comment line with the shape; docs/primus.md)")
     p.add_argument("--compute-only", action="store_true", help="leave out communication nodes")
     p.add_argument("-o", "--output", type=Path, required=True, help="file to write ('-' for stdout)")
     p.set_defaults(handler=cmd_export)
@@ -47,7 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check a table file (JSON or CSV); exit 0 only if it is valid",
                        description="Check a schedule table. A compute-only table is validated as is and again with "
                                    "communication added. Exit status 0 if valid, 1 otherwise.")
-    p.add_argument("file", type=Path)
+    p.add_argument("file", type=Path, help="JSON, torch CSV or Primus's printed table form")
+    p.add_argument("--placement", choices=("interleaved", "v"),
+                   help="layout of a Primus table that does not say (compute-only, 2 chunks per rank)")
     p.add_argument("--max-in-flight", type=number_type(minimum=0), default=None, metavar="MICROBATCHES",
                    help="also bound activations held per rank (1F1B-stage microbatch units, each counted from its F "
                         "until its W, as simulate's peak and --memory-limit count them)")
@@ -72,6 +76,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         shape = f"{info.placement} / {info.vpp or 'any'} / {'B + W' if info.split_backward else 'BW'}"
         table.add_row(info.name, shape, opts, info.summary)
     console().print(table)
+    aliases = Table(title="aliases: other frameworks' names (docs/primus.md)", show_lines=True)
+    for column in ("name", "runs", "from", "difference"):
+        aliases.add_column(column, no_wrap=column != "difference", overflow="fold")
+    for alias in list_aliases():
+        fixed = "".join(f" {k}={v!r}" for k, v in alias.options.items()) + (f" vpp={alias.vpp}" if alias.vpp else "")
+        aliases.add_row(alias.name, alias.target + fixed, alias.origin, alias.note)
+    console().print(aliases)
     return 0
 
 
@@ -98,7 +109,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     out = report_console()
     try:
-        table = load_table(args.file)
+        table = load_table(args.file, args.placement)
         validate(table, max_in_flight=args.max_in_flight, retained=args.w_retained)
         if not table.has_communication:
             validate(add_communication(table), max_in_flight=args.max_in_flight, retained=args.w_retained)

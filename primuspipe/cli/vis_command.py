@@ -28,8 +28,9 @@ from primuspipe.tools.pp_vis import (
     write_trace,
 )
 
-_INPUT_HELP = ("a timeline JSON file (from 'primuspipe simulate -o DIR') or a run's dump directory holding "
-               "iter_<n>/rank_<r>.json (dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR)")
+_INPUT_HELP = ("a timeline JSON file (from 'primuspipe simulate -o DIR'), a run's dump directory holding "
+               "iter_<n>/rank_<r>.json (dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR), or a Primus dump "
+               "folder (config.json + pp_rank_<r>.json, from a Primus run or its simulator; docs/primus.md)")
 
 _VIS_DESCRIPTION = """\
 Draw a pipeline timeline -- a real run's dump or a simulated step, both in the primuspipe timeline
@@ -46,6 +47,7 @@ _VIS_EPILOG = """\
 examples:
   primuspipe simulate -a zbv --pp 4 -m 8 -o sim/ && primuspipe vis sim/zbv.timeline.json --png zbv.png
   primuspipe vis /tmp/pp_data --iteration 2 --png run.png --html run.html --trace run.trace.json
+  primuspipe vis output/pp_data --png primus_run.png        # a Primus run's dump_pp_data folder
   primuspipe calibrate /tmp/pp_data -o measured.yaml && primuspipe vis /tmp/pp_data --cost measured.yaml --png cmp.png"""
 
 _CALIBRATE_DESCRIPTION = """\
@@ -94,7 +96,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=_CALIBRATE_DESCRIPTION, epilog=_CALIBRATE_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("input", metavar="DUMP_DIR", type=Path,
-                   help="a run's dump directory (all its iterations are used), or one timeline JSON file")
+                   help="a run's dump directory or a Primus dump folder (all its iterations are used), or one "
+                        "timeline JSON file")
     c.add_argument("-o", "--output", type=Path, metavar="FILE", help="where to write the cost YAML (default: stdout)")
     c.add_argument("--warmup", type=count_type(minimum=0), default=1, metavar="N",
                    help="leading iterations to skip as warm-up (default 1; all are used if no more remain)")

@@ -40,6 +40,7 @@ from primuspipe.ir.documents import check_envelope, envelope, write_atomically
 from primuspipe.ir.kinds import NodeKind, all_kinds, on_kinds_changed, overlapped_kind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
+from primuspipe.ir.primus_format import from_primus_table, to_primus_table
 from primuspipe.ir.resources import Resource, resource_plan
 from primuspipe.ir.table import MAX_NODES, ScheduleTable
 
@@ -48,6 +49,7 @@ _SIDECAR_FORMAT, _SIDECAR_VERSION = "primuspipe.torch-csv-meta", 1
 _RESOURCE_RE = re.compile(rf"([0-9]{{1,12}})({'|'.join(r.value for r in Resource)})([0-9]{{0,12}})", re.ASCII)
 _OVERLAP_RE = re.compile(r"\((.*)\)OVERLAP_F_B")
 _SIDECAR_KEYS = {"format", "version", "algorithm", "microbatches", "pp", "vpp"}
+_PRIMUS_RANK_LINE = re.compile(r"Rank\s+0\s*:")
 
 Action = tuple[int, str, int]
 """One parsed single action: ``(stage, torch type, microbatch)``."""
@@ -258,12 +260,19 @@ def sidecar_path(path: str | Path) -> Path:
     return path.with_name(path.name + SIDECAR_SUFFIX)
 
 
-def load_table(path: str | Path) -> ScheduleTable:
-    """Read a table from ``.json`` (ours) or ``.csv`` (torch.distributed.pipelining actions, with its
-    sidecar when there is one); every error names the file."""
+def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
+    """Read a table from ``.json`` (ours), ``.csv`` (torch.distributed.pipelining actions, with its
+    sidecar when there is one) or Primus's printed form (any other text holding ``Rank <r>:`` lines;
+    ``placement`` names its layout where the text cannot, :mod:`primuspipe.ir.primus_format`); every
+    error names the file."""
     path = Path(path)
     text = strict.read_text(path, "schedule file", error=TableFormatError)
     if path.suffix.lower() != ".csv":
+        if not text.lstrip().startswith("{") and _PRIMUS_RANK_LINE.search(text):
+            try:
+                return from_primus_table(text, placement, algorithm=None)
+            except (TableFormatError, ScheduleShapeError) as exc:
+                raise TableFormatError(f"{path}: {exc}") from None
         return ScheduleTable.from_json(text, str(path))
     meta = _read_sidecar(path)
     try:
@@ -309,9 +318,11 @@ def _read_sidecar(path: Path) -> dict:
 
 
 def dump_table(table: ScheduleTable, fmt: str, compute_only: bool = False) -> str:
-    """Text of ``table`` as ``"json"`` or ``"csv"``."""
+    """Text of ``table`` as ``"json"``, ``"csv"`` or ``"primus"`` (Primus's printed table form)."""
     if fmt == "json":
         return (table.compute_only() if compute_only else table).to_json()
     if fmt == "csv":
         return to_torch_csv(table, compute_only)
-    raise TableFormatError(f"unknown format {fmt!r}; use 'json' or 'csv'")
+    if fmt == "primus":
+        return to_primus_table(table, compute_only) + "\n"
+    raise TableFormatError(f"unknown format {fmt!r}; use 'json', 'csv' or 'primus'")

@@ -122,7 +122,7 @@ def flag(value: Any, name: str, *, error: Error = ConfigError) -> bool:
             return True
         if word in ("0", "false", "no", "off", ""):
             return False
-    raise error(f"{name} must be a boolean (true/false, 1/0, yes/no, on/off), got {show(value)}")
+    raise error(f"{name}: {show(value)} is not a boolean; write true/false, 1/0, yes/no or on/off")
 
 
 def keys(data: Any, name: str, allowed: Collection[str], required: Collection[str] = (), *,

@@ -71,7 +71,7 @@ def test_dump_dir_that_cannot_be_created(tmp_path):
     ({"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_ALGORITHM_OPTIONS": '{"a": NaN}'}, ["NaN"]),
     ({"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_PP_ALGORITHM": "zb-h1", "PRIMUSPIPE_ALGORITHM_OPTIONS": '{"x": 1}'},
      ["'x'"]),
-    ({"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_DUMP_PP_DATA": "1", "PRIMUSPIPE_DUMP_DIR": ""}, ["PRIMUSPIPE_DUMP_DIR"]),
+    ({"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_DUMP_PP_DATA": "1", "PRIMUSPIPE_DUMP_DIR": ""}, ["dump_dir"]),
     ({"PRIMUSPIPE_CONFIG": "/nonexistent/pp.yaml"}, ["does not exist"]),
 ])
 def test_environment(monkeypatch, env, names):

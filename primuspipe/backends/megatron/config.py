@@ -1,16 +1,23 @@
 """primuspipe's settings for Megatron: a typed dataclass read from YAML and/or environment variables.
 
 Environment variables override the YAML file; ``PRIMUSPIPE_CONFIG`` names the YAML file when no path
-is given. Every key (YAML name / environment variable):
+is given. Primus's ``primus_pipeline.yaml`` loads as it is: its keys are ours, with the same meaning
+(docs/primus.md). Every key (YAML name / environment variable):
 
-=========================  ===============================  ==========================================
-``patch_primus_pipeline``  ``PRIMUSPIPE_PATCH``             master switch; ``install`` does nothing when false
-``pp_algorithm``           ``PRIMUSPIPE_PP_ALGORITHM``      algorithm name; ``auto`` = 1f1b / interleaved-1f1b
-``algorithm_options``      ``PRIMUSPIPE_ALGORITHM_OPTIONS`` mapping of the algorithm's options (env: JSON)
-``dump_pp_data``           ``PRIMUSPIPE_DUMP_PP_DATA``      write a timeline per rank and iteration
-``dump_dir``               ``PRIMUSPIPE_DUMP_DIR``          where the timelines go
-``watchdog_timeout_s``     ``PRIMUSPIPE_WATCHDOG_TIMEOUT_S`` hang watchdog; 0 turns it off
-=========================  ===============================  ==========================================
+=========================  =================================  ==========================================
+``patch_primus_pipeline``  ``PRIMUSPIPE_PATCH``               master switch; ``install`` does nothing when false
+``pp_algorithm``           ``PRIMUSPIPE_PP_ALGORITHM``        algorithm name or alias; ``auto`` = 1f1b / interleaved-1f1b
+``algorithm_options``      ``PRIMUSPIPE_ALGORITHM_OPTIONS``   mapping of the algorithm's options (env: JSON)
+``dump_pp_data``           ``PRIMUSPIPE_DUMP_PP_DATA``        write a timeline per rank and iteration
+``dump_dir``               ``PRIMUSPIPE_DUMP_DIR``            where the timelines go
+``watchdog_timeout_s``     ``PRIMUSPIPE_WATCHDOG_TIMEOUT_S``  hang watchdog; 0 turns it off
+``communication_method``   ``PRIMUSPIPE_COMMUNICATION_METHOD`` ``async_p2p`` (``batch_p2p`` is refused)
+``debug_scheduler_table``  ``PRIMUSPIPE_DEBUG_SCHEDULER_TABLE`` print each new table's grid on pipeline rank 0
+``offload``                ``PRIMUSPIPE_OFFLOAD``             activation offload (for the offload pass)
+``offload_ops``            ``PRIMUSPIPE_OFFLOAD_OPS``         which activations to offload (for the offload pass)
+``pp_cost_f/b/w``          ``PRIMUSPIPE_PP_COST_F/B/W``       F / B / W time per stage (number or list; env: JSON)
+``pp_max_mem``             ``PRIMUSPIPE_PP_MAX_MEM``          activation limit per rank, microbatches until W
+=========================  =================================  ==========================================
 
 >>> load_config(env={"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_PP_ALGORITHM": "gpipe"}).pp_algorithm
 'gpipe'
@@ -27,8 +34,15 @@ from typing import Any
 
 from primuspipe.errors import ConfigError
 from primuspipe.ir import strict
+from primuspipe.ir.cost_model import CostModel, MemoryCost
+from primuspipe.ir.costs import per_stage_values
 
 AUTO = "auto"
+ASYNC_P2P, BATCH_P2P = "async_p2p", "batch_p2p"
+PRIMUS_DEFAULT_COST = 1000.0
+"""The time Primus gives an F, B or W whose ``pp_cost_*`` is null; only the ratios matter."""
+OFFLOAD_OPS = ("attn", "basic_gemm", "row_parallel_gemm", "column_parallel_gemm", "grouped_linear")
+"""The op names Primus's ``offload_ops`` lists (it runs only ``attn`` so far)."""
 
 
 @dataclass(frozen=True)
@@ -37,8 +51,8 @@ class PrimusPipeConfig:
     """Master switch: replace Megatron's forward-backward function. Off unless asked for, so a config
     read from an empty environment leaves Megatron untouched."""
     pp_algorithm: str = AUTO
-    """A registered algorithm (``primuspipe list``); ``auto`` picks Megatron's own choice: ``1f1b`` for
-    vpp = 1, ``interleaved-1f1b`` for vpp > 1."""
+    """A registered algorithm or an alias such as Primus's ``zbv-formatted`` (``primuspipe list``);
+    ``auto`` picks Megatron's own choice: ``1f1b`` for vpp = 1, ``interleaved-1f1b`` for vpp > 1."""
     algorithm_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Keyword options of the algorithm, e.g. ``{"microbatch_group_size": 4}`` for interleaved-1f1b
     (with ``auto``, they are interleaved-1f1b's: 1f1b takes none). Without one, interleaved-1f1b follows
@@ -51,6 +65,32 @@ class PrimusPipeConfig:
     """A send or receive not complete this long after it was posted raises PipelineHangError naming the
     rank, node, peer and the ranks that stopped beating; 0 disables the watchdog. It never blocks the host
     on NCCL (a monitor thread watches; see runtime/transport.py)."""
+    communication_method: str = ASYNC_P2P
+    """Primus's choice of point-to-point calls. ``async_p2p`` (each transfer its own non-blocking send or
+    receive) is what the runner does and what the validator proves deadlock-free; ``batch_p2p`` is
+    refused, since batching a rank's sends and receives changes the matching order that proof relies on."""
+    debug_scheduler_table: bool = False
+    """Print every newly built table's grid (with its SEND/RECV nodes) on pipeline rank 0, as Primus
+    prints its scheduler table."""
+    offload: bool = False
+    """Move activations to host memory between F and B (OFFLOAD/RELOAD nodes). Consumed by the offload
+    pass; this build has none yet, so ``true`` is refused."""
+    offload_ops: str = ""
+    """Comma-separated ops whose activations are offloaded (Primus runs ``attn``); empty leaves the choice
+    to the offload pass, which consumes it with ``offload``."""
+    pp_cost_f: Any = None
+    """Forward time per pipeline stage: one number or one per rank (null: Primus's default, 1000). With
+    ``pp_cost_b``/``pp_cost_w`` it becomes the cost model every cost-aware algorithm plans with (zb-h1,
+    zb-h2, v-half, v-min, zb-auto / zero-bubble-heuristic); Primus uses it for zero-bubble-heuristic only."""
+    pp_cost_b: Any = None
+    """Input-gradient backward (B) time per stage, like ``pp_cost_f``."""
+    pp_cost_w: Any = None
+    """Weight-gradient backward (W) time per stage, like ``pp_cost_f``."""
+    pp_max_mem: float | None = None
+    """Activation limit per rank for memory-aware algorithms (zb-auto / zero-bubble-heuristic), in
+    microbatches of one 1F1B stage, each counted whole from its F until its W -- Primus's count (it adds
+    1 at F and takes 1 at W), so the cost model built from ``pp_cost_*`` has ``w_retained_fraction`` 1 when
+    it is set (a cost file in ``algorithm_options.cost`` keeps its own)."""
 
     def __post_init__(self) -> None:
         """Check every field now, so a bad setting fails at :func:`install`, not on every rank at step 1."""
@@ -60,18 +100,57 @@ class PrimusPipeConfig:
         if not isinstance(self.algorithm_options, Mapping):
             raise ConfigError(f"algorithm_options must be a mapping, got {strict.show(self.algorithm_options)}")
         object.__setattr__(self, "algorithm_options", MappingProxyType(dict(self.algorithm_options)))
+        for name in ("pp_cost_f", "pp_cost_b", "pp_cost_w"):  # lists as tuples: the config stays a hashable value
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, value := tuple(value))
+            if isinstance(value, tuple):
+                for i, v in enumerate(value):
+                    strict.number(v, f"{name}[{i}]", minimum=0)
+            elif value is not None:
+                strict.number(value, name, minimum=0)
         object.__setattr__(self, "watchdog_timeout_s", strict.number(
             self.watchdog_timeout_s, "watchdog_timeout_s (seconds; 0 disables the watchdog)", minimum=0))
         if self.dump_pp_data:
             strict.text(self.dump_dir, "dump_dir (needed with dump_pp_data)")
+        strict.flag(self.debug_scheduler_table, "debug_scheduler_table")
+        strict.flag(self.offload, "offload")
+        if self.communication_method == BATCH_P2P:
+            raise ConfigError("communication_method: batch_p2p is not supported: the runner posts each transfer as "
+                              "its own non-blocking send/receive, the order its deadlock proof relies on; use "
+                              f"{ASYNC_P2P!r} (the same transfers, unbatched)")
+        if self.communication_method != ASYNC_P2P:
+            raise ConfigError(f"communication_method must be {ASYNC_P2P!r}, got {self.communication_method!r}")
+        if self.offload:
+            raise ConfigError("offload: activation offload (OFFLOAD/RELOAD nodes) is coming with the offload pass and "
+                              "is not in this build; set offload: false, and lower activation memory with v-half or "
+                              "v-min, or zb-auto under pp_max_mem")
+        if unknown := set(self.offload_op_list) - set(OFFLOAD_OPS):
+            raise ConfigError(f"offload_ops: unknown op(s) {sorted(unknown)}; known: {', '.join(OFFLOAD_OPS)}")
+        if "costs" in self.algorithm_options:
+            raise ConfigError("algorithm_options.costs is gone: give pp_cost_f, pp_cost_b, pp_cost_w (and pp_max_mem), "
+                              "or algorithm_options.cost as a cost-file mapping (docs/simulator.md)")
+        if self.algorithm_options.get("cost") is not None and self.has_primus_costs:
+            raise ConfigError("give the costs once: either pp_cost_f/b/w or algorithm_options.cost")
+        if self.pp_max_mem is not None and "memory_limit" in self.algorithm_options:
+            raise ConfigError("give the memory limit once: either pp_max_mem or algorithm_options.memory_limit")
+        if self.pp_max_mem is not None:
+            if isinstance(self.pp_max_mem, (list, tuple)):
+                raise ConfigError(f"pp_max_mem: primuspipe bounds every rank by one limit, got the list {self.pp_max_mem}; "
+                                  "give one number (the smallest of yours keeps every rank within its own)")
+            strict.number(self.pp_max_mem, "pp_max_mem (microbatches)", above=0)
 
     def check(self) -> None:
-        """What :func:`install` checks beyond the values: the algorithm exists and takes the options, and
-        the dump directory can be written (it is created)."""
+        """What :func:`install` checks beyond the values: the algorithm exists and takes the options (the
+        cost model and memory limit are ``build_schedule``'s, not the algorithm's), and the dump directory
+        can be written (it is created)."""
         from primuspipe.algorithms.build import check_options
 
+        options = {k: v for k, v in self.algorithm_options.items() if k not in _SCHEDULE_KEYWORDS}
         for algorithm in self.algorithms():
-            check_options(algorithm, dict(self.algorithm_options))
+            check_options(algorithm, options)
+        if "memory_limit" in self.algorithm_options:
+            strict.number(self.algorithm_options["memory_limit"], "algorithm_options.memory_limit", above=0)
         if self.dump_pp_data:
             folder = Path(self.dump_dir)
             try:
@@ -87,6 +166,34 @@ class PrimusPipeConfig:
         ``auto`` are for interleaved-1f1b only, the one that takes any)."""
         return ("interleaved-1f1b",) if self.pp_algorithm == AUTO else (self.pp_algorithm,)
 
+    @property
+    def offload_op_list(self) -> tuple[str, ...]:
+        return tuple(op.strip() for op in str(self.offload_ops).split(",") if op.strip())
+
+    @property
+    def has_primus_costs(self) -> bool:
+        return any(v is not None for v in (self.pp_cost_f, self.pp_cost_b, self.pp_cost_w))
+    def schedule_options(self, pp: int, vpp: int) -> dict[str, Any]:
+        """The keyword arguments of ``build_schedule`` for a ``pp`` x ``vpp`` pipeline: the algorithm's
+        options, plus ``cost`` (from ``pp_cost_f/b/w``, or ``algorithm_options.cost`` in the cost-file
+        form) and ``memory_limit`` (from ``pp_max_mem``) when given.
+
+        >>> PrimusPipeConfig(pp_cost_f=1, pp_cost_b=2, pp_cost_w=1).schedule_options(2, 1)["cost"].compute.backward_input
+        (2.0, 2.0)
+        """
+        options = dict(self.algorithm_options)
+        memory = MemoryCost(w_retained_fraction=1.0) if self.pp_max_mem is not None else MemoryCost()
+        if isinstance(options.get("cost"), Mapping):
+            options["cost"] = CostModel.from_dict(options["cost"], pp=pp, vpp=vpp)
+        elif self.has_primus_costs or self.pp_max_mem is not None:
+            f, b, w = (per_stage_values(name, PRIMUS_DEFAULT_COST if value is None else value, pp, "pipeline stages")
+                       for name, value in (("pp_cost_f", self.pp_cost_f), ("pp_cost_b", self.pp_cost_b),
+                                           ("pp_cost_w", self.pp_cost_w)))
+            options["cost"] = CostModel.per_stage(pp, f, b, w, memory=memory)
+        if self.pp_max_mem is not None:
+            options["memory_limit"] = float(self.pp_max_mem)
+        return options
+
     def algorithm_for(self, vpp: int) -> str:
         if self.pp_algorithm == AUTO:
             return "1f1b" if vpp == 1 else "interleaved-1f1b"
@@ -101,7 +208,17 @@ _ENV_NAMES = {
     "dump_pp_data": "PRIMUSPIPE_DUMP_PP_DATA",
     "dump_dir": "PRIMUSPIPE_DUMP_DIR",
     "watchdog_timeout_s": "PRIMUSPIPE_WATCHDOG_TIMEOUT_S",
+    "communication_method": "PRIMUSPIPE_COMMUNICATION_METHOD",
+    "debug_scheduler_table": "PRIMUSPIPE_DEBUG_SCHEDULER_TABLE",
+    "offload": "PRIMUSPIPE_OFFLOAD",
+    "offload_ops": "PRIMUSPIPE_OFFLOAD_OPS",
+    "pp_cost_f": "PRIMUSPIPE_PP_COST_F",
+    "pp_cost_b": "PRIMUSPIPE_PP_COST_B",
+    "pp_cost_w": "PRIMUSPIPE_PP_COST_W",
+    "pp_max_mem": "PRIMUSPIPE_PP_MAX_MEM",
 }
+_SCHEDULE_KEYWORDS = ("cost", "memory_limit")
+"""``algorithm_options`` keys that go to ``build_schedule`` itself, not to the algorithm."""
 OTHER_VARIABLES = frozenset({"PRIMUSPIPE_CONFIG", "PRIMUSPIPE_DEMO_DIR"})
 """``PRIMUSPIPE_*`` variables that are not settings: the config file, and scripts/demo.sh's output folder.
 Any other ``PRIMUSPIPE_*`` variable is refused as a misspelling (an unknown YAML key is refused too)."""
@@ -111,12 +228,21 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     """One setting from YAML (typed) or the environment (text), checked strictly."""
     what = f"{source}: {name}"
     kind = {f.name: f.type for f in fields(PrimusPipeConfig)}[name]
+    if value is None and ("None" in kind or kind == "Any"):
+        return None
+    if kind in ("Any", "float | None"):  # a number or (Any) a list of numbers; JSON in the environment
+        value = strict.load_json(value, what) if isinstance(value, str) else value
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, list))):
+            raise ConfigError(f"{what} must be a number or a list of numbers, got {strict.show(value)}")
+        return value
     if kind == "bool":
         return strict.flag(value, what)
     if kind == "float":
         return strict.number(value, what, minimum=0)
     if kind == "str":
-        return strict.text(value, what)
+        if not isinstance(value, str):
+            raise ConfigError(f"{what} must be text, got {strict.show(value)}")
+        return value
     if isinstance(value, str):
         value = strict.load_json(value, what) if value.strip() else {}
     return strict.keys(value, what, allowed=value.keys() if isinstance(value, Mapping) else ())
@@ -140,8 +266,10 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
     path = path if path is not None else env.get("PRIMUSPIPE_CONFIG")
     if path:
         source = f"primuspipe config {path}"
-        data = strict.keys(strict.load_yaml(strict.read_text(path, "primuspipe config"), source), source,
-                           allowed=_ENV_NAMES)
+        data = strict.load_yaml(strict.read_text(path, "primuspipe config"), source)
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: expected a mapping of settings, got {type(data).__name__}")
+        data = strict.keys(data, source, allowed=_ENV_NAMES)
         values.update({k: _coerce(k, v, source) for k, v in data.items()})
     for name, var in _ENV_NAMES.items():
         if var in env:

@@ -26,6 +26,7 @@ import contextlib
 
 import torch
 
+from primuspipe.algorithms import get_algorithm
 from primuspipe.backends.megatron.binder import GradSync, MegatronBinder, StepArgs
 from primuspipe.backends.megatron.compat import check_megatron_config
 from primuspipe.backends.megatron.config import PrimusPipeConfig
@@ -47,14 +48,17 @@ class PrimusForwardBackward:
         self.config = config
         self.driver = StepDriver(watchdog_timeout_s=config.watchdog_timeout_s,
                                  dump_dir=config.dump_dir if config.dump_pp_data else None)
+        self._printed: set[ScheduleTable] = set()
+        """Tables whose grid ``debug_scheduler_table`` has printed (once each)."""
 
     def table_for(self, pp: int, vpp: int | None, num_microbatches: int, megatron_config: Any = None) -> ScheduleTable:
         """The table a call runs for this shape (``vpp=None``: the algorithm's own choice). Build the model
         chunks for its ``placement`` and ``vpp``."""
         algorithm = self.config.algorithm_for(vpp or 1)
-        options = dict(self.config.algorithm_options) if algorithm in self.config.algorithms() else {}
+        options = self.config.schedule_options(pp, vpp or 1) if algorithm in self.config.algorithms() else {}
         group = getattr(megatron_config, "microbatch_group_size_per_vp_stage", None)
-        if algorithm == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
+        runs = get_algorithm(algorithm).alias_of or algorithm  # Primus's 1f1b-interleaved is interleaved-1f1b
+        if runs == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
             options["microbatch_group_size"] = group  # follow Megatron's setting; its default (pp) is ours
         return cached_schedule(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
 
@@ -98,6 +102,10 @@ class PrimusForwardBackward:
         pp, rank = pp_group.size(), pp_group.rank()
 
         full = self.table_for(pp, len(models), num_microbatches, config)
+        if self.config.debug_scheduler_table and rank == 0 and full not in self._printed:
+            self._printed.add(full)
+            print(f"primuspipe schedule table ({full.algorithm}, pp={pp} vpp={full.vpp} microbatches={num_microbatches}):\n"
+                  f"{full.grid()}", flush=True)
         check_megatron_config(config, full, models, rank)
         table = self.driver.view(full, forward_only)
 

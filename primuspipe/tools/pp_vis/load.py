@@ -1,5 +1,7 @@
-"""What pp_vis reads: a timeline JSON file (``primuspipe simulate -o DIR`` writes them) or a run's dump
-directory (``dump_pp_data``: ``<dump_dir>/iter_<n>/rank_<r>.json``), both in the one timeline format.
+"""What pp_vis reads: a timeline JSON file (``primuspipe simulate -o DIR`` writes them), a run's dump
+directory (``dump_pp_data``: ``<dump_dir>/iter_<n>/rank_<r>.json``), both in the one timeline format, or
+a Primus dump folder (its runs' ``dump_pp_data`` or its simulator's output: ``config.json`` and
+``pp_rank_<r>.json``, :mod:`primuspipe.tools.pp_vis.primus_dump`).
 
 A dump directory is read one whole step at a time: an iteration missing a rank's file (a run killed
 mid-step), mixing runs, or with malformed files is skipped, and so are iterations of an older run
@@ -24,11 +26,18 @@ from primuspipe.ir.timeline import (
     merge_rank_dumps,
     run_of,
 )
+from primuspipe.tools.pp_vis.primus_dump import (
+    is_primus_dump,
+    load_primus_dump,
+    load_primus_iterations,
+    primus_dumps_under,
+)
 
 logger = logging.getLogger(__name__)
 
-_WHAT = ("a timeline JSON file (from 'primuspipe simulate -o DIR') or a dump directory holding "
-         "iter_<n>/rank_<r>.json (from a run with dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR)")
+_WHAT = ("a timeline JSON file (from 'primuspipe simulate -o DIR'), a dump directory holding "
+         "iter_<n>/rank_<r>.json (from a run with dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR), nor a "
+         "Primus dump folder holding config.json and pp_rank_<r>.json")
 
 
 def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Timeline:
@@ -43,6 +52,11 @@ def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Time
     if path.is_dir():
         if not os.access(path, os.R_OK | os.X_OK):
             raise TableFormatError(f"cannot read the directory {path}: permission denied (check its permissions)")
+        if is_primus_dump(path):
+            return load_primus_dump(path, iteration)
+        if found := primus_dumps_under(path):
+            raise TableFormatError(f"{path} holds {len(found)} Primus dump folders ({', '.join(p.name for p in found)}); "
+                                   "pass one of them")
         if (own := _iteration_folder(path)) is not None:
             if iteration is not None and iteration != own:
                 raise TableFormatError(f"{path} holds iteration {own}, not {iteration}; pass the dump directory "
@@ -69,6 +83,8 @@ def _iteration_folder(path: Path) -> int | None:
 def load_iterations(path: str | os.PathLike) -> list[Timeline]:
     """Every dumped iteration of a run, oldest first (a timeline file gives just itself)."""
     path = Path(path)
+    if is_primus_dump(path):
+        return load_primus_iterations(path)
     if path.is_dir() and (iterations := dump_iterations(path)):
         return _newest_run(path, iterations)
     return [load_timeline(path)]

@@ -1,0 +1,88 @@
+"""Primus's pipeline keys in the Megatron config: each honoured with Primus's meaning, or refused with
+the reason and what to use instead; costs and the memory limit reach the algorithms of a training run."""
+
+import importlib.util
+
+import pytest
+
+from primuspipe.backends.megatron.config import PRIMUS_DEFAULT_COST, PrimusPipeConfig, load_config
+from primuspipe.errors import ConfigError
+from primuspipe.ir.activations import peak_in_flight
+
+needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+
+
+def test_costs_and_limit_become_the_cost_model_and_memory_limit(tmp_path):
+    path = tmp_path / "primus_pipeline.yaml"
+    path.write_text("pp_algorithm: zero-bubble-heuristic\npp_cost_f: 1000\npp_cost_b: [2000, 1500]\npp_max_mem: 3\n")
+    options = load_config(path, env={}).schedule_options(pp=2, vpp=1)
+    compute = options["cost"].compute
+    assert (compute.forward, compute.backward_input, compute.backward_weight) == \
+        ((1000.0, 1000.0), (2000.0, 1500.0), (PRIMUS_DEFAULT_COST,) * 2)
+    assert options["memory_limit"] == 3.0
+    assert options["cost"].memory.w_retained_fraction == 1.0, "Primus counts a microbatch whole until its W"
+    assert PrimusPipeConfig().schedule_options(2, 1) == {}, "without Primus keys: no cost model, no limit"
+    env = {"PRIMUSPIPE_PP_COST_W": "[500, 700]", "PRIMUSPIPE_PP_MAX_MEM": "2.5"}
+    options = load_config(env=env).schedule_options(pp=2, vpp=2)
+    assert options["cost"].compute.backward_weight == (500.0, 700.0) and options["memory_limit"] == 2.5
+
+
+def test_cost_file_mapping_in_algorithm_options():
+    config = PrimusPipeConfig(algorithm_options={"cost": {"compute": {"f": 1, "b": [2, 3], "w": 1}}})
+    assert config.schedule_options(pp=2, vpp=1)["cost"].compute.backward_input == (2.0, 3.0)
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"communication_method": "batch_p2p"}, "batch_p2p is not supported.*use 'async_p2p'"),
+    ({"communication_method": "nccl"}, "communication_method must be 'async_p2p'"),
+    ({"offload": True}, "offload.*not in this build.*v-half or v-min, or zb-auto under pp_max_mem"),
+    ({"offload_ops": "attn,mlp"}, r"offload_ops: unknown op\(s\) \['mlp'\]"),
+    ({"pp_max_mem": [4, 6]}, "one limit.*give one number"),
+    ({"pp_max_mem": 0}, "pp_max_mem must be > 0"),
+    ({"pp_max_mem": float("nan")}, "pp_max_mem must be >= 0 and finite"),
+    ({"algorithm_options": {"costs": [1, 2, 1]}}, "costs is gone: give pp_cost_f"),
+    ({"pp_cost_f": 1, "algorithm_options": {"cost": {"compute": {"f": 1, "b": 1, "w": 1}}}}, "give the costs once"),
+    ({"pp_max_mem": 2, "algorithm_options": {"memory_limit": 3}}, "give the memory limit once"),
+])
+def test_keys_that_cannot_be_honoured_say_why_and_what_instead(values, match):
+    with pytest.raises(ConfigError, match=match):
+        PrimusPipeConfig(**values)
+
+
+def test_per_stage_lists_must_match_the_pipeline():
+    with pytest.raises(ConfigError, match="pp_cost_b has 3 values but there are 2 pipeline stages"):
+        PrimusPipeConfig(pp_cost_b=[1, 2, 3]).schedule_options(pp=2, vpp=1)
+    with pytest.raises(ConfigError, match="PRIMUSPIPE_PP_COST_F: bad value"):
+        load_config(env={"PRIMUSPIPE_PP_COST_F": "fast"})
+
+
+def test_offload_ops_are_kept_for_the_offload_pass():
+    assert PrimusPipeConfig(offload_ops="attn").offload_op_list == ("attn",)
+
+
+@needs_megatron
+def test_training_run_builds_with_the_costs_and_the_limit():
+    from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
+
+    limited = PrimusForwardBackward(PrimusPipeConfig(True, "zero-bubble-heuristic", pp_max_mem=3)).table_for(4, 1, 8)
+    assert limited.algorithm == "zb-auto" and max(peak_in_flight(limited, retained=1.0)) <= 3
+    unlimited = PrimusForwardBackward(PrimusPipeConfig(True, "zero-bubble-heuristic")).table_for(4, 1, 8)
+    assert max(peak_in_flight(unlimited, retained=1.0)) > 3, "the limit is what kept it at 3"
+    slow_w = PrimusForwardBackward(PrimusPipeConfig(True, "zb-h1", pp_cost_w=[1000, 1000, 1000, 8000]))
+    assert slow_w.table_for(4, 1, 8) != PrimusForwardBackward(PrimusPipeConfig(True, "zb-h1")).table_for(4, 1, 8), \
+        "the costs reached the cost-aware algorithm"
+    options = PrimusForwardBackward(PrimusPipeConfig(True, "zb-h1", algorithm_options={
+        "cost": {"compute": {"f": 1, "b": 1, "w": [1, 1, 1, 8]}}})).table_for(4, 1, 8)
+    assert options == slow_w.table_for(4, 1, 8)
+
+
+@needs_megatron
+def test_primus_interleaved_name_follows_megatrons_group_size_too():
+    from types import SimpleNamespace
+
+    from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
+
+    megatron = SimpleNamespace(microbatch_group_size_per_vp_stage=3)
+    ours, primus = (PrimusForwardBackward(PrimusPipeConfig(True, name)).table_for(2, 2, 6, megatron)
+                    for name in ("interleaved-1f1b", "1f1b-interleaved"))
+    assert primus == ours != PrimusForwardBackward(PrimusPipeConfig(True, "1f1b-interleaved")).table_for(2, 2, 6)
