@@ -73,6 +73,8 @@ def test_dump_dir_that_cannot_be_created(tmp_path):
      ["'x'"]),
     ({"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_DUMP_PP_DATA": "1", "PRIMUSPIPE_DUMP_DIR": ""}, ["dump_dir"]),
     ({"PRIMUSPIPE_CONFIG": "/nonexistent/pp.yaml"}, ["does not exist"]),
+    ({"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_PP_COST_W": "[1, NaN]"}, ["pp_cost_w"]),
+    ({"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_PP_MAX_MEM": "Infinity"}, ["pp_max_mem"]),
 ])
 def test_environment(monkeypatch, env, names):
     for var, value in env.items():
@@ -94,6 +96,10 @@ BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     ("patch_primus_pipeline: true\ndump_pp_data: true\ndump_dir: null\n", ["dump_dir"]),
     ("patch_primus_pipeline: true\nalgorithm_options: 4\n", ["algorithm_options"]),
     ("- patch_primus_pipeline\n", ["mapping"]),
+    ("patch_primus_pipeline: true\npp_cost_f: .nan\n", ["pp_cost_f"]),
+    ("patch_primus_pipeline: true\npp_cost_b: [1, .inf]\n", ["pp_cost_b[1]"]),
+    ("patch_primus_pipeline: true\npp_max_mem: .nan\n", ["pp_max_mem"]),
+    ("patch_primus_pipeline: true\npp_cost_w: fast\n", ["pp_cost_w"]),
     ("patch_primus_pipeline: [" * 64 + "]" * 64 + "\n", ["deep"]),
 ])
 def test_config_file(tmp_path, monkeypatch, text, names):

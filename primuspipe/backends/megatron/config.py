@@ -25,6 +25,7 @@ is given. Primus's ``primus_pipeline.yaml`` loads as it is: its keys are ours, w
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -138,7 +139,11 @@ class PrimusPipeConfig:
             if isinstance(self.pp_max_mem, (list, tuple)):
                 raise ConfigError(f"pp_max_mem: primuspipe bounds every rank by one limit, got the list {self.pp_max_mem}; "
                                   "give one number (the smallest of yours keeps every rank within its own)")
-            strict.number(self.pp_max_mem, "pp_max_mem (microbatches)", above=0)
+            if isinstance(self.pp_max_mem, bool) or not isinstance(self.pp_max_mem, (int, float)) or \
+                    not math.isfinite(self.pp_max_mem) or self.pp_max_mem < 0:
+                raise ConfigError(f"pp_max_mem must be >= 0 and finite (microbatches), got {strict.show(self.pp_max_mem)}")
+            if self.pp_max_mem <= 0:
+                raise ConfigError(f"pp_max_mem must be > 0 microbatches, got {self.pp_max_mem}")
 
     def check(self) -> None:
         """What :func:`install` checks beyond the values: the algorithm exists and takes the options (the
@@ -231,9 +236,14 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     if value is None and ("None" in kind or kind == "Any"):
         return None
     if kind in ("Any", "float | None"):  # a number or (Any) a list of numbers; JSON in the environment
-        value = strict.load_json(value, what) if isinstance(value, str) else value
+        text = value
+        try:
+            value = strict.load_json(text, what) if isinstance(text, str) else text
+        except ConfigError:
+            value = text
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, list))):
-            raise ConfigError(f"{what} must be a number or a list of numbers, got {strict.show(value)}")
+            raise ConfigError(f"{source}: bad value for {name}: {strict.show(text)} is not a number or a list of "
+                              "numbers (JSON in the environment, e.g. 1.5 or [1, 2])")
         return value
     if kind == "bool":
         return strict.flag(value, what)
