@@ -1,15 +1,33 @@
-"""Measured cost models: the simulator's per-stage costs learnt from timelines of real steps.
+"""Measured cost models: the simulator's costs learnt from timelines of real steps.
 
 A run dump (``dump_pp_data``, see docs/pp_vis.md) times every node of a step; the simulator wants a
-time per (stage, kind). :func:`measure_costs` goes from one to the other, so ``primuspipe simulate
---cost FILE`` replays the measured step and ranks other algorithms under the measured costs.
+cost model. :func:`measure_costs` goes from one to the other, so ``primuspipe simulate --cost FILE``
+replays the measured step and ranks other algorithms under the measured costs. Every term of the cost
+model is measured (docs/simulator.md, "Calibration"):
 
-How a figure is made: per iteration, the mean duration of each (model stage, kind) over its
-microbatches; then the median of those means over the iterations kept (the first ``warmup``
-iterations are dropped: allocator growth, autotuning and lazy initialisation make them slow). FB nodes
-(an F overlapped with a B) give ``fb_overlap``; receives matched with their sends give the p2p latency
-(arrival minus the later of the two postings). Any timeline of the shared format works, simulated ones
-too, which is how the round trip simulate -> calibrate -> simulate is tested.
+* **compute** -- per (model stage, kind), the mean node time of each iteration, then the median over
+  the iterations kept (the first ``warmup`` iterations are dropped: allocator growth, autotuning and
+  lazy initialisation make them slow). A chunk's first node of a kind in a step is left out of the
+  mean; how much longer it takes than the rest is its **cold start** (median over ranks and chunks).
+  FB nodes (an F overlapped with a B) give ``fb_overlap``.
+* **host** -- a rank's time between nodes. Walking each rank's nodes in table order, the rank is free
+  to go on at the end of its last compute node or posting, or, for a compute node whose input arrived
+  later, at that arrival (a receive's end: when the runner got the tensor); a posting's host time is
+  from then to its stamp (posts are stamped once made), a compute node's from then to its start.
+  Medians per kind.
+* **p2p** -- a compute node that waited for its input (the input arrived later than the rank was free
+  by more than an input-less node's host time, i.e. more than taking an already-arrived input takes)
+  gives one sample of the transfer time: the arrival minus the later of the two postings (median).
+  Where events carry message sizes of at least two kinds, ``latency + bytes / bandwidth`` is fitted.
+* **cores** -- ranks on one host's CPUs may slow each other (and other processes may slow them).
+  Events of such a run carry their thread's CPU time; the effective number of cores the ranks shared
+  is fitted from it (:func:`effective_cores`). When it is below ``pp``, ``host.cores`` is set, work is
+  what a node took of its thread's CPU time, not its wall time (a node that waited for a core took
+  longer without working more), host times are CPU times too, and the CPU the processes spent outside
+  their main threads, per message (both its ends), is ``host.comm_cpu``.
+
+Any timeline of the shared format works, simulated ones too, which is how the round trip simulate ->
+calibrate -> simulate is tested, exactly.
 
 The cost file is written per *1F1B stage* by default (``pp`` values: 1F1B stage ``k`` is the sum of
 model stages ``k*vpp .. k*vpp+vpp-1``), so it serves every algorithm of the same ``pp`` whatever its
@@ -28,19 +46,19 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
 
-from primuspipe.calibration.replay import placement_of
+from primuspipe.calibration.replay import executed_table, placement_of, run_table
 from primuspipe.errors import TableFormatError
+from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.placement import Placement
-from primuspipe.ir.timeline import Timeline
-from primuspipe.simulator.trace import matched_transfers
-
+from primuspipe.ir.timeline import TimedNode, Timeline
+from primuspipe.simulator import simulate
 
 
 def _timed_kinds() -> dict[str, NodeKind]:
@@ -68,12 +86,29 @@ class MeasuredCosts:
     fb_overlap: float | None
     """From FB nodes: ``(F + B - FB) / min(F, B)`` clamped to [0, 1]; None without FB nodes."""
     p2p_latency: float | None
-    """Median time from the later of a send's and its receive's posting to the arrival; None without
-    cross-rank receives."""
+    """Median transfer time of the transfers a consumer waited for (see the module docstring); None
+    without any (the latency part when a bandwidth was fitted)."""
     peak_memory_bytes: tuple[int | None, ...]
     """Per rank, the highest peak over the iterations kept; None where not measured."""
     notes: tuple[str, ...] = ()
     """Assumptions the figures rest on, for people (written into the cost file's header)."""
+    cold_start: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None = None
+    """Per stage, the extra time of a chunk's first F, B and W of a step; None when none was longer."""
+    host_overhead: dict[str, float] = field(default_factory=dict)
+    """Per compute kind (lower-case name), the host time before each of its nodes."""
+    host_post: dict[str, float] = field(default_factory=dict)
+    """``send`` / ``recv``: the host time to post one."""
+    p2p_bandwidth: float | None = None
+    """Bytes per time unit, fitted where messages of several sizes were timed; None otherwise."""
+    message_bytes: int | None = None
+    """The size of the run's messages (the most common one), where the dump records sizes."""
+    cores: float | None = None
+    """Cores the ranks shared (``host.cores``); None when each rank had its own."""
+    comm_cpu: float | None = None
+    """With ``cores``: CPU time per message on communication threads."""
+    step_gap: tuple[float, ...] | None = None
+    """Per rank, the time from its step's end to its next step's start (consecutive dumped iterations);
+    None where the dump cannot tell."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for
@@ -89,10 +124,33 @@ class MeasuredCosts:
             compute["bw"] = values(self.fused_backward)
         if self.fb_overlap is not None:
             compute["fb_overlap"] = self.fb_overlap
+        if self.cold_start is not None:
+            compute["cold_start"] = {key: values(v) for key, v in zip("fbw", self.cold_start)}
         out: dict[str, Any] = {"time_unit": self.time_unit, "compute": compute}
-        if self.p2p_latency:
-            link = {"latency": self.p2p_latency}
-            out["p2p"] = {"intra_node": dict(link), "inter_node": dict(link)}
+        host: dict[str, Any] = {}
+        if any(self.host_overhead.values()):
+            host["overhead"] = dict(self.host_overhead)
+        host.update((k, v) for k, v in self.host_post.items() if v)
+        if self.cores is not None:
+            host["cores"] = self.cores
+            if self.comm_cpu:
+                host["comm_cpu"] = self.comm_cpu
+        if self.step_gap is not None:
+            host["step_gap"] = list(self.step_gap)
+        if host:
+            out["host"] = host
+        p2p: dict[str, Any] = {}
+        if self.message_bytes:
+            p2p["message_bytes"] = self.message_bytes
+        if self.cores is not None:
+            p2p["ranks_per_node"] = self.pp  # the run's ranks shared one host's cores
+        if self.p2p_latency or self.p2p_bandwidth:
+            link: dict[str, Any] = {"latency": self.p2p_latency or 0.0}
+            if self.p2p_bandwidth:
+                link["bandwidth"] = self.p2p_bandwidth
+            p2p.update(intra_node=dict(link), inter_node=dict(link))
+        if p2p:
+            out["p2p"] = p2p
         return out
 
     def to_yaml(self, *, per_model_stage: bool = False) -> str:
@@ -132,13 +190,14 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
     if not used:
         used = list(timelines)
         notes.append(f"only {len(timelines)} iteration(s), so no warm-up iteration was skipped: times may be high")
-    samples = [_samples(t, placement) for t in used]
+    cores = effective_cores(used, placement)
+    samples = [_Samples.of(t, placement, use_cpu=cores is not None) for t in used]
     n = placement.num_stages
 
-    def median_of(kind: NodeKind) -> list[float | None]:
+    def median_of(kind: NodeKind, which: str = "durations") -> list[float | None]:
         out: list[float | None] = []
         for stage in range(n):
-            means = [statistics.fmean(d) for s in samples if (d := s.durations.get((kind, stage)))]
+            means = [statistics.fmean(d) for s in samples if (d := getattr(s, which).get((kind, stage)))]
             out.append(_significant(statistics.median(means)) if means else None)
         return out
 
@@ -163,19 +222,221 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         fused = tuple(bw[s] if bw[s] is not None else b[s] + w[s] for s in range(n))
     overlaps = [min(1.0, max(0.0, (f[fs] + b[bs] - d) / min(f[fs], b[bs])))
                 for s in samples for fs, bs, d in s.pairs if min(f[fs], b[bs]) > 0]
-    delays = [statistics.median(s.delays) for s in samples if s.delays]
+    cold = _cold_start(samples, n, fused_only)
+    host_overhead = _medians(s.host for s in samples)
+    host_post = _medians(s.post for s in samples)
+    latency, bandwidth, size = _transfer_fit(samples)
+    comm_cpu = [c for s in samples for c in s.comm_cpu]
+
+    def host_time(kind: NodeKind) -> float:
+        """What the rank spends on the host before a node of ``kind`` (as measured just above)."""
+        if kind.is_compute:
+            return host_overhead.get(kind.name.lower(), 0.0)
+        return host_post.get("post_send" if kind.is_send else "post_recv", 0.0)
+
+    gaps = _step_gaps(used, host_time)
+    if cores is not None:
+        notes.append(f"the {first.pp} ranks ran as if sharing {cores:g} cores (fitted from how much longer than "
+                     "their CPU time nodes took while others were busy): compute and host times are CPU times, and "
+                     "host.cores makes the simulator share the cores the same way")
     peaks = []
     for rank in range(first.pp):
         seen = [rt.peak_memory_bytes for t in used for rt in t.ranks
                 if rt.rank == rank and rt.peak_memory_bytes is not None]
         peaks.append(max(seen) if seen else None)
-    return MeasuredCosts(
+    measured = MeasuredCosts(
         first.algorithm, first.pp, first.vpp, first.microbatches, first.time_unit,
         tuple(t.iteration for t in used), tuple(f), tuple(b), tuple(w), fused,
-        _significant(statistics.median(overlaps)) if overlaps else None,
-        _significant(statistics.median(delays)) if delays else None,
-        tuple(peaks), tuple(dict.fromkeys(notes)),
+        _significant(statistics.median(overlaps)) if overlaps else None, latency,
+        tuple(peaks), tuple(dict.fromkeys(notes)), cold, host_overhead,
+        {k.removeprefix("post_"): v for k, v in host_post.items()}, bandwidth, size, cores,
+        _significant(statistics.median(comm_cpu)) if cores is not None and comm_cpu else None, gaps,
     )
+    return measured if cores is None else replace(measured, cores=replayed_cores(measured, used, placement))
+
+
+def effective_cores(timelines: Sequence[Timeline], placement: Placement) -> float | None:
+    """The cores a run's ranks behaved as sharing, or None if they did not slow each other.
+
+    Only a run on one host's CPUs (every rank's dump names the same host, events carry the rank
+    thread's CPU time) can share cores. A rank is *busy* from the moment it is free to go on (its
+    previous node done, or the input it waited for arrived) to the end of its next node; were ``C``
+    cores shared evenly among the ``n(t)`` busy ranks (processor sharing), the ranks together would
+    get ``min(n(t), C)`` seconds of CPU per second. ``C`` is the value for which that matches the CPU
+    time the busy ranks actually got, their processes' communication threads included (a bisection:
+    the total grows with ``C``); :func:`replayed_cores` then holds it to the run's replay. Other processes on the
+    host lower it below the core count. None when it reaches ``pp`` (nothing was shared)."""
+    first = timelines[0]
+    facts = first.meta.get("ranks") or []
+    if len(facts) != first.pp or None in (hosts := {r.get("host") for r in facts}) or len(hosts) != 1:
+        return None
+    if not all(e.cpu is not None for t in timelines for rt in t.ranks for e in rt.events):
+        return None
+    busy: list[tuple[float, float]] = []
+    got = 0.0  # CPU seconds the ranks' own threads got while busy
+    for i, timeline in enumerate(timelines):
+        apart = i * 1e6 * (1 + timeline.step_time)  # lay the iterations far apart on one time line
+        for start, end, cpu in _busy_intervals(timeline, placement):
+            if cpu is None:
+                return None
+            busy.append((start + apart, end + apart))
+            got += cpu
+        got += sum(_comm_cpu(timeline).values())
+    pieces = _levels(busy)
+
+    def cpu_at(cores: float) -> float:
+        """CPU seconds the busy ranks would get on ``cores`` shared cores."""
+        return sum(span * min(count, cores) for span, count in pieces)
+
+    if not busy or cpu_at(first.pp) <= got * (1 + 1e-9):
+        return None
+    low, high = 0.0, float(first.pp)
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cpu_at(mid) < got else (low, mid)
+    return _significant(round(high, 2))
+
+
+def replayed_cores(measured: MeasuredCosts, timelines: Sequence[Timeline], placement: Placement) -> float:
+    """``measured.cores`` (the CPU fit of :func:`effective_cores`), or, where the run's own node order
+    replayed under ``measured`` misses the run's step time (median over ``timelines``) by more than
+    :data:`REPLAY_TOLERANCE`, the core count at which it takes that time (a bisection between 0 and
+    ``pp``; the replay's step only shrinks as cores are added). The CPU fit assumes every rank that is
+    free to go on competes for a core and that communication threads' CPU falls while ranks work; the
+    replay holds the simulator to what the run took under the simulator's own sharing rule."""
+    table = executed_table(timelines[0], placement)
+    data = measured.cost_dict(per_model_stage=True)
+    target = statistics.median(t.step_time for t in timelines)
+
+    def step_at(cores: float) -> float:
+        data["host"]["cores"] = cores
+        return simulate(table, CostModel.from_dict(data, pp=measured.pp, vpp=measured.vpp)).step_time
+
+    if abs(step_at(measured.cores) / target - 1) <= REPLAY_TOLERANCE:
+        return measured.cores
+    low, high = 0.0, float(measured.pp)
+    if step_at(high) > target:  # slower than the run even with a core per rank: no sharing explains it
+        return high
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if step_at(mid) > target else (low, mid)
+    return _significant(round(high, 2))
+
+
+REPLAY_TOLERANCE = 0.01
+"""Relative miss of the replayed step under the CPU fit of the cores beyond which the replay refits them."""
+
+
+def _comm_cpu(timeline: Timeline) -> dict[int, float]:
+    """Per rank that says it, the CPU its process spent outside its own thread in the step (the
+    communication threads that carry its messages)."""
+    out = {}
+    for facts in timeline.meta.get("ranks", ()):
+        if "process_cpu" in facts and "thread_cpu" in facts:
+            out[facts["rank"]] = max(0.0, facts["process_cpu"] - facts["thread_cpu"])
+    return out
+
+
+def _busy_intervals(timeline: Timeline, placement: Placement) -> list[tuple[float, float, float | None]]:
+    """When each rank was busy (see :func:`effective_cores`), with the CPU time its thread got then
+    (None where the timeline has no CPU times)."""
+    out = []
+    for step in _walk(timeline, placement):
+        if step.ready is None:
+            continue
+        e = step.event
+        end, done_cpu = (e.end, e.cpu and e.cpu[1]) if e.node.kind.is_compute else (e.start, e.cpu and e.cpu[0])
+        if end > step.ready[0]:
+            cpu = None if done_cpu is None or step.ready[1] is None else done_cpu - step.ready[1]
+            out.append((step.ready[0], end, cpu))
+    return out
+
+
+def _levels(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """How many intervals cover the time line, as ``(duration, count)`` pieces."""
+    changes = sorted([(a, 1) for a, b in intervals if b > a] + [(b, -1) for a, b in intervals if b > a])
+    pieces, level = [], 0
+    for (t, delta), (following, _) in zip(changes, changes[1:]):
+        level += delta
+        pieces.append((following - t, level))
+    return pieces
+
+
+def _step_gaps(timelines: Sequence[Timeline], host_time) -> tuple[float, ...] | None:
+    """Per rank, the median time from the end of its last node of a step to its entering the next,
+    over the consecutive dumped iterations, on the wall clock (a run dump's ``t0_unix``). A rank enters
+    a step when its recorder starts (its own ``t0_unix``); a timeline without that uses its first
+    node's start less that node's host time. None without two consecutive iterations, or if any gap
+    is negative (iterations not dumped in time order)."""
+    def ends(t: Timeline) -> dict[int, tuple[float, float]]:
+        origin = t.meta["t0_unix"]
+        entered = {r["rank"]: r["t0_unix"] for r in t.meta.get("ranks", ()) if "t0_unix" in r}
+        out = {}
+        for rt in t.ranks:
+            if rt.events:
+                first = min(rt.events, key=lambda e: e.start)
+                start = entered.get(rt.rank, origin + first.start - host_time(first.node.kind))
+                out[rt.rank] = (start, origin + max(e.end for e in rt.events))
+        return out
+
+    by_iteration = {t.iteration: ends(t) for t in timelines if "t0_unix" in t.meta}
+    gaps: dict[int, list[float]] = defaultdict(list)
+    for k, ranks in by_iteration.items():
+        for rank, (_, last) in ranks.items():
+            if (after := by_iteration.get(k + 1, {}).get(rank)) is not None:
+                gaps[rank].append(after[0] - last)
+    pp = timelines[0].pp
+    if sorted(gaps) != list(range(pp)) or min(min(v) for v in gaps.values()) < 0:
+        return None
+    return tuple(_significant(statistics.median(gaps[r])) for r in range(pp))
+
+
+def _medians(groups) -> dict[str, float]:
+    pooled: dict[str, list[float]] = defaultdict(list)
+    for group in groups:
+        for key, values in group.items():
+            pooled[key] += values
+    return {key: _significant(max(0.0, statistics.median(v))) for key, v in sorted(pooled.items())}
+
+
+def _cold_start(samples: list[_Samples], n: int, fused_only: list[int]):
+    """Per stage and kind (F, B, W), the median extra time of a chunk's first node; None if none is
+    longer. A fused-only stage's BW extra is split like its time."""
+    def extra(kind: NodeKind, stage: int) -> float:
+        values = [x for s in samples for x in s.cold.get((kind, stage), ())]
+        return max(0.0, statistics.median(values)) if values else 0.0
+
+    f = [extra(NodeKind.F, s) for s in range(n)]
+    b = [extra(NodeKind.BW, s) / 2 if s in fused_only else extra(NodeKind.B, s) for s in range(n)]
+    w = [extra(NodeKind.BW, s) / 2 if s in fused_only else extra(NodeKind.W, s) for s in range(n)]
+    if not any(f + b + w):
+        return None
+    return tuple(tuple(map(_significant, v)) for v in (f, b, w))
+
+
+def _transfer_fit(samples: list[_Samples]):
+    """``(latency, bandwidth, message bytes)`` from the waited-for transfers: a least-squares line
+    through (bytes, time) where at least two sizes were timed, else the median time."""
+    points = [(size, took) for s in samples for took, size in s.waits]
+    if not points:
+        return None, None, None
+    sizes = [size for size, _ in points if size is not None]
+    size = max(set(sizes), key=sizes.count) if sizes else None
+    if len(set(sizes)) >= 2 and len(sizes) == len(points):
+        mean_x, mean_y = statistics.fmean(sizes), statistics.fmean(t for _, t in points)
+        slope = (sum((x - mean_x) * (t - mean_y) for x, t in points)
+                 / sum((x - mean_x) ** 2 for x in sizes))
+        if slope > 0:
+            latency = max(0.0, mean_y - slope * mean_x)
+            return _significant(latency), _significant(1 / slope), size
+    return _significant(max(0.0, _quartile([t for _, t in points]))), None, size
+
+
+def _quartile(values: list[float]) -> float:
+    """The lower quartile: a waited-for transfer's time is the link's plus whatever kept the receiver
+    from running (a busy core, a descheduled thread -- modelled apart, by ``host.cores``), so the
+    transfers least held up say what the link takes."""
+    return statistics.quantiles(values, n=4, method="inclusive")[0] if len(values) > 1 else values[0]
 
 
 def _significant(x: float) -> float:
@@ -186,25 +447,128 @@ def _significant(x: float) -> float:
 
 @dataclass(frozen=True)
 class _Samples:
+    """What one timeline says about each cost term (see the module docstring)."""
+
     durations: dict[tuple[NodeKind, int], list[float]]
-    """(kind, model stage) -> durations of its nodes."""
+    """(kind, model stage) -> time of its nodes, chunks' first ones left out (work, with shared cores)."""
+    cold: dict[tuple[NodeKind, int], list[float]]
+    """(kind, model stage) -> how much longer a chunk's first node took than the stage's others."""
     pairs: list[tuple[int, int, float]]
     """FB nodes as (F's stage, B's stage, duration)."""
-    delays: list[float]
-    """Per cross-rank transfer: arrival minus the later posting."""
+    host: dict[str, list[float]]
+    """Compute kind (lower-case name) -> host time before each of its nodes that did not wait."""
+    post: dict[str, list[float]]
+    """``post_send`` / ``post_recv`` -> host time of each posting."""
+    waits: list[tuple[float, int | None]]
+    """Per compute node that waited for its input: how long the transfer took after both ends were
+    posted (its arrival is when the consumer went on), and its size in bytes where known."""
+    comm_cpu: list[float]
+    """CPU per message outside the ranks' own threads (both its ends; one value, or none where the
+    timeline does not say)."""
 
+    @classmethod
+    def of(cls, timeline: Timeline, placement: Placement, *, use_cpu: bool) -> _Samples:
+        steps = list(_walk(timeline, placement))
+        # what a node that cannot wait (it takes no transfer) spends on the host: the tolerance below
+        # which an input arriving after the rank was free is the cost of taking it, not a wait
+        free_gaps = [_gap(s.ready, s.event, False) for s in steps
+                     if s.ready is not None and s.event.node.kind.is_compute and not s.takes_input]
+        tolerance = statistics.median(free_gaps) if free_gaps else 0.0
 
-def _samples(timeline: Timeline, placement: Placement) -> _Samples:
-    durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
-    pairs = []
-    for rt in timeline.ranks:
-        for e in rt.events:
-            node = e.node
+        def span(e: TimedNode) -> float:
+            return e.cpu[1] - e.cpu[0] if use_cpu and e.cpu is not None else e.end - e.start
+
+        durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
+        firsts: list[tuple[NodeKind, int, float]] = []
+        seen: set[tuple] = set()
+        pairs, waits, comm_cpu = [], [], []
+        host: dict[str, list[float]] = defaultdict(list)
+        post: dict[str, list[float]] = defaultdict(list)
+        for step in steps:
+            e, rank = step.event, step.rank
+            node, kind = e.node, e.node.kind
+            if not kind.is_compute:
+                if step.ready is not None:
+                    post[f"post_{'send' if kind.is_send else 'recv'}"].append(_gap(step.ready, e, use_cpu))
+                continue
             if node.pair is not None:
                 (_, _, fc), (_, _, bc) = node.parts()
-                pairs.append((placement.stage(rt.rank, fc), placement.stage(rt.rank, bc), e.end - e.start))
-            elif node.kind.is_compute:
-                durations[(node.kind, placement.stage(rt.rank, node.chunk))].append(e.end - e.start)
-    delays = [max(0.0, recv.end - max(send.start, recv.start))
-              for send, recv in matched_transfers(timeline, placement).values()]
-    return _Samples(dict(durations), pairs, delays)
+                pairs.append((placement.stage(rank, fc), placement.stage(rank, bc), e.end - e.start))
+            else:
+                stage = placement.stage(rank, node.chunk)
+                if (rank, kind, node.chunk) in seen:
+                    durations[(kind, stage)].append(span(e))
+                else:
+                    seen.add((rank, kind, node.chunk))
+                    firsts.append((kind, stage, span(e)))
+            if step.ready is None:
+                continue
+            host[kind.name.lower()].append(_gap(step.ready, e, use_cpu))
+            if step.waited is not None and step.idle > tolerance:  # longer than taking an input takes
+                send, recv = step.waited
+                waits.append((recv.end - max(send.start, recv.start), recv.bytes))
+        cold: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
+        for kind, stage, took in firsts:
+            if rest := durations.get((kind, stage)):
+                cold[(kind, stage)].append(_significant(took) - _significant(statistics.median(rest)))
+            else:  # a chunk with one node of this kind: it is all there is to time
+                durations[(kind, stage)].append(took)
+        outside = _comm_cpu(timeline)  # a message costs CPU at both its ends
+        messages = sum(1 for rt in timeline.ranks for e in rt.events if e.node.kind.is_send)
+        if messages and len(outside) == timeline.pp:
+            comm_cpu.append(sum(outside.values()) / messages)
+        return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits, comm_cpu)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One node of a rank's row as it ran, with when the rank was ready to start on it."""
+
+    rank: int
+    event: TimedNode
+    ready: tuple[float, float | None] | None
+    """``(wall time, CPU time)`` the rank was free to go on with this node: the end of its previous
+    compute node or the stamp of its previous posting, or, for a compute node whose input arrived
+    later, that arrival (a receive's end). None before the rank's first node or after a missing one."""
+    takes_input: bool
+    """A compute node that consumes a transfer."""
+    waited: tuple[TimedNode, TimedNode] | None = None
+    """``(send, receive)`` of the input that arrived after the rank was free, if one did."""
+    idle: float = 0.0
+    """How long the rank was free before that input arrived."""
+
+
+def _walk(timeline: Timeline, placement: Placement) -> Iterator[_Step]:
+    """Every recorded node of every rank, in table order (the full table the run executed)."""
+    table = run_table(timeline, placement)
+    wiring = table.wiring
+    events = {rt.rank: {e.node: e for e in rt.events} for rt in timeline.ranks}
+    rows = [[events.get(rank, {}).get(node) for node in row] for rank, row in enumerate(table.ranks)]
+    sent: dict[int, TimedNode] = {}
+    received: dict[int, TimedNode] = {}
+    for rank, row in enumerate(table.ranks):
+        for node, e, key in zip(row, rows[rank], wiring.moves[rank]):
+            if key >= 0 and e is not None:
+                (sent if node.kind.is_send else received)[key] = e
+    for rank, row in enumerate(table.ranks):
+        free = None
+        for e, taken in zip(rows[rank], wiring.takes[rank]):
+            if e is None:
+                free = None
+                continue
+            step = _Step(rank, e, free, bool(taken))
+            ends = [(sent.get(key), received.get(key)) for key in taken]
+            if free is not None and ends and all(x is not None and r is not None for x, r in ends):
+                send, recv = max(ends, key=lambda pair: pair[1].end)
+                if recv.end > free[0]:
+                    step = replace(step, ready=(recv.end, recv.cpu and recv.cpu[1]), waited=(send, recv),
+                                   idle=recv.end - free[0])
+            yield step
+            free = (e.end, e.cpu and e.cpu[1]) if e.node.kind.is_compute else (e.start, e.cpu and e.cpu[0])
+
+
+def _gap(free: tuple[float, float | None], e: TimedNode, use_cpu: bool) -> float:
+    """Host time from the rank being free to this event's start: CPU time where cores were shared."""
+    if use_cpu and e.cpu is not None and free[1] is not None:
+        return e.cpu[0] - free[1]
+    return e.start - free[0]

@@ -13,6 +13,7 @@ from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.timeline import Timeline
+from primuspipe.passes.communication import add_communication
 
 
 def placement_of(timeline: Timeline, name: str | None = None) -> Placement:
@@ -49,3 +50,10 @@ def executed_table(timeline: Timeline, placement: Placement | None = None) -> Sc
         raise TableFormatError(f"the timeline has rank {stray[0]} but pp = {timeline.pp}")
     rows = [order.get(r, ()) for r in range(timeline.pp)]
     return ScheduleTable.build(placement, timeline.microbatches, rows, timeline.algorithm)
+
+
+def run_table(timeline: Timeline, placement: Placement | None = None) -> ScheduleTable:
+    """The full table the timeline ran: its compute order with the communication the runner adds
+    (:func:`~primuspipe.passes.communication.add_communication`, the pass every built table went
+    through), so each recorded SEND/RECV has its place in its rank's row."""
+    return add_communication(executed_table(timeline, placement))

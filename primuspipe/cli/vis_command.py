@@ -13,20 +13,12 @@ from primuspipe.cli.options import count_type, output_file, report_console
 from primuspipe.ir import strict
 from primuspipe.ir.documents import write_atomically
 from primuspipe.simulator import CostModel
+from primuspipe.calibration.accuracy import ReplayAccuracy, replay_accuracy
 from primuspipe.calibration.measure import MeasuredCosts, measure_costs
 from primuspipe.calibration.replay import placement_of
 from primuspipe.ir.timeline import Timeline
-from primuspipe.tools.pp_vis import (
-    Comparison,
-    compare_timelines,
-    draw_png,
-    load_iterations,
-    load_timeline,
-    replay,
-    timeline_stats,
-    write_html,
-    write_trace,
-)
+from primuspipe.tools import pp_vis
+from primuspipe.tools.pp_vis import Comparison, compare_timelines, load_iterations, load_timeline, replay, timeline_stats, write_trace
 
 _INPUT_HELP = ("a timeline JSON file (from 'primuspipe simulate -o DIR'), a run's dump directory holding "
                "iter_<n>/rank_<r>.json (dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR), or a Primus dump "
@@ -51,18 +43,27 @@ examples:
   primuspipe calibrate /tmp/pp_data -o measured.yaml && primuspipe vis /tmp/pp_data --cost measured.yaml --png cmp.png"""
 
 _CALIBRATE_DESCRIPTION = """\
-Measure a cost model from a run's dump: per model stage the mean F, B, W and BW node time of each
-iteration, then the median over the iterations after the first --warmup ones; FB nodes give
-fb_overlap, matched sends/receives the p2p latency (arrival minus the later posting). Writes the
-YAML that 'primuspipe simulate --cost FILE' reads, in the dump's time unit (seconds for runs), with
-the measured peak memory per rank in its header comment (the cost format has no field for it).
-Times are written per 1F1B stage (pp values; with vpp chunks, a 1F1B stage is the sum of its vpp model
-stages), so the file serves every algorithm at the same pp; --per-model-stage writes pp*vpp values,
-exact for the dumped shape only. A run with only fused BW nodes gets B = W = BW/2 (noted in the file)."""
+Measure a cost model from a run's dump and say how well it replays the run. Compute: per model stage
+the mean F, B, W and BW node time of each iteration (a chunk's first node of a kind left out: its
+extra time is the cold start), then the median over the iterations after the first --warmup ones; FB
+nodes give fb_overlap. Host: the time a rank spends before each node of a kind and to post a send or a
+receive. P2P: how long the transfers that a node waited for took after both ends were posted. When
+the ranks shared a host's cores (more ranks than cores), host.cores says so and times are CPU times
+(docs/simulator.md). Writes the YAML that 'primuspipe simulate --cost FILE' reads, in the dump's time
+unit (seconds for runs), with the measured peak memory per rank in its header comment (the cost
+format has no field for it). Times are written per 1F1B stage (pp values; with vpp chunks, a 1F1B
+stage is the sum of its vpp model stages), so the file serves every algorithm at the same pp;
+--per-model-stage writes pp*vpp values, exact for the dumped shape only. A run with only fused BW
+nodes gets B = W = BW/2 (noted in the file).
+
+Then the run's own node order is simulated under the file: each rank's finish (its last node's end
+from the step's start, median over the iterations used) beside the run's, and the worst relative
+error, step_time_error in --json."""
 
 _CALIBRATE_EPILOG = """\
 examples:
   primuspipe calibrate /tmp/pp_data -o measured.yaml
+  primuspipe calibrate /tmp/pp_data --json | python -c 'import json,sys; print(json.load(sys.stdin)["step_time_error"])'
   primuspipe simulate --algorithm all --pp 4 -m 8 --cost measured.yaml"""
 
 
@@ -72,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", metavar="TIMELINE_OR_DUMP_DIR", type=Path, help=_INPUT_HELP)
     p.add_argument("--iteration", type=count_type(minimum=0), metavar="N",
-                   help="iteration to draw from a dump directory (default: the last one dumped, the warmest)")
+                   help="iteration to draw from a dump directory (default: the typical one -- of the iterations "
+                        "after the first, the one whose step time is the median)")
     other = p.add_mutually_exclusive_group()
     other.add_argument("--compare", type=Path, metavar="SIM_TIMELINE",
                        help="a simulated timeline of the same table (pp, vpp, microbatches) to set beside the input")
@@ -103,6 +105,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="leading iterations to skip as warm-up (default 1; all are used if no more remain)")
     c.add_argument("--per-model-stage", action="store_true",
                    help="write pp*vpp per-model-stage values instead of pp per-1F1B-stage ones")
+    c.add_argument("--json", action="store_true",
+                   help='print {"step_time_error", "per_rank", "step_time", "bubble_rate", "cost_model", ...} as '
+                        "JSON: how well the measured model replays the run's own node order (see --help)")
     _add_placement_argument(c)
     c.set_defaults(handler=cmd_calibrate)
 
@@ -117,7 +122,7 @@ def cmd_vis(args: argparse.Namespace) -> int:
     for flag in ("png", "html", "trace"):
         if getattr(args, flag) is not None:
             output_file(getattr(args, flag), f"--{flag}")
-    timeline = load_timeline(args.input, args.iteration)
+    timeline = _typical(args.input) if args.iteration is None else load_timeline(args.input, args.iteration)
     placement = placement_of(timeline, args.placement)
     comparison = None
     if args.compare is not None:
@@ -129,9 +134,9 @@ def cmd_vis(args: argparse.Namespace) -> int:
     marks = frozenset() if comparison is None else comparison.marked_nodes
     written = []
     if args.png is not None:
-        written.append(draw_png(panels, args.png, marks=marks, show_comm=not args.no_comm))
+        written.append(pp_vis.draw_png(panels, args.png, marks=marks, show_comm=not args.no_comm))
     if args.html is not None:
-        written.append(write_html(panels, args.html, marks=marks))
+        written.append(pp_vis.write_html(panels, args.html, marks=marks))
     if args.trace is not None:
         written.append(write_trace(timeline, args.trace, placement))
         if comparison is not None:
@@ -154,22 +159,42 @@ def cmd_vis(args: argparse.Namespace) -> int:
     return 0
 
 
+def _typical(path: Path) -> Timeline:
+    """A dump's iteration of median step time among those after the first (one step is noisy: a
+    drawing or a comparison of the typical one says more); a timeline file is itself."""
+    timelines = load_iterations(path)
+    warm = sorted(timelines[1:] or timelines, key=lambda t: t.step_time)
+    return warm[(len(warm) - 1) // 2]
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.output is not None:
         output_file(args.output, "-o")
     timelines = load_iterations(args.input)
     placement = placement_of(timelines[0], args.placement)
     measured = measure_costs(timelines, placement, warmup=args.warmup)
+    costs = measured.cost_dict(per_model_stage=args.per_model_stage)
     text = measured.to_yaml(per_model_stage=args.per_model_stage)
     # What is written must read back as the cost model it claims to be (finite times >= 0, one per stage).
     CostModel.from_dict(strict.load_yaml(text, "the measured cost model"), pp=measured.pp, vpp=measured.vpp,
                         source="the measured cost model")
+    used = [t for t in timelines if t.iteration in measured.iterations]
+    accuracy = replay_accuracy(used, CostModel.from_dict(costs, pp=measured.pp, vpp=measured.vpp), placement)
+    if args.output is not None:
+        write_atomically(args.output, text)
+    if args.json:
+        print(json.dumps({**accuracy.to_dict(), "algorithm": measured.algorithm, "pp": measured.pp,
+                          "vpp": measured.vpp, "microbatches": measured.microbatches,
+                          "iterations": list(measured.iterations), "time_unit": measured.time_unit,
+                          "cost_model": costs, "notes": list(measured.notes),
+                          "written": None if args.output is None else str(args.output)}, indent=1))
+        return 0
     if args.output is None:
         print(text, end="")
         return 0
-    write_atomically(args.output, text)
     console = report_console()
     console.print(_measured_table(measured))
+    console.print(_accuracy_table(accuracy, measured.time_unit))
     for note in measured.notes:
         console.print(f"note: {note}")
     console.print(f"wrote {args.output}; use it with: primuspipe simulate --cost {args.output} "
@@ -241,6 +266,18 @@ def _print_order(console, c: Comparison, limit: int = 20) -> None:
         console.print(f"  ... and {len(c.order_differences) - limit} more (--json lists all)")
 
 
+def _accuracy_table(a: ReplayAccuracy, unit: str) -> Table:
+    table = Table(title=f"the run's own node order replayed under these costs: finish per rank ({unit}, median "
+                        f"over the iterations used); worst error {a.step_time_error:.1%}")
+    for col in ("", "run", "simulated", "error"):
+        table.add_column(col, justify="right")
+    rows = [(f"rank {r.rank}", r) for r in a.ranks] + [("step time", a.step_time), ("bubble rate", a.bubble_rate)]
+    for name, f in rows:
+        shown = (lambda x: f"{x:.2%}") if name == "bubble rate" else (lambda x: f"{x:.6g}")
+        table.add_row(name, shown(f.measured), shown(f.simulated), f"{f.error:+.1%}")
+    return table
+
+
 def _measured_table(m: MeasuredCosts) -> Table:
     table = Table(title=f"measured from {m.algorithm} pp={m.pp} vpp={m.vpp} m={m.microbatches}, iterations "
                         f"{', '.join(map(str, m.iterations))}; times in {m.time_unit} per model stage")
@@ -249,7 +286,13 @@ def _measured_table(m: MeasuredCosts) -> Table:
     for s in range(m.pp * m.vpp):
         bw = "-" if m.fused_backward is None else f"{m.fused_backward[s]:.6g}"
         table.add_row(str(s), f"{m.forward[s]:.6g}", f"{m.backward_input[s]:.6g}", f"{m.backward_weight[s]:.6g}", bw)
+    host = ", ".join(f"{k.upper()} {v:.3g}" for k, v in m.host_overhead.items())
+    posts = ", ".join(f"{k} {v:.3g}" for k, v in m.host_post.items())
     table.caption = (f"fb_overlap {'-' if m.fb_overlap is None else f'{m.fb_overlap:.3g}'}, p2p latency "
-                     f"{'-' if m.p2p_latency is None else f'{m.p2p_latency:.6g}'}; peak memory per rank (bytes): "
-                     + ", ".join(_number(b, "bytes") for b in m.peak_memory_bytes))
+                     f"{'-' if m.p2p_latency is None else f'{m.p2p_latency:.6g}'}"
+                     + (f", bandwidth {m.p2p_bandwidth:.6g} B/{m.time_unit}" if m.p2p_bandwidth else "")
+                     + f"; host time before a node: {host or '-'}; posting: {posts or '-'}"
+                     + (f"; ranks shared {m.cores:g} cores (comm CPU per message {m.comm_cpu or 0:.3g})"
+                        if m.cores is not None else "")
+                     + "; peak memory per rank (bytes): " + ", ".join(_number(b, "bytes") for b in m.peak_memory_bytes))
     return table

@@ -21,6 +21,14 @@ optimizer bytes) are one number or ``pp`` values::
       w: 1.0                 # weight-grad backward (W)
       bw: 1.8                # fused backward; defaults to b + w
       fb_overlap: 0.0        # FB pair: F + B - fb_overlap * min(F, B); 0 = no gain, 1 = max(F, B)
+      cold_start: {f: 0.3, b: 0.1, w: 0.05}  # extra time of each chunk's first F, B, W in a step
+    host:                    # time on the host, outside the kernels (every key optional, default 0)
+      overhead: {f: 0.03, b: 0.04, w: 0.02, bw: 0.04}   # rank time before each node of a kind
+      send: 0.15             # rank time to post a send (the transfer can start once it is posted)
+      recv: 0.10             # rank time to post a receive
+      cores: 2               # cores the ranks of one node share; omitted: one per rank (no contention)
+      comm_cpu: 0.2          # with cores: CPU time one message takes from its node's cores
+      step_gap: 3.0          # per rank (one number or pp values): from its step's end to its next step
     p2p:
       message_bytes: 16777216            # one activation (= its gradient) crossing a stage boundary
       ranks_per_node: 8
@@ -50,7 +58,7 @@ from primuspipe.errors import ConfigError
 from primuspipe.ir import strict
 from primuspipe.ir.activations import W_RETAINED_FRACTION
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
-from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 
@@ -92,6 +100,50 @@ class P2PCost:
     def transfer_time(self, src: int, dst: int) -> float:
         same_node = src // self.ranks_per_node == dst // self.ranks_per_node
         return (self.intra_node if same_node else self.inter_node).time(self.message_bytes)
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """Time a rank spends on the host around its nodes, and the cores ranks share (docs/simulator.md).
+
+    The default is a free host: no overheads, a core per rank."""
+
+    overhead: tuple[tuple[str, float], ...] = ()
+    """``(kind, time)`` pairs, kinds by lower-case name (``f``, ``b``, ``w``, ``bw``, ``fb``): the rank
+    time spent before each node of that kind once its inputs are in (dispatch, taking the inputs,
+    bookkeeping); an unnamed kind takes none."""
+    send: float = 0.0
+    """Rank time to post one send; the transfer can start once both its ends are posted."""
+    recv: float = 0.0
+    """Rank time to post one receive."""
+    cores: float | None = None
+    """Cores the ranks of one node (``p2p.ranks_per_node`` of them) share for compute and host work;
+    when more ranks are busy than there are cores, they share them evenly (processor sharing, the fluid
+    form of an OS time-slicing them). None: every rank has its own (an accelerator per rank)."""
+    comm_cpu: float = 0.0
+    """With ``cores``: CPU time one message costs its node's communication threads, taken from the
+    shared cores while the transfer is in flight without holding up the rank."""
+    step_gap: tuple[float, ...] | None = None
+    """Per rank, the time from the end of its step to the start of its next (optimizer, gradient
+    synchronisation, the next batch): a rank that finishes early starts the next step early, so in the
+    steady state of training ranks enter a step at different times. None: every rank starts every
+    step together (as after a step-end synchronisation)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overhead", tuple(sorted(self.overhead)))  # one model, one value
+        values = [v for _, v in self.overhead] + [self.send, self.recv, self.comm_cpu, *(self.step_gap or ())]
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ConfigError(f"host times must be >= 0 and finite, got {self}")
+        if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
+            raise ConfigError(f"host.cores must be a number > 0 (or omitted), got {self.cores}")
+
+    def before(self, kind: NodeKind) -> float:
+        """Rank time before a node of ``kind``."""
+        return dict(self.overhead).get(kind.name.lower(), 0.0)
+
+    def post(self, kind: NodeKind) -> float:
+        """Rank time to post a node of a communication ``kind``."""
+        return self.send if kind.is_send else self.recv
 
 
 @dataclass(frozen=True)
@@ -153,6 +205,10 @@ class CostModel:
     fb_overlap: float = 0.0
     """An FB node (F overlapped with another microbatch's B) costs ``F + B - fb_overlap * min(F, B)``."""
     p2p: P2PCost = P2PCost()
+    host: HostCost = HostCost()
+    cold_start: ComputeCosts | None = None
+    """Per stage, the extra time of each chunk's first F, B and W node in a step (BW: B + W) -- caches,
+    allocator and lazily built state are cold then; None: none."""
     memory: MemoryCost = MemoryCost()
     """What W keeps of B's activations (always) and bytes (when modelled)."""
     time_unit: str = "ms"
@@ -163,6 +219,8 @@ class CostModel:
             raise ConfigError(f"fused_backward has {len(self.fused_backward)} values for {n} stages")
         if not 0.0 <= self.fb_overlap <= 1.0:
             raise ConfigError(f"fb_overlap must be in [0, 1] (0: F+B, 1: max(F, B)), got {self.fb_overlap}")
+        if self.cold_start is not None and self.cold_start.num_stages != n:
+            raise ConfigError(f"compute.cold_start has {self.cold_start.num_stages} values for {n} stages")
         if self.memory.models_bytes and len(self.memory.activation_bytes) != n:
             raise ConfigError(f"memory.activation_bytes has {len(self.memory.activation_bytes)} values for {n} stages")
         if self.time_unit not in TIME_UNITS:
@@ -207,6 +265,12 @@ class CostModel:
             return self.overlapped_time(parts)
         return self.duration(*parts[0]) if parts else 0.0
 
+    def cold_start_time(self, parts: Sequence[tuple[NodeKind, int]]) -> float:
+        """Extra time of a node whose ``(kind, stage)`` parts are their chunks' first of that kind."""
+        if self.cold_start is None:
+            return 0.0
+        return sum(self.cold_start.of(kind)[stage] for kind, stage in parts if kind.spec.cost is not None)
+
     def static_bytes(self, rank: int) -> float:
         return self.memory.static_bytes(rank)
 
@@ -224,13 +288,16 @@ class CostModel:
             k = len(values) // pp
             return split_stages(name, [sum(values[i * k:(i + 1) * k]) for i in range(pp)], pp, vpp)
 
-        c = self.compute
         memory = self.memory
         if memory.models_bytes:
             memory = replace(memory, activation_bytes=recut("activation_bytes", memory.activation_bytes))
-        return replace(self, compute=ComputeCosts(recut("F", c.forward), recut("B", c.backward_input),
-                                                  recut("W", c.backward_weight)),
+        def recut_costs(name: str, costs: ComputeCosts) -> ComputeCosts:
+            return ComputeCosts(recut(f"{name}F", costs.forward), recut(f"{name}B", costs.backward_input),
+                                recut(f"{name}W", costs.backward_weight))
+
+        return replace(self, compute=recut_costs("", self.compute),
                        fused_backward=None if self.fused_backward is None else recut("BW", self.fused_backward),
+                       cold_start=None if self.cold_start is None else recut_costs("cold_start.", self.cold_start),
                        memory=memory)
 
     # -- dict / YAML --------------------------------------------------------------------------------
@@ -238,8 +305,8 @@ class CostModel:
     def from_dict(cls, data: Mapping[str, Any], *, pp: int, vpp: int, source: str = "cost model") -> CostModel:
         """Build from the YAML form (module docstring) for a pipeline of ``pp`` ranks x ``vpp`` chunks;
         every value is checked (:mod:`primuspipe.ir.strict`) and errors name ``source`` and the field."""
-        top = _section(data, source, {"time_unit", "compute", "p2p", "memory"})
-        comp = _section(top.get("compute"), f"{source}: compute", {"f", "b", "w", "bw", "fb_overlap"},
+        top = _section(data, source, _SECTIONS)
+        comp = _section(top.get("compute"), f"{source}: compute", {"f", "b", "w", "bw", "fb_overlap", "cold_start"},
                         required={"f", "b", "w"})
         p2p = _section(top.get("p2p", {}), f"{source}: p2p", {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
         links = {k: _section(p2p.get(k, {}), f"{source}: p2p.{k}", {"latency", "bandwidth"})
@@ -263,6 +330,7 @@ class CostModel:
                             **{k: _link(v, f"{source}: p2p.{k}") for k, v in links.items()}),
                 memory=memory, time_unit=strict.text(top.get("time_unit", "ms"), f"{source}: time_unit",
                                                      choices=TIME_UNITS),
+                host=_host(top.get("host", {}), pp), cold_start=_cold_start(comp.get("cold_start"), pp, vpp),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"bad value in the cost model: {exc}") from exc
@@ -285,6 +353,13 @@ class CostModel:
         }
         if self.fused_backward is not None:
             out["compute"]["bw"] = list(self.fused_backward)
+        if self.cold_start is not None:
+            c = self.cold_start
+            out["compute"]["cold_start"] = {"f": list(c.forward), "b": list(c.backward_input), "w": list(c.backward_weight)}
+        if self.host != HostCost():
+            h = self.host
+            out["host"] = {"overhead": dict(h.overhead), "send": h.send, "recv": h.recv, "cores": h.cores,
+                           "comm_cpu": h.comm_cpu, "step_gap": None if h.step_gap is None else list(h.step_gap)}
         m = self.memory
         out["memory"] = {"w_retained_fraction": m.w_retained_fraction}
         if m.models_bytes:
@@ -313,7 +388,7 @@ def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ..
 def read_cost_file(path: str | Path) -> dict[str, Any]:
     """The raw YAML mapping of a cost file (resolve it per shape with :meth:`CostModel.from_dict`)."""
     data = strict.load_yaml(strict.read_text(path, "cost model"), f"cost model {path}")
-    return _section(data, f"cost model {path}", {"time_unit", "compute", "p2p", "memory"})
+    return _section(data, f"cost model {path}", _SECTIONS)
 
 
 def _memory(data: Any, pp: int, vpp: int, source: str) -> MemoryCost:
@@ -351,3 +426,24 @@ def _link(data: Mapping[str, Any], name: str) -> Link:
         raise ConfigError(f"{name}: a link needs bandwidth > 0 (bytes per time unit; null or no key for unlimited), "
                           f"got {bandwidth:g}")
     return Link(latency, bandwidth)
+
+
+_SECTIONS = {"time_unit", "compute", "host", "p2p", "memory"}
+
+
+def _host(data: Any, pp: int) -> HostCost:
+    host = _section(data, "host", {"overhead", "send", "recv", "cores", "comm_cpu", "step_gap"})
+    overhead = _section(host.get("overhead", {}), "host.overhead", {k.name.lower() for k in compute_kinds()})
+    cores, gap = host.get("cores"), host.get("step_gap")
+    return HostCost(tuple((k, float(v)) for k, v in overhead.items()), float(host.get("send", 0.0)),
+                    float(host.get("recv", 0.0)), None if cores is None else float(cores),
+                    float(host.get("comm_cpu", 0.0)),
+                    None if gap is None else per_stage_values("host.step_gap", gap, pp, "ranks"))
+
+
+def _cold_start(data: Any, pp: int, vpp: int) -> ComputeCosts | None:
+    """``compute.cold_start`` per model stage: like the times, per 1F1B stage and split among its chunks."""
+    if data is None:
+        return None
+    cold = _section(data, "compute.cold_start", {"f", "b", "w"})
+    return ComputeCosts(*(split_stages(f"compute.cold_start.{k}", cold.get(k, 0.0), pp, vpp) for k in ("f", "b", "w")))

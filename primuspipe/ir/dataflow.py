@@ -44,6 +44,14 @@ class Transfer(NamedTuple):
         return f"{what} of mb {self.microbatch}, stage {self.src_stage} -> {self.dst_stage}"
 
 
+class Route(NamedTuple):
+    """Where a transfer goes, whatever its microbatch: a :class:`Transfer` less its microbatch."""
+
+    carries: NodeKind
+    src_stage: int
+    dst_stage: int
+
+
 class Handoff(NamedTuple):
     """A tensor passed between stages as a runner sees it: what it carries, the local chunk that
     consumes (or, for an outgoing one, produces) it, and its microbatch."""
@@ -121,8 +129,8 @@ def _crossing(placement: Placement, rank: int, kind: NodeKind, chunk: int, mb: i
     return found[0] if found else None
 
 
-def required_transfers(placement: Placement, microbatches: int) -> set[Transfer]:
-    """Every transfer a complete table of this shape must move."""
+def required_routes(placement: Placement) -> set[Route]:
+    """Every route a complete table of this shape moves a transfer along, once per microbatch."""
     out = set()
     for kind in all_kinds():
         if not kind.is_compute or kind.spec.parts or kind.spec.optional:
@@ -130,8 +138,13 @@ def required_transfers(placement: Placement, microbatches: int) -> set[Transfer]
         for stage in range(placement.num_stages):
             for step, src in handoffs_in(placement, kind, stage):
                 if placement.rank_of(src) != placement.rank_of(stage):
-                    out |= {Transfer(step, src, stage, mb) for mb in range(microbatches)}
+                    out.add(Route(step, src, stage))
     return out
+
+
+def required_transfers(placement: Placement, microbatches: int) -> set[Transfer]:
+    """Every transfer a complete table of this shape must move."""
+    return {Transfer(*route, mb) for route in required_routes(placement) for mb in range(microbatches)}
 
 
 def transfer_of(placement: Placement, rank: int, node: ScheduleNode) -> Transfer:
@@ -147,6 +160,98 @@ def comm_node(placement: Placement, transfer: Transfer, send: bool) -> ScheduleN
     local, remote = (transfer.src_stage, transfer.dst_stage) if send else (transfer.dst_stage, transfer.src_stage)
     _, chunk = placement.locate(local)
     return ScheduleNode(comm_kind(send, transfer.carries), transfer.microbatch, chunk, peer=placement.rank_of(remote))
+
+
+class Wiring:
+    """A table's transfers as integers, derived once for passes that visit every node.
+
+    Validating or simulating a table of hundreds of thousands of nodes asks "which transfer does this
+    node move, consume or produce?" for every node; the answer depends on the microbatch only through
+    the transfer's microbatch, so it is worked out once per (rank, kind, chunk, peer) shape and a
+    transfer is named by an int, its *key* ``route * microbatches + microbatch`` (:meth:`transfer`
+    turns a key back into a :class:`Transfer`). Per rank and node:
+
+    * ``moves[rank][i]``: the key a SEND/RECV node moves, ``-1`` for a compute node;
+    * ``takes[rank][i]``: the keys a compute node consumes from other ranks (one per part that has one);
+    * ``gives[rank][i]``: the keys a compute node produces for other ranks.
+
+    Built from :func:`inbound`, :func:`outbound` and :func:`transfer_of`, so it is the dependency
+    model, only faster to ask. The table must name existing chunks (``check_structure``).
+    """
+
+    __slots__ = ("routes", "microbatches", "moves", "takes", "gives", "_ids")
+
+    def __init__(self, placement: Placement, microbatches: int, ranks) -> None:
+        self.microbatches = microbatches
+        self.routes: list[Route] = []
+        self._ids: dict[Route, int] = {}
+        self.moves, self.takes, self.gives = [], [], []
+        if placement is not None:
+            self._derive(placement, ranks)
+
+    def with_rows(self, moves: list[list[int]], takes: list[list[tuple]], gives: list[list[tuple]]) -> Wiring:
+        """The wiring of another table of the same routes and shape, whose rows a pass already knows
+        (the communication pass adds SEND/RECV nodes whose keys it placed itself)."""
+        other = Wiring(None, self.microbatches, ())
+        other.routes, other._ids = self.routes, self._ids
+        other.moves, other.takes, other.gives = moves, takes, gives
+        return other
+
+    def _derive(self, placement: Placement, ranks) -> None:
+        for rank, row in enumerate(ranks):
+            shapes: dict[tuple, tuple] = {}
+            moves, takes, gives = [], [], []
+            for node in row:
+                mb, pair = node.microbatch, node.pair
+                shape = (node.kind, node.chunk, pair and pair[1])
+                if (known := shapes.get(shape)) is None:
+                    known = shapes[shape] = self._shape(placement, rank, node)
+                first_move, first_in, first_out = known
+                if first_move >= 0:
+                    moves.append(first_move + mb)
+                    takes.append(())
+                    gives.append(())
+                    continue
+                moves.append(-1)
+                if pair is None:  # one part: the keys of microbatch 0, or none
+                    takes.append(() if first_in < 0 else (first_in + mb,))
+                    gives.append(() if first_out < 0 else (first_out + mb,))
+                else:
+                    mbs = (mb, pair[0])
+                    takes.append(tuple(k + part_mb for k, part_mb in zip(first_in, mbs) if k >= 0))
+                    gives.append(tuple(k + part_mb for k, part_mb in zip(first_out, mbs) if k >= 0))
+            self.moves.append(moves)
+            self.takes.append(takes)
+            self.gives.append(gives)
+
+    def _first_key(self, transfer: Transfer | None) -> int:
+        """The key of the transfer's route at microbatch 0 (``-1`` for no transfer)."""
+        if transfer is None:
+            return -1
+        route = Route(*transfer[:3])
+        if (found := self._ids.get(route)) is None:
+            found = self._ids[route] = len(self.routes)
+            self.routes.append(route)
+        return found * self.microbatches
+
+    def _shape(self, placement: Placement, rank: int, node: ScheduleNode) -> tuple:
+        """``(moved, taken, given)`` keys at microbatch 0 of a node of this shape: a communication node
+        moves one (the others are -1); a compute node takes and gives one per part (-1 where a part has
+        none), as ints for a one-part node, as tuples for an overlapped one."""
+        if not node.kind.is_compute:
+            return self._first_key(transfer_of(placement, rank, node)), -1, -1
+        parts = node.parts()
+        taken = tuple(self._first_key(inbound(placement, rank, k, chunk, 0)) for k, _, chunk in parts)
+        given = tuple(self._first_key(outbound(placement, rank, k, chunk, 0)) for k, _, chunk in parts)
+        return (-1, taken, given) if node.pair is not None else (-1, taken[0], given[0])
+
+    def transfer(self, key: int) -> Transfer:
+        return Transfer(*self.routes[key // self.microbatches], key % self.microbatches)
+
+    def key(self, transfer: Transfer) -> int | None:
+        """The key of ``transfer``, None if no node of the table names its route."""
+        route = self._ids.get(Route(*transfer[:3]))
+        return None if route is None else route * self.microbatches + transfer.microbatch
 
 
 @cache

@@ -124,7 +124,7 @@ class NodeKind:
     is_compute: bool
     is_send: bool
     is_recv: bool
-    """The spec's category, as plain attributes (asked for every node by every pass)."""
+    """The kind's category as flags, set once from its spec: passes ask them for every node."""
 
     def __new__(cls, name: str) -> NodeKind:
         try:
@@ -143,7 +143,6 @@ class NodeKind:
 
     def __lt__(self, other: NodeKind) -> bool:
         return self.name < other.name
-
 
     @property
     def carries(self) -> NodeKind:
@@ -184,8 +183,9 @@ def define_kind(spec: KindSpec) -> NodeKind:
         raise TableFormatError(f"a node kind's name is upper-case letters and '_', got {spec.name!r}")
     kind = object.__new__(NodeKind)
     kind.name, kind.spec = spec.name, spec
-    kind.is_compute, kind.is_send, kind.is_recv = (spec.category is c for c in (Category.COMPUTE, Category.SEND,
-                                                                                  Category.RECV))
+    kind.is_compute = spec.category is Category.COMPUTE
+    kind.is_send = spec.category is Category.SEND
+    kind.is_recv = spec.category is Category.RECV
     NodeKind._table[spec.name] = kind
     for listener in _listeners:
         listener()

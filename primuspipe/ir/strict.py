@@ -132,10 +132,9 @@ def keys(data: Any, name: str, allowed: Collection[str], required: Collection[st
         data = {}
     if not isinstance(data, Mapping):
         raise error(f"{name} must be a mapping of {', '.join(sorted(allowed))}, got {show(data)}")
-    for key in data:
-        if key not in allowed:
-            raise error(f"{name} has an unknown key {key!r}{_did_you_mean(key, allowed)}; allowed: "
-                        f"{', '.join(sorted(allowed))}")
+    if unknown := [key for key in data if key not in allowed]:
+        raise error(f"{name} has unknown key(s) {sorted(map(str, unknown))}{_did_you_mean(unknown[0], allowed)}; "
+                    f"allowed: {', '.join(sorted(allowed))}")
     if missing := sorted(set(required) - set(data)):
         raise error(f"{name} lacks {missing}")
     return dict(data)

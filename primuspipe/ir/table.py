@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from primuspipe.ir import strict
-from primuspipe.ir.dataflow import Transfer, transfer_of
+from primuspipe.ir.dataflow import Transfer, Wiring
 from primuspipe.ir.documents import check_envelope, envelope
 from primuspipe.errors import ScheduleShapeError, TableFormatError
 from primuspipe.ir.node import ScheduleNode
@@ -81,8 +81,13 @@ class ScheduleTable:
     def compute_only(self) -> ScheduleTable:
         return self.with_ranks(tuple(n for n in row if n.kind.is_compute) for row in self.ranks)
 
-    def with_ranks(self, ranks: Iterable[Iterable[ScheduleNode]]) -> ScheduleTable:
-        return ScheduleTable.build(self.placement, self.microbatches, ranks, self.algorithm)
+    def with_ranks(self, ranks: Iterable[Iterable[ScheduleNode]], wiring: Wiring | None = None) -> ScheduleTable:
+        """This table's shape with other rows; ``wiring``, when the caller already knows the new rows'
+        (see :meth:`Wiring.with_rows`), saves deriving it again."""
+        table = ScheduleTable.build(self.placement, self.microbatches, ranks, self.algorithm)
+        if wiring is not None:
+            vars(table)["wiring"] = wiring  # the cached_property's slot
+        return table
 
     @cached_property
     def transfers(self) -> tuple[tuple[Transfer | None, ...], ...]:
@@ -90,10 +95,14 @@ class ScheduleTable:
 
         Derived once per table (passes look it up for every node); the table must name existing chunks
         (:func:`~primuspipe.passes.validation.check_structure`)."""
-        return tuple(
-            tuple(None if n.kind.is_compute else transfer_of(self.placement, r, n) for n in row)
-            for r, row in enumerate(self.ranks)
-        )
+        transfer = self.wiring.transfer
+        return tuple(tuple(None if k < 0 else transfer(k) for k in moves) for moves in self.wiring.moves)
+
+    @cached_property
+    def wiring(self) -> Wiring:
+        """The table's transfers as integers (:class:`~primuspipe.ir.dataflow.Wiring`), derived once;
+        the table must name existing chunks."""
+        return Wiring(self.placement, self.microbatches, self.ranks)
 
     def positions(self) -> Iterator[tuple[int, int, ScheduleNode]]:
         """Every ``(rank, index, node)`` in rank order."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from primuspipe.errors import TableFormatError
@@ -30,7 +30,7 @@ TIMELINE_VERSION = 1
 _KEYS = {"format", "version", "source", "algorithm", "pp", "vpp", "microbatches", "iteration", "time_unit", "meta",
          "ranks"}
 _RANK_KEYS = {"rank", "peak_memory_bytes", "events"}
-_EVENT_KEYS = {"node", "start", "end"}
+_EVENT_KEYS = {"node", "start", "end", "cpu", "bytes"}
 
 
 def idle_share(window: float, busy: float) -> float:
@@ -46,6 +46,12 @@ class TimedNode:
     node: ScheduleNode
     start: float
     end: float
+    cpu: tuple[float, float] | None = None
+    """Run dumps on CPU: the rank's own thread's CPU time at ``start`` and at ``end`` (from its step
+    start, in the timeline's unit), so time spent waiting for a core shows as wall time without CPU
+    time; None where not measured."""
+    bytes: int | None = None
+    """Run dumps: the size of the tensor a SEND/RECV node moved; None where not measured."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,7 @@ class Timeline:
                 {
                     "rank": r.rank,
                     "peak_memory_bytes": r.peak_memory_bytes,
-                    "events": [{"node": str(e.node), "start": e.start, "end": e.end} for e in r.events],
+                    "events": [_event_dict(e) for e in r.events],
                 }
                 for r in self.ranks
             ],
@@ -145,7 +151,7 @@ def _rank_timeline(data: object, where: str, pp: int, vpp: int, m: int) -> RankT
     busy_until = 0.0
     for i, e in enumerate(data["events"]):
         at = f"{where}.events[{i}]"
-        e = strict.keys(e, at, _EVENT_KEYS, required=_EVENT_KEYS, error=TableFormatError)
+        e = strict.keys(e, at, _EVENT_KEYS, required={"node", "start", "end"}, error=TableFormatError)
         node = ScheduleNode.parse(strict.text(e["node"], f"{at}.node", error=TableFormatError))
         start = strict.number(e["start"], f"{at}.start", minimum=0, error=TableFormatError)
         end = strict.number(e["end"], f"{at}.end", minimum=start, error=TableFormatError)
@@ -156,8 +162,26 @@ def _rank_timeline(data: object, where: str, pp: int, vpp: int, m: int) -> RankT
                 raise TableFormatError(f"{at}: {node} starts at {start:g}, before the rank's previous compute node ends "
                                        f"({busy_until:g}); a rank runs one compute node at a time (events in start order)")
             busy_until = end
-        events.append(TimedNode(node, start, end))
+        cpu = e.get("cpu")
+        if cpu is not None:
+            if not isinstance(cpu, list) or len(cpu) != 2:
+                raise TableFormatError(f"{at}.cpu must be [start, end] of the thread's CPU time, got {strict.show(cpu)}")
+            cpu = tuple(strict.number(v, f"{at}.cpu[{j}]", error=TableFormatError) for j, v in enumerate(cpu))
+        size = e.get("bytes")
+        if size is not None:
+            size = strict.count(size, f"{at}.bytes", error=TableFormatError)
+        events.append(TimedNode(node, start, end, cpu, size))
     return RankTimeline(rank, tuple(events), peak)
+
+
+def _event_dict(e: TimedNode) -> dict:
+    """One event's JSON: node, start, end, and ``cpu`` / ``bytes`` where measured."""
+    out = {"node": str(e.node), "start": e.start, "end": e.end}
+    if e.cpu is not None:
+        out["cpu"] = list(e.cpu)
+    if e.bytes is not None:
+        out["bytes"] = e.bytes
+    return out
 
 
 # -- run dumps: one file per rank and iteration (written by primuspipe.runtime.recorder) --------
@@ -204,12 +228,18 @@ def merge_rank_dumps(dump_dir: str | os.PathLike, iteration: int) -> Timeline:
     for part in parts:
         shift = part.meta["t0_unix"] - origin
         (rank,) = part.ranks
-        ranks.append(RankTimeline(rank.rank, tuple(TimedNode(e.node, e.start + shift, e.end + shift) for e in rank.events),
+        ranks.append(RankTimeline(rank.rank, tuple(replace(e, start=e.start + shift, end=e.end + shift) for e in rank.events),
                                   rank.peak_memory_bytes))
     first = parts[0]
+    hosts = [{"rank": part.ranks[0].rank, **{k: part.meta[k] for k in _RANK_FACTS if k in part.meta}} for part in parts]
     return Timeline("run", first.algorithm, first.pp, first.vpp, first.microbatches, tuple(ranks), iteration,
                     meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory"),
-                          "run_id": first.meta.get("run_id")})
+                          "run_id": first.meta.get("run_id"), "ranks": hosts})
+
+
+_RANK_FACTS = ("t0_unix", "host", "cpus", "threads", "process_cpu", "thread_cpu")
+"""What a rank's dump says about where and how it ran (see primuspipe.runtime.recorder); kept per rank
+in the merged timeline's ``meta["ranks"]``."""
 
 
 def _rank_dump(path: Path, iteration: int) -> Timeline:

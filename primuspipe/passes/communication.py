@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from primuspipe.ir.dataflow import Transfer, comm_node, inbound, outbound
+from primuspipe.ir.dataflow import Transfer, comm_node
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import ScheduleTable
@@ -30,57 +30,70 @@ def add_communication(table: ScheduleTable) -> ScheduleTable:
             "add_communication takes a compute-only table, but this one already has SEND/RECV nodes; "
             "pass table.compute_only() to rebuild its communication"
         )
-    placement = table.placement
-    sends_after: list[list[list[ScheduleNode]]] = []  # [rank][compute index] -> sends
-    send_order: dict[Transfer, int] = {}  # transfer -> its position among its source's sends
-    recv_wanted: list[list[tuple[int, int, Transfer]]] = []  # [rank] -> (consumer index, src rank, transfer)
-    for rank, row in enumerate(table.ranks):
-        sends_after.append([])
-        recv_wanted.append([])
-        for k, node in enumerate(row):
-            sends = []
-            for kind, mb, chunk in node.parts():
-                if (t := outbound(placement, rank, kind, chunk, mb)) is not None:
-                    send_order[t] = len(send_order)
-                    sends.append(comm_node(placement, t, send=True))
-                if (t := inbound(placement, rank, kind, chunk, mb)) is not None:
-                    recv_wanted[rank].append((k, placement.rank_of(t.src_stage), t))
-            sends_after[rank].append(sends)
+    placement, wiring, m = table.placement, table.wiring, table.microbatches
+    ends: list[tuple] = []  # per route: ((kind, chunk, peer) of its send, of its receive), source rank
+    for route in wiring.routes:
+        first = Transfer(*route, 0)
+        send, recv = comm_node(placement, first, send=True), comm_node(placement, first, send=False)
+        ends.append(((send.kind, send.chunk, send.peer), (recv.kind, recv.chunk, recv.peer),
+                     placement.rank_of(route.src_stage)))
 
-    ranks = []
+    send_order: dict[int, int] = {}  # transfer key -> its position among its source's sends
+    for gives in wiring.gives:
+        for keys in gives:
+            for key in keys:
+                send_order[key] = len(send_order)
+    ranks, moves, takes, gives = [], [], [], []  # the full table's rows and wiring
     for rank, row in enumerate(table.ranks):
-        slots = _recv_slots(recv_wanted[rank], send_order)
-        recvs_before: dict[int, list[ScheduleNode]] = defaultdict(list)
-        for slot, _, _, t in sorted(slots):
-            recvs_before[slot].append(comm_node(placement, t, send=False))
+        wanted = [(k, ends[key // m][2], key) for k, keys in enumerate(wiring.takes[rank]) for key in keys]
+        recvs_before: dict[int, list[int]] = defaultdict(list)
+        for slot, _, _, key in sorted(_recv_slots(wanted, send_order)):
+            recvs_before[slot].append(key)
         new_row: list[ScheduleNode] = []
-        for k, node in enumerate(row):
-            new_row += recvs_before[k]
-            new_row.append(node)
-            new_row += sends_after[rank][k]
+        row_moves, row_takes, row_gives = [], [], []  # a communication node moves one key, takes and gives none
+
+        def comm(key: int, end: int) -> None:
+            kind, chunk, peer = ends[key // m][end]
+            new_row.append(ScheduleNode(kind, key % m, chunk, peer))
+            row_moves.append(key)
+            row_takes.append(())
+            row_gives.append(())
+
+        for k, (node, taken, given) in enumerate(zip(row, wiring.takes[rank], wiring.gives[rank])):
+            for key in recvs_before.get(k, ()):
+                comm(key, 1)
+            new_row.append(node)  # a compute node keeps its own
+            row_moves.append(-1)
+            row_takes.append(taken)
+            row_gives.append(given)
+            for key in given:
+                comm(key, 0)
         ranks.append(new_row)
-    return table.with_ranks(ranks)
+        moves.append(row_moves)
+        takes.append(row_takes)
+        gives.append(row_gives)
+    return table.with_ranks(ranks, wiring.with_rows(moves, takes, gives))
 
 
-def _recv_slots(
-    wanted: list[tuple[int, int, Transfer]], send_order: dict[Transfer, int]
-) -> list[tuple[int, int, int, Transfer]]:
-    """Slot (compute index the receive is posted before) for every receive of one rank.
+def _recv_slots(wanted: list[tuple[int, int, int]], send_order: dict[int, int]) -> list[tuple[int, int, int, int]]:
+    """Slot (compute index the receive is posted before) for every receive of one rank, as
+    ``(slot, source rank, send order, transfer key)``; ``wanted`` holds ``(consumer index, source rank,
+    transfer key)``.
 
     Each receive wants the slot one step before its consumer; walking each source's receives backwards
     in the source's send order, a receive is pulled earlier until it precedes the next one.
     """
-    by_src: dict[int, list[tuple[int, int, Transfer]]] = defaultdict(list)
-    for consumer, src, t in wanted:
+    by_src: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    for consumer, src, key in wanted:
         # a transfer nobody sends sorts last; the validator reports it as incomplete
-        by_src[src].append((send_order.get(t, len(send_order)), consumer, t))
+        by_src[src].append((send_order.get(key, len(send_order)), consumer, key))
     slots = []
     for src, recvs in by_src.items():
         latest = None
-        for order, consumer, t in sorted(recvs, reverse=True):
+        for order, consumer, key in sorted(recvs, reverse=True):
             slot = max(consumer - 1, 0)
             if latest is not None:
                 slot = min(slot, latest)
             latest = slot
-            slots.append((slot, src, order, t))
+            slots.append((slot, src, order, key))
     return slots

@@ -28,13 +28,11 @@ from primuspipe.errors import ValidationError
 from primuspipe.ir import strict
 from primuspipe.ir.activations import W_RETAINED_FRACTION, running_levels
 from primuspipe.ir.dataflow import (
-    Step,
     Transfer,
     inbound,
-    outbound,
+    required_routes,
     required_transfers,
     step_needs,
-    steps_done,
     transfer_of,
 )
 from primuspipe.ir.kinds import NodeKind, compute_kinds
@@ -87,66 +85,126 @@ def _at(table: ScheduleTable, rank: int, index: int) -> str:
 
 def check_structure(table: ScheduleTable) -> None:
     """Every node refers to an existing chunk and microbatch; communication nodes name the right peer."""
-    placement = table.placement
-    for rank, i, node in table.positions():
-        for _, mb, chunk in node.parts() or ((node.kind, node.microbatch, node.chunk),):
-            if chunk >= table.vpp or mb >= table.microbatches:
-                _fail(table, "structure", f"{_at(table, rank, i)} refers to chunk {chunk} / microbatch {mb}, "
-                      f"but the table has vpp={table.vpp} and {table.microbatches} microbatches",
-                      [(rank, i)], "drop the node or build the table with the right shape")
-        if node.kind.is_compute:
-            continue
-        t = transfer_of(placement, rank, node)
-        if not (0 <= t.src_stage < table.num_stages and 0 <= t.dst_stage < table.num_stages):
-            _fail(table, "structure", f"{_at(table, rank, i)} moves data past the first or last stage",
-                  [(rank, i)], "remove the node")
-        other = t.dst_stage if node.kind.is_send else t.src_stage
-        want = placement.rank_of(other)
-        if want == rank:
-            _fail(table, "structure", f"{_at(table, rank, i)} communicates a hand-off that stays on rank {rank}",
-                  [(rank, i)], "remove it: chunks on one rank pass tensors locally")
-        if node.peer != want:
-            _fail(table, "structure", f"{_at(table, rank, i)} names peer {node.peer}, but stage {other} lives on rank {want}",
-                  [(rank, i)], f"use peer {want}")
+    placement, vpp, m = table.placement, table.vpp, table.microbatches
+    for rank, row in enumerate(table.ranks):
+        checked: set[tuple] = set()  # (kind, chunk, peer) of communication nodes already found right
+        for i, node in enumerate(row):
+            pair = node.pair
+            if node.chunk >= vpp or node.microbatch >= m or (pair is not None and (pair[1] >= vpp or pair[0] >= m)):
+                _refuse_part(table, rank, i, node)
+            if node.kind.is_compute or (shape := (node.kind, node.chunk, node.peer)) in checked:
+                continue
+            _check_peer(table, placement, rank, i, node)
+            checked.add(shape)
+
+
+def _refuse_part(table: ScheduleTable, rank: int, i: int, node) -> None:
+    for _, mb, chunk in node.parts() or ((node.kind, node.microbatch, node.chunk),):
+        if chunk >= table.vpp or mb >= table.microbatches:
+            _fail(table, "structure", f"{_at(table, rank, i)} refers to chunk {chunk} / microbatch {mb}, "
+                  f"but the table has vpp={table.vpp} and {table.microbatches} microbatches",
+                  [(rank, i)], "drop the node or build the table with the right shape")
+
+
+def _check_peer(table: ScheduleTable, placement, rank: int, i: int, node) -> None:
+    """A communication node moves data between existing stages of two ranks, and names the right peer
+    (what is checked does not depend on the microbatch)."""
+    t = transfer_of(placement, rank, node)
+    if not (0 <= t.src_stage < table.num_stages and 0 <= t.dst_stage < table.num_stages):
+        _fail(table, "structure", f"{_at(table, rank, i)} moves data past the first or last stage",
+              [(rank, i)], "remove the node")
+    other = t.dst_stage if node.kind.is_send else t.src_stage
+    want = placement.rank_of(other)
+    if want == rank:
+        _fail(table, "structure", f"{_at(table, rank, i)} communicates a hand-off that stays on rank {rank}",
+              [(rank, i)], "remove it: chunks on one rank pass tensors locally")
+    if node.peer != want:
+        _fail(table, "structure", f"{_at(table, rank, i)} names peer {node.peer}, but stage {other} lives on rank {want}",
+              [(rank, i)], f"use peer {want}")
 
 
 def check_completeness(table: ScheduleTable) -> None:
     """Each (stage, microbatch) completes every required step (F, B, W) exactly once -- one F and either
     one BW or one B and one W -- and an optional step at most once; each needed transfer has one send
     and one receive."""
-    placement = table.placement
-    seen: dict[tuple[NodeKind, int, int], list[tuple[int, int]]] = defaultdict(list)
-    for rank, i, node in table.positions():
-        for kind, mb, chunk in node.parts():
-            seen[(kind, placement.stage(rank, chunk), mb)].append((rank, i))
     kinds = [k for k in compute_kinds() if not k.spec.parts]
     required = {step for k in kinds if not k.spec.optional for step in k.completes}
-    doers = {step: [k for k in kinds if step in k.completes] for k in kinds for step in k.completes}
-    for stage in range(table.num_stages):
-        for mb in range(table.microbatches):
-            done = {step: sum(len(seen.get((k, stage, mb), ())) for k in ks) for step, ks in doers.items()}
-            wrong = [step for step, n in done.items() if n != 1 and (step in required or n > 1)]
-            if not wrong:
-                continue
-            ran = {k: seen.get((k, stage, mb), []) for k in kinds}
-            problems = [f"{len(ran[NodeKind.F])} forwards"] if NodeKind.F in wrong else []
-            others = sorted((k for k in kinds if k is not NodeKind.F and any(s in wrong for s in k.completes)),
-                            key=lambda k: -len(k.completes))
-            if others:
-                counts = [f"{len(ran[k])} {k}" for k in others]
-                problems.append(", ".join(counts[:-1]) + f" and {counts[-1]}" if len(counts) > 1 else counts[0])
-            marks = [pos for k in kinds if any(s in wrong for s in k.completes) for pos in ran[k]]
-            rank, chunk = placement.locate(stage)
-            _fail(table, "completeness",
-                  f"stage {stage} (rank {rank}, chunk {chunk}), microbatch {mb} has {' and '.join(problems)}; it needs "
-                  "exactly one F and either one BW or one B and one W",
-                  marks or [pos for k in kinds for pos in ran[k]],
-                  f"add or remove nodes on rank {rank} so each microbatch is computed once")
+    steps = list(dict.fromkeys(step for k in kinds for step in k.completes))
+    done = _step_counts(table, steps)
+    m = table.microbatches
+    if any(counts.count(1) != len(counts) if step in required else max(counts, default=0) > 1
+           for step, counts in zip(steps, done)):
+        for stage in range(table.num_stages):
+            for mb in range(m):
+                cell = stage * m + mb
+                if any(counts[cell] != 1 and (step in required or counts[cell] > 1) for step, counts in zip(steps, done)):
+                    _refuse_cell(table, kinds, required, stage, mb)
     if table.has_communication:
         _check_transfers_complete(table)
 
 
+def _step_counts(table: ScheduleTable, steps: list[NodeKind]) -> list[list[int]]:
+    """Per step (in ``steps`` order), how many nodes complete it for each ``stage * microbatches + mb``."""
+    placement, m = table.placement, table.microbatches
+    index = {step: i for i, step in enumerate(steps)}
+    counts = [[0] * (table.num_stages * m) for _ in steps]
+    for rank, row in enumerate(table.ranks):
+        completes: dict[tuple[NodeKind, int], tuple] = {}  # (kind, chunk) -> (step counters, first cell)
+        for node in row:
+            for kind, mb, chunk in ((node.kind, node.microbatch, node.chunk),) if node.pair is None else node.parts():
+                if (known := completes.get((kind, chunk))) is None:
+                    stage = placement.stage(rank, chunk)
+                    known = completes[(kind, chunk)] = (
+                        tuple(counts[index[step]] for step in kind.completes), stage * m)
+                for counter in known[0]:
+                    counter[known[1] + mb] += 1
+    return counts
+
+
+def _refuse_cell(table: ScheduleTable, kinds: list[NodeKind], required: set[NodeKind], stage: int, mb: int) -> None:
+    """The completeness refusal for one (stage, microbatch) the counts found wrong, naming its nodes."""
+    placement = table.placement
+    ran: dict[NodeKind, list[tuple[int, int]]] = {k: [] for k in kinds}
+    for rank, i, node in table.positions():
+        for kind, part_mb, chunk in node.parts():
+            if part_mb == mb and placement.stage(rank, chunk) == stage:
+                ran[kind].append((rank, i))
+    done = {step: sum(len(ran[k]) for k in kinds if step in k.completes) for k in kinds for step in k.completes}
+    wrong = [step for step, n in done.items() if n != 1 and (step in required or n > 1)]
+    problems = [f"{len(ran[NodeKind.F])} forwards"] if NodeKind.F in wrong else []
+    others = sorted((k for k in kinds if k is not NodeKind.F and any(s in wrong for s in k.completes)),
+                    key=lambda k: -len(k.completes))
+    if others:
+        counts = [f"{len(ran[k])} {k}" for k in others]
+        problems.append(", ".join(counts[:-1]) + f" and {counts[-1]}" if len(counts) > 1 else counts[0])
+    marks = [pos for k in kinds if any(s in wrong for s in k.completes) for pos in ran[k]]
+    rank, chunk = placement.locate(stage)
+    _fail(table, "completeness",
+          f"stage {stage} (rank {rank}, chunk {chunk}), microbatch {mb} has {' and '.join(problems)}; it needs "
+          "exactly one F and either one BW or one B and one W",
+          marks or [pos for k in kinds for pos in ran[k]],
+          f"add or remove nodes on rank {rank} so each microbatch is computed once")
+
+
 def _check_transfers_complete(table: ScheduleTable) -> None:
+    wiring, m = table.wiring, table.microbatches
+    size = len(wiring.routes) * m
+    sent, received = bytearray(size), bytearray(size)  # counts, saturating at 2 ("more than one")
+    for r, moves in enumerate(wiring.moves):
+        for node, key in zip(table.ranks[r], moves):
+            if key >= 0:
+                seen = sent if node.kind.is_send else received
+                seen[key] = min(seen[key] + 1, 2)
+    required = [wiring.key(Transfer(*route, 0)) for route in required_routes(table.placement)]
+    named = {key - key % m for key in range(size) if sent[key] or received[key]}  # routes some node moves
+    if None not in required and named == set(required) and all(
+            sent[key:key + m].count(1) == m and received[key:key + m].count(1) == m for key in required):
+        return
+    _refuse_transfers(table)
+
+
+def _refuse_transfers(table: ScheduleTable) -> None:
+    """The first transfer (in transfer order) whose send or receive count is not one."""
     sends: dict[Transfer, list] = defaultdict(list)
     recvs: dict[Transfer, list] = defaultdict(list)
     for rank, i, node in table.positions():
@@ -160,51 +218,74 @@ def _check_transfers_complete(table: ScheduleTable) -> None:
                 src, dst = (table.placement.rank_of(t.src_stage), table.placement.rank_of(t.dst_stage))
                 _fail(table, "completeness", f"the {t} (rank {src} -> {dst}) has {len(where)} {name} nodes, needs 1",
                       sends[t] + recvs[t], "rebuild communication with add_communication(table.compute_only())")
+    raise AssertionError("the transfer counts disagree with the transfers found")
 
 
 def check_order(table: ScheduleTable) -> None:
     """Within each rank, a node comes after everything it needs that this rank provides: local
     producers, its own receives, and (for sends) the compute that produced the tensor."""
-    placement = table.placement
+    placement, m, comm = table.placement, table.microbatches, table.has_communication
+    steps = {step: i for i, step in enumerate(dict.fromkeys(s for k in compute_kinds() for s in k.completes))}
+
+    def step_key(step: NodeKind, stage: int) -> int:
+        """A step as an int, less its microbatch: ``(step * stages + stage) * microbatches``."""
+        return (steps[step] * table.num_stages + stage) * m
+
+    wiring = table.wiring
+    produced_by = [step_key(route.carries, route.src_stage) for route in wiring.routes]  # what a send needs done
     for rank, row in enumerate(table.ranks):
-        done: set[Step] = set()
-        received: set[Transfer] = set()
-        for i, node in enumerate(row):
-            if node.kind.is_recv:
-                received.add(table.transfers[rank][i])
+        done: set[int] = set()
+        received: set[int] = set()
+        shapes: dict[tuple, tuple] = {}  # (kind, chunk) -> what its parts need and complete, less the microbatch
+        for i, (node, moved) in enumerate(zip(row, wiring.moves[rank])):
+            kind = node.kind
+            if kind.is_recv:
+                received.add(moved)
                 continue
-            if node.kind.is_send:
-                t = table.transfers[rank][i]
-                if Step(t.carries, t.src_stage, t.microbatch) not in done:
-                    _fail(table, "order", f"{_at(table, rank, i)} sends a tensor before {t.carries}{node.microbatch}.{node.chunk} computes it",
+            if kind.is_send:
+                if produced_by[moved // m] + moved % m not in done:
+                    _fail(table, "order", f"{_at(table, rank, i)} sends a tensor before {wiring.transfer(moved).carries}{node.microbatch}.{node.chunk} computes it",
                           [(rank, i)], "place the send after its producer")
                 continue
-            for kind, mb, chunk in node.parts():
-                stage = placement.stage(rank, chunk)
-                for need in step_needs(placement, kind, stage, mb):
-                    if placement.rank_of(need.stage) == rank and need not in done:
-                        _fail(table, "order", f"{_at(table, rank, i)} runs before {need}, which it needs and which this rank computes later or never",
+            parts = ((kind, node.microbatch, node.chunk),) if node.pair is None else node.parts()
+            for part_kind, mb, chunk in parts:
+                if (shape := shapes.get((part_kind, chunk))) is None:
+                    stage = placement.stage(rank, chunk)
+                    local = tuple((need, step_key(need.kind, need.stage)) for need in step_needs(placement, part_kind, stage, 0)
+                                  if placement.rank_of(need.stage) == rank)
+                    t = inbound(placement, rank, part_kind, chunk, 0)
+                    shape = shapes[(part_kind, chunk)] = (
+                        local, -1 if t is None or not comm else wiring.key(t),
+                        tuple(step_key(done_step, stage) for done_step in part_kind.completes))
+                local, first_in, _ = shape
+                for need, key in local:
+                    if key + mb not in done:
+                        _fail(table, "order", f"{_at(table, rank, i)} runs before {need._replace(microbatch=mb)}, which it needs and which this rank computes later or never",
                               [(rank, i)], "move the node after its producer")
-                t = inbound(placement, rank, kind, chunk, mb)
-                if table.has_communication and t is not None and t not in received:
-                    _fail(table, "order", f"{_at(table, rank, i)} needs the {t} but no receive for it is posted before it",
+                if first_in >= 0 and first_in + mb not in received:
+                    _fail(table, "order", f"{_at(table, rank, i)} needs the {wiring.transfer(first_in + mb)} but no receive for it is posted before it",
                           [(rank, i)], "post the receive before its consumer")
-            done.update(steps_done(placement, rank, node))
+            for part_kind, mb, chunk in parts:
+                for key in shapes[(part_kind, chunk)][2]:
+                    done.add(key + mb)
 
 
 def check_pairing(table: ScheduleTable) -> None:
     """Per direction, the k-th send and the k-th receive carry the same tensor."""
-    lanes: dict[tuple[int, int, bool], list[tuple[int, Transfer]]] = defaultdict(list)
-    for rank, i, node in table.positions():
-        if not node.kind.is_compute:
-            pair = (rank, node.peer) if node.kind.is_send else (node.peer, rank)
-            lanes[(*pair, node.kind.is_send)].append((i, table.transfers[rank][i]))
+    wiring = table.wiring
+    lanes: dict[tuple[int, int, bool], list[tuple[int, int]]] = defaultdict(list)
+    for rank, row in enumerate(table.ranks):
+        for i, (node, key) in enumerate(zip(row, wiring.moves[rank])):
+            if key >= 0:
+                pair = (rank, node.peer) if node.kind.is_send else (node.peer, rank)
+                lanes[(*pair, node.kind.is_send)].append((i, key))
     for (src, dst, is_send), sends in sorted(lanes.items()):
         if not is_send:
             continue
         recvs = lanes.get((src, dst, False), [])
-        for k, ((si, st), (ri, rt)) in enumerate(zip(sends, recvs)):
-            if st != rt:
+        for k, ((si, sk), (ri, rk)) in enumerate(zip(sends, recvs)):
+            if sk != rk:
+                st, rt = wiring.transfer(sk), wiring.transfer(rk)
                 _fail(table, "pairing",
                       f"rank {src}'s send #{k} to rank {dst} is {table.ranks[src][si]} ({st}) but rank {dst}'s receive #{k} "
                       f"from rank {src} is {table.ranks[dst][ri]} ({rt}); transports match a pair's messages in posting "
@@ -215,38 +296,38 @@ def check_pairing(table: ScheduleTable) -> None:
 
 def check_deadlock(table: ScheduleTable) -> None:
     """Replay every rank under the runner's semantics; refuse if some ranks can never finish."""
-    placement, comm = table.placement, table.has_communication
+    comm, wiring = table.has_communication, table.wiring
     ptr = [0] * table.pp
-    available: set[Transfer] = set()
-    waiting: dict[Transfer, list[int]] = defaultdict(list)
-    blocked_on: dict[int, Transfer] = {}
+    available: set[int] = set()
+    waiting: dict[int, list[int]] = defaultdict(list)
+    blocked_on: dict[int, int] = {}
     ready = deque(range(table.pp))
     while ready:
         rank = ready.popleft()
-        row = table.ranks[rank]
-        while ptr[rank] < len(row):
-            node = row[ptr[rank]]
-            produced: list[Transfer] = []
-            if node.kind.is_send:
-                produced.append(table.transfers[rank][ptr[rank]])
-            elif node.kind.is_compute:
-                missing = [t for kind, mb, chunk in node.parts()
-                           if (t := inbound(placement, rank, kind, chunk, mb)) is not None and t not in available]
+        row, moves, takes, gives = table.ranks[rank], wiring.moves[rank], wiring.takes[rank], wiring.gives[rank]
+        i = ptr[rank]
+        while i < len(row):
+            kind = row[i].kind
+            produced: tuple[int, ...] = ()
+            if kind.is_send:
+                produced = (moves[i],)
+            elif kind.is_compute:
+                missing = [key for key in takes[i] if key not in available]
                 if missing:
                     blocked_on[rank] = missing[0]
                     waiting[missing[0]].append(rank)
                     break
                 if not comm:  # compute-only: a transfer is available as soon as its producer ran
-                    produced = [t for kind, mb, chunk in node.parts()
-                                if (t := outbound(placement, rank, kind, chunk, mb)) is not None]
-            for t in produced:
-                available.add(t)
-                for r in waiting.pop(t, []):
+                    produced = gives[i]
+            for key in produced:
+                available.add(key)
+                for r in waiting.pop(key, []):
                     blocked_on.pop(r, None)
                     ready.append(r)
-            ptr[rank] += 1
+            i += 1
+        ptr[rank] = i
     if blocked_on:
-        _report_deadlock(table, ptr, blocked_on)
+        _report_deadlock(table, ptr, {r: wiring.transfer(key) for r, key in blocked_on.items()})
 
 
 def _report_deadlock(table: ScheduleTable, ptr: list[int], blocked_on: dict[int, Transfer]) -> None:

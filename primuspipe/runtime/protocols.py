@@ -66,8 +66,8 @@ class Pending:
     node: ScheduleNode
     tensor: Any
     work: Any
-    posted_at: float = 0.0
-    """Set by a recording runner (its recorder's clock)."""
+    posted_at: Any = None
+    """Set by a recording runner: its recorder's timestamp of the posting."""
 
 
 class Transport(Protocol):
@@ -77,7 +77,9 @@ class Transport(Protocol):
 
 
 class Recorder(Protocol):
-    """Receives the start/end time of every node (``dump_pp_data``)."""
+    """Receives the start/end time of every node (``dump_pp_data``). A timestamp is whatever
+    :meth:`clock` returns (seconds, or a device event read only at the step's end); the runner passes
+    it back to :meth:`record` untouched, with the tensor a SEND/RECV node moved."""
 
-    def clock(self) -> float: ...
-    def record(self, node: ScheduleNode, start: float, end: float) -> None: ...
+    def clock(self) -> Any: ...
+    def record(self, node: ScheduleNode, start: Any, end: Any, tensor: Any = None) -> None: ...

@@ -3,19 +3,31 @@
 Each rank writes ``<dump_dir>/iter_<iteration>/rank_<rank>.json``: a :class:`~primuspipe.ir.timeline.Timeline`
 with ``source="run"`` holding that rank's events (seconds from the rank's step start) and its peak
 memory: peak allocated bytes on GPU (the CUDA peak counter is reset at step start), peak resident set
-size sampled at every node boundary on CPU. ``meta["t0_unix"]`` is the rank's step start on the wall
-clock, so :func:`~primuspipe.ir.timeline.merge_rank_dumps` can lay all ranks on one time axis, and
-``meta["run_id"]`` is the run's id, the same on every rank of the pipeline (:func:`shared_run_id`), so
-readers never merge files of two runs left in one directory. Files are written atomically (a rank
-killed mid-write leaves no half file), so an iteration on disk is whole or visibly missing ranks.
+size sampled at the end of every compute node on CPU. ``meta["t0_unix"]`` is the rank's step start on
+the wall clock, so :func:`~primuspipe.ir.timeline.merge_rank_dumps` can lay all ranks on one time axis. ``meta["run_id"]`` is the
+run's id, the same on every rank of the pipeline (:func:`shared_run_id`), so readers never merge files of
+two runs left in one directory. Files are written atomically (a rank killed mid-write leaves no half
+file), so an iteration on disk is whole or visibly missing ranks.
 
-On GPU every recorded time is taken after ``torch.cuda.synchronize()``, so a dumped step measures
-kernels, not launches (and runs slower than an undumped one).
+On CPU every time is read from that same wall clock, so ranks of one host line up exactly (a second
+clock paired with it at step start would be off by however long the process was descheduled between
+the two reads). Each event also carries the CPU time of the rank's own thread at its start and end,
+and SEND/RECV events the size of their tensor; ``meta`` says where the rank ran (``host``, ``cpus``: the
+cores it may use, ``threads``: torch's intra-op threads) and the CPU time the step took on this
+thread (``thread_cpu``) and on all of the process's (``process_cpu``, communication threads included).
+Calibration reads these to tell compute from waiting for a core when ranks share cores.
+
+On GPU the clock is a CUDA event recorded on the current stream, so recording never waits for the
+device: a node's start and end are when the stream reached them, i.e. kernel time, not launch time.
+The events are read once, when the step's timeline is built (one synchronisation per step, plus one
+at step start so the first event lines up with ``t0_unix``); a dumped step runs as fast as an
+undumped one, short of the event records themselves.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 import uuid
 from typing import Any
@@ -30,54 +42,116 @@ from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except OSError:  # not Linux: fall back to the process-lifetime peak
-        import resource
+class Stamp(float):
+    """A CPU timestamp: seconds from the step start, carrying this thread's CPU seconds by then."""
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    __slots__ = ("cpu",)
+    cpu: float
+
+
+class _ResidentSetSize:
+    """The process's resident set size, read from ``/proc/self/statm`` through a descriptor kept open
+    (about 2 us a read, against 13 us for opening the file each time)."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:  # not Linux: the process-lifetime peak is all there is
+            self._fd = None
+
+    def __call__(self) -> int:
+        if self._fd is None:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return int(os.pread(self._fd, 64, 0).split()[1]) * _PAGE
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 class StepRecorder:
-    """A :class:`~primuspipe.runtime.runner.Recorder` for one step of one rank."""
+    """A :class:`~primuspipe.runtime.protocols.Recorder` for one step of one rank.
+
+    :meth:`clock` returns a timestamp that only :meth:`record` interprets -- a :class:`Stamp` on CPU, a
+    recorded CUDA event on GPU -- so the runner never needs the time itself while the step runs.
+    """
 
     def __init__(self, device: torch.device, run_id: str | None = None):
         self.run_id = run_id
         self.cuda = device.type == "cuda"
+        self.device = device
+        self.events: list[tuple[ScheduleNode, Any, Any, int | None]] = []
         if self.cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        self.device = device
-        self.t0 = time.perf_counter()
-        self.t0_unix = time.time()
-        self.events: list[TimedNode] = []
-        self._peak_rss = _rss_bytes() if not self.cuda else 0
-
-    def clock(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+            self._origin = self._event()
+            self._rss = None
         else:
-            self._peak_rss = max(self._peak_rss, _rss_bytes())
-        return time.perf_counter() - self.t0
+            self._rss = _ResidentSetSize()
+            self._peak_rss = self._rss()
+        self.t0_unix = time.time()
+        self._cpu0 = (time.thread_time(), time.process_time())
 
-    def record(self, node: ScheduleNode, start: float, end: float) -> None:
-        self.events.append(TimedNode(node, start, end))
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def clock(self) -> Any:
+        if self.cuda:
+            return self._event()
+        stamp = Stamp(time.time() - self.t0_unix)
+        stamp.cpu = time.thread_time() - self._cpu0[0]
+        return stamp
+
+    def record(self, node: ScheduleNode, start: Any, end: Any, tensor: Any = None) -> None:
+        nbytes = None if tensor is None else tensor.numel() * tensor.element_size()
+        self.events.append((node, start, end, nbytes))
+        if self._rss is not None and node.kind.is_compute:
+            self._peak_rss = max(self._peak_rss, self._rss())
+
+    def _timed(self, node: ScheduleNode, start: Any, end: Any, nbytes: int | None) -> TimedNode:
+        """An event in seconds from the step start (CUDA events must have completed)."""
+        if self.cuda:
+            return TimedNode(node, self._origin.elapsed_time(start) / 1e3, self._origin.elapsed_time(end) / 1e3,
+                             bytes=nbytes)
+        cpu = (start.cpu, end.cpu) if isinstance(start, Stamp) and isinstance(end, Stamp) else None
+        return TimedNode(node, float(start), float(end), cpu, nbytes)
 
     def peak_memory_bytes(self) -> int:
         if self.cuda:
             return int(torch.cuda.max_memory_allocated(self.device))
-        return max(self._peak_rss, _rss_bytes())
+        return max(self._peak_rss, self._rss())
 
     def timeline(self, table: ScheduleTable, rank: int, iteration: int) -> Timeline:
-        events = tuple(sorted(self.events, key=lambda e: (e.start, e.end)))
+        """The step's timeline; on GPU this is where the device is synchronised, once."""
+        thread_cpu, process_cpu = time.thread_time() - self._cpu0[0], time.process_time() - self._cpu0[1]
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        events = tuple(sorted((self._timed(*e) for e in self.events), key=lambda e: (e.start, e.end)))
+        peak = self.peak_memory_bytes()
+        meta = {"t0_unix": self.t0_unix, "run_id": self.run_id, "device": str(self.device),
+                "memory": "peak allocated" if self.cuda else "peak RSS",
+                "placement": table.placement.to_dict(), "host": socket.gethostname(),
+                "cpus": usable_cpus(), "threads": torch.get_num_threads()}
+        if self._rss is not None:
+            self._rss.close()
+            meta.update(thread_cpu=thread_cpu, process_cpu=process_cpu)
         return Timeline(
             source="run", algorithm=table.algorithm, pp=table.pp, vpp=table.vpp, microbatches=table.microbatches,
-            ranks=(RankTimeline(rank, events, self.peak_memory_bytes()),), iteration=iteration,
-            meta={"t0_unix": self.t0_unix, "run_id": self.run_id, "device": str(self.device),
-                  "memory": "peak allocated" if self.cuda else "peak RSS",
-                  "placement": table.placement.to_dict()},
+            ranks=(RankTimeline(rank, events, peak),), iteration=iteration, meta=meta,
         )
 
 

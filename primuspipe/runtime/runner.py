@@ -98,7 +98,7 @@ class ScheduleRunner:
         def finish(pending: Pending) -> None:
             transport.complete(pending)
             if recorder is not None:
-                recorder.record(pending.node, pending.posted_at, clock())
+                recorder.record(pending.node, pending.posted_at, clock(), pending.tensor)
 
         def take(key: Handoff) -> Any:
             if (pending := receiving.pop(key, None)) is not None:

@@ -1,29 +1,35 @@
 """The event loop: replays a full table under a cost model and times every node.
 
-Semantics are the validator's (docs/design.md §3), with time added:
+Semantics are the validator's (docs/design.md §3), with time added (docs/simulator.md):
 
 * each rank runs its nodes in table order, one at a time;
-* posting a send or a receive takes no rank time and never blocks;
+* posting a send or a receive takes the host's post time (``host.send`` / ``host.recv``, default 0)
+  and never blocks;
 * per direction (source rank -> destination rank) the k-th send is matched with the k-th receive; the
   transfer starts once both are posted (rendezvous, as NCCL's p2p kernels do) and takes
   ``P2PCost.transfer_time`` (links are not contended);
-* a compute node starts when its rank is free and its inbound transfers have arrived;
+* a compute node starts when its rank is free and its inbound transfers have arrived, plus its kind's
+  host overhead; it takes its cost, plus its cold start when it is its chunk's first of its kind in the step;
 * the step ends when the last node (compute or transfer) finishes.
 
-Because every start time is a function of the table and the costs only, the result does not depend on
-the order ranks are visited in; the loop still visits them in a fixed order (a FIFO of woken ranks)
-so even its work is reproducible. A compute-only table gets its communication from
+Ranks with a device each (``host.cores`` unset) never slow each other, so each rank is run as far as
+it can go before the next (:func:`_run_dedicated`), and because every start time is a function of the
+table and the costs only, the result does not depend on that order. Ranks sharing cores
+(``host.cores``) slow each other while more of them are busy than there are cores, so time must pass
+for all of them together (:func:`_run_shared`). A compute-only table gets its communication from
 :func:`~primuspipe.passes.communication.add_communication` first, so transfers are costed too.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
 
 from primuspipe.passes.communication import add_communication
-from primuspipe.ir.dataflow import Transfer, inbound, transfer_of
 from primuspipe.errors import SimulationError
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.cost_model import CostModel
@@ -32,6 +38,9 @@ from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline, idle_share
 
 _COMPUTE, _SEND, _RECV = 0, 1, 2
+_STEADY_STATE_ROUNDS = 50
+"""With step gaps, steps are replayed until each rank enters the step at the same offset as in the
+previous one (a pipeline settles in a few rounds); at most this many."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,11 @@ class RankResult:
     its F until its W (at the cost model's ``w_retained_fraction`` between B and W)."""
     peak_activation_bytes: float
     static_bytes: float
+    cpu: tuple[tuple[float, float], ...] | None = None
+    """With ranks sharing cores (``host.cores``): per node, the CPU time this rank had got by its start
+    and by its end (as a run dump records it); None otherwise."""
+    entered: float = 0.0
+    """When the rank entered the step: 0, or with step gaps its steady-state offset."""
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -65,7 +79,7 @@ class RankResult:
 
     @cached_property
     def events(self) -> tuple[TimedNode, ...]:
-        return tuple(map(TimedNode, self.nodes, self.starts, self.ends))
+        return tuple(map(TimedNode, self.nodes, self.starts, self.ends, self.cpu or (None,) * len(self.nodes)))
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,9 @@ class SimulationResult:
     """From the step's start to its last node's end, in the cost model's time unit."""
     ranks: tuple[RankResult, ...]
     """Per rank, in rank order."""
+    period: float | None = None
+    """With step gaps (``host.step_gap``): the steady-state time from one step's start to the next's,
+    ranks entering each step at their ``starts`` offsets; None without."""
 
     @property
     def bubble_rate(self) -> float:
@@ -125,6 +142,16 @@ class SimulationResult:
             "bubble_rate_span": self.span_bubble_rate,
             "peak_activations": self.peak_activations,
         }
+        facts: list[dict] = [{"rank": r.rank} for r in self.ranks]  # what a run dump says per rank
+        if self.period is not None:
+            meta["period"] = self.period
+            for fact, r in zip(facts, self.ranks):
+                fact["entered"] = r.entered
+        if self.cost.host.cores is not None:  # which ranks share cores
+            for fact in facts:
+                fact["host"] = f"node {fact['rank'] // self.cost.p2p.ranks_per_node}"
+        if len(facts[0]) > 1:
+            meta["ranks"] = facts
         modelled = self.cost.memory.models_bytes  # without activation bytes, bytes are unknown, not zero
         ranks = tuple(RankTimeline(r.rank, r.events, round(r.peak_memory_bytes) if modelled else None) for r in self.ranks)
         return Timeline("simulator", t.algorithm, t.pp, t.vpp, t.microbatches, ranks, iteration,
@@ -143,83 +170,94 @@ def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
     if cost.num_stages != table.num_stages:
         raise SimulationError(f"the cost model describes {cost.num_stages} stages but the table has "
                               f"{table.num_stages} (pp={table.pp} x vpp={table.vpp}); build the costs for this shape")
+    gaps = cost.host.step_gap
+    if gaps is not None and len(gaps) != table.pp:
+        raise SimulationError(f"host.step_gap has {len(gaps)} values but the table has {table.pp} ranks; give one "
+                              "number or one per rank")
     full = table if table.has_communication else add_communication(table)
-    programs, busy, routes, lanes = _compile(full, cost)
-    starts, ends = _run(full, programs, routes, lanes)
+    programs, lanes = _compile(full, cost)
+    offsets = [0.0] * full.pp
+    for _ in range(1 if gaps is None else _STEADY_STATE_ROUNDS):
+        if cost.host.cores is None:
+            (starts, ends, busy), cpu = _run_dedicated(full, programs, lanes, offsets), None
+        else:
+            starts, ends, busy, cpu = _run_shared(full, programs, lanes, offsets, cost=cost)
+        if gaps is None:
+            break
+        # the next step: each rank starts its step gap after its own end
+        nxt = [max(e, default=o) + g for e, o, g in zip(ends, offsets, gaps)]
+        nxt = [x - min(nxt) for x in nxt]
+        if all(abs(a - b) <= 1e-12 * (1 + abs(a)) for a, b in zip(nxt, offsets)):
+            break
+        offsets = nxt
     step = max((max(e, default=0.0) for e in ends), default=0.0)
+    period = None if gaps is None else min(max(e, default=o) + g - o for e, o, g in zip(ends, offsets, gaps))
     units, act_bytes = peak_activations(full, cost.memory)
     ranks = tuple(
         RankResult(r, full.ranks[r], tuple(starts[r]), tuple(ends[r]), busy[r],
-                   idle_share(step, busy[r]), units[r], act_bytes[r], cost.static_bytes(r))
+                   idle_share(step, busy[r]), units[r], act_bytes[r], cost.static_bytes(r),
+                   None if cpu is None else tuple(cpu[r]), offsets[r])
         for r in range(full.pp)
     )
-    return SimulationResult(full, cost, step, ranks)
+    return SimulationResult(full, cost, step, ranks, period)
 
 
-def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], list[float], list[tuple], int]:
-    """Per rank, the nodes as flat ops: ``(_COMPUTE, duration, inbound transfer keys)`` or
-    ``(_SEND | _RECV, lane, transfer key, transfer time)``; each rank's busy time; the
-    ``(carries, src_stage, dst_stage)`` of each transfer key's route; and the number of lanes.
+def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], list[tuple[int, int]]]:
+    """Per rank, the nodes as flat ops, and each lane's ``(source, destination)`` ranks. An op is
+    ``(_COMPUTE, host time before it, duration, inbound transfer keys)`` or ``(_SEND | _RECV, host
+    time to post it, lane, transfer key, transfer time)``; keys are the table's
+    :class:`~primuspipe.ir.dataflow.Wiring`.
 
-    A transfer is keyed by an int, ``route * microbatches + microbatch``, and everything but the
-    microbatch is looked up once per (rank, kind, chunk, peer): this keeps simulate fast enough for
-    search loops over large tables.
+    Everything but the microbatch is looked up once per (rank, kind, chunk, peer): this keeps simulate
+    fast enough for search loops over large tables.
     """
-    placement, m = table.placement, table.microbatches
+    placement, wiring = table.placement, table.wiring
     lanes: dict[tuple[int, int], int] = {}
-    routes: dict[tuple, int] = {}
-
-    def first_key(transfer: Transfer) -> int:
-        """The key of the transfer's route at microbatch 0."""
-        return routes.setdefault(transfer[:3], len(routes)) * m
-
-    programs, busy = [], []
-    for rank, row in enumerate(table.ranks):
-        shape: dict[tuple, tuple] = {}  # (kind, chunk, peer, pair chunk) -> (code, duration or lane, keys, time)
-        ops, total = [], 0.0
-        for node in row:
-            mb = node.microbatch
-            shape_key = (node.kind, node.chunk, node.peer, node.pair and node.pair[1])
-            if (known := shape.get(shape_key)) is None:
-                known = shape[shape_key] = _shape(placement, rank, node, cost, lanes, first_key)
-            code, value, key0, duration = known
-            if code == _COMPUTE:
-                # the inbound transfers of each part, at that part's microbatch
-                mbs = (mb,) if node.pair is None else (mb, node.pair[0])
-                needs = tuple(k + part_mb for k, part_mb in zip(key0, mbs) if k >= 0)
-                ops.append((_COMPUTE, value, needs))
-                total += value
-            else:
-                ops.append((code, value, key0 + mb, duration))
+    programs = []
+    for rank, (row, moves, takes) in enumerate(zip(table.ranks, wiring.moves, wiring.takes)):
+        shapes: dict[tuple, tuple] = {}  # (kind, chunk, peer, pair chunk) -> the op less its microbatch
+        warmed: set[tuple] = set()  # (kind, chunk) whose first node of the step has run
+        ops = []
+        for node, moved, needs in zip(row, moves, takes):
+            kind = node.kind
+            shape_key = (kind, node.chunk, node.peer, node.pair and node.pair[1])
+            if (known := shapes.get(shape_key)) is None:
+                known = shapes[shape_key] = _shape(placement, rank, node, cost, lanes)
+            if moved >= 0:
+                ops.append((*known[:3], moved, known[3]))
+                continue
+            duration = known[2]
+            if cost.cold_start is not None and (first := [p for p in node.parts() if (p.kind, p.chunk) not in warmed]):
+                warmed.update((p.kind, p.chunk) for p in first)
+                duration += cost.cold_start_time([(p.kind, placement.stage(rank, p.chunk)) for p in first])
+            ops.append((_COMPUTE, known[1], duration, needs))
         programs.append(ops)
-        busy.append(total)
-    return programs, busy, list(routes), len(lanes)
+    return programs, list(lanes)
 
 
-def _shape(placement, rank: int, node: ScheduleNode, cost: CostModel, lanes: dict, first_key) -> tuple:
-    """What a node of this (rank, kind, chunk, peer) compiles to. A compute node's transfer keys are
-    microbatch 0's, one per part (-1 where the part needs no transfer)."""
+def _shape(placement, rank: int, node: ScheduleNode, cost: CostModel, lanes: dict) -> tuple:
+    """What a node of this (rank, kind, chunk, peer) compiles to, less its microbatch:
+    ``(_COMPUTE, host time, duration)`` or ``(code, host time, lane, transfer time)``."""
     kind = node.kind
     if kind.is_compute:
-        keys = tuple(-1 if (t := inbound(placement, rank, k, chunk, 0)) is None else first_key(t)
-                     for k, _, chunk in node.parts())
-        return _COMPUTE, cost.node_time(placement, rank, node), keys, 0.0
+        return _COMPUTE, cost.host.before(kind), cost.node_time(placement, rank, node)
     src, dst = (rank, node.peer) if kind.is_send else (node.peer, rank)
     lane = lanes.setdefault((src, dst), len(lanes))
-    code = _SEND if kind.is_send else _RECV
-    return code, lane, first_key(transfer_of(placement, rank, node)), cost.p2p.transfer_time(src, dst)
+    return _SEND if kind.is_send else _RECV, cost.host.post(kind), lane, cost.p2p.transfer_time(src, dst)
 
 
-def _run(table: ScheduleTable, programs: list[list[tuple]], routes: list[tuple], lanes: int
-         ) -> tuple[list[list[float]], list[list[float]]]:
-    """The event loop. Returns per-rank start and end times, indexed like the table's rows."""
+def _run_dedicated(table: ScheduleTable, programs: list[list[tuple]], lanes: list[tuple[int, int]],
+                   offsets: list[float]):
+    """The event loop for ranks with a device each: every rank runs as far as it can, then waits for a
+    transfer; an arrival wakes its consumer. Rank ``r`` enters the step at ``offsets[r]``. Returns
+    per-rank start and end times (indexed like the table's rows) and busy (compute) time."""
     pp = len(programs)
     starts = [[0.0] * len(p) for p in programs]
     ends = [[0.0] * len(p) for p in programs]
-    posted = [([], []) for _ in range(lanes)]  # per lane: (sends, receives) as [(time, rank, index, transfer)]
+    posted = [([], []) for _ in lanes]  # per lane: (sends, receives) as [(time, rank, index, transfer)]
     arrival: dict[int, float] = {}  # transfer key -> arrival time
     waiting: dict[int, int] = {}  # transfer key -> the rank blocked on it
-    ptr, clock = [0] * pp, [0.0] * pp
+    ptr, clock = [0] * pp, list(offsets)
     ready = deque(range(pp))
     while ready:
         rank = ready.popleft()
@@ -229,50 +267,198 @@ def _run(table: ScheduleTable, programs: list[list[tuple]], routes: list[tuple],
             op = ops[i]
             if op[0] == _COMPUTE:
                 start = t
-                for need in op[2]:
+                for need in op[3]:
                     a = arrival.get(need)
                     if a is None:
                         break
                     start = a if a > start else start
                 else:
-                    st[i] = start
-                    t = en[i] = start + op[1]
+                    st[i] = start = start + op[1]
+                    t = en[i] = start + op[2]
                     i += 1
                     continue
                 waiting[need] = rank
                 break
-            code, lane, transfer, duration = op
+            code, before, lane, transfer, duration = op
+            t += before
             st[i] = t
             sends, recvs = posted[lane]
             mine, theirs = (sends, recvs) if code == _SEND else (recvs, sends)
             mine.append((t, rank, i, transfer))
             k = len(mine) - 1
             if k < len(theirs):
-                _match(table, sends[k], recvs[k], duration, ends, arrival)
+                arrival[transfer] = _match(table, sends[k], recvs[k], duration, ends)
                 if transfer in waiting:
                     ready.append(waiting.pop(transfer))
             i += 1
         ptr[rank], clock[rank] = i, t
-    _check_finished(table, programs, ptr, waiting, posted, routes)
-    return starts, ends
+    _check_finished(table, programs, ptr, waiting, posted)
+    busy = [sum(op[2] for op in ops if op[0] == _COMPUTE) for ops in programs]
+    return starts, ends, busy
 
 
-def _match(table, send: tuple, recv: tuple, duration: float, ends: list[list[float]], arrival: dict) -> None:
-    """Pair a lane's k-th send and k-th receive: the transfer starts once both are posted."""
+def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[tuple[int, int]],
+                offsets: list[float], *, cost: CostModel):
+    """The event loop for ranks sharing ``host.cores`` cores per node (``p2p.ranks_per_node`` ranks):
+    processor sharing, i.e. while ``n`` CPU jobs of a node are running each progresses at
+    ``min(1, cores / n)``. A rank's host time and compute are jobs of its node; each message adds a
+    detached ``host.comm_cpu`` job, half on each end's node, while it is in flight. Time passes for all
+    ranks together: the next event is the earliest job completion (tracked per node in *virtual time*,
+    the work a job running since the start would have done) or transfer arrival. Also returns, per
+    rank and node, the CPU time the rank had got by the node's start and end.
+
+    A compute node is reported as an OS time-slicing ranks shows it in a run's dump: ending when its
+    work is done, lasting its work (a rank holds its core through a node and waits for one between
+    nodes), so busy time is work and the time spent sharing is idle time before the node."""
+    pp, cores, per_node = len(programs), cost.host.cores, cost.p2p.ranks_per_node
+    node_of = [r // per_node for r in range(pp)]
+    nodes = node_of[-1] + 1 if pp else 0
+    virtual, active = [0.0] * nodes, [0] * nodes
+    jobs: list[list[tuple]] = [[] for _ in range(nodes)]  # per node: heap of (virtual finish, seq, rank, phase)
+    arrivals: list[tuple[float, int]] = []  # heap of (time, transfer key)
+    starts = [[0.0] * len(p) for p in programs]
+    ends = [[0.0] * len(p) for p in programs]
+    posted = [([], []) for _ in lanes]
+    arrived: set[int] = set()
+    waiting: dict[int, int] = {}
+    ptr, seq, now = [0] * pp, itertools.count(), 0.0
+    got = [0.0] * pp  # CPU time each rank's finished jobs took
+    running: dict[int, float] = {}  # rank -> virtual time its running job started at
+    cpu = [[[0.0, 0.0] for _ in p] for p in programs]
+    _HOST, _WORK, _DETACHED = 0, 1, 2
+
+    def cpu_now(rank: int) -> float:
+        started = running.get(rank)
+        return got[rank] + (0.0 if started is None else virtual[node_of[rank]] - started)
+
+    def rate(n: int) -> float:
+        return 1.0 if active[n] <= cores else cores / active[n]
+
+    def start_job(n: int, work: float, rank: int, phase: int) -> None:
+        heapq.heappush(jobs[n], (virtual[n] + work, next(seq), rank, phase))
+        active[n] += 1
+        if phase != _DETACHED:
+            running[rank] = virtual[n]
+
+    def advance(rank: int) -> None:
+        """Run ``rank`` from its current op until it starts a job or waits for a transfer."""
+        ops, i = programs[rank], ptr[rank]
+        while i < len(ops):
+            op = ops[i]
+            if op[0] == _COMPUTE:
+                missing = [need for need in op[3] if need not in arrived]
+                if missing:
+                    waiting[missing[0]] = rank
+                    break
+                ptr[rank] = i
+                if op[1] > 0:
+                    start_job(node_of[rank], op[1], rank, _HOST)
+                else:
+                    begin_work(rank, i)
+                return
+            if op[1] > 0:  # spend its post time first; ptr = ~i marks "posting op i"
+                ptr[rank] = ~i
+                start_job(node_of[rank], op[1], rank, _HOST)
+                return
+            post(rank, i, op)
+            i += 1
+            ptr[rank] = i
+        ptr[rank] = i
+
+    def begin_work(rank: int, i: int) -> None:
+        starts[rank][i] = now
+        cpu[rank][i][0] = got[rank]
+        duration = programs[rank][i][2]
+        if duration > 0:
+            start_job(node_of[rank], duration, rank, _WORK)
+        else:
+            end_work(rank, i)
+
+    def end_work(rank: int, i: int) -> None:
+        # drawn as the OS runs it: its own work at full speed, ending now, after waiting for a core
+        starts[rank][i], ends[rank][i] = now - programs[rank][i][2], now
+        cpu[rank][i][1] = got[rank]
+        ptr[rank] = i + 1
+        advance(rank)
+
+    def post(rank: int, i: int, op: tuple) -> None:
+        code, _, lane, transfer, duration = op
+        starts[rank][i] = now
+        cpu[rank][i][0] = got[rank]
+        sends, recvs = posted[lane]
+        mine, theirs = (sends, recvs) if code == _SEND else (recvs, sends)
+        mine.append((now, rank, i, transfer))
+        k = len(mine) - 1
+        if k < len(theirs):
+            heapq.heappush(arrivals, (_match(table, sends[k], recvs[k], duration, ends), transfer, sends[k], recvs[k]))
+            if cost.host.comm_cpu > 0:
+                for end in lanes[lane]:
+                    start_job(node_of[end], cost.host.comm_cpu / 2, -1, _DETACHED)
+
+    for rank in range(pp):  # a rank entering the step later arrives like a transfer (key ~rank)
+        heapq.heappush(arrivals, (offsets[rank], ~rank))
+    while True:
+        best, node = math.inf, -1
+        for n in range(nodes):
+            if jobs[n]:
+                t = now + (jobs[n][0][0] - virtual[n]) / rate(n)
+                if t < best:
+                    best, node = t, n
+        if arrivals and arrivals[0][0] <= best:
+            best, node = arrivals[0][0], -1
+        if best == math.inf:
+            break
+        for n in range(nodes):
+            if active[n]:
+                virtual[n] += (best - now) * rate(n)
+        now = best
+        if node < 0:
+            _, transfer, *ends_posted = heapq.heappop(arrivals)
+            if transfer < 0:
+                advance(~transfer)
+                continue
+            for _, end_rank, end_index, _ in ends_posted:
+                cpu[end_rank][end_index][1] = cpu_now(end_rank)
+            arrived.add(transfer)
+            if transfer in waiting:
+                advance(waiting.pop(transfer))
+            continue
+        finish, _, rank, phase = heapq.heappop(jobs[node])
+        virtual[node], active[node] = finish, active[node] - 1
+        if phase == _DETACHED:
+            continue
+        got[rank] += finish - running.pop(rank)
+        i = ptr[rank]
+        if i < 0:  # a post's host time is spent: post it now
+            post(rank, ~i, programs[rank][~i])
+            ptr[rank] = ~i + 1
+            advance(rank)
+        elif phase == _HOST:
+            begin_work(rank, i)
+        else:
+            end_work(rank, i)
+    _check_finished(table, programs, ptr, waiting, posted)
+    busy = [sum(op[2] for op in ops if op[0] == _COMPUTE) for ops in programs]
+    return starts, ends, busy, [[tuple(c) for c in row] for row in cpu]
+
+
+def _match(table, send: tuple, recv: tuple, duration: float, ends: list[list[float]]) -> float:
+    """Pair a lane's k-th send and k-th receive: the transfer starts once both are posted. Returns
+    when it arrives."""
     if send[3] != recv[3]:
         raise SimulationError(
             f"rank {send[1]} node {send[2]} ({table.ranks[send[1]][send[2]]}) is matched with rank "
             f"{recv[1]} node {recv[2]} ({table.ranks[recv[1]][recv[2]]}), which expects another tensor; "
             "run validate(table) and rebuild communication with add_communication")
     done = (send[0] if send[0] > recv[0] else recv[0]) + duration
-    ends[send[1]][send[2]] = ends[recv[1]][recv[2]] = arrival[send[3]] = done
+    ends[send[1]][send[2]] = ends[recv[1]][recv[2]] = done
+    return done
 
 
-def _check_finished(table, programs, ptr, waiting, posted, routes) -> None:
+def _check_finished(table, programs, ptr, waiting, posted) -> None:
     stuck = [r for r in range(len(programs)) if ptr[r] < len(programs[r])]
     if stuck:
-        m = table.microbatches
-        blocked = {r: Transfer(*routes[k // m], k % m) for k, r in waiting.items()}
+        blocked = {r: table.wiring.transfer(k) for k, r in waiting.items()}
         lines = [f"rank {r} at node {ptr[r]} ({table.ranks[r][ptr[r]]}) waits for the {blocked[r]}" for r in stuck]
         raise SimulationError("the table cannot complete; " + "; ".join(lines)
                               + ". Run validate(table) for the full diagnosis.")

@@ -66,7 +66,7 @@ def _run_table(table: ScheduleTable, forward_only: bool = False, timeout_s: floa
         class Rec:
             clock = staticmethod(time.perf_counter)
 
-            def record(self, node, start, end):
+            def record(self, node, start, end, tensor=None):
                 events.append((str(node), start, end))
 
         run_table = forward_only_view(table) if forward_only else table

@@ -5,22 +5,29 @@ from dataclasses import replace
 
 import pytest
 
-from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline, dump_path
+from primuspipe.ir.timeline import RankTimeline, Timeline, dump_path
 
-T0 = 1_700_000_000.0
+T0 = 1024.0
+"""The dumps' wall-clock origin: small, so that times shifted by it and back stay exact to well below
+the 12 significant digits calibrate keeps (a real Unix time has about 0.2 us resolution in a float)."""
 
 
 def split_into_rank_files(timeline: Timeline, dump_dir, iteration: int, skew: float = 0.25) -> None:
     """Write ``timeline`` as rank files. Rank r's clock starts ``r * skew`` earlier (ranks enter the step
     at different wall-clock times), so reading the files back must realign them: the merged timeline is
-    the original shifted by ``(pp - 1) * skew``."""
+    the original shifted by ``(pp - 1) * skew``. A simulated steady-state step (``meta["period"]``)
+    repeats every period, so iteration i starts i periods later on the wall clock."""
+    start = T0 + iteration * timeline.meta.get("period", 0.0)
     for rt in timeline.ranks:
-        shift = rt.rank * skew
-        events = tuple(sorted((TimedNode(e.node, e.start + shift, e.end + shift) for e in rt.events),
+        facts = next((r for r in timeline.meta.get("ranks", ()) if r["rank"] == rt.rank), {})
+        # a rank's clock starts when it enters the step; without that, an arbitrary skew per rank
+        shift = -facts["entered"] if "entered" in facts else rt.rank * skew
+        events = tuple(sorted((replace(e, start=e.start + shift, end=e.end + shift) for e in rt.events),
                               key=lambda e: (e.start, e.end)))
         part = replace(timeline, source="run", iteration=iteration,
                        ranks=(RankTimeline(rt.rank, events, rt.peak_memory_bytes),),
-                       meta={"t0_unix": T0 - shift, "device": "cpu", "memory": "peak RSS"})
+                       meta={"t0_unix": start - shift, "device": "cpu", "memory": "peak RSS",
+                             **{k: v for k, v in facts.items() if k in ("host",)}})
         part.save(dump_path(dump_dir, iteration, rt.rank))
 
 

@@ -1,5 +1,6 @@
 """Measured cost models: simulate with known costs -> calibrate -> the same costs and step time."""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -8,9 +9,12 @@ from simulator_support import simulate_rows
 
 from primuspipe.errors import TableFormatError
 from primuspipe.algorithms.build import build_schedule
+from primuspipe.cli import main
+from primuspipe.ir.cost_model import HostCost
+from primuspipe.ir.costs import ComputeCosts
 from primuspipe.simulator import CostModel, Link, P2PCost, simulate
-from primuspipe.calibration.measure import measure_costs
-from primuspipe.calibration.replay import executed_table
+from primuspipe.calibration.measure import REPLAY_TOLERANCE, measure_costs, replayed_cores
+from primuspipe.calibration.replay import executed_table, placement_of
 from primuspipe.tools.pp_vis import load_iterations
 
 P2P = P2PCost(intra_node=Link(0.05), inter_node=Link(0.05))
@@ -95,3 +99,100 @@ def test_mismatched_timelines_are_refused():
     custom = replace(a, algorithm="my-private-schedule", meta={})
     with pytest.raises(TableFormatError, match="--placement interleaved or v"):
         measure_costs([custom])
+
+
+# -- every term of the cost model, recovered exactly from a dump of a step simulated with it ----------
+HOST = HostCost(overhead=(("f", 0.0625), ("b", 0.125), ("w", 0.03125)), send=0.09375, recv=0.046875,
+                step_gap=(0.5, 1.0, 0.25, 0.75))
+COLD = ComputeCosts.per_stage(4, [0.5, 0.25, 0.5, 0.75], 0.25, 0.125)
+F, B, W = [1.0, 1.25, 1.0, 1.5], [1.5, 2.0, 1.0, 1.5], [0.5, 1.0, 0.75, 0.5]
+
+
+@pytest.mark.parametrize("cores", [None, 1.5, 2.0], ids=["a core per rank", "1.5 cores", "2 cores"])
+def test_host_latency_cold_start_and_cores_are_recovered_exactly(write_dump, cores):
+    """Host overheads per kind, posting times, the gaps between steps, the p2p latency, cold starts
+    and the cores ranks share: a steady-state step simulated with them, dumped in the on-disk format
+    (three consecutive iterations, ranks' clocks skewed), measured back."""
+    cost = CostModel.per_stage(4, F, B, W, p2p=P2P, time_unit="s", host=replace(HOST, cores=cores), cold_start=COLD)
+    timeline = simulate(build_schedule("zb-h1", 4, 8, cost=cost), cost).timeline()
+    measured = measure_costs(load_iterations(write_dump([timeline] * 3)))
+    assert (measured.forward, measured.backward_input, measured.backward_weight) == (tuple(F), tuple(B), tuple(W))
+    assert measured.cold_start == (COLD.forward, COLD.backward_input, COLD.backward_weight)
+    assert measured.host_overhead == dict(HOST.overhead)
+    assert measured.host_post == {"send": HOST.send, "recv": HOST.recv}
+    assert measured.p2p_latency == 0.05
+    assert measured.cores == cores
+    assert measured.step_gap == HOST.step_gap
+    file = CostModel.from_dict(measured.cost_dict(), pp=4, vpp=1)
+    assert file.host == cost.host and file.cold_start == cost.cold_start
+    assert simulate(executed_table(timeline), file).timeline().step_time == pytest.approx(timeline.step_time, rel=1e-9)
+
+
+def test_a_fused_backward_run_splits_its_cold_start_like_its_time():
+    cost = CostModel.per_stage(2, 1.0, 1.0, 1.0, p2p=P2P, time_unit="s", cold_start=ComputeCosts.per_stage(2, 0.5, 0.25, 0.25))
+    measured = measure_costs([simulate(build_schedule("1f1b", 2, 6), cost).timeline()])
+    assert measured.cold_start == ((0.5, 0.5), (0.25, 0.25), (0.25, 0.25)), "BW's extra 0.5 split in half"
+
+
+def test_calibrate_json_reports_how_well_the_model_replays_the_run(write_dump, capsys, tmp_path):
+    """The contract of 'primuspipe calibrate DUMP --json': step_time_error is the largest relative error
+    of a rank's finish, per_rank lists every rank; a dump of a simulated step replays exactly."""
+    cost = CostModel.per_stage(4, F, B, W, p2p=P2P, time_unit="s", host=HOST, cold_start=COLD)
+    timeline = simulate(build_schedule("zb-h1", 4, 8, cost=cost), cost).timeline()
+    dump = write_dump([timeline, timeline, timeline])
+    out = tmp_path / "measured.yaml"
+    assert main(["calibrate", str(dump), "--json", "-o", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"step_time_error", "per_rank", "step_time", "bubble_rate", "cost_model", "iterations"} <= set(report)
+    assert [r["rank"] for r in report["per_rank"]] == [0, 1, 2, 3]
+    assert report["step_time_error"] == max(abs(r["error"]) for r in report["per_rank"])
+    assert report["step_time_error"] == pytest.approx(0.0, abs=1e-9)
+    assert report["step_time"]["measured"] == pytest.approx(timeline.step_time)
+    assert report["iterations"] == [1, 2] and report["written"] == str(out)
+    assert yaml.safe_load(out.read_text()) == report["cost_model"]
+
+
+def test_calibrate_json_error_is_the_worst_rank(write_dump, capsys):
+    """Replayed under a model whose F is off on one stage, that stage's rank and those after it finish
+    late; the reported error is the largest over ranks, signed per rank."""
+    cost = CostModel.per_stage(4, F, B, W, p2p=P2P, time_unit="s")
+    run = simulate(build_schedule("1f1b", 4, 8), cost).timeline()
+    slower = simulate(build_schedule("1f1b", 4, 8), replace(cost, compute=ComputeCosts.per_stage(4, [1.0, 2.0, 1.0, 1.5], B, W))).timeline()
+    from primuspipe.calibration.accuracy import replay_accuracy
+
+    report = replay_accuracy([run], CostModel.from_dict(measure_costs([slower]).cost_dict(), pp=4, vpp=1))
+    errors = [r.error for r in report.ranks]
+    assert all(e > 0 for e in errors) and report.step_time_error == max(errors)
+
+
+@pytest.mark.parametrize("comm_cpu", [0.125, 0.5])
+def test_communication_cpu_is_per_message_and_the_replay_keeps_the_step(comm_cpu):
+    """The CPU the processes spent outside their ranks' threads (what communication threads take from
+    the shared cores), over the step's messages, is ``host.comm_cpu``; the cores fitted beside it make
+    the run's own order replay in the run's step time."""
+    host = replace(HOST, cores=1.5, comm_cpu=comm_cpu, step_gap=None)
+    cost = CostModel.per_stage(4, F, B, W, p2p=P2P, time_unit="s", host=host, cold_start=COLD)
+    timeline = simulate(build_schedule("zb-h1", 4, 8, cost=cost), cost).timeline()
+    sends = sum(1 for rt in timeline.ranks for e in rt.events if e.node.kind.is_send)
+    share = [1, 2, 3, 2]  # ranks carry different shares of it; only the total counts
+    facts = [{**r, "thread_cpu": 10.0, "process_cpu": 10.0 + comm_cpu * sends * share[r["rank"]] / sum(share)}
+             for r in timeline.meta["ranks"]]
+    timeline = replace(timeline, meta={**timeline.meta, "ranks": facts})
+    measured = measure_costs([timeline, timeline], warmup=0)
+    assert measured.comm_cpu == comm_cpu
+    assert measured.cores == pytest.approx(1.5, abs=0.02)
+    replayed = simulate(executed_table(timeline), CostModel.from_dict(measured.cost_dict(), pp=4, vpp=1))
+    assert replayed.step_time == pytest.approx(timeline.step_time, rel=REPLAY_TOLERANCE)
+
+
+def test_cores_the_replay_contradicts_are_refitted_on_it():
+    """A core count under which the run's own order would replay too slowly (or too fast) is refitted:
+    the replay then takes the run's step time."""
+    cost = CostModel.per_stage(4, F, B, W, p2p=P2P, time_unit="s", host=replace(HOST, cores=1.5, step_gap=None))
+    timeline = simulate(build_schedule("zb-h1", 4, 8, cost=cost), cost).timeline()
+    measured = measure_costs([timeline], warmup=0)
+    for wrong in (0.75, 3.0):
+        refit = replayed_cores(replace(measured, cores=wrong), [timeline], placement_of(timeline))
+        model = CostModel.from_dict(replace(measured, cores=refit).cost_dict(), pp=4, vpp=1)
+        assert simulate(executed_table(timeline), model).step_time == pytest.approx(timeline.step_time, rel=0.005)
+        assert refit == pytest.approx(1.5, abs=0.05)

@@ -14,11 +14,11 @@ See docs/pp_vis.md.
 [('bubble rate mean', 0.0), ('peak memory rank 0 (bytes)', None), ('peak memory rank 1 (bytes)', None)]
 """
 
+from importlib import import_module
+
 from primuspipe.calibration.measure import MeasuredCosts, measure_costs
 from primuspipe.calibration.replay import compute_order, executed_table, placement_of
-from primuspipe.tools.pp_vis.html import timeline_figure, write_html
 from primuspipe.tools.pp_vis.load import in_unit, load_iterations, load_timeline
-from primuspipe.tools.pp_vis.png import draw_png
 from primuspipe.tools.pp_vis.stats import (
     Comparison,
     Figure,
@@ -33,3 +33,12 @@ from primuspipe.tools.pp_vis.trace import write_trace
 __all__ = ["Comparison", "Figure", "MeasuredCosts", "OrderDifference", "TimelineStats", "compare_timelines",
            "compute_order", "draw_png", "executed_table", "in_unit", "load_iterations", "load_timeline",
            "measure_costs", "placement_of", "replay", "timeline_figure", "timeline_stats", "write_html", "write_trace"]
+
+_DRAWING = {"draw_png": "png", "timeline_figure": "html", "write_html": "html"}
+"""Loaded on first use: matplotlib and plotly take longer to import than most commands take to run."""
+
+
+def __getattr__(name: str):
+    if name in _DRAWING:
+        return getattr(import_module(f"primuspipe.tools.pp_vis.{_DRAWING[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -134,7 +134,10 @@ def in_unit(timeline: Timeline, unit: str) -> Timeline:
     if unit == timeline.time_unit:
         return timeline
     scale = TIME_UNITS[timeline.time_unit] / TIME_UNITS[unit]
-    ranks = tuple(replace(r, events=tuple(TimedNode(e.node, e.start * scale, e.end * scale) for e in r.events))
-                  for r in timeline.ranks)
+    def scaled(e: TimedNode) -> TimedNode:
+        cpu = None if e.cpu is None else (e.cpu[0] * scale, e.cpu[1] * scale)
+        return replace(e, start=e.start * scale, end=e.end * scale, cpu=cpu)
+
+    ranks = tuple(replace(r, events=tuple(map(scaled, r.events))) for r in timeline.ranks)
     return replace(timeline, ranks=ranks, time_unit=unit)
 

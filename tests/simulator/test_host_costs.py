@@ -1,0 +1,130 @@
+"""What a step spends outside its kernels: host time per node and per posting, cold first nodes, and
+ranks sharing cores -- hand-computed event logs, and the YAML form of the new terms."""
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.errors import ConfigError, SimulationError
+from primuspipe.ir.cost_model import HostCost
+from primuspipe.ir.costs import ComputeCosts
+from primuspipe.simulator import CostModel, Link, P2PCost, simulate
+
+HOST = HostCost(overhead=(("f", 0.125), ("bw", 0.25)), send=0.0625, recv=0.03125)
+
+
+def test_host_time_before_nodes_and_postings():
+    """1F1B pp=2, m=1, F=1, BW=2, latency 0.5. A posting takes its host time and is stamped when
+    made; a compute node starts its kind's host time after the rank is free and its input is in.
+
+    rank 0: RECV_B posted at 0.03125; F at 0.15625-1.15625; SEND_F posted at 1.21875.
+    rank 1: RECV_F posted at 0.03125; the activation arrives at 1.71875, F runs 1.84375-2.84375, BW
+    3.09375-5.09375, SEND_B posted at 5.15625, the gradient arrives at 5.65625; rank 0's BW runs
+    5.90625-7.90625.
+    """
+    cost = CostModel.per_stage(2, 1, 1, 1, p2p=P2PCost(intra_node=Link(0.5)), host=HOST)
+    result = simulate(build_schedule("1f1b", pp=2, microbatches=1), cost)
+    assert result.event_log() == [
+        (0.03125, 5.65625, 0, "RECV_B0.0<1"),
+        (0.03125, 1.71875, 1, "RECV_F0.0<0"),
+        (0.15625, 1.15625, 0, "F0.0"),
+        (1.21875, 1.71875, 0, "SEND_F0.0>1"),
+        (1.84375, 2.84375, 1, "F0.0"),
+        (3.09375, 5.09375, 1, "BW0.0"),
+        (5.15625, 5.65625, 1, "SEND_B0.0>0"),
+        (5.90625, 7.90625, 0, "BW0.0"),
+    ]
+    assert result.step_time == 7.90625
+    assert [r.busy_time for r in result.ranks] == [3.0, 3.0], "host time is not compute"
+
+
+def test_each_chunks_first_node_of_a_kind_pays_its_cold_start():
+    """pp=1, m=3, F=1 and BW=1: the first F takes 0.5 more, the first BW 0.25 + 0.25 more."""
+    cost = CostModel.per_stage(1, 1, 0.5, 0.5, cold_start=ComputeCosts.per_stage(1, 0.5, 0.25, 0.25))
+    result = simulate(build_schedule("1f1b", pp=1, microbatches=3), cost)
+    durations = [e - s for s, e in zip(result.ranks[0].starts, result.ranks[0].ends)]
+    assert [str(n) for n in result.ranks[0].nodes] == ["F0.0", "BW0.0", "F1.0", "BW1.0", "F2.0", "BW2.0"]
+    assert durations == [1.5, 1.5, 1.0, 1.0, 1.0, 1.0] and result.step_time == 7.0
+
+
+@pytest.mark.parametrize("cores, step", [(1.0, 6.0), (2.0, 5.0)])
+def test_ranks_sharing_cores_slow_each_other_while_both_are_busy(cores, step):
+    """ZB-H1 pp=2, m=1, F=B=W=1, free transfers. From t=3 rank 0's B and rank 1's W run at once: on
+    one core each gets half of it, so both end at 5 (and rank 0's W at 6); on two cores nothing is
+    shared and the step is the dedicated one. A node is reported as lasting its own work, ending when
+    it ends (the OS gives a rank its core for a node; the sharing is waiting before it)."""
+    cost = CostModel.per_stage(2, 1, 1, 1, host=HostCost(cores=cores))
+    result = simulate(build_schedule("zb-h1", pp=2, microbatches=1), cost)
+    assert result.step_time == step
+    dedicated = simulate(build_schedule("zb-h1", pp=2, microbatches=1), replace(cost, host=HostCost()))
+    assert (result.step_time == dedicated.step_time) == (cores >= 2)
+    rank1 = dict(zip(map(str, result.ranks[1].nodes), result.ranks[1].cpu))
+    assert rank1["W0.0"] == (2.0, 3.0), "a node's CPU stamps count the work its rank has done"
+    w = dict(zip(map(str, result.ranks[1].nodes), zip(result.ranks[1].starts, result.ranks[1].ends)))["W0.0"]
+    assert w == ((4.0, 5.0) if cores == 1 else (3.0, 4.0))
+    assert [r.busy_time for r in result.ranks] == [3.0, 3.0]
+
+
+def test_enough_cores_time_exactly_as_a_device_per_rank():
+    """The processor-sharing loop with as many cores as ranks gives the dedicated loop's every time."""
+    cost = CostModel.per_stage(8, [1.0, 1.5] * 4, 0.75, 0.5, p2p=P2PCost(intra_node=Link(0.1)), host=HOST,
+                               cold_start=ComputeCosts.per_stage(8, 0.25, 0.125, 0.0))
+    table = build_schedule("zbv", pp=4, microbatches=8)
+    dedicated, shared = simulate(table, cost), simulate(table, replace(cost, host=replace(HOST, cores=4)))
+    for a, b in zip(dedicated.ranks, shared.ranks):
+        assert all(math.isclose(x, y, abs_tol=1e-9) for x, y in zip(a.starts + a.ends, b.starts + b.ends))
+
+
+def test_comm_cpu_takes_from_shared_cores_without_holding_up_a_rank():
+    """A message's communication CPU competes for the cores but never delays the rank that posted it."""
+    base = CostModel.per_stage(4, 1, 1, 1, host=HostCost(cores=1.0))
+    table = build_schedule("1f1b", pp=4, microbatches=4)
+    quiet, busy = simulate(table, base), simulate(table, replace(base, host=HostCost(cores=1.0, comm_cpu=0.5)))
+    assert busy.step_time > quiet.step_time
+    free = simulate(table, replace(base, host=HostCost(comm_cpu=0.5)))
+    assert free.step_time == simulate(table, replace(base, host=HostCost())).step_time, "no cores: no effect"
+
+
+def test_host_and_cold_start_in_yaml_round_trip():
+    data = {"time_unit": "s", "compute": {"f": [1, 2], "b": 1, "w": 1, "cold_start": {"f": 0.5}},
+            "host": {"overhead": {"f": 0.1, "bw": 0.2}, "send": 0.05, "recv": 0.025, "cores": 2, "comm_cpu": 0.01}}
+    model = CostModel.from_dict(data, pp=2, vpp=2)
+    assert model.host == HostCost((("bw", 0.2), ("f", 0.1)), 0.05, 0.025, 2.0, 0.01)
+    assert model.cold_start.forward == (0.25, 0.25, 0.25, 0.25), "per 1F1B stage, split among its chunks"
+    assert CostModel.from_dict(model.to_dict(), pp=2, vpp=2) == model
+    assert "host" not in CostModel.per_stage(2, 1, 1, 1).to_dict(), "a free host is not written"
+
+
+@pytest.mark.parametrize("host, match", [
+    ({"send": -1}, "host times must be >= 0"),
+    ({"overhead": {"f": float("nan")}}, "host times must be >= 0"),
+    ({"cores": 0}, "host.cores must be a number > 0"),
+    ({"overhead": {"x": 1}}, r"host.overhead has unknown key\(s\) \['x'\]"),
+    ({"latency": 1}, r"host has unknown key\(s\) \['latency'\]"),
+])
+def test_bad_host_values_are_refused_naming_the_field(host, match):
+    with pytest.raises(ConfigError, match=match):
+        CostModel.from_dict({"compute": {"f": 1, "b": 1, "w": 1}, "host": host}, pp=2, vpp=1)
+
+
+def test_step_gaps_give_the_steady_state_where_ranks_enter_each_step_at_their_own_time():
+    """1F1B pp=2, m=1, F=1, BW=2, a gap of 1 after every rank's step. Started together, rank 1 ends at 4
+    and rank 0 at 6, so rank 1 enters the next step 2 earlier; from then on every step is the same:
+    rank 1 enters at 0 and waits, rank 0 enters at 2, its BW ends at 8; a step starts every 7."""
+    cost = CostModel.per_stage(2, 1, 1, 1, host=HostCost(step_gap=(1.0, 1.0)))
+    result = simulate(build_schedule("1f1b", pp=2, microbatches=1), cost)
+    assert [r.entered for r in result.ranks] == [2.0, 0.0]
+    assert result.step_time == 8.0 and result.period == 7.0
+    assert result.timeline().meta["ranks"] == [{"rank": 0, "entered": 2.0}, {"rank": 1, "entered": 0.0}]
+    together = simulate(build_schedule("1f1b", pp=2, microbatches=1), CostModel.per_stage(2, 1, 1, 1))
+    assert together.step_time == 6.0 and together.period is None
+
+
+def test_step_gaps_need_one_value_per_rank():
+    cost = CostModel.per_stage(2, 1, 1, 1, host=HostCost(step_gap=(1.0, 1.0, 1.0)))
+    with pytest.raises(SimulationError, match="host.step_gap has 3 values but the table has 2 ranks"):
+        simulate(build_schedule("1f1b", pp=2, microbatches=1), cost)
+    model = CostModel.from_dict({"compute": {"f": 1, "b": 1, "w": 1}, "host": {"step_gap": 0.5}}, pp=4, vpp=1)
+    assert model.host.step_gap == (0.5,) * 4
