@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except PrimusPipeError as exc:
         _error(str(exc))
-    except OSError as exc:  # an output that cannot be written: the path and the reason, not a traceback
+    except OSError as exc:  # a file that cannot be read or written: the path and the reason, not a traceback
         where = f" {exc.filename}" if exc.filename else ""
-        _error(f"cannot write{where}: {exc.strerror or exc}")
+        _error(f"cannot access{where}: {exc.strerror or exc}")
     except KeyboardInterrupt:
         _error("interrupted")
         return 130

@@ -50,8 +50,7 @@ def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Time
             raise TableFormatError(f"{path} is one timeline file; an iteration can only be chosen in a dump directory")
         return _whole(Timeline.load(path), path)
     if path.is_dir():
-        if not os.access(path, os.R_OK | os.X_OK):
-            raise TableFormatError(f"cannot read the directory {path}: permission denied (check its permissions)")
+        _check_readable(path)
         if is_primus_dump(path):
             return load_primus_dump(path, iteration)
         if found := primus_dumps_under(path):
@@ -83,11 +82,17 @@ def _iteration_folder(path: Path) -> int | None:
 def load_iterations(path: str | os.PathLike) -> list[Timeline]:
     """Every dumped iteration of a run, oldest first (a timeline file gives just itself)."""
     path = Path(path)
+    _check_readable(path)
     if is_primus_dump(path):
         return load_primus_iterations(path)
     if path.is_dir() and (iterations := dump_iterations(path)):
         return _newest_run(path, iterations)
     return [load_timeline(path)]
+
+
+def _check_readable(path: Path) -> None:
+    if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
+        raise TableFormatError(f"cannot read the directory {path}: permission denied (check its permissions)")
 
 
 def _is_file(path: Path) -> bool:
