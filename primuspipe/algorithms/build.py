@@ -6,8 +6,9 @@ from typing import Any
 
 from primuspipe.algorithms import ScheduleRequest, get_algorithm
 from primuspipe.errors import ConfigError, ScheduleShapeError
+from primuspipe.ir import strict
 from primuspipe.ir.cost_model import CostModel
-from primuspipe.ir.table import ScheduleTable
+from primuspipe.ir.table import ScheduleTable, check_shape
 from primuspipe.passes.communication import add_communication
 from primuspipe.passes.validation import validate
 
@@ -19,14 +20,13 @@ REMOVED_OPTIONS = {
 """Keyword arguments that once existed, and what replaced them."""
 
 
-def check_options(algorithm: str, options: dict[str, Any]) -> None:
-    """Refuse options ``algorithm`` does not take, naming the ones it does (and what replaced a removed one)."""
+def check_options(algorithm: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` checked for ``algorithm``: a removed one is named with what replaced it, then names and
+    value types (:meth:`~primuspipe.algorithms.registry.AlgorithmInfo.check_options`). Raises :class:`ConfigError`."""
     if removed := set(options) & set(REMOVED_OPTIONS):
         name = sorted(removed)[0]
         raise ConfigError(f"{algorithm}: option {name!r} is gone; {REMOVED_OPTIONS[name]}")
-    known = {p.name for p in get_algorithm(algorithm).options()}
-    if unknown := set(options) - known:
-        raise ConfigError(f"{algorithm} has no option(s) {sorted(unknown)}; its options are {sorted(known) or 'none'}")
+    return get_algorithm(algorithm).check_options(options)
 
 
 def build_schedule(
@@ -47,7 +47,8 @@ def build_schedule(
     table says which. ``cost`` is the cost model the table will be judged by (the simulator's);
     cost-aware algorithms plan with it, and with ``memory_limit`` (1F1B-stage microbatches per rank,
     counted until W with the model's retained share). Raises :class:`ScheduleShapeError` when the
-    algorithm refuses the shape and :class:`ConfigError` for unknown options.
+    algorithm refuses the shape or it is too large to build (:func:`~primuspipe.ir.table.check_shape`) and
+    :class:`ConfigError` for unknown options or values of the wrong type.
 
     >>> t = build_schedule("1f1b", pp=2, microbatches=3)
     >>> [str(n) for n in t.ranks[1]][:6]
@@ -55,11 +56,17 @@ def build_schedule(
     """
     info = get_algorithm(algorithm)
     vpp = info.resolve_vpp(vpp)
-    if pp < 1 or (vpp is not None and vpp < 1) or microbatches < 1:
-        raise ScheduleShapeError(f"{algorithm}: pp, vpp and microbatches must be >= 1, got pp={pp}, vpp={vpp}, microbatches={microbatches}")
+    for name, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
+        if value is None and name == "vpp":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleShapeError(f"{algorithm}: {name} must be an integer >= 1, got {value!r}")
     if info.vpp is not None and vpp != info.vpp:
         raise ScheduleShapeError(f"{algorithm} needs vpp = {info.vpp}, got vpp = {vpp}")
-    check_options(algorithm, options)
+    check_shape(pp, vpp or 2, microbatches)  # an algorithm that picks its placement may pick vpp 2
+    options = check_options(algorithm, options)
+    if memory_limit is not None:
+        strict.number(memory_limit, "memory_limit", above=0)
     if cost is not None and cost.num_stages % pp:
         raise ConfigError(f"the cost model describes {cost.num_stages} stages, which {pp} ranks cannot share")
     if cost is not None and vpp is not None and cost.num_stages not in (pp, pp * vpp):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -22,8 +23,9 @@ from types import MappingProxyType
 from typing import Any
 
 from primuspipe.algorithms.aliases import ALIASES, BY_NAME, Alias
+from primuspipe.ir import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost
-from primuspipe.errors import DuplicateAlgorithmError, PrimusPipeError, UnknownAlgorithmError
+from primuspipe.errors import ConfigError, DuplicateAlgorithmError, PrimusPipeError, UnknownAlgorithmError
 from primuspipe.ir.table import ScheduleTable
 
 ENTRY_POINT_GROUP = "primuspipe.algorithms"
@@ -101,6 +103,26 @@ class AlgorithmInfo:
     def options(self) -> list[inspect.Parameter]:
         return [p for p in inspect.signature(self.build).parameters.values()
                 if p.kind is p.KEYWORD_ONLY and p.name not in self.preset]
+
+    def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``options`` checked against the algorithm's keyword parameters: known names (an unknown one is
+        named with the closest known), values of the annotated type (``int``, ``float``, ``bool``, ``str``,
+        ``None`` and unions of them; a finite number for ``float``). Raises :class:`ConfigError`."""
+        params = {p.name: p for p in self.options()}
+        try:
+            hints = typing.get_type_hints(self.build)
+        except Exception:  # noqa: BLE001 - a plug-in's annotations may not resolve; its defaults still guide
+            hints = {}
+        for name, value in options.items():
+            if name not in params:
+                near = strict.closest(name, params)
+                raise ConfigError(f"{self.name} has no option {name!r}" + (f" (did you mean {near!r}?)" if near else "")
+                                  + f"; its options are {sorted(params) or 'none'}")
+            default = params[name].default
+            annotation = hints.get(name, type(default) if default is not inspect.Parameter.empty else None)
+            if annotation is not None:
+                strict.of_type(value, annotation, f"{self.name} option {name}")
+        return dict(options)
 
 
 _REGISTRY: dict[str, AlgorithmInfo] = {}

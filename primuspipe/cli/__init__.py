@@ -2,9 +2,10 @@
 
 Each sub-command lives in its own module exposing ``register(subparsers)``, which adds its parser and
 sets ``handler`` (a function of the parsed args returning an exit status). Library errors
-(:class:`~primuspipe.errors.PrimusPipeError`) end the program with their message and status 1. The
-library reports progress through :mod:`logging` (e.g. zb-auto's search); the command shows it on
-stderr, ``--quiet`` hides it.
+(:class:`~primuspipe.errors.PrimusPipeError`) and failed file writes end the program with one plain-text
+line, ``error: ...``, and status 1 (130 when interrupted); malformed arguments are argparse's (status 2). Nothing the user
+typed is read as markup. The library reports progress through :mod:`logging` (e.g. zb-auto's search,
+iterations a dump reader skipped); the command shows it on stderr, ``--quiet`` hides all but warnings.
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ import argparse
 import importlib
 import logging
 import sys
-
-from rich.console import Console
-from rich.logging import RichHandler
 
 from primuspipe.errors import PrimusPipeError
 
@@ -30,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'primuspipe COMMAND --help' for a command's options.",
     )
     noise = parser.add_mutually_exclusive_group()
-    noise.add_argument("-q", "--quiet", action="store_true", help="show no progress, only results and errors")
+    noise.add_argument("-q", "--quiet", action="store_true", help="show no progress, only results, warnings and errors")
     noise.add_argument("-v", "--verbose", action="store_true", help="also show debug messages")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
@@ -44,16 +42,46 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except PrimusPipeError as exc:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {exc}", markup=True)
-        return 1
+        _error(str(exc))
+    except OSError as exc:  # a file that cannot be read or written: the path and the reason, not a traceback
+        where = f" {exc.filename}" if exc.filename else ""
+        _error(f"cannot access{where}: {exc.strerror or exc}")
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+    return 1
+
+
+def _error(message: str) -> None:
+    sys.stderr.write(f"error: {message}\n")
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (tests and tools swap it)."""
+
+    @property
+    def stream(self):  # noqa: ANN201 - logging's attribute
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:  # noqa: ANN001
+        pass
+
+
+class _PlainFormatter(logging.Formatter):
+    """Progress as it is; warnings and errors prefixed with their level, in plain text."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        return f"{record.levelname.lower()}: {text}" if record.levelno >= logging.WARNING else text
 
 
 def _show_progress(level: int) -> None:
     logger = logging.getLogger("primuspipe")
     logger.setLevel(level)
-    if not any(isinstance(h, RichHandler) for h in logger.handlers):
-        handler = RichHandler(console=Console(stderr=True), show_path=False, show_time=False)
-        handler.setFormatter(logging.Formatter("%(message)s"))
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(_PlainFormatter())
         logger.addHandler(handler)
 
 

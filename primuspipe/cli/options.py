@@ -1,38 +1,112 @@
-"""Argument helpers shared by the sub-commands."""
+"""Argument helpers shared by the sub-commands: strict number types, algorithm options, output paths.
+
+Every number on the command line goes through :mod:`primuspipe.ir.strict`: counts are ASCII integers,
+times and limits finite numbers (``--f inf`` and ``-m 2.5`` are refused by argparse with the flag's
+name). Outputs are checked before any work is done, so a command that cannot write its result fails
+at once and writes nothing.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 
-from primuspipe.errors import ConfigError
+from primuspipe.errors import ConfigError, PrimusPipeError
+from primuspipe.ir import strict
+
+
+def _argument_type(parse: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    """An argparse ``type`` from a strict parser: its refusal becomes argparse's one-line error."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except PrimusPipeError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = what
+    return convert
+
+
+def count_type(minimum: int = 1) -> Callable[[str], int]:
+    return _argument_type(lambda t: strict.count(t, "the value", minimum=minimum, text=True), "integer")
+
+
+def number_type(minimum: float | None = 0.0, above: float | None = None,
+                maximum: float | None = None) -> Callable[[str], float]:
+    return _argument_type(lambda t: strict.number(t, "the value", minimum=minimum, above=above, maximum=maximum),
+                          "number")
+
+
+def numbers_type(text: str) -> float | list[float]:
+    """One finite number >= 0, or a comma-separated list of them (one per stage)."""
+    parse = _argument_type(lambda t: strict.number(t, "every value", minimum=0), "numbers")
+    values = [parse(v) for v in text.split(",")]
+    return values[0] if len(values) == 1 else values
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (ranks)")
-    parser.add_argument("--vpp", type=int, default=None, help="chunks per rank (default: what the algorithm needs, else its default: 1, or 2 for interleaved-1f1b)")
-    parser.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches per step")
+    parser.add_argument("--pp", type=count_type(), required=True, help="pipeline-parallel size (ranks)")
+    parser.add_argument("--vpp", type=count_type(), default=None, help="chunks per rank (default: what the algorithm needs, else its default: 1, or 2 for interleaved-1f1b)")
+    parser.add_argument("--microbatches", "-m", type=count_type(), required=True, help="microbatches per step")
     parser.add_argument("--option", "-O", action="append", default=[], metavar="KEY=VALUE",
-                        help="algorithm option, e.g. -O microbatch_group_size=4 (see 'primuspipe list'); repeatable")
+                        help="algorithm option, e.g. -O microbatch_group_size=4 (see 'primuspipe list'); integers and "
+                             "numbers (1e-3) are read as numbers, true/false as booleans, none as unset; repeatable")
 
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` strings to a dict; values are read as YAML scalars (numbers, booleans, strings)."""
-    options = {}
+    """``KEY=VALUE`` strings to a dict (values: :func:`primuspipe.ir.strict.scalar`); the algorithm
+    checks the names and types (:meth:`~primuspipe.algorithms.registry.AlgorithmInfo.check_options`)."""
+    options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
+        key = key.strip().replace("-", "_")
         if not sep or not key:
-            raise ConfigError(f"option {pair!r} must look like KEY=VALUE")
-        options[key.strip().replace("-", "_")] = yaml.safe_load(value)
+            raise ConfigError(f"option {pair!r} must look like KEY=VALUE, e.g. -O microbatch_group_size=4")
+        if key in options:
+            raise ConfigError(f"option {key} is given twice (-O {key}=...); give it once")
+        options[key] = strict.scalar(value, f"option {key}")
     return options
 
 
+def output_file(path: Path, flag: str) -> Path:
+    """Check, before any work, that ``path`` can be written as a file: not a directory, its folder
+    created if missing. ``-`` (stdout) passes as is."""
+    if str(path) == "-":
+        return path
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory; give a file name")
+    _make_folder(path.parent, f"the folder of {flag} {path}")
+    return path
+
+
+def output_dir(path: Path, flag: str) -> Path:
+    """Check, before any work, that ``path`` is a directory that can be written into (created if missing)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path} exists and is not a directory; give a directory")
+    _make_folder(path, f"{flag} {path}")
+    return path
+
+
+def _make_folder(folder: Path, what: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"cannot create {what}: a file is in the way of the folder {folder}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot create {what}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write into {what}: permission denied")
+
+
 def console(**kwargs: Any) -> Console:
-    """A rich console that keeps wide tables readable when output goes to a file or a pipe."""
-    out = Console(**kwargs)
+    """A rich console that prints text as it is (no markup: a bracket in a name or path stays) and keeps
+    wide tables readable when output goes to a file or a pipe."""
+    out = Console(markup=False, **kwargs)
     if not out.is_terminal:
         out.width = 160
     return out

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from primuspipe.cli.options import report_console
+from primuspipe.cli.options import count_type, number_type, report_console
 from primuspipe.projection.compute import Calibration
 from primuspipe.projection.framework import ConfigError
 from primuspipe.projection.hardware_spec import load_hardware
@@ -65,10 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="a Megatron argument list or Primus-style YAML, instead of --model and --training")
     inputs.add_argument("--hardware", type=Path, metavar="FILE", required=True, help="hardware YAML (see above)")
     shape = p.add_argument_group("overrides of the training configuration")
-    shape.add_argument("--pp", type=int, metavar="N", help="pipeline-parallel size")
-    shape.add_argument("--vpp", type=int, metavar="N", help="chunks per rank for algorithms that take any vpp")
-    shape.add_argument("--micro-batch-size", type=int, metavar="N", help="samples per microbatch")
-    shape.add_argument("--target-nodes", type=int, metavar="N",
+    shape.add_argument("--pp", type=count_type(), metavar="N", help="pipeline-parallel size")
+    shape.add_argument("--vpp", type=count_type(), metavar="N", help="chunks per rank for algorithms that take any vpp")
+    shape.add_argument("--micro-batch-size", type=count_type(), metavar="N", help="samples per microbatch")
+    shape.add_argument("--target-nodes", type=count_type(), metavar="N",
                        help="run on N nodes: data parallelism becomes what they hold (N * GPUs per node / (TP*PP*CP))")
     what = p.add_argument_group("what to project")
     what.add_argument("--algorithm", "-a", action="append", metavar="NAME",
@@ -84,13 +84,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "analytical times by what they measure (needs torch and megatron-core)")
     how.add_argument("--measured-costs", type=Path, metavar="FILE",
                      help="a 'primuspipe calibrate' cost file of a run of this model under this training configuration")
-    calibration.add_argument("--benchmark-ranks", type=int, default=1, metavar="N",
+    calibration.add_argument("--benchmark-ranks", type=count_type(), default=1, metavar="N",
                              help="CPU only: the run puts N single-threaded ranks on this host; beyond its core count they "
                                   "time-share cores and the benchmark's times scale by N / cores (default 1)")
     out = p.add_argument_group("output")
-    out.add_argument("--risk-margin", type=float, default=RISK_MARGIN, metavar="FRACTION",
+    out.add_argument("--risk-margin", type=number_type(minimum=0), default=RISK_MARGIN, metavar="FRACTION",
                      help=f"share of HBM a FITS configuration must leave free (default {RISK_MARGIN})")
-    out.add_argument("--top", type=int, default=20, metavar="N", help="rows of the table (default 20)")
+    out.add_argument("--top", type=count_type(), default=20, metavar="N", help="rows of the table (default 20)")
     out.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     p.set_defaults(handler=cmd_project)
 

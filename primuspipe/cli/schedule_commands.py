@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from primuspipe.algorithms import list_algorithms, list_aliases
 from primuspipe.passes.communication import add_communication
-from primuspipe.cli.options import add_shape_arguments, console, parse_options, report_console
-from primuspipe.errors import ConfigError, TableFormatError, ValidationError
+from primuspipe.cli.options import (
+    add_shape_arguments,
+    console,
+    number_type,
+    output_file,
+    parse_options,
+    report_console,
+)
+from primuspipe.errors import ConfigError, ScheduleShapeError, TableFormatError, ValidationError
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.passes.offload import offload_activations
 from primuspipe.ir.formats import dump_table, load_table, save_table
@@ -49,12 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", type=Path, help="JSON, torch CSV or Primus's printed table form")
     p.add_argument("--placement", choices=("interleaved", "v"),
                    help="layout of a Primus table that does not say (compute-only, 2 chunks per rank)")
-    p.add_argument("--max-in-flight", type=float, default=None, metavar="MICROBATCHES",
+    p.add_argument("--max-in-flight", type=number_type(minimum=0), default=None, metavar="MICROBATCHES",
                    help="also bound activations held per rank (1F1B-stage microbatch units, each counted from its F "
                         "until its W, as simulate's peak and --memory-limit count them)")
-    p.add_argument("--w-retained", type=float, default=W_RETAINED_FRACTION, metavar="SHARE",
-                   help="share of a microbatch's activations its B keeps for its W (default 32/34, see "
-                        "docs/simulator.md)")
+    p.add_argument("--w-retained", type=number_type(minimum=0, maximum=1), default=W_RETAINED_FRACTION,
+                   metavar="SHARE", help="share of a microbatch's activations its B keeps for its W (default 32/34, "
+                                         "see docs/simulator.md)")
     p.set_defaults(handler=cmd_validate)
 
 
@@ -109,12 +116,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    output_file(args.output, "-o")
     table = _build(args)
     if str(args.output) == "-":
         print(dump_table(table, args.format, args.compute_only), end="")
         return 0
     for path in save_table(table, args.output, args.format, args.compute_only):
-        Console(stderr=True).print(f"wrote {path}")
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -125,7 +133,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         validate(table, max_in_flight=args.max_in_flight, retained=args.w_retained)
         if not table.has_communication:
             validate(add_communication(table), max_in_flight=args.max_in_flight, retained=args.w_retained)
-    except (ValidationError, TableFormatError) as exc:
+    except (ValidationError, TableFormatError, ScheduleShapeError) as exc:
         out.print(f"INVALID {args.file}: {exc}", markup=False)
         return 1
     kind = "full" if table.has_communication else "compute-only"

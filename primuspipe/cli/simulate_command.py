@@ -8,15 +8,22 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rich.markup import escape
 from rich.table import Table
 
 from primuspipe.algorithms import ScheduleRequest, get_algorithm, list_algorithms
-from primuspipe.cli.options import add_shape_arguments, parse_options, report_console
+from primuspipe.cli.options import (
+    add_shape_arguments,
+    number_type,
+    numbers_type,
+    output_dir,
+    parse_options,
+    report_console,
+)
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.algorithms.build import build_schedule, check_options
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.passes.offload import offload_activations
+from primuspipe.ir.table import check_shape
 from primuspipe.search.zb_auto import ZbAutoReport, zb_auto_search
 from primuspipe.simulator import CostModel, SimulationResult, read_cost_file, simulate
 from primuspipe.simulator.trace import write_chrome_trace
@@ -51,14 +58,6 @@ examples:
   primuspipe simulate --algorithm v-half --pp 8 -m 32 --memory-limit 4 --offload --host-link 0.01,2"""
 
 
-def _numbers(text: str) -> float | list[float]:
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number or a comma-separated list of numbers") from None
-    return values[0] if len(values) == 1 else values
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate algorithms under a cost model and rank them by step time",
                        description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,23 +69,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="YAML cost model: compute times, p2p links, memory bytes "
                             "(see primuspipe.ir.cost_model)")
     for flag, what in (("f", "forward (F)"), ("b", "input-grad backward (B)"), ("w", "weight-grad backward (W)")):
-        costs.add_argument(f"--{flag}", type=_numbers, metavar="X",
+        costs.add_argument(f"--{flag}", type=numbers_type, metavar="X",
                            help=f"{what} time of a 1F1B stage: one number, or a comma list with one per stage "
                                 "(default 1)")
-    costs.add_argument("--bw", type=_numbers, metavar="X",
+    costs.add_argument("--bw", type=numbers_type, metavar="X",
                        help="fused backward (BW) time, one number or one per stage (default B + W)")
-    costs.add_argument("--p2p", type=float, metavar="X",
+    costs.add_argument("--p2p", type=number_type(minimum=0), metavar="X",
                        help="time of every cross-rank transfer (replaces the cost file's p2p section; default 0)")
-    costs.add_argument("--w-retained", type=float, metavar="SHARE",
+    costs.add_argument("--w-retained", type=number_type(minimum=0, maximum=1), metavar="SHARE",
                        help="share of a microbatch's activations its B keeps for its W (replaces the cost file's "
                             "memory.w_retained_fraction; default 32/34, see docs/simulator.md)")
-    p.add_argument("--memory-limit", type=float, metavar="MICROBATCHES",
+    p.add_argument("--memory-limit", type=number_type(minimum=None, above=0), metavar="MICROBATCHES",
                    help="per-rank activation budget in 1F1B-stage microbatches, each counted until its W: passed to "
                         "cost-aware algorithms, and any algorithm whose peak exceeds it is marked as not fitting")
     p.add_argument("--offload", action="store_true",
                    help="insert OFFLOAD/RELOAD nodes (the offload pass) into each table over --memory-limit, "
                         "so it fits; the row's 'offloads' counts them")
-    costs.add_argument("--host-link", type=_numbers, metavar="LATENCY,BANDWIDTH",
+    costs.add_argument("--host-link", type=numbers_type, metavar="LATENCY,BANDWIDTH",
                        help="device<->host copy link for --offload: latency in time units, bandwidth in bytes per time "
                             "unit (replaces the cost file's host_link; default free). A copy moves a chunk's "
                             "memory.activation_bytes (from --cost) times memory.offload_fraction; without bytes "
@@ -100,6 +99,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.output_dir is not None:
+        output_dir(args.output_dir, "-o")
     spec = _cost_spec(args)
     options = parse_options(args.option)
     if args.algorithm == "all":
@@ -113,6 +114,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if result is not None:
             results[name] = result
     rows.sort(key=lambda r: ("error" in r, r.get("step_time", 0.0), r["algorithm"]))
+    if not results and not args.json:  # nothing to rank: the reason(s), on one line
+        reasons = dict.fromkeys(row["error"].splitlines()[0] for row in rows)
+        raise ConfigError(next(iter(reasons)) if len(reasons) == 1 else
+                          "no algorithm could be simulated: " + "; ".join(reasons))
     if args.output_dir is not None:
         for name, result in results.items():
             timeline = result.timeline()
@@ -152,9 +157,11 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, options: dict) ->
     vpp = get_algorithm(name).resolve_vpp(args.vpp)
     row: dict[str, Any] = {"algorithm": name, "pp": args.pp, "vpp": vpp, "microbatches": args.microbatches}
     try:
-        cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp or 1)
+        check_shape(args.pp, vpp or 2, args.microbatches)
+        cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp or 1,
+                                   source=str(args.cost) if args.cost else "--f/--b/--w/--bw")
         if name == "zb-auto":  # the search's report is shown beside its table
-            check_options(name, options)
+            options = check_options(name, options)
             request = ScheduleRequest(args.pp, vpp, args.microbatches, cost, args.memory_limit)
             table, report = zb_auto_search(request, **options)
             row["search"] = asdict(report)
@@ -202,13 +209,13 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         vpp = f"{row['vpp']} V" if row["placement"] == "v" else str(row["vpp"])
         cells = [str(rank), row["algorithm"], vpp, f"{row['step_time']:g}", f"{row['bubble_rate']:.4f}",
                  f"{row['bubble_rate_mean']:.4f}", f"{row['bubble_rate_span']:.4f}",
-                 f"{max(row['peak_activations']):.4g}", memory, "yes" if row["fits"] else "[bold red]OVER[/]"]
+                 f"{max(row['peak_activations']):.4g}", memory, "yes" if row["fits"] else "OVER"]
         table.add_row(*cells, *([str(row["offloads"])] if args.offload else []))
     console = report_console()
     console.print(table)
     for row in rows:
         if "search" in row:
-            console.print(f"zb-auto found it as {escape(ZbAutoReport(**row['search']).summary)}", markup=True)
+            console.print(f"zb-auto found it as {ZbAutoReport(**row['search']).summary}")
     for row in refused:
-        reason = escape(row["error"].splitlines()[0])
-        console.print(f"[yellow]not simulated:[/] {row['algorithm']} (vpp={row['vpp']}): {reason}", markup=True)
+        reason = row["error"].splitlines()[0]
+        console.print(f"not simulated: {row['algorithm']} (vpp={row['vpp']}): {reason}")

@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rich.markup import escape
 from rich.table import Table
 
-from primuspipe.cli.options import report_console
+from primuspipe.cli.options import count_type, output_file, report_console
+from primuspipe.ir import strict
+from primuspipe.ir.documents import write_atomically
 from primuspipe.simulator import CostModel
 from primuspipe.calibration.accuracy import ReplayAccuracy, replay_accuracy
 from primuspipe.calibration.measure import MeasuredCosts, measure_costs
@@ -71,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=_VIS_DESCRIPTION, epilog=_VIS_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", metavar="TIMELINE_OR_DUMP_DIR", type=Path, help=_INPUT_HELP)
-    p.add_argument("--iteration", type=int, metavar="N",
+    p.add_argument("--iteration", type=count_type(minimum=0), metavar="N",
                    help="iteration to draw from a dump directory (default: the typical one -- of the iterations "
                         "after the first, the one whose step time is the median)")
     other = p.add_mutually_exclusive_group()
@@ -100,7 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a run's dump directory or a Primus dump folder (all its iterations are used), or one "
                         "timeline JSON file")
     c.add_argument("-o", "--output", type=Path, metavar="FILE", help="where to write the cost YAML (default: stdout)")
-    c.add_argument("--warmup", type=int, default=1, metavar="N",
+    c.add_argument("--warmup", type=count_type(minimum=0), default=1, metavar="N",
                    help="leading iterations to skip as warm-up (default 1; all are used if no more remain)")
     c.add_argument("--per-model-stage", action="store_true",
                    help="write pp*vpp per-model-stage values instead of pp per-1F1B-stage ones")
@@ -118,6 +119,9 @@ def _add_placement_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_vis(args: argparse.Namespace) -> int:
+    for flag in ("png", "html", "trace"):
+        if getattr(args, flag) is not None:
+            output_file(getattr(args, flag), f"--{flag}")
     timeline = _typical(args.input) if args.iteration is None else load_timeline(args.input, args.iteration)
     placement = placement_of(timeline, args.placement)
     comparison = None
@@ -151,7 +155,7 @@ def cmd_vis(args: argparse.Namespace) -> int:
         console.print(_comparison_table(comparison))
         _print_order(console, comparison)
     for path in written:
-        console.print(f"wrote {escape(str(path))}", markup=True)
+        console.print(f"wrote {path}")
     return 0
 
 
@@ -164,16 +168,20 @@ def _typical(path: Path) -> Timeline:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.output is not None:
+        output_file(args.output, "-o")
     timelines = load_iterations(args.input)
     placement = placement_of(timelines[0], args.placement)
     measured = measure_costs(timelines, placement, warmup=args.warmup)
     costs = measured.cost_dict(per_model_stage=args.per_model_stage)
     text = measured.to_yaml(per_model_stage=args.per_model_stage)
+    # What is written must read back as the cost model it claims to be (finite times >= 0, one per stage).
+    CostModel.from_dict(strict.load_yaml(text, "the measured cost model"), pp=measured.pp, vpp=measured.vpp,
+                        source="the measured cost model")
     used = [t for t in timelines if t.iteration in measured.iterations]
     accuracy = replay_accuracy(used, CostModel.from_dict(costs, pp=measured.pp, vpp=measured.vpp), placement)
     if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text)
+        write_atomically(args.output, text)
     if args.json:
         print(json.dumps({**accuracy.to_dict(), "algorithm": measured.algorithm, "pp": measured.pp,
                           "vpp": measured.vpp, "microbatches": measured.microbatches,
@@ -188,9 +196,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     console.print(_measured_table(measured))
     console.print(_accuracy_table(accuracy, measured.time_unit))
     for note in measured.notes:
-        console.print(f"[yellow]note:[/] {escape(note)}", markup=True)
-    console.print(f"wrote {escape(str(args.output))}; use it with: primuspipe simulate --cost {escape(str(args.output))} "
-                  f"--pp {measured.pp} -m {measured.microbatches} --algorithm NAME|all", markup=True)
+        console.print(f"note: {note}")
+    console.print(f"wrote {args.output}; use it with: primuspipe simulate --cost {args.output} "
+                  f"--pp {measured.pp} -m {measured.microbatches} --algorithm NAME|all")
     return 0
 
 
@@ -237,7 +245,7 @@ def _stats_table(timeline: Timeline) -> Table:
 def _comparison_table(c: Comparison) -> Table:
     table = Table(title=f"{c.run.source} vs {c.simulated.source}: {c.run.algorithm} pp={c.run.pp} vpp={c.run.vpp} "
                         f"m={c.run.microbatches}, times in {c.run.time_unit}")
-    for col in ("figure", escape(c.run_stats.label), escape(c.simulated_stats.label), "sim - run", "relative"):
+    for col in ("figure", c.run_stats.label, c.simulated_stats.label, "sim - run", "relative"):
         table.add_column(col, justify="right")
     for f in c.figures():
         rel = f.relative
@@ -250,8 +258,8 @@ def _print_order(console, c: Comparison, limit: int = 20) -> None:
     if not c.order_differences:
         console.print("compute order: identical on every rank")
         return
-    console.print(f"[bold red]compute order differs[/] at {len(c.order_differences)} position(s) "
-                  "(outlined in red in the drawings):", markup=True)
+    console.print(f"compute order differs at {len(c.order_differences)} position(s) "
+                  "(outlined in red in the drawings):")
     for d in c.order_differences[:limit]:
         console.print(f"  rank {d.rank} #{d.index}: run {d.run or '-'}, simulated {d.simulated or '-'}")
     if len(c.order_differences) > limit:

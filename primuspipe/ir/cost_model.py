@@ -56,9 +56,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from primuspipe.errors import ConfigError
+from primuspipe.ir import strict
 from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind, compute_kinds
@@ -78,7 +77,7 @@ class Link:
     """Bytes per time unit; ``math.inf`` (the default) makes the size free."""
 
     def __post_init__(self) -> None:
-        if not (self.latency >= 0 and self.bandwidth > 0):
+        if not (0 <= self.latency < math.inf and self.bandwidth > 0):  # NaN fails every comparison
             raise ConfigError(f"a link needs latency >= 0 and bandwidth > 0, got {self}")
 
     def time(self, nbytes: float) -> float:
@@ -97,7 +96,7 @@ class P2PCost:
     """Ranks ``r`` and ``q`` share a node when ``r // ranks_per_node == q // ranks_per_node``."""
 
     def __post_init__(self) -> None:
-        if self.message_bytes < 0 or self.ranks_per_node < 1:
+        if not (0 <= self.message_bytes < math.inf and self.ranks_per_node >= 1):
             raise ConfigError(f"p2p needs message_bytes >= 0 and ranks_per_node >= 1, got {self}")
 
     def transfer_time(self, src: int, dst: int) -> float:
@@ -326,29 +325,37 @@ class CostModel:
 
     # -- dict / YAML --------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, pp: int, vpp: int) -> CostModel:
-        """Build from the YAML form (module docstring) for a pipeline of ``pp`` ranks x ``vpp`` chunks."""
-        top = _section(data, "cost model", _SECTIONS)
-        comp = _section(top.get("compute"), "compute", {"f", "b", "w", "bw", "fb_overlap", "cold_start"},
+    def from_dict(cls, data: Mapping[str, Any], *, pp: int, vpp: int, source: str = "cost model") -> CostModel:
+        """Build from the YAML form (module docstring) for a pipeline of ``pp`` ranks x ``vpp`` chunks;
+        every value is checked (:mod:`primuspipe.ir.strict`) and errors name ``source`` and the field."""
+        top = _section(data, source, _SECTIONS)
+        comp = _section(top.get("compute"), f"{source}: compute", {"f", "b", "w", "bw", "fb_overlap", "cold_start"},
                         required={"f", "b", "w"})
-        p2p = _section(top.get("p2p", {}), "p2p", {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
-        links = {k: _section(p2p.get(k, {}), f"p2p.{k}", {"latency", "bandwidth"})
+        p2p = _section(top.get("p2p", {}), f"{source}: p2p", {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
+        links = {k: _section(p2p.get(k, {}), f"{source}: p2p.{k}", {"latency", "bandwidth"})
                  for k in ("intra_node", "inter_node")}
 
         def stages(name: str, value: Values) -> tuple[float, ...]:
-            return split_stages(name, value, pp, vpp)
+            return split_stages(f"{source}: {name}", value, pp, vpp)
+
+        def number(section: Mapping[str, Any], key: str, name: str, default: float, **bounds: float) -> float:
+            return strict.number(section.get(key, default), f"{source}: {name}", **bounds)
 
         try:
-            memory = _memory(top.get("memory", {}), pp, vpp)
+            memory = _memory(top.get("memory", {}), pp, vpp, source)
             return cls.per_stage(
                 pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), stages("W", comp["w"]),
                 bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
-                fb_overlap=float(comp.get("fb_overlap", 0.0)),
-                p2p=P2PCost(float(p2p.get("message_bytes", 0.0)), ranks_per_node=int(p2p.get("ranks_per_node", 8)),
-                            **{k: _link(v) for k, v in links.items()}),
-                memory=memory, time_unit=str(top.get("time_unit", "ms")),
+                fb_overlap=number(comp, "fb_overlap", "compute.fb_overlap", 0.0, minimum=0, maximum=1),
+                p2p=P2PCost(number(p2p, "message_bytes", "p2p.message_bytes", 0.0, minimum=0),
+                            ranks_per_node=strict.count(p2p.get("ranks_per_node", 8), f"{source}: p2p.ranks_per_node",
+                                                        minimum=1),
+                            **{k: _link(v, f"{source}: p2p.{k}") for k, v in links.items()}),
+                memory=memory, time_unit=strict.text(top.get("time_unit", "ms"), f"{source}: time_unit",
+                                                     choices=TIME_UNITS),
                 host=_host(top.get("host", {}), pp), cold_start=_cold_start(comp.get("cold_start"), pp, vpp),
-                host_link=_link(_section(top.get("host_link", {}), "host_link", {"latency", "bandwidth"})),
+                host_link=_link(_section(top.get("host_link", {}), f"{source}: host_link", {"latency", "bandwidth"}),
+                                f"{source}: host_link"),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"bad value in the cost model: {exc}") from exc
@@ -406,40 +413,47 @@ def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ..
 
 def read_cost_file(path: str | Path) -> dict[str, Any]:
     """The raw YAML mapping of a cost file (resolve it per shape with :meth:`CostModel.from_dict`)."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read cost model {path}: {exc}") from exc
+    data = strict.load_yaml(strict.read_text(path, "cost model"), f"cost model {path}")
     return _section(data, f"cost model {path}", _SECTIONS)
 
 
-def _memory(data: Any, pp: int, vpp: int) -> MemoryCost:
+def _memory(data: Any, pp: int, vpp: int, source: str) -> MemoryCost:
     """The ``memory`` section: the retained share alone (default :data:`W_RETAINED_FRACTION`), or bytes,
     which then must say what W keeps (the byte figures depend on it)."""
-    mem = _section(data, "memory", {"activation_bytes", "w_retained_fraction", "parameter_bytes", "gradient_bytes",
-                                    "optimizer_bytes", "offload_fraction"})
+    mem = _section(data, f"{source}: memory", {"activation_bytes", "w_retained_fraction", "parameter_bytes",
+                                               "gradient_bytes", "optimizer_bytes", "offload_fraction"})
+    retained = strict.number(mem.get("w_retained_fraction", W_RETAINED_FRACTION),
+                             f"{source}: memory.w_retained_fraction", minimum=0, maximum=1)
+    offload = strict.number(mem.get("offload_fraction", OFFLOAD_FRACTION), f"{source}: memory.offload_fraction",
+                            minimum=0, maximum=1)
     if "activation_bytes" not in mem:
         if set(mem) - {"w_retained_fraction", "offload_fraction"}:
-            raise ConfigError("memory: parameter, gradient and optimizer bytes need activation_bytes too")
-        return MemoryCost(float(mem.get("w_retained_fraction", W_RETAINED_FRACTION)),
-                          offload_fraction=float(mem.get("offload_fraction", OFFLOAD_FRACTION)))
+            raise ConfigError(f"{source}: memory: parameter, gradient and optimizer bytes need activation_bytes too")
+        return MemoryCost(retained, offload_fraction=offload)
     if "w_retained_fraction" not in mem:
-        raise ConfigError("memory lacks ['w_retained_fraction']: with activation_bytes, say what share of them B keeps "
-                          f"for W (e.g. {W_RETAINED_FRACTION:.3f} with flash attention, see docs/simulator.md)")
-    mem["activation_bytes"] = split_stages("memory.activation_bytes", mem["activation_bytes"], pp, vpp)
+        raise ConfigError(f"{source}: memory lacks ['w_retained_fraction']: with activation_bytes, say what share of "
+                          f"them B keeps for W (e.g. {W_RETAINED_FRACTION:.3f} with flash attention, see docs/simulator.md)")
+    mem["w_retained_fraction"], mem["offload_fraction"] = retained, offload
+    mem["activation_bytes"] = split_stages(f"{source}: memory.activation_bytes", mem["activation_bytes"], pp, vpp)
+    for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
+        mem[key] = per_stage_values(f"{source}: memory.{key}", mem.get(key, 0.0), pp, "ranks")
     return MemoryCost.per_stage(pp * vpp, pp, **mem)
 
 
 def _section(data: Any, name: str, allowed: set[str], required: set[str] = frozenset()) -> dict[str, Any]:
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{name} must be a mapping, got {data!r}")
-    if unknown := set(data) - allowed:
-        raise ConfigError(f"{name} has unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
-    if missing := set(required) - set(data):
-        raise ConfigError(f"{name} lacks {sorted(missing)}")
-    return dict(data)
+    return strict.keys(data, name, allowed, required)
+
+
+def _link(data: Mapping[str, Any], name: str) -> Link:
+    """A link's YAML form; a missing or null bandwidth is unlimited (infinity itself is refused)."""
+    latency = strict.number(data.get("latency", 0.0), f"{name}.latency", minimum=0)
+    if data.get("bandwidth") is None:
+        return Link(latency)
+    bandwidth = strict.number(data["bandwidth"], f"{name}.bandwidth")
+    if bandwidth <= 0:
+        raise ConfigError(f"{name}: a link needs bandwidth > 0 (bytes per time unit; null or no key for unlimited), "
+                          f"got {bandwidth:g}")
+    return Link(latency, bandwidth)
 
 
 _SECTIONS = {"time_unit", "compute", "host", "p2p", "memory", "host_link"}
@@ -461,8 +475,3 @@ def _cold_start(data: Any, pp: int, vpp: int) -> ComputeCosts | None:
         return None
     cold = _section(data, "compute.cold_start", {"f", "b", "w"})
     return ComputeCosts(*(split_stages(f"compute.cold_start.{k}", cold.get(k, 0.0), pp, vpp) for k in ("f", "b", "w")))
-
-
-def _link(data: Mapping[str, Any]) -> Link:
-    bandwidth = data.get("bandwidth")
-    return Link(float(data.get("latency", 0.0)), math.inf if bandwidth is None else float(bandwidth))

@@ -5,11 +5,11 @@ cost input goes through.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from primuspipe.errors import ConfigError
+from primuspipe.ir import strict
 from primuspipe.ir.kinds import NodeKind
 
 Values = float | Sequence[float]
@@ -19,20 +19,21 @@ Values = float | Sequence[float]
 def per_stage_values(name: str, value: Values, count: int, what: str = "stages") -> tuple[float, ...]:
     """``value`` as ``count`` finite numbers >= 0: one number repeated, or a list of exactly ``count``.
 
-    Strings are read as numbers too (PyYAML reads ``1.0e9``, without an exponent sign, as a string).
+    ASCII number text is read as a number too (PyYAML reads ``1e9``, without a dot, as a string);
+    booleans, NaN and infinity are refused (:mod:`primuspipe.ir.strict`).
 
     >>> per_stage_values("F", 2, 3)
     (2.0, 2.0, 2.0)
     """
-    try:
-        values = (float(value),) * count if isinstance(value, (int, float, str)) else tuple(float(v) for v in value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name} must be a number or a list of numbers, got {value!r}") from exc
+    if isinstance(value, (int, float, str)):
+        values = (strict.number(value, name, minimum=0),) * count
+    elif isinstance(value, Sequence):
+        values = tuple(strict.number(v, f"{name}[{i}]", minimum=0) for i, v in enumerate(value))
+    else:
+        raise ConfigError(f"{name} must be a number or a list of numbers, got {strict.show(value)}")
     if len(values) != count:
         raise ConfigError(f"{name} has {len(values)} values but there are {count} {what}; "
                           f"give one value for all {what} or one per {what.rstrip('s')}")
-    if not all(math.isfinite(v) and v >= 0 for v in values):
-        raise ConfigError(f"{name} must be >= 0 and finite, got {values}")
     return values
 
 

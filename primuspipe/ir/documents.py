@@ -1,4 +1,5 @@
-"""The envelope every primuspipe JSON document carries: a ``format`` name and a ``version``.
+"""The envelope every primuspipe JSON document carries (a ``format`` name and a ``version``), and how
+documents are written (atomically).
 
 Schedules and timelines are exchanged as files between machines and versions of primuspipe; a reader
 refuses a document that is not of its format or version before reading any field, so a wrong file is
@@ -7,6 +8,8 @@ one clear error rather than a confusing one later.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from primuspipe.errors import TableFormatError
@@ -17,9 +20,26 @@ def envelope(fmt: str, version: int) -> dict[str, Any]:
     return {"format": fmt, "version": version}
 
 
-def check_envelope(data: Any, fmt: str, version: int, what: str) -> None:
-    """Refuse ``data`` unless it is a mapping with ``format == fmt`` and ``version == version``."""
+def check_envelope(data: Any, fmt: str, version: int, what: str, source: str | None = None) -> None:
+    """Refuse ``data`` unless it is a mapping with ``format == fmt`` and ``version == version`` (an
+    integer: ``true`` equals 1 in Python but is no version). ``source`` names the file in messages."""
+    where = f"{source}: " if source else ""
     if not isinstance(data, dict) or data.get("format") != fmt:
-        raise TableFormatError(f"not a primuspipe {what}: the JSON lacks format='{fmt}'")
-    if data.get("version") != version:
-        raise TableFormatError(f"{what} JSON version {data.get('version')!r} is not supported (want {version})")
+        raise TableFormatError(f"{where}not a primuspipe {what}: the JSON lacks format='{fmt}'")
+    got = data.get("version")
+    if type(got) is not int or got != version:
+        raise TableFormatError(f"{where}{what} JSON version {got!r} is not supported (want the integer {version})")
+
+
+def write_atomically(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` so that no reader ever sees part of it: into a hidden temporary file
+    beside it, then renamed over it (a process killed mid-write leaves the old file or none)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

@@ -25,6 +25,7 @@ the count, is blamed on that stage.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import re
@@ -32,34 +33,42 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from primuspipe.errors import TableFormatError
+from primuspipe.errors import ScheduleShapeError, TableFormatError
+from primuspipe.ir import strict
 from primuspipe.ir.dataflow import comm_node, transfer_of
-from primuspipe.ir.documents import check_envelope, envelope
-from primuspipe.ir.kinds import NodeKind, all_kinds, overlapped_kind
+from primuspipe.ir.documents import check_envelope, envelope, write_atomically
+from primuspipe.ir.kinds import NodeKind, all_kinds, on_kinds_changed, overlapped_kind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.primus_format import from_primus_table, to_primus_table
 from primuspipe.ir.resources import Resource, resource_plan
-from primuspipe.ir.table import ScheduleTable
+from primuspipe.ir.table import MAX_NODES, ScheduleTable
 
 SIDECAR_SUFFIX = ".meta.json"
 _SIDECAR_FORMAT, _SIDECAR_VERSION = "primuspipe.torch-csv-meta", 1
-_RESOURCE_RE = re.compile(rf"^(\d+)({'|'.join(r.value for r in Resource)})(\d*)$")
-_OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")
+_RESOURCE_RE = re.compile(rf"([0-9]{{1,12}})({'|'.join(r.value for r in Resource)})([0-9]{{0,12}})", re.ASCII)
+_OVERLAP_RE = re.compile(r"\((.*)\)OVERLAP_F_B")
+_SIDECAR_KEYS = {"format", "version", "algorithm", "microbatches", "pp", "vpp"}
 _PRIMUS_RANK_LINE = re.compile(r"Rank\s+0\s*:")
 
 Action = tuple[int, str, int]
 """One parsed single action: ``(stage, torch type, microbatch)``."""
 
 
+@functools.cache
 def _torch_actions() -> dict[str, NodeKind]:
-    """torch's action type -> our single-part kind (the kind table's ``torch_action``)."""
+    """torch's action type -> our single-part kind (the kind table's ``torch_action``; cached per kind table)."""
     return {k.spec.torch_action: k for k in all_kinds() if k.spec.torch_action and not k.spec.parts}
 
 
+@functools.cache
 def _action_re() -> re.Pattern:
     names = sorted(_torch_actions(), key=len, reverse=True)  # SEND_F before F
-    return re.compile(rf"^(\d+)({'|'.join(names)})(\d+)$")
+    return re.compile(rf"([0-9]{{1,12}})({'|'.join(names)})([0-9]{{1,12}})", re.ASCII)
+
+
+on_kinds_changed(_torch_actions.cache_clear)
+on_kinds_changed(_action_re.cache_clear)
 
 
 @dataclass(frozen=True)
@@ -132,16 +141,21 @@ def read_torch_csv(text: str, *, microbatches: int | None = None, algorithm: str
 
     ``microbatches`` is the step's microbatch count when known (a sidecar, the caller); otherwise it
     is inferred (see the module docstring)."""
-    rows = [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
+    try:
+        rows = [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
+    except csv.Error as exc:
+        raise TableFormatError(f"the CSV cannot be read: {exc}") from None
     while rows and not any(rows[-1]):
         rows.pop()
     if not rows:
         raise TableFormatError("the CSV holds no actions")
+    if (cells := sum(map(len, rows))) > MAX_NODES:
+        raise TableFormatError(f"the CSV has {cells:,} cells, more than the {MAX_NODES:,} nodes a table may have")
     parsed: list[list[tuple[Action, ...]]] = []
     cells: list[list[str]] = []
     extras: list[tuple[tuple[int, str], ...]] = []
     for r, row in enumerate(rows):
-        extra = tuple((col, cell) for col, cell in enumerate(row) if not cell or _RESOURCE_RE.match(cell))
+        extra = tuple((col, cell) for col, cell in enumerate(row) if not cell or _RESOURCE_RE.fullmatch(cell))
         skip = {col for col, _ in extra}
         cells.append([cell for col, cell in enumerate(row) if col not in skip])
         parsed.append([_parse_action(cell, r) for cell in cells[-1]])
@@ -160,9 +174,9 @@ def from_torch_csv(text: str, algorithm: str = "torch-csv", microbatches: int | 
 
 
 def _parse_action(cell: str, rank: int) -> tuple[Action, ...]:
-    if m := _OVERLAP_RE.match(cell):
+    if m := _OVERLAP_RE.fullmatch(cell):
         return tuple(part for sub in m[1].split(";") for part in _parse_action(sub.strip(), rank))
-    if m := _action_re().match(cell):
+    if m := _action_re().fullmatch(cell):
         return ((int(m[1]), m[2], int(m[3])),)
     raise TableFormatError(
         f"rank {rank}: cannot read action {cell!r}; supported are F, I, W, B, SEND_F, RECV_F, SEND_B, RECV_B "
@@ -192,7 +206,7 @@ def _infer_placement(parsed: list[list[tuple[Action, ...]]]) -> Placement:
 def _check_resource_stages(placement: Placement, extras: list[tuple[tuple[int, str], ...]]) -> None:
     for rank, extra in enumerate(extras):
         for _, cell in extra:
-            if (m := _RESOURCE_RE.match(cell)) and (int(m[1]) >= placement.num_stages or placement.rank_of(int(m[1])) != rank):
+            if (m := _RESOURCE_RE.fullmatch(cell)) and (int(m[1]) >= placement.num_stages or placement.rank_of(int(m[1])) != rank):
                 raise TableFormatError(f"rank {rank}: resource action {cell!r} names stage {m[1]}, which this rank "
                                        f"does not run (its stages: {list(placement.stages[rank])})")
 
@@ -252,17 +266,24 @@ def sidecar_path(path: str | Path) -> Path:
 def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
     """Read a table from ``.json`` (ours), ``.csv`` (torch.distributed.pipelining actions, with its
     sidecar when there is one) or Primus's printed form (any other text holding ``Rank <r>:`` lines;
-    ``placement`` names its layout where the text cannot, :mod:`primuspipe.ir.primus_format`)."""
+    ``placement`` names its layout where the text cannot, :mod:`primuspipe.ir.primus_format`); every
+    error names the file."""
     path = Path(path)
-    text = _read(path)
+    text = strict.read_text(path, "schedule file", error=TableFormatError)
     if path.suffix.lower() != ".csv":
         if not text.lstrip().startswith("{") and _PRIMUS_RANK_LINE.search(text):
-            return from_primus_table(text, placement, algorithm=None)
-        return ScheduleTable.from_json(text)
+            try:
+                return from_primus_table(text, placement, algorithm=None)
+            except (TableFormatError, ScheduleShapeError) as exc:
+                raise TableFormatError(f"{path}: {exc}") from None
+        return ScheduleTable.from_json(text, str(path))
     meta = _read_sidecar(path)
-    table = from_torch_csv(text, algorithm=meta.get("algorithm", path.stem), microbatches=meta.get("microbatches"))
-    if "pp" in meta and (table.pp, table.vpp) != (meta["pp"], meta["vpp"]):
-        raise TableFormatError(f"{sidecar_path(path)} describes pp={meta['pp']}, vpp={meta['vpp']} but {path} has "
+    try:
+        table = from_torch_csv(text, algorithm=meta.get("algorithm", path.stem), microbatches=meta.get("microbatches"))
+    except (TableFormatError, ScheduleShapeError) as exc:
+        raise TableFormatError(f"{path}: {exc}") from None
+    if (table.pp, table.vpp) != (meta.get("pp", table.pp), meta.get("vpp", table.vpp)):
+        raise TableFormatError(f"{sidecar_path(path)} describes pp={meta.get('pp')}, vpp={meta.get('vpp')} but {path} has "
                                f"pp={table.pp}, vpp={table.vpp}; the sidecar belongs to another schedule (delete it "
                                "or write both again)")
     return table
@@ -273,33 +294,29 @@ def save_table(table: ScheduleTable, path: str | Path, fmt: str | None = None, c
     with its sidecar; returns the files written."""
     path = Path(path)
     fmt = fmt or ("csv" if path.suffix.lower() == ".csv" else "json")
-    path.write_text(dump_table(table, fmt, compute_only))
+    write_atomically(path, dump_table(table, fmt, compute_only))
     if fmt != "csv":
         return [path]
     meta = {**envelope(_SIDECAR_FORMAT, _SIDECAR_VERSION), "algorithm": table.algorithm,
             "microbatches": table.microbatches, "pp": table.pp, "vpp": table.vpp}
-    sidecar_path(path).write_text(json.dumps(meta, indent=1))
+    write_atomically(sidecar_path(path), json.dumps(meta, indent=1))
     return [path, sidecar_path(path)]
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError as exc:
-        raise TableFormatError(f"cannot read schedule file {path}: {exc.strerror}") from exc
 
 
 def _read_sidecar(path: Path) -> dict:
     side = sidecar_path(path)
     if not side.exists():
         return {}
-    try:
-        data = json.loads(_read(side))
-    except json.JSONDecodeError as exc:
-        raise TableFormatError(f"{side} is not valid JSON: {exc}") from exc
-    check_envelope(data, _SIDECAR_FORMAT, _SIDECAR_VERSION, "torch CSV sidecar")
-    if not isinstance(data.get("microbatches"), int) or data["microbatches"] < 1:
-        raise TableFormatError(f"{side}: 'microbatches' must be an integer >= 1, got {data.get('microbatches')!r}")
+    data = strict.load_json(strict.read_text(side, "torch CSV sidecar", error=TableFormatError), str(side),
+                            error=TableFormatError)
+    check_envelope(data, _SIDECAR_FORMAT, _SIDECAR_VERSION, "torch CSV sidecar", str(side))
+    data = strict.keys(data, str(side), _SIDECAR_KEYS, required={"microbatches"}, error=TableFormatError)
+    strict.count(data["microbatches"], f"{side}: microbatches", minimum=1, error=TableFormatError)
+    for key in ("pp", "vpp"):
+        if key in data:
+            strict.count(data[key], f"{side}: {key}", minimum=1, error=TableFormatError)
+    if "algorithm" in data:
+        strict.text(data["algorithm"], f"{side}: algorithm", error=TableFormatError)
     return data
 
 

@@ -49,6 +49,8 @@ that runs it; ``tests/core/test_kinds.py`` adds a toy kind that way.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -170,14 +172,20 @@ class NodeKind:
     @property
     def parts(self) -> tuple[NodeKind, ...]:
         """The compute kinds this kind runs: itself, or an overlapped kind's parts."""
-        return tuple(NodeKind(p) for p in self.spec.parts) or (self,)
+        return _kinds(self.spec.parts) or (self,)
 
     @property
     def completes(self) -> tuple[NodeKind, ...]:
-        return tuple(NodeKind(s) for s in self.spec.completes)
+        return _kinds(self.spec.completes)
 
 
-_listeners: list[Callable[[], object]] = []
+@functools.cache
+def _kinds(names: tuple[str, ...]) -> tuple[NodeKind, ...]:
+    """The kinds of ``names``, looked up once (validation asks per node; cleared when kinds change)."""
+    return tuple(NodeKind(n) for n in names)
+
+
+_listeners: list[Callable[[], object]] = [_kinds.cache_clear]
 
 
 def on_kinds_changed(listener: Callable[[], object]) -> None:

@@ -34,7 +34,7 @@ from primuspipe.ir.kinds import NodeKind, overlapped_kind
 
 __all__ = ["B", "BW", "F", "FB", "NodeKind", "Part", "ScheduleNode", "W"]
 
-_SIMPLE_RE = re.compile(r"^([A-Z][A-Z_]*?)(\d+)\.(\d+)(?:([<>])(\d+))?$")
+_SIMPLE_RE = re.compile(r"([A-Z][A-Z_]*?)([0-9]{1,12})\.([0-9]{1,12})(?:([<>])([0-9]{1,12}))?", re.ASCII)
 
 
 class Part(NamedTuple):
@@ -90,7 +90,7 @@ class ScheduleNode:
                 raise TableFormatError(f"cannot parse overlapped node {text!r}; expected e.g. F3.1+B5.0")
             kind = overlapped_kind(tuple(p.kind for p in parts))
             return cls(kind, parts[0].microbatch, parts[0].chunk, pair=(parts[1].microbatch, parts[1].chunk))
-        m = _SIMPLE_RE.match(text)
+        m = _SIMPLE_RE.fullmatch(text)
         if m is None or m[1] not in NodeKind._table or (NodeKind(m[1]).is_compute and m[4] is not None):
             raise TableFormatError(
                 f"cannot parse schedule node {text!r}; expected e.g. F3.1, B3.1, W3.1, BW3.1, F3.1+B5.0, "

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from primuspipe.errors import TableFormatError
+from primuspipe.ir import strict
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,12 @@ class Placement:
             raise TableFormatError("a placement needs at least one rank with one chunk")
         vpp = len(self.stages[0])
         if any(len(row) != vpp for row in self.stages):
-            raise TableFormatError(f"every rank must hold the same number of chunks: {self.stages}")
+            raise TableFormatError(f"every rank must hold the same number of chunks: {strict.show(self.stages)}")
         flat = sorted(s for row in self.stages for s in row)
         if flat != list(range(len(flat))):
             raise TableFormatError(
                 f"placement {self.name!r} must map ranks x chunks one-to-one onto stages 0..{len(flat) - 1}, "
-                f"got {self.stages}"
+                f"got {strict.show(self.stages)}"
             )
 
     @classmethod
@@ -58,15 +59,15 @@ class Placement:
             return cls.vshape(pp)
         raise TableFormatError(f"unknown placement {name!r}; built-in ones are 'interleaved' and 'v'")
 
-    @property
+    @cached_property
     def pp(self) -> int:
         return len(self.stages)
 
-    @property
+    @cached_property
     def vpp(self) -> int:
         return len(self.stages[0])
 
-    @property
+    @cached_property
     def num_stages(self) -> int:
         return self.pp * self.vpp
 
@@ -88,11 +89,15 @@ class Placement:
         return {"name": self.name, "stages": [list(row) for row in self.stages]}
 
     @classmethod
-    def from_dict(cls, data: dict) -> Placement:
-        try:
-            return cls(str(data["name"]), tuple(tuple(int(s) for s in row) for row in data["stages"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TableFormatError(f"bad placement {data!r}: needs 'name' and 'stages' [[stage per chunk] per rank]") from exc
+    def from_dict(cls, data: dict, source: str = "placement") -> Placement:
+        """A placement from its JSON form (``source`` names it in errors)."""
+        data = strict.keys(data, source, {"name", "stages"}, required={"name", "stages"}, error=TableFormatError)
+        rows = data["stages"]
+        if not isinstance(rows, list) or not all(isinstance(row, list) for row in rows):
+            raise TableFormatError(f"{source}: stages must be a list with one list of stage numbers per rank")
+        name = strict.text(data["name"], f"{source}: name", error=TableFormatError)
+        return cls(name, tuple(tuple(strict.count(s, f"{source}: stages[{r}][{c}]", error=TableFormatError)
+                                     for c, s in enumerate(row)) for r, row in enumerate(rows)))
 
     @classmethod
     def infer(cls, stages_per_rank: list[list[int]]) -> Placement:

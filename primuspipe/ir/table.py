@@ -12,13 +12,30 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from primuspipe.ir import strict
 from primuspipe.ir.dataflow import Transfer, Wiring
 from primuspipe.ir.documents import check_envelope, envelope
-from primuspipe.errors import TableFormatError
+from primuspipe.errors import ScheduleShapeError, TableFormatError
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 
 FORMAT_VERSION = 1
+_JSON_KEYS = {"format", "version", "algorithm", "pp", "vpp", "microbatches", "placement", "ranks"}
+
+MAX_NODES = 4_000_000
+"""The largest table primuspipe builds, reads or checks: about a minute of work for each of building,
+adding communication and validating (pp=64, vpp=2, m=512 is 391,168 nodes)."""
+NODES_PER_STEP = 7
+"""At most F, B, W and four transfers per (stage, microbatch): the bound a shape's size is judged by."""
+
+
+def check_shape(pp: int, vpp: int, microbatches: int) -> None:
+    """Refuse a shape whose full table could exceed :data:`MAX_NODES`, before anything is built."""
+    nodes = pp * vpp * microbatches * NODES_PER_STEP
+    if nodes > MAX_NODES:
+        raise ScheduleShapeError(
+            f"pp={pp:,} x vpp={vpp:,} x {microbatches:,} microbatches makes a table of up to {nodes:,} nodes, more "
+            f"than the {MAX_NODES:,} primuspipe builds and checks in reasonable time; use fewer microbatches or ranks")
 
 
 @dataclass(frozen=True)
@@ -30,8 +47,9 @@ class ScheduleTable:
     """Name of the algorithm that built the table; informational only."""
 
     def __post_init__(self) -> None:
-        if self.microbatches < 1:
-            raise TableFormatError(f"a schedule needs at least one microbatch, got {self.microbatches}")
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise TableFormatError(f"a schedule needs an integer count of microbatches >= 1, got {self.microbatches!r}")
+        check_shape(self.pp, self.vpp, self.microbatches)
         if len(self.ranks) != self.placement.pp:
             raise TableFormatError(
                 f"table has {len(self.ranks)} rank lists but its placement has pp = {self.placement.pp}"
@@ -108,25 +126,32 @@ class ScheduleTable:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, data: dict) -> ScheduleTable:
-        check_envelope(data, "primuspipe.schedule", FORMAT_VERSION, "schedule")
-        try:
-            placement = Placement.from_dict(data["placement"])
-            ranks = [[ScheduleNode.parse(t) for t in row] for row in data["ranks"]]
-            table = cls.build(placement, int(data["microbatches"]), ranks, str(data.get("algorithm", "custom")))
-        except KeyError as exc:
-            raise TableFormatError(f"schedule JSON lacks the field {exc}") from exc
-        if (table.pp, table.vpp) != (data.get("pp", table.pp), data.get("vpp", table.vpp)):
-            raise TableFormatError(f"schedule JSON says pp={data.get('pp')}, vpp={data.get('vpp')} but its placement disagrees")
-        return table
+    def from_dict(cls, data: dict, source: str = "schedule JSON") -> ScheduleTable:
+        """The table of a parsed JSON document, checked field by field (``source`` names it in errors)."""
+        check_envelope(data, "primuspipe.schedule", FORMAT_VERSION, "schedule", source)
+        data = strict.keys(data, source, _JSON_KEYS, required={"placement", "microbatches", "ranks"},
+                           error=TableFormatError)
+        m = strict.count(data["microbatches"], f"{source}: microbatches", minimum=1, error=TableFormatError)
+        placement = Placement.from_dict(data["placement"], f"{source}: placement")
+        for key, value in (("pp", placement.pp), ("vpp", placement.vpp)):
+            if key in data and strict.count(data[key], f"{source}: {key}", error=TableFormatError) != value:
+                raise TableFormatError(f"{source}: {key} is {data[key]} but the placement has {key}={value}; "
+                                       "fix one of them")
+        check_shape(placement.pp, placement.vpp, m)
+        rows = data["ranks"]
+        if not isinstance(rows, list) or not all(isinstance(row, list) for row in rows):
+            raise TableFormatError(f"{source}: ranks must be a list with one list of node texts per rank")
+        if (total := sum(map(len, rows))) > MAX_NODES:
+            raise TableFormatError(f"{source}: {total:,} nodes, more than the {MAX_NODES:,} a table may have")
+        if len(rows) != placement.pp:
+            raise TableFormatError(f"{source}: ranks has {len(rows)} rows but the placement has pp={placement.pp}")
+        algorithm = strict.text(data.get("algorithm", "custom"), f"{source}: algorithm", error=TableFormatError)
+        return cls.build(placement, m, [[_parse_node(t, source, r, i) for i, t in enumerate(row)]
+                                        for r, row in enumerate(rows)], algorithm)
 
     @classmethod
-    def from_json(cls, text: str) -> ScheduleTable:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TableFormatError(f"schedule file is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+    def from_json(cls, text: str, source: str = "schedule JSON") -> ScheduleTable:
+        return cls.from_dict(strict.load_json(text, source, error=TableFormatError), source)
 
     # -- text ---------------------------------------------------------------------------------------
     def grid(self, marks: Sequence[tuple[int, int]] = (), compute_only: bool = False) -> str:
@@ -152,6 +177,15 @@ class ScheduleTable:
 
     def __str__(self) -> str:
         return self.grid()
+
+
+def _parse_node(text: object, source: str, rank: int, index: int) -> ScheduleNode:
+    if not isinstance(text, str):
+        raise TableFormatError(f"{source}: rank {rank} node {index} must be a node text such as F3.1, got {text!r}")
+    try:
+        return ScheduleNode.parse(text)
+    except TableFormatError as exc:
+        raise TableFormatError(f"{source}: rank {rank} node {index}: {exc}") from None
 
 
 def render_grid(table: ScheduleTable, marks: Sequence[tuple[int, int]] = (), compute_only: bool = False) -> str:

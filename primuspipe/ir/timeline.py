@@ -20,10 +20,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from primuspipe.errors import TableFormatError
-from primuspipe.ir.documents import check_envelope, envelope
+from primuspipe.ir import strict
+from primuspipe.ir.cost_model import TIME_UNITS
+from primuspipe.ir.documents import check_envelope, envelope, write_atomically
 from primuspipe.ir.node import ScheduleNode
+from primuspipe.ir.table import MAX_NODES, check_shape
 
 TIMELINE_VERSION = 1
+_KEYS = {"format", "version", "source", "algorithm", "pp", "vpp", "microbatches", "iteration", "time_unit", "meta",
+         "ranks"}
+_RANK_KEYS = {"rank", "peak_memory_bytes", "events"}
+_EVENT_KEYS = {"node", "start", "end", "cpu", "bytes"}
 
 
 def idle_share(window: float, busy: float) -> float:
@@ -91,38 +98,80 @@ class Timeline:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> Timeline:
-        check_envelope(data, "primuspipe.timeline", TIMELINE_VERSION, "timeline")
-        try:
-            ranks = tuple(
-                RankTimeline(
-                    int(r["rank"]),
-                    tuple(TimedNode(ScheduleNode.parse(e["node"]), float(e["start"]), float(e["end"]),
-                                    None if e.get("cpu") is None else (float(e["cpu"][0]), float(e["cpu"][1])),
-                                    None if e.get("bytes") is None else int(e["bytes"]))
-                          for e in r["events"]),
-                    r.get("peak_memory_bytes"),
-                )
-                for r in data["ranks"]
-            )
-            return cls(str(data["source"]), str(data["algorithm"]), int(data["pp"]), int(data["vpp"]),
-                       int(data["microbatches"]), ranks, int(data.get("iteration", 0)),
-                       str(data.get("time_unit", "s")), dict(data.get("meta", {})))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TableFormatError(f"malformed timeline JSON: {exc!r}") from exc
+    def from_dict(cls, data: dict, where: str = "timeline JSON") -> Timeline:
+        """A timeline from its JSON form, checked field by field: a known shape, ranks within it, each
+        event a node of that shape with finite times ``0 <= start <= end``, a rank's compute events
+        one after another, and a finite wall-clock ``meta.t0_unix`` where given."""
+        check_envelope(data, "primuspipe.timeline", TIMELINE_VERSION, "timeline", where)
+        data = strict.keys(data, where, _KEYS, required={"source", "algorithm", "pp", "vpp", "microbatches", "ranks"},
+                           error=TableFormatError)
+        pp, vpp, m = (strict.count(data[k], f"{where}: {k}", minimum=1, error=TableFormatError)
+                      for k in ("pp", "vpp", "microbatches"))
+        check_shape(pp, vpp, m)
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            raise TableFormatError(f"{where}: meta must be a mapping, got {strict.show(meta)}")
+        if "t0_unix" in meta:
+            strict.number(meta["t0_unix"], f"{where}: meta.t0_unix", minimum=0, error=TableFormatError)
+        if not isinstance(data["ranks"], list):
+            raise TableFormatError(f"{where}: ranks must be a list of {{rank, peak_memory_bytes, events}}")
+        ranks = tuple(_rank_timeline(r, f"{where}: ranks[{i}]", pp, vpp, m) for i, r in enumerate(data["ranks"]))
+        if sum(len(r.events) for r in ranks) > MAX_NODES:
+            raise TableFormatError(f"{where}: more than {MAX_NODES:,} events, more than any table has nodes")
+        seen = [r.rank for r in ranks]
+        if len(set(seen)) != len(seen):
+            raise TableFormatError(f"{where}: rank {next(r for r in seen if seen.count(r) > 1)} appears twice")
+        return cls(strict.text(data["source"], f"{where}: source", choices={"simulator", "run"}, error=TableFormatError),
+                   strict.text(data["algorithm"], f"{where}: algorithm", error=TableFormatError), pp, vpp, m, ranks,
+                   strict.count(data.get("iteration", 0), f"{where}: iteration", error=TableFormatError),
+                   strict.text(data.get("time_unit", "s"), f"{where}: time_unit", choices=TIME_UNITS,
+                               error=TableFormatError), meta)
 
     def save(self, path: str | Path) -> Path:
+        """Write the JSON form atomically (a reader sees the whole file or none), creating folders."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict()))
-        return path
+        return write_atomically(path, json.dumps(self.to_dict(), allow_nan=False))
 
     @classmethod
     def load(cls, path: str | Path) -> Timeline:
-        try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise TableFormatError(f"cannot read timeline {path}: {exc}") from exc
+        text = strict.read_text(path, "timeline", error=TableFormatError)
+        return cls.from_dict(strict.load_json(text, str(path), error=TableFormatError), str(path))
+
+
+def _rank_timeline(data: object, where: str, pp: int, vpp: int, m: int) -> RankTimeline:
+    data = strict.keys(data, where, _RANK_KEYS, required={"rank", "events"}, error=TableFormatError)
+    rank = strict.count(data["rank"], f"{where}.rank", maximum=pp - 1, error=TableFormatError)
+    peak = data.get("peak_memory_bytes")
+    if peak is not None:
+        strict.count(peak, f"{where}.peak_memory_bytes", error=TableFormatError)
+    if not isinstance(data["events"], list):
+        raise TableFormatError(f"{where}.events must be a list of {{node, start, end}}")
+    events = []
+    busy_until = 0.0
+    for i, e in enumerate(data["events"]):
+        at = f"{where}.events[{i}]"
+        e = strict.keys(e, at, _EVENT_KEYS, required={"node", "start", "end"}, error=TableFormatError)
+        node = ScheduleNode.parse(strict.text(e["node"], f"{at}.node", error=TableFormatError))
+        start = strict.number(e["start"], f"{at}.start", minimum=0, error=TableFormatError)
+        end = strict.number(e["end"], f"{at}.end", minimum=start, error=TableFormatError)
+        if any(mb >= m or chunk >= vpp for _, mb, chunk in node.parts()) or (node.peer or 0) >= pp:
+            raise TableFormatError(f"{at}: {node} lies outside the timeline's shape (pp={pp}, vpp={vpp}, {m} microbatches)")
+        if node.kind.is_compute:
+            if start < busy_until - 1e-9 * max(1.0, busy_until):
+                raise TableFormatError(f"{at}: {node} starts at {start:g}, before the rank's previous compute node ends "
+                                       f"({busy_until:g}); a rank runs one compute node at a time (events in start order)")
+            busy_until = end
+        cpu = e.get("cpu")
+        if cpu is not None:
+            if not isinstance(cpu, list) or len(cpu) != 2:
+                raise TableFormatError(f"{at}.cpu must be [start, end] of the thread's CPU time, got {strict.show(cpu)}")
+            cpu = tuple(strict.number(v, f"{at}.cpu[{j}]", error=TableFormatError) for j, v in enumerate(cpu))
+        size = e.get("bytes")
+        if size is not None:
+            size = strict.count(size, f"{at}.bytes", error=TableFormatError)
+        events.append(TimedNode(node, start, end, cpu, size))
+    return RankTimeline(rank, tuple(events), peak)
 
 
 def _event_dict(e: TimedNode) -> dict:
@@ -137,7 +186,7 @@ def _event_dict(e: TimedNode) -> dict:
 
 # -- run dumps: one file per rank and iteration (written by primuspipe.runtime.recorder) --------
 # Kept here, free of torch, so tools can read a cluster's dumps on any machine.
-_ITER_DIR = re.compile(r"^iter_(\d+)$")
+_ITER_DIR = re.compile(r"iter_([0-9]{6,})", re.ASCII)
 
 
 def dump_path(dump_dir: str | os.PathLike, iteration: int, rank: int) -> Path:
@@ -146,20 +195,34 @@ def dump_path(dump_dir: str | os.PathLike, iteration: int, rank: int) -> Path:
 
 def dump_iterations(dump_dir: str | os.PathLike) -> list[int]:
     """The iterations dumped under ``dump_dir`` (``iter_<n>`` folders holding rank files), ascending."""
-    found = (_ITER_DIR.match(p.name) for p in Path(dump_dir).glob("iter_*") if any(p.glob("rank_*.json")))
-    return sorted(int(m[1]) for m in found if m)
+    found = (_ITER_DIR.fullmatch(p.name) for p in Path(dump_dir).glob("iter_*") if any(p.glob("rank_*.json")))
+    return sorted(int(m[1]) for m in found if m and m[0] == f"iter_{int(m[1]):06d}")
 
 
 def merge_rank_dumps(dump_dir: str | os.PathLike, iteration: int) -> Timeline:
-    """All ranks' dumps of one iteration as one timeline, times relative to the earliest rank's start."""
-    parts = sorted(
-        (Timeline.load(p) for p in (Path(dump_dir) / f"iter_{iteration:06d}").glob("rank_*.json")),
-        key=lambda t: t.ranks[0].rank,
-    )
+    """All ranks' dumps of one iteration as one timeline, times relative to the earliest rank's start.
+
+    Refuses, saying what is wrong, an iteration that is not one whole step of one run: a rank's file
+    missing (a run stopped mid-step), a file holding another rank or iteration than its name says, or
+    files of different runs (``meta.run_id``) or shapes."""
+    folder = Path(dump_dir) / f"iter_{iteration:06d}"
+    parts = [_rank_dump(path, iteration) for path in sorted(folder.glob("rank_*.json"))]
     if not parts:
         raise TableFormatError(f"no rank dumps for iteration {iteration} under {dump_dir} (expected "
                                f"{dump_path(dump_dir, iteration, 0)}); dumped iterations: "
                                f"{dump_iterations(dump_dir) or 'none'}")
+    parts.sort(key=lambda t: t.ranks[0].rank)
+    first = parts[0]
+    for part in parts[1:]:
+        if run_of(part) != run_of(first):
+            raise TableFormatError(
+                f"iteration {iteration} in {folder} mixes rank files of different runs: rank {first.ranks[0].rank} is "
+                f"{describe_run(first)} but rank {part.ranks[0].rank} is {describe_run(part)}; delete the stale files or "
+                "dump each run into its own directory")
+    if missing := sorted(set(range(first.pp)) - {t.ranks[0].rank for t in parts}):
+        raise TableFormatError(f"iteration {iteration} in {folder} is incomplete: rank file(s) of rank(s) "
+                               f"{', '.join(map(str, missing))} of pp={first.pp} are missing (the run stopped before "
+                               "they were written?)")
     origin = min(t.meta["t0_unix"] for t in parts)
     ranks = []
     for part in parts:
@@ -171,9 +234,34 @@ def merge_rank_dumps(dump_dir: str | os.PathLike, iteration: int) -> Timeline:
     hosts = [{"rank": part.ranks[0].rank, **{k: part.meta[k] for k in _RANK_FACTS if k in part.meta}} for part in parts]
     return Timeline("run", first.algorithm, first.pp, first.vpp, first.microbatches, tuple(ranks), iteration,
                     meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory"),
-                          "ranks": hosts})
+                          "run_id": first.meta.get("run_id"), "ranks": hosts})
 
 
 _RANK_FACTS = ("t0_unix", "host", "cpus", "threads", "process_cpu", "thread_cpu")
 """What a rank's dump says about where and how it ran (see primuspipe.runtime.recorder); kept per rank
 in the merged timeline's ``meta["ranks"]``."""
+
+
+def _rank_dump(path: Path, iteration: int) -> Timeline:
+    """One rank's dump file, refused unless it holds the rank and iteration its path names."""
+    part = Timeline.load(path)
+    ranks = [r.rank for r in part.ranks]
+    if len(ranks) != 1 or path.name != f"rank_{ranks[0]}.json":
+        raise TableFormatError(f"{path} holds rank(s) {ranks}, not the one rank its name says; a run dump has one "
+                               "file per rank named rank_<rank>.json")
+    if part.iteration != iteration:
+        raise TableFormatError(f"{path} is iteration {part.iteration}, not {iteration} as its folder says; it was "
+                               "moved or copied from elsewhere")
+    if "t0_unix" not in part.meta:
+        raise TableFormatError(f"{path} lacks meta.t0_unix (the rank's wall-clock step start), so it is no run dump")
+    return part
+
+
+def run_of(part: Timeline) -> tuple:
+    return part.meta.get("run_id"), part.algorithm, part.pp, part.vpp, part.microbatches, part.time_unit
+
+
+def describe_run(part: Timeline) -> str:
+    run_id = part.meta.get("run_id")
+    return (f"{part.algorithm} pp={part.pp} vpp={part.vpp} m={part.microbatches}"
+            + (f" of run {run_id}" if run_id else " (no run id)"))

@@ -2,8 +2,9 @@
 
 Keeps each rank's forwards and activation transfers in the table's order; an overlapped ``F+B`` node
 counts as its ``F``. Dropping backward nodes and gradient transfers keeps each direction's sends and
-receives in the same relative order, so pairing still holds; the view is re-checked (structure, order,
-pairing, deadlock) anyway, since completeness no longer applies.
+receives in the same relative order, so pairing still holds; the view is validated anyway (structure,
+order, pairing, deadlock: ``validate(view, complete=False)``, since completeness no longer applies), so
+it carries its own proof when a runner gets it.
 
 >>> from primuspipe.algorithms.build import build_schedule
 >>> view = forward_only_view(build_schedule("1f1b", pp=2, microbatches=2))
@@ -18,7 +19,7 @@ import functools
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.passes.validation import check_deadlock, check_order, check_pairing, check_structure
+from primuspipe.passes.validation import validate
 
 
 @functools.lru_cache(maxsize=64)
@@ -28,9 +29,7 @@ def forward_only_view(table: ScheduleTable) -> ScheduleTable:
     view = table.with_ranks(
         tuple(ScheduleNode(*_forward_part(n)) if n.kind.spec.parts else n for n in row if _keeps(n, forward))
         for row in table.ranks)
-    for check in (check_structure, check_order, check_pairing, check_deadlock):
-        check(view)
-    return view
+    return validate(view, complete=False)
 
 
 def _keeps(node: ScheduleNode, forward: NodeKind) -> bool:

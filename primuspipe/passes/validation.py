@@ -15,13 +15,20 @@ The deadlock replay models the runner's communication semantics (docs/design.md 
 
 Under these rules a table hangs exactly when some compute node waits, directly or through a chain of
 ranks, on a transfer that is posted only after it. The replay finds that chain.
+
+**The proof is cached per table.** A table is an immutable value, so once :func:`validate` accepts
+one, :func:`is_proven` says so in O(1) for as long as that table object lives; the runner validates
+any table it has not seen proven (whoever built it) and pays nothing for the ones
+``build_schedule`` and the backends already validated.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict, deque
 
 from primuspipe.errors import ValidationError
+from primuspipe.ir import strict
 from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION, running_levels
 from primuspipe.ir.dataflow import (
     Transfer,
@@ -35,25 +42,44 @@ from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.table import ScheduleTable
 
 
-def validate(table: ScheduleTable, *, max_in_flight: float | None = None,
-             retained: float = W_RETAINED_FRACTION, offloaded: float = OFFLOAD_FRACTION) -> ScheduleTable:
-    """Run every rule; return the table unchanged so calls chain.
+_proven: weakref.WeakValueDictionary[tuple[int, bool], ScheduleTable] = weakref.WeakValueDictionary()
+"""``(id(table), complete) -> table`` for every table object a validation accepted, with or without the
+completeness rule (dropped with the table)."""
+
+
+def validate(table: ScheduleTable, *, max_in_flight: float | None = None, retained: float = W_RETAINED_FRACTION,
+             offloaded: float = OFFLOAD_FRACTION, complete: bool = True) -> ScheduleTable:
+    """Run every rule (once per table object: see the module docstring); return the table unchanged
+    so calls chain.
 
     ``max_in_flight`` bounds, per rank, the activations held at once, in microbatches of one 1F1B stage
     (a chunk's activation counts ``1/vpp``), each from its F until its W, at ``retained`` of its size
     between B and W (docs/design.md §4), and without the share ``offloaded`` of it between an OFFLOAD
-    and its RELOAD.
+    and its RELOAD. ``complete=False`` leaves out completeness (and the offload pairing, which needs the
+    backward), for views that run part of each microbatch's steps (the forward-only view); such a proof
+    does not stand for a full one.
     """
-    check_structure(table)
-    check_offload(table)
-    check_completeness(table)
-    check_order(table)
-    if table.has_communication:
-        check_pairing(table)
-    check_deadlock(table)
+    if not is_proven(table, complete=complete):
+        check_structure(table)
+        if complete:
+            check_offload(table)
+            check_completeness(table)
+        check_order(table)
+        if table.has_communication:
+            check_pairing(table)
+        check_deadlock(table)
+        _proven[id(table), complete] = table
     if max_in_flight is not None:
-        check_in_flight(table, max_in_flight, retained, offloaded)
+        check_in_flight(table, strict.number(max_in_flight, "max_in_flight", minimum=0),
+                        strict.number(retained, "retained", minimum=0, maximum=1),
+                        strict.number(offloaded, "offloaded", minimum=0, maximum=1))
     return table
+
+
+def is_proven(table: ScheduleTable, *, complete: bool = True) -> bool:
+    """True when :func:`validate` accepted this very table object (with completeness, unless
+    ``complete=False`` asks whether it was proven at least without it): it is safe to run."""
+    return _proven.get((id(table), True)) is table or (not complete and _proven.get((id(table), False)) is table)
 
 
 def _fail(table: ScheduleTable, rule: str, what: str, nodes: list[tuple[int, int]], fix: str) -> None:
@@ -236,7 +262,9 @@ def _refuse_transfers(table: ScheduleTable) -> None:
     for rank, i, node in table.positions():
         if not node.kind.is_compute:
             (sends if node.kind.is_send else recvs)[table.transfers[rank][i]].append((rank, i))
-    for t in sorted(required_transfers(table.placement, table.microbatches) | set(sends) | set(recvs)):
+    every = required_transfers(table.placement, table.microbatches) | sends.keys() | recvs.keys()
+    wrong = [t for t in every if len(sends[t]) != 1 or len(recvs[t]) != 1]
+    for t in sorted(wrong):  # sorted only when something is wrong: the first one is reported
         for name, where in (("send", sends[t]), ("receive", recvs[t])):
             if len(where) != 1:
                 src, dst = (table.placement.rank_of(t.src_stage), table.placement.rank_of(t.dst_stage))

@@ -7,10 +7,11 @@ file's import lines change. Nothing here adds behaviour; it re-exports.
 from primuspipe.algorithms import get_algorithm, list_algorithms
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import ConfigError, PrimusPipeError
+from primuspipe.ir import strict
 from primuspipe.ir.cost_model import CostModel, Link, MemoryCost, P2PCost
 from primuspipe.ir.costs import ComputeCosts
 from primuspipe.ir.placement import Placement
 from primuspipe.simulator import simulate
 
 __all__ = ["ComputeCosts", "ConfigError", "CostModel", "Link", "MemoryCost", "P2PCost", "Placement", "PrimusPipeError",
-           "build_schedule", "get_algorithm", "list_algorithms", "simulate"]
+           "build_schedule", "get_algorithm", "list_algorithms", "simulate", "strict"]

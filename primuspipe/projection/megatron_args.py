@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from primuspipe.projection.model_spec import ModelSpec
-from primuspipe.projection.framework import ConfigError
+from primuspipe.projection.framework import ConfigError, strict
 from primuspipe.projection.spec_fields import spec_from_mapping
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -119,14 +119,11 @@ def from_arguments(text: str, source: str) -> tuple[ModelSpec, TrainingSpec]:
 
 def load_megatron_config(path: str | Path) -> tuple[ModelSpec, TrainingSpec]:
     """From a file: a YAML mapping of Megatron arguments (Primus style), else an argument list."""
+    text = strict.read_text(path, "Megatron configuration")
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the Megatron configuration {path}: {exc.strerror or exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
-        data = None  # a launch script is rarely valid YAML
+        data = strict.load_yaml(text, f"the Megatron configuration {path}")
+    except ConfigError:
+        data = None  # a launch script is rarely valid YAML (and YAML with aliases is refused, not expanded)
     if not isinstance(data, Mapping):
         return from_arguments(text, str(path))
     for module in (data.get("modules") or {}).values():

@@ -17,8 +17,8 @@ from collections import Counter
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from primuspipe.projection.activations import ActivationModel
 from primuspipe.projection.framework import Placement
@@ -66,13 +66,13 @@ def print_report(console: Console, projector: Projector, training: TrainingSpec,
         table.add_row(str(k), r.algorithm, str(r.pp), str(r.vpp), str(r.data_parallel_size), str(r.micro_batch_size),
                       r.recompute, f"{r.step_time_s:.3f}", f"{r.bubble_rate:.3f}", f"{max(r.peak_memory_bytes) / GIB:.1f}",
                       f"{static / GIB:.1f} / {dynamic / GIB:.1f}", f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.mfu:.1%}",
-                      f"[{VERDICT_STYLE[r.verdict]}]{r.verdict}[/]")
+                      Text(r.verdict, style=VERDICT_STYLE[r.verdict]))
     console.print(table)
     if len(results) > top:
         console.print(f"({len(results) - top} more; --top N shows more, --json shows all)")
     reasons = Counter(r.error for r in refusals)
     for r in refusals if len(refusals) <= top else []:
-        console.print(f"[yellow]not projected:[/] {r.algorithm} pp={r.pp} vpp={r.vpp} mbs={r.micro_batch_size} "
-                      f"{r.recompute}: {escape(r.error)}", markup=True, highlight=False)
+        console.print(Text.assemble(("not projected:", "yellow"), f" {r.algorithm} pp={r.pp} vpp={r.vpp} "
+                                    f"mbs={r.micro_batch_size} {r.recompute}: {r.error}"), highlight=False)
     for reason, count in reasons.most_common(top) if len(refusals) > top else []:
-        console.print(f"[yellow]{count} candidates not projected:[/] {escape(reason)}", markup=True, highlight=False)
+        console.print(Text.assemble((f"{count} candidates not projected:", "yellow"), f" {reason}"), highlight=False)

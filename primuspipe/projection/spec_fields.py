@@ -20,9 +20,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import yaml
-
-from primuspipe.projection.framework import ConfigError
+from primuspipe.projection.framework import ConfigError, strict
 
 T = TypeVar("T")
 
@@ -43,13 +41,9 @@ class InputError(ConfigError):
 
 
 def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
-    """The mapping at the top of a YAML file (``what`` names the input in errors)."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"the {what} file {path} is not valid YAML: {exc}") from exc
+    """The mapping at the top of a YAML file (``what`` names the input in errors), read strictly: bounded
+    size and nesting, no aliases (no alias bomb), no duplicate keys (:mod:`primuspipe.ir.strict`)."""
+    data = strict.load_yaml(strict.read_text(path, f"the {what} file"), f"the {what} file {path}")
     if not isinstance(data, Mapping):
         raise ConfigError(f"the {what} file {path} must hold a mapping of fields, got {type(data).__name__}")
     return dict(data)

@@ -91,6 +91,8 @@ class StepDriver:
         """Where each training step's timeline goes (``None``: no dumps)."""
         self.iteration = 0
         """Training (not forward-only) steps run so far: the iteration number of dumps."""
+        self.run_id: str | None = None
+        """The run id every dump of this run carries (agreed by the pipeline's ranks at the first dump)."""
         self._agreed: dict[tuple[int, int], tuple[ScheduleTable, Any]] = {}
         """(id of table, id of group) -> both, once every rank of the group was seen to hold the table."""
 
@@ -103,16 +105,20 @@ class StepDriver:
                 forward_only: bool = False) -> None:
         """Run ``rank``'s row of ``table`` (already :meth:`view`-ed) over ``group``; dump its timeline
         when dumping and training."""
-        from primuspipe.runtime.recorder import StepRecorder
+        from primuspipe.runtime.recorder import StepRecorder, shared_run_id
         from primuspipe.runtime.transport import P2PTransport
 
+        runner = cached_runner(table, rank)  # proves an unproven table first: nothing runs or talks before
         key = (id(table), id(group))
         if key not in self._agreed:  # steady-state steps pay nothing
             check_same_table(table, rank, group)
             self._agreed[key] = (table, group)  # held, so the ids stay theirs
-        recorder = StepRecorder(device) if self.dump_dir is not None and not forward_only else None
+        recorder = None
+        if self.dump_dir is not None and not forward_only:
+            self.run_id = self.run_id or shared_run_id(group)
+            recorder = StepRecorder(device, self.run_id)
         transport = P2PTransport(group, timeout_s=self.watchdog_timeout_s)
-        cached_runner(table, rank).run(binder, transport, recorder)
+        runner.run(binder, transport, recorder)
         if recorder is not None:
             recorder.timeline(table, rank, self.iteration).save(dump_path(self.dump_dir, self.iteration, rank))
         if not forward_only:

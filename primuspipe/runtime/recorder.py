@@ -4,7 +4,10 @@ Each rank writes ``<dump_dir>/iter_<iteration>/rank_<rank>.json``: a :class:`~pr
 with ``source="run"`` holding that rank's events (seconds from the rank's step start) and its peak
 memory: peak allocated bytes on GPU (the CUDA peak counter is reset at step start), peak resident set
 size sampled at the end of every compute node on CPU. ``meta["t0_unix"]`` is the rank's step start on
-the wall clock, so :func:`~primuspipe.ir.timeline.merge_rank_dumps` can lay all ranks on one time axis.
+the wall clock, so :func:`~primuspipe.ir.timeline.merge_rank_dumps` can lay all ranks on one time axis. ``meta["run_id"]`` is the
+run's id, the same on every rank of the pipeline (:func:`shared_run_id`), so readers never merge files of
+two runs left in one directory. Files are written atomically (a rank killed mid-write leaves no half
+file), so an iteration on disk is whole or visibly missing ranks.
 
 On CPU every time is read from that same wall clock, so ranks of one host line up exactly (a second
 clock paired with it at step start would be off by however long the process was descheduled between
@@ -26,9 +29,11 @@ from __future__ import annotations
 import os
 import socket
 import time
+import uuid
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import ScheduleTable
@@ -82,7 +87,8 @@ class StepRecorder:
     recorded CUDA event on GPU -- so the runner never needs the time itself while the step runs.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, run_id: str | None = None):
+        self.run_id = run_id
         self.cuda = device.type == "cuda"
         self.device = device
         self.events: list[tuple[ScheduleNode, Any, Any, int | None]] = []
@@ -136,7 +142,7 @@ class StepRecorder:
             torch.cuda.synchronize(self.device)
         events = tuple(sorted((self._timed(*e) for e in self.events), key=lambda e: (e.start, e.end)))
         peak = self.peak_memory_bytes()
-        meta = {"t0_unix": self.t0_unix, "device": str(self.device),
+        meta = {"t0_unix": self.t0_unix, "run_id": self.run_id, "device": str(self.device),
                 "memory": "peak allocated" if self.cuda else "peak RSS",
                 "placement": table.placement.to_dict(), "host": socket.gethostname(),
                 "cpus": usable_cpus(), "threads": torch.get_num_threads()}
@@ -147,3 +153,18 @@ class StepRecorder:
             source="run", algorithm=table.algorithm, pp=table.pp, vpp=table.vpp, microbatches=table.microbatches,
             ranks=(RankTimeline(rank, events, peak),), iteration=iteration, meta=meta,
         )
+
+
+def shared_run_id(group: Any) -> str:
+    """An id for this run of the pipeline ``group``, the same on all its ranks: each rank offers a fresh
+    one to the default store and the first offer wins (no collective, so no rank waits on another).
+    A torchrun restart (``TORCHELASTIC_RESTART_COUNT``) is a new run."""
+    from primuspipe.runtime.transport import default_store
+
+    mine = uuid.uuid4().hex[:12]
+    store = default_store()
+    if store is None:
+        return mine
+    first = dist.get_process_group_ranks(group)[0]
+    key = f"primuspipe/run_id/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{first}"
+    return store.compare_set(key, "", mine).decode()

@@ -1,6 +1,9 @@
 """The schedule runner: executes one rank's row of a full table through a binder.
 
-The runner knows the table and the communication semantics; the binder knows the model. A binder is
+The runner knows the table and the communication semantics; the binder knows the model. It runs only
+proven tables: one that :func:`~primuspipe.passes.validation.validate` has not accepted (a table built
+or edited by hand, read from a file, ...) is validated first, so a table with, say, two receives
+swapped is refused with the validator's message instead of training on swapped tensors. A binder is
 one visible map from node kind to handler (:class:`~primuspipe.runtime.protocols.Binder`), so what runs for ``F``, ``BW``, ``B`` or
 ``W`` is never hidden in the runner, and a table whose kinds the binder cannot run is refused up front
 with :class:`~primuspipe.errors.ConfigError`.
@@ -36,6 +39,7 @@ from primuspipe.errors import ConfigError
 from primuspipe.ir.dataflow import Handoff
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.validation import is_proven, validate
 from primuspipe.runtime.plan import PlannedStep, plan_row, released_keys
 from primuspipe.runtime.protocols import Binder, ComputeCall, Handler, Pending, Recorder, Transport
 
@@ -48,6 +52,8 @@ class ScheduleRunner:
             raise ConfigError("the runner needs a full table; pass it through add_communication (build_schedule does)")
         if not 0 <= rank < table.pp:
             raise ConfigError(f"rank {rank} is outside the table's pipeline of {table.pp} ranks")
+        if not is_proven(table, complete=False):  # proof before execution; a forward-only view carries its own
+            validate(table)
         self.table = table
         self.rank = rank
         self.steps: tuple[PlannedStep, ...] = plan_row(table, rank)

@@ -28,9 +28,20 @@ depends on who completes it:
 **Liveness** (:class:`PeerLiveness`): the monitor thread also writes a heartbeat for its rank into the
 default process group's store every ``timeout_s / 10`` (at most every 10 s). The thread beats while the
 main thread waits, so a rank that merely waits on a stuck peer stays alive, while a dead (SIGKILL) or
-stopped (SIGSTOP) process stops beating. Every hang or failure report names the ranks of the pipeline
-group that have not beaten for ``timeout_s / 2``: in a cascade -- rank 0 waits on rank 1, which waits on
-a stopped rank 2 -- both rank 0 and rank 1 name rank 2.
+stopped (SIGSTOP) process stops beating. A rank that fails writes a *failure record* into the store
+before it raises: the ranks it holds responsible. Every report names the cause, not the neighbour:
+
+* ranks of the pipeline group silent for ``timeout_s / 2`` (stopped or dead);
+* a peer whose connection closed (gloo's "connection closed by peer") without a record: it died, or
+  failed outside primuspipe -- a SIGKILLed rank is named by its neighbours within milliseconds;
+* the ranks named by the records of others: in a cascade -- rank 0 waits on rank 1, which waits on a
+  stopped or dead rank 2, then exits -- rank 0 names rank 2, not rank 1.
+
+**Stopped from outside.** A launcher stops every rank once one has failed: torchrun sends SIGTERM to
+the others within a tenth of a second, before most of them could notice anything. While a watchdog
+runs (and the process has no SIGTERM handler of its own), SIGTERM prints the rank's report -- the node
+it waited on and the cause from the records and heartbeats -- and exits with status 143; a watcher
+thread catches it even while the main thread is blocked in a wait (``signal.set_wakeup_fd``).
 
 ``timeout_s`` of ``0`` turns the watchdog off: requests are completed with a plain ``wait()`` and
 nothing is monitored.
@@ -38,7 +49,15 @@ nothing is monitored.
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
+import os
+import re
+import select
+import signal
+import socket
+import sys
 import threading
 import time
 import weakref
@@ -55,9 +74,12 @@ from primuspipe.runtime.protocols import Pending
 
 logger = logging.getLogger(__name__)
 
-_HEARTBEAT_PREFIX = "primuspipe/heartbeat/"
+_HEARTBEAT_PREFIX = "primuspipe/{attempt}/heartbeat/"
+_FAILURE_PREFIX = "primuspipe/{attempt}/failure/"
 _MAX_HEARTBEAT_S = 10.0
 _MAX_POLL_S = 1.0
+_CAUSE_WAIT_S = 3.0
+"""How long a rank stopped from outside waits for another rank's failure record before it reports."""
 
 
 class PeerLiveness:
@@ -68,10 +90,12 @@ class PeerLiveness:
         self.store = store
         self.global_ranks: Sequence[int] = dist.get_process_group_ranks(group)
         self.me = dist.get_rank()
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted run keeps torchrun's store
+        self._heartbeat_prefix = _HEARTBEAT_PREFIX.format(attempt=attempt)
+        self._failure_prefix = _FAILURE_PREFIX.format(attempt=attempt)
 
-    @staticmethod
-    def _key(global_rank: int) -> str:
-        return f"{_HEARTBEAT_PREFIX}{global_rank}"
+    def _key(self, global_rank: int) -> str:
+        return f"{self._heartbeat_prefix}{global_rank}"
 
     def beat(self) -> None:
         self.store.set(self._key(self.me), repr(time.time()))
@@ -94,8 +118,43 @@ class PeerLiveness:
                 out.append((group_rank, silent))
         return out
 
+    def record_failure(self, blamed: dict[int, str]) -> None:
+        """Say, before raising, which ranks of the group this rank holds responsible (group rank -> why)."""
+        self.store.set(f"{self._failure_prefix}{self.me}", json.dumps({str(r): why for r, why in blamed.items()}))
 
-def _default_store() -> Any:
+    def failure_records(self) -> dict[int, dict[int, str]]:
+        """The failure records of the group's other ranks: reporting group rank -> {blamed group rank: why}."""
+        out = {}
+        for group_rank, global_rank in enumerate(self.global_ranks):
+            key = f"{self._failure_prefix}{global_rank}"
+            if global_rank != self.me and self.store.check([key]):
+                out[group_rank] = {int(r): why for r, why in json.loads(self.store.get(key).decode()).items()}
+        return out
+
+    def causes(self, threshold_s: float, closed_peer: int | None = None) -> dict[int, str]:
+        """The ranks to blame (group rank -> why): ranks silent past ``threshold_s``, ``closed_peer`` when
+        its connection closed without a failure record, and what the others' records name, followed
+        to ranks that did not report themselves (rank 0 -> rank 1 -> rank 2 names rank 2)."""
+        records = self.failure_records()
+        blamed: dict[int, str] = {}
+        if closed_peer is not None and closed_peer not in records:
+            blamed[closed_peer] = "its process ended without reporting an error: it died or was killed"
+        for reporter, named in sorted(records.items()):
+            for rank, why in named.items():
+                if rank not in records and rank != self.group_rank:
+                    blamed.setdefault(rank, f"{why}; reported by pipeline rank {reporter}")
+        for rank, silent in self.unresponsive(threshold_s):
+            if rank not in records:
+                blamed.setdefault(rank, "no heartbeat yet" if silent is None else f"silent for {silent:.0f} s")
+        return blamed
+
+    @property
+    def group_rank(self) -> int:
+        return list(self.global_ranks).index(self.me)
+
+
+def default_store() -> Any:
+    """The default process group's store (heartbeats, failure records, the dump run id); None if none."""
     try:
         return dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError, AttributeError):
@@ -112,16 +171,18 @@ class TransferWatchdog:
         self.timeout_s = timeout_s
         self.poll_completion = poll_completion
         """True where ``is_completed()`` tells the truth without ``wait`` (NCCL); gloo's only changes in ``wait``."""
-        store = _default_store()
+        store = default_store()
         self.liveness = PeerLiveness(group, store) if store is not None else None
         self.failure: PipelineHangError | None = None
         self._store_lost = False
         self._inflight: dict[int, tuple[Pending, float]] = {}
         self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._interval_s = min(_MAX_HEARTBEAT_S, max(timeout_s / 10, 0.02))
         self._thread = threading.Thread(target=self._watch, name=f"primuspipe-watchdog-{self.rank}", daemon=True)
         self._beat()
         self._thread.start()
+        _TerminationReporter.install()
 
     def track(self, pending: Pending) -> float:
         """Register a posted request; returns its deadline (``time.monotonic()`` seconds)."""
@@ -143,30 +204,47 @@ class TransferWatchdog:
             raise self.failure
 
     def report(self, pending: Pending, cause: Exception | None) -> PipelineHangError:
-        """The error for ``pending``: timed out (``cause`` None or a timeout) or failed (``cause``)."""
+        """The error for ``pending``: timed out (``cause`` None or a timeout) or failed (``cause``). It
+        names the ranks to blame and leaves this rank's failure record for the others."""
         node = pending.node
         what = "send to" if node.kind.is_send else "receive from"
-        if cause is None or "timeout" in str(cause).lower() or "timed out" in str(cause).lower():
+        timed_out = cause is None or "timeout" in str(cause).lower() or "timed out" in str(cause).lower()
+        if timed_out:
             how = f"did not complete within {self.timeout_s:g} s"
             hint = "The peer is stuck, dead or runs a different schedule; raise watchdog_timeout_s if it is merely slow."
         else:
-            how = f"failed ({cause})"
-            hint = "The peer's process probably died; look at its log first."
+            how = f"failed ({_backend_message(cause)})"
+            hint = "Look at the log of the rank named first."
+        blamed = self._causes(None if timed_out else node.peer)
+        if blamed and self.liveness is not None:
+            try:
+                self.liveness.record_failure(blamed)
+            except Exception:  # noqa: BLE001 - the store may be gone; the report must still go out
+                pass
         return PipelineHangError(
-            f"pipeline rank {self.rank}: {node} ({what} pipeline rank {node.peer}) {how}.{self._suspects()} {hint}")
+            f"pipeline rank {self.rank}: {node} ({what} pipeline rank {node.peer}) {how}.{_named(blamed)} {hint}")
 
-    def _suspects(self) -> str:
+    def _causes(self, closed_peer: int | None) -> dict[int, str] | None:
+        """Ranks to blame (see :meth:`PeerLiveness.causes`); None when the store is unreachable."""
         if self.liveness is None:
-            return ""
+            return None
         try:
-            silent = self.liveness.unresponsive(self.timeout_s / 2)
-        except Exception:  # noqa: BLE001 - the store may be gone with the peers; the report must still go out
-            return ""
-        if not silent:
-            return " Every other pipeline rank is alive (it beats), so the wait is on a live rank."
-        names = ", ".join(f"pipeline rank {r} ({'no heartbeat yet' if s is None else f'silent for {s:.0f} s'})"
-                          for r, s in silent)
-        return f" Not responding (dead or stopped): {names}."
+            return self.liveness.causes(self.timeout_s / 2, closed_peer)
+        except Exception:  # noqa: BLE001 - the store may be gone with the peers
+            return None
+
+    def termination_report(self, signum: int) -> str:
+        """What this rank says when stopped from outside: the node it waited on and the cause."""
+        with self._lock:
+            waiting = [p.node for p, _ in self._inflight.values()]
+        deadline = time.monotonic() + _CAUSE_WAIT_S
+        blamed = self._causes(None)
+        while not blamed and blamed is not None and time.monotonic() < deadline:
+            time.sleep(0.1)  # a neighbour that saw the failure may be writing its record right now
+            blamed = self._causes(None)
+        at = f" while {waiting[0]} waited on pipeline rank {waiting[0].peer}" if waiting else ""
+        return (f"pipeline rank {self.rank}: stopped from outside ({signal.Signals(signum).name}; a launcher such as "
+                f"torchrun stops every rank once one has failed){at}.{_named(blamed)}")
 
     def _beat(self) -> None:
         if self.liveness is not None:
@@ -178,14 +256,21 @@ class TransferWatchdog:
 
     def _watch(self) -> None:
         next_beat = time.monotonic()
-        while self.failure is None and not (self._store_lost and not self._inflight):
+        while self.failure is None and not (self._store_lost and not self._inflight) and not self._stop.is_set():
             now = time.monotonic()
             if now >= next_beat:
                 self._beat()
                 next_beat = now + self._interval_s
             if self.poll_completion:
                 self._sweep(now)
-            time.sleep(min(self._interval_s, _MAX_POLL_S))
+            self._stop.wait(min(self._interval_s, _MAX_POLL_S))
+
+    def stop(self) -> None:
+        """End the monitor thread (at exit: a daemon thread must not be inside the store's C++ client
+        when the interpreter finalizes, which aborts the process)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
 
     def _sweep(self, now: float) -> None:
         with self._lock:
@@ -205,6 +290,92 @@ class TransferWatchdog:
 
 
 _watchdogs: "weakref.WeakKeyDictionary[Any, TransferWatchdog]" = weakref.WeakKeyDictionary()
+
+
+def _backend_message(cause: Exception) -> str:
+    """gloo's error on one line, without its source location and generic advice (the report gives better)."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(cause).split()))
+    return text.split(" This is typically caused by")[0].rstrip(".")
+
+
+def _named(blamed: dict[int, str] | None) -> str:
+    """The report's sentence naming the ranks to blame."""
+    if blamed is None:
+        return ""
+    if not blamed:
+        return " Every other pipeline rank is alive (it beats) and none reported a failure, so the wait is on a live rank."
+    return " Not responding (dead or stopped): " + ", ".join(
+        f"pipeline rank {r} ({why})" for r, why in sorted(blamed.items())) + "."
+
+
+@atexit.register
+def _stop_watchdogs() -> None:
+    for watchdog in list(_watchdogs.values()):
+        watchdog.stop()
+    _TerminationReporter.stop()
+
+
+class _TerminationReporter:
+    """Turns SIGTERM into each watchdog's report and exit status 143 (module docstring). Installed once
+    per process, from the main thread, only where SIGTERM has its default action and no wakeup fd is
+    set (the process's own handlers win)."""
+
+    _pid: int | None = None
+    _wake: tuple[socket.socket, socket.socket] | None = None
+    _done = threading.Lock()
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._pid == os.getpid() or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, cls._handler):
+            return
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        if signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False) not in (-1, cls._fd()):
+            signal.set_wakeup_fd(-1)  # someone else's: put it back untouched
+            reader.close()
+            writer.close()
+            return
+        signal.signal(signal.SIGTERM, cls._handler)
+        cls._pid, cls._wake = os.getpid(), (reader, writer)
+        threading.Thread(target=cls._listen, args=(reader,), name="primuspipe-sigterm", daemon=True).start()
+
+    @classmethod
+    def _fd(cls) -> int:
+        return cls._wake[1].fileno() if cls._wake is not None else -1
+
+    @classmethod
+    def _listen(cls, reader: socket.socket) -> None:
+        while True:
+            select.select([reader], [], [])
+            data = reader.recv(64)
+            if not data or 0 in data:
+                return  # stopped at exit
+            if signal.SIGTERM in data:
+                cls._report_and_exit(signal.SIGTERM)
+
+    @classmethod
+    def _handler(cls, signum: int, frame: Any) -> None:  # noqa: ARG003 - signal's signature
+        cls._report_and_exit(signum)
+
+    @classmethod
+    def _report_and_exit(cls, signum: int) -> None:
+        if not cls._done.acquire(blocking=False):
+            return  # the other path is reporting
+        lines = [w.termination_report(signum) for w in list(_watchdogs.values())]
+        sys.stderr.write("".join(f"{line}\n" for line in lines) or
+                         f"primuspipe: stopped from outside ({signal.Signals(signum).name})\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls._pid == os.getpid() and cls._wake is not None:
+            try:
+                cls._wake[1].send(b"\0")
+            except OSError:
+                pass
 
 
 def watchdog_for(group: Any, timeout_s: float) -> TransferWatchdog:
@@ -232,13 +403,25 @@ class P2PTransport:
         # deallocate_output_tensor) while the transfer still reads the old one, which the alias keeps alive.
         # A tuple of tensors goes as consecutive messages, one request each.
         aliases = tuple(t.detach() for t in tensor) if isinstance(tensor, tuple) else tensor.detach()
-        works = [dist.isend(a, dst=self._global[node.peer], group=self.group) for a in _each(aliases)]
+        peer = self._global[node.peer]
+        works = self._post(node, lambda: [dist.isend(a, dst=peer, group=self.group) for a in _each(aliases)])
         return self._track(Pending(node, aliases, works))
 
     def irecv(self, node: ScheduleNode, buffer: torch.Tensor | tuple[torch.Tensor, ...]) -> Pending:
         self._check()
-        works = [dist.irecv(b, src=self._global[node.peer], group=self.group) for b in _each(buffer)]
+        peer = self._global[node.peer]
+        works = self._post(node, lambda: [dist.irecv(b, src=peer, group=self.group) for b in _each(buffer)])
         return self._track(Pending(node, buffer, works))
+
+    def _post(self, node: ScheduleNode, post: Any) -> list:
+        """Post the requests; a backend that refuses (gloo, once the peer's connection closed) is reported
+        like a failed transfer."""
+        try:
+            return post()
+        except RuntimeError as exc:
+            if self.watchdog is None:
+                raise
+            raise self.watchdog.report(Pending(node, None, []), exc) from exc
 
     def _check(self) -> None:
         if self.watchdog is not None:

@@ -25,7 +25,7 @@ is given. Primus's ``primus_pipeline.yaml`` loads as it is: its keys are ours, w
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -33,9 +33,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import yaml
-
 from primuspipe.errors import ConfigError
+from primuspipe.ir import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost
 from primuspipe.ir.costs import per_stage_values
 
@@ -56,8 +55,9 @@ class PrimusPipeConfig:
     """A registered algorithm or an alias such as Primus's ``zbv-formatted`` (``primuspipe list``);
     ``auto`` picks Megatron's own choice: ``1f1b`` for vpp = 1, ``interleaved-1f1b`` for vpp > 1."""
     algorithm_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    """Keyword options of the algorithm, e.g. ``{"microbatch_group_size": 4}`` for interleaved-1f1b.
-    Without one, interleaved-1f1b follows Megatron's ``microbatch_group_size_per_vp_stage``."""
+    """Keyword options of the algorithm, e.g. ``{"microbatch_group_size": 4}`` for interleaved-1f1b
+    (with ``auto``, they are interleaved-1f1b's: 1f1b takes none). Without one, interleaved-1f1b follows
+    Megatron's ``microbatch_group_size_per_vp_stage``. Checked against the algorithm at :func:`install`."""
     dump_pp_data: bool = False
     """Write each rank's per-node start/end times and peak memory for every training iteration."""
     dump_dir: str = "pp_data"
@@ -94,16 +94,28 @@ class PrimusPipeConfig:
     it is set (a cost file in ``algorithm_options.cost`` keeps its own)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.pp_algorithm, str) or not self.pp_algorithm:
-            raise ConfigError(f"pp_algorithm must be an algorithm name, got {self.pp_algorithm!r}")
+        """Check every field now, so a bad setting fails at :func:`install`, not on every rank at step 1."""
+        strict.flag(self.patch_primus_pipeline, "patch_primus_pipeline")
+        strict.flag(self.dump_pp_data, "dump_pp_data")
+        strict.text(self.pp_algorithm, "pp_algorithm")
         if not isinstance(self.algorithm_options, Mapping):
-            raise ConfigError(f"algorithm_options must be a mapping, got {type(self.algorithm_options).__name__}")
+            raise ConfigError(f"algorithm_options must be a mapping, got {strict.show(self.algorithm_options)}")
         object.__setattr__(self, "algorithm_options", MappingProxyType(dict(self.algorithm_options)))
         for name in ("pp_cost_f", "pp_cost_b", "pp_cost_w"):  # lists as tuples: the config stays a hashable value
-            if isinstance(getattr(self, name), list):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
-        if self.watchdog_timeout_s < 0:
-            raise ConfigError(f"watchdog_timeout_s must be >= 0 (0 disables it), got {self.watchdog_timeout_s}")
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, value := tuple(value))
+            if isinstance(value, tuple):
+                for i, v in enumerate(value):
+                    strict.number(v, f"{name}[{i}]", minimum=0)
+            elif value is not None:
+                strict.number(value, name, minimum=0)
+        object.__setattr__(self, "watchdog_timeout_s", strict.number(
+            self.watchdog_timeout_s, "watchdog_timeout_s (seconds; 0 disables the watchdog)", minimum=0))
+        if self.dump_pp_data:
+            strict.text(self.dump_dir, "dump_dir (needed with dump_pp_data)")
+        strict.flag(self.debug_scheduler_table, "debug_scheduler_table")
+        strict.flag(self.offload, "offload")
         if self.communication_method == BATCH_P2P:
             raise ConfigError("communication_method: batch_p2p is not supported: the runner posts each transfer as "
                               "its own non-blocking send/receive, the order its deadlock proof relies on; use "
@@ -127,9 +139,37 @@ class PrimusPipeConfig:
             if isinstance(self.pp_max_mem, (list, tuple)):
                 raise ConfigError(f"pp_max_mem: primuspipe bounds every rank by one limit, got the list {self.pp_max_mem}; "
                                   "give one number (the smallest of yours keeps every rank within its own)")
-            per_stage_values("pp_max_mem", self.pp_max_mem, 1)
-            if float(self.pp_max_mem) <= 0:
+            if isinstance(self.pp_max_mem, bool) or not isinstance(self.pp_max_mem, (int, float)) or \
+                    not math.isfinite(self.pp_max_mem) or self.pp_max_mem < 0:
+                raise ConfigError(f"pp_max_mem must be >= 0 and finite (microbatches), got {strict.show(self.pp_max_mem)}")
+            if self.pp_max_mem <= 0:
                 raise ConfigError(f"pp_max_mem must be > 0 microbatches, got {self.pp_max_mem}")
+
+    def check(self) -> None:
+        """What :func:`install` checks beyond the values: the algorithm exists and takes the options (the
+        cost model and memory limit are ``build_schedule``'s, not the algorithm's), and the dump directory
+        can be written (it is created)."""
+        from primuspipe.algorithms.build import check_options
+
+        options = {k: v for k, v in self.algorithm_options.items() if k not in _SCHEDULE_KEYWORDS}
+        for algorithm in self.algorithms():
+            check_options(algorithm, options)
+        if "memory_limit" in self.algorithm_options:
+            strict.number(self.algorithm_options["memory_limit"], "algorithm_options.memory_limit", above=0)
+        if self.dump_pp_data:
+            folder = Path(self.dump_dir)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"dump_dir {self.dump_dir}: cannot create it ({exc.strerror or exc}); "
+                                  "give a writable directory") from None
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise ConfigError(f"dump_dir {self.dump_dir}: permission denied; give a writable directory")
+
+    def algorithms(self) -> tuple[str, ...]:
+        """The algorithms this config may run: the named one, or both of ``auto``'s (options given with
+        ``auto`` are for interleaved-1f1b only, the one that takes any)."""
+        return ("interleaved-1f1b",) if self.pp_algorithm == AUTO else (self.pp_algorithm,)
 
     @property
     def offload_op_list(self) -> tuple[str, ...]:
@@ -138,7 +178,6 @@ class PrimusPipeConfig:
     @property
     def has_primus_costs(self) -> bool:
         return any(v is not None for v in (self.pp_cost_f, self.pp_cost_b, self.pp_cost_w))
-
     def schedule_options(self, pp: int, vpp: int) -> dict[str, Any]:
         """The keyword arguments of ``build_schedule`` for a ``pp`` x ``vpp`` pipeline: the algorithm's
         options, plus ``cost`` (from ``pp_cost_f/b/w``, or ``algorithm_options.cost`` in the cost-file
@@ -183,54 +222,65 @@ _ENV_NAMES = {
     "pp_cost_w": "PRIMUSPIPE_PP_COST_W",
     "pp_max_mem": "PRIMUSPIPE_PP_MAX_MEM",
 }
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+_SCHEDULE_KEYWORDS = ("cost", "memory_limit")
+"""``algorithm_options`` keys that go to ``build_schedule`` itself, not to the algorithm."""
+OTHER_VARIABLES = frozenset({"PRIMUSPIPE_CONFIG", "PRIMUSPIPE_DEMO_DIR"})
+"""``PRIMUSPIPE_*`` variables that are not settings: the config file, and scripts/demo.sh's output folder.
+Any other ``PRIMUSPIPE_*`` variable is refused as a misspelling (an unknown YAML key is refused too)."""
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
+    """One setting from YAML (typed) or the environment (text), checked strictly."""
+    what = f"{source}: {name}"
     kind = {f.name: f.type for f in fields(PrimusPipeConfig)}[name]
     if value is None and ("None" in kind or kind == "Any"):
         return None
-    try:
-        if kind in ("Any", "float | None"):  # a number or (Any) a list of numbers; JSON in the environment
-            value = json.loads(value) if isinstance(value, str) else value
-            if value is not None and not isinstance(value, (int, float, list)):
-                raise ValueError(f"not a number or a list of numbers: {value!r}")
-            return value
-        if kind == "bool":
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in _TRUE | _FALSE:
-                return text in _TRUE
-            raise ValueError(f"not a boolean: {value!r}")
-        if kind == "float":
-            return float(value)
-        if kind == "str":
-            return str(value)
-        if isinstance(value, str):
-            value = json.loads(value) if value.strip() else {}
-        if not isinstance(value, Mapping):
-            raise ValueError(f"not a mapping: {value!r}")
-        return dict(value)
-    except (ValueError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{source}: bad value for {name}: {exc}") from exc
+    if kind in ("Any", "float | None"):  # a number or (Any) a list of numbers; JSON in the environment
+        text = value
+        try:
+            value = strict.load_json(text, what) if isinstance(text, str) else text
+        except ConfigError:
+            value = text
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, list))):
+            raise ConfigError(f"{source}: bad value for {name}: {strict.show(text)} is not a number or a list of "
+                              "numbers (JSON in the environment, e.g. 1.5 or [1, 2])")
+        return value
+    if kind == "bool":
+        return strict.flag(value, what)
+    if kind == "float":
+        return strict.number(value, what, minimum=0)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{what} must be text, got {strict.show(value)}")
+        return value
+    if isinstance(value, str):
+        value = strict.load_json(value, what) if value.strip() else {}
+    return strict.keys(value, what, allowed=value.keys() if isinstance(value, Mapping) else ())
 
 
 def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> PrimusPipeConfig:
-    """Read the YAML file (``path`` or ``$PRIMUSPIPE_CONFIG``), then apply environment overrides."""
+    """Read the YAML file (``path`` or ``$PRIMUSPIPE_CONFIG``), then apply environment overrides.
+
+    Everything goes through :mod:`primuspipe.ir.strict`: a bounded file, no YAML aliases (no alias
+    bomb), known keys only, finite numbers; an unknown ``PRIMUSPIPE_*`` variable is named with the
+    closest known one."""
     env = os.environ if env is None else env
+    known = set(_ENV_NAMES.values()) | OTHER_VARIABLES
+    for var in sorted(env):
+        if var.startswith(ENV_PREFIX) and var not in known:
+            near = strict.closest(var, known)
+            raise ConfigError(f"environment variable {var} is not a primuspipe setting"
+                              + (f" (did you mean {near}?)" if near else "")
+                              + f"; known: {', '.join(sorted(known))}")
     values: dict[str, Any] = {}
     path = path if path is not None else env.get("PRIMUSPIPE_CONFIG")
     if path:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read primuspipe config {path}: {exc}") from exc
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-        if unknown := set(data) - set(_ENV_NAMES):
-            raise ConfigError(f"{path}: unknown key(s) {sorted(unknown)}; known keys: {sorted(_ENV_NAMES)}")
-        values.update({k: _coerce(k, v, str(path)) for k, v in data.items()})
+        source = f"primuspipe config {path}"
+        data = strict.load_yaml(strict.read_text(path, "primuspipe config"), source)
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: expected a mapping of settings, got {type(data).__name__}")
+        data = strict.keys(data, source, allowed=_ENV_NAMES)
+        values.update({k: _coerce(k, v, source) for k, v in data.items()})
     for name, var in _ENV_NAMES.items():
         if var in env:
             values[name] = _coerce(name, env[var], f"environment variable {var}")

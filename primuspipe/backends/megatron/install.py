@@ -17,8 +17,7 @@ import sys
 from dataclasses import replace
 from typing import Any, Optional
 
-from primuspipe.algorithms import get_algorithm
-from primuspipe.backends.megatron.config import AUTO, PrimusPipeConfig, load_config
+from primuspipe.backends.megatron.config import PrimusPipeConfig, load_config
 from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
 
 logger = logging.getLogger(__name__)
@@ -33,14 +32,15 @@ def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusF
     """Patch Megatron per ``config`` (default: :func:`load_config`, i.e. YAML and environment).
 
     Returns the installed forward-backward function, or ``None`` when ``patch_primus_pipeline`` is off.
-    Installing again replaces the previous installation. Unknown algorithms fail here, not mid-training.
+    Installing again replaces the previous installation. Bad settings fail here, not on every rank at
+    step 1: an unknown algorithm or option (:meth:`PrimusPipeConfig.check`), a dump directory that cannot
+    be written, a NaN or infinite watchdog timeout.
     """
     config = replace(config if config is not None else load_config(), **overrides)
     if not config.patch_primus_pipeline:
         logger.info("primuspipe: patch_primus_pipeline is off; Megatron's schedules stay in place")
         return None
-    if config.pp_algorithm != AUTO:
-        get_algorithm(config.pp_algorithm)
+    config.check()
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
 

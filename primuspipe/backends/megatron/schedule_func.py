@@ -55,7 +55,7 @@ class PrimusForwardBackward:
         """The table a call runs for this shape (``vpp=None``: the algorithm's own choice). Build the model
         chunks for its ``placement`` and ``vpp``."""
         algorithm = self.config.algorithm_for(vpp or 1)
-        options = self.config.schedule_options(pp, vpp or 1)
+        options = self.config.schedule_options(pp, vpp or 1) if algorithm in self.config.algorithms() else {}
         group = getattr(megatron_config, "microbatch_group_size_per_vp_stage", None)
         runs = get_algorithm(algorithm).alias_of or algorithm  # Primus's 1f1b-interleaved is interleaved-1f1b
         if runs == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):

@@ -1,23 +1,39 @@
 """What pp_vis reads: a timeline JSON file (``primuspipe simulate -o DIR`` writes them), a run's dump
 directory (``dump_pp_data``: ``<dump_dir>/iter_<n>/rank_<r>.json``), both in the one timeline format, or
 a Primus dump folder (its runs' ``dump_pp_data`` or its simulator's output: ``config.json`` and
-``pp_rank_<r>.json``, :mod:`primuspipe.tools.pp_vis.primus_dump`)."""
+``pp_rank_<r>.json``, :mod:`primuspipe.tools.pp_vis.primus_dump`).
+
+A dump directory is read one whole step at a time: an iteration missing a rank's file (a run killed
+mid-step), mixing runs, or with malformed files is skipped, and so are iterations of an older run
+left in the same directory; each skip is logged as a warning saying which iteration and why. Asked
+for one iteration by number, the reader refuses it instead of skipping it."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 from pathlib import Path
 
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.cost_model import TIME_UNITS
-from primuspipe.ir.timeline import TimedNode, Timeline, dump_iterations, dump_path, merge_rank_dumps
+from primuspipe.ir.timeline import (
+    TimedNode,
+    Timeline,
+    describe_run,
+    dump_iterations,
+    dump_path,
+    merge_rank_dumps,
+    run_of,
+)
 from primuspipe.tools.pp_vis.primus_dump import (
     is_primus_dump,
     load_primus_dump,
     load_primus_iterations,
     primus_dumps_under,
 )
+
+logger = logging.getLogger(__name__)
 
 _WHAT = ("a timeline JSON file (from 'primuspipe simulate -o DIR'), a dump directory holding "
          "iter_<n>/rank_<r>.json (from a run with dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR), nor a "
@@ -26,14 +42,15 @@ _WHAT = ("a timeline JSON file (from 'primuspipe simulate -o DIR'), a dump direc
 
 def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Timeline:
     """One timeline from a file, or from a dump directory (all ranks of ``iteration`` merged on one
-    time axis; by default the last dumped iteration, the warmest). A folder ``iter_<n>`` itself, or a
-    folder holding exactly one ``*.timeline.json``, works too."""
+    time axis; by default the last whole iteration of the newest run, the warmest). A folder
+    ``iter_<n>`` itself, or a folder holding exactly one ``*.timeline.json``, works too."""
     path = Path(path)
-    if path.is_file():
+    if _is_file(path):
         if iteration is not None:
             raise TableFormatError(f"{path} is one timeline file; an iteration can only be chosen in a dump directory")
-        return Timeline.load(path)
+        return _whole(Timeline.load(path), path)
     if path.is_dir():
+        _check_readable(path)
         if is_primus_dump(path):
             return load_primus_dump(path, iteration)
         if found := primus_dumps_under(path):
@@ -45,10 +62,12 @@ def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Time
                                        f"{path.parent} to choose another")
             return merge_rank_dumps(path.parent, own)
         if iterations := dump_iterations(path):
-            return merge_rank_dumps(path, iterations[-1] if iteration is None else iteration)
+            if iteration is not None:
+                return merge_rank_dumps(path, iteration)
+            return _newest_run(path, iterations)[-1]
         files = sorted(path.glob("*.timeline.json"))
         if len(files) == 1 and iteration is None:
-            return Timeline.load(files[0])
+            return _whole(Timeline.load(files[0]), files[0])
         if files:
             raise TableFormatError(f"{path} holds {len(files)} timelines ({', '.join(f.name for f in files)}); "
                                    "pass one of them")
@@ -63,11 +82,53 @@ def _iteration_folder(path: Path) -> int | None:
 def load_iterations(path: str | os.PathLike) -> list[Timeline]:
     """Every dumped iteration of a run, oldest first (a timeline file gives just itself)."""
     path = Path(path)
+    _check_readable(path)
     if is_primus_dump(path):
         return load_primus_iterations(path)
     if path.is_dir() and (iterations := dump_iterations(path)):
-        return [merge_rank_dumps(path, i) for i in iterations]
+        return _newest_run(path, iterations)
     return [load_timeline(path)]
+
+
+def _check_readable(path: Path) -> None:
+    if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
+        raise TableFormatError(f"cannot read the directory {path}: permission denied (check its permissions)")
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except PermissionError:
+        raise TableFormatError(f"cannot read {path}: permission denied (check the permissions of its folders)") from None
+
+
+def _whole(timeline: Timeline, path: Path) -> Timeline:
+    """A timeline file must time every rank (one rank's dump file belongs in its dump directory)."""
+    if missing := sorted(set(range(timeline.pp)) - {r.rank for r in timeline.ranks}):
+        raise TableFormatError(f"{path} has no events for rank(s) {', '.join(map(str, missing))} of pp={timeline.pp}; "
+                               "a rank's dump file is read with its dump directory (pass the directory)")
+    return timeline
+
+
+def _newest_run(dump_dir: Path, iterations: list[int]) -> list[Timeline]:
+    """The whole iterations of the newest run in ``dump_dir``, oldest first; every other one is skipped
+    with a warning saying why."""
+    merged, skipped = [], []
+    for i in iterations:
+        try:
+            merged.append(merge_rank_dumps(dump_dir, i))
+        except TableFormatError as exc:
+            skipped.append((i, str(exc)))
+    if not merged:
+        i, why = skipped[-1]
+        raise TableFormatError(f"{dump_dir} holds no whole iteration; the last one, {i}, is refused: {why}")
+    newest = max(merged, key=lambda t: t.meta["t0_unix"])
+    kept = [t for t in merged if run_of(t) == run_of(newest)]
+    skipped += [(t.iteration, f"it belongs to an older run ({describe_run(t)}) than the newest one "
+                              f"({describe_run(newest)})") for t in merged if run_of(t) != run_of(newest)]
+    for i, why in sorted(skipped):
+        logger.warning("skipped iteration %d of %s: %s", i, dump_dir, why)
+    return kept
 
 
 def in_unit(timeline: Timeline, unit: str) -> Timeline:

@@ -1,0 +1,300 @@
+"""The strict input layer: every file, number, count and key that comes from outside passes through here.
+
+One small set of parsers serves every format (table JSON and CSV, cost YAML, the Megatron config YAML
+and its environment variables, run dumps, command-line numbers), so they refuse the same things the
+same way, each with one line that names the file, the field and what to write instead:
+
+* numbers are finite: NaN and infinity are refused, and so are booleans (``true`` is not ``1``);
+* counts are integers: ``2.5``, ``2.0``, ``true`` and non-ASCII digits (``２``, which Python's ``int``
+  would read) are refused; text is read as a count only where the input is text (CLI, environment);
+* mappings have known keys only; an unknown one is named with the closest known key;
+* documents are bounded: a file of at most :data:`MAX_DOCUMENT_BYTES`, UTF-8, nested at most
+  :data:`MAX_DEPTH` deep; JSON without ``NaN``/``Infinity`` and duplicate keys; YAML without aliases
+  (so an alias bomb cannot expand) and duplicate keys.
+
+Each parser takes the :class:`~primuspipe.errors.PrimusPipeError` subclass its format raises
+(``TableFormatError`` for schedules and timelines, ``ConfigError`` for costs and settings).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+import stat
+import types
+import typing
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from primuspipe.errors import ConfigError, PrimusPipeError
+
+MAX_DOCUMENT_BYTES = 128 * 2**20
+"""Largest file read as a table, timeline, cost model or config (a table of the largest buildable shape,
+:data:`~primuspipe.ir.table.MAX_NODES` nodes, is about 60 MiB of JSON)."""
+MAX_DEPTH = 32
+"""Deepest nesting of lists and mappings in a document (the formats need 4)."""
+
+_COUNT_TEXT = re.compile(r"[+-]?[0-9]{1,18}", re.ASCII)
+_NUMBER_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+
+Error = type[PrimusPipeError]
+
+
+# -- values -------------------------------------------------------------------------------------------
+def number(value: Any, name: str, *, error: Error = ConfigError, minimum: float | None = None,
+           maximum: float | None = None, above: float | None = None) -> float:
+    """``value`` as a finite float; ASCII number text (``"1e9"``, which YAML leaves a string) is read too.
+
+    ``minimum``/``maximum`` bound it inclusively, ``above`` exclusively.
+
+    >>> number("1e-3", "p2p_time")
+    0.001
+    >>> number(float("nan"), "compute.f")
+    Traceback (most recent call last):
+    ...
+    primuspipe.errors.ConfigError: compute.f must be a finite number, got nan (NaN and infinity are not allowed)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise error(f"{name} must be a number, got {show(value)}")
+    if isinstance(value, str) and not _NUMBER_TEXT.fullmatch(value.strip()):
+        raise error(f"{name} must be a number (finite, in ASCII digits, e.g. 1.5 or 2e-3), got {value!r}")
+    try:
+        x = float(value)
+    except (OverflowError, ValueError):
+        x = math.inf
+    if not math.isfinite(x):
+        raise error(f"{name} must be a finite number, got {show(value)} (NaN and infinity are not allowed)")
+    if minimum is not None and x < minimum:
+        raise error(f"{name} must be >= {minimum:g}, got {show(value)}")
+    if above is not None and x <= above:
+        raise error(f"{name} must be > {above:g}, got {show(value)}")
+    if maximum is not None and x > maximum:
+        raise error(f"{name} must be <= {maximum:g}, got {show(value)}")
+    return x
+
+
+def count(value: Any, name: str, *, error: Error = ConfigError, minimum: int = 0, maximum: int | None = None,
+          text: bool = False) -> int:
+    """``value`` as an integer; ``text=True`` (command lines, environment variables) also reads ASCII
+    digit strings. Booleans, floats (``2.0`` too) and other digits (``２``) are refused.
+
+    >>> count(4, "microbatches", minimum=1)
+    4
+    >>> count(2.5, "microbatches")
+    Traceback (most recent call last):
+    ...
+    primuspipe.errors.ConfigError: microbatches must be an integer, got 2.5
+    """
+    if isinstance(value, str) and text:
+        if not _COUNT_TEXT.fullmatch(value.strip()):
+            raise error(f"{name} must be an integer written with ASCII digits, got {value!r}")
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise error(f"{name} must be an integer, got {show(value)}")
+    if value < minimum:
+        raise error(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise error(f"{name} must be <= {maximum:,}, got {value:,}")
+    return value
+
+
+def text(value: Any, name: str, *, error: Error = ConfigError, choices: Collection[str] | None = None) -> str:
+    """A non-empty string (one of ``choices`` when given)."""
+    if not isinstance(value, str) or not value.strip():
+        raise error(f"{name} must be a non-empty string, got {show(value)}")
+    if choices is not None and value not in choices:
+        raise error(f"{name} must be one of {', '.join(sorted(choices))}, got {value!r}{_did_you_mean(value, choices)}")
+    return value
+
+
+def flag(value: Any, name: str, *, error: Error = ConfigError) -> bool:
+    """A boolean; text (environment) may say 1/0, true/false, yes/no, on/off."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off", ""):
+            return False
+    raise error(f"{name}: {show(value)} is not a boolean; write true/false, 1/0, yes/no or on/off")
+
+
+def keys(data: Any, name: str, allowed: Collection[str], required: Collection[str] = (), *,
+         error: Error = ConfigError) -> dict[str, Any]:
+    """``data`` as a dict with only ``allowed`` keys and all ``required`` ones (``None`` is empty)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise error(f"{name} must be a mapping of {', '.join(sorted(allowed))}, got {show(data)}")
+    if unknown := [key for key in data if key not in allowed]:
+        raise error(f"{name} has unknown key(s) {sorted(map(str, unknown))}{_did_you_mean(unknown[0], allowed)}; "
+                    f"allowed: {', '.join(sorted(allowed))}")
+    if missing := sorted(set(required) - set(data)):
+        raise error(f"{name} lacks {missing}")
+    return dict(data)
+
+
+def closest(word: str, known: Collection[str]) -> str | None:
+    """The known word ``word`` most likely misspells, if any is close."""
+    found = difflib.get_close_matches(str(word), list(known), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _did_you_mean(word: Any, known: Collection[str]) -> str:
+    near = closest(str(word), known)
+    return f" (did you mean {near!r}?)" if near else ""
+
+
+def scalar(value: str, name: str, *, error: Error = ConfigError) -> Any:
+    """A command-line value (``-O KEY=VALUE``): an integer, a finite number, ``true``/``false``,
+    ``none``/``null``, else the text itself; ``nan`` and ``inf`` are refused.
+
+    >>> [scalar(v, "option") for v in ("4", "1e-3", "true", "none", "abc")]
+    [4, 0.001, True, None, 'abc']
+    """
+    word = value.strip()
+    if _COUNT_TEXT.fullmatch(word):
+        return int(word)
+    if _NUMBER_TEXT.fullmatch(word) or word.lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        return number(word, name, error=error)
+    if word.lower() in ("true", "false"):
+        return word.lower() == "true"
+    if word.lower() in ("none", "null"):
+        return None
+    return value
+
+
+def of_type(value: Any, annotation: Any, name: str, *, error: Error = ConfigError) -> Any:
+    """``value`` checked against a parameter annotation of ``int``, ``float``, ``bool``, ``str`` and
+    ``None`` (or their union, e.g. ``int | None``); an int is a valid float. Other annotations pass."""
+    allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or \
+        typing.get_origin(annotation) is typing.Union else (annotation,)
+    simple = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "none"}
+    if not all(t in simple for t in allowed):
+        return value
+    if value is None and type(None) in allowed:
+        return value
+    if isinstance(value, bool):
+        if bool in allowed:
+            return value
+    elif isinstance(value, int) and (int in allowed or float in allowed):
+        return value
+    elif isinstance(value, float) and float in allowed:
+        return number(value, name, error=error)
+    elif isinstance(value, str) and str in allowed:
+        return value
+    raise error(f"{name} must be {' or '.join(simple[t] for t in allowed)}, got {show(value)}")
+
+
+def show(value: Any) -> str:
+    text = "null" if value is None else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# -- documents ----------------------------------------------------------------------------------------
+def read_text(path: str | Path, what: str, *, error: Error = ConfigError, max_bytes: int = MAX_DOCUMENT_BYTES) -> str:
+    """The UTF-8 text of ``path``, refusing missing, unreadable, oversized and binary files apart.
+
+    ``what`` names the file for people ("schedule file", "cost model")."""
+    path = Path(path)
+    try:
+        info = path.stat()
+        if stat.S_ISDIR(info.st_mode):
+            raise error(f"{what} {path} is a directory; give a file")
+        with path.open("rb") as f:
+            data = f.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise error(f"cannot read {what} {path}: it does not exist") from None
+    except PermissionError:
+        raise error(f"cannot read {what} {path}: permission denied (check its permissions)") from None
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:
+        raise error(f"{what} {path} is larger than {max_bytes // 2**20} MiB, more than any valid one; check the path")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} {path} is not UTF-8 text (byte {exc.start}); is it the right file?") from None
+
+
+def load_json(text: str, source: str, *, error: Error = ConfigError) -> Any:
+    """Parse JSON strictly: no ``NaN``/``Infinity``, no number that overflows a float, no duplicate
+    keys, at most :data:`MAX_DEPTH` deep."""
+    def constant(word: str) -> Any:
+        raise ValueError(f"{word} is not a number (NaN and infinity are not allowed)")
+
+    def finite(word: str) -> float:
+        if not math.isfinite(x := float(word)):
+            raise ValueError(f"{word} is too large for a number")
+        return x
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ValueError(f"the key {key!r} appears twice in one object")
+            out[key] = value
+        return out
+
+    try:
+        data = json.loads(text, parse_constant=constant, parse_float=finite, object_pairs_hook=unique)
+    except json.JSONDecodeError as exc:
+        raise error(f"{source} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise error(f"{source} is nested too deeply to be a primuspipe document") from None
+    except ValueError as exc:  # the hooks above, or an integer with thousands of digits
+        raise error(f"{source} is not valid JSON for primuspipe: {exc}") from None
+    _check_depth(data, source, error)
+    return data
+
+
+class _StrictYamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases (no alias bombs) and without duplicate keys."""
+
+    def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in primuspipe files",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):  # noqa: ANN001
+        seen = []
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice",
+                                                        key_node.start_mark)
+            seen.append(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str, source: str, *, error: Error = ConfigError) -> Any:
+    """Parse YAML strictly: safe types only, no aliases, no duplicate keys, at most :data:`MAX_DEPTH` deep."""
+    try:
+        data = yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        where = f" at line {exc.problem_mark.line + 1}" if exc.problem_mark else ""
+        raise error(f"{source} is not valid YAML{where}: {exc.problem}") from None
+    except yaml.YAMLError as exc:
+        raise error(f"{source} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise error(f"{source} is nested too deeply to be a primuspipe file") from None
+    _check_depth(data, source, error)
+    return data
+
+
+def _check_depth(data: Any, source: str, error: Error) -> None:
+    level = [data]
+    for _ in range(MAX_DEPTH + 1):
+        level = [v for item in level if isinstance(item, (list, dict))
+                 for v in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return
+    raise error(f"{source} is nested more than {MAX_DEPTH} levels deep, deeper than any primuspipe document")

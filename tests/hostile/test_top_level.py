@@ -1,0 +1,32 @@
+"""The console entry point as a user meets it, in a real process: bad input ends with one plain-text
+line on stderr and a non-zero status, never a traceback, and writes nothing."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hostile_support import record
+
+CODE = "import sys; from primuspipe.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.mark.parametrize("argv, status, names", [
+    (["simulate", "--algorithm", "1f1b", "--pp", "4", "-m", "8", "--f", "inf"], 2, ["--f", "finite"]),
+    (["validate", "missing [/x].json"], 1, ["missing [/x].json", "does not exist"]),
+    (["export", "1f1b", "--pp", "4", "-m", "1000000000", "-o", "out.json"], 1, ["nodes"]),
+    (["simulate", "--algorithm", "[/x]", "--pp", "2", "-m", "2"], 1, ["[/x]"]),
+])
+def test_one_line_no_traceback(tmp_path, argv, status, names):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", CODE, *argv], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if "error: " in line]
+    lines += [line for line in proc.stdout.splitlines() if line.startswith("INVALID ")]  # validate's answer
+    clear = proc.returncode == status and "Traceback" not in proc.stderr and len(lines) == 1
+    record("clear" if clear else "garbled", " ".join(argv))
+    assert clear, proc.stderr
+    for name in names:
+        assert name in lines[0]
+    assert not list(tmp_path.iterdir()), "nothing written"

@@ -1,0 +1,153 @@
+"""The hostile-input sweep's harness: run one bad input, sort what happened into one of the sweep's
+classes, and assert it is the only acceptable one.
+
+Classes (the issue's): ``clear`` -- refused, non-zero exit (or the project's exception for an API entry
+point), one line naming the problem; ``garbled`` -- refused, but the message is not one line or does
+not name the problem; ``traceback`` -- an exception escaped; ``silent`` -- exit 0 or no exception on bad
+input; ``hang`` -- still running after :data:`HANG_S`. Every outcome is tallied and the tally printed at
+the end of the session (``hostile inputs: ...``), the figure the issue's closing note asks for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import traceback
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from primuspipe.cli import main
+from primuspipe.errors import PrimusPipeError
+
+HANG_S = 30
+"""An input still being handled after this long counts as a hang (every clear refusal takes well under 1 s)."""
+
+TALLY: Counter = Counter()
+CASES: list[tuple[str, str]] = []
+
+
+class _Hang(BaseException):
+    pass
+
+
+@contextlib.contextmanager
+def _hang_guard():
+    def alarm(signum, frame):
+        raise _Hang()
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, HANG_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@dataclass
+class Outcome:
+    kind: str
+    """clear, garbled, traceback, silent or hang."""
+    code: int | None
+    message: str
+    """The error line (CLI) or the exception's first line (API)."""
+    out: str = ""
+    err: str = ""
+
+
+def _error_lines(err: str) -> list[str]:
+    """stderr lines that are error messages: ``error: ...`` (ours) or ``primuspipe X: error: ...`` (argparse)."""
+    return [line for line in err.splitlines() if line.startswith("error: ") or ": error: " in line]
+
+
+def run_cli(argv: list[str]) -> Outcome:
+    """``primuspipe ARGV`` in this process, classified."""
+    out, err = io.StringIO(), io.StringIO()
+    code: int | None = None
+    escaped = None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            with _hang_guard():
+                try:
+                    code = main([str(a) for a in argv])
+                except SystemExit as exc:  # argparse
+                    code = exc.code if isinstance(exc.code, int) else 1
+        except _Hang:
+            return Outcome("hang", None, "", out.getvalue(), err.getvalue())
+        except BaseException:  # noqa: BLE001 - the sweep's "traceback" class
+            escaped = traceback.format_exc()
+    out_text, err_text = out.getvalue(), err.getvalue()
+    if escaped is not None or "Traceback (most recent call last)" in out_text + err_text:
+        return Outcome("traceback", code, escaped or err_text, out_text, err_text)
+    if code == 0:
+        return Outcome("silent", code, "", out_text, err_text)
+    lines = _error_lines(err_text)
+    # validate reports an invalid table on stdout (its result), first line "INVALID <file>: <why>"
+    invalid = [line for line in out_text.splitlines() if line.startswith("INVALID ")]
+    message = (lines or invalid or [""])[0]
+    kind = "clear" if len(lines) + len(invalid) == 1 and message.strip() else "garbled"
+    return Outcome(kind, code, message, out_text, err_text)
+
+
+def run_api(fn, *args, **kwargs) -> Outcome:
+    """``fn(*args, **kwargs)``, an API entry point that must raise a PrimusPipeError, classified."""
+    try:
+        with _hang_guard():
+            fn(*args, **kwargs)
+    except _Hang:
+        return Outcome("hang", None, "")
+    except PrimusPipeError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return Outcome("clear" if first.strip() else "garbled", 1, first)
+    except BaseException:  # noqa: BLE001
+        return Outcome("traceback", None, traceback.format_exc())
+    return Outcome("silent", 0, "")
+
+
+def record(kind: str, case: str) -> None:
+    """Tally one input's class (what :func:`refused` does; for checks made in a subprocess)."""
+    TALLY[kind] += 1
+    CASES.append((case, kind))
+
+
+def refused(outcome: Outcome, *names: str, case: str = "") -> Outcome:
+    """Tally ``outcome`` and assert the sweep's rule: a clear refusal whose message names each of ``names``."""
+    record(outcome.kind, case)
+    assert outcome.kind == "clear", f"{case}: {outcome.kind}: {outcome.message or outcome.out or outcome.err}"
+    for name in names:
+        assert name.lower() in outcome.message.lower(), f"{case}: the message does not name {name!r}: {outcome.message}"
+    return outcome
+
+
+def not_valid_afterwards(*paths: Path) -> None:
+    """Nothing a later command would read as valid was left at ``paths``: absent, or refused when read."""
+    from primuspipe.ir.formats import load_table
+    from primuspipe.simulator import read_cost_file
+
+    for path in map(Path, paths):
+        if not path.exists() or path.is_dir() and not any(path.iterdir()):
+            continue
+        if path.suffix in (".yaml", ".yml"):
+            with pytest.raises(PrimusPipeError):
+                read_cost_file(path)
+        else:
+            with pytest.raises(PrimusPipeError):
+                load_table(path)
+
+
+def write_summary(terminalreporter) -> None:
+    """Print the tally (and write it to ``$HOSTILE_TALLY_JSON`` as JSON when set)."""
+    if not CASES:
+        return
+    parts = ", ".join(f"{TALLY[k]} {k}" for k in ("clear", "garbled", "traceback", "silent", "hang"))
+    terminalreporter.write_line(f"hostile inputs: {len(CASES)} ({parts})")
+    if path := os.environ.get("HOSTILE_TALLY_JSON"):
+        Path(path).write_text(json.dumps({"inputs": len(CASES), **{k: TALLY[k] for k in
+                                          ("clear", "garbled", "traceback", "silent", "hang")}}, indent=1))
+
