@@ -194,10 +194,10 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
     samples = [_Samples.of(t, placement, use_cpu=cores is not None) for t in used]
     n = placement.num_stages
 
-    def median_of(kind: NodeKind, which: str = "durations") -> list[float | None]:
+    def median_of(kind: NodeKind) -> list[float | None]:
         out: list[float | None] = []
         for stage in range(n):
-            means = [statistics.fmean(d) for s in samples if (d := getattr(s, which).get((kind, stage)))]
+            means = [statistics.fmean(d) for s in samples if (d := s.durations.get((kind, stage)))]
             out.append(_significant(statistics.median(means)) if means else None)
         return out
 

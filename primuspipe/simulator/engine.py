@@ -184,9 +184,9 @@ def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
     offsets = [0.0] * full.pp
     for _ in range(1 if gaps is None else _STEADY_STATE_ROUNDS):
         if cost.host.cores is None:
-            (starts, ends, busy), cpu = _run_dedicated(full, programs, lanes, offsets), None
+            (starts, ends), cpu = _run_dedicated(full, programs, lanes, offsets), None
         else:
-            starts, ends, busy, cpu = _run_shared(full, programs, lanes, offsets, cost=cost)
+            starts, ends, cpu = _run_shared(full, programs, lanes, offsets, cost=cost)
         if gaps is None:
             break
         # the next step: each rank starts its step gap after its own end
@@ -196,6 +196,7 @@ def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
             break
         offsets = nxt
     step = max((max(e, default=0.0) for e in ends), default=0.0)
+    busy = [sum(op[2] for op in ops if op[0] == _COMPUTE) for ops in programs]
     period = None if gaps is None else min(max(e, default=o) + g - o for e, o, g in zip(ends, offsets, gaps))
     units, act_bytes = peak_activations(full, cost.memory, starts, ends)
     ranks = tuple(
@@ -263,7 +264,7 @@ def _run_dedicated(table: ScheduleTable, programs: list[list[tuple]], lanes: lis
                    offsets: list[float]):
     """The event loop for ranks with a device each: every rank runs as far as it can, then waits for a
     transfer; an arrival wakes its consumer. Rank ``r`` enters the step at ``offsets[r]``. Returns
-    per-rank start and end times (indexed like the table's rows) and busy (compute) time."""
+    per-rank start and end times (indexed like the table's rows)."""
     pp = len(programs)
     starts = [[0.0] * len(p) for p in programs]
     ends = [[0.0] * len(p) for p in programs]
@@ -315,8 +316,7 @@ def _run_dedicated(table: ScheduleTable, programs: list[list[tuple]], lanes: lis
             i += 1
         ptr[rank], clock[rank] = i, t
     _check_finished(table, programs, ptr, waiting, posted)
-    busy = [sum(op[2] for op in ops if op[0] == _COMPUTE) for ops in programs]
-    return starts, ends, busy
+    return starts, ends
 
 
 def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[tuple[int, int]],
@@ -387,7 +387,6 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
                 return
             post(rank, i, op)
             i += 1
-            ptr[rank] = i
         ptr[rank] = i
 
     def begin_work(rank: int, i: int) -> None:
@@ -463,8 +462,7 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
         else:
             end_work(rank, i)
     _check_finished(table, programs, ptr, waiting, posted)
-    busy = [sum(op[2] for op in ops if op[0] == _COMPUTE) for ops in programs]
-    return starts, ends, busy, [[tuple(c) for c in row] for row in cpu]
+    return starts, ends, [[tuple(c) for c in row] for row in cpu]
 
 
 def _match(table, send: tuple, recv: tuple, duration: float, ends: list[list[float]]) -> float:
