@@ -145,13 +145,15 @@ class ActivationOffload:
     # -- the moves ----------------------------------------------------------------------------------
     def offload(self, chunk: int, microbatch: int) -> None:
         """OFFLOAD: the (chunk, microbatch)'s saved activations to host memory; the device copies go."""
-        for saved in self._live(chunk, microbatch):
+        live = self._live(chunk, microbatch)
+        if self._streams is not None and live:  # once: the loop queues nothing on the compute stream
+            to_host = self._streams[0]
+            to_host.wait_stream(torch.cuda.current_stream(self.device))
+        for saved in live:
             tensor = saved.device_tensor
             if self._streams is None:
                 saved.host = torch.empty_like(tensor).copy_(tensor)
             else:
-                to_host = self._streams[0]
-                to_host.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(to_host):
                     saved.host = torch.empty_like(tensor, device="cpu", pin_memory=True)
                     saved.host.copy_(tensor, non_blocking=True)

@@ -117,7 +117,9 @@ class StepRecorder:
         return stamp
 
     def record(self, node: ScheduleNode, start: Any, end: Any, tensor: Any = None) -> None:
-        nbytes = None if tensor is None else tensor.numel() * tensor.element_size()
+        nbytes = None  # a tuple of tensors went as consecutive messages: their bytes together
+        if tensor is not None:
+            nbytes = sum(t.numel() * t.element_size() for t in (tensor if isinstance(tensor, tuple) else (tensor,)))
         self.events.append((node, start, end, nbytes))
         if self._rss is not None and node.kind.is_compute:
             self._peak_rss = max(self._peak_rss, self._rss())

@@ -90,6 +90,7 @@ class PeerLiveness:
         self.store = store
         self.global_ranks: Sequence[int] = dist.get_process_group_ranks(group)
         self.me = dist.get_rank()
+        self.group_rank = list(self.global_ranks).index(self.me)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted run keeps torchrun's store
         self._heartbeat_prefix = _HEARTBEAT_PREFIX.format(attempt=attempt)
         self._failure_prefix = _FAILURE_PREFIX.format(attempt=attempt)
@@ -147,10 +148,6 @@ class PeerLiveness:
             if rank not in records:
                 blamed.setdefault(rank, "no heartbeat yet" if silent is None else f"silent for {silent:.0f} s")
         return blamed
-
-    @property
-    def group_rank(self) -> int:
-        return list(self.global_ranks).index(self.me)
 
 
 def default_store() -> Any:
@@ -446,9 +443,9 @@ class P2PTransport:
                 work.wait()  # the monitor thread sees it complete (or not)
             return
         try:
+            deadline = watchdog.deadline(pending)
             for work in pending.work:
-                remaining = watchdog.deadline(pending) - time.monotonic()
-                work.wait(timedelta(seconds=max(remaining, 1e-3)))
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
         except RuntimeError as exc:
             raise watchdog.report(pending, exc) from exc
         finally:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from primuspipe.backends.torch import data_parallel
-from primuspipe.backends.torch.meta import StageMeta, as_tensors, pack
+from primuspipe.backends.torch.meta import StageMeta, as_tensors, pack, unpack
 from primuspipe.runtime.activation_offload import ActivationOffload
 from primuspipe.backends.torch.split_backward import DeferredWeightGrad, backward_input
 from primuspipe.errors import PrimusPipeError
@@ -97,7 +97,7 @@ class TorchBinder:
         if call.stage == 0:
             inputs = self.data.inputs[call.microbatch]
         else:
-            inputs = call.received if isinstance(call.received, tuple) else (call.received,)
+            inputs = unpack(call.received)
         saving = self.offload.forward(call.chunk, call.microbatch) if self.offload and self.data.training else nullcontext()
         with saving:
             with data_parallel.forward_context(module):
@@ -161,7 +161,7 @@ class TorchBinder:
         inputs, outputs = self._saved.pop((call.chunk, call.microbatch))
         if call.stage == self.last_stage:
             return [x for x in inputs if x.requires_grad], list(outputs), [None]
-        received = call.received if isinstance(call.received, tuple) else (call.received,)
+        received = unpack(call.received)
         carrying = [t for t, m in zip(outputs, self.meta[call.chunk].outputs) if m.carries_grad]
         pairs = [(t, g) for t, g in zip(carrying, received) if t.requires_grad]
         return [x for x in inputs if x.requires_grad], [t for t, _ in pairs], [g for _, g in pairs]
@@ -209,9 +209,9 @@ class TorchBinder:
         return pack([m.empty(self.device) for m in meta.grad_outputs])
 
     def local_handoff(self, tensor: Any, carries: NodeKind) -> Any:
-        tensors = tensor if isinstance(tensor, tuple) else (tensor,)
         forward = carries is NodeKind.F
-        return pack([t.detach().requires_grad_(forward and (t.is_floating_point() or t.is_complex())) for t in tensors])
+        return pack([t.detach().requires_grad_(forward and (t.is_floating_point() or t.is_complex()))
+                     for t in unpack(tensor)])
 
     def sent(self, node: ScheduleNode, tensor: Any) -> None:
         pass

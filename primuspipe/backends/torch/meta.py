@@ -73,6 +73,11 @@ def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, 
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
 
+def unpack(payload: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors of one transfer's payload (:func:`pack`'s inverse)."""
+    return payload if isinstance(payload, tuple) else (payload,)
+
+
 def infer_stage_meta(modules: Sequence[torch.nn.Module], placement: Placement, rank: int,
                      first_inputs: Sequence[torch.Tensor] | None, group: Any, device: torch.device) -> list[StageMeta]:
     """Each local chunk's :class:`StageMeta`, exchanged with the neighbouring ranks (module docstring).
