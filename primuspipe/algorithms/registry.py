@@ -115,9 +115,8 @@ class AlgorithmInfo:
             hints = {}
         for name, value in options.items():
             if name not in params:
-                near = strict.closest(name, params)
-                raise ConfigError(f"{self.name} has no option {name!r}" + (f" (did you mean {near!r}?)" if near else "")
-                                  + f"; its options are {sorted(params) or 'none'}")
+                raise ConfigError(f"{self.name} has no option {name!r}{strict.did_you_mean(name, params)}; "
+                                  f"its options are {sorted(params) or 'none'}")
             default = params[name].default
             annotation = hints.get(name, type(default) if default is not inspect.Parameter.empty else None)
             if annotation is not None:

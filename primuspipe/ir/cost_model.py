@@ -328,11 +328,12 @@ class CostModel:
     def from_dict(cls, data: Mapping[str, Any], *, pp: int, vpp: int, source: str = "cost model") -> CostModel:
         """Build from the YAML form (module docstring) for a pipeline of ``pp`` ranks x ``vpp`` chunks;
         every value is checked (:mod:`primuspipe.ir.strict`) and errors name ``source`` and the field."""
-        top = _section(data, source, _SECTIONS)
-        comp = _section(top.get("compute"), f"{source}: compute", {"f", "b", "w", "bw", "fb_overlap", "cold_start"},
-                        required={"f", "b", "w"})
-        p2p = _section(top.get("p2p", {}), f"{source}: p2p", {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
-        links = {k: _section(p2p.get(k, {}), f"{source}: p2p.{k}", {"latency", "bandwidth"})
+        top = strict.keys(data, source, _SECTIONS)
+        comp = strict.keys(top.get("compute"), f"{source}: compute", {"f", "b", "w", "bw", "fb_overlap", "cold_start"},
+                           required={"f", "b", "w"})
+        p2p = strict.keys(top.get("p2p", {}), f"{source}: p2p",
+                          {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
+        links = {k: strict.keys(p2p.get(k, {}), f"{source}: p2p.{k}", {"latency", "bandwidth"})
                  for k in ("intra_node", "inter_node")}
 
         def stages(name: str, value: Values) -> tuple[float, ...]:
@@ -354,8 +355,8 @@ class CostModel:
                 memory=memory, time_unit=strict.text(top.get("time_unit", "ms"), f"{source}: time_unit",
                                                      choices=TIME_UNITS),
                 host=_host(top.get("host", {}), pp), cold_start=_cold_start(comp.get("cold_start"), pp, vpp),
-                host_link=_link(_section(top.get("host_link", {}), f"{source}: host_link", {"latency", "bandwidth"}),
-                                f"{source}: host_link"),
+                host_link=_link(strict.keys(top.get("host_link", {}), f"{source}: host_link",
+                                            {"latency", "bandwidth"}), f"{source}: host_link"),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"bad value in the cost model: {exc}") from exc
@@ -414,14 +415,14 @@ def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ..
 def read_cost_file(path: str | Path) -> dict[str, Any]:
     """The raw YAML mapping of a cost file (resolve it per shape with :meth:`CostModel.from_dict`)."""
     data = strict.load_yaml(strict.read_text(path, "cost model"), f"cost model {path}")
-    return _section(data, f"cost model {path}", _SECTIONS)
+    return strict.keys(data, f"cost model {path}", _SECTIONS)
 
 
 def _memory(data: Any, pp: int, vpp: int, source: str) -> MemoryCost:
     """The ``memory`` section: the retained share alone (default :data:`W_RETAINED_FRACTION`), or bytes,
     which then must say what W keeps (the byte figures depend on it)."""
-    mem = _section(data, f"{source}: memory", {"activation_bytes", "w_retained_fraction", "parameter_bytes",
-                                               "gradient_bytes", "optimizer_bytes", "offload_fraction"})
+    mem = strict.keys(data, f"{source}: memory", {"activation_bytes", "w_retained_fraction", "parameter_bytes",
+                                                  "gradient_bytes", "optimizer_bytes", "offload_fraction"})
     retained = strict.number(mem.get("w_retained_fraction", W_RETAINED_FRACTION),
                              f"{source}: memory.w_retained_fraction", minimum=0, maximum=1)
     offload = strict.number(mem.get("offload_fraction", OFFLOAD_FRACTION), f"{source}: memory.offload_fraction",
@@ -440,10 +441,6 @@ def _memory(data: Any, pp: int, vpp: int, source: str) -> MemoryCost:
     return MemoryCost.per_stage(pp * vpp, pp, **mem)
 
 
-def _section(data: Any, name: str, allowed: set[str], required: set[str] = frozenset()) -> dict[str, Any]:
-    return strict.keys(data, name, allowed, required)
-
-
 def _link(data: Mapping[str, Any], name: str) -> Link:
     """A link's YAML form; a missing or null bandwidth is unlimited (infinity itself is refused)."""
     latency = strict.number(data.get("latency", 0.0), f"{name}.latency", minimum=0)
@@ -460,8 +457,8 @@ _SECTIONS = {"time_unit", "compute", "host", "p2p", "memory", "host_link"}
 
 
 def _host(data: Any, pp: int) -> HostCost:
-    host = _section(data, "host", {"overhead", "send", "recv", "cores", "comm_cpu", "step_gap"})
-    overhead = _section(host.get("overhead", {}), "host.overhead", {k.name.lower() for k in compute_kinds()})
+    host = strict.keys(data, "host", {"overhead", "send", "recv", "cores", "comm_cpu", "step_gap"})
+    overhead = strict.keys(host.get("overhead", {}), "host.overhead", {k.name.lower() for k in compute_kinds()})
     cores, gap = host.get("cores"), host.get("step_gap")
     return HostCost(tuple((k, float(v)) for k, v in overhead.items()), float(host.get("send", 0.0)),
                     float(host.get("recv", 0.0)), None if cores is None else float(cores),
@@ -473,5 +470,5 @@ def _cold_start(data: Any, pp: int, vpp: int) -> ComputeCosts | None:
     """``compute.cold_start`` per model stage: like the times, per 1F1B stage and split among its chunks."""
     if data is None:
         return None
-    cold = _section(data, "compute.cold_start", {"f", "b", "w"})
+    cold = strict.keys(data, "compute.cold_start", {"f", "b", "w"})
     return ComputeCosts(*(split_stages(f"compute.cold_start.{k}", cold.get(k, 0.0), pp, vpp) for k in ("f", "b", "w")))

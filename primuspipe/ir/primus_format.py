@@ -32,6 +32,7 @@ import re
 from itertools import groupby
 
 from primuspipe.errors import TableFormatError
+from primuspipe.ir import strict
 from primuspipe.ir.dataflow import comm_node, transfer_of
 from primuspipe.ir.kinds import NodeKind, overlapped_kind
 from primuspipe.ir.node import ScheduleNode
@@ -94,8 +95,10 @@ def from_primus_table(text: str, placement: str | None = None, algorithm: str | 
     if sorted(rows) != list(range(pp)):
         raise TableFormatError(f"the ranks must be 0..{pp - 1}, got {sorted(rows)}")
     compute = [t for row in rows.values() for t in row if _KIND_OF.get(t[0]) in ("F", "B", "W", "BW")]
-    vpp = int(header.get("vpp", 1 + max((t[2] for t in compute), default=0)))
-    microbatches = int(header.get("microbatches", 1 + max((t[1] for t in compute), default=0)))
+    vpp = strict.count(header.get("vpp", 1 + max((t[2] for t in compute), default=0)), "header vpp",
+                       error=TableFormatError, minimum=1, text=True)
+    microbatches = strict.count(header.get("microbatches", 1 + max((t[1] for t in compute), default=0)),
+                                "header microbatches", error=TableFormatError, minimum=1, text=True)
     layout = placement or header.get("placement") or _infer_layout(rows, vpp)
     where = Placement.named(layout, pp, vpp)
     ranks = [_nodes(where, rank, rows[rank]) for rank in range(pp)]

@@ -108,7 +108,7 @@ def text(value: Any, name: str, *, error: Error = ConfigError, choices: Collecti
     if not isinstance(value, str) or not value.strip():
         raise error(f"{name} must be a non-empty string, got {show(value)}")
     if choices is not None and value not in choices:
-        raise error(f"{name} must be one of {', '.join(sorted(choices))}, got {value!r}{_did_you_mean(value, choices)}")
+        raise error(f"{name} must be one of {', '.join(sorted(choices))}, got {value!r}{did_you_mean(value, choices)}")
     return value
 
 
@@ -133,7 +133,7 @@ def keys(data: Any, name: str, allowed: Collection[str], required: Collection[st
     if not isinstance(data, Mapping):
         raise error(f"{name} must be a mapping of {', '.join(sorted(allowed))}, got {show(data)}")
     if unknown := [key for key in data if key not in allowed]:
-        raise error(f"{name} has unknown key(s) {sorted(map(str, unknown))}{_did_you_mean(unknown[0], allowed)}; "
+        raise error(f"{name} has unknown key(s) {sorted(map(str, unknown))}{did_you_mean(unknown[0], allowed)}; "
                     f"allowed: {', '.join(sorted(allowed))}")
     if missing := sorted(set(required) - set(data)):
         raise error(f"{name} lacks {missing}")
@@ -146,7 +146,8 @@ def closest(word: str, known: Collection[str]) -> str | None:
     return found[0] if found else None
 
 
-def _did_you_mean(word: Any, known: Collection[str]) -> str:
+def did_you_mean(word: Any, known: Collection[str]) -> str:
+    """`` (did you mean 'x'?)`` when ``word`` is close to a known word, else empty."""
     near = closest(str(word), known)
     return f" (did you mean {near!r}?)" if near else ""
 
