@@ -36,13 +36,13 @@ def calibration_from_cost_file(path: str | Path, model: ModelSpec, training: Tra
     modelled = stage_costs(model, training, hardware, part_times(WorkModel(model, training), hardware, Calibration()),
                            Placement.interleaved(training.pp, training.vpp))
     c = measured.compute
+    model_totals = (sum(modelled.forward), sum(modelled.backward_input), sum(modelled.backward_weight))
     if measured.fused_backward is not None:  # BW nodes measure no B/W split: split their total as modelled
-        b, w = sum(modelled.backward_input), sum(modelled.backward_weight)
+        _, b, w = model_totals
         fused = sum(measured.fused_backward)
         totals = (sum(c.forward), fused * b / (b + w), fused * w / (b + w))
     else:
         totals = (sum(c.forward), sum(c.backward_input), sum(c.backward_weight))
-    model_totals = (sum(modelled.forward), sum(modelled.backward_input), sum(modelled.backward_weight))
     factors = {}
     for name, seen, total, waits in zip(PASSES, totals, model_totals, modelled.communication):
         compute = total - waits
