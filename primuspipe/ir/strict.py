@@ -40,7 +40,8 @@ MAX_DEPTH = 32
 """Deepest nesting of lists and mappings in a document (the formats need 4)."""
 
 _COUNT_TEXT = re.compile(r"[+-]?[0-9]{1,18}", re.ASCII)
-_NUMBER_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+NUMBER_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+"""A number written out in ASCII (``float()`` would also take full-width digits, ``1_0`` and ``nan``)."""
 
 Error = type[PrimusPipeError]
 
@@ -61,7 +62,7 @@ def number(value: Any, name: str, *, error: Error = ConfigError, minimum: float 
     """
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise error(f"{name} must be a number, got {show(value)}")
-    if isinstance(value, str) and not _NUMBER_TEXT.fullmatch(value.strip()):
+    if isinstance(value, str) and not NUMBER_TEXT.fullmatch(value.strip()):
         raise error(f"{name} must be a number (finite, in ASCII digits, e.g. 1.5 or 2e-3), got {value!r}")
     try:
         x = float(value)
@@ -162,7 +163,7 @@ def scalar(value: str, name: str, *, error: Error = ConfigError) -> Any:
     word = value.strip()
     if _COUNT_TEXT.fullmatch(word):
         return int(word)
-    if _NUMBER_TEXT.fullmatch(word) or word.lower().lstrip("+-") in ("nan", "inf", "infinity"):
+    if NUMBER_TEXT.fullmatch(word) or word.lower().lstrip("+-") in ("nan", "inf", "infinity"):
         return number(word, name, error=error)
     if word.lower() in ("true", "false"):
         return word.lower() == "true"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import re
 import types
 import typing
 from collections.abc import Mapping
@@ -113,14 +112,10 @@ def _coerce(hint: Any, value: Any) -> Any:
     raise AssertionError(f"spec field type {hint!r} has no reader")
 
 
-ASCII_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", re.ASCII)
-"""A number written out (float() would also take full-width digits, '_' separators and 'nan')."""
-
-
 def _number(value: Any) -> float:
     if isinstance(value, bool):
         raise TypeError("a boolean is not a number")
-    if isinstance(value, str) and not ASCII_NUMBER.fullmatch(value):
+    if isinstance(value, str) and not strict.NUMBER_TEXT.fullmatch(value):
         raise TypeError("not a number")
     try:  # numeric strings too: PyYAML reads 1.0e9 (no exponent sign) as a string
         number = float(value)

@@ -54,7 +54,7 @@ def _batch(n=8):
     return torch.randn(n, H, generator=gen), torch.rand(n, 1, generator=gen) + 0.5, torch.randn(n, H, generator=gen)
 
 
-def test_tuples_between_stages_and_several_inputs():
+def test_tuples_between_stages_and_several_inputs(tmp_path):
     x, scale, y = _batch()
     cases = {alg: build_schedule(alg, 2, 4, vpp) for alg, vpp in (("zbv", 2), ("zb-h1", 1), ("dualpipe-v", 2))}
 
@@ -63,7 +63,7 @@ def test_tuples_between_stages_and_several_inputs():
         for alg, table in cases.items():
             stages = _tuple_stages(table.num_stages)
             mine = {s: stages[s] for s in table.placement.stages[rank]}
-            pipe = TorchPipeline(table, mine, loss_fn=mse, watchdog_timeout_s=60)
+            pipe = TorchPipeline(table, mine, loss_fn=mse, watchdog_timeout_s=60, dump_dir=str(tmp_path / alg))
             losses = pipe.step(x, scale, target=y)
             evaluated = pipe.eval(x, scale)
             out[alg] = (losses, evaluated, {s: [p.grad for p in m.parameters()] for s, m in mine.items()})
@@ -86,6 +86,7 @@ def test_tuples_between_stages_and_several_inputs():
         torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses))
         torch.testing.assert_close(evaluated.output, torch.cat(outputs))
         assert evaluated.losses is None, "no target: outputs only"
+        assert dump_iterations(tmp_path / alg) == [0], "a step sending tuples is dumped (their bytes summed)"
         got = {s: g for r in results for s, g in r[alg][2].items()}
         for s, stage in enumerate(stages):
             for g, p in zip(got[s], stage.parameters()):

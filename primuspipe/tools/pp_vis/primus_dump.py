@@ -20,13 +20,13 @@ chunk-1 forward tells the V (the last rank) from the interleaved layout (rank 0)
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import TableFormatError
+from primuspipe.ir import strict
 from primuspipe.ir.kinds import NodeKind, overlapped_kind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
@@ -178,23 +178,20 @@ def _pair_overlapped(forwards: list, backwards: list) -> list[TimedNode]:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
+    """One file of the dump through the project's strict reader (bounded size and depth, no NaN, no
+    duplicate keys)."""
+    if not path.exists():
         raise TableFormatError(f"{path} is missing; a Primus dump folder holds config.json and pp_rank_<r>.json for "
-                               "every pipeline rank") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TableFormatError(f"cannot read {path}: {exc}") from exc
+                               "every pipeline rank")
+    data = strict.load_json(strict.read_text(path, "Primus dump file", error=TableFormatError), str(path),
+                            error=TableFormatError)
     if not isinstance(data, dict):
         raise TableFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
 def _positive_int(config: dict, key: str, path: Path) -> int:
-    value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise TableFormatError(f"{path}: {key!r} must be an integer >= 1, got {value!r}")
-    return value
+    return strict.count(config.get(key), f"{path}: {key}", error=TableFormatError, minimum=1)
 
 
 def _iteration(key: str, path: Path) -> int:
