@@ -20,6 +20,7 @@ chunk-1 forward tells the V (the last rank) from the interleaved layout (rank 0)
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -178,20 +179,22 @@ def _pair_overlapped(forwards: list, backwards: list) -> list[TimedNode]:
 
 
 def _read_json(path: Path) -> dict:
-    """One file of the dump through the project's strict reader (bounded size and depth, no NaN, no
-    duplicate keys)."""
+    """One file of the dump. Python's json, not the strict reader: Primus writes its dumps with Python's json,
+    which spells a bad time as NaN, and reading it lets the error name the field that holds it."""
     if not path.exists():
         raise TableFormatError(f"{path} is missing; a Primus dump folder holds config.json and pp_rank_<r>.json for "
                                "every pipeline rank")
-    data = strict.load_json(strict.read_text(path, "Primus dump file", error=TableFormatError), str(path),
-                            error=TableFormatError)
+    try:
+        data = json.loads(strict.read_text(path, "Primus dump file", error=TableFormatError))
+    except json.JSONDecodeError as exc:
+        raise TableFormatError(f"cannot read {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise TableFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
 def _positive_int(config: dict, key: str, path: Path) -> int:
-    return strict.count(config.get(key), f"{path}: {key}", error=TableFormatError, minimum=1)
+    return strict.count(config.get(key), f"{path}: {key!r}", error=TableFormatError, minimum=1)
 
 
 def _iteration(key: str, path: Path) -> int:
