@@ -53,6 +53,14 @@ class SavedBytes:
     peak: int = 0
     per_forward: dict[int, int] = field(default_factory=dict)
     """chunk -> bytes one forward of it saved (its first microbatch's; every microbatch has one shape)."""
+    movable_per_forward: dict[int, int] = field(default_factory=dict)
+    """chunk -> of those, the bytes an OFFLOAD moves (all of them unless ``ops`` chose submodules)."""
+
+    def moved_share(self) -> float | None:
+        """The share of what forwards save that OFFLOAD moves -- what the cost model's
+        ``memory.offload_fraction`` should say; ``None`` before any forward saved anything."""
+        total = sum(self.per_forward.values())
+        return sum(self.movable_per_forward.values()) / total if total else None
 
     def add(self, nbytes: int) -> None:
         self.now += nbytes
@@ -124,6 +132,8 @@ class ActivationOffload:
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
         self.saved.per_forward.setdefault(chunk, self.saved.now - before)
+        self.saved.movable_per_forward.setdefault(
+            chunk, sum(saved.nbytes for ref in held if (saved := ref()) is not None and saved.movable))
 
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):

@@ -35,7 +35,10 @@ def test_cost_file_mapping_in_algorithm_options():
 @pytest.mark.parametrize("values,match", [
     ({"communication_method": "batch_p2p"}, "batch_p2p is not supported.*use 'async_p2p'"),
     ({"communication_method": "nccl"}, "communication_method must be 'async_p2p'"),
-    ({"offload": True}, "offload: the Megatron backend does not run OFFLOAD/RELOAD.*v-half or v-min, or zb-auto under pp_max_mem"),
+    ({"offload": True}, "offload: true needs pp_max_mem.*set it, or offload: false"),
+    ({"offload": True, "pp_max_mem": 2, "offload_ops": "attn"}, "offload_ops: attn moves only part.*set offload_fraction"),
+    ({"offload_fraction": 1.5}, r"offload_fraction \(share of a chunk's activations, in \(0, 1\]\) must be <= 1"),
+    ({"offload_fraction": 0}, "offload_fraction .* must be > 0"),
     ({"offload_ops": "attn,mlp"}, r"offload_ops: unknown op\(s\) \['mlp'\]"),
     ({"pp_max_mem": [4, 6]}, "one limit.*give one number"),
     ({"pp_max_mem": 0}, "pp_max_mem must be > 0"),
@@ -56,8 +59,14 @@ def test_per_stage_lists_must_match_the_pipeline():
         load_config(env={"PRIMUSPIPE_PP_COST_F": "fast"})
 
 
-def test_offload_ops_are_kept_for_the_offload_pass():
-    assert PrimusPipeConfig(offload_ops="attn").offload_op_list == ("attn",)
+def test_offload_ops_name_megatron_submodules_and_the_plan_uses_their_share():
+    config = PrimusPipeConfig(offload=True, pp_max_mem=2, offload_ops="attn, row_parallel_gemm", offload_fraction=0.4)
+    assert config.offload_op_list == ("attn", "row_parallel_gemm")
+    assert config.offload_modules == ("core_attention", "linear_proj", "linear_fc2")
+    cost, limit = config.offload_plan(pp=2, vpp=2)
+    assert (limit, cost.memory.offload_fraction, cost.memory.w_retained_fraction) == (2.0, 0.4, 1.0)
+    assert "memory_limit" not in config.schedule_options(pp=2, vpp=2), "the pass meets pp_max_mem, not the algorithm"
+    assert PrimusPipeConfig(pp_max_mem=2).offload_plan(pp=2, vpp=2) is None
 
 
 @needs_megatron

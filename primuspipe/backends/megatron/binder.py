@@ -36,6 +36,7 @@ import torch
 
 from primuspipe.backends.megatron.wgrad_store import WeightGradStore
 from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.runtime.activation_offload import ActivationOffload
 from primuspipe.runtime.protocols import ComputeCall
 
 
@@ -136,7 +137,7 @@ class MegatronBinder:
     ``backward_step``; ``wgrad`` holds the weight gradients deferred from ``B`` to ``W``."""
 
     def __init__(self, args: StepArgs, *, num_stages: int, transfer_shape: Sequence[int], device: torch.device,
-                 sync: GradSync):
+                 sync: GradSync, offload: ActivationOffload | None = None):
         from megatron.core.pipeline_parallel import schedules
 
         self._schedules = schedules
@@ -149,10 +150,14 @@ class MegatronBinder:
         self.forward_data: dict[int, list] = {}
         """microbatch -> what forward_step stored for it (loss dicts or non-loss data), last stage only."""
         self._saved: dict[tuple[int, int], tuple[Any, Any]] = {}
-        self.wgrad = WeightGradStore()
-        self.handlers = MappingProxyType({
-            NodeKind.F: self.forward, NodeKind.BW: self.backward, NodeKind.B: self.backward_input,
-            NodeKind.W: self.backward_weight})
+        self.wgrad = WeightGradStore(args.models)
+        self.offload = offload
+        handlers = {NodeKind.F: self.forward, NodeKind.BW: self.backward, NodeKind.B: self.backward_input,
+                    NodeKind.W: self.backward_weight}
+        if offload is not None:  # OFFLOAD / RELOAD: the forward's saved activations to host and back
+            handlers.update({NodeKind.OFFLOAD: lambda call: offload.offload(call.chunk, call.microbatch),
+                             NodeKind.RELOAD: lambda call: offload.reload(call.chunk, call.microbatch)})
+        self.handlers = MappingProxyType(handlers)
 
     def forward(self, call: ComputeCall) -> Any:
         a = self.args
@@ -161,21 +166,23 @@ class MegatronBinder:
         is_first = call.microbatch == 0
         if a.first_val_step is not None and a.forward_only:
             is_first = a.first_val_step and is_first
-        output, num_tokens = self._schedules.forward_step(
-            a.forward_step_func,
-            a.data_iterators[call.chunk],
-            a.models[call.chunk],
-            a.num_microbatches,
-            call.received,
-            store,
-            a.config,
-            cp_group_size=a.cp_group_size,
-            collect_non_loss_data=a.collect_non_loss_data,
-            is_first_microbatch=is_first,
-            current_microbatch=call.microbatch,
-            vp_stage=call.chunk if a.interleaved else None,
-            is_last_stage=call.stage == self.last_stage,
-        )
+        saving = self.offload.forward(call.chunk, call.microbatch) if self.offload else contextlib.nullcontext()
+        with saving:
+            output, num_tokens = self._schedules.forward_step(
+                a.forward_step_func,
+                a.data_iterators[call.chunk],
+                a.models[call.chunk],
+                a.num_microbatches,
+                call.received,
+                store,
+                a.config,
+                cp_group_size=a.cp_group_size,
+                collect_non_loss_data=a.collect_non_loss_data,
+                is_first_microbatch=is_first,
+                current_microbatch=call.microbatch,
+                vp_stage=call.chunk if a.interleaved else None,
+                is_last_stage=call.stage == self.last_stage,
+            )
         self.total_num_tokens += num_tokens
         if store:
             self.forward_data.setdefault(call.microbatch, []).extend(store)

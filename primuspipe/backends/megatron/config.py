@@ -13,8 +13,9 @@ is given. Primus's ``primus_pipeline.yaml`` loads as it is: its keys are ours, w
 ``watchdog_timeout_s``     ``PRIMUSPIPE_WATCHDOG_TIMEOUT_S``  hang watchdog; 0 turns it off
 ``communication_method``   ``PRIMUSPIPE_COMMUNICATION_METHOD`` ``async_p2p`` (``batch_p2p`` is refused)
 ``debug_scheduler_table``  ``PRIMUSPIPE_DEBUG_SCHEDULER_TABLE`` print each new table's grid on pipeline rank 0
-``offload``                ``PRIMUSPIPE_OFFLOAD``             activation offload (for the offload pass)
-``offload_ops``            ``PRIMUSPIPE_OFFLOAD_OPS``         which activations to offload (for the offload pass)
+``offload``                ``PRIMUSPIPE_OFFLOAD``             activation offload: OFFLOAD/RELOAD nodes under ``pp_max_mem``
+``offload_ops``            ``PRIMUSPIPE_OFFLOAD_OPS``         which activations move (default: all a chunk saves)
+``offload_fraction``       ``PRIMUSPIPE_OFFLOAD_FRACTION``    share of a chunk's activations ``offload_ops`` hold
 ``pp_cost_f/b/w``          ``PRIMUSPIPE_PP_COST_F/B/W``       F / B / W time per stage (number or list; env: JSON)
 ``pp_max_mem``             ``PRIMUSPIPE_PP_MAX_MEM``          activation limit per rank, microbatches until W
 =========================  =================================  ==========================================
@@ -42,8 +43,16 @@ AUTO = "auto"
 ASYNC_P2P, BATCH_P2P = "async_p2p", "batch_p2p"
 PRIMUS_DEFAULT_COST = 1000.0
 """The time Primus gives an F, B or W whose ``pp_cost_*`` is null; only the ratios matter."""
-OFFLOAD_OPS = ("attn", "basic_gemm", "row_parallel_gemm", "column_parallel_gemm", "grouped_linear")
-"""The op names Primus's ``offload_ops`` lists (it runs only ``attn`` so far)."""
+OFFLOAD_OPS = MappingProxyType({
+    "attn": ("core_attention",),
+    "column_parallel_gemm": ("linear_qkv", "linear_fc1"),
+    "row_parallel_gemm": ("linear_proj", "linear_fc2"),
+    "basic_gemm": ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+    "grouped_linear": ("experts",),
+})
+"""Primus's ``offload_ops`` names -> the megatron-core submodules (parts of their qualified names) whose
+saved activations move: ``attn`` is the attention op itself (``core_attention``), the GEMM names the
+tensor-parallel linear layers that kind of GEMM runs in, ``grouped_linear`` the MoE experts."""
 
 
 @dataclass(frozen=True)
@@ -74,11 +83,15 @@ class PrimusPipeConfig:
     """Print every newly built table's grid (with its SEND/RECV nodes) on pipeline rank 0, as Primus
     prints its scheduler table."""
     offload: bool = False
-    """Move activations to host memory between F and B (OFFLOAD/RELOAD nodes, docs/offload.md). The
-    Megatron backend does not run them yet, so ``true`` is refused with the reason."""
+    """Move activations to host memory between F and B: the algorithm's table goes through the offload
+    pass (OFFLOAD/RELOAD nodes, docs/offload.md), which brings every rank under ``pp_max_mem`` (required
+    with it; the algorithm itself then plans without a memory limit) using the ``pp_cost_*`` times."""
     offload_ops: str = ""
-    """Comma-separated ops whose activations are offloaded (Primus runs ``attn``); empty leaves the choice
-    to the offload pass, which consumes it with ``offload``."""
+    """Comma-separated Primus op names whose saved activations move (:data:`OFFLOAD_OPS`: ``attn``,
+    ``column_parallel_gemm``, ...); empty moves everything a chunk's forward saves."""
+    offload_fraction: float | None = None
+    """The share of a chunk's saved activations that ``offload_ops`` hold, which the offload pass plans
+    with (required with ``offload_ops``; the run logs the measured share, and warns when it is smaller)."""
     pp_cost_f: Any = None
     """Forward time per pipeline stage: one number or one per rank (null: Primus's default, 1000). With
     ``pp_cost_b``/``pp_cost_w`` it becomes the cost model every cost-aware algorithm plans with (zb-h1,
@@ -122,12 +135,18 @@ class PrimusPipeConfig:
                               f"{ASYNC_P2P!r} (the same transfers, unbatched)")
         if self.communication_method != ASYNC_P2P:
             raise ConfigError(f"communication_method must be {ASYNC_P2P!r}, got {self.communication_method!r}")
-        if self.offload:
-            raise ConfigError("offload: the Megatron backend does not run OFFLOAD/RELOAD nodes yet (the plain-torch "
-                              "backend does, docs/offload.md); set offload: false, and lower activation memory with "
-                              "v-half or v-min, or zb-auto under pp_max_mem")
         if unknown := set(self.offload_op_list) - set(OFFLOAD_OPS):
             raise ConfigError(f"offload_ops: unknown op(s) {sorted(unknown)}; known: {', '.join(OFFLOAD_OPS)}")
+        if self.offload_fraction is not None:
+            object.__setattr__(self, "offload_fraction", strict.number(self.offload_fraction, "offload_fraction (share of a chunk's activations, in (0, 1])",
+                          above=0, maximum=1))
+        if self.offload and self.pp_max_mem is None:
+            raise ConfigError("offload: true needs pp_max_mem, the activation limit (microbatches per rank) the offload "
+                              "pass brings every rank under; set it, or offload: false")
+        if self.offload and self.offload_op_list and self.offload_fraction is None:
+            raise ConfigError(f"offload_ops: {self.offload_ops} moves only part of each chunk's activations, and the "
+                              "offload pass must know which share to plan with: set offload_fraction (e.g. 0.3; a run "
+                              "logs the measured share), or leave offload_ops empty to move everything")
         if "costs" in self.algorithm_options:
             raise ConfigError("algorithm_options.costs is gone: give pp_cost_f, pp_cost_b, pp_cost_w (and pp_max_mem), "
                               "or algorithm_options.cost as a cost-file mapping (docs/simulator.md)")
@@ -195,9 +214,28 @@ class PrimusPipeConfig:
                        for name, value in (("pp_cost_f", self.pp_cost_f), ("pp_cost_b", self.pp_cost_b),
                                            ("pp_cost_w", self.pp_cost_w)))
             options["cost"] = CostModel.per_stage(pp, f, b, w, memory=memory)
-        if self.pp_max_mem is not None:
+        if self.pp_max_mem is not None and not self.offload:
             options["memory_limit"] = float(self.pp_max_mem)
         return options
+
+    def offload_plan(self, pp: int, vpp: int) -> tuple[CostModel, float] | None:
+        """With ``offload``: the cost model and the limit the offload pass plans the table with.
+
+        >>> cost, limit = PrimusPipeConfig(offload=True, pp_max_mem=1.5).offload_plan(2, 2)
+        >>> limit, cost.memory.offload_fraction, cost.memory.w_retained_fraction
+        (1.5, 1.0, 1.0)
+        """
+        if not self.offload:
+            return None
+        cost = self.schedule_options(pp, vpp)["cost"]
+        if self.offload_fraction is not None:
+            cost = replace(cost, memory=replace(cost.memory, offload_fraction=float(self.offload_fraction)))
+        return cost, float(self.pp_max_mem)
+
+    @property
+    def offload_modules(self) -> tuple[str, ...]:
+        """The submodule name parts the runner offloads (empty: everything a chunk saves)."""
+        return tuple(dict.fromkeys(m for op in self.offload_op_list for m in OFFLOAD_OPS[op]))
 
     def algorithm_for(self, vpp: int) -> str:
         if self.pp_algorithm == AUTO:
@@ -217,6 +255,7 @@ _ENV_NAMES = {
     "debug_scheduler_table": "PRIMUSPIPE_DEBUG_SCHEDULER_TABLE",
     "offload": "PRIMUSPIPE_OFFLOAD",
     "offload_ops": "PRIMUSPIPE_OFFLOAD_OPS",
+    "offload_fraction": "PRIMUSPIPE_OFFLOAD_FRACTION",
     "pp_cost_f": "PRIMUSPIPE_PP_COST_F",
     "pp_cost_b": "PRIMUSPIPE_PP_COST_B",
     "pp_cost_w": "PRIMUSPIPE_PP_COST_W",

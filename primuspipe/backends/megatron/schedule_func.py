@@ -23,6 +23,9 @@ from collections.abc import Callable
 from typing import Any, Iterator, List, Optional, Union
 
 import contextlib
+import functools
+import logging
+import weakref
 
 import torch
 
@@ -33,8 +36,19 @@ from primuspipe.backends.megatron.config import PrimusPipeConfig
 from primuspipe.backends.megatron.last_stage import hand_to_last_rank
 from primuspipe.backends.megatron.v_placement import tied_embedding_grads
 from primuspipe.errors import ConfigError
+from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.offload import offload_activations
+from primuspipe.runtime.activation_offload import ActivationOffload, SavedBytes
 from primuspipe.runtime.driver import StepDriver, cached_schedule, last_backwards
+
+_log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=64)
+def _offloaded(table: ScheduleTable, cost: CostModel, memory_limit: float) -> ScheduleTable:
+    """The table with the offload pass's OFFLOAD/RELOAD nodes (``offload: true``), built once per shape."""
+    return offload_activations(table, cost, memory_limit=memory_limit)
 
 
 def _device() -> torch.device:
@@ -44,12 +58,21 @@ def _device() -> torch.device:
 class PrimusForwardBackward:
     """Callable with the keyword signature of Megatron's forward-backward functions."""
 
-    def __init__(self, config: PrimusPipeConfig):
+    def __init__(self, config: PrimusPipeConfig, count_saved_bytes: bool = False):
         self.config = config
+        self.count_saved_bytes = count_saved_bytes
+        """Count what autograd saves even without offload (:attr:`saved_bytes`): the figures to set
+        ``offload_fraction`` and ``pp_max_mem`` from."""
+        self.saved_bytes: SavedBytes | None = None
+        """The last step's bytes held by autograd on this rank (now, peak, per chunk forward); set when the
+        step offloaded or ``count_saved_bytes``."""
         self.driver = StepDriver(watchdog_timeout_s=config.watchdog_timeout_s,
                                  dump_dir=config.dump_dir if config.dump_pp_data else None)
         self._printed: set[ScheduleTable] = set()
         """Tables whose grid ``debug_scheduler_table`` has printed (once each)."""
+        self._offloads: weakref.WeakKeyDictionary[torch.nn.Module, ActivationOffload] = weakref.WeakKeyDictionary()
+        """First model chunk -> the activation offload over its rank's chunks."""
+        self._reported: weakref.WeakSet[ActivationOffload] = weakref.WeakSet()
 
     def table_for(self, pp: int, vpp: int | None, num_microbatches: int, megatron_config: Any = None) -> ScheduleTable:
         """The table a call runs for this shape (``vpp=None``: the algorithm's own choice). Build the model
@@ -60,7 +83,34 @@ class PrimusForwardBackward:
         runs = get_algorithm(algorithm).alias_of or algorithm  # Primus's 1f1b-interleaved is interleaved-1f1b
         if runs == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
             options["microbatch_group_size"] = group  # follow Megatron's setting; its default (pp) is ours
-        return cached_schedule(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
+        table = cached_schedule(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
+        plan = self.config.offload_plan(pp, table.vpp) if algorithm in self.config.algorithms() else None
+        return _offloaded(table, *plan) if plan else table
+
+    def _offload_for(self, models: list[torch.nn.Module], device: torch.device) -> ActivationOffload:
+        """This rank's saved-tensor hooks over its chunks: built once per model (the op hooks stay
+        registered), a fresh count per step."""
+        offload = self._offloads.get(models[0])
+        if offload is None:
+            offload = self._offloads[models[0]] = ActivationOffload(models, device, self.config.offload_modules)
+        offload.begin_step()
+        return offload
+
+    def _report_offload(self, offload: ActivationOffload, table: ScheduleTable, rank: int) -> None:
+        """Log once what share of the activations OFFLOAD moved; warn when it is less than the share the
+        offload pass planned with (``offload_fraction``): the memory limit is then not met."""
+        share = offload.saved.moved_share()
+        if share is None or offload in self._reported:
+            return
+        self._reported.add(offload)
+        plan = self.config.offload_plan(table.pp, table.vpp)
+        planned = plan[0].memory.offload_fraction if plan else 1.0
+        message = (f"primuspipe offload (rank {rank}): OFFLOAD moves {share:.1%} of what a chunk's forward saves "
+                   f"(bytes per chunk forward: {offload.saved.per_forward}); the offload pass planned with {planned:.1%}")
+        if share < planned - 0.01:
+            _log.warning("%s: pp_max_mem is not met; set offload_fraction: %.2f, or offload more ops", message, share)
+        else:
+            _log.info(message)
 
     def __call__(
         self,
@@ -136,11 +186,18 @@ class PrimusForwardBackward:
                         None if forward_only else config.grad_sync_func,
                         None if forward_only else config.param_sync_func)
         device = _device()
-        binder = MegatronBinder(args, num_stages=table.num_stages, transfer_shape=shape, device=device, sync=sync)
+        offloads = any(n.kind.on_host_stream for n in table.ranks[rank])
+        offload = self._offload_for(models, device) if offloads or self.count_saved_bytes else None
+        binder = MegatronBinder(args, num_stages=table.num_stages, transfer_shape=shape, device=device, sync=sync,
+                                offload=offload)
 
         sync.begin()
         self.driver.execute(table, rank, binder, pp_group, device=device, forward_only=forward_only)
         binder.wgrad.check_empty()
+        if offload is not None:
+            self.saved_bytes = offload.saved
+            if offloads:
+                self._report_offload(offload, full, rank)
         sync.end()
         forward_data = hand_to_last_rank(binder.forward_data_store(), binder.total_num_tokens, src=loss_rank,
                                          rank=rank, group=pp_group, device=device)

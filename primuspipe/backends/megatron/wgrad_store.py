@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -111,6 +111,11 @@ def _dgrad_only_backward(ctx, grad_output):
     return grad_input, None, grad_bias, None, None, None, None, None, None, None
 
 
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    """What identifies a parameter's memory, whichever tensor object shows it."""
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype
+
+
 _ORIGINAL: list = []
 """Megatron's backward and our replacement, made the first time a store collects."""
 
@@ -158,8 +163,10 @@ class WeightGradStore:
     ()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, models: Sequence[torch.nn.Module] = ()) -> None:
         self._work: dict[Key, list[_Deferred]] = {}
+        self._parameters = {_storage_key(p): p for m in models for p in m.parameters()}
+        """What identifies each parameter's memory -> the parameter (see :meth:`_stash`)."""
 
     @contextlib.contextmanager
     def collecting(self, chunk: int, microbatch: int) -> Iterator[None]:
@@ -183,7 +190,12 @@ class WeightGradStore:
             _Active.store = _Active.key = None
 
     def _stash(self, item: _Deferred) -> None:
-        self._work[_Active.key].append(item)
+        # Under saved-tensor hooks (activation offload) autograd unpacks a saved parameter as a new tensor
+        # sharing its storage, tied to the parameter only by a weak reference to its gradient accumulator;
+        # once no live graph holds that accumulator, a gradient sent to the copy lands on the copy and is
+        # lost. So the W node sends it to the module's own parameter.
+        weight = self._parameters.get(_storage_key(item.weight), item.weight)
+        self._work[_Active.key].append(replace(item, weight=weight))
 
     def flush(self, chunk: int, microbatch: int) -> int:
         """Apply ``(chunk, microbatch)``'s weight gradients (a ``W`` node); returns the number of GEMMs."""
