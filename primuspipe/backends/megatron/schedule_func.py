@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, Iterator, List, Optional, Union
 
 import contextlib
+import functools
 
 import torch
 
@@ -34,7 +35,18 @@ from primuspipe.backends.megatron.last_stage import hand_to_last_rank
 from primuspipe.backends.megatron.v_placement import tied_embedding_grads
 from primuspipe.errors import ConfigError
 from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.communication import add_communication
+from primuspipe.passes.split_probe import split_backward_probe
+from primuspipe.passes.validation import validate
 from primuspipe.runtime.driver import StepDriver, cached_schedule, last_backwards
+
+
+@functools.lru_cache(maxsize=64)
+def _probed(table: ScheduleTable, count: int) -> ScheduleTable:
+    """``split_probe``: the table with its last ``count`` fused backwards per chunk run as B then W."""
+    probed = add_communication(split_backward_probe(table.compute_only(), count))
+    validate(probed)
+    return probed
 
 
 def _device() -> torch.device:
@@ -60,7 +72,8 @@ class PrimusForwardBackward:
         runs = get_algorithm(algorithm).alias_of or algorithm  # Primus's 1f1b-interleaved is interleaved-1f1b
         if runs == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
             options["microbatch_group_size"] = group  # follow Megatron's setting; its default (pp) is ours
-        return cached_schedule(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
+        table = cached_schedule(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
+        return _probed(table, min(self.config.split_probe, num_microbatches)) if self.config.split_probe else table
 
     def __call__(
         self,
