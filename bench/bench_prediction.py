@@ -10,7 +10,8 @@ algorithm meets the machine in the same state (on a shared machine the speed dri
 from minute to minute); a barrier starts every step on all ranks together, as a synchronising
 optimizer step does. ``--runs`` sessions per pp. Then
 
-* **calibrate** from the 1f1b dumps only: ``measure_costs`` over all their iterations (each session's
+* **calibrate** from the 1f1b dumps only (their runs carry ``--split-probe`` probes: one BW per chunk
+  run as B, next F, W, so the file has real B and W times; ``--split-probe 0`` halves BW instead): ``measure_costs`` over all their iterations (each session's
   first dropped), written as the portable cost file ``primuspipe calibrate`` writes (without step
   gaps: steps start together here);
 * **predict** with ``primuspipe simulate --cost FILE -a all --json``, the command a user runs;
@@ -128,7 +129,9 @@ def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) ->
             vpp = info.resolve_vpp(None)
             spec = compare.StepSpec(model(args), args.microbatches, ddp=True, placement=info.placement)
             layout(vpp)
-            schedule = PrimusForwardBackward(PrimusPipeConfig(True, name, dump_pp_data=True, dump_dir=str(dumps[name])))
+            probe = args.split_probe if name == CALIBRATION else 0  # 1F1B times B and W too (passes/split_probe.py)
+            schedule = PrimusForwardBackward(PrimusPipeConfig(True, name, dump_pp_data=True, dump_dir=str(dumps[name]),
+                                                              split_probe=probe))
             runs[name] = (vpp, spec, compare.build(spec, pp, vpp)[2], schedule)
         for step in range(args.iterations):
             for name in names[step % len(names):] + names[:step % len(names)]:
@@ -280,6 +283,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="transformer layers (a multiple of 2 * pp)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--split-probe", type=int, default=1,
+                        help="the 1F1B runs split the backward of each chunk's last N microbatches into B then W, so "
+                             "the calibration sees what split-backward schedules pay (0: halve BW instead)")
     parser.add_argument("--lock", type=Path, help="an flock file held during each run (shared with other heavy jobs)")
     parser.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait for idle CPUs before a run")
     parser.add_argument("--max-external", type=float, default=0.25,
@@ -298,7 +304,7 @@ def main() -> None:
         report: dict = {"bench": "prediction", "host": platform.node(), "cpus": os.cpu_count(),
                         "python": platform.python_version(), "microbatches": args.microbatches,
                         "iterations": args.iterations, "runs": args.runs, "model": dataclasses.asdict(model(args)),
-                        "calibrated_from": CALIBRATION, "target_relative_error": TARGET, "pp": {}}
+                        "calibrated_from": CALIBRATION, "split_probe": args.split_probe, "target_relative_error": TARGET, "pp": {}}
         for pp in args.pp:
             report["pp"][str(pp)] = compare(pp, measure_runs(pp, args, work), args, work)
         errors = [abs(row["error"]) for entry in report["pp"].values() for row in entry["algorithms"]

@@ -18,6 +18,7 @@ is given. Primus's ``primus_pipeline.yaml`` loads as it is: its keys are ours, w
 ``offload_fraction``       ``PRIMUSPIPE_OFFLOAD_FRACTION``    share of a chunk's activations ``offload_ops`` hold
 ``pp_cost_f/b/w``          ``PRIMUSPIPE_PP_COST_F/B/W``       F / B / W time per stage (number or list; env: JSON)
 ``pp_max_mem``             ``PRIMUSPIPE_PP_MAX_MEM``          activation limit per rank, microbatches until W
+``split_probe``            ``PRIMUSPIPE_SPLIT_PROBE``         calibration: last N backwards of each chunk as B then W
 =========================  =================================  ==========================================
 
 >>> load_config(env={"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_PP_ALGORITHM": "gpipe"}).pp_algorithm
@@ -106,6 +107,12 @@ class PrimusPipeConfig:
     1 at F and takes 1 at W), so the cost model built from ``pp_cost_*`` has ``w_retained_fraction`` 1 when
     it is set (a cost file in ``algorithm_options.cost`` keeps its own)."""
 
+    split_probe: int = 0
+    """Calibration probe: run the fused backward (BW) of each chunk's last ``split_probe`` microbatches as B
+    then W, back to back (:mod:`primuspipe.passes.split_probe`), so a dump of a 1F1B run also times B and
+    W and ``primuspipe calibrate`` predicts split-backward schedules from it. Same gradients; the step
+    takes the split's small extra time for those microbatches. 0 (default): off."""
+
     def __post_init__(self) -> None:
         """Check every field now, so a bad setting fails at :func:`install`, not on every rank at step 1."""
         strict.flag(self.patch_primus_pipeline, "patch_primus_pipeline")
@@ -129,6 +136,7 @@ class PrimusPipeConfig:
             strict.text(self.dump_dir, "dump_dir (needed with dump_pp_data)")
         strict.flag(self.debug_scheduler_table, "debug_scheduler_table")
         strict.flag(self.offload, "offload")
+        object.__setattr__(self, "split_probe", strict.count(self.split_probe, "split_probe (microbatches)", minimum=0))
         if self.communication_method == BATCH_P2P:
             raise ConfigError("communication_method: batch_p2p is not supported: the runner posts each transfer as "
                               "its own non-blocking send/receive, the order its deadlock proof relies on; use "
@@ -260,6 +268,7 @@ _ENV_NAMES = {
     "pp_cost_b": "PRIMUSPIPE_PP_COST_B",
     "pp_cost_w": "PRIMUSPIPE_PP_COST_W",
     "pp_max_mem": "PRIMUSPIPE_PP_MAX_MEM",
+    "split_probe": "PRIMUSPIPE_SPLIT_PROBE",
 }
 _SCHEDULE_KEYWORDS = ("cost", "memory_limit")
 """``algorithm_options`` keys that go to ``build_schedule`` itself, not to the algorithm."""
@@ -288,6 +297,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         return strict.flag(value, what)
     if kind == "float":
         return strict.number(value, what, minimum=0)
+    if kind == "int":
+        return strict.count(value, what, text=True)
     if kind == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{what} must be text, got {strict.show(value)}")

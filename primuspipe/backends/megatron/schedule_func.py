@@ -38,7 +38,10 @@ from primuspipe.backends.megatron.v_placement import tied_embedding_grads
 from primuspipe.errors import ConfigError
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.communication import add_communication
 from primuspipe.passes.offload import offload_activations
+from primuspipe.passes.split_probe import split_backward_probe
+from primuspipe.passes.validation import validate
 from primuspipe.runtime.activation_offload import ActivationOffload, SavedBytes
 from primuspipe.runtime.driver import StepDriver, cached_schedule, last_backwards
 
@@ -49,6 +52,14 @@ _log = logging.getLogger(__name__)
 def _offloaded(table: ScheduleTable, cost: CostModel, memory_limit: float) -> ScheduleTable:
     """The table with the offload pass's OFFLOAD/RELOAD nodes (``offload: true``), built once per shape."""
     return offload_activations(table, cost, memory_limit=memory_limit)
+
+
+@functools.lru_cache(maxsize=64)
+def _probed(table: ScheduleTable, count: int) -> ScheduleTable:
+    """``split_probe``: the table with its last ``count`` fused backwards per chunk run as B then W."""
+    probed = add_communication(split_backward_probe(table.compute_only(), count))
+    validate(probed)
+    return probed
 
 
 def _device() -> torch.device:
@@ -84,6 +95,8 @@ class PrimusForwardBackward:
         if runs == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
             options["microbatch_group_size"] = group  # follow Megatron's setting; its default (pp) is ours
         table = cached_schedule(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
+        if self.config.split_probe:
+            table = _probed(table, min(self.config.split_probe, num_microbatches))
         plan = self.config.offload_plan(pp, table.vpp) if algorithm in self.config.algorithms() else None
         return _offloaded(table, *plan) if plan else table
 

@@ -1,0 +1,76 @@
+"""The split-backward calibration probe: a fused-backward table with its last backwards run as B then W.
+
+The pass keeps the order and the validator's guarantees; a real megatron-core run of probed 1F1B trains
+bitwise as plain 1F1B (W adds exactly what BW's weight GEMMs add) and its dump gives calibrate real B
+and W times (tests/tools/test_calibrate.py checks the recovery on a simulated dump)."""
+
+import functools
+import importlib.util
+
+import pytest
+import torch
+
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.errors import ConfigError, TableFormatError
+from primuspipe.ir.kinds import NodeKind
+from primuspipe.passes.communication import add_communication
+from primuspipe.passes.split_probe import split_backward_probe
+from primuspipe.passes.validation import validate
+
+
+@pytest.mark.parametrize("algorithm,vpp", [("1f1b", 1), ("interleaved-1f1b", 2)])
+@pytest.mark.parametrize("count", [1, 3])
+def test_middle_backwards_become_b_and_a_w_after_the_next_forward_and_the_table_stays_valid(algorithm, vpp, count):
+    table = build_schedule(algorithm, pp=4, microbatches=8, vpp=vpp)
+    probed = add_communication(split_backward_probe(table.compute_only(), count))
+    validate(probed)
+    first = (8 - count) // 2
+    for before, after in zip(table.compute_only().ranks, probed.compute_only().ranks):
+        names = [str(n) for n in after]
+        split = {(n.chunk, n.microbatch) for n in after if n.kind is NodeKind.B}
+        assert split == {(c, mb) for c in range(vpp) for mb in range(first, first + count)}
+        for chunk, mb in split:
+            b, w = names.index(f"B{mb}.{chunk}"), names.index(f"W{mb}.{chunk}")
+            assert w == b + 1 or (w == b + 2 and names[b + 1].startswith("F")), f"W{mb}.{chunk} is not after B or B, F"
+        # without the Ws and with each B read as BW, the order is the table's own
+        assert [n.replace("B", "BW", 1) if n.startswith("B") and not n.startswith("BW") else n
+                for n in names if not n.startswith("W")] == [str(n) for n in before]
+
+
+def test_bad_inputs_are_refused():
+    table = build_schedule("1f1b", pp=2, microbatches=4)
+    with pytest.raises(TableFormatError, match="compute-only table"):
+        split_backward_probe(table)
+    with pytest.raises(ConfigError, match="count must be between 1 and the 4 microbatches, got 5"):
+        split_backward_probe(table.compute_only(), 5)
+
+
+needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+
+
+def _worker(ctx, probe):
+    from primuspipe.backends.megatron.config import PrimusPipeConfig
+    from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
+    from primuspipe.testing.megatron import compare, tiny_models
+
+    spec = compare.StepSpec(tiny_models.TINY_MODELS["tiny-gpt"], 4, ddp=True, optimizer_step=True)
+    schedule = PrimusForwardBackward(PrimusPipeConfig(True, "1f1b", split_probe=probe))
+    kinds = {n.kind.name for n in schedule.table_for(2, 1, 4).ranks[ctx.pp_rank]}
+    return compare.run_step(schedule, spec, 2, 1), kinds
+
+
+@needs_megatron
+def test_a_probed_1f1b_run_trains_bitwise_as_plain_1f1b():
+    from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo
+
+    plain = run_on_gloo(functools.partial(_worker, probe=0), ParallelLayout(2), timeout_s=300)
+    probed = run_on_gloo(functools.partial(_worker, probe=2), ParallelLayout(2), timeout_s=300)
+    for (a, kinds_a), (b, kinds_b) in zip(plain, probed):
+        assert "B" not in kinds_a and {"B", "W", "BW"} <= kinds_b
+        for x, y in zip(a.losses, b.losses):
+            assert all(torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k] for k in x)
+        assert a.grads.keys() == b.grads.keys()
+        for name, grad in a.grads.items():
+            assert grad is None or torch.equal(grad, b.grads[name]), f"{name}'s gradient differs"
+        for name, param in a.params.items():
+            assert torch.equal(param, b.params[name]), f"{name} differs after the step"
