@@ -460,9 +460,14 @@ def _host(data: Any, pp: int) -> HostCost:
     host = strict.keys(data, "host", {"overhead", "send", "recv", "cores", "comm_cpu", "step_gap"})
     overhead = strict.keys(host.get("overhead", {}), "host.overhead", {k.name.lower() for k in compute_kinds()})
     cores, gap = host.get("cores"), host.get("step_gap")
-    return HostCost(tuple((k, float(v)) for k, v in overhead.items()), float(host.get("send", 0.0)),
-                    float(host.get("recv", 0.0)), None if cores is None else float(cores),
-                    float(host.get("comm_cpu", 0.0)),
+
+    def time(value: Any, name: str) -> float:  # strictly a number: YAML's true is not 1 second
+        return strict.number(value, f"host.{name} (a time >= 0)", minimum=0)
+
+    return HostCost(tuple((k, time(v, f"overhead.{k}")) for k, v in overhead.items()), time(host.get("send", 0.0), "send"),
+                    time(host.get("recv", 0.0), "recv"),
+                    None if cores is None else strict.number(cores, "host.cores (a number of cores > 0)", above=0),
+                    time(host.get("comm_cpu", 0.0), "comm_cpu"),
                     None if gap is None else per_stage_values("host.step_gap", gap, pp, "ranks"))
 
 

@@ -79,7 +79,10 @@ def split_arguments(arguments: Mapping[str, Any], source: str) -> tuple[ModelSpe
             values[spec][name] = "flash" if (name, value) == ("attention_backend", "auto") else value
     if per_stage := arguments.get("num_layers_per_virtual_pipeline_stage"):
         pp = values["training"]["pipeline_model_parallel_size"]
-        values["training"]["virtual_pipeline_model_parallel_size"] = int(values["model"]["num_layers"]) // (int(pp) * int(per_stage))
+        layers = strict.count(values["model"]["num_layers"], f"{source}: num_layers", minimum=1, text=True)
+        pp = strict.count(pp, f"{source}: pipeline_model_parallel_size", minimum=1, text=True)
+        per_stage = strict.count(per_stage, f"{source}: num_layers_per_virtual_pipeline_stage", minimum=1, text=True)
+        values["training"]["virtual_pipeline_model_parallel_size"] = layers // (pp * per_stage)
     training = values["training"]
     training.setdefault("global_batch_size", training.get("micro_batch_size", 1))  # Megatron: MBS * DP
     if not arguments.get("group_query_attention"):

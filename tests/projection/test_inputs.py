@@ -168,3 +168,9 @@ def test_primus_style_yaml_reads_overrides(tmp_path):
         "recompute_method": "uniform", "recompute_num_layers": 1, "lr": 1e-4}}}}))
     model, training = load_megatron_config(path)
     assert (model.num_layers, training.vpp, training.recompute_granularity, training.precision) == (8, 2, "full", "bf16")
+
+
+def test_a_bad_layers_per_virtual_stage_is_named():
+    with pytest.raises(ConfigError, match="exp: num_layers_per_virtual_pipeline_stage must be an integer"):
+        from_arguments("--num-layers 8 --hidden-size 8 --num-attention-heads 2 --seq-length 4 --vocab-size 10 "
+                       "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2.5", "exp")

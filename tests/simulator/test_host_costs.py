@@ -98,9 +98,11 @@ def test_host_and_cold_start_in_yaml_round_trip():
 
 
 @pytest.mark.parametrize("host, match", [
-    ({"send": -1}, "host times must be >= 0"),
-    ({"overhead": {"f": float("nan")}}, "host times must be >= 0"),
-    ({"cores": 0}, "host.cores must be a number > 0"),
+    ({"send": -1}, r"host.send \(a time >= 0\) must be >= 0"),
+    ({"send": True}, r"host.send \(a time >= 0\) must be a number"),
+    ({"comm_cpu": "fast"}, r"host.comm_cpu \(a time >= 0\)"),
+    ({"overhead": {"f": float("nan")}}, r"host.overhead.f \(a time >= 0\) must be a finite number"),
+    ({"cores": 0}, r"host.cores \(a number of cores > 0\) must be > 0"),
     ({"overhead": {"x": 1}}, r"host.overhead has unknown key\(s\) \['x'\]"),
     ({"latency": 1}, r"host has unknown key\(s\) \['latency'\]"),
 ])
