@@ -5,7 +5,7 @@ split-backward schedule (ZB-H1, ZBV, V-half, ...) runs them as two nodes: their 
 extra time the split itself takes (the deferred weight GEMMs run later, on inputs no longer in cache,
 through their own autograd call). Without that, a cost model calibrated from a 1F1B run halves BW and
 predicts split schedules too fast. This pass splits the backward of ``count`` microbatches of every
-chunk into B and a W one node later -- the same order otherwise, the same gradients (W adds exactly
+chunk into B and a W after the rank's next forward -- the same order otherwise, the same gradients (W adds exactly
 what BW's weight GEMMs add) -- so a dump of that run gives ``primuspipe calibrate`` real B and W times
 next to BW (docs/simulator.md, "Calibration").
 
@@ -41,15 +41,16 @@ def split_backward_probe(table: ScheduleTable, count: int = 1) -> ScheduleTable:
 
     def row_with_probes(row: tuple[ScheduleNode, ...]) -> list[ScheduleNode]:
         out: list[ScheduleNode] = []
-        deferred: list[ScheduleNode] = []
+        waiting: ScheduleNode | None = None  # a probe's W, placed after the next node if that is a forward
         for node in row:
-            if deferred and node.kind is not NodeKind.F:  # a later backward must not add its weight
-                out.extend(deferred)                       # gradients first: keep the summation order
-                deferred.clear()
+            if waiting is not None and node.kind is not NodeKind.F:  # a later backward must not add its
+                out.append(waiting)                                  # weight gradients first
+                waiting = None
             split = node.kind is NodeKind.BW and node.microbatch in probed
             out.append(ScheduleNode(NodeKind.B, node.microbatch, node.chunk) if split else node)
-            out.extend(deferred)  # the W waiting for this forward
-            deferred[:] = [ScheduleNode(NodeKind.W, node.microbatch, node.chunk)] if split else []
-        return out + deferred
+            if waiting is not None:
+                out.append(waiting)
+            waiting = ScheduleNode(NodeKind.W, node.microbatch, node.chunk) if split else None
+        return out if waiting is None else [*out, waiting]
 
     return table.with_ranks(map(row_with_probes, table.ranks))

@@ -131,9 +131,10 @@ class ActivationOffload:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
-        self.saved.per_forward.setdefault(chunk, self.saved.now - before)
-        self.saved.movable_per_forward.setdefault(
-            chunk, sum(saved.nbytes for ref in held if (saved := ref()) is not None and saved.movable))
+        if chunk not in self.saved.per_forward:  # the chunk's first forward: every microbatch has one shape
+            self.saved.per_forward[chunk] = self.saved.now - before
+            self.saved.movable_per_forward[chunk] = sum(
+                saved.nbytes for ref in held if (saved := ref()) is not None and saved.movable)
 
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):

@@ -10,6 +10,7 @@ not to the parameter (wgrad_store.py)."""
 
 import functools
 import importlib.util
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -28,7 +29,22 @@ CASES = {"v-half": ("v", 1.5), "interleaved-1f1b": ("interleaved", 1.5), "v-min"
 """algorithm -> (chunk placement, a memory limit below its own peak that offload can meet)"""
 
 
-def _worker(ctx, algorithm, ddp, limit, ops="", fraction=None):
+class _Rank(NamedTuple):
+    """One rank's runs: without hooks, with counting only, with offload."""
+
+    before: compare.StepResult
+    after: compare.StepResult
+    peak_plain: int
+    peak_offload: int
+    per_stage: dict[int, int]
+    """Model stage -> bytes one forward of it saved (without offload)."""
+    offloads: int
+    moved_share: float | None
+    plain_table: Any
+    offload_table: Any
+
+
+def _worker(ctx, algorithm, ddp, limit, ops="", fraction=None) -> _Rank:
     spec = compare.StepSpec(tiny_models.TINY_MODELS["tiny-gpt"], M, placement=CASES[algorithm][0], ddp=ddp,
                             optimizer_step=ddp)
     before = compare.run_step(PrimusForwardBackward(PrimusPipeConfig(True, algorithm)), spec, 2, 2)  # no hooks
@@ -40,8 +56,8 @@ def _worker(ctx, algorithm, ddp, limit, ops="", fraction=None):
     table = lean.table_for(2, 2, M)
     per_stage = {table.placement.stage(ctx.pp_rank, c): b for c, b in plain.saved_bytes.per_forward.items()}
     offloads = sum(n.kind.name == "OFFLOAD" for n in table.ranks[ctx.pp_rank])
-    return before, after, plain.saved_bytes.peak, lean.saved_bytes.peak, per_stage, offloads, \
-        lean.saved_bytes.moved_share(), plain.table_for(2, 2, M), table
+    return _Rank(before, after, plain.saved_bytes.peak, lean.saved_bytes.peak, per_stage, offloads,
+                 lean.saved_bytes.moved_share(), plain.table_for(2, 2, M), table)
 
 
 def _assert_bitwise(before, after):
@@ -63,18 +79,18 @@ def _assert_bitwise(before, after):
 def test_offload_in_megatron_is_bitwise_neutral_and_drops_the_peak_as_simulated(algorithm, ddp):
     results = run_on_gloo(functools.partial(_worker, algorithm=algorithm, ddp=ddp, limit=CASES[algorithm][1]),
                           ParallelLayout(2, vpp=2), timeout_s=300)
-    assert any(r[5] > 0 for r in results), "the pass offloads something"
-    for before, after, *_ in results:
-        _assert_bitwise(before, after)
+    assert any(r.offloads > 0 for r in results), "the pass offloads something"
+    for r in results:
+        _assert_bitwise(r.before, r.after)
 
-    plain_table, lean_table = results[0][7], results[0][8]
-    per_stage = {s: b for r in results for s, b in r[4].items()}
+    plain_table, lean_table = results[0].plain_table, results[0].offload_table
+    per_stage = {s: b for r in results for s, b in r.per_stage.items()}
     memory = MemoryCost.per_stage(plain_table.num_stages, 2, w_retained_fraction=1.0,
                                   activation_bytes=[per_stage[s] for s in range(plain_table.num_stages)])
     cost = CostModel.per_stage(plain_table.num_stages, 1, 1, 1, memory=memory)
     predicted = [a - b for a, b in zip(simulate(plain_table, cost).peak_memory_bytes,
                                        simulate(lean_table, cost).peak_memory_bytes)]
-    measured = [r[2] - r[3] for r in results]
+    measured = [r.peak_plain - r.peak_offload for r in results]
     assert max(predicted) > 0
     for rank, (want, got) in enumerate(zip(predicted, measured)):
         assert abs(got - want) <= 0.05 * max(want, 1.0), f"rank {rank}: peak dropped {got} bytes, simulator says {want}"
@@ -87,8 +103,8 @@ def test_offload_ops_move_only_those_ops_and_report_their_share():
     results = run_on_gloo(functools.partial(_worker, algorithm="v-half", ddp=False, limit=1.9, ops="row_parallel_gemm",
                                             fraction=0.2),
                           ParallelLayout(2, vpp=2), timeout_s=300)
-    for before, after, *_ in results:
-        _assert_bitwise(before, after)
-    shares = [r[6] for r in results]
+    for r in results:
+        _assert_bitwise(r.before, r.after)
+    shares = [r.moved_share for r in results]
     assert all(0 < share < 1 for share in shares), shares
 

@@ -18,7 +18,7 @@ is given. Primus's ``primus_pipeline.yaml`` loads as it is: its keys are ours, w
 ``offload_fraction``       ``PRIMUSPIPE_OFFLOAD_FRACTION``    share of a chunk's activations ``offload_ops`` hold
 ``pp_cost_f/b/w``          ``PRIMUSPIPE_PP_COST_F/B/W``       F / B / W time per stage (number or list; env: JSON)
 ``pp_max_mem``             ``PRIMUSPIPE_PP_MAX_MEM``          activation limit per rank, microbatches until W
-``split_probe``            ``PRIMUSPIPE_SPLIT_PROBE``         calibration: last N backwards of each chunk as B then W
+``split_probe``            ``PRIMUSPIPE_SPLIT_PROBE``         calibration: N backwards per chunk run as B, next F, W
 =========================  =================================  ==========================================
 
 >>> load_config(env={"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_PP_ALGORITHM": "gpipe"}).pp_algorithm
@@ -108,10 +108,10 @@ class PrimusPipeConfig:
     it is set (a cost file in ``algorithm_options.cost`` keeps its own)."""
 
     split_probe: int = 0
-    """Calibration probe: run the fused backward (BW) of each chunk's last ``split_probe`` microbatches as B
-    then W, back to back (:mod:`primuspipe.passes.split_probe`), so a dump of a 1F1B run also times B and
-    W and ``primuspipe calibrate`` predicts split-backward schedules from it. Same gradients; the step
-    takes the split's small extra time for those microbatches. 0 (default): off."""
+    """Calibration probe: run the fused backward (BW) of ``split_probe`` microbatches per chunk, from the
+    middle of the step, as B, the rank's next F, then W (:mod:`primuspipe.passes.split_probe`), so a dump
+    of a 1F1B run also times B and W and ``primuspipe calibrate`` predicts split-backward schedules from
+    it. Same gradients, bitwise; the step takes the split's small extra time. 0 (default): off."""
 
     def __post_init__(self) -> None:
         """Check every field now, so a bad setting fails at :func:`install`, not on every rank at step 1."""
@@ -146,8 +146,9 @@ class PrimusPipeConfig:
         if unknown := set(self.offload_op_list) - set(OFFLOAD_OPS):
             raise ConfigError(f"offload_ops: unknown op(s) {sorted(unknown)}; known: {', '.join(OFFLOAD_OPS)}")
         if self.offload_fraction is not None:
-            object.__setattr__(self, "offload_fraction", strict.number(self.offload_fraction, "offload_fraction (share of a chunk's activations, in (0, 1])",
-                          above=0, maximum=1))
+            share = strict.number(self.offload_fraction, "offload_fraction (share of a chunk's activations, in (0, 1])",
+                                  above=0, maximum=1)
+            object.__setattr__(self, "offload_fraction", share)
         if self.offload and self.pp_max_mem is None:
             raise ConfigError("offload: true needs pp_max_mem, the activation limit (microbatches per rank) the offload "
                               "pass brings every rank under; set it, or offload: false")

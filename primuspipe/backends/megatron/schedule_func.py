@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Any, Iterator, List, Optional, Union
 
 import contextlib
-import functools
 import logging
 import weakref
 
@@ -36,7 +35,6 @@ from primuspipe.backends.megatron.config import PrimusPipeConfig
 from primuspipe.backends.megatron.last_stage import hand_to_last_rank
 from primuspipe.backends.megatron.v_placement import tied_embedding_grads
 from primuspipe.errors import ConfigError
-from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication
 from primuspipe.passes.offload import offload_activations
@@ -46,20 +44,6 @@ from primuspipe.runtime.activation_offload import ActivationOffload, SavedBytes
 from primuspipe.runtime.driver import StepDriver, cached_schedule, last_backwards
 
 _log = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=64)
-def _offloaded(table: ScheduleTable, cost: CostModel, memory_limit: float) -> ScheduleTable:
-    """The table with the offload pass's OFFLOAD/RELOAD nodes (``offload: true``), built once per shape."""
-    return offload_activations(table, cost, memory_limit=memory_limit)
-
-
-@functools.lru_cache(maxsize=64)
-def _probed(table: ScheduleTable, count: int) -> ScheduleTable:
-    """``split_probe``: the table with its last ``count`` fused backwards per chunk run as B then W."""
-    probed = add_communication(split_backward_probe(table.compute_only(), count))
-    validate(probed)
-    return probed
 
 
 def _device() -> torch.device:
@@ -79,6 +63,8 @@ class PrimusForwardBackward:
         step offloaded or ``count_saved_bytes``."""
         self.driver = StepDriver(watchdog_timeout_s=config.watchdog_timeout_s,
                                  dump_dir=config.dump_dir if config.dump_pp_data else None)
+        self._tables: dict[tuple, ScheduleTable] = {}
+        """(pp, vpp, microbatches, Megatron's interleaved group) -> the table :meth:`table_for` built."""
         self._printed: set[ScheduleTable] = set()
         """Tables whose grid ``debug_scheduler_table`` has printed (once each)."""
         self._offloads: weakref.WeakKeyDictionary[torch.nn.Module, ActivationOffload] = weakref.WeakKeyDictionary()
@@ -86,19 +72,32 @@ class PrimusForwardBackward:
         self._reported: weakref.WeakSet[ActivationOffload] = weakref.WeakSet()
 
     def table_for(self, pp: int, vpp: int | None, num_microbatches: int, megatron_config: Any = None) -> ScheduleTable:
-        """The table a call runs for this shape (``vpp=None``: the algorithm's own choice). Build the model
-        chunks for its ``placement`` and ``vpp``."""
-        algorithm = self.config.algorithm_for(vpp or 1)
-        options = self.config.schedule_options(pp, vpp or 1) if algorithm in self.config.algorithms() else {}
+        """The table a call runs for this shape (``vpp=None``: the algorithm's own choice), built once per
+        shape. Build the model chunks for its ``placement`` and ``vpp``."""
         group = getattr(megatron_config, "microbatch_group_size_per_vp_stage", None)
+        key = (pp, vpp, num_microbatches, group)
+        if (table := self._tables.get(key)) is None:
+            table = self._tables[key] = self._build_table(pp, vpp, num_microbatches, group)
+        return table
+
+    def _build_table(self, pp: int, vpp: int | None, num_microbatches: int, group: int | None) -> ScheduleTable:
+        """The configured algorithm's validated table, then the passes the config asks for: the split
+        probe (``split_probe``) and the offload pass (``offload``)."""
+        algorithm = self.config.algorithm_for(vpp or 1)
+        configured = algorithm in self.config.algorithms()
+        options = self.config.schedule_options(pp, vpp or 1) if configured else {}
         runs = get_algorithm(algorithm).alias_of or algorithm  # Primus's 1f1b-interleaved is interleaved-1f1b
         if runs == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
             options["microbatch_group_size"] = group  # follow Megatron's setting; its default (pp) is ours
         table = cached_schedule(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
         if self.config.split_probe:
-            table = _probed(table, min(self.config.split_probe, num_microbatches))
-        plan = self.config.offload_plan(pp, table.vpp) if algorithm in self.config.algorithms() else None
-        return _offloaded(table, *plan) if plan else table
+            table = add_communication(split_backward_probe(table.compute_only(), min(self.config.split_probe,
+                                                                                      num_microbatches)))
+            validate(table)
+        if configured and (plan := self.config.offload_plan(pp, table.vpp)):
+            cost, limit = plan
+            table = offload_activations(table, cost, memory_limit=limit)
+        return table
 
     def _offload_for(self, models: list[torch.nn.Module], device: torch.device) -> ActivationOffload:
         """This rank's saved-tensor hooks over its chunks: built once per model (the op hooks stay

@@ -165,8 +165,10 @@ class WeightGradStore:
 
     def __init__(self, models: Sequence[torch.nn.Module] = ()) -> None:
         self._work: dict[Key, list[_Deferred]] = {}
-        self._parameters = {_storage_key(p): p for m in models for p in m.parameters()}
-        """What identifies each parameter's memory -> the parameter (see :meth:`_stash`)."""
+        self._models = tuple(models)
+        self._parameters: dict[tuple, torch.nn.Parameter] | None = None
+        """What identifies each parameter's memory -> the parameter; built at the first weight that is
+        not a parameter object (see :meth:`_stash`), never in a step without saved-tensor hooks."""
 
     @contextlib.contextmanager
     def collecting(self, chunk: int, microbatch: int) -> Iterator[None]:
@@ -194,8 +196,11 @@ class WeightGradStore:
         # sharing its storage, tied to the parameter only by a weak reference to its gradient accumulator;
         # once no live graph holds that accumulator, a gradient sent to the copy lands on the copy and is
         # lost. So the W node sends it to the module's own parameter.
-        weight = self._parameters.get(_storage_key(item.weight), item.weight)
-        self._work[_Active.key].append(replace(item, weight=weight))
+        if not isinstance(item.weight, torch.nn.Parameter):
+            if self._parameters is None:
+                self._parameters = {_storage_key(p): p for m in self._models for p in m.parameters()}
+            item = replace(item, weight=self._parameters.get(_storage_key(item.weight), item.weight))
+        self._work[_Active.key].append(item)
 
     def flush(self, chunk: int, microbatch: int) -> int:
         """Apply ``(chunk, microbatch)``'s weight gradients (a ``W`` node); returns the number of GEMMs."""
