@@ -23,7 +23,10 @@ def _train(dump_dir):
     def work(rank: int, world: int) -> None:
         table = cached_schedule("1f1b", PP, 1, M)
         torch.manual_seed(rank)
-        stage = torch.nn.Sequential(*[torch.nn.Linear(H, H) for _ in range(4)], torch.nn.Tanh())
+        # rank 0's stage twice rank 1's: rank 1 always waits for its inputs, so transfers are timed even
+        # when the machine is busy (with equal stages a loaded run could show no wait at all)
+        layers = 8 if rank == 0 else 4
+        stage = torch.nn.Sequential(*[torch.nn.Linear(H, H) for _ in range(layers)], torch.nn.Tanh())
         driver = StepDriver(watchdog_timeout_s=60, dump_dir=str(dump_dir))
         for _ in range(STEPS):
             binder = ModuleBinder([stage], num_stages=PP, inputs=[torch.randn(16, H) for _ in range(M)],
