@@ -61,7 +61,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -79,7 +79,9 @@ _FAILURE_PREFIX = "primuspipe/{attempt}/failure/"
 _MAX_HEARTBEAT_S = 10.0
 _MAX_POLL_S = 1.0
 _CAUSE_WAIT_S = 3.0
-"""How long a rank stopped from outside waits for another rank's failure record before it reports."""
+"""How long a rank waits for another rank's failure record before it reports: when stopped from
+outside, or when a peer's connection closed (the peer may have failed and be writing its record)."""
+_ENDED_UNREPORTED = "its process ended without reporting an error: it died or was killed"
 
 
 class PeerLiveness:
@@ -139,7 +141,7 @@ class PeerLiveness:
         records = self.failure_records()
         blamed: dict[int, str] = {}
         if closed_peer is not None and closed_peer not in records:
-            blamed[closed_peer] = "its process ended without reporting an error: it died or was killed"
+            blamed[closed_peer] = _ENDED_UNREPORTED
         for reporter, named in sorted(records.items()):
             for rank, why in named.items():
                 if rank not in records and rank != self.group_rank:
@@ -212,7 +214,9 @@ class TransferWatchdog:
         else:
             how = f"failed ({_backend_message(cause)})"
             hint = "Look at the log of the rank named first."
-        blamed = self._causes(None if timed_out else node.peer)
+        closed = None if timed_out else node.peer
+        # a peer whose connection closed may be a rank that failed itself and is writing its record now
+        blamed = self._settled_causes(closed, lambda named: named.get(closed) != _ENDED_UNREPORTED)
         if blamed and self.liveness is not None:
             try:
                 self.liveness.record_failure(blamed)
@@ -220,6 +224,17 @@ class TransferWatchdog:
                 pass
         return PipelineHangError(
             f"pipeline rank {self.rank}: {node} ({what} pipeline rank {node.peer}) {how}.{_named(blamed)} {hint}")
+
+    def _settled_causes(self, closed_peer: int | None, settled: Callable[[dict[int, str]], bool]
+                        ) -> dict[int, str] | None:
+        """:meth:`_causes`, asked again every 0.1 s for up to :data:`_CAUSE_WAIT_S` until ``settled``: a
+        neighbour that saw the failure may be writing its record right now."""
+        deadline = time.monotonic() + _CAUSE_WAIT_S
+        blamed = self._causes(closed_peer)
+        while blamed is not None and not settled(blamed) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            blamed = self._causes(closed_peer)
+        return blamed
 
     def _causes(self, closed_peer: int | None) -> dict[int, str] | None:
         """Ranks to blame (see :meth:`PeerLiveness.causes`); None when the store is unreachable."""
@@ -234,11 +249,7 @@ class TransferWatchdog:
         """What this rank says when stopped from outside: the node it waited on and the cause."""
         with self._lock:
             waiting = [p.node for p, _ in self._inflight.values()]
-        deadline = time.monotonic() + _CAUSE_WAIT_S
-        blamed = self._causes(None)
-        while not blamed and blamed is not None and time.monotonic() < deadline:
-            time.sleep(0.1)  # a neighbour that saw the failure may be writing its record right now
-            blamed = self._causes(None)
+        blamed = self._settled_causes(None, bool)
         at = f" while {waiting[0]} waited on pipeline rank {waiting[0].peer}" if waiting else ""
         return (f"pipeline rank {self.rank}: stopped from outside ({signal.Signals(signum).name}; a launcher such as "
                 f"torchrun stops every rank once one has failed){at}.{_named(blamed)}")
