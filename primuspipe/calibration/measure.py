@@ -23,8 +23,9 @@ model is measured (docs/simulator.md, "Calibration"):
   Events of such a run carry their thread's CPU time; the effective number of cores the ranks shared
   is fitted from it (:func:`effective_cores`). When it is below ``pp``, ``host.cores`` is set, work is
   what a node took of its thread's CPU time, not its wall time (a node that waited for a core took
-  longer without working more), host times are CPU times too, and the CPU the processes spent outside
-  their main threads, per message (both its ends), is ``host.comm_cpu``.
+  longer without working more), host times are CPU times too, and the CPU each process spent outside
+  its main thread (communication and runtime threads), over the time the rank's step took, is
+  ``host.background``: a share of a core (it follows the step's length, not its message count).
 
 Any timeline of the shared format works, simulated ones too, which is how the round trip simulate ->
 calibrate -> simulate is tested, exactly.
@@ -104,8 +105,8 @@ class MeasuredCosts:
     """The size of the run's messages (the most common one), where the dump records sizes."""
     cores: float | None = None
     """Cores the ranks shared (``host.cores``); None when each rank had its own."""
-    comm_cpu: float | None = None
-    """With ``cores``: CPU time per message on communication threads."""
+    background: float | None = None
+    """With ``cores``: the share of a core each rank's process kept busy outside its main thread."""
     step_gap: tuple[float, ...] | None = None
     """Per rank, the time from its step's end to its next step's start (consecutive dumped iterations);
     None where the dump cannot tell."""
@@ -133,8 +134,8 @@ class MeasuredCosts:
         host.update((k, v) for k, v in self.host_post.items() if v)
         if self.cores is not None:
             host["cores"] = self.cores
-            if self.comm_cpu:
-                host["comm_cpu"] = self.comm_cpu
+            if self.background:
+                host["background"] = self.background
         if self.step_gap is not None:
             host["step_gap"] = list(self.step_gap)
         if host:
@@ -226,7 +227,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
     host_overhead = _medians(s.host for s in samples)
     host_post = _medians(s.post for s in samples)
     latency, bandwidth, size = _transfer_fit(samples)
-    comm_cpu = [c for s in samples for c in s.comm_cpu]
+    background = [c for s in samples for c in s.background]
 
     def host_time(kind: NodeKind) -> float:
         """What the rank spends on the host before a node of ``kind`` (as measured just above)."""
@@ -250,7 +251,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         _significant(statistics.median(overlaps)) if overlaps else None, latency,
         tuple(peaks), tuple(dict.fromkeys(notes)), cold, host_overhead,
         {k.removeprefix("post_"): v for k, v in host_post.items()}, bandwidth, size, cores,
-        _significant(statistics.median(comm_cpu)) if cores is not None and comm_cpu else None, gaps,
+        _significant(statistics.median(background)) if cores is not None and background else None, gaps,
     )
     return measured if cores is None else replace(measured, cores=replayed_cores(measured, used, placement))
 
@@ -281,7 +282,7 @@ def effective_cores(timelines: Sequence[Timeline], placement: Placement) -> floa
                 return None
             busy.append((start + apart, end + apart))
             got += cpu
-        got += sum(_comm_cpu(timeline).values())
+        got += sum(_outside_cpu(timeline).values())
     pieces = _levels(busy)
 
     def cpu_at(cores: float) -> float:
@@ -327,9 +328,9 @@ REPLAY_TOLERANCE = 0.01
 """Relative miss of the replayed step under the CPU fit of the cores beyond which the replay refits them."""
 
 
-def _comm_cpu(timeline: Timeline) -> dict[int, float]:
+def _outside_cpu(timeline: Timeline) -> dict[int, float]:
     """Per rank that says it, the CPU its process spent outside its own thread in the step (the
-    communication threads that carry its messages)."""
+    communication threads that carry its messages, runtime threads)."""
     out = {}
     for facts in timeline.meta.get("ranks", ()):
         if "process_cpu" in facts and "thread_cpu" in facts:
@@ -462,9 +463,9 @@ class _Samples:
     waits: list[tuple[float, int | None]]
     """Per compute node that waited for its input: how long the transfer took after both ends were
     posted (its arrival is when the consumer went on), and its size in bytes where known."""
-    comm_cpu: list[float]
-    """CPU per message outside the ranks' own threads (both its ends; one value, or none where the
-    timeline does not say)."""
+    background: list[float]
+    """Per rank that says it, the CPU its process spent outside its own thread over its step's span
+    (``RankTimeline.span``): the share of a core ``host.background`` is."""
 
     @classmethod
     def of(cls, timeline: Timeline, placement: Placement, *, use_cpu: bool) -> _Samples:
@@ -481,7 +482,7 @@ class _Samples:
         durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         firsts: list[tuple[NodeKind, int, float]] = []
         seen: set[tuple] = set()
-        pairs, waits, comm_cpu = [], [], []
+        pairs, waits = [], []
         host: dict[str, list[float]] = defaultdict(list)
         post: dict[str, list[float]] = defaultdict(list)
         for step in steps:
@@ -513,11 +514,9 @@ class _Samples:
                 cold[(kind, stage)].append(_significant(took) - _significant(statistics.median(rest)))
             else:  # a chunk with one node of this kind: it is all there is to time
                 durations[(kind, stage)].append(took)
-        outside = _comm_cpu(timeline)  # a message costs CPU at both its ends
-        messages = sum(1 for rt in timeline.ranks for e in rt.events if e.node.kind.is_send)
-        if messages and len(outside) == timeline.pp:
-            comm_cpu.append(sum(outside.values()) / messages)
-        return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits, comm_cpu)
+        spans = {rt.rank: rt.span for rt in timeline.ranks}
+        background = [cpu / spans[rank] for rank, cpu in _outside_cpu(timeline).items() if spans.get(rank, 0) > 0]
+        return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits, background)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ optimizer bytes) are one number or ``pp`` values::
       send: 0.15             # rank time to post a send (the transfer can start once it is posted)
       recv: 0.10             # rank time to post a receive
       cores: 2               # cores the ranks of one node share; omitted: one per rank (no contention)
-      comm_cpu: 0.2          # with cores: CPU time one message takes from its node's cores
+      background: 0.05       # with cores: share of a core each rank's process keeps busy off its main thread
       step_gap: 3.0          # per rank (one number or pp values): from its step's end to its next step
     p2p:
       message_bytes: 16777216            # one activation (= its gradient) crossing a stage boundary
@@ -122,9 +122,11 @@ class HostCost:
     """Cores the ranks of one node (``p2p.ranks_per_node`` of them) share for compute and host work;
     when more ranks are busy than there are cores, they share them evenly (processor sharing, the fluid
     form of an OS time-slicing them). None: every rank has its own (an accelerator per rank)."""
-    comm_cpu: float = 0.0
-    """With ``cores``: CPU time one message costs its node's communication threads, taken from the
-    shared cores while the transfer is in flight without holding up the rank."""
+    background: float = 0.0
+    """With ``cores``: the share of a core each rank's process keeps busy outside its main thread while
+    the step runs (communication threads, runtime threads), taken from its node's cores; e.g. 0.05 of
+    2 cores shared by 2 ranks leaves 1.9 for their main threads. Measured, this CPU follows the time a
+    step takes rather than its message count, so it is a rate, not a price per message."""
     step_gap: tuple[float, ...] | None = None
     """Per rank, the time from the end of its step to the start of its next (optimizer, gradient
     synchronisation, the next batch): a rank that finishes early starts the next step early, so in the
@@ -133,7 +135,7 @@ class HostCost:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overhead", tuple(sorted(self.overhead)))  # one model, one value
-        values = [v for _, v in self.overhead] + [self.send, self.recv, self.comm_cpu, *(self.step_gap or ())]
+        values = [v for _, v in self.overhead] + [self.send, self.recv, self.background, *(self.step_gap or ())]
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ConfigError(f"host times must be >= 0 and finite, got {self}")
         if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
@@ -386,7 +388,7 @@ class CostModel:
         if self.host != HostCost():
             h = self.host
             out["host"] = {"overhead": dict(h.overhead), "send": h.send, "recv": h.recv, "cores": h.cores,
-                           "comm_cpu": h.comm_cpu, "step_gap": None if h.step_gap is None else list(h.step_gap)}
+                           "background": h.background, "step_gap": None if h.step_gap is None else list(h.step_gap)}
         m = self.memory
         out["memory"] = {"w_retained_fraction": m.w_retained_fraction, "offload_fraction": m.offload_fraction}
         if m.models_bytes:
@@ -457,7 +459,7 @@ _SECTIONS = {"time_unit", "compute", "host", "p2p", "memory", "host_link"}
 
 
 def _host(data: Any, pp: int) -> HostCost:
-    host = strict.keys(data, "host", {"overhead", "send", "recv", "cores", "comm_cpu", "step_gap"})
+    host = strict.keys(data, "host", {"overhead", "send", "recv", "cores", "background", "step_gap"})
     overhead = strict.keys(host.get("overhead", {}), "host.overhead", {k.name.lower() for k in compute_kinds()})
     cores, gap = host.get("cores"), host.get("step_gap")
 
@@ -467,7 +469,7 @@ def _host(data: Any, pp: int) -> HostCost:
     return HostCost(tuple((k, time(v, f"overhead.{k}")) for k, v in overhead.items()), time(host.get("send", 0.0), "send"),
                     time(host.get("recv", 0.0), "recv"),
                     None if cores is None else strict.number(cores, "host.cores (a number of cores > 0)", above=0),
-                    time(host.get("comm_cpu", 0.0), "comm_cpu"),
+                    strict.number(host.get("background", 0.0), "host.background (a share of a core >= 0)", minimum=0),
                     None if gap is None else per_stage_values("host.step_gap", gap, pp, "ranks"))
 
 

@@ -61,6 +61,12 @@ class RankTimeline:
     peak_memory_bytes: int | None = None
     """Peak memory of the step on this rank (GPU: peak allocated; CPU: RSS); None if not measured."""
 
+    @property
+    def span(self) -> float:
+        """From its first node's start to its last node's end: the window a run's CPU counters cover
+        (the recorder reads them around the step)."""
+        return max((e.end for e in self.events), default=0.0) - min((e.start for e in self.events), default=0.0)
+
 
 @dataclass(frozen=True)
 class Timeline:

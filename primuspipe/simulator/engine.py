@@ -147,18 +147,20 @@ class SimulationResult:
             "bubble_rate_span": self.span_bubble_rate,
             "peak_activations": self.peak_activations,
         }
+        modelled = self.cost.memory.models_bytes  # without activation bytes, bytes are unknown, not zero
+        ranks = tuple(RankTimeline(r.rank, r.events, round(r.peak_memory_bytes) if modelled else None) for r in self.ranks)
         facts: list[dict] = [{"rank": r.rank} for r in self.ranks]  # what a run dump says per rank
         if self.period is not None:
             meta["period"] = self.period
             for fact, r in zip(facts, self.ranks):
                 fact["entered"] = r.entered
-        if self.cost.host.cores is not None:  # which ranks share cores
-            for fact in facts:
-                fact["host"] = f"node {fact['rank'] // self.cost.p2p.ranks_per_node}"
+        if self.cost.host.cores is not None:  # which ranks share cores, and the CPU their processes took
+            for fact, r, rt in zip(facts, self.ranks, ranks):
+                thread = max((c[1] for c in r.cpu or ()), default=0.0)
+                fact.update(host=f"node {fact['rank'] // self.cost.p2p.ranks_per_node}", thread_cpu=thread,
+                            process_cpu=thread + self.cost.host.background * rt.span)
         if len(facts[0]) > 1:
             meta["ranks"] = facts
-        modelled = self.cost.memory.models_bytes  # without activation bytes, bytes are unknown, not zero
-        ranks = tuple(RankTimeline(r.rank, r.events, round(r.peak_memory_bytes) if modelled else None) for r in self.ranks)
         return Timeline("simulator", t.algorithm, t.pp, t.vpp, t.microbatches, ranks, iteration,
                         self.cost.time_unit, meta)
 
@@ -323,8 +325,9 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
                 offsets: list[float], *, cost: CostModel):
     """The event loop for ranks sharing ``host.cores`` cores per node (``p2p.ranks_per_node`` ranks):
     processor sharing, i.e. while ``n`` CPU jobs of a node are running each progresses at
-    ``min(1, cores / n)``. A rank's host time and compute are jobs of its node; each message adds a
-    detached ``host.comm_cpu`` job, half on each end's node, while it is in flight. Time passes for all
+    ``min(1, free / n)``, ``free`` being the node's cores less what its ranks' processes keep busy
+    outside their main threads (``host.background`` each). A rank's host time and compute are jobs of
+    its node. Time passes for all
     ranks together: the next event is the earliest job completion (tracked per node in *virtual time*,
     the work a job running since the start would have done) or transfer arrival. Also returns, per
     rank and node, the CPU time the rank had got by the node's start and end.
@@ -335,9 +338,14 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
     if any(op[0] == _COPY for ops in programs for op in ops):
         raise SimulationError("host copies (OFFLOAD/RELOAD) are not modelled with ranks sharing cores (host.cores); "
                               "simulate the offloaded table with a cost model without host.cores")
-    pp, cores, per_node = len(programs), cost.host.cores, cost.p2p.ranks_per_node
+    pp, per_node = len(programs), cost.p2p.ranks_per_node
     node_of = [r // per_node for r in range(pp)]
     nodes = node_of[-1] + 1 if pp else 0
+    free = [cost.host.cores - cost.host.background * node_of.count(n) for n in range(nodes)]
+    if any(f <= 0 for f in free):
+        raise SimulationError(f"host.background ({cost.host.background:g} of a core per rank) leaves no core free on "
+                              f"a node of {max(map(node_of.count, range(nodes)))} ranks sharing host.cores "
+                              f"({cost.host.cores:g}); lower host.background or raise host.cores")
     virtual, active = [0.0] * nodes, [0] * nodes
     jobs: list[list[tuple]] = [[] for _ in range(nodes)]  # per node: heap of (virtual finish, seq, rank, phase)
     arrivals: list[tuple[float, int]] = []  # heap of (time, transfer key)
@@ -350,20 +358,19 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
     got = [0.0] * pp  # CPU time each rank's finished jobs took
     running: dict[int, float] = {}  # rank -> virtual time its running job started at
     cpu = [[[0.0, 0.0] for _ in p] for p in programs]
-    _HOST, _WORK, _DETACHED = 0, 1, 2
+    _HOST, _WORK = 0, 1
 
     def cpu_now(rank: int) -> float:
         started = running.get(rank)
         return got[rank] + (0.0 if started is None else virtual[node_of[rank]] - started)
 
     def rate(n: int) -> float:
-        return 1.0 if active[n] <= cores else cores / active[n]
+        return 1.0 if active[n] <= free[n] else free[n] / active[n]
 
     def start_job(n: int, work: float, rank: int, phase: int) -> None:
         heapq.heappush(jobs[n], (virtual[n] + work, next(seq), rank, phase))
         active[n] += 1
-        if phase != _DETACHED:
-            running[rank] = virtual[n]
+        running[rank] = virtual[n]
 
     def advance(rank: int) -> None:
         """Run ``rank`` from its current op until it starts a job or waits for a transfer."""
@@ -415,9 +422,6 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
         k = len(mine) - 1
         if k < len(theirs):
             heapq.heappush(arrivals, (_match(table, sends[k], recvs[k], duration, ends), transfer, sends[k], recvs[k]))
-            if cost.host.comm_cpu > 0:
-                for end in lanes[lane]:
-                    start_job(node_of[end], cost.host.comm_cpu / 2, -1, _DETACHED)
 
     for rank in range(pp):  # a rank entering the step later arrives like a transfer (key ~rank)
         heapq.heappush(arrivals, (offsets[rank], ~rank))
@@ -449,8 +453,6 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
             continue
         finish, _, rank, phase = heapq.heappop(jobs[node])
         virtual[node], active[node] = finish, active[node] - 1
-        if phase == _DETACHED:
-            continue
         got[rank] += finish - running.pop(rank)
         i = ptr[rank]
         if i < 0:  # a post's host time is spent: post it now

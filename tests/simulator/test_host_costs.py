@@ -77,19 +77,36 @@ def test_enough_cores_time_exactly_as_a_device_per_rank():
         assert all(math.isclose(x, y, abs_tol=1e-9) for x, y in zip(a.starts + a.ends, b.starts + b.ends))
 
 
-def test_comm_cpu_takes_from_shared_cores_without_holding_up_a_rank():
-    """A message's communication CPU competes for the cores but never delays the rank that posted it."""
-    base = CostModel.per_stage(4, 1, 1, 1, host=HostCost(cores=1.0))
-    table = build_schedule("1f1b", pp=4, microbatches=4)
-    quiet, busy = simulate(table, base), simulate(table, replace(base, host=HostCost(cores=1.0, comm_cpu=0.5)))
+def test_background_cpu_takes_its_share_of_the_cores():
+    """Each rank's background CPU is taken from its node's cores for the whole step: 2 cores less
+    2 x 0.25 time exactly as 1.5 cores, and the dump of it says what a run's would (process CPU =
+    main thread's + background x the rank's span)."""
+    table = build_schedule("1f1b", pp=2, microbatches=4)
+    base = CostModel.per_stage(2, 1, 1, 1, p2p=P2PCost(ranks_per_node=2), host=HostCost(cores=2.0))
+    quiet = simulate(table, base)
+    busy = simulate(table, replace(base, host=HostCost(cores=2.0, background=0.25)))
+    assert quiet.step_time == simulate(table, replace(base, host=HostCost())).step_time, "a core each: as dedicated"
     assert busy.step_time > quiet.step_time
-    free = simulate(table, replace(base, host=HostCost(comm_cpu=0.5)))
+    same = simulate(table, replace(base, host=HostCost(cores=1.5)))
+    for a, b in zip(busy.ranks, same.ranks):
+        assert a.starts == b.starts and a.ends == b.ends
+    timeline = busy.timeline()
+    for facts, rank in zip(timeline.meta["ranks"], timeline.ranks):
+        assert facts["process_cpu"] - facts["thread_cpu"] == pytest.approx(0.25 * rank.span)
+    free = simulate(table, replace(base, host=HostCost(background=0.25)))
     assert free.step_time == simulate(table, replace(base, host=HostCost())).step_time, "no cores: no effect"
+
+
+def test_background_that_leaves_no_core_is_refused():
+    table = build_schedule("1f1b", pp=2, microbatches=4)
+    cost = CostModel.per_stage(2, 1, 1, 1, p2p=P2PCost(ranks_per_node=2), host=HostCost(cores=1.0, background=0.5))
+    with pytest.raises(SimulationError, match=r"host.background .* leaves no core free .* lower host.background"):
+        simulate(table, cost)
 
 
 def test_host_and_cold_start_in_yaml_round_trip():
     data = {"time_unit": "s", "compute": {"f": [1, 2], "b": 1, "w": 1, "cold_start": {"f": 0.5}},
-            "host": {"overhead": {"f": 0.1, "bw": 0.2}, "send": 0.05, "recv": 0.025, "cores": 2, "comm_cpu": 0.01}}
+            "host": {"overhead": {"f": 0.1, "bw": 0.2}, "send": 0.05, "recv": 0.025, "cores": 2, "background": 0.01}}
     model = CostModel.from_dict(data, pp=2, vpp=2)
     assert model.host == HostCost((("bw", 0.2), ("f", 0.1)), 0.05, 0.025, 2.0, 0.01)
     assert model.cold_start.forward == (0.25, 0.25, 0.25, 0.25), "per 1F1B stage, split among its chunks"
@@ -100,7 +117,7 @@ def test_host_and_cold_start_in_yaml_round_trip():
 @pytest.mark.parametrize("host, match", [
     ({"send": -1}, r"host.send \(a time >= 0\) must be >= 0"),
     ({"send": True}, r"host.send \(a time >= 0\) must be a number"),
-    ({"comm_cpu": "fast"}, r"host.comm_cpu \(a time >= 0\)"),
+    ({"background": "fast"}, r"host.background \(a share of a core >= 0\)"),
     ({"overhead": {"f": float("nan")}}, r"host.overhead.f \(a time >= 0\) must be a finite number"),
     ({"cores": 0}, r"host.cores \(a number of cores > 0\) must be > 0"),
     ({"overhead": {"x": 1}}, r"host.overhead has unknown key\(s\) \['x'\]"),
