@@ -14,7 +14,9 @@ optimizer step does. ``--runs`` sessions per pp. Then
   run as B, next F, W, so the file has real B and W times; ``--split-probe 0`` halves BW instead): ``measure_costs`` over all their iterations (each session's
   first dropped), written as the portable cost file ``primuspipe calibrate`` writes (without step
   gaps: steps start together here);
-* **predict** with ``primuspipe simulate --cost FILE -a all --json``, the command a user runs;
+* **predict** with ``primuspipe simulate --cost FILE --plan-cost unit -a all --json``, the command a user
+  runs: the runs' cost-aware algorithms plan with unit costs (the Megatron backend given no costs), so
+  the simulator times the tables they ran (checked: each run's node order is its table's);
 * **measure** each algorithm's step: the dump's step span (first node start to last node end over all
   ranks, what the simulator predicts), median over a session's iterations after the first, then the
   median over sessions; the bubble rate likewise (worst rank's ``(step - busy) / step``).
@@ -200,11 +202,23 @@ def predict(calibration_runs: list[dict], pp: int, args: argparse.Namespace, fol
     cost_file.write_text(measured.to_yaml())
     own = replay_accuracy(timelines, CostModel.load(cost_file, pp=pp, vpp=1))
     simulated = primuspipe("simulate", "-a", "all", "--pp", str(pp), "-m", str(args.microbatches),
-                           "--cost", str(cost_file), "--json")
+                           "--cost", str(cost_file), "--plan-cost", "unit", "--json")
     rows = {row["algorithm"]: row for row in simulated["results"] if "error" not in row}
     calibration = {"cost_model": measured.cost_dict(), "notes": list(measured.notes),
                    "replay_of_the_1f1b_runs": own.to_dict()}
     return calibration, rows
+
+
+def check_ran_as_planned(name: str, pp: int, args: argparse.Namespace, run: dict) -> None:
+    """The run's node order is the table ``build_schedule`` plans with unit costs (what the prediction
+    simulates); the 1F1B calibration runs carry their split probe and are left out."""
+    from primuspipe.algorithms.build import build_schedule
+    from primuspipe.calibration.replay import executed_table
+
+    ran = executed_table(load_iterations(run["dump"])[-1])
+    planned = build_schedule(name, pp, args.microbatches).compute_only()
+    if ran.ranks != planned.ranks:
+        raise RuntimeError(f"{name} at pp={pp} did not run the table the prediction simulates ({run['dump']})")
 
 
 def primuspipe(*argv: str) -> dict:
@@ -234,6 +248,9 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
     from its own 1F1B runs and predicts the other algorithms of that session (they met the machine in
     the same state); the error is the median over sessions. ``pooled`` is the prediction of one file
     calibrated from every session's 1F1B runs, against the median step over sessions."""
+    for name in PREDICTED:
+        for run in runs[name]:
+            check_ran_as_planned(name, pp, args, run)
     sessions = [predict([run], pp, args, work / f"pp{pp}" / f"session{i}") for i, run in enumerate(runs[CALIBRATION])]
     _, pooled = predict(runs[CALIBRATION], pp, args, work / f"pp{pp}")
     table = []

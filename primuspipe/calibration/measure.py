@@ -253,7 +253,14 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         {k.removeprefix("post_"): v for k, v in host_post.items()}, bandwidth, size, cores,
         _significant(statistics.median(background)) if cores is not None and background else None, gaps,
     )
-    return measured if cores is None else replace(measured, cores=replayed_cores(measured, used, placement))
+    if cores is None:
+        return measured
+    replayed = replayed_cores(measured, used, placement)
+    if replayed == cores:
+        return measured
+    return replace(measured, cores=replayed, notes=(*measured.notes, (
+        f"host.cores is {replayed:g}, not the CPU fit's {cores:g}: the run's own node order replayed with "
+        f"{cores:g} missed its step time by more than {REPLAY_TOLERANCE:.0%}, with {replayed:g} it takes it")))
 
 
 def effective_cores(timelines: Sequence[Timeline], placement: Placement) -> float | None:

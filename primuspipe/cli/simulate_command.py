@@ -36,7 +36,10 @@ or the file says otherwise. Times are those of a 1F1B stage (the model split pp 
 vpp chunks per rank runs each chunk in 1/vpp of it, so algorithms of different vpp compare fairly.
 A comma list gives one value per 1F1B stage (pp values), or per model stage (pp*vpp values).
 Communication is free unless --p2p or the file's p2p section costs it. Cost-aware algorithms (zero-bubble
-family, V-shapes, zb-auto) plan with the very cost model they are simulated with.
+family, V-shapes, zb-auto) plan with the very cost model they are simulated with, unless --plan-cost says
+what the run plans with: a runner given no costs (the Megatron backend without pp_cost_* or
+algorithm_options.cost) plans with unit costs, '--plan-cost unit', and its table can differ from the one
+planned with measured costs.
 Bubble rate is (step - busy) / step per rank (max and mean over ranks); 'bubble (span)' (bubble_rate_span
 in --json) measures each rank over its own first-to-last compute, the zero-bubble papers' figure.
 Peak activations are in microbatches of one 1F1B stage (a chunk's forward counts 1/vpp), each held from its F
@@ -68,6 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     costs.add_argument("--cost", type=Path, metavar="FILE",
                        help="YAML cost model: compute times, p2p links, memory bytes "
                             "(see primuspipe.ir.cost_model)")
+    costs.add_argument("--plan-cost", metavar="FILE|unit",
+                       help="the cost model cost-aware algorithms plan their tables with, when the run plans with "
+                            "other costs than it is timed with: 'unit' (F = B = W = 1 per stage: what a runner "
+                            "given no costs uses) or a YAML cost file; default: the simulated costs")
     for flag, what in (("f", "forward (F)"), ("b", "input-grad backward (B)"), ("w", "weight-grad backward (W)")):
         costs.add_argument(f"--{flag}", type=numbers_type, metavar="X",
                            help=f"{what} time of a 1F1B stage: one number, or a comma list with one per stage "
@@ -153,6 +160,16 @@ def _cost_spec(args: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
+def _plan_cost(args: argparse.Namespace, vpp: int, cost: CostModel) -> CostModel | None:
+    """What cost-aware algorithms plan with: ``--plan-cost`` (``unit``: None, ``build_schedule``'s
+    F = B = W = 1 per stage, as for a runner given no costs), else the simulated model itself."""
+    if args.plan_cost is None:
+        return cost
+    if args.plan_cost == "unit":
+        return None
+    return CostModel.from_dict(read_cost_file(args.plan_cost), pp=args.pp, vpp=vpp, source=args.plan_cost)
+
+
 def _evaluate(name: str, args: argparse.Namespace, spec: dict, options: dict) -> tuple[dict, SimulationResult | None]:
     vpp = get_algorithm(name).resolve_vpp(args.vpp)
     row: dict[str, Any] = {"algorithm": name, "pp": args.pp, "vpp": vpp, "microbatches": args.microbatches}
@@ -160,13 +177,14 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, options: dict) ->
         check_shape(args.pp, vpp or 2, args.microbatches)
         cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp or 1,
                                    source=str(args.cost) if args.cost else "--f/--b/--w/--bw")
+        plan = _plan_cost(args, vpp or 1, cost)
         if name == "zb-auto":  # the search's report is shown beside its table
             options = check_options(name, options)
-            request = ScheduleRequest(args.pp, vpp, args.microbatches, cost, args.memory_limit)
+            request = ScheduleRequest(args.pp, vpp, args.microbatches, plan, args.memory_limit)
             table, report = zb_auto_search(request, **options)
             row["search"] = asdict(report)
         else:
-            table = build_schedule(name, args.pp, args.microbatches, vpp, cost=cost, memory_limit=args.memory_limit,
+            table = build_schedule(name, args.pp, args.microbatches, vpp, cost=plan, memory_limit=args.memory_limit,
                                    **options)
         cost = cost.for_shape(args.pp, table.vpp)
         if args.offload:

@@ -105,3 +105,24 @@ def test_installed_console_script():
                           capture_output=True, text=True, timeout=120, check=True)
     [row] = json.loads(proc.stdout)["results"]
     assert round(row["bubble_rate"], 4) == 0.1795
+
+
+def test_plan_cost_times_the_table_a_run_planned_with_other_costs(capsys, tmp_path):
+    """--plan-cost unit: a cost-aware algorithm's table is planned as a runner given no costs plans it
+    (build_schedule's unit costs), then timed under --cost; a file plans with that file. Under costs
+    where B is three times F, v-half's two plans differ, and each row is exactly its table's simulation."""
+    from primuspipe.algorithms.build import build_schedule
+    from primuspipe.simulator import CostModel, simulate
+
+    cost_file = tmp_path / "cost.yaml"
+    cost_file.write_text("compute: {f: [1.0, 1.4], b: [3.0, 3.2], w: [0.5, 0.6]}\n")
+    cost = CostModel.load(cost_file, pp=2, vpp=2)
+    argv = ["-a", "v-half", "--pp", "2", "-m", "8", "--cost", str(cost_file)]
+    own, unit, planned = (simulate_rows(capsys, *argv, *extra)[0]["step_time"]
+                          for extra in ([], ["--plan-cost", "unit"], ["--plan-cost", str(cost_file)]))
+    assert own == planned == simulate(build_schedule("v-half", 2, 8, cost=cost), cost).step_time
+    assert unit == simulate(build_schedule("v-half", 2, 8), cost).step_time
+    assert unit != own, "the unit plan is another table"
+    assert main(["simulate", *argv, "--plan-cost", str(tmp_path / "missing.yaml")]) == 1
+    captured = capsys.readouterr()
+    assert "missing.yaml" in captured.err + captured.out
