@@ -53,11 +53,13 @@ from typing import Any
 
 import yaml
 
+from primuspipe.calibration.crowding import excess_during, fit_contention
 from primuspipe.calibration.replay import executed_table, placement_of, run_table
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.placement import Placement
+from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.timeline import TimedNode, Timeline
 from primuspipe.simulator import simulate
 
@@ -107,6 +109,9 @@ class MeasuredCosts:
     """Cores the ranks shared (``host.cores``); None when each rank had its own."""
     background: float | None = None
     """With ``cores``: the share of a core each rank's process kept busy outside its main thread."""
+    contention: float | None = None
+    """With ``cores``: extra CPU per unit of work per busy rank beyond the free cores (crowding.py);
+    None where the run cannot tell (a core per rank)."""
     step_gap: tuple[float, ...] | None = None
     """Per rank, the time from its step's end to its next step's start (consecutive dumped iterations);
     None where the dump cannot tell."""
@@ -136,6 +141,8 @@ class MeasuredCosts:
             host["cores"] = self.cores
             if self.background:
                 host["background"] = self.background
+            if self.contention:
+                host["contention"] = self.contention
         if self.step_gap is not None:
             host["step_gap"] = list(self.step_gap)
         if host:
@@ -192,7 +199,17 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         used = list(timelines)
         notes.append(f"only {len(timelines)} iteration(s), so no warm-up iteration was skipped: times may be high")
     cores = effective_cores(used, placement)
-    samples = [_Samples.of(t, placement, use_cpu=cores is not None) for t in used]
+    background = [share for t in used for share in _background_shares(t)]
+    background_share = _significant(statistics.median(background)) if cores is not None and background else None
+    contention, slowdowns = None, [{} for _ in used]
+    if cores is not None and (free := cores - (background_share or 0.0) * first.pp) > 0:
+        contention, slowdowns, fitted = _contention(used, placement, free)
+        if contention is not None:
+            notes.append(f"a node took {contention:.3g} more CPU for each rank busy beyond the {free:.3g} free cores "
+                         f"(fitted over {fitted} nodes): compute times are taken at no crowding, and "
+                         "host.contention charges it back where a schedule crowds the cores")
+    samples = [_Samples.of(t, placement, use_cpu=cores is not None, slowdown=slowdown)
+               for t, slowdown in zip(used, slowdowns)]
     n = placement.num_stages
 
     def median_of(kind: NodeKind) -> list[float | None]:
@@ -227,7 +244,6 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
     host_overhead = _medians(s.host for s in samples)
     host_post = _medians(s.post for s in samples)
     latency, bandwidth, size = _transfer_fit(samples)
-    background = [c for s in samples for c in s.background]
 
     def host_time(kind: NodeKind) -> float:
         """What the rank spends on the host before a node of ``kind`` (as measured just above)."""
@@ -251,7 +267,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         _significant(statistics.median(overlaps)) if overlaps else None, latency,
         tuple(peaks), tuple(dict.fromkeys(notes)), cold, host_overhead,
         {k.removeprefix("post_"): v for k, v in host_post.items()}, bandwidth, size, cores,
-        _significant(statistics.median(background)) if cores is not None and background else None, gaps,
+        background_share, contention and _significant(contention), gaps,
     )
     if cores is None:
         return measured
@@ -343,6 +359,32 @@ def _outside_cpu(timeline: Timeline) -> dict[int, float]:
         if "process_cpu" in facts and "thread_cpu" in facts:
             out[facts["rank"]] = max(0.0, facts["process_cpu"] - facts["thread_cpu"])
     return out
+
+
+def _background_shares(timeline: Timeline) -> list[float]:
+    """Per rank that says it, the CPU its process spent outside its own thread over its step's span
+    (``RankTimeline.span``): the share of a core ``host.background`` is."""
+    spans = {rt.rank: rt.span for rt in timeline.ranks}
+    return [cpu / spans[rank] for rank, cpu in _outside_cpu(timeline).items() if spans.get(rank, 0) > 0]
+
+
+def _contention(timelines: Sequence[Timeline], placement: Placement, free: float):
+    """``(contention, per timeline {(rank, node): CPU per unit of work}, nodes fitted)``: each compute
+    node's excess -- busy ranks beyond ``free`` cores while it ran, busy as :func:`effective_cores`
+    counts it -- against its CPU time, per kind and stage (crowding.py)."""
+    points, excesses = [], []
+    for timeline in timelines:
+        busy = [(start, end) for start, end, _ in _busy_intervals(timeline, placement)]
+        nodes = [(rt.rank, e) for rt in timeline.ranks for e in rt.events
+                 if e.node.kind.is_compute and e.node.pair is None and e.cpu is not None]
+        excess = excess_during(busy, [(e.start, e.end) for _, e in nodes], free)
+        excesses.append(dict(zip(((rank, e.node) for rank, e in nodes), excess)))
+        points += [((e.node.kind, placement.stage(rank, e.node.chunk)), x, e.cpu[1] - e.cpu[0])
+                   for (rank, e), x in zip(nodes, excess)]
+    share = fit_contention(points)
+    if share is None:
+        return None, [{} for _ in timelines], 0
+    return share, [{key: 1 + share * x for key, x in e.items()} for e in excesses], len(points)
 
 
 def _busy_intervals(timeline: Timeline, placement: Placement) -> list[tuple[float, float, float | None]]:
@@ -470,12 +512,12 @@ class _Samples:
     waits: list[tuple[float, int | None]]
     """Per compute node that waited for its input: how long the transfer took after both ends were
     posted (its arrival is when the consumer went on), and its size in bytes where known."""
-    background: list[float]
-    """Per rank that says it, the CPU its process spent outside its own thread over its step's span
-    (``RankTimeline.span``): the share of a core ``host.background`` is."""
 
     @classmethod
-    def of(cls, timeline: Timeline, placement: Placement, *, use_cpu: bool) -> _Samples:
+    def of(cls, timeline: Timeline, placement: Placement, *, use_cpu: bool,
+           slowdown: dict[tuple[int, ScheduleNode], float]) -> _Samples:
+        """``slowdown``: per ``(rank, node)``, the CPU per unit of work it ran at (crowded cores); a
+        node's work is its CPU time over it."""
         steps = list(_walk(timeline, placement))
         # what a node that cannot wait (it takes no transfer) spends on the host: the tolerance below
         # which an input arriving after the rank was free is the cost of taking it, not a wait
@@ -483,8 +525,10 @@ class _Samples:
                      if s.ready is not None and s.event.node.kind.is_compute and not s.takes_input]
         tolerance = statistics.median(free_gaps) if free_gaps else 0.0
 
-        def span(e: TimedNode) -> float:
-            return e.cpu[1] - e.cpu[0] if use_cpu and e.cpu is not None else e.end - e.start
+        def span(e: TimedNode, rank: int) -> float:
+            if use_cpu and e.cpu is not None:
+                return (e.cpu[1] - e.cpu[0]) / slowdown.get((rank, e.node), 1.0)
+            return e.end - e.start
 
         durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         firsts: list[tuple[NodeKind, int, float]] = []
@@ -505,10 +549,10 @@ class _Samples:
             else:
                 stage = placement.stage(rank, node.chunk)
                 if (rank, kind, node.chunk) in seen:
-                    durations[(kind, stage)].append(span(e))
+                    durations[(kind, stage)].append(span(e, rank))
                 else:
                     seen.add((rank, kind, node.chunk))
-                    firsts.append((kind, stage, span(e)))
+                    firsts.append((kind, stage, span(e, rank)))
             if step.ready is None:
                 continue
             host[kind.name.lower()].append(_gap(step.ready, e, use_cpu))
@@ -521,9 +565,7 @@ class _Samples:
                 cold[(kind, stage)].append(_significant(took) - _significant(statistics.median(rest)))
             else:  # a chunk with one node of this kind: it is all there is to time
                 durations[(kind, stage)].append(took)
-        spans = {rt.rank: rt.span for rt in timeline.ranks}
-        background = [cpu / spans[rank] for rank, cpu in _outside_cpu(timeline).items() if spans.get(rank, 0) > 0]
-        return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits, background)
+        return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits)
 
 
 @dataclass(frozen=True)

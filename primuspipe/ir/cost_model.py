@@ -28,6 +28,7 @@ optimizer bytes) are one number or ``pp`` values::
       recv: 0.10             # rank time to post a receive
       cores: 2               # cores the ranks of one node share; omitted: one per rank (no contention)
       background: 0.05       # with cores: share of a core each rank's process keeps busy off its main thread
+      contention: 0.03       # with cores: extra CPU per unit of work for each job beyond the free cores
       step_gap: 3.0          # per rank (one number or pp values): from its step's end to its next step
     p2p:
       message_bytes: 16777216            # one activation (= its gradient) crossing a stage boundary
@@ -127,6 +128,11 @@ class HostCost:
     the step runs (communication threads, runtime threads), taken from its node's cores; e.g. 0.05 of
     2 cores shared by 2 ranks leaves 1.9 for their main threads. Measured, this CPU follows the time a
     step takes rather than its message count, so it is a rate, not a price per message."""
+    contention: float = 0.0
+    """With ``cores``: while ``n`` jobs (ranks busy with host work or compute) run on ``free`` cores
+    (``cores`` less the background), each needs ``1 + contention * (n - free)`` times its work in CPU
+    -- what time slicing costs in cache refills -- so work runs that much slower than the CPU it gets.
+    0 (the default): a node's work is its CPU time however crowded the cores."""
     step_gap: tuple[float, ...] | None = None
     """Per rank, the time from the end of its step to the start of its next (optimizer, gradient
     synchronisation, the next batch): a rank that finishes early starts the next step early, so in the
@@ -135,7 +141,7 @@ class HostCost:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overhead", tuple(sorted(self.overhead)))  # one model, one value
-        values = [v for _, v in self.overhead] + [self.send, self.recv, self.background, *(self.step_gap or ())]
+        values = [v for _, v in self.overhead] + [self.send, self.recv, self.background, self.contention, *(self.step_gap or ())]
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ConfigError(f"host times must be >= 0 and finite, got {self}")
         if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
@@ -388,7 +394,7 @@ class CostModel:
         if self.host != HostCost():
             h = self.host
             out["host"] = {"overhead": dict(h.overhead), "send": h.send, "recv": h.recv, "cores": h.cores,
-                           "background": h.background, "step_gap": None if h.step_gap is None else list(h.step_gap)}
+                           "background": h.background, "contention": h.contention, "step_gap": None if h.step_gap is None else list(h.step_gap)}
         m = self.memory
         out["memory"] = {"w_retained_fraction": m.w_retained_fraction, "offload_fraction": m.offload_fraction}
         if m.models_bytes:
@@ -459,7 +465,7 @@ _SECTIONS = {"time_unit", "compute", "host", "p2p", "memory", "host_link"}
 
 
 def _host(data: Any, pp: int) -> HostCost:
-    host = strict.keys(data, "host", {"overhead", "send", "recv", "cores", "background", "step_gap"})
+    host = strict.keys(data, "host", {"overhead", "send", "recv", "cores", "background", "contention", "step_gap"})
     overhead = strict.keys(host.get("overhead", {}), "host.overhead", {k.name.lower() for k in compute_kinds()})
     cores, gap = host.get("cores"), host.get("step_gap")
 
@@ -470,6 +476,7 @@ def _host(data: Any, pp: int) -> HostCost:
                     time(host.get("recv", 0.0), "recv"),
                     None if cores is None else strict.number(cores, "host.cores (a number of cores > 0)", above=0),
                     strict.number(host.get("background", 0.0), "host.background (a share of a core >= 0)", minimum=0),
+                    strict.number(host.get("contention", 0.0), "host.contention (a share >= 0)", minimum=0),
                     None if gap is None else per_stage_values("host.step_gap", gap, pp, "ranks"))
 
 

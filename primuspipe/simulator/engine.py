@@ -325,11 +325,13 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
                 offsets: list[float], *, cost: CostModel):
     """The event loop for ranks sharing ``host.cores`` cores per node (``p2p.ranks_per_node`` ranks):
     processor sharing, i.e. while ``n`` CPU jobs of a node are running each progresses at
-    ``min(1, free / n)``, ``free`` being the node's cores less what its ranks' processes keep busy
-    outside their main threads (``host.background`` each). A rank's host time and compute are jobs of
-    its node. Time passes for all
-    ranks together: the next event is the earliest job completion (tracked per node in *virtual time*,
-    the work a job running since the start would have done) or transfer arrival. Also returns, per
+    ``min(1, free / n)`` of a core, ``free`` being the node's cores less what its ranks' processes keep
+    busy outside their main threads (``host.background`` each); and while more jobs run than there are
+    free cores, a job needs ``1 + contention * (n - free)`` times its work in CPU (``host.contention``:
+    the cache refills of time slicing), so its work progresses that much slower than its CPU. A rank's
+    host time and compute are jobs of its node. Time passes for all ranks together: the next event is
+    the earliest job completion (tracked per node in *virtual time*, the work a job running since the
+    start would have done, beside the CPU it would have had) or transfer arrival. Also returns, per
     rank and node, the CPU time the rank had got by the node's start and end.
 
     A compute node is reported as an OS time-slicing ranks shows it in a run's dump: ending when its
@@ -346,7 +348,7 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
         raise SimulationError(f"host.background ({cost.host.background:g} of a core per rank) leaves no core free on "
                               f"a node of {max(map(node_of.count, range(nodes)))} ranks sharing host.cores "
                               f"({cost.host.cores:g}); lower host.background or raise host.cores")
-    virtual, active = [0.0] * nodes, [0] * nodes
+    virtual, spent, active = [0.0] * nodes, [0.0] * nodes, [0] * nodes  # per node: work and CPU clocks
     jobs: list[list[tuple]] = [[] for _ in range(nodes)]  # per node: heap of (virtual finish, seq, rank, phase)
     arrivals: list[tuple[float, int]] = []  # heap of (time, transfer key)
     starts = [[0.0] * len(p) for p in programs]
@@ -356,21 +358,29 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
     waiting: dict[int, int] = {}
     ptr, seq, now = [0] * pp, itertools.count(), 0.0
     got = [0.0] * pp  # CPU time each rank's finished jobs took
-    running: dict[int, float] = {}  # rank -> virtual time its running job started at
+    running: dict[int, tuple[float, float]] = {}  # rank -> (virtual, spent) when its running job started
     cpu = [[[0.0, 0.0] for _ in p] for p in programs]
     _HOST, _WORK = 0, 1
 
     def cpu_now(rank: int) -> float:
         started = running.get(rank)
-        return got[rank] + (0.0 if started is None else virtual[node_of[rank]] - started)
+        return got[rank] + (0.0 if started is None else spent[node_of[rank]] - started[1])
+
+    def share(n: int) -> float:
+        """The share of a core each running job of node ``n`` gets."""
+        return 1.0 if active[n] <= free[n] else free[n] / active[n]
+
+    def slowdown(n: int) -> float:
+        """CPU per unit of work of node ``n``'s jobs."""
+        return 1.0 + cost.host.contention * max(0.0, active[n] - free[n])
 
     def rate(n: int) -> float:
-        return 1.0 if active[n] <= free[n] else free[n] / active[n]
+        return share(n) / slowdown(n)
 
     def start_job(n: int, work: float, rank: int, phase: int) -> None:
         heapq.heappush(jobs[n], (virtual[n] + work, next(seq), rank, phase))
         active[n] += 1
-        running[rank] = virtual[n]
+        running[rank] = (virtual[n], spent[n])
 
     def advance(rank: int) -> None:
         """Run ``rank`` from its current op until it starts a job or waits for a transfer."""
@@ -406,8 +416,8 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
             end_work(rank, i)
 
     def end_work(rank: int, i: int) -> None:
-        # drawn as the OS runs it: its own work at full speed, ending now, after waiting for a core
-        starts[rank][i], ends[rank][i] = now - programs[rank][i][2], now
+        # drawn as the OS runs it: the CPU it took at full speed, ending now, after waiting for a core
+        starts[rank][i], ends[rank][i] = now - (got[rank] - cpu[rank][i][0]), now
         cpu[rank][i][1] = got[rank]
         ptr[rank] = i + 1
         advance(rank)
@@ -438,7 +448,9 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
             break
         for n in range(nodes):
             if active[n]:
-                virtual[n] += (best - now) * rate(n)
+                work = (best - now) * rate(n)
+                virtual[n] += work
+                spent[n] += work * slowdown(n)
         now = best
         if node < 0:
             _, transfer, *ends_posted = heapq.heappop(arrivals)
@@ -452,8 +464,9 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
                 advance(waiting.pop(transfer))
             continue
         finish, _, rank, phase = heapq.heappop(jobs[node])
+        spent[node] += (finish - virtual[node]) * slowdown(node)
         virtual[node], active[node] = finish, active[node] - 1
-        got[rank] += finish - running.pop(rank)
+        got[rank] += spent[node] - running.pop(rank)[1]
         i = ptr[rank]
         if i < 0:  # a post's host time is spent: post it now
             post(rank, ~i, programs[rank][~i])

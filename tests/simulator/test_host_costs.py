@@ -97,6 +97,32 @@ def test_background_cpu_takes_its_share_of_the_cores():
     assert free.step_time == simulate(table, replace(base, host=HostCost())).step_time, "no cores: no effect"
 
 
+def test_contention_costs_nothing_while_every_busy_rank_has_a_core():
+    cost = CostModel.per_stage(4, [1.0, 1.5] * 2, 0.75, 0.5, p2p=P2PCost(ranks_per_node=4), host=HostCost(cores=4.0))
+    table = build_schedule("zb-h1", pp=4, microbatches=8)
+    calm, crowded = simulate(table, cost), simulate(table, replace(cost, host=HostCost(cores=4.0, contention=0.3)))
+    for a, b in zip(calm.ranks, crowded.ranks):
+        assert all(math.isclose(x, y, abs_tol=1e-9) for x, y in zip(a.starts + a.ends, b.starts + b.ends))
+
+
+def test_contention_slows_work_on_crowded_cores_and_the_dump_shows_its_cpu():
+    """Four ranks on one core: a node's work takes more CPU while others are busy; the dump draws each
+    compute node lasting the CPU it took (as a run's dump of a time-sliced rank does), never less than
+    its work, and the ranks' CPU in all is their work's plus the contention's."""
+    cost = CostModel.per_stage(4, 1.0, 1.0, 1.0, p2p=P2PCost(ranks_per_node=4), host=HostCost(cores=1.0))
+    table = build_schedule("1f1b", pp=4, microbatches=8)
+    calm, crowded = simulate(table, cost), simulate(table, replace(cost, host=HostCost(cores=1.0, contention=0.2)))
+    assert crowded.step_time > calm.step_time
+    extra = work = 0.0
+    for rank in crowded.ranks:
+        for node, start, end, (cpu_start, cpu_end) in zip(rank.nodes, rank.starts, rank.ends, rank.cpu):
+            if node.kind.is_compute:
+                own = cost.node_time(table.placement, 0, node)
+                assert end - start == pytest.approx(cpu_end - cpu_start) and end - start >= own - 1e-12
+                extra, work = extra + (end - start) - own, work + own
+    assert 0 < extra <= 0.2 * 3 * work, "at most 3 ranks beyond the core, each costing 0.2 of the work"
+
+
 def test_background_that_leaves_no_core_is_refused():
     table = build_schedule("1f1b", pp=2, microbatches=4)
     cost = CostModel.per_stage(2, 1, 1, 1, p2p=P2PCost(ranks_per_node=2), host=HostCost(cores=1.0, background=0.5))
@@ -118,6 +144,7 @@ def test_host_and_cold_start_in_yaml_round_trip():
     ({"send": -1}, r"host.send \(a time >= 0\) must be >= 0"),
     ({"send": True}, r"host.send \(a time >= 0\) must be a number"),
     ({"background": "fast"}, r"host.background \(a share of a core >= 0\)"),
+    ({"contention": -0.1}, r"host.contention \(a share >= 0\) must be >= 0"),
     ({"overhead": {"f": float("nan")}}, r"host.overhead.f \(a time >= 0\) must be a finite number"),
     ({"cores": 0}, r"host.cores \(a number of cores > 0\) must be > 0"),
     ({"overhead": {"x": 1}}, r"host.overhead has unknown key\(s\) \['x'\]"),

@@ -180,6 +180,32 @@ def test_background_cpu_is_recovered_exactly_and_the_replay_keeps_the_step(backg
     assert replayed.step_time == pytest.approx(timeline.step_time, rel=REPLAY_TOLERANCE)
 
 
+@pytest.mark.parametrize("contention", [0.05, 0.2])
+def test_contention_is_measured_from_a_crowded_run_and_the_replay_keeps_the_step(contention):
+    """Four ranks on 1.5 cores: nodes that ran while more ranks were busy took more CPU; calibrate fits the
+    share (the dump draws a node compressed to its CPU time, so the crowding it sees is close, not
+    exact), takes compute times at no crowding, and the run's own order replays in its step time."""
+    host = HostCost(cores=1.5, background=0.05, contention=contention)
+    cost = CostModel.per_stage(4, [1.0, 1.2, 1.1, 1.3], [1.0, 1.1, 1.0, 1.2], [0.5, 0.6, 0.5, 0.7], time_unit="s",
+                               p2p=replace(P2P, ranks_per_node=4), host=host)
+    timeline = simulate(build_schedule("zb-h1", 4, 8, cost=cost), cost).timeline()
+    measured = measure_costs([timeline, timeline], warmup=0)
+    assert measured.contention == pytest.approx(contention, rel=0.15)
+    assert measured.forward == pytest.approx((1.0, 1.2, 1.1, 1.3), rel=0.06)  # at no crowding
+    replayed = simulate(executed_table(timeline), CostModel.from_dict(measured.cost_dict(), pp=4, vpp=1))
+    assert replayed.step_time == pytest.approx(timeline.step_time, rel=REPLAY_TOLERANCE)
+
+
+def test_no_contention_is_fitted_where_every_rank_has_a_core():
+    """Two ranks on 1.9 cores are never crowded beyond a tenth of a rank: the run cannot tell contention
+    from the nodes' own times, and none is written."""
+    cost = CostModel.per_stage(2, F[:2], B[:2], W[:2], p2p=P2P, time_unit="s",
+                               host=HostCost(cores=1.9, contention=0.3))
+    measured = measure_costs([simulate(build_schedule("zb-h1", 2, 8, cost=cost), cost).timeline()] * 2, warmup=0)
+    assert measured.cores is not None and measured.contention is None
+    assert "contention" not in measured.cost_dict()["host"]
+
+
 def test_cores_the_replay_contradicts_are_refitted_on_it():
     """A core count under which the run's own order would replay too slowly (or too fast) is refitted:
     the replay then takes the run's step time."""
