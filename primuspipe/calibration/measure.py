@@ -26,6 +26,8 @@ model is measured (docs/simulator.md, "Calibration"):
   longer without working more), host times are CPU times too, and the CPU each process spent outside
   its main thread (communication and runtime threads), over the time the rank's step took, is
   ``host.background``: a share of a core (it follows the step's length, not its message count).
+  Where the ranks outnumbered the free cores, a node took more CPU the more ranks were busy beside it;
+  that share is ``host.contention`` (calibration/crowding.py), and node times are taken at no crowding.
 
 Any timeline of the shared format works, simulated ones too, which is how the round trip simulate ->
 calibrate -> simulate is tested, exactly.
@@ -58,8 +60,8 @@ from primuspipe.calibration.replay import executed_table, placement_of, run_tabl
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.kinds import NodeKind, compute_kinds
-from primuspipe.ir.placement import Placement
 from primuspipe.ir.node import ScheduleNode
+from primuspipe.ir.placement import Placement
 from primuspipe.ir.timeline import TimedNode, Timeline
 from primuspipe.simulator import simulate
 
