@@ -358,13 +358,13 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
     waiting: dict[int, int] = {}
     ptr, seq, now = [0] * pp, itertools.count(), 0.0
     got = [0.0] * pp  # CPU time each rank's finished jobs took
-    running: dict[int, tuple[float, float]] = {}  # rank -> (virtual, spent) when its running job started
+    running: dict[int, float] = {}  # rank -> its node's CPU clock (spent) when its running job started
     cpu = [[[0.0, 0.0] for _ in p] for p in programs]
     _HOST, _WORK = 0, 1
 
     def cpu_now(rank: int) -> float:
         started = running.get(rank)
-        return got[rank] + (0.0 if started is None else spent[node_of[rank]] - started[1])
+        return got[rank] + (0.0 if started is None else spent[node_of[rank]] - started)
 
     def share(n: int) -> float:
         """The share of a core each running job of node ``n`` gets."""
@@ -380,7 +380,7 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
     def start_job(n: int, work: float, rank: int, phase: int) -> None:
         heapq.heappush(jobs[n], (virtual[n] + work, next(seq), rank, phase))
         active[n] += 1
-        running[rank] = (virtual[n], spent[n])
+        running[rank] = spent[n]
 
     def advance(rank: int) -> None:
         """Run ``rank`` from its current op until it starts a job or waits for a transfer."""
@@ -466,7 +466,7 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
         finish, _, rank, phase = heapq.heappop(jobs[node])
         spent[node] += (finish - virtual[node]) * slowdown(node)
         virtual[node], active[node] = finish, active[node] - 1
-        got[rank] += spent[node] - running.pop(rank)[1]
+        got[rank] += spent[node] - running.pop(rank)
         i = ptr[rank]
         if i < 0:  # a post's host time is spent: post it now
             post(rank, ~i, programs[rank][~i])

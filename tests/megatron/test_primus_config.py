@@ -2,8 +2,10 @@
 the reason and what to use instead; costs and the memory limit reach the algorithms of a training run."""
 
 import importlib.util
+import json
 
 import pytest
+import yaml
 
 from primuspipe.backends.megatron.config import PRIMUS_DEFAULT_COST, PrimusPipeConfig, load_config
 from primuspipe.errors import ConfigError
@@ -30,6 +32,20 @@ def test_costs_and_limit_become_the_cost_model_and_memory_limit(tmp_path):
 def test_cost_file_mapping_in_algorithm_options():
     config = PrimusPipeConfig(algorithm_options={"cost": {"compute": {"f": 1, "b": [2, 3], "w": 1}}})
     assert config.schedule_options(pp=2, vpp=1)["cost"].compute.backward_input == (2.0, 3.0)
+
+
+def test_cost_file_path_in_algorithm_options(tmp_path):
+    """algorithm_options.cost may name the file calibrate wrote: it is read once, when the config is built,
+    and plans exactly as its mapping does; a missing file is refused then, naming it."""
+    mapping = {"compute": {"f": 1, "b": [2, 3], "w": 1}, "host": {"cores": 1.5, "background": 0.05}}
+    path = tmp_path / "measured.yaml"
+    path.write_text(yaml.safe_dump(mapping))
+    by_path = PrimusPipeConfig(algorithm_options={"cost": str(path)}).schedule_options(pp=2, vpp=2)["cost"]
+    assert by_path == PrimusPipeConfig(algorithm_options={"cost": mapping}).schedule_options(pp=2, vpp=2)["cost"]
+    env = {"PRIMUSPIPE_ALGORITHM_OPTIONS": json.dumps({"cost": str(path)})}
+    assert load_config(env=env).schedule_options(pp=2, vpp=2)["cost"] == by_path
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        PrimusPipeConfig(algorithm_options={"cost": str(tmp_path / "missing.yaml")})
 
 
 @pytest.mark.parametrize("values,match", [

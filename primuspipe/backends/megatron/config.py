@@ -37,7 +37,7 @@ from typing import Any
 
 from primuspipe.errors import ConfigError
 from primuspipe.ir import strict
-from primuspipe.ir.cost_model import CostModel, MemoryCost
+from primuspipe.ir.cost_model import CostModel, MemoryCost, read_cost_file
 from primuspipe.ir.costs import per_stage_values
 
 AUTO = "auto"
@@ -67,7 +67,9 @@ class PrimusPipeConfig:
     algorithm_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Keyword options of the algorithm, e.g. ``{"microbatch_group_size": 4}`` for interleaved-1f1b
     (with ``auto``, they are interleaved-1f1b's: 1f1b takes none). Without one, interleaved-1f1b follows
-    Megatron's ``microbatch_group_size_per_vp_stage``. Checked against the algorithm at :func:`install`."""
+    Megatron's ``microbatch_group_size_per_vp_stage``. Checked against the algorithm at :func:`install`.
+    ``cost`` is the cost model cost-aware algorithms plan with: a cost-file mapping, or the path of a cost
+    file (what ``primuspipe calibrate`` writes), read when the config is built."""
     dump_pp_data: bool = False
     """Write each rank's per-node start/end times and peak memory for every training iteration."""
     dump_dir: str = "pp_data"
@@ -156,6 +158,9 @@ class PrimusPipeConfig:
             raise ConfigError(f"offload_ops: {self.offload_ops} moves only part of each chunk's activations, and the "
                               "offload pass must know which share to plan with: set offload_fraction (e.g. 0.3; a run "
                               "logs the measured share), or leave offload_ops empty to move everything")
+        if isinstance(cost := self.algorithm_options.get("cost"), (str, os.PathLike)):  # a cost file's path
+            object.__setattr__(self, "algorithm_options",
+                               MappingProxyType({**self.algorithm_options, "cost": read_cost_file(cost)}))
         if "costs" in self.algorithm_options:
             raise ConfigError("algorithm_options.costs is gone: give pp_cost_f, pp_cost_b, pp_cost_w (and pp_max_mem), "
                               "or algorithm_options.cost as a cost-file mapping (docs/simulator.md)")
