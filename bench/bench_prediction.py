@@ -11,9 +11,9 @@ from minute to minute); a barrier starts every step on all ranks together, as a 
 optimizer step does. ``--runs`` sessions per pp. Then
 
 * **calibrate** from the 1f1b dumps only (their runs carry ``--split-probe`` probes: one BW per chunk
-  run as B, next F, W, so the file has real B and W times; ``--split-probe 0`` halves BW instead): ``measure_costs`` over all their iterations (each session's
-  first dropped), written as the portable cost file ``primuspipe calibrate`` writes (without step
-  gaps: steps start together here);
+  run as B, next F, W, so the file has real B and W times; ``--split-probe 0`` halves BW instead):
+  ``measure_costs`` over all their iterations (each session's first dropped), written as the portable
+  cost file ``primuspipe calibrate`` writes (without step gaps: steps start together here);
 * **predict** with ``primuspipe simulate --cost FILE --plan-cost unit -a all --json``, the command a user
   runs: the runs' cost-aware algorithms plan with unit costs (the Megatron backend given no costs), so
   the simulator times the tables they ran (checked: each run's node order is its table's);
@@ -108,8 +108,8 @@ def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) ->
     """One gloo session of ``pp`` ranks (Megatron CPU harness) that trains every algorithm's model
     ``--iterations`` times, a step of each in turn (the order rotating every round), with dumps: all
     algorithms see the machine in the same state. Session ``rep`` builds the models in an order
-    rotated ``rep`` places. Returns per algorithm its dump folder and what
-    other processes took meanwhile."""
+    rotated ``rep`` places. Returns per algorithm its dump folder and what other processes took
+    meanwhile."""
     from primuspipe.algorithms import get_algorithm
     from primuspipe.backends.megatron.config import PrimusPipeConfig
     from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
@@ -130,7 +130,7 @@ def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) ->
         # the models are built in an order rotating every session: identical 1F1B models of one session
         # took steps up to 9 % apart (868-952 ms), and whatever part of that comes with a model's place
         # in memory must not stay with one algorithm through every session
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
+        for name in rotated(names, rep):
             info = get_algorithm(name)
             vpp = info.resolve_vpp(None)
             spec = compare.StepSpec(model(args), args.microbatches, ddp=True, placement=info.placement)
@@ -140,7 +140,7 @@ def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) ->
                                                               split_probe=probe))
             runs[name] = (vpp, spec, compare.build(spec, pp, vpp)[2], schedule)
         for step in range(args.iterations):
-            for name in names[step % len(names):] + names[:step % len(names)]:
+            for name in rotated(names, step):
                 vpp, spec, built, schedule = runs[name]
                 layout(vpp)
                 for chunk in built:
@@ -156,6 +156,12 @@ def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) ->
         external = max(0.0, (_busy_seconds() - busy) - (_own_seconds() - ours)) / wall
     return {name: {"dump": str(dumps[name]), "external_cores": round(external, 3), "quiet_wait_s": round(waited, 1)}
             for name in names}
+
+
+def rotated(names: tuple[str, ...], k: int) -> tuple[str, ...]:
+    """``names`` starting at its ``k``-th (modulo its length): a different algorithm first each time."""
+    k %= len(names)
+    return names[k:] + names[:k]
 
 
 def model(args: argparse.Namespace):
@@ -191,9 +197,8 @@ def accepted_session(pp: int, args: argparse.Namespace, work: Path, rep: int) ->
     return records
 
 
-def predict(calibration_runs: list[dict], pp: int, args: argparse.Namespace, folder: Path) -> tuple[dict, dict]:
-    """Calibrate from the 1F1B runs; simulate every algorithm with ``primuspipe simulate -a all``."""
-    timelines = [t for run in calibration_runs for t in load_iterations(run["dump"])[1:]]
+def predict(timelines: list[Timeline], pp: int, args: argparse.Namespace, folder: Path) -> tuple[dict, dict]:
+    """Calibrate from 1F1B runs' iterations; simulate every algorithm with ``primuspipe simulate -a all``."""
     # steps start together here (a barrier before each) and a dump's consecutive iterations are not
     # consecutive steps (the other algorithms run in between): no gaps between steps to model
     measured = dataclasses.replace(measure_costs(timelines, warmup=0), step_gap=None)
@@ -209,16 +214,14 @@ def predict(calibration_runs: list[dict], pp: int, args: argparse.Namespace, fol
     return calibration, rows
 
 
-def check_ran_as_planned(name: str, pp: int, args: argparse.Namespace, run: dict) -> None:
+def check_ran_as_planned(name: str, pp: int, args: argparse.Namespace, ran: Timeline, dump: str) -> None:
     """The run's node order is the table ``build_schedule`` plans with unit costs (what the prediction
     simulates); the 1F1B calibration runs carry their split probe and are left out."""
     from primuspipe.algorithms.build import build_schedule
     from primuspipe.calibration.replay import executed_table
 
-    ran = executed_table(load_iterations(run["dump"])[-1])
-    planned = build_schedule(name, pp, args.microbatches).compute_only()
-    if ran.ranks != planned.ranks:
-        raise RuntimeError(f"{name} at pp={pp} did not run the table the prediction simulates ({run['dump']})")
+    if executed_table(ran).ranks != build_schedule(name, pp, args.microbatches).compute_only().ranks:
+        raise RuntimeError(f"{name} at pp={pp} did not run the table the prediction simulates ({dump})")
 
 
 def primuspipe(*argv: str) -> dict:
@@ -248,14 +251,17 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
     from its own 1F1B runs and predicts the other algorithms of that session (they met the machine in
     the same state); the error is the median over sessions. ``pooled`` is the prediction of one file
     calibrated from every session's 1F1B runs, against the median step over sessions."""
+    # each run's iterations but its first, read once
+    kept = {name: [load_iterations(r["dump"])[1:] for r in records] for name, records in runs.items()}
     for name in PREDICTED:
-        for run in runs[name]:
-            check_ran_as_planned(name, pp, args, run)
-    sessions = [predict([run], pp, args, work / f"pp{pp}" / f"session{i}") for i, run in enumerate(runs[CALIBRATION])]
-    _, pooled = predict(runs[CALIBRATION], pp, args, work / f"pp{pp}")
+        for record, iterations in zip(runs[name], kept[name]):
+            check_ran_as_planned(name, pp, args, iterations[-1], record["dump"])
+    calibrations = kept[CALIBRATION]
+    sessions = [predict(run, pp, args, work / f"pp{pp}" / f"session{i}") for i, run in enumerate(calibrations)]
+    _, pooled = predict([t for run in calibrations for t in run], pp, args, work / f"pp{pp}")
     table = []
     for name, records in runs.items():
-        per_run = [load_iterations(r["dump"])[1:] for r in records]  # each run's iterations but its first
+        per_run = kept[name]
         steps = [statistics.median(t.step_time for t in run) for run in per_run]
         bubbles = [statistics.median(map(bubble_rate, run)) for run in per_run]
         predicted = [rows[name] for _, rows in sessions]
@@ -305,8 +311,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--split-probe", type=int, default=1,
-                        help="the 1F1B runs split the backward of each chunk's last N microbatches into B then W, so "
-                             "the calibration sees what split-backward schedules pay (0: halve BW instead)")
+                        help="the 1F1B runs split the backward of N middle microbatches per chunk into B, the next F, "
+                             "then W, so the calibration sees what split-backward schedules pay (0: halve BW instead)")
     parser.add_argument("--lock", type=Path, help="an flock file held during each run (shared with other heavy jobs)")
     parser.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait for idle CPUs before a run")
     parser.add_argument("--max-external", type=float, default=0.25,
@@ -325,7 +331,8 @@ def main() -> None:
         report: dict = {"bench": "prediction", "host": platform.node(), "cpus": os.cpu_count(),
                         "python": platform.python_version(), "microbatches": args.microbatches,
                         "iterations": args.iterations, "runs": args.runs, "model": dataclasses.asdict(model(args)),
-                        "calibrated_from": CALIBRATION, "split_probe": args.split_probe, "target_relative_error": TARGET, "pp": {}}
+                        "calibrated_from": CALIBRATION, "split_probe": args.split_probe,
+                        "target_relative_error": TARGET, "pp": {}}
         for pp in args.pp:
             report["pp"][str(pp)] = compare(pp, measure_runs(pp, args, work), args, work)
         errors = [abs(row["error"]) for entry in report["pp"].values() for row in entry["algorithms"]

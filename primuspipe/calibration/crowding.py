@@ -26,6 +26,25 @@ ROUNDS = 8
 """Alternations of the fit (each node group's work, then the common share); it settles in three or four."""
 
 
+def coverage(intervals: Sequence[tuple[float, float]]) -> tuple[list[float], list[int]]:
+    """How many of ``intervals`` cover the time line: the times it changes, and the count holding from
+    each to the next (the last is 0).
+
+    >>> coverage([(0, 4), (0, 2), (1, 3)])
+    ([0, 1, 2, 3, 4], [2, 3, 2, 1, 0])
+    """
+    changes = sorted([(a, 1) for a, b in intervals if b > a] + [(b, -1) for a, b in intervals if b > a])
+    times: list[float] = []
+    levels: list[int] = []
+    for t, delta in changes:
+        if times and times[-1] == t:
+            levels[-1] += delta
+        else:
+            times.append(t)
+            levels.append((levels[-1] if levels else 0) + delta)
+    return times, levels
+
+
 def excess_during(busy: Sequence[tuple[float, float]], windows: Sequence[tuple[float, float]],
                   free: float) -> list[float]:
     """For each ``(start, end)`` window, the mean over it of ``max(0, n(t) - free)``: how many more ranks
@@ -34,15 +53,7 @@ def excess_during(busy: Sequence[tuple[float, float]], windows: Sequence[tuple[f
     >>> excess_during([(0, 4), (0, 2), (1, 3)], [(0, 4), (1, 2)], free=1.5)
     [0.625, 1.5]
     """
-    changes = sorted([(a, 1) for a, b in busy if b > a] + [(b, -1) for a, b in busy if b > a])
-    times: list[float] = []
-    levels: list[int] = []  # levels[k] holds from times[k] to times[k + 1]
-    for t, delta in changes:
-        if times and times[-1] == t:
-            levels[-1] += delta
-        else:
-            times.append(t)
-            levels.append((levels[-1] if levels else 0) + delta)
+    times, levels = coverage(busy)
     above = [max(0.0, level - free) for level in levels]
     area = [0.0]  # area[k]: the excess integrated from times[0] to times[k]
     for k in range(len(times) - 1):

@@ -55,7 +55,7 @@ from typing import Any
 
 import yaml
 
-from primuspipe.calibration.crowding import excess_during, fit_contention
+from primuspipe.calibration.crowding import coverage, excess_during, fit_contention
 from primuspipe.calibration.replay import executed_table, placement_of, run_table
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.cost_model import CostModel
@@ -200,18 +200,19 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
     if not used:
         used = list(timelines)
         notes.append(f"only {len(timelines)} iteration(s), so no warm-up iteration was skipped: times may be high")
-    cores = effective_cores(used, placement)
+    walks = [list(_walk(t, placement)) for t in used]  # every rank's nodes in table order, once per timeline
+    cores = effective_cores(used, walks)
     background = [share for t in used for share in _background_shares(t)]
     background_share = _significant(statistics.median(background)) if cores is not None and background else None
     contention, slowdowns = None, [{} for _ in used]
     if cores is not None and (free := cores - (background_share or 0.0) * first.pp) > 0:
-        contention, slowdowns, fitted = _contention(used, placement, free)
+        contention, slowdowns, fitted = _contention(used, walks, placement, free)
         if contention is not None:
             notes.append(f"a node took {contention:.3g} more CPU for each rank busy beyond the {free:.3g} free cores "
                          f"(fitted over {fitted} nodes): compute times are taken at no crowding, and "
                          "host.contention charges it back where a schedule crowds the cores")
-    samples = [_Samples.of(t, placement, use_cpu=cores is not None, slowdown=slowdown)
-               for t, slowdown in zip(used, slowdowns)]
+    samples = [_Samples.of(steps, placement, use_cpu=cores is not None, slowdown=slowdown)
+               for steps, slowdown in zip(walks, slowdowns)]
     n = placement.num_stages
 
     def median_of(kind: NodeKind) -> list[float | None]:
@@ -254,10 +255,6 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         return host_post.get("post_send" if kind.is_send else "post_recv", 0.0)
 
     gaps = _step_gaps(used, host_time)
-    if cores is not None:
-        notes.append(f"the {first.pp} ranks ran as if sharing {cores:g} cores (fitted from how much longer than "
-                     "their CPU time nodes took while others were busy): compute and host times are CPU times, and "
-                     "host.cores makes the simulator share the cores the same way")
     peaks = []
     for rank in range(first.pp):
         seen = [rt.peak_memory_bytes for t in used for rt in t.ranks
@@ -274,14 +271,15 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
     if cores is None:
         return measured
     replayed = replayed_cores(measured, used, placement)
-    if replayed == cores:
-        return measured
+    refit = "" if replayed == cores else (f"; {cores:g} by that fit, with which the run's own node order replayed more "
+                                          f"than {REPLAY_TOLERANCE:.0%} off its step time")
     return replace(measured, cores=replayed, notes=(*measured.notes, (
-        f"host.cores is {replayed:g}, not the CPU fit's {cores:g}: the run's own node order replayed with "
-        f"{cores:g} missed its step time by more than {REPLAY_TOLERANCE:.0%}, with {replayed:g} it takes it")))
+        f"the {first.pp} ranks ran as if sharing {replayed:g} cores (fitted from how much longer than their CPU time "
+        f"nodes took while others were busy{refit}): compute and host times are CPU times, and host.cores makes the "
+        "simulator share the cores the same way")))
 
 
-def effective_cores(timelines: Sequence[Timeline], placement: Placement) -> float | None:
+def effective_cores(timelines: Sequence[Timeline], walks: Sequence[Sequence[_Step]]) -> float | None:
     """The cores a run's ranks behaved as sharing, or None if they did not slow each other.
 
     Only a run on one host's CPUs (every rank's dump names the same host, events carry the rank
@@ -302,7 +300,7 @@ def effective_cores(timelines: Sequence[Timeline], placement: Placement) -> floa
     got = 0.0  # CPU seconds the ranks' own threads got while busy
     for i, timeline in enumerate(timelines):
         apart = i * 1e6 * (1 + timeline.step_time)  # lay the iterations far apart on one time line
-        for start, end, cpu in _busy_intervals(timeline, placement):
+        for start, end, cpu in _busy_intervals(walks[i]):
             if cpu is None:
                 return None
             busy.append((start + apart, end + apart))
@@ -370,13 +368,13 @@ def _background_shares(timeline: Timeline) -> list[float]:
     return [cpu / spans[rank] for rank, cpu in _outside_cpu(timeline).items() if spans.get(rank, 0) > 0]
 
 
-def _contention(timelines: Sequence[Timeline], placement: Placement, free: float):
+def _contention(timelines: Sequence[Timeline], walks: Sequence[Sequence[_Step]], placement: Placement, free: float):
     """``(contention, per timeline {(rank, node): CPU per unit of work}, nodes fitted)``: each compute
     node's excess -- busy ranks beyond ``free`` cores while it ran, busy as :func:`effective_cores`
     counts it -- against its CPU time, per kind and stage (crowding.py)."""
     points, excesses = [], []
-    for timeline in timelines:
-        busy = [(start, end) for start, end, _ in _busy_intervals(timeline, placement)]
+    for timeline, steps in zip(timelines, walks):
+        busy = [(start, end) for start, end, _ in _busy_intervals(steps)]
         nodes = [(rt.rank, e) for rt in timeline.ranks for e in rt.events
                  if e.node.kind.is_compute and e.node.pair is None and e.cpu is not None]
         excess = excess_during(busy, [(e.start, e.end) for _, e in nodes], free)
@@ -389,11 +387,11 @@ def _contention(timelines: Sequence[Timeline], placement: Placement, free: float
     return share, [{key: 1 + share * x for key, x in e.items()} for e in excesses], len(points)
 
 
-def _busy_intervals(timeline: Timeline, placement: Placement) -> list[tuple[float, float, float | None]]:
-    """When each rank was busy (see :func:`effective_cores`), with the CPU time its thread got then
-    (None where the timeline has no CPU times)."""
+def _busy_intervals(steps: Sequence[_Step]) -> list[tuple[float, float, float | None]]:
+    """When each rank was busy (see :func:`effective_cores`) over one timeline's walk, with the CPU time
+    its thread got then (None where the timeline has no CPU times)."""
     out = []
-    for step in _walk(timeline, placement):
+    for step in steps:
         if step.ready is None:
             continue
         e = step.event
@@ -406,12 +404,8 @@ def _busy_intervals(timeline: Timeline, placement: Placement) -> list[tuple[floa
 
 def _levels(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """How many intervals cover the time line, as ``(duration, count)`` pieces."""
-    changes = sorted([(a, 1) for a, b in intervals if b > a] + [(b, -1) for a, b in intervals if b > a])
-    pieces, level = [], 0
-    for (t, delta), (following, _) in zip(changes, changes[1:]):
-        level += delta
-        pieces.append((following - t, level))
-    return pieces
+    times, counts = coverage(intervals)
+    return [(following - t, count) for t, following, count in zip(times, times[1:], counts)]
 
 
 def _step_gaps(timelines: Sequence[Timeline], host_time) -> tuple[float, ...] | None:
@@ -516,11 +510,10 @@ class _Samples:
     posted (its arrival is when the consumer went on), and its size in bytes where known."""
 
     @classmethod
-    def of(cls, timeline: Timeline, placement: Placement, *, use_cpu: bool,
+    def of(cls, steps: Sequence[_Step], placement: Placement, *, use_cpu: bool,
            slowdown: dict[tuple[int, ScheduleNode], float]) -> _Samples:
-        """``slowdown``: per ``(rank, node)``, the CPU per unit of work it ran at (crowded cores); a
-        node's work is its CPU time over it."""
-        steps = list(_walk(timeline, placement))
+        """From one timeline's walk (:func:`_walk`). ``slowdown``: per ``(rank, node)``, the CPU per unit
+        of work it ran at (crowded cores); a node's work is its CPU time over it."""
         # what a node that cannot wait (it takes no transfer) spends on the host: the tolerance below
         # which an input arriving after the rank was free is the cost of taking it, not a wait
         free_gaps = [_gap(s.ready, s.event, False) for s in steps

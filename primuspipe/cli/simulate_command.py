@@ -109,6 +109,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.output_dir is not None:
         output_dir(args.output_dir, "-o")
     spec = _cost_spec(args)
+    plan_spec = None if args.plan_cost in (None, "unit") else read_cost_file(args.plan_cost)
     options = parse_options(args.option)
     if args.algorithm == "all":
         names = [info.name for info in list_algorithms()]
@@ -116,7 +117,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         names = [get_algorithm(args.algorithm).name]
     rows, results = [], {}
     for name in names:
-        row, result = _evaluate(name, args, spec, options)
+        row, result = _evaluate(name, args, spec, plan_spec, options)
         rows.append(row)
         if result is not None:
             results[name] = result
@@ -160,24 +161,26 @@ def _cost_spec(args: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
-def _plan_cost(args: argparse.Namespace, vpp: int, cost: CostModel) -> CostModel | None:
+def _plan_cost(args: argparse.Namespace, plan_spec: dict | None, vpp: int, cost: CostModel) -> CostModel | None:
     """What cost-aware algorithms plan with: ``--plan-cost`` (``unit``: None, ``build_schedule``'s
-    F = B = W = 1 per stage, as for a runner given no costs), else the simulated model itself."""
+    F = B = W = 1 per stage, as for a runner given no costs; a file: ``plan_spec``, read once), else the
+    simulated model itself."""
     if args.plan_cost is None:
         return cost
-    if args.plan_cost == "unit":
+    if plan_spec is None:
         return None
-    return CostModel.from_dict(read_cost_file(args.plan_cost), pp=args.pp, vpp=vpp, source=args.plan_cost)
+    return CostModel.from_dict(plan_spec, pp=args.pp, vpp=vpp, source=args.plan_cost)
 
 
-def _evaluate(name: str, args: argparse.Namespace, spec: dict, options: dict) -> tuple[dict, SimulationResult | None]:
+def _evaluate(name: str, args: argparse.Namespace, spec: dict, plan_spec: dict | None,
+              options: dict) -> tuple[dict, SimulationResult | None]:
     vpp = get_algorithm(name).resolve_vpp(args.vpp)
     row: dict[str, Any] = {"algorithm": name, "pp": args.pp, "vpp": vpp, "microbatches": args.microbatches}
     try:
         check_shape(args.pp, vpp or 2, args.microbatches)
         cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp or 1,
                                    source=str(args.cost) if args.cost else "--f/--b/--w/--bw")
-        plan = _plan_cost(args, vpp or 1, cost)
+        plan = _plan_cost(args, plan_spec, vpp or 1, cost)
         if name == "zb-auto":  # the search's report is shown beside its table
             options = check_options(name, options)
             request = ScheduleRequest(args.pp, vpp, args.microbatches, plan, args.memory_limit)

@@ -141,7 +141,8 @@ class HostCost:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overhead", tuple(sorted(self.overhead)))  # one model, one value
-        values = [v for _, v in self.overhead] + [self.send, self.recv, self.background, self.contention, *(self.step_gap or ())]
+        values = [v for _, v in self.overhead] + [self.send, self.recv, self.background, self.contention,
+                                                  *(self.step_gap or ())]
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ConfigError(f"host times must be >= 0 and finite, got {self}")
         if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
@@ -394,7 +395,8 @@ class CostModel:
         if self.host != HostCost():
             h = self.host
             out["host"] = {"overhead": dict(h.overhead), "send": h.send, "recv": h.recv, "cores": h.cores,
-                           "background": h.background, "contention": h.contention, "step_gap": None if h.step_gap is None else list(h.step_gap)}
+                           "background": h.background, "contention": h.contention,
+                           "step_gap": None if h.step_gap is None else list(h.step_gap)}
         m = self.memory
         out["memory"] = {"w_retained_fraction": m.w_retained_fraction, "offload_fraction": m.offload_fraction}
         if m.models_bytes:
@@ -472,8 +474,8 @@ def _host(data: Any, pp: int) -> HostCost:
     def time(value: Any, name: str) -> float:  # strictly a number: YAML's true is not 1 second
         return strict.number(value, f"host.{name} (a time >= 0)", minimum=0)
 
-    return HostCost(tuple((k, time(v, f"overhead.{k}")) for k, v in overhead.items()), time(host.get("send", 0.0), "send"),
-                    time(host.get("recv", 0.0), "recv"),
+    return HostCost(tuple((k, time(v, f"overhead.{k}")) for k, v in overhead.items()),
+                    time(host.get("send", 0.0), "send"), time(host.get("recv", 0.0), "recv"),
                     None if cores is None else strict.number(cores, "host.cores (a number of cores > 0)", above=0),
                     strict.number(host.get("background", 0.0), "host.background (a share of a core >= 0)", minimum=0),
                     strict.number(host.get("contention", 0.0), "host.contention (a share >= 0)", minimum=0),

@@ -35,7 +35,8 @@ def split_backward_probe(table: ScheduleTable, count: int = 1) -> ScheduleTable:
         raise TableFormatError("split_backward_probe takes a compute-only table; pass table.compute_only() and add "
                                "communication afterwards")
     if not 1 <= count <= table.microbatches:
-        raise ConfigError(f"split probe: count must be between 1 and the {table.microbatches} microbatches, got {count}")
+        raise ConfigError(f"split probe: count must be between 1 and the {table.microbatches} microbatches, "
+                          f"got {count}")
     first = (table.microbatches - count) // 2
     probed = range(first, first + count)
 

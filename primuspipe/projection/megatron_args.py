@@ -78,9 +78,9 @@ def split_arguments(arguments: Mapping[str, Any], source: str) -> tuple[ModelSpe
         elif value is not None:
             values[spec][name] = "flash" if (name, value) == ("attention_backend", "auto") else value
     if per_stage := arguments.get("num_layers_per_virtual_pipeline_stage"):
-        pp = values["training"]["pipeline_model_parallel_size"]
         layers = strict.count(values["model"]["num_layers"], f"{source}: num_layers", minimum=1, text=True)
-        pp = strict.count(pp, f"{source}: pipeline_model_parallel_size", minimum=1, text=True)
+        pp = strict.count(values["training"]["pipeline_model_parallel_size"], f"{source}: pipeline_model_parallel_size",
+                          minimum=1, text=True)
         per_stage = strict.count(per_stage, f"{source}: num_layers_per_virtual_pipeline_stage", minimum=1, text=True)
         values["training"]["virtual_pipeline_model_parallel_size"] = layers // (pp * per_stage)
     training = values["training"]

@@ -148,7 +148,8 @@ class SimulationResult:
             "peak_activations": self.peak_activations,
         }
         modelled = self.cost.memory.models_bytes  # without activation bytes, bytes are unknown, not zero
-        ranks = tuple(RankTimeline(r.rank, r.events, round(r.peak_memory_bytes) if modelled else None) for r in self.ranks)
+        ranks = tuple(RankTimeline(r.rank, r.events, round(r.peak_memory_bytes) if modelled else None)
+                      for r in self.ranks)
         facts: list[dict] = [{"rank": r.rank} for r in self.ranks]  # what a run dump says per rank
         if self.period is not None:
             meta["period"] = self.period

@@ -13,7 +13,7 @@ is given. Primus's ``primus_pipeline.yaml`` loads as it is: its keys are ours, w
 ``watchdog_timeout_s``     ``PRIMUSPIPE_WATCHDOG_TIMEOUT_S``  hang watchdog; 0 turns it off
 ``communication_method``   ``PRIMUSPIPE_COMMUNICATION_METHOD`` ``async_p2p`` (``batch_p2p`` is refused)
 ``debug_scheduler_table``  ``PRIMUSPIPE_DEBUG_SCHEDULER_TABLE`` print each new table's grid on pipeline rank 0
-``offload``                ``PRIMUSPIPE_OFFLOAD``             activation offload: OFFLOAD/RELOAD nodes under ``pp_max_mem``
+``offload``                ``PRIMUSPIPE_OFFLOAD``             OFFLOAD/RELOAD nodes under ``pp_max_mem``
 ``offload_ops``            ``PRIMUSPIPE_OFFLOAD_OPS``         which activations move (default: all a chunk saves)
 ``offload_fraction``       ``PRIMUSPIPE_OFFLOAD_FRACTION``    share of a chunk's activations ``offload_ops`` hold
 ``pp_cost_f/b/w``          ``PRIMUSPIPE_PP_COST_F/B/W``       F / B / W time per stage (number or list; env: JSON)
@@ -152,8 +152,8 @@ class PrimusPipeConfig:
                                   above=0, maximum=1)
             object.__setattr__(self, "offload_fraction", share)
         if self.offload and self.pp_max_mem is None:
-            raise ConfigError("offload: true needs pp_max_mem, the activation limit (microbatches per rank) the offload "
-                              "pass brings every rank under; set it, or offload: false")
+            raise ConfigError("offload: true needs pp_max_mem, the activation limit (microbatches per rank) the "
+                              "offload pass brings every rank under; set it, or offload: false")
         if self.offload and self.offload_op_list and self.offload_fraction is None:
             raise ConfigError(f"offload_ops: {self.offload_ops} moves only part of each chunk's activations, and the "
                               "offload pass must know which share to plan with: set offload_fraction (e.g. 0.3; a run "

@@ -111,14 +111,14 @@ class PrimusForwardBackward:
     def _report_offload(self, offload: ActivationOffload, table: ScheduleTable, rank: int) -> None:
         """Log once what share of the activations OFFLOAD moved; warn when it is less than the share the
         offload pass planned with (``offload_fraction``): the memory limit is then not met."""
-        share = offload.saved.moved_share()
-        if share is None or offload in self._reported:
+        if offload in self._reported or (share := offload.saved.moved_share()) is None:
             return
         self._reported.add(offload)
         plan = self.config.offload_plan(table.pp, table.vpp)
         planned = plan[0].memory.offload_fraction if plan else 1.0
         message = (f"primuspipe offload (rank {rank}): OFFLOAD moves {share:.1%} of what a chunk's forward saves "
-                   f"(bytes per chunk forward: {offload.saved.per_forward}); the offload pass planned with {planned:.1%}")
+                   f"(bytes per chunk forward: {offload.saved.per_forward}); the offload pass planned with "
+                   f"{planned:.1%}")
         if share < planned - 0.01:
             _log.warning("%s: pp_max_mem is not met; set offload_fraction: %.2f, or offload more ops", message, share)
         else:
