@@ -92,9 +92,20 @@ def test_gloo_wait_keeps_the_deadline_counted_from_posting():
     assert 0.5 < waited < 2.5, f"waited {waited:.2f} s after a 2 s head start: the deadline counts from posting"
 
 
+def _wait_until_stopped(pid: int, timeout_s: float = 30.0) -> None:
+    """Poll ``/proc`` until ``pid`` is in the stopped state (``T``), so resuming it cannot come first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s:.0f} s")
+
+
 def test_every_rank_of_a_cascade_names_the_stopped_rank():
     """pp=3: rank 2 stops (SIGSTOP) after joining; rank 1 waits on rank 2 and rank 0 on rank 1. Both
-    errors name rank 2 (its heartbeat went silent; rank 1's did not). Rank 0/1 then resume rank 2."""
+    errors name rank 2 (its heartbeat went silent; rank 1's did not). Rank 1 then resumes rank 2."""
     timeout = 3.0
     table = build_schedule("1f1b", pp=3, microbatches=2)
 
@@ -104,6 +115,9 @@ def test_every_rank_of_a_cascade_names_the_stopped_rank():
         if rank == 2:
             store.set("stopped-pid", str(os.getpid()))
             time.sleep(0.3)
+            # The harness's store is a file under a lock: stopped while its heartbeat thread held that lock,
+            # rank 2 would block every store call of ranks 0 and 1. End the thread first, then stop.
+            transport.watchdog.stop()
             os.kill(os.getpid(), signal.SIGSTOP)
             return "resumed"
         stage = torch.nn.Linear(H, H)
@@ -114,9 +128,11 @@ def test_every_rank_of_a_cascade_names_the_stopped_rank():
             message = "no error"
         except PipelineHangError as exc:
             message = str(exc)
-        store.wait(["stopped-pid"], timedelta(seconds=30))
-        time.sleep(0.5)
-        os.kill(int(store.get("stopped-pid")), signal.SIGCONT)
+        if rank == 1:  # one rank resumes rank 2, once it has stopped: a SIGCONT sent earlier is lost
+            store.wait(["stopped-pid"], timedelta(seconds=30))
+            stopped = int(store.get("stopped-pid"))
+            _wait_until_stopped(stopped)
+            os.kill(stopped, signal.SIGCONT)
         return message
 
     try:
