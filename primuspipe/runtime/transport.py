@@ -183,6 +183,17 @@ class TransferWatchdog:
         self._thread.start()
         _TerminationReporter.install()
 
+    @property
+    def group(self) -> Any:
+        """The process group, held weakly: a watchdog (kept in a module-level map) that held it would keep
+        the group and its gloo worker threads alive past ``destroy_process_group`` into the interpreter's
+        exit, where a worker finishing a request needs the GIL and aborts the process."""
+        return self._group()
+
+    @group.setter
+    def group(self, group: Any) -> None:
+        self._group = weakref.ref(group)
+
     def track(self, pending: Pending) -> float:
         """Register a posted request; returns its deadline (``time.monotonic()`` seconds)."""
         deadline = time.monotonic() + self.timeout_s
@@ -263,8 +274,11 @@ class TransferWatchdog:
                 self._store_lost = True
 
     def _watch(self) -> None:
+        """Beat and watch until stopped, a failure, or the end of the process group (destroyed, or its
+        store gone with nothing in flight): past it there is nothing to watch and no one to beat for."""
         next_beat = time.monotonic()
-        while self.failure is None and not (self._store_lost and not self._inflight) and not self._stop.is_set():
+        while (self.failure is None and not (self._store_lost and not self._inflight) and not self._stop.is_set()
+               and dist.is_initialized() and self.group is not None):
             now = time.monotonic()
             if now >= next_beat:
                 self._beat()
@@ -291,7 +305,9 @@ class TransferWatchdog:
                 self.failure = self.report(pending, None)
                 logger.error("%s", self.failure)
                 try:
-                    self.group.abort()  # whatever waits on this group fails instead of hanging
+                    group = self.group
+                    if group is not None:
+                        group.abort()  # whatever waits on this group fails instead of hanging
                 except Exception as exc:  # noqa: BLE001
                     logger.error("primuspipe watchdog: could not abort the process group: %s", exc)
                 return

@@ -2,9 +2,11 @@
 (a monitor thread enforces the deadline and aborts the group), keeps gloo's deadline on the waiting
 thread, and names the rank that stopped on every rank of a waiting cascade."""
 
+import gc
 import os
 import signal
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -90,6 +92,25 @@ def test_gloo_wait_keeps_the_deadline_counted_from_posting():
     message, waited = run_gloo(work, 2, timeout_s=60)[0]
     assert "RECV_F0.0<1" in message and "did not complete within 3 s" in message
     assert 0.5 < waited < 2.5, f"waited {waited:.2f} s after a 2 s head start: the deadline counts from posting"
+
+
+def test_a_watchdog_does_not_keep_its_process_group_alive():
+    """A destroyed group must be freed (with its gloo worker threads) although a watchdog watched it, and
+    the watchdog's thread must end: a group kept alive into the interpreter's exit aborted torchrun ranks
+    ("terminate called without an active exception", a gloo worker needing the GIL while Python finalizes)."""
+    def work(rank, world):
+        group = dist.new_group([0, 1])
+        transport = P2PTransport(group, timeout_s=0.5)
+        watchdog, freed = transport.watchdog, weakref.ref(group)
+        dist.destroy_process_group(group)
+        del group, transport
+        gc.collect()
+        watchdog._thread.join(timeout=5.0)
+        return freed() is None, watchdog._thread.is_alive()
+
+    for freed, thread_alive in run_gloo(work, 2, timeout_s=60):
+        assert freed, "the watchdog kept a destroyed process group alive"
+        assert not thread_alive, "the watchdog's thread outlived its process group"
 
 
 def _wait_until_stopped(pid: int, timeout_s: float = 30.0) -> None:
