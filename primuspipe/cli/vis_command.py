@@ -208,7 +208,7 @@ def _stats_json(timeline: Timeline) -> dict[str, Any]:
             "microbatches": timeline.microbatches, "iteration": timeline.iteration, "time_unit": s.time_unit,
             "step_time": s.step_time, "bubble_rate": s.bubble_rate, "bubble_rate_mean": s.bubble_rate_mean,
             "bubble_rates": list(s.bubble_rates), "kind_means": s.kind_means,
-            "peak_memory_bytes": list(s.peak_memory_bytes)}
+            "kind_cpu_means": s.kind_cpu_means, "peak_memory_bytes": list(s.peak_memory_bytes)}
 
 
 def _comparison_json(c: Comparison) -> dict[str, Any]:
@@ -243,8 +243,13 @@ def _stats_table(timeline: Timeline) -> Table:
 
 
 def _comparison_table(c: Comparison) -> Table:
+    caption = None
+    if c.run_stretch > 0.1:
+        caption = (f"run nodes lasted up to {c.run_stretch:.0%} longer than their CPU time: ranks waited for a "
+                   "core inside them, where the simulator has them wait before; compare the CPU means (the run's "
+                   "mean bubble rate counts that wait as busy)")
     table = Table(title=f"{c.run.source} vs {c.simulated.source}: {c.run.algorithm} pp={c.run.pp} vpp={c.run.vpp} "
-                        f"m={c.run.microbatches}, times in {c.run.time_unit}")
+                        f"m={c.run.microbatches}, times in {c.run.time_unit}", caption=caption)
     for col in ("figure", c.run_stats.label, c.simulated_stats.label, "sim - run", "relative"):
         table.add_column(col, justify="right")
     for f in c.figures():

@@ -183,6 +183,27 @@ def test_perturbed_run_shows_its_differences(run):
     assert comparison.order_differences == (), "same table, same order"
 
 
+def _with_cpu(timeline, share: float):
+    """``timeline`` with every compute node's CPU time set to ``share`` of its duration."""
+    def cpu(e):
+        return replace(e, cpu=(0.0, share * (e.end - e.start))) if e.node.kind.is_compute else e
+    return replace(timeline, ranks=[replace(r, events=tuple(map(cpu, r.events))) for r in timeline.ranks])
+
+
+def test_cpu_means_sit_beside_the_durations_when_both_timelines_carry_them(run):
+    """A run whose ranks waited for a core inside every node (CPU = half the duration) against a simulation
+    whose nodes last their CPU time: the CPU means agree, the durations do not, and the stretch is named."""
+    sim = replay(run, COST)
+    comparison = compare_timelines(_with_cpu(run, 0.5), _with_cpu(sim, 1.0))
+    figures = {f.name: f for f in comparison.figures()}
+    assert figures["F CPU mean"].run == pytest.approx(figures["F mean"].run / 2)
+    assert figures["F CPU mean"].simulated == pytest.approx(figures["F mean"].simulated)
+    assert comparison.run_stretch == pytest.approx(1.0)
+    without = compare_timelines(_with_cpu(run, 0.5), sim)
+    assert not [n for n in (f.name for f in without.figures()) if "CPU" in n], "only where both carry CPU times"
+    assert compare_timelines(run, sim).run_stretch == 0.0
+
+
 def test_order_differences_name_the_swapped_nodes():
     cost = CostModel.per_stage(PP, 1, 1, 1)
     one_f_one_b = simulate(build_schedule("1f1b", pp=PP, microbatches=M), cost).timeline()

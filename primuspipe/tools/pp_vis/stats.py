@@ -46,6 +46,10 @@ class TimelineStats:
     """Per rank (as ordered in ``ranks``): total compute time."""
     kind_means: dict[str, float]
     """Mean duration of each compute kind present (``"F"``, ``"B"``, ``"W"``, ``"BW"``, ``"FB"``)."""
+    kind_cpu_means: dict[str, float]
+    """Mean CPU time of each compute kind whose nodes all carry it (a run's dump on CPU, a simulation
+    with ranks sharing cores). Beside :attr:`kind_means` because a node of a rank time-sliced off its
+    core lasts longer than its CPU time in a run's dump, while the simulator puts that wait before it."""
     peak_memory_bytes: tuple[int | None, ...]
 
     @property
@@ -65,6 +69,7 @@ class TimelineStats:
 
 def timeline_stats(timeline: Timeline) -> TimelineStats:
     durations: dict[NodeKind, list[float]] = defaultdict(list)
+    cpu_times: dict[NodeKind, list[float | None]] = defaultdict(list)
     ranks = sorted(timeline.ranks, key=lambda r: r.rank)
     busy = []
     for rt in ranks:
@@ -72,12 +77,15 @@ def timeline_stats(timeline: Timeline) -> TimelineStats:
         for e in rt.events:
             if e.node.kind.is_compute:
                 durations[e.node.kind].append(e.end - e.start)
+                cpu_times[e.node.kind].append(None if e.cpu is None else e.cpu[1] - e.cpu[0])
                 if not e.node.kind.on_host_stream:  # host copies run beside the compute
                     total += e.end - e.start
         busy.append(total)
     means = {k.name: statistics.fmean(durations[k]) for k in compute_kinds() if durations[k]}
+    cpu_means = {k.name: statistics.fmean(cpu_times[k]) for k in compute_kinds()
+                 if cpu_times[k] and None not in cpu_times[k]}
     return TimelineStats(f"{timeline.source} (iteration {timeline.iteration})", tuple(r.rank for r in ranks),
-                         timeline.time_unit, timeline.step_time, tuple(busy), means,
+                         timeline.time_unit, timeline.step_time, tuple(busy), means, cpu_means,
                          tuple(r.peak_memory_bytes for r in ranks))
 
 
@@ -124,16 +132,26 @@ class Comparison:
     order_differences: tuple[OrderDifference, ...]
 
     def figures(self) -> list[Figure]:
-        """Per-kind mean node times, step time, bubble rates, then peak memory per rank."""
+        """Per-kind mean node times (and CPU times where both timelines carry them), step time, bubble
+        rates, then peak memory per rank."""
         r, s = self.run_stats, self.simulated_stats
         kinds = [k.name for k in compute_kinds() if k.name in r.kind_means or k.name in s.kind_means]
         out = [Figure(f"{k} mean", r.kind_means.get(k), s.kind_means.get(k)) for k in kinds]
+        out += [Figure(f"{k} CPU mean", r.kind_cpu_means[k], s.kind_cpu_means[k]) for k in kinds
+                if k in r.kind_cpu_means and k in s.kind_cpu_means]
         out += [Figure("step time", r.step_time, s.step_time), Figure("bubble rate max", r.bubble_rate, s.bubble_rate),
                 Figure("bubble rate mean", r.bubble_rate_mean, s.bubble_rate_mean)]
         memory = dict(zip(s.ranks, s.peak_memory_bytes))
         out += [Figure(f"peak memory rank {rank} (bytes)", run_bytes, memory.get(rank))
                 for rank, run_bytes in zip(r.ranks, r.peak_memory_bytes)]
         return out
+
+    @property
+    def run_stretch(self) -> float:
+        """How much longer than their CPU time the run's compute nodes lasted, worst kind (0.5: half as
+        long again; 0 where the run has no CPU times): ranks time-sliced off their cores inside nodes."""
+        r = self.run_stats
+        return max((r.kind_means[k] / cpu - 1.0 for k, cpu in r.kind_cpu_means.items() if cpu > 0), default=0.0)
 
     @property
     def marked_nodes(self) -> frozenset[tuple[int, ScheduleNode]]:
