@@ -202,11 +202,11 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         notes.append(f"only {len(timelines)} iteration(s), so no warm-up iteration was skipped: times may be high")
     walks = [list(_walk(t, placement)) for t in used]  # every rank's nodes in table order, once per timeline
     cores = effective_cores(used, walks)
-    background = [share for t in used for share in _background_shares(t)]
-    background_share = _significant(statistics.median(background)) if cores is not None and background else None
+    background = [share for t in used for share in _background_shares(t)] if cores is not None else []
+    background_share = _significant(statistics.median(background)) if background else None
     contention, slowdowns = None, [{} for _ in used]
     if cores is not None and (free := cores - (background_share or 0.0) * first.pp) > 0:
-        contention, slowdowns, fitted = _contention(used, walks, placement, free)
+        contention, slowdowns, fitted = _contention(walks, placement, free)
         if contention is not None:
             notes.append(f"a node took {contention:.3g} more CPU for each rank busy beyond the {free:.3g} free cores "
                          f"(fitted over {fitted} nodes): compute times are taken at no crowding, and "
@@ -368,22 +368,22 @@ def _background_shares(timeline: Timeline) -> list[float]:
     return [cpu / spans[rank] for rank, cpu in _outside_cpu(timeline).items() if spans.get(rank, 0) > 0]
 
 
-def _contention(timelines: Sequence[Timeline], walks: Sequence[Sequence[_Step]], placement: Placement, free: float):
+def _contention(walks: Sequence[Sequence[_Step]], placement: Placement, free: float):
     """``(contention, per timeline {(rank, node): CPU per unit of work}, nodes fitted)``: each compute
     node's excess -- busy ranks beyond ``free`` cores while it ran, busy as :func:`effective_cores`
-    counts it -- against its CPU time, per kind and stage (crowding.py)."""
+    counts it -- against its CPU time, per kind and stage (crowding.py), over each timeline's walk."""
     points, excesses = [], []
-    for timeline, steps in zip(timelines, walks):
+    for steps in walks:
         busy = [(start, end) for start, end, _ in _busy_intervals(steps)]
-        nodes = [(rt.rank, e) for rt in timeline.ranks for e in rt.events
-                 if e.node.kind.is_compute and e.node.pair is None and e.cpu is not None]
+        nodes = [(s.rank, s.event) for s in steps
+                 if s.event.node.kind.is_compute and s.event.node.pair is None and s.event.cpu is not None]
         excess = excess_during(busy, [(e.start, e.end) for _, e in nodes], free)
         excesses.append(dict(zip(((rank, e.node) for rank, e in nodes), excess)))
-        points += [((e.node.kind, placement.stage(rank, e.node.chunk)), x, e.cpu[1] - e.cpu[0])
+        points += [((e.node.kind, placement.stage(rank, e.node.chunk)), x, e.cpu_time)
                    for (rank, e), x in zip(nodes, excess)]
     share = fit_contention(points)
     if share is None:
-        return None, [{} for _ in timelines], 0
+        return None, [{} for _ in walks], 0
     return share, [{key: 1 + share * x for key, x in e.items()} for e in excesses], len(points)
 
 
@@ -522,7 +522,7 @@ class _Samples:
 
         def span(e: TimedNode, rank: int) -> float:
             if use_cpu and e.cpu is not None:
-                return (e.cpu[1] - e.cpu[0]) / slowdown.get((rank, e.node), 1.0)
+                return e.cpu_time / slowdown.get((rank, e.node), 1.0)
             return e.end - e.start
 
         durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)

@@ -53,6 +53,11 @@ class TimedNode:
     bytes: int | None = None
     """Run dumps: the size of the tensor a SEND/RECV node moved; None where not measured."""
 
+    @property
+    def cpu_time(self) -> float | None:
+        """The CPU time the rank's thread spent in the node; None where not measured."""
+        return None if self.cpu is None else self.cpu[1] - self.cpu[0]
+
 
 @dataclass(frozen=True)
 class RankTimeline:

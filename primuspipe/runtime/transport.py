@@ -273,12 +273,15 @@ class TransferWatchdog:
                 self.liveness = None
                 self._store_lost = True
 
+    def _watching(self) -> bool:
+        """Until stopped, a failure, or the end of the process group (destroyed, or its store gone with
+        nothing in flight): past it there is nothing to watch and no one to beat for."""
+        return (self.failure is None and not self._stop.is_set() and not (self._store_lost and not self._inflight)
+                and dist.is_initialized() and self.group is not None)
+
     def _watch(self) -> None:
-        """Beat and watch until stopped, a failure, or the end of the process group (destroyed, or its
-        store gone with nothing in flight): past it there is nothing to watch and no one to beat for."""
         next_beat = time.monotonic()
-        while (self.failure is None and not (self._store_lost and not self._inflight) and not self._stop.is_set()
-               and dist.is_initialized() and self.group is not None):
+        while self._watching():
             now = time.monotonic()
             if now >= next_beat:
                 self._beat()

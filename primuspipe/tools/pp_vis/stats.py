@@ -77,7 +77,7 @@ def timeline_stats(timeline: Timeline) -> TimelineStats:
         for e in rt.events:
             if e.node.kind.is_compute:
                 durations[e.node.kind].append(e.end - e.start)
-                cpu_times[e.node.kind].append(None if e.cpu is None else e.cpu[1] - e.cpu[0])
+                cpu_times[e.node.kind].append(e.cpu_time)
                 if not e.node.kind.on_host_stream:  # host copies run beside the compute
                     total += e.end - e.start
         busy.append(total)
