@@ -24,6 +24,7 @@ from primuspipe.passes.offload import offload_activations
 from primuspipe.ir.formats import dump_table, load_table, save_table
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.activations import W_RETAINED_FRACTION, peak_in_flight
+from primuspipe.passes.streams import DEFAULT_SEMANTICS, SEMANTICS
 from primuspipe.passes.validation import validate
 
 
@@ -62,6 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--w-retained", type=number_type(minimum=0, maximum=1), default=W_RETAINED_FRACTION,
                    metavar="SHARE", help="share of a microbatch's activations its B keeps for its W (default 32/34, "
                                          "see docs/simulator.md)")
+    p.add_argument("--semantics", choices=tuple(SEMANTICS), default=DEFAULT_SEMANTICS,
+                   help="the transport the deadlock replay models (docs/design.md §3): "
+                        + "; ".join(f"{s.name}: {s.summary}" for s in SEMANTICS.values())
+                        + f" (default: {DEFAULT_SEMANTICS}, what primuspipe's runner runs)")
     p.set_defaults(handler=cmd_validate)
 
 
@@ -130,13 +135,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     out = report_console()
     try:
         table = load_table(args.file, args.placement)
-        validate(table, max_in_flight=args.max_in_flight, retained=args.w_retained)
+        checks = dict(max_in_flight=args.max_in_flight, retained=args.w_retained, semantics=args.semantics)
+        validate(table, **checks)
         if not table.has_communication:
-            validate(add_communication(table), max_in_flight=args.max_in_flight, retained=args.w_retained)
+            validate(add_communication(table), **checks)
     except (ValidationError, TableFormatError, ScheduleShapeError) as exc:
         out.print(f"INVALID {args.file}: {exc}", markup=False)
         return 1
     kind = "full" if table.has_communication else "compute-only"
     out.print(f"valid: {args.file} ({kind} table, {table.algorithm}, pp={table.pp} vpp={table.vpp} "
-                  f"microbatches={table.microbatches})", markup=False)
+                  f"microbatches={table.microbatches}; deadlock-free under the {args.semantics} transport semantics)", markup=False)
     return 0
