@@ -110,10 +110,12 @@ def semantics_named(name: str) -> Semantics:
 @dataclass(frozen=True)
 class Hang:
     """Why a table cannot complete: the ranks that never reach their row's end (rank -> the index of
-    the node each stops at, ``len(row)`` for the row's end) and the closed chain of waits, one line per
-    link, with the ``(rank, index)`` of every node it names."""
+    the node each stops at, ``len(row)`` for the row's end), the index of the operation each of them
+    waits on there, and the closed chain of waits, one line per link, with the ``(rank, index)`` of
+    every node it names."""
 
     stopped: dict[int, int]
+    waits_on: dict[int, int]
     chain: tuple[str, ...]
     nodes: tuple[tuple[int, int], ...]
 
@@ -287,7 +289,7 @@ class _Replay:
         lines = tuple(f"{self._name(o)} {why} {self._name(nxt)}"
                       for (o, why), (nxt, _) in zip(cycle, cycle[1:] + cycle[:1]))
         nodes = {o for o, _ in cycle} | {(r, i) for r, i in stopped.items() if i < len(self.table.ranks[r])}
-        return Hang(stopped, lines, tuple(sorted(nodes)))
+        return Hang(stopped, {r: self.stopped_on[r][1] for r in stopped}, lines, tuple(sorted(nodes)))
 
 
 def replay(table: ScheduleTable, semantics: Semantics | str = DEFAULT_SEMANTICS) -> Hang | None:
