@@ -22,6 +22,7 @@ point-to-point buffers when first used), and no added waiting: a stream runs onl
 
 from __future__ import annotations
 
+import atexit
 import weakref
 from datetime import timedelta
 from typing import Any
@@ -79,6 +80,12 @@ class Channels:
                               "neighbours only (the interleaved and V placements); this table sends between other "
                               "ranks, so run it with channels='shared' on gloo") from None
 
+    def release(self) -> None:
+        for channel in self._by_direction.values():
+            if isinstance(channel, nccl_emulation.EmulatedNCCLGroup):
+                channel.shutdown()
+        self._by_direction.clear()
+
     def abort(self) -> None:
         for channel in self._by_direction.values():
             try:
@@ -107,6 +114,15 @@ def _backend(backend: str, store: Any, rank: int, timeout: timedelta, device: to
 
 
 _channels: "weakref.WeakKeyDictionary[Any, Channels]" = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def _release() -> None:
+    """Drop the channels' backends while Python still runs (a gloo backend left to the interpreter's
+    exit can abort the process, see :meth:`nccl_emulation.EmulatedNCCLGroup.shutdown`)."""
+    for channels in list(_channels.values()):
+        channels.release()
+    _channels.clear()
 
 
 def channels_for(group: Any, timeout: timedelta) -> Channels:

@@ -33,9 +33,11 @@ hangs under it exactly as :mod:`primuspipe.passes.streams` predicts for ``nccl-p
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -126,8 +128,12 @@ class _Stream:
     def post(self, run: Callable[[], None], works: Sequence[EmulatedWork]) -> None:
         self._items.put((run, works))
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 1.0) -> bool:
+        """Stop after the items posted so far; True once the thread has ended."""
         self._items.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while (item := self._items.get()) is not None:
@@ -162,6 +168,7 @@ class EmulatedNCCLGroup(dist.ProcessGroup):
         self._communicators: set[tuple] = set() if emulation == "pair" else {("group",)}
         self._batch: list[_P2P] | None = None
         self._lock = threading.Lock()
+        _live.add(self)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -321,8 +328,12 @@ class EmulatedNCCLGroup(dist.ProcessGroup):
         return self._collective("barrier", [], lambda: self._gloo.barrier(opts))
 
     def shutdown(self) -> None:
-        for stream in self._streams.values():
-            stream.close()
+        """End the streams and release the gloo group while Python still runs: a gloo group left to the
+        interpreter's exit aborts the process when its worker threads drop a request (they need the
+        GIL). A stream stuck in a hang is left alone."""
+        streams, self._streams = list(self._streams.values()), {}
+        if all([stream.close() for stream in streams]):
+            self._gloo = None
 
     def abort(self) -> None:
         self.shutdown()
@@ -333,6 +344,15 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> EmulatedNCC
     if emulation is None:
         raise ConfigError(f"a process group on the {BACKEND} backend needs {ENV}=pair or =group")
     return EmulatedNCCLGroup(store, rank, size, timeout, emulation)
+
+
+_live: "weakref.WeakSet[EmulatedNCCLGroup]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for group in list(_live):
+        group.shutdown()
 
 
 _original_batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv

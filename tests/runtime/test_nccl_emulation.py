@@ -127,8 +127,10 @@ megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reas
 NATIVE = {  # (pp, vpp) -> microbatches, config variants Megatron allows for that schedule
     (2, 1): (4, ({"batch_p2p_comm": False}, {"batch_p2p_comm": True})),
     (4, 1): (6, ({"batch_p2p_comm": False}, {"batch_p2p_comm": True})),
-    (2, 2): (4, ({"batch_p2p_comm": False}, {"batch_p2p_comm": True},
-                 {"batch_p2p_comm": False, "overlap_p2p_comm": True})),
+    # not batch_p2p_comm at pp=2 vpp=2: both neighbours are one rank and Megatron's batch posts that
+    # direction's activation and gradient in opposite orders on the two ranks, which NCCL (it matches in
+    # order) swaps as the emulator does; Megatron-LM's arguments refuse the combination
+    (2, 2): (4, ({"batch_p2p_comm": False}, {"batch_p2p_comm": False, "overlap_p2p_comm": True})),
     (4, 2): (8, ({"batch_p2p_comm": False}, {"batch_p2p_comm": True},
                  {"batch_p2p_comm": False, "overlap_p2p_comm": True})),
 }
