@@ -193,3 +193,87 @@ def test_torch_pipelining_schedules_run_under_the_emulator(pp, mode, emulate):
         assert len(flat) == len(want), name
         for a, b in zip(flat, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# -- every shipped algorithm through primuspipe's transport: bitwise what plain gloo gives ---------------
+
+def _every_algorithm(pp: int, m: int):
+    from primuspipe.algorithms.registry import list_algorithms
+    from primuspipe.algorithms.build import build_schedule
+
+    return {info.name: build_schedule(info.name, pp, m) for info in list_algorithms()}
+
+
+def _torch_backend_run(pp: int, m: int):
+    from primuspipe.backends.torch import TorchPipeline
+
+    tables, hidden = _every_algorithm(pp, m), 16
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(2 * m, hidden, generator=gen), torch.randn(2 * m, hidden, generator=gen)
+
+    def work(rank, world):
+        out = {}
+        for name, table in tables.items():
+            cut = split_sequential(plain_model(hidden, layers=2 * table.num_stages), table.num_stages)
+            own = {s: cut[s] for s in table.placement.stages[rank]}
+            losses = TorchPipeline(table, own, loss_fn=mse, watchdog_timeout_s=60).step(x, target=y)
+            out[name] = (losses, [p.grad for s in sorted(own) for p in own[s].parameters()])
+        return out
+
+    return run_gloo(work, pp, timeout_s=300)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.slow
+def test_every_algorithm_on_the_torch_backend_is_bitwise_gloo_under_both_modes(emulate):
+    pp, m = 3, 7  # an odd pipeline, 2pp+1 microbatches: a corner of the matrix
+    runs = {}
+    for mode in (None, *MODES):
+        emulate(mode)
+        runs[mode] = _torch_backend_run(pp, m)
+    for mode in MODES:
+        for name in runs[None][0]:
+            for rank in range(pp):
+                assert _same(runs[mode][rank][name], runs[None][rank][name]), f"{name} rank {rank} under {mode}"
+
+
+def _megatron_backend_run(pp: int, m: int):
+    from primuspipe.backends.megatron.config import PrimusPipeConfig
+    from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
+    from primuspipe.testing.megatron import compare, tiny_models
+    from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo
+
+    tables = _every_algorithm(pp, m)
+
+    def work(ctx):
+        out = {}
+        for name, table in tables.items():
+            spec = compare.StepSpec(tiny_models.TINY_MODELS["tiny-gpt"], m, placement=compare.placement_of(table))
+            result = compare.run_step(PrimusForwardBackward(PrimusPipeConfig(True, name)), spec, pp, table.vpp)
+            out[name] = (result.losses, result.grads)
+        return out
+
+    return run_on_gloo(work, ParallelLayout(pp), timeout_s=400)
+
+
+@megatron
+@pytest.mark.slow
+def test_every_algorithm_on_the_megatron_backend_is_bitwise_gloo_under_both_modes(emulate):
+    pp, m = 2, 5
+    runs = {}
+    for mode in (None, *MODES):
+        emulate(mode)
+        runs[mode] = _megatron_backend_run(pp, m)
+    for mode in MODES:
+        for name in runs[None][0]:
+            for rank in range(pp):
+                assert _same(runs[mode][rank][name], runs[None][rank][name]), f"{name} rank {rank} under {mode}"
