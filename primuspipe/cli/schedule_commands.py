@@ -24,6 +24,7 @@ from primuspipe.passes.offload import offload_activations
 from primuspipe.ir.formats import dump_table, load_table, save_table
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.activations import W_RETAINED_FRACTION, peak_in_flight
+from primuspipe.passes.fifo_weight_grads import check_fifo_weight_grads
 from primuspipe.passes.validation import validate
 
 
@@ -62,6 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--w-retained", type=number_type(minimum=0, maximum=1), default=W_RETAINED_FRACTION,
                    metavar="SHARE", help="share of a microbatch's activations its B keeps for its W (default 32/34, "
                                          "see docs/simulator.md)")
+    p.add_argument("--fifo-weight-grads", action="store_true",
+                   help="also require what Transformer Engine's deferred weight gradients (delay_wgrad_compute) need: "
+                        "per rank and chunk, W/BW nodes in the order of the backwards, microbatch 0's first "
+                        "(docs/megatron.md)")
     p.set_defaults(handler=cmd_validate)
 
 
@@ -133,6 +138,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         validate(table, max_in_flight=args.max_in_flight, retained=args.w_retained)
         if not table.has_communication:
             validate(add_communication(table), max_in_flight=args.max_in_flight, retained=args.w_retained)
+        if args.fifo_weight_grads:
+            check_fifo_weight_grads(table)
     except (ValidationError, TableFormatError, ScheduleShapeError) as exc:
         out.print(f"INVALID {args.file}: {exc}", markup=False)
         return 1
