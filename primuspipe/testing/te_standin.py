@@ -14,7 +14,9 @@ What it reproduces, and where TE does it:
   ``ddp_config.delay_wgrad_compute``).
 * ``Linear`` (``module/linear.py``): with ``delay_wgrad_compute`` its parameters carry
   ``skip_backward_post_hook``; the backward computes the input gradient, and the weight GEMM -- fused
-  with the bias gradient -- goes to the store; under ``fuse_wgrad_accumulation`` the GEMM writes into
+  with the bias gradient -- goes to the store; with ``return_bias`` (Megatron's ``skip_bias_add``) the
+  bias is returned, its gradient comes through autograd in the backward and the deferred GEMM has none,
+  so ``backward_dw`` on a module whose ``bias.grad`` is ``None`` fails as TE's does (``None.to``); under ``fuse_wgrad_accumulation`` the GEMM writes into
   ``main_grad``, overwriting it when the forward had ``is_first_microbatch=True``, and the backward
   returns a dummy weight gradient with ``grad_added_to_main_grad`` set.
 * ``LayerNormMLP`` (``module/layernorm_mlp.py``): two GEMMs, two ``put`` per backward (fc2's first),
@@ -148,18 +150,21 @@ class _LinearFunction(torch.autograd.Function):
 class Linear(TransformerEngineBaseModule):
     """Stand-in for ``transformer_engine.pytorch.Linear`` (the parts deferral touches)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, return_bias: bool = False,
                  delay_wgrad_compute: bool = False, fuse_wgrad_accumulation: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.randn(out_features, in_features) / in_features ** 0.5)
         self.bias = torch.nn.Parameter(torch.zeros(out_features)) if bias else None
         self.use_bias = bias
+        self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.wgrad_store = WeightGradStore(delay_wgrad_compute)
         if delay_wgrad_compute:
             _mark_deferred(self)
 
     def forward(self, x, is_first_microbatch=None):
+        if self.return_bias:  # the bias leaves the GEMM: its gradient reaches it through autograd, in B
+            return _LinearFunction.apply(x, self.weight, None, self, is_first_microbatch), self.bias
         return _LinearFunction.apply(x, self.weight, self.bias, self, is_first_microbatch)
 
 

@@ -132,13 +132,13 @@ def plan_te_deferral(models: Sequence[torch.nn.Module], config: Any, split: bool
             if why is not None:
                 raise ConfigError(f"{kind}: {why}")
     plan = deferring_te_modules(models)
-    biased = [(n, m) for chunk in plan for n, m in chunk if getattr(m, "use_bias", False)]
-    if split and biased and getattr(config, "fp8", None):
+    mlp_fp8_bias = [(n, m) for chunk in plan for n, m in chunk if te_weight_gemm(m) == "LayerNormMLP"
+                    and getattr(m, "use_bias", False)]
+    if split and mlp_fp8_bias and getattr(config, "fp8", None):
         raise ConfigError(
-            f"{kind}: {_describe(*biased[0])} has a bias and config.fp8 is set: under FP8 "
-            "Transformer Engine computes the bias gradient in the backward (B) and its backward_dw assigns the "
-            "deferred one only while bias.grad is None, which two B nodes before a W break; set add_bias_linear=False "
-            "or use a schedule with a fused backward (1f1b, interleaved-1f1b)")
+            f"{kind}: {_describe(*mlp_fp8_bias[0])} has biases and config.fp8 is set: TE's LayerNormMLP computes fc2's "
+            "bias gradient in backward_dw under some FP8 recipes and in the backward under others, which a W node "
+            "cannot tell apart; set add_bias_linear=False or use a schedule with a fused backward (1f1b)")
     return plan
 
 
@@ -154,6 +154,19 @@ def enable_delay_wgrad_compute(config: Any, ddp_config: Any = None) -> None:
 
 def _queued(module: torch.nn.Module) -> int:
     return module.wgrad_store.context.qsize()
+
+
+def _hold_bias_grads(module: torch.nn.Module) -> None:
+    """Where a module's bias gradient is computed in the backward (``return_bias``, Megatron's
+    ``skip_bias_add``, or FP8), the deferred GEMM has none, yet TE's ``backward_dw`` assigns it whenever
+    ``bias.grad is None`` (``None.to``: an error) -- which happens as soon as two ``B`` nodes precede a ``W``
+    (the first ``W``'s DDP hook consumed both microbatches' bias gradients). A zero ``.grad`` makes it skip
+    the assignment; the hook then adds that zero."""
+    if not (getattr(module, "return_bias", False) or getattr(module, "fp8", False)):
+        return
+    for name, param in module.named_parameters(recurse=False):
+        if "bias" in name and param.grad is None and param.requires_grad:
+            param.grad = torch.zeros_like(param)
 
 
 class _Forwarding:
@@ -245,6 +258,7 @@ class TEDeferral:
             target = _queued(module) - count
             while _queued(module) > target:
                 size = _queued(module)
+                _hold_bias_grads(module)
                 module.backward_dw()
                 if _queued(module) >= size:
                     raise self._error(f"{self._describe(module)}.backward_dw() left its store unchanged ({size} "
