@@ -272,7 +272,8 @@ class TEDeferral:
 
     def check_empty(self) -> None:
         """Raise unless every deferring module's store is empty (call at step end)."""
-        left = [f"{self._describe(m)}: {_queued(m)}" for m in self._names if _queued(m)]
+        left = [f"{self._names[m]}: {_queued(m)}" for m in self._names if _queued(m)]
         if left:
+            more = f" and {len(left) - 3} more modules" if len(left) > 3 else ""
             raise self._error("the step ended with deferred weight GEMMs still in Transformer Engine's stores ("
-                              + "; ".join(left) + "); every B needs its W in the same step")
+                              + "; ".join(left[:3]) + more + "); every B needs its W in the same step")
