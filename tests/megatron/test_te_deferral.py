@@ -237,3 +237,16 @@ def test_tables_with_a_reordered_weight_gradient_are_refused(seed):
     broken = table.with_ranks(rows)
     with pytest.raises(ValidationError, match="fifo-weight-grads"):
         check_fifo_weight_grads(broken)
+
+
+@pytest.mark.parametrize("order, ok", [("F0.0 F1.0 B0.0 B1.0 W0.0 W1.0", True), ("F0.0 F1.0 B0.0 B1.0 W1.0 W0.0", False),
+                                       ("F0.0 F1.0 B0.0 BW1.0 W0.0", False)])
+def test_validate_cli_fifo_weight_grads_flag(tmp_path, capsys, order, ok):
+    from primuspipe.cli import main
+
+    row = [ScheduleNode.parse(t) for t in order.split()]
+    path = tmp_path / "table.json"
+    path.write_text(ScheduleTable.build(Placement.interleaved(1, 1), 2, [row], "hand-made").to_json())
+    assert main(["validate", str(path)]) == 0, "valid for the validator's other rules"
+    assert main(["validate", "--fifo-weight-grads", str(path)]) == (0 if ok else 1)
+    assert ("INVALID" in capsys.readouterr().out) is not ok
