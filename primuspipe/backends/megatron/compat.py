@@ -130,7 +130,8 @@ def _check_split_backward(table: ScheduleTable, config: Any, models: Sequence[An
     """Tables with ``B``/``W`` nodes defer weight gradients (``wgrad_store``, ``te_deferral``)."""
     from primuspipe.backends.megatron.te_deferral import te_weight_gemm
 
-    grouped = any(te_weight_gemm(m) == "GroupedLinear" for model in models for m in model.modules())
+    grouped = any(te_weight_gemm(m) == "GroupedLinear" for model in models if isinstance(model, torch.nn.Module)
+                  for m in model.modules())
     if getattr(config, "moe_grouped_gemm", False) and not grouped:
         raise ConfigError(
             f"{table.algorithm} splits the backward into B and W nodes and moe_grouped_gemm=True asks for grouped-GEMM "

@@ -114,9 +114,14 @@ def _refusal(name: str, module: torch.nn.Module, split: bool) -> str | None:
     return None
 
 
-def deferring_te_modules(models: Sequence[torch.nn.Module]) -> tuple[tuple[tuple[str, Any], ...], ...]:
+def _named_modules(model: Any) -> Iterator[tuple[str, torch.nn.Module]]:
+    """A chunk's modules (nothing for a chunk that is not a module, e.g. a test's placeholder)."""
+    return model.named_modules() if isinstance(model, torch.nn.Module) else iter(())
+
+
+def deferring_te_modules(models: Sequence[Any]) -> tuple[tuple[tuple[str, Any], ...], ...]:
     """Per chunk, ``(name, module)`` of the TE modules whose weight GEMMs wait for ``backward_dw``."""
-    return tuple(tuple((name, module) for name, module in model.named_modules()
+    return tuple(tuple((name, module) for name, module in _named_modules(model)
                        if te_weight_gemm(module) is not None and defers(module)) for model in models)
 
 
@@ -127,7 +132,7 @@ def plan_te_deferral(models: Sequence[torch.nn.Module], config: Any, split: bool
     """
     kind = "split-backward (B/W) schedules" if split else "primuspipe's Megatron backend"
     for model in models:
-        for name, module in model.named_modules():
+        for name, module in _named_modules(model):
             why = _refusal(name, module, split)
             if why is not None:
                 raise ConfigError(f"{kind}: {why}")
