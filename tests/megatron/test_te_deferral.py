@@ -101,6 +101,12 @@ def test_what_cannot_defer_is_refused_in_one_line_naming_the_module():
     mlp.use_bias = True
     _consumer(mlp)
     assert "fp8" in _refusal(mlp, fp8="hybrid")
+    fuser = _Config()
+    fuser.use_transformer_engine_op_fuser = True
+    linear = te_standin.Linear(4, 4, delay_wgrad_compute=True)
+    _consumer(linear)
+    with pytest.raises(ConfigError, match=r"use_transformer_engine_op_fuser=True runs TE layers such as 0 \(Linear"):
+        plan_te_deferral([torch.nn.Sequential(linear)], fuser, split=True)
 
 
 def _deferral(*modules):

@@ -23,28 +23,39 @@ from primuspipe.testing.megatron import compare, tiny_models  # noqa: E402
 from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo  # noqa: E402
 
 GPT = tiny_models.TINY_MODELS["tiny-gpt"]
+MOE = tiny_models.TINY_MODELS["tiny-moe"]
 M = 5
-RUNS = {"megatron-1f1b": (None, False), "zb-h1": ("zb-h1", True), "zb-h2": ("zb-h2", True),
-        "primuspipe-1f1b": ("1f1b", True)}
-"""run -> (primuspipe algorithm, or None for Megatron's own schedule; TE deferral on)."""
+RUNS = {"megatron-1f1b": (GPT, None, False), "zb-h1": (GPT, "zb-h1", True), "zb-h2": (GPT, "zb-h2", True),
+        "primuspipe-1f1b": (GPT, "1f1b", True),
+        "moe-megatron-1f1b": (MOE, None, False), "moe-zb-h1": (MOE, "zb-h1", True)}
+"""run -> (model; primuspipe algorithm, or None for Megatron's own schedule; TE deferral on). The MoE
+model's experts are megatron-core's TEGroupedMLP over stand-in GroupedLinear layers."""
 
 
 def _te_style_spec(original):
-    """megatron-core's local GPT layer spec with every linear replaced by the TE-style stand-in."""
+    """megatron-core's local GPT layer spec with every linear replaced by the TE-style stand-in, and MoE
+    experts by megatron-core's TEGroupedMLP over stand-in grouped linears."""
+    import functools
+
     import te_vendor_layers as vendor
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
     def spec(*args, **kwargs):
         layer = original(*args, **kwargs)
         attention, mlp = layer.submodules.self_attention.submodules, layer.submodules.mlp.keywords["submodules"]
-        for holder, names in ((attention, ("linear_qkv", "linear_proj")), (mlp, ("linear_fc1", "linear_fc2"))):
-            for name in names:
-                setattr(holder, name, vendor.MegatronStyleLinear)
+        for name in ("linear_qkv", "linear_proj"):
+            setattr(attention, name, vendor.MegatronStyleLinear)
+        if hasattr(mlp, "experts"):
+            grouped = vendor.MegatronStyleGroupedLinear
+            mlp.experts = functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(grouped, grouped))
+        else:
+            mlp.linear_fc1 = mlp.linear_fc2 = vendor.MegatronStyleLinear
         return layer
 
     return spec
 
 
-def _step(algorithm, defer):
+def _step(model_config, algorithm, defer):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -53,7 +64,7 @@ def _step(algorithm, defer):
     from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
     from primuspipe.backends.megatron.te_deferral import enable_delay_wgrad_compute
 
-    config = tiny_models.transformer_config(GPT, 2, 1)
+    config = tiny_models.transformer_config(model_config, 2, 1)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
     if defer:
@@ -61,7 +72,7 @@ def _step(algorithm, defer):
     original = gpt_layer_specs.get_gpt_layer_local_spec
     gpt_layer_specs.get_gpt_layer_local_spec = _te_style_spec(original)
     try:
-        chunks = tiny_models.build_model_chunks(GPT, config)
+        chunks = tiny_models.build_model_chunks(model_config, config)
     finally:
         gpt_layer_specs.get_gpt_layer_local_spec = original
     model = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
@@ -70,7 +81,7 @@ def _step(algorithm, defer):
     model[0].zero_grad_buffer()
     schedule = get_forward_backward_func() if algorithm is None else \
         PrimusForwardBackward(PrimusPipeConfig(True, algorithm))
-    spec = compare.StepSpec(GPT, M, ddp=True)
+    spec = compare.StepSpec(model_config, M, ddp=True)
     losses, _ = compare.call_schedule(schedule, spec, model)
     result = compare.StepResult([compare._detach(x) for x in losses], compare.param_grads(chunks, ddp=True), {}, 0.0)
     deferring = sum(getattr(m, "wgrad_store", None) is not None and m.need_backward_dw()
@@ -86,10 +97,11 @@ def results():
     return run_on_gloo(work, ParallelLayout(2), timeout_s=300)
 
 
-@pytest.mark.parametrize("run", [r for r in RUNS if r != "megatron-1f1b"])
+@pytest.mark.parametrize("run", [r for r, (_, algorithm, _) in RUNS.items() if algorithm is not None])
 def test_te_deferred_run_matches_megatron(results, run):
+    moe = run.startswith("moe-")
     for rank, result in enumerate(results):
-        (got, deferring), (want, plain) = result[run], result["megatron-1f1b"]
+        (got, deferring), (want, plain) = result[run], result["moe-megatron-1f1b" if moe else "megatron-1f1b"]
         assert deferring == 4 * GPT.num_layers // 2 and plain == 0, f"rank {rank}: the stand-in layers did not defer"
         if want.losses:
             assert torch.equal(stacked_losses(got), stacked_losses(want))

@@ -53,3 +53,19 @@ class GroupedMLP(torch.nn.Module):
 
 class TEGroupedMLP(torch.nn.Module):
     """Only *named* like Megatron's TE experts: not a TE module, so nothing to defer or refuse."""
+
+
+class MegatronStyleGroupedLinear(te_standin.GroupedLinear):
+    """What megatron-core's ``TEGroupedLinear`` does around TE's ``GroupedLinear`` (no biases here)."""
+
+    def __init__(self, num_gemms, input_size, output_size, *, config, bias=False, **_):
+        assert not bias, "the stand-in grouped linear has no biases"
+        super().__init__(num_gemms, input_size, output_size, delay_wgrad_compute=config.delay_wgrad_compute)
+        self.config = config
+
+    def forward(self, x, m_splits):
+        return super().forward(x, m_splits), None
+
+    def backward_dw(self):
+        if self.config.delay_wgrad_compute:
+            super().backward_dw()

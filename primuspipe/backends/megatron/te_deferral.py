@@ -137,6 +137,11 @@ def plan_te_deferral(models: Sequence[torch.nn.Module], config: Any, split: bool
             if why is not None:
                 raise ConfigError(f"{kind}: {why}")
     plan = deferring_te_modules(models)
+    if split and any(plan) and getattr(config, "use_transformer_engine_op_fuser", False):
+        raise ConfigError(
+            f"{kind}: use_transformer_engine_op_fuser=True runs TE layers such as {_describe(*_first(plan))} "
+            "through Transformer Engine's fused operations (TEGroupedMLP's and TEFusedMLP's fused path), which "
+            "compute the weight gradient in the backward and never fill the modules' stores; unset it")
     mlp_fp8_bias = [(n, m) for chunk in plan for n, m in chunk if te_weight_gemm(m) == "LayerNormMLP"
                     and getattr(m, "use_bias", False)]
     if split and mlp_fp8_bias and getattr(config, "fp8", None):
@@ -145,6 +150,11 @@ def plan_te_deferral(models: Sequence[torch.nn.Module], config: Any, split: bool
             "bias gradient in backward_dw under some FP8 recipes and in the backward under others, which a W node "
             "cannot tell apart; set add_bias_linear=False or use a schedule with a fused backward (1f1b)")
     return plan
+
+
+def _first(plan: Sequence[Sequence[tuple[str, Any]]]) -> tuple[str, Any]:
+    """The first ``(name, module)`` of a plan that has one."""
+    return next(entry for chunk in plan for entry in chunk)
 
 
 def enable_delay_wgrad_compute(config: Any, ddp_config: Any = None) -> None:
