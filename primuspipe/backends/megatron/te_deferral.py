@@ -96,7 +96,7 @@ def _refusal(name: str, module: torch.nn.Module, split: bool) -> str | None:
     gemm = te_weight_gemm(module)
     if gemm is None:
         return None
-    if names[0].startswith(PRIMUS_TURBO_PREFIX) or any(n.startswith(PRIMUS_TURBO_PREFIX) for n in names[1:]):
+    if any(n.startswith(PRIMUS_TURBO_PREFIX) for n in names):
         if split or defers(module):
             return (f"{_describe(name, module)} is a Primus-Turbo layer: it inherits TE's {gemm} (and its store) but "
                     "its forward runs Primus-Turbo's GEMM ops, whose weight gradient is computed in the backward or "
@@ -114,15 +114,23 @@ def _refusal(name: str, module: torch.nn.Module, split: bool) -> str | None:
     return None
 
 
-def _named_modules(model: Any) -> Iterator[tuple[str, torch.nn.Module]]:
-    """A chunk's modules (nothing for a chunk that is not a module, e.g. a test's placeholder)."""
-    return model.named_modules() if isinstance(model, torch.nn.Module) else iter(())
+def _deferring(model: Any) -> tuple[tuple[str, Any], ...]:
+    if not isinstance(model, torch.nn.Module):  # e.g. a test's placeholder chunk
+        return ()
+    if model not in _DEFERRING:  # found once per chunk object: a built model's modules do not change
+        _DEFERRING[model] = tuple((name, module) for name, module in model.named_modules()
+                                  if te_weight_gemm(module) is not None and defers(module))
+    return _DEFERRING[model]
 
 
 def deferring_te_modules(models: Sequence[Any]) -> tuple[tuple[tuple[str, Any], ...], ...]:
     """Per chunk, ``(name, module)`` of the TE modules whose weight GEMMs wait for ``backward_dw``."""
-    return tuple(tuple((name, module) for name, module in _named_modules(model)
-                       if te_weight_gemm(module) is not None and defers(module)) for model in models)
+    return tuple(_deferring(model) for model in models)
+
+
+_DEFERRING: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_ACCEPTED: "weakref.WeakKeyDictionary[torch.nn.Module, set[bool]]" = weakref.WeakKeyDictionary()
+"""Chunk -> the ``split`` values its modules were already accepted for."""
 
 
 def plan_te_deferral(models: Sequence[torch.nn.Module], config: Any, split: bool) -> tuple[tuple[Any, ...], ...]:
@@ -132,10 +140,13 @@ def plan_te_deferral(models: Sequence[torch.nn.Module], config: Any, split: bool
     """
     kind = "split-backward (B/W) schedules" if split else "primuspipe's Megatron backend"
     for model in models:
-        for name, module in _named_modules(model):
+        if not isinstance(model, torch.nn.Module) or split in _ACCEPTED.get(model, ()):
+            continue
+        for name, module in model.named_modules():
             why = _refusal(name, module, split)
             if why is not None:
                 raise ConfigError(f"{kind}: {why}")
+        _ACCEPTED.setdefault(model, set()).add(split)
     plan = deferring_te_modules(models)
     if split and any(plan) and getattr(config, "use_transformer_engine_op_fuser", False):
         raise ConfigError(
