@@ -1,15 +1,16 @@
 """TE-deferred weight gradients in real megatron-core training on CPU (gloo), with the STAND-IN for
-Transformer Engine's modules (primuspipe/testing/te_standin.py; TE needs CUDA): a GPTModel whose
-attention and MLP linears are Megatron-TE-style wrappers (tests/support/te_vendor_layers.py) built with
-``delay_wgrad_compute``, wrapped in Megatron DDP with ``ddp_config.delay_wgrad_compute`` (so DDP hooks the
-gradients through ``backward_dw``), trained one step by primuspipe's zero-bubble tables (zb-h1, zb-h2; the V tables zbv and
-dualpipe-v, two chunks per rank) and by its fused 1F1B, against Megatron's own 1F1B (V tables: its pp=1
-step) on the same model without deferral; the MoE model's experts are megatron-core's TEGroupedMLP. Losses and weight gradients are
-bitwise equal; bias gradients of skip_bias_add layers are summed in a different grouping (autograd adds
-two microbatches' before the W's hook moves them to main_grad), so they are compared to 1e-6.
+Transformer Engine's modules (primuspipe/testing/te_standin.py; TE needs CUDA).
+
+A GPTModel whose attention and MLP linears are Megatron-TE-style wrappers (tests/support/te_vendor_layers.py)
+built with ``delay_wgrad_compute`` -- the MoE model's experts megatron-core's TEGroupedMLP over stand-in
+grouped linears -- wrapped in Megatron DDP with ``ddp_config.delay_wgrad_compute`` (so DDP hooks the
+gradients through ``backward_dw``), is trained one step by primuspipe's zero-bubble tables (zb-h1, zb-h2;
+the V tables zbv and dualpipe-v, two chunks per rank) and by its fused 1F1B, against Megatron's own 1F1B
+(V tables: its pp=1 step) on the same model without deferral. Losses and weight gradients are bitwise
+equal; bias gradients of skip_bias_add layers are summed in a different grouping (autograd adds two
+microbatches' before the W's hook moves them to main_grad), so they are compared to 1e-6.
 """
 
-import dataclasses
 import importlib.util
 
 import pytest
