@@ -42,6 +42,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from primuspipe.runtime import nccl_emulation
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
@@ -160,7 +162,7 @@ def init_distributed(args, vpp: int) -> torch.device:
 
         torch.set_num_threads(1)
         enable_cpu_mode()
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=5))
+    dist.init_process_group("nccl" if cuda else nccl_emulation.cpu_backend(), timeout=timedelta(minutes=5))
     set_parallel_state(args, args.pp, vpp)
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.backends.torch import TorchPipeline, split_sequential
 from primuspipe.ir.formats import load_table
+from primuspipe.runtime import nccl_emulation
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,7 +58,7 @@ def main(argv=None) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else nccl_emulation.cpu_backend())
     device = torch.device("cuda") if cuda else torch.device("cpu")
     if dist.get_world_size() != args.pp:
         raise SystemExit(f"run with --nproc-per-node {args.pp} (got a world of {dist.get_world_size()})")

@@ -25,6 +25,7 @@ from primuspipe.ir.formats import dump_table, load_table, save_table
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.activations import W_RETAINED_FRACTION, peak_in_flight
 from primuspipe.passes.fifo_weight_grads import check_fifo_weight_grads
+from primuspipe.passes.streams import DEFAULT_SEMANTICS, SEMANTICS
 from primuspipe.passes.validation import validate
 
 
@@ -63,6 +64,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--w-retained", type=number_type(minimum=0, maximum=1), default=W_RETAINED_FRACTION,
                    metavar="SHARE", help="share of a microbatch's activations its B keeps for its W (default 32/34, "
                                          "see docs/simulator.md)")
+    p.add_argument("--semantics", choices=tuple(SEMANTICS), default=DEFAULT_SEMANTICS,
+                   help="the transport the deadlock replay models (docs/design.md §3): "
+                        + "; ".join(f"{s.name}: {s.summary}" for s in SEMANTICS.values())
+                        + f" (default: {DEFAULT_SEMANTICS}, what primuspipe's runner runs)")
     p.add_argument("--fifo-weight-grads", action="store_true",
                    help="also require what Transformer Engine's deferred weight gradients (delay_wgrad_compute) need: "
                         "per rank and chunk, W/BW nodes in the order of the backwards, microbatch 0's first "
@@ -135,9 +140,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     out = report_console()
     try:
         table = load_table(args.file, args.placement)
-        validate(table, max_in_flight=args.max_in_flight, retained=args.w_retained)
+        checks = dict(max_in_flight=args.max_in_flight, retained=args.w_retained, semantics=args.semantics)
+        validate(table, **checks)
         if not table.has_communication:
-            validate(add_communication(table), max_in_flight=args.max_in_flight, retained=args.w_retained)
+            validate(add_communication(table), **checks)
         if args.fifo_weight_grads:
             check_fifo_weight_grads(table)
     except (ValidationError, TableFormatError, ScheduleShapeError) as exc:
@@ -145,5 +151,5 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return 1
     kind = "full" if table.has_communication else "compute-only"
     out.print(f"valid: {args.file} ({kind} table, {table.algorithm}, pp={table.pp} vpp={table.vpp} "
-                  f"microbatches={table.microbatches})", markup=False)
+                  f"microbatches={table.microbatches}; deadlock-free under the {args.semantics} transport semantics)", markup=False)
     return 0

@@ -129,6 +129,19 @@ def _crossing(placement: Placement, rank: int, kind: NodeKind, chunk: int, mb: i
     return found[0] if found else None
 
 
+def released_transfer(placement: Placement, kind: NodeKind, stage: int, src_stage: int, mb: int) -> Transfer | None:
+    """What a part of ``kind`` on ``stage`` proves delivered when it takes a transfer from ``src_stage``:
+    the transfer this stage sent ``src_stage`` in a step the part needs (a gradient coming back from a
+    stage means that stage consumed the activation sent to it). The runner completes that send there,
+    so the replay waits for it there too."""
+    for step, offset in kind.spec.needs:
+        if offset == 0:
+            for carries, dst in handoffs_out(placement, NodeKind(step), stage):
+                if dst == src_stage:
+                    return Transfer(carries, stage, dst, mb)
+    return None
+
+
 def required_routes(placement: Placement) -> set[Route]:
     """Every route a complete table of this shape moves a transfer along, once per microbatch."""
     out = set()

@@ -7,14 +7,11 @@ Each rule is a small function that raises :class:`ValidationError` naming the ru
 nodes (marked in the printed grid) and what would fix it. :func:`validate` runs them in order, so a
 later rule may rely on the earlier ones (e.g. the deadlock replay trusts that sends and receives pair up).
 
-The deadlock replay models the runner's communication semantics (docs/design.md §3):
-
-* posting a send or a receive never blocks; a send can complete once its receive is posted;
-* between two ranks, per direction, the k-th send is matched with the k-th receive (posting order);
-* a compute node waits for its own inbound transfers only; everything is completed at step end.
-
-Under these rules a table hangs exactly when some compute node waits, directly or through a chain of
-ranks, on a transfer that is posted only after it. The replay finds that chain.
+The deadlock replay models a transport's communication semantics, given as data
+(:mod:`primuspipe.passes.streams`: gloo, NCCL's per-pair and per-group streams, batched groups, and
+primuspipe's own transport, the default; docs/design.md §3): when an operation runs, what it blocks,
+what a compute node waits for. A table hangs exactly when some rank waits, through a chain of
+operations and streams, on itself; the replay finds that chain and names it.
 
 **The proof is cached per table.** A table is an immutable value, so once :func:`validate` accepts
 one, :func:`is_proven` says so in O(1) for as long as that table object lives; the runner validates
@@ -40,15 +37,17 @@ from primuspipe.ir.dataflow import (
 )
 from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.streams import DEFAULT_SEMANTICS, replay, semantics_named
 
 
-_proven: weakref.WeakValueDictionary[tuple[int, bool], ScheduleTable] = weakref.WeakValueDictionary()
-"""``(id(table), complete) -> table`` for every table object a validation accepted, with or without the
-completeness rule (dropped with the table)."""
+_proven: weakref.WeakValueDictionary[tuple[int, bool, str], ScheduleTable] = weakref.WeakValueDictionary()
+"""``(id(table), complete, semantics) -> table`` for every table object a validation accepted, with or
+without the completeness rule, under a transport's semantics (dropped with the table)."""
 
 
 def validate(table: ScheduleTable, *, max_in_flight: float | None = None, retained: float = W_RETAINED_FRACTION,
-             offloaded: float = OFFLOAD_FRACTION, complete: bool = True) -> ScheduleTable:
+             offloaded: float = OFFLOAD_FRACTION, complete: bool = True,
+             semantics: str = DEFAULT_SEMANTICS) -> ScheduleTable:
     """Run every rule (once per table object: see the module docstring); return the table unchanged
     so calls chain.
 
@@ -57,9 +56,11 @@ def validate(table: ScheduleTable, *, max_in_flight: float | None = None, retain
     between B and W (docs/design.md §4), and without the share ``offloaded`` of it between an OFFLOAD
     and its RELOAD. ``complete=False`` leaves out completeness (and the offload pairing, which needs the
     backward), for views that run part of each microbatch's steps (the forward-only view); such a proof
-    does not stand for a full one.
+    does not stand for a full one. ``semantics`` names the transport the deadlock replay models
+    (:data:`~primuspipe.passes.streams.SEMANTICS`; by default primuspipe's own, what the runner runs).
     """
-    if not is_proven(table, complete=complete):
+    semantics_named(semantics)
+    if not is_proven(table, complete=complete, semantics=semantics):
         check_structure(table)
         if complete:
             check_offload(table)
@@ -67,8 +68,8 @@ def validate(table: ScheduleTable, *, max_in_flight: float | None = None, retain
         check_order(table)
         if table.has_communication:
             check_pairing(table)
-        check_deadlock(table)
-        _proven[id(table), complete] = table
+        check_deadlock(table, semantics)
+        _proven[id(table), complete, semantics] = table
     if max_in_flight is not None:
         check_in_flight(table, strict.number(max_in_flight, "max_in_flight", minimum=0),
                         strict.number(retained, "retained", minimum=0, maximum=1),
@@ -76,10 +77,12 @@ def validate(table: ScheduleTable, *, max_in_flight: float | None = None, retain
     return table
 
 
-def is_proven(table: ScheduleTable, *, complete: bool = True) -> bool:
-    """True when :func:`validate` accepted this very table object (with completeness, unless
-    ``complete=False`` asks whether it was proven at least without it): it is safe to run."""
-    return _proven.get((id(table), True)) is table or (not complete and _proven.get((id(table), False)) is table)
+def is_proven(table: ScheduleTable, *, complete: bool = True, semantics: str = DEFAULT_SEMANTICS) -> bool:
+    """True when :func:`validate` accepted this very table object under ``semantics`` (with
+    completeness, unless ``complete=False`` asks whether it was proven at least without it): it is safe
+    to run on that transport."""
+    return (_proven.get((id(table), True, semantics)) is table
+            or (not complete and _proven.get((id(table), False, semantics)) is table))
 
 
 def _fail(table: ScheduleTable, rule: str, what: str, nodes: list[tuple[int, int]], fix: str) -> None:
@@ -346,9 +349,30 @@ def check_pairing(table: ScheduleTable) -> None:
                       "(add_communication does this)")
 
 
-def check_deadlock(table: ScheduleTable) -> None:
-    """Replay every rank under the runner's semantics; refuse if some ranks can never finish."""
-    comm, wiring = table.has_communication, table.wiring
+def check_deadlock(table: ScheduleTable, semantics: str = DEFAULT_SEMANTICS) -> None:
+    """Replay every rank under the transport's ``semantics`` (:mod:`primuspipe.passes.streams`); refuse
+    if some ranks can never finish. A compute-only table is replayed with each transfer available as
+    soon as its producer ran (the order of the compute alone)."""
+    if not table.has_communication:
+        _check_compute_order(table)
+        return
+    hang = replay(table, semantics)
+    if hang is not None:
+        model = semantics_named(semantics)
+        fix = ("run it with primuspipe's transport (--semantics primuspipe: one stream per direction), or post each "
+               "pair's operations so both ranks' streams meet in the same order" if model.stream is not None and
+               model.name != "primuspipe" else
+               "reorder the compute so each rank produces what its peers wait for before it waits itself, "
+               "and post receives in the order the peer sends")
+        stops = ", ".join(f"rank {r} at {'its row end' if i == len(table.ranks[r]) else table.ranks[r][i]}"
+                          for r, i in sorted(hang.stopped.items()))
+        _fail(table, "deadlock", f"under the {model.name} transport semantics ({model.summary}) ranks stop for "
+              f"good ({stops}); the operations wait on each other in a cycle:\n  " + "\n  ".join(hang.chain),
+              list(hang.nodes), fix)
+
+
+def _check_compute_order(table: ScheduleTable) -> None:
+    wiring = table.wiring
     ptr = [0] * table.pp
     available: set[int] = set()
     waiting: dict[int, list[int]] = defaultdict(list)
@@ -356,22 +380,15 @@ def check_deadlock(table: ScheduleTable) -> None:
     ready = deque(range(table.pp))
     while ready:
         rank = ready.popleft()
-        row, moves, takes, gives = table.ranks[rank], wiring.moves[rank], wiring.takes[rank], wiring.gives[rank]
+        row, takes, gives = table.ranks[rank], wiring.takes[rank], wiring.gives[rank]
         i = ptr[rank]
         while i < len(row):
-            kind = row[i].kind
-            produced: tuple[int, ...] = ()
-            if kind.is_send:
-                produced = (moves[i],)
-            elif kind.is_compute:
-                missing = [key for key in takes[i] if key not in available]
-                if missing:
-                    blocked_on[rank] = missing[0]
-                    waiting[missing[0]].append(rank)
-                    break
-                if not comm:  # compute-only: a transfer is available as soon as its producer ran
-                    produced = gives[i]
-            for key in produced:
+            missing = [key for key in takes[i] if key not in available]
+            if missing:
+                blocked_on[rank] = missing[0]
+                waiting[missing[0]].append(rank)
+                break
+            for key in gives[i]:
                 available.add(key)
                 for r in waiting.pop(key, []):
                     blocked_on.pop(r, None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from primuspipe.ir.dataflow import Handoff, handoffs_in, handoffs_out
+from primuspipe.ir.dataflow import Handoff, handoffs_in, handoffs_out, released_transfer
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import ScheduleTable
@@ -72,11 +72,6 @@ def _plan_step(table: ScheduleTable, rank: int, node: ScheduleNode) -> PlannedSt
 
 
 def _sent_to(table: ScheduleTable, kind: NodeKind, stage: int, peer_stage: int, chunk: int, mb: int) -> Handoff | None:
-    """What this chunk sent to ``peer_stage`` for ``mb`` when it ran a step ``kind`` needs (B needs its
-    stage's F, which sent the activation): a part receiving from that stage proves it consumed."""
-    for step, offset in kind.spec.needs:
-        if offset == 0:
-            for carries, dst in handoffs_out(table.placement, NodeKind(step), stage):
-                if dst == peer_stage:
-                    return Handoff(carries, chunk, mb)
-    return None
+    """The outbox key of what this chunk sent ``peer_stage`` and a part of ``kind`` proves delivered."""
+    sent = released_transfer(table.placement, kind, stage, peer_stage, mb)
+    return None if sent is None else Handoff(sent.carries, chunk, mb)

@@ -161,7 +161,7 @@ def shared_run_id(group: Any) -> str:
     """An id for this run of the pipeline ``group``, the same on all its ranks: each rank offers a fresh
     one to the default store and the first offer wins (no collective, so no rank waits on another).
     A torchrun restart (``TORCHELASTIC_RESTART_COUNT``) is a new run."""
-    from primuspipe.runtime.transport import default_store
+    from primuspipe.runtime.liveness import default_store
 
     mine = uuid.uuid4().hex[:12]
     store = default_store()

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from primuspipe.errors import ConfigError, PipelineHangError, PrimusPipeError
+from primuspipe.runtime import nccl_emulation
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def _worker(fn: Callable[[int, int], Any], rank: int, world_size: int, store_pat
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+        dist.init_process_group(nccl_emulation.cpu_backend(), store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         try:
             payload = ("ok", fn(rank, world_size))

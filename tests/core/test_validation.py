@@ -99,7 +99,8 @@ def test_send_delayed_behind_a_wait_is_a_deadlock():
         "F0.0 RECV_B0.0<1 BW0.0 SEND_F0.0>1", "RECV_F0.0<0 F0.0 BW0.0 SEND_B0.0>0"))
     with pytest.raises(ValidationError) as err:
         validate(table)
-    assert err.value.rule == "deadlock" and set(err.value.nodes) == {(0, 2), (1, 1)}
+    # marked: where each rank stops (rank 0's BW0.0, rank 1's F0.0) and the receives they wait on
+    assert err.value.rule == "deadlock" and set(err.value.nodes) == {(0, 2), (1, 1), (0, 1), (1, 0)}
 
 
 def test_structure_errors_name_the_fix():

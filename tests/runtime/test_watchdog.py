@@ -19,7 +19,8 @@ from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.runtime.protocols import Pending
 from primuspipe.runtime.reference_binder import ModuleBinder
 from primuspipe.runtime.runner import ScheduleRunner
-from primuspipe.runtime.transport import P2PTransport, TransferWatchdog
+from primuspipe.runtime.transport import P2PTransport
+from primuspipe.runtime.watchdog import TransferWatchdog
 from primuspipe.testing.gloo import WorkerError, run_gloo
 
 H, BATCH = 4, 2
@@ -76,10 +77,11 @@ def test_monitor_thread_enforces_deadlines_without_blocking_the_host():
 
 def test_gloo_wait_keeps_the_deadline_counted_from_posting():
     def work(rank, world):
-        if rank == 1:
+        transport = P2PTransport(dist.group.WORLD, timeout_s=3.0)
+        if rank == 1:  # takes part in opening the transport's channels (its first transfer), then never sends
+            transport.irecv(ScheduleNode(NodeKind.RECV_B, 0, 0, peer=0), torch.empty(3))
             time.sleep(3.5)
             return None
-        transport = P2PTransport(dist.group.WORLD, timeout_s=3.0)
         pending = transport.irecv(ScheduleNode(NodeKind.RECV_F, 0, 0, peer=1), torch.empty(3))
         time.sleep(2.0)  # the host does other work; the deadline still runs from posting
         start = time.monotonic()

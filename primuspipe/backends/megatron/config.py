@@ -278,7 +278,7 @@ _ENV_NAMES = {
 }
 _SCHEDULE_KEYWORDS = ("cost", "memory_limit")
 """``algorithm_options`` keys that go to ``build_schedule`` itself, not to the algorithm."""
-OTHER_VARIABLES = frozenset({"PRIMUSPIPE_CONFIG", "PRIMUSPIPE_DEMO_DIR"})
+OTHER_VARIABLES = frozenset({"PRIMUSPIPE_CONFIG", "PRIMUSPIPE_DEMO_DIR", "PRIMUSPIPE_NCCL_EMULATION"})
 """``PRIMUSPIPE_*`` variables that are not settings: the config file, and scripts/demo.sh's output folder.
 Any other ``PRIMUSPIPE_*`` variable is refused as a misspelling (an unknown YAML key is refused too)."""
 
