@@ -24,6 +24,7 @@ from primuspipe.passes.offload import offload_activations
 from primuspipe.ir.formats import dump_table, load_table, save_table
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.activations import W_RETAINED_FRACTION, peak_in_flight
+from primuspipe.passes.fifo_weight_grads import check_fifo_weight_grads
 from primuspipe.passes.streams import DEFAULT_SEMANTICS, SEMANTICS
 from primuspipe.passes.validation import validate
 
@@ -67,6 +68,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the transport the deadlock replay models (docs/design.md §3): "
                         + "; ".join(f"{s.name}: {s.summary}" for s in SEMANTICS.values())
                         + f" (default: {DEFAULT_SEMANTICS}, what primuspipe's runner runs)")
+    p.add_argument("--fifo-weight-grads", action="store_true",
+                   help="also require what Transformer Engine's deferred weight gradients (delay_wgrad_compute) need: "
+                        "per rank and chunk, W/BW nodes in the order of the backwards, microbatch 0's first "
+                        "(docs/megatron.md)")
     p.set_defaults(handler=cmd_validate)
 
 
@@ -139,6 +144,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         validate(table, **checks)
         if not table.has_communication:
             validate(add_communication(table), **checks)
+        if args.fifo_weight_grads:
+            check_fifo_weight_grads(table)
     except (ValidationError, TableFormatError, ScheduleShapeError) as exc:
         out.print(f"INVALID {args.file}: {exc}", markup=False)
         return 1

@@ -320,18 +320,6 @@ def test_store_errors_and_scope():
     store.check_empty()
 
 
-def test_transformer_engine_layers_are_refused():
-    from primuspipe.backends.megatron.wgrad_store import check_deferrable
-
-    class TEGroupedMLP(torch.nn.Module):
-        pass
-
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), TEGroupedMLP())
-    with pytest.raises(ConfigError, match="moe_grouped_gemm"):
-        check_deferrable([model])
-    check_deferrable([torch.nn.Sequential(torch.nn.Linear(2, 2))])
-
-
 def test_grouped_gemm_experts_are_refused_with_split_tables():
     """The local spec ignores moe_grouped_gemm and builds SequentialMLP; split tables refuse the flag, as
     documented, instead of running something else than asked."""

@@ -1,7 +1,8 @@
 """The Megatron binder: ``F`` -> megatron-core ``forward_step``, ``BW`` -> ``backward_step``; the
 split backward: ``B`` -> ``backward_step`` with weight GEMMs deferred to a
-:class:`~primuspipe.backends.megatron.wgrad_store.WeightGradStore`, ``W`` -> that store's flush. An
-overlapped ``FB`` node has no handler of its own, so the runner runs its ``F`` then its ``B`` (on one
+:class:`~primuspipe.backends.megatron.wgrad_store.WeightGradStore`, ``W`` -> that store's flush
+(Transformer Engine layers: TE's own store and ``backward_dw``, which a ``BW`` also calls right after its
+backward; :mod:`.te_deferral`). An overlapped ``FB`` node has no handler of its own, so the runner runs its ``F`` then its ``B`` (on one
 device stream the overlap is the schedule's placement of the pair, not concurrency).
 
 One binder serves one call of the forward-backward function (one step); its per-step state is explicit
@@ -167,7 +168,7 @@ class MegatronBinder:
         if a.first_val_step is not None and a.forward_only:
             is_first = a.first_val_step and is_first
         saving = self.offload.forward(call.chunk, call.microbatch) if self.offload else contextlib.nullcontext()
-        with saving:
+        with saving, self.wgrad.forwarding(call.chunk, call.microbatch):
             output, num_tokens = self._schedules.forward_step(
                 a.forward_step_func,
                 a.data_iterators[call.chunk],
@@ -195,7 +196,7 @@ class MegatronBinder:
         return self._schedules.backward_step(input_tensor, output, call.received, self.args.config)
 
     def backward(self, call: ComputeCall) -> Any:
-        with self.sync.around_backward(call.chunk, call.microbatch):
+        with self.sync.around_backward(call.chunk, call.microbatch), self.wgrad.fused(call.chunk, call.microbatch):
             return self._backward_step(call)
 
     def backward_input(self, call: ComputeCall) -> Any:

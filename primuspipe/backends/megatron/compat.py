@@ -26,10 +26,14 @@ _UNSUPPORTED_FLAGS: tuple[tuple[str, str], ...] = (
      "standalone multi-token-prediction stages exchange tensor shapes before each transfer, like "
      "variable_seq_lengths"),
     ("overlap_moe_expert_parallel_comm",
-     "Megatron's combined 1F1B path overlaps the forward of one microbatch with the backward of another "
-     "through its own schedule's combined_forward_backward_step; primuspipe runs an overlapped F+B node's "
-     "forward and backward one after the other through forward_step/backward_step, which that path does "
-     "not support"),
+     "it asks for Megatron's combined 1F1B (pipeline_parallel/combined_1f1b.py), which overlaps one "
+     "microbatch's forward with another's backward layer by layer on separate compute and expert-parallel "
+     "communication streams through per-microbatch schedule plans (build_schedule_plan, "
+     "combined_forward_backward_step) and calls the layers' backward_dw itself; primuspipe's FB nodes run "
+     "their F and then their B through forward_step/backward_step on one stream, and the binder has no "
+     "handler that builds those plans or runs the two halves on two streams, so nothing would overlap. "
+     "For weight-gradient deferral alone, set delay_wgrad_compute without it (te_deferral."
+     "enable_delay_wgrad_compute, docs/megatron.md)"),
     ("num_microbatches_with_partial_activation_checkpoints",
      "Megatron picks the microbatches to checkpoint from its own warm-up counts, which a primuspipe table "
      "does not have; use recompute settings that apply to every microbatch"),
@@ -49,7 +53,9 @@ def check_megatron_config(config: Any, table: ScheduleTable, models: Sequence[An
     if len(models) != table.vpp:
         raise ConfigError(f"the model has {len(models)} chunk(s) per rank but the {table.algorithm} table has vpp={table.vpp}")
     _check_placement(table, models, rank)
-    if any(n.kind in (NodeKind.W, NodeKind.B, NodeKind.FB) for _, _, n in table.positions()):
+    split = any(n.kind in (NodeKind.W, NodeKind.B, NodeKind.FB) for _, _, n in table.positions())
+    _check_te_deferral(table, config, models, split)
+    if split:
         _check_split_backward(table, config, models)
     _check_data_order(table)
     _check_tied_copies(table, models)
@@ -121,16 +127,17 @@ def _check_placement(table: ScheduleTable, models: Sequence[Any], rank: int) -> 
 
 
 def _check_split_backward(table: ScheduleTable, config: Any, models: Sequence[Any]) -> None:
-    """Tables with ``B``/``W`` nodes defer weight gradients (``wgrad_store``)."""
-    from primuspipe.backends.megatron.wgrad_store import check_deferrable
+    """Tables with ``B``/``W`` nodes defer weight gradients (``wgrad_store``, ``te_deferral``)."""
+    from primuspipe.backends.megatron.te_deferral import te_weight_gemm
 
-    if getattr(config, "moe_grouped_gemm", False):
+    grouped = any(te_weight_gemm(m) == "GroupedLinear" for model in models if isinstance(model, torch.nn.Module)
+                  for m in model.modules())
+    if getattr(config, "moe_grouped_gemm", False) and not grouped:
         raise ConfigError(
-            f"{table.algorithm} splits the backward into B and W nodes, which defers weight gradients of megatron-core's "
-            "local linear layers only, but moe_grouped_gemm=True asks for grouped-GEMM experts (Transformer Engine's "
-            "TEGroupedMLP, whose weight gradient TE computes inside its own backward; the local layer spec ignores "
-            "the flag and builds SequentialMLP). Set moe_grouped_gemm=False (SequentialMLP experts), or use a "
-            "schedule with a fused backward (1f1b, interleaved-1f1b)")
+            f"{table.algorithm} splits the backward into B and W nodes and moe_grouped_gemm=True asks for grouped-GEMM "
+            "experts, but the model has none (the local layer spec ignores the flag and builds SequentialMLP). Build "
+            "the experts with Transformer Engine's spec (TEGroupedMLP) and delay_wgrad_compute, or set "
+            "moe_grouped_gemm=False")
 
     for model in models:
         ddp = getattr(model, "ddp_config", None)
@@ -142,4 +149,13 @@ def _check_split_backward(table: ScheduleTable, config: Any, models: Sequence[An
                 "reported in the 'last microbatch', which for a split backward spans the chunk's last B "
                 "(norms, biases) and its last W (weights). Set overlap_grad_reduce=False (the gradients are then "
                 "reduced in finalize_model_grads, after every W).")
-    check_deferrable([_unwrap(m) for m in models])
+
+
+def _check_te_deferral(table: ScheduleTable, config: Any, models: Sequence[Any], split: bool) -> None:
+    """Transformer Engine layers: refuse what cannot defer (``wgrad_store.check_deferrable``); where TE's
+    per-module FIFO stores are used, each chunk's weight-gradient nodes must pop them in order."""
+    from primuspipe.backends.megatron.wgrad_store import check_deferrable
+    from primuspipe.passes.fifo_weight_grads import check_fifo_weight_grads
+
+    if check_deferrable([_unwrap(m) for m in models], config, split):
+        check_fifo_weight_grads(table)

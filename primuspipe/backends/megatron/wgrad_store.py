@@ -23,8 +23,8 @@ Megatron's backward had returned the gradient.
 Gradients computed in ``B`` (not deferred): layer norms, embeddings (word and position), biases, the
 MoE router, and any parameter not behind this linear function. Layers the swap leaves alone (their
 wgrad stays in ``B``): Megatron's own ``defer_embedding_wgrad_compute`` buffer (``grad_output_buffer``),
-GTP weight rematerialisation, and Transformer Engine modules (refused up front by
-:func:`check_deferrable`).
+GTP weight rematerialisation. Transformer Engine layers defer through TE's own store
+(``delay_wgrad_compute``), which the same ``B``/``W`` calls drive: :mod:`.te_deferral`.
 
 The swap is scoped: the class attribute is replaced only inside :meth:`WeightGradStore.collecting`
 and restored on exit, so Megatron's own schedules, ``F``/``BW`` nodes and other code never see it.
@@ -33,13 +33,13 @@ and restored on exit, so Megatron's own schedules, ``F``/``BW`` nodes and other 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from primuspipe.backends.megatron.te_deferral import TEDeferral, deferring_te_modules, plan_te_deferral
 from primuspipe.errors import ConfigError, PrimusPipeError
 
 
@@ -166,6 +166,9 @@ class WeightGradStore:
     def __init__(self, models: Sequence[torch.nn.Module] = ()) -> None:
         self._work: dict[Key, list[_Deferred]] = {}
         self._models = tuple(models)
+        plan = deferring_te_modules(self._models)
+        self._te = TEDeferral(plan) if any(plan) else None
+        """Transformer Engine modules deferring through their own stores, or ``None``."""
         self._parameters: dict[tuple, torch.nn.Parameter] | None = None
         """What identifies each parameter's memory -> the parameter; built at the first weight that is
         not a parameter object (see :meth:`_stash`), never in a step without saved-tensor hooks."""
@@ -186,7 +189,8 @@ class WeightGradStore:
         _Active.store, _Active.key = self, key
         cls.backward = _ORIGINAL[1]
         try:
-            yield
+            with self._te.collecting(chunk, microbatch) if self._te else contextlib.nullcontext():
+                yield
         finally:
             cls.backward = _ORIGINAL[0]
             _Active.store = _Active.key = None
@@ -222,7 +226,22 @@ class WeightGradStore:
             # Autograd's accumulator of each weight adds to .grad and runs its hooks (e.g. Megatron DDP's
             # main_grad accumulation), as it does when the fused backward returns the gradient.
             torch.autograd.backward(weights, grads)
-        return len(work)
+        return len(work) + (self._te.flush(chunk, microbatch) if self._te else 0)
+
+    def forwarding(self, chunk: int, microbatch: int):
+        """Around an ``F`` node: lets the TE accounting see which modules ran for this microbatch."""
+        return self._te.forwarding(chunk, microbatch) if self._te else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def fused(self, chunk: int, microbatch: int) -> Iterator[None]:
+        """Around a fused ``BW`` node's backward: TE modules that defer run ``backward_dw`` right after it
+        (Megatron DDP hooks their gradients through it); local layers are left alone."""
+        if self._te is None:
+            yield
+            return
+        with self._te.collecting(chunk, microbatch):
+            yield
+        self._te.flush(chunk, microbatch)
 
     def pending(self) -> tuple[Key, ...]:
         """``(chunk, microbatch)`` keys whose ``W`` has not run."""
@@ -230,6 +249,8 @@ class WeightGradStore:
 
     def check_empty(self) -> None:
         """Raise if a ``B`` was not followed by its ``W`` (call at step end)."""
+        if self._te is not None:
+            self._te.check_empty()
         if self._work:
             missing = ", ".join(f"W{mb}.{c}" for c, mb in sorted(self._work))
             raise WeightGradError(f"the step ended with weight gradients never applied: {missing} did not run "
@@ -237,29 +258,9 @@ class WeightGradStore:
                                   "incomplete")
 
 
-def check_deferrable(models: Sequence[torch.nn.Module]) -> None:
-    """Refuse models whose weight GEMMs this store cannot defer (checked once per model object).
-
-    Transformer Engine layers (``transformer_impl="transformer_engine"``) and grouped-GEMM experts
-    (``moe_grouped_gemm=True``: ``TEGroupedMLP``, which needs Transformer Engine) compute their weight
-    gradients inside TE's own autograd functions; TE >= 2.3 can defer them itself
-    (``delay_wgrad_compute`` / ``backward_dw``), which this backend does not drive yet.
-    """
-    for model in models:
-        if model in _CHECKED:
-            continue
-        for name, module in model.named_modules():
-            origin = type(module).__module__
-            if origin.startswith(("transformer_engine", "megatron.core.extensions.transformer_engine")) or \
-                    type(module).__name__ in ("TEGroupedMLP", "GroupedMLP"):
-                raise ConfigError(
-                    f"split-backward (B/W) schedules defer weight gradients of megatron-core's local linear layers "
-                    f"only, but {name or 'the model'} is a {type(module).__name__} ({origin}), whose weight "
-                    "gradient Transformer Engine computes inside its own backward (grouped-GEMM experts, "
-                    "moe_grouped_gemm=True, use TEGroupedMLP). Build the model with the local layer spec "
-                    "(transformer_impl='local', moe_grouped_gemm=False: SequentialMLP experts), or use a schedule "
-                    "with a fused backward (1f1b, interleaved-1f1b)")
-        _CHECKED.add(model)
-
-
-_CHECKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+def check_deferrable(models: Sequence[torch.nn.Module], config: Any = None, split: bool = True) -> bool:
+    """Refuse models whose weight GEMMs neither this store nor Transformer Engine's can defer for the table
+    (``split``: it has ``B``/``W`` nodes) -- one line naming the module, see
+    :func:`~primuspipe.backends.megatron.te_deferral.plan_te_deferral`. Returns whether any module defers
+    through TE (then the table must pass the FIFO weight-gradient rule)."""
+    return any(plan_te_deferral(models, config, split))
