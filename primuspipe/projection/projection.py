@@ -144,7 +144,7 @@ class Projector:
     def _activation_budget(self, costs: StageCosts) -> float:
         """Activations that fit beside static memory, in the simulator's units (one microbatch through all
         of a rank's chunks), for memory-aware algorithms; the tightest rank decides."""
-        free = [self.hardware.hbm_bytes * (1 - self.risk_margin) - s.total - t
+        free = [self.hardware.hbm_bytes * (1 - self.risk_margin) - self.hardware.runtime_reserved_bytes - s.total - t
                 for s, t in zip(costs.static, costs.transient_bytes)]
         return max(1.0, min(f / u for f, u in zip(free, costs.activation_units_per_rank())))
 
@@ -157,12 +157,13 @@ class Projector:
                    for r, p in enumerate(costs.params))
         optimizer = max(optimizer_seconds(optimizer_params(p, t), h) for p in costs.params)
         step = simulated.step_time + sync + optimizer
-        peaks = [r.peak_memory_bytes + transient for r, transient in zip(simulated.ranks, costs.transient_bytes)]
+        reserved = h.runtime_reserved_bytes
+        peaks = [r.peak_memory_bytes + transient + reserved for r, transient in zip(simulated.ranks, costs.transient_bytes)]
         worst = max(range(len(peaks)), key=peaks.__getitem__)
         static = costs.static[worst]
         breakdown = {"weights": static.weights, "gradients": static.gradients, "optimizer": static.optimizer,
                      "activations": simulated.ranks[worst].peak_activation_bytes,
-                     "recompute_working_set": costs.transient_bytes[worst]}
+                     "recompute_working_set": costs.transient_bytes[worst], "runtime_reserved": reserved}
         tokens = t.global_batch_size * self.model.seq_length
         model_flops = WorkModel(self.model, t).model_flops() * t.tp * t.cp * t.microbatches * t.dp
         return ProjectionResult(
