@@ -24,9 +24,9 @@ from primuspipe.projection.published import load_runs, project_run  # noqa: E402
 
 def produce() -> tuple[dict, str]:
     rows = [project_run(run) for run in load_runs()]
-    done = [r for r in rows if "ratio" in r]
+    done = [r for r in rows if "ratio" in r and not r["excluded"]]
     summary = {
-        "runs": len(rows), "projected": len(done),
+        "runs": len(rows), "counted": len(done), "excluded": sum(bool(r["excluded"]) for r in rows),
         "within_10_percent": sum(0.9 <= r["ratio"] <= 1.1 for r in done),
         "within_15_percent": sum(0.85 <= r["ratio"] <= 1.15 for r in done),
         "oom_verdicts": sum(r["verdict"] == "OOM" for r in done),
@@ -36,7 +36,7 @@ def produce() -> tuple[dict, str]:
     cells = []
     for r in rows:
         if "ratio" in r:
-            cells.append([r["id"] + (" (held out)" if r["held_out"] else ""), f"{r['published_tokens_per_s_per_gpu']:,.0f}",
+            cells.append([r["id"] + (" (held out)" if r["held_out"] else "") + (" (excluded)" if r["excluded"] else ""), f"{r['published_tokens_per_s_per_gpu']:,.0f}",
                           f"{r['projected_tokens_per_s_per_gpu']:,.0f}", f"{r['ratio']:.3f}",
                           f"{r['verdict']} {r['peak_memory_gib']:.1f}/{r['hbm_gib']:.0f} GiB", f"{r['seconds']:.1f}"])
         else:

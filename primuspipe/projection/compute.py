@@ -62,11 +62,13 @@ class Work:
     def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
 
-    def seconds(self, hardware: HardwareSpec, precision: str) -> float:
+    def attention_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         slow = 0.5 if precision == "fp32" else 1.0
-        attention_per_s = hardware.peak_bf16_tflops * 1e12 * hardware.attention_fraction * slow
+        return self.attention_flops / (hardware.peak_bf16_tflops * 1e12 * hardware.attention_fraction * slow)
+
+    def seconds(self, hardware: HardwareSpec, precision: str) -> float:
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
-        return (self.gemm_seconds(hardware, precision) + self.attention_flops / attention_per_s
+        return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision)
                 + self.memory_bytes / bytes_per_s)
 
 
@@ -246,6 +248,10 @@ class PartTimes:
     backward_input: float
     backward_weight: float
     recompute: float = 0.0
+    gemm: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Of each pass, the seconds of GEMMs (what TP communication can hide under)."""
+    attention: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Of each pass, the seconds of the attention kernels (what ring attention hides its transfers under)."""
 
 
 @dataclass(frozen=True)
@@ -268,9 +274,12 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
     times = {}
     for part in parts:
         pw = work.part(part)
-        seconds = [w.seconds(hardware, precision) * calibration.factor(part, name) for w, name in zip(pw.passes(), PASSES)]
+        factors = [calibration.factor(part, name) for name in PASSES]
+        seconds = [w.seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors)]
         recompute = pw.recompute.seconds(hardware, precision) * calibration.factor(part, "forward")
-        times[part] = PartTimes(*seconds, recompute)
+        gemm = tuple(w.gemm_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
+        attention = tuple(w.attention_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
+        times[part] = PartTimes(*seconds, recompute, gemm, attention)
     return times
 
 

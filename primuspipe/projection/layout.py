@@ -27,12 +27,23 @@ from primuspipe.projection.training_spec import TrainingSpec
 
 
 def layer_counts(num_layers: int, pp: int, vpp: int, *, first: int | None = None, last: int | None = None,
-                 placement: Placement | None = None) -> tuple[int, ...]:
-    """Layers of each stage, in stage order (``placement`` is needed only with ``first``/``last``)."""
+                 placement: Placement | None = None, embedding_slot: bool = False, loss_slot: bool = False
+                 ) -> tuple[int, ...]:
+    """Layers of each stage, in stage order (``placement`` is needed only with ``first``/``last``).
+
+    ``embedding_slot`` / ``loss_slot`` are Megatron's ``account_for_embedding/loss_in_pipeline_split``: the
+    embedding (the output layer and loss) takes one layer's place on the first (last) stage.
+
+    >>> layer_counts(126, pp=8, vpp=8, embedding_slot=True, loss_slot=True)[:2], layer_counts(126, 8, 8, embedding_slot=True, loss_slot=True)[-1]
+    ((1, 2), 1)
+    """
     stages = pp * vpp
     if first is None and last is None:
-        base, extra = divmod(num_layers, stages)
-        return tuple(base + (s < extra) for s in range(stages))
+        base, extra = divmod(num_layers + embedding_slot + loss_slot, stages)
+        counts = [base + (s < extra) for s in range(stages)]
+        counts[0] -= embedding_slot
+        counts[-1] -= loss_slot
+        return tuple(counts)
     assert placement is not None, "uneven first/last stages are per rank: give the placement"
     per_rank = _uneven_rank_counts(num_layers, pp, first, last)
     counts = []
@@ -69,12 +80,16 @@ class StageLayout:
     def build(cls, num_layers: int, training: TrainingSpec, placement: Placement) -> StageLayout:
         first, last = training.decoder_first_pipeline_num_layers, training.decoder_last_pipeline_num_layers
         try:
-            counts = layer_counts(num_layers, placement.pp, placement.vpp, first=first, last=last, placement=placement)
+            counts = layer_counts(num_layers, placement.pp, placement.vpp, first=first, last=last, placement=placement,
+                                  embedding_slot=training.account_for_embedding_in_pipeline_split,
+                                  loss_slot=training.account_for_loss_in_pipeline_split)
         except ValueError as exc:
             raise InputError([(training.source, "decoder_first_pipeline_num_layers", first),
                               (training.source, "decoder_last_pipeline_num_layers", last)], str(exc),
                              "choose first/last counts that leave the middle ranks equal shares divisible by vpp") from None
-        if min(counts) < 1:
+        holds_more = {0: training.account_for_embedding_in_pipeline_split,
+                      len(counts) - 1: training.account_for_loss_in_pipeline_split}
+        if any(n < 0 or (n == 0 and not holds_more.get(s)) for s, n in enumerate(counts)):
             raise InputError([(training.source, "pipeline_model_parallel_size", placement.pp)],
                              f"stage {counts.index(min(counts))} gets no transformer layer (split {list(counts)})",
                              "lower pp * vpp or change the first/last stage layer counts")

@@ -46,6 +46,8 @@ class PublishedRun:
     assumed: tuple[str, ...] = ()
     notes: str = ""
     held_out: bool = False
+    excluded: str = ""
+    """Why the row is shown but not held to the accuracy goal (an inconsistent source); empty: counted."""
 
     def algorithm(self) -> str:
         """The schedule Megatron runs for this layout."""
@@ -90,7 +92,7 @@ def project_run(run: PublishedRun) -> dict[str, Any]:
     """Project one published run; the row of the comparison (``error`` instead of figures when refused)."""
     start = time.perf_counter()
     row: dict[str, Any] = {"id": run.id, "model": run.model, "hardware": run.hardware, "gpus": run.gpus,
-                           "held_out": run.held_out, "source": run.source, "url": run.url}
+                           "held_out": run.held_out, "excluded": run.excluded, "source": run.source, "url": run.url}
     try:
         model = load_model(EXAMPLES / "models" / f"{run.model}.yaml")
         hardware = load_hardware(EXAMPLES / "hardware" / f"{run.hardware}.yaml")

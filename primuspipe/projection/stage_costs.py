@@ -67,6 +67,9 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
     layout = StageLayout.build(model.num_layers, training, placement)
     activations = ActivationModel(model, training)
     comm = {kind: layer_comm(model, training, hardware, kind) for kind in set(model.layer_kinds)}
+    exposed = {kind: c.exposed(training, parts[kind].gemm, parts[kind].attention,
+                               (parts[kind].forward, parts[kind].backward_input, parts[kind].backward_weight))
+               for kind, c in comm.items()}
     last = layout.num_stages - 1
     forward, backward_input, backward_weight, held, kept_for_w, transient = [], [], [], [], [], []
     communication = [0.0, 0.0, 0.0]
@@ -74,9 +77,11 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
         kinds = [model.layer_kinds[i] for i in layers]
         extras = [parts[p] for p, here in (("embedding", stage == 0), ("head", stage == last)) if here]
         again = activations.recomputed(layers)
-        waits = [sum(comm[k].forward for k in kinds),
-                 sum(comm[k].backward_input + (comm[k].forward if full else 0.0) for k, full in zip(kinds, again)),
-                 sum(comm[k].backward_weight for k in kinds)]
+        waits = [0.0, 0.0, 0.0]
+        for k, full in zip(kinds, again):
+            f_wait, b_wait, w_wait = exposed[k]
+            for i, wait in enumerate((f_wait, b_wait + (f_wait if full else 0.0), w_wait)):
+                waits[i] += wait
         communication = [c + w for c, w in zip(communication, waits)]
         f = sum(parts[k].forward for k in kinds)
         b = sum(parts[k].backward_input + (parts[k].forward if full else parts[k].recompute) for k, full in zip(kinds, again))

@@ -226,6 +226,12 @@ class TrainingSpec:
         if unknown := set(self.recompute_modules) - set(RECOMPUTE_MODULES):
             self._fail(("recompute_modules",), f"{sorted(unknown)} are not modelled",
                        f"use some of {', '.join(RECOMPUTE_MODULES)}")
+        if (self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split) and (
+                self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers):
+            self._fail(("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
+                       "Megatron takes either explicit first/last stage layer counts or the embedding/loss accounting",
+                       "keep one of the two")
         if self.moe_expert_load_imbalance is not None and self.moe_expert_load_imbalance < 1:
             self._fail(("moe_expert_load_imbalance",), "the busiest experts cannot carry less than the mean",
                        "give a factor >= 1 (1 = uniform routing)")
@@ -290,7 +296,8 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
     if model.ffn % tp:
         fail(("ffn_hidden_size",), ("tensor_model_parallel_size",), "the MLP width must split evenly over TP ranks",
              f"use a TP that divides {model.ffn}")
-    if model.num_layers < pp * vpp:
+    slots = training.account_for_embedding_in_pipeline_split + training.account_for_loss_in_pipeline_split
+    if model.num_layers + slots < pp * vpp:
         fail(("num_layers",), ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"),
              f"{model.num_layers} layers cannot fill pp * vpp = {pp * vpp} pipeline stages",
              "lower pp or vpp so that every stage holds at least one layer")
@@ -316,7 +323,7 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
     elif training.ep > 1:
         fail(("num_experts",), ("expert_model_parallel_size",), "a dense model has no experts to spread",
              "set expert_model_parallel_size: 1")
-    if training.recompute_granularity == "full" and training.recompute_num_layers > model.num_layers // (pp * vpp):
+    if training.recompute_granularity == "full" and training.recompute_num_layers > max(1, model.num_layers // (pp * vpp)):
         fail(("num_layers",), ("recompute_num_layers", "pipeline_model_parallel_size"),
              "recompute_num_layers exceeds the layers of one model chunk",
              f"use at most {model.num_layers // (pp * vpp)}")
