@@ -234,12 +234,17 @@ class ActivationModel(RankShape):
         if t.recompute_granularity != "full":
             return 0.0
         group = 1 if t.recompute_method == "block" else t.recompute_num_layers
-        return group * max(self._layers[self.model.layer_kinds[i]].total for i in chunk_layers)
+        return group * max((self._layers[self.model.layer_kinds[i]].total for i in chunk_layers), default=0.0)
 
     def wgrad_bytes(self, chunk_layers: range) -> float:
         """Bytes a deferred W needs after B: GEMM inputs and output gradients of every layer."""
         return sum(self._layers[k].gemm_inputs + self._layers[k].gemm_output_grads
                    for k in (self.model.layer_kinds[i] for i in chunk_layers))
+
+    def mtp(self) -> float:
+        """One multi-token-prediction module: its layer, the projection's 2H input, and its head."""
+        m = self.model
+        return self._layers[m.layer_kinds[-1]].total + 2 * self.hidden_bytes + self.head()
 
     # -- first and last stage -------------------------------------------------------------------------
     def embedding(self) -> float:

@@ -127,6 +127,13 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     ep = 0.0
     if kind == "moe":
         copies = shape.residual_tokens * model.moe_router_topk * t.load_imbalance
+        nodes = max(1, t.etp * t.ep // hardware.gpus_per_node)
+        if t.moe_token_dispatcher_type == "flex" and nodes > 1:
+            # DeepEP sends a token once to every node holding one of its experts and fans it out over NVLink
+            # there (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", 3.2.2): a token's k experts, uniform
+            # over the group's nodes, touch nodes * (1 - (1 - 1/nodes)^k) distinct nodes on average.
+            k = model.moe_router_topk
+            copies *= nodes * (1 - (1 - 1 / nodes) ** k) / k
         ep = 2 * net.all_to_all(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
     regather = 2 * net.gather(activation, t.tp, t.tp) if t.sp else 0.0
     return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0))

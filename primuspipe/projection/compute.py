@@ -34,8 +34,9 @@ FLOP_CONVENTIONS = ("causal", "full")
 """How model FLOPs count attention: ``causal`` the half of the score square a causal mask keeps (what the
 kernels compute), ``full`` the whole square (Narayanan et al. 2021's formula, as NVIDIA's NeMo /
 Megatron-Bridge and AMD's Primus report Model TFLOP/s)."""
-PARTS = ("dense", "moe", "embedding", "head")
-"""The parts the model is timed in: a layer of each kind, the first stage's extra and the last's."""
+PARTS = ("dense", "moe", "embedding", "head", "mtp")
+"""The parts the model is timed in: a layer of each kind, the first stage's extra, the last's, and one
+multi-token-prediction module (with ``mtp_num_layers``; on the last stage)."""
 
 
 @dataclass(frozen=True)
@@ -216,8 +217,16 @@ class WorkModel(RankShape):
         return PassWork(output.forward + loss + norm, output.backward_input + loss + norm.scaled(2),
                         output.backward_weight)
 
+    def mtp(self) -> PassWork:
+        """One multi-token-prediction module: embedding lookup, two norms, the 2H -> H projection, a layer
+        of the last layer's kind and another pass through the output layer and loss."""
+        m = self.model
+        projection = self._linear(self.tokens, 2 * m.hidden_size, m.hidden_size)
+        return _sum(self.embedding(), projection, self.layer(m.layer_kinds[-1]), self.head(),
+                    PassWork(self._norms(), self._norms().scaled(2), Work()))
+
     def part(self, name: str) -> PassWork:
-        return self.embedding() if name == "embedding" else self.head() if name == "head" else self.layer(name)
+        return {"embedding": self.embedding, "head": self.head, "mtp": self.mtp}.get(name, lambda: self.layer(name))()
 
     def model_flops(self, attention: str = "causal") -> float:
         """Model FLOPs of one microbatch on one rank, all three passes, no recompute (MFU's numerator):
@@ -270,7 +279,8 @@ class Calibration:
 def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration) -> dict[str, PartTimes]:
     """Seconds per pass of every part the model has, analytical times scaled by the calibration."""
     precision = work.training.precision
-    parts = [p for p in PARTS if p in work.model.layer_kinds or p in ("embedding", "head")]
+    parts = [p for p in PARTS if p in work.model.layer_kinds or p in ("embedding", "head")
+             or (p == "mtp" and work.training.mtp_num_layers)]
     times = {}
     for part in parts:
         pw = work.part(part)

@@ -3,7 +3,9 @@
 A GEMM ``C[m, n] = A[m, k] B[k, n]`` (``groups`` identical ones for the experts of a grouped GEMM) is cut
 into output tiles of ``gemm_tile`` (rows x columns); the tiles run in waves over the accelerator's
 compute units (SMs / CUs), and a wave takes as long as a full one however many of its units have work
-(wave quantisation; tiles past the matrix edge compute padding). So::
+(wave quantisation; tiles past the matrix edge compute padding). The groups of a grouped GEMM (the
+experts of one rank) run one after another, as Transformer Engine's ``GroupedLinear`` issues them, each
+with its own last, partly idle wave. So::
 
     compute = waves * 2 * tile_m * tile_n * k / (peak * gemm_efficiency / compute_units)
     memory  = (m k + k n) * input bytes + m n * output bytes, at HBM bandwidth
@@ -64,11 +66,12 @@ def gemm_seconds(gemm: Gemm, hardware: HardwareSpec, precision: str) -> float:
     peak = (h.fp8_peak_tflops() if gemm.fp8 else h.peak_bf16_tflops * slow) * 1e12
     if h.gemm_efficiency is None:
         return gemm.flops / (peak * h.achievable_fraction)
-    efficiency = h.fp8_gemm_efficiency if gemm.fp8 and h.fp8_gemm_efficiency is not None else h.gemm_efficiency
+    efficiency = (h.fp8_gemm_efficiency if gemm.fp8 and h.fp8_gemm_efficiency is not None else h.gemm_efficiency
+                  ) * h.sustained_fraction
     tile_m, tile_n = h.gemm_tile
-    tiles = math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n) * gemm.groups
+    tiles = math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n)
     units = h.compute_units or tiles  # no unit count: no wave quantisation, only tile padding
-    waves = math.ceil(tiles / units - 1e-9)
+    waves = math.ceil(tiles / units - 1e-9) * gemm.groups  # a grouped GEMM runs its groups one after another
     compute = waves * units * 2 * tile_m * tile_n * gemm.k / (peak * efficiency)
     in_bytes = 1 if gemm.fp8 else (4 if precision == "fp32" else 2)
     out_bytes = 4 if precision == "fp32" else 2

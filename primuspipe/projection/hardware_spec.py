@@ -55,6 +55,10 @@ class HardwareSpec:
     None: every GEMM at ``achievable_fraction``."""
     fp8_gemm_efficiency: float | None = None
     """The same for FP8 GEMMs (share of ``peak_fp8_tflops``); None: ``gemm_efficiency``."""
+    sustained_fraction: float = 1.0
+    """Share of those isolated-kernel rates (GEMMs, attention) a training step sustains: clocks drop when
+    every unit, HBM and the links are busy at once, and overlapped communication kernels hold compute units.
+    Used with ``gemm_efficiency`` only (``achievable_fraction`` already is an in-training figure)."""
     compute_units: int | None = None
     """Streaming multiprocessors / compute units GEMM tiles are spread over (wave quantisation)."""
     gemm_tile: tuple[int, ...] = (128, 256)
@@ -77,7 +81,7 @@ class HardwareSpec:
             raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))], "a tile is two positive sizes",
                              "give [rows, columns], e.g. [128, 256]")
         for name in ("achievable_fraction", "memory_bandwidth_fraction", "network_efficiency", "gemm_efficiency",
-                     "fp8_gemm_efficiency", "attention_efficiency"):
+                     "fp8_gemm_efficiency", "attention_efficiency", "sustained_fraction"):
             if getattr(self, name) is None:
                 continue
             if not 0 < getattr(self, name) <= 1:
@@ -92,7 +96,9 @@ class HardwareSpec:
 
     @property
     def attention_fraction(self) -> float:
-        return self.attention_efficiency if self.attention_efficiency is not None else self.achievable_fraction
+        if self.gemm_efficiency is None:
+            return self.attention_efficiency if self.attention_efficiency is not None else self.achievable_fraction
+        return (self.attention_efficiency or self.achievable_fraction) * self.sustained_fraction
 
     @property
     def peer_bandwidth(self) -> float:

@@ -76,6 +76,8 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
     for stage, layers in enumerate(layout.stage_layers):
         kinds = [model.layer_kinds[i] for i in layers]
         extras = [parts[p] for p, here in (("embedding", stage == 0), ("head", stage == last)) if here]
+        if stage == last and training.mtp_num_layers:
+            extras += [parts["mtp"]] * training.mtp_num_layers
         again = activations.recomputed(layers)
         waits = [0.0, 0.0, 0.0]
         for k, full in zip(kinds, again):
@@ -90,7 +92,7 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
         backward_input.append(b + waits[1] + sum(x.backward_input for x in extras))
         backward_weight.append(w + waits[2] + sum(x.backward_weight for x in extras))
         stage_bytes = (sum(activations.layer_bytes(layers)) + (activations.embedding() if stage == 0 else 0.0)
-                       + (activations.head() if stage == last else 0.0))
+                       + (activations.head() + activations.mtp() * (training.mtp_num_layers or 0) if stage == last else 0.0))
         held.append(stage_bytes)
         w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if stage == last else 0.0)
         kept_for_w.append(min(stage_bytes, w_bytes))
