@@ -108,6 +108,9 @@ class TrainingSpec:
     mtp_num_layers: int | None = None
     """DeepSeek-V3's multi-token prediction: this many extra layers (each with its own projection and the
     shared output head) on the last pipeline stage."""
+    pipeline_model_parallel_layout: str | None = None
+    """Megatron's explicit layout, e.g. ``"Et|(tt|)*30mL"``: one ``|``-separated stage per pp * vpp, in model
+    order, ``t`` a transformer layer, ``E`` the embedding, ``m`` an MTP module, ``L`` the loss."""
     account_for_embedding_in_pipeline_split: bool = False
     """Megatron: the embedding counts as one layer when layers are split over pipeline stages."""
     account_for_loss_in_pipeline_split: bool = False
@@ -297,6 +300,8 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
         fail(("ffn_hidden_size",), ("tensor_model_parallel_size",), "the MLP width must split evenly over TP ranks",
              f"use a TP that divides {model.ffn}")
     slots = training.account_for_embedding_in_pipeline_split + training.account_for_loss_in_pipeline_split
+    if training.pipeline_model_parallel_layout:
+        slots = pp * vpp  # the layout says which stages hold no transformer layer
     if model.num_layers + slots < pp * vpp:
         fail(("num_layers",), ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"),
              f"{model.num_layers} layers cannot fill pp * vpp = {pp * vpp} pipeline stages",
