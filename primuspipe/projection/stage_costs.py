@@ -45,7 +45,8 @@ class StageCosts:
     """Per rank: what a full-recompute backward rebuilds at once, on top of what the schedule holds."""
     p2p: P2PCost
     communication: tuple[float, float, float]
-    """Seconds of TP / CP / EP collectives inside F, B and W, summed over stages (part of the times above)."""
+    """Seconds of TP / CP / EP collectives inside F, B and W that compute does not hide, summed over stages
+    (part of the times above)."""
 
     def cost_model(self) -> CostModel:
         """The simulator's cost model, in seconds."""
