@@ -64,8 +64,9 @@ class TrainingSpec:
     """With selective recompute: which parts are recomputed (some of core_attn, mlp, moe, shared_experts)."""
     use_distributed_optimizer: bool = True
     """Shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    """Mixed bf16/fp16 keeps fp32 main grads and master weights; fp32 trains in fp32 throughout."""
+    precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    """Mixed bf16/fp16 keeps fp32 main grads and master weights; fp32 trains in fp32 throughout; ``fp8`` is
+    shorthand for bf16 with FP8 GEMMs (``fp8_format: hybrid`` unless given)."""
     decoder_first_pipeline_num_layers: int | None = None
     """Layers on the first pipeline rank (all its chunks); the rest split evenly."""
     decoder_last_pipeline_num_layers: int | None = None
@@ -119,6 +120,9 @@ class TrainingSpec:
     """Where the values came from; named in error messages."""
 
     def __post_init__(self) -> None:
+        if self.precision == "fp8":
+            object.__setattr__(self, "precision", "bf16")
+            object.__setattr__(self, "fp8_format", self.fp8_format or "hybrid")
         if self.recompute_num_layers == 0 and self.recompute_granularity != "full":
             object.__setattr__(self, "recompute_num_layers", None)  # Megatron recipes write 0 for "unset"
         if self.recompute_granularity is None and self.recompute_method is not None and not self.recompute_num_layers:
