@@ -257,7 +257,7 @@ class ActivationModel(RankShape):
         """The last stage's extra: final norm, output-layer input, fp32 softmax of the vocab-parallel
         cross entropy (``T V / TP`` floats) and the labels."""
         m, tp = self.model, self.training.tp
-        logits = self.tokens * m.padded_vocab(tp) / tp * _FP32
+        logits = self.tokens * m.padded_vocab(tp) / tp * (self.e if self.training.cross_entropy_loss_fusion else _FP32)
         return self._norm(self.residual_tokens, m.hidden_size) + self.hidden_bytes + logits + self.tokens * 2 * _INDEX
 
     def head_gemm_bytes(self) -> float:

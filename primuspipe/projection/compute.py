@@ -212,7 +212,8 @@ class WorkModel(RankShape):
         m, t = self.model, self.training
         vocab = m.padded_vocab(t.tp) / t.tp
         output = self._linear(self.tokens, m.hidden_size, vocab, fp8=False)  # Megatron keeps the output layer in bf16
-        loss = Work(memory_bytes=self.tokens * vocab * (t.activation_bytes + 3 * 4))  # logits -> fp32 softmax
+        per_logit = t.activation_bytes * 2 if t.cross_entropy_loss_fusion else t.activation_bytes + 3 * 4
+        loss = Work(memory_bytes=self.tokens * vocab * per_logit)  # logits -> fp32 softmax; fused: read, write in place
         norm = Work(memory_bytes=2 * self.hidden_bytes)
         return PassWork(output.forward + loss + norm, output.backward_input + loss + norm.scaled(2),
                         output.backward_weight)

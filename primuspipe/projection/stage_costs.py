@@ -81,7 +81,8 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
             extras += [parts["mtp"]] * training.mtp_num_layers
         again = activations.recomputed(layers)
         waits = [0.0, 0.0, 0.0]
-        for k, full in zip(kinds, again):
+        mtp = [model.layer_kinds[-1]] * (training.mtp_num_layers or 0) if stage == last else []
+        for k, full in zip(kinds + mtp, again + [False] * len(mtp)):  # an MTP module's layer talks as a layer
             f_wait, b_wait, w_wait = exposed[k]
             for i, wait in enumerate((f_wait, b_wait + (f_wait if full else 0.0), w_wait)):
                 waits[i] += wait

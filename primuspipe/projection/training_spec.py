@@ -64,6 +64,19 @@ class TrainingSpec:
     """With selective recompute: which parts are recomputed (some of core_attn, mlp, moe, shared_experts)."""
     use_distributed_optimizer: bool = True
     """Shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
+    use_precision_aware_optimizer: bool = False
+    """Megatron's precision-aware optimizer: the dtypes below may be narrower than fp32."""
+    main_params_dtype: Literal["fp32", "fp16"] = "fp32"
+    """Master weights the optimizer keeps (4 or 2 bytes a parameter)."""
+    main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Main gradients accumulated and reduced (4 or 2 bytes a parameter)."""
+    exp_avg_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
+    """Adam's first moment."""
+    exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
+    """Adam's second moment."""
+    cross_entropy_loss_fusion: bool = False
+    """Fused vocab-parallel cross entropy: the loss reads the logits once and writes their gradient in place,
+    keeping no fp32 softmax."""
     precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     """Mixed bf16/fp16 keeps fp32 main grads and master weights; fp32 trains in fp32 throughout; ``fp8`` is
     shorthand for bf16 with FP8 GEMMs (``fp8_format: hybrid`` unless given)."""
@@ -239,6 +252,11 @@ class TrainingSpec:
                         "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
                        "Megatron takes either explicit first/last stage layer counts or the embedding/loss accounting",
                        "keep one of the two")
+        narrow = (self.main_params_dtype, self.main_grads_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32",) * 4
+        if narrow and not self.use_precision_aware_optimizer:
+            self._fail(("use_precision_aware_optimizer", "main_params_dtype", "main_grads_dtype", "exp_avg_dtype",
+                        "exp_avg_sq_dtype"), "narrower optimizer dtypes need the precision-aware optimizer (Megatron's rule)",
+                       "set use_precision_aware_optimizer: true or keep the dtypes fp32")
         if self.moe_expert_load_imbalance is not None and self.moe_expert_load_imbalance < 1:
             self._fail(("moe_expert_load_imbalance",), "the busiest experts cannot carry less than the mean",
                        "give a factor >= 1 (1 = uniform routing)")
