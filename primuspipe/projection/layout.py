@@ -35,7 +35,8 @@ def layer_counts(num_layers: int, pp: int, vpp: int, *, first: int | None = None
     ``embedding_slot`` / ``loss_slot`` are Megatron's ``account_for_embedding/loss_in_pipeline_split``: the
     embedding (the output layer and loss) takes one layer's place on the first (last) stage.
 
-    >>> layer_counts(126, pp=8, vpp=8, embedding_slot=True, loss_slot=True)[:2], layer_counts(126, 8, 8, embedding_slot=True, loss_slot=True)[-1]
+    >>> counts = layer_counts(126, pp=8, vpp=8, embedding_slot=True, loss_slot=True)
+    >>> counts[:2], counts[-1]
     ((1, 2), 1)
     """
     stages = pp * vpp
