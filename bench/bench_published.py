@@ -60,7 +60,7 @@ def _cells(r: dict, before: dict) -> list[str]:
     if "model_tflops_per_gpu" in run.published:
         published += f" (= {run.published['model_tflops_per_gpu']} TFLOP/s, {run.published['flops_convention']} attention)"
     was = (f"{before['projected_tokens_per_s_per_gpu']:,.0f} ({before['ratio']:.2f}, {before['verdict']})"
-           if "ratio" in before else "refused")
+           if "ratio" in before else "refused" if before else "(row added later)")
     now = ([f"{r['projected_tokens_per_s_per_gpu']:,.0f}", f"{r['ratio']:.3f}", f"{r['verdict']} {r['peak_memory_gib']:.1f} GiB"]
            if "ratio" in r else ["-", "-", "refused: " + r["error"][:80]])
     return [name, f"[{run.source.split(',')[0]}]({run.url})", str(r["gpus"]), layout, precision, published, was, *now,
