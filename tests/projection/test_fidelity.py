@@ -133,3 +133,21 @@ def test_every_published_run_loads_and_projects():
         assert training_of(run).world_size == run.gpus
     row = project_run(next(r for r in runs if r.id.startswith("nemo2412-llama3-8b")))
     assert "error" not in row and row["ratio"] > 0 and row["verdict"] in ("FITS", "AT-RISK", "OOM")
+
+
+def test_fused_cross_entropy_and_narrow_optimizer_state_shrink_memory():
+    from primuspipe.projection.activations import ActivationModel
+    from primuspipe.projection.parameters import ParamCount
+    from primuspipe.projection.static_memory import static_memory
+
+    model = load_model(EXAMPLES / "models" / "llama2-7b.yaml")
+    plain, fused = TrainingSpec(), TrainingSpec(cross_entropy_loss_fusion=True)
+    logits = 4096 * 32000
+    assert ActivationModel(model, plain).head() - ActivationModel(model, fused).head() == pytest.approx(logits * (4 - 2))
+    assert WorkModel(model, fused).head().forward.memory_bytes < WorkModel(model, plain).head().forward.memory_bytes
+    params = ParamCount(dense=1000)
+    narrow = TrainingSpec(use_distributed_optimizer=False, use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
+                          exp_avg_sq_dtype="bf16", fp8_format="e4m3", fp8_param_gather=True)
+    assert dataclasses.astuple(static_memory(params, narrow)) == (1000, 4000, 8000)  # 1 + 4 + (4 + 2 + 2) bytes
+    with pytest.raises(InputError, match="need the precision-aware optimizer"):
+        TrainingSpec(exp_avg_dtype="bf16")
