@@ -53,6 +53,10 @@ def test_fp8_needs_an_fp8_peak_and_mixed_precision():
         TrainingSpec(fp8_format="hybrid", precision="fp32")
     with pytest.raises(InputError, match="without FP8"):
         TrainingSpec(fp8_recipe="blockwise")
+    from primuspipe.projection.compute import Calibration, part_times
+    model = load_model(EXAMPLES / "models" / "llama2-7b.yaml")
+    with pytest.raises(InputError, match="MXFP8 needs matrix units"):
+        part_times(WorkModel(model, TrainingSpec(fp8_format="e4m3", fp8_recipe="mxfp8")), HW, Calibration())
 
 
 def test_fp8_runs_its_linear_layers_in_fp8_and_keeps_fp8_copies():
