@@ -12,7 +12,7 @@ from primuspipe.projection.compute import Calibration
 from primuspipe.projection.framework import ConfigError
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.measured import calibration_from_cost_file
-from primuspipe.projection.megatron_args import load_megatron_config
+from primuspipe.projection.megatron_args import read_megatron_config
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.projection import RISK_MARGIN, Projector, project, scale_to_nodes
 from primuspipe.projection.report import print_report, report_dict
@@ -29,21 +29,29 @@ Inputs (YAML; examples in examples/projection/):
               normalization, untie_embeddings_and_output_weights, MoE (num_experts, moe_router_topk,
               moe_ffn_hidden_size, moe_shared_expert_intermediate_size, moe_layer_freq), MLA, ...
   --training  batch sizes, parallelism (TP, PP, VPP, EP, CP, DP), sequence parallel, recompute, distributed
-              optimizer, precision, uneven first/last stages, kernels (attention backend, fusions);
+              optimizer, precision and FP8 (fp8_format, fp8_recipe), communication overlap (tp_comm_overlap,
+              overlap_grad_reduce, overlap_param_gather, overlap_moe_expert_parallel_comm), uneven or explicit
+              stage layouts, MTP, kernels (attention backend, fusions);
               without it: MBS 1, GBS 128, PP 4, the rest 1, no recompute, distributed optimizer, bf16, flash
   --hardware  one accelerator (peak dense bf16 TFLOP/s, achievable fraction, HBM bytes and bandwidth) and its
               links (GPUs per node, intra/inter-node bandwidth and latency)
-  --megatron-config  instead of --model/--training: a Megatron argument list (--num-layers 32 ...) or a
-              Primus-style YAML of Megatron arguments (Megatron's defaults apply to what it leaves out)
+  --megatron-config  instead of --model/--training: a Megatron argument list (--num-layers 32 ...; a
+              torchrun/launcher in front of the script gives the GPU count, else give --target-nodes) or a
+              Primus-style YAML of Megatron arguments (its modules' model: files and overrides). Megatron's
+              defaults apply to what it leaves out; arguments that change time or memory in ways the
+              projection does not model, and names Megatron does not define, are refused (docs/projection.md)
 
-Times are analytical (FLOPs at the achievable throughput, element-wise traffic at HBM bandwidth, collectives
-on the links) unless calibrated: --benchmark-layers times real megatron-core layers on this host's device;
---measured-costs scales them to a real run's timings (a 'primuspipe calibrate' file of a run of this model
+Times are analytical unless calibrated: GEMMs by shape (the accelerator's measured best GEMM rate, tiles,
+waves, a roofline), attention at its kernel efficiency, element-wise traffic at HBM bandwidth, collectives on
+the links, with what TP/CP/EP/DP overlap hides taken off. --benchmark-layers times real megatron-core layers on
+this host's device; --measured-costs scales them to a real run's timings (a 'primuspipe calibrate' file of a run of this model
 and training configuration). Memory is simulated: what each rank holds in flight under the algorithm's
 table (including what B keeps for a deferred W), plus weights, gradients and optimizer state.
 
-Verdicts: OOM when a rank's peak exceeds HBM; AT-RISK within --risk-margin of it (default {RISK_MARGIN:.0%}:
-fragmentation, communication buffers and workspaces are not modelled); FITS otherwise."""
+Verdicts: OOM when a rank's peak (with the hardware's runtime reserve: context, communicator buffers,
+workspaces) exceeds HBM; AT-RISK within --risk-margin of it (default {RISK_MARGIN:.0%}: allocator fragmentation
+is not modelled); FITS otherwise. MFU is given both ways: causal attention counted once (mfu) and the full
+attention square as NVIDIA and AMD report Model TFLOP/s (mfu_full_attention)."""
 
 _EPILOG = """\
 examples:
@@ -127,7 +135,12 @@ def _inputs(args: argparse.Namespace):
     if args.megatron_config is not None:
         if args.model is not None or args.training is not None:
             raise ConfigError("give either --megatron-config or --model [--training], not both")
-        return load_megatron_config(args.megatron_config)
+        config = read_megatron_config(args.megatron_config)
+        if config.world_size is None and args.target_nodes is None:
+            raise ConfigError(f"{args.megatron_config}: the arguments do not say how many GPUs run (no launcher with "
+                              "--nnodes / --nproc-per-node in front of the script), so data parallelism is unknown; "
+                              "give --target-nodes N")
+        return config.model, config.training
     if args.model is None:
         raise ConfigError("give the model: --model FILE (or --megatron-config FILE)")
     return load_model(args.model), load_training(args.training)

@@ -31,7 +31,15 @@ Recompute (Megatron's): ``full`` keeps only the input of each checkpointed group
 groups of ``recompute_num_layers``; block: the first ``recompute_num_layers`` layers of each chunk, one
 by one); ``selective`` drops what the named modules would keep and keeps their inputs instead
 (``core_attn``: attention keeps the rotated query and key and the fused QKV output V is sliced from; ``mlp`` / ``moe``:
-only the block input; ``shared_experts``: only the shared expert's input).
+only the block input; ``shared_experts``: only the shared expert's input; ``layernorm``: the norms' outputs,
+the inputs of the projections after them, are not kept; ``moe_act``: the experts' activation output, the
+down projection's input, is not kept; ``mla_up_proj``: MLA's up-projected queries, keys and values are
+not kept, only the latents). These three run only with Transformer Engine in megatron-core and are not
+checked against a real layer here.
+
+FP8 (Transformer Engine): a linear layer whose input exists only for it keeps the FP8 copy it computed
+with (1 byte an element) instead -- the normed inputs of the QKV and MLP projections and the experts'
+down-projection inputs; the attention output, which the attention kernel keeps anyway, gains an FP8 copy.
 """
 
 from __future__ import annotations
@@ -113,7 +121,9 @@ class ActivationModel(RankShape):
             new_qk = rope or per_head_norms  # rotated or normalised query and key are new tensors
             core += tokens * (heads + kv_heads) * qk_dim * e if new_qk else query_copy
         elif t.flash_attention:
-            core += tokens * (heads * qk_dim + kv_heads * (qk_dim + v_dim)) * e + scores / m.seq_length * _FP32
+            if not (m.multi_latent_attention and t.recomputes("mla_up_proj")):
+                core += tokens * (heads * qk_dim + kv_heads * (qk_dim + v_dim)) * e
+            core += scores / m.seq_length * _FP32
         else:
             probs = scores * (_FP32 if t.attention_softmax_in_fp32 else e)
             if m.attention_dropout > 0:
@@ -123,7 +133,9 @@ class ActivationModel(RankShape):
             core += tokens * heads * (2 * qk_dim + v_dim) * e + probs
         if keeps_mixed:
             core += mixed
-        kept = qkv_in + latents + core + context
+        fp8_copy = 0.5 if t.fp8 else 1.0  # bytes of a kept GEMM input, relative to the activation dtype
+        kept_in = 0.0 if t.recomputes("layernorm") else qkv_in * fp8_copy
+        kept = kept_in + latents + core + context * (1.5 if t.fp8 else 1.0)
         gemm_inputs = qkv_in + latents + context
         grads = tokens * ((heads + 2 * kv_heads) * qk_dim) * e + self.hidden_bytes
         return kept, gemm_inputs, grads
@@ -136,18 +148,24 @@ class ActivationModel(RankShape):
             return 0.0, 0.0, 0.0
         shard = width / self.training.tp
         act = tokens * self._mlp_activation(shard, probs_scaled=False) * self.e
+        if self.training.fp8:  # the down projection keeps its input as FP8
+            act -= 0.5 * tokens * shard * self.e
         up = shard * (2 if self.model.swiglu else 1)
         return act, tokens * shard * self.e, tokens * (up + self.model.hidden_size) * self.e
 
     def _moe(self) -> tuple[dict[str, float], float, float]:
         m, t = self.model, self.training
-        block_input = self.hidden_bytes
+        block_input = 0.0 if t.recomputes("layernorm") else self.hidden_bytes
         if t.recomputes("moe"):
             return {"moe_mlp": self.hidden_bytes}, self.hidden_bytes, 0.0
         copies = self.residual_tokens * m.moe_router_topk * t.etp
         width = m.expert_ffn / t.etp
         routed_act = copies * self._mlp_activation(width, probs_scaled=True) * self.e
-        routed = copies * m.hidden_size * self.e + routed_act
+        if t.recomputes("moe_act"):  # the activation's output (the down projection's input) is rebuilt
+            routed_act -= copies * width * self.e
+        elif t.fp8:
+            routed_act -= 0.5 * copies * width * self.e
+        routed = copies * m.hidden_size * self.e * (0.5 if t.fp8 else 1.0) + routed_act
         routed_grads = copies * (width * (2 if m.swiglu else 1) + m.hidden_size) * self.e
         routed_inputs = copies * (m.hidden_size + width) * self.e
         router = self.residual_tokens * (m.moe_router_topk * (2 * _INDEX + _FP32 + self.e) + m.num_experts * (_MASK + self.e))
@@ -172,7 +190,8 @@ class ActivationModel(RankShape):
         if kind == "dense":
             mlp_in = self.hidden_bytes
             act, act_in, act_grads = self._dense_mlp(m.ffn, self.tokens, recompute=t.recomputes("mlp"))
-            parts["mlp"] = mlp_in + act
+            kept_in = 0.0 if t.recomputes("layernorm") else mlp_in * (0.5 if t.fp8 and not t.recomputes("mlp") else 1.0)
+            parts["mlp"] = kept_in + act
             inputs, grads = attn_in + mlp_in + act_in, attn_grads + act_grads
         else:
             moe, moe_in, moe_grads = self._moe()
@@ -215,12 +234,17 @@ class ActivationModel(RankShape):
         if t.recompute_granularity != "full":
             return 0.0
         group = 1 if t.recompute_method == "block" else t.recompute_num_layers
-        return group * max(self._layers[self.model.layer_kinds[i]].total for i in chunk_layers)
+        return group * max((self._layers[self.model.layer_kinds[i]].total for i in chunk_layers), default=0.0)
 
     def wgrad_bytes(self, chunk_layers: range) -> float:
         """Bytes a deferred W needs after B: GEMM inputs and output gradients of every layer."""
         return sum(self._layers[k].gemm_inputs + self._layers[k].gemm_output_grads
                    for k in (self.model.layer_kinds[i] for i in chunk_layers))
+
+    def mtp(self) -> float:
+        """One multi-token-prediction module: its layer, the projection's 2H input, and its head."""
+        m = self.model
+        return self._layers[m.layer_kinds[-1]].total + 2 * self.hidden_bytes + self.head()
 
     # -- first and last stage -------------------------------------------------------------------------
     def embedding(self) -> float:
@@ -233,7 +257,7 @@ class ActivationModel(RankShape):
         """The last stage's extra: final norm, output-layer input, fp32 softmax of the vocab-parallel
         cross entropy (``T V / TP`` floats) and the labels."""
         m, tp = self.model, self.training.tp
-        logits = self.tokens * m.padded_vocab(tp) / tp * _FP32
+        logits = self.tokens * m.padded_vocab(tp) / tp * (self.e if self.training.cross_entropy_loss_fusion else _FP32)
         return self._norm(self.residual_tokens, m.hidden_size) + self.hidden_bytes + logits + self.tokens * 2 * _INDEX
 
     def head_gemm_bytes(self) -> float:

@@ -59,14 +59,60 @@ class Collectives:
     def all_reduce(self, nbytes: float, ranks: int, span: int) -> float:
         return 2 * self.gather(nbytes, ranks, span)
 
+    def all_to_all(self, nbytes: float, ranks: int, span: int) -> float:
+        """All-to-all of ``nbytes`` per rank over ``ranks`` spanning ``span`` consecutive ranks: the share
+        for ranks of the same node crosses the node's fabric, the rest the network, both at once."""
+        h = self.hardware
+        if ranks == 1 or nbytes == 0:
+            return 0.0
+        if span <= h.gpus_per_node:
+            return self.gather(nbytes, ranks, span)
+        local = max(1, ranks * h.gpus_per_node // span)  # group members per node
+        intra = (local - 1) / ranks * nbytes / (h.intra_node_bandwidth_bytes_per_s * h.network_efficiency)
+        inter = (ranks - local) / ranks * nbytes / (h.inter_node_bandwidth_bytes_per_s * h.network_efficiency)
+        return max(intra, inter) + (ranks - 1) * h.inter_node_latency_s
+
 
 @dataclass(frozen=True)
 class LayerComm:
-    """Seconds a layer of each kind waits on TP / CP / EP collectives, per pass and microbatch."""
+    """Seconds a layer of each kind spends in TP / CP / EP collectives, per pass (F, B, W) and microbatch,
+    before any overlap with compute."""
 
-    forward: float
-    backward_input: float
-    backward_weight: float
+    tp: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    cp: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    ep: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @property
+    def forward(self) -> float:
+        return self.tp[0] + self.cp[0] + self.ep[0]
+
+    @property
+    def backward_input(self) -> float:
+        return self.tp[1] + self.cp[1] + self.ep[1]
+
+    @property
+    def backward_weight(self) -> float:
+        return self.tp[2] + self.cp[2] + self.ep[2]
+
+    def exposed(self, training: TrainingSpec, gemm: tuple[float, ...], attention: tuple[float, ...],
+                compute: tuple[float, ...]) -> tuple[float, float, float]:
+        """Seconds of each pass the compute does not hide, as the frameworks overlap:
+
+        * TP with ``tp_comm_overlap``: chunked all-gathers/reduce-scatters under the GEMMs they feed; the
+          first of ``TP`` chunks, or what outlasts the GEMMs, shows;
+        * CP: ring attention passes key/value blocks under the attention of the block before; the first of
+          ``CP`` steps, or what outlasts the attention, shows;
+        * EP with ``overlap_moe_expert_parallel_comm``: one microbatch's all-to-alls under another's compute
+          of the same pass; what outlasts it shows. Otherwise all of it.
+        """
+        t = training
+        exposed = []
+        for i in range(3):
+            tp = (max(self.tp[i] / t.tp, self.tp[i] - gemm[i]) if t.tp_comm_overlap and t.tp > 1 else self.tp[i])
+            cp = max(self.cp[i] / t.cp, self.cp[i] - attention[i]) if t.cp > 1 else self.cp[i]
+            ep = max(0.0, self.ep[i] - compute[i]) if t.overlap_moe_expert_parallel_comm else self.ep[i]
+            exposed.append(tp + cp + ep)
+        return exposed[0], exposed[1], exposed[2]
 
 
 def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, kind: str) -> LayerComm:
@@ -80,10 +126,17 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     cp = net.gather(kv, t.cp, t.tp * t.cp)
     ep = 0.0
     if kind == "moe":
-        copies = shape.residual_tokens * model.moe_router_topk
-        ep = 2 * net.gather(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
+        copies = shape.residual_tokens * model.moe_router_topk * t.load_imbalance
+        nodes = max(1, t.etp * t.ep // hardware.gpus_per_node)
+        if t.moe_token_dispatcher_type == "flex" and nodes > 1:
+            # DeepEP sends a token once to every node holding one of its experts and fans it out over NVLink
+            # there (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", 3.2.2): a token's k experts, uniform
+            # over the group's nodes, touch nodes * (1 - (1 - 1/nodes)^k) distinct nodes on average.
+            k = model.moe_router_topk
+            copies *= nodes * (1 - (1 - 1 / nodes) ** k) / k
+        ep = 2 * net.all_to_all(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
     regather = 2 * net.gather(activation, t.tp, t.tp) if t.sp else 0.0
-    return LayerComm(tp + cp + ep, tp + 2 * cp + ep, regather)
+    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0))
 
 
 def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:
@@ -96,11 +149,15 @@ def pipeline_ranks_per_node(training: TrainingSpec, hardware: HardwareSpec) -> i
     return max(1, hardware.gpus_per_node // (training.tp * training.cp * training.dp))
 
 
-def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: HardwareSpec, *, tied_embedding: float = 0.0
-                  ) -> float:
-    """Seconds one rank's data-parallel gradient reduction and weight all-gather add after the last
-    backward (the reduction is hidden with ``overlap_grad_reduce``); ``tied_embedding`` are the
-    embedding parameters whose gradients the first and last stage all-reduce."""
+def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: HardwareSpec, *, tied_embedding: float = 0.0,
+                  buckets: int = 1) -> float:
+    """Seconds one rank's data-parallel gradient reduction and weight all-gather add to the step;
+    ``tied_embedding`` are the embedding parameters whose gradients the first and last stage all-reduce.
+
+    Megatron reduces gradients bucket by bucket as backward produces them (``overlap_grad_reduce``) and
+    gathers the updated weights bucket by bucket as the next forward needs them (``overlap_param_gather``);
+    overlapped, only the last reduction (the first gather) of ``buckets`` roughly equal buckets -- one per
+    layer of the rank -- is exposed."""
     t, net = training, Collectives(hardware)
     grad_bytes = 4  # fp32 main gradients (mixed precision accumulates and reduces in fp32)
     weight_bytes = 4 if t.precision == "fp32" else 2
@@ -114,4 +171,6 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
         else:
             reduce += net.all_reduce(count * grad_bytes, ranks, span)
     tied = net.all_reduce(tied_embedding * grad_bytes, 2, span * t.pp)
-    return gather + tied + (0.0 if t.overlap_grad_reduce else reduce)
+    tail = 1 / max(1, buckets)
+    return (gather * (tail if t.overlap_param_gather else 1.0) + tied
+            + reduce * (tail if t.overlap_grad_reduce else 1.0))

@@ -24,35 +24,54 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
-from primuspipe.projection.parameters import attention_params, layer_params
-from primuspipe.projection.training_spec import RankShape
+from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.spec_fields import InputError
+from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 PASSES = ("forward", "backward_input", "backward_weight")
-PARTS = ("dense", "moe", "embedding", "head")
-"""The parts the model is timed in: a layer of each kind, the first stage's extra and the last's."""
+FLOP_CONVENTIONS = ("causal", "full")
+"""How model FLOPs count attention: ``causal`` the half of the score square a causal mask keeps (what the
+kernels compute), ``full`` the whole square (Narayanan et al. 2021's formula, as NVIDIA's NeMo /
+Megatron-Bridge and AMD's Primus report Model TFLOP/s)."""
+PARTS = ("dense", "moe", "embedding", "head", "mtp")
+"""The parts the model is timed in: a layer of each kind, the first stage's extra, the last's, and one
+multi-token-prediction module (with ``mtp_num_layers``; on the last stage)."""
 
 
 @dataclass(frozen=True)
 class Work:
     """What one pass of one part does on one rank."""
 
-    gemm_flops: float = 0.0
+    gemms: tuple[Gemm, ...] = ()
+    """The pass's GEMMs by shape (timed by :func:`~primuspipe.projection.gemm.gemm_seconds`)."""
     attention_flops: float = 0.0
     memory_bytes: float = 0.0
     """Bytes moved by element-wise (memory-bound) kernels."""
 
+    @property
+    def gemm_flops(self) -> float:
+        return sum(g.flops for g in self.gemms)
+
     def __add__(self, other: Work) -> Work:
-        return Work(self.gemm_flops + other.gemm_flops, self.attention_flops + other.attention_flops,
+        return Work(self.gemms + other.gemms, self.attention_flops + other.attention_flops,
                     self.memory_bytes + other.memory_bytes)
 
     def scaled(self, factor: float) -> Work:
-        return Work(self.gemm_flops * factor, self.attention_flops * factor, self.memory_bytes * factor)
+        return Work(tuple(g.times(factor) for g in self.gemms), self.attention_flops * factor, self.memory_bytes * factor)
+
+    def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
+        return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
+
+    def attention_seconds(self, hardware: HardwareSpec, precision: str) -> float:
+        slow = 0.5 if precision == "fp32" else 1.0
+        return self.attention_flops / (hardware.peak_bf16_tflops * 1e12 * hardware.attention_fraction * slow)
 
     def seconds(self, hardware: HardwareSpec, precision: str) -> float:
-        flops_per_s = hardware.peak_bf16_tflops * 1e12 * hardware.achievable_fraction * (0.5 if precision == "fp32" else 1)
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
-        return (self.gemm_flops + self.attention_flops) / flops_per_s + self.memory_bytes / bytes_per_s
+        return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision)
+                + self.memory_bytes / bytes_per_s)
 
 
 @dataclass(frozen=True)
@@ -73,9 +92,43 @@ class PassWork:
 class WorkModel(RankShape):
     """Per-rank work of each part of the model for one microbatch."""
 
-    def _gemm(self, tokens: float, weights: float) -> PassWork:
-        flops = 2 * tokens * weights
-        return PassWork(Work(flops), Work(flops), Work(flops))
+    def _linear(self, tokens: float, fan_in: float, fan_out: float, *, groups: float = 1, fp8: bool | None = None
+                ) -> PassWork:
+        """A linear layer over ``tokens``: its forward, input-gradient and weight-gradient GEMMs. Under FP8
+        each GEMM input is cast first (read bf16, write FP8 and its transpose; current scaling reads it once
+        more for the scale)."""
+        fp8 = self.training.fp8 if fp8 is None else fp8
+        gemm = Gemm(tokens, fan_out, fan_in, groups, fp8)
+        cast_fwd = cast_bwd = 0.0
+        if fp8:
+            per_element = 4 + (2 if self.training.fp8_recipe == "tensorwise" else 0)
+            cast_fwd, cast_bwd = per_element * tokens * fan_in * groups, per_element * tokens * fan_out * groups
+        return PassWork(Work((gemm,), memory_bytes=cast_fwd), Work((gemm.dgrad(),), memory_bytes=cast_bwd),
+                        Work((gemm.wgrad(),)))
+
+    def _mlp(self, tokens: float, width: float, *, groups: float = 1) -> PassWork:
+        """Up (gated with SwiGLU) and down projections of an MLP ``width`` wide on this rank."""
+        h = self.model.hidden_size
+        return _sum(self._linear(tokens, h, width * (2 if self.model.swiglu else 1), groups=groups),
+                    self._linear(tokens, width, h, groups=groups))
+
+    def _attention_projections(self) -> tuple[PassWork, PassWork]:
+        """(all projections of the attention block, the MLA up-projections among them)."""
+        m, t, tokens, h = self.model, self.training, self.tokens, self.model.hidden_size
+        heads = m.num_attention_heads / t.tp
+        if not m.multi_latent_attention:
+            qkv = self._linear(tokens, h, (heads + 2 * m.query_groups / t.tp) * m.head_dim)
+            return _sum(qkv, self._linear(tokens, heads * m.head_dim, h)), PassWork(Work(), Work(), Work())
+        qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+        if m.q_lora_rank is None:
+            query, q_up = self._linear(tokens, h, heads * qk), None
+        else:
+            q_up = self._linear(tokens, m.q_lora_rank, heads * qk)
+            query = _sum(self._linear(tokens, h, m.q_lora_rank), q_up)
+        kv_up = self._linear(tokens, m.kv_lora_rank, heads * (m.qk_head_dim + m.v_head_dim))
+        kv = _sum(self._linear(tokens, h, m.kv_lora_rank + m.qk_pos_emb_head_dim), kv_up)
+        ups = _sum(kv_up, *([q_up] if q_up else []))
+        return _sum(query, kv, self._linear(tokens, heads * m.v_head_dim, h)), ups
 
     def _attention_core(self) -> PassWork:
         m, t = self.model, self.training
@@ -91,42 +144,61 @@ class WorkModel(RankShape):
         fwd = Work(attention_flops=forward, memory_bytes=softmax)
         return PassWork(fwd, Work(attention_flops=backward, memory_bytes=2 * softmax), Work(), recompute=fwd)
 
+    def _norms(self) -> Work:
+        """The layer's two norms, forward: each reads and writes the residual stream."""
+        return Work(memory_bytes=2 * 2 * self.hidden_bytes)
+
+    def _activation(self, tokens: float, width: float) -> Work:
+        """The activation function over ``tokens`` x ``width``: SwiGLU reads 2F, writes F; GELU reads F, writes F."""
+        return Work(memory_bytes=(3 if self.model.swiglu else 2) * tokens * width * self.e)
+
     def _elementwise(self, kind: str) -> Work:
-        """Norms, residual adds, rotary embedding and the activation function of one layer, forward."""
+        """Residual adds, rotary embedding, the activation function and MoE permutation of one layer, forward
+        (the norms are :meth:`_norms`)."""
         m, t = self.model, self.training
         e = self.e
-        moved = (2 * 2 + 2 * 3) * self.hidden_bytes  # two norms (read, write), two residual adds (2 reads, 1 write)
+        moved = 2 * 3 * self.hidden_bytes  # two residual adds (2 reads, 1 write)
         if m.position_embedding_type == "rope":
             moved += 2 * self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
-        act = 3 if m.swiglu else 2  # SwiGLU reads 2F, writes F; GELU reads F, writes F
         if kind == "dense":
-            moved += act * self.tokens * m.ffn / t.tp * e
-        else:
-            copies = self.residual_tokens * m.moe_router_topk * t.etp
-            moved += act * copies * m.expert_ffn / t.etp * e + 4 * copies * m.hidden_size * e  # + (un)permute
-            moved += act * self.tokens * (m.moe_shared_expert_intermediate_size or 0) / t.tp * e
-        return Work(memory_bytes=moved)
+            return Work(memory_bytes=moved) + self._activation(self.tokens, m.ffn / t.tp)
+        copies = self.expert_copies * t.load_imbalance
+        moved += 4 * copies * m.hidden_size * e  # permute and unpermute: each reads and writes every copy
+        moved += self.residual_tokens * m.num_experts * 4 * 3  # router softmax / top-k over fp32 logits
+        shared = self._activation(self.tokens, (m.moe_shared_expert_intermediate_size or 0) / t.tp)
+        return Work(memory_bytes=moved) + self._activation(copies, m.expert_ffn / t.etp) + shared
+
+    @property
+    def expert_copies(self) -> float:
+        """Token copies the experts of one rank process per microbatch (uniform routing)."""
+        return self.residual_tokens * self.model.moe_router_topk * self.training.etp
 
     def layer(self, kind: str) -> PassWork:
         """One layer of ``kind``: GEMMs, attention and element-wise work, with what selective recompute repeats."""
         m, t = self.model, self.training
-        attention = self._gemm(self.tokens, attention_params(m, t.tp))
+        attention, up_projections = self._attention_projections()
         core = self._attention_core()
-        params = layer_params(m, t, kind)
         if kind == "dense":
-            mlp = self._gemm(self.tokens, params["mlp"].total)
+            mlp = self._mlp(self.tokens, m.ffn / t.tp)
             mlp_recompute = mlp.forward if t.recomputes("mlp") else Work()
         else:
-            copies = self.residual_tokens * m.moe_router_topk * t.etp
-            routed = self._gemm(copies, params["experts"].total / (m.num_experts // t.ep))
-            shared = self._gemm(self.tokens, params["shared_expert"].total) if "shared_expert" in params else None
-            router = self._gemm(self.residual_tokens, params["router"].total)
+            local = m.num_experts // t.ep
+            per_expert = self.expert_copies * t.load_imbalance / local
+            routed = self._mlp(per_expert, m.expert_ffn / t.etp, groups=local)
+            shared = (self._mlp(self.tokens, m.moe_shared_expert_intermediate_size / t.tp)
+                      if m.moe_shared_expert_intermediate_size else None)
+            router = self._linear(self.residual_tokens, m.hidden_size, m.num_experts, fp8=False)
             mlp = _sum(routed, router, *([shared] if shared else []))
             mlp_recompute = (mlp.forward if t.recomputes("moe") else
                              shared.forward if shared and t.recomputes("shared_experts") else Work())
-        element = self._elementwise(kind)
+            if t.recomputes("moe_act") and not t.recomputes("moe"):
+                mlp_recompute = mlp_recompute + self._activation(self.expert_copies * t.load_imbalance,
+                                                                 m.expert_ffn / t.etp)
+        element = self._elementwise(kind) + self._norms()
         forward = attention.forward + core.forward + mlp.forward + element
-        recompute = (core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
+        recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
+                     + (self._norms() if t.recomputes("layernorm") else Work())
+                     + (up_projections.forward if t.recomputes("mla_up_proj") and m.multi_latent_attention else Work()))
         return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.scaled(2),
                         attention.backward_weight + mlp.backward_weight, recompute)
 
@@ -140,24 +212,39 @@ class WorkModel(RankShape):
         """Final norm, output layer and the vocab-parallel cross entropy."""
         m, t = self.model, self.training
         vocab = m.padded_vocab(t.tp) / t.tp
-        output = self._gemm(self.tokens, vocab * m.hidden_size)
-        loss = Work(memory_bytes=self.tokens * vocab * (t.activation_bytes + 3 * 4))  # logits -> fp32 softmax
+        output = self._linear(self.tokens, m.hidden_size, vocab, fp8=False)  # Megatron keeps the output layer in bf16
+        per_logit = t.activation_bytes * 2 if t.cross_entropy_loss_fusion else t.activation_bytes + 3 * 4
+        loss = Work(memory_bytes=self.tokens * vocab * per_logit)  # logits -> fp32 softmax; fused: read, write in place
         norm = Work(memory_bytes=2 * self.hidden_bytes)
         return PassWork(output.forward + loss + norm, output.backward_input + loss + norm.scaled(2),
                         output.backward_weight)
 
-    def part(self, name: str) -> PassWork:
-        return self.embedding() if name == "embedding" else self.head() if name == "head" else self.layer(name)
+    def mtp(self) -> PassWork:
+        """One multi-token-prediction module: embedding lookup, two norms, the 2H -> H projection, a layer
+        of the last layer's kind and another pass through the output layer and loss."""
+        m = self.model
+        projection = self._linear(self.tokens, 2 * m.hidden_size, m.hidden_size)
+        return _sum(self.embedding(), projection, self.layer(m.layer_kinds[-1]), self.head(),
+                    PassWork(self._norms(), self._norms().scaled(2), Work()))
 
-    def model_flops(self) -> float:
+    def part(self, name: str) -> PassWork:
+        return {"embedding": self.embedding, "head": self.head, "mtp": self.mtp}.get(name, lambda: self.layer(name))()
+
+    def model_flops(self, attention: str = "causal") -> float:
         """Model FLOPs of one microbatch on one rank, all three passes, no recompute (MFU's numerator):
-        GEMMs, and attention with causal masking counted."""
+        GEMMs, and attention counted by ``attention`` (see :data:`FLOP_CONVENTIONS`)."""
         def useful(work: PassWork, attention_share: float) -> float:
             return sum(w.gemm_flops for w in work.passes()) + work.forward.attention_flops * attention_share * 3
 
-        causal_share = 1.0 if self.training.flash_attention else 0.5
+        causal_share = (1.0 if self.training.flash_attention else 0.5) * (2.0 if attention == "full" else 1.0)
         layers = Counter(self.model.layer_kinds)
         return sum(n * useful(self.layer(k), causal_share) for k, n in layers.items()) + useful(self.head(), 0)
+
+
+def model_flops_per_token(model: ModelSpec, attention: str = "causal") -> float:
+    """Model FLOPs (three passes) per token of the whole model, attention counted by ``attention``."""
+    neutral = TrainingSpec(pipeline_model_parallel_size=1, global_batch_size=1)
+    return WorkModel(model, neutral).model_flops(attention) / model.seq_length
 
 
 def _sum(*works: PassWork) -> PassWork:
@@ -172,6 +259,10 @@ class PartTimes:
     backward_input: float
     backward_weight: float
     recompute: float = 0.0
+    gemm: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Of each pass, the seconds of GEMMs (what TP communication can hide under)."""
+    attention: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Of each pass, the seconds of the attention kernels (what ring attention hides its transfers under)."""
 
 
 @dataclass(frozen=True)
@@ -190,13 +281,21 @@ class Calibration:
 def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration) -> dict[str, PartTimes]:
     """Seconds per pass of every part the model has, analytical times scaled by the calibration."""
     precision = work.training.precision
-    parts = [p for p in PARTS if p in work.model.layer_kinds or p in ("embedding", "head")]
+    if work.training.fp8 and work.training.fp8_recipe == "mxfp8" and not hardware.block_scaled_fp8:
+        raise InputError([(work.training.source, "fp8_recipe", "mxfp8"), (hardware.source, "block_scaled_fp8", False)],
+                         "MXFP8 needs matrix units that scale FP8 per block (Blackwell, MI355X)",
+                         "use fp8_recipe tensorwise/delayed/blockwise on this accelerator")
+    parts = [p for p in PARTS if p in work.model.layer_kinds or p in ("embedding", "head")
+             or (p == "mtp" and work.training.mtp_num_layers)]
     times = {}
     for part in parts:
         pw = work.part(part)
-        seconds = [w.seconds(hardware, precision) * calibration.factor(part, name) for w, name in zip(pw.passes(), PASSES)]
+        factors = [calibration.factor(part, name) for name in PASSES]
+        seconds = [w.seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors)]
         recompute = pw.recompute.seconds(hardware, precision) * calibration.factor(part, "forward")
-        times[part] = PartTimes(*seconds, recompute)
+        gemm = tuple(w.gemm_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
+        attention = tuple(w.attention_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
+        times[part] = PartTimes(*seconds, recompute, gemm, attention)
     return times
 
 

@@ -45,18 +45,60 @@ class HardwareSpec:
     """Share of link bandwidth that collectives and sends reach."""
     gpus_per_node: int = 8
     """Accelerators sharing the intra-node fabric."""
+    peak_fp8_tflops: float | None = None
+    """Dense FP8 matrix throughput, TFLOP/s; None: the accelerator has no FP8 GEMMs (FP8 training is refused)."""
+    block_scaled_fp8: bool = False
+    """Whether the matrix units scale FP8 per block in hardware (MXFP8: Blackwell, MI355X)."""
+    gemm_efficiency: float | None = None
+    """Share of the bf16 peak the best-shaped large GEMM sustains (its measured Maximum Achievable Matmul
+    FLOPS / peak). Set, GEMM times follow their shapes (tiles, waves, roofline: :mod:`~primuspipe.projection.gemm`);
+    None: every GEMM at ``achievable_fraction``."""
+    fp8_gemm_efficiency: float | None = None
+    """The same for FP8 GEMMs (share of ``peak_fp8_tflops``); None: ``gemm_efficiency``."""
+    sustained_fraction: float = 1.0
+    """Share of those isolated-kernel rates (GEMMs, attention) a training step sustains: clocks drop when
+    every unit, HBM and the links are busy at once, and overlapped communication kernels hold compute units.
+    Used with ``gemm_efficiency`` only (``achievable_fraction`` already is an in-training figure)."""
+    compute_units: int | None = None
+    """Streaming multiprocessors / compute units GEMM tiles are spread over (wave quantisation)."""
+    gemm_tile: tuple[int, ...] = (128, 256)
+    """Output tile (rows, columns) of one GEMM work unit."""
+    attention_efficiency: float | None = None
+    """Share of the bf16 peak fused (flash) attention sustains, forward and backward; None: achievable_fraction."""
+    runtime_reserved_bytes: float = 0.0
+    """HBM no tensor can use: the CUDA/HIP context, the caching allocator's fragmentation reserve, NCCL/RCCL
+    communicator buffers, GEMM workspaces (added to every rank's peak)."""
     source: str = "<built-in>"
     """Where the values came from; named in error messages."""
 
     def __post_init__(self) -> None:
         for name in ("peak_bf16_tflops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
-                     "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node"):
+                     "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node",
+                     "peak_fp8_tflops", "compute_units"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
-        for name in ("achievable_fraction", "memory_bandwidth_fraction", "network_efficiency"):
+        if len(self.gemm_tile) != 2 or min(self.gemm_tile) < 1:
+            raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))], "a tile is two positive sizes",
+                             "give [rows, columns], e.g. [128, 256]")
+        for name in ("achievable_fraction", "memory_bandwidth_fraction", "network_efficiency", "gemm_efficiency",
+                     "fp8_gemm_efficiency", "attention_efficiency", "sustained_fraction"):
+            if getattr(self, name) is None:
+                continue
             if not 0 < getattr(self, name) <= 1:
                 raise InputError([(self.source, name, getattr(self, name))], "a fraction must be in (0, 1]",
                                  "give the share of the peak that real kernels reach, e.g. 0.6")
+
+    def fp8_peak_tflops(self) -> float:
+        if self.peak_fp8_tflops is None:
+            raise InputError([(self.source, "peak_fp8_tflops", None)], "FP8 training on an accelerator without an FP8 peak",
+                             "give peak_fp8_tflops (the dense FP8 figure of its data sheet) or train in bf16")
+        return self.peak_fp8_tflops
+
+    @property
+    def attention_fraction(self) -> float:
+        if self.gemm_efficiency is None:
+            return self.attention_efficiency if self.attention_efficiency is not None else self.achievable_fraction
+        return (self.attention_efficiency or self.achievable_fraction) * self.sustained_fraction
 
     @property
     def peer_bandwidth(self) -> float:

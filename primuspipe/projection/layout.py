@@ -18,6 +18,7 @@ rest evenly, and each rank's layers split evenly over its chunks.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -27,12 +28,24 @@ from primuspipe.projection.training_spec import TrainingSpec
 
 
 def layer_counts(num_layers: int, pp: int, vpp: int, *, first: int | None = None, last: int | None = None,
-                 placement: Placement | None = None) -> tuple[int, ...]:
-    """Layers of each stage, in stage order (``placement`` is needed only with ``first``/``last``)."""
+                 placement: Placement | None = None, embedding_slot: bool = False, loss_slot: bool = False
+                 ) -> tuple[int, ...]:
+    """Layers of each stage, in stage order (``placement`` is needed only with ``first``/``last``).
+
+    ``embedding_slot`` / ``loss_slot`` are Megatron's ``account_for_embedding/loss_in_pipeline_split``: the
+    embedding (the output layer and loss) takes one layer's place on the first (last) stage.
+
+    >>> counts = layer_counts(126, pp=8, vpp=8, embedding_slot=True, loss_slot=True)
+    >>> counts[:2], counts[-1]
+    ((1, 2), 1)
+    """
     stages = pp * vpp
     if first is None and last is None:
-        base, extra = divmod(num_layers, stages)
-        return tuple(base + (s < extra) for s in range(stages))
+        base, extra = divmod(num_layers + embedding_slot + loss_slot, stages)
+        counts = [base + (s < extra) for s in range(stages)]
+        counts[0] -= embedding_slot
+        counts[-1] -= loss_slot
+        return tuple(counts)
     assert placement is not None, "uneven first/last stages are per rank: give the placement"
     per_rank = _uneven_rank_counts(num_layers, pp, first, last)
     counts = []
@@ -57,6 +70,39 @@ def _uneven_rank_counts(num_layers: int, pp: int, first: int | None, last: int |
     return [fixed.get(r, rest // others if others else 0) for r in range(pp)]
 
 
+_REPEAT = re.compile(r"\(([^()]*)\)\*(\d+)|([EtmL])\*(\d+)")
+
+
+def parse_layout(text: str) -> list[str]:
+    """Megatron's ``--pipeline-model-parallel-layout``: stages in model order separated by ``|``, each a run
+    of ``E`` (embedding), ``t`` (transformer layer), ``m`` (multi-token prediction), ``L`` (loss), with
+    ``(...)*N`` and ``X*N`` repeats.
+
+    >>> parse_layout("Et|(tt|)*2mL")
+    ['Et', 'tt', 'tt', 'mL']
+    """
+    expanded, previous = text.replace(" ", ""), None
+    while previous != expanded:
+        previous = expanded
+        expanded = _REPEAT.sub(lambda m: (m.group(1) or m.group(3)) * int(m.group(2) or m.group(4)), expanded)
+    stages = expanded.split("|")
+    if any(set(stage) - set("EtmL") for stage in stages):
+        raise ValueError(f"cannot read the layout {text!r}: stages hold only E, t, m and L")
+    return stages
+
+
+def _layout_counts(text: str, num_layers: int, stages: int) -> tuple[int, ...]:
+    parts = parse_layout(text)
+    if len(parts) != stages:
+        raise ValueError(f"the layout has {len(parts)} stages, pp * vpp = {stages}")
+    counts = tuple(p.count("t") for p in parts)
+    if sum(counts) != num_layers:
+        raise ValueError(f"the layout places {sum(counts)} transformer layers, the model has {num_layers}")
+    if "E" not in parts[0] or "L" not in parts[-1] or any("E" in p for p in parts[1:]) or any("L" in p for p in parts[:-1]):
+        raise ValueError("the embedding (E) must open the first stage and the loss (L) close the last")
+    return counts
+
+
 @dataclass(frozen=True)
 class StageLayout:
     """Layers per stage and the placement of stages on ranks for one (algorithm, pp, vpp)."""
@@ -68,13 +114,25 @@ class StageLayout:
     @classmethod
     def build(cls, num_layers: int, training: TrainingSpec, placement: Placement) -> StageLayout:
         first, last = training.decoder_first_pipeline_num_layers, training.decoder_last_pipeline_num_layers
+        if training.pipeline_model_parallel_layout:
+            try:
+                return cls(_layout_counts(training.pipeline_model_parallel_layout, num_layers, placement.pp * placement.vpp),
+                           placement)
+            except ValueError as exc:
+                raise InputError([(training.source, "pipeline_model_parallel_layout",
+                                   training.pipeline_model_parallel_layout)], str(exc),
+                                 "write one stage per pp * vpp, with every transformer layer once") from None
         try:
-            counts = layer_counts(num_layers, placement.pp, placement.vpp, first=first, last=last, placement=placement)
+            counts = layer_counts(num_layers, placement.pp, placement.vpp, first=first, last=last, placement=placement,
+                                  embedding_slot=training.account_for_embedding_in_pipeline_split,
+                                  loss_slot=training.account_for_loss_in_pipeline_split)
         except ValueError as exc:
             raise InputError([(training.source, "decoder_first_pipeline_num_layers", first),
                               (training.source, "decoder_last_pipeline_num_layers", last)], str(exc),
                              "choose first/last counts that leave the middle ranks equal shares divisible by vpp") from None
-        if min(counts) < 1:
+        holds_more = {0: training.account_for_embedding_in_pipeline_split,
+                      len(counts) - 1: training.account_for_loss_in_pipeline_split}
+        if any(n < 0 or (n == 0 and not holds_more.get(s)) for s, n in enumerate(counts)):
             raise InputError([(training.source, "pipeline_model_parallel_size", placement.pp)],
                              f"stage {counts.index(min(counts))} gets no transformer layer (split {list(counts)})",
                              "lower pp * vpp or change the first/last stage layer counts")

@@ -2,9 +2,15 @@
 (``--num-layers 32 --hidden-size 4096 ... --bf16``, as in a launch script) or a Primus-style YAML of
 Megatron arguments (keys with underscores, at the top or under ``modules.<name>.overrides``).
 
-Arguments the projection does not use (learning rate, data paths, ...) are skipped; those it uses take
-Megatron's own defaults when absent (pp 1, fp32 unless ``--bf16``/``--fp16``, dropout 0.1, biases on,
-no distributed optimizer), so the projection describes the run the arguments describe.
+Every argument is modelled, set aside as unable to change time or memory (learning rate, data paths,
+logging, ...), or refused -- arguments that would change time or memory in a way the projection does not
+model, and names Megatron does not define (with the closest one it does): see
+:mod:`~primuspipe.projection.megatron_flags`. What the projection uses takes Megatron's own defaults when
+absent (pp 1, fp32 unless ``--bf16``/``--fp16``, dropout 0.1, biases on, no distributed optimizer), so
+the projection describes the run the arguments describe. The GPU count comes from the launcher in front
+of the script (``torchrun --nnodes 4 --nproc-per-node 8 pretrain_gpt.py ...``); without one the caller
+must give it (``--target-nodes``). A Primus module's ``model:`` file (and its ``bases:``) is read first,
+its ``overrides`` on top.
 
 >>> model, training = from_arguments("--num-layers 4 --hidden-size 64 --num-attention-heads 4 "
 ...     "--seq-length 32 --max-position-embeddings 32 --vocab-size 100 --micro-batch-size 2 --bf16", "args")
@@ -15,9 +21,10 @@ no distributed optimizer), so the projection describes the run the arguments des
 from __future__ import annotations
 
 import logging
+import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +32,8 @@ import yaml
 
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.framework import ConfigError, strict
+from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
+from primuspipe.projection.megatron_flags import ALIASES, RESOLVED, closest, no_effect
 from primuspipe.projection.spec_fields import spec_from_mapping
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -37,67 +46,123 @@ MEGATRON_DEFAULTS = {
 }
 """Where Megatron's defaults differ from the projection's own (which describe a current pre-training run)."""
 
-FLAGS = {
-    # flag: (spec, field, value it sets)
-    "disable_bias_linear": ("model", "add_bias_linear", False),
-    "no_rope_fusion": ("training", "apply_rope_fusion", False),
-    "no_bias_swiglu_fusion": ("training", "bias_activation_fusion", False),
-    "no_bias_gelu_fusion": ("training", "bias_activation_fusion", False),
-    "bf16": ("training", "precision", "bf16"),
-    "fp16": ("training", "precision", "fp16"),
-}
-"""Megatron switches whose name is not the field they set."""
-
 RENAMED = {"num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size"}
 
 _IGNORED_MODEL_FIELDS = {"name", "source"}
+_PRIMUS_MODULE_KEYS = {"framework", "config", "model", "overrides"}
 
 
 def _fields(cls) -> set[str]:
     return {f.name for f in fields(cls)} - _IGNORED_MODEL_FIELDS
 
 
-def split_arguments(arguments: Mapping[str, Any], source: str) -> tuple[ModelSpec, TrainingSpec]:
-    """Sort Megatron arguments (underscore names) into a model and a training spec."""
+@dataclass(frozen=True)
+class MegatronConfig:
+    """What a Megatron configuration says: the model, the training, and the GPU count if it names one."""
+
+    model: ModelSpec
+    training: TrainingSpec
+    world_size: int | None
+    """GPUs of the run (from the launcher's --nnodes x --nproc-per-node); None: the file does not say,
+    so data parallelism must come from ``--target-nodes``."""
+    no_effect: tuple[str, ...] = ()
+    """Arguments read and set aside because they cannot change time or memory (docs/projection.md)."""
+
+
+def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int | None = None) -> MegatronConfig:
+    """Sort Megatron arguments (underscore names) into a model and a training spec. Every argument is
+    modelled, set aside as having no effect on time or memory, or refused (:mod:`megatron_flags`)."""
     values: dict[str, dict[str, Any]] = {"model": dict(MEGATRON_DEFAULTS["model"]),
                                          "training": dict(MEGATRON_DEFAULTS["training"])}
     targets = {"model": _fields(ModelSpec), "training": _fields(TrainingSpec)}
-    unused = []
+    set_aside, refused = [], []
     for name, value in arguments.items():
         name = RENAMED.get(name, name)
-        if name in FLAGS:
-            if value is not False:
-                spec, field, setting = FLAGS[name]
-                values[spec][field] = setting
-            continue
-        if name == "num_layers_per_virtual_pipeline_stage":
-            continue  # resolved below, once num_layers and pp are known
         spec = next((s for s, known in targets.items() if name in known), None)
-        if spec is None:
-            unused.append(name)
-        elif value is not None:
-            values[spec][name] = "flash" if (name, value) == ("attention_backend", "auto") else value
-    if per_stage := arguments.get("num_layers_per_virtual_pipeline_stage"):
-        layers = strict.count(values["model"]["num_layers"], f"{source}: num_layers", minimum=1, text=True)
-        pp = strict.count(values["training"]["pipeline_model_parallel_size"], f"{source}: pipeline_model_parallel_size",
-                          minimum=1, text=True)
-        per_stage = strict.count(per_stage, f"{source}: num_layers_per_virtual_pipeline_stage", minimum=1, text=True)
-        values["training"]["virtual_pipeline_model_parallel_size"] = layers // (pp * per_stage)
+        if name in ALIASES:
+            if value is not False and value is not None:
+                spec, field, setting = ALIASES[name]
+                values[spec][field] = value if setting is None else setting
+        elif name in RESOLVED:
+            continue  # resolved below, once the fields they depend on are known
+        elif spec is not None:
+            if value is not None:
+                values[spec][name] = "flash" if (name, value) == ("attention_backend", "auto") else value
+        elif no_effect(name):
+            set_aside.append(name)
+        elif name in MEGATRON_FLAGS:
+            refused.append(f"{_flag(name)} changes time or memory in a way the projection does not model "
+                           "(remove it to project the run without it)")
+        else:
+            guess = closest(name, MEGATRON_FLAGS | targets["model"] | targets["training"])
+            refused.append(f"{_flag(name)} is not a Megatron argument"
+                           + (f" (did you mean {_flag(guess)}?)" if guess else ""))
+    if refused:
+        raise ConfigError(f"{source}: " + "; ".join(refused))
+    if (optimizer := arguments.get("optimizer", "adam")) != "adam":
+        raise ConfigError(f"{source}: --optimizer {optimizer}: only Adam's state is modelled (16 bytes a parameter); "
+                          "project with --optimizer adam or remove it")
+    _resolve_virtual_stages(arguments, values, source)
     training = values["training"]
     training.setdefault("global_batch_size", training.get("micro_batch_size", 1))  # Megatron: MBS * DP
     if not arguments.get("group_query_attention"):
         values["model"].pop("num_query_groups", None)
-    if unused:
-        logger.debug("%s: not used by the projection: %s", source, ", ".join(sorted(unused)))
+    if set_aside:
+        logger.info("%s: no effect on time or memory, set aside: %s", source, ", ".join(sorted(set_aside)))
     values["model"].setdefault("name", Path(source).stem)
-    return (spec_from_mapping(ModelSpec, values["model"], source),
-            spec_from_mapping(TrainingSpec, values["training"], source))
+    if world_size is not None:
+        per_replica = 1
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            per_replica *= strict.count(training.get(name, 1), f"{source}: {name}", minimum=1, text=True)
+        if world_size % per_replica:
+            raise ConfigError(f"{source}: {world_size} GPUs (launcher) do not hold whole TP x PP x CP = {per_replica} "
+                              "replicas; fix the launcher's --nnodes / --nproc-per-node or the parallel sizes")
+        training["data_parallel_size"] = world_size // per_replica
+    return MegatronConfig(spec_from_mapping(ModelSpec, values["model"], source),
+                          spec_from_mapping(TrainingSpec, values["training"], source), world_size, tuple(set_aside))
 
 
-def parse_argument_list(text: str) -> dict[str, Any]:
-    """``--name value`` / ``--flag`` tokens (shell quoting and line continuations allowed) to a mapping;
-    a flag maps to True; values are read as YAML scalars."""
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _resolve_virtual_stages(arguments: Mapping[str, Any], values: dict[str, dict[str, Any]], source: str) -> None:
+    per_stage = arguments.get("num_layers_per_virtual_pipeline_stage")
+    if per_stage is None and (stages := arguments.get("num_virtual_stages_per_pipeline_rank")) is not None:
+        values["training"]["virtual_pipeline_model_parallel_size"] = stages
+    if not per_stage:
+        return
+    layers = strict.count(values["model"]["num_layers"], f"{source}: num_layers", minimum=1, text=True)
+    pp = strict.count(values["training"]["pipeline_model_parallel_size"], f"{source}: pipeline_model_parallel_size",
+                      minimum=1, text=True)
+    per_stage = strict.count(per_stage, f"{source}: num_layers_per_virtual_pipeline_stage", minimum=1, text=True)
+    values["training"]["virtual_pipeline_model_parallel_size"] = layers // (pp * per_stage)
+
+
+_LAUNCHER_GPUS = {"nproc_per_node": "per_node", "nproc-per-node": "per_node", "nnodes": "nodes"}
+
+
+def parse_argument_list(text: str) -> tuple[dict[str, Any], int | None]:
+    """``--name value`` / ``--flag`` tokens (shell quoting and line continuations allowed) to a mapping
+    (a flag maps to True; values read as YAML scalars), and the world size when a launcher before the
+    training script (``torchrun --nnodes N --nproc-per-node G pretrain_gpt.py ...``) names it."""
     tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+    script = next((i for i, token in enumerate(tokens) if token.endswith(".py")), None)
+    launcher, tokens = (tokens[:script], tokens[script + 1:]) if script is not None else ([], tokens)
+    return _options(tokens), _world_size(_options(launcher, raw=True))
+
+
+def _world_size(launcher: Mapping[str, Any]) -> int | None:
+    sizes = {_LAUNCHER_GPUS[k]: v for k, v in launcher.items() if k in _LAUNCHER_GPUS}
+    if "per_node" not in sizes:
+        return None
+    try:
+        return int(sizes["per_node"]) * int(sizes.get("nodes", 1))
+    except (TypeError, ValueError):
+        return None  # a shell variable ($GPUS_PER_NODE): the file does not say
+
+
+def _options(tokens: list[str], raw: bool = False) -> dict[str, Any]:
     arguments: dict[str, Any] = {}
     i = 0
     while i < len(tokens):
@@ -111,25 +176,89 @@ def parse_argument_list(text: str) -> dict[str, Any]:
             values.append(tokens[i])
             i += 1
         parsed = [yaml.safe_load(v) for v in values]
-        arguments[name.replace("-", "_")] = True if not parsed else parsed[0] if len(parsed) == 1 else parsed
+        key = name if raw else name.replace("-", "_")
+        arguments[key] = True if not parsed else parsed[0] if len(parsed) == 1 else parsed
     return arguments
 
 
 def from_arguments(text: str, source: str) -> tuple[ModelSpec, TrainingSpec]:
     """A model and a training spec from a Megatron argument list."""
-    return split_arguments(parse_argument_list(text), source)
+    config = read_arguments(text, source)
+    return config.model, config.training
+
+
+def read_arguments(text: str, source: str) -> MegatronConfig:
+    arguments, world = parse_argument_list(text)
+    return split_arguments(arguments, source, world)
 
 
 def load_megatron_config(path: str | Path) -> tuple[ModelSpec, TrainingSpec]:
     """From a file: a YAML mapping of Megatron arguments (Primus style), else an argument list."""
+    config = read_megatron_config(path)
+    return config.model, config.training
+
+
+def read_megatron_config(path: str | Path) -> MegatronConfig:
+    """:func:`load_megatron_config` with the world size the file names (if any) and what it set aside."""
     text = strict.read_text(path, "Megatron configuration")
     try:
         data = strict.load_yaml(text, f"the Megatron configuration {path}")
     except ConfigError:
         data = None  # a launch script is rarely valid YAML (and YAML with aliases is refused, not expanded)
     if not isinstance(data, Mapping):
-        return from_arguments(text, str(path))
-    for module in (data.get("modules") or {}).values():
-        if isinstance(module, Mapping) and isinstance(module.get("overrides"), Mapping):
-            data = {**data, **module["overrides"]}
-    return split_arguments({k: v for k, v in data.items() if k != "modules"}, str(path))
+        return read_arguments(text, str(path))
+    modules = data.get("modules")
+    if not isinstance(modules, Mapping):
+        return split_arguments(_primus_values(data), str(path))
+    arguments: dict[str, Any] = {}
+    for name, module in modules.items():
+        if not isinstance(module, Mapping):
+            continue
+        if unknown := set(module) - _PRIMUS_MODULE_KEYS:
+            raise ConfigError(f"{path}: modules.{name}: unknown keys {sorted(unknown)}; a Primus module has "
+                              f"{', '.join(sorted(_PRIMUS_MODULE_KEYS))}")
+        if module.get("model") is not None:
+            arguments.update(_primus_model(Path(path), str(module["model"])))
+        if isinstance(module.get("overrides"), Mapping):
+            arguments.update(module["overrides"])
+    return split_arguments(_primus_values(arguments), str(path))
+
+
+def _primus_values(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """Primus writes ``${VAR:default}`` for values a launch may override: the default is the value."""
+    resolved = {}
+    for name, value in arguments.items():
+        if isinstance(value, str) and (match := re.fullmatch(r"\$\{\w+:(.*)\}", value.strip())):
+            value = yaml.safe_load(match.group(1)) if match.group(1) else None
+        resolved[name] = value
+    return resolved
+
+
+def _primus_model(config: Path, reference: str, depth: int = 0) -> dict[str, Any]:
+    """The Megatron arguments of a Primus model file a module names (``model: llama3.1_8B.yaml``), its
+    ``bases:`` first: looked up beside the configuration, in ``models/`` or ``models/megatron/`` there, and
+    in ``configs/models/megatron/`` of the enclosing directories (Primus's layout)."""
+    if depth > 8:
+        raise ConfigError(f"{config}: model files base on each other more than 8 deep (a cycle?) at {reference}")
+    path = _find_model_file(config, reference)
+    data = strict.load_yaml(strict.read_text(path, "Primus model file"), f"the Primus model file {path}")
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: a Primus model file must hold a mapping of Megatron arguments")
+    values: dict[str, Any] = {}
+    bases = data.get("bases") or []
+    for base in [bases] if isinstance(bases, str) else bases:
+        values.update(_primus_model(path, str(base), depth + 1))
+    values.update({k: v for k, v in data.items() if k not in ("bases", "extends")})
+    return values
+
+
+def _find_model_file(config: Path, reference: str) -> Path:
+    here = config.parent
+    candidates = [here / reference, here / "models" / reference, here / "models" / "megatron" / reference]
+    candidates += [d / "configs" / "models" / "megatron" / reference for d in [here, *here.parents]]
+    candidates += [d / "models" / "megatron" / reference for d in here.parents]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise ConfigError(f"{config}: model {reference!r} not found (looked beside it, in models/, models/megatron/ "
+                          "and configs/models/megatron/ up the tree); give its path relative to the configuration")
+    return found

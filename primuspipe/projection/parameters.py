@@ -121,8 +121,19 @@ def stage_params(model: ModelSpec, training: TrainingSpec, layout: StageLayout, 
     if stage == 0:
         count += ParamCount(embedding_params(model, training.tp))
     if stage == layout.num_stages - 1:
-        count += ParamCount(head_params(model, training.tp))
+        count += sum([mtp_params(model, training)] * (training.mtp_num_layers or 0), ParamCount(head_params(model, training.tp)))
+        if training.mtp_num_layers and layout.num_stages > 1:  # the MTP input embeds tokens: a copy of the table
+            count += ParamCount(embedding_params(model, training.tp))
     return count
+
+
+def mtp_params(model: ModelSpec, training: TrainingSpec) -> ParamCount:
+    """One multi-token-prediction module (DeepSeek-V3) on the last stage: two norms, the projection of the
+    concatenated [hidden, embedding] (2H -> H, split over TP) and a transformer layer of the last layer's
+    kind; it shares the output layer."""
+    layer = sum(layer_params(model, training, model.layer_kinds[-1]).values(), ParamCount())
+    h = model.hidden_size
+    return layer + ParamCount(3 * _norm(model, h) + 2 * h * h // training.tp)
 
 
 def rank_params(model: ModelSpec, training: TrainingSpec, layout: StageLayout) -> list[ParamCount]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -73,7 +74,18 @@ class ProjectionResult:
     """The fullest rank's peak: weights, gradients, optimizer, activations, recompute working set."""
     tokens_per_s_per_gpu: float
     mfu: float
+    """Model FLOPs with causal attention counted once (what the kernels must compute) over step x GPUs x the
+    peak of the precision the GEMMs run in (FP8's with FP8 GEMMs)."""
     verdict: str
+    mfu_full_attention: float = 0.0
+    """The same with the full attention square counted, as NVIDIA (NeMo, Megatron-Bridge) and AMD (Primus)
+    report Model TFLOP/s."""
+    exposed_communication_s: float = 0.0
+    """Seconds per step a rank (the mean over pipeline ranks) waits on TP / CP / EP collectives that compute
+    does not hide, over all its microbatches, plus the exposed data-parallel synchronisation."""
+    note: str = ""
+    """Why a row is not what its algorithm name says: zb-auto replaced by a better fixed table, or a
+    degenerate schedule."""
 
     def row(self) -> dict:
         """The JSON row (``--json`` contract)."""
@@ -129,9 +141,9 @@ class Projector:
                 check_compatible(self.model, training)
                 costs = stage_costs(self.model, training, self.hardware, self._parts(training), table.placement)
             simulated = simulate(table, costs.cost_model())
+            return self._result(training, algorithm, costs, simulated)
         except PrimusPipeError as exc:
             return Refusal(**refused, error=str(exc).splitlines()[0])
-        return self._result(training, algorithm, costs, simulated)
 
     def _parts(self, training: TrainingSpec) -> dict[str, PartTimes]:
         """Per-part times, computed once per configuration (they do not depend on pp, vpp or the algorithm)."""
@@ -144,7 +156,7 @@ class Projector:
     def _activation_budget(self, costs: StageCosts) -> float:
         """Activations that fit beside static memory, in the simulator's units (one microbatch through all
         of a rank's chunks), for memory-aware algorithms; the tightest rank decides."""
-        free = [self.hardware.hbm_bytes * (1 - self.risk_margin) - s.total - t
+        free = [self.hardware.hbm_bytes * (1 - self.risk_margin) - self.hardware.runtime_reserved_bytes - s.total - t
                 for s, t in zip(costs.static, costs.transient_bytes)]
         return max(1.0, min(f / u for f, u in zip(free, costs.activation_units_per_rank())))
 
@@ -153,24 +165,34 @@ class Projector:
         t, h = training, self.hardware
         tied = 0 if self.model.untie_embeddings_and_output_weights or costs.layout.num_stages == 1 else \
             embedding_params(self.model, t.tp)
-        sync = max(gradient_sync(p, t, h, tied_embedding=tied if r in (costs.layout.embedding_rank, costs.layout.head_rank) else 0)
+        sync = max(gradient_sync(p, t, h, tied_embedding=tied if r in (costs.layout.embedding_rank, costs.layout.head_rank) else 0,
+                                 buckets=sum(costs.layout.counts[s] for s in costs.layout.rank_stages(r)))
                    for r, p in enumerate(costs.params))
         optimizer = max(optimizer_seconds(optimizer_params(p, t), h) for p in costs.params)
         step = simulated.step_time + sync + optimizer
-        peaks = [r.peak_memory_bytes + transient for r, transient in zip(simulated.ranks, costs.transient_bytes)]
+        reserved = h.runtime_reserved_bytes
+        peaks = [r.peak_memory_bytes + transient + reserved for r, transient in zip(simulated.ranks, costs.transient_bytes)]
         worst = max(range(len(peaks)), key=peaks.__getitem__)
         static = costs.static[worst]
         breakdown = {"weights": static.weights, "gradients": static.gradients, "optimizer": static.optimizer,
                      "activations": simulated.ranks[worst].peak_activation_bytes,
-                     "recompute_working_set": costs.transient_bytes[worst]}
+                     "recompute_working_set": costs.transient_bytes[worst], "runtime_reserved": reserved}
         tokens = t.global_batch_size * self.model.seq_length
-        model_flops = WorkModel(self.model, t).model_flops() * t.tp * t.cp * t.microbatches * t.dp
+        work, replicas = WorkModel(self.model, t), t.tp * t.cp * t.microbatches * t.dp
+        peak = (h.fp8_peak_tflops() if t.fp8 else h.peak_bf16_tflops) * 1e12 * step * t.world_size
+        mfu, mfu_full = (work.model_flops(c) * replicas / peak for c in ("causal", "full"))
+        exposed = sum(costs.communication) / t.pp * t.microbatches  # per rank (the stages' mean) and step
+        figures = (step, simulated.step_time, sync, optimizer, simulated.bubble_rate, mfu, mfu_full, *peaks)
+        if not all(math.isfinite(x) for x in figures) or not 0 < mfu_full <= 1:
+            raise PrimusPipeError(f"the cost model gave a non-finite or impossible figure (step {step!r} s, "
+                                  f"MFU {mfu_full!r}); check the hardware file's rates")
         return ProjectionResult(
             algorithm=algorithm, pp=t.pp, vpp=t.vpp, micro_batch_size=t.micro_batch_size, recompute=recompute_label(t),
             data_parallel_size=t.dp, microbatches=t.microbatches, step_time_s=step, pipeline_time_s=simulated.step_time,
             gradient_sync_s=sync, optimizer_s=optimizer, bubble_rate=simulated.bubble_rate, peak_memory_bytes=tuple(peaks),
             memory_breakdown=breakdown, tokens_per_s_per_gpu=tokens / step / t.world_size,
-            mfu=model_flops / (step * t.world_size * h.peak_bf16_tflops * 1e12), verdict=self.verdict(max(peaks)))
+            mfu=mfu, verdict=self.verdict(max(peaks)), mfu_full_attention=mfu_full,
+            exposed_communication_s=sync + exposed)
 
     def verdict(self, peak_bytes: float) -> str:
         if peak_bytes > self.hardware.hbm_bytes:
@@ -229,6 +251,9 @@ def candidates(model: ModelSpec, training: TrainingSpec, algorithms: list[str], 
         yield from ((training, name) for name in algorithms)
         return
     gpus, per_stage = training.world_size, training.tp * training.cp
+    for name in algorithms:  # the configuration as given, its vpp, layout and recompute included
+        yield dataclasses.replace(training, virtual_pipeline_model_parallel_size=algorithm_vpp(name, training.vpp)), name
+    given = (training.pp, training.vpp, training.micro_batch_size, recompute_label(training))
     for pp in (p for p in range(1, gpus // per_stage + 1) if (gpus // per_stage) % p == 0 and p <= model.num_layers):
         dp = gpus // (per_stage * pp)
         for mbs in sorted({*SEARCH_MICRO_BATCHES, training.micro_batch_size}):
@@ -237,10 +262,13 @@ def candidates(model: ModelSpec, training: TrainingSpec, algorithms: list[str], 
             for recompute in SEARCH_RECOMPUTE:
                 base = _with_recompute(dataclasses.replace(
                     training, pipeline_model_parallel_size=pp, data_parallel_size=dp, micro_batch_size=mbs,
-                    decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None), recompute)
+                    decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                    pipeline_model_parallel_layout=None), recompute)
                 for name in algorithms:
-                    for vpp in sorted({algorithm_vpp(name, v) for v in SEARCH_VPPS}):
-                        if pp * vpp <= model.num_layers and (pp > 1 or vpp == 1):
+                    for vpp in sorted({algorithm_vpp(name, v) for v in (*SEARCH_VPPS, training.vpp)}):
+                        shape = (pp, vpp, mbs, recompute_label(base))
+                        if pp * vpp <= model.num_layers and (pp > 1 or vpp == 1) and (
+                                shape != given or algorithm_vpp(name, training.vpp) != vpp):
                             yield dataclasses.replace(base, virtual_pipeline_model_parallel_size=vpp), name
 
 
@@ -264,5 +292,31 @@ def project(projector: Projector, training: TrainingSpec, *, algorithms: list[st
             logger.info("projected %d of %d candidates", k, len(pairs))
         outcome = projector.evaluate(config, name)
         (results if isinstance(outcome, ProjectionResult) else refusals).append(outcome)
-    results.sort(key=lambda r: (r.verdict == "OOM", -r.tokens_per_s_per_gpu, r.algorithm))
+    results = [_no_worse_than_fixed(r, results) if r.algorithm == "zb-auto" else r for r in results]
+    results.sort(key=lambda r: (r.verdict == "OOM", bool(r.note.startswith(DEGENERATE)), -r.tokens_per_s_per_gpu,
+                                r.algorithm))
     return results, refusals
+
+
+DEGENERATE = "degenerate"
+DEGENERATE_BUBBLE = 0.5
+"""A zb-auto answer idling more than this share of the step (it found no order that fits and keeps the
+pipeline busy) is reported as degenerate and ranked below every working configuration."""
+
+
+def _no_worse_than_fixed(auto: ProjectionResult, results: list[ProjectionResult]) -> ProjectionResult:
+    """zb-auto's row, or the fastest fixed algorithm of the same configuration that fits at least as well
+    when that is faster (zb-auto keeps a fixed table when it beats its own constructions; the projection
+    leaves the fixed ones out of zb-auto's search because it projects them anyway)."""
+    rank = {"FITS": 0, "AT-RISK": 1, "OOM": 2}
+    same = [r for r in results if r.algorithm != "zb-auto" and r.pp == auto.pp and r.micro_batch_size == auto.micro_batch_size
+            and r.recompute == auto.recompute and r.data_parallel_size == auto.data_parallel_size
+            and rank[r.verdict] <= rank[auto.verdict]]
+    best = min(same, key=lambda r: r.step_time_s, default=None)
+    if best is not None and best.step_time_s < auto.step_time_s:
+        return dataclasses.replace(best, algorithm="zb-auto", note=f"zb-auto keeps {best.algorithm}'s table (faster than "
+                                   f"its own, {auto.step_time_s:.3f} s)")
+    if auto.bubble_rate > DEGENERATE_BUBBLE:
+        return dataclasses.replace(auto, note=f"{DEGENERATE}: bubble {auto.bubble_rate:.2f} (no fitting order keeps the "
+                                   "pipeline busy)")
+    return auto

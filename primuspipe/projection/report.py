@@ -5,7 +5,7 @@ JSON (``primuspipe project --json``)::
     {"model": ..., "hardware": ..., "gpus": N, "calibration": "analytical" | ...,
      "results": [{"algorithm", "pp", "vpp", "micro_batch_size", "recompute", "step_time_s", "bubble_rate",
                   "peak_memory_bytes": [per rank], "memory_breakdown": {...}, "tokens_per_s_per_gpu", "mfu",
-                  "verdict", ...}, ...],                        # ranked, best first
+                  "mfu_full_attention", "exposed_communication_s", "verdict", "note", ...}, ...],  # ranked, best first
      "refused": [{"algorithm", "pp", "vpp", "micro_batch_size", "recompute", "error"}, ...],
      "parameters": {"total": N, "per_rank": [per pipeline rank of the given configuration]},
      "memory": {"dense": {component: bytes}, "moe": {...}}}   # one layer, one microbatch, one rank
@@ -57,7 +57,7 @@ def print_report(console: Console, projector: Projector, training: TrainingSpec,
     for name, justify in (("#", "right"), ("algorithm", "left"), ("pp", "right"), ("vpp", "right"), ("dp", "right"),
                           ("mbs", "right"), ("recompute", "left"), ("step (s)", "right"), ("bubble", "right"),
                           ("peak GiB", "right"), ("weights+grads+opt / act GiB", "right"), ("tokens/s/GPU", "right"),
-                          ("MFU", "right"), ("verdict", "left")):
+                          ("MFU", "right"), ("MFU full", "right"), ("exposed comm s", "right"), ("verdict", "left")):
         table.add_column(name, justify=justify, no_wrap=name in ("algorithm", "recompute"))
     for k, r in enumerate(results[:top], 1):
         b = r.memory_breakdown
@@ -66,8 +66,12 @@ def print_report(console: Console, projector: Projector, training: TrainingSpec,
         table.add_row(str(k), r.algorithm, str(r.pp), str(r.vpp), str(r.data_parallel_size), str(r.micro_batch_size),
                       r.recompute, f"{r.step_time_s:.3f}", f"{r.bubble_rate:.3f}", f"{max(r.peak_memory_bytes) / GIB:.1f}",
                       f"{static / GIB:.1f} / {dynamic / GIB:.1f}", f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.mfu:.1%}",
+                      f"{r.mfu_full_attention:.1%}", f"{r.exposed_communication_s:.2f}",
                       Text(r.verdict, style=VERDICT_STYLE[r.verdict]))
     console.print(table)
+    for k, r in enumerate(results[:top], 1):
+        if r.note:
+            console.print(f"#{k} {r.algorithm}: {r.note}", highlight=False)
     if len(results) > top:
         console.print(f"({len(results) - top} more; --top N shows more, --json shows all)")
     reasons = Counter(r.error for r in refusals)

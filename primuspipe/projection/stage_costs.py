@@ -45,7 +45,8 @@ class StageCosts:
     """Per rank: what a full-recompute backward rebuilds at once, on top of what the schedule holds."""
     p2p: P2PCost
     communication: tuple[float, float, float]
-    """Seconds of TP / CP / EP collectives inside F, B and W, summed over stages (part of the times above)."""
+    """Seconds of TP / CP / EP collectives inside F, B and W that compute does not hide, summed over stages
+    (part of the times above)."""
 
     def cost_model(self) -> CostModel:
         """The simulator's cost model, in seconds."""
@@ -67,16 +68,24 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
     layout = StageLayout.build(model.num_layers, training, placement)
     activations = ActivationModel(model, training)
     comm = {kind: layer_comm(model, training, hardware, kind) for kind in set(model.layer_kinds)}
+    exposed = {kind: c.exposed(training, parts[kind].gemm, parts[kind].attention,
+                               (parts[kind].forward, parts[kind].backward_input, parts[kind].backward_weight))
+               for kind, c in comm.items()}
     last = layout.num_stages - 1
     forward, backward_input, backward_weight, held, kept_for_w, transient = [], [], [], [], [], []
     communication = [0.0, 0.0, 0.0]
     for stage, layers in enumerate(layout.stage_layers):
         kinds = [model.layer_kinds[i] for i in layers]
         extras = [parts[p] for p, here in (("embedding", stage == 0), ("head", stage == last)) if here]
+        if stage == last and training.mtp_num_layers:
+            extras += [parts["mtp"]] * training.mtp_num_layers
         again = activations.recomputed(layers)
-        waits = [sum(comm[k].forward for k in kinds),
-                 sum(comm[k].backward_input + (comm[k].forward if full else 0.0) for k, full in zip(kinds, again)),
-                 sum(comm[k].backward_weight for k in kinds)]
+        waits = [0.0, 0.0, 0.0]
+        mtp = [model.layer_kinds[-1]] * (training.mtp_num_layers or 0) if stage == last else []
+        for k, full in zip(kinds + mtp, again + [False] * len(mtp)):  # an MTP module's layer talks as a layer
+            f_wait, b_wait, w_wait = exposed[k]
+            for i, wait in enumerate((f_wait, b_wait + (f_wait if full else 0.0), w_wait)):
+                waits[i] += wait
         communication = [c + w for c, w in zip(communication, waits)]
         f = sum(parts[k].forward for k in kinds)
         b = sum(parts[k].backward_input + (parts[k].forward if full else parts[k].recompute) for k, full in zip(kinds, again))
@@ -85,7 +94,7 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
         backward_input.append(b + waits[1] + sum(x.backward_input for x in extras))
         backward_weight.append(w + waits[2] + sum(x.backward_weight for x in extras))
         stage_bytes = (sum(activations.layer_bytes(layers)) + (activations.embedding() if stage == 0 else 0.0)
-                       + (activations.head() if stage == last else 0.0))
+                       + (activations.head() + activations.mtp() * (training.mtp_num_layers or 0) if stage == last else 0.0))
         held.append(stage_bytes)
         w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if stage == last else 0.0)
         kept_for_w.append(min(stage_bytes, w_bytes))

@@ -7,7 +7,9 @@ master weight and two 4-byte moments. The distributed optimizer shards the 12 op
 data-parallel group -- DP * CP ranks for dense parameters, the expert-data-parallel group
 (TP * CP * DP / (ETP * EP) ranks) for expert parameters -- giving Megatron's ``6 + 12/d`` bytes per
 parameter; without it every rank keeps all 18. fp32 training keeps a 4-byte weight and gradient and
-8 bytes of moments (the weight is its own master copy).
+8 bytes of moments (the weight is its own master copy). Megatron's precision-aware optimizer narrows
+the master weight, main gradient and moments to the dtypes given; FP8 weights (``fp8_param_gather``)
+take 1 byte.
 """
 
 from __future__ import annotations
@@ -31,9 +33,19 @@ class StaticMemory:
         return self.weights + self.gradients + self.optimizer
 
 
+_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+
 def static_memory(params: ParamCount, training: TrainingSpec) -> StaticMemory:
-    mixed = training.precision != "fp32"
-    weight, grad, state = (2, 4, 12) if mixed else (4, 4, 8)
+    """Weights (1 byte with ``fp8_param_gather``), main gradients and optimizer state (master weight and
+    two moments, in the precision-aware optimizer's dtypes when it is on)."""
+    t = training
+    if t.precision == "fp32":
+        weight, grad, state = 4, 4, 8
+    else:
+        weight = 1 if t.fp8_param_gather else 2
+        grad = _BYTES[t.main_grads_dtype]
+        state = _BYTES[t.main_params_dtype] + _BYTES[t.exp_avg_dtype] + _BYTES[t.exp_avg_sq_dtype]
     return StaticMemory(weight * params.total, grad * params.total, state * optimizer_params(params, training))
 
 

@@ -19,9 +19,14 @@ from typing import Literal
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
 
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
-"""Megatron's ``recompute_modules`` this projection models (``layernorm``, ``moe_act`` and ``mla_up_proj`` are not:
-megatron-core runs them only with Transformer Engine, so they cannot be checked against a real layer here)."""
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act", "mla_up_proj")
+"""Megatron's ``recompute_modules``. ``layernorm``, ``moe_act`` and ``mla_up_proj`` run only with Transformer
+Engine in megatron-core, so their activation formulas are not checked against a real layer here."""
+
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+"""Megatron's ``--fp8-recipe``: delayed and tensorwise (current) scaling keep one scale per tensor, blockwise
+one per 128x128 weight block and 1x128 activation tile (DeepSeek-V3's), mxfp8 one per 32 elements (needs a
+GPU with block-scaled FP8 GEMMs)."""
 
 @dataclass(frozen=True)
 class TrainingSpec:
@@ -59,8 +64,22 @@ class TrainingSpec:
     """With selective recompute: which parts are recomputed (some of core_attn, mlp, moe, shared_experts)."""
     use_distributed_optimizer: bool = True
     """Shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    """Mixed bf16/fp16 keeps fp32 main grads and master weights; fp32 trains in fp32 throughout."""
+    use_precision_aware_optimizer: bool = False
+    """Megatron's precision-aware optimizer: the dtypes below may be narrower than fp32."""
+    main_params_dtype: Literal["fp32", "fp16"] = "fp32"
+    """Master weights the optimizer keeps (4 or 2 bytes a parameter)."""
+    main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Main gradients accumulated and reduced (4 or 2 bytes a parameter)."""
+    exp_avg_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
+    """Adam's first moment."""
+    exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
+    """Adam's second moment."""
+    cross_entropy_loss_fusion: bool = False
+    """Fused vocab-parallel cross entropy: the loss reads the logits once and writes their gradient in place,
+    keeping no fp32 softmax."""
+    precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    """Mixed bf16/fp16 keeps fp32 main grads and master weights; fp32 trains in fp32 throughout; ``fp8`` is
+    shorthand for bf16 with FP8 GEMMs (``fp8_format: hybrid`` unless given)."""
     decoder_first_pipeline_num_layers: int | None = None
     """Layers on the first pipeline rank (all its chunks); the rest split evenly."""
     decoder_last_pipeline_num_layers: int | None = None
@@ -76,12 +95,51 @@ class TrainingSpec:
     """Fused rotary embedding; unfused keeps the cos/sin tables it multiplies queries and keys by."""
     overlap_grad_reduce: bool = True
     """Gradient reduce-scatter/all-reduce hidden behind backward compute (only its tail is exposed)."""
-    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
-    """How MoE layers move token copies to their experts (the communication model treats both as all-to-alls)."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    """How MoE layers move token copies to their experts (the communication model treats all as all-to-alls;
+    ``flex`` is DeepEP's, which sends each token once per node and spreads it over NVLink there)."""
+    fp8_format: Literal["e4m3", "hybrid"] | None = None
+    """FP8 GEMMs (Transformer Engine) for the linear layers: e4m3 everywhere, or hybrid (e5m2 gradients);
+    None: the GEMMs run in ``precision``. Weights, optimizer and the other kernels keep ``precision``."""
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
+    """How FP8 tensors are scaled (see :data:`FP8_RECIPES`); current-scaling recipes add an amax pass per cast."""
+    fp8_param_gather: bool = False
+    """Keep the model weights in FP8 (their master copy stays fp32 in the optimizer): 1 byte per weight."""
+    tp_comm_overlap: bool = False
+    """Transformer Engine's tensor-parallel communication overlap: each layer's all-gather/reduce-scatter runs
+    in chunks under the GEMM it feeds or follows; only what outlasts that GEMM (and one chunk) is exposed."""
+    overlap_param_gather: bool = False
+    """Distributed optimizer: the weight all-gather runs under the next step's forward, bucket by bucket."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """EP all-to-all overlap (Megatron's 1F1B A2A overlap): one microbatch's dispatch/combine runs under
+    another microbatch's compute; only what outlasts that compute is exposed."""
+    moe_router_force_load_balancing: bool = False
+    """Route tokens evenly (benchmarks do): no expert gets more than its share."""
+    moe_expert_load_imbalance: float | None = None
+    """The busiest expert group's tokens over the mean (>= 1): expert GEMMs and the all-to-all take that much
+    longer on the rank that holds it. None: 1 (uniform routing; no public figure for trained routers is
+    shipped, so set it from your own router statistics)."""
+    mtp_num_layers: int | None = None
+    """DeepSeek-V3's multi-token prediction: this many extra layers (each with its own projection and the
+    shared output head) on the last pipeline stage."""
+    pipeline_model_parallel_layout: str | None = None
+    """Megatron's explicit layout, e.g. ``"Et|(tt|)*30mL"``: one ``|``-separated stage per pp * vpp, in model
+    order, ``t`` a transformer layer, ``E`` the embedding, ``m`` an MTP module, ``L`` the loss."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Megatron: the embedding counts as one layer when layers are split over pipeline stages."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Megatron: the output layer and loss count as one layer when layers are split over pipeline stages."""
     source: str = "<built-in defaults>"
     """Where the values came from; named in error messages."""
 
     def __post_init__(self) -> None:
+        if self.precision == "fp8":
+            object.__setattr__(self, "precision", "bf16")
+            object.__setattr__(self, "fp8_format", self.fp8_format or "hybrid")
+        if self.recompute_num_layers == 0 and self.recompute_granularity != "full":
+            object.__setattr__(self, "recompute_num_layers", None)  # Megatron recipes write 0 for "unset"
+        if self.recompute_granularity is None and self.recompute_method is not None and not self.recompute_num_layers:
+            object.__setattr__(self, "recompute_method", None)
         self._check()
 
     @property
@@ -137,6 +195,18 @@ class TrainingSpec:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     @property
+    def fp8(self) -> bool:
+        """Linear-layer GEMMs run in FP8."""
+        return self.fp8_format is not None
+
+    @property
+    def load_imbalance(self) -> float:
+        """Busiest expert group's load over the mean."""
+        if self.moe_router_force_load_balancing or self.moe_expert_load_imbalance is None:
+            return 1.0
+        return self.moe_expert_load_imbalance
+
+    @property
     def flash_attention(self) -> bool:
         return self.attention_backend in ("flash", "fused")
 
@@ -157,7 +227,7 @@ class TrainingSpec:
                      "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                      "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size",
                      "data_parallel_size", "recompute_num_layers", "decoder_first_pipeline_num_layers",
-                     "decoder_last_pipeline_num_layers"):
+                     "decoder_last_pipeline_num_layers", "mtp_num_layers"):
             if getattr(self, name) == 0:
                 self._fail((name,), "must be at least 1", "give a positive number (or leave it out for the default)")
         if self.global_batch_size % (self.micro_batch_size * self.dp):
@@ -176,6 +246,25 @@ class TrainingSpec:
         if unknown := set(self.recompute_modules) - set(RECOMPUTE_MODULES):
             self._fail(("recompute_modules",), f"{sorted(unknown)} are not modelled",
                        f"use some of {', '.join(RECOMPUTE_MODULES)}")
+        if (self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split) and (
+                self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers):
+            self._fail(("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
+                       "Megatron takes either explicit first/last stage layer counts or the embedding/loss accounting",
+                       "keep one of the two")
+        narrow = (self.main_params_dtype, self.main_grads_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32",) * 4
+        if narrow and not self.use_precision_aware_optimizer:
+            self._fail(("use_precision_aware_optimizer", "main_params_dtype", "main_grads_dtype", "exp_avg_dtype",
+                        "exp_avg_sq_dtype"), "narrower optimizer dtypes need the precision-aware optimizer (Megatron's rule)",
+                       "set use_precision_aware_optimizer: true or keep the dtypes fp32")
+        if self.moe_expert_load_imbalance is not None and self.moe_expert_load_imbalance < 1:
+            self._fail(("moe_expert_load_imbalance",), "the busiest experts cannot carry less than the mean",
+                       "give a factor >= 1 (1 = uniform routing)")
+        if self.fp8_format is None and (self.fp8_param_gather or self.fp8_recipe != "delayed"):
+            self._fail(("fp8_format", "fp8_recipe", "fp8_param_gather"), "an FP8 recipe or FP8 weights without FP8",
+                       "set fp8_format (e4m3 or hybrid), or remove fp8_recipe / fp8_param_gather")
+        if self.fp8_format is not None and self.precision == "fp32":
+            self._fail(("fp8_format", "precision"), "FP8 GEMMs need mixed precision", "set precision: bf16")
         if (self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers) and self.pp == 1:
             self._fail(("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                         "pipeline_model_parallel_size"), "uneven first/last stages need a pipeline",
@@ -232,7 +321,10 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
     if model.ffn % tp:
         fail(("ffn_hidden_size",), ("tensor_model_parallel_size",), "the MLP width must split evenly over TP ranks",
              f"use a TP that divides {model.ffn}")
-    if model.num_layers < pp * vpp:
+    slots = training.account_for_embedding_in_pipeline_split + training.account_for_loss_in_pipeline_split
+    if training.pipeline_model_parallel_layout:
+        slots = pp * vpp  # the layout says which stages hold no transformer layer
+    if model.num_layers + slots < pp * vpp:
         fail(("num_layers",), ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"),
              f"{model.num_layers} layers cannot fill pp * vpp = {pp * vpp} pipeline stages",
              "lower pp or vpp so that every stage holds at least one layer")
@@ -258,7 +350,7 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
     elif training.ep > 1:
         fail(("num_experts",), ("expert_model_parallel_size",), "a dense model has no experts to spread",
              "set expert_model_parallel_size: 1")
-    if training.recompute_granularity == "full" and training.recompute_num_layers > model.num_layers // (pp * vpp):
+    if training.recompute_granularity == "full" and training.recompute_num_layers > max(1, model.num_layers // (pp * vpp)):
         fail(("num_layers",), ("recompute_num_layers", "pipeline_model_parallel_size"),
              "recompute_num_layers exceeds the layers of one model chunk",
              f"use at most {model.num_layers // (pp * vpp)}")

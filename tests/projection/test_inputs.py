@@ -27,7 +27,9 @@ SMALL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
 
 
 def test_every_shipped_example_loads():
-    assert {p.stem for p in MODELS} == {"llama2-7b", "llama3-70b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v2-lite"}
+    assert {p.stem for p in MODELS} == {"llama2-7b", "llama3-70b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v2-lite",
+                                        "llama3-8b", "llama3.1-405b", "llama2-70b", "gpt3-175b", "gpt-oss-120b",
+                                        "qwen3-30b-a3b", "deepseek-v3", "gpt3-5b", "gpt3-20b", "llama2-13b"}
     assert {p.stem for p in HARDWARE} == {"mi300x", "mi355x", "h100", "h200"}
     for path in MODELS:
         assert load_model(path).source == str(path)
@@ -121,8 +123,11 @@ def test_global_batch_must_split_into_microbatches_per_replica():
 def test_recompute_settings_are_checked():
     with pytest.raises(InputError, match="full recompute needs a method and a layer count"):
         TrainingSpec(recompute_granularity="full")
-    with pytest.raises(InputError, match=r"\['layernorm'\] are not modelled"):
-        TrainingSpec(recompute_granularity="selective", recompute_modules=("layernorm",))
+    with pytest.raises(InputError, match=r"\['norms'\] are not modelled"):
+        TrainingSpec(recompute_granularity="selective", recompute_modules=("norms",))
+    # what published recipes write: recompute_num_layers 0 with selective recompute of layernorm and moe_act
+    recipe = TrainingSpec(recompute_granularity="selective", recompute_num_layers=0, recompute_modules=("layernorm", "moe_act"))
+    assert recipe.recompute_num_layers is None and recipe.recomputes("moe_act") and recipe.recomputes("layernorm")
 
 
 def test_bad_hardware_fraction_and_unreadable_files(tmp_path):

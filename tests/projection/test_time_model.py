@@ -84,7 +84,8 @@ def test_ring_collectives_and_link_choice():
 
 
 def test_where_tensor_context_and_expert_parallel_collectives_fall():
-    assert dataclasses.astuple(layer_comm(MODEL, TRAINING, HW, "dense")) == (0, 0, 0)  # nothing to talk about at TP = CP = EP = 1
+    c = layer_comm(MODEL, TRAINING, HW, "dense")
+    assert (c.forward, c.backward_input, c.backward_weight) == (0, 0, 0)  # nothing to talk about at TP = CP = EP = 1
     tp = dataclasses.replace(TRAINING, tensor_model_parallel_size=4, sequence_parallel=True)
     comm = layer_comm(MODEL, tp, HW, "dense")
     activation = 2 * 2048 * 1024 * 2
@@ -104,8 +105,11 @@ def test_pipeline_link_and_gradient_sync():
     params = ParamCount(dense=10**9)
     dp = dataclasses.replace(TRAINING, data_parallel_size=8, global_batch_size=32)
     net = Collectives(HW)
-    # distributed optimizer: the fp32 gradient reduce-scatter hides behind backward; the bf16 gather does not
-    assert gradient_sync(params, dp, HW) == pytest.approx(net.gather(2e9, 8, 8))
+    # distributed optimizer: the fp32 gradient reduce-scatter hides behind backward but for its last bucket
+    # (one per layer); the bf16 gather is exposed unless overlap_param_gather hides all but its first bucket
+    assert gradient_sync(params, dp, HW, buckets=4) == pytest.approx(net.gather(2e9, 8, 8) + net.gather(4e9, 8, 8) / 4)
+    both = dataclasses.replace(dp, overlap_param_gather=True)
+    assert gradient_sync(params, both, HW, buckets=4) == pytest.approx((net.gather(2e9, 8, 8) + net.gather(4e9, 8, 8)) / 4)
     exposed = dataclasses.replace(dp, overlap_grad_reduce=False)
     assert gradient_sync(params, exposed, HW) == pytest.approx(net.gather(4e9, 8, 8) + net.gather(2e9, 8, 8))
     plain = dataclasses.replace(exposed, use_distributed_optimizer=False)

@@ -1,0 +1,194 @@
+"""Which Megatron arguments the projection reads, which cannot change time or memory, and which it refuses.
+
+An argument list (or a Primus YAML) says much more than the projection needs. Every argument falls in
+exactly one class, so none is dropped silently:
+
+* **modelled** -- a model or training field (same name), or one of :data:`ALIASES`;
+* **no effect** -- cannot change step time or memory as the projection models them: paths, logging,
+  checkpointing, the learning-rate schedule and optimizer hyper-parameters, data loading, evaluation,
+  fault tolerance, inference-only and other-model-family settings (:data:`NO_EFFECT_PREFIXES`,
+  :data:`NO_EFFECT`); docs/projection.md lists them;
+* **refused** -- everything else Megatron defines: it would change time or memory in a way the
+  projection does not model, so projecting with it would be a silent wrong answer; the error names it.
+
+Names Megatron does not define at all are refused with the closest defined name (typos).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ALIASES = {
+    "disable_bias_linear": ("model", "add_bias_linear", False),
+    "no_rope_fusion": ("training", "apply_rope_fusion", False),
+    "no_bias_swiglu_fusion": ("training", "bias_activation_fusion", False),
+    "no_bias_gelu_fusion": ("training", "bias_activation_fusion", False),
+    "bf16": ("training", "precision", "bf16"),
+    "fp16": ("training", "precision", "fp16"),
+    "use_flash_attn": ("training", "attention_backend", "flash"),
+    "use_rotary_position_embeddings": ("model", "position_embedding_type", "rope"),
+    "recompute_activations": ("training", "recompute_granularity", "selective"),
+    "checkpoint_activations": ("training", "recompute_granularity", "selective"),
+    "num_moe_experts": ("model", "num_experts", None),
+    "gated_linear_unit": ("model", "swiglu", None),
+    "num_layers_in_first_pipeline_stage": ("training", "decoder_first_pipeline_num_layers", None),
+    "num_layers_in_last_pipeline_stage": ("training", "decoder_last_pipeline_num_layers", None),
+    "fp8_param": ("training", "fp8_param_gather", None),
+}
+"""Megatron arguments whose name is not the field they set: ``flag -> (spec, field, value)``; value None:
+the argument's own value."""
+
+RESOLVED = frozenset({"num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                      "group_query_attention", "optimizer"})
+"""Arguments the reader resolves itself (they set other fields)."""
+
+NO_EFFECT_PREFIXES = (
+    "adam_", "adlr_", "app_tag", "async_", "auto_detect_ckpt", "bert", "biencoder", "calculate_per_token_loss",
+    "check_", "ckpt_", "classes_fraction", "consumed_", "data_", "dataloader", "decoupled_lr", "decoupled_min_lr",
+    "dino", "distill", "distributed_timeout", "dist_ckpt", "dump_", "enable_ft", "enable_one_logger",
+    "end_weight_decay", "error_injection", "eval_", "exit_", "export_", "fault_", "finetune", "flash_decode",
+    "ft_", "full_validation", "grpo", "hf_", "hidden_dropout_", "hysteresis", "ict_", "img_", "inference_",
+    "inprocess_", "init_method", "initial_loss_scale", "iter_per_epoch", "iterations_to_skip", "kitchen_",
+    "langrl", "legacy_tokenizer", "load", "local_rank", "log", "loss_scale", "lr", "manual_gc", "mask_",
+    "merge_file", "min_loss_scale", "min_lr", "mmap", "mock_data", "msc", "no_load", "no_save",
+    "non_persistent", "num_classes", "num_dataset_builder_threads", "num_workers", "object_storage",
+    "one_logger", "override_opt", "patch_dim", "perform_rl", "pretrained", "profile", "qk_l2_norm_eps",
+    "rampup", "record_memory", "rerun_", "reset_", "result_rejected", "retro", "rl_", "s3_", "sample_rate",
+    "save", "seed", "sft", "sgd_", "short_seq_prob", "skip_train", "split", "start_weight_decay", "straggler",
+    "swin_", "t5_", "tensorboard", "test_data", "tiktoken", "timing", "tokenizer", "train_data",
+    "train_iters", "train_samples", "trust_remote_code", "use_checkpoint", "use_dist_ckpt", "use_one_logger",
+    "use_persistent_ckpt", "valid_data", "vision", "vocab_extra_ids", "vocab_file", "wandb", "warmup",
+    "weight_decay", "wd_", "write_", "fim_", "flight_recorder", "disable_flight_recorder", "no_flight_recorder",
+    "filter_warnings", "disable_filter_warnings", "no_filter_warnings", "muon_", "lion_", "mup_", "yarn_",
+    "rope_scaling", "use_rope_scaling", "rotary_interleaved", "retriever_", "titles_", "evidence_", "block_data",
+    "embedding_path", "query_in_block", "use_one_sent", "pytorch_profiler", "record_shapes", "memory_snapshot",
+    "nvtx", "timers", "run_workload", "config_logger", "set_level", "modules_to_filter", "runtime_time_unit",
+    "throughput_window", "memory_keys", "per_dataset", "per_split", "multiple_validation", "validation_set",
+    "phase_transition", "test_mode", "verify_integrity", "use_tokenizer_model", "disable_use_tokenizer",
+    "no_use_tokenizer", "null_tokenizer", "chat_template", "no_tokenizer", "disable_tokenizer", "no_data_sharding",
+    "no_mmap", "no_create_attention_mask", "mid_level_dataset", "use_same_sampling", "no_one_logger", "calc_ft",
+    "gpu_sniff", "train_sync", "hetereogenous_dist", "most_recent_k", "override_ckpt", "persistent_save", "no_ckpt",
+    "disable_ckpt", "stream_ckpt", "disable_stream", "no_stream", "strict_fsdp", "disable_strict", "no_strict",
+    "disable_load", "disable_save", "disable_log", "no_log", "no_check_for_nan", "disable_check_for_nan",
+    "no_barrier", "disable_manual_gc", "no_manual_gc", "replication", "start_eval", "wsd_", "head_lr_mult",
+    "no_weight_decay", "use_mp_args", "fake_process_group", "yaml_cfg", "output_bert", "num_channels",
+    "moe_routing_trace", "moe_upcycling", "moe_use_upcycling", "indexer_", "tp_comm_", "no_tp_comm",
+    "disable_tp_comm", "batch_p2p", "no_batch_p2p", "disable_batch_p2p", "ddp_", "use_te_rng", "moe_deepep_num_sms",
+    "moe_flex_dispatcher_num_sms", "moe_hybridep", "moe_ncclep", "high_priority", "symmetric_ar_type",
+    "disable_symmetric", "use_nccl_ub", "nccl_all_reduce_for_prefill", "sharp_enabled_group", "create_all_gather",
+    "disable_gloo", "disable_jit_fuser", "disable_bf16_reduced_precision_matmul", "no_rope_freq",
+    "no_yarn", "mamba_inference", "enable_chunked_prefill", "decode_only", "num_speculative_tokens",
+    "max_tokens_to_oom", "decrease_batch_size", "mlp_chunks_for_prefill", "cache_mla_latents",
+    "use_inference_optimized", "use_legacy_static_engine", "moe_pad_experts_for_cuda_graph_inference",
+    "refit_method", "use_kitchen", "kitchen", "fp4_quantizer", "fp8_quantizer", "te_precision_config",
+    "quant_recipe", "step_batch_size", "app_tag", "distrib_optim_fully_reshardable", "no_pin_cpu",
+    "no_gradient_reduce_div", "param_sync_func", "grad_sync_func", "no_sync_func", "grad_scale_func",
+    "moe_grad_scale_func", "mtp_grad_scale_func", "finalize_model_grads_func", "embedding_init",
+    "output_layer_init", "no_initialization", "onnx_safe", "use_torch_optimizer_for_cpu_offload",
+)
+"""Argument-name prefixes of the no-effect class."""
+
+NO_EFFECT = frozenset({
+    "clip_grad", "cross_entropy_fusion_impl", "distributed_backend", "eod_mask_loss", "exp_name",
+    "gradient_accumulation_fusion", "no_gradient_accumulation_fusion", "init_model_with_meta_device",
+    "lazy_mpu_init", "masked_softmax_fusion", "no_masked_softmax_fusion", "micro_batch_size_rampup",
+    "moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion", "moe_router_dtype", "moe_aux_loss_coeff",
+    "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_pre_softmax", "moe_router_score_function",
+    "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_topk_scaling_factor",
+    "moe_input_jitter_eps", "moe_per_layer_logging", "moe_enable_deepep", "moe_flex_dispatcher_backend",
+    "moe_router_padding_for_fp8", "moe_shared_expert_overlap", "mtp_loss_scaling_factor", "norm_epsilon",
+    "overlap_p2p_comm", "rope_type", "softmax_scale", "allow_ambiguous_pad_tokens", "apply_wd_to_qk_layernorm",
+    "disable_msc", "enable_msc", "disable_straggler_on_startup", "use_pytorch_profiler",
+    "no_overlap_p2p_communication", "relative_attention_max_distance", "relative_attention_num_buckets",
+    "experimental_attention_variant_loss_scale_func", "no_overlap_p2p_comm", "persist_layer_norm", "no_persist_layer_norm",
+    "rotary_base", "rotary_percent", "rotary_scaling_factor", "rotary_seq_len_interpolation_factor",
+    "tokenizer_type", "transformer_impl", "use_cpu_initialization", "use_mcore_models", "use_legacy_models",
+    "deterministic_mode", "softmax_type", "qk_l2_norm", "qk_clip_alpha", "qk_clip_threshold",
+    "empty_unused_memory_level", "mtp_detach_heads", "moe_shared_expert_gate", "squared_relu", "quick_geglu",
+    "openai_gelu", "apply_layernorm_1p", "deallocate_pipeline_outputs", "pipeline_dtype", "params_dtype",
+    "pipeline_model_parallel_comm_backend", "use_ring_exchange_p2p", "overlap_p2p_communication_warmup_flush",
+    "no_align_grad_reduce", "no_align_param_gather", "disable_align_grad_reduce", "moe_router_force_biased",
+    "moe_apply_probs_on_input", "mrope_section", "use_te_activation_func", "use_fused_weighted_squared_relu",
+    "rotary_base", "no_position_embedding", "glu_linear_offset", "activation_func_clamp_value",
+    "clone_scatter_output_in_embedding", "no_clone_scatter_output_in_embedding",
+    "disable_clone_scatter_output_in_embedding", "attention_output_gate", "no_attention_softmax_in_fp32",
+    "disable_attention_softmax_in_fp32", "moe_router_padding_for_quantization", "fused_residual_rmsnorm",
+    "memory_efficient_layer_norm", "mla_down_proj_fusion", "fused_single_qkv_rope", "batch_size",
+    "disable_parameter_transpose_cache", "keep_fp8_transpose_cache", "moe_single_grouped_weight",
+    "moe_single_grouped_bias", "moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size",
+    "pad_vocab_size", "no_pad_vocab_size", "disable_pad_vocab_size", "spec", "tp_only_amax_red",
+    "apply_query_key_layer_scaling", "apply_residual_connection_post_layernorm",
+    "init_method_std", "bias_dropout_fusion", "no_bias_dropout_fusion", "te_rng_tracker", "enable_experimental",
+    "qk_clip", "ddp_bucket_size", "ddp_average_in_collective", "use_tp_pp_dp_mapping", "delay_wgrad_compute",
+    "attention_softmax_in_fp32", "accumulate_allreduce_grads_in_fp32", "fp8_margin", "fp8_interval",
+    "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "no_fp8_wgrad", "tp_comm_bootstrap_backend",
+    "tp_comm_overlap_cfg", "num_distributed_optimizer_instances", "align_param_gather", "align_grad_reduce",
+    "use_sharp", "nccl_communicator_config_path", "sequence_parallel_size_rampup",
+})
+"""Further no-effect arguments, each by name. (Kernel-fusion switches whose effect the projection does
+model are fields or aliases instead, e.g. ``no_bias_swiglu_fusion``; ``attention_softmax_in_fp32`` matters
+only to the unfused kernel, whose backend the projection reads from ``attention_backend``.)"""
+
+
+def no_effect(name: str) -> bool:
+    return name in NO_EFFECT or name.startswith(NO_EFFECT_PREFIXES)
+
+
+def closest(name: str, names) -> str | None:
+    """The defined argument a mistyped one most likely meant."""
+    import difflib
+
+    match = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.75)
+    return match[0] if match else None
+
+
+def defined_flags(megatron_root: Path) -> set[str]:
+    """The argument names (underscored) a megatron-core source tree defines: every ``add_argument`` of
+    ``training/arguments.py`` and every field of the config dataclasses its parser is built from (with
+    their ``arg_names`` renames and the ``no_`` / ``disable_`` forms of fields that default to True).
+    Read from the source (no import: megatron needs triton and a GPU stack to import)."""
+    names: set[str] = set()
+    arguments = ast.parse((megatron_root / "training" / "arguments.py").read_text())
+    for node in ast.walk(arguments):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            names |= {a.value[2:].replace("-", "_") for a in node.args
+                      if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("--")}
+    factories = set(re.findall(r"ArgumentGroupFactory\((\w+)", (megatron_root / "training" / "arguments.py").read_text()))
+    factories |= {"ModelParallelConfig"}  # TransformerConfig's base
+    sources = [megatron_root / "core" / "transformer" / "transformer_config.py",
+               megatron_root / "core" / "model_parallel_config.py", megatron_root / "core" / "fault_injector.py",
+               *sorted((megatron_root / "training" / "config").glob("*.py"))]
+    for source in sources:
+        for cls in ast.walk(ast.parse(source.read_text())):
+            if isinstance(cls, ast.ClassDef) and cls.name in factories:
+                names |= _dataclass_flags(cls)
+    return names
+
+
+def _dataclass_flags(cls: ast.ClassDef) -> set[str]:
+    names = set()
+    for statement in cls.body:
+        if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
+            continue
+        name, value = statement.target.id, statement.value
+        if name.startswith("_"):
+            continue
+        default, renamed = (value.value if isinstance(value, ast.Constant) else None), None
+        if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":
+            for keyword in value.keywords:
+                if keyword.arg == "default" and isinstance(keyword.value, ast.Constant):
+                    default = keyword.value.value
+                if keyword.arg == "metadata":
+                    try:
+                        renamed = ast.literal_eval(keyword.value).get("argparse_meta", {}).get("arg_names")
+                    except ValueError:
+                        renamed = None
+        if renamed:
+            names |= {a[2:].replace("-", "_") for a in renamed}
+            continue
+        names.add(name)
+        if default is True:
+            names |= {f"no_{name}", f"disable_{name}"}
+    return names

@@ -1,0 +1,157 @@
+"""What makes projected times follow real runs: GEMMs by shape (waves, roofline, FP8, grouped GEMMs), the
+communication the frameworks hide, DeepEP's per-node dedup, explicit pipeline layouts and MTP, MFU both
+ways, zb-auto never behind the fixed tables, and the published-runs table the bench compares with."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+from primuspipe.projection.comm import Collectives, LayerComm, layer_comm
+from primuspipe.projection.compute import WorkModel, model_flops_per_token
+from primuspipe.projection.gemm import Gemm, gemm_seconds
+from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
+from primuspipe.projection.layout import StageLayout, layer_counts, parse_layout
+from primuspipe.projection.framework import Placement
+from primuspipe.projection.model_spec import ModelSpec, load_model
+from primuspipe.projection.projection import Projector, ProjectionResult, project
+from primuspipe.projection.published import load_runs, project_run, training_of
+from primuspipe.projection.spec_fields import InputError
+from primuspipe.projection.training_spec import TrainingSpec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
+HW = HardwareSpec(name="t", peak_bf16_tflops=100.0, hbm_bytes=80e9, hbm_bandwidth_bytes_per_s=1e12,
+                  memory_bandwidth_fraction=1.0, intra_node_bandwidth_bytes_per_s=100e9,
+                  inter_node_bandwidth_bytes_per_s=10e9, network_efficiency=1.0, gpus_per_node=8, gemm_efficiency=0.5,
+                  compute_units=4, gemm_tile=(128, 128), peak_fp8_tflops=200.0, fp8_gemm_efficiency=0.25)
+UNIT = 2 * 128 * 128 / (100e12 * 0.5)  # seconds of one tile per unit of k at the bf16 rate
+
+
+def test_gemms_run_in_waves_of_tiles_and_never_beat_the_roofline():
+    k = 4096
+    assert gemm_seconds(Gemm(4 * 128, 128, k), HW, "bf16") == pytest.approx(4 * UNIT * k)  # 4 tiles: one full wave
+    assert gemm_seconds(Gemm(5 * 128, 128, k), HW, "bf16") == pytest.approx(2 * 4 * UNIT * k)  # a 5th tile: 2 waves
+    assert gemm_seconds(Gemm(4 * 100, 128, k), HW, "bf16") == pytest.approx(4 * UNIT * k)  # partial tiles pay in full
+    skinny, slow_memory = Gemm(1, 8192, 8192), dataclasses.replace(HW, hbm_bandwidth_bytes_per_s=1e9)
+    assert gemm_seconds(skinny, slow_memory, "bf16") == pytest.approx((8192 * 8192 + 8192 + 8192) * 2 / 1e9)  # reads B
+    # a grouped GEMM's groups run one after another, each with its own last wave
+    assert gemm_seconds(Gemm(128, 128, k, groups=3), HW, "bf16") == pytest.approx(3 * 4 * UNIT * k)
+    # FP8 at the FP8 peak and its own efficiency (here 200 * 0.25 = the bf16 rate)
+    assert gemm_seconds(Gemm(4 * 128, 128, k, fp8=True), HW, "bf16") == pytest.approx(4 * UNIT * k)
+    flat = dataclasses.replace(HW, gemm_efficiency=None, achievable_fraction=0.5)  # old hardware files: shape-free
+    assert gemm_seconds(Gemm(5 * 128, 128, k), flat, "bf16") == pytest.approx(2 * 5 * 128 * 128 * k / 50e12)
+
+
+def test_fp8_needs_an_fp8_peak_and_mixed_precision():
+    no_fp8 = dataclasses.replace(HW, peak_fp8_tflops=None)
+    with pytest.raises(InputError, match="peak_fp8_tflops"):
+        gemm_seconds(Gemm(128, 128, 128, fp8=True), no_fp8, "bf16")
+    with pytest.raises(InputError, match="FP8 GEMMs need mixed precision"):
+        TrainingSpec(fp8_format="hybrid", precision="fp32")
+    with pytest.raises(InputError, match="without FP8"):
+        TrainingSpec(fp8_recipe="blockwise")
+    from primuspipe.projection.compute import Calibration, part_times
+    model = load_model(EXAMPLES / "models" / "llama2-7b.yaml")
+    with pytest.raises(InputError, match="MXFP8 needs matrix units"):
+        part_times(WorkModel(model, TrainingSpec(fp8_format="e4m3", fp8_recipe="mxfp8")), HW, Calibration())
+
+
+def test_fp8_runs_its_linear_layers_in_fp8_and_keeps_fp8_copies():
+    model = load_model(EXAMPLES / "models" / "llama2-7b.yaml")
+    bf16, fp8 = TrainingSpec(), TrainingSpec(fp8_format="hybrid")
+    layer = WorkModel(model, fp8).layer("dense")
+    assert all(g.fp8 for g in layer.forward.gemms) and layer.forward.memory_bytes > WorkModel(model, bf16).layer("dense").forward.memory_bytes
+    assert not any(g.fp8 for g in WorkModel(model, fp8).head().forward.gemms)  # the output layer stays bf16
+    from primuspipe.projection.activations import ActivationModel
+    assert ActivationModel(model, fp8).layer("dense").total < ActivationModel(model, bf16).layer("dense").total
+
+
+def test_overlapped_communication_shows_only_what_outlasts_its_compute():
+    comm = LayerComm(tp=(4.0, 4.0, 1.0), cp=(2.0, 4.0, 0.0), ep=(3.0, 3.0, 0.0))
+    plain = TrainingSpec(tensor_model_parallel_size=4, context_parallel_size=2, sequence_parallel=True)
+    gemm, attention, compute = (3.0, 3.0, 3.0), (1.0, 2.5, 0.0), (5.0, 2.0, 3.0)
+    # TP not overlapped; CP's ring hides all but the first step (1 of 2) or what outlasts attention; EP exposed
+    assert comm.exposed(plain, gemm, attention, compute) == pytest.approx((4 + 1 + 3, 4 + 2 + 3, 1))
+    overlapped = dataclasses.replace(plain, tp_comm_overlap=True, overlap_moe_expert_parallel_comm=True)
+    assert comm.exposed(overlapped, gemm, attention, compute) == pytest.approx((1 + 1 + 0, 1 + 2 + 1, 0.25))
+
+
+def test_all_to_all_across_nodes_and_deepep_dedup():
+    net = Collectives(HW)
+    assert net.all_to_all(8e9, 8, 8) == pytest.approx(net.gather(8e9, 8, 8))  # one node: the fabric
+    # 16 ranks on 2 nodes: 7/16 of the buffer over the fabric, 8/16 over the network, at once
+    assert net.all_to_all(16e9, 16, 16) == pytest.approx(max(7e9 / 100e9, 8e9 / 10e9) + 15 * HW.inter_node_latency_s)
+    model = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=1000,
+                      num_experts=64, moe_router_topk=8)
+    ep = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=32, data_parallel_size=32,
+                      global_batch_size=32)
+    flex = dataclasses.replace(ep, moe_token_dispatcher_type="flex")
+    nodes, k = 4, 8  # a token's 8 experts touch 4 * (1 - (3/4)^8) of the 4 nodes on average: sent once to each
+    dedup = nodes * (1 - (1 - 1 / nodes) ** k) / k
+    a2a, deepep = layer_comm(model, ep, HW, "moe").ep[0], layer_comm(model, flex, HW, "moe").ep[0]
+    latency = 2 * 31 * HW.inter_node_latency_s
+    assert deepep - latency == pytest.approx((a2a - latency) * dedup)
+
+
+def test_explicit_layouts_and_the_embedding_and_loss_accounting():
+    assert parse_layout("Et|(tt|)*3mL") == ["Et", "tt", "tt", "tt", "mL"]
+    assert layer_counts(126, pp=16, vpp=8, embedding_slot=True, loss_slot=True)[:2] == (0, 1)
+    layout = StageLayout.build(7, TrainingSpec(pipeline_model_parallel_size=5, pipeline_model_parallel_layout="Et|(tt|)*3mL"),
+                               Placement.interleaved(5))
+    assert layout.counts == (1, 2, 2, 2, 0)
+    with pytest.raises(InputError, match="places 6 transformer layers"):
+        StageLayout.build(7, TrainingSpec(pipeline_model_parallel_size=4, pipeline_model_parallel_layout="Et|tt|tt|tL"),
+                          Placement.interleaved(4))
+
+
+def test_mtp_adds_a_layer_and_a_head_to_the_last_stage():
+    model = load_model(EXAMPLES / "models" / "deepseek-v2-lite.yaml")
+    hw = load_hardware(EXAMPLES / "hardware" / "h100.yaml")
+    base = TrainingSpec(pipeline_model_parallel_size=3, global_batch_size=8)
+    plain, mtp = (Projector(model, hw).evaluate(t, "1f1b") for t in (base, dataclasses.replace(base, mtp_num_layers=1)))
+    assert mtp.step_time_s > plain.step_time_s and mtp.peak_memory_bytes[-1] > plain.peak_memory_bytes[-1]
+    assert mtp.peak_memory_bytes[0] == plain.peak_memory_bytes[0]
+
+
+def test_mfu_both_ways_and_zb_auto_never_behind_a_fixed_table():
+    model = load_model(EXAMPLES / "models" / "llama2-7b.yaml")
+    hw = load_hardware(EXAMPLES / "hardware" / "h100.yaml")
+    results, _ = project(Projector(model, hw), TrainingSpec(global_batch_size=16, data_parallel_size=2,
+                                                            tensor_model_parallel_size=4, sequence_parallel=True))
+    for r in results:
+        assert 0 < r.mfu < r.mfu_full_attention <= 1 and math.isfinite(r.step_time_s)
+    auto = next(r for r in results if r.algorithm == "zb-auto")
+    fitting = [r for r in results if r.algorithm != "zb-auto" and r.verdict != "OOM"]
+    assert auto.step_time_s <= min(r.step_time_s for r in fitting) + 1e-9
+    assert model_flops_per_token(model, "full") > model_flops_per_token(model, "causal")
+
+
+def test_every_published_run_loads_and_projects():
+    runs = load_runs()
+    assert len({r.id for r in runs}) == len(runs) >= 10 and any(r.held_out for r in runs)
+    assert len({r.source.split(",")[0] for r in runs}) >= 3
+    for run in runs:
+        assert training_of(run).world_size == run.gpus
+    row = project_run(next(r for r in runs if r.id.startswith("nemo2412-llama3-8b")))
+    assert "error" not in row and row["ratio"] > 0 and row["verdict"] in ("FITS", "AT-RISK", "OOM")
+
+
+def test_fused_cross_entropy_and_narrow_optimizer_state_shrink_memory():
+    from primuspipe.projection.activations import ActivationModel
+    from primuspipe.projection.parameters import ParamCount
+    from primuspipe.projection.static_memory import static_memory
+
+    model = load_model(EXAMPLES / "models" / "llama2-7b.yaml")
+    plain, fused = TrainingSpec(), TrainingSpec(cross_entropy_loss_fusion=True)
+    logits = 4096 * 32000
+    assert ActivationModel(model, plain).head() - ActivationModel(model, fused).head() == pytest.approx(logits * (4 - 2))
+    assert WorkModel(model, fused).head().forward.memory_bytes < WorkModel(model, plain).head().forward.memory_bytes
+    params = ParamCount(dense=1000)
+    narrow = TrainingSpec(use_distributed_optimizer=False, use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
+                          exp_avg_sq_dtype="bf16", fp8_format="e4m3", fp8_param_gather=True)
+    assert dataclasses.astuple(static_memory(params, narrow)) == (1000, 4000, 8000)  # 1 + 4 + (4 + 2 + 2) bytes
+    with pytest.raises(InputError, match="need the precision-aware optimizer"):
+        TrainingSpec(exp_avg_dtype="bf16")

@@ -1,0 +1,85 @@
+"""--megatron-config never drops an argument silently: every one is modelled, set aside as unable to
+change time or memory, or refused (typos with the closest Megatron name); the GPU count comes from the
+launcher or must be given; Primus model files are followed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+
+from primuspipe.cli import main
+from primuspipe.projection.framework import ConfigError
+from primuspipe.projection.megatron_args import read_arguments, read_megatron_config
+from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
+from primuspipe.projection.megatron_flags import defined_flags
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
+MODEL_ARGS = ("--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 128 --max-position-embeddings 128 "
+              "--vocab-size 1000 --micro-batch-size 1 --global-batch-size 16 --bf16 ")
+
+
+def test_the_shipped_flag_list_is_megatrons():
+    spec = importlib.util.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("megatron-core is not installed")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    if not (root / "training" / "arguments.py").is_file():
+        pytest.skip("this megatron-core has no training/arguments.py")
+    assert defined_flags(root) == MEGATRON_FLAGS
+
+
+def test_typos_and_unmodelled_arguments_are_refused_together():
+    with pytest.raises(ConfigError, match=r"run.sh: --pipeline-model-paralel-size is not a Megatron argument "
+                                          r"\(did you mean --pipeline-model-parallel-size\?\); --cuda-graph-impl changes"):
+        read_arguments(MODEL_ARGS + "--pipeline-model-paralel-size 4 --cuda-graph-impl local", "run.sh")
+
+
+def test_settings_that_change_time_are_modelled_and_the_rest_set_aside():
+    config = read_arguments(MODEL_ARGS + "--tp-comm-overlap --overlap-param-gather --mtp-num-layers 1 "
+                            "--fp8-format hybrid --fp8-recipe tensorwise --recompute-activations "
+                            "--account-for-embedding-in-pipeline-split --lr 3e-4 --data-path /d --log-interval 1", "run")
+    t = config.training
+    assert (t.tp_comm_overlap, t.overlap_param_gather, t.mtp_num_layers, t.fp8_format, t.fp8_recipe) == (
+        True, True, 1, "hybrid", "tensorwise")
+    assert t.recompute_granularity == "selective" and t.account_for_embedding_in_pipeline_split
+    assert set(config.no_effect) == {"lr", "data_path", "log_interval"}
+    layout = read_arguments(MODEL_ARGS + "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'Et*4|t*4L'", "r")
+    assert layout.training.pipeline_model_parallel_layout == "Et*4|t*4L"
+
+
+def test_the_launcher_gives_the_gpu_count_else_it_must_be_asked(tmp_path, capsys):
+    config = read_arguments("torchrun --nnodes 2 --nproc-per-node 8 pretrain_gpt.py " + MODEL_ARGS
+                            + "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", "run")
+    assert (config.world_size, config.training.data_parallel_size) == (16, 4)
+    assert read_arguments(MODEL_ARGS, "run").world_size is None
+    script = tmp_path / "run.sh"
+    script.write_text(MODEL_ARGS)
+    hardware = str(EXAMPLES / "hardware" / "h100.yaml")
+    assert main(["project", "--megatron-config", str(script), "--hardware", hardware, "-a", "1f1b"]) != 0
+    assert "give --target-nodes N" in capsys.readouterr().err
+    assert main(["project", "--megatron-config", str(script), "--hardware", hardware, "-a", "1f1b",
+                 "--target-nodes", "2", "--json"]) == 0
+
+
+def test_primus_model_files_and_their_bases_are_followed(tmp_path):
+    models = tmp_path / "configs" / "models" / "megatron"
+    models.mkdir(parents=True)
+    (models / "base.yaml").write_text(yaml.safe_dump({"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
+                                                      "seq_length": 128, "vocab_size": 1000, "swiglu": True}))
+    (models / "tiny.yaml").write_text(yaml.safe_dump({"bases": ["base.yaml"], "num_layers": 8}))
+    exp = tmp_path / "experiments" / "exp.yaml"
+    exp.parent.mkdir()
+    exp.write_text(yaml.safe_dump({"work_group": "x", "modules": {"pre_trainer": {
+        "framework": "megatron", "config": "pre_trainer.yaml", "model": "tiny.yaml",
+        "overrides": {"micro_batch_size": 1, "global_batch_size": 16, "pipeline_model_parallel_size": "${PP:2}",
+                      "bf16": True, "recompute_num_layers": 0, "recompute_granularity": "selective",
+                      "recompute_modules": ["layernorm", "moe_act"]}}}}))
+    config = read_megatron_config(exp)
+    assert (config.model.num_layers, config.model.swiglu, config.training.pp) == (8, True, 2)
+    assert config.training.recompute_modules == ("layernorm", "moe_act") and config.training.recompute_num_layers is None
+    (models / "tiny.yaml").unlink()
+    with pytest.raises(ConfigError, match="model 'tiny.yaml' not found"):
+        read_megatron_config(exp)
