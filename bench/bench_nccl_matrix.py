@@ -35,14 +35,17 @@ MODES = ("gloo", "pair", "group")
 COMPARED = {"gpt": ("loss", "losses", "native_loss", "max_abs_grad_diff"), "torch": ("losses",)}
 
 
-def cells(pps, algorithms):
+SHAPES = {"pp": lambda pp: pp, "2pp+1": lambda pp: 2 * pp + 1, "4pp": lambda pp: 4 * pp}
+
+
+def cells(pps, algorithms, shapes=tuple(SHAPES)):
     """(algorithm, pp, vpp, microbatches) for every shape an algorithm builds."""
     for info in list_algorithms():
         if algorithms and info.name not in algorithms:
             continue
         vpps = [info.vpp] if info.vpp else ([1, 2] if info.placement == "interleaved" else [None])
         for pp in pps:
-            for m in (pp, 2 * pp + 1, 4 * pp):
+            for m in sorted({SHAPES[shape](pp) for shape in shapes}):
                 for vpp in vpps:
                     try:
                         table = build_schedule(info.name, pp, m, vpp)
@@ -85,12 +88,14 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--algorithms", nargs="+", default=None, help="default: every shipped algorithm")
     p.add_argument("--backends", nargs="+", choices=tuple(COMPARED), default=list(COMPARED))
+    p.add_argument("--microbatches", nargs="+", choices=tuple(SHAPES), default=list(SHAPES),
+                   help="microbatch counts as functions of pp (default: all three)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take before it counts as a hang")
     p.add_argument("-o", "--output", type=Path, default=None, help="JSON results (default: print only)")
     args = p.parse_args(argv)
     rows, failed = [], 0
     for backend in args.backends:
-        for algorithm, pp, vpp, m in cells(args.pp, args.algorithms):
+        for algorithm, pp, vpp, m in cells(args.pp, args.algorithms, args.microbatches):
             outcomes = {mode: run(backend, mode, algorithm, pp, vpp, m, args.timeout) for mode in MODES}
             base = outcomes["gloo"]
             equal = base["outcome"] == "ok" and all(
