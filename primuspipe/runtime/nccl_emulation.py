@@ -44,6 +44,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from primuspipe.errors import ConfigError
@@ -259,72 +260,15 @@ class EmulatedNCCLGroup(dist.ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> EmulatedWork:  # noqa: ARG002
         return self._p2p(False, tensors, src)
 
-    # -- collectives: gloo's, run in order on the group's stream -------------------------------------
+    # -- collectives: gloo's, run in order on the group's stream (the table below the class) ----------
 
     def _collective(self, name: str, tensors: Sequence[torch.Tensor], call: Callable[[], Any]) -> EmulatedWork:
         work = EmulatedWork(tensors, name)
         self._post(("group",), lambda: call().wait(), [work])
         return work
 
-    def allreduce(self, tensors, opts=None):
-        opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._collective("all_reduce", tensors, lambda: self._gloo.allreduce(tensors, opts))
-
-    def allreduce_coalesced(self, tensors, opts=None):
-        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        return self._collective("all_reduce_coalesced", tensors, lambda: self._gloo.allreduce_coalesced(tensors, opts))
-
-    def broadcast(self, tensors, opts=None):
-        opts = opts if opts is not None else dist.BroadcastOptions()
-        return self._collective("broadcast", tensors, lambda: self._gloo.broadcast(tensors, opts))
-
-    def reduce(self, tensors, opts=None):
-        opts = opts if opts is not None else dist.ReduceOptions()
-        return self._collective("reduce", tensors, lambda: self._gloo.reduce(tensors, opts))
-
-    def allgather(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
-        return self._collective("all_gather", inputs, lambda: self._gloo.allgather(outputs, inputs, opts))
-
-    def _allgather_base(self, output, input, opts=None):  # noqa: A002 - torch's name
-        opts = opts if opts is not None else dist.AllgatherOptions()
-        return self._collective("all_gather_into_tensor", [output],
-                                lambda: self._gloo._allgather_base(output, input, opts))
-
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
-        return self._collective("all_gather_into_tensor_coalesced", outputs,
-                                lambda: self._gloo.allgather_into_tensor_coalesced(outputs, inputs, opts))
-
-    def reduce_scatter(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        return self._collective("reduce_scatter", outputs, lambda: self._gloo.reduce_scatter(outputs, inputs, opts))
-
-    def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        return self._collective("reduce_scatter_tensor", [output],
-                                lambda: self._gloo._reduce_scatter_base(output, input, opts))
-
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        return self._collective("reduce_scatter_tensor_coalesced", outputs,
-                                lambda: self._gloo.reduce_scatter_tensor_coalesced(outputs, inputs, opts))
-
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
-        opts = opts if opts is not None else dist.AllToAllOptions()
-        return self._collective("all_to_all_single", [output], lambda: self._gloo.alltoall_base(
-            output, input, output_split_sizes, input_split_sizes, opts))
-
-    def gather(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.GatherOptions()
-        return self._collective("gather", inputs, lambda: self._gloo.gather(outputs, inputs, opts))
-
-    def scatter(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.ScatterOptions()
-        return self._collective("scatter", outputs, lambda: self._gloo.scatter(outputs, inputs, opts))
-
     def barrier(self, opts=None):
-        opts = opts if opts is not None else dist.BarrierOptions()
+        opts = opts if opts is not None else c10d.BarrierOptions()
         return self._collective("barrier", [], lambda: self._gloo.barrier(opts))
 
     def shutdown(self) -> None:
@@ -337,6 +281,30 @@ class EmulatedNCCLGroup(dist.ProcessGroup):
 
     def abort(self) -> None:
         self.shutdown()
+
+
+def _delegate(name: str, options: Callable[[], Any], arity: int, tensors_at: int) -> Callable:
+    """A collective of gloo's, posted on the group's stream: ``arity`` arguments before the options,
+    the request's tensors at ``tensors_at``."""
+    def collective(self: EmulatedNCCLGroup, *args: Any) -> EmulatedWork:
+        args = args if len(args) > arity else (*args, options())
+        tensors = args[tensors_at]
+        return self._collective(name, tensors if isinstance(tensors, list) else [tensors],
+                                lambda: getattr(self._gloo, name)(*args))
+    collective.__name__ = name
+    return collective
+
+
+for _name, _options, _arity, _tensors_at in (
+        ("allreduce", c10d.AllreduceOptions, 1, 0), ("allreduce_coalesced", c10d.AllreduceCoalescedOptions, 1, 0),
+        ("broadcast", c10d.BroadcastOptions, 1, 0), ("reduce", c10d.ReduceOptions, 1, 0),
+        ("allgather", c10d.AllgatherOptions, 2, 1), ("_allgather_base", c10d.AllgatherOptions, 2, 0),
+        ("allgather_into_tensor_coalesced", c10d.AllgatherOptions, 2, 0),
+        ("reduce_scatter", c10d.ReduceScatterOptions, 2, 0), ("_reduce_scatter_base", c10d.ReduceScatterOptions, 2, 0),
+        ("reduce_scatter_tensor_coalesced", c10d.ReduceScatterOptions, 2, 0),
+        ("alltoall_base", c10d.AllToAllOptions, 4, 0), ("gather", c10d.GatherOptions, 2, 1),
+        ("scatter", c10d.ScatterOptions, 2, 0)):
+    setattr(EmulatedNCCLGroup, _name, _delegate(_name, _options, _arity, _tensors_at))
 
 
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> EmulatedNCCLGroup:

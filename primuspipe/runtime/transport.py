@@ -68,28 +68,29 @@ class P2PTransport:
         return self._channels
 
     def isend(self, node: ScheduleNode, tensor: torch.Tensor | tuple[torch.Tensor, ...]) -> Pending:
-        self._check()
         # Send an alias, not the tensor itself: a caller may then swap the tensor's storage (Megatron's
         # deallocate_output_tensor) while the transfer still reads the old one, which the alias keeps alive.
         # A tuple of tensors goes as consecutive messages, one request each.
         aliases = tuple(t.detach() for t in tensor) if isinstance(tensor, tuple) else tensor.detach()
-        if self.channel_mode == "direction":
-            channel = self._opened(node).to(node.peer)
-            works = self._post(node, lambda: [channel.send([a], 1, 0) for a in _each(aliases)])
-        else:
-            peer = self._global[node.peer]
-            works = self._post(node, lambda: [dist.isend(a, dst=peer, group=self.group) for a in _each(aliases)])
-        return self._track(Pending(node, aliases, works))
+        return self._transfer(node, aliases, send=True)
 
     def irecv(self, node: ScheduleNode, buffer: torch.Tensor | tuple[torch.Tensor, ...]) -> Pending:
+        return self._transfer(node, buffer, send=False)
+
+    def _transfer(self, node: ScheduleNode, tensors: Any, send: bool) -> Pending:
+        """Post one request per tensor: on the direction's channel (where the peer is rank 1 to a sender,
+        rank 0 to a receiver), or on the group itself."""
         self._check()
         if self.channel_mode == "direction":
-            channel = self._opened(node).from_(node.peer)
-            works = self._post(node, lambda: [channel.recv([b], 0, 0) for b in _each(buffer)])
+            channels = self._opened(node)
+            channel = channels.to(node.peer) if send else channels.from_(node.peer)
+            post = channel.send if send else channel.recv
+            works = self._post(node, lambda: [post([t], 1 if send else 0, 0) for t in _each(tensors)])
         else:
-            peer = self._global[node.peer]
-            works = self._post(node, lambda: [dist.irecv(b, src=peer, group=self.group) for b in _each(buffer)])
-        return self._track(Pending(node, buffer, works))
+            peer, group = self._global[node.peer], self.group
+            works = self._post(node, lambda: [dist.isend(t, dst=peer, group=group) if send else
+                                              dist.irecv(t, src=peer, group=group) for t in _each(tensors)])
+        return self._track(Pending(node, tensors, works))
 
     def _post(self, node: ScheduleNode, post: Any) -> list:
         """Post the requests; a backend that refuses (gloo, once the peer's connection closed) is reported

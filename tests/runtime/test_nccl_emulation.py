@@ -30,11 +30,11 @@ from primuspipe.testing.gloo import run_gloo
 from primuspipe.testing.torch_pipelining import (
     local_stage_indices, mse, plain_model, sequential_reference, torch_schedule, torch_step,
 )
+from tiny_stages import BATCH, H, inputs, loss, stage
 
 LEGACY = Path(__file__).parents[1] / "fixtures" / "legacy_1f1b_pp2_m4.json"
 """``primuspipe export 1f1b --pp 2 -m 4`` as exported before the transport got per-direction channels."""
 MODES = ("pair", "group")
-H, BATCH = 6, 3
 
 
 @pytest.fixture
@@ -48,30 +48,12 @@ def emulate(monkeypatch):
     return set_mode
 
 
-def _stage(stage: int) -> torch.nn.Module:
-    gen = torch.Generator().manual_seed(100 + stage)
-    layer = torch.nn.Linear(H, H)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(H, H, generator=gen) * 0.5)
-        layer.bias.copy_(torch.randn(H, generator=gen) * 0.1)
-    return torch.nn.Sequential(layer, torch.nn.Tanh())
-
-
-def _inputs(m: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randn(BATCH, H, generator=gen) for _ in range(m)]
-
-
-def _loss(out: torch.Tensor, mb: int) -> torch.Tensor:
-    return (out * (mb + 1)).pow(2).mean()
-
-
 def _run_table(table, channels: str, timeout_s: float):
     """Each rank's (losses, grads) or the message of its hang error."""
     def work(rank, world):
-        chunks = [_stage(table.placement.stage(rank, c)) for c in range(table.vpp)]
-        binder = ModuleBinder(chunks, num_stages=table.num_stages, inputs=_inputs(table.microbatches),
-                              loss_fn=_loss, transfer_shape=(BATCH, H))
+        chunks = [stage(table.placement.stage(rank, c)) for c in range(table.vpp)]
+        binder = ModuleBinder(chunks, num_stages=table.num_stages, inputs=inputs(table.microbatches),
+                              loss_fn=loss, transfer_shape=(BATCH, H))
         try:
             ScheduleRunner(table, rank).run(binder, P2PTransport(dist.group.WORLD, timeout_s=timeout_s,
                                                                  channels=channels))
@@ -233,17 +215,22 @@ def _same(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.slow
-def test_every_algorithm_on_the_torch_backend_is_bitwise_gloo_under_both_modes(emulate):
-    pp, m = 3, 7  # an odd pipeline, 2pp+1 microbatches: a corner of the matrix
+def _assert_bitwise_gloo_under_both_modes(run, emulate) -> None:
+    """``run()`` (per rank: algorithm -> results) gives bitwise the same under each mode as on gloo."""
     runs = {}
     for mode in (None, *MODES):
         emulate(mode)
-        runs[mode] = _torch_backend_run(pp, m)
+        runs[mode] = run()
     for mode in MODES:
-        for name in runs[None][0]:
-            for rank in range(pp):
-                assert _same(runs[mode][rank][name], runs[None][rank][name]), f"{name} rank {rank} under {mode}"
+        for rank, (want, got) in enumerate(zip(runs[None], runs[mode])):
+            for name in want:
+                assert _same(got[name], want[name]), f"{name} rank {rank} under {mode}"
+
+
+@pytest.mark.slow
+def test_every_algorithm_on_the_torch_backend_is_bitwise_gloo_under_both_modes(emulate):
+    # an odd pipeline, 2pp+1 microbatches: a corner of the matrix
+    _assert_bitwise_gloo_under_both_modes(lambda: _torch_backend_run(3, 7), emulate)
 
 
 def _megatron_backend_run(pp: int, m: int):
@@ -268,12 +255,4 @@ def _megatron_backend_run(pp: int, m: int):
 @megatron
 @pytest.mark.slow
 def test_every_algorithm_on_the_megatron_backend_is_bitwise_gloo_under_both_modes(emulate):
-    pp, m = 2, 5
-    runs = {}
-    for mode in (None, *MODES):
-        emulate(mode)
-        runs[mode] = _megatron_backend_run(pp, m)
-    for mode in MODES:
-        for name in runs[None][0]:
-            for rank in range(pp):
-                assert _same(runs[mode][rank][name], runs[None][rank][name]), f"{name} rank {rank} under {mode}"
+    _assert_bitwise_gloo_under_both_modes(lambda: _megatron_backend_run(2, 5), emulate)

@@ -20,37 +20,19 @@ from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.runtime.transport import P2PTransport
 from primuspipe.passes.validation import validate
+from tiny_stages import BATCH, H, inputs, loss, stage
 
-H, BATCH = 6, 3
-
-
-def _stage(stage: int) -> torch.nn.Module:
-    gen = torch.Generator().manual_seed(100 + stage)
-    layer = torch.nn.Linear(H, H)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(H, H, generator=gen) * 0.5)
-        layer.bias.copy_(torch.randn(H, generator=gen) * 0.1)
-    return torch.nn.Sequential(layer, torch.nn.Tanh())
-
-
-def _inputs(m: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randn(BATCH, H, generator=gen) for _ in range(m)]
-
-
-def _loss(out: torch.Tensor, mb: int) -> torch.Tensor:
-    return (out * (mb + 1)).pow(2).mean()
 
 
 def _reference(num_stages: int, m: int):
-    stages = [_stage(s) for s in range(num_stages)]
+    stages = [stage(s) for s in range(num_stages)]
     losses = []
-    for mb, x in enumerate(_inputs(m)):
+    for mb, x in enumerate(inputs(m)):
         for s in stages:
             x = s(x)
-        loss = _loss(x, mb)
-        loss.backward()
-        losses.append(loss.detach())
+        value = loss(x, mb)
+        value.backward()
+        losses.append(value.detach())
     grads = {(s, n): p.grad for s, st in enumerate(stages) for n, p in st.named_parameters()}
     return losses, grads
 
@@ -58,9 +40,9 @@ def _reference(num_stages: int, m: int):
 def _run_table(table: ScheduleTable, forward_only: bool = False, timeout_s: float = 30.0):
     def work(rank, world):
         placement = table.placement
-        chunks = [_stage(placement.stage(rank, c)) for c in range(table.vpp)]
-        binder = ModuleBinder(chunks, num_stages=table.num_stages, inputs=_inputs(table.microbatches),
-                              loss_fn=_loss, transfer_shape=(BATCH, H))
+        chunks = [stage(placement.stage(rank, c)) for c in range(table.vpp)]
+        binder = ModuleBinder(chunks, num_stages=table.num_stages, inputs=inputs(table.microbatches),
+                              loss_fn=loss, transfer_shape=(BATCH, H))
         events = []
 
         class Rec:
@@ -144,7 +126,7 @@ def test_binder_without_a_handler_is_refused():
         for row in compute.ranks
     )
     runner = ScheduleRunner(validate(add_communication(split)), rank=0)
-    binder = ModuleBinder([_stage(0)], num_stages=2, inputs=_inputs(2), loss_fn=_loss, transfer_shape=(BATCH, H))
+    binder = ModuleBinder([stage(0)], num_stages=2, inputs=inputs(2), loss_fn=loss, transfer_shape=(BATCH, H))
     with pytest.raises(ConfigError, match=r"has B, W nodes but ModuleBinder has no handler"):
         runner.check_binder(binder)
     with pytest.raises(ConfigError, match="full table"):
@@ -158,7 +140,7 @@ def test_stuck_peer_raises_pipeline_hang_error_within_the_timeout():
         if rank == 0:
             time.sleep(3)  # stuck: never sends
             return None
-        binder = ModuleBinder([_stage(1)], num_stages=2, inputs=_inputs(2), loss_fn=_loss, transfer_shape=(BATCH, H))
+        binder = ModuleBinder([stage(1)], num_stages=2, inputs=inputs(2), loss_fn=loss, transfer_shape=(BATCH, H))
         start = time.monotonic()
         try:
             ScheduleRunner(table, rank).run(binder, P2PTransport(dist.group.WORLD, timeout_s=1.0))
