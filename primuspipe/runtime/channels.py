@@ -59,7 +59,8 @@ class Channels:
         for src, dst in order:
             if self.rank in (src, dst):
                 sub = dist.PrefixStore(f"{prefix}{ranks[src]}-{ranks[dst]}/", store)
-                channel = _backend(backend, sub, 0 if self.rank == src else 1, timeout, device)
+                channel = _backend(backend, sub, 0 if self.rank == src else 1, timeout, device,
+                                   name=f"{prefix}{ranks[src]}-{ranks[dst]}", members=[ranks[src], ranks[dst]])
                 probe = torch.zeros(1, device=device)
                 (channel.send([probe], 1, 0) if self.rank == src else channel.recv([probe], 0, 0)).wait()
                 self._by_direction[src, dst] = channel
@@ -98,8 +99,10 @@ def _device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def _backend(backend: str, store: Any, rank: int, timeout: timedelta, device: torch.device) -> Any:
-    """A two-rank backend of the pipeline group's kind."""
+def _backend(backend: str, store: Any, rank: int, timeout: timedelta, device: torch.device, *, name: str,
+             members: list[int]) -> Any:
+    """A two-rank backend of the pipeline group's kind (``name`` and the global ``members`` label it in
+    NCCL's own logs and flight recorder)."""
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, 2, timeout)
     if backend == nccl_emulation.BACKEND:
@@ -108,6 +111,8 @@ def _backend(backend: str, store: Any, rank: int, timeout: timedelta, device: to
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         options.is_high_priority_stream = False
+        options.group_name = name
+        options.global_ranks_in_group = members
         return dist.ProcessGroupNCCL(store, rank, 2, options)
     raise ConfigError(f"primuspipe's transport builds per-direction channels on gloo, nccl (RCCL too) and the NCCL "
                       f"emulator; the pipeline group's backend is {backend!r}: use channels='shared'")
