@@ -1,5 +1,6 @@
 """The simulator times sends and receives on the streams of the chosen transport semantics."""
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -84,28 +85,34 @@ def test_the_legacy_posting_is_refused_under_nccl_pair_with_the_cycle_and_the_co
 SHAPES = [(2, 2), (2, 5), (3, 6), (4, 4), (4, 9)]
 
 
+@functools.cache
+def _shipped_tables() -> list[ScheduleTable]:
+    tables = []
+    for info in list_algorithms():
+        for pp, m in SHAPES:
+            try:
+                tables.append(build_schedule(info.name, pp, m))
+            except PrimusPipeError:
+                continue
+    return tables
+
+
 @pytest.mark.parametrize("semantics", list(SEMANTICS))
 def test_simulate_refuses_exactly_the_tables_the_replay_refuses(semantics):
     """Every shipped algorithm at small shapes: the timed streams complete iff the validator's replay
     of the same semantics does, so a prediction never describes a run that would hang (nor refuses
     one that would not)."""
-    cost_free, checked = 0, 0
-    for info in list_algorithms():
-        for pp, m in SHAPES:
-            try:
-                table = build_schedule(info.name, pp, m)
-            except PrimusPipeError:
-                continue
-            cost = _latency(pp, 0.3).for_shape(pp, table.vpp)
-            hangs = replay(table, semantics) is not None
-            checked += 1
-            if hangs:
-                with pytest.raises(SimulationError, match=f"--semantics {semantics}"):
-                    simulate(table, cost, semantics)
-            else:
-                cost_free += 1
-                assert simulate(table, cost, semantics).step_time > 0
-    assert checked >= 30 and (cost_free > 0 or semantics != "primuspipe")
+    tables, completed = _shipped_tables(), 0
+    for table in tables:
+        cost = _latency(table.pp, 0.3).for_shape(table.pp, table.vpp)
+        if replay(table, semantics) is not None:
+            with pytest.raises(SimulationError, match=f"--semantics {semantics}"):
+                simulate(table, cost, semantics)
+        else:
+            completed += 1
+            assert simulate(table, cost, semantics).step_time > 0
+    assert len(tables) >= 30
+    assert completed == len(tables) if semantics in ("gloo", "primuspipe") else completed < len(tables)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipe-v"])
