@@ -20,58 +20,69 @@ streams. Every time is a value of its dependencies only, so the engine may post 
 
 from __future__ import annotations
 
-from collections import deque
-
 from primuspipe.errors import SimulationError
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.streams import Semantics
 
 
 class Wires:
-    """The table's communication, compiled for :class:`StreamClock` (see the module docstring)."""
+    """The table's communication, compiled for :class:`StreamClock` (see the module docstring).
+
+    A stream key is asked of the semantics once per (rank, kind, peer): every semantics keys a stream
+    by the operation's rank, direction and peer, and a search loop simulates tables of 10^5 nodes."""
 
     def __init__(self, table: ScheduleTable, semantics: Semantics):
         wiring = table.wiring
         self.where: list[tuple[int, int]] = []  # slot -> (rank, index)
         self.key: list[int] = []                # slot -> transfer key
-        self.item_of: list[int] = []            # slot -> item
-        self.items: list[list[int]] = []        # item -> its slots
-        self.item_queue: list[int] = []         # item -> the stream queue it runs on
-        self.queues: list[list[int]] = []       # queue (a rank's stream) -> its items in order
+        self.item_of: list[int] = []            # slot -> item (the slot itself unless batched)
+        self.items: list[list[int]] | None = [] if semantics.batches else None  # batched: item -> its slots
+        self.after: list[int] = []              # item -> the item before it on its stream (-1: none)
+        self.next: list[int] = []               # item -> the item after it on its stream (-1: none)
         self.slots: list[list[int]] = []        # rank -> per node, its slot (-1: not communication)
-        queue_of: dict[tuple, int] = {}
         lanes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         for rank, (row, moves) in enumerate(zip(table.ranks, wiring.moves)):
             slots = [-1] * len(row)
-            open_batch: dict[int, int] = {}  # queue -> the item a batch is filling
+            stream_of: dict[tuple, tuple] = {}   # (kind, peer) -> stream key
+            last: dict[tuple, int] = {}          # stream key -> its last item so far
+            batches: dict[tuple, int] = {}       # batched: stream -> the item its open batch fills
             for i, (node, moved) in enumerate(zip(row, moves)):
                 if moved < 0:
-                    open_batch.clear()
+                    batches.clear()
                     continue
                 slot = slots[i] = len(self.where)
                 self.where.append((rank, i))
                 self.key.append(moved)
-                src, dst = (rank, node.peer) if node.kind.is_send else (node.peer, rank)
-                lanes.setdefault((src, dst), ([], []))[0 if node.kind.is_send else 1].append(slot)
-                stream = ("op", slot) if semantics.stream is None else semantics.stream(rank, node)
-                queue = queue_of.setdefault((rank, stream), len(queue_of))
-                if queue == len(self.queues):
-                    self.queues.append([])
-                item = open_batch.get(queue, -1)
-                if item < 0:
-                    item = len(self.items)
-                    self.items.append([])
-                    self.item_queue.append(queue)
-                    self.queues[queue].append(item)
-                    if semantics.batches:
-                        open_batch[queue] = item
-                self.items[item].append(slot)
+                kind, peer = node.kind, node.peer
+                lane = (rank, peer) if kind.is_send else (peer, rank)
+                if (ends := lanes.get(lane)) is None:
+                    ends = lanes[lane] = ([], [])
+                ends[0 if kind.is_send else 1].append(slot)
+                if semantics.stream is None:  # an operation of its own
+                    stream = None
+                elif (stream := stream_of.get((kind, peer))) is None:
+                    stream = stream_of[(kind, peer)] = semantics.stream(rank, node)
+                if self.items is not None and (item := batches.get(stream, -1)) >= 0:
+                    self.items[item].append(slot)
+                    self.item_of.append(item)
+                    continue
+                item = len(self.after)
                 self.item_of.append(item)
+                if self.items is not None:
+                    self.items.append([slot])
+                    if stream is not None:
+                        batches[stream] = item
+                before = -1 if stream is None else last.get(stream, -1)
+                self.after.append(before)
+                self.next.append(-1)
+                if before >= 0:
+                    self.next[before] = item
+                if stream is not None:
+                    last[stream] = item
             self.slots.append(slots)
         self.partner = [-1] * len(self.where)
         for sends, recvs in lanes.values():
             self._pair(table, sends, recvs)
-
     def _pair(self, table: ScheduleTable, sends: list[int], recvs: list[int]) -> None:
         """Per direction the k-th send meets the k-th receive; refuse a pair carrying different tensors
         or an operation its peer never matches."""
@@ -98,65 +109,63 @@ class StreamClock:
 
     def __init__(self, wires: Wires, ends: list[list[float]]):
         self.wires, self.ends = wires, ends
-        self.unposted = [len(slots) for slots in wires.items]  # item -> operations not yet posted
-        self.left = list(self.unposted)                       # item -> operations not yet completed
-        self.posted_at = [0.0] * len(wires.items)
-        self.item_end = [0.0] * len(wires.items)
-        self.head = [0] * len(wires.queues)                   # queue -> its first item not completed
-        self.free = [0.0] * len(wires.queues)                 # queue -> when its last completed item ended
+        count = len(wires.after)
+        sizes = [1] * count if wires.items is None else [len(slots) for slots in wires.items]
+        self.unposted = list(sizes)                    # item -> operations not yet posted
+        self.left = sizes                              # item -> operations not yet completed
+        self.blocked = [a >= 0 for a in wires.after]   # item -> the item before it has not completed
+        self.posted_at = [0.0] * count
+        self.free_at = [0.0] * count                   # item -> when the item before it completed
+        self.item_end = [0.0] * count
         self.run_at: list[float | None] = [None] * len(wires.where)
         self.duration = [0.0] * len(wires.where)
-        self._check: deque[int] = deque()
 
     def post(self, slot: int, time: float, duration: float) -> list[tuple[float, int, int, int]]:
         """Operation ``slot`` is posted at ``time`` and its transfer takes ``duration``. Returns the
         transfers this completes as ``(arrival, transfer key, slot, partner slot)``."""
-        w = self.wires
         self.duration[slot] = duration
-        item = w.item_of[slot]
+        item = self.wires.item_of[slot]
         self.unposted[item] -= 1
         if self.unposted[item]:
             return []
         self.posted_at[item] = time
+        if self.blocked[item]:
+            return []
         done: list[tuple[float, int, int, int]] = []
-        self._check.append(w.item_queue[item])
-        while self._check:
-            self._start_head(self._check.popleft(), done)
+        runnable = [item]
+        while runnable:
+            self._run(runnable.pop(), done, runnable)
         return done
 
-    def _start_head(self, queue: int, done: list) -> None:
-        """Run the queue's head item if posted and not yet running; complete the pairs it meets."""
-        w, items = self.wires, self.wires.queues[queue]
-        if self.head[queue] == len(items):
-            return
-        item = items[self.head[queue]]
-        first = w.items[item][0]
-        if self.unposted[item] or self.run_at[first] is not None:
-            return
-        start = self.posted_at[item] if self.posted_at[item] > self.free[queue] else self.free[queue]
-        for slot in w.items[item]:
-            self.run_at[slot] = start
-        for slot in w.items[item]:
+    def _run(self, item: int, done: list, runnable: list[int]) -> None:
+        """Run a posted item whose stream is free; complete the pairs it meets, and queue the items
+        those completions free."""
+        w, run_at, duration = self.wires, self.run_at, self.duration
+        start = self.posted_at[item] if self.posted_at[item] > self.free_at[item] else self.free_at[item]
+        slots = (item,) if w.items is None else w.items[item]
+        for slot in slots:
+            run_at[slot] = start
+        for slot in slots:
             other = w.partner[slot]
-            peer_start = self.run_at[other]
+            peer_start = run_at[other]
             if peer_start is None:
                 continue
-            arrival = (start if start > peer_start else peer_start) + self.duration[slot]
+            arrival = (start if start > peer_start else peer_start) + duration[slot]
             done.append((arrival, w.key[slot], slot, other))
             for end in (slot, other):
                 rank, i = w.where[end]
                 self.ends[rank][i] = arrival
-                self._complete(w.item_of[end], arrival)
+                self._complete(w.item_of[end], arrival, runnable)
 
-    def _complete(self, item: int, arrival: float) -> None:
+    def _complete(self, item: int, arrival: float, runnable: list[int]) -> None:
         if arrival > self.item_end[item]:
             self.item_end[item] = arrival
         self.left[item] -= 1
-        if self.left[item] == 0:
-            queue = self.wires.item_queue[item]
-            self.free[queue] = self.item_end[item]
-            self.head[queue] += 1
-            self._check.append(queue)
+        if self.left[item] == 0 and (nxt := self.wires.next[item]) >= 0:
+            self.blocked[nxt] = False
+            self.free_at[nxt] = self.item_end[item]
+            if not self.unposted[nxt]:
+                runnable.append(nxt)
 
     def incomplete(self) -> list[tuple[int, int]]:
         """``(rank, index)`` of every operation whose transfer never completed: it or its partner never ran."""
