@@ -35,43 +35,45 @@ class Wires:
         wiring = table.wiring
         self.where: list[tuple[int, int]] = []  # slot -> (rank, index)
         self.key: list[int] = []                # slot -> transfer key
-        self.item_of: list[int] = []            # slot -> item (the slot itself unless batched)
         self.items: list[list[int]] | None = [] if semantics.batches else None  # batched: item -> its slots
+        self.item_of: list[int] = []            # batched: slot -> item (else every item is its one slot)
         self.after: list[int] = []              # item -> the item before it on its stream (-1: none)
         self.next: list[int] = []               # item -> the item after it on its stream (-1: none)
         self.slots: list[list[int]] = []        # rank -> per node, its slot (-1: not communication)
-        lanes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        lanes: dict[tuple[int, int, bool], list[int]] = {}
         for rank, (row, moves) in enumerate(zip(table.ranks, wiring.moves)):
             slots = [-1] * len(row)
-            stream_of: dict[tuple, tuple] = {}   # (kind, peer) -> stream key
-            last: dict[tuple, int] = {}          # stream key -> its last item so far
-            batches: dict[tuple, int] = {}       # batched: stream -> the item its open batch fills
-            for i, (node, moved) in enumerate(zip(row, moves)):
-                if moved < 0:
-                    batches.clear()
-                    continue
+            shape: dict[tuple, tuple] = {}   # (kind, peer) -> (lane's slots, stream key)
+            last: dict[tuple, int] = {}      # stream key -> its last item so far
+            batches: dict[tuple, int] = {}   # batched: stream -> the item its open batch fills
+            previous = -2
+            for i in [i for i, moved in enumerate(moves) if moved >= 0]:
+                node = row[i]
                 slot = slots[i] = len(self.where)
                 self.where.append((rank, i))
-                self.key.append(moved)
-                kind, peer = node.kind, node.peer
-                lane = (rank, peer) if kind.is_send else (peer, rank)
-                if (ends := lanes.get(lane)) is None:
-                    ends = lanes[lane] = ([], [])
-                ends[0 if kind.is_send else 1].append(slot)
-                if semantics.stream is None:  # an operation of its own
-                    stream = None
-                elif (stream := stream_of.get((kind, peer))) is None:
-                    stream = stream_of[(kind, peer)] = semantics.stream(rank, node)
-                if self.items is not None and (item := batches.get(stream, -1)) >= 0:
-                    self.items[item].append(slot)
-                    self.item_of.append(item)
-                    continue
-                item = len(self.after)
-                self.item_of.append(item)
+                self.key.append(moves[i])
+                if (known := shape.get((node.kind, node.peer))) is None:
+                    is_send = node.kind.is_send
+                    lane = (rank, node.peer, True) if is_send else (node.peer, rank, False)
+                    known = shape[(node.kind, node.peer)] = (
+                        lanes.setdefault(lane, []), None if semantics.stream is None else semantics.stream(rank, node))
+                ends, stream = known
+                ends.append(slot)
                 if self.items is not None:
+                    if i != previous + 1:  # a node between: the open batches are posted
+                        batches.clear()
+                    previous = i
+                    if (item := batches.get(stream, -1)) >= 0:
+                        self.items[item].append(slot)
+                        self.item_of.append(item)
+                        continue
+                    item = len(self.items)
                     self.items.append([slot])
+                    self.item_of.append(item)
                     if stream is not None:
                         batches[stream] = item
+                else:
+                    item = slot
                 before = -1 if stream is None else last.get(stream, -1)
                 self.after.append(before)
                 self.next.append(-1)
@@ -81,8 +83,12 @@ class Wires:
                     last[stream] = item
             self.slots.append(slots)
         self.partner = [-1] * len(self.where)
-        for sends, recvs in lanes.values():
-            self._pair(table, sends, recvs)
+        for (src, dst, is_send), sends in lanes.items():
+            if is_send:
+                self._pair(table, sends, lanes.get((src, dst, False), []))
+            elif (src, dst, True) not in lanes:
+                self._pair(table, [], sends)
+
     def _pair(self, table: ScheduleTable, sends: list[int], recvs: list[int]) -> None:
         """Per direction the k-th send meets the k-th receive; refuse a pair carrying different tensors
         or an operation its peer never matches."""
@@ -100,6 +106,9 @@ class Wires:
     def _name(self, table: ScheduleTable, slot: int) -> str:
         rank, i = self.where[slot]
         return f"rank {rank} node {i} ({table.ranks[rank][i]})"
+
+
+_NONE: list = []  # what a post that completes nothing returns (never appended to)
 
 
 class StreamClock:
@@ -124,13 +133,13 @@ class StreamClock:
         """Operation ``slot`` is posted at ``time`` and its transfer takes ``duration``. Returns the
         transfers this completes as ``(arrival, transfer key, slot, partner slot)``."""
         self.duration[slot] = duration
-        item = self.wires.item_of[slot]
+        item = slot if self.wires.items is None else self.wires.item_of[slot]
         self.unposted[item] -= 1
         if self.unposted[item]:
-            return []
+            return _NONE
         self.posted_at[item] = time
         if self.blocked[item]:
-            return []
+            return _NONE
         done: list[tuple[float, int, int, int]] = []
         runnable = [item]
         while runnable:
@@ -155,7 +164,7 @@ class StreamClock:
             for end in (slot, other):
                 rank, i = w.where[end]
                 self.ends[rank][i] = arrival
-                self._complete(w.item_of[end], arrival, runnable)
+                self._complete(end if w.items is None else w.item_of[end], arrival, runnable)
 
     def _complete(self, item: int, arrival: float, runnable: list[int]) -> None:
         if arrival > self.item_end[item]:
