@@ -140,6 +140,9 @@ class StreamClock:
         self.posted_at[item] = time
         if self.blocked[item]:
             return _NONE
+        if self.wires.items is None and self.run_at[self.wires.partner[slot]] is None:  # runs; its peer has not
+            self.run_at[slot] = time if time > self.free_at[item] else self.free_at[item]
+            return _NONE
         done: list[tuple[float, int, int, int]] = []
         runnable = [item]
         while runnable:
