@@ -23,6 +23,7 @@ from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.algorithms.build import build_schedule, check_options
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.passes.offload import offload_activations
+from primuspipe.passes.streams import DEFAULT_SEMANTICS, SEMANTICS
 from primuspipe.ir.table import check_shape
 from primuspipe.search.zb_auto import ZbAutoReport, zb_auto_search
 from primuspipe.simulator import CostModel, SimulationResult, read_cost_file, simulate
@@ -97,6 +98,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "unit (replaces the cost file's host_link; default free). A copy moves a chunk's "
                             "memory.activation_bytes (from --cost) times memory.offload_fraction; without bytes "
                             "it takes the latency alone")
+    p.add_argument("--semantics", choices=tuple(SEMANTICS), default=DEFAULT_SEMANTICS,
+                   help="the transport whose streams time the sends and receives (docs/simulator.md): "
+                        + "; ".join(f"{s.name}: {s.summary}" for s in SEMANTICS.values())
+                        + f" (default: {DEFAULT_SEMANTICS}, what primuspipe's runner runs). A table that cannot "
+                          "complete under it is reported with the cycle of waits, as 'primuspipe validate "
+                          "--semantics' reports it")
     p.add_argument("-o", "--output-dir", type=Path, metavar="DIR",
                    help="write ALGORITHM.timeline.json (primuspipe timeline) and ALGORITHM.trace.json "
                         "(Chrome/Perfetto trace) for each simulated algorithm into DIR")
@@ -192,7 +199,7 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, plan_spec: dict |
         cost = cost.for_shape(args.pp, table.vpp)
         if args.offload:
             table = offload_activations(table, cost, memory_limit=args.memory_limit)
-        result = simulate(table, cost)
+        result = simulate(table, cost, args.semantics)
     except PrimusPipeError as exc:
         return {**row, "error": str(exc)}, None
     peak = max(result.peak_activations)

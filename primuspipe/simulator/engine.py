@@ -4,10 +4,12 @@ Semantics are the validator's (docs/design.md §3), with time added (docs/simula
 
 * each rank runs its nodes in table order, one at a time;
 * posting a send or a receive takes the host's post time (``host.send`` / ``host.recv``, default 0)
-  and never blocks;
-* per direction (source rank -> destination rank) the k-th send is matched with the k-th receive; the
-  transfer starts once both are posted (rendezvous, as NCCL's p2p kernels do) and takes
-  ``P2PCost.transfer_time`` (links are not contended);
+  and never blocks the rank;
+* per direction (source rank -> destination rank) the k-th send is matched with the k-th receive; each
+  runs on its rank's stream of the transport ``semantics`` (:mod:`primuspipe.simulator.transport`):
+  once posted and the stream's previous item completed; the transfer starts once both ends run
+  (rendezvous, as NCCL's p2p kernels do) and takes ``P2PCost.transfer_time`` (links are not contended,
+  but a stream is serial: a transfer waiting on its peer delays the next one on its stream);
 * a compute node starts when its rank is free and its inbound transfers have arrived, plus its kind's
   host overhead; it takes its cost, plus its cold start when it is its chunk's first of its kind in the step;
 * OFFLOAD / RELOAD copy on the rank's copy streams, overlapping compute
@@ -32,12 +34,14 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from primuspipe.passes.communication import add_communication
+from primuspipe.passes.streams import DEFAULT_SEMANTICS, Semantics, replay, semantics_named
 from primuspipe.errors import SimulationError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.simulator import host_copies
 from primuspipe.simulator.memory import peak_activations
+from primuspipe.simulator.transport import StreamClock, Wires
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline, idle_share
 
@@ -166,9 +170,12 @@ class SimulationResult:
                         self.cost.time_unit, meta)
 
 
-def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
-    """Time ``table`` under ``cost``. Raises :class:`SimulationError` if the table cannot complete
-    (run :func:`~primuspipe.passes.validation.validate` on it for the full diagnosis).
+def simulate(table: ScheduleTable, cost: CostModel,
+             semantics: Semantics | str = DEFAULT_SEMANTICS) -> SimulationResult:
+    """Time ``table`` under ``cost``, its sends and receives running on the streams of the transport
+    ``semantics`` (:mod:`primuspipe.passes.streams`; default primuspipe's own transport, what the runner
+    runs). Raises :class:`SimulationError` if the table cannot complete under them (naming the cycle of
+    waits; ``primuspipe validate --semantics NAME`` gives the full diagnosis).
 
     >>> from primuspipe.algorithms.build import build_schedule
     >>> result = simulate(build_schedule("1f1b", pp=8, microbatches=32), CostModel.per_stage(8, f=1, b=1, w=1))
@@ -182,14 +189,17 @@ def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
     if gaps is not None and len(gaps) != table.pp:
         raise SimulationError(f"host.step_gap has {len(gaps)} values but the table has {table.pp} ranks; give one "
                               "number or one per rank")
+    if isinstance(semantics, str):
+        semantics = semantics_named(semantics)
     full = table if table.has_communication else add_communication(table)
-    programs, lanes = _compile(full, cost)
+    wires = Wires(full, semantics)
+    programs = _compile(full, cost, wires)
     offsets = [0.0] * full.pp
     for _ in range(1 if gaps is None else _STEADY_STATE_ROUNDS):
         if cost.host.cores is None:
-            (starts, ends), cpu = _run_dedicated(full, programs, lanes, offsets), None
+            (starts, ends), cpu = _run_dedicated(full, programs, wires, offsets, semantics), None
         else:
-            starts, ends, cpu = _run_shared(full, programs, lanes, offsets, cost=cost)
+            starts, ends, cpu = _run_shared(full, programs, wires, offsets, semantics, cost=cost)
         if gaps is None:
             break
         # the next step: each rank starts its step gap after its own end
@@ -211,25 +221,28 @@ def simulate(table: ScheduleTable, cost: CostModel) -> SimulationResult:
     return SimulationResult(full, cost, step, ranks, period)
 
 
-def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], list[tuple[int, int]]]:
-    """Per rank, the nodes as flat ops, and each lane's ``(source, destination)`` ranks. An op is
-    ``(_COMPUTE, host time before it, duration, inbound transfer keys)`` or ``(_SEND | _RECV, host
-    time to post it, lane, transfer key, transfer time)`` or ``(_COPY, copy stream, copy time, reload key or
-    None)``; keys are the table's
+def _compile(table: ScheduleTable, cost: CostModel, wires: Wires) -> list[list[tuple]]:
+    """Per rank, the nodes as flat ops. An op is ``(_COMPUTE, host time before it, duration, inbound
+    transfer keys)`` or ``(_SEND | _RECV, host time to post it, slot in ``wires``, transfer key, transfer
+    time)`` or ``(_COPY, copy stream, copy time, reload key or None)``; keys are the table's
     :class:`~primuspipe.ir.dataflow.Wiring`.
+
+    A compute node waits for its inbound transfers only, though the runner also completes there the
+    earlier send its input proves delivered (:func:`~primuspipe.ir.dataflow.released_transfer`): that
+    send completed together with its receive, which the peer waited for before producing this input,
+    so the wait never delays it (tests/simulator/test_transport.py checks this on the shipped tables).
 
     Everything but the microbatch is looked up once per (rank, kind, chunk, peer): this keeps simulate
     fast enough for search loops over large tables.
     """
     placement, wiring = table.placement, table.wiring
-    lanes: dict[tuple[int, int], int] = {}
     programs = []
-    for rank, (row, moves, takes) in enumerate(zip(table.ranks, wiring.moves, wiring.takes)):
+    for rank, (row, moves, takes, slots) in enumerate(zip(table.ranks, wiring.moves, wiring.takes, wires.slots)):
         shapes: dict[tuple, tuple] = {}  # (kind, chunk, peer, pair chunk) -> the op less its microbatch
         warmed: set[tuple] = set()  # (kind, chunk) whose first node of the step has run
         reloads = host_copies.reloaded(table, rank)
         ops = []
-        for node, moved, needs in zip(row, moves, takes):
+        for node, moved, needs, slot in zip(row, moves, takes, slots):
             kind = node.kind
             if kind.on_host_stream:
                 key = host_copies.reload_key(rank, node.chunk, node.microbatch, table) if kind is NodeKind.RELOAD else None
@@ -237,9 +250,9 @@ def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], 
                 continue
             shape_key = (kind, node.chunk, node.peer, node.pair and node.pair[1])
             if (known := shapes.get(shape_key)) is None:
-                known = shapes[shape_key] = _shape(placement, rank, node, cost, lanes)
+                known = shapes[shape_key] = _shape(placement, rank, node, cost)
             if moved >= 0:
-                ops.append((*known[:3], moved, known[3]))
+                ops.append((known[0], known[1], slot, moved, known[2]))
                 continue
             duration = known[2]
             if cost.cold_start is not None and (first := [p for p in node.parts() if (p.kind, p.chunk) not in warmed]):
@@ -249,29 +262,28 @@ def _compile(table: ScheduleTable, cost: CostModel) -> tuple[list[list[tuple]], 
                 needs = (*needs, *host_copies.waits_for_reload(table, rank, node, reloads))
             ops.append((_COMPUTE, known[1], duration, needs))
         programs.append(ops)
-    return programs, list(lanes)
+    return programs
 
 
-def _shape(placement, rank: int, node: ScheduleNode, cost: CostModel, lanes: dict) -> tuple:
+def _shape(placement, rank: int, node: ScheduleNode, cost: CostModel) -> tuple:
     """What a node of this (rank, kind, chunk, peer) compiles to, less its microbatch:
-    ``(_COMPUTE, host time, duration)`` or ``(code, host time, lane, transfer time)``."""
+    ``(_COMPUTE, host time, duration)`` or ``(code, host time, transfer time)``."""
     kind = node.kind
     if kind.is_compute:
         return _COMPUTE, cost.host.before(kind), cost.node_time(placement, rank, node)
     src, dst = (rank, node.peer) if kind.is_send else (node.peer, rank)
-    lane = lanes.setdefault((src, dst), len(lanes))
-    return _SEND if kind.is_send else _RECV, cost.host.post(kind), lane, cost.p2p.transfer_time(src, dst)
+    return _SEND if kind.is_send else _RECV, cost.host.post(kind), cost.p2p.transfer_time(src, dst)
 
 
-def _run_dedicated(table: ScheduleTable, programs: list[list[tuple]], lanes: list[tuple[int, int]],
-                   offsets: list[float]):
+def _run_dedicated(table: ScheduleTable, programs: list[list[tuple]], wires: Wires, offsets: list[float],
+                   semantics: Semantics):
     """The event loop for ranks with a device each: every rank runs as far as it can, then waits for a
     transfer; an arrival wakes its consumer. Rank ``r`` enters the step at ``offsets[r]``. Returns
     per-rank start and end times (indexed like the table's rows)."""
     pp = len(programs)
     starts = [[0.0] * len(p) for p in programs]
     ends = [[0.0] * len(p) for p in programs]
-    posted = [([], []) for _ in lanes]  # per lane: (sends, receives) as [(time, rank, index, transfer)]
+    streams = StreamClock(wires, ends)
     arrival: dict[int, float] = {}  # transfer key -> arrival time
     waiting: dict[int, int] = {}  # transfer key -> the rank blocked on it
     ptr, clock = [0] * pp, list(offsets)
@@ -305,25 +317,20 @@ def _run_dedicated(table: ScheduleTable, programs: list[list[tuple]], lanes: lis
                     arrival[key] = en[i]
                 i += 1
                 continue
-            code, before, lane, transfer, duration = op
-            t += before
+            t += op[1]
             st[i] = t
-            sends, recvs = posted[lane]
-            mine, theirs = (sends, recvs) if code == _SEND else (recvs, sends)
-            mine.append((t, rank, i, transfer))
-            k = len(mine) - 1
-            if k < len(theirs):
-                arrival[transfer] = _match(table, sends[k], recvs[k], duration, ends)
+            for done, transfer, _, _ in streams.post(op[2], t, op[4]):
+                arrival[transfer] = done
                 if transfer in waiting:
                     ready.append(waiting.pop(transfer))
             i += 1
         ptr[rank], clock[rank] = i, t
-    _check_finished(table, programs, ptr, waiting, posted)
+    _check_finished(table, programs, ptr, waiting, streams, semantics)
     return starts, ends
 
 
-def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[tuple[int, int]],
-                offsets: list[float], *, cost: CostModel):
+def _run_shared(table: ScheduleTable, programs: list[list[tuple]], wires: Wires, offsets: list[float],
+                semantics: Semantics, *, cost: CostModel):
     """The event loop for ranks sharing ``host.cores`` cores per node (``p2p.ranks_per_node`` ranks):
     processor sharing, i.e. while ``n`` CPU jobs of a node are running each progresses at
     ``min(1, free / n)`` of a core, ``free`` being the node's cores less what its ranks' processes keep
@@ -354,7 +361,7 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
     arrivals: list[tuple[float, int]] = []  # heap of (time, transfer key)
     starts = [[0.0] * len(p) for p in programs]
     ends = [[0.0] * len(p) for p in programs]
-    posted = [([], []) for _ in lanes]
+    streams = StreamClock(wires, ends)
     arrived: set[int] = set()
     waiting: dict[int, int] = {}
     ptr, seq, now = [0] * pp, itertools.count(), 0.0
@@ -424,15 +431,10 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
         advance(rank)
 
     def post(rank: int, i: int, op: tuple) -> None:
-        code, _, lane, transfer, duration = op
         starts[rank][i] = now
         cpu[rank][i][0] = got[rank]
-        sends, recvs = posted[lane]
-        mine, theirs = (sends, recvs) if code == _SEND else (recvs, sends)
-        mine.append((now, rank, i, transfer))
-        k = len(mine) - 1
-        if k < len(theirs):
-            heapq.heappush(arrivals, (_match(table, sends[k], recvs[k], duration, ends), transfer, sends[k], recvs[k]))
+        for completed in streams.post(op[2], now, op[4]):
+            heapq.heappush(arrivals, completed)
 
     for rank in range(pp):  # a rank entering the step later arrives like a transfer (key ~rank)
         heapq.heappush(arrivals, (offsets[rank], ~rank))
@@ -454,11 +456,12 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
                 spent[n] += work * slowdown(n)
         now = best
         if node < 0:
-            _, transfer, *ends_posted = heapq.heappop(arrivals)
-            if transfer < 0:
+            _, transfer, *slots = heapq.heappop(arrivals)
+            if not slots:
                 advance(~transfer)
                 continue
-            for _, end_rank, end_index, _ in ends_posted:
+            for slot in slots:
+                end_rank, end_index = wires.where[slot]
                 cpu[end_rank][end_index][1] = cpu_now(end_rank)
             arrived.add(transfer)
             if transfer in waiting:
@@ -477,34 +480,22 @@ def _run_shared(table: ScheduleTable, programs: list[list[tuple]], lanes: list[t
             begin_work(rank, i)
         else:
             end_work(rank, i)
-    _check_finished(table, programs, ptr, waiting, posted)
+    _check_finished(table, programs, ptr, waiting, streams, semantics)
     return starts, ends, [[tuple(c) for c in row] for row in cpu]
 
 
-def _match(table, send: tuple, recv: tuple, duration: float, ends: list[list[float]]) -> float:
-    """Pair a lane's k-th send and k-th receive: the transfer starts once both are posted. Returns
-    when it arrives."""
-    if send[3] != recv[3]:
-        raise SimulationError(
-            f"rank {send[1]} node {send[2]} ({table.ranks[send[1]][send[2]]}) is matched with rank "
-            f"{recv[1]} node {recv[2]} ({table.ranks[recv[1]][recv[2]]}), which expects another tensor; "
-            "run validate(table) and rebuild communication with add_communication")
-    done = (send[0] if send[0] > recv[0] else recv[0]) + duration
-    ends[send[1]][send[2]] = ends[recv[1]][recv[2]] = done
-    return done
-
-
-def _check_finished(table, programs, ptr, waiting, posted) -> None:
+def _check_finished(table, programs, ptr, waiting, streams: StreamClock, semantics: Semantics) -> None:
+    """Refuse a step some rank or transfer never finished, with the validator's cycle of waits."""
     stuck = [r for r in range(len(programs)) if ptr[r] < len(programs[r])]
-    if stuck:
-        blocked = {r: host_copies.describe_key(k, table) if k < 0 else table.wiring.transfer(k)
-                   for k, r in waiting.items()}
-        lines = [f"rank {r} at node {ptr[r]} ({table.ranks[r][ptr[r]]}) waits for the {blocked[r]}" for r in stuck]
-        raise SimulationError("the table cannot complete; " + "; ".join(lines)
-                              + ". Run validate(table) for the full diagnosis.")
-    for sends, recvs in posted:
-        if len(sends) != len(recvs):
-            extra = (sends if len(sends) > len(recvs) else recvs)[min(len(sends), len(recvs))]
-            raise SimulationError(f"rank {extra[1]} node {extra[2]} ({table.ranks[extra[1]][extra[2]]}) is never "
-                                  "matched by its peer, so the step cannot complete. Run validate(table) for the full "
-                                  "diagnosis.")
+    unfinished = streams.incomplete()
+    if not stuck and not unfinished:
+        return
+    blocked = {r: host_copies.describe_key(k, table) if k < 0 else table.wiring.transfer(k) for k, r in waiting.items()}
+    lines = [f"rank {r} at node {ptr[r]} ({table.ranks[r][ptr[r]]}) waits for the {blocked[r]}" for r in stuck]
+    lines += [f"rank {r} node {i} ({table.ranks[r][i]}) never completes" for r, i in unfinished[:3] if r not in stuck]
+    hang = replay(table, semantics)
+    cycle = "" if hang is None else " The operations wait on each other in a cycle: " + "; ".join(hang.chain) + "."
+    raise SimulationError(f"the table cannot complete under the {semantics.name} transport semantics; "
+                          + "; ".join(lines) + "." + cycle + " Run validate(table, semantics="
+                          f"{semantics.name!r}) or `primuspipe validate FILE --semantics {semantics.name}` on the "
+                          "exported table for the full diagnosis.")

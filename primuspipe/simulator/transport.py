@@ -1,0 +1,186 @@
+"""When each send and receive runs and completes under the transport's streams.
+
+The validator's replay (:mod:`primuspipe.passes.streams`) decides *whether* a table completes under
+a transport's semantics; this module times the same rules. :class:`Wires` compiles the table's
+communication once: every send/receive gets a *slot*, its partner (per direction the k-th send meets
+the k-th receive, as every transport matches messages), and the *item* it belongs to on its rank's
+stream -- the stream key is the semantics' own :attr:`~primuspipe.passes.streams.Semantics.stream`,
+and with :attr:`~primuspipe.passes.streams.Semantics.batches` a run of consecutive communication
+nodes on one stream is one item, as the replay batches them. :class:`StreamClock` then times them:
+
+* an item *runs* once its rank has posted it (its last operation) and the item before it on the same
+  stream has completed -- a stream is serial and in order;
+* a send and its receive complete together (a rendezvous) ``transfer time`` after the later of the
+  two started running; an item completes when all its operations have.
+
+So a transfer that waits on its peer delays every later item of its stream. Under ``gloo`` every
+operation is an item and a stream of its own, which is the simulator's model before transports had
+streams. Every time is a value of its dependencies only, so the engine may post in any order.
+"""
+
+from __future__ import annotations
+
+from primuspipe.errors import SimulationError
+from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.streams import Semantics
+
+
+class Wires:
+    """The table's communication, compiled for :class:`StreamClock` (see the module docstring).
+
+    A stream key is asked of the semantics once per (rank, kind, peer): every semantics keys a stream
+    by the operation's rank, direction and peer, and a search loop simulates tables of 10^5 nodes."""
+
+    def __init__(self, table: ScheduleTable, semantics: Semantics):
+        wiring = table.wiring
+        self.where: list[tuple[int, int]] = []  # slot -> (rank, index)
+        self.key: list[int] = []                # slot -> transfer key
+        self.items: list[list[int]] | None = [] if semantics.batches else None  # batched: item -> its slots
+        self.item_of: list[int] = []            # batched: slot -> item (else every item is its one slot)
+        self.after: list[int] = []              # item -> the item before it on its stream (-1: none)
+        self.next: list[int] = []               # item -> the item after it on its stream (-1: none)
+        self.slots: list[list[int]] = []        # rank -> per node, its slot (-1: not communication)
+        lanes: dict[tuple[int, int, bool], list[int]] = {}
+        for rank, (row, moves) in enumerate(zip(table.ranks, wiring.moves)):
+            slots = [-1] * len(row)
+            shape: dict[tuple, tuple] = {}   # (kind, peer) -> (lane's slots, stream key)
+            last: dict[tuple, int] = {}      # stream key -> its last item so far
+            batches: dict[tuple, int] = {}   # batched: stream -> the item its open batch fills
+            previous = -2
+            for i in [i for i, moved in enumerate(moves) if moved >= 0]:
+                node = row[i]
+                slot = slots[i] = len(self.where)
+                self.where.append((rank, i))
+                self.key.append(moves[i])
+                if (known := shape.get((node.kind, node.peer))) is None:
+                    is_send = node.kind.is_send
+                    lane = (rank, node.peer, True) if is_send else (node.peer, rank, False)
+                    known = shape[(node.kind, node.peer)] = (
+                        lanes.setdefault(lane, []), None if semantics.stream is None else semantics.stream(rank, node))
+                ends, stream = known
+                ends.append(slot)
+                if self.items is not None:
+                    if i != previous + 1:  # a node between: the open batches are posted
+                        batches.clear()
+                    previous = i
+                    if (item := batches.get(stream, -1)) >= 0:
+                        self.items[item].append(slot)
+                        self.item_of.append(item)
+                        continue
+                    item = len(self.items)
+                    self.items.append([slot])
+                    self.item_of.append(item)
+                    if stream is not None:
+                        batches[stream] = item
+                else:
+                    item = slot
+                before = -1 if stream is None else last.get(stream, -1)
+                self.after.append(before)
+                self.next.append(-1)
+                if before >= 0:
+                    self.next[before] = item
+                if stream is not None:
+                    last[stream] = item
+            self.slots.append(slots)
+        self.partner = [-1] * len(self.where)
+        for (src, dst, is_send), sends in lanes.items():
+            if is_send:
+                self._pair(table, sends, lanes.get((src, dst, False), []))
+            elif (src, dst, True) not in lanes:
+                self._pair(table, [], sends)
+
+    def _pair(self, table: ScheduleTable, sends: list[int], recvs: list[int]) -> None:
+        """Per direction the k-th send meets the k-th receive; refuse a pair carrying different tensors
+        or an operation its peer never matches."""
+        for send, recv in zip(sends, recvs):
+            if self.key[send] != self.key[recv]:
+                raise SimulationError(
+                    f"{self._name(table, send)} is matched with {self._name(table, recv)}, which expects another "
+                    "tensor; run validate(table) and rebuild communication with add_communication")
+            self.partner[send], self.partner[recv] = recv, send
+        if len(sends) != len(recvs):
+            extra = (sends if len(sends) > len(recvs) else recvs)[min(len(sends), len(recvs))]
+            raise SimulationError(f"{self._name(table, extra)} is never matched by its peer, so the step cannot "
+                                  "complete. Run validate(table) for the full diagnosis.")
+
+    def _name(self, table: ScheduleTable, slot: int) -> str:
+        rank, i = self.where[slot]
+        return f"rank {rank} node {i} ({table.ranks[rank][i]})"
+
+
+_NONE: list = []  # what a post that completes nothing returns (never appended to)
+
+
+class StreamClock:
+    """Times one step's communication over :class:`Wires`: :meth:`post` each operation when its rank
+    posts it; completed transfers come back with their times, and the operations' end times are written
+    into ``ends`` (per rank, per node)."""
+
+    def __init__(self, wires: Wires, ends: list[list[float]]):
+        self.wires, self.ends = wires, ends
+        count = len(wires.after)
+        sizes = [1] * count if wires.items is None else [len(slots) for slots in wires.items]
+        self.unposted = list(sizes)                    # item -> operations not yet posted
+        self.left = sizes                              # item -> operations not yet completed
+        self.blocked = [a >= 0 for a in wires.after]   # item -> the item before it has not completed
+        self.posted_at = [0.0] * count
+        self.free_at = [0.0] * count                   # item -> when the item before it completed
+        self.item_end = [0.0] * count
+        self.run_at: list[float | None] = [None] * len(wires.where)
+        self.duration = [0.0] * len(wires.where)
+
+    def post(self, slot: int, time: float, duration: float) -> list[tuple[float, int, int, int]]:
+        """Operation ``slot`` is posted at ``time`` and its transfer takes ``duration``. Returns the
+        transfers this completes as ``(arrival, transfer key, slot, partner slot)``."""
+        self.duration[slot] = duration
+        item = slot if self.wires.items is None else self.wires.item_of[slot]
+        self.unposted[item] -= 1
+        if self.unposted[item]:
+            return _NONE
+        self.posted_at[item] = time
+        if self.blocked[item]:
+            return _NONE
+        if self.wires.items is None and self.run_at[self.wires.partner[slot]] is None:  # runs; its peer has not
+            self.run_at[slot] = time if time > self.free_at[item] else self.free_at[item]
+            return _NONE
+        done: list[tuple[float, int, int, int]] = []
+        runnable = [item]
+        while runnable:
+            self._run(runnable.pop(), done, runnable)
+        return done
+
+    def _run(self, item: int, done: list, runnable: list[int]) -> None:
+        """Run a posted item whose stream is free; complete the pairs it meets, and queue the items
+        those completions free."""
+        w, run_at, duration = self.wires, self.run_at, self.duration
+        start = self.posted_at[item] if self.posted_at[item] > self.free_at[item] else self.free_at[item]
+        slots = (item,) if w.items is None else w.items[item]
+        for slot in slots:
+            run_at[slot] = start
+        for slot in slots:
+            other = w.partner[slot]
+            peer_start = run_at[other]
+            if peer_start is None:
+                continue
+            arrival = (start if start > peer_start else peer_start) + duration[slot]
+            done.append((arrival, w.key[slot], slot, other))
+            for end in (slot, other):
+                rank, i = w.where[end]
+                self.ends[rank][i] = arrival
+                self._complete(end if w.items is None else w.item_of[end], arrival, runnable)
+
+    def _complete(self, item: int, arrival: float, runnable: list[int]) -> None:
+        if arrival > self.item_end[item]:
+            self.item_end[item] = arrival
+        self.left[item] -= 1
+        if self.left[item] == 0 and (nxt := self.wires.next[item]) >= 0:
+            self.blocked[nxt] = False
+            self.free_at[nxt] = self.item_end[item]
+            if not self.unposted[nxt]:
+                runnable.append(nxt)
+
+    def incomplete(self) -> list[tuple[int, int]]:
+        """``(rank, index)`` of every operation whose transfer never completed: it or its partner never ran."""
+        run_at, partner = self.run_at, self.wires.partner
+        return [self.wires.where[slot] for slot in range(len(run_at))
+                if run_at[slot] is None or run_at[partner[slot]] is None]
