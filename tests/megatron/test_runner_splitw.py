@@ -347,20 +347,3 @@ def test_grouped_gemm_experts_are_refused_with_split_tables():
     with pytest.raises(ConfigError, match="moe_grouped_gemm=True.*SequentialMLP"):
         check_megatron_config(config, build_schedule("zb-h1", pp=2, microbatches=2), [torch.nn.Linear(1, 1)])
 
-
-def test_overlap_grad_reduce_is_refused_with_split_tables():
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    from primuspipe.backends.megatron.compat import check_megatron_config
-    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
-    from primuspipe.algorithms.build import build_schedule
-
-    enable_cpu_mode()
-    config = tiny_models.transformer_config(GPT, 2, 1)
-
-    class Wrapped(torch.nn.Module):
-        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True)
-
-    check_megatron_config(config, build_schedule("1f1b", pp=2, microbatches=2), [Wrapped()])
-    with pytest.raises(ConfigError, match="overlap_grad_reduce=True"):
-        check_megatron_config(config, build_schedule("zb-h1", pp=2, microbatches=2), [Wrapped()])

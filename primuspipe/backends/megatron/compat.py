@@ -132,14 +132,4 @@ def _check_split_backward(table: ScheduleTable, config: Any, models: Sequence[An
             "the flag and builds SequentialMLP). Set moe_grouped_gemm=False (SequentialMLP experts), or use a "
             "schedule with a fused backward (1f1b, interleaved-1f1b)")
 
-    for model in models:
-        ddp = getattr(model, "ddp_config", None)
-        if ddp is not None and getattr(ddp, "overlap_grad_reduce", False):
-            raise ConfigError(
-                f"{table.algorithm} splits the backward into B and W nodes, but DDP's overlap_grad_reduce=True. "
-                "Its backward hooks assert that every parameter has a gradient when its hook runs, while a B "
-                "node leaves the weights' gradients to W; and a bucket's reduction starts once all its parameters "
-                "reported in the 'last microbatch', which for a split backward spans the chunk's last B "
-                "(norms, biases) and its last W (weights). Set overlap_grad_reduce=False (the gradients are then "
-                "reduced in finalize_model_grads, after every W).")
     check_deferrable([_unwrap(m) for m in models])

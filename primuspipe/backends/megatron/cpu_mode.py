@@ -54,6 +54,9 @@ Each shim below is a few lines, applies only after ``enable_cpu_mode()`` and onl
   shared weight with ``.cuda()`` before its all-reduce. The shim runs that method under a
   :class:`~torch.overrides.TorchFunctionMode` in which ``Tensor.cuda`` returns the tensor itself (the
   mode is thread-local and active only during that call).
+* **Distributed optimizer** -- ``DistributedOptimizer`` accepts only parameters whose ``type()`` names
+  a CUDA tensor type. Its constructor runs under :class:`_CpuTypeNamesAsCuda` (thread-local, that call
+  only), in which a CPU tensor's ``type()`` answers with the CUDA name.
 * **megatron.training on Python 3.11** -- ``megatron.training`` imports ``typing.override`` (3.12+).
   When it is missing the shim adds ``typing_extensions.override`` under that name, and
   ``megatron.training.utils.common_utils`` (reductions in ``train_step``) joins the CUDA-call shim.
@@ -90,6 +93,7 @@ CPU_MODE_PATCHED_MODULES: tuple[str, ...] = (
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.moe_utils",
@@ -249,6 +253,28 @@ class _CudaIsCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _CpuTypeNamesAsCuda(torch.overrides.TorchFunctionMode):
+    """``Tensor.type()`` (no argument) of a CPU tensor names its CUDA type, e.g. ``torch.cuda.FloatTensor``
+    (thread-local, only while the mode is entered)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and not args[0].is_cuda:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **(kwargs or {}))
+
+
+def _distributed_optimizer_takes_cpu_params() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    init = DistributedOptimizer.__init__
+
+    def __init__(self, *args, **kwargs):
+        with _CpuTypeNamesAsCuda():
+            init(self, *args, **kwargs)
+
+    DistributedOptimizer.__init__ = __init__
+
+
 def _rebind_torch(names: tuple[str, ...], proxy: _CpuTorch) -> None:
     for name in names:
         module = importlib.import_module(name)
@@ -371,6 +397,7 @@ def enable_cpu_mode() -> None:
     _recompute_without_cuda_generator()
     _alltoall_splits_on_host()
     _tied_embeddings_stay_on_cpu()
+    _distributed_optimizer_takes_cpu_params()
     _megatron_training(proxy)
     _enabled = True
     logger.info("megatron CPU mode enabled (patched: %s)", ", ".join(CPU_MODE_PATCHED_MODULES))

@@ -37,6 +37,15 @@ class StepSpec:
     placement: str = "interleaved"
     """How chunks map to stages: ``"interleaved"`` (Megatron's) or ``"v"`` (V-shape tables, vpp=2); see
     :func:`placement_of` for a table's."""
+    ddp_overrides: Mapping[str, Any] = field(default_factory=dict)
+    """Megatron ``DistributedDataParallelConfig`` fields, e.g. ``overlap_grad_reduce``,
+    ``use_distributed_optimizer``, ``overlap_param_gather``, ``bucket_size``; the distributed optimizer
+    is then the optimizer too."""
+    optimizer: str = "sgd"
+    """Megatron's ``OptimizerConfig.optimizer``: ``"sgd"`` (no momentum) or ``"adam"``."""
+    align_grad_reduce: bool = True
+    """Megatron-LM's ``--align-grad-reduce`` (its default): under ``overlap_grad_reduce`` the schedule gets
+    each chunk's ``start_grad_sync`` as ``grad_sync_func``; ``False`` leaves the start to DDP's hooks."""
 
 
 @dataclass
@@ -80,14 +89,41 @@ def build(spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None)
         return config, chunks, chunks
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
+    ddp_config = DistributedDataParallelConfig(**{"grad_reduce_in_fp32": False, "overlap_grad_reduce": False,
+                                                  "use_distributed_optimizer": False, **spec.ddp_overrides})
     wrapped = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
-    config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    wire_ddp(config, wrapped, spec.align_grad_reduce)
     for m in wrapped:
         m.zero_grad_buffer()
     return config, chunks, wrapped
+
+
+def wire_ddp(config, wrapped: list, align_grad_reduce: bool = True) -> None:
+    """Set Megatron's schedule hooks on ``config`` for DDP-wrapped chunks as ``megatron.training``'s
+    ``setup_model_and_optimizer``/``train`` do (with its default ``align_param_gather``): ``no_sync_func``; ``grad_sync_func`` under ``overlap_grad_reduce``;
+    ``param_sync_func`` under ``overlap_param_gather``; ``finalize_model_grads``."""
+    from megatron.core.distributed import finalize_model_grads
+
+    def per_chunk(funcs):
+        return funcs if len(funcs) > 1 else funcs[0]
+
+    ddp = wrapped[0].ddp_config
+    config.no_sync_func = per_chunk([m.no_sync for m in wrapped])
+    aligned = ddp.overlap_grad_reduce and align_grad_reduce
+    config.grad_sync_func = per_chunk([m.start_grad_sync for m in wrapped]) if aligned else None
+    config.param_sync_func = per_chunk([m.start_param_sync for m in wrapped]) if ddp.overlap_param_gather else None
+    config.finalize_model_grads_func = finalize_model_grads
+
+
+def make_optimizer(spec: StepSpec, model: list):
+    """Megatron's optimizer for ``spec`` (SGD without momentum or Adam, no clipping, fp32; distributed when
+    the DDP config says so)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    distributed = bool(spec.ddp_overrides.get("use_distributed_optimizer", False))
+    return get_megatron_optimizer(
+        OptimizerConfig(optimizer=spec.optimizer, lr=spec.lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
+                        params_dtype=torch.float32, use_distributed_optimizer=distributed), model)
 
 
 def batches(spec: StepSpec, device: torch.device | None = None):
@@ -149,11 +185,7 @@ def run_step(schedule: Callable, spec: StepSpec, pp: int, vpp: int, device: torc
     losses, elapsed = call_schedule(schedule, spec, model, device)
     grads = param_grads(chunks, spec.ddp)
     if spec.optimizer_step:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        opt_config = OptimizerConfig(optimizer="sgd", lr=spec.lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
-                                     params_dtype=torch.float32)
-        get_megatron_optimizer(opt_config, model).step()
+        make_optimizer(spec, model).step()
     params = {tiny_models.global_param_name(c, n): p.detach().clone() for c in chunks for n, p in c.named_parameters()}
     return StepResult([_detach(loss) for loss in losses], grads, params, elapsed)
 
@@ -186,3 +218,42 @@ def merge_ranks(parts: Iterable[Mapping[str, T]]) -> dict[str, T]:
             assert name not in merged, f"{name} held by two pipeline ranks"
             merged[name] = value
     return merged
+
+
+@dataclass
+class TrainResult:
+    losses: list[list]
+    """Per iteration, the forward-backward function's loss dicts (``[]`` off the loss rank)."""
+    grads: list[dict[str, torch.Tensor | None]]
+    """Per iteration, :func:`param_grads` by shard name after the forward-backward call (the
+    reduced gradients: under the distributed optimizer only this rank's shard of each bucket is reduced)."""
+    params: dict[str, torch.Tensor]
+    """Shard name -> parameter after the last step, all-gathered where the distributed optimizer left
+    the gather to the next forward (``overlap_param_gather``)."""
+    step_times: list[float]
+
+
+def train(schedule: Callable, spec_for: Callable[[int], StepSpec], pp: int, vpp: int, iterations: int,
+          device: torch.device | None = None, model=None) -> TrainResult:
+    """``iterations`` training steps as Megatron's loop takes them: zero the grad buffers and the
+    optimizer, the forward-backward call, the optimizer step. Iteration ``i`` draws ``spec_for(i)``'s
+    data; the model (``spec_for(0)``'s, or ``model`` = what :func:`build` returned) and the optimizer
+    are built once."""
+    spec = spec_for(0)
+    config, chunks, wrapped = model if model is not None else build(spec, pp, vpp, device)
+    optimizer = make_optimizer(spec, wrapped)
+    result = TrainResult([], [], {}, [])
+    for it in range(iterations):
+        for m in wrapped:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses, seconds = call_schedule(schedule, spec_for(it), wrapped, device)
+        result.losses.append([_detach(loss) for loss in losses])
+        result.grads.append(param_grads(chunks, ddp=True, shards=True))
+        result.step_times.append(seconds)
+        optimizer.step()
+    if spec.ddp_overrides.get("overlap_param_gather"):
+        for m in wrapped:
+            m.start_param_sync(force_sync=True)
+    result.params = {shard_name(c, n, p): p.detach().clone() for c in chunks for n, p in c.named_parameters()}
+    return result
