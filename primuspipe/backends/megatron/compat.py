@@ -66,8 +66,9 @@ def _check_tied_copies(table: ScheduleTable, models: Sequence[Any]) -> None:
     if not torch.equal(copies[0], copies[1]):
         raise ConfigError(
             f"{table.algorithm}: tied embeddings, but the output layer's copy on this rank differs from the word "
-            "embedding; build the V chunks inside primuspipe.backends.megatron.v_placement.v_layer_offsets, which "
-            "initialises it from the word embedding (docs/megatron.md)")
+            "embedding; build the V chunks with megatron.training's get_model after install() (or "
+            "primuspipe.backends.megatron.v_placement.v_model_provider), which initialises it from the word "
+            "embedding (docs/megatron.md)")
     copies[1]._primuspipe_tie_checked = True
 
 
@@ -112,8 +113,9 @@ def _check_placement(table: ScheduleTable, models: Sequence[Any], rank: int) -> 
                 "hold; build the chunks with primuspipe.backends.megatron.v_placement (see docs/megatron.md)")
         want = (stage == 0, stage == table.num_stages - 1)
         if (bool(pre), bool(post)) != want:
-            how = ("build them with primuspipe.backends.megatron.v_placement (docs/megatron.md, 'Zero-bubble "
-                   "schedules')" if not interleaved else "build them as Megatron does (interleaved placement)")
+            how = ("build them with megatron.training's get_model after install(), or wrap the model provider with "
+                   "primuspipe.backends.megatron.v_placement.v_model_provider (docs/megatron.md, 'V placement')"
+                   if not interleaved else "build them as Megatron does (interleaved placement)")
             raise ConfigError(
                 f"{table.algorithm} places stage {stage} ({table.placement.name} placement) on pipeline rank {rank} "
                 f"chunk {chunk}, but that chunk was built with pre_process={pre}, post_process={post} (stage 0 "

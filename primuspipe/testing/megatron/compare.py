@@ -81,7 +81,7 @@ def build(spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None)
     parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
     ep = parallel_state.get_expert_model_parallel_world_size() if spec.model.num_moe_experts else 1
     config = tiny_models.transformer_config(spec.model, pp, vpp, tp=parallel_state.get_tensor_model_parallel_world_size(),
-                                            ep=ep, **dict(spec.config_overrides))
+                                            ep=ep, placement=spec.placement, **dict(spec.config_overrides))
     chunks = tiny_models.build_model_chunks(spec.model, config, seed=spec.seed, placement=spec.placement)
     if device is not None:
         chunks = [c.to(device) for c in chunks]
