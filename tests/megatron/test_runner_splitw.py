@@ -151,7 +151,7 @@ def _worker(layout, ctx):
 
 
 def _tied_v_embeddings(ctx):
-    """The documented recipe (v_stage_flags + v_layer_offsets around GPTModel) with tied embeddings: what
+    """The V builder's pieces (v_stage_flags + v_layer_offsets around GPTModel) with tied embeddings: what
     Megatron's own initialisation leaves in the output layer's copy, and the two refusals."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -242,7 +242,7 @@ def test_tied_embeddings_in_the_v():
     Megatron bitwise in test_feature_matrix.py."""
     rank0, rank1 = (r["tied"] for r in _run(ParallelLayout(2, vpp=2)))
     assert rank0["initialised"]
-    assert "differs from the word embedding" in rank0["drifted"] and "v_layer_offsets" in rank0["drifted"]
+    assert "differs from the word embedding" in rank0["drifted"] and "v_model_provider" in rank0["drifted"]
     assert "did not call it" in rank0["finalize"] and "finalize" not in rank1
 
 
