@@ -55,8 +55,17 @@ Each shim below is a few lines, applies only after ``enable_cpu_mode()`` and onl
   :class:`~torch.overrides.TorchFunctionMode` in which ``Tensor.cuda`` returns the tensor itself (the
   mode is thread-local and active only during that call).
 * **Distributed optimizer** -- ``DistributedOptimizer`` accepts only parameters whose ``type()`` names
-  a CUDA tensor type. Its constructor runs under :class:`_CpuTypeNamesAsCuda` (thread-local, that call
-  only), in which a CPU tensor's ``type()`` answers with the CUDA name.
+  a CUDA tensor type, and moves its state to the GPU with ``.cuda()`` to gather it for a checkpoint. Its
+  constructor, ``sharded_state_dict`` and ``load_state_dict`` run under :class:`_CpuTensorsAsCuda`
+  (thread-local, those calls only), in which a CPU tensor's ``type()`` answers with the CUDA name and
+  ``.cuda()`` with the tensor itself. Without Apex/TE it runs torch's Adam, whose ``step`` state
+  megatron-core 0.19's checkpoint load mishandles twice (reads it from a fresh optimizer, looks for it
+  among the saved tensors, hands all parameters one shared ``step`` tensor that Adam then increments
+  once per parameter): the shim initialises a fresh Adam's state before the load template is built,
+  skips ``step`` where saved tensors are copied in and gives each parameter its own ``step``.
+* **Checkpoint writer without psutil** -- Megatron's distributed-checkpoint writer logs the process's
+  resident memory with ``psutil`` and fails the save when it is missing; the shim reads it from
+  ``/proc/self/statm`` then (Linux).
 * **megatron.training on Python 3.11** -- ``megatron.training`` imports ``typing.override`` (3.12+).
   When it is missing the shim adds ``typing_extensions.override`` under that name, and
   ``megatron.training.utils.common_utils`` (reductions in ``train_step``) joins the CUDA-call shim.
@@ -73,6 +82,7 @@ import copy
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 import types
 import typing
@@ -94,6 +104,12 @@ CPU_MODE_PATCHED_MODULES: tuple[str, ...] = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.torch",
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.moe_utils",
@@ -104,7 +120,7 @@ CPU_MODE_PATCHED_MODULES: tuple[str, ...] = (
     "megatron.core.tensor_parallel.random",
 )
 """Modules that hard-code CUDA on the paths a training step takes (schedules, p2p, DDP buffers,
-grad finalisation, the non-distributed optimizer, the MoE router, dispatcher and shared expert, the
+grad finalisation, the optimizers, distributed checkpointing, the MoE router, dispatcher and shared expert, the
 tensor-parallel layers, mappings and recompute). Nothing else is touched."""
 
 CPU_MODE_PATCHED_TRAINING_MODULES: tuple[str, ...] = ("megatron.training.utils.common_utils",)
@@ -253,26 +269,85 @@ class _CudaIsCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _CpuTypeNamesAsCuda(torch.overrides.TorchFunctionMode):
-    """``Tensor.type()`` (no argument) of a CPU tensor names its CUDA type, e.g. ``torch.cuda.FloatTensor``
-    (thread-local, only while the mode is entered)."""
+class _CpuTensorsAsCuda(_CudaIsCpu):
+    """Also ``Tensor.type()`` (no argument) of a CPU tensor names its CUDA type, e.g.
+    ``torch.cuda.FloatTensor`` (thread-local, only while the mode is entered)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and not args[0].is_cuda:
             return func(*args).replace("torch.", "torch.cuda.", 1)
-        return func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+_DISTRIBUTED_OPTIMIZER_METHODS = ("__init__", "sharded_state_dict", "load_state_dict")
+"""The ``DistributedOptimizer`` methods that test ``type()`` names or call ``.cuda()`` (building it,
+gathering and scattering its state for a checkpoint)."""
 
 
 def _distributed_optimizer_takes_cpu_params() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    init = DistributedOptimizer.__init__
+    def on_cpu(method):
+        def call(self, *args, **kwargs):
+            with _CpuTensorsAsCuda():
+                return method(self, *args, **kwargs)
 
-    def __init__(self, *args, **kwargs):
-        with _CpuTypeNamesAsCuda():
-            init(self, *args, **kwargs)
+        call.__name__, call.__doc__ = method.__name__, method.__doc__
+        return call
 
-    DistributedOptimizer.__init__ = __init__
+    for name in _DISTRIBUTED_OPTIMIZER_METHODS:
+        setattr(DistributedOptimizer, name, on_cpu(getattr(DistributedOptimizer, name)))
+    _distributed_optimizer_checkpoints_torch_adam(DistributedOptimizer)
+
+
+def _distributed_optimizer_checkpoints_torch_adam(cls) -> None:
+    """Without Apex or Transformer Engine the distributed optimizer runs torch's Adam, whose per-parameter
+    ``step`` megatron-core 0.19's checkpoint code trips over twice: building the load template reads the
+    ``step`` of a fresh optimizer's (empty) state, and loading the per-parameter state then looks for a
+    ``step`` among the saved tensors (it is restored from the parameter groups instead). The shim gives a
+    fresh torch Adam its zero state (what its first ``step`` creates; the load overwrites it) and skips
+    ``step`` where the saved tensors are copied in. The load also hands every parameter one shared
+    ``step`` tensor, which torch's Adam increments in place once per parameter at each step (wrong bias
+    correction from the second step on); the shim gives each parameter its own copy."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    sharded_state_dict, set_states = cls.sharded_state_dict, cls._set_main_param_and_optimizer_states
+
+    def sharded_state_dict_loading_into_fresh_adam(self, model_sharded_state_dict, is_loading=False, *args, **kwargs):
+        inner = self.optimizer
+        if is_loading and isinstance(inner, torch.optim.Adam) and not inner.state and self.init_state_fn:
+            self.init_state_fn(inner, self.config)
+            for state in inner.state.values():
+                state["step"] = torch.tensor(0.0)
+        return sharded_state_dict(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    def set_states_without_step(self, model_param, tensors):
+        return set_states(self, model_param, {"step": None, **tensors})
+
+    load_state_dict = cls.load_state_dict
+
+    def load_state_dict_with_own_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+    cls.sharded_state_dict = sharded_state_dict_loading_into_fresh_adam
+    cls._set_main_param_and_optimizer_states = set_states_without_step
+    cls.load_state_dict = load_state_dict_with_own_steps
+
+
+def _checkpoint_rss_without_psutil() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not filesystem_async.HAVE_PSUTIL:
+        def _process_memory() -> int:
+            with open("/proc/self/statm") as statm:
+                return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+        filesystem_async._process_memory = _process_memory
 
 
 def _rebind_torch(names: tuple[str, ...], proxy: _CpuTorch) -> None:
@@ -398,6 +473,7 @@ def enable_cpu_mode() -> None:
     _alltoall_splits_on_host()
     _tied_embeddings_stay_on_cpu()
     _distributed_optimizer_takes_cpu_params()
+    _checkpoint_rss_without_psutil()
     _megatron_training(proxy)
     _enabled = True
     logger.info("megatron CPU mode enabled (patched: %s)", ", ".join(CPU_MODE_PATCHED_MODULES))

@@ -257,3 +257,45 @@ def train(schedule: Callable, spec_for: Callable[[int], StepSpec], pp: int, vpp:
             m.start_param_sync(force_sync=True)
     result.params = {shard_name(c, n, p): p.detach().clone() for c in chunks for n, p in c.named_parameters()}
     return result
+
+
+CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
+                       "chained_optim_avoid_prefix": True}
+"""What Megatron-LM's ``--dist-ckpt-optim-fully-reshardable`` passes to ``sharded_state_dict``: the
+distributed optimizer's state is saved per parameter in model space, so any parallel layout (other pp,
+vpp, placement, DP) can load it; the default ``dp_reshardable`` form keeps the pipeline layout."""
+
+
+def _checkpoint_state(wrapped: list, optimizer, loading: bool) -> dict:
+    """Megatron-LM's ``generate_state_dict`` layout: ``model`` (or ``model0``, ``model1``, ... with several
+    chunks; each the chunk inside its DDP wrapper, as Megatron-LM unwraps it) and ``optimizer``. Tensors are keyed by their global names (layer numbers are global), so the
+    keys do not depend on the schedule."""
+    names = ["model"] if len(wrapped) == 1 else [f"model{i}" for i in range(len(wrapped))]
+    state = {name: m.module.sharded_state_dict(metadata=CHECKPOINT_METADATA) for name, m in zip(names, wrapped)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading, metadata=CHECKPOINT_METADATA)
+    return state
+
+
+def save_checkpoint(directory: str, wrapped: list, optimizer, iteration: int) -> None:
+    """Save the model chunks and the optimizer with Megatron's distributed checkpointing (``torch_dist``
+    format) into ``directory`` (created empty by rank 0 beforehand); every rank calls it."""
+    from megatron.core import dist_checkpointing
+
+    state = _checkpoint_state(wrapped, optimizer, loading=False)
+    state["iteration"] = iteration
+    dist_checkpointing.save(state, directory)
+
+
+def load_checkpoint(directory: str, wrapped: list, optimizer) -> int:
+    """Load what :func:`save_checkpoint` wrote -- under any schedule, placement or vpp -- into freshly
+    built ``wrapped`` chunks and their optimizer; returns the saved iteration."""
+    from megatron.core import dist_checkpointing
+
+    template = _checkpoint_state(wrapped, optimizer, loading=True)
+    template["iteration"] = 0
+    state = dist_checkpointing.load(template, directory)
+    names = ["model"] if len(wrapped) == 1 else [f"model{i}" for i in range(len(wrapped))]
+    for name, m in zip(names, wrapped):
+        m.module.load_state_dict(state[name], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["iteration"])

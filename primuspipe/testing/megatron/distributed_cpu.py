@@ -17,8 +17,9 @@ Public API
     From :mod:`primuspipe.testing.gloo`, which starts the processes and joins them with gloo.
 
 Inside each worker, before ``fn``: what :func:`primuspipe.testing.gloo.run_gloo` does (one thread, a
-gloo group on a private ``FileStore``), then :func:`enable_cpu_mode`, ``initialize_model_parallel(tp,
-pp, vpp, ep)`` and :func:`cpu_rng_seed`. After ``fn``, in every case: ``destroy_model_parallel`` and
+gloo group on a private ``FileStore``), then :func:`enable_cpu_mode`, a thread queue for Megatron's
+checkpoint writer (:func:`_checkpoint_writes_in_threads`), ``initialize_model_parallel(tp, pp, vpp,
+ep)`` and :func:`cpu_rng_seed`. After ``fn``, in every case: ``destroy_model_parallel`` and
 ``destroy_process_group``.
 
 Why fork
@@ -88,10 +89,24 @@ class WorkerContext:
     seed: int
 
 
+def _checkpoint_writes_in_threads() -> None:
+    """Megatron's distributed-checkpoint writer collects its writer threads' results in a queue it gets
+    from a ``multiprocessing`` manager process -- made for asynchronous saves, and one a worker here
+    cannot start (workers are daemonic processes). A synchronous save's writers are threads of this
+    process, so a thread queue serves; asynchronous saves are not run in these workers."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def _megatron_rank(fn: Callable[[WorkerContext], Any], layout: ParallelLayout, seed: int, rank: int,
                    world_size: int) -> Any:
     """Inside one gloo rank: CPU mode, Megatron's parallel state and RNG around ``fn``."""
     enable_cpu_mode()
+    _checkpoint_writes_in_threads()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
