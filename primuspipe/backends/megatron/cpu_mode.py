@@ -110,6 +110,7 @@ CPU_MODE_PATCHED_MODULES: tuple[str, ...] = (
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.transformer.multi_token_prediction",
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.moe_utils",
@@ -120,7 +121,7 @@ CPU_MODE_PATCHED_MODULES: tuple[str, ...] = (
     "megatron.core.tensor_parallel.random",
 )
 """Modules that hard-code CUDA on the paths a training step takes (schedules, p2p, DDP buffers,
-grad finalisation, the optimizers, distributed checkpointing, the MoE router, dispatcher and shared expert, the
+grad finalisation, the optimizers, distributed checkpointing, multi-token prediction, the MoE router, dispatcher and shared expert, the
 tensor-parallel layers, mappings and recompute). Nothing else is touched."""
 
 CPU_MODE_PATCHED_TRAINING_MODULES: tuple[str, ...] = ("megatron.training.utils.common_utils",)

@@ -15,8 +15,7 @@ split gives pipeline stage ``s`` of ``2p`` (:func:`v_stage_layers`): even stages
 cannot hold (the layers left after the first/last stage do not divide over the middle stages) and a
 ``pipeline_model_parallel_layout`` (its stage ``i`` is rank ``i % p``, chunk ``i // p`` by Megatron's
 definition) are refused in one line. :func:`v_layer_offsets` makes Megatron's own
-``get_transformer_layer_offset``, ``get_num_layers_to_build`` and ``get_mtp_num_layers_to_build``
-answer so while a chunk is built (and while its ``sharded_state_dict`` is taken, which recomputes the
+``get_transformer_layer_offset`` and ``get_num_layers_to_build`` answer so while a chunk is built (and while its ``sharded_state_dict`` is taken, which recomputes the
 offsets), and :func:`v_stage_flags` gives the ``pre_process`` / ``post_process`` flags.
 
 The user's ``model_provider`` stays as it is: :func:`v_model_provider` wraps it, and ``install()`` hands
@@ -92,8 +91,7 @@ def _setup_tied_embeddings_locally(setup):
 
 
 _LAYER_FUNCTIONS = (("megatron.core.transformer.transformer_layer", "get_transformer_layer_offset"),
-                    ("megatron.core.transformer.transformer_block", "get_num_layers_to_build"),
-                    ("megatron.core.transformer.multi_token_prediction", "get_mtp_num_layers_to_build"))
+                    ("megatron.core.transformer.transformer_block", "get_num_layers_to_build"))
 """Megatron's functions that decide which layers a chunk builds (defined where listed; also replaced
 wherever another loaded megatron module imported them by name)."""
 
@@ -165,13 +163,8 @@ def _v_layer_functions(pp: int) -> dict[str, Any]:
         stages, stage = stage_of(config, vp_stage, pp_rank)
         return len(stages[stage])
 
-    def get_mtp_num_layers_to_build(config, vp_stage=None, pp_rank=None):
-        _, stage = stage_of(config, vp_stage, pp_rank)
-        return (config.mtp_num_layers or 0) if stage == 2 * pp - 1 else 0
-
     return {"get_transformer_layer_offset": get_transformer_layer_offset,
-            "get_num_layers_to_build": get_num_layers_to_build,
-            "get_mtp_num_layers_to_build": get_mtp_num_layers_to_build}
+            "get_num_layers_to_build": get_num_layers_to_build}
 
 
 def _bindings(originals: dict[str, Any]) -> list[tuple[Any, str]]:
@@ -191,9 +184,8 @@ def _bindings(originals: dict[str, Any]) -> list[tuple[Any, str]]:
 @contextlib.contextmanager
 def v_layer_offsets(pp: int) -> Iterator[None]:
     """Inside, Megatron's layer split answers for the V: a chunk (rank ``r``, ``vp_stage`` c) builds the
-    layers of V stage ``r`` (c = 0) or ``2p-1-r`` (c = 1), as :func:`v_stage_layers` gives them, and
-    multi-token-prediction layers go with the V's last stage (rank 0, chunk 1); tied embeddings are set up
-    on rank 0 without the embedding group (module docstring). Needed while building and while taking
+    layers of V stage ``r`` (c = 0) or ``2p-1-r`` (c = 1), as :func:`v_stage_layers` gives them; tied
+    embeddings are set up on rank 0 without the embedding group (module docstring). Needed while building and while taking
     ``sharded_state_dict`` (distributed checkpointing recomputes the offsets); :func:`v_model_provider` does
     both."""
     from megatron.core.models.common.language_module.language_module import LanguageModule

@@ -10,6 +10,7 @@ Call inside an initialised process (``parallel_state`` set up, e.g. by
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -79,9 +80,13 @@ def build(spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None)
     from megatron.core import parallel_state
 
     parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
-    ep = parallel_state.get_expert_model_parallel_world_size() if spec.model.num_moe_experts else 1
+    overrides = dict(spec.config_overrides)
+    ep = 1
+    if spec.model.num_moe_experts:
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        overrides.setdefault("expert_tensor_parallel_size", parallel_state.get_expert_tensor_parallel_world_size())
     config = tiny_models.transformer_config(spec.model, pp, vpp, tp=parallel_state.get_tensor_model_parallel_world_size(),
-                                            ep=ep, placement=spec.placement, **dict(spec.config_overrides))
+                                            ep=ep, placement=spec.placement, **overrides)
     chunks = tiny_models.build_model_chunks(spec.model, config, seed=spec.seed, placement=spec.placement)
     if device is not None:
         chunks = [c.to(device) for c in chunks]
@@ -231,19 +236,24 @@ class TrainResult:
     """Shard name -> parameter after the last step, all-gathered where the distributed optimizer left
     the gather to the next forward (``overlap_param_gather``)."""
     step_times: list[float]
+    start: int = 0
+    """The first iteration run (a loaded checkpoint's)."""
 
 
 def train(schedule: Callable, spec_for: Callable[[int], StepSpec], pp: int, vpp: int, iterations: int,
-          device: torch.device | None = None, model=None) -> TrainResult:
-    """``iterations`` training steps as Megatron's loop takes them: zero the grad buffers and the
-    optimizer, the forward-backward call, the optimizer step. Iteration ``i`` draws ``spec_for(i)``'s
-    data; the model (``spec_for(0)``'s, or ``model`` = what :func:`build` returned) and the optimizer
-    are built once."""
+          device: torch.device | None = None, model=None, load: str | None = None,
+          save: str | None = None) -> TrainResult:
+    """Training steps up to iteration ``iterations`` as Megatron's loop takes them: zero the grad buffers
+    and the optimizer, the forward-backward call, the optimizer step. Iteration ``i`` draws
+    ``spec_for(i)``'s data; the model (``spec_for(0)``'s, or ``model`` = what :func:`build` returned)
+    and the optimizer are built once. ``load``: start from that checkpoint (:func:`load_checkpoint`, any
+    schedule saved it) at its iteration; ``save``: save one there after the last step."""
     spec = spec_for(0)
     config, chunks, wrapped = model if model is not None else build(spec, pp, vpp, device)
     optimizer = make_optimizer(spec, wrapped)
     result = TrainResult([], [], {}, [])
-    for it in range(iterations):
+    result.start = load_checkpoint(load, wrapped, optimizer) if load else 0
+    for it in range(result.start, iterations):
         for m in wrapped:
             m.zero_grad_buffer()
         optimizer.zero_grad()
@@ -252,6 +262,11 @@ def train(schedule: Callable, spec_for: Callable[[int], StepSpec], pp: int, vpp:
         result.grads.append(param_grads(chunks, ddp=True, shards=True))
         result.step_times.append(seconds)
         optimizer.step()
+    if save:
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(save, exist_ok=True)
+        torch.distributed.barrier()
+        save_checkpoint(save, wrapped, optimizer, iterations)
     if spec.ddp_overrides.get("overlap_param_gather"):
         for m in wrapped:
             m.start_param_sync(force_sync=True)
