@@ -58,7 +58,8 @@ Each shim below is a few lines, applies only after ``enable_cpu_mode()`` and onl
   a CUDA tensor type, and moves its state to the GPU with ``.cuda()`` to gather it for a checkpoint. Its
   constructor, ``sharded_state_dict`` and ``load_state_dict`` run under :class:`_CpuTensorsAsCuda`
   (thread-local, those calls only), in which a CPU tensor's ``type()`` answers with the CUDA name and
-  ``.cuda()`` with the tensor itself. Without Apex/TE it runs torch's Adam, whose ``step`` state
+  ``.cuda()`` with the tensor itself; so does gradient clipping (``clip_grad_by_total_norm_fp32`` asserts
+  the CUDA type name of each gradient). Without Apex/TE it runs torch's Adam, whose ``step`` state
   megatron-core 0.19's checkpoint load mishandles twice (reads it from a fresh optimizer, looks for it
   among the saved tensors, hands all parameters one shared ``step`` tensor that Adam then increments
   once per parameter): the shim initialises a fresh Adam's state before the load template is built,
@@ -289,9 +290,9 @@ def _distributed_optimizer_takes_cpu_params() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     def on_cpu(method):
-        def call(self, *args, **kwargs):
+        def call(*args, **kwargs):
             with _CpuTensorsAsCuda():
-                return method(self, *args, **kwargs)
+                return method(*args, **kwargs)
 
         call.__name__, call.__doc__ = method.__name__, method.__doc__
         return call
@@ -299,6 +300,10 @@ def _distributed_optimizer_takes_cpu_params() -> None:
     for name in _DISTRIBUTED_OPTIMIZER_METHODS:
         setattr(DistributedOptimizer, name, on_cpu(getattr(DistributedOptimizer, name)))
     _distributed_optimizer_checkpoints_torch_adam(DistributedOptimizer)
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    clipping = on_cpu(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clipping
 
 
 def _distributed_optimizer_checkpoints_torch_adam(cls) -> None:

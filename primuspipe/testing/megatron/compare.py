@@ -44,6 +44,8 @@ class StepSpec:
     is then the optimizer too."""
     optimizer: str = "sgd"
     """Megatron's ``OptimizerConfig.optimizer``: ``"sgd"`` (no momentum) or ``"adam"``."""
+    clip_grad: float = 0.0
+    """Megatron's ``OptimizerConfig.clip_grad`` (global gradient-norm clipping; 0 = off)."""
     align_grad_reduce: bool = True
     """Megatron-LM's ``--align-grad-reduce`` (its default): under ``overlap_grad_reduce`` the schedule gets
     each chunk's ``start_grad_sync`` as ``grad_sync_func``; ``False`` leaves the start to DDP's hooks."""
@@ -121,13 +123,13 @@ def wire_ddp(config, wrapped: list, align_grad_reduce: bool = True) -> None:
 
 
 def make_optimizer(spec: StepSpec, model: list):
-    """Megatron's optimizer for ``spec`` (SGD without momentum or Adam, no clipping, fp32; distributed when
+    """Megatron's optimizer for ``spec`` (SGD without momentum or Adam, fp32, ``clip_grad``; distributed when
     the DDP config says so)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     distributed = bool(spec.ddp_overrides.get("use_distributed_optimizer", False))
     return get_megatron_optimizer(
-        OptimizerConfig(optimizer=spec.optimizer, lr=spec.lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
+        OptimizerConfig(optimizer=spec.optimizer, lr=spec.lr, weight_decay=0.0, clip_grad=spec.clip_grad, sgd_momentum=0.0,
                         params_dtype=torch.float32, use_distributed_optimizer=distributed), model)
 
 
