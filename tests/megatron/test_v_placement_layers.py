@@ -147,3 +147,64 @@ def test_v_min_pp4_uneven_first_last_trains_equal_to_the_pp1_reference():
     for got, want in zip(got_losses[0], want_losses, strict=True):
         assert [d["lm loss"].tolist() for d in got] == [d["lm loss"].tolist() for d in want]
     assert_same_tensors(compare.merge_ranks(params for _, params in runs), want_params, "params", bitwise=True)
+
+
+def _through_get_model(ctx) -> dict:
+    """install(zbv), then megatron.training's own get_model (DDP, distributed optimizer) on the tiny model's
+    plain provider, then three train_step calls; beside it the same model built by compare.build."""
+    from megatron.core import parallel_state
+    from megatron.training import get_args, training
+
+    from primuspipe.backends.megatron.install import install, uninstall
+    from primuspipe.testing.megatron import train_step
+
+    spec = compare.StepSpec(GPT, M, ddp=True, placement="v", optimizer="adam", lr=0.01,
+                            ddp_overrides={"use_distributed_optimizer": True, "overlap_grad_reduce": True})
+    train_step._set_globals(spec, parallel_state.get_data_parallel_world_size())
+    get_args().virtual_pipeline_model_parallel_size = 2
+    schedule = install(PrimusPipeConfig(True, "zbv"))
+    try:
+        config = tiny_models.transformer_config(GPT, 2, 2, placement="v")
+        model = training.get_model(tiny_models.model_provider(GPT, config))
+    finally:
+        uninstall()
+    out = {"pp_rank": ctx.pp_rank, "flags": [(m.module.pre_process, m.module.post_process) for m in model],
+           "layers": [[layer.layer_number - 1 for layer in m.module.decoder.layers] for m in model]}
+    for m in model:
+        tiny_models.fill_parameters(m.module, spec.seed)
+    config.no_sync_func = [m.no_sync for m in model]
+    config.grad_sync_func = [m.start_grad_sync for m in model]
+    from megatron.core.distributed import finalize_model_grads
+
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = compare.make_optimizer(spec, model)
+    losses = []
+    for it in range(STEPS):
+        for m in model:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        out_, _ = compare.call_schedule(schedule, dataclasses.replace(spec, seed=it), model)
+        optimizer.step()
+        losses.append([d["lm loss"].tolist() for d in out_])
+    out["losses"] = losses
+    reference = compare.train(PrimusForwardBackward(PrimusPipeConfig(True, "zbv")),
+                              lambda it: dataclasses.replace(spec, seed=it), 2, 2, STEPS)
+    out["reference"] = [[d["lm loss"].tolist() for d in step] for step in reference.losses]
+    return out
+
+
+@pytest.mark.slow
+def test_install_builds_v_chunks_through_megatrons_get_model():
+    """The user's provider is called by megatron.training's get_model as in Megatron-LM; install() alone
+    makes the chunks the V's (flags, layers), and three DDP + distributed-optimizer steps equal the
+    primuspipe-built V bitwise."""
+    from primuspipe.ir.placement import Placement
+
+    results = run_on_gloo(_through_get_model, ParallelLayout(2, vpp=2, dp=2), timeout_s=300)
+    placement, want = Placement.vshape(2), _megatron_stage_layers(2, GPT.num_layers, {})
+    for r in results:
+        stages = [placement.stage(r["pp_rank"], chunk) for chunk in (0, 1)]
+        assert r["layers"] == [want[s] for s in stages]
+        assert r["flags"] == [(s == 0, s == 3) for s in stages]
+        assert r["losses"] == r["reference"]
+    assert any(r["losses"][0] for r in results), "the loss rank reports"

@@ -69,7 +69,9 @@ Each shim below is a few lines, applies only after ``enable_cpu_mode()`` and onl
   ``/proc/self/statm`` then (Linux).
 * **megatron.training on Python 3.11** -- ``megatron.training`` imports ``typing.override`` (3.12+).
   When it is missing the shim adds ``typing_extensions.override`` under that name, and
-  ``megatron.training.utils.common_utils`` (reductions in ``train_step``) joins the CUDA-call shim.
+  ``megatron.training.utils.common_utils`` (reductions in ``train_step``) and
+  ``megatron.training.training`` (``get_model``'s devices and streams) join the CUDA-call shim;
+  ``get_model`` runs under :class:`_CudaIsCpu` (it moves each chunk with ``Module.cuda()``).
 
 What the model must do itself (see ``tiny_models``): ``use_cpu_initialization=True``, float32,
 fusions off, an explicit attention mask (the default causal mask is built on CUDA), and
@@ -125,8 +127,10 @@ CPU_MODE_PATCHED_MODULES: tuple[str, ...] = (
 grad finalisation, the optimizers, distributed checkpointing, multi-token prediction, the MoE router, dispatcher and shared expert, the
 tensor-parallel layers, mappings and recompute). Nothing else is touched."""
 
-CPU_MODE_PATCHED_TRAINING_MODULES: tuple[str, ...] = ("megatron.training.utils.common_utils",)
-"""The same for ``megatron.training`` (``train_step``'s model-parallel reductions), when installed."""
+CPU_MODE_PATCHED_TRAINING_MODULES: tuple[str, ...] = ("megatron.training.utils.common_utils",
+                                                       "megatron.training.training")
+"""The same for ``megatron.training`` (``train_step``'s model-parallel reductions, ``get_model``'s
+streams and devices), when installed."""
 
 _TRITON_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
 
@@ -449,6 +453,16 @@ def _megatron_training(proxy: _CpuTorch) -> None:
 
         typing.override = typing_extensions.override  # type: ignore[attr-defined]
     _rebind_torch(CPU_MODE_PATCHED_TRAINING_MODULES, proxy)
+    from megatron.training import training
+
+    get_model = training.get_model
+
+    def get_model_on_cpu(*args, **kwargs):
+        with _CudaIsCpu():  # it moves each chunk with Module.cuda()
+            return get_model(*args, **kwargs)
+
+    get_model_on_cpu.__doc__ = get_model.__doc__
+    training.get_model = get_model_on_cpu
 
 
 def enable_cpu_mode() -> None:
