@@ -58,7 +58,8 @@ Each shim below is a few lines, applies only after ``enable_cpu_mode()`` and onl
   a CUDA tensor type, and moves its state to the GPU with ``.cuda()`` to gather it for a checkpoint. Its
   constructor, ``sharded_state_dict`` and ``load_state_dict`` run under :class:`_CpuTensorsAsCuda`
   (thread-local, those calls only), in which a CPU tensor's ``type()`` answers with the CUDA name and
-  ``.cuda()`` with the tensor itself; so does gradient clipping (``clip_grad_by_total_norm_fp32`` asserts
+  ``.cuda()`` with the tensor itself; so do the 16-bit optimizer's constructor (same ``type()`` test,
+  ``bf16``/``fp16``) and gradient clipping (``clip_grad_by_total_norm_fp32`` asserts
   the CUDA type name of each gradient). Without Apex/TE it runs torch's Adam, whose ``step`` state
   megatron-core 0.19's checkpoint load mishandles twice (reads it from a fresh optimizer, looks for it
   among the saved tensors, hands all parameters one shared ``step`` tensor that Adam then increments
@@ -306,6 +307,8 @@ def _distributed_optimizer_takes_cpu_params() -> None:
     _distributed_optimizer_checkpoints_torch_adam(DistributedOptimizer)
     from megatron.core.optimizer import clip_grads, optimizer
 
+    fp16_optimizer = optimizer.Float16OptimizerWithFloat16Params
+    fp16_optimizer.__init__ = on_cpu(fp16_optimizer.__init__)
     clipping = on_cpu(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clipping
 

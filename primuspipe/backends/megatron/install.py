@@ -100,10 +100,12 @@ def _install_get_model(func: PrimusForwardBackward) -> None:
     (:func:`~primuspipe.backends.megatron.v_placement.v_model_provider`): nothing in the training script
     changes. Other placements get Megatron's ``get_model`` untouched."""
     training = _training_module()
-    if training is None:
+    if training is None or not hasattr(training, "get_model"):
         return
-    native = _native_get_model[0] if _native_get_model else training.get_model
-    _native_get_model[:] = [native]
+    if _native_get_model:
+        _restore_get_model()
+    native = training.get_model
+    _native_get_model[:] = [(training, native)]
 
     def get_model(model_provider_func, *args, **kwargs):
         from megatron.core import parallel_state
@@ -127,18 +129,20 @@ def _install_get_model(func: PrimusForwardBackward) -> None:
 
 
 _native_get_model: list = []
-"""``megatron.training.training.get_model`` while primuspipe's wraps it (one entry)."""
+"""``(megatron.training.training, its own get_model)`` while primuspipe's wraps it (one entry)."""
+
+
+def _restore_get_model() -> None:
+    if _native_get_model:
+        training, native = _native_get_model.pop()
+        training.get_model = native
 
 
 def uninstall() -> None:
     """Put Megatron's own ``get_forward_backward_func`` back wherever an installed one is bound, also in
     modules that imported it after :func:`install` (``megatron.training.training``), and its own
     ``get_model``."""
-    if _native_get_model:
-        training = sys.modules.get("megatron.training.training")
-        if training is not None:
-            training.get_model = _native_get_model[0]
-        _native_get_model.clear()
+    _restore_get_model()
     if not _native:
         return
     for name in _BOUND_IN:

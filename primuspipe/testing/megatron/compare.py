@@ -92,13 +92,18 @@ def build(spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None)
     chunks = tiny_models.build_model_chunks(spec.model, config, seed=spec.seed, placement=spec.placement)
     if device is not None:
         chunks = [c.to(device) for c in chunks]
+    modules = chunks
+    if config.bf16 or config.fp16:  # as megatron.training's get_model: 16-bit parameters, fp32 at the ends
+        from megatron.core.transformer.module import Float16Module
+
+        modules = [Float16Module(config, c) for c in chunks]
     if not spec.ddp:
-        return config, chunks, chunks
+        return config, chunks, modules
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     ddp_config = DistributedDataParallelConfig(**{"grad_reduce_in_fp32": False, "overlap_grad_reduce": False,
                                                   "use_distributed_optimizer": False, **spec.ddp_overrides})
-    wrapped = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    wrapped = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(modules)]
     wire_ddp(config, wrapped, spec.align_grad_reduce)
     for m in wrapped:
         m.zero_grad_buffer()
@@ -122,15 +127,22 @@ def wire_ddp(config, wrapped: list, align_grad_reduce: bool = True) -> None:
     config.finalize_model_grads_func = finalize_model_grads
 
 
+def _config_of(model: list):
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(model[0])
+
+
 def make_optimizer(spec: StepSpec, model: list):
-    """Megatron's optimizer for ``spec`` (SGD without momentum or Adam, fp32, ``clip_grad``; distributed when
-    the DDP config says so)."""
+    """Megatron's optimizer for ``spec`` (SGD without momentum or Adam, ``clip_grad``, fp32 main parameters,
+    bf16 ones where the model's config says so; distributed when the DDP config says so)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     distributed = bool(spec.ddp_overrides.get("use_distributed_optimizer", False))
     return get_megatron_optimizer(
         OptimizerConfig(optimizer=spec.optimizer, lr=spec.lr, weight_decay=0.0, clip_grad=spec.clip_grad, sgd_momentum=0.0,
-                        params_dtype=torch.float32, use_distributed_optimizer=distributed), model)
+                        params_dtype=torch.float32, use_distributed_optimizer=distributed,
+                        bf16=bool(getattr(_config_of(model), "bf16", False))), model)
 
 
 def batches(spec: StepSpec, device: torch.device | None = None):
@@ -283,12 +295,19 @@ distributed optimizer's state is saved per parameter in model space, so any para
 vpp, placement, DP) can load it; the default ``dp_reshardable`` form keeps the pipeline layout."""
 
 
+def _inner(module):
+    """The model inside DDP and Float16Module wrappers (what Megatron-LM's ``unwrap_model`` returns)."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
 def _checkpoint_state(wrapped: list, optimizer, loading: bool) -> dict:
     """Megatron-LM's ``generate_state_dict`` layout: ``model`` (or ``model0``, ``model1``, ... with several
     chunks; each the chunk inside its DDP wrapper, as Megatron-LM unwraps it) and ``optimizer``. Tensors are keyed by their global names (layer numbers are global), so the
     keys do not depend on the schedule."""
     names = ["model"] if len(wrapped) == 1 else [f"model{i}" for i in range(len(wrapped))]
-    state = {name: m.module.sharded_state_dict(metadata=CHECKPOINT_METADATA) for name, m in zip(names, wrapped)}
+    state = {name: _inner(m).sharded_state_dict(metadata=CHECKPOINT_METADATA) for name, m in zip(names, wrapped)}
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading, metadata=CHECKPOINT_METADATA)
     return state
 
@@ -313,6 +332,6 @@ def load_checkpoint(directory: str, wrapped: list, optimizer) -> int:
     state = dist_checkpointing.load(template, directory)
     names = ["model"] if len(wrapped) == 1 else [f"model{i}" for i in range(len(wrapped))]
     for name, m in zip(names, wrapped):
-        m.module.load_state_dict(state[name], strict=True)
+        _inner(m).load_state_dict(state[name], strict=True)
     optimizer.load_state_dict(state["optimizer"])
     return int(state["iteration"])
