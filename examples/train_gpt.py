@@ -93,7 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "one fewer)")
     m.add_argument("--mtp-num-layers", type=int, default=None,
                    help="multi-token-prediction layers, built with the last stage")
-    m.add_argument("--bf16", action="store_true", help="bfloat16 parameters and pipeline transfers")
+    m.add_argument("--bf16", action="store_true",
+                   help="bfloat16 parameters (Megatron's Float16Module) and pipeline transfers, fp32 gradient "
+                        "reduction; GPU only")
     m.add_argument("--calculate-per-token-loss", action="store_true")
     m.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
     par = p.add_argument_group("parallelism (Megatron-LM's flags)")
@@ -285,6 +287,9 @@ def main(argv=None) -> None:
             print(f"train_gpt: {line}", file=sys.stderr, flush=True)
 
     model, overrides = model_and_overrides(args, table, say)
+    if args.bf16 and not torch.cuda.is_available():
+        raise SystemExit("--bf16 runs on GPU only: on CPU (gloo) a bf16 run of this example aborts in its first step "
+                         "(SIGABRT, megatron-core 0.19.2, torch 2.13); drop --bf16 on CPU")
     device = init_distributed(args, table.vpp)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

@@ -9,7 +9,8 @@ modules that holds an installed one, including ``megatron.training.training`` im
 :class:`~primuspipe.backends.megatron.schedule_func.PrimusForwardBackward` whenever there is a pipeline
 to schedule (pp > 1); with pp = 1 or multi-module process groups it returns Megatron's own function.
 
-``megatron.training``'s ``get_model`` is wrapped too: for a V-shape table (zbv, v-half, v-min,
+``megatron.training``'s ``get_model`` is wrapped too (when ``megatron.training.training`` is imported
+before ``install``, as Megatron-LM scripts do): for a V-shape table (zbv, v-half, v-min,
 dualpipe-v) it hands the user's unchanged ``model_provider`` to Megatron's ``get_model`` wrapped by
 :func:`~primuspipe.backends.megatron.v_placement.v_model_provider`, so the two chunks of each rank are the
 V's stages (layers, ``pre_process``/``post_process``, tied embeddings, checkpoint names).
@@ -17,7 +18,6 @@ V's stages (layers, ``pre_process``/``post_process``, tied embeddings, checkpoin
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 from dataclasses import replace
@@ -83,15 +83,9 @@ def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusF
 
 
 def _training_module():
-    """``megatron.training.training``, imported if it can be (it needs Python >= 3.12, or CPU mode's shim);
-    ``None`` when megatron.training is not installed or cannot be imported here."""
-    if "megatron.training.training" in sys.modules:
-        return sys.modules["megatron.training.training"]
-    try:
-        return importlib.import_module("megatron.training.training")
-    except ImportError as exc:
-        logger.info("primuspipe: megatron.training not importable (%s); get_model is left alone", exc)
-        return None
+    """``megatron.training.training`` if the script imported it (Megatron-LM scripts import
+    ``megatron.training`` at the top, before they could call :func:`install`); ``None`` otherwise."""
+    return sys.modules.get("megatron.training.training")
 
 
 def _install_get_model(func: PrimusForwardBackward) -> None:
