@@ -15,7 +15,9 @@ reproduced here, per node rather than per warm-up/steady/cool-down phase, so it 
   only around each chunk's last ``BW`` or ``W`` on this rank (without ``grad_sync_func``) or right after
   it, calling ``grad_sync_func[chunk]`` (with one): with a split backward a weight's gradient is
   complete only after the chunk's last ``W``, so a ``B`` never opens the sync; chunks not yet
-  synchronized are synchronized at the end;
+  synchronized are synchronized at the end. Under ``overlap_grad_reduce`` a split-backward step
+  without ``grad_sync_func`` starts each chunk's bucket reduces itself after that ``W`` (DDP's hooks
+  cannot), and ``B`` nodes run DDP's hooks in their non-overlapped mode (:func:`_hooks_without_overlap`);
 * parameter sync with interleaving: ``param_sync_func`` for chunks 0 and 1 at the start, for chunk
   c >= 2 before its first forward;
 * ``deallocate_pipeline_outputs``: an activation is pseudo-freed as soon as its send is posted (the
