@@ -58,6 +58,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dump-dir", default=None, help="turn on dump_pp_data and write timelines here")
     p.add_argument("--compare-native", action="store_true", help="also run Megatron's own schedule and compare")
     p.add_argument("--lr", type=float, default=0.05)
+    opt = p.add_argument_group("optimizer, data-parallel gradients and checkpoints (Megatron-LM's flags)")
+    opt.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
+                     help="Megatron's optimizer (sgd without momentum, or adam); no gradient clipping")
+    opt.add_argument("--use-distributed-optimizer", action="store_true",
+                     help="shard the optimizer state and reduce-scatter gradients over data-parallel ranks (adam)")
+    opt.add_argument("--overlap-grad-reduce", action="store_true",
+                     help="start each gradient bucket's reduction during the backward (a chunk's buckets after "
+                          "its last backward, or last W with B/W tables)")
+    opt.add_argument("--overlap-param-gather", action="store_true",
+                     help="all-gather updated parameters during the next step's forwards (needs "
+                          "--use-distributed-optimizer and --overlap-grad-reduce, as in Megatron-LM)")
+    opt.add_argument("--save", metavar="DIR", default=None,
+                     help="after the last iteration save model and optimizer (Megatron distributed checkpoint)")
+    opt.add_argument("--load", metavar="DIR", default=None,
+                     help="start from a checkpoint --save wrote, under any schedule; iterations continue from "
+                          "the saved one up to --iterations")
     m = p.add_argument_group("model (Megatron-LM's flags)")
     m.add_argument("--num-layers", type=int, default=8)
     m.add_argument("--hidden-size", type=int, default=16)
@@ -71,12 +87,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="no bias in linear layers (always so for MoE: megatron-core 0.19's local experts take none)")
     m.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     m.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    m.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as a layer when splitting layers over stages (the first stage "
+                        "builds one fewer)")
+    m.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the loss as a layer when splitting layers over stages (the last stage builds "
+                        "one fewer)")
+    m.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token-prediction layers, built with the last stage")
+    m.add_argument("--bf16", action="store_true",
+                   help="bfloat16 parameters (Megatron's Float16Module) and pipeline transfers, fp32 gradient "
+                        "reduction; GPU only")
     m.add_argument("--calculate-per-token-loss", action="store_true")
     m.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
     par = p.add_argument_group("parallelism (Megatron-LM's flags)")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--sequence-parallel", action="store_true")
     par.add_argument("--expert-model-parallel-size", type=int, default=1)
+    par.add_argument("--expert-tensor-parallel-size", type=int, default=1,
+                     help="tensor parallelism inside each expert (carved out of the data-parallel ranks)")
     moe = p.add_argument_group("mixture of experts (Megatron-LM's flags)")
     moe.add_argument("--num-experts", type=int, default=None)
     moe.add_argument("--moe-router-topk", type=int, default=2)
@@ -89,7 +118,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     rec.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     rec.add_argument("--recompute-num-layers", type=int, default=None)
     rec.add_argument("--recompute-modules", nargs="*", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        p.error("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (Megatron-LM)")
+    if args.use_distributed_optimizer and args.optimizer != "adam":
+        p.error("--use-distributed-optimizer needs --optimizer adam (megatron-core's distributed optimizer "
+                "checkpoints Adam's state only)")
+    return args
 
 
 def uneven_split(num_layers: int, pp: int) -> tuple[int, int]:
@@ -121,17 +156,23 @@ def model_and_overrides(args, table, say) -> tuple:
                  "gradient_accumulation_fusion": args.gradient_accumulation_fusion,
                  "calculate_per_token_loss": args.calculate_per_token_loss}
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    accounted = args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split
+    overrides.update(account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+                     account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
+    if args.mtp_num_layers:
+        overrides["mtp_num_layers"] = args.mtp_num_layers
+    if args.expert_tensor_parallel_size != 1:
+        overrides["expert_tensor_parallel_size"] = args.expert_tensor_parallel_size
+    if args.bf16:
+        overrides.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    v = table.placement.name == "v"
     stages = args.pp * table.vpp
-    if table.placement.name == "v" and (args.num_layers % stages or first is not None or last is not None):
-        raise SystemExit(f"{table.algorithm} runs {stages} stages in the V placement, which is built with even stages: "
-                         f"--num-layers must be a multiple of {stages} (got {args.num_layers}), without "
-                         "--decoder-first/last-pipeline-num-layers")
-    if first is None and last is None and args.num_layers % stages:
-        if table.vpp > 1:
+    if first is None and last is None and not accounted and args.num_layers % stages:
+        if table.vpp > 1 and not v:
             raise SystemExit(f"{args.num_layers} layers do not split evenly over pp*vpp={stages} stages; give "
                              "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers")
-        first, last = uneven_split(args.num_layers, args.pp)
-        say(f"{args.num_layers} layers do not split evenly over {args.pp} pipeline stages: using "
+        first, last = uneven_split(args.num_layers, stages)  # the V: stages of the 2p-stage pipeline it folds
+        say(f"{args.num_layers} layers do not split evenly over {stages} pipeline stages: using "
             f"--decoder-first-pipeline-num-layers {first} --decoder-last-pipeline-num-layers {last}")
     if first is not None:
         overrides["num_layers_in_first_pipeline_stage"] = first
@@ -176,7 +217,8 @@ def set_parallel_state(args, pp: int, vpp: int) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        expert_model_parallel_size=args.expert_model_parallel_size, expert_tensor_parallel_size=1)
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -188,31 +230,22 @@ def set_parallel_state(args, pp: int, vpp: int) -> None:
         cpu_rng_seed(0)
 
 
-def train(schedule, spec_for, args, pp: int, vpp: int, device):
-    """``iterations`` steps (DDP, finalize grads, SGD) from fresh weights; returns (per-iteration losses
-    on the last stage, step times, first iteration's grads by shard)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
+def train(schedule, spec_for, args, pp: int, vpp: int, device, save: bool = True):
+    """Steps up to ``--iterations`` (DDP, finalize grads, the optimizer), from fresh weights or ``--load``'s
+    checkpoint, then ``--save``; returns (per-iteration mean per-token losses on the loss rank, step times,
+    first iteration's grads by shard, first iteration); ``save=False`` leaves ``--save`` out (a
+    reference run)."""
     from primuspipe.testing.megatron import compare
 
-    _, chunks, model = compare.build(spec_for(0), pp, vpp, device)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="sgd", lr=args.lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
-                        params_dtype=torch.float32), model)
-    losses, times, first_grads = [], [], None
-    for it in range(args.iterations):
-        for m in model:
-            m.zero_grad_buffer()
-        optimizer.zero_grad()
-        out, seconds = compare.call_schedule(schedule, spec_for(it), model, device)
-        times.append(seconds)
-        if first_grads is None:
-            first_grads = {name: g.cpu() for name, g in compare.param_grads(chunks, ddp=True, shards=True).items()}
-        optimizer.step()
+    result = compare.train(schedule, spec_for, pp, vpp, args.iterations, device,
+                           load=args.load, save=args.save if save else None)
+    losses = []
+    for out in result.losses:
         if out:
             total = torch.stack([d["lm loss"] for d in out]).sum(0)
             losses.append((total[0] / total[1]).item())
-    return losses, times, first_grads
+    first_grads = {name: None if g is None else g.cpu() for name, g in result.grads[0].items()} if result.grads else {}
+    return losses, result.step_times, first_grads, result.start
 
 
 def gather_grads(grads: dict) -> dict:
@@ -239,6 +272,7 @@ def refused_everywhere(error: Exception | None) -> str | None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     from primuspipe.backends.megatron import PrimusForwardBackward, load_config
+    from primuspipe.errors import ConfigError
 
     overrides = {"patch_primus_pipeline": True}
     if args.pp_algorithm:
@@ -255,27 +289,36 @@ def main(argv=None) -> None:
             print(f"train_gpt: {line}", file=sys.stderr, flush=True)
 
     model, overrides = model_and_overrides(args, table, say)
+    if args.bf16 and not torch.cuda.is_available():
+        raise SystemExit("--bf16 runs on GPU only: on CPU (gloo) a bf16 run of this example aborts in its first step "
+                         "(SIGABRT, megatron-core 0.19.2, torch 2.13); drop --bf16 on CPU")
     device = init_distributed(args, table.vpp)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from primuspipe.testing.megatron import compare
 
     placement = compare.placement_of(table)
+    ddp_overrides = {"use_distributed_optimizer": args.use_distributed_optimizer,
+                     "overlap_grad_reduce": args.overlap_grad_reduce,
+                     "overlap_param_gather": args.overlap_param_gather,
+                     "grad_reduce_in_fp32": args.bf16}
 
     def spec_for(iteration, placement=placement, overrides=overrides):
         return compare.StepSpec(model, args.microbatches, seed=iteration, ddp=True, placement=placement,
-                                config_overrides=overrides)
+                                config_overrides=overrides, optimizer=args.optimizer, lr=args.lr,
+                                ddp_overrides=ddp_overrides)
 
-    losses, times, grads = train(ours, spec_for, args, args.pp, table.vpp, device)
+    losses, times, grads, start = train(ours, spec_for, args, args.pp, table.vpp, device)
     result = {"algorithm": table.algorithm, "pp": args.pp, "vpp": table.vpp, "placement": placement,
-              "microbatches": args.microbatches, "device": device.type,
+              "microbatches": args.microbatches, "device": device.type, "first_iteration": start,
               "loss": from_loss_rank(losses[-1] if losses else None),
               "losses": from_loss_rank(losses), "step_time_s": statistics.median(times)}
     if args.compare_native:
         native, error = get_forward_backward_func(args.pp, table.vpp if table.vpp > 1 else None), None
         try:
-            native_run = train(native, lambda it: spec_for(it, placement="interleaved"), args, args.pp, table.vpp, device)
-        except (AssertionError, RuntimeError, ValueError) as exc:
+            native_run = train(native, lambda it: spec_for(it, placement="interleaved"), args, args.pp, table.vpp, device,
+                               save=False)
+        except (AssertionError, RuntimeError, ValueError, ConfigError) as exc:
             error = exc
         if (why := refused_everywhere(error)) is not None:
             reference = f"pp=1 (Megatron's own schedule refuses pp={args.pp}, vpp={table.vpp}: {why})"
@@ -283,10 +326,10 @@ def main(argv=None) -> None:
             set_parallel_state(args, 1, 1)
             flat = {k: v for k, v in overrides.items() if not k.startswith("num_layers_in_")}
             native_run = train(get_forward_backward_func(), lambda it: spec_for(it, "interleaved", flat), args, 1, 1,
-                               device)
+                               device, save=False)
         else:
             reference = f"Megatron's own schedule, pp={args.pp}, vpp={table.vpp}"
-        native_losses, native_times, native_grads = native_run
+        native_losses, native_times, native_grads, _ = native_run
         result.update(native_loss=from_loss_rank(native_losses[-1] if native_losses else None),
                       native_step_time_s=statistics.median(native_times), reference=reference,
                       max_abs_grad_diff=compare.max_abs_diff(gather_grads(grads), gather_grads(native_grads)))

@@ -213,6 +213,7 @@ def test_install_patches_every_binding_and_uninstall_restores():
     from megatron.core.pipeline_parallel import schedules
 
     native = schedules.get_forward_backward_func
+    saved = sys.modules.get("megatron.training.training")
     training = types.ModuleType("megatron.training.training")  # stands in for Megatron-LM's training loop
     training.get_forward_backward_func = native
     sys.modules["megatron.training.training"] = training
@@ -226,6 +227,8 @@ def test_install_patches_every_binding_and_uninstall_restores():
     finally:
         uninstall()
         del sys.modules["megatron.training.training"]
+        if saved is not None:
+            sys.modules["megatron.training.training"] = saved
     assert pipeline_parallel.get_forward_backward_func is native and schedules.get_forward_backward_func is native
     assert training.get_forward_backward_func is native
 

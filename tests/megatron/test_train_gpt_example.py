@@ -61,3 +61,48 @@ def test_falls_back_to_pp1_where_megatron_refuses_the_shape():
     assert result["placement"] == "v" and result["reference"].startswith("pp=1 (Megatron's own schedule refuses")
     assert "comparing with a pp=1 run instead" in log
     assert result["max_abs_grad_diff"] <= 1e-6 and abs(result["loss"] - result["native_loss"]) <= 1e-6
+
+
+def test_megatron_lm_optimizer_checkpoint_and_split_flags(capsys):
+    example = _example()
+    args = example.parse_args(["--pp", "2", "--microbatches", "4", "--optimizer", "adam", "--use-distributed-optimizer",
+                               "--overlap-grad-reduce", "--overlap-param-gather", "--save", "a", "--load", "b",
+                               "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                               "--expert-tensor-parallel-size", "2", "--mtp-num-layers", "1"])
+    assert (args.optimizer, args.use_distributed_optimizer, args.overlap_grad_reduce, args.overlap_param_gather) == \
+        ("adam", True, True, True)
+    assert (args.save, args.load, args.expert_tensor_parallel_size, args.mtp_num_layers) == ("a", "b", 2, 1)
+    assert args.account_for_embedding_in_pipeline_split and args.account_for_loss_in_pipeline_split
+    for flags, why in ((["--overlap-param-gather"], "needs --use-distributed-optimizer and --overlap-grad-reduce"),
+                       (["--use-distributed-optimizer"], "needs --optimizer adam")):
+        with pytest.raises(SystemExit):
+            example.parse_args(["--pp", "2", "--microbatches", "4", *flags])
+        assert why in capsys.readouterr().err
+
+
+DISTRIBUTED = ("--optimizer", "adam", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+
+
+@pytest.mark.slow
+def test_save_under_zbv_load_under_1f1b_continues_the_loss_curve(tmp_path):
+    """Four iterations under zbv, against two under zbv saved and continued under 1f1b from the checkpoint:
+    the same per-iteration losses, and the resumed run equals Megatron's own 1f1b from that checkpoint."""
+    common = ("--pp", "2", "--microbatches", "4", *DISTRIBUTED)
+    uninterrupted, _ = _torchrun(4, *common, "--pp-algorithm", "zbv", "--iterations", "4")
+    saved, _ = _torchrun(4, *common, "--pp-algorithm", "zbv", "--iterations", "2", "--save", str(tmp_path / "ckpt"))
+    resumed, _ = _torchrun(4, *common, "--pp-algorithm", "1f1b", "--iterations", "4", "--load", str(tmp_path / "ckpt"),
+                           "--compare-native")
+    assert saved["losses"] == uninterrupted["losses"][:2]
+    assert resumed["first_iteration"] == 2 and resumed["losses"] == uninterrupted["losses"][2:]
+    assert resumed["reference"].startswith("Megatron's own schedule") and resumed["max_abs_grad_diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_v_min_with_uneven_first_and_last_stage():
+    """The V's first and last stage take --decoder-first/last-pipeline-num-layers (2 + 6x1 + 2 layers at
+    pp=4); Megatron refuses that split for its interleaved placement, so the reference is pp=1."""
+    result, log = _torchrun(4, "--pp", "4", "--microbatches", "8", "--pp-algorithm", "v-min", "--num-layers", "10",
+                            "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2",
+                            "--untie-embeddings-and-output-weights", "--iterations", "2", "--compare-native")
+    assert result["placement"] == "v" and result["reference"].startswith("pp=1")
+    assert result["loss"] == result["native_loss"] and result["max_abs_grad_diff"] == 0.0

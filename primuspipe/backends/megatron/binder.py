@@ -16,7 +16,9 @@ reproduced here, per node rather than per warm-up/steady/cool-down phase, so it 
   only around each chunk's last ``BW`` or ``W`` on this rank (without ``grad_sync_func``) or right after
   it, calling ``grad_sync_func[chunk]`` (with one): with a split backward a weight's gradient is
   complete only after the chunk's last ``W``, so a ``B`` never opens the sync; chunks not yet
-  synchronized are synchronized at the end;
+  synchronized are synchronized at the end. Under ``overlap_grad_reduce`` a split-backward step
+  without ``grad_sync_func`` starts each chunk's bucket reduces itself after that ``W`` (DDP's hooks
+  cannot), and ``B`` nodes run DDP's hooks in their non-overlapped mode (:func:`_hooks_without_overlap`);
 * parameter sync with interleaving: ``param_sync_func`` for chunks 0 and 1 at the start, for chunk
   c >= 2 before its first forward;
 * ``deallocate_pipeline_outputs``: an activation is pseudo-freed as soon as its send is posted (the
@@ -60,7 +62,8 @@ class StepArgs:
 class GradSync:
     """Megatron's ``no_sync`` / ``grad_sync_func`` / ``param_sync_func`` protocol for one step."""
 
-    def __init__(self, args: StepArgs, last_backward: Mapping[int, int], grad_sync_func, param_sync_func):
+    def __init__(self, args: StepArgs, last_backward: Mapping[int, int], grad_sync_func, param_sync_func,
+                 split_backward: bool = False):
         no_sync = args.config.no_sync_func
         if isinstance(no_sync, list):
             funcs = list(no_sync)
@@ -77,6 +80,8 @@ class GradSync:
         self.last_backward = last_backward
         """chunk -> microbatch of that chunk's last backward on this rank."""
         self.grad_sync = self._per_chunk(grad_sync_func)
+        if self.grad_sync is None and split_backward and not args.forward_only:
+            self.grad_sync = self._overlapped_starts()
         self.param_sync = self._per_chunk(param_sync_func) if args.interleaved else None
         self.synchronized: set[int] = set()
         self.param_synced: set[int] = set()
@@ -85,6 +90,19 @@ class GradSync:
         if func is None or isinstance(func, list):
             return func
         return [func for _ in self.models]
+
+    def _overlapped_starts(self) -> list | None:
+        """Without ``grad_sync_func``, Megatron DDP under ``overlap_grad_reduce`` starts a bucket's
+        reduction from its backward hooks once every parameter of the bucket reported in the last
+        microbatch. With a split backward the last microbatch's parameters report across the chunk's
+        last ``B`` (norms, biases) and last ``W`` (weights), and DDP records the first step's reports as
+        the set to wait for, so it would wait for a partial set (or assert). So a split-backward step
+        keeps ``no_sync`` on throughout and starts each such chunk's reduction (``start_grad_sync``,
+        what ``megatron.training`` passes as ``grad_sync_func``) after the chunk's last ``W``: the
+        point where every gradient of every bucket of the chunk is final."""
+        starts = [m.start_grad_sync if getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False) else None
+                  for m in self.models]
+        return starts if any(starts) else None
 
     def disable(self) -> None:
         if self._context is None:
@@ -111,26 +129,48 @@ class GradSync:
         if self.param_sync is not None:
             self._sync_params(chunk)
 
+    def _sync_func(self, chunk: int):
+        return None if self.grad_sync is None else self.grad_sync[chunk]
+
     @contextlib.contextmanager
     def around_backward(self, chunk: int, microbatch: int):
         last = self.last_backward.get(chunk) == microbatch
-        if last and self.grad_sync is None:
+        sync = self._sync_func(chunk)
+        if last and sync is None:
             self.enable()
             self.synchronized.add(chunk)
         yield
-        if last and self.grad_sync is not None:
+        if last and sync is not None:
             self.enable()
-            self.grad_sync[chunk](self.models[chunk].parameters())
+            sync(self.models[chunk].parameters())
             self.synchronized.add(chunk)
         self.disable()
 
     def end(self) -> None:
         self.enable()
-        if self.grad_sync is not None:
-            for chunk in range(len(self.models)):
-                if chunk not in self.synchronized:
-                    self.grad_sync[chunk](self.models[chunk].parameters())
-                    self.synchronized.add(chunk)
+        for chunk in range(len(self.models)):
+            if chunk not in self.synchronized and (sync := self._sync_func(chunk)) is not None:
+                sync(self.models[chunk].parameters())
+                self.synchronized.add(chunk)
+
+
+@contextlib.contextmanager
+def _hooks_without_overlap(models: Sequence[torch.nn.Module]):
+    """Run a ``B`` node with Megatron DDP's backward hooks in their non-overlapped mode.
+
+    A weight whose GEMM ``B`` defers still reaches its gradient accumulator, with no gradient, and under
+    ``overlap_grad_reduce`` DDP's hook asserts a gradient is there and registers the parameter as ready.
+    Inside a ``B`` gradient sync is always off (``no_sync``: registering is a no-op, :class:`GradSync`
+    starts the reduction after the chunk's last ``W``), so what remains of the hook -- add ``.grad`` to
+    ``main_grad`` where there is one -- is all it has to do. Restored on leaving the node."""
+    configs = {id(c): c for m in models if (c := getattr(m, "ddp_config", None)) is not None and c.overlap_grad_reduce}
+    for config in configs.values():
+        config.overlap_grad_reduce = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.overlap_grad_reduce = True
 
 
 class MegatronBinder:
@@ -201,7 +241,7 @@ class MegatronBinder:
 
     def backward_input(self, call: ComputeCall) -> Any:
         """``B``: the input gradient now; the weight GEMMs wait in :attr:`wgrad` for this microbatch's ``W``."""
-        with self.wgrad.collecting(call.chunk, call.microbatch):
+        with self.wgrad.collecting(call.chunk, call.microbatch), _hooks_without_overlap(self.args.models):
             return self._backward_step(call)
 
     def backward_weight(self, call: ComputeCall) -> None:

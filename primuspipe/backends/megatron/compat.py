@@ -48,11 +48,18 @@ def check_megatron_config(config: Any, table: ScheduleTable, models: Sequence[An
         if value not in (None, False, 0):
             raise ConfigError(f"Megatron's {flag}={value!r} is not supported by primuspipe's schedules: {why}. "
                               f"Unset {flag} or turn patch_primus_pipeline off.")
+    if (cp := getattr(config, "context_parallel_size", 1) or 1) > 1:
+        raise ConfigError(
+            f"Megatron's context_parallel_size={cp} is not supported by primuspipe's schedules yet: running it needs "
+            "megatron-core's context-parallel attention (Transformer Engine, GPU), on which no primuspipe table has "
+            "been checked against Megatron's schedule (the weight-gradient deferral of B/W tables covers local linear "
+            "layers only). Set context_parallel_size=1, or turn patch_primus_pipeline off for this run.")
     if getattr(config, "pipeline_dtype", None) is None:
         raise ConfigError("Megatron's pipeline_dtype is unset; pipeline transfers need it (set it to params_dtype)")
     if len(models) != table.vpp:
         raise ConfigError(f"the model has {len(models)} chunk(s) per rank but the {table.algorithm} table has vpp={table.vpp}")
     _check_placement(table, models, rank)
+    _check_multi_token_prediction(table, config, models)
     split = any(n.kind in (NodeKind.W, NodeKind.B, NodeKind.FB) for _, _, n in table.positions())
     _check_te_deferral(table, config, models, split)
     if split:
@@ -72,8 +79,9 @@ def _check_tied_copies(table: ScheduleTable, models: Sequence[Any]) -> None:
     if not torch.equal(copies[0], copies[1]):
         raise ConfigError(
             f"{table.algorithm}: tied embeddings, but the output layer's copy on this rank differs from the word "
-            "embedding; build the V chunks inside primuspipe.backends.megatron.v_placement.v_layer_offsets, which "
-            "initialises it from the word embedding (docs/megatron.md)")
+            "embedding; build the V chunks with megatron.training's get_model after install() (or "
+            "primuspipe.backends.megatron.v_placement.v_model_provider), which initialises it from the word "
+            "embedding (docs/megatron.md)")
     copies[1]._primuspipe_tie_checked = True
 
 
@@ -118,12 +126,38 @@ def _check_placement(table: ScheduleTable, models: Sequence[Any], rank: int) -> 
                 "hold; build the chunks with primuspipe.backends.megatron.v_placement (see docs/megatron.md)")
         want = (stage == 0, stage == table.num_stages - 1)
         if (bool(pre), bool(post)) != want:
-            how = ("build them with primuspipe.backends.megatron.v_placement (docs/megatron.md, 'Zero-bubble "
-                   "schedules')" if not interleaved else "build them as Megatron does (interleaved placement)")
+            how = ("build them with megatron.training's get_model after install(), or wrap the model provider with "
+                   "primuspipe.backends.megatron.v_placement.v_model_provider (docs/megatron.md, 'V placement')"
+                   if not interleaved else "build them as Megatron does (interleaved placement)")
             raise ConfigError(
                 f"{table.algorithm} places stage {stage} ({table.placement.name} placement) on pipeline rank {rank} "
                 f"chunk {chunk}, but that chunk was built with pre_process={pre}, post_process={post} (stage 0 "
                 f"pre-processes, stage {table.num_stages - 1} post-processes); {how}")
+
+
+def _check_multi_token_prediction(table: ScheduleTable, config: Any, models: Sequence[Any]) -> None:
+    """Multi-token prediction (``mtp_num_layers``): Megatron builds the MTP block with the last stage,
+    with its own copy of the word embedding that it keeps equal to the first stage's through the
+    embedding group (first and last pipeline rank)."""
+    if not getattr(config, "mtp_num_layers", None):
+        return
+    if table.placement != Placement.interleaved(table.pp, table.vpp):
+        raise ConfigError(
+            f"{table.algorithm} places stages in a V, but mtp_num_layers={config.mtp_num_layers}: the MTP block's "
+            "embedding copy would sit on rank 0 beside the word embedding, and Megatron keeps the two equal through "
+            "its embedding group (first and last pipeline rank), which the V does not route; use a table with "
+            "Megatron's placement (1f1b, interleaved-1f1b, zb-h1, zb-h2) or unset mtp_num_layers")
+    split = any(n.kind in (NodeKind.W, NodeKind.B, NodeKind.FB) for _, _, n in table.positions())
+    tied = any(getattr(_unwrap(m), "share_embeddings_and_output_weights", False) for m in models)
+    if split and tied and getattr(config, "gradient_accumulation_fusion", False):
+        raise ConfigError(
+            f"{table.algorithm} defers weight GEMMs to W nodes, but mtp_num_layers={config.mtp_num_layers} with tied "
+            "embeddings and gradient_accumulation_fusion: on the last stage the output layer and the MTP embedding "
+            "share one weight, whose gradient Megatron marks as already in main_grad (grad_added_to_main_grad, kept "
+            "for the whole step) once the output layer's GEMM ran, after which the embedding lookup's gradient is "
+            "not added; a W runs that GEMM at another point than the fused backward, so the embedding gradient "
+            "differs from Megatron's schedule (2e-3 measured). Untie the embeddings, turn "
+            "gradient_accumulation_fusion off, or use a fused-backward schedule (1f1b, interleaved-1f1b)")
 
 
 def _check_split_backward(table: ScheduleTable, config: Any, models: Sequence[Any]) -> None:
@@ -138,17 +172,6 @@ def _check_split_backward(table: ScheduleTable, config: Any, models: Sequence[An
             "experts, but the model has none (the local layer spec ignores the flag and builds SequentialMLP). Build "
             "the experts with Transformer Engine's spec (TEGroupedMLP) and delay_wgrad_compute, or set "
             "moe_grouped_gemm=False")
-
-    for model in models:
-        ddp = getattr(model, "ddp_config", None)
-        if ddp is not None and getattr(ddp, "overlap_grad_reduce", False):
-            raise ConfigError(
-                f"{table.algorithm} splits the backward into B and W nodes, but DDP's overlap_grad_reduce=True. "
-                "Its backward hooks assert that every parameter has a gradient when its hook runs, while a B "
-                "node leaves the weights' gradients to W; and a bucket's reduction starts once all its parameters "
-                "reported in the 'last microbatch', which for a split backward spans the chunk's last B "
-                "(norms, biases) and its last W (weights). Set overlap_grad_reduce=False (the gradients are then "
-                "reduced in finalize_model_grads, after every W).")
 
 
 def _check_te_deferral(table: ScheduleTable, config: Any, models: Sequence[Any], split: bool) -> None:

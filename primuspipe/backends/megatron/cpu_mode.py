@@ -54,9 +54,25 @@ Each shim below is a few lines, applies only after ``enable_cpu_mode()`` and onl
   shared weight with ``.cuda()`` before its all-reduce. The shim runs that method under a
   :class:`~torch.overrides.TorchFunctionMode` in which ``Tensor.cuda`` returns the tensor itself (the
   mode is thread-local and active only during that call).
+* **Distributed optimizer** -- ``DistributedOptimizer`` accepts only parameters whose ``type()`` names
+  a CUDA tensor type, and moves its state to the GPU with ``.cuda()`` to gather it for a checkpoint. Its
+  constructor, ``sharded_state_dict`` and ``load_state_dict`` run under :class:`_CpuTensorsAsCuda`
+  (thread-local, those calls only), in which a CPU tensor's ``type()`` answers with the CUDA name and
+  ``.cuda()`` with the tensor itself; so do the 16-bit optimizer's constructor (same ``type()`` test,
+  ``bf16``/``fp16``) and gradient clipping (``clip_grad_by_total_norm_fp32`` asserts
+  the CUDA type name of each gradient). Without Apex/TE it runs torch's Adam, whose ``step`` state
+  megatron-core 0.19's checkpoint load mishandles twice (reads it from a fresh optimizer, looks for it
+  among the saved tensors, hands all parameters one shared ``step`` tensor that Adam then increments
+  once per parameter): the shim initialises a fresh Adam's state before the load template is built,
+  skips ``step`` where saved tensors are copied in and gives each parameter its own ``step``.
+* **Checkpoint writer without psutil** -- Megatron's distributed-checkpoint writer logs the process's
+  resident memory with ``psutil`` and fails the save when it is missing; the shim reads it from
+  ``/proc/self/statm`` then (Linux).
 * **megatron.training on Python 3.11** -- ``megatron.training`` imports ``typing.override`` (3.12+).
   When it is missing the shim adds ``typing_extensions.override`` under that name, and
-  ``megatron.training.utils.common_utils`` (reductions in ``train_step``) joins the CUDA-call shim.
+  ``megatron.training.utils.common_utils`` (reductions in ``train_step``) and
+  ``megatron.training.training`` (``get_model``'s devices and streams) join the CUDA-call shim;
+  ``get_model`` runs under :class:`_CudaIsCpu` (it moves each chunk with ``Module.cuda()``).
 
 What the model must do itself (see ``tiny_models``): ``use_cpu_initialization=True``, float32,
 fusions off, an explicit attention mask (the default causal mask is built on CUDA), and
@@ -70,6 +86,7 @@ import copy
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 import types
 import typing
@@ -90,6 +107,14 @@ CPU_MODE_PATCHED_MODULES: tuple[str, ...] = (
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.transformer.multi_token_prediction",
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.moe_utils",
@@ -100,11 +125,13 @@ CPU_MODE_PATCHED_MODULES: tuple[str, ...] = (
     "megatron.core.tensor_parallel.random",
 )
 """Modules that hard-code CUDA on the paths a training step takes (schedules, p2p, DDP buffers,
-grad finalisation, the non-distributed optimizer, the MoE router, dispatcher and shared expert, the
+grad finalisation, the optimizers, distributed checkpointing, multi-token prediction, the MoE router, dispatcher and shared expert, the
 tensor-parallel layers, mappings and recompute). Nothing else is touched."""
 
-CPU_MODE_PATCHED_TRAINING_MODULES: tuple[str, ...] = ("megatron.training.utils.common_utils",)
-"""The same for ``megatron.training`` (``train_step``'s model-parallel reductions), when installed."""
+CPU_MODE_PATCHED_TRAINING_MODULES: tuple[str, ...] = ("megatron.training.utils.common_utils",
+                                                       "megatron.training.training")
+"""The same for ``megatron.training`` (``train_step``'s model-parallel reductions, ``get_model``'s
+streams and devices), when installed."""
 
 _TRITON_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
 
@@ -249,6 +276,93 @@ class _CudaIsCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _CpuTensorsAsCuda(_CudaIsCpu):
+    """Also ``Tensor.type()`` (no argument) of a CPU tensor names its CUDA type, e.g.
+    ``torch.cuda.FloatTensor`` (thread-local, only while the mode is entered)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and not args[0].is_cuda:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+_DISTRIBUTED_OPTIMIZER_METHODS = ("__init__", "sharded_state_dict", "load_state_dict")
+"""The ``DistributedOptimizer`` methods that test ``type()`` names or call ``.cuda()`` (building it,
+gathering and scattering its state for a checkpoint)."""
+
+
+def _distributed_optimizer_takes_cpu_params() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    def on_cpu(method):
+        def call(*args, **kwargs):
+            with _CpuTensorsAsCuda():
+                return method(*args, **kwargs)
+
+        call.__name__, call.__doc__ = method.__name__, method.__doc__
+        return call
+
+    for name in _DISTRIBUTED_OPTIMIZER_METHODS:
+        setattr(DistributedOptimizer, name, on_cpu(getattr(DistributedOptimizer, name)))
+    _distributed_optimizer_checkpoints_torch_adam(DistributedOptimizer)
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    fp16_optimizer = optimizer.Float16OptimizerWithFloat16Params
+    fp16_optimizer.__init__ = on_cpu(fp16_optimizer.__init__)
+    clipping = on_cpu(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clipping
+
+
+def _distributed_optimizer_checkpoints_torch_adam(cls) -> None:
+    """Without Apex or Transformer Engine the distributed optimizer runs torch's Adam, whose per-parameter
+    ``step`` megatron-core 0.19's checkpoint code trips over twice: building the load template reads the
+    ``step`` of a fresh optimizer's (empty) state, and loading the per-parameter state then looks for a
+    ``step`` among the saved tensors (it is restored from the parameter groups instead). The shim gives a
+    fresh torch Adam its zero state (what its first ``step`` creates; the load overwrites it) and skips
+    ``step`` where the saved tensors are copied in. The load also hands every parameter one shared
+    ``step`` tensor, which torch's Adam increments in place once per parameter at each step (wrong bias
+    correction from the second step on); the shim gives each parameter its own copy."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    sharded_state_dict, set_states = cls.sharded_state_dict, cls._set_main_param_and_optimizer_states
+
+    def sharded_state_dict_loading_into_fresh_adam(self, model_sharded_state_dict, is_loading=False, *args, **kwargs):
+        inner = self.optimizer
+        if is_loading and isinstance(inner, torch.optim.Adam) and not inner.state and self.init_state_fn:
+            self.init_state_fn(inner, self.config)
+            for state in inner.state.values():
+                state["step"] = torch.tensor(0.0)
+        return sharded_state_dict(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    def set_states_without_step(self, model_param, tensors):
+        return set_states(self, model_param, {"step": None, **tensors})
+
+    load_state_dict = cls.load_state_dict
+
+    def load_state_dict_with_own_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+    cls.sharded_state_dict = sharded_state_dict_loading_into_fresh_adam
+    cls._set_main_param_and_optimizer_states = set_states_without_step
+    cls.load_state_dict = load_state_dict_with_own_steps
+
+
+def _checkpoint_rss_without_psutil() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not filesystem_async.HAVE_PSUTIL:
+        def _process_memory() -> int:
+            with open("/proc/self/statm") as statm:
+                return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+        filesystem_async._process_memory = _process_memory
+
+
 def _rebind_torch(names: tuple[str, ...], proxy: _CpuTorch) -> None:
     for name in names:
         module = importlib.import_module(name)
@@ -342,6 +456,16 @@ def _megatron_training(proxy: _CpuTorch) -> None:
 
         typing.override = typing_extensions.override  # type: ignore[attr-defined]
     _rebind_torch(CPU_MODE_PATCHED_TRAINING_MODULES, proxy)
+    from megatron.training import training
+
+    get_model = training.get_model
+
+    def get_model_on_cpu(*args, **kwargs):
+        with _CudaIsCpu():  # it moves each chunk with Module.cuda()
+            return get_model(*args, **kwargs)
+
+    get_model_on_cpu.__doc__ = get_model.__doc__
+    training.get_model = get_model_on_cpu
 
 
 def enable_cpu_mode() -> None:
@@ -371,6 +495,8 @@ def enable_cpu_mode() -> None:
     _recompute_without_cuda_generator()
     _alltoall_splits_on_host()
     _tied_embeddings_stay_on_cpu()
+    _distributed_optimizer_takes_cpu_params()
+    _checkpoint_rss_without_psutil()
     _megatron_training(proxy)
     _enabled = True
     logger.info("megatron CPU mode enabled (patched: %s)", ", ".join(CPU_MODE_PATCHED_MODULES))

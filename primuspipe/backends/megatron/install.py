@@ -8,6 +8,12 @@ modules that holds an installed one, including ``megatron.training.training`` im
 ``install``. The replacement keeps Megatron's signature and returns a primuspipe
 :class:`~primuspipe.backends.megatron.schedule_func.PrimusForwardBackward` whenever there is a pipeline
 to schedule (pp > 1); with pp = 1 or multi-module process groups it returns Megatron's own function.
+
+``megatron.training``'s ``get_model`` is wrapped too (when ``megatron.training.training`` is imported
+before ``install``, as Megatron-LM scripts do): for a V-shape table (zbv, v-half, v-min,
+dualpipe-v) it hands the user's unchanged ``model_provider`` to Megatron's ``get_model`` wrapped by
+:func:`~primuspipe.backends.megatron.v_placement.v_model_provider`, so the two chunks of each rank are the
+V's stages (layers, ``pre_process``/``post_process``, tied embeddings, checkpoint names).
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from typing import Any, Optional
 
 from primuspipe.backends.megatron.config import PrimusPipeConfig, load_config
 from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
+from primuspipe.backends.megatron.v_placement import v_model_provider
+from primuspipe.errors import ConfigError
+from primuspipe.ir.placement import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +69,7 @@ def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusF
             pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         return func if pp_size > 1 else native(pp_size, vp_size, schedule_pg_collection)
 
+    _install_get_model(func)
     get_forward_backward_func.__doc__ = native.__doc__
     get_forward_backward_func.primuspipe = func  # type: ignore[attr-defined]
     for name in _BOUND_IN:
@@ -72,9 +82,61 @@ def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusF
     return func
 
 
+def _training_module():
+    """``megatron.training.training`` if the script imported it (Megatron-LM scripts import
+    ``megatron.training`` at the top, before they could call :func:`install`); ``None`` otherwise."""
+    return sys.modules.get("megatron.training.training")
+
+
+def _install_get_model(func: PrimusForwardBackward) -> None:
+    """Wrap ``megatron.training``'s ``get_model`` so that, when the configured algorithm's table for the
+    run's shape places stages in a V, the user's own ``model_provider`` builds the V chunks
+    (:func:`~primuspipe.backends.megatron.v_placement.v_model_provider`): nothing in the training script
+    changes. Other placements get Megatron's ``get_model`` untouched."""
+    training = _training_module()
+    if training is None or not hasattr(training, "get_model"):
+        return
+    if _native_get_model:
+        _restore_get_model()
+    native = training.get_model
+    _native_get_model[:] = [(training, native)]
+
+    def get_model(model_provider_func, *args, **kwargs):
+        from megatron.core import parallel_state
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        vpp = training.get_args().virtual_pipeline_model_parallel_size
+        if pp > 1:
+            table = func.table_for(pp, vpp, get_num_microbatches())
+            if table.placement == Placement.vshape(pp) and table.vpp == 2:
+                if vpp != 2:
+                    raise ConfigError(f"{table.algorithm} places two model chunks per rank in a V; set "
+                                      "--virtual-pipeline-model-parallel-size 2 (virtual_pipeline_model_parallel_size=2)")
+                model_provider_func = v_model_provider(model_provider_func, pp,
+                                                       parallel_state.get_pipeline_model_parallel_rank())
+        return native(model_provider_func, *args, **kwargs)
+
+    get_model.__doc__ = native.__doc__
+    get_model.primuspipe = func  # type: ignore[attr-defined]
+    training.get_model = get_model
+
+
+_native_get_model: list = []
+"""``(megatron.training.training, its own get_model)`` while primuspipe's wraps it (one entry)."""
+
+
+def _restore_get_model() -> None:
+    if _native_get_model:
+        training, native = _native_get_model.pop()
+        training.get_model = native
+
+
 def uninstall() -> None:
     """Put Megatron's own ``get_forward_backward_func`` back wherever an installed one is bound, also in
-    modules that imported it after :func:`install` (``megatron.training.training``)."""
+    modules that imported it after :func:`install` (``megatron.training.training``), and its own
+    ``get_model``."""
+    _restore_get_model()
     if not _native:
         return
     for name in _BOUND_IN:

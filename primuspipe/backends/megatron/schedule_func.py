@@ -35,6 +35,7 @@ from primuspipe.backends.megatron.config import PrimusPipeConfig
 from primuspipe.backends.megatron.last_stage import hand_to_last_rank
 from primuspipe.backends.megatron.v_placement import tied_embedding_grads
 from primuspipe.errors import ConfigError
+from primuspipe.ir.node import NodeKind
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication
 from primuspipe.passes.offload import offload_activations
@@ -194,9 +195,10 @@ class PrimusForwardBackward:
 
         args = StepArgs(forward_step_func, iterators, models, num_microbatches, config, pg_collection.cp.size(),
                         forward_only, collect_non_loss_data, first_val_step, interleaved=isinstance(model, list) and len(models) > 1)
+        split = any(kind is NodeKind.B for node in table.ranks[rank] for kind, _, _ in node.parts())
         sync = GradSync(args, last_backwards(table, rank),
                         None if forward_only else config.grad_sync_func,
-                        None if forward_only else config.param_sync_func)
+                        None if forward_only else config.param_sync_func, split_backward=split)
         device = _device()
         offloads = any(n.kind.on_host_stream for n in table.ranks[rank])
         offload = self._offload_for(models, device) if offloads or self.count_saved_bytes else None

@@ -7,18 +7,20 @@ follow that), and its ``pipeline_model_parallel_layout`` cannot express V either
 layers to (rank, virtual stage) pairs but always orders the pairs as ``vp_stage * p + rank``, so it
 can change how many layers a stage holds, not which stage a chunk is.
 
-Chunk 1 of rank ``r`` in the V is exactly the chunk Megatron would build as virtual stage 1 of rank
-``p-1-r``. :func:`v_layer_offsets` makes Megatron's own ``get_transformer_layer_offset`` see that rank
-for ``vp_stage == 1`` while the model is built (and while its ``sharded_state_dict`` is taken, which
-recomputes the offset), and :func:`v_stage_flags` gives the ``pre_process`` / ``post_process`` flags.
+**Which layers a V chunk holds.** The V of ``p`` ranks folds a ``2p``-stage pipeline: chunk ``c`` of
+rank ``r`` is V stage ``s`` (``r`` for c = 0, ``2p-1-r`` for c = 1) and holds the layers Megatron's own
+split gives pipeline stage ``s`` of ``2p`` (:func:`v_stage_layers`): even stages, uneven first/last stage
+(``num_layers_in_first/last_pipeline_stage`` count the V's stage 0 and stage ``2p-1``), and
+``account_for_embedding/loss_in_pipeline_split`` (one layer fewer on stage 0 / ``2p-1``). A split the V
+cannot hold (the layers left after the first/last stage do not divide over the middle stages) and a
+``pipeline_model_parallel_layout`` (its stage ``i`` is rank ``i % p``, chunk ``i // p`` by Megatron's
+definition) are refused in one line. :func:`v_layer_offsets` makes Megatron's own
+``get_transformer_layer_offset`` and ``get_num_layers_to_build`` answer so while a chunk is built (and while its ``sharded_state_dict`` is taken, which recomputes the
+offsets), and :func:`v_stage_flags` gives the ``pre_process`` / ``post_process`` flags.
 
-A training script's ``model_provider`` does, for each ``vp_stage`` in ``(0, 1)``::
-
-    pre, post = v_stage_flags(pp, pp_rank, vp_stage)
-    with v_layer_offsets(pp):
-        chunk = GPTModel(config, spec, ..., pre_process=pre, post_process=post, vp_stage=vp_stage)
-
-with ``virtual_pipeline_model_parallel_size=2``.
+The user's ``model_provider`` stays as it is: :func:`v_model_provider` wraps it, and ``install()`` hands
+the wrapped provider to ``megatron.training``'s ``get_model`` when the run's table is a V, so
+``get_model`` builds the V chunks (with ``virtual_pipeline_model_parallel_size=2``).
 
 **Tied embeddings** (``share_embeddings_and_output_weights=True``). Megatron keeps two copies of the
 tied weight, the word embedding on the first stage and the output layer's on the last, made equal at
@@ -42,13 +44,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from primuspipe.errors import ConfigError
 from primuspipe.ir.placement import Placement
-
-_OFFSET_MODULES = ("megatron.core.transformer.transformer_layer", "megatron.core.transformer.transformer_block")
 
 _embedding: list[weakref.ref] = []
 """The word-embedding weight of the last stage-0 chunk built in :func:`v_layer_offsets` (one entry)."""
@@ -90,40 +90,154 @@ def _setup_tied_embeddings_locally(setup):
     return setup_embeddings_and_output_layer
 
 
-@contextlib.contextmanager
-def v_layer_offsets(pp: int) -> Iterator[None]:
-    """Inside, Megatron numbers the layers of a ``vp_stage=1`` chunk of rank ``r`` as stage ``2p-1-r``,
-    and ties embeddings on rank 0 without the embedding group (module docstring)."""
+_LAYER_FUNCTIONS = (("megatron.core.transformer.transformer_layer", "get_transformer_layer_offset"),
+                    ("megatron.core.transformer.transformer_block", "get_num_layers_to_build"))
+"""Megatron's functions that decide which layers a chunk builds (defined where listed; also replaced
+wherever another loaded megatron module imported them by name)."""
+
+
+def _stage_view(config: Any, pp: int) -> Any:
+    """The config of the ``2p``-stage pipeline the V folds onto ``p`` ranks: Megatron's layer split of its
+    stage ``s`` is the V's stage ``s`` (``num_layers_in_first/last_pipeline_stage`` are the V's first and
+    last stage, ``account_for_embedding/loss_in_pipeline_split`` count stage 0 and stage ``2p-1``)."""
+    import copy
+
+    if config.pipeline_model_parallel_layout is not None:
+        raise ConfigError("the V placement cannot take pipeline_model_parallel_layout (Megatron maps its stage i to "
+                          "rank i % pp, chunk i // pp, the interleaved order); unset it and give the V's first and "
+                          "last stage their counts with num_layers_in_first/last_pipeline_stage")
+    if (config.virtual_pipeline_model_parallel_size or 1) != 2:
+        raise ConfigError("the V placement needs virtual_pipeline_model_parallel_size=2 (two chunks per rank; "
+                          "Megatron-LM: --virtual-pipeline-model-parallel-size 2)")
+    view = copy.copy(config)
+    view.pipeline_model_parallel_size = 2 * pp
+    view.virtual_pipeline_model_parallel_size = None
+    return view
+
+
+def v_stage_layers(config: Any, pp: int) -> tuple[range, ...]:
+    """The global layer numbers (0-based) of each V stage ``0 .. 2p-1``: what Megatron's own
+    ``get_transformer_layer_offset`` / ``get_num_layers_to_build`` give stage ``s`` of the ``2p``-stage
+    pipeline the V folds. Raises :class:`ConfigError` (one line) when Megatron cannot split the layers so,
+    or the stages would not hold every layer exactly once."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    view = _stage_view(config, pp)
+    stages = []
+    for stage in range(2 * pp):
+        try:
+            offset = _ORIGINALS.get("get_transformer_layer_offset", get_transformer_layer_offset)(view, None, stage)
+            count = _ORIGINALS.get("get_num_layers_to_build", get_num_layers_to_build)(view, None, stage)
+        except AssertionError as exc:
+            raise ConfigError(f"the V placement folds {2 * pp} pipeline stages onto {pp} ranks, and Megatron cannot "
+                              f"split num_layers={config.num_layers} over {2 * pp} stages so: {exc}".strip()) from None
+        stages.append(range(offset, offset + count))
+    covered = [layer for stage in stages for layer in stage]
+    if covered != list(range(config.num_layers)):
+        raise ConfigError(f"the V placement's {2 * pp} stages would hold layers {[list(s) for s in stages]}, not each of "
+                          f"the {config.num_layers} layers once; change num_layers or the first/last stage counts")
+    return tuple(stages)
+
+
+_ORIGINALS: dict[str, Any] = {}
+"""Megatron's layer functions while :func:`v_layer_offsets` is active."""
+
+
+def _v_layer_functions(pp: int) -> dict[str, Any]:
+    """Replacements of :data:`_LAYER_FUNCTIONS` that answer for the V stage of ``(rank, vp_stage)``."""
     from megatron.core import parallel_state
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-    from megatron.core.transformer import transformer_layer
 
-    original = transformer_layer.get_transformer_layer_offset
-
-    def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None):
-        if config.pipeline_model_parallel_layout or config.num_layers_in_first_pipeline_stage is not None \
-                or config.num_layers_in_last_pipeline_stage is not None:
-            raise ConfigError("the V placement is built with even stages; unset pipeline_model_parallel_layout and "
-                              "num_layers_in_first/last_pipeline_stage")
-        if (config.virtual_pipeline_model_parallel_size or 1) != 2:
-            raise ConfigError("the V placement needs virtual_pipeline_model_parallel_size=2 (two chunks per rank)")
+    def stage_of(config, vp_stage, pp_rank):
+        if vp_stage not in (0, 1):
+            raise ConfigError(f"a V-placement chunk is built with vp_stage 0 or 1, got {vp_stage!r}")
         if pp_rank is None:
             pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        if vp_stage == 1:
-            pp_rank = pp - 1 - pp_rank
-        return original(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        return v_stage_layers(config, pp), Placement.vshape(pp).stage(pp_rank, vp_stage)
 
-    modules = [importlib.import_module(name) for name in _OFFSET_MODULES]
+    def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None):
+        stages, stage = stage_of(config, vp_stage, pp_rank)
+        return stages[stage].start
+
+    def get_num_layers_to_build(config, vp_stage=None, pp_rank=None):
+        stages, stage = stage_of(config, vp_stage, pp_rank)
+        return len(stages[stage])
+
+    return {"get_transformer_layer_offset": get_transformer_layer_offset,
+            "get_num_layers_to_build": get_num_layers_to_build}
+
+
+def _bindings(originals: dict[str, Any]) -> list[tuple[Any, str]]:
+    """Every (loaded megatron module, name) that holds one of ``originals``."""
+    import sys
+
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("megatron."):
+            continue
+        for name, function in originals.items():
+            if getattr(module, name, None) is function:
+                found.append((module, name))
+    return found
+
+
+@contextlib.contextmanager
+def v_layer_offsets(pp: int) -> Iterator[None]:
+    """Inside, Megatron's layer split answers for the V: a chunk (rank ``r``, ``vp_stage`` c) builds the
+    layers of V stage ``r`` (c = 0) or ``2p-1-r`` (c = 1), as :func:`v_stage_layers` gives them; tied
+    embeddings are set up on rank 0 without the embedding group (module docstring). Needed while building and while taking
+    ``sharded_state_dict`` (distributed checkpointing recomputes the offsets); :func:`v_model_provider` does
+    both."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    if _ORIGINALS:  # nested (a provider building inside get_model's wrapper)
+        yield
+        return
+    for module_name, name in _LAYER_FUNCTIONS:
+        with contextlib.suppress(ImportError):
+            _ORIGINALS[name] = getattr(importlib.import_module(module_name), name)
+    bound = _bindings(_ORIGINALS)
+    replacements = _v_layer_functions(pp)
     setup = LanguageModule.setup_embeddings_and_output_layer
-    for module in modules:
-        module.get_transformer_layer_offset = get_transformer_layer_offset
+    for module, name in bound:
+        setattr(module, name, replacements[name])
     LanguageModule.setup_embeddings_and_output_layer = _setup_tied_embeddings_locally(setup)
     try:
         yield
     finally:
-        for module in modules:
-            module.get_transformer_layer_offset = original
+        for module, name in bound:
+            setattr(module, name, _ORIGINALS[name])
+        _ORIGINALS.clear()
         LanguageModule.setup_embeddings_and_output_layer = setup
+
+
+def v_model_provider(model_provider: Callable[..., Any], pp: int, rank: int) -> Callable[..., Any]:
+    """Megatron's ``model_provider`` (as ``megatron.training``'s ``get_model`` calls it, once per
+    ``vp_stage``) turned into one that builds the V: Megatron's ``pre_process``/``post_process`` are
+    replaced by the V stage's (:func:`v_stage_flags`), the chunk is built inside :func:`v_layer_offsets`,
+    and its ``sharded_state_dict`` runs inside it too, so a distributed checkpoint names each layer by its
+    global number whatever the schedule. What :func:`~primuspipe.backends.megatron.install.install` hands
+    ``get_model`` for V tables; the user's provider is unchanged."""
+
+    def provider(*args: Any, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                 **kwargs: Any) -> Any:
+        if vp_stage not in (0, 1):
+            raise ConfigError(f"the V placement builds two chunks per rank (vp_stage 0 and 1), got vp_stage={vp_stage!r}; "
+                              "set virtual_pipeline_model_parallel_size=2")
+        pre_process, post_process = v_stage_flags(pp, rank, vp_stage)
+        with v_layer_offsets(pp):
+            chunk = model_provider(*args, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                                   **kwargs)
+        sharded_state_dict = chunk.sharded_state_dict
+
+        def v_sharded_state_dict(*a: Any, **k: Any) -> Any:
+            with v_layer_offsets(pp):
+                return sharded_state_dict(*a, **k)
+
+        chunk.sharded_state_dict = v_sharded_state_dict
+        return chunk
+
+    return provider
 
 
 def _shared_weight(chunk: Any) -> Any:

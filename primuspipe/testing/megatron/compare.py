@@ -10,6 +10,7 @@ Call inside an initialised process (``parallel_state`` set up, e.g. by
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +38,17 @@ class StepSpec:
     placement: str = "interleaved"
     """How chunks map to stages: ``"interleaved"`` (Megatron's) or ``"v"`` (V-shape tables, vpp=2); see
     :func:`placement_of` for a table's."""
+    ddp_overrides: Mapping[str, Any] = field(default_factory=dict)
+    """Megatron ``DistributedDataParallelConfig`` fields, e.g. ``overlap_grad_reduce``,
+    ``use_distributed_optimizer``, ``overlap_param_gather``, ``bucket_size``; the distributed optimizer
+    is then the optimizer too."""
+    optimizer: str = "sgd"
+    """Megatron's ``OptimizerConfig.optimizer``: ``"sgd"`` (no momentum) or ``"adam"``."""
+    clip_grad: float = 0.0
+    """Megatron's ``OptimizerConfig.clip_grad`` (global gradient-norm clipping; 0 = off)."""
+    align_grad_reduce: bool = True
+    """Megatron-LM's ``--align-grad-reduce`` (its default): under ``overlap_grad_reduce`` the schedule gets
+    each chunk's ``start_grad_sync`` as ``grad_sync_func``; ``False`` leaves the start to DDP's hooks."""
 
 
 @dataclass
@@ -70,24 +82,67 @@ def build(spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None)
     from megatron.core import parallel_state
 
     parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
-    ep = parallel_state.get_expert_model_parallel_world_size() if spec.model.num_moe_experts else 1
+    overrides = dict(spec.config_overrides)
+    ep = 1
+    if spec.model.num_moe_experts:
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        overrides.setdefault("expert_tensor_parallel_size", parallel_state.get_expert_tensor_parallel_world_size())
     config = tiny_models.transformer_config(spec.model, pp, vpp, tp=parallel_state.get_tensor_model_parallel_world_size(),
-                                            ep=ep, **dict(spec.config_overrides))
+                                            ep=ep, placement=spec.placement, **overrides)
     chunks = tiny_models.build_model_chunks(spec.model, config, seed=spec.seed, placement=spec.placement)
     if device is not None:
         chunks = [c.to(device) for c in chunks]
+    modules = chunks
+    if config.bf16 or config.fp16:  # as megatron.training's get_model: 16-bit parameters, fp32 at the ends
+        from megatron.core.transformer.module import Float16Module
+
+        modules = [Float16Module(config, c) for c in chunks]
     if not spec.ddp:
-        return config, chunks, chunks
+        return config, chunks, modules
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
-    wrapped = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
-    config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    ddp_config = DistributedDataParallelConfig(**{"grad_reduce_in_fp32": False, "overlap_grad_reduce": False,
+                                                  "use_distributed_optimizer": False, **spec.ddp_overrides})
+    wrapped = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(modules)]
+    wire_ddp(config, wrapped, spec.align_grad_reduce)
     for m in wrapped:
         m.zero_grad_buffer()
     return config, chunks, wrapped
+
+
+def wire_ddp(config, wrapped: list, align_grad_reduce: bool = True) -> None:
+    """Set Megatron's schedule hooks on ``config`` for DDP-wrapped chunks as ``megatron.training``'s
+    ``setup_model_and_optimizer``/``train`` do (with its default ``align_param_gather``): ``no_sync_func``; ``grad_sync_func`` under ``overlap_grad_reduce``;
+    ``param_sync_func`` under ``overlap_param_gather``; ``finalize_model_grads``."""
+    from megatron.core.distributed import finalize_model_grads
+
+    def per_chunk(funcs):
+        return funcs if len(funcs) > 1 else funcs[0]
+
+    ddp = wrapped[0].ddp_config
+    config.no_sync_func = per_chunk([m.no_sync for m in wrapped])
+    aligned = ddp.overlap_grad_reduce and align_grad_reduce
+    config.grad_sync_func = per_chunk([m.start_grad_sync for m in wrapped]) if aligned else None
+    config.param_sync_func = per_chunk([m.start_param_sync for m in wrapped]) if ddp.overlap_param_gather else None
+    config.finalize_model_grads_func = finalize_model_grads
+
+
+def _config_of(model: list):
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(model[0])
+
+
+def make_optimizer(spec: StepSpec, model: list):
+    """Megatron's optimizer for ``spec`` (SGD without momentum or Adam, ``clip_grad``, fp32 main parameters,
+    bf16 ones where the model's config says so; distributed when the DDP config says so)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    distributed = bool(spec.ddp_overrides.get("use_distributed_optimizer", False))
+    return get_megatron_optimizer(
+        OptimizerConfig(optimizer=spec.optimizer, lr=spec.lr, weight_decay=0.0, clip_grad=spec.clip_grad, sgd_momentum=0.0,
+                        params_dtype=torch.float32, use_distributed_optimizer=distributed,
+                        bf16=bool(getattr(_config_of(model), "bf16", False))), model)
 
 
 def batches(spec: StepSpec, device: torch.device | None = None):
@@ -149,11 +204,7 @@ def run_step(schedule: Callable, spec: StepSpec, pp: int, vpp: int, device: torc
     losses, elapsed = call_schedule(schedule, spec, model, device)
     grads = param_grads(chunks, spec.ddp)
     if spec.optimizer_step:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        opt_config = OptimizerConfig(optimizer="sgd", lr=spec.lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
-                                     params_dtype=torch.float32)
-        get_megatron_optimizer(opt_config, model).step()
+        make_optimizer(spec, model).step()
     params = {tiny_models.global_param_name(c, n): p.detach().clone() for c in chunks for n, p in c.named_parameters()}
     return StepResult([_detach(loss) for loss in losses], grads, params, elapsed)
 
@@ -186,3 +237,101 @@ def merge_ranks(parts: Iterable[Mapping[str, T]]) -> dict[str, T]:
             assert name not in merged, f"{name} held by two pipeline ranks"
             merged[name] = value
     return merged
+
+
+@dataclass
+class TrainResult:
+    losses: list[list]
+    """Per iteration, the forward-backward function's loss dicts (``[]`` off the loss rank)."""
+    grads: list[dict[str, torch.Tensor | None]]
+    """Per iteration, :func:`param_grads` by shard name after the forward-backward call (the
+    reduced gradients: under the distributed optimizer only this rank's shard of each bucket is reduced)."""
+    params: dict[str, torch.Tensor]
+    """Shard name -> parameter after the last step, all-gathered where the distributed optimizer left
+    the gather to the next forward (``overlap_param_gather``)."""
+    step_times: list[float]
+    start: int = 0
+    """The first iteration run (a loaded checkpoint's)."""
+
+
+def train(schedule: Callable, spec_for: Callable[[int], StepSpec], pp: int, vpp: int, iterations: int,
+          device: torch.device | None = None, model=None, load: str | None = None,
+          save: str | None = None) -> TrainResult:
+    """Training steps up to iteration ``iterations`` as Megatron's loop takes them: zero the grad buffers
+    and the optimizer, the forward-backward call, the optimizer step. Iteration ``i`` draws
+    ``spec_for(i)``'s data; the model (``spec_for(0)``'s, or ``model`` = what :func:`build` returned)
+    and the optimizer are built once. ``load``: start from that checkpoint (:func:`load_checkpoint`, any
+    schedule saved it) at its iteration; ``save``: save one there after the last step."""
+    spec = spec_for(0)
+    config, chunks, wrapped = model if model is not None else build(spec, pp, vpp, device)
+    optimizer = make_optimizer(spec, wrapped)
+    result = TrainResult([], [], {}, [])
+    result.start = load_checkpoint(load, wrapped, optimizer) if load else 0
+    for it in range(result.start, iterations):
+        for m in wrapped:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses, seconds = call_schedule(schedule, spec_for(it), wrapped, device)
+        result.losses.append([_detach(loss) for loss in losses])
+        result.grads.append(param_grads(chunks, ddp=True, shards=True))
+        result.step_times.append(seconds)
+        optimizer.step()
+    if save:
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(save, exist_ok=True)
+        torch.distributed.barrier()
+        save_checkpoint(save, wrapped, optimizer, iterations)
+    if spec.ddp_overrides.get("overlap_param_gather"):
+        for m in wrapped:
+            m.start_param_sync(force_sync=True)
+    result.params = {shard_name(c, n, p): p.detach().clone() for c in chunks for n, p in c.named_parameters()}
+    return result
+
+
+CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
+                       "chained_optim_avoid_prefix": True}
+"""What Megatron-LM's ``--dist-ckpt-optim-fully-reshardable`` passes to ``sharded_state_dict``: the
+distributed optimizer's state is saved per parameter in model space, so any parallel layout (other pp,
+vpp, placement, DP) can load it; the default ``dp_reshardable`` form keeps the pipeline layout."""
+
+
+def _inner(module):
+    """The model inside DDP and Float16Module wrappers (what Megatron-LM's ``unwrap_model`` returns)."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _checkpoint_state(wrapped: list, optimizer, loading: bool) -> dict:
+    """Megatron-LM's ``generate_state_dict`` layout: ``model`` (or ``model0``, ``model1``, ... with several
+    chunks; each the chunk inside its DDP wrapper, as Megatron-LM unwraps it) and ``optimizer``. Tensors are keyed by their global names (layer numbers are global), so the
+    keys do not depend on the schedule."""
+    names = ["model"] if len(wrapped) == 1 else [f"model{i}" for i in range(len(wrapped))]
+    state = {name: _inner(m).sharded_state_dict(metadata=CHECKPOINT_METADATA) for name, m in zip(names, wrapped)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading, metadata=CHECKPOINT_METADATA)
+    return state
+
+
+def save_checkpoint(directory: str, wrapped: list, optimizer, iteration: int) -> None:
+    """Save the model chunks and the optimizer with Megatron's distributed checkpointing (``torch_dist``
+    format) into ``directory`` (created empty by rank 0 beforehand); every rank calls it."""
+    from megatron.core import dist_checkpointing
+
+    state = _checkpoint_state(wrapped, optimizer, loading=False)
+    state["iteration"] = iteration
+    dist_checkpointing.save(state, directory)
+
+
+def load_checkpoint(directory: str, wrapped: list, optimizer) -> int:
+    """Load what :func:`save_checkpoint` wrote -- under any schedule, placement or vpp -- into freshly
+    built ``wrapped`` chunks and their optimizer; returns the saved iteration."""
+    from megatron.core import dist_checkpointing
+
+    template = _checkpoint_state(wrapped, optimizer, loading=True)
+    template["iteration"] = 0
+    state = dist_checkpointing.load(template, directory)
+    names = ["model"] if len(wrapped) == 1 else [f"model{i}" for i in range(len(wrapped))]
+    for name, m in zip(names, wrapped):
+        _inner(m).load_state_dict(state[name], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["iteration"])

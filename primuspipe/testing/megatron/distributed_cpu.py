@@ -2,9 +2,9 @@
 
 Public API
 ----------
-``ParallelLayout(pp, vpp=1, dp=1, tp=1, ep=1)``
-    Frozen dataclass; ``world_size = pp * tp * dp``; expert parallelism is carved out of ``tp * dp``
-    (expert tensor parallelism 1). Invalid sizes raise :class:`ConfigError`.
+``ParallelLayout(pp, vpp=1, dp=1, tp=1, ep=1, etp=1)``
+    Frozen dataclass; ``world_size = pp * tp * dp``; expert parallelism (``ep`` x expert tensor
+    parallelism ``etp``) is carved out of ``tp * dp``. Invalid sizes raise :class:`ConfigError`.
 ``WorkerContext``
     What the function receives in each process: ``rank``, ``world_size``, ``layout``, ``pp_rank``,
     ``dp_rank``, ``tp_rank``, ``ep_rank``, ``seed``.
@@ -17,8 +17,9 @@ Public API
     From :mod:`primuspipe.testing.gloo`, which starts the processes and joins them with gloo.
 
 Inside each worker, before ``fn``: what :func:`primuspipe.testing.gloo.run_gloo` does (one thread, a
-gloo group on a private ``FileStore``), then :func:`enable_cpu_mode`, ``initialize_model_parallel(tp,
-pp, vpp, ep)`` and :func:`cpu_rng_seed`. After ``fn``, in every case: ``destroy_model_parallel`` and
+gloo group on a private ``FileStore``), then :func:`enable_cpu_mode`, a thread queue for Megatron's
+checkpoint writer (:func:`_checkpoint_writes_in_threads`), ``initialize_model_parallel(tp, pp, vpp,
+ep, etp)`` and :func:`cpu_rng_seed`. After ``fn``, in every case: ``destroy_model_parallel`` and
 ``destroy_process_group``.
 
 Why fork
@@ -57,17 +58,19 @@ class ParallelLayout:
     tp: int = 1
     """Tensor-parallel size."""
     ep: int = 1
-    """Expert-parallel size (MoE); must divide ``tp * dp`` (experts are not tensor-parallel here)."""
+    """Expert-parallel size (MoE)."""
+    etp: int = 1
+    """Expert tensor-parallel size; ``ep * etp`` must divide ``tp * dp``."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "vpp", "dp", "tp", "ep"):
+        for name in ("pp", "vpp", "dp", "tp", "ep", "etp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError("vpp > 1 needs pp > 1 (Megatron has no interleaving without pipelining)")
-        if (self.tp * self.dp) % self.ep:
-            raise ConfigError(f"ep={self.ep} must divide tp*dp={self.tp * self.dp} (expert tensor parallelism is 1)")
+        if (self.tp * self.dp) % (self.ep * self.etp):
+            raise ConfigError(f"ep*etp={self.ep * self.etp} must divide tp*dp={self.tp * self.dp}")
 
     @property
     def world_size(self) -> int:
@@ -88,10 +91,24 @@ class WorkerContext:
     seed: int
 
 
+def _checkpoint_writes_in_threads() -> None:
+    """Megatron's distributed-checkpoint writer collects its writer threads' results in a queue it gets
+    from a ``multiprocessing`` manager process -- made for asynchronous saves, and one a worker here
+    cannot start (workers are daemonic processes). A synchronous save's writers are threads of this
+    process, so a thread queue serves; asynchronous saves are not run in these workers."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def _megatron_rank(fn: Callable[[WorkerContext], Any], layout: ParallelLayout, seed: int, rank: int,
                    world_size: int) -> Any:
     """Inside one gloo rank: CPU mode, Megatron's parallel state and RNG around ``fn``."""
     enable_cpu_mode()
+    _checkpoint_writes_in_threads()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
@@ -99,7 +116,7 @@ def _megatron_rank(fn: Callable[[WorkerContext], Any], layout: ParallelLayout, s
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=1,
+        expert_tensor_parallel_size=layout.etp,
     )
     try:
         cpu_rng_seed(seed)

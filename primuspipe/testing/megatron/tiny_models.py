@@ -79,17 +79,29 @@ def get_tiny_model(name: str) -> TinyModelConfig:
         raise ConfigError(f"unknown tiny model {name!r}; known: {sorted(TINY_MODELS)}") from None
 
 
-def transformer_config(model: TinyModelConfig, pp: int, vpp: int = 1, tp: int = 1, ep: int = 1, **overrides):
+def transformer_config(model: TinyModelConfig, pp: int, vpp: int = 1, tp: int = 1, ep: int = 1,
+                       placement: str = "interleaved", **overrides):
     """Megatron ``TransformerConfig`` that runs on CPU; ``overrides`` go straight to Megatron.
 
     Dropout is 0 and fusions are off so pp=1 and pp=P runs take the same arithmetic path.
     ``batch_p2p_comm`` defaults to False: megatron's batched p2p swaps tensors on gloo when both
     pipeline neighbours are one rank (pp=2, vpp=2); see docs/design.md §3.
+
+    ``placement="v"``: Megatron checks the layer split of the ``2p``-stage pipeline the V folds (the V's
+    first and last stage take ``num_layers_in_first/last_pipeline_stage``), not of an interleaved one, whose
+    rules (the first/last count and each middle rank's layers divisible by vpp) do not apply to the V.
     """
     from megatron.core.transformer import TransformerConfig
 
-    uneven = {"num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"} & overrides.keys()
-    if model.num_layers % (pp * vpp) and not uneven:
+    split = {"num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+             "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"}
+    if placement == "v":
+        if vpp != 2:
+            raise ConfigError(f"the V placement has two chunks per rank, got vpp={vpp}")
+        config = transformer_config(model, 2 * pp, 1, tp, ep, **overrides)
+        config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size = pp, 2
+        return config
+    if model.num_layers % (pp * vpp) and not split & overrides.keys():
         raise ConfigError(f"num_layers={model.num_layers} does not split into pp*vpp={pp * vpp} stages; give the first "
                           "and/or last stage its own count (num_layers_in_first/last_pipeline_stage)")
     fields = dict(
@@ -173,13 +185,9 @@ def build_model_chunks(model: TinyModelConfig, config, seed: int = 0,
     starts as the word embedding. ``placement="v"`` (two chunks per rank) builds chunk 1 as stage
     ``2p-1-r`` with :mod:`~primuspipe.backends.megatron.v_placement`.
     """
-    import contextlib
-
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from primuspipe.backends.megatron.v_placement import v_layer_offsets, v_stage_flags
+    from primuspipe.backends.megatron.v_placement import v_model_provider
 
     if placement not in PLACEMENTS:
         raise ConfigError(f"unknown placement {placement!r}; known: {PLACEMENTS}")
@@ -187,35 +195,45 @@ def build_model_chunks(model: TinyModelConfig, config, seed: int = 0,
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if placement == "v" and vpp != 2:
         raise ConfigError(f"the V placement has two chunks per rank; the config has vpp={vpp}")
-    spec = get_gpt_layer_local_spec(num_experts=model.num_moe_experts, moe_grouped_gemm=False)
+    provider = model_provider(model, config)
+    if placement == "v":
+        provider = v_model_provider(provider, pp, parallel_state.get_pipeline_model_parallel_rank())
     chunks = []
     for vp_stage in range(vpp):
         stage = vp_stage if vpp > 1 else None
-        if placement == "v":
-            pre, post = v_stage_flags(pp, parallel_state.get_pipeline_model_parallel_rank(), vp_stage)
-            offsets = v_layer_offsets(pp)
-        else:
-            pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
-            post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-            offsets = contextlib.nullcontext()
-        with offsets:
-            chunk = GPTModel(
-                config=config,
-                transformer_layer_spec=spec,
-                vocab_size=model.vocab_size,
-                max_sequence_length=model.seq_length,
-                pre_process=pre,
-                post_process=post,
-                share_embeddings_and_output_weights=model.tie_embeddings,
-                position_embedding_type="learned_absolute",
-                vp_stage=stage,
-            )
-        for name, param in chunk.named_parameters():
-            # The output layer's tied copy gets the word embedding's values, as Megatron's tying gives it.
-            _fill_(param, _TIED_EMBEDDING if getattr(param, "shared_embedding", False) else global_param_name(chunk, name),
-                   seed)
+        chunk = provider(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                         vp_stage=stage)
+        fill_parameters(chunk, seed)
         chunks.append(chunk)
     return chunks
+
+
+def model_provider(model: TinyModelConfig, config):
+    """A Megatron-LM ``model_provider`` (the keyword signature ``megatron.training``'s ``get_model``
+    calls) building ``model`` as a local-spec ``GPTModel`` with ``config``; a Megatron-LM script's
+    provider, as unaware of primuspipe as one."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    def provide(pre_process=True, post_process=True, vp_stage=None, config_=None, pg_collection=None, **_):
+        spec = get_gpt_layer_local_spec(num_experts=model.num_moe_experts, moe_grouped_gemm=False)
+        mtp = (get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+               if config.mtp_num_layers else None)
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=model.vocab_size,
+                        max_sequence_length=model.seq_length, pre_process=pre_process, post_process=post_process,
+                        share_embeddings_and_output_weights=model.tie_embeddings,
+                        position_embedding_type="learned_absolute", vp_stage=vp_stage, mtp_block_spec=mtp)
+
+    return provide
+
+
+def fill_parameters(chunk: torch.nn.Module, seed: int) -> None:
+    """Give every parameter of ``chunk`` its layout-independent value (``_fill_`` by global name); the
+    output layer's tied copy gets the word embedding's values, as Megatron's tying gives it."""
+    for name, param in chunk.named_parameters():
+        _fill_(param, _TIED_EMBEDDING if getattr(param, "shared_embedding", False) else global_param_name(chunk, name),
+               seed)
 
 
 def synthetic_batches(
