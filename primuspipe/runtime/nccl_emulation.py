@@ -271,6 +271,18 @@ class EmulatedNCCLGroup(dist.ProcessGroup):
         opts = opts if opts is not None else c10d.BarrierOptions()
         return self._collective("barrier", [], lambda: self._gloo.barrier(opts))
 
+    # NCCL fuses these into one group; gloo has no fused form, so they run one pair after another in one
+    # stream item (the same order on every rank, which is all a collective needs)
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        return self._collective("all_gather_into_tensor_coalesced", outputs, lambda: _Each(
+            [self._gloo._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]))
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        return self._collective("reduce_scatter_tensor_coalesced", outputs, lambda: _Each(
+            [self._gloo._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]))
+
     def shutdown(self) -> None:
         """End the streams and release the gloo group while Python still runs: a gloo group left to the
         interpreter's exit aborts the process when its worker threads drop a request (they need the
@@ -281,6 +293,17 @@ class EmulatedNCCLGroup(dist.ProcessGroup):
 
     def abort(self) -> None:
         self.shutdown()
+
+
+class _Each:
+    """Several gloo requests waited for as one."""
+
+    def __init__(self, works: list):
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
 
 
 def _delegate(name: str, options: Callable[[], Any], arity: int, tensors_at: int) -> Callable:
@@ -299,9 +322,9 @@ for _name, _options, _arity, _tensors_at in (
         ("allreduce", c10d.AllreduceOptions, 1, 0), ("allreduce_coalesced", c10d.AllreduceCoalescedOptions, 1, 0),
         ("broadcast", c10d.BroadcastOptions, 1, 0), ("reduce", c10d.ReduceOptions, 1, 0),
         ("allgather", c10d.AllgatherOptions, 2, 1), ("_allgather_base", c10d.AllgatherOptions, 2, 0),
-        ("allgather_into_tensor_coalesced", c10d.AllgatherOptions, 2, 0),
+
         ("reduce_scatter", c10d.ReduceScatterOptions, 2, 0), ("_reduce_scatter_base", c10d.ReduceScatterOptions, 2, 0),
-        ("reduce_scatter_tensor_coalesced", c10d.ReduceScatterOptions, 2, 0),
+
         ("alltoall_base", c10d.AllToAllOptions, 4, 0), ("gather", c10d.GatherOptions, 2, 1),
         ("scatter", c10d.ScatterOptions, 2, 0)):
     setattr(EmulatedNCCLGroup, _name, _delegate(_name, _options, _arity, _tensors_at))

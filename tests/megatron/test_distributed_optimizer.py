@@ -12,9 +12,11 @@ the last ``W`` of its chunk on that rank, never before, and once per step.
 
 import dataclasses
 import functools
+import os
 import importlib.util
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
               pytest.mark.slow]  # one gloo launch of 4 ranks, ~20 s
@@ -25,6 +27,7 @@ from primuspipe.backends.megatron.config import PrimusPipeConfig  # noqa: E402
 from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward  # noqa: E402
 from primuspipe.testing.megatron import compare, tiny_models  # noqa: E402
 from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo  # noqa: E402
+from primuspipe.runtime import nccl_emulation  # noqa: E402
 
 PP, M, STEPS = 2, 4, 3
 MODEL = dataclasses.replace(tiny_models.TINY_MODELS["tiny-gpt"], num_layers=4, tie_embeddings=True)
@@ -100,8 +103,18 @@ def _worker(ctx) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _run() -> list:
-    return run_on_gloo(_worker, ParallelLayout(PP, dp=2), timeout_s=600)
+def _run(emulation: str | None = None) -> list:
+    """Every rank's results; under ``PRIMUSPIPE_NCCL_EMULATION=emulation`` when given (NCCL's progress
+    rules for every group Megatron makes on the default backend, the DP reduce-scatters included)."""
+    saved = os.environ.pop(nccl_emulation.ENV, None)
+    if emulation is not None:
+        os.environ[nccl_emulation.ENV] = emulation
+    try:
+        return run_on_gloo(_worker, ParallelLayout(PP, dp=2), timeout_s=600)
+    finally:
+        os.environ.pop(nccl_emulation.ENV, None)
+        if saved is not None:
+            os.environ[nccl_emulation.ENV] = saved
 
 
 def _merged(results, key: str, attr: str, step: int | None = None) -> dict:
@@ -114,6 +127,27 @@ def _merged(results, key: str, attr: str, step: int | None = None) -> dict:
 
 RUNS = [pytest.param(a, aligned, id=f"{a}{'' if aligned else '-unaligned'}")
         for a in ALGORITHMS for aligned in ((True, False) if a in UNALIGNED else (True,))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("emulation", nccl_emulation.MODES)
+def test_under_the_nccl_emulator_every_run_is_bitwise_the_gloo_run(emulation):
+    """Overlapped reduce-scatters and param all-gathers on NCCL's streams: nothing hangs, nothing changes."""
+    for gloo, emulated in zip(_run(None), _run(emulation)):
+        for key, want in gloo["runs"].items():
+            got = emulated["runs"][key]
+            for attr in ("losses", "grads", "params"):
+                assert _bitwise(getattr(got, attr), getattr(want, attr)), f"{key}: {attr} under {emulation}"
+
+
+def _bitwise(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_bitwise(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_bitwise(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 @pytest.mark.parametrize("algorithm,aligned", RUNS)
