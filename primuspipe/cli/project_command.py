@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
+from primuspipe.cli import sane
 from primuspipe.cli.options import count_type, number_type, report_console
 from primuspipe.projection.compute import Calibration
 from primuspipe.projection.framework import ConfigError
@@ -116,8 +116,13 @@ def cmd_project(args: argparse.Namespace) -> int:
         calibration = calibration_from_cost_file(args.measured_costs, model, training, hardware)
     projector = Projector(model, hardware, calibration, args.risk_margin)
     results, refusals = project(projector, training, algorithms=args.algorithm, search=args.search)
+    cause = (f"--measured-costs {args.measured_costs} does not describe this model and training configuration "
+             "(its times are faster than the hardware can be); calibrate a run of this model"
+             if args.measured_costs is not None else "the model's sizes or the hardware's figures are implausible")
+    for result in results:
+        sane.check(result.row(), f"the projection of {result.algorithm}", cause)
     if args.json:
-        print(json.dumps(report_dict(projector, training, results, refusals), indent=1))
+        print(sane.json_text(report_dict(projector, training, results, refusals)))
     else:
         print_report(report_console(), projector, training, results, refusals, top=args.top)
     return 0 if results else 1

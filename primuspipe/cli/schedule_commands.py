@@ -14,14 +14,14 @@ from primuspipe.cli.options import (
     add_shape_arguments,
     console,
     number_type,
-    output_file,
     parse_options,
     report_console,
 )
+from primuspipe.cli.outputs import Outputs
 from primuspipe.errors import ConfigError, ScheduleShapeError, TableFormatError, ValidationError
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.passes.offload import offload_activations
-from primuspipe.ir.formats import dump_table, load_table, save_table
+from primuspipe.ir.formats import dump_table, load_table, sidecar_path, table_files
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.activations import W_RETAINED_FRACTION, peak_in_flight
 from primuspipe.passes.validation import validate
@@ -116,13 +116,18 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    output_file(args.output, "-o")
+    outputs = Outputs([args.cost])
+    path = outputs.claim(args.output, "-o")
+    if path is not None and args.format == "csv":
+        outputs.claim(sidecar_path(path), "-o's sidecar")
     table = _build(args)
-    if str(args.output) == "-":
+    if path is None:
         print(dump_table(table, args.format, args.compute_only), end="")
         return 0
-    for path in save_table(table, args.output, args.format, args.compute_only):
-        print(f"wrote {path}", file=sys.stderr)
+    for where, text in table_files(table, path, args.format, args.compute_only).items():
+        outputs.write_text(where, "-o", text)
+    for written in outputs.commit():
+        print(f"wrote {written}", file=sys.stderr)
     return 0
 
 

@@ -19,6 +19,8 @@ from primuspipe.cli.options import (
     parse_options,
     report_console,
 )
+from primuspipe.cli import sane
+from primuspipe.cli.outputs import Outputs
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.algorithms.build import build_schedule, check_options
 from primuspipe.ir.kinds import NodeKind
@@ -106,8 +108,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    if args.output_dir is not None:
-        output_dir(args.output_dir, "-o")
     spec = _cost_spec(args)
     plan_spec = None if args.plan_cost in (None, "unit") else read_cost_file(args.plan_cost)
     options = parse_options(args.option)
@@ -115,6 +115,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         names = [info.name for info in list_algorithms()]
     else:
         names = [get_algorithm(args.algorithm).name]
+    outputs = Outputs([args.cost, None if args.plan_cost == "unit" else args.plan_cost])
+    if args.output_dir is not None:
+        output_dir(args.output_dir, "-o")
+        for name in names:
+            for suffix in ("timeline", "trace"):
+                outputs.claim(args.output_dir / f"{name}.{suffix}.json", "-o")
     rows, results = [], {}
     for name in names:
         row, result = _evaluate(name, args, spec, plan_spec, options)
@@ -129,10 +135,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.output_dir is not None:
         for name, result in results.items():
             timeline = result.timeline()
-            timeline.save(args.output_dir / f"{name}.timeline.json")
-            write_chrome_trace(args.output_dir / f"{name}.trace.json", timeline, result.table.placement)
+            outputs.write(args.output_dir / f"{name}.timeline.json", "-o", timeline.save)
+            outputs.write(args.output_dir / f"{name}.trace.json", "-o",
+                          lambda tmp, t=timeline, p=result.table.placement: write_chrome_trace(tmp, t, p))
+        outputs.commit()
     if args.json:
-        print(json.dumps({"results": rows}, indent=1))
+        print(sane.json_text({"results": rows}))
     else:
         _print_table(rows, args)
     return 0 if results else 1
@@ -185,7 +193,6 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, plan_spec: dict |
             options = check_options(name, options)
             request = ScheduleRequest(args.pp, vpp, args.microbatches, plan, args.memory_limit)
             table, report = zb_auto_search(request, **options)
-            row["search"] = asdict(report)
         else:
             table = build_schedule(name, args.pp, args.microbatches, vpp, cost=plan, memory_limit=args.memory_limit,
                                    **options)
@@ -193,8 +200,15 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, plan_spec: dict |
         if args.offload:
             table = offload_activations(table, cost, memory_limit=args.memory_limit)
         result = simulate(table, cost)
+        figures = {"step_time": result.step_time, "bubble_rate": result.bubble_rate,
+                   "bubble_rate_mean": result.bubble_rate_mean, "bubble_rate_span": result.span_bubble_rate,
+                   "peak_memory_bytes": max(result.peak_memory_bytes)}
+        sane.check(figures, name, "the costs are too large for a step's sum to be a number; give smaller "
+                                  "times (or another --cost time_unit)")
     except PrimusPipeError as exc:
         return {**row, "error": str(exc)}, None
+    if name == "zb-auto":
+        row["search"] = sane.check(asdict(report), name)
     peak = max(result.peak_activations)
     row.update(
         vpp=table.vpp, placement=table.placement.name,

@@ -292,15 +292,23 @@ def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
 def save_table(table: ScheduleTable, path: str | Path, fmt: str | None = None, compute_only: bool = False) -> list[Path]:
     """Write ``table`` to ``path`` as ``fmt`` (``"json"`` or ``"csv"``; default: by the suffix), a CSV
     with its sidecar; returns the files written."""
+    files = table_files(table, path, fmt, compute_only)
+    for where, text in files.items():
+        write_atomically(where, text)
+    return list(files)
+
+
+def table_files(table: ScheduleTable, path: str | Path, fmt: str | None = None,
+                compute_only: bool = False) -> dict[Path, str]:
+    """What :func:`save_table` writes: path -> text (a CSV's sidecar beside it)."""
     path = Path(path)
     fmt = fmt or ("csv" if path.suffix.lower() == ".csv" else "json")
-    write_atomically(path, dump_table(table, fmt, compute_only))
-    if fmt != "csv":
-        return [path]
-    meta = {**envelope(_SIDECAR_FORMAT, _SIDECAR_VERSION), "algorithm": table.algorithm,
-            "microbatches": table.microbatches, "pp": table.pp, "vpp": table.vpp}
-    write_atomically(sidecar_path(path), json.dumps(meta, indent=1))
-    return [path, sidecar_path(path)]
+    files = {path: dump_table(table, fmt, compute_only)}
+    if fmt == "csv":
+        meta = {**envelope(_SIDECAR_FORMAT, _SIDECAR_VERSION), "algorithm": table.algorithm,
+                "microbatches": table.microbatches, "pp": table.pp, "vpp": table.vpp}
+        files[sidecar_path(path)] = json.dumps(meta, indent=1)
+    return files
 
 
 def _read_sidecar(path: Path) -> dict:
