@@ -19,6 +19,7 @@ from primuspipe.cli.options import (
 )
 from primuspipe.cli.outputs import Outputs
 from primuspipe.errors import ConfigError, ScheduleShapeError, TableFormatError, ValidationError
+from primuspipe.ir import strict
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.passes.offload import offload_activations
 from primuspipe.ir.formats import dump_table, load_table, sidecar_path, table_files
@@ -139,7 +140,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if not table.has_communication:
             validate(add_communication(table), max_in_flight=args.max_in_flight, retained=args.w_retained)
     except (ValidationError, TableFormatError, ScheduleShapeError) as exc:
-        out.print(f"INVALID {args.file}: {exc}", markup=False)
+        out.print(strict.printable(f"INVALID {args.file}: {exc}"), markup=False)
         return 1
     kind = "full" if table.has_communication else "compute-only"
     out.print(f"valid: {args.file} ({kind} table, {table.algorithm}, pp={table.pp} vpp={table.vpp} "

@@ -194,6 +194,12 @@ def of_type(value: Any, annotation: Any, name: str, *, error: Error = ConfigErro
     raise error(f"{name} must be {' or '.join(simple[t] for t in allowed)}, got {show(value)}")
 
 
+def printable(text: str) -> str:
+    """``text`` with every control or other unprintable character escaped (``\\x1b``), so a message that
+    quotes a file's or the user's text never drives the terminal it is printed on."""
+    return "".join(ch if ch.isprintable() or ch == "\n" else ascii(ch)[1:-1] for ch in text)
+
+
 def show(value: Any) -> str:
     text = "null" if value is None else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
