@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_offload_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--offload", type=float, metavar="MICROBATCHES",
+    p.add_argument("--offload", type=number_type(minimum=None, above=0), metavar="MICROBATCHES",
                    help="run the offload pass: OFFLOAD/RELOAD nodes bring every rank's activations under this many "
                         "1F1B-stage microbatches (docs/offload.md)")
     p.add_argument("--cost", type=Path, metavar="FILE",

@@ -162,9 +162,15 @@ def _cost_spec(args: argparse.Namespace) -> dict[str, Any]:
     if args.offload and args.memory_limit is None:
         raise ConfigError("--offload brings tables under --memory-limit; give the limit (1F1B-stage microbatches)")
     if args.host_link is not None:
+        if not args.offload:
+            raise ConfigError("--host-link is the link --offload copies over; add --offload (and --memory-limit), or "
+                              "drop --host-link")
         link = args.host_link if isinstance(args.host_link, list) else [args.host_link]
         if len(link) != 2:
             raise ConfigError(f"--host-link takes LATENCY,BANDWIDTH, got {args.host_link}")
+        if link[1] <= 0:
+            raise ConfigError(f"--host-link {link[0]:g},{link[1]:g}: the bandwidth (bytes per time unit) must be > 0; "
+                              "leave --host-link out for a free link")
         spec = {**spec, "host_link": {"latency": link[0], "bandwidth": link[1]}}
     return spec
 
