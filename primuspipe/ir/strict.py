@@ -22,6 +22,7 @@ import difflib
 import json
 import math
 import numbers
+import os
 import re
 import stat
 import types
@@ -210,6 +211,23 @@ def printable(text: str) -> str:
 def show(value: Any) -> str:
     text = "null" if value is None else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def writable_folder(path: str | Path, name: str, *, error: Error = ConfigError) -> Path:
+    """``path`` as a folder files can be written into, created if missing; checked when a setting is
+    given, so a bad one fails then and not after the work whose result it was to hold."""
+    folder = Path(text(str(path) if isinstance(path, Path) else path, name, error=error))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise error(f"{name} {folder}: a file is in the way; give a directory") from None
+    except OSError as exc:
+        raise error(f"{name} {folder}: cannot create it ({exc.strerror or exc}); give a writable directory") from None
+    if not folder.is_dir():
+        raise error(f"{name} {folder} is not a directory; give a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise error(f"{name} {folder}: permission denied; give a writable directory")
+    return folder
 
 
 # -- documents ----------------------------------------------------------------------------------------
