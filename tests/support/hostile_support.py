@@ -27,6 +27,7 @@ import pytest
 
 from primuspipe.cli import main
 from primuspipe.errors import PrimusPipeError
+from primuspipe.ir.timeline import dump_path
 
 HANG_S = 30
 """An input still being handled after this long counts as a hang (every clear refusal takes well under 1 s)."""
@@ -215,3 +216,30 @@ def write_summary(terminalreporter) -> None:
     terminalreporter.write_line(f"hostile inputs: {len(CASES)} ({parts})")
     if path := os.environ.get("HOSTILE_TALLY_JSON"):
         Path(path).write_text(json.dumps({"inputs": len(CASES), **{k: TALLY[k] for k in KINDS}}, indent=1))
+
+
+# -- run dumps as the recorder writes them ------------------------------------------------------------
+PP = 4
+
+
+def _rank_files(run_id="run-a", pp=PP, iteration=0, t0=1000.0):
+    """One iteration's rank dump files, as the recorder writes them: (rank, JSON dict)."""
+    from primuspipe.algorithms.build import build_schedule
+    from primuspipe.ir.cost_model import CostModel
+    from primuspipe.simulator import simulate
+
+    timeline = simulate(build_schedule("1f1b", pp=pp, microbatches=8), CostModel.per_stage(pp, 0.01, 0.01, 0.01)).timeline()
+    data = timeline.to_dict()
+    for r in data["ranks"]:
+        yield r["rank"], {**data, "source": "run", "iteration": iteration, "time_unit": "s", "ranks": [r],
+                          "meta": {"t0_unix": t0 + iteration, "run_id": run_id}}
+
+
+def make_dump(root, iterations=(0, 1), run_id="run-a", pp=PP, ranks=None, t0=1000.0):
+    for i in iterations:
+        for rank, data in _rank_files(run_id, pp, i, t0):
+            if ranks is None or rank in ranks:
+                path = dump_path(root, i, rank)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(data))
+    return root

@@ -31,7 +31,6 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
