@@ -29,7 +29,8 @@ def check(data: Any, where: str, cause: str = "the inputs' numbers are too large
     for path, value in _numbers(data, ""):
         name = path.rsplit(".", 1)[-1].lower()
         if not math.isfinite(value):
-            raise ImpossibleResultError(f"{where}: {path.lstrip('.')} came out as {value}; {cause}")
+            what = "undefined" if math.isnan(value) else "too large for a number"
+            raise ImpossibleResultError(f"{where}: {path.lstrip('.')} came out {what}; {cause}")
         if ("bubble" in name or "mfu" in name) and not -_TOLERANCE <= value <= 1 + _TOLERANCE:
             raise ImpossibleResultError(f"{where}: {path.lstrip('.')} is {value:.4g}, outside [0, 1]; {cause}")
     return data

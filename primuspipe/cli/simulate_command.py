@@ -171,7 +171,22 @@ def _cost_spec(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"--host-link {link[0]:g},{link[1]:g}: the bandwidth (bytes per time unit) must be > 0; "
                               "leave --host-link out for a free link")
         spec = {**spec, "host_link": {"latency": link[0], "bandwidth": link[1]}}
+    # the costs as given, checked once before any algorithm is built (each then cuts them to its vpp)
+    source = _cost_source(args)
+    lengths = [len(v) for v in (spec.get("compute") or {}).values() if isinstance(v, list) and len(v) % args.pp == 0]
+    try:
+        CostModel.from_dict(spec, pp=args.pp, vpp=args.vpp or max([1, *(n // args.pp for n in lengths)]), source=source)
+    except ConfigError as exc:
+        raise ConfigError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from None
     return spec
+
+
+def _cost_source(args: argparse.Namespace) -> str:
+    """What error messages call the costs: the file, or the flags that gave them."""
+    if args.cost is not None:
+        return str(args.cost)
+    flags = [f"--{k.replace('_', '-')}" for k in ("f", "b", "w", "bw", "p2p", "host_link") if getattr(args, k) is not None]
+    return f"the costs of {'/'.join(flags)}" if flags else "the default costs"
 
 
 def _plan_cost(args: argparse.Namespace, plan_spec: dict | None, vpp: int, cost: CostModel) -> CostModel | None:
@@ -192,7 +207,7 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, plan_spec: dict |
     try:
         check_shape(args.pp, vpp or 2, args.microbatches)
         cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp or 1,
-                                   source=str(args.cost) if args.cost else "--f/--b/--w/--bw")
+                                   source=_cost_source(args))
         plan = _plan_cost(args, plan_spec, vpp or 1, cost)
         if name == "zb-auto":  # the search's report is shown beside its table
             options = check_options(name, options)
