@@ -46,6 +46,8 @@ _KIND_OF = {v: k for k, v in PRIMUS_TYPES.items()}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RANK_LINE = re.compile(r"Rank\s+([0-9]+)\s*:(.*)$", re.ASCII)
 _TOKEN = re.compile(r"(\[)?\((\w+)\|([0-9]{1,9})\|([0-9]{1,9})\)(\])?", re.ASCII)
+_NODE_LIKE = re.compile(r"\([^()|]*\|[^()|]*\|[^()]*\)")
+_LOOKS_LIKE_NODE = re.compile(rf"{_NODE_LIKE.pattern}|Rank\s*\S*\s*:")
 _BETWEEN = re.compile(r"[\s,]*")
 _HEADER = re.compile(r"^#\s*primuspipe:(.*)$")
 _HEADER_KEYS = {"algorithm", "pp", "vpp", "microbatches", "placement"}
@@ -85,7 +87,10 @@ def from_primus_table(text: str, placement: str | None = None, algorithm: str | 
         if (m := _HEADER.match(line.strip())) is not None:
             header = _header(m[1], line_no)
             continue
-        if (m := _RANK_LINE.search(line)) is None:
+        if (m := _RANK_LINE.search(line)) is None or _NODE_LIKE.search(line, 0, m.start()):
+            if _LOOKS_LIKE_NODE.search(line):  # nodes outside a 'Rank <r>:' line: a rank line mistyped
+                raise TableFormatError(f"line {line_no}: {strict.show(line.strip())} holds nodes but is no "
+                                       "'Rank <r>: (F|0|0),...' line (rank numbers in ASCII digits)")
             continue
         rank = int(m[1])
         if rank in rows:
