@@ -139,6 +139,9 @@ class TorchPipeline:
         m = self.table.microbatches
         split_inputs = _split(inputs, m, "inputs") if self.has_first_stage else None
         targets = _split((target,), m, "target") if self.has_last_stage and target is not None else None
+        if split_inputs is not None and targets is not None and len(inputs[0]) != len(target):
+            raise ConfigError(f"the inputs have a batch of {len(inputs[0])} but the target {len(target)}; each "
+                              "microbatch's target is the same rows of the batch as its inputs")
         if self.meta is None:
             self.meta = infer_stage_meta(self.modules, self.table.placement, self.rank,
                                          split_inputs[0] if split_inputs else None, self.group, self.device)
