@@ -38,12 +38,14 @@ class Outputs:
         self._writers: list[tuple[str, Path, Writer]] = []
         self._stdout: str | None = None
 
-    def claim(self, path: Path | str | None, flag: str) -> Path | None:
-        """Check ``path`` as the output of ``flag`` (None: not asked for; ``-``: standard output) and
-        reserve it; returns it (None for standard output or nothing)."""
+    def claim(self, path: Path | str | None, flag: str, *, stdout: bool = True) -> Path | None:
+        """Check ``path`` as the output of ``flag`` (None: not asked for; ``-``: standard output, where
+        ``stdout`` allows it) and reserve it; returns it (None for standard output or nothing)."""
         if path is None:
             return None
         if str(path) == STDOUT:
+            if not stdout:
+                raise ConfigError(f"{flag} - means standard output, which {flag} cannot write to; give a file name")
             if self._stdout is not None:
                 raise ConfigError(f"{flag} - and {self._stdout} - both write to standard output; give one of them a file")
             self._stdout = flag

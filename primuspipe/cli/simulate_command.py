@@ -116,6 +116,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         names = [get_algorithm(args.algorithm).name]
     outputs = Outputs([args.cost, None if args.plan_cost == "unit" else args.plan_cost])
     if args.output_dir is not None:
+        if str(args.output_dir) == "-":
+            raise ConfigError("-o - means standard output, but simulate -o writes a directory of files; give a "
+                              "directory (use --json for the results on standard output)")
         output_dir(args.output_dir, "-o")
         for name in names:
             for suffix in ("timeline", "trace"):

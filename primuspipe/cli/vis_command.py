@@ -100,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("input", metavar="DUMP_DIR", type=Path,
                    help="a run's dump directory or a Primus dump folder (all its iterations are used), or one "
                         "timeline JSON file")
-    c.add_argument("-o", "--output", type=Path, metavar="FILE", help="where to write the cost YAML (default: stdout)")
+    c.add_argument("-o", "--output", type=Path, metavar="FILE", help="where to write the cost YAML ('-' or none: stdout)")
     c.add_argument("--warmup", type=count_type(minimum=0), default=1, metavar="N",
                    help="leading iterations to skip as warm-up (default 1; all are used if no more remain)")
     c.add_argument("--per-model-stage", action="store_true",
@@ -120,7 +120,7 @@ def _add_placement_argument(parser: argparse.ArgumentParser) -> None:
 
 def cmd_vis(args: argparse.Namespace) -> int:
     outputs = Outputs([args.input, args.compare, args.cost])
-    paths = {flag: outputs.claim(getattr(args, flag), f"--{flag}") for flag in ("png", "html", "trace")}
+    paths = {flag: outputs.claim(getattr(args, flag), f"--{flag}", stdout=False) for flag in ("png", "html", "trace")}
     sim_trace = None
     if paths["trace"] is not None and (args.compare is not None or args.cost is not None):
         sim_trace = outputs.claim(paths["trace"].with_name(f"{paths['trace'].stem}.sim{paths['trace'].suffix}"),
