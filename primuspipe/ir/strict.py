@@ -214,19 +214,20 @@ def show(value: Any) -> str:
 
 
 def writable_folder(path: str | Path, name: str, *, error: Error = ConfigError) -> Path:
-    """``path`` as a folder files can be written into, created if missing; checked when a setting is
-    given, so a bad one fails then and not after the work whose result it was to hold."""
+    """``path`` as a folder files can be written into, created if missing; checked when a setting or an
+    output is given, so a bad one fails then and not after the work whose result it was to hold.
+    ``name`` says what the folder is for in messages (``"dump_dir /x"``)."""
     folder = Path(text(str(path) if isinstance(path, Path) else path, name, error=error))
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise error(f"{name} {folder}: a file is in the way; give a directory") from None
+        raise error(f"cannot create {name}: a file is in the way of the folder {folder}") from None
     except OSError as exc:
-        raise error(f"{name} {folder}: cannot create it ({exc.strerror or exc}); give a writable directory") from None
+        raise error(f"cannot create {name}: {exc.strerror or exc}; give a writable directory") from None
     if not folder.is_dir():
-        raise error(f"{name} {folder} is not a directory; give a directory")
+        raise error(f"cannot create {name}: a file is in the way of the folder {folder}")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise error(f"{name} {folder}: permission denied; give a writable directory")
+        raise error(f"cannot write into {name}: permission denied; give a writable directory")
     return folder
 
 

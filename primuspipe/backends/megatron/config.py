@@ -192,7 +192,7 @@ class PrimusPipeConfig:
         if isinstance(cost := self.algorithm_options.get("cost"), Mapping):
             _check_cost_mapping(cost)
         if self.dump_pp_data:
-            strict.writable_folder(self.dump_dir, "dump_dir")
+            strict.writable_folder(self.dump_dir, f"dump_dir {self.dump_dir}")
 
     def algorithms(self) -> tuple[str, ...]:
         """The algorithms this config may run: the named one, or both of ``auto``'s (options given with

@@ -195,7 +195,7 @@ def _check_arguments(table: Any, stages: Any, loss_fn: Any, watchdog_timeout_s: 
         raise ConfigError(f"loss_fn must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
     strict.number(watchdog_timeout_s, "watchdog_timeout_s", above=0)
     if dump_dir is not None:
-        strict.writable_folder(dump_dir, "dump_dir")
+        strict.writable_folder(dump_dir, f"dump_dir {dump_dir}")
 
 
 def _split(values: Sequence[Any], m: int, what: str) -> list[tuple[torch.Tensor, ...]]:
