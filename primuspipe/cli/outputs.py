@@ -52,6 +52,9 @@ class Outputs:
             return None
         path = Path(path)
         output_file(path, flag)
+        if path.exists() and not path.is_file():  # a device or a pipe: renaming over it would replace it
+            raise ConfigError(f"{flag} {path} exists and is not a regular file (a device, pipe or socket); give a file "
+                              "name (or - for standard output where the command writes one)")
         for source in self.inputs:
             if _same(path, source) or source.is_dir() and _inside(path, source):
                 where = "is" if _same(path, source) else "lies inside"

@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "analytical times by what they measure (needs torch and megatron-core)")
     how.add_argument("--measured-costs", type=Path, metavar="FILE",
                      help="a 'primuspipe calibrate' cost file of a run of this model under this training configuration")
-    calibration.add_argument("--benchmark-ranks", type=count_type(), default=1, metavar="N",
+    calibration.add_argument("--benchmark-ranks", type=count_type(), metavar="N",
                              help="CPU only: the run puts N single-threaded ranks on this host; beyond its core count they "
                                   "time-share cores and the benchmark's times scale by N / cores (default 1)")
     out = p.add_argument_group("output")
@@ -96,6 +96,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_project(args: argparse.Namespace) -> int:
+    if args.benchmark_ranks is not None and not args.benchmark_layers:
+        raise ConfigError("--benchmark-ranks says how many ranks share the host --benchmark-layers times layers on; "
+                          "add --benchmark-layers, or drop --benchmark-ranks")
     model, training = _inputs(args)
     hardware = load_hardware(args.hardware)
     if not 0 <= args.risk_margin < 1:
@@ -111,7 +114,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     if args.benchmark_layers:
         from primuspipe.projection.benchmark.layers import benchmark_calibration  # torch and megatron: only when asked
 
-        calibration = benchmark_calibration(model, training, hardware, host_ranks=args.benchmark_ranks)
+        calibration = benchmark_calibration(model, training, hardware, host_ranks=args.benchmark_ranks or 1)
     elif args.measured_costs is not None:
         calibration = calibration_from_cost_file(args.measured_costs, model, training, hardware)
     projector = Projector(model, hardware, calibration, args.risk_margin)

@@ -41,13 +41,6 @@ def json_text(data: Any, where: str = "the result") -> str:
     return json.dumps(check(data, where), indent=1, allow_nan=False)
 
 
-def check_timeline_figures(stats: Any, where: str) -> None:
-    """The figures ``vis`` prints for a timeline (:class:`~primuspipe.tools.pp_vis.TimelineStats`)."""
-    check({"step_time": stats.step_time, "bubble_rate": stats.bubble_rate, "bubble_rate_mean": stats.bubble_rate_mean,
-           "bubble_rates": list(stats.bubble_rates), "kind_means": dict(stats.kind_means)}, where,
-          "its times are too large or contradict each other")
-
-
 def _numbers(data: Any, path: str):
     if isinstance(data, bool) or data is None:
         return

@@ -60,9 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-in-flight", type=number_type(minimum=0), default=None, metavar="MICROBATCHES",
                    help="also bound activations held per rank (1F1B-stage microbatch units, each counted from its F "
                         "until its W, as simulate's peak and --memory-limit count them)")
-    p.add_argument("--w-retained", type=number_type(minimum=0, maximum=1), default=W_RETAINED_FRACTION,
-                   metavar="SHARE", help="share of a microbatch's activations its B keeps for its W (default 32/34, "
-                                         "see docs/simulator.md)")
+    p.add_argument("--w-retained", type=number_type(minimum=0, maximum=1), metavar="SHARE",
+                   help="with --max-in-flight: share of a microbatch's activations its B keeps for its W (default "
+                        "32/34, see docs/simulator.md)")
     p.set_defaults(handler=cmd_validate)
 
 
@@ -133,6 +133,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    if args.w_retained is not None and args.max_in_flight is None:
+        raise ConfigError("--w-retained weighs activations for --max-in-flight; add --max-in-flight, or drop it")
+    args.w_retained = W_RETAINED_FRACTION if args.w_retained is None else args.w_retained
     out = report_console()
     try:
         table = load_table(args.file, args.placement)

@@ -12,6 +12,7 @@ from primuspipe.cli import sane
 from primuspipe.cli.options import count_type, report_console
 from primuspipe.cli.outputs import Outputs
 from primuspipe.ir import strict
+from primuspipe.errors import ConfigError
 from primuspipe.simulator import CostModel
 from primuspipe.calibration.accuracy import ReplayAccuracy, replay_accuracy
 from primuspipe.calibration.measure import MeasuredCosts, measure_costs
@@ -119,6 +120,8 @@ def _add_placement_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_vis(args: argparse.Namespace) -> int:
+    if args.no_comm and args.png is None:
+        raise ConfigError("--no-comm leaves receives out of the PNG; add --png OUT, or drop --no-comm")
     outputs = Outputs([args.input, args.compare, args.cost])
     paths = {flag: outputs.claim(getattr(args, flag), f"--{flag}", stdout=False) for flag in ("png", "html", "trace")}
     sim_trace = None
@@ -144,13 +147,13 @@ def cmd_vis(args: argparse.Namespace) -> int:
         outputs.write(paths["trace"], "--trace", lambda tmp: write_trace(timeline, tmp, placement))
     if sim_trace is not None:
         outputs.write(sim_trace, "--trace", lambda tmp: write_trace(comparison.simulated, tmp, placement))
-    sane.check_timeline_figures(timeline_stats(timeline), str(args.input))
+    figures: dict[str, Any] = {"timeline": _stats_json(timeline)}
+    if comparison is not None:
+        figures["comparison"] = _comparison_json(comparison)
+    sane.check(figures, str(args.input), "its times are too large or contradict each other")
     written = outputs.commit()
     if args.json:
-        out: dict[str, Any] = {"timeline": _stats_json(timeline), "written": [str(p) for p in written]}
-        if comparison is not None:
-            out["comparison"] = _comparison_json(comparison)
-        print(sane.json_text(out))
+        print(sane.json_text({**figures, "written": [str(p) for p in written]}))
         return 0
     console = report_console()
     if comparison is None:
@@ -184,6 +187,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                         source="the measured cost model")
     used = [t for t in timelines if t.iteration in measured.iterations]
     accuracy = replay_accuracy(used, CostModel.from_dict(costs, pp=measured.pp, vpp=measured.vpp), placement)
+    sane.check({**accuracy.to_dict(), "cost_model": costs}, str(args.input),
+               "its times are too large or contradict each other")
     if output is not None:
         outputs.write_text(output, "-o", text)
         outputs.commit()

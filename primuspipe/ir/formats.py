@@ -270,12 +270,16 @@ def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
     error names the file."""
     path = Path(path)
     text = strict.read_text(path, "schedule file", error=TableFormatError)
+    primus = path.suffix.lower() != ".csv" and not text.lstrip().startswith("{") and _PRIMUS_RANK_LINE.search(text)
+    if placement is not None and not primus:
+        raise TableFormatError(f"{path} records its own stage layout; a placement is given only for Primus's printed "
+                               "table form (drop --placement)")
+    if primus:
+        try:
+            return from_primus_table(text, placement, algorithm=None)
+        except (TableFormatError, ScheduleShapeError) as exc:
+            raise TableFormatError(f"{path}: {exc}") from None
     if path.suffix.lower() != ".csv":
-        if not text.lstrip().startswith("{") and _PRIMUS_RANK_LINE.search(text):
-            try:
-                return from_primus_table(text, placement, algorithm=None)
-            except (TableFormatError, ScheduleShapeError) as exc:
-                raise TableFormatError(f"{path}: {exc}") from None
         return ScheduleTable.from_json(text, str(path))
     meta = _read_sidecar(path)
     try:

@@ -41,6 +41,39 @@ def test_show_and_export_offload_flags(tmp_path, command, extra, names):
     refused(run_cli(argv, watch=tmp_path), *names, case=" ".join(map(str, argv[:1] + extra)))
 
 
+EXAMPLES = ROOT / "examples" / "projection"
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["project", "--model", EXAMPLES / "models" / "llama2-7b.yaml", "--hardware", EXAMPLES / "hardware" / "h100.yaml",
+      "--benchmark-ranks", "4"], ["--benchmark-layers"]),
+    (["vis", "TIMELINE", "--no-comm"], ["--png"]),
+    (["validate", "TABLE", "--w-retained", "0.5"], ["--max-in-flight"]),
+    (["validate", "TABLE", "--placement", "v"], ["placement"]),
+])
+def test_flags_that_need_another(tmp_path, argv, names):
+    """A flag that only means something with another is refused alone, not silently ignored."""
+    table = tmp_path / "t.json"
+    assert run_cli(["export", "1f1b", "--pp", "2", "-m", "2", "-o", table]).code == 0
+    assert run_cli(["simulate", "-a", "1f1b", "--pp", "2", "-m", "2", "-o", tmp_path / "sim"]).code == 0
+    where = {"TABLE": table, "TIMELINE": tmp_path / "sim" / "1f1b.timeline.json"}
+    argv = [where.get(a, a) for a in argv]
+    refused(run_cli(argv), *names, case=" ".join(str(a) for a in argv if not isinstance(a, Path)))
+
+
+@pytest.mark.parametrize("target", ["/dev/null", "/dev/full", "FIFO"])
+@pytest.mark.parametrize("flag", ["--png", "--trace", "-o"])
+def test_outputs_that_are_devices_or_pipes(tmp_path, fifo, target, flag):
+    """Never renamed over (which would replace a device node): refused, naming the path."""
+    assert run_cli(["simulate", "-a", "1f1b", "--pp", "2", "-m", "2", "-o", tmp_path / "sim"]).code == 0
+    target = fifo if target == "FIFO" else target
+    argv = (["calibrate", tmp_path / "sim" / "1f1b.timeline.json", "-o", target] if flag == "-o" else
+            ["vis", tmp_path / "sim" / "1f1b.timeline.json", flag, target])
+    refused(run_cli(argv), "regular file", case=f"{argv[0]} {flag} {'FIFO' if target == fifo else target}",
+            before_work=True)
+    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+
+
 @pytest.fixture
 def fifo(tmp_path):
     path = tmp_path / "fifo.json"
