@@ -100,6 +100,18 @@ def test_bad_step_arguments(inputs, target, names):
     refused(run_api(pipe.step, *inputs, target=target), *names, case=f"TorchPipeline.step {names[0]}")
 
 
+@pytest.mark.parametrize("stages, inputs", [
+    ({0: torch.nn.Linear(H, 2 * H), 1: torch.nn.Linear(H, H)}, (torch.randn(8, H),)),
+    ({0: torch.nn.Linear(H, H), 1: torch.nn.Linear(H, H)}, (torch.randn(8, 2 * H),)),
+    ({0: torch.nn.Linear(H, H), 1: torch.nn.Linear(H, H)}, (torch.randn(8, H), torch.randn(8, H))),
+    ({0: torch.nn.Linear(H, H), 1: torch.nn.Linear(H, H)}, (torch.randint(0, 3, (8, H)),)),
+])
+def test_stages_that_do_not_chain(stages, inputs):
+    """Modules that cannot take what the step or the stage before gives them: one line before any node."""
+    pipe = TorchPipeline(_table(), stages, loss_fn=LOSS)
+    refused(run_api(pipe.step, *inputs, target=torch.randn(8, H)), "stage", case="TorchPipeline stages do not chain")
+
+
 def test_a_whole_batch_still_runs_and_eval_returns_its_rows():
     pipe = TorchPipeline(_table(), _stages(), loss_fn=LOSS)
     out = pipe.eval(torch.randn(2 * M, H))
