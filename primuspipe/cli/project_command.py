@@ -8,6 +8,7 @@ from pathlib import Path
 
 from primuspipe.cli import sane
 from primuspipe.cli.options import count_type, number_type, report_console
+from primuspipe.errors import PrimusPipeError
 from primuspipe.projection.compute import Calibration
 from primuspipe.projection.framework import ConfigError
 from primuspipe.projection.hardware_spec import load_hardware
@@ -116,7 +117,12 @@ def cmd_project(args: argparse.Namespace) -> int:
 
         calibration = benchmark_calibration(model, training, hardware, host_ranks=args.benchmark_ranks or 1)
     elif args.measured_costs is not None:
-        calibration = calibration_from_cost_file(args.measured_costs, model, training, hardware)
+        try:
+            calibration = calibration_from_cost_file(args.measured_costs, model, training, hardware)
+        except PrimusPipeError as exc:
+            message = str(exc)
+            raise ConfigError(message if str(args.measured_costs) in message else
+                              f"--measured-costs {args.measured_costs}: {message}") from None
     projector = Projector(model, hardware, calibration, args.risk_margin)
     results, refusals = project(projector, training, algorithms=args.algorithm, search=args.search)
     cause = (f"--measured-costs {args.measured_costs} does not describe this model and training configuration "

@@ -117,3 +117,14 @@ def test_measured_costs_of_another_model(tmp_path, scale):
         assert "%" in outcome.out
         return
     refused(outcome, case=f"project --measured-costs x{scale} (MFU > 1)")
+
+
+@pytest.mark.parametrize("pp", ["2", "8"])
+def test_measured_costs_of_another_pipeline(tmp_path, pp):
+    """A cost file measured at pp=4 used for another pp: refused naming the file."""
+    from hostile_support import make_dump
+
+    cost = tmp_path / "measured.yaml"
+    assert run_cli(["calibrate", make_dump(tmp_path / "d"), "-o", cost]).code == 0
+    refused(run_cli(["project", "--model", MODEL, "--hardware", HARDWARE, "-a", "1f1b", "--measured-costs", cost,
+                     "--pp", pp]), "--measured-costs", "measured.yaml", case=f"project --measured-costs of pp=4 at pp={pp}")
