@@ -64,7 +64,8 @@ class TorchPipeline:
                  device: torch.device | str | None = None, scale_grads: bool = True,
                  watchdog_timeout_s: float = 300.0, dump_dir: str | None = None,
                  offload_ops: Sequence[str] = (), count_saved_bytes: bool = False):
-        _check_arguments(table, stages, loss_fn, watchdog_timeout_s, dump_dir)
+        _check_arguments(table, stages, loss_fn)
+        self.driver = StepDriver(watchdog_timeout_s=watchdog_timeout_s, dump_dir=dump_dir)  # checks both now
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         if dist.get_world_size(self.group) != table.pp:
@@ -81,7 +82,6 @@ class TorchPipeline:
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
         self.device = torch.device(device) if device is not None else _device_of(self.modules)
-        self.driver = StepDriver(watchdog_timeout_s=watchdog_timeout_s, dump_dir=dump_dir)
         self.meta: list[StageMeta] | None = None
         """Per chunk, what its stage receives and sends; inferred at the first step or eval."""
         offloads = any(n.kind.on_host_stream for n in self.table.ranks[self.rank])
@@ -178,7 +178,7 @@ class TorchPipeline:
                         "pass scale_grads=False and scale the loss yourself")
 
 
-def _check_arguments(table: Any, stages: Any, loss_fn: Any, watchdog_timeout_s: Any, dump_dir: Any) -> None:
+def _check_arguments(table: Any, stages: Any, loss_fn: Any) -> None:
     """Refuse, before any process-group call, arguments of the wrong type or value: each mistake one
     line naming the argument (rather than an AttributeError deep inside, or a failure after a step)."""
     if not isinstance(table, ScheduleTable):
@@ -193,9 +193,6 @@ def _check_arguments(table: Any, stages: Any, loss_fn: Any, watchdog_timeout_s: 
         strict.count(key, "a TorchPipeline stage number", maximum=table.num_stages - 1)
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"loss_fn must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
-    strict.number(watchdog_timeout_s, "watchdog_timeout_s", above=0)
-    if dump_dir is not None:
-        strict.writable_folder(dump_dir, f"dump_dir {dump_dir}")
 
 
 def _split(values: Sequence[Any], m: int, what: str) -> list[tuple[torch.Tensor, ...]]:
