@@ -3,6 +3,7 @@ blocked ``validate`` forever), and valid inputs near the edges that were refused
 vpp 1 (``list`` says any vpp), numpy integers as sizes. A multi-rank example prints a refusal once."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -61,17 +62,23 @@ def test_flags_that_need_another(tmp_path, argv, names):
     refused(run_cli(argv), *names, case=" ".join(str(a) for a in argv if not isinstance(a, Path)))
 
 
-@pytest.mark.parametrize("target", ["/dev/null", "/dev/full", "FIFO"])
+@pytest.mark.parametrize("target", ["FIFO", "SOCKET"])
 @pytest.mark.parametrize("flag", ["--png", "--trace", "-o"])
-def test_outputs_that_are_devices_or_pipes(tmp_path, fifo, target, flag):
-    """Never renamed over (which would replace a device node): refused, naming the path."""
+def test_outputs_that_are_pipes_or_sockets(tmp_path, fifo, target, flag):
+    """Never renamed over (for a device node such as /dev/null that would replace the device): refused,
+    naming the path. Only files this test made stand in for devices: code without the check would
+    replace whatever the test names."""
     assert run_cli(["simulate", "-a", "1f1b", "--pp", "2", "-m", "2", "-o", tmp_path / "sim"]).code == 0
-    target = fifo if target == "FIFO" else target
-    argv = (["calibrate", tmp_path / "sim" / "1f1b.timeline.json", "-o", target] if flag == "-o" else
-            ["vis", tmp_path / "sim" / "1f1b.timeline.json", flag, target])
-    refused(run_cli(argv), "regular file", case=f"{argv[0]} {flag} {'FIFO' if target == fifo else target}",
-            before_work=True)
-    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+    if target == "SOCKET":
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(tmp_path / "sock"))
+        path = tmp_path / "sock"
+    else:
+        path = fifo
+    argv = (["calibrate", tmp_path / "sim" / "1f1b.timeline.json", "-o", path] if flag == "-o" else
+            ["vis", tmp_path / "sim" / "1f1b.timeline.json", flag, path])
+    refused(run_cli(argv), "regular file", case=f"{argv[0]} {flag} {target}", before_work=True)
+    assert not path.is_file()
 
 
 @pytest.fixture
@@ -84,7 +91,7 @@ def fifo(tmp_path):
 @pytest.mark.parametrize("argv", [
     ["validate", "FIFO"], ["vis", "FIFO"], ["calibrate", "FIFO"], ["simulate", *SIM[1:], "--cost", "FIFO"],
     ["project", "--model", "FIFO", "--hardware", "FIFO"], ["validate", "/dev/zero"], ["validate", "/dev/null"],
-])
+])  # inputs only: nothing here writes to a device
 def test_inputs_that_are_no_regular_files(fifo, argv):
     argv = [fifo if a == "FIFO" else a for a in argv]
     refused(run_cli(argv), case=" ".join(map(str, argv)).replace(str(fifo), "FIFO"))
