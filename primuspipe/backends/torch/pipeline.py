@@ -190,7 +190,7 @@ def _check_arguments(table: Any, stages: Any, loss_fn: Any) -> None:
                           + ("" if not isinstance(stages, Mapping) else
                              f" of {sorted({type(m).__name__ for m in stages.values()})}"))
     for key in stages:
-        strict.count(key, "a TorchPipeline stage number", maximum=table.num_stages - 1)
+        strict.count(key, "a TorchPipeline stage number")  # which stages: checked against the table below
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"loss_fn must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
 
