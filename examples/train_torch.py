@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -27,7 +28,9 @@ import torch.distributed as dist
 
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.backends.torch import TorchPipeline, split_sequential
+from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.ir.formats import load_table
+from primuspipe.ir.strict import printable
 from primuspipe.runtime import nccl_emulation
 
 
@@ -61,13 +64,13 @@ def main(argv=None) -> None:
     dist.init_process_group("nccl" if cuda else nccl_emulation.cpu_backend())
     device = torch.device("cuda") if cuda else torch.device("cpu")
     if dist.get_world_size() != args.pp:
-        raise SystemExit(f"run with --nproc-per-node {args.pp} (got a world of {dist.get_world_size()})")
+        raise ConfigError(f"run with --nproc-per-node {args.pp} (got a world of {dist.get_world_size()})")
     rank = dist.get_rank()
     if args.schedule:
         table = load_table(args.schedule)
     else:
         if args.microbatches is None:
-            raise SystemExit("give --microbatches (or --schedule)")
+            raise ConfigError("give --microbatches (or --schedule)")
         table = build_schedule(args.algorithm, args.pp, args.microbatches, args.vpp)
 
     def my_stages():
@@ -126,5 +129,18 @@ def _from_last_stage(losses: list[float], table, rank: int) -> list[float]:
     return box[0]
 
 
+def run_refusing_once(entry) -> None:
+    """Run ``entry()``; a refusal (PrimusPipeError: every rank refuses the same input) is printed once, by
+    rank 0, on one line, and every rank exits with status 1 -- not one traceback per rank."""
+    try:
+        entry()
+    except PrimusPipeError as exc:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {printable(str(exc).splitlines()[0])}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 if __name__ == "__main__":
-    main()
+    run_refusing_once(main)

@@ -55,12 +55,10 @@ def build_schedule(
     ['RECV_F0.0<0', 'F0.0', 'RECV_F1.0<0', 'BW0.0', 'SEND_B0.0>0', 'F1.0']
     """
     info = get_algorithm(algorithm)
-    vpp = info.resolve_vpp(vpp)
-    for name, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
-        if value is None and name == "vpp":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleShapeError(f"{algorithm}: {name} must be an integer >= 1, got {value!r}")
+    pp, microbatches = (strict.count(v, f"{algorithm}: {name}", minimum=1, error=ScheduleShapeError)
+                        for name, v in (("pp", pp), ("microbatches", microbatches)))  # numpy integers too
+    vpp = info.resolve_vpp(None if vpp is None else strict.count(vpp, f"{algorithm}: vpp", minimum=1,
+                                                                error=ScheduleShapeError))
     if info.vpp is not None and vpp != info.vpp:
         raise ScheduleShapeError(f"{algorithm} needs vpp = {info.vpp}, got vpp = {vpp}")
     check_shape(pp, vpp or 2, microbatches)  # an algorithm that picks its placement may pick vpp 2

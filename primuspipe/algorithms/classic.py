@@ -59,7 +59,8 @@ def interleaved_1f1b(req: ScheduleRequest, *, microbatch_group_size: int | None 
     deadlock). So where pp does not divide m, the default is the least group size that leaves no short
     last group (pp=4, m=9: 5; pp=2, m=3: 3, one group), which is Megatron's order for that group size,
     and m < pp is a single group of m microbatches: every m >= 1 builds. A group size given explicitly
-    is checked, not changed.
+    is checked, not changed. With vpp = 1 it is 1F1B's order (Megatron's schedule without a virtual
+    pipeline size), so the "any" vpp 'primuspipe list' shows holds.
 
     Its compute order at pp=4, m=4 (notation: :meth:`~primuspipe.ir.table.ScheduleTable.compact_grid`)::
 
@@ -69,7 +70,6 @@ def interleaved_1f1b(req: ScheduleRequest, *, microbatch_group_size: int | None 
         rank 3 | F0 F1 F2 F3 f0 bw0 f1 bw1 f2 bw2 f3 bw3 BW0 BW1 BW2 BW3
     """
     p, v, m = req.pp, req.vpp, req.microbatches
-    require(v >= 2, "interleaved-1f1b", f"needs vpp >= 2, got {v}; use 1f1b for vpp = 1")
     g = least_group_size(p, m) if microbatch_group_size is None else microbatch_group_size
     require(min(p, m) <= g <= m, "interleaved-1f1b",
             f"microbatch_group_size must be in [min(pp, microbatches)={min(p, m)}, microbatches={m}], got {g}")
@@ -81,8 +81,9 @@ def interleaved_1f1b(req: ScheduleRequest, *, microbatch_group_size: int | None 
     order = [(i, c) for grp in groups for c in range(v) for i in grp]
     forwards = [F(i, c) for i, c in order]
     backwards = [BW(i, v - 1 - c) for i, c in order]
+    # One chunk per rank is Megatron's non-interleaved 1F1B (what it runs without a virtual size), so its warm-up.
     rows = [
-        warmup_steady_cooldown(forwards, backwards, min((p - r - 1) * 2 + (v - 1) * g, m * v))
+        warmup_steady_cooldown(forwards, backwards, min(p - r - 1 if v == 1 else (p - r - 1) * 2 + (v - 1) * g, m * v))
         for r in range(p)
     ]
     return ScheduleTable.build(Placement.interleaved(p, v), m, rows, "interleaved-1f1b")

@@ -31,6 +31,8 @@ Two fills share one event loop (:func:`_fill`) and differ only in their candidat
 
 from __future__ import annotations
 
+import math
+
 import bisect
 import heapq
 import logging
@@ -75,7 +77,8 @@ class FillPolicy:
 
     def __str__(self) -> str:
         caps = f"{self.in_flight[0]}" if len(set(self.in_flight)) == 1 else "-".join(map(str, self.in_flight))
-        return (f"greedy fill, in flight {caps}, memory {max(self.memory):g}, reserve {self.reserve}, "
+        memory = "unlimited" if math.isinf(max(self.memory)) else f"{max(self.memory):g}"
+        return (f"greedy fill, in flight {caps}, memory {memory}, reserve {self.reserve}, "
                 f"{'B' if self.backward_first else 'F'} first")
 
 

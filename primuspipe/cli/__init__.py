@@ -16,6 +16,7 @@ import logging
 import sys
 
 from primuspipe.errors import PrimusPipeError
+from primuspipe.ir import strict
 
 COMMAND_MODULES = ("primuspipe.cli.schedule_commands", "primuspipe.cli.simulate_command", "primuspipe.cli.vis_command",
                    "primuspipe.cli.project_command")
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _error(message: str) -> None:
-    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.write(f"error: {strict.printable(message)}\n")
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -9,7 +9,6 @@ at once and writes nothing.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -80,7 +79,7 @@ def output_file(path: Path, flag: str) -> Path:
         return path
     if path.is_dir():
         raise ConfigError(f"{flag} {path} is a directory; give a file name")
-    _make_folder(path.parent, f"the folder of {flag} {path}")
+    strict.writable_folder(path.parent, f"the folder of {flag} {path}")
     return path
 
 
@@ -88,19 +87,8 @@ def output_dir(path: Path, flag: str) -> Path:
     """Check, before any work, that ``path`` is a directory that can be written into (created if missing)."""
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{flag} {path} exists and is not a directory; give a directory")
-    _make_folder(path, f"{flag} {path}")
+    strict.writable_folder(path, f"{flag} {path}")
     return path
-
-
-def _make_folder(folder: Path, what: str) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ConfigError(f"cannot create {what}: a file is in the way of the folder {folder}") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot create {what}: {exc.strerror or exc}") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot write into {what}: permission denied")
 
 
 def console(**kwargs: Any) -> Console:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
+from primuspipe.cli import sane
 from primuspipe.cli.options import count_type, number_type, report_console
+from primuspipe.errors import PrimusPipeError
 from primuspipe.projection.compute import Calibration
 from primuspipe.projection.framework import ConfigError
 from primuspipe.projection.hardware_spec import load_hardware
@@ -92,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "analytical times by what they measure (needs torch and megatron-core)")
     how.add_argument("--measured-costs", type=Path, metavar="FILE",
                      help="a 'primuspipe calibrate' cost file of a run of this model under this training configuration")
-    calibration.add_argument("--benchmark-ranks", type=count_type(), default=1, metavar="N",
+    calibration.add_argument("--benchmark-ranks", type=count_type(), metavar="N",
                              help="CPU only: the run puts N single-threaded ranks on this host; beyond its core count they "
                                   "time-share cores and the benchmark's times scale by N / cores (default 1)")
     out = p.add_argument_group("output")
@@ -104,6 +105,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_project(args: argparse.Namespace) -> int:
+    if args.benchmark_ranks is not None and not args.benchmark_layers:
+        raise ConfigError("--benchmark-ranks says how many ranks share the host --benchmark-layers times layers on; "
+                          "add --benchmark-layers, or drop --benchmark-ranks")
     model, training = _inputs(args)
     hardware = load_hardware(args.hardware)
     if not 0 <= args.risk_margin < 1:
@@ -119,13 +123,23 @@ def cmd_project(args: argparse.Namespace) -> int:
     if args.benchmark_layers:
         from primuspipe.projection.benchmark.layers import benchmark_calibration  # torch and megatron: only when asked
 
-        calibration = benchmark_calibration(model, training, hardware, host_ranks=args.benchmark_ranks)
+        calibration = benchmark_calibration(model, training, hardware, host_ranks=args.benchmark_ranks or 1)
     elif args.measured_costs is not None:
-        calibration = calibration_from_cost_file(args.measured_costs, model, training, hardware)
+        try:
+            calibration = calibration_from_cost_file(args.measured_costs, model, training, hardware)
+        except PrimusPipeError as exc:
+            message = str(exc)
+            raise ConfigError(message if str(args.measured_costs) in message else
+                              f"--measured-costs {args.measured_costs}: {message}") from None
     projector = Projector(model, hardware, calibration, args.risk_margin)
     results, refusals = project(projector, training, algorithms=args.algorithm, search=args.search)
+    cause = (f"--measured-costs {args.measured_costs} does not describe this model and training configuration "
+             "(its times are faster than the hardware can be); calibrate a run of this model"
+             if args.measured_costs is not None else "the model's sizes or the hardware's figures are implausible")
+    for result in results:
+        sane.check(result.row(), f"the projection of {result.algorithm}", cause)
     if args.json:
-        print(json.dumps(report_dict(projector, training, results, refusals), indent=1))
+        print(sane.json_text(report_dict(projector, training, results, refusals)))
     else:
         print_report(report_console(), projector, training, results, refusals, top=args.top)
     return 0 if results else 1

@@ -14,14 +14,15 @@ from primuspipe.cli.options import (
     add_shape_arguments,
     console,
     number_type,
-    output_file,
     parse_options,
     report_console,
 )
+from primuspipe.cli.outputs import Outputs
 from primuspipe.errors import ConfigError, ScheduleShapeError, TableFormatError, ValidationError
+from primuspipe.ir import strict
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.passes.offload import offload_activations
-from primuspipe.ir.formats import dump_table, load_table, save_table
+from primuspipe.ir.formats import dump_table, load_table, sidecar_path, table_files
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.activations import W_RETAINED_FRACTION, peak_in_flight
 from primuspipe.passes.fifo_weight_grads import check_fifo_weight_grads
@@ -61,9 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-in-flight", type=number_type(minimum=0), default=None, metavar="MICROBATCHES",
                    help="also bound activations held per rank (1F1B-stage microbatch units, each counted from its F "
                         "until its W, as simulate's peak and --memory-limit count them)")
-    p.add_argument("--w-retained", type=number_type(minimum=0, maximum=1), default=W_RETAINED_FRACTION,
-                   metavar="SHARE", help="share of a microbatch's activations its B keeps for its W (default 32/34, "
-                                         "see docs/simulator.md)")
+    p.add_argument("--w-retained", type=number_type(minimum=0, maximum=1), metavar="SHARE",
+                   help="with --max-in-flight: share of a microbatch's activations its B keeps for its W (default "
+                        "32/34, see docs/simulator.md)")
     p.add_argument("--semantics", choices=tuple(SEMANTICS), default=DEFAULT_SEMANTICS,
                    help="the transport the deadlock replay models (docs/design.md §3): "
                         + "; ".join(f"{s.name}: {s.summary}" for s in SEMANTICS.values())
@@ -76,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_offload_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--offload", type=float, metavar="MICROBATCHES",
+    p.add_argument("--offload", type=number_type(minimum=None, above=0), metavar="MICROBATCHES",
                    help="run the offload pass: OFFLOAD/RELOAD nodes bring every rank's activations under this many "
                         "1F1B-stage microbatches (docs/offload.md)")
     p.add_argument("--cost", type=Path, metavar="FILE",
@@ -126,17 +127,25 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    output_file(args.output, "-o")
+    outputs = Outputs([args.cost])
+    path = outputs.claim(args.output, "-o")
+    if path is not None and args.format == "csv":
+        outputs.claim(sidecar_path(path), "-o's sidecar")
     table = _build(args)
-    if str(args.output) == "-":
+    if path is None:
         print(dump_table(table, args.format, args.compute_only), end="")
         return 0
-    for path in save_table(table, args.output, args.format, args.compute_only):
-        print(f"wrote {path}", file=sys.stderr)
+    for where, text in table_files(table, path, args.format, args.compute_only).items():
+        outputs.write_text(where, "-o", text)
+    for written in outputs.commit():
+        print(f"wrote {written}", file=sys.stderr)
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    if args.w_retained is not None and args.max_in_flight is None:
+        raise ConfigError("--w-retained weighs activations for --max-in-flight; add --max-in-flight, or drop it")
+    args.w_retained = W_RETAINED_FRACTION if args.w_retained is None else args.w_retained
     out = report_console()
     try:
         table = load_table(args.file, args.placement)
@@ -147,7 +156,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if args.fifo_weight_grads:
             check_fifo_weight_grads(table)
     except (ValidationError, TableFormatError, ScheduleShapeError) as exc:
-        out.print(f"INVALID {args.file}: {exc}", markup=False)
+        out.print(strict.printable(f"INVALID {args.file}: {exc}"), markup=False)
         return 1
     kind = "full" if table.has_communication else "compute-only"
     out.print(f"valid: {args.file} ({kind} table, {table.algorithm}, pp={table.pp} vpp={table.vpp} "

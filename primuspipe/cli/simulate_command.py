@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,8 @@ from primuspipe.cli.options import (
     parse_options,
     report_console,
 )
+from primuspipe.cli import sane
+from primuspipe.cli.outputs import Outputs
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.algorithms.build import build_schedule, check_options
 from primuspipe.ir.kinds import NodeKind
@@ -113,8 +114,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    if args.output_dir is not None:
-        output_dir(args.output_dir, "-o")
     spec = _cost_spec(args)
     plan_spec = None if args.plan_cost in (None, "unit") else read_cost_file(args.plan_cost)
     options = parse_options(args.option)
@@ -122,6 +121,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         names = [info.name for info in list_algorithms()]
     else:
         names = [get_algorithm(args.algorithm).name]
+    outputs = Outputs([args.cost, None if args.plan_cost == "unit" else args.plan_cost])
+    if args.output_dir is not None:
+        if str(args.output_dir) == "-":
+            raise ConfigError("-o - means standard output, but simulate -o writes a directory of files; give a "
+                              "directory (use --json for the results on standard output)")
+        output_dir(args.output_dir, "-o")
+        for name in names:
+            for suffix in ("timeline", "trace"):
+                outputs.claim(args.output_dir / f"{name}.{suffix}.json", "-o")
     rows, results = [], {}
     for name in names:
         row, result = _evaluate(name, args, spec, plan_spec, options)
@@ -136,10 +144,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.output_dir is not None:
         for name, result in results.items():
             timeline = result.timeline()
-            timeline.save(args.output_dir / f"{name}.timeline.json")
-            write_chrome_trace(args.output_dir / f"{name}.trace.json", timeline, result.table.placement)
+            outputs.write(args.output_dir / f"{name}.timeline.json", "-o", timeline.save)
+            outputs.write(args.output_dir / f"{name}.trace.json", "-o",
+                          lambda tmp, t=timeline, p=result.table.placement: write_chrome_trace(tmp, t, p))
+        outputs.commit()
     if args.json:
-        print(json.dumps({"results": rows}, indent=1))
+        print(sane.json_text({"results": rows}))
     else:
         _print_table(rows, args)
     return 0 if results else 1
@@ -161,11 +171,32 @@ def _cost_spec(args: argparse.Namespace) -> dict[str, Any]:
     if args.offload and args.memory_limit is None:
         raise ConfigError("--offload brings tables under --memory-limit; give the limit (1F1B-stage microbatches)")
     if args.host_link is not None:
+        if not args.offload:
+            raise ConfigError("--host-link is the link --offload copies over; add --offload (and --memory-limit), or "
+                              "drop --host-link")
         link = args.host_link if isinstance(args.host_link, list) else [args.host_link]
         if len(link) != 2:
             raise ConfigError(f"--host-link takes LATENCY,BANDWIDTH, got {args.host_link}")
+        if link[1] <= 0:
+            raise ConfigError(f"--host-link {link[0]:g},{link[1]:g}: the bandwidth (bytes per time unit) must be > 0; "
+                              "leave --host-link out for a free link")
         spec = {**spec, "host_link": {"latency": link[0], "bandwidth": link[1]}}
+    # the costs as given, checked once before any algorithm is built (each then cuts them to its vpp)
+    source = _cost_source(args)
+    lengths = [len(v) for v in (spec.get("compute") or {}).values() if isinstance(v, list) and len(v) % args.pp == 0]
+    try:
+        CostModel.from_dict(spec, pp=args.pp, vpp=args.vpp or max([1, *(n // args.pp for n in lengths)]), source=source)
+    except ConfigError as exc:
+        raise ConfigError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from None
     return spec
+
+
+def _cost_source(args: argparse.Namespace) -> str:
+    """What error messages call the costs: the file, or the flags that gave them."""
+    if args.cost is not None:
+        return str(args.cost)
+    flags = [f"--{k.replace('_', '-')}" for k in ("f", "b", "w", "bw", "p2p", "host_link") if getattr(args, k) is not None]
+    return f"the costs of {'/'.join(flags)}" if flags else "the default costs"
 
 
 def _plan_cost(args: argparse.Namespace, plan_spec: dict | None, vpp: int, cost: CostModel) -> CostModel | None:
@@ -186,13 +217,12 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, plan_spec: dict |
     try:
         check_shape(args.pp, vpp or 2, args.microbatches)
         cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp or 1,
-                                   source=str(args.cost) if args.cost else "--f/--b/--w/--bw")
+                                   source=_cost_source(args))
         plan = _plan_cost(args, plan_spec, vpp or 1, cost)
         if name == "zb-auto":  # the search's report is shown beside its table
             options = check_options(name, options)
             request = ScheduleRequest(args.pp, vpp, args.microbatches, plan, args.memory_limit)
             table, report = zb_auto_search(request, **options)
-            row["search"] = asdict(report)
         else:
             table = build_schedule(name, args.pp, args.microbatches, vpp, cost=plan, memory_limit=args.memory_limit,
                                    **options)
@@ -200,8 +230,15 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, plan_spec: dict |
         if args.offload:
             table = offload_activations(table, cost, memory_limit=args.memory_limit)
         result = simulate(table, cost, args.semantics)
+        figures = {"step_time": result.step_time, "bubble_rate": result.bubble_rate,
+                   "bubble_rate_mean": result.bubble_rate_mean, "bubble_rate_span": result.span_bubble_rate,
+                   "peak_memory_bytes": max(result.peak_memory_bytes)}
+        sane.check(figures, name, "the costs are too large for a step's sum to be a number; give smaller "
+                                  "times (or another --cost time_unit)")
     except PrimusPipeError as exc:
         return {**row, "error": str(exc)}, None
+    if name == "zb-auto":
+        row["search"] = sane.check(asdict(report), name)
     peak = max(result.peak_activations)
     row.update(
         vpp=table.vpp, placement=table.placement.name,

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
-from primuspipe.cli.options import count_type, output_file, report_console
+from primuspipe.cli import sane
+from primuspipe.cli.options import count_type, report_console
+from primuspipe.cli.outputs import Outputs
 from primuspipe.ir import strict
-from primuspipe.ir.documents import write_atomically
+from primuspipe.errors import ConfigError
 from primuspipe.simulator import CostModel
 from primuspipe.calibration.accuracy import ReplayAccuracy, replay_accuracy
 from primuspipe.calibration.measure import MeasuredCosts, measure_costs
@@ -100,7 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("input", metavar="DUMP_DIR", type=Path,
                    help="a run's dump directory or a Primus dump folder (all its iterations are used), or one "
                         "timeline JSON file")
-    c.add_argument("-o", "--output", type=Path, metavar="FILE", help="where to write the cost YAML (default: stdout)")
+    c.add_argument("-o", "--output", type=Path, metavar="FILE", help="where to write the cost YAML ('-' or none: stdout)")
     c.add_argument("--warmup", type=count_type(minimum=0), default=1, metavar="N",
                    help="leading iterations to skip as warm-up (default 1; all are used if no more remain)")
     c.add_argument("--per-model-stage", action="store_true",
@@ -119,9 +120,14 @@ def _add_placement_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_vis(args: argparse.Namespace) -> int:
-    for flag in ("png", "html", "trace"):
-        if getattr(args, flag) is not None:
-            output_file(getattr(args, flag), f"--{flag}")
+    if args.no_comm and args.png is None:
+        raise ConfigError("--no-comm leaves receives out of the PNG; add --png OUT, or drop --no-comm")
+    outputs = Outputs([args.input, args.compare, args.cost])
+    paths = {flag: outputs.claim(getattr(args, flag), f"--{flag}", stdout=False) for flag in ("png", "html", "trace")}
+    sim_trace = None
+    if paths["trace"] is not None and (args.compare is not None or args.cost is not None):
+        sim_trace = outputs.claim(paths["trace"].with_name(f"{paths['trace'].stem}.sim{paths['trace'].suffix}"),
+                                  "--trace (its simulated twin)")
     timeline = _typical(args.input) if args.iteration is None else load_timeline(args.input, args.iteration)
     placement = placement_of(timeline, args.placement)
     comparison = None
@@ -132,21 +138,22 @@ def cmd_vis(args: argparse.Namespace) -> int:
         comparison = compare_timelines(timeline, replay(timeline, cost, placement))
     panels = [timeline] if comparison is None else [comparison.run, comparison.simulated]
     marks = frozenset() if comparison is None else comparison.marked_nodes
-    written = []
-    if args.png is not None:
-        written.append(pp_vis.draw_png(panels, args.png, marks=marks, show_comm=not args.no_comm))
-    if args.html is not None:
-        written.append(pp_vis.write_html(panels, args.html, marks=marks))
-    if args.trace is not None:
-        written.append(write_trace(timeline, args.trace, placement))
-        if comparison is not None:
-            sim_path = args.trace.with_name(f"{args.trace.stem}.sim{args.trace.suffix}")
-            written.append(write_trace(comparison.simulated, sim_path, placement))
+    if paths["png"] is not None:
+        outputs.write(paths["png"], "--png",
+                      lambda tmp: pp_vis.draw_png(panels, tmp, marks=marks, show_comm=not args.no_comm))
+    if paths["html"] is not None:
+        outputs.write(paths["html"], "--html", lambda tmp: pp_vis.write_html(panels, tmp, marks=marks))
+    if paths["trace"] is not None:
+        outputs.write(paths["trace"], "--trace", lambda tmp: write_trace(timeline, tmp, placement))
+    if sim_trace is not None:
+        outputs.write(sim_trace, "--trace", lambda tmp: write_trace(comparison.simulated, tmp, placement))
+    figures: dict[str, Any] = {"timeline": _stats_json(timeline)}
+    if comparison is not None:
+        figures["comparison"] = _comparison_json(comparison)
+    sane.check(figures, str(args.input), "its times are too large or contradict each other")
+    written = outputs.commit()
     if args.json:
-        out: dict[str, Any] = {"timeline": _stats_json(timeline), "written": [str(p) for p in written]}
-        if comparison is not None:
-            out["comparison"] = _comparison_json(comparison)
-        print(json.dumps(out, indent=1))
+        print(sane.json_text({**figures, "written": [str(p) for p in written]}))
         return 0
     console = report_console()
     if comparison is None:
@@ -168,8 +175,8 @@ def _typical(path: Path) -> Timeline:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    if args.output is not None:
-        output_file(args.output, "-o")
+    outputs = Outputs([args.input])
+    output = outputs.claim(args.output, "-o")
     timelines = load_iterations(args.input)
     placement = placement_of(timelines[0], args.placement)
     measured = measure_costs(timelines, placement, warmup=args.warmup)
@@ -180,16 +187,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                         source="the measured cost model")
     used = [t for t in timelines if t.iteration in measured.iterations]
     accuracy = replay_accuracy(used, CostModel.from_dict(costs, pp=measured.pp, vpp=measured.vpp), placement)
-    if args.output is not None:
-        write_atomically(args.output, text)
+    sane.check({**accuracy.to_dict(), "cost_model": costs}, str(args.input),
+               "its times are too large or contradict each other")
+    if output is not None:
+        outputs.write_text(output, "-o", text)
+        outputs.commit()
     if args.json:
-        print(json.dumps({**accuracy.to_dict(), "algorithm": measured.algorithm, "pp": measured.pp,
+        print(sane.json_text({**accuracy.to_dict(), "algorithm": measured.algorithm, "pp": measured.pp,
                           "vpp": measured.vpp, "microbatches": measured.microbatches,
                           "iterations": list(measured.iterations), "time_unit": measured.time_unit,
                           "cost_model": costs, "notes": list(measured.notes),
-                          "written": None if args.output is None else str(args.output)}, indent=1))
+                          "written": None if output is None else str(output)}))
         return 0
-    if args.output is None:
+    if output is None:
         print(text, end="")
         return 0
     console = report_console()

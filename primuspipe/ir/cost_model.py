@@ -247,6 +247,7 @@ class CostModel:
             raise ConfigError(f"memory.activation_bytes has {len(self.memory.activation_bytes)} values for {n} stages")
         if self.time_unit not in TIME_UNITS:
             raise ConfigError(f"time_unit must be one of {sorted(TIME_UNITS)}, got {self.time_unit!r}")
+        _check_time_range(self)
 
     @classmethod
     def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values, *, bw: Values | None = None,
@@ -403,6 +404,49 @@ class CostModel:
             out["memory"].update(activation_bytes=list(m.activation_bytes), parameter_bytes=list(m.parameter_bytes),
                                  gradient_bytes=list(m.gradient_bytes), optimizer_bytes=list(m.optimizer_bytes))
         return out
+
+
+MAX_TIME = 1e12
+"""Largest time (in any unit) a cost model may give: a step adds up millions of them and must stay a
+float far from overflow."""
+MAX_TIME_RATIO = 1e9
+"""Largest ratio between two non-zero times of one cost model: a float sum keeps about 16 digits, so
+beyond that a step's running time swallows the shorter nodes entirely (1e300 + 1 == 1e300) and a
+planner waiting for one to pass never ends."""
+
+
+def _check_time_range(model: CostModel) -> None:
+    """Finite inputs can still add up to infinity or lose each other in a sum: every time the model
+    gives (compute, cold start, host, links and their transfer of ``message_bytes``) is refused above
+    :data:`MAX_TIME` or more than :data:`MAX_TIME_RATIO` away from another non-zero one."""
+    def per_stage(name: str, costs: ComputeCosts | None) -> dict[str, float]:
+        if costs is None:
+            return {}
+        kinds = (("F", costs.forward), ("B", costs.backward_input), ("W", costs.backward_weight))
+        return {f"{name}{kind}[{s}]": t for kind, values in kinds for s, t in enumerate(values)}
+
+    def link(name: str, k: Link, size: float) -> dict[str, float]:
+        return {f"{name}.latency": k.latency, f"{name} transfer of {size:g} bytes": k.time(size) - k.latency}
+
+    times = {**per_stage("compute ", model.compute), **per_stage("cold_start ", model.cold_start),
+             **{f"compute BW[{s}]": t for s, t in enumerate(model.fused_backward or ())},
+             **{f"host.overhead.{k}": t for k, t in model.host.overhead},
+             "host.send": model.host.send, "host.recv": model.host.recv,
+             **link("p2p.intra_node", model.p2p.intra_node, model.p2p.message_bytes),
+             **link("p2p.inter_node", model.p2p.inter_node, model.p2p.message_bytes),
+             **link("host_link", model.host_link, max(model.memory.activation_bytes or (0.0,)))}
+    times = {name: t for name, t in times.items() if t > 0}
+    if not times:
+        return
+    big, small = max(times, key=times.get), min(times, key=times.get)
+    if not times[big] <= MAX_TIME:
+        shown = f"= {times[big]:g} {model.time_unit}" if math.isfinite(times[big]) else "overflows a float and"
+        raise ConfigError(f"{big} {shown} is larger than {MAX_TIME:g}, too large for a step's sum to stay a "
+                          "number; use a larger time_unit or check the value")
+    if times[big] / times[small] > MAX_TIME_RATIO:
+        raise ConfigError(f"{small} = {times[small]:g} and {big} = {times[big]:g} {model.time_unit} lie more than "
+                          f"{MAX_TIME_RATIO:g} apart, beyond what a sum of them keeps; give 0 for what takes no "
+                          "time, or check the values")
 
 
 def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ...]:

@@ -39,6 +39,9 @@ def write_atomically(path: str | os.PathLike, text: str) -> Path:
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
+    except OSError as exc:  # named as the file the caller asked for: the temporary one is ours
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

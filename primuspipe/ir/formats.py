@@ -270,12 +270,16 @@ def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
     error names the file."""
     path = Path(path)
     text = strict.read_text(path, "schedule file", error=TableFormatError)
+    primus = path.suffix.lower() != ".csv" and not text.lstrip().startswith("{") and _PRIMUS_RANK_LINE.search(text)
+    if placement is not None and not primus:
+        raise TableFormatError(f"{path} records its own stage layout; a placement is given only for Primus's printed "
+                               "table form (drop --placement)")
+    if primus:
+        try:
+            return from_primus_table(text, placement, algorithm=None)
+        except (TableFormatError, ScheduleShapeError) as exc:
+            raise TableFormatError(f"{path}: {exc}") from None
     if path.suffix.lower() != ".csv":
-        if not text.lstrip().startswith("{") and _PRIMUS_RANK_LINE.search(text):
-            try:
-                return from_primus_table(text, placement, algorithm=None)
-            except (TableFormatError, ScheduleShapeError) as exc:
-                raise TableFormatError(f"{path}: {exc}") from None
         return ScheduleTable.from_json(text, str(path))
     meta = _read_sidecar(path)
     try:
@@ -292,15 +296,23 @@ def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
 def save_table(table: ScheduleTable, path: str | Path, fmt: str | None = None, compute_only: bool = False) -> list[Path]:
     """Write ``table`` to ``path`` as ``fmt`` (``"json"`` or ``"csv"``; default: by the suffix), a CSV
     with its sidecar; returns the files written."""
+    files = table_files(table, path, fmt, compute_only)
+    for where, text in files.items():
+        write_atomically(where, text)
+    return list(files)
+
+
+def table_files(table: ScheduleTable, path: str | Path, fmt: str | None = None,
+                compute_only: bool = False) -> dict[Path, str]:
+    """What :func:`save_table` writes: path -> text (a CSV's sidecar beside it)."""
     path = Path(path)
     fmt = fmt or ("csv" if path.suffix.lower() == ".csv" else "json")
-    write_atomically(path, dump_table(table, fmt, compute_only))
-    if fmt != "csv":
-        return [path]
-    meta = {**envelope(_SIDECAR_FORMAT, _SIDECAR_VERSION), "algorithm": table.algorithm,
-            "microbatches": table.microbatches, "pp": table.pp, "vpp": table.vpp}
-    write_atomically(sidecar_path(path), json.dumps(meta, indent=1))
-    return [path, sidecar_path(path)]
+    files = {path: dump_table(table, fmt, compute_only)}
+    if fmt == "csv":
+        meta = {**envelope(_SIDECAR_FORMAT, _SIDECAR_VERSION), "algorithm": table.algorithm,
+                "microbatches": table.microbatches, "pp": table.pp, "vpp": table.vpp}
+        files[sidecar_path(path)] = json.dumps(meta, indent=1)
+    return files
 
 
 def _read_sidecar(path: Path) -> dict:

@@ -44,9 +44,13 @@ PRIMUS_TYPES = {"F": "F", "B": "B", "W": "W", "BW": "BW", "SEND_F": "SF", "SEND_
 """Our kind name -> Primus's node type (``FuncType`` member name)."""
 _KIND_OF = {v: k for k, v in PRIMUS_TYPES.items()}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_RANK_LINE = re.compile(r"Rank\s+(\d+)\s*:(.*)$")
-_TOKEN = re.compile(r"(\[)?\((\w+)\|(\d+)\|(\d+)\)(\])?")
+_RANK_LINE = re.compile(r"Rank\s+([0-9]+)\s*:(.*)$", re.ASCII)
+_TOKEN = re.compile(r"(\[)?\((\w+)\|([0-9]{1,9})\|([0-9]{1,9})\)(\])?", re.ASCII)
+_NODE_LIKE = re.compile(r"\([^()|]*\|[^()|]*\|[^()]*\)")
+_LOOKS_LIKE_NODE = re.compile(rf"{_NODE_LIKE.pattern}|Rank\s*\S*\s*:")
+_BETWEEN = re.compile(r"[\s,]*")
 _HEADER = re.compile(r"^#\s*primuspipe:(.*)$")
+_HEADER_KEYS = {"algorithm", "pp", "vpp", "microbatches", "placement"}
 
 
 def to_primus_table(table: ScheduleTable, compute_only: bool = False) -> str:
@@ -81,9 +85,12 @@ def from_primus_table(text: str, placement: str | None = None, algorithm: str | 
     for line_no, raw in enumerate(text.splitlines(), 1):
         line = _ANSI.sub("", raw)
         if (m := _HEADER.match(line.strip())) is not None:
-            header = dict(item.split("=", 1) for item in m[1].split() if "=" in item)
+            header = _header(m[1], line_no)
             continue
-        if (m := _RANK_LINE.search(line)) is None:
+        if (m := _RANK_LINE.search(line)) is None or _NODE_LIKE.search(line, 0, m.start()):
+            if _LOOKS_LIKE_NODE.search(line):  # nodes outside a 'Rank <r>:' line: a rank line mistyped
+                raise TableFormatError(f"line {line_no}: {strict.show(line.strip())} holds nodes but is no "
+                                       "'Rank <r>: (F|0|0),...' line (rank numbers in ASCII digits)")
             continue
         rank = int(m[1])
         if rank in rows:
@@ -94,6 +101,9 @@ def from_primus_table(text: str, placement: str | None = None, algorithm: str | 
     pp = len(rows)
     if sorted(rows) != list(range(pp)):
         raise TableFormatError(f"the ranks must be 0..{pp - 1}, got {sorted(rows)}")
+    if "pp" in header and strict.count(header["pp"], "header pp", error=TableFormatError, minimum=1, text=True) != pp:
+        raise TableFormatError(f"the header says pp={header['pp']} but the text has {pp} 'Rank <r>:' lines; a line is "
+                               "missing or the header belongs to another table")
     compute = [t for row in rows.values() for t in row if _KIND_OF.get(t[0]) in ("F", "B", "W", "BW")]
     vpp = strict.count(header.get("vpp", 1 + max((t[2] for t in compute), default=0)), "header vpp",
                        error=TableFormatError, minimum=1, text=True)
@@ -109,11 +119,32 @@ Token = tuple[str, int, int, "int | None"]
 """``(Primus type, microbatch, chunk, overlapped group number or None)`` of one printed node."""
 
 
+def _header(text: str, line_no: int) -> dict[str, str]:
+    """The ``key=value`` items of the ``# primuspipe:`` comment line; anything else in it is refused."""
+    header: dict[str, str] = {}
+    for item in text.split():
+        key, sep, value = item.partition("=")
+        if not sep or key not in _HEADER_KEYS or not value:
+            raise TableFormatError(f"line {line_no}: the header item {item!r} is not one of "
+                                   f"{', '.join(f'{k}=...' for k in sorted(_HEADER_KEYS))}")
+        if key in header:
+            raise TableFormatError(f"line {line_no}: the header gives {key} twice")
+        header[key] = value
+    return header
+
+
 def _tokens(text: str, line_no: int) -> list[Token]:
-    """The nodes of one rank line, each with the number of the ``[...]`` group it is in (None outside)."""
+    """The nodes of one rank line, each with the number of the ``[...]`` group it is in (None outside).
+    Only nodes, commas and spaces may stand in it: anything else (a token mistyped, a stray word) is
+    refused where it stands rather than dropped."""
     out: list[Token] = []
     group, groups = None, 0
+    at = 0
     for m in _TOKEN.finditer(text):
+        if not _BETWEEN.fullmatch(text, at, m.start()):
+            raise TableFormatError(f"line {line_no}: cannot read {text[at:m.start()].strip(' ,')!r}; a rank line holds "
+                                   "(TYPE|microbatch|chunk) nodes separated by commas, overlapped pairs in [...]")
+        at = m.end()
         if m[1]:
             if group is not None:
                 raise TableFormatError(f"line {line_no}: overlapped groups '[...]' cannot nest")
@@ -125,6 +156,9 @@ def _tokens(text: str, line_no: int) -> list[Token]:
             group = None
     if group is not None:
         raise TableFormatError(f"line {line_no}: '[' without ']'")
+    if not _BETWEEN.fullmatch(text, at):
+        raise TableFormatError(f"line {line_no}: cannot read {text[at:].strip(' ,')!r}; a rank line holds "
+                               "(TYPE|microbatch|chunk) nodes separated by commas, overlapped pairs in [...]")
     return out
 
 

@@ -28,6 +28,7 @@ runs a primuspipe CSV with the resource actions its own schedules get, and the p
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
@@ -80,8 +81,9 @@ def resource_plan(table: ScheduleTable, rank: int, max_active: int = MAX_ACTIVE_
     after: dict[int, tuple[ResourceAction, ...]] = {}
     active: list[int] = []
     weight_grads: Counter[int] = Counter()
+    remaining = _distinct_after(compute)
     for k, (i, stages) in enumerate(compute):
-        upcoming = _next_stages(compute[k:], max_active)
+        upcoming = _next_stages(compute, k, min(max_active, remaining[k]))
         evict = sorted(s for s in active if s not in upcoming)
         fetch = [s for s in upcoming if s not in active]
         active = [s for s in active if s not in evict] + fetch
@@ -100,12 +102,24 @@ def resource_plan(table: ScheduleTable, rank: int, max_active: int = MAX_ACTIVE_
     return ResourcePlan(before, after, tuple(ResourceAction(Resource.RESHARD, s) for s in active))
 
 
-def _next_stages(compute: list[tuple[int, list[int]]], count: int) -> list[int]:
-    """The first ``count`` distinct stages of the coming compute nodes (all parts of the node that
-    reaches the count), in order of use."""
+def _next_stages(compute: list[tuple[int, list[int]]], start: int, count: int) -> list[int]:
+    """The first ``count`` distinct stages of the compute nodes from ``start`` on (all parts of the node
+    that reaches the count), in order of use. ``count`` is at most the number of distinct stages left
+    (:func:`_distinct_after`), so the scan stops as soon as it has them rather than running to the end
+    of the row: a row's plan is linear in its length, not quadratic."""
     seen: list[int] = []
-    for _, stages in compute:
+    for _, stages in itertools.islice(compute, start, None):
         seen += [s for s in stages if s not in seen]
         if len(seen) >= count:
             break
     return seen
+
+
+def _distinct_after(compute: list[tuple[int, list[int]]]) -> list[int]:
+    """Per position, how many distinct stages the compute nodes from there to the row's end use."""
+    seen: set[int] = set()
+    counts = []
+    for _, stages in reversed(compute):
+        seen.update(stages)
+        counts.append(len(seen))
+    return counts[::-1]

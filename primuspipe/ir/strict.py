@@ -21,6 +21,8 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import numbers
+import os
 import re
 import stat
 import types
@@ -60,7 +62,7 @@ def number(value: Any, name: str, *, error: Error = ConfigError, minimum: float 
     ...
     primuspipe.errors.ConfigError: compute.f must be a finite number, got nan (NaN and infinity are not allowed)
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if _is_bool(value) or not isinstance(value, (numbers.Real, str)):
         raise error(f"{name} must be a number, got {show(value)}")
     if isinstance(value, str) and not NUMBER_TEXT.fullmatch(value.strip()):
         raise error(f"{name} must be a number (finite, in ASCII digits, e.g. 1.5 or 2e-3), got {value!r}")
@@ -95,13 +97,19 @@ def count(value: Any, name: str, *, error: Error = ConfigError, minimum: int = 0
         if not _COUNT_TEXT.fullmatch(value.strip()):
             raise error(f"{name} must be an integer written with ASCII digits, got {value!r}")
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
         raise error(f"{name} must be an integer, got {show(value)}")
+    value = int(value)  # numpy's integers are sizes too
     if value < minimum:
         raise error(f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
         raise error(f"{name} must be <= {maximum:,}, got {value:,}")
     return value
+
+
+def _is_bool(value: Any) -> bool:
+    """Python's and numpy's booleans (``numpy.bool_`` is no ``bool`` subclass): never a number or a count."""
+    return isinstance(value, bool) or type(value).__name__ in ("bool_", "bool") and hasattr(value, "dtype")
 
 
 def text(value: Any, name: str, *, error: Error = ConfigError, choices: Collection[str] | None = None) -> str:
@@ -194,9 +202,33 @@ def of_type(value: Any, annotation: Any, name: str, *, error: Error = ConfigErro
     raise error(f"{name} must be {' or '.join(simple[t] for t in allowed)}, got {show(value)}")
 
 
+def printable(text: str) -> str:
+    """``text`` with every control or other unprintable character escaped (``\\x1b``), so a message that
+    quotes a file's or the user's text never drives the terminal it is printed on."""
+    return "".join(ch if ch.isprintable() or ch == "\n" else ascii(ch)[1:-1] for ch in text)
+
+
 def show(value: Any) -> str:
     text = "null" if value is None else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def writable_folder(path: str | Path, name: str, *, error: Error = ConfigError) -> Path:
+    """``path`` as a folder files can be written into, created if missing; checked when a setting or an
+    output is given, so a bad one fails then and not after the work whose result it was to hold.
+    ``name`` says what the folder is for in messages (``"dump_dir /x"``)."""
+    folder = Path(text(str(path) if isinstance(path, Path) else path, name, error=error))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise error(f"cannot create {name}: a file is in the way of the folder {folder}") from None
+    except OSError as exc:
+        raise error(f"cannot create {name}: {exc.strerror or exc}; give a writable directory") from None
+    if not folder.is_dir():
+        raise error(f"cannot create {name}: a file is in the way of the folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise error(f"cannot write into {name}: permission denied; give a writable directory")
+    return folder
 
 
 # -- documents ----------------------------------------------------------------------------------------
@@ -209,6 +241,8 @@ def read_text(path: str | Path, what: str, *, error: Error = ConfigError, max_by
         info = path.stat()
         if stat.S_ISDIR(info.st_mode):
             raise error(f"{what} {path} is a directory; give a file")
+        if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block or never end
+            raise error(f"{what} {path} is not a regular file (a pipe, socket or device); give a file")
         with path.open("rb") as f:
             data = f.read(max_bytes + 1)
     except FileNotFoundError:

@@ -55,6 +55,17 @@ class ScheduleTable:
                 f"table has {len(self.ranks)} rank lists but its placement has pp = {self.placement.pp}"
             )
 
+    def __hash__(self) -> int:
+        """Computed once per table: hashing walks every node, and tables key caches (the proof, the
+        resource plan per rank) that a large table is looked up in once per rank."""
+        if (cached := vars(self).get("_hash")) is None:
+            cached = vars(self)["_hash"] = hash((self.placement, self.microbatches, self.ranks, self.algorithm))
+        return cached
+
+    def __getstate__(self) -> dict:
+        """Pickled without the cached hash: string hashes differ between processes."""
+        return {k: v for k, v in vars(self).items() if k != "_hash"}
+
     @classmethod
     def build(
         cls, placement: Placement, microbatches: int, ranks: Iterable[Iterable[ScheduleNode]], algorithm: str = "custom"

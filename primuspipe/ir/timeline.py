@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from primuspipe.errors import TableFormatError
 from primuspipe.ir import strict
 from primuspipe.ir.cost_model import TIME_UNITS
 from primuspipe.ir.documents import check_envelope, envelope, write_atomically
+from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import MAX_NODES, check_shape
 
@@ -92,6 +94,31 @@ class Timeline:
         ends = [e.end for r in self.ranks for e in r.events]
         starts = [e.start for r in self.ranks for e in r.events]
         return max(ends) - min(starts) if ends else 0.0
+
+    def check_one_step(self, where: str) -> Timeline:
+        """Refuse a timeline that is not one whole step of its shape: on every rank it times, each of its
+        chunks runs every microbatch's forward exactly once, and its backward once too -- as a B and a W
+        or as one BW -- (or, in a forward-only step, no rank runs any backward). A dropped event, a
+        duplicated microbatch or a header whose microbatch count is not the events' is named here, before
+        anything is drawn or measured from it. Returns the timeline."""
+        counts = [Counter((kind, mb, chunk) for e in r.events if e.node.kind.is_compute
+                          for kind, mb, chunk in e.node.parts()) for r in self.ranks]
+        forward_only = not any(k is not NodeKind.F for c in counts for k, _, _ in c)
+        for rank, seen in zip(self.ranks, counts):
+            if twice := next((key for key, n in seen.items() if n > 1), None):
+                raise TableFormatError(f"{where}: rank {rank.rank} runs {_part(twice)} {seen[twice]} times; a step runs "
+                                       "each node once (a duplicated event or microbatch)")
+            for chunk in range(self.vpp):
+                for mb in range(self.microbatches):
+                    need = [(NodeKind.F,)] if forward_only else [(NodeKind.F,), (NodeKind.B, NodeKind.BW),
+                                                                  (NodeKind.W, NodeKind.BW)]
+                    for options in need:
+                        if not any(seen[(kind, mb, chunk)] for kind in options):
+                            raise TableFormatError(
+                                f"{where}: rank {rank.rank} has no {_part((options[0], mb, chunk))} event, but the step "
+                                f"has {self.microbatches} microbatches x {self.vpp} chunks; an event was dropped or the "
+                                "header's shape is not the events'")
+        return self
 
     def to_dict(self) -> dict:
         header = ("source", "algorithm", "pp", "vpp", "microbatches", "iteration", "time_unit", "meta")
@@ -177,12 +204,19 @@ def _rank_timeline(data: object, where: str, pp: int, vpp: int, m: int) -> RankT
         if cpu is not None:
             if not isinstance(cpu, list) or len(cpu) != 2:
                 raise TableFormatError(f"{at}.cpu must be [start, end] of the thread's CPU time, got {strict.show(cpu)}")
-            cpu = tuple(strict.number(v, f"{at}.cpu[{j}]", error=TableFormatError) for j, v in enumerate(cpu))
+            first = strict.number(cpu[0], f"{at}.cpu[0]", minimum=0, error=TableFormatError)
+            cpu = first, strict.number(cpu[1], f"{at}.cpu[1] (the thread's CPU time at the node's end, not before "
+                                               "its start)", minimum=first, error=TableFormatError)
         size = e.get("bytes")
         if size is not None:
             size = strict.count(size, f"{at}.bytes", error=TableFormatError)
         events.append(TimedNode(node, start, end, cpu, size))
     return RankTimeline(rank, tuple(events), peak)
+
+
+def _part(key: tuple) -> str:
+    kind, mb, chunk = key
+    return str(ScheduleNode(kind, mb, chunk))
 
 
 def _event_dict(e: TimedNode) -> dict:
@@ -245,7 +279,7 @@ def merge_rank_dumps(dump_dir: str | os.PathLike, iteration: int) -> Timeline:
     hosts = [{"rank": part.ranks[0].rank, **{k: part.meta[k] for k in _RANK_FACTS if k in part.meta}} for part in parts]
     return Timeline("run", first.algorithm, first.pp, first.vpp, first.microbatches, tuple(ranks), iteration,
                     meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory"),
-                          "run_id": first.meta.get("run_id"), "ranks": hosts})
+                          "run_id": first.meta.get("run_id"), "ranks": hosts}).check_one_step(f"iteration {iteration} in {folder}")
 
 
 _RANK_FACTS = ("t0_unix", "host", "cpus", "threads", "process_cpu", "thread_cpu")

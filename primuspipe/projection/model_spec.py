@@ -157,6 +157,9 @@ class ModelSpec:
                      "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim"):
             if getattr(self, name) == 0:
                 fail((name,), "must be at least 1", "give a positive size (or leave it out for the default)")
+            if (getattr(self, name) or 0) > MAX_SIZES.get(name, MAX_SIZE):
+                fail((name,), f"is larger than {MAX_SIZES.get(name, MAX_SIZE):,}, beyond any model this projects "
+                     "(the layout and the arithmetic would not end or not be numbers)", "check the value")
         if self.vocab_size is None and self.padded_vocab_size is None:
             fail(("vocab_size",), "the vocabulary size is missing", "give vocab_size (or padded_vocab_size)")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
@@ -176,6 +179,12 @@ class ModelSpec:
         if self.multi_latent_attention and self.position_embedding_type == "learned_absolute":
             fail(("multi_latent_attention", "position_embedding_type"), "MLA carries its own rotary embedding",
                  "set position_embedding_type: rope")
+
+
+MAX_SIZE = 2**31
+"""Largest width, head count, vocabulary or sequence length a model may give (no trained model is near)."""
+MAX_SIZES = {"num_layers": 100_000}
+"""Tighter bounds: the projection keeps one entry per layer."""
 
 
 def _moe_pattern(freq: int | tuple[int, ...] | str, num_layers: int, source: str) -> tuple[int, ...]:

@@ -28,6 +28,7 @@ from typing import Any
 
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import TableMismatchError
+from primuspipe.ir import strict
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.timeline import dump_path
@@ -86,8 +87,9 @@ class StepDriver:
     """Runs one rank's row of a table per step, with the transport, watchdog and dumps configured once."""
 
     def __init__(self, *, watchdog_timeout_s: float, dump_dir: str | None = None):
-        self.watchdog_timeout_s = watchdog_timeout_s
-        self.dump_dir = dump_dir
+        # checked now, not after the first step whose timeline they were to hold (every backend builds one)
+        self.watchdog_timeout_s = strict.number(watchdog_timeout_s, "watchdog_timeout_s", above=0)
+        self.dump_dir = None if dump_dir is None else str(strict.writable_folder(dump_dir, f"dump_dir {dump_dir}"))
         """Where each training step's timeline goes (``None``: no dumps)."""
         self.iteration = 0
         """Training (not forward-only) steps run so far: the iteration number of dumps."""

@@ -13,33 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hostile_support import not_valid_afterwards, record, refused, run_cli
-from primuspipe.algorithms.build import build_schedule
-from primuspipe.ir.cost_model import CostModel
+from hostile_support import PP, make_dump, not_valid_afterwards, record, refused, run_cli
 from primuspipe.ir.timeline import dump_path
-from primuspipe.simulator import simulate
-
-PP = 4
-
-
-def _rank_files(run_id="run-a", pp=PP, iteration=0, t0=1000.0):
-    """One iteration's rank dump files, as the recorder writes them: (rank, JSON dict)."""
-    timeline = simulate(build_schedule("1f1b", pp=pp, microbatches=8), CostModel.per_stage(pp, 0.01, 0.01, 0.01)).timeline()
-    data = timeline.to_dict()
-    for r in data["ranks"]:
-        yield r["rank"], {**data, "source": "run", "iteration": iteration, "time_unit": "s", "ranks": [r],
-                          "meta": {"t0_unix": t0 + iteration, "run_id": run_id}}
-
-
-def make_dump(root, iterations=(0, 1), run_id="run-a", pp=PP, ranks=None, t0=1000.0):
-    for i in iterations:
-        for rank, data in _rank_files(run_id, pp, i, t0):
-            if ranks is None or rank in ranks:
-                path = dump_path(root, i, rank)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(data))
-    return root
-
 
 def _edit(path, fn):
     data = json.loads(path.read_text())

@@ -41,6 +41,17 @@ def _clean_environment(monkeypatch):
     ({"dump_pp_data": True, "dump_dir": ""}, ["dump_dir"]),
     ({"dump_pp_data": "yes please"}, ["dump_pp_data"]),
     ({"dump_pp_data": 1.5}, ["dump_pp_data"]),
+    # values no shape takes, and cost mappings, fail at install, not on every rank at the first step
+    ({"pp_algorithm": "interleaved-1f1b", "algorithm_options": {"microbatch_group_size": 0}}, ["microbatch_group_size"]),
+    ({"pp_algorithm": "interleaved-1f1b", "algorithm_options": {"microbatch_group_size": -3}},
+     ["microbatch_group_size"]),
+    ({"pp_algorithm": "zb-h1", "algorithm_options": {"cost": {"compute": {"f": 1, "b": 1}}}}, ["w"]),
+    ({"pp_algorithm": "zb-h1", "algorithm_options": {"cost": {"compute": {"f": -1, "b": 1, "w": 1}}}}, ["f"]),
+    ({"pp_algorithm": "zb-h1", "algorithm_options": {"cost": {"compute": {"f": 1, "b": 1, "w": 1}, "colour": 1}}},
+     ["colour"]),
+    ({"pp_algorithm": "zb-h1", "algorithm_options": {"cost": {"compute": {"f": 1e300, "b": 1, "w": 1}}}}, ["1e+12"]),
+    ({"pp_algorithm": "zb-h1", "algorithm_options": {"cost": {"compute": {"f": [1, 2, "x"], "b": 1, "w": 1}}}},
+     ["f"]),
 ])
 def test_bad_settings(settings, names):
     if settings == {"watchdog_timeout_s": "10"}:

@@ -4,7 +4,10 @@ classes, and assert it is the only acceptable one.
 Classes (the issue's): ``clear`` -- refused, non-zero exit (or the project's exception for an API entry
 point), one line naming the problem; ``garbled`` -- refused, but the message is not one line or does
 not name the problem; ``traceback`` -- an exception escaped; ``silent`` -- exit 0 or no exception on bad
-input; ``hang`` -- still running after :data:`HANG_S`. Every outcome is tallied and the tally printed at
+input; ``hang`` -- still running after :data:`HANG_S`; ``late`` -- refused, but only after the work the
+refusal should have prevented (drawing, simulating, measuring, a training step: :data:`WORK`);
+``leftover`` -- refused, but files were left behind in the folder the case watches. Valid inputs near
+the edges are tallied as ``sound`` when they are accepted and ``refused`` when they are not. Every outcome is tallied and the tally printed at
 the end of the session (``hostile inputs: ...``), the figure the issue's closing note asks for.
 """
 
@@ -24,10 +27,12 @@ import pytest
 
 from primuspipe.cli import main
 from primuspipe.errors import PrimusPipeError
+from primuspipe.ir.timeline import dump_path
 
 HANG_S = 30
 """An input still being handled after this long counts as a hang (every clear refusal takes well under 1 s)."""
 
+KINDS = ("clear", "sound", "garbled", "traceback", "silent", "late", "leftover", "hang", "refused")
 TALLY: Counter = Counter()
 CASES: list[tuple[str, str]] = []
 
@@ -59,6 +64,10 @@ class Outcome:
     """The error line (CLI) or the exception's first line (API)."""
     out: str = ""
     err: str = ""
+    work: tuple[str, ...] = ()
+    """The work functions (:data:`WORK`) that ran before the command ended."""
+    left: tuple[str, ...] = ()
+    """Files that appeared in or changed under the watched folder."""
 
 
 def _error_lines(err: str) -> list[str]:
@@ -66,12 +75,51 @@ def _error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("error: ") or ": error: " in line]
 
 
-def run_cli(argv: list[str]) -> Outcome:
-    """``primuspipe ARGV`` in this process, classified."""
+WORK = (("primuspipe.cli.simulate_command", "simulate"), ("primuspipe.cli.simulate_command", "write_chrome_trace"),
+        ("primuspipe.cli.vis_command", "measure_costs"), ("primuspipe.cli.vis_command", "write_trace"),
+        ("primuspipe.tools.pp_vis.png", "draw_png"), ("primuspipe.tools.pp_vis.html", "write_html"),
+        ("primuspipe.runtime.driver.StepDriver", "execute"))
+"""Functions that do a command's work: a refusal of bad input or output after any of them ran is late."""
+
+
+@contextlib.contextmanager
+def _watch_work():
+    import importlib
+
+    called: list[str] = []
+    saved = []
+    for where, name in WORK:
+        module, _, cls = where.rpartition(".") if where.endswith("StepDriver") else (where, "", "")
+        owner = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
+        real = getattr(owner, name)
+
+        def probe(*args, _real=real, _name=name, **kwargs):
+            called.append(_name)
+            return _real(*args, **kwargs)
+
+        saved.append((owner, name, real))
+        setattr(owner, name, probe)
+    try:
+        yield called
+    finally:
+        for owner, name, real in saved:
+            setattr(owner, name, real)
+
+
+def _snapshot(folder: Path | None) -> dict[str, tuple[int, int]]:
+    if folder is None or not folder.exists():
+        return {}
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+def run_cli(argv: list, watch: Path | None = None) -> Outcome:
+    """``primuspipe ARGV`` in this process, classified; files that appear or change under ``watch``
+    make a refusal ``leftover``."""
+    before = _snapshot(watch)
     out, err = io.StringIO(), io.StringIO()
     code: int | None = None
     escaped = None
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _watch_work() as called:
         try:
             with _hang_guard():
                 try:
@@ -82,32 +130,40 @@ def run_cli(argv: list[str]) -> Outcome:
             return Outcome("hang", None, "", out.getvalue(), err.getvalue())
         except BaseException:  # noqa: BLE001 - the sweep's "traceback" class
             escaped = traceback.format_exc()
+    after = _snapshot(watch)
+    left = tuple(sorted(k for k in after if before.get(k) != after[k]))
     out_text, err_text = out.getvalue(), err.getvalue()
+    work = tuple(called)
     if escaped is not None or "Traceback (most recent call last)" in out_text + err_text:
-        return Outcome("traceback", code, escaped or err_text, out_text, err_text)
+        return Outcome("traceback", code, escaped or err_text, out_text, err_text, work, left)
     if code == 0:
-        return Outcome("silent", code, "", out_text, err_text)
+        return Outcome("silent", code, "", out_text, err_text, work, left)
     lines = _error_lines(err_text)
     # validate reports an invalid table on stdout (its result), first line "INVALID <file>: <why>"
     invalid = [line for line in out_text.splitlines() if line.startswith("INVALID ")]
     message = (lines or invalid or [""])[0]
     kind = "clear" if len(lines) + len(invalid) == 1 and message.strip() else "garbled"
-    return Outcome(kind, code, message, out_text, err_text)
+    if kind == "clear" and left:
+        kind = "leftover"
+    return Outcome(kind, code, message, out_text, err_text, work, left)
 
 
 def run_api(fn, *args, **kwargs) -> Outcome:
-    """``fn(*args, **kwargs)``, an API entry point that must raise a PrimusPipeError, classified."""
-    try:
-        with _hang_guard():
-            fn(*args, **kwargs)
-    except _Hang:
-        return Outcome("hang", None, "")
-    except PrimusPipeError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        return Outcome("clear" if first.strip() else "garbled", 1, first)
-    except BaseException:  # noqa: BLE001
-        return Outcome("traceback", None, traceback.format_exc())
-    return Outcome("silent", 0, "")
+    """``fn(*args, **kwargs)``, an API entry point that must raise a PrimusPipeError, classified; one
+    raised after a step started running nodes (:data:`WORK`) is ``late``."""
+    with _watch_work() as called:
+        try:
+            with _hang_guard():
+                fn(*args, **kwargs)
+        except _Hang:
+            return Outcome("hang", None, "")
+        except PrimusPipeError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            kind = "late" if called else "clear" if first.strip() else "garbled"
+            return Outcome(kind, 1, first, work=tuple(called))
+        except BaseException:  # noqa: BLE001
+            return Outcome("traceback", None, traceback.format_exc(), work=tuple(called))
+    return Outcome("silent", 0, "", work=tuple(called))
 
 
 def record(kind: str, case: str) -> None:
@@ -116,8 +172,11 @@ def record(kind: str, case: str) -> None:
     CASES.append((case, kind))
 
 
-def refused(outcome: Outcome, *names: str, case: str = "") -> Outcome:
-    """Tally ``outcome`` and assert the sweep's rule: a clear refusal whose message names each of ``names``."""
+def refused(outcome: Outcome, *names: str, case: str = "", before_work: bool = False) -> Outcome:
+    """Tally ``outcome`` and assert the sweep's rule: a clear refusal whose message names each of ``names``
+    (with ``before_work``: made before any of :data:`WORK` ran, else it is ``late``)."""
+    if before_work and outcome.kind == "clear" and outcome.work:
+        outcome = Outcome("late", outcome.code, outcome.message, outcome.out, outcome.err, outcome.work, outcome.left)
     record(outcome.kind, case)
     assert outcome.kind == "clear", f"{case}: {outcome.kind}: {outcome.message or outcome.out or outcome.err}"
     for name in names:
@@ -141,13 +200,46 @@ def not_valid_afterwards(*paths: Path) -> None:
                 load_table(path)
 
 
+def accepted(outcome: Outcome, case: str = "") -> Outcome:
+    """Tally a valid input near the edges: ``sound`` when it ran (exit 0, no error line), else ``refused``."""
+    ok = outcome.kind == "silent" and outcome.code == 0
+    record("sound" if ok else "refused", case)
+    assert ok, f"{case}: a valid input was {outcome.kind}: {outcome.message or outcome.err}"
+    return outcome
+
+
 def write_summary(terminalreporter) -> None:
     """Print the tally (and write it to ``$HOSTILE_TALLY_JSON`` as JSON when set)."""
     if not CASES:
         return
-    parts = ", ".join(f"{TALLY[k]} {k}" for k in ("clear", "garbled", "traceback", "silent", "hang"))
+    parts = ", ".join(f"{TALLY[k]} {k}" for k in KINDS)
     terminalreporter.write_line(f"hostile inputs: {len(CASES)} ({parts})")
     if path := os.environ.get("HOSTILE_TALLY_JSON"):
-        Path(path).write_text(json.dumps({"inputs": len(CASES), **{k: TALLY[k] for k in
-                                          ("clear", "garbled", "traceback", "silent", "hang")}}, indent=1))
+        Path(path).write_text(json.dumps({"inputs": len(CASES), **{k: TALLY[k] for k in KINDS}}, indent=1))
 
+
+# -- run dumps as the recorder writes them ------------------------------------------------------------
+PP = 4
+
+
+def _rank_files(run_id="run-a", pp=PP, iteration=0, t0=1000.0):
+    """One iteration's rank dump files, as the recorder writes them: (rank, JSON dict)."""
+    from primuspipe.algorithms.build import build_schedule
+    from primuspipe.ir.cost_model import CostModel
+    from primuspipe.simulator import simulate
+
+    timeline = simulate(build_schedule("1f1b", pp=pp, microbatches=8), CostModel.per_stage(pp, 0.01, 0.01, 0.01)).timeline()
+    data = timeline.to_dict()
+    for r in data["ranks"]:
+        yield r["rank"], {**data, "source": "run", "iteration": iteration, "time_unit": "s", "ranks": [r],
+                          "meta": {"t0_unix": t0 + iteration, "run_id": run_id}}
+
+
+def make_dump(root, iterations=(0, 1), run_id="run-a", pp=PP, ranks=None, t0=1000.0):
+    for i in iterations:
+        for rank, data in _rank_files(run_id, pp, i, t0):
+            if ranks is None or rank in ranks:
+                path = dump_path(root, i, rank)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(data))
+    return root

@@ -31,11 +31,10 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from primuspipe.errors import ConfigError
+from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.ir import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost, read_cost_file
 from primuspipe.ir.costs import per_stage_values
@@ -187,17 +186,13 @@ class PrimusPipeConfig:
         options = {k: v for k, v in self.algorithm_options.items() if k not in _SCHEDULE_KEYWORDS}
         for algorithm in self.algorithms():
             check_options(algorithm, options)
+            _trial_build(algorithm, options)
         if "memory_limit" in self.algorithm_options:
             strict.number(self.algorithm_options["memory_limit"], "algorithm_options.memory_limit", above=0)
+        if isinstance(cost := self.algorithm_options.get("cost"), Mapping):
+            _check_cost_mapping(cost)
         if self.dump_pp_data:
-            folder = Path(self.dump_dir)
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise ConfigError(f"dump_dir {self.dump_dir}: cannot create it ({exc.strerror or exc}); "
-                                  "give a writable directory") from None
-            if not os.access(folder, os.W_OK | os.X_OK):
-                raise ConfigError(f"dump_dir {self.dump_dir}: permission denied; give a writable directory")
+            strict.writable_folder(self.dump_dir, f"dump_dir {self.dump_dir}")
 
     def algorithms(self) -> tuple[str, ...]:
         """The algorithms this config may run: the named one, or both of ``auto``'s (options given with
@@ -341,3 +336,29 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
         if var in env:
             values[name] = _coerce(name, env[var], f"environment variable {var}")
     return replace(PrimusPipeConfig(), **values)
+
+
+def _trial_build(algorithm: str, options: dict[str, Any]) -> None:
+    """Build ``algorithm`` with ``options`` on a small shape they all fit (pp 2, microbatches twice the
+    largest integer option), so an option value no shape takes (``microbatch_group_size: 0``) is
+    refused at install rather than on every rank at the first step."""
+    from primuspipe.algorithms.build import build_schedule
+    from primuspipe.errors import ScheduleShapeError
+
+    sizes = [v for v in options.values() if isinstance(v, int) and not isinstance(v, bool)]
+    try:
+        build_schedule(algorithm, 2, 2 * max([2, *sizes]), communication=False, **options)
+    except (ScheduleShapeError, ConfigError) as exc:
+        raise ConfigError(f"algorithm_options {dict(options)} for {algorithm}: {exc}") from None
+
+
+def _check_cost_mapping(cost: Mapping) -> None:
+    """``algorithm_options.cost`` read as the cost model it will be at the first step (per-stage lists
+    taken at their own length), so a bad key or value fails at install."""
+    lengths = [len(v) for section in cost.values() if isinstance(section, Mapping)
+               for v in section.values() if isinstance(v, (list, tuple))]
+    try:
+        CostModel.from_dict(cost, pp=max(lengths, default=1), vpp=1, source="algorithm_options.cost")
+    except PrimusPipeError as exc:
+        raise ConfigError(str(exc)) from None
+

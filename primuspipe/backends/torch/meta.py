@@ -107,7 +107,14 @@ def infer_stage_meta(modules: Sequence[torch.nn.Module], placement: Placement, r
 def _outputs(module: torch.nn.Module, sample: tuple[torch.Tensor, ...], stage: int) -> tuple[TensorMeta, ...]:
     plain = getattr(module, "module", module) if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
     with torch.no_grad(), _restored(plain, sample[0].device if sample else None):
-        out = plain(*sample)
+        try:
+            out = plain(*sample)
+        except (RuntimeError, TypeError, ValueError) as exc:  # the stages do not chain: one line, before any step
+            got = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in sample]
+            source = "the step" if stage == 0 else "the previous stage"
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(f"stage {stage}'s module cannot take what {source} gives it {got}: {why}; the stages "
+                              "must chain (each takes what the one before returns)") from None
     return tuple(TensorMeta.of(t) for t in as_tensors(out, f"stage {stage}'s output"))
 
 

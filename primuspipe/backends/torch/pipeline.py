@@ -26,6 +26,7 @@ from primuspipe.backends.torch.binder import StepData, TorchBinder
 from primuspipe.backends.torch.meta import StageMeta, infer_stage_meta
 from primuspipe.runtime.activation_offload import ActivationOffload, SavedBytes
 from primuspipe.errors import ConfigError
+from primuspipe.ir import strict
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication
@@ -63,6 +64,8 @@ class TorchPipeline:
                  device: torch.device | str | None = None, scale_grads: bool = True,
                  watchdog_timeout_s: float = 300.0, dump_dir: str | None = None,
                  offload_ops: Sequence[str] = (), count_saved_bytes: bool = False):
+        _check_arguments(table, stages, loss_fn)
+        self.driver = StepDriver(watchdog_timeout_s=watchdog_timeout_s, dump_dir=dump_dir)  # checks both now
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         if dist.get_world_size(self.group) != table.pp:
@@ -70,7 +73,7 @@ class TorchPipeline:
                               f"{dist.get_world_size(self.group)}")
         self.table = validate(table if table.has_communication else add_communication(table))
         mine = self.table.placement.stages[self.rank]
-        if set(stages) != set(mine):
+        if set(stages) != set(mine):  # numpy integers are stage numbers too
             raise ConfigError(f"pipeline rank {self.rank} holds stages {sorted(mine)} of the {table.algorithm} table "
                               f"({table.placement.name} placement), but was given modules for {sorted(stages)}")
         self.modules = [stages[s] for s in mine]
@@ -79,7 +82,6 @@ class TorchPipeline:
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
         self.device = torch.device(device) if device is not None else _device_of(self.modules)
-        self.driver = StepDriver(watchdog_timeout_s=watchdog_timeout_s, dump_dir=dump_dir)
         self.meta: list[StageMeta] | None = None
         """Per chunk, what its stage receives and sends; inferred at the first step or eval."""
         offloads = any(n.kind.on_host_stream for n in self.table.ranks[self.rank])
@@ -137,6 +139,9 @@ class TorchPipeline:
         m = self.table.microbatches
         split_inputs = _split(inputs, m, "inputs") if self.has_first_stage else None
         targets = _split((target,), m, "target") if self.has_last_stage and target is not None else None
+        if split_inputs is not None and targets is not None and len(inputs[0]) != len(target):
+            raise ConfigError(f"the inputs have a batch of {len(inputs[0])} but the target {len(target)}; each "
+                              "microbatch's target is the same rows of the batch as its inputs")
         if self.meta is None:
             self.meta = infer_stage_meta(self.modules, self.table.placement, self.rank,
                                          split_inputs[0] if split_inputs else None, self.group, self.device)
@@ -173,8 +178,27 @@ class TorchPipeline:
                         "pass scale_grads=False and scale the loss yourself")
 
 
+def _check_arguments(table: Any, stages: Any, loss_fn: Any) -> None:
+    """Refuse, before any process-group call, arguments of the wrong type or value: each mistake one
+    line naming the argument (rather than an AttributeError deep inside, or a failure after a step)."""
+    if not isinstance(table, ScheduleTable):
+        raise ConfigError(f"TorchPipeline's table must be a primuspipe ScheduleTable (build_schedule or load_table), "
+                          f"got {type(table).__name__}")
+    if not isinstance(stages, Mapping) or not all(isinstance(m, torch.nn.Module) for m in stages.values()):
+        raise ConfigError("TorchPipeline's stages must map each stage number this rank holds to its torch.nn.Module, "
+                          f"got {type(stages).__name__}"
+                          + ("" if not isinstance(stages, Mapping) else
+                             f" of {sorted({type(m).__name__ for m in stages.values()})}"))
+    for key in stages:
+        strict.count(key, "a TorchPipeline stage number")  # which stages: checked against the table below
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError(f"loss_fn must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
+
+
 def _split(values: Sequence[Any], m: int, what: str) -> list[tuple[torch.Tensor, ...]]:
-    """``m`` microbatches of each tensor in ``values`` along dimension 0 (torch's ``tensor_split``)."""
+    """``m`` microbatches of each tensor in ``values`` along dimension 0 (torch's ``tensor_split``),
+    all of one size: a batch that does not divide into ``m`` is refused (unequal microbatches would
+    give each a different weight in the mean, and shapes the pipeline did not infer)."""
     if not values:
         raise ConfigError(f"this rank holds the {'first' if what == 'inputs' else 'last'} stage, so step() needs "
                           f"the {what}")
@@ -185,6 +209,12 @@ def _split(values: Sequence[Any], m: int, what: str) -> list[tuple[torch.Tensor,
         if v.dim() == 0 or v.shape[0] < m:
             raise ConfigError(f"the {what} have a batch of {v.shape[0] if v.dim() else 0}, fewer than the table's "
                               f"{m} microbatches")
+        if v.shape[0] % m:
+            raise ConfigError(f"the {what} have a batch of {v.shape[0]}, which does not split into the table's {m} "
+                              f"equal microbatches; give a batch that is a multiple of {m}")
+    if len({v.shape[0] for v in values}) > 1:
+        raise ConfigError(f"the {what} have batches of different sizes {[v.shape[0] for v in values]}; all split "
+                          "along dimension 0 into the same microbatches")
     return list(zip(*(torch.tensor_split(v, m, dim=0) for v in values)))
 
 

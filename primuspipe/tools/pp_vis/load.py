@@ -107,7 +107,7 @@ def _whole(timeline: Timeline, path: Path) -> Timeline:
     if missing := sorted(set(range(timeline.pp)) - {r.rank for r in timeline.ranks}):
         raise TableFormatError(f"{path} has no events for rank(s) {', '.join(map(str, missing))} of pp={timeline.pp}; "
                                "a rank's dump file is read with its dump directory (pass the directory)")
-    return timeline
+    return timeline.check_one_step(str(path))
 
 
 def _newest_run(dump_dir: Path, iterations: list[int]) -> list[Timeline]:
@@ -122,6 +122,12 @@ def _newest_run(dump_dir: Path, iterations: list[int]) -> list[Timeline]:
     if not merged:
         i, why = skipped[-1]
         raise TableFormatError(f"{dump_dir} holds no whole iteration; the last one, {i}, is refused: {why}")
+    runs: dict = {}
+    for t in merged:
+        if (run_id := t.meta.get("run_id")) is not None and runs.setdefault(run_id, t) and run_of(runs[run_id]) != run_of(t):
+            raise TableFormatError(f"{dump_dir}: run {run_id} is {describe_run(runs[run_id])} at iteration "
+                                   f"{runs[run_id].iteration} but {describe_run(t)} at iteration {t.iteration}; one run "
+                                   "keeps one schedule, so these files were edited or mixed")
     newest = max(merged, key=lambda t: t.meta["t0_unix"])
     kept = [t for t in merged if run_of(t) == run_of(newest)]
     skipped += [(t.iteration, f"it belongs to an older run ({describe_run(t)}) than the newest one "

@@ -87,7 +87,7 @@ class _PrimusDump:
             meta["activation_peaks"] = [self._record(r, iteration).get("memory") for r in range(self.pp)]
         algorithm = self.path.name if self.simulated else "primus"
         return Timeline("simulator" if self.simulated else "run", algorithm, self.pp, self.vpp, self.microbatches,
-                        ranks, iteration, "ms", meta)
+                        ranks, iteration, "ms", meta).check_one_step(f"{self.path} iteration {iteration}")
 
     def _record(self, rank: int, iteration: int) -> dict:
         record = self.ranks[rank][str(iteration)]
@@ -213,4 +213,7 @@ def _finite(value: Any, what: str) -> float:
 def _numbers(values: Any, what: str) -> list[float]:
     if not isinstance(values, list):
         raise TableFormatError(f"{what} must be a list of numbers, got {type(values).__name__}")
-    return [_finite(v, f"{what}[{i}]") for i, v in enumerate(values)]
+    numbers = [_finite(v, f"{what}[{i}]") for i, v in enumerate(values)]
+    if (bad := next((i for i, v in enumerate(numbers) if v < 0), None)) is not None:
+        raise TableFormatError(f"{what}[{bad}] is {numbers[bad]}; times are from the step's start, >= 0")
+    return numbers
