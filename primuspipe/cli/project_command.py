@@ -136,6 +136,9 @@ def cmd_project(args: argparse.Namespace) -> int:
     cause = (f"--measured-costs {args.measured_costs} does not describe this model and training configuration "
              "(its times are faster than the hardware can be); calibrate a run of this model"
              if args.measured_costs is not None else "the model's sizes or the hardware's figures are implausible")
+    implausible = [r.error for r in refusals if "MFU" in r.error]
+    if not results and implausible and args.measured_costs is not None:
+        raise ConfigError(f"{cause}: {implausible[0]}")
     for result in results:
         sane.check(result.row(), f"the projection of {result.algorithm}", cause)
     if args.json:
