@@ -153,12 +153,15 @@ class WorkModel(RankShape):
         return Work(memory_bytes=(3 if self.model.swiglu else 2) * tokens * width * self.e)
 
     def _elementwise(self, kind: str) -> Work:
-        """Residual adds, rotary embedding, the activation function and MoE permutation of one layer, forward
+        """Residual adds, rotary embedding, per-head query/key norms, the activation function and MoE
+        permutation of one layer, forward
         (the norms are :meth:`_norms`)."""
         m, t = self.model, self.training
         e = self.e
         moved = 2 * 3 * self.hidden_bytes  # two residual adds (2 reads, 1 write)
         if m.position_embedding_type == "rope":
+            moved += 2 * self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
+        if m.qk_layernorm and not m.multi_latent_attention:  # per-head norms read and write the queries and keys
             moved += 2 * self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
         if kind == "dense":
             return Work(memory_bytes=moved) + self._activation(self.tokens, m.ffn / t.tp)

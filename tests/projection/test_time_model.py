@@ -146,3 +146,10 @@ def test_sharded_gradients_are_reduce_scattered_every_microbatch_beside_the_comp
     assert gradient_sync(params, dp, HW, buckets=4, compute_s=short) == pytest.approx(gather + 2 * (reduce - short))
     unhidden = dataclasses.replace(dp, overlap_grad_reduce=False)
     assert gradient_sync(params, unhidden, HW, compute_s=10.0) == pytest.approx(gather + 2 * reduce)
+
+
+def test_per_head_query_key_norms_read_and_write_queries_and_keys():
+    normed = dataclasses.replace(MODEL, qk_layernorm=True)
+    extra = WorkModel(normed, TRAINING).layer("dense").forward.memory_bytes - \
+        WorkModel(MODEL, TRAINING).layer("dense").forward.memory_bytes
+    assert extra == pytest.approx(2 * (2 * 2048) * (8 + 8) * 128 * 2)  # tokens x (a + g) heads x d, read and write
