@@ -21,7 +21,7 @@ compute, except the data-parallel gradient reduction when ``overlap_grad_reduce`
 * EP: per MoE layer an all-to-all to dispatch the ``T_r k`` token copies and one to combine them, in
   F and again in B;
 * DP, once per step after the last backward: with the distributed optimizer a reduce-scatter of the
-  fp32 gradients and an all-gather of the updated bf16 weights, else an all-reduce of the gradients;
+  main gradients (fp32 unless narrowed) and an all-gather of the updated bf16 weights, else an all-reduce of the gradients;
   expert parameters over the expert-data-parallel group; tied embeddings add an all-reduce of the
   embedding gradient between the first and last stage.
 """
@@ -166,7 +166,7 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
     microbatch, or at least the last bucket of the last one. (The network is taken as the data-parallel
     group's alone: pipeline sends share it, and are small beside gradients.)"""
     t, net = training, Collectives(hardware)
-    grad_bytes = 4  # fp32 main gradients (mixed precision accumulates and reduces in fp32)
+    grad_bytes = t.main_grad_bytes  # mixed precision accumulates and reduces in fp32 unless told otherwise
     weight_bytes = 4 if t.precision == "fp32" else 2
     span = t.tp * t.cp * t.dp
     groups = ((params.dense, t.dense_data_parallel_size), (params.expert, t.expert_data_parallel_size))

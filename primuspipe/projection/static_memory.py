@@ -9,7 +9,7 @@ data-parallel group -- DP * CP ranks for dense parameters, the expert-data-paral
 parameter; without it every rank keeps all 18. fp32 training keeps a 4-byte weight and gradient and
 8 bytes of moments (the weight is its own master copy). Megatron's precision-aware optimizer narrows
 the master weight, main gradient and moments to the dtypes given; FP8 weights (``fp8_param_gather``)
-take 1 byte. Megatron-FSDP's ``optim_grads`` strategy shards the main gradients as well (ZeRO-2).
+take 1 byte; ``grad_reduce_in_bf16`` keeps 2-byte main gradients. Megatron-FSDP's ``optim_grads`` strategy shards the main gradients as well (ZeRO-2).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def static_memory(params: ParamCount, training: TrainingSpec) -> StaticMemory:
         weight, grad, state = 4, 4, 8
     else:
         weight = 1 if t.fp8_param_gather else 2
-        grad = _BYTES[t.main_grads_dtype]
+        grad = t.main_grad_bytes
         state = _BYTES[t.main_params_dtype] + _BYTES[t.exp_avg_dtype] + _BYTES[t.exp_avg_sq_dtype]
     gradients = sharded_params(params, training) if t.shards_gradients else params.total
     return StaticMemory(weight * params.total, grad * gradients, state * optimizer_params(params, training))

@@ -78,6 +78,9 @@ class TrainingSpec:
     """Master weights the optimizer keeps (4 or 2 bytes a parameter)."""
     main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
     """Main gradients accumulated and reduced (4 or 2 bytes a parameter)."""
+    grad_reduce_in_bf16: bool = False
+    """Megatron's ``--grad-reduce-in-bf16`` (NeMo / Megatron-Bridge: ``grad_reduce_in_fp32: false``): main
+    gradients accumulated and reduced in bf16, 2 bytes a parameter, without the precision-aware optimizer."""
     exp_avg_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
     """Adam's first moment."""
     exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
@@ -208,6 +211,13 @@ class TrainingSpec:
         return self.fp8_format is not None
 
     @property
+    def main_grad_bytes(self) -> int:
+        """Bytes of one main-gradient element (what is accumulated, kept and reduced)."""
+        if self.precision == "fp32":
+            return 4
+        return 2 if self.grad_reduce_in_bf16 or self.main_grads_dtype == "bf16" else 4
+
+    @property
     def shards_gradients(self) -> bool:
         """Main gradients live sharded over the data-parallel group (Megatron-FSDP ``optim_grads``)."""
         return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads"
@@ -265,6 +275,9 @@ class TrainingSpec:
                         "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
                        "Megatron takes either explicit first/last stage layer counts or the embedding/loss accounting",
                        "keep one of the two")
+        if self.grad_reduce_in_bf16 and self.precision == "fp32":
+            self._fail(("grad_reduce_in_bf16", "precision"), "bf16 gradient reduction is a mixed-precision setting",
+                       "set precision: bf16, or remove grad_reduce_in_bf16")
         if self.data_parallel_sharding_strategy != "no_shard" and not (
                 self.use_megatron_fsdp and self.use_distributed_optimizer):
             self._fail(("data_parallel_sharding_strategy", "use_megatron_fsdp", "use_distributed_optimizer"),

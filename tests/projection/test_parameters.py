@@ -150,3 +150,13 @@ def test_a_sharding_strategy_without_megatron_fsdp_or_one_not_modelled_is_refuse
 
     with pytest.raises(InputError, match=field):
         spec_from_mapping(TrainingSpec, {"data_parallel_size": 4, **values}, "t.yaml")
+
+
+def test_bf16_gradient_reduction_keeps_two_byte_main_gradients():
+    from primuspipe.projection.parameters import ParamCount
+
+    params = ParamCount(dense=1000)
+    bf16 = TrainingSpec(data_parallel_size=4, grad_reduce_in_bf16=True)
+    assert bf16.main_grad_bytes == 2 and static_memory(params, bf16).gradients == 2 * 1000
+    with pytest.raises(InputError, match="grad_reduce_in_bf16"):
+        TrainingSpec(data_parallel_size=4, grad_reduce_in_bf16=True, precision="fp32", use_distributed_optimizer=False)

@@ -153,3 +153,11 @@ def test_per_head_query_key_norms_read_and_write_queries_and_keys():
     extra = WorkModel(normed, TRAINING).layer("dense").forward.memory_bytes - \
         WorkModel(MODEL, TRAINING).layer("dense").forward.memory_bytes
     assert extra == pytest.approx(2 * (2 * 2048) * (8 + 8) * 128 * 2)  # tokens x (a + g) heads x d, read and write
+
+
+def test_bf16_gradient_reduction_moves_half_the_bytes():
+    params = ParamCount(dense=10**9)
+    dp = dataclasses.replace(TRAINING, data_parallel_size=8, global_batch_size=32, overlap_grad_reduce=False,
+                             grad_reduce_in_bf16=True)
+    net = Collectives(HW)
+    assert gradient_sync(params, dp, HW) == pytest.approx(net.gather(2e9, 8, 8) + net.gather(2e9, 8, 8))
