@@ -21,7 +21,7 @@ compute, except the data-parallel gradient reduction when ``overlap_grad_reduce`
 * EP: per MoE layer an all-to-all to dispatch the ``T_r k`` token copies and one to combine them, in
   F and again in B;
 * DP, once per step after the last backward: with the distributed optimizer a reduce-scatter of the
-  fp32 gradients and an all-gather of the updated bf16 weights, else an all-reduce of the gradients;
+  main gradients (fp32 unless narrowed) and an all-gather of the updated bf16 weights, else an all-reduce of the gradients;
   expert parameters over the expert-data-parallel group; tied embeddings add an all-reduce of the
   embedding gradient between the first and last stage.
 """
@@ -150,16 +150,23 @@ def pipeline_ranks_per_node(training: TrainingSpec, hardware: HardwareSpec) -> i
 
 
 def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: HardwareSpec, *, tied_embedding: float = 0.0,
-                  buckets: int = 1) -> float:
+                  buckets: int = 1, compute_s: float = 0.0) -> float:
     """Seconds one rank's data-parallel gradient reduction and weight all-gather add to the step;
     ``tied_embedding`` are the embedding parameters whose gradients the first and last stage all-reduce.
 
     Megatron reduces gradients bucket by bucket as backward produces them (``overlap_grad_reduce``) and
     gathers the updated weights bucket by bucket as the next forward needs them (``overlap_param_gather``);
     overlapped, only the last reduction (the first gather) of ``buckets`` roughly equal buckets -- one per
-    layer of the rank -- is exposed."""
+    layer of the rank -- is exposed.
+
+    With gradients sharded (Megatron-FSDP ``optim_grads``) every microbatch's gradients are reduce-scattered
+    as its backward produces them, not once per step. Nothing waits for those collectives before the
+    optimizer step, so they run on their own stream beside all later compute, forward included: what
+    outlasts the rank's compute per microbatch (``compute_s``, its F, B and W seconds) shows for every
+    microbatch, or at least the last bucket of the last one. (The network is taken as the data-parallel
+    group's alone: pipeline sends share it, and are small beside gradients.)"""
     t, net = training, Collectives(hardware)
-    grad_bytes = 4  # fp32 main gradients (mixed precision accumulates and reduces in fp32)
+    grad_bytes = t.main_grad_bytes  # mixed precision accumulates and reduces in fp32 unless told otherwise
     weight_bytes = 4 if t.precision == "fp32" else 2
     span = t.tp * t.cp * t.dp
     groups = ((params.dense, t.dense_data_parallel_size), (params.expert, t.expert_data_parallel_size))
@@ -172,5 +179,9 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
             reduce += net.all_reduce(count * grad_bytes, ranks, span)
     tied = net.all_reduce(tied_embedding * grad_bytes, 2, span * t.pp)
     tail = 1 / max(1, buckets)
-    return (gather * (tail if t.overlap_param_gather else 1.0) + tied
-            + reduce * (tail if t.overlap_grad_reduce else 1.0))
+    if t.shards_gradients:
+        reduce = max(reduce * tail, t.microbatches * max(0.0, reduce - compute_s)) if t.overlap_grad_reduce \
+            else reduce * t.microbatches
+    elif t.overlap_grad_reduce:
+        reduce *= tail
+    return gather * (tail if t.overlap_param_gather else 1.0) + tied + reduce

@@ -153,20 +153,35 @@ class WorkModel(RankShape):
         return Work(memory_bytes=(3 if self.model.swiglu else 2) * tokens * width * self.e)
 
     def _elementwise(self, kind: str) -> Work:
-        """Residual adds, rotary embedding, the activation function and MoE permutation of one layer, forward
+        """Residual adds, rotary embedding, per-head query/key norms, the activation function and MoE
+        permutation of one layer, forward
         (the norms are :meth:`_norms`)."""
         m, t = self.model, self.training
         e = self.e
         moved = 2 * 3 * self.hidden_bytes  # two residual adds (2 reads, 1 write)
         if m.position_embedding_type == "rope":
             moved += 2 * self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
+        if m.qk_layernorm and not m.multi_latent_attention:  # per-head norms read and write the queries and keys
+            moved += 2 * self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
         if kind == "dense":
             return Work(memory_bytes=moved) + self._activation(self.tokens, m.ffn / t.tp)
         copies = self.expert_copies * t.load_imbalance
-        moved += 4 * copies * m.hidden_size * e  # permute and unpermute: each reads and writes every copy
+        moved += 4 * copies * m.hidden_size * e * self.permutations
         moved += self.residual_tokens * m.num_experts * 4 * 3  # router softmax / top-k over fp32 logits
         shared = self._activation(self.tokens, (m.moe_shared_expert_intermediate_size or 0) / t.tp)
         return Work(memory_bytes=moved) + self._activation(copies, m.expert_ffn / t.etp) + shared
+
+    @property
+    def permutations(self) -> int:
+        """Times every token copy is permuted and unpermuted (each a read and a write of it) per MoE layer:
+        once into expert order before the dispatch; megatron-core's all-to-all dispatcher permutes the
+        received copies a second time, from source-rank order into local-expert order, when a rank holds
+        more than one expert, and undoes that before the combine (``MoEAlltoAllTokenDispatcher``'s
+        ``dispatch_postprocess`` / ``combine_preprocess``: ``sort_chunks_by_idxs``, or a transposing
+        copy when padded to capacity)."""
+        t = self.training
+        second = t.moe_token_dispatcher_type == "alltoall" and t.ep > 1 and self.model.num_experts // t.ep > 1
+        return 2 if second else 1
 
     @property
     def expert_copies(self) -> float:

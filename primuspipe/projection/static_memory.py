@@ -9,7 +9,7 @@ data-parallel group -- DP * CP ranks for dense parameters, the expert-data-paral
 parameter; without it every rank keeps all 18. fp32 training keeps a 4-byte weight and gradient and
 8 bytes of moments (the weight is its own master copy). Megatron's precision-aware optimizer narrows
 the master weight, main gradient and moments to the dtypes given; FP8 weights (``fp8_param_gather``)
-take 1 byte.
+take 1 byte; ``grad_reduce_in_bf16`` keeps 2-byte main gradients. Megatron-FSDP's ``optim_grads`` strategy shards the main gradients as well (ZeRO-2).
 """
 
 from __future__ import annotations
@@ -44,14 +44,19 @@ def static_memory(params: ParamCount, training: TrainingSpec) -> StaticMemory:
         weight, grad, state = 4, 4, 8
     else:
         weight = 1 if t.fp8_param_gather else 2
-        grad = _BYTES[t.main_grads_dtype]
+        grad = t.main_grad_bytes
         state = _BYTES[t.main_params_dtype] + _BYTES[t.exp_avg_dtype] + _BYTES[t.exp_avg_sq_dtype]
-    return StaticMemory(weight * params.total, grad * params.total, state * optimizer_params(params, training))
+    gradients = sharded_params(params, training) if t.shards_gradients else params.total
+    return StaticMemory(weight * params.total, grad * gradients, state * optimizer_params(params, training))
 
 
 def optimizer_params(params: ParamCount, training: TrainingSpec) -> float:
     """Parameters whose optimizer state (and update) one rank holds: its shard under the distributed optimizer."""
+    return sharded_params(params, training) if training.use_distributed_optimizer else params.total
+
+
+def sharded_params(params: ParamCount, training: TrainingSpec) -> float:
+    """One rank's shard of its parameters: dense ones over the data-parallel group, expert ones over the
+    expert-data-parallel group."""
     t = training
-    if not t.use_distributed_optimizer:
-        return params.total
     return params.dense / t.dense_data_parallel_size + params.expert / t.expert_data_parallel_size

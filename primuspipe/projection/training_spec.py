@@ -64,12 +64,23 @@ class TrainingSpec:
     """With selective recompute: which parts are recomputed (some of core_attn, mlp, moe, shared_experts)."""
     use_distributed_optimizer: bool = True
     """Shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
+    use_megatron_fsdp: bool = False
+    """Megatron-FSDP in place of DistributedDataParallel; what it shards is ``data_parallel_sharding_strategy``."""
+    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads"] = "no_shard"
+    """With Megatron-FSDP: ``optim`` shards the optimizer state over the data-parallel group (as the
+    distributed optimizer does), ``optim_grads`` the main gradients too (ZeRO-2): every microbatch's
+    gradients are reduce-scattered into the rank's shard as backward produces them, so no rank keeps a
+    whole gradient buffer. ``optim_grads_params`` (weights sharded and gathered layer by layer) is not
+    modelled."""
     use_precision_aware_optimizer: bool = False
     """Megatron's precision-aware optimizer: the dtypes below may be narrower than fp32."""
     main_params_dtype: Literal["fp32", "fp16"] = "fp32"
     """Master weights the optimizer keeps (4 or 2 bytes a parameter)."""
     main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
     """Main gradients accumulated and reduced (4 or 2 bytes a parameter)."""
+    grad_reduce_in_bf16: bool = False
+    """Megatron's ``--grad-reduce-in-bf16`` (NeMo / Megatron-Bridge: ``grad_reduce_in_fp32: false``): main
+    gradients accumulated and reduced in bf16, 2 bytes a parameter, without the precision-aware optimizer."""
     exp_avg_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
     """Adam's first moment."""
     exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
@@ -200,6 +211,18 @@ class TrainingSpec:
         return self.fp8_format is not None
 
     @property
+    def main_grad_bytes(self) -> int:
+        """Bytes of one main-gradient element (what is accumulated, kept and reduced)."""
+        if self.precision == "fp32":
+            return 4
+        return 2 if self.grad_reduce_in_bf16 or self.main_grads_dtype == "bf16" else 4
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Main gradients live sharded over the data-parallel group (Megatron-FSDP ``optim_grads``)."""
+        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads"
+
+    @property
     def load_imbalance(self) -> float:
         """Busiest expert group's load over the mean."""
         if self.moe_router_force_load_balancing or self.moe_expert_load_imbalance is None:
@@ -252,6 +275,14 @@ class TrainingSpec:
                         "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
                        "Megatron takes either explicit first/last stage layer counts or the embedding/loss accounting",
                        "keep one of the two")
+        if self.grad_reduce_in_bf16 and self.precision == "fp32":
+            self._fail(("grad_reduce_in_bf16", "precision"), "bf16 gradient reduction is a mixed-precision setting",
+                       "set precision: bf16, or remove grad_reduce_in_bf16")
+        if self.data_parallel_sharding_strategy != "no_shard" and not (
+                self.use_megatron_fsdp and self.use_distributed_optimizer):
+            self._fail(("data_parallel_sharding_strategy", "use_megatron_fsdp", "use_distributed_optimizer"),
+                       "the sharding strategy applies to Megatron-FSDP only, which needs the distributed optimizer",
+                       "set use_megatron_fsdp: true and use_distributed_optimizer: true, or remove the strategy")
         narrow = (self.main_params_dtype, self.main_grads_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32",) * 4
         if narrow and not self.use_precision_aware_optimizer:
             self._fail(("use_precision_aware_optimizer", "main_params_dtype", "main_grads_dtype", "exp_avg_dtype",

@@ -83,3 +83,12 @@ def test_primus_model_files_and_their_bases_are_followed(tmp_path):
     (models / "tiny.yaml").unlink()
     with pytest.raises(ConfigError, match="model 'tiny.yaml' not found"):
         read_megatron_config(exp)
+
+
+def test_megatron_fsdp_sharding_is_modelled_and_an_unmodelled_strategy_refused():
+    config = read_arguments(MODEL_ARGS + "--use-megatron-fsdp --use-distributed-optimizer "
+                            "--data-parallel-sharding-strategy optim_grads", "run")
+    assert config.training.shards_gradients
+    with pytest.raises(ConfigError, match="optim_grads_params"):
+        read_arguments(MODEL_ARGS + "--use-megatron-fsdp --use-distributed-optimizer "
+                       "--data-parallel-sharding-strategy optim_grads_params", "run")

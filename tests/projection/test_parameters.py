@@ -124,3 +124,39 @@ def test_static_bytes_follow_megatron_mixed_precision():
     assert plain.total == 18 * 1800
     fp32 = static_memory(params, dataclasses.replace(dist, use_distributed_optimizer=False, precision="fp32"))
     assert fp32.total == 16 * 1800
+
+
+def test_megatron_fsdp_optim_grads_shards_the_main_gradients_too():
+    from primuspipe.projection.parameters import ParamCount
+
+    params = ParamCount(dense=1000, expert=800)
+    zero2 = TrainingSpec(data_parallel_size=4, expert_model_parallel_size=2, use_megatron_fsdp=True,
+                         data_parallel_sharding_strategy="optim_grads")
+    memory = static_memory(params, zero2)
+    assert memory.gradients == 4 * (1000 / 4 + 800 / 2) and memory.weights == 2 * 1800
+    assert memory.optimizer == 12 * 1000 / 4 + 12 * 800 / 2
+    optim = static_memory(params, dataclasses.replace(zero2, data_parallel_sharding_strategy="optim"))
+    assert optim.gradients == 4 * 1800  # optim shards the optimizer state only
+
+
+@pytest.mark.parametrize("values,field", [
+    ({"data_parallel_sharding_strategy": "optim_grads"}, "use_megatron_fsdp"),
+    ({"data_parallel_sharding_strategy": "optim_grads", "use_megatron_fsdp": True, "use_distributed_optimizer": False},
+     "use_distributed_optimizer"),
+    ({"data_parallel_sharding_strategy": "optim_grads_params", "use_megatron_fsdp": True},
+     "data_parallel_sharding_strategy")])
+def test_a_sharding_strategy_without_megatron_fsdp_or_one_not_modelled_is_refused(values, field):
+    from primuspipe.projection.spec_fields import spec_from_mapping
+
+    with pytest.raises(InputError, match=field):
+        spec_from_mapping(TrainingSpec, {"data_parallel_size": 4, **values}, "t.yaml")
+
+
+def test_bf16_gradient_reduction_keeps_two_byte_main_gradients():
+    from primuspipe.projection.parameters import ParamCount
+
+    params = ParamCount(dense=1000)
+    bf16 = TrainingSpec(data_parallel_size=4, grad_reduce_in_bf16=True)
+    assert bf16.main_grad_bytes == 2 and static_memory(params, bf16).gradients == 2 * 1000
+    with pytest.raises(InputError, match="grad_reduce_in_bf16"):
+        TrainingSpec(data_parallel_size=4, grad_reduce_in_bf16=True, precision="fp32", use_distributed_optimizer=False)

@@ -114,3 +114,50 @@ def test_pipeline_link_and_gradient_sync():
     assert gradient_sync(params, exposed, HW) == pytest.approx(net.gather(4e9, 8, 8) + net.gather(2e9, 8, 8))
     plain = dataclasses.replace(exposed, use_distributed_optimizer=False)
     assert gradient_sync(params, plain, HW) == pytest.approx(net.all_reduce(4e9, 8, 8))
+
+
+@pytest.mark.parametrize("experts,ep,dispatcher,permutations", [
+    (16, 8, "alltoall", 2), (8, 8, "alltoall", 1), (16, 8, "flex", 1), (16, 1, "alltoall", 1)])
+def test_the_all_to_all_dispatcher_sorts_received_copies_by_local_expert(experts, ep, dispatcher, permutations):
+    """megatron-core's all-to-all dispatcher permutes the copies a rank receives a second time when it holds
+    more than one expert (and unpermutes them before the combine): twice the permutation traffic."""
+    moe = dataclasses.replace(MODEL, num_experts=experts, moe_router_topk=2)
+    training = dataclasses.replace(TRAINING, expert_model_parallel_size=ep, data_parallel_size=8, global_batch_size=64,
+                                   moe_token_dispatcher_type=dispatcher)
+    work = WorkModel(moe, training)
+    assert work.permutations == permutations
+    copies_bytes = work.expert_copies * moe.hidden_size * work.e
+    once = dataclasses.replace(training, moe_token_dispatcher_type="flex")
+    extra = work.layer("moe").forward.memory_bytes - WorkModel(moe, once).layer("moe").forward.memory_bytes
+    assert extra == pytest.approx(4 * copies_bytes * (permutations - 1))
+
+
+def test_sharded_gradients_are_reduce_scattered_every_microbatch_beside_the_compute():
+    """Megatron-FSDP optim_grads: each microbatch's gradients are reduce-scattered (no whole buffer kept);
+    compute hides them but for the last bucket, what outlasts it shows for every microbatch."""
+    params = ParamCount(dense=10**9)
+    dp = dataclasses.replace(TRAINING, data_parallel_size=8, global_batch_size=32, use_megatron_fsdp=True,
+                             data_parallel_sharding_strategy="optim_grads")
+    net = Collectives(HW)
+    reduce, gather = net.gather(4e9, 8, 8), net.gather(2e9, 8, 8)
+    assert dp.shards_gradients and dp.microbatches == 2
+    assert gradient_sync(params, dp, HW, buckets=4, compute_s=10.0) == pytest.approx(gather + reduce / 4)
+    short = reduce / 2
+    assert gradient_sync(params, dp, HW, buckets=4, compute_s=short) == pytest.approx(gather + 2 * (reduce - short))
+    unhidden = dataclasses.replace(dp, overlap_grad_reduce=False)
+    assert gradient_sync(params, unhidden, HW, compute_s=10.0) == pytest.approx(gather + 2 * reduce)
+
+
+def test_per_head_query_key_norms_read_and_write_queries_and_keys():
+    normed = dataclasses.replace(MODEL, qk_layernorm=True)
+    extra = WorkModel(normed, TRAINING).layer("dense").forward.memory_bytes - \
+        WorkModel(MODEL, TRAINING).layer("dense").forward.memory_bytes
+    assert extra == pytest.approx(2 * (2 * 2048) * (8 + 8) * 128 * 2)  # tokens x (a + g) heads x d, read and write
+
+
+def test_bf16_gradient_reduction_moves_half_the_bytes():
+    params = ParamCount(dense=10**9)
+    dp = dataclasses.replace(TRAINING, data_parallel_size=8, global_batch_size=32, overlap_grad_reduce=False,
+                             grad_reduce_in_bf16=True)
+    net = Collectives(HW)
+    assert gradient_sync(params, dp, HW) == pytest.approx(net.gather(2e9, 8, 8) + net.gather(2e9, 8, 8))
