@@ -49,6 +49,21 @@ class TerminationReporter:
         threading.Thread(target=cls._listen, args=(reader,), name="primuspipe-sigterm", daemon=True).start()
 
     @classmethod
+    def _forget_in_child(cls) -> None:
+        """A forked child (a DataLoader worker, a test harness's rank) inherits the handler and the wakeup
+        socket but not the listener: its SIGTERM would be written into the *parent's* socket and end the
+        parent with status 143. The child gets the default SIGTERM back and a socket of its own."""
+        if cls._wake is None or cls._pid == os.getpid():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) == cls._handler:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
+        except ValueError:  # forked from a thread other than the main one: Python keeps no handlers there
+            pass
+        cls._pid, cls._wake = None, None
+
+    @classmethod
     def _fd(cls) -> int:
         return cls._wake[1].fileno() if cls._wake is not None else -1
 
@@ -83,3 +98,6 @@ class TerminationReporter:
                 cls._wake[1].send(b"\0")
             except OSError:
                 pass
+
+
+os.register_at_fork(after_in_child=TerminationReporter._forget_in_child)

@@ -5,6 +5,9 @@ thread, and names the rank that stopped on every rank of a waiting cascade."""
 import gc
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 import weakref
 from datetime import timedelta
@@ -204,3 +207,24 @@ def _nccl_worker(rank, store_dir, results):
         message = str(exc)
     results[0] = (returned_after, message)
     os._exit(0)  # the aborted communicator cannot be destroyed cleanly
+
+
+def test_a_forked_child_stopped_from_outside_does_not_end_its_parent(tmp_path):
+    """A child forked after the SIGTERM reporter was installed (a DataLoader worker, a harness rank) shares
+    the parent's wakeup socket unless the reporter lets go of it at fork: its SIGTERM then ended the
+    parent with status 143 (the whole test suite, once a test had installed the reporter in-process)."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing, time
+        from primuspipe.runtime.termination import TerminationReporter
+        TerminationReporter.install(lambda signum: ["parent reported"])
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+        child.start()
+        time.sleep(0.3)
+        child.terminate()
+        child.join()
+        time.sleep(0.5)  # the parent's listener would have run by now
+        print("parent alive, child exit", child.exitcode)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "parent alive, child exit -15" in done.stdout, (done.returncode, done.stderr)
