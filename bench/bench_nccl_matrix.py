@@ -66,8 +66,8 @@ def run(backend: str, mode: str, algorithm: str, pp: int, vpp: int, m: int, time
                  "--num-layers", str(layers), "--iterations", "2", "--compare-native"]
     else:
         flags = ["examples/train_torch.py", "--pp", str(pp), "--microbatches", str(m), "--algorithm", algorithm,
-                 "--iterations", "2"]
-    if vpp > 1 and algorithm in ("interleaved-1f1b", "gpipe", "1f1b", "zb-auto"):
+                 "--layers", str(max(8, pp * vpp)), "--iterations", "2"]
+    if algorithm in ("interleaved-1f1b", "gpipe", "1f1b"):  # they take any vpp: pin the cell's
         flags += ["--vpp", str(vpp)]
     start = time.monotonic()
     try:
@@ -77,7 +77,8 @@ def run(backend: str, mode: str, algorithm: str, pp: int, vpp: int, m: int, time
         return {"outcome": "hang", "seconds": timeout_s}
     seconds = round(time.monotonic() - start, 1)
     if done.returncode != 0:
-        tail = [line for line in done.stderr.splitlines() if "Error" in line][-1:] or done.stderr.splitlines()[-1:]
+        tail = [line for line in done.stderr.splitlines() + done.stdout.splitlines()
+                if ("Error" in line or "error:" in line) and "elastic" not in line][:1] or done.stderr.splitlines()[-1:]
         return {"outcome": "error", "seconds": seconds, "error": tail[0] if tail else f"exit {done.returncode}"}
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return {"outcome": "ok", "seconds": seconds, **{k: result.get(k) for k in COMPARED[backend]}}
