@@ -17,6 +17,7 @@ import json
 import os
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -256,16 +257,23 @@ def merge_rank_dumps(dump_dir: str | os.PathLike, iteration: int) -> Timeline:
         raise TableFormatError(f"no rank dumps for iteration {iteration} under {dump_dir} (expected "
                                f"{dump_path(dump_dir, iteration, 0)}); dumped iterations: "
                                f"{dump_iterations(dump_dir) or 'none'}")
-    parts.sort(key=lambda t: t.ranks[0].rank)
+    return merge_rank_timelines(parts, iteration, f"iteration {iteration} in {folder}")
+
+
+def merge_rank_timelines(parts: Sequence[Timeline], iteration: int, where: str) -> Timeline:
+    """One timeline from every rank's own of one step (a run dump's files, or what the ranks of a live
+    run gathered), times relative to the earliest rank's start. Refused, naming ``where``, unless the
+    parts are one whole step of one run (see :func:`merge_rank_dumps`)."""
+    parts = sorted(parts, key=lambda t: t.ranks[0].rank)
     first = parts[0]
     for part in parts[1:]:
         if run_of(part) != run_of(first):
             raise TableFormatError(
-                f"iteration {iteration} in {folder} mixes rank files of different runs: rank {first.ranks[0].rank} is "
+                f"{where} mixes rank files of different runs: rank {first.ranks[0].rank} is "
                 f"{describe_run(first)} but rank {part.ranks[0].rank} is {describe_run(part)}; delete the stale files or "
                 "dump each run into its own directory")
     if missing := sorted(set(range(first.pp)) - {t.ranks[0].rank for t in parts}):
-        raise TableFormatError(f"iteration {iteration} in {folder} is incomplete: rank file(s) of rank(s) "
+        raise TableFormatError(f"{where} is incomplete: rank file(s) of rank(s) "
                                f"{', '.join(map(str, missing))} of pp={first.pp} are missing (the run stopped before "
                                "they were written?)")
     origin = min(t.meta["t0_unix"] for t in parts)
@@ -275,14 +283,13 @@ def merge_rank_dumps(dump_dir: str | os.PathLike, iteration: int) -> Timeline:
         (rank,) = part.ranks
         ranks.append(RankTimeline(rank.rank, tuple(replace(e, start=e.start + shift, end=e.end + shift) for e in rank.events),
                                   rank.peak_memory_bytes))
-    first = parts[0]
     hosts = [{"rank": part.ranks[0].rank, **{k: part.meta[k] for k in _RANK_FACTS if k in part.meta}} for part in parts]
     return Timeline("run", first.algorithm, first.pp, first.vpp, first.microbatches, tuple(ranks), iteration,
                     meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory"),
-                          "run_id": first.meta.get("run_id"), "ranks": hosts}).check_one_step(f"iteration {iteration} in {folder}")
+                          "run_id": first.meta.get("run_id"), "ranks": hosts}).check_one_step(where)
 
 
-_RANK_FACTS = ("t0_unix", "host", "cpus", "threads", "process_cpu", "thread_cpu")
+_RANK_FACTS = ("t0_unix", "host", "cpus", "threads", "process_cpu", "thread_cpu", "memory_at_start")
 """What a rank's dump says about where and how it ran (see primuspipe.runtime.recorder); kept per rank
 in the merged timeline's ``meta["ranks"]``."""
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -31,7 +32,7 @@ from primuspipe.errors import TableMismatchError
 from primuspipe.ir import strict
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.ir.timeline import dump_path
+from primuspipe.ir.timeline import Timeline, dump_path
 from primuspipe.passes.forward_only import forward_only_view
 from primuspipe.runtime.protocols import Binder
 from primuspipe.runtime.runner import cached_runner
@@ -104,9 +105,12 @@ class StepDriver:
         return forward_only_view(table) if forward_only else table
 
     def execute(self, table: ScheduleTable, rank: int, binder: Binder, group: Any, *, device: Any,
-                forward_only: bool = False) -> None:
+                forward_only: bool = False, record: bool = False,
+                dump_meta: Mapping[str, Any] | None = None) -> Timeline | None:
         """Run ``rank``'s row of ``table`` (already :meth:`view`-ed) over ``group``; dump its timeline
-        when dumping and training."""
+        when dumping and training (with ``dump_meta`` added to its ``meta``). Returns the step's timeline
+        when one was recorded: when dumping, or when ``record`` (the in-flight re-planner measures steps
+        with the recorder dumps use, dumping or not)."""
         from primuspipe.runtime.recorder import StepRecorder, shared_run_id
         from primuspipe.runtime.transport import P2PTransport
 
@@ -116,12 +120,20 @@ class StepDriver:
             check_same_table(table, rank, group)
             self._agreed[key] = (table, group)  # held, so the ids stay theirs
         recorder = None
-        if self.dump_dir is not None and not forward_only:
-            self.run_id = self.run_id or shared_run_id(group)
+        dumping = self.dump_dir is not None and not forward_only
+        if dumping or (record and not forward_only):
+            if dumping:
+                self.run_id = self.run_id or shared_run_id(group)
             recorder = StepRecorder(device, self.run_id)
         transport = P2PTransport(group, timeout_s=self.watchdog_timeout_s)
         runner.run(binder, transport, recorder)
+        timeline = None
         if recorder is not None:
-            recorder.timeline(table, rank, self.iteration).save(dump_path(self.dump_dir, self.iteration, rank))
+            timeline = recorder.timeline(table, rank, self.iteration)
+            if dumping:
+                if dump_meta:
+                    timeline = replace(timeline, meta={**timeline.meta, **dump_meta})
+                timeline.save(dump_path(self.dump_dir, self.iteration, rank))
         if not forward_only:
             self.iteration += 1
+        return timeline

@@ -3,7 +3,8 @@
 Each rank writes ``<dump_dir>/iter_<iteration>/rank_<rank>.json``: a :class:`~primuspipe.ir.timeline.Timeline`
 with ``source="run"`` holding that rank's events (seconds from the rank's step start) and its peak
 memory: peak allocated bytes on GPU (the CUDA peak counter is reset at step start), peak resident set
-size sampled at the end of every compute node on CPU. ``meta["t0_unix"]`` is the rank's step start on
+size sampled at the end of every compute node on CPU; ``meta["memory_at_start"]`` is the same measure at
+step start (what the step's activations come on top of). ``meta["t0_unix"]`` is the rank's step start on
 the wall clock, so :func:`~primuspipe.ir.timeline.merge_rank_dumps` can lay all ranks on one time axis. ``meta["run_id"]`` is the
 run's id, the same on every rank of the pipeline (:func:`shared_run_id`), so readers never merge files of
 two runs left in one directory. Files are written atomically (a rank killed mid-write leaves no half
@@ -97,9 +98,10 @@ class StepRecorder:
             torch.cuda.reset_peak_memory_stats(device)
             self._origin = self._event()
             self._rss = None
+            self.memory_at_start = int(torch.cuda.memory_allocated(device))
         else:
             self._rss = _ResidentSetSize()
-            self._peak_rss = self._rss()
+            self._peak_rss = self.memory_at_start = self._rss()
         self.t0_unix = time.time()
         self._cpu0 = (time.thread_time(), time.process_time())
 
@@ -147,7 +149,7 @@ class StepRecorder:
         meta = {"t0_unix": self.t0_unix, "run_id": self.run_id, "device": str(self.device),
                 "memory": "peak allocated" if self.cuda else "peak RSS",
                 "placement": table.placement.to_dict(), "host": socket.gethostname(),
-                "cpus": usable_cpus(), "threads": torch.get_num_threads()}
+                "cpus": usable_cpus(), "threads": torch.get_num_threads(), "memory_at_start": self.memory_at_start}
         if self._rss is not None:
             self._rss.close()
             meta.update(thread_cpu=thread_cpu, process_cpu=process_cpu)

@@ -14,6 +14,7 @@ weight gradient, so a mean loss per microbatch gives the gradient of the mean ov
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,9 @@ import torch.distributed as dist
 
 from primuspipe.backends.torch import data_parallel
 from primuspipe.backends.torch.binder import StepData, TorchBinder
+from primuspipe.backends.replanning import replanner_for
 from primuspipe.backends.torch.meta import StageMeta, infer_stage_meta
+from primuspipe.calibration.replan import ReplanSettings, check_settings_kind
 from primuspipe.runtime.activation_offload import ActivationOffload, SavedBytes
 from primuspipe.errors import ConfigError
 from primuspipe.ir import strict
@@ -57,14 +60,22 @@ class TorchPipeline:
     saved activations to host memory and back (:mod:`primuspipe.runtime.activation_offload`): all that a
     chunk's forward saves, or with ``offload_ops`` only what submodules whose names contain one of them
     save. ``count_saved_bytes`` counts what autograd holds on the device even without offload
-    (:attr:`saved_bytes`)."""
+    (:attr:`saved_bytes`).
+
+    ``auto_replan`` (True, or :class:`~primuspipe.calibration.replan.ReplanSettings`; default: the
+    ``PRIMUSPIPE_AUTO_REPLAN*`` environment variables, off) measures the first steps and switches, at a step
+    boundary, to the algorithm of the same layout the simulator ranks first under the measured costs
+    (docs/replanning.md); :attr:`running_table` is the table steps run now, :attr:`replan_summary` the
+    decision and how the steps after it compared with its prediction."""
 
     def __init__(self, table: ScheduleTable, stages: Mapping[int, torch.nn.Module], *,
                  loss_fn: Callable[..., torch.Tensor] | None = None, group: Any = None,
                  device: torch.device | str | None = None, scale_grads: bool = True,
                  watchdog_timeout_s: float = 300.0, dump_dir: str | None = None,
-                 offload_ops: Sequence[str] = (), count_saved_bytes: bool = False):
+                 offload_ops: Sequence[str] = (), count_saved_bytes: bool = False,
+                 auto_replan: bool | ReplanSettings | None = None):
         _check_arguments(table, stages, loss_fn)
+        settings = ReplanSettings.from_env(os.environ) if auto_replan is None else check_settings_kind(auto_replan)
         self.driver = StepDriver(watchdog_timeout_s=watchdog_timeout_s, dump_dir=dump_dir)  # checks both now
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
@@ -78,7 +89,8 @@ class TorchPipeline:
                               f"({table.placement.name} placement), but was given modules for {sorted(stages)}")
         self.modules = [stages[s] for s in mine]
         """This rank's modules by chunk (``modules[c]`` is stage ``table.placement.stage(rank, c)``)."""
-        data_parallel.check_wrappers(self.modules, any(n.kind is NodeKind.W for n in self.table.ranks[self.rank]))
+        data_parallel.check_wrappers(self.modules, settings.enabled  # re-planning probes and may switch to W nodes
+                                     or any(n.kind is NodeKind.W for n in self.table.ranks[self.rank]))
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
         self.device = torch.device(device) if device is not None else _device_of(self.modules)
@@ -94,6 +106,18 @@ class TorchPipeline:
                               "offload would copy; run the table without the offload pass, or without fully_shard")
         self.offload = (ActivationOffload(self.modules, self.device, offload_ops)
                         if offloads or count_saved_bytes else None)
+        if settings.enabled and offloads:
+            raise ConfigError("auto_replan cannot re-plan a table with OFFLOAD nodes (the candidates are built "
+                              "without the offload pass); turn one of them off")
+        self.replanner = replanner_for(settings, self.group, self.device, dump_dir)
+        self.running_table = self.table
+        """The table training steps run now: :attr:`table`, or what re-planning switched to."""
+
+    @property
+    def replan_summary(self) -> dict[str, Any] | None:
+        """With ``auto_replan``: the decision (chosen algorithm, predicted step, ranking) and the measured
+        steps after it; None before the decision or without re-planning."""
+        return None if self.replanner is None else self.replanner.summary(self.table)
 
     @property
     def saved_bytes(self) -> SavedBytes | None:
@@ -152,10 +176,17 @@ class TorchPipeline:
                         m if self.scale_grads else 1)
         if self.offload is not None:
             self.offload.begin_step()
-        binder = TorchBinder(self.table, self.rank, self.modules, self.meta, data, self.device, self.offload)
-        view = self.driver.view(self.table, forward_only=not training)
-        self.driver.execute(view, self.rank, binder, self.group, device=self.device, forward_only=not training)
+        plan = self.replanner.plan(self.table) if training and self.replanner is not None else None
+        table = self.table if plan is None else plan.table
+        binder = TorchBinder(table, self.rank, self.modules, self.meta, data, self.device, self.offload)
+        view = self.driver.view(table, forward_only=not training)
+        timeline = self.driver.execute(view, self.rank, binder, self.group, device=self.device,
+                                       forward_only=not training, record=plan is not None and plan.record,
+                                       dump_meta=None if plan is None else plan.dump_meta)
         binder.finish()
+        if plan is not None:
+            self.replanner.after_step(self.table, timeline)
+            self.running_table = self.replanner.plan(self.table).table
         return binder
 
     def _check_inputs(self, first: tuple[torch.Tensor, ...]) -> None:
