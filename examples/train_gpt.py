@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -57,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--dump-dir", default=None, help="turn on dump_pp_data and write timelines here")
     p.add_argument("--compare-native", action="store_true", help="also run Megatron's own schedule and compare")
+    p.add_argument("--auto-replan", action="store_true",
+                   help="measure the first steps (auto_replan_warmup + auto_replan_steps, default 1 + 3) and switch to "
+                        "the algorithm of the same layout the simulator ranks first (docs/replanning.md); needs more "
+                        "--iterations than that")
     p.add_argument("--lr", type=float, default=0.05)
     opt = p.add_argument_group("optimizer, data-parallel gradients and checkpoints (Megatron-LM's flags)")
     opt.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
@@ -269,6 +274,20 @@ def refused_everywhere(error: Exception | None) -> str | None:
     return next((e for e in everything if e is not None), None)
 
 
+def replan_result(ours, table, times: list[float]) -> dict:
+    """The JSON line's re-planning figures (global rank 0 holds the decision; every rank the same table)."""
+    summary = ours.replanner.summary(table) if ours.replanner is not None else None
+    if summary is None:
+        return {"replanned_to": None, "replan": "no decision"}
+    after = times[summary["decided_at_step"]:]
+    out = {"replanned_to": summary["replanned_to"], "predicted_step_time_s": summary["predicted_step_time_s"],
+           "step_time_before_s": statistics.median(times[:summary["decided_at_step"]]),
+           "step_time_s": statistics.median(after) if after else None}
+    if "measured_step_time_after_s" in summary:
+        out.update(measured_span_s=summary["measured_step_time_after_s"], prediction_error=summary["prediction_error"])
+    return out
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from primuspipe.backends.megatron import PrimusForwardBackward, load_config
@@ -279,7 +298,15 @@ def main(argv=None) -> None:
         overrides["pp_algorithm"] = args.pp_algorithm
     if args.dump_dir:
         overrides.update(dump_pp_data=True, dump_dir=args.dump_dir)
+    if args.auto_replan:
+        overrides["auto_replan"] = True
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+        logging.getLogger("primuspipe.replan").setLevel(logging.INFO if os.environ.get("RANK", "0") == "0"
+                                                        else logging.WARNING)
     config = replace(load_config(args.config), **overrides)
+    if config.auto_replan and args.iterations <= config.auto_replan_warmup + config.auto_replan_steps:
+        raise SystemExit(f"--auto-replan decides after {config.auto_replan_warmup + config.auto_replan_steps} "
+                         f"iterations (auto_replan_warmup + auto_replan_steps); give --iterations above that")
     ours = PrimusForwardBackward(config)
     table = ours.table_for(args.pp, args.vpp, args.microbatches)
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -313,6 +340,8 @@ def main(argv=None) -> None:
               "microbatches": args.microbatches, "device": device.type, "first_iteration": start,
               "loss": from_loss_rank(losses[-1] if losses else None),
               "losses": from_loss_rank(losses), "step_time_s": statistics.median(times)}
+    if config.auto_replan:
+        result.update(replan_result(ours, table, times))
     if args.compare_native:
         native, error = get_forward_backward_func(args.pp, table.vpp if table.vpp > 1 else None), None
         try:

@@ -173,6 +173,8 @@ class Decision:
     """An algorithm of another layout predicted faster than the choice by more than the threshold."""
     time_unit: str = "s"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    cost: Mapping[str, Any] | None = None
+    """The measured cost model (cost-file mapping, per model stage) every candidate was simulated under."""
 
     @property
     def gain(self) -> float:
@@ -202,7 +204,7 @@ class Decision:
                 self.running_step_time, "measured_step_time_s": self.measured_step_time,
                 "ranking": [c.to_dict() for c in self.ranking],
                 "recommendation": None if self.recommendation is None else self.recommendation.to_dict(),
-                "time_unit": self.time_unit, "notes": list(self.notes)}
+                "time_unit": self.time_unit, "notes": list(self.notes), "cost_model": self.cost}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], table: ScheduleTable) -> Decision:
@@ -212,7 +214,7 @@ class Decision:
                    d["running_predicted_step_time_s"], d["measured_step_time_s"],
                    tuple(map(Candidate.from_dict, d["ranking"])),
                    None if recommendation is None else Candidate.from_dict(recommendation), d["time_unit"],
-                   tuple(d["notes"]))
+                   tuple(d["notes"]), d["cost_model"])
 
 
 def same_layout(table: ScheduleTable) -> list[str]:
@@ -274,7 +276,8 @@ def decide(timelines: Sequence[Timeline], running: ScheduleTable, settings: Repl
         notes.append(memory.note)
     return Decision(running.algorithm, best.algorithm if best else running.algorithm, switch, chosen_table, predicted,
                     own, statistics.median(t.step_time for t in timelines), tuple(ranking),
-                    faster[0] if faster else None, measured.time_unit, tuple(notes))
+                    faster[0] if faster else None, measured.time_unit, tuple(notes),
+                    measured.cost_dict(per_model_stage=True))
 
 
 def _executed(timeline: Timeline, running: ScheduleTable) -> ScheduleTable:

@@ -19,6 +19,11 @@ is given. Primus's ``primus_pipeline.yaml`` loads as it is: its keys are ours, w
 ``pp_cost_f/b/w``          ``PRIMUSPIPE_PP_COST_F/B/W``       F / B / W time per stage (number or list; env: JSON)
 ``pp_max_mem``             ``PRIMUSPIPE_PP_MAX_MEM``          activation limit per rank, microbatches until W
 ``split_probe``            ``PRIMUSPIPE_SPLIT_PROBE``         calibration: N backwards per chunk run as B, next F, W
+``auto_replan``            ``PRIMUSPIPE_AUTO_REPLAN``         measure the first steps, switch to the best schedule
+``auto_replan_warmup``     ``PRIMUSPIPE_AUTO_REPLAN_WARMUP``  steps before measuring (default 1)
+``auto_replan_steps``      ``PRIMUSPIPE_AUTO_REPLAN_STEPS``   steps measured (default 3)
+``auto_replan_threshold``  ``PRIMUSPIPE_AUTO_REPLAN_THRESHOLD`` predicted gain needed to switch (default 0.03)
+``auto_replan_memory_limit`` ``PRIMUSPIPE_AUTO_REPLAN_MEMORY_LIMIT`` peak bytes per rank a new schedule may use
 =========================  =================================  ==========================================
 
 >>> load_config(env={"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_PP_ALGORITHM": "gpipe"}).pp_algorithm
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
+from primuspipe.calibration.replan import ENV_NAMES as REPLAN_ENV_NAMES, ReplanSettings
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.ir import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost, read_cost_file
@@ -114,6 +120,26 @@ class PrimusPipeConfig:
     of a 1F1B run also times B and W and ``primuspipe calibrate`` predicts split-backward schedules from
     it. Same gradients, bitwise; the step takes the split's small extra time. 0 (default): off."""
 
+    auto_replan: bool = False
+    """In-flight re-planning (docs/replanning.md): the first steps are measured (with a split-backward probe),
+    rank 0 ranks every algorithm of the running layout under the measured costs and memory, and all ranks
+    switch at a step boundary when the best is predicted faster by more than ``auto_replan_threshold``.
+    Off by default."""
+    auto_replan_warmup: int = 1
+    """Training steps run before measuring (they are slow: allocator growth, lazy initialisation)."""
+    auto_replan_steps: int = 3
+    """Training steps measured for the decision."""
+    auto_replan_threshold: float = 0.03
+    """The predicted share of the step a switch must save."""
+    auto_replan_memory_limit: float | None = None
+    """Peak memory per rank (bytes) a new schedule may be predicted to use; default: the GPU's memory, no
+    limit on CPU."""
+
+    def replan_settings(self) -> ReplanSettings:
+        """These settings as the re-planner takes them."""
+        return ReplanSettings(self.auto_replan, self.auto_replan_warmup, self.auto_replan_steps,
+                              threshold=self.auto_replan_threshold, memory_limit_bytes=self.auto_replan_memory_limit)
+
     def __post_init__(self) -> None:
         """Check every field now, so a bad setting fails at :func:`install`, not on every rank at step 1."""
         strict.flag(self.patch_primus_pipeline, "patch_primus_pipeline")
@@ -138,6 +164,7 @@ class PrimusPipeConfig:
         strict.flag(self.debug_scheduler_table, "debug_scheduler_table")
         strict.flag(self.offload, "offload")
         object.__setattr__(self, "split_probe", strict.count(self.split_probe, "split_probe (microbatches)", minimum=0))
+        self.replan_settings()  # checks the auto_replan_* values
         if self.communication_method == BATCH_P2P:
             raise ConfigError("communication_method: batch_p2p is not supported: the runner posts each transfer as "
                               "its own non-blocking send/receive, the order its deadlock proof relies on; use "
@@ -270,6 +297,11 @@ _ENV_NAMES = {
     "pp_cost_w": "PRIMUSPIPE_PP_COST_W",
     "pp_max_mem": "PRIMUSPIPE_PP_MAX_MEM",
     "split_probe": "PRIMUSPIPE_SPLIT_PROBE",
+    "auto_replan": REPLAN_ENV_NAMES["enabled"],
+    "auto_replan_warmup": REPLAN_ENV_NAMES["warmup_steps"],
+    "auto_replan_steps": REPLAN_ENV_NAMES["measure_steps"],
+    "auto_replan_threshold": REPLAN_ENV_NAMES["threshold"],
+    "auto_replan_memory_limit": REPLAN_ENV_NAMES["memory_limit_bytes"],
 }
 _SCHEDULE_KEYWORDS = ("cost", "memory_limit")
 """``algorithm_options`` keys that go to ``build_schedule`` itself, not to the algorithm."""

@@ -7,7 +7,9 @@ against it, runs this rank's row through the backend-neutral
 :class:`~primuspipe.runtime.driver.StepDriver` with the
 :class:`~primuspipe.backends.megatron.binder.MegatronBinder`, then finishes the step as Megatron's
 schedules do (embedding wgrad, ``finalize_model_grads_func`` with ``total_num_tokens`` when
-``calculate_per_token_loss``). ``forward_only`` runs the table's forward-only view. Tables with a split
+``calculate_per_token_loss``). ``forward_only`` runs the table's forward-only view. With ``auto_replan`` the training calls run what the
+:class:`~primuspipe.backends.replanning.InFlightReplanner` picks: the table, probed while measured, then
+the algorithm of its layout the simulator ranks first (docs/replanning.md). Tables with a split
 backward (``B``/``W``/``FB``) defer weight gradients from ``B`` to ``W``; the step ends with every
 deferred gradient applied (else :class:`~primuspipe.backends.megatron.wgrad_store.WeightGradError`).
 
@@ -34,6 +36,7 @@ from primuspipe.backends.megatron.compat import check_megatron_config
 from primuspipe.backends.megatron.config import PrimusPipeConfig
 from primuspipe.backends.megatron.last_stage import hand_to_last_rank
 from primuspipe.backends.megatron.v_placement import tied_embedding_grads
+from primuspipe.backends.replanning import InFlightReplanner
 from primuspipe.errors import ConfigError
 from primuspipe.ir.node import NodeKind
 from primuspipe.ir.table import ScheduleTable
@@ -71,6 +74,8 @@ class PrimusForwardBackward:
         self._offloads: weakref.WeakKeyDictionary[torch.nn.Module, ActivationOffload] = weakref.WeakKeyDictionary()
         """First model chunk -> the activation offload over its rank's chunks."""
         self._reported: weakref.WeakSet[ActivationOffload] = weakref.WeakSet()
+        self.replanner: InFlightReplanner | None = None
+        """With ``auto_replan``: picks each training step's table (built at the first training call)."""
 
     def table_for(self, pp: int, vpp: int | None, num_microbatches: int, megatron_config: Any = None) -> ScheduleTable:
         """The table a call runs for this shape (``vpp=None``: the algorithm's own choice), built once per
@@ -165,6 +170,13 @@ class PrimusForwardBackward:
         pp, rank = pp_group.size(), pp_group.rank()
 
         full = self.table_for(pp, len(models), num_microbatches, config)
+        plan = None
+        if self.config.auto_replan and not forward_only:
+            if self.replanner is None:
+                self.replanner = InFlightReplanner(self.config.replan_settings(), pp_group, _device(),
+                                                   self.driver.dump_dir)
+            plan = self.replanner.plan(full)
+            full = plan.table
         if self.config.debug_scheduler_table and rank == 0 and full not in self._printed:
             self._printed.add(full)
             print(f"primuspipe schedule table ({full.algorithm}, pp={pp} vpp={full.vpp} microbatches={num_microbatches}):\n"
@@ -206,7 +218,11 @@ class PrimusForwardBackward:
                                 offload=offload)
 
         sync.begin()
-        self.driver.execute(table, rank, binder, pp_group, device=device, forward_only=forward_only)
+        timeline = self.driver.execute(table, rank, binder, pp_group, device=device, forward_only=forward_only,
+                                       record=plan is not None and plan.record,
+                                       dump_meta=None if plan is None else plan.dump_meta)
+        if plan is not None:
+            self.replanner.after_step(self.table_for(pp, len(models), num_microbatches, config), timeline)
         binder.wgrad.check_empty()
         if offload is not None:
             self.saved_bytes = offload.saved
