@@ -89,7 +89,9 @@ class InFlightReplanner:
 
     def plan(self, running: ScheduleTable) -> StepPlan:
         """This training step's table for the ``running`` table (the one the run was configured with)."""
-        state = self._states.setdefault(running, _State())
+        if (state := self._states.get(running)) is None:
+            self.settings.check_layout(running)  # the same refusal on every rank, before any step
+            state = self._states[running] = _State()
         s = self.settings
         if state.steps < s.warmup_steps:
             return StepPlan(running, False, None)
@@ -104,7 +106,7 @@ class InFlightReplanner:
         """Count the step just run for ``running``; ``timeline`` is its recorded timeline when it was timed."""
         state = self._states[running]
         state.steps += 1
-        if timeline is None:
+        if timeline is None or state.steps <= self.settings.warmup_steps:  # a dumped warm-up step is not measured
             return
         if state.decision is None:
             state.measured.append(timeline)

@@ -40,7 +40,7 @@ from typing import Any
 
 from primuspipe.algorithms import list_algorithms
 from primuspipe.algorithms.build import build_schedule
-from primuspipe.calibration.measure import MeasuredCosts, measure_costs
+from primuspipe.calibration.measure import measure_costs
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.ir import strict
 from primuspipe.ir.cost_model import CostModel
@@ -76,6 +76,10 @@ class ReplanSettings:
     None: the device's memory on GPU, no limit on CPU."""
     verify_steps: int = 3
     """Steps after the decision whose measured step time is logged against the prediction."""
+    algorithms: tuple[str, ...] | None = None
+    """The algorithms to choose among, each of the running layout (default: every registered one that is).
+    Without the running algorithm among them the run always moves to the best of them -- e.g. warm up
+    and measure under 1F1B's low memory, then train with the fastest split-backward schedule."""
 
     def __post_init__(self) -> None:
         strict.flag(self.enabled, "auto_replan")
@@ -88,6 +92,24 @@ class ReplanSettings:
         if self.memory_limit_bytes is not None:
             object.__setattr__(self, "memory_limit_bytes", strict.number(
                 self.memory_limit_bytes, "auto_replan memory_limit_bytes", above=0))
+        if self.algorithms is not None:
+            names = self.algorithms.split(",") if isinstance(self.algorithms, str) else list(self.algorithms)
+            names = [strict.text(n, "auto_replan algorithms").strip() for n in names]
+            if not all(names):
+                raise ConfigError(f"auto_replan algorithms: empty name in {self.algorithms!r}; give algorithm "
+                                  "names separated by commas")
+            object.__setattr__(self, "algorithms", tuple(names))
+
+    def check_layout(self, running: ScheduleTable) -> None:
+        """Refuse ``algorithms`` that do not share ``running``'s layout (their tables need other model chunks)."""
+        if self.algorithms is None:
+            return
+        layout = same_layout(running)
+        if stray := [n for n in self.algorithms if n not in layout]:
+            raise ConfigError(f"auto_replan algorithms {stray} do not share the running {running.algorithm} table's "
+                              f"layout ({running.placement.name} placement, vpp={running.vpp}, pp={running.pp}, "
+                              f"{running.microbatches} microbatches): switching needs the same model chunks; of "
+                              f"this layout: {', '.join(layout)}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ReplanSettings:
@@ -101,6 +123,8 @@ class ReplanSettings:
                 values[name] = strict.flag(text, what)
             elif name in ("threshold", "memory_limit_bytes"):
                 values[name] = strict.number(text, what, minimum=0)
+            elif name == "algorithms":
+                values[name] = text
             else:
                 values[name] = strict.count(text, what, text=True)
         return cls(**values)
@@ -112,6 +136,7 @@ ENV_NAMES = {
     "measure_steps": "PRIMUSPIPE_AUTO_REPLAN_STEPS",
     "threshold": "PRIMUSPIPE_AUTO_REPLAN_THRESHOLD",
     "memory_limit_bytes": "PRIMUSPIPE_AUTO_REPLAN_MEMORY_LIMIT",
+    "algorithms": "PRIMUSPIPE_AUTO_REPLAN_ALGORITHMS",
 }
 """:class:`ReplanSettings` field -> the environment variable that sets it (the Megatron config's too)."""
 
@@ -258,11 +283,16 @@ def decide(timelines: Sequence[Timeline], running: ScheduleTable, settings: Repl
     ranking = [_candidate(name, table, cost, memory) for name, table in _buildable(pp, m, vpp, cost)
                if table.placement == running.placement]
     layout = {c.algorithm for c in ranking}
-    ranking.sort(key=lambda c: (not c.fits, c.step_time, c.peak_activations, c.algorithm))
+    if settings.algorithms is not None:
+        ranking = [c for c in ranking if c.algorithm in settings.algorithms]
     own = simulate(running, cost).step_time
+    # a table as fast as the running one (to rounding) ranks after it: no switch for nothing
+    ranking.sort(key=lambda c: (not c.fits, c.step_time * (1 - 1e-9 * (c.algorithm == running.algorithm)),
+                                c.peak_activations, c.algorithm))
     best = ranking[0] if ranking and ranking[0].fits else None
     chosen_table = running
-    switch = best is not None and own > 0 and 1 - best.step_time / own > settings.threshold
+    leaving = settings.algorithms is not None and running.algorithm not in settings.algorithms
+    switch = best is not None and (leaving or (own > 0 and 1 - best.step_time / own > settings.threshold))
     if switch:
         chosen_table = build_schedule(best.algorithm, pp, m, vpp, cost=cost)
         switch = chosen_table.ranks != running.ranks
