@@ -94,6 +94,24 @@ def test_a_1f1b_run_switches_to_the_simulators_first_choice_with_its_reference_g
     assert {c["algorithm"] for c in summary["ranking"]} == set(SPLIT)
 
 
+@pytest.mark.slow
+def test_a_1f1b_run_takes_the_simulators_first_choice_on_every_rank():
+    """pp = 2, m = 4 from 1F1B among every algorithm of its layout, threshold 0: the run switches exactly
+    when something ranks above 1F1B (the measured split decides between a fused and a split backward), and
+    every step equals the reference of the table it ran."""
+    results = _replanned_run("1f1b", pp=2, microbatches=4, dump_dir=None,
+                             settings=dataclasses.replace(SETTINGS, threshold=0.0))
+    ran, digests, summaries, same = zip(*results)
+    assert len(set(digests)) == 1
+    summary = summaries[0]
+    ranking = summary["ranking"]
+    assert summary["chosen"] == ranking[0]["algorithm"]
+    assert {c["algorithm"] for c in ranking} >= {"1f1b", "gpipe", *SPLIT}
+    assert summary["switch"] == (ranking[0]["algorithm"] != "1f1b"), summary
+    assert all(r[-1] == (summary["chosen"] if summary["switch"] else "1f1b") for r in ran)
+    assert all(all(rank) for rank in same), f"losses/gradients differ from the reference table's: {same}"
+
+
 def test_auto_replan_refusals():
     with pytest.raises(ConfigError, match="auto_replan must be True, False or a ReplanSettings"):
         from primuspipe.calibration.replan import check_settings_kind
