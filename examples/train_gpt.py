@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dump-dir", default=None, help="turn on dump_pp_data and write timelines here")
     p.add_argument("--compare-native", action="store_true", help="also run Megatron's own schedule and compare")
     p.add_argument("--auto-replan", action="store_true",
-                   help="measure the first steps (auto_replan_warmup + auto_replan_steps, default 1 + 3) and switch to "
+                   help="measure the first steps (auto_replan_warmup + auto_replan_steps, default 2 + 3) and switch to "
                         "the algorithm of the same layout the simulator ranks first (docs/replanning.md); needs more "
                         "--iterations than that")
     p.add_argument("--lr", type=float, default=0.05)

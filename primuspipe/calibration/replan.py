@@ -59,7 +59,7 @@ class ReplanSettings:
 
     enabled: bool = False
     """Off by default: a run keeps the schedule it was given."""
-    warmup_steps: int = 1
+    warmup_steps: int = 2
     """Training steps run before measuring (allocator growth, lazy initialisation and autotuning make the
     first ones slow)."""
     measure_steps: int = 3

@@ -106,3 +106,23 @@ def test_v_min_with_uneven_first_and_last_stage():
                             "--untie-embeddings-and-output-weights", "--iterations", "2", "--compare-native")
     assert result["placement"] == "v" and result["reference"].startswith("pp=1")
     assert result["loss"] == result["native_loss"] and result["max_abs_grad_diff"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp, emulation", [(2, "pair"), (4, "group")])
+def test_auto_replan_switches_and_trains_as_the_new_schedule(pp, emulation, monkeypatch):
+    """A 1F1B run told to choose among the split-backward schedules (so it always switches) under the NCCL
+    emulator: the JSON line reports the switch and its prediction, and every iteration's loss is the one a
+    run of the chosen schedule from the start gives (the probe and the switch change no gradient)."""
+    monkeypatch.setenv("PRIMUSPIPE_NCCL_EMULATION", emulation)
+    monkeypatch.setenv("PRIMUSPIPE_AUTO_REPLAN_WARMUP", "1")
+    monkeypatch.setenv("PRIMUSPIPE_AUTO_REPLAN_STEPS", "2")
+    monkeypatch.setenv("PRIMUSPIPE_AUTO_REPLAN_ALGORITHMS", "zb-h1,zb-h2,zb-auto")
+    flags = ("--pp", str(pp), "--num-layers", str(2 * pp), "--microbatches", str(2 * pp), "--iterations", "5")
+    result, log = _torchrun(pp, *flags, "--pp-algorithm", "1f1b", "--auto-replan")
+    assert result["replanned_to"] in ("zb-h1", "zb-h2", "zb-auto")
+    assert f"switching 1f1b -> {result['replanned_to']}, predicted step" in log
+    assert result["predicted_step_time_s"] > 0 and result["step_time_s"] > 0 and "prediction_error" in result
+    monkeypatch.delenv("PRIMUSPIPE_AUTO_REPLAN_ALGORITHMS")
+    reference, _ = _torchrun(pp, *flags, "--pp-algorithm", result["replanned_to"])
+    assert result["losses"] == pytest.approx(reference["losses"], rel=1e-6, abs=0)

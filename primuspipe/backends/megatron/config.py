@@ -20,7 +20,7 @@ is given. Primus's ``primus_pipeline.yaml`` loads as it is: its keys are ours, w
 ``pp_max_mem``             ``PRIMUSPIPE_PP_MAX_MEM``          activation limit per rank, microbatches until W
 ``split_probe``            ``PRIMUSPIPE_SPLIT_PROBE``         calibration: N backwards per chunk run as B, next F, W
 ``auto_replan``            ``PRIMUSPIPE_AUTO_REPLAN``         measure the first steps, switch to the best schedule
-``auto_replan_warmup``     ``PRIMUSPIPE_AUTO_REPLAN_WARMUP``  steps before measuring (default 1)
+``auto_replan_warmup``     ``PRIMUSPIPE_AUTO_REPLAN_WARMUP``  steps before measuring (default 2)
 ``auto_replan_steps``      ``PRIMUSPIPE_AUTO_REPLAN_STEPS``   steps measured (default 3)
 ``auto_replan_threshold``  ``PRIMUSPIPE_AUTO_REPLAN_THRESHOLD`` predicted gain needed to switch (default 0.03)
 ``auto_replan_memory_limit`` ``PRIMUSPIPE_AUTO_REPLAN_MEMORY_LIMIT`` peak bytes per rank a new schedule may use
@@ -126,7 +126,7 @@ class PrimusPipeConfig:
     rank 0 ranks every algorithm of the running layout under the measured costs and memory, and all ranks
     switch at a step boundary when the best is predicted faster by more than ``auto_replan_threshold``.
     Off by default."""
-    auto_replan_warmup: int = 1
+    auto_replan_warmup: int = 2
     """Training steps run before measuring (they are slow: allocator growth, lazy initialisation)."""
     auto_replan_steps: int = 3
     """Training steps measured for the decision."""
