@@ -121,7 +121,7 @@ class InFlightReplanner:
         if state is None or state.decision is None:
             return None
         measured = [v["measured_step_time_s"] for v in state.verified]
-        out = {"decided_at_step": state.decided_at, **state.decision.to_dict(),
+        out = {"decided_at_step": state.decided_at, "threshold": self.settings.threshold, **state.decision.to_dict(),
                "replanned_to": state.table.algorithm if state.decision.switch else None,
                "verified_steps": list(state.verified)}
         if measured:
