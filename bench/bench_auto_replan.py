@@ -57,6 +57,8 @@ def one_run(pp: int, args: argparse.Namespace, dump: Path) -> dict:
              "--micro-batch-size", "4", "--num-layers", str(args.layers), "--vocab-size", "512"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PRIMUSPIPE_AUTO_REPLAN_WARMUP=str(args.warmup), PRIMUSPIPE_AUTO_REPLAN_STEPS=str(args.measure))
+    if args.algorithms:
+        env["PRIMUSPIPE_AUTO_REPLAN_ALGORITHMS"] = args.algorithms
     with held(args.lock):
         load_before = os.getloadavg()
         done = subprocess.run([torchrun, "--nproc-per-node", str(pp), str(ROOT / "examples" / "train_gpt.py"), *flags],
@@ -71,7 +73,7 @@ def one_run(pp: int, args: argparse.Namespace, dump: Path) -> dict:
     gain = 1 - ranking[0]["predicted_step_time_s"] / decision["running_predicted_step_time_s"]
     record = {
         "replanned_to": line["replanned_to"], "simulator_first": first, "predicted_gain_of_first": gain,
-        "took_the_first": line["replanned_to"] == first if gain > decision.get("threshold", 0.03) else
+        "took_the_first": line["replanned_to"] == first if (gain > decision["threshold"] or args.algorithms) else
         line["replanned_to"] is None,
         "predicted_step_time_s": line["predicted_step_time_s"], "measured_span_s": line.get("measured_span_s"),
         "error": line.get("prediction_error"), "step_time_s": line["step_time_s"],
@@ -81,6 +83,8 @@ def one_run(pp: int, args: argparse.Namespace, dump: Path) -> dict:
         "ranking": [(c["algorithm"], c["predicted_step_time_s"]) for c in ranking],
         "verified_steps": decision["verified_steps"], "notes": decision["notes"],
         "loadavg_before": load_before, "loadavg_after": load_after}
+    if record["error"] is None:
+        raise RuntimeError(f"pp={pp}: no verified step after the decision: {line}")
     print(f"  pp={pp}: -> {record['replanned_to']} (simulator first: {first}, gain {gain:+.1%}); predicted "
           f"{record['predicted_step_time_s'] * 1e3:.1f} ms, measured {record['measured_span_s'] * 1e3:.1f} ms "
           f"({record['error']:+.1%}); load {load_before[0]:.1f} -> {load_after[0]:.1f}", flush=True)
@@ -98,13 +102,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="auto_replan_warmup")
     parser.add_argument("--measure", type=int, default=3, help="auto_replan_steps")
     parser.add_argument("--verify", type=int, default=3, help="iterations after the decision (all timed)")
+    parser.add_argument("--algorithms", default="",
+                        help="auto_replan_algorithms: choose among these only (e.g. zb-h1,zb-h2,zb-auto: the run then "
+                             "always switches, so the prediction of a switched-to schedule is measured)")
     parser.add_argument("--lock", type=Path, help="an flock file held during each run (shared with other heavy jobs)")
     parser.add_argument("-o", "--output", type=Path, default=ROOT / "bench" / "results" / "auto_replan.json")
     args = parser.parse_args()
     report: dict = {"bench": "auto_replan", "host": platform.node(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "microbatches": args.microbatches, "hidden": args.hidden,
                     "seq": args.seq, "layers": args.layers, "warmup": args.warmup, "measure": args.measure,
-                    "verify": args.verify, "runs": args.runs, "target_relative_error": TARGET, "pp": {}}
+                    "verify": args.verify, "runs": args.runs, "algorithms": args.algorithms or "all of the layout", "target_relative_error": TARGET, "pp": {}}
     with tempfile.TemporaryDirectory(prefix="primuspipe-auto-replan-") as work:
         for pp in args.pp:
             runs = [one_run(pp, args, Path(work) / f"pp{pp}-run{k}") for k in range(args.runs)]

@@ -116,7 +116,7 @@ def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) ->
     from primuspipe.testing.megatron import compare
     from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo
 
-    names = (CALIBRATION, *PREDICTED)
+    names = run_keys(pp, args)
     dumps = {name: dump_root / f"{name}-run{rep}" for name in names}
 
     def work(ctx) -> None:
@@ -130,14 +130,16 @@ def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) ->
         # the models are built in an order rotating every session: identical 1F1B models of one session
         # took steps up to 9 % apart (868-952 ms), and whatever part of that comes with a model's place
         # in memory must not stay with one algorithm through every session
-        for name in rotated(names, rep):
+        for key in rotated(names, rep):
+            name, m = shape_of(key, args)
             info = get_algorithm(name)
             vpp = info.resolve_vpp(None)
-            spec = compare.StepSpec(model(args), args.microbatches, ddp=True, placement=info.placement)
+            spec = compare.StepSpec(model(args), m, ddp=True, placement=info.placement)
             layout(vpp)
-            probe = args.split_probe if name == CALIBRATION else 0  # 1F1B times B and W too (passes/split_probe.py)
-            schedule = PrimusForwardBackward(PrimusPipeConfig(True, name, dump_pp_data=True, dump_dir=str(dumps[name]),
+            probe = args.split_probe if key == CALIBRATION else 0  # 1F1B times B and W too (passes/split_probe.py)
+            schedule = PrimusForwardBackward(PrimusPipeConfig(True, name, dump_pp_data=True, dump_dir=str(dumps[key]),
                                                               split_probe=probe))
+            name = key
             runs[name] = (vpp, spec, compare.build(spec, pp, vpp)[2], schedule)
         for step in range(args.iterations):
             for name in rotated(names, step):
@@ -156,6 +158,24 @@ def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) ->
         external = max(0.0, (_busy_seconds() - busy) - (_own_seconds() - ours)) / wall
     return {name: {"dump": str(dumps[name]), "external_cores": round(external, 3), "quiet_wait_s": round(waited, 1)}
             for name in names}
+
+
+def run_keys(pp: int, args: argparse.Namespace) -> tuple[str, ...]:
+    """What a session runs: the calibration, every predicted algorithm at ``--microbatches`` (the tuning
+    shape), and 1F1B (without probe) and every predicted algorithm at each held-out count (``name@m<count>``)."""
+    held_out = [m for m in held_out_counts(pp, args) if m != args.microbatches]
+    return (CALIBRATION, *PREDICTED, *(f"{name}@m{m}" for m in held_out for name in (CALIBRATION, *PREDICTED)))
+
+
+def held_out_counts(pp: int, args: argparse.Namespace) -> list[int]:
+    """``--held-out`` multiples of pp, as microbatch counts."""
+    return sorted({k * pp for k in args.held_out})
+
+
+def shape_of(key: str, args: argparse.Namespace) -> tuple[str, int]:
+    """``(algorithm, microbatches)`` of a run key (see :func:`run_keys`)."""
+    name, _, m = key.partition("@m")
+    return name, int(m) if m else args.microbatches
 
 
 def rotated(names: tuple[str, ...], k: int) -> tuple[str, ...]:
@@ -198,7 +218,8 @@ def accepted_session(pp: int, args: argparse.Namespace, work: Path, rep: int) ->
 
 
 def predict(timelines: list[Timeline], pp: int, args: argparse.Namespace, folder: Path) -> tuple[dict, dict]:
-    """Calibrate from 1F1B runs' iterations; simulate every algorithm with ``primuspipe simulate -a all``."""
+    """Calibrate from 1F1B runs' iterations; simulate every algorithm with ``primuspipe simulate -a all`` at the
+    tuning shape and at every held-out microbatch count (rows keyed as :func:`run_keys` names the runs)."""
     # steps start together here (a barrier before each) and a dump's consecutive iterations are not
     # consecutive steps (the other algorithms run in between): no gaps between steps to model
     measured = dataclasses.replace(measure_costs(timelines, warmup=0), step_gap=None)
@@ -206,21 +227,25 @@ def predict(timelines: list[Timeline], pp: int, args: argparse.Namespace, folder
     cost_file = folder / "measured_cost.yaml"
     cost_file.write_text(measured.to_yaml())
     own = replay_accuracy(timelines, CostModel.load(cost_file, pp=pp, vpp=1))
-    simulated = primuspipe("simulate", "-a", "all", "--pp", str(pp), "-m", str(args.microbatches),
-                           "--cost", str(cost_file), "--plan-cost", "unit", "--json")
-    rows = {row["algorithm"]: row for row in simulated["results"] if "error" not in row}
+    rows = {}
+    for m in sorted({args.microbatches, *held_out_counts(pp, args)}):
+        simulated = primuspipe("simulate", "-a", "all", "--pp", str(pp), "-m", str(m),
+                               "--cost", str(cost_file), "--plan-cost", "unit", "--json")
+        suffix = "" if m == args.microbatches else f"@m{m}"
+        rows.update((row["algorithm"] + suffix, row) for row in simulated["results"] if "error" not in row)
     calibration = {"cost_model": measured.cost_dict(), "notes": list(measured.notes),
                    "replay_of_the_1f1b_runs": own.to_dict()}
     return calibration, rows
 
 
-def check_ran_as_planned(name: str, pp: int, args: argparse.Namespace, ran: Timeline, dump: str) -> None:
+def check_ran_as_planned(key: str, pp: int, args: argparse.Namespace, ran: Timeline, dump: str) -> None:
     """The run's node order is the table ``build_schedule`` plans with unit costs (what the prediction
     simulates); the 1F1B calibration runs carry their split probe and are left out."""
     from primuspipe.algorithms.build import build_schedule
     from primuspipe.calibration.replay import executed_table
 
-    if executed_table(ran).ranks != build_schedule(name, pp, args.microbatches).compute_only().ranks:
+    name, m = shape_of(key, args)
+    if executed_table(ran).ranks != build_schedule(name, pp, m).compute_only().ranks:
         raise RuntimeError(f"{name} at pp={pp} did not run the table the prediction simulates ({dump})")
 
 
@@ -238,7 +263,7 @@ def measure_runs(pp: int, args: argparse.Namespace, work: Path) -> dict[str, lis
     saved = work / f"pp{pp}" / "runs.json"
     if args.reuse:
         return json.loads(saved.read_text())
-    runs: dict[str, list[dict]] = {name: [] for name in (CALIBRATION, *PREDICTED)}
+    runs: dict[str, list[dict]] = {name: [] for name in run_keys(pp, args)}
     for rep in range(args.runs):
         for name, record in accepted_session(pp, args, work, rep).items():
             runs[name].append(record)
@@ -253,7 +278,9 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
     calibrated from every session's 1F1B runs, against the median step over sessions."""
     # each run's iterations but its first, read once
     kept = {name: [load_iterations(r["dump"])[1:] for r in records] for name, records in runs.items()}
-    for name in PREDICTED:
+    for name in runs:
+        if name == CALIBRATION:
+            continue
         for record, iterations in zip(runs[name], kept[name]):
             check_ran_as_planned(name, pp, args, iterations[-1], record["dump"])
     calibrations = kept[CALIBRATION]
@@ -267,8 +294,9 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
         predicted = [rows[name] for _, rows in sessions]
         errors = [p["step_time"] / step - 1 for p, step in zip(predicted, steps)]
         step, error = statistics.median(steps), statistics.median(errors)
+        algorithm, m = shape_of(name, args)
         table.append({
-            "algorithm": name, "vpp": predicted[0]["vpp"],
+            "algorithm": algorithm, "microbatches": m, "held_out": m != args.microbatches, "vpp": predicted[0]["vpp"],
             "predicted_step_s": statistics.median(p["step_time"] for p in predicted), "measured_step_s": step,
             "error": error, "session_errors": errors,
             "predicted_bubble_rate": statistics.median(p["bubble_rate"] for p in predicted),
@@ -289,13 +317,15 @@ def markdown(report: dict) -> str:
         for row in entry["algorithms"]:
             runs = [r["step_s"] * 1e3 for r in row["measured_runs"]]
             errors = row["session_errors"]
-            rows.append([pp, row["algorithm"] + (" (calibration)" if row["algorithm"] == CALIBRATION else ""),
+            calibration = row["algorithm"] == CALIBRATION and not row.get("held_out")
+            rows.append([pp, str(row.get("microbatches", report["microbatches"])),
+                         row["algorithm"] + (" (calibration)" if calibration else ""),
                          str(row["vpp"]), f"{row['predicted_step_s'] * 1e3:.0f}",
                          f"{row['measured_step_s'] * 1e3:.0f} ({min(runs):.0f}-{max(runs):.0f})",
                          f"{row['error']:+.1%} ({min(errors):+.1%} to {max(errors):+.1%})",
                          f"{row['pooled']['error']:+.1%}",
                          f"{row['predicted_bubble_rate']:.3f} / {row['measured_bubble_rate']:.3f}"])
-    return markdown_table(["pp", "algorithm", "vpp", "predicted step (ms)", "measured step (ms): median (sessions)",
+    return markdown_table(["pp", "m", "algorithm", "vpp", "predicted step (ms)", "measured step (ms): median (sessions)",
                            "error: median (sessions)", "error, one file from all sessions",
                            "bubble: predicted / measured"], rows)
 
@@ -310,6 +340,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="transformer layers (a multiple of 2 * pp)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--held-out", type=int, nargs="*", default=[],
+                        help="also run the predicted algorithms at these multiples of pp microbatches (e.g. 1 4: m = pp "
+                             "and 4pp), predicted from the same 1F1B calibration at --microbatches: shapes the cost "
+                             "file was not measured at")
     parser.add_argument("--split-probe", type=int, default=1,
                         help="the 1F1B runs split the backward of N middle microbatches per chunk into B, the next F, "
                              "then W, so the calibration sees what split-backward schedules pay (0: halve BW instead)")
@@ -331,12 +365,12 @@ def main() -> None:
         report: dict = {"bench": "prediction", "host": platform.node(), "cpus": os.cpu_count(),
                         "python": platform.python_version(), "microbatches": args.microbatches,
                         "iterations": args.iterations, "runs": args.runs, "model": dataclasses.asdict(model(args)),
-                        "calibrated_from": CALIBRATION, "split_probe": args.split_probe,
+                        "calibrated_from": CALIBRATION, "split_probe": args.split_probe, "held_out": args.held_out,
                         "target_relative_error": TARGET, "pp": {}}
         for pp in args.pp:
             report["pp"][str(pp)] = compare(pp, measure_runs(pp, args, work), args, work)
         errors = [abs(row["error"]) for entry in report["pp"].values() for row in entry["algorithms"]
-                  if row["algorithm"] != CALIBRATION]
+                  if row["algorithm"] != CALIBRATION or row["held_out"]]
         report["max_abs_error"] = max(errors)
         report["meets_target"] = max(errors) <= TARGET
         args.output.parent.mkdir(parents=True, exist_ok=True)
