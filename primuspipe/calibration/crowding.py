@@ -7,7 +7,7 @@ for 1F1B and interleaved alike; at pp = 2 (a core per rank) it did not grow. A s
 bubble keeps more ranks busy at once and so pays more of it, which node times averaged over a 1F1B run
 cannot carry to another schedule. Calibrate therefore fits the share from the run's own nodes
 (:func:`fit_contention`), takes node times at no crowding, and the simulator charges it back wherever a
-schedule crowds the cores (``primuspipe.simulator.engine``, ``_run_shared``).
+schedule crowds the cores (:mod:`primuspipe.simulator.shared`).
 """
 
 from __future__ import annotations
