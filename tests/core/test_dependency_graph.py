@@ -21,6 +21,7 @@ from primuspipe.ir.node import BW, F
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.io.dot import to_dot
+from primuspipe.passes.offload import offload_activations
 from primuspipe.passes.validation import validate
 from primuspipe.simulator import simulate
 
@@ -35,9 +36,10 @@ def _shipped(pp: int, m: int):
 
 
 TABLES = [t for pp, m in ((2, 4), (3, 7), (4, 8)) for t in _shipped(pp, m)]
+OFFLOADED = offload_activations(build_schedule("v-min", 4, 8), CostModel.per_stage(8, 1, 1, 1), memory_limit=1.5)
 
 
-@pytest.mark.parametrize("table", TABLES, ids=lambda t: f"{t.algorithm}-pp{t.pp}-vpp{t.vpp}-m{t.microbatches}")
+@pytest.mark.parametrize("table", [*TABLES, OFFLOADED], ids=lambda t: f"{t.algorithm}-pp{t.pp}-vpp{t.vpp}-m{t.microbatches}")
 def test_simulated_nodes_start_after_everything_their_graph_waits_for(table):
     cost = CostModel.per_stage(table.num_stages, [1 + 0.3 * s for s in range(table.num_stages)], 1.7, 0.6,
                                p2p=P2PCost(message_bytes=1e6, intra_node=Link(0.05, 1e7), inter_node=Link(0.05, 1e7)))
