@@ -38,9 +38,9 @@ import torch.distributed as dist
 
 from primuspipe.calibration.replan import Decision, ReplanSettings, decide, prediction_error, probed
 from primuspipe.errors import ConfigError, PrimusPipeError
-from primuspipe.ir.documents import write_atomically
+from primuspipe.documents import write_atomically
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.ir.timeline import Timeline, merge_rank_timelines
+from primuspipe.io.timeline import Timeline, merge_rank_timelines
 from primuspipe.runtime.driver import check_same_table
 
 logger = logging.getLogger("primuspipe.replan")

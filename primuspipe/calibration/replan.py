@@ -42,11 +42,11 @@ from primuspipe.algorithms import list_algorithms
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.calibration.measure import measure_costs
 from primuspipe.errors import ConfigError, PrimusPipeError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.ir.timeline import Timeline
+from primuspipe.io.timeline import Timeline
 from primuspipe.passes.communication import add_communication
 from primuspipe.passes.split_probe import split_backward_probe
 from primuspipe.passes.validation import validate

@@ -29,7 +29,7 @@ from primuspipe.backends.torch.meta import StageMeta, infer_stage_meta
 from primuspipe.calibration.replan import ReplanSettings, check_settings_kind
 from primuspipe.runtime.activation_offload import ActivationOffload, SavedBytes
 from primuspipe.errors import ConfigError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication

@@ -1,7 +1,7 @@
 """pp_vis: draw pipeline timelines from real runs (``dump_pp_data``) and from the simulator, and set a
 run beside its simulation.
 
-Everything takes :class:`~primuspipe.ir.timeline.Timeline` values (the one format both sides write) and
+Everything takes :class:`~primuspipe.io.timeline.Timeline` values (the one format both sides write) and
 returns values or writes files; ``primuspipe vis`` and ``primuspipe calibrate`` are the command line.
 See docs/pp_vis.md.
 
@@ -16,7 +16,8 @@ See docs/pp_vis.md.
 
 from importlib import import_module
 
-from primuspipe.calibration.measure import MeasuredCosts, measure_costs
+from primuspipe.calibration.measure import measure_costs
+from primuspipe.calibration.measured import MeasuredCosts
 from primuspipe.calibration.replay import compute_order, executed_table, placement_of
 from primuspipe.tools.pp_vis.load import in_unit, load_iterations, load_timeline
 from primuspipe.tools.pp_vis.stats import (
