@@ -280,22 +280,20 @@ def decide(timelines: Sequence[Timeline], running: ScheduleTable, settings: Repl
     portable = CostModel.from_dict(measured.cost_dict(), pp=pp, vpp=1)  # per 1F1B stage: any vpp
     limit = settings.memory_limit_bytes if settings.memory_limit_bytes is not None else memory_capacity_bytes
     memory = _MemoryModel.of(timelines, simulate(_executed(timelines[0], running), cost).peak_activations, limit)
-    ranking = [_candidate(name, table, cost, memory) for name, table in _buildable(pp, m, vpp, cost)
-               if table.placement == running.placement]
-    layout = {c.algorithm for c in ranking}
+    built = {name: table for name, table in _buildable(pp, m, vpp, cost) if table.placement == running.placement}
+    layout = set(built)
     if settings.algorithms is not None:
-        ranking = [c for c in ranking if c.algorithm in settings.algorithms]
+        built = {name: table for name, table in built.items() if name in settings.algorithms}
+    ranking = [_candidate(name, table, cost, memory) for name, table in built.items()]
     own = simulate(running, cost).step_time
-    # a table as fast as the running one (to rounding) ranks after it: no switch for nothing
-    ranking.sort(key=lambda c: (not c.fits, c.step_time * (1 - 1e-9 * (c.algorithm == running.algorithm)),
+    # the running table's own order (under any name) ranks first among equals: no switch for nothing
+    ranking.sort(key=lambda c: (not c.fits, c.step_time * (1 - 1e-9 * (built[c.algorithm].ranks == running.ranks)),
                                 c.peak_activations, c.algorithm))
     best = ranking[0] if ranking and ranking[0].fits else None
-    chosen_table = running
     leaving = settings.algorithms is not None and running.algorithm not in settings.algorithms
-    switch = best is not None and (leaving or (own > 0 and 1 - best.step_time / own > settings.threshold))
-    if switch:
-        chosen_table = build_schedule(best.algorithm, pp, m, vpp, cost=cost)
-        switch = chosen_table.ranks != running.ranks
+    switch = best is not None and built[best.algorithm].ranks != running.ranks and (
+        leaving or (own > 0 and 1 - best.step_time / own > settings.threshold))
+    chosen_table = built[best.algorithm] if switch else running
     predicted = simulate(chosen_table, cost).step_time
     others = [_candidate(name, table, _for(portable, pp, table.vpp), None)
               for name, table in _buildable(pp, m, None, portable) if name not in layout]
