@@ -17,8 +17,6 @@ measured steps and the steps after the switch, and the figures say how loaded it
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import platform
@@ -30,21 +28,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_prediction import held  # noqa: E402
+
 TARGET = 0.05
-
-
-@contextlib.contextmanager
-def held(lock: Path | None):
-    """Hold ``lock`` (an flock file shared with other heavy jobs) while running, when one is given."""
-    if lock is None:
-        yield
-        return
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def one_run(pp: int, args: argparse.Namespace, dump: Path) -> dict:

@@ -1,6 +1,6 @@
 """Does the simulator predict real runs? Calibrate from 1F1B alone, predict other algorithms, run them.
 
-    python bench/bench_prediction.py [--runs 3] [--iterations 8] [--microbatches 8] [--hidden 256]
+    python bench/bench_prediction.py [--runs 3] [--iterations 8] [--microbatches 8] [--hidden 256] [--held-out 1 4]
                                      [--lock FILE] [--keep DIR [--reuse]] [-o bench/results/prediction.json]
 
 For pp = 2 and pp = 4 (megatron-core GPT on CPU, gloo ranks of one thread each through the Megatron
@@ -17,6 +17,10 @@ optimizer step does. ``--runs`` sessions per pp. Then
 * **predict** with ``primuspipe simulate --cost FILE --plan-cost unit -a all --json``, the command a user
   runs: the runs' cost-aware algorithms plan with unit costs (the Megatron backend given no costs), so
   the simulator times the tables they ran (checked: each run's node order is its table's);
+* **held-out shapes** (``--held-out 1 4``: m = pp and 4pp): every session also runs 1F1B (without probe)
+  and every predicted algorithm at those microbatch counts, predicted from the same cost file,
+  calibrated at ``--microbatches`` only -- shapes the file was not measured at (run the bench again
+  with another ``--hidden`` for a second model size);
 * **measure** each algorithm's step: the dump's step span (first node start to last node end over all
   ranks, what the simulator predicts), median over a session's iterations after the first, then the
   median over sessions; the bubble rate likewise (worst rank's ``(step - busy) / step``).
