@@ -1,0 +1,84 @@
+"""The re-planning decision on simulated steps (no processes): the choice is the simulator's first of the
+running layout, the threshold, the memory limit, the algorithms to choose among and the recommendation of
+another layout, and the decision's round trip through the text every rank receives."""
+
+import dataclasses
+
+import pytest
+
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.calibration.replan import Decision, ReplanSettings, decide, probed
+from primuspipe.simulator import CostModel, simulate
+
+ON = ReplanSettings(enabled=True)
+
+
+def _steps(running, cost, *, bytes_per_unit=None, start=1000.0, count=2):
+    """``count`` simulated steps of ``running`` with its probe; with ``bytes_per_unit``, memory figures as a
+    run dump gives them (memory at step start, and peak = start + simulated activations x bytes)."""
+    result = simulate(probed(running), cost)
+    out = []
+    for i in range(count):
+        t = result.timeline(i)
+        if bytes_per_unit is not None:
+            ranks = tuple(dataclasses.replace(rt, peak_memory_bytes=int(start + units * bytes_per_unit))
+                          for rt, units in zip(t.ranks, result.peak_activations))
+            t = dataclasses.replace(t, ranks=ranks, meta={**t.meta, "ranks": [
+                {"rank": rt.rank, "memory_at_start": start} for rt in ranks]})
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (3, 6), (4, 8), (4, 16)])
+def test_a_1f1b_run_moves_to_the_fastest_of_its_layout(pp, m):
+    running = build_schedule("1f1b", pp, m)
+    cost = CostModel.per_stage(pp, f=1.0, b=1.1, w=0.9)
+    decision = decide(_steps(running, cost), running, ON)
+    times = {c.algorithm: c.step_time for c in decision.ranking}
+    assert set(times) >= {"1f1b", "gpipe", "zb-h1", "zb-h2", "zb-auto"} and "zbv" not in times
+    assert decision.switch and decision.chosen == decision.ranking[0].algorithm
+    assert decision.predicted_step_time == min(times.values()) < decision.running_step_time
+    assert decision.table.algorithm == decision.chosen and decision.table.placement == running.placement
+    assert decision.running_step_time == pytest.approx(simulate(running, cost).step_time)
+
+
+def test_threshold_keeps_the_running_table():
+    running = build_schedule("1f1b", 2, 4)
+    cost = CostModel.per_stage(2, 1, 1, 1)
+    decision = decide(_steps(running, cost), running, dataclasses.replace(ON, threshold=0.5))
+    assert not decision.switch and decision.table == running and decision.chosen != "1f1b"
+    assert "keeping 1f1b" in decision.log_line(5, 0.5)
+
+
+def test_memory_limit_rules_out_the_tables_that_hold_more():
+    running = build_schedule("1f1b", 4, 8)
+    cost = CostModel.per_stage(4, 1, 1, 1)
+    steps = _steps(running, cost, bytes_per_unit=100.0)
+    free = decide(steps, running, ON)
+    hungry = {c.algorithm for c in free.ranking if c.peak_activations > 4}
+    assert hungry, "some table of the layout holds more than 1F1B's 4 microbatches"
+    limited = decide(steps, running, dataclasses.replace(ON, memory_limit_bytes=1000 + 4 * 100))
+    for c in limited.ranking:
+        assert c.fits == (max(c.peak_memory_bytes) <= 1400), c
+    assert limited.chosen not in hungry and limited.ranking[0].fits
+    assert all(not c.fits for c in limited.ranking if c.algorithm in hungry)
+
+
+def test_algorithms_to_choose_among_and_the_recommendation():
+    running = build_schedule("1f1b", 4, 8)
+    cost = CostModel.per_stage(4, 1, 1, 1)
+    decision = decide(_steps(running, cost), running, dataclasses.replace(ON, algorithms=("gpipe",), threshold=0.05))
+    assert [c.algorithm for c in decision.ranking] == ["gpipe"]
+    assert decision.switch and decision.chosen == "gpipe", "leaving an algorithm not among them switches anyway"
+    rec = decision.recommendation
+    assert rec is not None and rec.placement == "v" and rec.step_time < decision.predicted_step_time
+    assert f"recommended: {rec.algorithm} (v placement, vpp=2)" in decision.log_line(5, 0.05)
+
+
+def test_the_decision_goes_through_text_unchanged():
+    running = build_schedule("zbv", 2, 4)
+    cost = CostModel.per_stage(2, 1, 1.2, 0.8).for_shape(2, 2)
+    decision = decide(_steps(running, cost), running, ON)
+    assert {c.algorithm for c in decision.ranking} >= {"zbv", "v-half", "v-min", "dualpipe-v"}
+    again = Decision.from_dict(decision.to_dict(), decision.table)
+    assert again == decision
