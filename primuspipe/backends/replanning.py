@@ -14,7 +14,8 @@ to run; forward-only calls are not counted. Per running table (one per shape):
    of the world (data-parallel replicas run the same table); every rank reads the table back and
    all of them check they hold the same one (a digest of its text, :func:`check_same_table`) before
    any runs it; the switch happens at the next step boundary;
-4. the next ``verify_steps`` steps are timed again: global rank 0 logs each one's measured step span
+4. the next ``verify_steps`` steps (after one more where the table changed: a new table's first step
+   allocates and warms up) are timed again: global rank 0 logs each one's measured step span
    (first node start to last node end over the pipeline's ranks, what the simulator predicts) and its
    prediction error, and, when dumping, keeps all of it in ``<dump_dir>/replan.json``; each dumped
    step's timeline says in ``meta.replan`` which table ran and its predicted step.
@@ -56,6 +57,9 @@ class _State:
     table: ScheduleTable | None = None
     """What runs after the decision (the chosen table, or the running one)."""
     decided_at: int | None = None
+    verify_from: int = 0
+    """The first step timed against the prediction: after the decision, one later where the table changed
+    (a new table's first step allocates its buffers and warms its code paths, as the run's first steps did)."""
     verified: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -100,7 +104,7 @@ class InFlightReplanner:
         table = state.table
         meta = {"replan": {"algorithm": table.algorithm, "predicted_step_time_s": state.decision.predicted_step_time,
                            "decided_at_step": state.decided_at}}
-        return StepPlan(table, len(state.verified) < s.verify_steps, meta)
+        return StepPlan(table, state.steps >= state.verify_from and len(state.verified) < s.verify_steps, meta)
 
     def after_step(self, running: ScheduleTable, timeline: Timeline | None) -> None:
         """Count the step just run for ``running``; ``timeline`` is its recorded timeline when it was timed."""
@@ -112,7 +116,7 @@ class InFlightReplanner:
             state.measured.append(timeline)
             if len(state.measured) == self.settings.measure_steps:
                 self._decide(running, state)
-        elif len(state.verified) < self.settings.verify_steps:
+        elif state.steps > state.verify_from and len(state.verified) < self.settings.verify_steps:
             self._verify(state, timeline)
 
     def summary(self, running: ScheduleTable) -> dict[str, Any] | None:
@@ -121,7 +125,8 @@ class InFlightReplanner:
         if state is None or state.decision is None:
             return None
         measured = [v["measured_step_time_s"] for v in state.verified]
-        out = {"decided_at_step": state.decided_at, "threshold": self.settings.threshold, **state.decision.to_dict(),
+        out = {"decided_at_step": state.decided_at, "first_verified_step": state.verify_from,
+               "threshold": self.settings.threshold, **state.decision.to_dict(),
                "replanned_to": state.table.algorithm if state.decision.switch else None,
                "verified_steps": list(state.verified)}
         if measured:
@@ -141,7 +146,7 @@ class InFlightReplanner:
             payload = [self._decision_text(running, parts)]
         dist.broadcast_object_list(payload, src=0)
         decision_dict, table_text, failure = payload[0]
-        state.decided_at = state.steps
+        state.decided_at = state.verify_from = state.steps
         state.measured.clear()
         if failure is not None:
             if self.rank == 0:
@@ -152,6 +157,7 @@ class InFlightReplanner:
         check_same_table(table, self.rank, dist.group.WORLD)  # every rank of every pipeline holds it
         state.decision = Decision.from_dict(decision_dict, table)
         state.table = table if state.decision.switch else running
+        state.verify_from = state.decided_at + state.decision.switch
         self._write()
 
     def _decision_text(self, running: ScheduleTable, parts: list[list[Timeline]]) -> tuple:

@@ -85,7 +85,7 @@ def test_a_1f1b_run_switches_to_the_simulators_first_choice_with_its_reference_g
     assert summary["switch"] and summary["replanned_to"] == summary["chosen"] == best != "1f1b", summary
     assert best in SPLIT
     decided = SETTINGS.warmup_steps + SETTINGS.measure_steps
-    assert summary["decided_at_step"] == decided
+    assert summary["decided_at_step"] == decided and summary["first_verified_step"] == decided + 1
     for per_rank in ran:  # the switch happens at the step boundary after the measured steps, on every rank
         assert per_rank == ["1f1b"] * decided + [best] * (STEPS - decided), per_rank
     assert all(all(rank) for rank in same), f"losses/gradients differ from the reference table's: {same}"
