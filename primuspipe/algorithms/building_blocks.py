@@ -37,13 +37,14 @@ from dataclasses import dataclass, replace
 from primuspipe.algorithms.list_scheduler import FixedOrder
 from primuspipe.ir.activations import peak_level
 from primuspipe.ir.cost_model import CostModel
-from primuspipe.ir.costs import ComputeCosts
 from primuspipe.ir.dataflow import Step, step_needs
+from primuspipe.ir.kinds import split_kinds
 from primuspipe.ir.node import NodeKind
 from primuspipe.ir.placement import Placement
 
 _EPS = 1e-9
-_SPLIT = (NodeKind.F, NodeKind.B, NodeKind.W)
+_SPLIT = split_kinds()
+"""A split backward's kinds (F, B, W), from the kind table."""
 
 FBOrder = tuple[tuple[tuple[NodeKind, int], ...], ...]
 """Per rank, its F and B nodes in order, as ``(kind, chunk)`` (microbatches are implied)."""
@@ -125,15 +126,13 @@ their slots; the paper's blocks use such gaps at some p)."""
 def blended(cost: CostModel, weight: float) -> CostModel:
     """``cost`` with compute times moved toward their overall mean: weight 1 keeps them, 0 makes every
     node equal (P2P time is kept)."""
-    c = cost.compute
-    values = c.forward + c.backward_input + c.backward_weight
+    values = [t for key in ("f", "b", "w") for t in cost.compute.times[key]]
     mean = sum(values) / len(values)
 
-    def blend(times: tuple[float, ...]) -> tuple[float, ...]:
+    def blend(_key: str, times: tuple[float, ...]) -> tuple[float, ...]:
         return tuple(weight * t + (1 - weight) * mean for t in times)
 
-    return replace(cost, compute=ComputeCosts(blend(c.forward), blend(c.backward_input), blend(c.backward_weight)),
-                   fused_backward=None)
+    return replace(cost, compute=cost.compute.map(blend), fused_backward=None)
 
 
 def block_orders(placement: Placement, microbatches: int, cost: CostModel, memory: float) -> list[FixedOrder]:

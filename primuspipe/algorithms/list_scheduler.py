@@ -44,6 +44,7 @@ from typing import NamedTuple
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.dataflow import step_needs
 from primuspipe.errors import ScheduleShapeError
+from primuspipe.ir.kinds import split_kinds
 from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
@@ -52,8 +53,8 @@ from primuspipe.simulator import simulate
 
 logger = logging.getLogger(__name__)
 
-_SCHEDULED = (NodeKind.F, NodeKind.B, NodeKind.W)
-"""The kinds this scheduler places: a split backward, one node per step."""
+_SCHEDULED = split_kinds()
+"""The kinds this scheduler places: a split backward, one node per step (F, B, W), from the kind table."""
 
 _EPS = 1e-9
 

@@ -59,7 +59,7 @@ from primuspipe.calibration.crowding import coverage, excess_during, fit_content
 from primuspipe.calibration.replay import executed_table, placement_of, run_table
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.cost_model import CostModel
-from primuspipe.ir.kinds import NodeKind, compute_kinds
+from primuspipe.ir.kinds import NodeKind, compute_kinds, split_kinds
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.timeline import TimedNode, Timeline
@@ -452,9 +452,11 @@ def _cold_start(samples: list[_Samples], n: int, fused_only: list[int]):
         values = [x for s in samples for x in s.cold.get((kind, stage), ())]
         return max(0.0, statistics.median(values)) if values else 0.0
 
-    f = [extra(NodeKind.F, s) for s in range(n)]
-    b = [extra(NodeKind.BW, s) / 2 if s in fused_only else extra(NodeKind.B, s) for s in range(n)]
-    w = [extra(NodeKind.BW, s) / 2 if s in fused_only else extra(NodeKind.W, s) for s in range(n)]
+    def split(kind: NodeKind, s: int) -> float:  # a fused-only stage's BW: an even share per step it completes
+        fused = NodeKind.BW
+        return extra(fused, s) / len(fused.completes) if s in fused_only and kind in fused.completes else extra(kind, s)
+
+    f, b, w = ([split(kind, s) for s in range(n)] for kind in split_kinds())
     if not any(f + b + w):
         return None
     return tuple(tuple(map(_significant, v)) for v in (f, b, w))

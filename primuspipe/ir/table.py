@@ -89,6 +89,12 @@ class ScheduleTable:
         """True if the table has SEND/RECV nodes (derived once: passes ask for every node)."""
         return any(not n.kind.is_compute for row in self.ranks for n in row)
 
+    @cached_property
+    def splits_backward(self) -> bool:
+        """True if some node runs half of a backward, its input grad or its weight grad alone (``B``,
+        ``W``, or an overlapped node with such a part): the backends then keep weight grads deferred."""
+        return any(k.is_input_grad != k.is_weight_grad for row in self.ranks for n in row for k, _, _ in n.parts())
+
     def compute_only(self) -> ScheduleTable:
         return self.with_ranks(tuple(n for n in row if n.kind.is_compute) for row in self.ranks)
 

@@ -29,7 +29,6 @@ from typing import Any
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import TableMismatchError
 from primuspipe.ir import strict
-from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.timeline import dump_path
 from primuspipe.passes.forward_only import forward_only_view
@@ -50,7 +49,7 @@ def last_backwards(table: ScheduleTable, rank: int) -> Mapping[int, int]:
     last: dict[int, int] = {}
     for node in table.ranks[rank]:
         for kind, mb, chunk in node.parts():
-            if NodeKind.W in kind.completes:
+            if kind.is_weight_grad:
                 last[chunk] = mb
     return MappingProxyType(last)
 
