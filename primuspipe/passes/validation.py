@@ -139,7 +139,7 @@ def check_offload(table: ScheduleTable) -> None:
     (B or BW), which needs the activations back on the device (docs/offload.md). The kinds come from
     their table entries: the copies by their effect on held activations (out, back), the forward as
     the kind that takes them and the backwards as the kinds that release them."""
-    offload, reload, forward, backward = _offload_roles()
+    out, back, forward, backward = _offload_roles()
     for rank, row in enumerate(table.ranks):
         where: dict[tuple[NodeKind, int, int], list[int]] = defaultdict(list)
         for i, node in enumerate(row):
@@ -147,11 +147,11 @@ def check_offload(table: ScheduleTable) -> None:
                 where[(kind, chunk, mb)].append(i)
         copied = {(c, mb) for k, c, mb in where if k.on_host_stream}
         for chunk, mb in sorted(copied):
-            offloads, reloads = where.get((offload, chunk, mb), []), where.get((reload, chunk, mb), [])
+            offloads, reloads = where.get((out, chunk, mb), []), where.get((back, chunk, mb), [])
             forwards = where.get((forward, chunk, mb), [])
             backwards = sorted(i for kind in backward for i in where.get((kind, chunk, mb), []))
             name = f"{mb}.{chunk}"
-            for kind, seen in ((offload, offloads), (reload, reloads)):
+            for kind, seen in ((out, offloads), (back, reloads)):
                 if len(seen) > 1:
                     _fail(table, "offload", f"{_at(table, rank, seen[1])} is the second {kind} of microbatch {mb} on "
                           f"chunk {chunk} (the first is node {seen[0]})", [(rank, i) for i in seen],
