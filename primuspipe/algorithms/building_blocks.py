@@ -112,6 +112,37 @@ def vshape_block(placement: Placement, cost: CostModel, stretch: int = 0, turn: 
     return Block(starts, period)
 
 
+def paper_block(placement: Placement, schedule: str) -> Block:
+    """The repeating block the Controllable Memory paper draws for V-min and V-half, on the unit grid
+    (F = B = W = 1; each rank's period of 6 holds microbatch 0's two F's, two B's and the two W's that
+    fill its free slots). Where rank ``i`` of ``p`` starts microbatch 0's nodes::
+
+                 F chunk 0    F chunk 1    B chunk 1         B chunk 0
+        V-min    i            2p - 1 - i   2p + i + g        4p - 1 - i + g     g = 2 if p % 3 == 0 else 0
+        V-half   2i           3p - 2 - i   3p - 1 + 2i + g   6p - 2 - i + g     g = 3 if p % 2 == 0 else 0
+
+    V-min's forwards go down and up the V one slot apart and its backwards turn at once: each rank's two
+    lifespans add up to about 4p slots, p/3 microbatches of memory. V-half spaces chunk 0's forwards
+    and chunk 1's backwards two slots apart: about 6p slots, p/2 microbatches. The gap ``g`` moves the
+    backwards off the forwards' slots where they would meet modulo 6. V-min's block is the chain layout
+    :func:`vshape_block` finds on the unit grid (turning two slots late where p % 3 == 0), so it competes
+    among the blocks; V-half's is timed beside the winner (:mod:`~primuspipe.algorithms.competition`)."""
+    p = placement.pp
+    assert placement.vpp == 2 and schedule in ("v-min", "v-half"), "the papers' blocks are V-shape blocks"
+    starts: dict[tuple[NodeKind, int], float] = {}
+    for i in range(p):
+        if schedule == "v-min":
+            g = 2 if p % 3 == 0 else 0
+            times = (i, 2 * p - 1 - i, 2 * p + i + g, 4 * p - 1 - i + g)
+        else:
+            g = 3 if p % 2 == 0 else 0
+            times = (2 * i, 3 * p - 2 - i, 3 * p - 1 + 2 * i + g, 6 * p - 2 - i + g)
+        down, up = placement.stage(i, 0), placement.stage(i, 1)
+        for key, t in zip(((NodeKind.F, down), (NodeKind.F, up), (NodeKind.B, up), (NodeKind.B, down)), times):
+            starts[key] = float(t)
+    return Block(starts, 6.0)
+
+
 BLEND_WEIGHTS = (1.0, 0.5)
 """How much of the real costs' unevenness a block is laid out with (the uniform block, weight 0, is
 squeezed on the unit grid instead). Uneven costs stretch the chain against the period and so the
