@@ -20,6 +20,7 @@ optimizer bytes) are one number or ``pp`` values::
       b: 1.0                 # input-grad backward (B)
       w: 1.0                 # weight-grad backward (W)
       bw: 1.8                # fused backward; defaults to b + w
+      recompute: 0.4         # any other timed kind, by its KindSpec.cost key (a plug-in's, say)
       fb_overlap: 0.0        # FB pair: F + B - fb_overlap * min(F, B); 0 = no gain, 1 = max(F, B)
       cold_start: {f: 0.3, b: 0.1, w: 0.05}  # extra time of each chunk's first F, B, W in a step
     host:                    # time on the host, outside the kernels (every key optional, default 0)
