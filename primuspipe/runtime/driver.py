@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -55,8 +56,10 @@ def last_backwards(table: ScheduleTable, rank: int) -> Mapping[int, int]:
 
 
 def table_digest(table: ScheduleTable) -> str:
-    """sha256 of the table's JSON form: its algorithm, shape, placement and every rank's nodes."""
-    return hashlib.sha256(table.to_json(indent=None).encode()).hexdigest()
+    """sha256 of the table's JSON form: its algorithm, shape, placement and every rank's nodes (not its
+    informational construction record, which a table read from an older file lacks)."""
+    identity = {k: v for k, v in table.to_dict().items() if k != "construction"}
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
 
 
 def check_same_table(table: ScheduleTable, rank: int, group: Any) -> None:
