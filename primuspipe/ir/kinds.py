@@ -39,7 +39,10 @@ A need on another stage is a hand-off: local when both stages live on one rank, 
 drop the needs that fall off the pipeline (the last stage's B starts from its own loss).
 
 Adding a kind is one :func:`define_kind` call here (or in a plug-in) plus a handler in the binder
-that runs it; ``tests/core/test_kinds.py`` adds a toy kind that way.
+that runs it; ``tests/core/test_kinds.py`` adds a free toy kind that way, ``tests/core/test_timed_kind.py``
+one with its own cost key (timed from a cost file's ``compute`` section). Code that needs the split
+backward's kinds asks this table (:func:`split_kinds`, :func:`step_kind`, :func:`kinds_completing`,
+``is_input_grad`` / ``is_weight_grad``) rather than naming them.
 
 >>> NodeKind("BW").spec.completes
 ('B', 'W')
