@@ -117,11 +117,11 @@ def _record(winner: Filled, candidates: int, paper: Paper | None, cost: CostMode
     """The winner's record; the paper's schedule is named as the choice only if it is the same table."""
     if paper is None:
         return Construction(winner.source, winner.step_time, candidates)
-    paper_time = None
-    if paper.table is not None:
+    same = paper.table is not None and paper.table.ranks == winner.table.ranks
+    paper_time = winner.step_time if same else None
+    if paper.table is not None and not same:
         try:
             paper_time = simulate(paper.table, cost).step_time
         except PrimusPipeError:  # a pattern that deadlocks at this shape is no schedule here
             paper_time = None
-    same = paper_time is not None and paper.table.ranks == winner.table.ranks
     return Construction(paper.name if same else winner.source, winner.step_time, candidates, paper.name, paper_time)
