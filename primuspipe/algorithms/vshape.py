@@ -22,6 +22,13 @@ Several constructions compete under the request's cost model, and the shortest s
 * for ZBV, the Zero Bubble paper's hand-crafted order (:func:`zbv_handcrafted_rank`, the order
   torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` runs), as is and re-timed by the list
   scheduler, so ``zbv`` is never slower than that order under the given costs.
+
+Each algorithm also writes out its paper's schedule -- ZBV's hand-crafted order, the V-min and V-half
+blocks as the paper draws them (:func:`~primuspipe.algorithms.building_blocks.paper_block`, squeezed by
+:func:`paper_block_schedule`) -- and the table's construction record names it where the chosen table is
+it, or gives its simulated step beside the winner's (:mod:`~primuspipe.algorithms.competition`).
+V-min's paper block is one of the competing blocks; V-half's is timed beside them only, so the tables
+stay those the competition picks.
 """
 
 from __future__ import annotations
