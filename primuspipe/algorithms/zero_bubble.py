@@ -15,13 +15,14 @@ rank may hold, which is also its warm-up length:
 The paper draws both as one pattern (:func:`zero_bubble_pattern`): rank r warms up with some forwards,
 then after each B runs the W it deferred ``lag`` backwards earlier and the next forward, and ends with
 the W's still deferred. ZB-H1 is warm-up p - r, lag r; ZB-H2 warm-up 2(p - r) - 1, lag 2r; in both the
-warm-up plus the lag is the rank's memory (p, and 2p - 1). The algorithms build that pattern and the
-list scheduler's greedy fills (:mod:`~primuspipe.algorithms.list_scheduler`) under the same caps and
-keep the fastest as simulated (:mod:`~primuspipe.algorithms.competition`); the table's
-:class:`~primuspipe.ir.table.Construction` says which it is. With F = B = W and free P2P, ZB-H1's
-table is the paper's pattern; ZB-H2's greedy fill runs each B as soon as it arrives and defers more
-W's than the pattern does, as fast or faster, so the record names the fill and times the pattern
-beside it.
+warm-up plus the lag is the rank's memory (p, and 2p - 1). The algorithms keep the faster, as
+simulated, of the list scheduler's greedy fills under those caps
+(:mod:`~primuspipe.algorithms.list_scheduler`, :mod:`~primuspipe.algorithms.competition`), which adapt
+to uneven costs; the pattern is timed beside them and the table's
+:class:`~primuspipe.ir.table.Construction` says whether the chosen table is it. With F = B = W, free
+P2P and m >= p, ZB-H1's table is the paper's pattern (with fewer microbatches, a fill of equal step);
+ZB-H2's fill runs each B as soon as it arrives and defers more W's than the pattern, as fast or
+faster, so its record names the fill and gives the pattern's step beside it.
 """
 
 from __future__ import annotations
