@@ -21,8 +21,10 @@ simulated, of the list scheduler's greedy fills under those caps
 to uneven costs; the pattern is timed beside them and the table's
 :class:`~primuspipe.ir.table.Construction` says whether the chosen table is it. With F = B = W, free
 P2P and m >= p, ZB-H1's table is the paper's pattern (with fewer microbatches, a fill of equal step);
-ZB-H2's fill runs each B as soon as it arrives and defers more W's than the pattern, as fast or
-faster, so its record names the fill and gives the pattern's step beside it.
+ZB-H2's fill runs each B as soon as it arrives and defers more W's than the pattern, as fast there.
+With P2P time the pattern is often the faster (bench/bench_constructions.py: at P2P 0.1 of F, ZB-H1's
+pattern up to 8.8 % and ZB-H2's up to 2.7 % shorter than the fill chosen); the tables stay the fills'
+and the record says so.
 """
 
 from __future__ import annotations
