@@ -67,7 +67,7 @@ class TrainingSpec:
     """Shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
     use_megatron_fsdp: bool = False
     """Megatron-FSDP in place of DistributedDataParallel; what it shards is ``data_parallel_sharding_strategy``."""
-    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads"] = "no_shard"
+    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "no_shard"
     """With Megatron-FSDP: ``optim`` shards the optimizer state over the data-parallel group (as the
     distributed optimizer does), ``optim_grads`` the main gradients too (ZeRO-2): every microbatch's
     gradients are reduce-scattered into the rank's shard as backward produces them, so no rank keeps a
@@ -239,8 +239,15 @@ class TrainingSpec:
 
     @property
     def shards_gradients(self) -> bool:
-        """Main gradients live sharded over the data-parallel group (Megatron-FSDP ``optim_grads``)."""
-        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads"
+        """Main gradients live sharded over the data-parallel group (Megatron-FSDP ``optim_grads`` and
+        ``optim_grads_params``)."""
+        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+
+    @property
+    def shards_weights(self) -> bool:
+        """The weights live sharded too (Megatron-FSDP ``optim_grads_params``, ZeRO-3): each layer's are gathered
+        when its forward or backward runs."""
+        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads_params"
 
     @property
     def load_imbalance(self) -> float:
