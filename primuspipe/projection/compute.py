@@ -64,13 +64,16 @@ class Work:
     def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
 
-    def attention_seconds(self, hardware: HardwareSpec, precision: str) -> float:
+    def attention_seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None) -> float:
+        """Seconds of the attention kernels; ``length``: the queries one kernel sees (the rate depends on it
+        where the hardware file gives ``attention_length_rates``)."""
         slow = 0.5 if precision == "fp32" else 1.0
-        return self.attention_flops / (hardware.peak_bf16_tflops * 1e12 * hardware.attention_fraction * slow)
+        rate = hardware.attention_rate(length)
+        return self.attention_flops / (hardware.peak_bf16_tflops * 1e12 * hardware.attention_fraction * slow * rate)
 
-    def seconds(self, hardware: HardwareSpec, precision: str) -> float:
+    def seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None) -> float:
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
-        return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision)
+        return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision, length)
                 + self.memory_bytes / bytes_per_s)
 
 
@@ -322,12 +325,14 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
     parts = [p for p in PARTS if p in work.model.layer_kinds or p in ("embedding", "head")
              or (p == "mtp" and work.training.mtp_num_layers)]
 
+    length = work.model.seq_length / work.training.cp  # queries per attention kernel (per ring step under CP)
+
     def timed(pw: PassWork, part: str) -> PartTimes:
         factors = [calibration.factor(part, name) for name in PASSES]
-        seconds = [w.seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors)]
-        recompute = pw.recompute.seconds(hardware, precision) * calibration.factor(part, "forward")
+        seconds = [w.seconds(hardware, precision, length) * f for w, f in zip(pw.passes(), factors)]
+        recompute = pw.recompute.seconds(hardware, precision, length) * calibration.factor(part, "forward")
         gemm = tuple(w.gemm_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
-        attention = tuple(w.attention_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
+        attention = tuple(w.attention_seconds(hardware, precision, length) * f for w, f in zip(pw.passes(), factors))
         return PartTimes(*seconds, recompute, gemm, attention)
 
     times = {part: timed(work.part(part), part) for part in parts}

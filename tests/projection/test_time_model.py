@@ -206,3 +206,29 @@ def test_first_and_last_layers_in_bf16_run_slower_than_the_fp8_ones_where_they_s
     mixed, allfp8 = stage_costs(MODEL, ends, hw, parts, placement), stage_costs(MODEL, fp8, hw, parts, placement)
     assert mixed.forward[1:3] == allfp8.forward[1:3]
     assert mixed.forward[0] > allfp8.forward[0] and mixed.forward[3] > allfp8.forward[3]
+
+
+def test_attention_rate_follows_the_sequence_length_one_kernel_sees():
+    """attention_length_rates: log-scale interpolation between pairs, the nearest pair outside them; a
+    context-parallel rank's kernels see s / CP queries."""
+    rated = dataclasses.replace(HW, attention_length_rates=((1024, 0.5), (4096, 1.0)))
+    assert rated.attention_rate(2048) == pytest.approx(0.75)
+    assert (rated.attention_rate(256), rated.attention_rate(65536), rated.attention_rate(None)) == (0.5, 1.0, 1.0)
+    assert HW.attention_rate(512) == 1.0
+    plain = part_times(WorkModel(MODEL, TRAINING), HW, Calibration())["dense"]
+    slow = part_times(WorkModel(MODEL, TRAINING), rated, Calibration())["dense"]  # 2048 queries: 0.75 of the rate
+    assert slow.attention[0] == pytest.approx(plain.attention[0] / 0.75)
+    ring = dataclasses.replace(TRAINING, context_parallel_size=2)  # 1024 queries per ring step: 0.5
+    assert part_times(WorkModel(MODEL, ring), rated, Calibration())["dense"].attention[1] == pytest.approx(
+        part_times(WorkModel(MODEL, ring), HW, Calibration())["dense"].attention[1] / 0.5)
+
+
+@pytest.mark.parametrize("rates", [[[0, 1.0]], [[1024, 0.0]], [[1024]], [[1024, 2.0]]])
+def test_a_bad_attention_rate_table_is_refused(rates):
+    from primuspipe.projection.spec_fields import InputError, spec_from_mapping
+
+    values = {"peak_bf16_tflops": 100, "hbm_bytes": 1e9, "hbm_bandwidth_bytes_per_s": 1e12,
+              "intra_node_bandwidth_bytes_per_s": 1e11, "inter_node_bandwidth_bytes_per_s": 1e10,
+              "attention_length_rates": rates}
+    with pytest.raises(InputError, match="attention_length_rates"):
+        spec_from_mapping(HardwareSpec, values, "hw.yaml")
