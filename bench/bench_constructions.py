@@ -4,8 +4,8 @@ Every table of zb-h1, zb-h2, zbv, v-half and v-min records which candidate const
 simulated step of the paper's schedule written out in the code (the ZB-H1/ZB-H2 pattern, ZBV's
 hand-crafted order, the V-min and V-half blocks). Over pp in {4, 8}, m in {2pp, 4pp}, five F:B:W cost
 shapes and P2P 0 or 0.1 of F, this counts per algorithm the shapes where the chosen table is the
-paper's, where another candidate ties it, beats it, or (V-half, whose paper block is timed beside the
-candidates rather than among them) is beaten by it, and the largest gap. Writes JSON (default
+paper's, where another candidate ties it or beats it, or is beaten by it (which cannot happen since the
+paper's schedule competes last; the column shows it), and the largest gap. Writes JSON (default
 bench/results/constructions.json) and a markdown table::
 
     python bench/bench_constructions.py [--output PATH] [--markdown PATH]

@@ -99,8 +99,8 @@ def best_fill(
     paper: Paper | None = None,
 ) -> ScheduleTable:
     """The fastest, as the simulator times it under ``cost``, of the :data:`SHORTLIST` fills with the
-    shortest makespan and the ready-made candidates ``also``, with its :class:`Construction` recorded
-    (``paper``: the algorithm's paper schedule, timed beside it). Raises ScheduleShapeError if every
+    shortest makespan, the ready-made candidates ``also`` and, last, ``paper`` (the algorithm's paper
+    schedule), with its :class:`Construction` recorded. Raises ScheduleShapeError if every
     policy stalls and nothing else is given. Ties keep the earlier policy, so list the preferred
     (usually lower-memory) policy first."""
     filled = fill_all(placement, microbatches, cost, policies, algorithm=algorithm)
@@ -108,20 +108,31 @@ def best_fill(
         raise ScheduleShapeError(f"{algorithm}: every construction stalls for pp={placement.pp}, {microbatches} "
                                  "microbatches within the memory budget; raise the memory limit")
     winner = fastest([*shortlist(filled), *also], cost)
-    construction = _record(winner, len(filled) + len(also), paper, cost)
+    paper_step = _paper_step(paper, cost)
+    if paper_step is not None and paper_step < winner.step_time - _EPS:
+        winner = Filled(paper.table, paper.name, paper_step)
+    construction = _record(winner, len(filled) + len(also) + (paper_step is not None), paper, paper_step)
     logger.debug("%s: %s", algorithm, construction)
     return replace(winner.table, algorithm=algorithm, construction=construction)
 
 
-def _record(winner: Filled, candidates: int, paper: Paper | None, cost: CostModel) -> Construction:
+def _paper_step(paper: Paper | None, cost: CostModel) -> float | None:
+    """The paper's schedule's simulated step, or None where the algorithm writes none out or it does
+    not run at this shape. The paper's schedule is the last candidate: it wins only when strictly
+    faster than every construction before it, so an algorithm is never slower than its paper's figure
+    and a tie keeps the (usually lower-memory) fill."""
+    if paper is None or paper.table is None:
+        return None
+    try:
+        return simulate(paper.table, cost).step_time
+    except PrimusPipeError:  # a pattern that deadlocks at this shape is no schedule here
+        return None
+
+
+def _record(winner: Filled, candidates: int, paper: Paper | None, paper_step: float | None) -> Construction:
     """The winner's record; the paper's schedule is named as the choice only if it is the same table."""
     if paper is None:
         return Construction(winner.source, winner.step_time, candidates)
     same = paper.table is not None and paper.table.ranks == winner.table.ranks
-    paper_time = winner.step_time if same else None
-    if paper.table is not None and not same:
-        try:
-            paper_time = simulate(paper.table, cost).step_time
-        except PrimusPipeError:  # a pattern that deadlocks at this shape is no schedule here
-            paper_time = None
-    return Construction(paper.name if same else winner.source, winner.step_time, candidates, paper.name, paper_time)
+    return Construction(paper.name if same else winner.source, winner.step_time, candidates, paper.name,
+                        winner.step_time if same else paper_step)

@@ -27,8 +27,8 @@ Each algorithm also writes out its paper's schedule -- ZBV's hand-crafted order,
 blocks as the paper draws them (:func:`~primuspipe.algorithms.building_blocks.paper_block`, squeezed by
 :func:`paper_block_schedule`) -- and the table's construction record names it where the chosen table is
 it, or gives its simulated step beside the winner's (:mod:`~primuspipe.algorithms.competition`).
-V-min's paper block is one of the competing blocks; V-half's is timed beside them only, so the tables
-stay those the competition picks.
+The paper's schedule competes last (V-min's block is also one of the competing blocks): it is the table
+only where it is strictly faster, so no algorithm is slower than its paper's figure.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str,
     """A V-shape schedule holding at most ``budget`` microbatches (1F1B-stage units) per rank, each
     counted from its F until its W (at the cost model's retained share between B and W); the
     ``handcrafted`` tables compete as they are and with their F/B order re-timed; ``paper`` is the
-    paper's schedule, recorded beside the winner."""
+    paper's schedule, the last candidate and recorded beside the winner."""
     require(req.vpp == 2, algorithm, f"is a V-shape schedule with 2 chunks per rank, got vpp = {req.vpp}")
     policies, ready = vshape_candidates(req, 2 * budget, handcrafted)
     return best_fill(Placement.vshape(req.pp), req.microbatches, req.cost_model(), policies, algorithm=algorithm,

@@ -18,13 +18,13 @@ the W's still deferred. ZB-H1 is warm-up p - r, lag r; ZB-H2 warm-up 2(p - r) - 
 warm-up plus the lag is the rank's memory (p, and 2p - 1). The algorithms keep the faster, as
 simulated, of the list scheduler's greedy fills under those caps
 (:mod:`~primuspipe.algorithms.list_scheduler`, :mod:`~primuspipe.algorithms.competition`), which adapt
-to uneven costs; the pattern is timed beside them and the table's
-:class:`~primuspipe.ir.table.Construction` says whether the chosen table is it. With F = B = W, free
-P2P and m >= p, ZB-H1's table is the paper's pattern (with fewer microbatches, a fill of equal step);
-ZB-H2's fill runs each B as soon as it arrives and defers more W's than the pattern, as fast there.
-With P2P time the pattern is often the faster (bench/bench_constructions.py: at P2P 0.1 of F, ZB-H1's
-pattern up to 8.8 % and ZB-H2's up to 2.7 % shorter than the fill chosen); the tables stay the fills'
-and the record says so.
+to uneven costs, and the pattern, which competes last: it is the table where it is strictly faster,
+so neither algorithm is ever slower than its paper's figure. The table's
+:class:`~primuspipe.ir.table.Construction` says which one it is. With F = B = W, free P2P and m >= p,
+ZB-H1's table is the paper's pattern (with fewer microbatches, a fill of equal step); ZB-H2's fill runs
+each B as soon as it arrives and defers more W's than the pattern, as fast there. With P2P time the
+pattern often wins (bench/bench_constructions.py: at P2P 0.1 of F it was up to 8.8 % (ZB-H1) and 2.7 %
+(ZB-H2) shorter than the best fill).
 """
 
 from __future__ import annotations
