@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from primuspipe.calibration.measured import significant
+from primuspipe.calibration.measured import elapsed, significant
 from primuspipe.calibration.walk import Step, gap
 from primuspipe.io.timeline import TimedNode, Timeline
 from primuspipe.ir.kinds import NodeKind, split_kinds
@@ -81,7 +81,7 @@ class Samples:
             host[kind.name.lower()].append(gap(step.ready, e, use_cpu))
             if step.waited is not None and step.idle > tolerance:  # longer than taking an input takes
                 send, recv = step.waited
-                waits.append((recv.end - max(send.start, recv.start), recv.bytes))
+                waits.append((elapsed(max(send.start, recv.start), recv.end), recv.bytes))
         cold: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         for kind, stage, took in firsts:
             if rest := durations.get((kind, stage)):
