@@ -30,7 +30,6 @@ from primuspipe.calibration.replan import ReplanSettings, check_settings_kind
 from primuspipe.runtime.activation_offload import ActivationOffload, SavedBytes
 from primuspipe.errors import ConfigError
 from primuspipe import strict
-from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication
 from primuspipe.passes.validation import validate
@@ -90,7 +89,8 @@ class TorchPipeline:
         self.modules = [stages[s] for s in mine]
         """This rank's modules by chunk (``modules[c]`` is stage ``table.placement.stage(rank, c)``)."""
         data_parallel.check_wrappers(self.modules, settings.enabled  # re-planning probes and may switch to W nodes
-                                     or any(n.kind is NodeKind.W for n in self.table.ranks[self.rank]))
+                                     or any(k.is_weight_grad and not k.is_input_grad
+                                            for n in self.table.ranks[self.rank] for k, _, _ in n.parts()))
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
         self.device = torch.device(device) if device is not None else _device_of(self.modules)
