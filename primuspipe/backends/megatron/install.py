@@ -13,7 +13,9 @@ to schedule (pp > 1); with pp = 1 or multi-module process groups it returns Mega
 before ``install``, as Megatron-LM scripts do): for a V-shape table (zbv, v-half, v-min,
 dualpipe-v) it hands the user's unchanged ``model_provider`` to Megatron's ``get_model`` wrapped by
 :func:`~primuspipe.backends.megatron.v_placement.v_model_provider`, so the two chunks of each rank are the
-V's stages (layers, ``pre_process``/``post_process``, tied embeddings, checkpoint names).
+V's stages (layers, ``pre_process``/``post_process``, tied embeddings, checkpoint names), and Megatron's
+per-chunk stage queries answer for the V, so the script's data pipeline feeds the V's first and last
+stage (:func:`~primuspipe.backends.megatron.v_placement.answer_stage_queries_for_v`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Optional
 
 from primuspipe.backends.megatron.config import PrimusPipeConfig, load_config
 from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
-from primuspipe.backends.megatron.v_placement import v_model_provider
+from primuspipe.backends.megatron.v_placement import answer_stage_queries_for_v, restore_stage_queries, v_model_provider
 from primuspipe.errors import ConfigError
 from primuspipe.ir.placement import Placement
 
@@ -107,6 +109,7 @@ def _install_get_model(func: PrimusForwardBackward) -> None:
 
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         vpp = training.get_args().virtual_pipeline_model_parallel_size
+        restore_stage_queries()
         if pp > 1:
             table = func.table_for(pp, vpp, get_num_microbatches())
             if table.placement == Placement.vshape(pp) and table.vpp == 2:
@@ -115,6 +118,7 @@ def _install_get_model(func: PrimusForwardBackward) -> None:
                                       "--virtual-pipeline-model-parallel-size 2 (virtual_pipeline_model_parallel_size=2)")
                 model_provider_func = v_model_provider(model_provider_func, pp,
                                                        parallel_state.get_pipeline_model_parallel_rank())
+                answer_stage_queries_for_v(pp)
         return native(model_provider_func, *args, **kwargs)
 
     get_model.__doc__ = native.__doc__
@@ -137,6 +141,7 @@ def uninstall() -> None:
     modules that imported it after :func:`install` (``megatron.training.training``), and its own
     ``get_model``."""
     _restore_get_model()
+    restore_stage_queries()
     if not _native:
         return
     for name in _BOUND_IN:

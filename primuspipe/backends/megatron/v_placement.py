@@ -240,6 +240,54 @@ def v_model_provider(model_provider: Callable[..., Any], pp: int, rank: int) -> 
     return provider
 
 
+_STAGE_QUERIES = ("is_pipeline_first_stage", "is_pipeline_last_stage")
+_native_stage_queries: dict[str, Any] = {}
+"""Megatron's own ``parallel_state`` stage queries while :func:`answer_stage_queries_for_v` is in force."""
+
+
+def answer_stage_queries_for_v(pp: int) -> None:
+    """Make ``parallel_state.is_pipeline_first_stage`` / ``is_pipeline_last_stage`` answer for the V when
+    asked about a chunk (``ignore_virtual=False, vp_stage=c``): rank ``r``'s chunk ``c`` is the first stage
+    iff it is V stage 0, the last iff V stage ``2p-1``.
+
+    Why: a Megatron-LM script decides with these which chunks read data -- ``pretrain_gpt``'s
+    ``get_batch`` (``is_first_or_last_pipeline_stage(vp_stage)``) and its dataset builder -- and
+    Megatron's answer (chunk 1 of the last rank) is wrong for the V, whose last stage is chunk 1 of rank
+    0: that chunk would get no labels and no loss mask. Questions about the rank (``ignore_virtual=True``,
+    where ``train_step`` reduces and logs the loss) keep Megatron's answer; the backend hands the V's
+    losses to the last rank (:mod:`~primuspipe.backends.megatron.last_stage`). Set by ``install()``'s
+    ``get_model`` for V tables and undone by :func:`restore_stage_queries`."""
+    from megatron.core import parallel_state
+
+    restore_stage_queries()
+    native = {name: getattr(parallel_state, name) for name in _STAGE_QUERIES}
+    placement = Placement.vshape(pp)
+
+    def v_answer(name: str) -> Callable[..., bool]:
+        want = 0 if name == "is_pipeline_first_stage" else 2 * pp - 1
+
+        def query(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+            if ignore_virtual or vp_stage is None:
+                return native[name](ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+            return placement.stage(parallel_state.get_pipeline_model_parallel_rank(), vp_stage) == want
+
+        query.__doc__ = native[name].__doc__
+        return query
+
+    for name in _STAGE_QUERIES:
+        setattr(parallel_state, name, v_answer(name))
+    _native_stage_queries.update(native)
+
+
+def restore_stage_queries() -> None:
+    """Put Megatron's own stage queries back (no-op when they are in place)."""
+    from megatron.core import parallel_state
+
+    for name, query in _native_stage_queries.items():
+        setattr(parallel_state, name, query)
+    _native_stage_queries.clear()
+
+
 def _shared_weight(chunk: Any) -> Any:
     """The tied weight of a chunk (word embedding or output layer), ``None`` if it has none."""
     while not hasattr(chunk, "share_embeddings_and_output_weights") and hasattr(chunk, "module"):

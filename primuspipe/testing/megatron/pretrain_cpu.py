@@ -13,7 +13,9 @@ CUDA calls) and then patches, in ``megatron.training`` only:
    groups only when a device is counted, and seeds the model-parallel RNG tracker only then; Megatron's
    timers call ``torch.cuda.synchronize`` around each timed region; the rerun state machine saves the
    CUDA generator before every step and puts its result flags on ``device="cuda"``; checkpointing
-   saves and restores the CUDA generator and puts the iteration on ``device="cuda"``. The process group
+   saves and restores the CUDA generator and puts the iteration on ``device="cuda"``; a middle stage
+   gets no attention mask from ``pretrain_gpt``'s ``get_batch`` and builds Megatron's default causal
+   mask (``transformer.utils.get_default_causal_mask``) on ``device="cuda"``. The process group
    is gloo through Megatron's own flag ``--distributed-backend gloo``.
 2. ``_set_random_seed``'s ``tensor_parallel.model_parallel_cuda_manual_seed`` keeps its RNG-tracker
    states on the CPU generator (Megatron's ``inference_rng_tracker``, the same interface): the regular
@@ -35,7 +37,8 @@ import torch
 from primuspipe.backends.megatron import cpu_mode
 
 PRETRAIN_CUDA_CALL_MODULES: tuple[str, ...] = ("megatron.training.initialize", "megatron.training.checkpointing",
-                                               "megatron.core.timers", "megatron.core.rerun_state_machine")
+                                               "megatron.core.timers", "megatron.core.rerun_state_machine",
+                                               "megatron.core.transformer.utils")
 """Modules on ``pretrain``'s path that see one CPU "device" (item 1 of the module docstring)."""
 
 
