@@ -27,7 +27,8 @@ from typing import Any, Optional
 
 from primuspipe.backends.megatron.config import PrimusPipeConfig, load_config
 from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
-from primuspipe.backends.megatron.v_placement import answer_stage_queries_for_v, restore_stage_queries, v_model_provider
+from primuspipe.backends.megatron.v_placement import (answer_stage_queries_for_v, restore_stage_queries,
+                                                      v_float16_boundaries, v_model_provider)
 from primuspipe.errors import ConfigError
 from primuspipe.ir.placement import Placement
 
@@ -110,16 +111,17 @@ def _install_get_model(func: PrimusForwardBackward) -> None:
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         vpp = training.get_args().virtual_pipeline_model_parallel_size
         restore_stage_queries()
-        if pp > 1:
-            table = func.table_for(pp, vpp, get_num_microbatches())
-            if table.placement == Placement.vshape(pp) and table.vpp == 2:
-                if vpp != 2:
-                    raise ConfigError(f"{table.algorithm} places two model chunks per rank in a V; set "
-                                      "--virtual-pipeline-model-parallel-size 2 (virtual_pipeline_model_parallel_size=2)")
-                model_provider_func = v_model_provider(model_provider_func, pp,
-                                                       parallel_state.get_pipeline_model_parallel_rank())
-                answer_stage_queries_for_v(pp)
-        return native(model_provider_func, *args, **kwargs)
+        table = func.table_for(pp, vpp, get_num_microbatches()) if pp > 1 else None
+        if table is None or not (table.placement == Placement.vshape(pp) and table.vpp == 2):
+            return native(model_provider_func, *args, **kwargs)
+        if vpp != 2:
+            raise ConfigError(f"{table.algorithm} places two model chunks per rank in a V; set "
+                              "--num-virtual-stages-per-pipeline-rank 2 (virtual_pipeline_model_parallel_size=2)")
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        answer_stage_queries_for_v(pp)
+        model = native(v_model_provider(model_provider_func, pp, rank), *args, **kwargs)
+        v_float16_boundaries(model, pp, rank)
+        return model
 
     get_model.__doc__ = native.__doc__
     get_model.primuspipe = func  # type: ignore[attr-defined]

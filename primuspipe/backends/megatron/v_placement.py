@@ -108,7 +108,7 @@ def _stage_view(config: Any, pp: int) -> Any:
                           "last stage their counts with num_layers_in_first/last_pipeline_stage")
     if (config.virtual_pipeline_model_parallel_size or 1) != 2:
         raise ConfigError("the V placement needs virtual_pipeline_model_parallel_size=2 (two chunks per rank; "
-                          "Megatron-LM: --virtual-pipeline-model-parallel-size 2)")
+                          "Megatron-LM: --num-virtual-stages-per-pipeline-rank 2)")
     view = copy.copy(config)
     view.pipeline_model_parallel_size = 2 * pp
     view.virtual_pipeline_model_parallel_size = None
@@ -238,6 +238,35 @@ def v_model_provider(model_provider: Callable[..., Any], pp: int, rank: int) -> 
         return chunk
 
     return provider
+
+
+def v_float16_boundaries(models: Sequence[Any], pp: int, rank: int) -> None:
+    """Make each ``Float16Module`` in ``models`` (this rank's V chunks, as ``get_model`` wraps them under
+    ``--bf16``/``--fp16``) cast at the V's ends: inputs to 16 bits on V stage 0, outputs back to fp32 on
+    V stage ``2p-1``.
+
+    Why: ``Float16Module.forward`` decides by Megatron's placement (chunk 0 of the first rank, chunk
+    ``vpp-1`` of the last). In the V that upcasts the output of the last rank's chunk 1, a middle stage,
+    so it sends fp32 where the next stage receives ``pipeline_dtype`` (gloo aborts on the size
+    mismatch), and leaves the V's real last stage (chunk 1 of rank 0) in 16 bits, so its loss would be
+    computed from bf16 logits."""
+    from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp32_to_float16
+
+    placement = Placement.vshape(pp)
+    for model in models:
+        for module in model.modules():
+            if not isinstance(module, Float16Module):
+                continue
+            stage = placement.stage(rank, module.vp_stage)
+
+            def forward(*inputs: Any, fp32_output: bool = True, _m: Any = module, _first: bool = stage == 0,
+                        _last: bool = stage == 2 * pp - 1, **kwargs: Any) -> Any:
+                if _first:
+                    inputs = fp32_to_float16(inputs, _m.float16_convertor)
+                outputs = _m.module(*inputs, **kwargs)
+                return float16_to_fp32(outputs) if _last and fp32_output else outputs
+
+            module.forward = forward
 
 
 _STAGE_QUERIES = ("is_pipeline_first_stage", "is_pipeline_last_stage")
