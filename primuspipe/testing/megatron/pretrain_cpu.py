@@ -38,7 +38,7 @@ from primuspipe.backends.megatron import cpu_mode
 
 PRETRAIN_CUDA_CALL_MODULES: tuple[str, ...] = ("megatron.training.initialize", "megatron.training.checkpointing",
                                                "megatron.core.timers", "megatron.core.rerun_state_machine",
-                                               "megatron.core.transformer.utils")
+                                               "megatron.core.transformer.utils", "megatron.core.optimizer.grad_scaler")
 """Modules on ``pretrain``'s path that see one CPU "device" (item 1 of the module docstring)."""
 
 
