@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from primuspipe.calibration.accuracy import replay_accuracy  # noqa: E402
 from primuspipe.calibration.measure import measure_costs  # noqa: E402
 from primuspipe.ir.cost_model import CostModel  # noqa: E402
-from primuspipe.ir.timeline import Timeline, idle_share  # noqa: E402
+from primuspipe.io.timeline import Timeline, idle_share  # noqa: E402
 from primuspipe.tools.pp_vis import load_iterations  # noqa: E402
 from write_results import markdown_table  # noqa: E402
 

@@ -25,8 +25,8 @@ from pipeline_bench import add_arguments, alternating_step_times, tiny_gpt
 
 def _node_medians(dump_dir: Path, iterations: range) -> dict[str, dict[str, float]]:
     """Median duration of each compute kind, per rank, over the given iterations' dumps."""
-    from primuspipe.ir.timeline import dump_path
-    from primuspipe.ir.timeline import Timeline
+    from primuspipe.io.timeline import dump_path
+    from primuspipe.io.timeline import Timeline
 
     per_kind: dict[str, dict[str, list[float]]] = {}
     for it in iterations:

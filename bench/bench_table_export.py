@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from write_results import markdown_table, run_bench  # noqa: E402
 
 from primuspipe.algorithms.build import build_schedule
-from primuspipe.ir.formats import dump_table, load_table
+from primuspipe.io.formats import dump_table, load_table
 from primuspipe.passes.validation import validate
 
 SHAPES = ((8, 128), (16, 256), (32, 512))

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from write_results import markdown_table, run_bench  # noqa: E402
 
 from primuspipe.algorithms.build import build_schedule
-from primuspipe.ir.formats import load_table, save_table
+from primuspipe.io.formats import load_table, save_table
 from primuspipe.passes.communication import add_communication
 from primuspipe.passes.validation import validate
 

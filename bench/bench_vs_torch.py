@@ -122,7 +122,7 @@ def simulated_bench() -> list[dict]:
     from primuspipe.algorithms.build import build_schedule
     from primuspipe.errors import ScheduleShapeError
     from primuspipe.ir.cost_model import CostModel, split_stages
-    from primuspipe.ir.formats import from_torch_csv
+    from primuspipe.io.formats import from_torch_csv
     from primuspipe.passes.communication import add_communication
     from primuspipe.passes.validation import validate
     from primuspipe.simulator import simulate

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.backends.torch import TorchPipeline, split_sequential
 from primuspipe.errors import ConfigError, PrimusPipeError
-from primuspipe.ir.formats import load_table
-from primuspipe.ir.strict import printable
+from primuspipe.io.formats import load_table
+from primuspipe.strict import printable
 from primuspipe.runtime import nccl_emulation
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from primuspipe.algorithms import ScheduleRequest, get_algorithm
 from primuspipe.errors import ConfigError, ScheduleShapeError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.table import ScheduleTable, check_shape
 from primuspipe.passes.communication import add_communication

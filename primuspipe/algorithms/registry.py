@@ -23,7 +23,7 @@ from types import MappingProxyType
 from typing import Any
 
 from primuspipe.algorithms.aliases import ALIASES, BY_NAME, Alias
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost
 from primuspipe.errors import ConfigError, DuplicateAlgorithmError, PrimusPipeError, UnknownAlgorithmError
 from primuspipe.ir.table import ScheduleTable

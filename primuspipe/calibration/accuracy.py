@@ -23,7 +23,7 @@ from primuspipe.calibration.replay import executed_table, placement_of
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.placement import Placement
-from primuspipe.ir.timeline import Timeline, idle_share
+from primuspipe.io.timeline import Timeline, idle_share
 from primuspipe.simulator import simulate
 
 

@@ -62,7 +62,7 @@ from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
-from primuspipe.ir.timeline import TimedNode, Timeline
+from primuspipe.io.timeline import TimedNode, Timeline
 from primuspipe.simulator import simulate
 
 

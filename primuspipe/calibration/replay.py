@@ -12,7 +12,7 @@ from primuspipe.errors import TableFormatError, UnknownAlgorithmError
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.ir.timeline import Timeline
+from primuspipe.io.timeline import Timeline
 from primuspipe.passes.communication import add_communication
 
 

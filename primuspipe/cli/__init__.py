@@ -16,7 +16,7 @@ import logging
 import sys
 
 from primuspipe.errors import PrimusPipeError
-from primuspipe.ir import strict
+from primuspipe import strict
 
 COMMAND_MODULES = ("primuspipe.cli.schedule_commands", "primuspipe.cli.simulate_command", "primuspipe.cli.vis_command",
                    "primuspipe.cli.project_command")

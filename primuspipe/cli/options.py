@@ -1,6 +1,6 @@
 """Argument helpers shared by the sub-commands: strict number types, algorithm options, output paths.
 
-Every number on the command line goes through :mod:`primuspipe.ir.strict`: counts are ASCII integers,
+Every number on the command line goes through :mod:`primuspipe.strict`: counts are ASCII integers,
 times and limits finite numbers (``--f inf`` and ``-m 2.5`` are refused by argparse with the flag's
 name). Outputs are checked before any work is done, so a command that cannot write its result fails
 at once and writes nothing.
@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 
 from primuspipe.errors import ConfigError, PrimusPipeError
-from primuspipe.ir import strict
+from primuspipe import strict
 
 
 def _argument_type(parse: Callable[[str], Any], what: str) -> Callable[[str], Any]:
@@ -58,7 +58,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` strings to a dict (values: :func:`primuspipe.ir.strict.scalar`); the algorithm
+    """``KEY=VALUE`` strings to a dict (values: :func:`primuspipe.strict.scalar`); the algorithm
     checks the names and types (:meth:`~primuspipe.algorithms.registry.AlgorithmInfo.check_options`)."""
     options: dict[str, Any] = {}
     for pair in pairs:

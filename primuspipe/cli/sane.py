@@ -1,6 +1,6 @@
 """The last check before a command prints a result: no output of primuspipe holds an impossible figure.
 
-Inputs are checked one by one at the edges (:mod:`primuspipe.ir.strict`), but finite inputs can still
+Inputs are checked one by one at the edges (:mod:`primuspipe.strict`), but finite inputs can still
 combine into an impossible result -- a compute time of 1e308 summed over a step is infinity, and a
 bubble rate computed from it NaN; a cost file measured on another model can make a projection claim
 more than the hardware's peak. Such a figure is refused here, naming the figure and the likely cause,

@@ -19,10 +19,10 @@ from primuspipe.cli.options import (
 )
 from primuspipe.cli.outputs import Outputs
 from primuspipe.errors import ConfigError, ScheduleShapeError, TableFormatError, ValidationError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.passes.offload import offload_activations
-from primuspipe.ir.formats import dump_table, load_table, sidecar_path, table_files
+from primuspipe.io.formats import dump_table, load_table, sidecar_path, table_files
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.activations import W_RETAINED_FRACTION, peak_in_flight
 from primuspipe.passes.fifo_weight_grads import check_fifo_weight_grads

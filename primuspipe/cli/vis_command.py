@@ -11,13 +11,13 @@ from rich.table import Table
 from primuspipe.cli import sane
 from primuspipe.cli.options import count_type, report_console
 from primuspipe.cli.outputs import Outputs
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.errors import ConfigError
 from primuspipe.simulator import CostModel
 from primuspipe.calibration.accuracy import ReplayAccuracy, replay_accuracy
 from primuspipe.calibration.measure import MeasuredCosts, measure_costs
 from primuspipe.calibration.replay import placement_of
-from primuspipe.ir.timeline import Timeline
+from primuspipe.io.timeline import Timeline
 from primuspipe.tools import pp_vis
 from primuspipe.tools.pp_vis import Comparison, compare_timelines, load_iterations, load_timeline, replay, timeline_stats, write_trace
 

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from primuspipe.errors import ConfigError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind, compute_kinds
@@ -337,7 +337,7 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, pp: int, vpp: int, source: str = "cost model") -> CostModel:
         """Build from the YAML form (module docstring) for a pipeline of ``pp`` ranks x ``vpp`` chunks;
-        every value is checked (:mod:`primuspipe.ir.strict`) and errors name ``source`` and the field."""
+        every value is checked (:mod:`primuspipe.strict`) and errors name ``source`` and the field."""
         top = strict.keys(data, source, _SECTIONS)
         comp = strict.keys(top.get("compute"), f"{source}: compute", {"f", "b", "w", "bw", "fb_overlap", "cold_start"},
                            required={"f", "b", "w"})

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from primuspipe.errors import ConfigError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.kinds import NodeKind
 
 Values = float | Sequence[float]
@@ -20,7 +20,7 @@ def per_stage_values(name: str, value: Values, count: int, what: str = "stages")
     """``value`` as ``count`` finite numbers >= 0: one number repeated, or a list of exactly ``count``.
 
     ASCII number text is read as a number too (PyYAML reads ``1e9``, without a dot, as a string);
-    booleans, NaN and infinity are refused (:mod:`primuspipe.ir.strict`).
+    booleans, NaN and infinity are refused (:mod:`primuspipe.strict`).
 
     >>> per_stage_values("F", 2, 3)
     (2.0, 2.0, 2.0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from primuspipe.errors import TableFormatError
-from primuspipe.ir import strict
+from primuspipe import strict
 
 
 @dataclass(frozen=True)

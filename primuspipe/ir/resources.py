@@ -13,7 +13,7 @@ change nothing the table computes, so they are not nodes of a table:
   ``BW`` part): the end-of-step gradient work -- reduction across data-parallel replicas and, in torch
   2.13, the division of the gradients by the microbatch count (``scale_grads``).
 
-Two consumers read the same plan: the CSV writer (:mod:`primuspipe.ir.formats`), so torch's runtime
+Two consumers read the same plan: the CSV writer (:mod:`primuspipe.io.formats`), so torch's runtime
 runs a primuspipe CSV with the resource actions its own schedules get, and the plain-torch backend
 (:mod:`primuspipe.backends.torch`), which does that work at the same places.
 

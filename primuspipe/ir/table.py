@@ -2,7 +2,7 @@
 
 A table is an immutable value: algorithms return one, passes return new ones, the runner and the
 simulator only read it. JSON is the lossless exchange format (``to_json``/``from_json``); the
-torch.distributed.pipelining CSV format lives in :mod:`primuspipe.ir.formats`.
+torch.distributed.pipelining CSV format lives in :mod:`primuspipe.io.formats`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.dataflow import Transfer, Wiring
-from primuspipe.ir.documents import check_envelope, envelope
+from primuspipe.documents import check_envelope, envelope
 from primuspipe.errors import ScheduleShapeError, TableFormatError
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement

@@ -25,7 +25,7 @@ import weakref
 from collections import defaultdict, deque
 
 from primuspipe.errors import ValidationError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION, running_levels
 from primuspipe.ir.dataflow import (
     Transfer,

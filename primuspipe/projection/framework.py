@@ -7,7 +7,7 @@ file's import lines change. Nothing here adds behaviour; it re-exports.
 from primuspipe.algorithms import get_algorithm, list_algorithms
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import ConfigError, PrimusPipeError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel, Link, MemoryCost, P2PCost
 from primuspipe.ir.costs import ComputeCosts
 from primuspipe.ir.placement import Placement

@@ -28,10 +28,10 @@ from typing import Any
 
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import TableMismatchError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.ir.timeline import dump_path
+from primuspipe.io.timeline import dump_path
 from primuspipe.passes.forward_only import forward_only_view
 from primuspipe.runtime.protocols import Binder
 from primuspipe.runtime.runner import cached_runner

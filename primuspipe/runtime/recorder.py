@@ -1,10 +1,10 @@
 """``dump_pp_data``: what a real step did, per rank, in the timeline format the simulator also writes.
 
-Each rank writes ``<dump_dir>/iter_<iteration>/rank_<rank>.json``: a :class:`~primuspipe.ir.timeline.Timeline`
+Each rank writes ``<dump_dir>/iter_<iteration>/rank_<rank>.json``: a :class:`~primuspipe.io.timeline.Timeline`
 with ``source="run"`` holding that rank's events (seconds from the rank's step start) and its peak
 memory: peak allocated bytes on GPU (the CUDA peak counter is reset at step start), peak resident set
 size sampled at the end of every compute node on CPU. ``meta["t0_unix"]`` is the rank's step start on
-the wall clock, so :func:`~primuspipe.ir.timeline.merge_rank_dumps` can lay all ranks on one time axis. ``meta["run_id"]`` is the
+the wall clock, so :func:`~primuspipe.io.timeline.merge_rank_dumps` can lay all ranks on one time axis. ``meta["run_id"]`` is the
 run's id, the same on every rank of the pipeline (:func:`shared_run_id`), so readers never merge files of
 two runs left in one directory. Files are written atomically (a rank killed mid-write leaves no half
 file), so an iteration on disk is whole or visibly missing ranks.
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline
+from primuspipe.io.timeline import RankTimeline, TimedNode, Timeline
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

@@ -43,7 +43,7 @@ from primuspipe.simulator import host_copies
 from primuspipe.simulator.memory import peak_activations
 from primuspipe.simulator.transport import StreamClock, Wires
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline, idle_share
+from primuspipe.io.timeline import RankTimeline, TimedNode, Timeline, idle_share
 
 _COMPUTE, _SEND, _RECV, _COPY = 0, 1, 2, 3
 _STEADY_STATE_ROUNDS = 50

@@ -18,7 +18,7 @@ from primuspipe.errors import TableFormatError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.cost_model import TIME_UNITS
-from primuspipe.ir.timeline import TimedNode, Timeline
+from primuspipe.io.timeline import TimedNode, Timeline
 
 _PID = 0
 

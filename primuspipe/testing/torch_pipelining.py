@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from primuspipe.ir.formats import to_torch_csv
+from primuspipe.io.formats import to_torch_csv
 from primuspipe.passes.communication import add_communication
 from primuspipe.ir.table import ScheduleTable
 

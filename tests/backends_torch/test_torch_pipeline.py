@@ -8,7 +8,7 @@ import torch.distributed as dist
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.backends.torch import TorchPipeline, split_sequential
 from primuspipe.errors import ConfigError
-from primuspipe.ir.timeline import dump_iterations
+from primuspipe.io.timeline import dump_iterations
 from primuspipe.testing.gloo import run_gloo
 from primuspipe.testing.torch_pipelining import mse, plain_model, sequential_reference
 

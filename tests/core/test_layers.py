@@ -15,22 +15,25 @@ ROOT = Path(primuspipe.__file__).parent
 
 LAYERS = {
     "errors": 0,
+    "strict": 0,
+    "documents": 0,
     "ir": 1,
-    "passes": 2,
-    "algorithms": 3,
-    "simulator": 3,
-    "search": 4,
-    "calibration": 4,
-    "runtime": 4,
-    "tools": 5,
-    "projection": 5,
-    "backends": 5,
-    "cli": 6,
-    "testing": 7,
+    "io": 2,
+    "passes": 3,
+    "algorithms": 4,
+    "simulator": 4,
+    "search": 5,
+    "calibration": 5,
+    "runtime": 5,
+    "tools": 6,
+    "projection": 6,
+    "backends": 6,
+    "cli": 7,
+    "testing": 8,
 }
 """Sub-package -> layer; a module may import its own sub-package and any lower layer."""
 
-TORCH_FREE = ["primuspipe.ir", "primuspipe.passes", "primuspipe.algorithms", "primuspipe.simulator",
+TORCH_FREE = ["primuspipe.strict", "primuspipe.ir", "primuspipe.io", "primuspipe.passes", "primuspipe.algorithms", "primuspipe.simulator",
               "primuspipe.search", "primuspipe.calibration", "primuspipe.runtime.runner", "primuspipe.runtime.driver",
               "primuspipe.tools.pp_vis", "primuspipe.projection", "primuspipe.projection.projection", "primuspipe.cli"]
 

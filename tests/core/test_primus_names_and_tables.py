@@ -8,8 +8,8 @@ from primuspipe.algorithms import get_algorithm, list_algorithms, list_aliases, 
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.cli import main
 from primuspipe.errors import ConfigError, DuplicateAlgorithmError, ScheduleShapeError, TableFormatError
-from primuspipe.ir.formats import load_table
-from primuspipe.ir.primus_format import from_primus_table, to_primus_table
+from primuspipe.io.formats import load_table
+from primuspipe.io.primus_format import from_primus_table, to_primus_table
 
 PRIMUS_NAMES = ("1f1b", "1f1b-interleaved", "zero-bubble", "zero-bubble-heuristic", "zbv-formatted", "zbv-greedy",
                 "v-half", "v-min")

@@ -11,7 +11,7 @@ from hypothesis import given
 from schedule_strategies import tables
 
 from primuspipe.errors import TableFormatError, ValidationError
-from primuspipe.ir.formats import (
+from primuspipe.io.formats import (
     dump_table, from_torch_csv, load_table, read_torch_csv, save_table, sidecar_path, to_torch_csv,
 )
 from primuspipe.ir.kinds import NodeKind

@@ -19,7 +19,7 @@ import pytest
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.algorithms.registry import list_algorithms
 from primuspipe.errors import ConfigError, PrimusPipeError, ValidationError
-from primuspipe.ir.formats import load_table
+from primuspipe.io.formats import load_table
 from primuspipe.passes.streams import SEMANTICS, replay
 from primuspipe.passes.validation import validate
 

@@ -72,7 +72,7 @@ def test_algorithm_options(cli, options, names):
 def test_option_numbers_are_numbers(cli):
     """``-O p2p_time=1e-3`` reaches the algorithm as the number 0.001 (not the string "1e-3", which gave a
     TypeError), so the message is about the option, not its type."""
-    from primuspipe.ir.strict import scalar
+    from primuspipe.strict import scalar
 
     assert scalar("1e-3", "x") == 0.001 and scalar("4", "x") == 4
     outcome = refused(cli([*SIM, "-O", "p2p_time=1e-3"]), "p2p_time", case="simulate -O p2p_time=1e-3")

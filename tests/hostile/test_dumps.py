@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hostile_support import PP, make_dump, not_valid_afterwards, record, refused, run_cli
-from primuspipe.ir.timeline import dump_path
+from primuspipe.io.timeline import dump_path
 
 def _edit(path, fn):
     data = json.loads(path.read_text())

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hostile_support import PP, make_dump, refused, run_cli
 from primuspipe.algorithms.build import build_schedule
-from primuspipe.ir.timeline import dump_path
+from primuspipe.io.timeline import dump_path
 from primuspipe.simulator import CostModel, simulate
 
 MISLEADING = ("validate", "host.cores", "cannot complete")

@@ -51,7 +51,7 @@ def test_huge_cost_files(tmp_path, section):
 def test_huge_dump_times(tmp_path):
     """A timeline whose finite times sum to infinity: vis refuses to print its bubble rate."""
     from hostile_support import make_dump
-    from primuspipe.ir.timeline import dump_path
+    from primuspipe.io.timeline import dump_path
 
     dump = make_dump(tmp_path / "d", iterations=(0,))
     for rank in range(4):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hostile_support import accepted, make_dump, refused, run_cli
 
 
-from primuspipe.ir.timeline import dump_path
+from primuspipe.io.timeline import dump_path
 
 SIM = ["simulate", "--algorithm", "1f1b", "--pp", "2", "-m", "2"]
 

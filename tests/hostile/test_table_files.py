@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from hostile_support import refused, run_cli
 from primuspipe.algorithms.build import build_schedule
-from primuspipe.ir.formats import save_table
+from primuspipe.io.formats import save_table
 
 TABLE = json.loads(build_schedule("1f1b", pp=2, microbatches=3).to_json())
 

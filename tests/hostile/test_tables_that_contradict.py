@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hostile_support import accepted, refused, run_cli
 from primuspipe.algorithms.build import build_schedule
-from primuspipe.ir.formats import dump_table
+from primuspipe.io.formats import dump_table
 
 TEXT = dump_table(build_schedule("zbv", pp=2, microbatches=4), "primus")
 HEADER, *ROWS = TEXT.splitlines()

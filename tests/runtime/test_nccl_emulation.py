@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from primuspipe.backends.torch import split_sequential
 from primuspipe.errors import ConfigError, PipelineHangError
-from primuspipe.ir.formats import load_table
+from primuspipe.io.formats import load_table
 from primuspipe.passes.streams import replay
 from primuspipe.runtime import nccl_emulation
 from primuspipe.runtime.reference_binder import ModuleBinder

@@ -11,7 +11,7 @@ from simulator_support import simulate_rows
 
 from primuspipe.algorithms import list_algorithms
 from primuspipe.cli import main
-from primuspipe.ir.timeline import Timeline
+from primuspipe.io.timeline import Timeline
 
 KEYS = {"algorithm", "pp", "vpp", "placement", "microbatches", "step_time", "bubble_rate", "bubble_rate_mean",
         "bubble_rate_span", "peak_activations", "peak_memory_bytes", "w_retained_fraction", "fits"}

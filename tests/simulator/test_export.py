@@ -7,7 +7,7 @@ import pytest
 
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, P2PCost, chrome_trace, simulate, write_chrome_trace
-from primuspipe.ir.timeline import Timeline
+from primuspipe.io.timeline import Timeline
 
 
 @pytest.fixture(scope="module")

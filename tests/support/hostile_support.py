@@ -27,7 +27,7 @@ import pytest
 
 from primuspipe.cli import main
 from primuspipe.errors import PrimusPipeError
-from primuspipe.ir.timeline import dump_path
+from primuspipe.io.timeline import dump_path
 
 HANG_S = 30
 """An input still being handled after this long counts as a hang (every clear refusal takes well under 1 s)."""
@@ -186,7 +186,7 @@ def refused(outcome: Outcome, *names: str, case: str = "", before_work: bool = F
 
 def not_valid_afterwards(*paths: Path) -> None:
     """Nothing a later command would read as valid was left at ``paths``: absent, or refused when read."""
-    from primuspipe.ir.formats import load_table
+    from primuspipe.io.formats import load_table
     from primuspipe.simulator import read_cost_file
 
     for path in map(Path, paths):

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from primuspipe.ir.timeline import RankTimeline, Timeline, dump_path
+from primuspipe.io.timeline import RankTimeline, Timeline, dump_path
 
 T0 = 1024.0
 """The dumps' wall-clock origin: small, so that times shifted by it and back stay exact to well below

@@ -8,7 +8,7 @@ import pytest
 from primuspipe.cli import build_parser, main
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, simulate
-from primuspipe.ir.timeline import Timeline, dump_path
+from primuspipe.io.timeline import Timeline, dump_path
 
 
 @pytest.fixture

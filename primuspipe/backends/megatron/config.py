@@ -35,7 +35,7 @@ from types import MappingProxyType
 from typing import Any
 
 from primuspipe.errors import ConfigError, PrimusPipeError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost, read_cost_file
 from primuspipe.ir.costs import per_stage_values
 
@@ -312,7 +312,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
 def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> PrimusPipeConfig:
     """Read the YAML file (``path`` or ``$PRIMUSPIPE_CONFIG``), then apply environment overrides.
 
-    Everything goes through :mod:`primuspipe.ir.strict`: a bounded file, no YAML aliases (no alias
+    Everything goes through :mod:`primuspipe.strict`: a bounded file, no YAML aliases (no alias
     bomb), known keys only, finite numbers; an unknown ``PRIMUSPIPE_*`` variable is named with the
     closest known one."""
     env = os.environ if env is None else env

@@ -1,5 +1,10 @@
 """Run megatron-core 0.19 on CPU (gloo), for tests and for debugging a schedule on a laptop.
 
+This is product code, not test tooling: ``primuspipe project --benchmark-layers`` times Megatron's layers
+with it on a host without a GPU (:mod:`primuspipe.projection.benchmark.layers`), and ``examples/train_gpt.py``
+trains with it there; the layers below ``testing/`` may not import that package. The test harnesses built on
+it (process launch, one training step to compare) are in :mod:`primuspipe.testing.megatron`.
+
 Public API
 ----------
 ``enable_cpu_mode() -> None``

@@ -1,7 +1,7 @@
 """pp_vis: draw pipeline timelines from real runs (``dump_pp_data``) and from the simulator, and set a
 run beside its simulation.
 
-Everything takes :class:`~primuspipe.ir.timeline.Timeline` values (the one format both sides write) and
+Everything takes :class:`~primuspipe.io.timeline.Timeline` values (the one format both sides write) and
 returns values or writes files; ``primuspipe vis`` and ``primuspipe calibrate`` are the command line.
 See docs/pp_vis.md.
 

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from primuspipe.ir.node import NodeKind, ScheduleNode
-from primuspipe.ir.timeline import Timeline
+from primuspipe.io.timeline import Timeline
 from primuspipe.tools.pp_vis import style
 
 _HOVER = ("%{customdata[0]} on rank %{customdata[4]}<br>start %{customdata[1]:.6g}<br>end %{customdata[2]:.6g}"

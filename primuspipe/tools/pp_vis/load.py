@@ -17,7 +17,7 @@ from pathlib import Path
 
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.cost_model import TIME_UNITS
-from primuspipe.ir.timeline import (
+from primuspipe.io.timeline import (
     TimedNode,
     Timeline,
     describe_run,

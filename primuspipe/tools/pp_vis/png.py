@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from primuspipe.ir.node import NodeKind, ScheduleNode
-from primuspipe.ir.timeline import Timeline
+from primuspipe.io.timeline import Timeline
 from primuspipe.tools.pp_vis import style
 
 _WIDTH_IN, _DPI = 16.0, 100

@@ -27,11 +27,11 @@ from typing import Any
 
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import TableFormatError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.kinds import NodeKind, overlapped_kind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
-from primuspipe.ir.timeline import RankTimeline, TimedNode, Timeline
+from primuspipe.io.timeline import RankTimeline, TimedNode, Timeline
 
 CONFIG = "config.json"
 GIB = 1024 ** 3

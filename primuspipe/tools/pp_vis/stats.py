@@ -26,7 +26,7 @@ from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.simulator import CostModel, simulate
 from primuspipe.calibration.replay import compute_order, executed_table
-from primuspipe.ir.timeline import Timeline, idle_share
+from primuspipe.io.timeline import Timeline, idle_share
 from primuspipe.tools.pp_vis.load import in_unit
 
 

@@ -10,7 +10,7 @@ from matplotlib.colors import to_hex, to_rgb
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.node import ScheduleNode
-from primuspipe.ir.timeline import Timeline
+from primuspipe.io.timeline import Timeline
 from primuspipe.tools.pp_vis.stats import timeline_stats
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from primuspipe.ir.placement import Placement
 from primuspipe.calibration.replay import placement_of
 from primuspipe.simulator.trace import write_chrome_trace
-from primuspipe.ir.timeline import Timeline
+from primuspipe.io.timeline import Timeline
 
 
 def write_trace(timeline: Timeline, path: str | os.PathLike, placement: Placement | None = None) -> Path:

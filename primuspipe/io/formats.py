@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from primuspipe.errors import ScheduleShapeError, TableFormatError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.dataflow import comm_node, transfer_of
-from primuspipe.ir.documents import check_envelope, envelope, write_atomically
+from primuspipe.documents import check_envelope, envelope, write_atomically
 from primuspipe.ir.kinds import NodeKind, all_kinds, on_kinds_changed, overlapped_kind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
-from primuspipe.ir.primus_format import from_primus_table, to_primus_table
+from primuspipe.io.primus_format import from_primus_table, to_primus_table
 from primuspipe.ir.resources import Resource, resource_plan
 from primuspipe.ir.table import MAX_NODES, ScheduleTable
 
@@ -266,7 +266,7 @@ def sidecar_path(path: str | Path) -> Path:
 def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
     """Read a table from ``.json`` (ours), ``.csv`` (torch.distributed.pipelining actions, with its
     sidecar when there is one) or Primus's printed form (any other text holding ``Rank <r>:`` lines;
-    ``placement`` names its layout where the text cannot, :mod:`primuspipe.ir.primus_format`); every
+    ``placement`` names its layout where the text cannot, :mod:`primuspipe.io.primus_format`); every
     error names the file."""
     path = Path(path)
     text = strict.read_text(path, "schedule file", error=TableFormatError)

@@ -32,7 +32,7 @@ import re
 from itertools import groupby
 
 from primuspipe.errors import TableFormatError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.dataflow import comm_node, transfer_of
 from primuspipe.ir.kinds import NodeKind, overlapped_kind
 from primuspipe.ir.node import ScheduleNode

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from primuspipe.errors import TableFormatError
-from primuspipe.ir import strict
+from primuspipe import strict
 from primuspipe.ir.cost_model import TIME_UNITS
-from primuspipe.ir.documents import check_envelope, envelope, write_atomically
+from primuspipe.documents import check_envelope, envelope, write_atomically
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import MAX_NODES, check_shape
