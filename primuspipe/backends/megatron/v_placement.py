@@ -243,7 +243,7 @@ def v_model_provider(model_provider: Callable[..., Any], pp: int, rank: int) -> 
 def v_float16_boundaries(models: Sequence[Any], pp: int, rank: int) -> None:
     """Make each ``Float16Module`` in ``models`` (this rank's V chunks, as ``get_model`` wraps them under
     ``--bf16``/``--fp16``) cast at the V's ends: inputs to 16 bits on V stage 0, outputs back to fp32 on
-    V stage ``2p-1``.
+    V stage ``2p-1``. Idempotent; the Megatron backend calls it at each step of a V table.
 
     Why: ``Float16Module.forward`` decides by Megatron's placement (chunk 0 of the first rank, chunk
     ``vpp-1`` of the last). In the V that upcasts the output of the last rank's chunk 1, a middle stage,
@@ -255,7 +255,7 @@ def v_float16_boundaries(models: Sequence[Any], pp: int, rank: int) -> None:
     placement = Placement.vshape(pp)
     for model in models:
         for module in model.modules():
-            if not isinstance(module, Float16Module):
+            if not isinstance(module, Float16Module) or "forward" in vars(module):
                 continue
             stage = placement.stage(rank, module.vp_stage)
 

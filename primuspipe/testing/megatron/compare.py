@@ -97,10 +97,6 @@ def build(spec: StepSpec, pp: int, vpp: int, device: torch.device | None = None)
         from megatron.core.transformer.module import Float16Module
 
         modules = [Float16Module(config, c) for c in chunks]
-        if spec.placement == "v":
-            from primuspipe.backends.megatron.v_placement import v_float16_boundaries
-
-            v_float16_boundaries(modules, pp, parallel_state.get_pipeline_model_parallel_rank())
     if not spec.ddp:
         return config, chunks, modules
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads

@@ -36,6 +36,9 @@ import torch
 def _own_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--record", help="write each rank's logged iterations here (JSON, one list per rank)")
+    parser.add_argument("--model-config", action="store_true",
+                        help="give pretrain a GPTModelConfig (built from the flags by Megatron's gpt_config_from_args) "
+                             "instead of model_provider: Megatron's model builder builds the chunks")
     return parser.parse_known_args(argv)
 
 
@@ -164,9 +167,24 @@ def main(argv: list[str] | None = None) -> None:
     write = _record_training_log(own.record) if own.record else None
     sys.argv = sys.argv[:1] + megatron_argv
     args = parse_and_validate_args()
-    cfg = pretrain_cfg_container_from_args(args)
-    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-             model_provider=model_provider)
+    if own.model_config:
+        from megatron.training.argument_utils import gpt_config_from_args
+
+        from primuspipe.testing.megatron.tiny_models import fill_parameters
+
+        def fill(chunks):
+            for chunk in chunks:
+                fill_parameters(chunk, args.seed)
+            return chunks
+
+        model_config = gpt_config_from_args(args)
+        model_config.pre_wrap_hooks.append(fill)
+        cfg = pretrain_cfg_container_from_args(args, model_cfg=model_config)
+        pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    else:
+        cfg = pretrain_cfg_container_from_args(args)
+        pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
+                 model_provider=model_provider)
     if write is not None:
         write()
 
