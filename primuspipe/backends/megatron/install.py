@@ -139,10 +139,10 @@ def _install_model_builder(func: PrimusForwardBackward) -> None:
     """The same for ``pretrain`` given a model config (``GPTModelConfig``/``HybridModelConfig`` in the
     config container) instead of a ``model_provider``: its builder builds the chunks through
     ``megatron.training.models.dist_utils.build_virtual_pipeline_stages``, whose ``build_model_func``
-    takes the provider's keywords; for a V it gets the V stage's."""
-    try:
-        from megatron.training.models import dist_utils
-    except ImportError:
+    takes the provider's keywords; for a V it gets the V stage's. Like ``get_model``, wrapped when the
+    script already imported ``megatron.training`` (which imports that module)."""
+    dist_utils = sys.modules.get("megatron.training.models.dist_utils")
+    if dist_utils is None:
         return
     if _native_builder:
         _restore_model_builder()
