@@ -340,4 +340,9 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from primuspipe.errors import PrimusPipeError
+
+    try:
+        main()
+    except PrimusPipeError as exc:  # a refused setting: its one line, no traceback
+        raise SystemExit(f"train_gpt: {exc}") from None
