@@ -30,9 +30,11 @@ run as BF16, unknown settings dropped), kept for the comparison."""
 
 def produce() -> tuple[dict, str]:
     rows = [project_run(run) for run in RUNS.values()]
-    done = [r for r in rows if "ratio" in r and not r["excluded"]]
+    done = [r for r in rows if "ratio" in r and not r["excluded"] and not r["lower_bound"]]
+    bounds = [r for r in rows if "ratio" in r and r["lower_bound"]]
     summary = {
         "runs": len(rows), "counted": len(done), "excluded": sum(bool(r["excluded"]) for r in rows),
+        "lower_bounds": len(bounds), "lower_bounds_reached": sum(r["ratio"] >= 0.9 for r in bounds),
         "within_10_percent": sum(0.9 <= r["ratio"] <= 1.1 for r in done),
         "within_15_percent": sum(0.85 <= r["ratio"] <= 1.15 for r in done),
         "oom_verdicts": sum(r["verdict"] == "OOM" for r in done),
@@ -55,7 +57,8 @@ def _cells(r: dict, before: dict) -> list[str]:
         ("VP", "virtual_pipeline_model_parallel_size"), ("EP", "expert_model_parallel_size"),
         ("MBS", "micro_batch_size"), ("GBS", "global_batch_size")))
     precision = f"FP8 {t.get('fp8_recipe', 'delayed')}" if t.get("fp8_format") else "BF16"
-    name = r["id"] + (" (held out)" if r["held_out"] else "") + (" (excluded)" if r["excluded"] else "")
+    name = (r["id"] + (" (held out)" if r["held_out"] else "") + (" (excluded)" if r["excluded"] else "")
+            + (" (lower bound)" if r["lower_bound"] else ""))
     published = f"{r.get('published_tokens_per_s_per_gpu', float('nan')):,.0f}"
     if "model_tflops_per_gpu" in run.published:
         published += f" (= {run.published['model_tflops_per_gpu']} TFLOP/s, {run.published['flops_convention']} attention)"

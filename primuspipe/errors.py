@@ -47,6 +47,11 @@ class SimulationError(PrimusPipeError):
     """The simulator cannot run a table with the given cost model."""
 
 
+class WeightGradError(PrimusPipeError):
+    """A ``W`` ran without its ``B`` (or twice), a ``B`` ran twice, or a ``B``'s weight gradients were left
+    unapplied at the end of a step (both backends split weight gradients, so both raise it)."""
+
+
 class PipelineHangError(PrimusPipeError):
     """A send or receive did not complete within the watchdog timeout."""
 

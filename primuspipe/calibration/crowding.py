@@ -1,13 +1,19 @@
-"""How crowded the cores were while each node ran, and what it cost: ``host.contention``.
+"""Ranks sharing a host's cores: how many cores they behaved as sharing (``host.cores``), what their
+processes spent off their main threads (``host.background``), and how crowded the cores were while each
+node ran and what that cost (``host.contention``).
 
-When more ranks of a host are busy than it has free cores, the OS time-slices them, and a slice starts
-with caches another rank filled: a node then takes more CPU for the same work. On this repository's
+The cores: were ``C`` cores shared evenly among the busy ranks, the ranks together would get
+``min(busy, C)`` seconds of CPU per second; :func:`effective_cores` finds the ``C`` that matches the CPU
+the run's ranks got, and :func:`replayed_cores` holds it to the run's own replay in the simulator.
+
+The crowding: when more ranks of a host are busy than it has free cores, the OS time-slices them, and a
+slice starts with caches another rank filled: a node then takes more CPU for the same work. On this repository's
 CPU bench at pp = 4 (four ranks, two cores) a node's CPU time grew by 2.5-2.9 % per other busy rank,
 for 1F1B and interleaved alike; at pp = 2 (a core per rank) it did not grow. A schedule with less
 bubble keeps more ranks busy at once and so pays more of it, which node times averaged over a 1F1B run
 cannot carry to another schedule. Calibrate therefore fits the share from the run's own nodes
 (:func:`fit_contention`), takes node times at no crowding, and the simulator charges it back wherever a
-schedule crowds the cores (``primuspipe.simulator.engine``, ``_run_shared``).
+schedule crowds the cores (:mod:`primuspipe.simulator.shared`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,14 @@ import bisect
 import statistics
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
+
+from primuspipe.calibration.measured import MeasuredCosts, significant
+from primuspipe.calibration.replay import executed_table
+from primuspipe.calibration.walk import Step, busy_intervals
+from primuspipe.io.timeline import Timeline
+from primuspipe.ir.cost_model import CostModel
+from primuspipe.ir.placement import Placement
+from primuspipe.simulator import simulate
 
 MIN_NODES = 20
 """Fewer nodes than this fit no contention."""
@@ -92,3 +106,117 @@ def fit_contention(points: Sequence[tuple[Hashable, float, float]]) -> float | N
             return None
         share = slope / intercept
     return share
+
+
+def effective_cores(timelines: Sequence[Timeline], walks: Sequence[Sequence[Step]]) -> float | None:
+    """The cores a run's ranks behaved as sharing, or None if they did not slow each other.
+
+    Only a run on one host's CPUs (every rank's dump names the same host, events carry the rank
+    thread's CPU time) can share cores. A rank is *busy* from the moment it is free to go on (its
+    previous node done, or the input it waited for arrived) to the end of its next node; were ``C``
+    cores shared evenly among the ``n(t)`` busy ranks (processor sharing), the ranks together would
+    get ``min(n(t), C)`` seconds of CPU per second. ``C`` is the value for which that matches the CPU
+    time the busy ranks actually got, their processes' communication threads included (a bisection:
+    the total grows with ``C``); :func:`replayed_cores` then holds it to the run's replay. Other processes on the
+    host lower it below the core count. None when it reaches ``pp`` (nothing was shared)."""
+    first = timelines[0]
+    facts = first.meta.get("ranks") or []
+    if len(facts) != first.pp or None in (hosts := {r.get("host") for r in facts}) or len(hosts) != 1:
+        return None
+    if not all(e.cpu is not None for t in timelines for rt in t.ranks for e in rt.events):
+        return None
+    busy: list[tuple[float, float]] = []
+    got = 0.0  # CPU seconds the ranks' own threads got while busy
+    for i, timeline in enumerate(timelines):
+        apart = i * 1e6 * (1 + timeline.step_time)  # lay the iterations far apart on one time line
+        for start, end, cpu in busy_intervals(walks[i]):
+            if cpu is None:
+                return None
+            busy.append((start + apart, end + apart))
+            got += cpu
+        got += sum(_outside_cpu(timeline).values())
+    pieces = _levels(busy)
+
+    def cpu_at(cores: float) -> float:
+        """CPU seconds the busy ranks would get on ``cores`` shared cores."""
+        return sum(span * min(count, cores) for span, count in pieces)
+
+    if not busy or cpu_at(first.pp) <= got * (1 + 1e-9):
+        return None
+    low, high = 0.0, float(first.pp)
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cpu_at(mid) < got else (low, mid)
+    return significant(round(high, 2))
+
+
+def replayed_cores(measured: MeasuredCosts, timelines: Sequence[Timeline], placement: Placement) -> float:
+    """``measured.cores`` (the CPU fit of :func:`effective_cores`), or, where the run's own node order
+    replayed under ``measured`` misses the run's step time (median over ``timelines``) by more than
+    :data:`REPLAY_TOLERANCE`, the core count at which it takes that time (a bisection between 0 and
+    ``pp``; the replay's step only shrinks as cores are added). The CPU fit assumes every rank that is
+    free to go on competes for a core and that communication threads' CPU falls while ranks work; the
+    replay holds the simulator to what the run took under the simulator's own sharing rule."""
+    table = executed_table(timelines[0], placement)
+    data = measured.cost_dict(per_model_stage=True)
+    target = statistics.median(t.step_time for t in timelines)
+
+    def step_at(cores: float) -> float:
+        data["host"]["cores"] = cores
+        return simulate(table, CostModel.from_dict(data, pp=measured.pp, vpp=measured.vpp)).step_time
+
+    if abs(step_at(measured.cores) / target - 1) <= REPLAY_TOLERANCE:
+        return measured.cores
+    low, high = 0.0, float(measured.pp)
+    if step_at(high) > target:  # slower than the run even with a core per rank: no sharing explains it
+        return high
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if step_at(mid) > target else (low, mid)
+    return significant(round(high, 2))
+
+
+REPLAY_TOLERANCE = 0.01
+"""Relative miss of the replayed step under the CPU fit of the cores beyond which the replay refits them."""
+
+
+def _outside_cpu(timeline: Timeline) -> dict[int, float]:
+    """Per rank that says it, the CPU its process spent outside its own thread in the step (the
+    communication threads that carry its messages, runtime threads)."""
+    out = {}
+    for facts in timeline.meta.get("ranks", ()):
+        if "process_cpu" in facts and "thread_cpu" in facts:
+            out[facts["rank"]] = max(0.0, facts["process_cpu"] - facts["thread_cpu"])
+    return out
+
+
+def background_shares(timeline: Timeline) -> list[float]:
+    """Per rank that says it, the CPU its process spent outside its own thread over its step's span
+    (``RankTimeline.span``): the share of a core ``host.background`` is."""
+    spans = {rt.rank: rt.span for rt in timeline.ranks}
+    return [cpu / spans[rank] for rank, cpu in _outside_cpu(timeline).items() if spans.get(rank, 0) > 0]
+
+
+def contention_from_walks(walks: Sequence[Sequence[Step]], placement: Placement, free: float):
+    """``(contention, per timeline {(rank, node): CPU per unit of work}, nodes fitted)``: each compute
+    node's excess -- busy ranks beyond ``free`` cores while it ran, busy as :func:`effective_cores`
+    counts it -- against its CPU time, per kind and stage (:func:`fit_contention`), over each timeline's walk."""
+    points, excesses = [], []
+    for steps in walks:
+        busy = [(start, end) for start, end, _ in busy_intervals(steps)]
+        nodes = [(s.rank, s.event) for s in steps
+                 if s.event.node.kind.is_compute and s.event.node.pair is None and s.event.cpu is not None]
+        excess = excess_during(busy, [(e.start, e.end) for _, e in nodes], free)
+        excesses.append(dict(zip(((rank, e.node) for rank, e in nodes), excess)))
+        points += [((e.node.kind, placement.stage(rank, e.node.chunk)), x, e.cpu_time)
+                   for (rank, e), x in zip(nodes, excess)]
+    share = fit_contention(points)
+    if share is None:
+        return None, [{} for _ in walks], 0
+    return share, [{key: 1 + share * x for key, x in e.items()} for e in excesses], len(points)
+
+
+def _levels(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """How many intervals cover the time line, as ``(duration, count)`` pieces."""
+    times, counts = coverage(intervals)
+    return [(following - t, count) for t, following, count in zip(times, times[1:], counts)]

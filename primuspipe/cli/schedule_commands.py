@@ -38,6 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("algorithm")
     add_shape_arguments(p)
     p.add_argument("--compute-only", action="store_true", help="hide communication nodes")
+    p.add_argument("--graph", type=Path, nargs="?", const=Path("-"), metavar="FILE",
+                   help="write the table's dependency graph as Graphviz DOT instead of the grid: one cluster per "
+                        "rank, an edge per transfer (bold, labelled), local hand-off (dashed) and row order; to FILE, "
+                        "or standard output without one ('dot -Tsvg FILE' draws it). Nodes are named rank:index, "
+                        "the index in the row shown (with --compute-only, the compute-only row)")
     _add_offload_arguments(p)
     p.set_defaults(handler=cmd_show)
 
@@ -118,11 +123,29 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    if args.graph is not None:
+        return _show_graph(args)
     table = _build(args)
     out = report_console()
     out.print(table.grid(compute_only=args.compute_only), markup=False)
     peaks = ", ".join(f"{p:.4g}" for p in peak_in_flight(table))
     out.print(f"peak activations per rank (1F1B-stage microbatches, each counted until its W): {peaks}", markup=False)
+    return 0
+
+
+def _show_graph(args: argparse.Namespace) -> int:
+    from primuspipe.io.dot import to_dot  # networkx loads only for the graph
+
+    outputs = Outputs([args.cost])
+    path = outputs.claim(args.graph, "--graph")
+    table = _build(args)
+    text = to_dot(table.compute_only() if args.compute_only else table)
+    if path is None:
+        print(text, end="")
+        return 0
+    outputs.write_text(path, "--graph", text)
+    for written in outputs.commit():
+        print(f"wrote {written}", file=sys.stderr)
     return 0
 
 

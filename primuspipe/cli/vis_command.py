@@ -15,7 +15,8 @@ from primuspipe import strict
 from primuspipe.errors import ConfigError
 from primuspipe.simulator import CostModel
 from primuspipe.calibration.accuracy import ReplayAccuracy, replay_accuracy
-from primuspipe.calibration.measure import MeasuredCosts, measure_costs
+from primuspipe.calibration.measure import measure_costs
+from primuspipe.calibration.measured import MeasuredCosts
 from primuspipe.calibration.replay import placement_of
 from primuspipe.io.timeline import Timeline
 from primuspipe.tools import pp_vis

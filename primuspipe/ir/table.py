@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from functools import cached_property
 
 from primuspipe import strict
@@ -45,8 +45,11 @@ class ScheduleTable:
     ranks: tuple[tuple[ScheduleNode, ...], ...]
     algorithm: str = field(default="custom")
     """Name of the algorithm that built the table; informational only."""
+    known_wiring: InitVar[Wiring | None] = None
+    """The rows' :attr:`wiring` where the caller already has it (a pass that knows how its rows moved,
+    :meth:`Wiring.with_rows`); None derives it on first use. Not part of the table's value."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, known_wiring: Wiring | None) -> None:
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise TableFormatError(f"a schedule needs an integer count of microbatches >= 1, got {self.microbatches!r}")
         check_shape(self.pp, self.vpp, self.microbatches)
@@ -54,6 +57,8 @@ class ScheduleTable:
             raise TableFormatError(
                 f"table has {len(self.ranks)} rank lists but its placement has pp = {self.placement.pp}"
             )
+        if known_wiring is not None:  # a cached_property keeps its value in the instance dict: seed it
+            self.__dict__["wiring"] = known_wiring
 
     def __hash__(self) -> int:
         """Computed once per table: hashing walks every node, and tables key caches (the proof, the
@@ -95,10 +100,7 @@ class ScheduleTable:
     def with_ranks(self, ranks: Iterable[Iterable[ScheduleNode]], wiring: Wiring | None = None) -> ScheduleTable:
         """This table's shape with other rows; ``wiring``, when the caller already knows the new rows'
         (see :meth:`Wiring.with_rows`), saves deriving it again."""
-        table = ScheduleTable.build(self.placement, self.microbatches, ranks, self.algorithm)
-        if wiring is not None:
-            vars(table)["wiring"] = wiring  # the cached_property's slot
-        return table
+        return ScheduleTable(self.placement, self.microbatches, tuple(tuple(r) for r in ranks), self.algorithm, wiring)
 
     @cached_property
     def transfers(self) -> tuple[tuple[Transfer | None, ...], ...]:

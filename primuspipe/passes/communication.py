@@ -45,10 +45,10 @@ def add_communication(table: ScheduleTable) -> ScheduleTable:
                 send_order[key] = len(send_order)
     ranks, moves, takes, gives = [], [], [], []  # the full table's rows and wiring
     for rank, row in enumerate(table.ranks):
-        wanted = [(slot, ends[key // m][2], key) for slot, keys in zip(_receive_slots(row), wiring.takes[rank])
+        wanted = [(slot, ends[key // m][2], key) for slot, keys in zip(_wanted_slots(row), wiring.takes[rank])
                   for key in keys]
         recvs_before: dict[int, list[int]] = defaultdict(list)
-        for slot, _, _, key in sorted(_recv_slots(wanted, send_order)):
+        for slot, _, _, key in sorted(_slots_in_send_order(wanted, send_order)):
             recvs_before[slot].append(key)
         new_row: list[ScheduleNode] = []
         row_moves, row_takes, row_gives = [], [], []  # a communication node moves one key, takes and gives none
@@ -76,9 +76,10 @@ def add_communication(table: ScheduleTable) -> ScheduleTable:
     return table.with_ranks(ranks, wiring.with_rows(moves, takes, gives))
 
 
-def _receive_slots(row: list[ScheduleNode]) -> list[int]:
-    """Per node, where a receive it consumes wants posting: before the previous compute-stream node (host
-    copies, OFFLOAD and RELOAD, take no compute time, so a receive keeps its place around them)."""
+def _wanted_slots(row: list[ScheduleNode]) -> list[int]:
+    """Per node, where a receive it consumes would like to be posted, ignoring other receives: before the
+    previous compute-stream node (host copies, OFFLOAD and RELOAD, take no compute time, so a receive
+    keeps its place around them). :func:`_slots_in_send_order` then settles the slots."""
     slots, before = [], 0
     for k, node in enumerate(row):
         slots.append(before)
@@ -87,8 +88,9 @@ def _receive_slots(row: list[ScheduleNode]) -> list[int]:
     return slots
 
 
-def _recv_slots(wanted: list[tuple[int, int, int]], send_order: dict[int, int]) -> list[tuple[int, int, int, int]]:
-    """Slot (compute index the receive is posted before) for every receive of one rank, as
+def _slots_in_send_order(wanted: list[tuple[int, int, int]], send_order: dict[int, int]) -> list[tuple[int, int, int, int]]:
+    """The slot each receive of one rank is posted at (the compute index it goes before), given where each
+    wants to be (:func:`_wanted_slots`) and that per source receives follow the source's send order, as
     ``(slot, source rank, send order, transfer key)``; ``wanted`` holds ``(wanted slot, source rank,
     transfer key)``.
 

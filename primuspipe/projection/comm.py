@@ -164,7 +164,11 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
     optimizer step, so they run on their own stream beside all later compute, forward included: what
     outlasts the rank's compute per microbatch (``compute_s``, its F, B and W seconds) shows for every
     microbatch, or at least the last bucket of the last one. (The network is taken as the data-parallel
-    group's alone: pipeline sends share it, and are small beside gradients.)"""
+    group's alone: pipeline sends share it, and are small beside gradients.)
+
+    With the weights sharded too (``optim_grads_params``) every microbatch gathers each layer's weights
+    before its forward and again before its backward, prefetched under the layer before: what outlasts
+    the compute shows, as for the reduction; no gather is left for the step's end."""
     t, net = training, Collectives(hardware)
     grad_bytes = t.main_grad_bytes  # mixed precision accumulates and reduces in fp32 unless told otherwise
     weight_bytes = 4 if t.precision == "fp32" else 2
@@ -184,4 +188,8 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
             else reduce * t.microbatches
     elif t.overlap_grad_reduce:
         reduce *= tail
+    if t.shards_weights:
+        gather = t.microbatches * max(0.0, 2 * gather - compute_s) if t.overlap_param_gather \
+            else 2 * gather * t.microbatches
+        return gather + tied + reduce
     return gather * (tail if t.overlap_param_gather else 1.0) + tied + reduce

@@ -64,13 +64,16 @@ class Work:
     def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
 
-    def attention_seconds(self, hardware: HardwareSpec, precision: str) -> float:
+    def attention_seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None) -> float:
+        """Seconds of the attention kernels; ``length``: the queries one kernel sees (the rate depends on it
+        where the hardware file gives ``attention_length_rates``)."""
         slow = 0.5 if precision == "fp32" else 1.0
-        return self.attention_flops / (hardware.peak_bf16_tflops * 1e12 * hardware.attention_fraction * slow)
+        rate = hardware.attention_rate(length)
+        return self.attention_flops / (hardware.peak_bf16_tflops * 1e12 * hardware.attention_fraction * slow * rate)
 
-    def seconds(self, hardware: HardwareSpec, precision: str) -> float:
+    def seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None) -> float:
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
-        return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision)
+        return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision, length)
                 + self.memory_bytes / bytes_per_s)
 
 
@@ -141,8 +144,27 @@ class WorkModel(RankShape):
         e = self.e
         scores = square / (qk + v) / 2  # elements of the score matrix
         softmax = 0.0 if t.flash_attention else scores * (2 * e + (8 if t.attention_softmax_in_fp32 else 2 * e))
-        fwd = Work(attention_flops=forward, memory_bytes=softmax)
-        return PassWork(fwd, Work(attention_flops=backward, memory_bytes=2 * softmax), Work(), recompute=fwd)
+        ring_fwd, ring_bwd = self._ring_corrections(v)
+        fwd = Work(attention_flops=forward, memory_bytes=softmax + ring_fwd)
+        return PassWork(fwd, Work(attention_flops=backward, memory_bytes=2 * softmax + ring_bwd), Work(), recompute=fwd)
+
+    def _ring_corrections(self, v_head_dim: float) -> tuple[float, float]:
+        """Bytes ring attention (context parallelism) moves besides its kernels, forward and backward.
+
+        Transformer Engine's ring (``AttnFuncWithCPAndKVP2P``) runs one attention kernel per step of the ring
+        and merges each step's partial result into the output in fp32 (``out`` rescaled by the running
+        log-sum-exp: read the step's output, read and write the fp32 accumulator); backward accumulates each
+        step's dQ, and dK/dV, into fp32 buffers the same way. ``CP`` steps; nothing without CP."""
+        m, t = self.model, self.training
+        if t.cp == 1:
+            return 0.0, 0.0
+        kv_heads = m.num_attention_heads if m.multi_latent_attention else m.query_groups
+        qk = m.qk_head_dim + m.qk_pos_emb_head_dim if m.multi_latent_attention else m.head_dim
+        out = self.tokens * m.num_attention_heads / t.tp * v_head_dim
+        dq = self.tokens * m.num_attention_heads / t.tp * qk
+        dkv = self.tokens * kv_heads / t.tp * (qk + v_head_dim)
+        per_element = self.e + 2 * 4  # the step's result, read; the fp32 accumulator, read and written
+        return t.cp * out * per_element, t.cp * (dq + dkv) * per_element
 
     def _norms(self) -> Work:
         """The layer's two norms, forward: each reads and writes the residual stream."""
@@ -302,16 +324,30 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
                          "use fp8_recipe tensorwise/delayed/blockwise on this accelerator")
     parts = [p for p in PARTS if p in work.model.layer_kinds or p in ("embedding", "head")
              or (p == "mtp" and work.training.mtp_num_layers)]
-    times = {}
-    for part in parts:
-        pw = work.part(part)
+
+    length = work.model.seq_length / work.training.cp  # queries per attention kernel (per ring step under CP)
+
+    def timed(pw: PassWork, part: str) -> PartTimes:
         factors = [calibration.factor(part, name) for name in PASSES]
-        seconds = [w.seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors)]
-        recompute = pw.recompute.seconds(hardware, precision) * calibration.factor(part, "forward")
+        seconds = [w.seconds(hardware, precision, length) * f for w, f in zip(pw.passes(), factors)]
+        recompute = pw.recompute.seconds(hardware, precision, length) * calibration.factor(part, "forward")
         gemm = tuple(w.gemm_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
-        attention = tuple(w.attention_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
-        times[part] = PartTimes(*seconds, recompute, gemm, attention)
+        attention = tuple(w.attention_seconds(hardware, precision, length) * f for w, f in zip(pw.passes(), factors))
+        return PartTimes(*seconds, recompute, gemm, attention)
+
+    times = {part: timed(work.part(part), part) for part in parts}
+    bf16 = work.training.bf16_layers(work.model.num_layers)
+    if bf16:
+        plain = WorkModel(work.model, work.training.without_fp8())
+        for kind in {work.model.layer_kinds[i] for i in bf16}:
+            times[layer_part(kind, True)] = timed(plain.layer(kind), kind)
     return times
+
+
+def layer_part(kind: str, bf16: bool) -> str:
+    """The :func:`part_times` entry of a layer of ``kind``: its own, or its BF16 twin for a layer that
+    ``first_last_layers_bf16`` keeps out of FP8."""
+    return f"{kind}:bf16" if bf16 else kind
 
 
 def optimizer_seconds(local_params: float, hardware: HardwareSpec) -> float:

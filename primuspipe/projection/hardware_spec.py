@@ -7,6 +7,7 @@ direction, latencies seconds; ``*_fraction`` fields say how much of a peak real 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,10 @@ class HardwareSpec:
     """Output tile (rows, columns) of one GEMM work unit."""
     attention_efficiency: float | None = None
     """Share of the bf16 peak fused (flash) attention sustains, forward and backward; None: achievable_fraction."""
+    attention_length_rates: tuple[tuple[float, float], ...] | None = None
+    """Fused attention's rate against the sequence length one kernel sees: ``[length, rate]`` pairs, the rate
+    relative to the one ``attention_efficiency`` stands for (1 at 8,192); lengths between pairs interpolate
+    on a log scale, outside them the nearest pair holds. None: one rate at every length."""
     runtime_reserved_bytes: float = 0.0
     """HBM no tensor can use: the CUDA/HIP context, the caching allocator's fragmentation reserve, NCCL/RCCL
     communicator buffers, GEMM workspaces (added to every rank's peak)."""
@@ -77,6 +82,11 @@ class HardwareSpec:
                      "peak_fp8_tflops", "compute_units"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
+        rates = self.attention_length_rates or ()
+        if any(len(pair) != 2 or not pair[0] > 0 or not 0 < pair[1] <= 1.5 for pair in rates):
+            raise InputError([(self.source, "attention_length_rates", [list(p) for p in rates])],
+                             "each entry is [sequence length > 0, relative rate in (0, 1.5]]",
+                             "give pairs such as [[2048, 0.92], [8192, 1.0]]")
         if len(self.gemm_tile) != 2 or min(self.gemm_tile) < 1:
             raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))], "a tile is two positive sizes",
                              "give [rows, columns], e.g. [128, 256]")
@@ -99,6 +109,17 @@ class HardwareSpec:
         if self.gemm_efficiency is None:
             return self.attention_efficiency if self.attention_efficiency is not None else self.achievable_fraction
         return (self.attention_efficiency or self.achievable_fraction) * self.sustained_fraction
+
+    def attention_rate(self, length: float | None) -> float:
+        """``attention_length_rates`` at ``length`` queries per kernel (1 without the table or the length)."""
+        if not self.attention_length_rates or length is None:
+            return 1.0
+        points = sorted(self.attention_length_rates)
+        x = math.log2(min(max(length, points[0][0]), points[-1][0]))
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if x <= math.log2(x1):
+                return y0 if x1 == x0 else y0 + (y1 - y0) * (x - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
+        return points[-1][1]
 
     @property
     def peer_bandwidth(self) -> float:

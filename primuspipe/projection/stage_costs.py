@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from primuspipe.projection.activations import ActivationModel
 from primuspipe.projection.comm import layer_comm, p2p_message_bytes, pipeline_ranks_per_node
-from primuspipe.projection.compute import PartTimes
+from primuspipe.projection.compute import PartTimes, layer_part
 from primuspipe.projection.framework import ComputeCosts, CostModel, Link, MemoryCost, P2PCost, Placement
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.layout import StageLayout
@@ -68,14 +68,16 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
     layout = StageLayout.build(model.num_layers, training, placement)
     activations = ActivationModel(model, training)
     comm = {kind: layer_comm(model, training, hardware, kind) for kind in set(model.layer_kinds)}
-    exposed = {kind: c.exposed(training, parts[kind].gemm, parts[kind].attention,
-                               (parts[kind].forward, parts[kind].backward_input, parts[kind].backward_weight))
-               for kind, c in comm.items()}
+    bf16 = training.bf16_layers(model.num_layers)
+    names = {layer_part(kind, b): kind for kind in comm for b in (False, True) if layer_part(kind, b) in parts}
+    exposed = {name: comm[kind].exposed(training, parts[name].gemm, parts[name].attention,
+                                        (parts[name].forward, parts[name].backward_input, parts[name].backward_weight))
+               for name, kind in names.items()}
     last = layout.num_stages - 1
     forward, backward_input, backward_weight, held, kept_for_w, transient = [], [], [], [], [], []
     communication = [0.0, 0.0, 0.0]
     for stage, layers in enumerate(layout.stage_layers):
-        kinds = [model.layer_kinds[i] for i in layers]
+        kinds = [layer_part(model.layer_kinds[i], i in bf16) for i in layers]
         extras = [parts[p] for p, here in (("embedding", stage == 0), ("head", stage == last)) if here]
         if stage == last and training.mtp_num_layers:
             extras += [parts["mtp"]] * training.mtp_num_layers
@@ -103,7 +105,8 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
     ranks = range(placement.pp)
     return StageCosts(
         layout, tuple(forward), tuple(backward_input), tuple(backward_weight), tuple(held),
-        sum(kept_for_w) / sum(held), tuple(params), tuple(static_memory(p, training) for p in params),
+        sum(kept_for_w) / sum(held), tuple(params), tuple(static_memory(p, training, sum(len(layout.stage_layers[s]) for s in layout.rank_stages(r)))
+                                                for r, p in zip(ranks, params)),
         tuple(max(transient[s] for s in layout.rank_stages(r)) for r in ranks),
         _p2p(model, training, hardware), tuple(communication),
     )

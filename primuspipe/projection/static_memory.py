@@ -9,7 +9,9 @@ data-parallel group -- DP * CP ranks for dense parameters, the expert-data-paral
 parameter; without it every rank keeps all 18. fp32 training keeps a 4-byte weight and gradient and
 8 bytes of moments (the weight is its own master copy). Megatron's precision-aware optimizer narrows
 the master weight, main gradient and moments to the dtypes given; FP8 weights (``fp8_param_gather``)
-take 1 byte; ``grad_reduce_in_bf16`` keeps 2-byte main gradients. Megatron-FSDP's ``optim_grads`` strategy shards the main gradients as well (ZeRO-2).
+take 1 byte; ``grad_reduce_in_bf16`` keeps 2-byte main gradients. Megatron-FSDP's ``optim_grads`` strategy shards the main gradients as well (ZeRO-2);
+``optim_grads_params`` the weights too (ZeRO-3), and holds two layers' weights gathered at a time (the one
+computing and the next one, prefetched: Megatron-FSDP's double buffer).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ class StaticMemory:
 _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
 
-def static_memory(params: ParamCount, training: TrainingSpec) -> StaticMemory:
+def static_memory(params: ParamCount, training: TrainingSpec, layers: int = 1) -> StaticMemory:
     """Weights (1 byte with ``fp8_param_gather``), main gradients and optimizer state (master weight and
-    two moments, in the precision-aware optimizer's dtypes when it is on)."""
+    two moments, in the precision-aware optimizer's dtypes when it is on); ``layers``: the rank's transformer
+    layers, the unit sharded weights are gathered in."""
     t = training
     if t.precision == "fp32":
         weight, grad, state = 4, 4, 8
@@ -47,7 +50,8 @@ def static_memory(params: ParamCount, training: TrainingSpec) -> StaticMemory:
         grad = t.main_grad_bytes
         state = _BYTES[t.main_params_dtype] + _BYTES[t.exp_avg_dtype] + _BYTES[t.exp_avg_sq_dtype]
     gradients = sharded_params(params, training) if t.shards_gradients else params.total
-    return StaticMemory(weight * params.total, grad * gradients, state * optimizer_params(params, training))
+    weights = sharded_params(params, training) + 2 * params.total / max(1, layers) if t.shards_weights else params.total
+    return StaticMemory(weight * min(weights, params.total), grad * gradients, state * optimizer_params(params, training))
 
 
 def optimizer_params(params: ParamCount, training: TrainingSpec) -> float:

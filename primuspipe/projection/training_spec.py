@@ -12,6 +12,7 @@ Each problem is one :class:`~primuspipe.projection.spec_fields.InputError` namin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -66,7 +67,7 @@ class TrainingSpec:
     """Shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
     use_megatron_fsdp: bool = False
     """Megatron-FSDP in place of DistributedDataParallel; what it shards is ``data_parallel_sharding_strategy``."""
-    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads"] = "no_shard"
+    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "no_shard"
     """With Megatron-FSDP: ``optim`` shards the optimizer state over the data-parallel group (as the
     distributed optimizer does), ``optim_grads`` the main gradients too (ZeRO-2): every microbatch's
     gradients are reduce-scattered into the rank's shard as backward produces them, so no rank keeps a
@@ -116,6 +117,12 @@ class TrainingSpec:
     """How FP8 tensors are scaled (see :data:`FP8_RECIPES`); current-scaling recipes add an amax pass per cast."""
     fp8_param_gather: bool = False
     """Keep the model weights in FP8 (their master copy stays fp32 in the optimizer): 1 byte per weight."""
+    first_last_layers_bf16: bool = False
+    """Megatron: under FP8, the first ``num_layers_at_start_in_bf16`` and last ``num_layers_at_end_in_bf16``
+    transformer layers run their GEMMs in ``precision`` (Megatron-Bridge's FP8 current-scaling recipe turns
+    this on with one layer at each end)."""
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
     tp_comm_overlap: bool = False
     """Transformer Engine's tensor-parallel communication overlap: each layer's all-gather/reduce-scatter runs
     in chunks under the GEMM it feeds or follows; only what outlasts that GEMM (and one chunk) is exposed."""
@@ -205,6 +212,19 @@ class TrainingSpec:
         """Microbatches one pipeline runs per step."""
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
+    def bf16_layers(self, num_layers: int) -> frozenset[int]:
+        """Indices of the transformer layers that keep their GEMMs out of FP8 (``first_last_layers_bf16``)."""
+        if not (self.fp8 and self.first_last_layers_bf16):
+            return frozenset()
+        start = min(num_layers, self.num_layers_at_start_in_bf16)
+        end = min(num_layers, self.num_layers_at_end_in_bf16)
+        return frozenset(range(start)) | frozenset(range(num_layers - end, num_layers))
+
+    def without_fp8(self) -> TrainingSpec:
+        """These settings with every GEMM in ``precision`` (for the layers ``first_last_layers_bf16`` keeps)."""
+        return dataclasses.replace(self, fp8_format=None, fp8_recipe="delayed", fp8_param_gather=False,
+                                   first_last_layers_bf16=False)
+
     @property
     def fp8(self) -> bool:
         """Linear-layer GEMMs run in FP8."""
@@ -219,8 +239,15 @@ class TrainingSpec:
 
     @property
     def shards_gradients(self) -> bool:
-        """Main gradients live sharded over the data-parallel group (Megatron-FSDP ``optim_grads``)."""
-        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads"
+        """Main gradients live sharded over the data-parallel group (Megatron-FSDP ``optim_grads`` and
+        ``optim_grads_params``)."""
+        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+
+    @property
+    def shards_weights(self) -> bool:
+        """The weights live sharded too (Megatron-FSDP ``optim_grads_params``, ZeRO-3): each layer's are gathered
+        when its forward or backward runs."""
+        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads_params"
 
     @property
     def load_imbalance(self) -> float:
@@ -291,6 +318,12 @@ class TrainingSpec:
         if self.moe_expert_load_imbalance is not None and self.moe_expert_load_imbalance < 1:
             self._fail(("moe_expert_load_imbalance",), "the busiest experts cannot carry less than the mean",
                        "give a factor >= 1 (1 = uniform routing)")
+        if self.num_layers_at_start_in_bf16 < 0 or self.num_layers_at_end_in_bf16 < 0:
+            self._fail(("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"), "a layer count cannot be negative",
+                       "give 0 or more layers")
+        if self.fp8_format is None and self.first_last_layers_bf16:
+            self._fail(("first_last_layers_bf16", "fp8_format"), "BF16 first and last layers only mean something under FP8",
+                       "set fp8_format, or remove first_last_layers_bf16")
         if self.fp8_format is None and (self.fp8_param_gather or self.fp8_recipe != "delayed"):
             self._fail(("fp8_format", "fp8_recipe", "fp8_param_gather"), "an FP8 recipe or FP8 weights without FP8",
                        "set fp8_format (e4m3 or hybrid), or remove fp8_recipe / fp8_param_gather")

@@ -3,9 +3,11 @@
 A backend supplies a :class:`Binder` -- one visible map from node kind to :data:`Handler`, plus three
 small tensor hooks -- and the runner does the rest (hand-offs, communication order, completion). Every
 handler has the same signature: it takes one :class:`ComputeCall` and returns what the part hands to
-the neighbouring stage. An overlapped kind (``FB``) gets one call whose :attr:`ComputeCall.partner` is
-its second part and returns one result per part; a binder that has no handler for an overlapped kind
-gets its parts run one after the other through their own handlers.
+the neighbouring stage. A paired kind (``FB``: an F and a B the schedule places as one node, the pair
+DualPipe overlaps) gets one call whose :attr:`ComputeCall.partner` is its second part and returns one
+result per part -- a binder may run the two concurrently there. A binder that has no handler for the
+pair (every binder shipped here) gets its parts run one after the other through their own handlers:
+F, then B, no concurrency.
 
 Nothing here imports torch: tensors are opaque to the runner.
 """
@@ -25,7 +27,7 @@ class ComputeCall:
     """One compute part as a handler sees it."""
 
     kind: NodeKind
-    """The part's kind (``F``, ``B``, ``W``, ``BW``; an overlapped node's call has its first part's)."""
+    """The part's kind (``F``, ``B``, ``W``, ``BW``; a paired node's call has its first part's)."""
     microbatch: int
     chunk: int
     stage: int
@@ -33,12 +35,13 @@ class ComputeCall:
     """What this part consumes from a neighbouring stage: the activation for ``F``, the output gradient
     for ``B``/``BW``; ``None`` on the first stage's ``F``, the last stage's backward, and ``W``."""
     partner: ComputeCall | None = None
-    """For an overlapped node (``FB``): its second part, run together with this one."""
+    """For a paired node (``FB``): its second part, which the handler runs with this one (in turn or
+    concurrently, as the binder can)."""
 
 
 Handler = Callable[[ComputeCall], Any]
 """Runs one node; returns what it hands to the neighbouring stage (``F``: activation, ``B``/``BW``:
-input gradient; ignored where there is no consumer), or, for an overlapped node, a tuple with one
+input gradient; ignored where there is no consumer), or, for a paired node, a tuple with one
 result per part."""
 
 

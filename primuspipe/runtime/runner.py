@@ -61,8 +61,8 @@ class ScheduleRunner:
         self.compute_kinds = frozenset(s.node.kind for s in self.steps if s.node.kind.is_compute)
 
     def handlers_for(self, binder: Binder) -> dict[NodeKind, Handler]:
-        """The handler of every kind in this row: the binder's own, else (for an overlapped kind) its
-        parts' handlers run one after the other. Refuses a binder that cannot run the row."""
+        """The handler of every kind in this row: the binder's own, else (for a paired kind such as FB)
+        its parts' handlers run one after the other. Refuses a binder that cannot run the row."""
         handlers: dict[NodeKind, Handler] = {}
         missing = set()
         for kind in self.compute_kinds:
@@ -83,9 +83,6 @@ class ScheduleRunner:
                 f"for them (it handles: {have}); {fix}"
             )
         return handlers
-
-    def check_binder(self, binder: Binder) -> None:
-        self.handlers_for(binder)
 
     def run(self, binder: Binder, transport: Transport, recorder: Recorder | None = None) -> None:
         """Execute this rank's row once. Raises :class:`PipelineHangError` through the transport."""
@@ -153,13 +150,14 @@ class ScheduleRunner:
 
 
 def _with_partners(first: ComputeCall, rest: list[ComputeCall]) -> ComputeCall:
-    """An overlapped node's call: its first part, the next one as its partner (and so on)."""
+    """A paired node's call: its first part, the next one as its partner (and so on)."""
     partner = _with_partners(rest[0], rest[1:]) if rest else None
     return ComputeCall(first.kind, first.microbatch, first.chunk, first.stage, first.received, partner)
 
 
 def _run_parts_in_turn(handlers, call: ComputeCall) -> tuple:
-    """An overlapped node on a binder that cannot overlap: each part through its own handler, in order."""
+    """A paired node on a binder with no handler for the pair: each part through its own handler, in
+    order (FB: its F, then its B). Nothing runs concurrently; the pair is only placed together."""
     results = []
     while call is not None:
         results.append(handlers[call.kind](ComputeCall(call.kind, call.microbatch, call.chunk, call.stage,

@@ -12,7 +12,8 @@ input.
 """
 
 from primuspipe.ir.cost_model import CostModel, Link, MemoryCost, P2PCost, read_cost_file, split_stages
-from primuspipe.simulator.engine import RankResult, SimulationResult, simulate
+from primuspipe.simulator.engine import simulate
+from primuspipe.simulator.result import RankResult, SimulationResult
 from primuspipe.simulator.trace import chrome_trace, write_chrome_trace
 
 __all__ = ["CostModel", "Link", "MemoryCost", "P2PCost", "RankResult", "SimulationResult", "chrome_trace",

@@ -297,7 +297,8 @@ def test_store_defers_exactly_the_weight_gradients():
 def test_store_errors_and_scope():
     from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication as Linear
 
-    from primuspipe.backends.megatron.wgrad_store import WeightGradError, WeightGradStore
+    from primuspipe.backends.megatron.wgrad_store import WeightGradStore
+    from primuspipe.errors import WeightGradError
 
     params, inputs, loss = _linear_setup()
     native = Linear.backward

@@ -10,7 +10,7 @@ import torch
 from primuspipe.algorithms import list_algorithms
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.backends.megatron.te_deferral import TEDeferral, plan_te_deferral, te_weight_gemm
-from primuspipe.backends.megatron.wgrad_store import WeightGradError
+from primuspipe.errors import WeightGradError
 from primuspipe.errors import ConfigError, ScheduleShapeError, ValidationError
 from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.ir.placement import Placement

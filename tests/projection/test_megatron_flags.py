@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from primuspipe.cli import main
-from primuspipe.projection.framework import ConfigError
+from primuspipe.projection.framework import ConfigError, PrimusPipeError
 from primuspipe.projection.megatron_args import read_arguments, read_megatron_config
 from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
 from primuspipe.projection.megatron_flags import defined_flags
@@ -85,10 +85,21 @@ def test_primus_model_files_and_their_bases_are_followed(tmp_path):
         read_megatron_config(exp)
 
 
-def test_megatron_fsdp_sharding_is_modelled_and_an_unmodelled_strategy_refused():
+def test_megatron_fsdp_sharding_is_modelled_and_an_unknown_strategy_refused():
     config = read_arguments(MODEL_ARGS + "--use-megatron-fsdp --use-distributed-optimizer "
                             "--data-parallel-sharding-strategy optim_grads", "run")
-    assert config.training.shards_gradients
-    with pytest.raises(ConfigError, match="optim_grads_params"):
+    assert config.training.shards_gradients and not config.training.shards_weights
+    zero3 = read_arguments(MODEL_ARGS + "--use-megatron-fsdp --use-distributed-optimizer "
+                           "--data-parallel-sharding-strategy optim_grads_params", "run")
+    assert zero3.training.shards_gradients and zero3.training.shards_weights
+    with pytest.raises(PrimusPipeError, match="data_parallel_sharding_strategy"):
         read_arguments(MODEL_ARGS + "--use-megatron-fsdp --use-distributed-optimizer "
-                       "--data-parallel-sharding-strategy optim_grads_params", "run")
+                       "--data-parallel-sharding-strategy optim_grads_param", "run")
+
+
+def test_first_last_layers_bf16_is_read_with_its_layer_counts():
+    config = read_arguments(MODEL_ARGS + "--fp8-format hybrid --fp8-recipe tensorwise --first-last-layers-bf16 "
+                            "--num-layers-at-end-in-bf16 2", "run")
+    t = config.training
+    assert (t.first_last_layers_bf16, t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16) == (True, 1, 2)
+    assert t.bf16_layers(8) == {0, 6, 7}

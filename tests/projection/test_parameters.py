@@ -139,13 +139,25 @@ def test_megatron_fsdp_optim_grads_shards_the_main_gradients_too():
     assert optim.gradients == 4 * 1800  # optim shards the optimizer state only
 
 
+def test_megatron_fsdp_optim_grads_params_shards_the_weights_and_holds_two_gathered_layers():
+    from primuspipe.projection.parameters import ParamCount
+
+    params = ParamCount(dense=1000, expert=800)
+    zero3 = TrainingSpec(data_parallel_size=4, expert_model_parallel_size=2, use_megatron_fsdp=True,
+                         data_parallel_sharding_strategy="optim_grads_params")
+    memory = static_memory(params, zero3, layers=6)
+    assert memory.weights == pytest.approx(2 * (1000 / 4 + 800 / 2 + 2 * 1800 / 6))  # shard + two layers gathered
+    assert memory.gradients == 4 * (1000 / 4 + 800 / 2)
+    assert static_memory(params, zero3, layers=1).weights == 2 * 1800  # never more than the unsharded weights
+
+
 @pytest.mark.parametrize("values,field", [
     ({"data_parallel_sharding_strategy": "optim_grads"}, "use_megatron_fsdp"),
     ({"data_parallel_sharding_strategy": "optim_grads", "use_megatron_fsdp": True, "use_distributed_optimizer": False},
      "use_distributed_optimizer"),
-    ({"data_parallel_sharding_strategy": "optim_grads_params", "use_megatron_fsdp": True},
+    ({"data_parallel_sharding_strategy": "optim_grads_param", "use_megatron_fsdp": True},
      "data_parallel_sharding_strategy")])
-def test_a_sharding_strategy_without_megatron_fsdp_or_one_not_modelled_is_refused(values, field):
+def test_a_sharding_strategy_without_megatron_fsdp_or_one_megatron_lacks_is_refused(values, field):
     from primuspipe.projection.spec_fields import spec_from_mapping
 
     with pytest.raises(InputError, match=field):

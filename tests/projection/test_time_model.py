@@ -161,3 +161,74 @@ def test_bf16_gradient_reduction_moves_half_the_bytes():
                              grad_reduce_in_bf16=True)
     net = Collectives(HW)
     assert gradient_sync(params, dp, HW) == pytest.approx(net.gather(2e9, 8, 8) + net.gather(2e9, 8, 8))
+
+
+def test_sharded_weights_are_gathered_before_every_forward_and_backward_beside_the_compute():
+    """Megatron-FSDP optim_grads_params: each microbatch gathers the weights twice (forward, backward); what
+    outlasts the compute shows per microbatch, and no gather is left for the step's end."""
+    params = ParamCount(dense=10**9)
+    zero3 = dataclasses.replace(TRAINING, data_parallel_size=8, global_batch_size=32, use_megatron_fsdp=True,
+                                data_parallel_sharding_strategy="optim_grads_params", overlap_param_gather=True)
+    net = Collectives(HW)
+    reduce, gather = net.gather(4e9, 8, 8), net.gather(2e9, 8, 8)
+    assert gradient_sync(params, zero3, HW, buckets=4, compute_s=10.0) == pytest.approx(reduce / 4)
+    short = gather
+    assert gradient_sync(params, zero3, HW, buckets=4, compute_s=short) == pytest.approx(
+        2 * (2 * gather - short) + 2 * (reduce - short))
+
+
+def test_context_parallel_ring_merges_each_step_in_fp32():
+    """Ring attention adds, per CP step, a read of the step's output and a read and write of the fp32
+    accumulator forward; the same for dQ and dK/dV backward. Nothing without CP."""
+    gqa = dataclasses.replace(MODEL, num_query_groups=2)
+    plain = WorkModel(gqa, TRAINING).layer("dense")
+    ring = WorkModel(gqa, dataclasses.replace(TRAINING, context_parallel_size=2)).layer("dense")
+    half = dataclasses.replace(TRAINING, micro_batch_size=1)  # the same tokens per rank without CP
+    base = WorkModel(gqa, half).layer("dense")
+    tokens, d = 2048, 128
+    out, dq, dkv = tokens * 8 * d, tokens * 8 * d, tokens * 2 * 2 * d
+    assert ring.forward.memory_bytes - base.forward.memory_bytes == pytest.approx(2 * out * (2 + 8))
+    assert ring.backward_input.memory_bytes - base.backward_input.memory_bytes == pytest.approx(2 * (dq + dkv) * (2 + 8))
+    assert plain.forward.memory_bytes == pytest.approx(2 * base.forward.memory_bytes)
+
+
+def test_first_and_last_layers_in_bf16_run_slower_than_the_fp8_ones_where_they_sit():
+    """first_last_layers_bf16: the first and last layer keep BF16 GEMMs; the stages holding them get the BF16
+    layer's time, the others the FP8 layer's."""
+    hw = dataclasses.replace(HW, peak_fp8_tflops=200.0)
+    fp8 = dataclasses.replace(TRAINING, pipeline_model_parallel_size=4, fp8_format="hybrid")
+    ends = dataclasses.replace(fp8, first_last_layers_bf16=True)
+    assert ends.bf16_layers(4) == {0, 3} and fp8.bf16_layers(4) == frozenset()
+    parts = part_times(WorkModel(MODEL, ends), hw, Calibration())
+    assert parts["dense:bf16"].forward > parts["dense"].forward
+    assert parts["dense:bf16"].forward == pytest.approx(part_times(WorkModel(MODEL, TRAINING), hw, Calibration())["dense"].forward)
+    placement = Placement.interleaved(4)
+    mixed, allfp8 = stage_costs(MODEL, ends, hw, parts, placement), stage_costs(MODEL, fp8, hw, parts, placement)
+    assert mixed.forward[1:3] == allfp8.forward[1:3]
+    assert mixed.forward[0] > allfp8.forward[0] and mixed.forward[3] > allfp8.forward[3]
+
+
+def test_attention_rate_follows_the_sequence_length_one_kernel_sees():
+    """attention_length_rates: log-scale interpolation between pairs, the nearest pair outside them; a
+    context-parallel rank's kernels see s / CP queries."""
+    rated = dataclasses.replace(HW, attention_length_rates=((1024, 0.5), (4096, 1.0)))
+    assert rated.attention_rate(2048) == pytest.approx(0.75)
+    assert (rated.attention_rate(256), rated.attention_rate(65536), rated.attention_rate(None)) == (0.5, 1.0, 1.0)
+    assert HW.attention_rate(512) == 1.0
+    plain = part_times(WorkModel(MODEL, TRAINING), HW, Calibration())["dense"]
+    slow = part_times(WorkModel(MODEL, TRAINING), rated, Calibration())["dense"]  # 2048 queries: 0.75 of the rate
+    assert slow.attention[0] == pytest.approx(plain.attention[0] / 0.75)
+    ring = dataclasses.replace(TRAINING, context_parallel_size=2)  # 1024 queries per ring step: 0.5
+    assert part_times(WorkModel(MODEL, ring), rated, Calibration())["dense"].attention[1] == pytest.approx(
+        part_times(WorkModel(MODEL, ring), HW, Calibration())["dense"].attention[1] / 0.5)
+
+
+@pytest.mark.parametrize("rates", [[[0, 1.0]], [[1024, 0.0]], [[1024]], [[1024, 2.0]]])
+def test_a_bad_attention_rate_table_is_refused(rates):
+    from primuspipe.projection.spec_fields import InputError, spec_from_mapping
+
+    values = {"peak_bf16_tflops": 100, "hbm_bytes": 1e9, "hbm_bandwidth_bytes_per_s": 1e12,
+              "intra_node_bandwidth_bytes_per_s": 1e11, "inter_node_bandwidth_bytes_per_s": 1e10,
+              "attention_length_rates": rates}
+    with pytest.raises(InputError, match="attention_length_rates"):
+        spec_from_mapping(HardwareSpec, values, "hw.yaml")

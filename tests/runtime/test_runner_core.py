@@ -128,7 +128,7 @@ def test_binder_without_a_handler_is_refused():
     runner = ScheduleRunner(validate(add_communication(split)), rank=0)
     binder = ModuleBinder([stage(0)], num_stages=2, inputs=inputs(2), loss_fn=loss, transfer_shape=(BATCH, H))
     with pytest.raises(ConfigError, match=r"has B, W nodes but ModuleBinder has no handler"):
-        runner.check_binder(binder)
+        runner.handlers_for(binder)
     with pytest.raises(ConfigError, match="full table"):
         ScheduleRunner(compute, rank=0)
 

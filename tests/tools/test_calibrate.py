@@ -13,7 +13,8 @@ from primuspipe.cli import main
 from primuspipe.ir.cost_model import HostCost
 from primuspipe.ir.costs import ComputeCosts
 from primuspipe.simulator import CostModel, Link, P2PCost, simulate
-from primuspipe.calibration.measure import REPLAY_TOLERANCE, measure_costs, replayed_cores
+from primuspipe.calibration.crowding import REPLAY_TOLERANCE, replayed_cores
+from primuspipe.calibration.measure import measure_costs
 from primuspipe.calibration.replay import executed_table, placement_of
 from primuspipe.tools.pp_vis import load_iterations
 

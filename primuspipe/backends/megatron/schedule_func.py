@@ -9,7 +9,7 @@ against it, runs this rank's row through the backend-neutral
 schedules do (embedding wgrad, ``finalize_model_grads_func`` with ``total_num_tokens`` when
 ``calculate_per_token_loss``). ``forward_only`` runs the table's forward-only view. Tables with a split
 backward (``B``/``W``/``FB``) defer weight gradients from ``B`` to ``W``; the step ends with every
-deferred gradient applied (else :class:`~primuspipe.backends.megatron.wgrad_store.WeightGradError`).
+deferred gradient applied (else :class:`~primuspipe.errors.WeightGradError`).
 
 Whatever the placement, the call keeps Megatron's contracts: loss dicts and the loss-token count end
 on the last pipeline rank (:mod:`~primuspipe.backends.megatron.last_stage`), and the two copies of tied

@@ -20,7 +20,7 @@ Here the table decides (:class:`TEDeferral`, driven by the binder through the we
   :mod:`primuspipe.passes.fifo_weight_grads` proves it up front, this catches anything else);
 * a fused ``BW`` does both at once (the parameters are hooked through ``backward_dw`` only, so a
   backward not followed by it would lose the gradient);
-* the step ends with every queue empty, else :class:`~primuspipe.backends.megatron.wgrad_store.WeightGradError`.
+* the step ends with every queue empty, else :class:`~primuspipe.errors.WeightGradError`.
 
 A module that ran forward in a ``B``'s microbatch but deferred nothing (a subclass whose forward
 bypasses TE's autograd functions, or a patched ``WeightGradStore``) is an error naming it: its weight
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from primuspipe.errors import ConfigError
+from primuspipe.errors import ConfigError, WeightGradError
 
 TE_BASE = "TransformerEngineBaseModule"
 TE_WEIGHT_GEMMS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
@@ -215,9 +215,6 @@ class TEDeferral:
     """One step's accounting of TE's deferred weight GEMMs (see the module docstring)."""
 
     def __init__(self, plan: Sequence[Sequence[tuple[str, torch.nn.Module]]]):
-        from primuspipe.backends.megatron.wgrad_store import WeightGradError
-
-        self._error = WeightGradError
         self._plan = tuple(tuple(chunk) for chunk in plan)
         self._names = {module: name for chunk in self._plan for name, module in chunk}
         self._pending: dict[tuple[int, int], list[tuple[torch.nn.Module, int]]] = {}
@@ -229,7 +226,7 @@ class TEDeferral:
                 _HOOKED.add(module)
         for module in self._names:
             if _queued(module):
-                raise self._error(f"{self._describe(module)} starts the step with {_queued(module)} deferred weight "
+                raise WeightGradError(f"{self._describe(module)} starts the step with {_queued(module)} deferred weight "
                                   "GEMM(s) in its Transformer Engine store (an earlier step or code outside primuspipe "
                                   "left them); they would be applied to the wrong microbatches")
 
@@ -262,7 +259,7 @@ class TEDeferral:
         for module, size in zip(modules, before):
             added = _queued(module) - size
             if added == 0 and ran[module] and any(p.requires_grad for p in module.parameters()):
-                raise self._error(
+                raise WeightGradError(
                     f"{self._describe(module)} ran forward for microbatch {microbatch} of chunk {chunk} but its backward "
                     "put no weight GEMM in its Transformer Engine store: the weight gradient was computed inside B (or "
                     "sent elsewhere, e.g. by a patched WeightGradStore), so W would be empty")
@@ -277,7 +274,7 @@ class TEDeferral:
         for module, count in entries:
             labels = self._labels[module]
             if labels[0] != microbatch:
-                raise self._error(
+                raise WeightGradError(
                     f"W{microbatch}.{chunk}: the oldest deferred weight GEMM of {self._describe(module)} is microbatch "
                     f"{labels[0]}'s; Transformer Engine's store is first-in-first-out, so each chunk's W nodes must run "
                     "in the order of its B nodes (primuspipe validate --fifo-weight-grads)")
@@ -287,10 +284,10 @@ class TEDeferral:
                 _hold_bias_grads(module)
                 module.backward_dw()
                 if _queued(module) >= size:
-                    raise self._error(f"{self._describe(module)}.backward_dw() left its store unchanged ({size} "
+                    raise WeightGradError(f"{self._describe(module)}.backward_dw() left its store unchanged ({size} "
                                       "deferred GEMMs): is config.delay_wgrad_compute still set?")
             if _queued(module) != target:
-                raise self._error(f"{self._describe(module)}.backward_dw() ran more deferred GEMMs than microbatch "
+                raise WeightGradError(f"{self._describe(module)}.backward_dw() ran more deferred GEMMs than microbatch "
                                   f"{microbatch} put there")
             for _ in range(count):
                 labels.popleft()
@@ -301,5 +298,5 @@ class TEDeferral:
         left = [f"{self._names[m]}: {_queued(m)}" for m in self._names if _queued(m)]
         if left:
             more = f" and {len(left) - 3} more modules" if len(left) > 3 else ""
-            raise self._error("the step ended with deferred weight GEMMs still in Transformer Engine's stores ("
+            raise WeightGradError("the step ended with deferred weight GEMMs still in Transformer Engine's stores ("
                               + "; ".join(left[:3]) + more + "); every B needs its W in the same step")

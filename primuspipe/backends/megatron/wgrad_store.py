@@ -40,12 +40,7 @@ from typing import Any
 import torch
 
 from primuspipe.backends.megatron.te_deferral import TEDeferral, deferring_te_modules, plan_te_deferral
-from primuspipe.errors import ConfigError, PrimusPipeError
-
-
-class WeightGradError(PrimusPipeError):
-    """A ``W`` node has no stashed work (its ``B`` did not run here, or it ran twice), a ``B`` ran twice,
-    or weight gradients were left unapplied at the end of a step."""
+from primuspipe.errors import ConfigError, WeightGradError
 
 
 @dataclass(frozen=True)

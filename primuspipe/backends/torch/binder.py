@@ -3,8 +3,8 @@
 ``F`` runs the chunk's module on the microbatch (the first stage) or on what it received, and the
 loss on the last stage; ``BW`` is one ``torch.autograd.backward`` (as torch.distributed.pipelining's
 full backward); ``B`` computes the input gradients only and leaves the weight-gradient work of its
-microbatch to ``W`` (:mod:`primuspipe.backends.torch.split_backward`). Overlapped nodes (``FB``,
-``FBW``) have no handler of their own: the runner runs their parts in turn. ``OFFLOAD`` and ``RELOAD``
+microbatch to ``W`` (:mod:`primuspipe.backends.torch.split_backward`). Paired nodes (``FB``,
+``FBW``) have no handler of their own: the runner runs their parts in turn, F then B (not concurrently). ``OFFLOAD`` and ``RELOAD``
 move a forward's saved activations to host memory and back (:mod:`primuspipe.runtime.activation_offload`).
 
 Around the compute parts the binder does the resource plan of :mod:`primuspipe.ir.resources`: FSDP
@@ -28,7 +28,7 @@ from primuspipe.backends.torch import data_parallel
 from primuspipe.backends.torch.meta import StageMeta, as_tensors, pack, unpack
 from primuspipe.runtime.activation_offload import ActivationOffload
 from primuspipe.backends.torch.split_backward import DeferredWeightGrad, backward_input
-from primuspipe.errors import PrimusPipeError
+from primuspipe.errors import WeightGradError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.resources import Resource, ResourceAction, resource_plan
@@ -38,10 +38,6 @@ from primuspipe.runtime.protocols import ComputeCall
 
 Key = tuple[int, int]
 """``(chunk, microbatch)``."""
-
-
-class WeightGradError(PrimusPipeError):
-    """A ``W`` ran without its ``B`` (or twice), or a ``B`` was never followed by its ``W``."""
 
 
 @dataclass(frozen=True)

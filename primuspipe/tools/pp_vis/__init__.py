@@ -16,7 +16,8 @@ See docs/pp_vis.md.
 
 from importlib import import_module
 
-from primuspipe.calibration.measure import MeasuredCosts, measure_costs
+from primuspipe.calibration.measure import measure_costs
+from primuspipe.calibration.measured import MeasuredCosts
 from primuspipe.calibration.replay import compute_order, executed_table, placement_of
 from primuspipe.tools.pp_vis.load import in_unit, load_iterations, load_timeline
 from primuspipe.tools.pp_vis.stats import (

@@ -1,0 +1,168 @@
+"""What one timeline says about each cost term (:class:`Samples`), and the estimators that pool the
+samples of the iterations kept into the cost model's figures (medians, the cold start, the link fit,
+the gap between steps). The module docstring of :mod:`primuspipe.calibration.measure` says what each
+term is measured from.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from primuspipe.calibration.measured import significant
+from primuspipe.calibration.walk import Step, gap
+from primuspipe.io.timeline import TimedNode, Timeline
+from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.node import ScheduleNode
+from primuspipe.ir.placement import Placement
+
+
+@dataclass(frozen=True)
+class Samples:
+    """What one timeline says about each cost term (see the module docstring)."""
+
+    durations: dict[tuple[NodeKind, int], list[float]]
+    """(kind, model stage) -> time of its nodes, chunks' first ones left out (work, with shared cores)."""
+    cold: dict[tuple[NodeKind, int], list[float]]
+    """(kind, model stage) -> how much longer a chunk's first node took than the stage's others."""
+    pairs: list[tuple[int, int, float]]
+    """FB nodes as (F's stage, B's stage, duration)."""
+    host: dict[str, list[float]]
+    """Compute kind (lower-case name) -> host time before each of its nodes that did not wait."""
+    post: dict[str, list[float]]
+    """``post_send`` / ``post_recv`` -> host time of each posting."""
+    waits: list[tuple[float, int | None]]
+    """Per compute node that waited for its input: how long the transfer took after both ends were
+    posted (its arrival is when the consumer went on), and its size in bytes where known."""
+
+    @classmethod
+    def of(cls, steps: Sequence[Step], placement: Placement, *, use_cpu: bool,
+           slowdown: dict[tuple[int, ScheduleNode], float]) -> Samples:
+        """From one timeline's walk (:func:`~primuspipe.calibration.walk.walk`). ``slowdown``: per ``(rank, node)``, the CPU per unit
+        of work it ran at (crowded cores); a node's work is its CPU time over it."""
+        # what a node that cannot wait (it takes no transfer) spends on the host: the tolerance below
+        # which an input arriving after the rank was free is the cost of taking it, not a wait
+        free_gaps = [gap(s.ready, s.event, False) for s in steps
+                     if s.ready is not None and s.event.node.kind.is_compute and not s.takes_input]
+        tolerance = statistics.median(free_gaps) if free_gaps else 0.0
+
+        def span(e: TimedNode, rank: int) -> float:
+            if use_cpu and e.cpu is not None:
+                return e.cpu_time / slowdown.get((rank, e.node), 1.0)
+            return e.end - e.start
+
+        durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
+        firsts: list[tuple[NodeKind, int, float]] = []
+        seen: set[tuple] = set()
+        pairs, waits = [], []
+        host: dict[str, list[float]] = defaultdict(list)
+        post: dict[str, list[float]] = defaultdict(list)
+        for step in steps:
+            e, rank = step.event, step.rank
+            node, kind = e.node, e.node.kind
+            if not kind.is_compute:
+                if step.ready is not None:
+                    post[f"post_{'send' if kind.is_send else 'recv'}"].append(gap(step.ready, e, use_cpu))
+                continue
+            if node.pair is not None:
+                (_, _, fc), (_, _, bc) = node.parts()
+                pairs.append((placement.stage(rank, fc), placement.stage(rank, bc), e.end - e.start))
+            else:
+                stage = placement.stage(rank, node.chunk)
+                if (rank, kind, node.chunk) in seen:
+                    durations[(kind, stage)].append(span(e, rank))
+                else:
+                    seen.add((rank, kind, node.chunk))
+                    firsts.append((kind, stage, span(e, rank)))
+            if step.ready is None:
+                continue
+            host[kind.name.lower()].append(gap(step.ready, e, use_cpu))
+            if step.waited is not None and step.idle > tolerance:  # longer than taking an input takes
+                send, recv = step.waited
+                waits.append((recv.end - max(send.start, recv.start), recv.bytes))
+        cold: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
+        for kind, stage, took in firsts:
+            if rest := durations.get((kind, stage)):
+                cold[(kind, stage)].append(significant(took) - significant(statistics.median(rest)))
+            else:  # a chunk with one node of this kind: it is all there is to time
+                durations[(kind, stage)].append(took)
+        return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits)
+
+
+def medians(groups) -> dict[str, float]:
+    pooled: dict[str, list[float]] = defaultdict(list)
+    for group in groups:
+        for key, values in group.items():
+            pooled[key] += values
+    return {key: significant(max(0.0, statistics.median(v))) for key, v in sorted(pooled.items())}
+
+
+def cold_start_extras(samples: list[Samples], n: int, fused_only: list[int]):
+    """Per stage and kind (F, B, W), the median extra time of a chunk's first node; None if none is
+    longer. A fused-only stage's BW extra is split like its time."""
+    def extra(kind: NodeKind, stage: int) -> float:
+        values = [x for s in samples for x in s.cold.get((kind, stage), ())]
+        return max(0.0, statistics.median(values)) if values else 0.0
+
+    f = [extra(NodeKind.F, s) for s in range(n)]
+    b = [extra(NodeKind.BW, s) / 2 if s in fused_only else extra(NodeKind.B, s) for s in range(n)]
+    w = [extra(NodeKind.BW, s) / 2 if s in fused_only else extra(NodeKind.W, s) for s in range(n)]
+    if not any(f + b + w):
+        return None
+    return tuple(tuple(map(significant, v)) for v in (f, b, w))
+
+
+def transfer_fit(samples: list[Samples]):
+    """``(latency, bandwidth, message bytes)`` from the waited-for transfers: a least-squares line
+    through (bytes, time) where at least two sizes were timed, else the median time."""
+    points = [(size, took) for s in samples for took, size in s.waits]
+    if not points:
+        return None, None, None
+    sizes = [size for size, _ in points if size is not None]
+    size = max(set(sizes), key=sizes.count) if sizes else None
+    if len(set(sizes)) >= 2 and len(sizes) == len(points):
+        mean_x, mean_y = statistics.fmean(sizes), statistics.fmean(t for _, t in points)
+        slope = (sum((x - mean_x) * (t - mean_y) for x, t in points)
+                 / sum((x - mean_x) ** 2 for x in sizes))
+        if slope > 0:
+            latency = max(0.0, mean_y - slope * mean_x)
+            return significant(latency), significant(1 / slope), size
+    return significant(max(0.0, _quartile([t for _, t in points]))), None, size
+
+
+def _quartile(values: list[float]) -> float:
+    """The lower quartile: a waited-for transfer's time is the link's plus whatever kept the receiver
+    from running (a busy core, a descheduled thread -- modelled apart, by ``host.cores``), so the
+    transfers least held up say what the link takes."""
+    return statistics.quantiles(values, n=4, method="inclusive")[0] if len(values) > 1 else values[0]
+
+
+def step_gaps(timelines: Sequence[Timeline], host_time) -> tuple[float, ...] | None:
+    """Per rank, the median time from the end of its last node of a step to its entering the next,
+    over the consecutive dumped iterations, on the wall clock (a run dump's ``t0_unix``). A rank enters
+    a step when its recorder starts (its own ``t0_unix``); a timeline without that uses its first
+    node's start less that node's host time. None without two consecutive iterations, or if any gap
+    is negative (iterations not dumped in time order)."""
+    def ends(t: Timeline) -> dict[int, tuple[float, float]]:
+        origin = t.meta["t0_unix"]
+        entered = {r["rank"]: r["t0_unix"] for r in t.meta.get("ranks", ()) if "t0_unix" in r}
+        out = {}
+        for rt in t.ranks:
+            if rt.events:
+                first = min(rt.events, key=lambda e: e.start)
+                start = entered.get(rt.rank, origin + first.start - host_time(first.node.kind))
+                out[rt.rank] = (start, origin + max(e.end for e in rt.events))
+        return out
+
+    by_iteration = {t.iteration: ends(t) for t in timelines if "t0_unix" in t.meta}
+    gaps: dict[int, list[float]] = defaultdict(list)
+    for k, ranks in by_iteration.items():
+        for rank, (_, last) in ranks.items():
+            if (after := by_iteration.get(k + 1, {}).get(rank)) is not None:
+                gaps[rank].append(after[0] - last)
+    pp = timelines[0].pp
+    if sorted(gaps) != list(range(pp)) or min(min(v) for v in gaps.values()) < 0:
+        return None
+    return tuple(significant(statistics.median(gaps[r])) for r in range(pp))
