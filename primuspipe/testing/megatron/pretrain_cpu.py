@@ -15,7 +15,9 @@ CUDA calls) and then patches, in ``megatron.training`` only:
    CUDA generator before every step and puts its result flags on ``device="cuda"``; checkpointing
    saves and restores the CUDA generator and puts the iteration on ``device="cuda"``; a middle stage
    gets no attention mask from ``pretrain_gpt``'s ``get_batch`` and builds Megatron's default causal
-   mask (``transformer.utils.get_default_causal_mask``) on ``device="cuda"``. The process group
+   mask (``transformer.utils.get_default_causal_mask``) on ``device="cuda"``; the loss scaler keeps its
+   scale on ``device="cuda"``; the model builder (a ``GPTModelConfig`` instead of a ``model_provider``)
+   creates a CUDA stream for DDP in ``models.dist_utils``. The process group
    is gloo through Megatron's own flag ``--distributed-backend gloo``.
 2. ``_set_random_seed``'s ``tensor_parallel.model_parallel_cuda_manual_seed`` keeps its RNG-tracker
    states on the CPU generator (Megatron's ``inference_rng_tracker``, the same interface): the regular
@@ -38,7 +40,8 @@ from primuspipe.backends.megatron import cpu_mode
 
 PRETRAIN_CUDA_CALL_MODULES: tuple[str, ...] = ("megatron.training.initialize", "megatron.training.checkpointing",
                                                "megatron.core.timers", "megatron.core.rerun_state_machine",
-                                               "megatron.core.transformer.utils", "megatron.core.optimizer.grad_scaler")
+                                               "megatron.core.transformer.utils", "megatron.core.optimizer.grad_scaler",
+                                               "megatron.training.models.dist_utils")
 """Modules on ``pretrain``'s path that see one CPU "device" (item 1 of the module docstring)."""
 
 
