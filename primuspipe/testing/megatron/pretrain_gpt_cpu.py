@@ -4,16 +4,17 @@
 
 Launch with torchrun and Megatron-LM's own flags, e.g.::
 
-    PRIMUSPIPE_PATCH=1 PRIMUSPIPE_PP_ALGORITHM=zbv torchrun --nproc-per-node 2 \\
+    PRIMUSPIPE_PATCH=1 PRIMUSPIPE_PP_ALGORITHM=zbv torchrun --nproc-per-node 4 \\
         -m primuspipe.testing.megatron.pretrain_gpt_cpu --record out.json \\
-        --pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 ... (Megatron-LM flags)
+        --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 ... (Megatron-LM flags;
+        the full list for CPU is in tests/megatron/test_pretrain_cpu.py)
 
 What is the user's (as in ``pretrain_gpt.py``): ``model_provider`` (a local-spec ``GPTModel``),
 ``forward_step`` / ``loss_func`` (Megatron-LM's: loss sum, token count, ``{"lm loss": ...}``), the
 dataset provider (Megatron's ``MockGPTDataset`` through ``BlendedMegatronDatasetBuilder``, ``--mock-data``)
 and the one line a primuspipe user adds, :func:`primuspipe.backends.megatron.install`. Two differences
-from ``pretrain_gpt.py``, both so that runs of different layouts are comparable: ``model_provider``
-fills every parameter from its *global* name (:func:`tiny_models.fill_parameters`; Megatron
+from ``pretrain_gpt.py``, both so that runs of different layouts are comparable: ``model_provider`` (and,
+with ``--model-config``, a pre-wrap hook of the ``GPTModelConfig``) fills every parameter from its *global* name (:func:`tiny_models.fill_parameters`; Megatron
 draws initial weights from a per-pipeline-rank seed, so a V placement would start from other weights),
 and ``--record FILE`` writes what ``pretrain`` logs each iteration (the reduced loss dict, the gradient
 norm, the learning rate, skipped iterations) on every rank, bit-exact (float hex), as JSON.
@@ -26,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -119,7 +120,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples, built_here, config).build()
 
 
-def _record_training_log(path: str) -> None:
+def _record_training_log(path: str) -> Callable[[], None]:
     """Wrap ``megatron.training.training.training_log`` (what ``pretrain`` calls once per iteration) to
     keep its inputs; write them, every rank's, to ``path`` when ``pretrain`` returns."""
     from megatron.training import training
