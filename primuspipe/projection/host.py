@@ -138,8 +138,7 @@ def layer_host(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool | 
         forward += linears * linear + ops
         backward_input += linears * linear + ops
         backward_weight += linears * linear
-    syncs = kind == "moe" and not t.moe_pad_expert_input_to_capacity and (t.ep > 1 or t.tp > 1
-                                                                          or t.moe_token_dispatcher_type != "alltoall")
+    syncs = kind == "moe" and not t.moe_pad_expert_input_to_capacity  # even at EP 1 ("before_finish")
     return LayerHost(HostWork(forward, launches), HostWork(backward_input, launches), HostWork(backward_weight, launches),
                      syncs)
 
