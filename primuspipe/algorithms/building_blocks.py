@@ -37,13 +37,14 @@ from dataclasses import dataclass, replace
 from primuspipe.algorithms.list_scheduler import FixedOrder
 from primuspipe.ir.activations import peak_level
 from primuspipe.ir.cost_model import CostModel
-from primuspipe.ir.costs import ComputeCosts
 from primuspipe.ir.dataflow import Step, step_needs
+from primuspipe.ir.kinds import split_kinds
 from primuspipe.ir.node import NodeKind
 from primuspipe.ir.placement import Placement
 
 _EPS = 1e-9
-_SPLIT = (NodeKind.F, NodeKind.B, NodeKind.W)
+_SPLIT = split_kinds()
+"""A split backward's kinds (F, B, W), from the kind table."""
 
 FBOrder = tuple[tuple[tuple[NodeKind, int], ...], ...]
 """Per rank, its F and B nodes in order, as ``(kind, chunk)`` (microbatches are implied)."""
@@ -111,6 +112,37 @@ def vshape_block(placement: Placement, cost: CostModel, stretch: int = 0, turn: 
     return Block(starts, period)
 
 
+def paper_block(placement: Placement, schedule: str) -> Block:
+    """The repeating block the Controllable Memory paper draws for V-min and V-half, on the unit grid
+    (F = B = W = 1; each rank's period of 6 holds microbatch 0's two F's, two B's and the two W's that
+    fill its free slots). Where rank ``i`` of ``p`` starts microbatch 0's nodes::
+
+                 F chunk 0    F chunk 1    B chunk 1         B chunk 0
+        V-min    i            2p - 1 - i   2p + i + g        4p - 1 - i + g     g = 2 if p % 3 == 0 else 0
+        V-half   2i           3p - 2 - i   3p - 1 + 2i + g   6p - 2 - i + g     g = 3 if p % 2 == 0 else 0
+
+    V-min's forwards go down and up the V one slot apart and its backwards turn at once: each rank's two
+    lifespans add up to about 4p slots, p/3 microbatches of memory. V-half spaces chunk 0's forwards
+    and chunk 1's backwards two slots apart: about 6p slots, p/2 microbatches. The gap ``g`` moves the
+    backwards off the forwards' slots where they would meet modulo 6. V-min's block is the chain layout
+    :func:`vshape_block` finds on the unit grid (turning two slots late where p % 3 == 0), so it competes
+    among the blocks; V-half's is timed beside the winner (:mod:`~primuspipe.algorithms.competition`)."""
+    p = placement.pp
+    assert placement.vpp == 2 and schedule in ("v-min", "v-half"), "the papers' blocks are V-shape blocks"
+    starts: dict[tuple[NodeKind, int], float] = {}
+    for i in range(p):
+        if schedule == "v-min":
+            g = 2 if p % 3 == 0 else 0
+            times = (i, 2 * p - 1 - i, 2 * p + i + g, 4 * p - 1 - i + g)
+        else:
+            g = 3 if p % 2 == 0 else 0
+            times = (2 * i, 3 * p - 2 - i, 3 * p - 1 + 2 * i + g, 6 * p - 2 - i + g)
+        down, up = placement.stage(i, 0), placement.stage(i, 1)
+        for key, t in zip(((NodeKind.F, down), (NodeKind.F, up), (NodeKind.B, up), (NodeKind.B, down)), times):
+            starts[key] = float(t)
+    return Block(starts, 6.0)
+
+
 BLEND_WEIGHTS = (1.0, 0.5)
 """How much of the real costs' unevenness a block is laid out with (the uniform block, weight 0, is
 squeezed on the unit grid instead). Uneven costs stretch the chain against the period and so the
@@ -125,15 +157,13 @@ their slots; the paper's blocks use such gaps at some p)."""
 def blended(cost: CostModel, weight: float) -> CostModel:
     """``cost`` with compute times moved toward their overall mean: weight 1 keeps them, 0 makes every
     node equal (P2P time is kept)."""
-    c = cost.compute
-    values = c.forward + c.backward_input + c.backward_weight
+    values = [t for key in ("f", "b", "w") for t in cost.compute.times[key]]
     mean = sum(values) / len(values)
 
-    def blend(times: tuple[float, ...]) -> tuple[float, ...]:
+    def blend(_key: str, times: tuple[float, ...]) -> tuple[float, ...]:
         return tuple(weight * t + (1 - weight) * mean for t in times)
 
-    return replace(cost, compute=ComputeCosts(blend(c.forward), blend(c.backward_input), blend(c.backward_weight)),
-                   fused_backward=None)
+    return replace(cost, compute=cost.compute.map(blend), fused_backward=None)
 
 
 def block_orders(placement: Placement, microbatches: int, cost: CostModel, memory: float) -> list[FixedOrder]:

@@ -16,7 +16,8 @@ warm-up and the W's held back together, whatever the number of microbatches.
 
 Decisions are taken against the request's cost model (per-stage times, P2P time between ranks), so
 non-uniform F/B/W costs move the W's into the gaps they actually fit. The result is a feasible timed
-execution of the order it returns; callers compare candidates by simulating them.
+execution of the order it returns; callers compare candidates by simulating them
+(:mod:`~primuspipe.algorithms.competition`).
 
 Forwards and backwards of one chunk run in microbatch order (microbatches are interchangeable, so an
 exchange argument shows this loses nothing); W's run in the order their B's finished.
@@ -35,25 +36,19 @@ import math
 
 import bisect
 import heapq
-import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.dataflow import step_needs
 from primuspipe.errors import ScheduleShapeError
+from primuspipe.ir.kinds import split_kinds
 from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.ir.placement import Placement
-from primuspipe.ir.table import ScheduleTable
-from primuspipe.simulator import simulate
 
-
-logger = logging.getLogger(__name__)
-
-_SCHEDULED = (NodeKind.F, NodeKind.B, NodeKind.W)
-"""The kinds this scheduler places: a split backward, one node per step."""
+_SCHEDULED = split_kinds()
+"""The kinds this scheduler places: a split backward, one node per step (F, B, W), from the kind table."""
 
 _EPS = 1e-9
 
@@ -311,73 +306,3 @@ def _limits(policy: FillPolicy | FixedOrder) -> str:
     if isinstance(policy, FixedOrder):
         return f"a fixed F/B order and at most {policy.memory:g} chunk activations per rank (counted until W)"
     return f"at most {policy.memory} chunk activations per rank (counted until W)"
-
-
-SHORTLIST = 4
-"""How many of the fills with the shortest own makespan the simulator times to pick the answer. With
-free P2P the fill's timing is the simulator's (as soon as possible in the given order), so the first
-is already the fastest; with P2P time the simulator's rendezvous can reorder close candidates."""
-
-
-class Filled(NamedTuple):
-    """A candidate table, where it comes from (for people), and its step time (the fill's own timing
-    before :func:`fastest`, the simulator's after)."""
-
-    table: ScheduleTable
-    source: str
-    step_time: float
-
-
-def fill_all(placement: Placement, microbatches: int, cost: CostModel, policies: Sequence[FillPolicy | FixedOrder], *,
-             algorithm: str) -> list[Filled]:
-    """Every policy's table, timed by the fill (a table two policies give is kept once, as the first's);
-    policies that stall are skipped."""
-    filled: dict[tuple, Filled] = {}
-    for policy in policies:
-        try:
-            result = list_schedule(placement, microbatches, cost, policy, algorithm=algorithm)
-        except ScheduleShapeError:
-            continue
-        if result.rows not in filled:
-            table = ScheduleTable.build(placement, microbatches, result.rows, algorithm)
-            filled[result.rows] = Filled(table, str(policy), result.makespan)
-    return list(filled.values())
-
-
-def shortlist(filled: Sequence[Filled], size: int = SHORTLIST) -> list[Filled]:
-    """The ``size`` candidates of least step time (the earlier of equals)."""
-    return sorted(filled, key=lambda c: c.step_time)[:size]
-
-
-def fastest(candidates: Iterable[Filled], cost: CostModel) -> Filled:
-    """The candidate with the shortest step under ``cost`` as the simulator times it (the first of
-    equals), so an algorithm that builds several keeps the one the user will measure."""
-    best: Filled | None = None
-    for candidate in candidates:
-        step = simulate(candidate.table, cost).step_time
-        if best is None or step < best.step_time - _EPS:
-            best = candidate._replace(step_time=step)
-    assert best is not None, "no candidate to choose from"
-    return best
-
-
-def best_fill(
-    placement: Placement,
-    microbatches: int,
-    cost: CostModel,
-    policies: Sequence[FillPolicy | FixedOrder],
-    *,
-    algorithm: str,
-    also: Sequence[Filled] = (),
-) -> ScheduleTable:
-    """The fastest, as the simulator times it under ``cost``, of the :data:`SHORTLIST` fills with the
-    shortest makespan and the ready-made candidates ``also``. Raises ScheduleShapeError if every policy
-    stalls and nothing else is given. Ties keep the earlier policy, so list the preferred (usually
-    lower-memory) policy first."""
-    filled = fill_all(placement, microbatches, cost, policies, algorithm=algorithm)
-    if not filled and not also:
-        raise ScheduleShapeError(f"{algorithm}: every construction stalls for pp={placement.pp}, {microbatches} "
-                                 "microbatches within the memory budget; raise the memory limit")
-    winner = fastest([*shortlist(filled), *also], cost)
-    logger.debug("%s: %s wins, step %g (%d candidates)", algorithm, winner.source, winner.step_time, len(filled) + len(also))
-    return replace(winner.table, algorithm=algorithm)

@@ -126,6 +126,7 @@ class AlgorithmInfo:
 
 _REGISTRY: dict[str, AlgorithmInfo] = {}
 _plugins_loaded = False
+_builtins_loaded = False
 
 
 def register(
@@ -135,6 +136,8 @@ def register(
     """Decorator registering ``fn`` under ``name``; a name can be registered once."""
 
     def wrap(fn: Builder) -> Builder:
+        if fn.__module__ not in BUILTIN_MODULES:
+            _load_builtins()  # a user's name must meet the built-in names even before any look-up
         if name in BY_NAME:
             raise DuplicateAlgorithmError(f"{name!r} is {BY_NAME[name].origin}'s name for {BY_NAME[name].target!r}; "
                                           "pick another name")
@@ -148,13 +151,21 @@ def register(
     return wrap
 
 
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
 def _load_plugins() -> None:
     global _plugins_loaded
     if _plugins_loaded:
         return
     _plugins_loaded = True
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
+    _load_builtins()
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             ep.load()

@@ -22,12 +22,21 @@ Several constructions compete under the request's cost model, and the shortest s
 * for ZBV, the Zero Bubble paper's hand-crafted order (:func:`zbv_handcrafted_rank`, the order
   torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` runs), as is and re-timed by the list
   scheduler, so ``zbv`` is never slower than that order under the given costs.
+
+Each algorithm also writes out its paper's schedule -- ZBV's hand-crafted order, the V-min and V-half
+blocks as the paper draws them (:func:`~primuspipe.algorithms.building_blocks.paper_block`, squeezed by
+:func:`paper_block_schedule`) -- and the table's construction record names it where the chosen table is
+it, or gives its simulated step beside the winner's (:mod:`~primuspipe.algorithms.competition`).
+The paper's schedule competes last (V-min's block is also one of the competing blocks): it is the table
+only where it is strictly faster, so no algorithm is slower than its paper's figure.
 """
 
 from __future__ import annotations
 
-from primuspipe.algorithms.building_blocks import block_orders
-from primuspipe.algorithms.list_scheduler import FillPolicy, Filled, FixedOrder, best_fill
+from primuspipe.algorithms.building_blocks import block_orders, paper_block, squeezed_order
+from primuspipe.algorithms.competition import Filled, Paper, best_fill
+from primuspipe.algorithms.list_scheduler import FillPolicy, FixedOrder, fixed_order_fill
+from primuspipe.errors import ScheduleShapeError
 from primuspipe.algorithms.phases import RankProgram, require
 from primuspipe.algorithms.registry import ScheduleRequest, register
 from primuspipe.ir.activations import peak_in_flight
@@ -51,14 +60,36 @@ def fill_policies(p: int, cap: int) -> list[FillPolicy]:
 
 
 def vshape_schedule(req: ScheduleRequest, budget: int, algorithm: str,
-                    handcrafted: tuple[ScheduleTable, ...] = ()) -> ScheduleTable:
+                    handcrafted: tuple[ScheduleTable, ...] = (), paper: Paper | None = None) -> ScheduleTable:
     """A V-shape schedule holding at most ``budget`` microbatches (1F1B-stage units) per rank, each
     counted from its F until its W (at the cost model's retained share between B and W); the
-    ``handcrafted`` tables compete as they are and with their F/B order re-timed."""
+    ``handcrafted`` tables compete as they are and with their F/B order re-timed; ``paper`` is the
+    paper's schedule, the last candidate and recorded beside the winner."""
     require(req.vpp == 2, algorithm, f"is a V-shape schedule with 2 chunks per rank, got vpp = {req.vpp}")
     policies, ready = vshape_candidates(req, 2 * budget, handcrafted)
     return best_fill(Placement.vshape(req.pp), req.microbatches, req.cost_model(), policies, algorithm=algorithm,
-                     also=ready)
+                     also=ready, paper=paper)
+
+
+def paper_block_schedule(req: ScheduleRequest, algorithm: str, budget: int) -> Paper:
+    """The Controllable Memory paper's schedule for ``algorithm`` (``v-min``, ``v-half``): its block
+    (:func:`~primuspipe.algorithms.building_blocks.paper_block`) repeated once per microbatch, the W's
+    put in the free slots and squeezed within ``budget`` (cool-down closed), then run in that F/B order
+    as soon as the real costs allow, W's filling the waits. No table where the block's layout holds more
+    than the budget or the order stalls."""
+    name = f"the paper's {algorithm.replace('v-', 'V-')} block"
+    placement, cap = Placement.vshape(req.pp), 2 * budget
+    cost = req.cost_model(2)
+    order = squeezed_order(placement, req.microbatches, paper_block(placement, algorithm), req.retained, cap,
+                           cooldown=True)
+    if order is None:
+        return Paper(name, None)
+    try:
+        rows = fixed_order_fill(placement, req.microbatches, cost, FixedOrder(order, cap, source=name),
+                                algorithm=algorithm).rows
+    except ScheduleShapeError:
+        return Paper(name, None)
+    return Paper(name, ScheduleTable.build(placement, req.microbatches, rows, algorithm))
 
 
 def vshape_candidates(req: ScheduleRequest, cap: int, handcrafted: tuple[ScheduleTable, ...] = ()
@@ -139,7 +170,8 @@ def zbv(req: ScheduleRequest) -> ScheduleTable:
         rank 2 | F0 F1 F2 f0 F3 f1 f2 b0 f3 b1 B0 b2 B1 b3 B2 w0 B3 w1 W0 w2 W1 w3 W2 W3
         rank 3 | F0 f0 F1 f1 F2 f2 F3 f3 b0 B0 b1 B1 b2 B2 b3 B3 w0 W0 w1 W1 w2 W2 w3 W3
     """
-    return vshape_schedule(req, req.pp, "zbv", (zbv_handcrafted(req.pp, req.microbatches),))
+    handcrafted = zbv_handcrafted(req.pp, req.microbatches)
+    return vshape_schedule(req, req.pp, "zbv", (handcrafted,), Paper("the paper's hand-crafted ZBV order", handcrafted))
 
 
 @register("v-half", placement="v", vpp=2, split_backward=True)
@@ -153,7 +185,8 @@ def v_half(req: ScheduleRequest) -> ScheduleTable:
         rank 2 | F0 F1 F2 f0 f1 f2 b0 w0 F3 B0 b1 W0 w1 f3 F4 B1 b2 W1 w2 f4 b3 B2 w3 B3 b4 W2 W3 B4 w4 W4
         rank 3 | F0 f0 F1 f1 F2 f2 b0 B0 w0 F3 W0 f3 b1 B1 w1 F4 W1 f4 b2 B2 b3 B3 w2 W2 b4 B4 w3 W3 w4 W4
     """
-    return vshape_schedule(req, (req.pp + 2) // 2, "v-half")
+    budget = (req.pp + 2) // 2
+    return vshape_schedule(req, budget, "v-half", paper=paper_block_schedule(req, "v-half", budget))
 
 
 @register("v-min", placement="v", vpp=2, split_backward=True)
@@ -167,4 +200,5 @@ def v_min(req: ScheduleRequest) -> ScheduleTable:
         rank 2 | F0 F1 f0 f1 b0 w0 F2 B0 b1 W0 w1 f2 F3 B1 W1 b2 f3 w2 B2 F4 W2 b3 f4 w3 B3 F5 W3 b4 f5 w4 B4 W4 b5 w5 B5 W5
         rank 3 | F0 f0 F1 f1 b0 B0 w0 F2 W0 f2 b1 B1 w1 F3 W1 f3 b2 B2 w2 W2 F4 f4 b3 B3 w3 W3 F5 f5 b4 B4 w4 W4 b5 B5 w5 W5
     """
-    return vshape_schedule(req, (req.pp + 4) // 3, "v-min")
+    budget = (req.pp + 4) // 3
+    return vshape_schedule(req, budget, "v-min", paper=paper_block_schedule(req, "v-min", budget))

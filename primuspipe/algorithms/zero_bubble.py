@@ -11,14 +11,58 @@ rank may hold, which is also its warm-up length:
 * ZB-H2 lets rank r warm up with 2(p - r) - 1 forwards within 2p - 1 microbatches held until W,
   filling the start-up bubble with forwards; the W's fill the cool-down, so no rank idles within its
   own span when F = B = W.
+
+The paper draws both as one pattern (:func:`zero_bubble_pattern`): rank r warms up with some forwards,
+then after each B runs the W it deferred ``lag`` backwards earlier and the next forward, and ends with
+the W's still deferred. ZB-H1 is warm-up p - r, lag r; ZB-H2 warm-up 2(p - r) - 1, lag 2r; in both the
+warm-up plus the lag is the rank's memory (p, and 2p - 1). The algorithms keep the faster, as
+simulated, of the list scheduler's greedy fills under those caps
+(:mod:`~primuspipe.algorithms.list_scheduler`, :mod:`~primuspipe.algorithms.competition`), which adapt
+to uneven costs, and the pattern, which competes last: it is the table where it is strictly faster,
+so neither algorithm is ever slower than its paper's figure. The table's
+:class:`~primuspipe.ir.table.Construction` says which one it is. With F = B = W, free P2P and m >= p,
+ZB-H1's table is the paper's pattern (with fewer microbatches, a fill of equal step); ZB-H2's fill runs
+each B as soon as it arrives and defers more W's than the pattern, as fast there. With P2P time the
+pattern often wins (bench/bench_constructions.py: at P2P 0.1 of F it was up to 8.8 % (ZB-H1) and 2.7 %
+(ZB-H2) shorter than the best fill).
 """
 
 from __future__ import annotations
 
-from primuspipe.algorithms.list_scheduler import FillPolicy, best_fill
+from primuspipe.algorithms.competition import Paper, best_fill
+from primuspipe.algorithms.list_scheduler import FillPolicy
+from primuspipe.algorithms.phases import RankProgram
 from primuspipe.algorithms.registry import ScheduleRequest, register
+from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
+
+
+def zero_bubble_pattern(m: int, warmup: int, lag: int) -> list[ScheduleNode]:
+    """One rank's order in the Zero Bubble paper's handcrafted schedules (ZB-H1, ZB-H2)::
+
+        F x warmup | B W(lag backwards ago) F | ... | B W | ... | W W ...
+         warm-up      steady: one of each        cool-down    the deferred W's
+
+    The W's a rank defers are the ones that fill its waits for the backward wave: the further down the
+    pipeline (the earlier the B's arrive), the fewer."""
+    prog = RankProgram()
+    for _ in range(min(warmup, m)):
+        prog.forward(0)
+    for j in range(m):
+        prog.backward(0, zero_bubble=True)
+        if j >= lag:
+            prog.weight()
+        if prog.next_f[0] < m:
+            prog.forward(0)
+    while prog.deferred:
+        prog.weight()
+    return prog.nodes
+
+
+def _paper(name: str, p: int, m: int, warmup, lag) -> Paper:
+    rows = [zero_bubble_pattern(m, warmup(r), lag(r)) for r in range(p)]
+    return Paper(name, ScheduleTable.build(Placement.interleaved(p, 1), m, rows, name))
 
 
 @register("zb-h1", vpp=1, split_backward=True)
@@ -39,8 +83,9 @@ def zb_h1(req: ScheduleRequest) -> ScheduleTable:
     # Cool-down: the remaining B's, with the deferred W's filling the gaps between their arrivals.
     # Memory: counted until W, no rank holds more than p microbatches (1F1B's peak, rank 0's): a
     # forward that would exceed it waits for deferred W's, whatever m is.
+    paper = _paper("the paper's ZB-H1 pattern", p, req.microbatches, lambda r: p - r, lambda r: r)
     return best_fill(Placement.interleaved(p, 1), req.microbatches, req.cost_model(), _policies(warmup, p),
-                     algorithm="zb-h1")
+                     algorithm="zb-h1", paper=paper)
 
 
 @register("zb-h2", vpp=1, split_backward=True)
@@ -59,8 +104,9 @@ def zb_h2(req: ScheduleRequest) -> ScheduleTable:
     warmup = tuple(2 * (p - r) - 1 for r in range(p))
     # Steady and cool-down as in ZB-H1; the longer warm-up leaves more W's to fill the tail.
     # Memory: no rank holds more than 2p - 1 microbatches until their W, whatever m is.
+    paper = _paper("the paper's ZB-H2 pattern", p, req.microbatches, lambda r: 2 * (p - r) - 1, lambda r: 2 * r)
     return best_fill(Placement.interleaved(p, 1), req.microbatches, req.cost_model(), _policies(warmup, 2 * p - 1),
-                     algorithm="zb-h2")
+                     algorithm="zb-h2", paper=paper)
 
 
 def _policies(warmup: tuple[int, ...], memory: int) -> list[FillPolicy]:

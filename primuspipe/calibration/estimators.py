@@ -11,10 +11,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from primuspipe.calibration.measured import significant
+from primuspipe.calibration.measured import elapsed, significant
 from primuspipe.calibration.walk import Step, gap
 from primuspipe.io.timeline import TimedNode, Timeline
-from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.kinds import NodeKind, split_kinds
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 
@@ -81,7 +81,7 @@ class Samples:
             host[kind.name.lower()].append(gap(step.ready, e, use_cpu))
             if step.waited is not None and step.idle > tolerance:  # longer than taking an input takes
                 send, recv = step.waited
-                waits.append((recv.end - max(send.start, recv.start), recv.bytes))
+                waits.append((elapsed(max(send.start, recv.start), recv.end), recv.bytes))
         cold: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         for kind, stage, took in firsts:
             if rest := durations.get((kind, stage)):
@@ -106,9 +106,11 @@ def cold_start_extras(samples: list[Samples], n: int, fused_only: list[int]):
         values = [x for s in samples for x in s.cold.get((kind, stage), ())]
         return max(0.0, statistics.median(values)) if values else 0.0
 
-    f = [extra(NodeKind.F, s) for s in range(n)]
-    b = [extra(NodeKind.BW, s) / 2 if s in fused_only else extra(NodeKind.B, s) for s in range(n)]
-    w = [extra(NodeKind.BW, s) / 2 if s in fused_only else extra(NodeKind.W, s) for s in range(n)]
+    def split(kind: NodeKind, s: int) -> float:  # a fused-only stage's BW: an even share per step it completes
+        fused = NodeKind.BW
+        return extra(fused, s) / len(fused.completes) if s in fused_only and kind in fused.completes else extra(kind, s)
+
+    f, b, w = ([split(kind, s) for s in range(n)] for kind in split_kinds())
     if not any(f + b + w):
         return None
     return tuple(tuple(map(significant, v)) for v in (f, b, w))

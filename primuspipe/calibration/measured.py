@@ -5,6 +5,7 @@ Figures are kept to 12 significant digits (:func:`significant`) wherever they ar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,3 +127,11 @@ def significant(x: float) -> float:
     """``x`` to 12 significant digits: drops the float noise of ``end - start`` (1.0 not
     0.9999999999999998) and stays far below any clock's resolution."""
     return float(f"{x:.12g}")
+
+
+def elapsed(start: float, end: float) -> float:
+    """``end - start`` to 12 significant digits of the readings themselves: a short wait between two
+    late clock readings (0.05 s at t = 50 s) otherwise keeps their float noise in digits that
+    :func:`significant` alone would count as signal (0.0499999999999)."""
+    scale = max(abs(start), abs(end))
+    return round(end - start, 11 - math.floor(math.log10(scale))) if scale else 0.0

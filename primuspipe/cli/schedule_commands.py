@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("list", help="list the registered algorithms and their options")
     p.set_defaults(handler=cmd_list)
 
-    p = sub.add_parser("show", help="print an algorithm's schedule grid")
+    p = sub.add_parser("show", help="print an algorithm's schedule grid (and, for the zero-bubble and V-shape "
+                                    "family, which construction it chose and its simulated step)")
     p.add_argument("algorithm")
     add_shape_arguments(p)
     p.add_argument("--compute-only", action="store_true", help="hide communication nodes")
@@ -130,6 +131,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     out.print(table.grid(compute_only=args.compute_only), markup=False)
     peaks = ", ".join(f"{p:.4g}" for p in peak_in_flight(table))
     out.print(f"peak activations per rank (1F1B-stage microbatches, each counted until its W): {peaks}", markup=False)
+    if table.construction is not None:
+        out.print(f"construction: {table.construction}", markup=False)
     return 0
 
 

@@ -25,7 +25,7 @@ from primuspipe.algorithms.build import build_schedule, check_options
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.passes.offload import offload_activations
 from primuspipe.passes.streams import DEFAULT_SEMANTICS, SEMANTICS
-from primuspipe.ir.table import check_shape
+from primuspipe.ir.table import Construction, check_shape
 from primuspipe.search.zb_auto import ZbAutoReport, zb_auto_search
 from primuspipe.simulator import CostModel, SimulationResult, read_cost_file, simulate
 from primuspipe.simulator.trace import write_chrome_trace
@@ -48,7 +48,10 @@ Peak activations are in microbatches of one 1F1B stage (a chunk's forward counts
 until its W, at the share W keeps of it (memory.w_retained_fraction, default 32/34 = 0.94: flash attention)
 between its B and its W: what the device holds. --memory-limit, 'fits' and 'primuspipe validate
 --max-in-flight' count the same way. zb-auto searches every placement (interleaved vpp 1 and 2, and the
-V) unless --vpp or -O placement=... pins one, and reports how it found its table.
+V) unless --vpp or -O placement=... pins one, and reports how it found its table. An algorithm that
+picks among candidate constructions (the zero-bubble and V-shape family) reports which one it built, its
+simulated step under the costs it planned with, and the step of its paper's schedule ('construction' in
+--json).
 --offload runs the offload pass on each table whose peak is over --memory-limit: OFFLOAD/RELOAD nodes move
 the activations of microbatches with long F-to-B gaps to host memory and back (docs/offload.md); the host
 link comes from the cost file's host_link section or --host-link, and the step time shows what the copies
@@ -239,6 +242,8 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, plan_spec: dict |
         return {**row, "error": str(exc)}, None
     if name == "zb-auto":
         row["search"] = sane.check(asdict(report), name)
+    if table.construction is not None:
+        row["construction"] = table.construction.to_dict()
     peak = max(result.peak_activations)
     row.update(
         vpp=table.vpp, placement=table.placement.name,
@@ -281,6 +286,9 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     for row in rows:
         if "search" in row:
             console.print(f"zb-auto found it as {ZbAutoReport(**row['search']).summary}")
+        if "construction" in row:
+            console.print(f"how {row['algorithm']} was built (timed with its planning costs): "
+                          f"{Construction(**row['construction'])}", markup=False)
     for row in refused:
         reason = row["error"].splitlines()[0]
         console.print(f"not simulated: {row['algorithm']} (vpp={row['vpp']}): {reason}")

@@ -24,7 +24,7 @@ from primuspipe.errors import TableFormatError
 from primuspipe import strict
 from primuspipe.ir.cost_model import TIME_UNITS
 from primuspipe.documents import check_envelope, envelope, write_atomically
-from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.kinds import NodeKind, kinds_completing, split_kinds
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import MAX_NODES, check_shape
 
@@ -104,14 +104,14 @@ class Timeline:
         counts = [Counter((kind, mb, chunk) for e in r.events if e.node.kind.is_compute
                           for kind, mb, chunk in e.node.parts()) for r in self.ranks]
         forward_only = not any(k is not NodeKind.F for c in counts for k, _, _ in c)
+        # each step once: F, B (alone or in a BW), W (alone or in a BW)
+        need = [kinds_completing(step) for step in split_kinds()[:1 if forward_only else None]]
         for rank, seen in zip(self.ranks, counts):
             if twice := next((key for key, n in seen.items() if n > 1), None):
                 raise TableFormatError(f"{where}: rank {rank.rank} runs {_part(twice)} {seen[twice]} times; a step runs "
                                        "each node once (a duplicated event or microbatch)")
             for chunk in range(self.vpp):
                 for mb in range(self.microbatches):
-                    need = [(NodeKind.F,)] if forward_only else [(NodeKind.F,), (NodeKind.B, NodeKind.BW),
-                                                                  (NodeKind.W, NodeKind.BW)]
                     for options in need:
                         if not any(seen[(kind, mb, chunk)] for kind in options):
                             raise TableFormatError(

@@ -20,6 +20,7 @@ optimizer bytes) are one number or ``pp`` values::
       b: 1.0                 # input-grad backward (B)
       w: 1.0                 # weight-grad backward (W)
       bw: 1.8                # fused backward; defaults to b + w
+      recompute: 0.4         # any other timed kind, by its KindSpec.cost key (a plug-in's, say)
       fb_overlap: 0.0        # FB pair: F + B - fb_overlap * min(F, B); 0 = no gain, 1 = max(F, B)
       cold_start: {f: 0.3, b: 0.1, w: 0.05}  # extra time of each chunk's first F, B, W in a step
     host:                    # time on the host, outside the kernels (every key optional, default 0)
@@ -251,10 +252,11 @@ class CostModel:
 
     @classmethod
     def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values, *, bw: Values | None = None,
-                  **rest: Any) -> CostModel:
-        """Compute times as one value for all stages or one per stage; ``rest`` are the other fields."""
+                  other: Mapping[str, Values] | None = None, **rest: Any) -> CostModel:
+        """Compute times as one value for all stages or one per stage (``other``: other kinds' times by
+        cost key, :class:`~primuspipe.ir.costs.ComputeCosts`); ``rest`` are the other fields."""
         fused = None if bw is None else per_stage_values("BW", bw, num_stages, "stages")
-        return cls(ComputeCosts.per_stage(num_stages, f, b, w), fused, **rest)
+        return cls(ComputeCosts.per_stage(num_stages, f, b, w, **(other or {})), fused, **rest)
 
     @property
     def num_stages(self) -> int:
@@ -271,8 +273,8 @@ class CostModel:
         key = kind.spec.cost
         if key is None:
             return 0.0
-        if key == "bw":
-            return self.bw_time(stage)
+        if key == "bw" and self.fused_backward is not None:  # measured fused; else the costs' B + W
+            return self.fused_backward[stage]
         return self.compute.of(kind)[stage]
 
     def overlapped_time(self, parts: Sequence[tuple[NodeKind, int]]) -> float:
@@ -292,7 +294,8 @@ class CostModel:
         """Extra time of a node whose ``(kind, stage)`` parts are their chunks' first of that kind."""
         if self.cold_start is None:
             return 0.0
-        return sum(self.cold_start.of(kind)[stage] for kind, stage in parts if kind.spec.cost is not None)
+        extra = [(self.cold_start.get(kind), stage) for kind, stage in parts if kind.spec.cost is not None]
+        return sum(times[stage] for times, stage in extra if times is not None)  # an untimed key: none
 
     def static_bytes(self, rank: int) -> float:
         return self.memory.static_bytes(rank)
@@ -325,8 +328,7 @@ class CostModel:
         if memory.models_bytes:
             memory = replace(memory, activation_bytes=recut("activation_bytes", memory.activation_bytes))
         def recut_costs(name: str, costs: ComputeCosts) -> ComputeCosts:
-            return ComputeCosts(recut(f"{name}F", costs.forward), recut(f"{name}B", costs.backward_input),
-                                recut(f"{name}W", costs.backward_weight))
+            return costs.map(lambda key, times: recut(f"{name}{key.upper()}", times))
 
         return replace(self, compute=recut_costs("", self.compute),
                        fused_backward=None if self.fused_backward is None else recut("BW", self.fused_backward),
@@ -339,7 +341,7 @@ class CostModel:
         """Build from the YAML form (module docstring) for a pipeline of ``pp`` ranks x ``vpp`` chunks;
         every value is checked (:mod:`primuspipe.strict`) and errors name ``source`` and the field."""
         top = strict.keys(data, source, _SECTIONS)
-        comp = strict.keys(top.get("compute"), f"{source}: compute", {"f", "b", "w", "bw", "fb_overlap", "cold_start"},
+        comp = strict.keys(top.get("compute"), f"{source}: compute", {*cost_keys(), "fb_overlap", "cold_start"},
                            required={"f", "b", "w"})
         p2p = strict.keys(top.get("p2p", {}), f"{source}: p2p",
                           {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
@@ -354,8 +356,9 @@ class CostModel:
 
         try:
             memory = _memory(top.get("memory", {}), pp, vpp, source)
+            other = {key: stages(key.upper(), comp[key]) for key in sorted(set(comp) - _COMPUTE_FIELDS)}
             return cls.per_stage(
-                pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), stages("W", comp["w"]),
+                pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), stages("W", comp["w"]), other=other,
                 bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
                 fb_overlap=number(comp, "fb_overlap", "compute.fb_overlap", 0.0, minimum=0, maximum=1),
                 p2p=P2PCost(number(p2p, "message_bytes", "p2p.message_bytes", 0.0, minimum=0),
@@ -382,8 +385,7 @@ class CostModel:
 
         out: dict[str, Any] = {
             "time_unit": self.time_unit,
-            "compute": {"f": list(self.compute.forward), "b": list(self.compute.backward_input),
-                        "w": list(self.compute.backward_weight), "fb_overlap": self.fb_overlap},
+            "compute": {**{key: list(times) for key, times in self.compute.times.items()}, "fb_overlap": self.fb_overlap},
             "p2p": {"message_bytes": self.p2p.message_bytes, "ranks_per_node": self.p2p.ranks_per_node,
                     "intra_node": link(self.p2p.intra_node), "inter_node": link(self.p2p.inter_node)},
             "host_link": link(self.host_link),
@@ -392,7 +394,7 @@ class CostModel:
             out["compute"]["bw"] = list(self.fused_backward)
         if self.cold_start is not None:
             c = self.cold_start
-            out["compute"]["cold_start"] = {"f": list(c.forward), "b": list(c.backward_input), "w": list(c.backward_weight)}
+            out["compute"]["cold_start"] = {key: list(times) for key, times in c.times.items()}
         if self.host != HostCost():
             h = self.host
             out["host"] = {"overhead": dict(h.overhead), "send": h.send, "recv": h.recv, "cores": h.cores,
@@ -422,8 +424,7 @@ def _check_time_range(model: CostModel) -> None:
     def per_stage(name: str, costs: ComputeCosts | None) -> dict[str, float]:
         if costs is None:
             return {}
-        kinds = (("F", costs.forward), ("B", costs.backward_input), ("W", costs.backward_weight))
-        return {f"{name}{kind}[{s}]": t for kind, values in kinds for s, t in enumerate(values)}
+        return {f"{name}{key.upper()}[{s}]": t for key, values in costs.times.items() for s, t in enumerate(values)}
 
     def link(name: str, k: Link, size: float) -> dict[str, float]:
         return {f"{name}.latency": k.latency, f"{name} transfer of {size:g} bytes": k.time(size) - k.latency}
@@ -508,6 +509,14 @@ def _link(data: Mapping[str, Any], name: str) -> Link:
 
 
 _SECTIONS = {"time_unit", "compute", "host", "p2p", "memory", "host_link"}
+_COMPUTE_FIELDS = {"f", "b", "w", "bw", "fb_overlap", "cold_start"}
+"""The ``compute`` keys the model reads itself; any other is a timed kind's cost key."""
+
+
+def cost_keys() -> set[str]:
+    """The cost keys of every timed kind in the kind table (``f``, ``b``, ``w``, ``bw`` and any a
+    plug-in kind names): what a cost file's ``compute`` section may time."""
+    return {k.spec.cost for k in compute_kinds() if k.spec.cost is not None}
 
 
 def _host(data: Any, pp: int) -> HostCost:
@@ -530,5 +539,9 @@ def _cold_start(data: Any, pp: int, vpp: int) -> ComputeCosts | None:
     """``compute.cold_start`` per model stage: like the times, per 1F1B stage and split among its chunks."""
     if data is None:
         return None
-    cold = strict.keys(data, "compute.cold_start", {"f", "b", "w"})
-    return ComputeCosts(*(split_stages(f"compute.cold_start.{k}", cold.get(k, 0.0), pp, vpp) for k in ("f", "b", "w")))
+    cold = strict.keys(data, "compute.cold_start", cost_keys() - {"bw"})
+
+    def times(key: str) -> tuple[float, ...]:
+        return split_stages(f"compute.cold_start.{key}", cold.get(key, 0.0), pp, vpp)
+
+    return ComputeCosts(times("f"), times("b"), times("w"), tuple((k, times(k)) for k in set(cold) - {"f", "b", "w"}))

@@ -5,12 +5,13 @@ cost input goes through.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from primuspipe.errors import ConfigError
 from primuspipe import strict
-from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.kinds import NodeKind, step_kind
 
 Values = float | Sequence[float]
 """One value for every stage (or rank), or a list with one value each."""
@@ -39,31 +40,73 @@ def per_stage_values(name: str, value: Values, count: int, what: str = "stages")
 
 @dataclass(frozen=True)
 class ComputeCosts:
-    """Time of each compute kind on each stage (any unit, used consistently)."""
+    """Time of each compute kind on each stage (any unit, used consistently), keyed by the kind's cost
+    key in the kind table (:attr:`~primuspipe.ir.kinds.KindSpec.cost`): the split backward's three
+    (``f``, ``b``, ``w``) are always given; any other timed kind (a plug-in's ``recompute``, say) brings
+    its own in :attr:`other`, so a new kind that costs time needs no change here."""
 
     forward: tuple[float, ...]
     backward_input: tuple[float, ...]
     backward_weight: tuple[float, ...]
+    other: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    """``(cost key, per-stage times)`` of the other timed kinds, by key."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "other", tuple(sorted(self.other)))  # one model, one value
+        for key, values in self.other:
+            if len(values) != self.num_stages:
+                raise ConfigError(f"compute.{key} has {len(values)} values for {self.num_stages} stages")
 
     @classmethod
-    def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values) -> ComputeCosts:
-        """One value for every stage, or a list with one value per stage."""
+    def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values, **other: Values) -> ComputeCosts:
+        """One value for every stage, or a list with one value per stage; ``other`` by cost key."""
         return cls(per_stage_values("F", f, num_stages), per_stage_values("B", b, num_stages),
-                   per_stage_values("W", w, num_stages))
+                   per_stage_values("W", w, num_stages),
+                   tuple((key, per_stage_values(key, v, num_stages)) for key, v in other.items()))
 
     @property
     def num_stages(self) -> int:
         return len(self.forward)
 
+    @cached_property
+    def times(self) -> dict[str, tuple[float, ...]]:
+        """Every kind's per-stage times, by cost key (derived once: the simulator asks per node)."""
+        return {"f": self.forward, "b": self.backward_input, "w": self.backward_weight, **dict(self.other)}
+
+    def map(self, change: Callable[[str, tuple[float, ...]], tuple[float, ...]]) -> ComputeCosts:
+        """These costs with every key's times replaced by ``change(key, times)``."""
+        new = {key: change(key, values) for key, values in self.times.items()}
+        return ComputeCosts(new.pop("f"), new.pop("b"), new.pop("w"), tuple(new.items()))
+
+    def __getstate__(self) -> dict:
+        """Pickled without the caches (their keys are kinds, which may be gone where it is read)."""
+        return {k: v for k, v in vars(self).items() if k not in ("times", "_resolved")}
+
+    @cached_property
+    def _resolved(self) -> dict[NodeKind, tuple[float, ...] | None]:
+        return {}
+
     def fused_backward(self, stage: int) -> float:
         return self.backward_input[stage] + self.backward_weight[stage]
 
+    def get(self, kind: NodeKind) -> tuple[float, ...] | None:
+        """Per-stage times of a single-part compute kind by its cost key; a kind these costs do not
+        time that completes several steps costs the sum of the kinds completing each (BW: B + W);
+        None if neither is known."""
+        times = self.times
+        if (own := times.get(kind.spec.cost)) is not None:
+            return own
+        if len(kind.completes) > 1:
+            parts = [self.get(step_kind(step)) for step in kind.completes]
+            if all(p is not None for p in parts):
+                return tuple(map(sum, zip(*parts)))
+        return None
+
     def of(self, kind: NodeKind) -> tuple[float, ...]:
-        """Per-stage times of a single-part compute kind, by its cost key in the kind table (BW: B + W)."""
-        key = kind.spec.cost
-        if key == "bw":
-            return tuple(map(self.fused_backward, range(self.num_stages)))
-        times = {"f": self.forward, "b": self.backward_input, "w": self.backward_weight}
-        if key not in times:
-            raise ConfigError(f"compute costs have no {key!r} times for {kind} nodes; they give f, b, w (and bw)")
-        return times[key]
+        """:meth:`get`, or a ConfigError naming the missing cost key."""
+        if (times := self._resolved.get(kind)) is None:
+            times = self._resolved[kind] = self.get(kind)
+        if times is None:
+            raise ConfigError(f"the cost model has no times for {kind} nodes: add compute.{kind.spec.cost} to the cost "
+                              f"file (it gives {', '.join(self.times)})")
+        return times

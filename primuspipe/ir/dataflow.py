@@ -16,7 +16,7 @@ from __future__ import annotations
 from functools import cache
 from typing import NamedTuple
 
-from primuspipe.ir.kinds import NodeKind, all_kinds, comm_kind, on_kinds_changed
+from primuspipe.ir.kinds import NodeKind, all_kinds, comm_kind, on_kinds_changed, split_kinds
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 
@@ -272,7 +272,7 @@ def reaches(num_stages: int) -> frozenset[tuple[Step, Step]]:
     """Within one microbatch, the pairs ``(a, b)`` of steps (microbatch 0) where ``b`` depends,
     directly or transitively, on ``a``; reflexive. Microbatch-ordered searches (the MILP) use it to
     know which orders every schedule shares."""
-    steps = [Step(k, s, 0) for k in (NodeKind.F, NodeKind.B, NodeKind.W) for s in range(num_stages)]
+    steps = [Step(k, s, 0) for k in split_kinds() for s in range(num_stages)]
     needs = {step: _step_needs(step, num_stages) for step in steps}
     closure: dict[Step, set[Step]] = {}
 

@@ -39,7 +39,10 @@ A need on another stage is a hand-off: local when both stages live on one rank, 
 drop the needs that fall off the pipeline (the last stage's B starts from its own loss).
 
 Adding a kind is one :func:`define_kind` call here (or in a plug-in) plus a handler in the binder
-that runs it; ``tests/core/test_kinds.py`` adds a toy kind that way.
+that runs it; ``tests/core/test_kinds.py`` adds a free toy kind that way, ``tests/core/test_timed_kind.py``
+one with its own cost key (timed from a cost file's ``compute`` section). Code that needs the split
+backward's kinds asks this table (:func:`split_kinds`, :func:`step_kind`, :func:`kinds_completing`,
+``is_input_grad`` / ``is_weight_grad``) rather than naming them.
 
 >>> NodeKind("BW").spec.completes
 ('B', 'W')
@@ -96,7 +99,8 @@ class KindSpec:
     """Where the kind runs: ``compute`` (the rank's compute stream, one node at a time) or ``host``
     (the rank's copy streams to and from host memory, overlapping compute: OFFLOAD, RELOAD)."""
     cost: str | None = None
-    """The cost model's per-stage time of this kind (``f``, ``b``, ``w``, ``bw``; YAML key); an
+    """The key of this kind's per-stage time in the cost model (``f``, ``b``, ``w``, ``bw``, or a new
+    kind's own, e.g. ``recompute``), which is also its key in a cost file's ``compute`` section; an
     overlapped kind costs its parts through the model's overlap rule; None: takes no compute time."""
     carries: str | None = None
     """Communication kinds: the step whose result the tensor is (``F``: activation, ``B``: gradient)."""
@@ -107,6 +111,10 @@ class KindSpec:
     ``B`` its full backward)."""
     color: str = "#7f7f7f"
     """Drawing colour (pp_vis)."""
+    handler: str | None = None
+    """The binder method that runs a node of this kind (``forward``, ``backward_input``...): binders
+    build their handler maps from it (:func:`primuspipe.runtime.protocols.named_handlers`); None: a
+    binder that runs the kind adds its handler itself (OFFLOAD and RELOAD, with an offload plan)."""
 
     def activation_delta(self, retained: float = 0.0, offloaded: float = 1.0) -> float:
         """How much this kind changes the activations held (see :attr:`activation`, :attr:`offload`)."""
@@ -120,7 +128,8 @@ class NodeKind:
     Kinds are interned (``NodeKind("F") is NodeKind.F``), compare by identity and pickle by name.
     """
 
-    __slots__ = ("name", "spec", "is_compute", "is_send", "is_recv", "on_host_stream")
+    __slots__ = ("name", "spec", "is_compute", "is_send", "is_recv", "on_host_stream", "is_input_grad",
+                 "is_weight_grad")
     _table: ClassVar[dict[str, NodeKind]] = {}
 
     F: ClassVar[NodeKind]
@@ -144,6 +153,10 @@ class NodeKind:
     on_host_stream: bool
     """The kind's category, and whether it runs on the host-copy streams (OFFLOAD, RELOAD: compute-category
     nodes that use no compute time), as flags set once from its spec: passes ask them for every node."""
+    is_input_grad: bool
+    """Whether it completes the input-gradient step (B, BW): the backward that consumes the activations."""
+    is_weight_grad: bool
+    """Whether it completes the weight-gradient step (W, BW): a stage's gradients are whole after its last."""
 
     def __new__(cls, name: str) -> NodeKind:
         try:
@@ -186,6 +199,8 @@ def _kinds(names: tuple[str, ...]) -> tuple[NodeKind, ...]:
 
 
 _listeners: list[Callable[[], object]] = [_kinds.cache_clear]
+_INPUT_GRAD, _WEIGHT_GRAD = "B", "W"
+"""The backward's two steps, by name (their kinds are defined below)."""
 
 
 def on_kinds_changed(listener: Callable[[], object]) -> None:
@@ -206,6 +221,7 @@ def define_kind(spec: KindSpec) -> NodeKind:
     kind.is_send = spec.category is Category.SEND
     kind.is_recv = spec.category is Category.RECV
     kind.on_host_stream = spec.stream == "host"
+    kind.is_input_grad, kind.is_weight_grad = _INPUT_GRAD in spec.completes, _WEIGHT_GRAD in spec.completes
     NodeKind._table[spec.name] = kind
     for listener in _listeners:
         listener()
@@ -226,6 +242,31 @@ def all_kinds() -> Iterator[NodeKind]:
 
 def compute_kinds() -> list[NodeKind]:
     return [k for k in all_kinds() if k.is_compute]
+
+
+@functools.cache
+def split_kinds() -> tuple[NodeKind, ...]:
+    """The kinds that each complete one required step, in table order (``F``, ``B``, ``W``): what a
+    split-backward schedule runs for every (stage, microbatch), and what the schedulers that build
+    one place (the list scheduler, the building blocks, the MILP)."""
+    return tuple(k for k in compute_kinds() if len(k.spec.completes) == 1 and not k.spec.optional and not k.spec.parts)
+
+
+on_kinds_changed(split_kinds.cache_clear)
+
+
+def step_kind(step: NodeKind) -> NodeKind:
+    """The kind that completes ``step`` alone (``B`` for the ``B`` step): a fused kind (``BW``) splits
+    into the step kinds of its :attr:`~NodeKind.completes`."""
+    for kind in compute_kinds():
+        if kind.completes == (step,) and not kind.spec.parts:
+            return kind
+    raise AssertionError(f"no kind completes step {step} alone")
+
+
+def kinds_completing(step: NodeKind) -> tuple[NodeKind, ...]:
+    """Every compute kind that completes ``step`` (``W``: ``W`` and ``BW``), in table order."""
+    return tuple(k for k in compute_kinds() if step in k.completes)
 
 
 def comm_kind(send: bool, carries: NodeKind) -> NodeKind:
@@ -251,16 +292,16 @@ _PREVIOUS, _NEXT = -1, 1
 
 NodeKind.F = define_kind(KindSpec(
     "F", Category.COMPUTE, "forward", completes=("F",), needs=(("F", _PREVIOUS),),
-    activation=(1.0, 0.0), cost="f", torch_action="F", color="#4C72B0"))
+    activation=(1.0, 0.0), cost="f", torch_action="F", color="#4C72B0", handler="forward"))
 NodeKind.B = define_kind(KindSpec(
     "B", Category.COMPUTE, "input grad", completes=("B",), needs=(("F", 0), ("B", _NEXT)),
-    activation=(-1.0, 1.0), cost="b", torch_action="I", color="#55A868"))
+    activation=(-1.0, 1.0), cost="b", torch_action="I", color="#55A868", handler="backward_input"))
 NodeKind.W = define_kind(KindSpec(
     "W", Category.COMPUTE, "weight grad", completes=("W",), needs=(("B", 0),),
-    activation=(0.0, -1.0), cost="w", torch_action="W", color="#DD8452"))
+    activation=(0.0, -1.0), cost="w", torch_action="W", color="#DD8452", handler="backward_weight"))
 NodeKind.BW = define_kind(KindSpec(
     "BW", Category.COMPUTE, "fused backward", completes=("B", "W"), needs=(("F", 0), ("B", _NEXT)),
-    activation=(-1.0, 0.0), cost="bw", torch_action="B", color="#8172B3"))
+    activation=(-1.0, 0.0), cost="bw", torch_action="B", color="#8172B3", handler="backward"))
 NodeKind.FB = define_kind(KindSpec(
     "FB", Category.COMPUTE, "forward + backward", parts=("F", "B"), torch_action="OVERLAP_F_B",
     color="#C44E52"))

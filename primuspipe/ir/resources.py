@@ -33,7 +33,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
-from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
 
 MAX_ACTIVE_STAGES = 3
@@ -92,7 +91,7 @@ def resource_plan(table: ScheduleTable, rank: int, max_active: int = MAX_ACTIVE_
             before[i] = tuple(actions)
         reduced = []
         for kind, _, chunk in row[i].parts():
-            if NodeKind.W in kind.completes:
+            if kind.is_weight_grad:
                 stage = placement.stage(rank, chunk)
                 weight_grads[stage] += 1
                 if weight_grads[stage] == table.microbatches:

@@ -8,8 +8,9 @@ torch.distributed.pipelining CSV format lives in :mod:`primuspipe.io.formats`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field
 from functools import cached_property
 
 from primuspipe import strict
@@ -20,7 +21,7 @@ from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 
 FORMAT_VERSION = 1
-_JSON_KEYS = {"format", "version", "algorithm", "pp", "vpp", "microbatches", "placement", "ranks"}
+_JSON_KEYS = {"format", "version", "algorithm", "pp", "vpp", "microbatches", "placement", "ranks", "construction"}
 
 MAX_NODES = 4_000_000
 """The largest table primuspipe builds, reads or checks: about a minute of work for each of building,
@@ -39,12 +40,63 @@ def check_shape(pp: int, vpp: int, microbatches: int) -> None:
 
 
 @dataclass(frozen=True)
+class Construction:
+    """Which of an algorithm's candidate constructions a table is, and what the simulator made of it
+    under the costs the algorithm planned with (:mod:`primuspipe.algorithms.competition`)."""
+
+    name: str
+    """The construction chosen: the paper's (e.g. ``the paper's ZB-H1 pattern``) when the chosen table
+    is exactly it, else the candidate that won (e.g. a greedy fill's policy)."""
+    step_time: float
+    """Its simulated step time, in the planning cost model's unit."""
+    candidates: int
+    """How many distinct candidate tables competed."""
+    paper: str | None = None
+    """The construction of the algorithm's paper, when it has one the code writes out."""
+    paper_step_time: float | None = None
+    """The paper's construction's simulated step time (None: it does not run at this shape)."""
+
+    def __post_init__(self) -> None:
+        times = [self.step_time] + ([] if self.paper_step_time is None else [self.paper_step_time])
+        if not all(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 for t in times) or self.candidates < 1:
+            raise TableFormatError(f"a construction needs finite step times >= 0 and a candidate count >= 1, got {self}")
+
+    def __str__(self) -> str:
+        """One line for people: what was chosen, at what simulated step, against what."""
+        line = f"{self.name}, simulated step {self.step_time:g} (best of {self.candidates} " \
+               f"candidate{'s' if self.candidates > 1 else ''})"
+        if self.paper is not None and self.paper != self.name:
+            paper = "does not run at this shape" if self.paper_step_time is None else f"{self.paper_step_time:g}"
+            line += f"; {self.paper}: {paper}"
+        return line
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object, source: str) -> Construction:
+        where = f"{source}: construction"
+        data = strict.keys(data, where, {"name", "step_time", "candidates", "paper", "paper_step_time"},
+                           required={"name", "step_time", "candidates"}, error=TableFormatError)
+        paper, paper_time = data.get("paper"), data.get("paper_step_time")
+        return cls(strict.text(data["name"], f"{where}.name", error=TableFormatError),
+                   strict.number(data["step_time"], f"{where}.step_time", minimum=0, error=TableFormatError),
+                   strict.count(data["candidates"], f"{where}.candidates", minimum=1, error=TableFormatError),
+                   None if paper is None else strict.text(paper, f"{where}.paper", error=TableFormatError),
+                   None if paper_time is None else strict.number(paper_time, f"{where}.paper_step_time", minimum=0,
+                                                                 error=TableFormatError))
+
+
+@dataclass(frozen=True)
 class ScheduleTable:
     placement: Placement
     microbatches: int
     ranks: tuple[tuple[ScheduleNode, ...], ...]
     algorithm: str = field(default="custom")
     """Name of the algorithm that built the table; informational only."""
+    construction: Construction | None = field(default=None, compare=False)
+    """For an algorithm that chooses among constructions, which one this is and its simulated step
+    (informational: not part of the table's identity, kept by the passes)."""
     known_wiring: InitVar[Wiring | None] = None
     """The rows' :attr:`wiring` where the caller already has it (a pass that knows how its rows moved,
     :meth:`Wiring.with_rows`); None derives it on first use. Not part of the table's value."""
@@ -94,13 +146,20 @@ class ScheduleTable:
         """True if the table has SEND/RECV nodes (derived once: passes ask for every node)."""
         return any(not n.kind.is_compute for row in self.ranks for n in row)
 
+    @cached_property
+    def splits_backward(self) -> bool:
+        """True if some node runs half of a backward, its input grad or its weight grad alone (``B``,
+        ``W``, or an overlapped node with such a part): the backends then keep weight grads deferred."""
+        return any(k.is_input_grad != k.is_weight_grad for row in self.ranks for n in row for k, _, _ in n.parts())
+
     def compute_only(self) -> ScheduleTable:
         return self.with_ranks(tuple(n for n in row if n.kind.is_compute) for row in self.ranks)
 
     def with_ranks(self, ranks: Iterable[Iterable[ScheduleNode]], wiring: Wiring | None = None) -> ScheduleTable:
         """This table's shape with other rows; ``wiring``, when the caller already knows the new rows'
         (see :meth:`Wiring.with_rows`), saves deriving it again."""
-        return ScheduleTable(self.placement, self.microbatches, tuple(tuple(r) for r in ranks), self.algorithm, wiring)
+        return ScheduleTable(self.placement, self.microbatches, tuple(tuple(r) for r in ranks), self.algorithm,
+                             self.construction, wiring)
 
     @cached_property
     def transfers(self) -> tuple[tuple[Transfer | None, ...], ...]:
@@ -133,6 +192,7 @@ class ScheduleTable:
             "microbatches": self.microbatches,
             "placement": self.placement.to_dict(),
             "ranks": [[str(n) for n in row] for row in self.ranks],
+            **({} if self.construction is None else {"construction": self.construction.to_dict()}),
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -159,8 +219,9 @@ class ScheduleTable:
         if len(rows) != placement.pp:
             raise TableFormatError(f"{source}: ranks has {len(rows)} rows but the placement has pp={placement.pp}")
         algorithm = strict.text(data.get("algorithm", "custom"), f"{source}: algorithm", error=TableFormatError)
-        return cls.build(placement, m, [[_parse_node(t, source, r, i) for i, t in enumerate(row)]
-                                        for r, row in enumerate(rows)], algorithm)
+        construction = None if data.get("construction") is None else Construction.from_dict(data["construction"], source)
+        return cls(placement, m, tuple(tuple(_parse_node(t, source, r, i) for i, t in enumerate(row))
+                                       for r, row in enumerate(rows)), algorithm, construction)
 
     @classmethod
     def from_json(cls, text: str, source: str = "schedule JSON") -> ScheduleTable:

@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections import deque
 
 from primuspipe.errors import ValidationError
-from primuspipe.ir.node import NodeKind
 from primuspipe.ir.table import ScheduleTable
 
 RULE = "fifo-weight-grads"
@@ -40,9 +39,9 @@ def check_fifo_weight_grads(table: ScheduleTable) -> None:
         for index, node in enumerate(row):
             for kind, mb, chunk in node.parts():
                 queue = queues.setdefault(chunk, deque())
-                if kind in (NodeKind.B, NodeKind.BW):
+                if kind.is_input_grad:
                     queue.append(mb)
-                if kind not in (NodeKind.W, NodeKind.BW):
+                if not kind.is_weight_grad:
                     continue
                 head = queue.popleft() if queue else None
                 if head != mb:

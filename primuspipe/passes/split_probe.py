@@ -20,7 +20,7 @@ Takes and returns a compute-only table (add communication afterwards), like the 
 from __future__ import annotations
 
 from primuspipe.errors import ConfigError, TableFormatError
-from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.kinds import NodeKind, step_kind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import ScheduleTable
 
@@ -48,10 +48,12 @@ def split_backward_probe(table: ScheduleTable, count: int = 1) -> ScheduleTable:
                 out.append(waiting)                                  # weight gradients first
                 waiting = None
             split = node.kind is NodeKind.BW and node.microbatch in probed
-            out.append(ScheduleNode(NodeKind.B, node.microbatch, node.chunk) if split else node)
+            backward, weight_grad = (ScheduleNode(step_kind(step), node.microbatch, node.chunk)
+                                     for step in node.kind.completes) if split else (node, None)
+            out.append(backward)
             if waiting is not None:
                 out.append(waiting)
-            waiting = ScheduleNode(NodeKind.W, node.microbatch, node.chunk) if split else None
+            waiting = weight_grad
         return out if waiting is None else [*out, waiting]
 
     return table.with_ranks(map(row_with_probes, table.ranks))

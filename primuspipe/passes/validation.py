@@ -136,7 +136,10 @@ def _check_peer(table: ScheduleTable, placement, rank: int, i: int, node) -> Non
 def check_offload(table: ScheduleTable) -> None:
     """Per rank and (chunk, microbatch): at most one OFFLOAD and one RELOAD, both or neither; the
     OFFLOAD after the F and before the backward, the RELOAD after the OFFLOAD and before the backward
-    (B or BW), which needs the activations back on the device (docs/offload.md)."""
+    (B or BW), which needs the activations back on the device (docs/offload.md). The kinds come from
+    their table entries: the copies by their effect on held activations (out, back), the forward as
+    the kind that takes them and the backwards as the kinds that release them."""
+    out, back, forward, backward = _offload_roles()
     for rank, row in enumerate(table.ranks):
         where: dict[tuple[NodeKind, int, int], list[int]] = defaultdict(list)
         for i, node in enumerate(row):
@@ -144,11 +147,11 @@ def check_offload(table: ScheduleTable) -> None:
                 where[(kind, chunk, mb)].append(i)
         copied = {(c, mb) for k, c, mb in where if k.on_host_stream}
         for chunk, mb in sorted(copied):
-            offloads, reloads = where.get((NodeKind.OFFLOAD, chunk, mb), []), where.get((NodeKind.RELOAD, chunk, mb), [])
-            forwards = where.get((NodeKind.F, chunk, mb), [])
-            backwards = sorted(where.get((NodeKind.B, chunk, mb), []) + where.get((NodeKind.BW, chunk, mb), []))
+            offloads, reloads = where.get((out, chunk, mb), []), where.get((back, chunk, mb), [])
+            forwards = where.get((forward, chunk, mb), [])
+            backwards = sorted(i for kind in backward for i in where.get((kind, chunk, mb), []))
             name = f"{mb}.{chunk}"
-            for kind, seen in ((NodeKind.OFFLOAD, offloads), (NodeKind.RELOAD, reloads)):
+            for kind, seen in ((out, offloads), (back, reloads)):
                 if len(seen) > 1:
                     _fail(table, "offload", f"{_at(table, rank, seen[1])} is the second {kind} of microbatch {mb} on "
                           f"chunk {chunk} (the first is node {seen[0]})", [(rank, i) for i in seen],
@@ -176,6 +179,14 @@ def check_offload(table: ScheduleTable) -> None:
                 _fail(table, "offload", f"{_at(table, rank, reload)} comes after its consumer "
                       f"{_at(table, rank, backwards[0])}, which needs the activations back on the device",
                       [(rank, backwards[0]), (rank, reload)], f"move RELOAD{name} before node {backwards[0]}")
+
+
+def _offload_roles() -> tuple[NodeKind, NodeKind, NodeKind, tuple[NodeKind, ...]]:
+    """The kinds :func:`check_offload` relates: (OFFLOAD, RELOAD, F, (B, BW))."""
+    kinds = [k for k in compute_kinds() if not k.spec.parts]
+    (offload,), (reload,) = ([k for k in kinds if sign * k.spec.offload > 0] for sign in (-1, 1))
+    (forward,) = [k for k in kinds if k.spec.activation[0] > 0]
+    return offload, reload, forward, tuple(k for k in kinds if k.spec.activation[0] < 0)
 
 
 def check_completeness(table: ScheduleTable) -> None:

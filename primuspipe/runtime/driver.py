@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -29,7 +30,6 @@ from typing import Any
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import TableMismatchError
 from primuspipe import strict
-from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.io.timeline import dump_path
 from primuspipe.passes.forward_only import forward_only_view
@@ -50,14 +50,16 @@ def last_backwards(table: ScheduleTable, rank: int) -> Mapping[int, int]:
     last: dict[int, int] = {}
     for node in table.ranks[rank]:
         for kind, mb, chunk in node.parts():
-            if NodeKind.W in kind.completes:
+            if kind.is_weight_grad:
                 last[chunk] = mb
     return MappingProxyType(last)
 
 
 def table_digest(table: ScheduleTable) -> str:
-    """sha256 of the table's JSON form: its algorithm, shape, placement and every rank's nodes."""
-    return hashlib.sha256(table.to_json(indent=None).encode()).hexdigest()
+    """sha256 of the table's JSON form: its algorithm, shape, placement and every rank's nodes (not its
+    informational construction record, which a table read from an older file lacks)."""
+    identity = {k: v for k, v in table.to_dict().items() if k != "construction"}
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
 
 
 def check_same_table(table: ScheduleTable, rank: int, group: Any) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.node import ScheduleNode
 
 
@@ -43,6 +43,14 @@ Handler = Callable[[ComputeCall], Any]
 """Runs one node; returns what it hands to the neighbouring stage (``F``: activation, ``B``/``BW``:
 input gradient; ignored where there is no consumer), or, for a paired node, a tuple with one
 result per part."""
+
+
+def named_handlers(binder: object) -> dict[NodeKind, Handler]:
+    """Kind -> the binder's method that the kind table names for it (:attr:`KindSpec.handler
+    <primuspipe.ir.kinds.KindSpec.handler>`), for every kind whose method the binder has: a binder
+    writes ``forward``, ``backward_input``... and its map follows the table."""
+    return {kind: getattr(binder, kind.spec.handler) for kind in compute_kinds()
+            if kind.spec.handler is not None and callable(getattr(binder, kind.spec.handler, None))}
 
 
 class Binder(Protocol):

@@ -17,7 +17,7 @@ from types import MappingProxyType
 import torch
 
 from primuspipe.ir.node import NodeKind, ScheduleNode
-from primuspipe.runtime.protocols import ComputeCall
+from primuspipe.runtime.protocols import ComputeCall, named_handlers
 
 
 class ModuleBinder:
@@ -40,7 +40,7 @@ class ModuleBinder:
         self.losses: dict[int, torch.Tensor] = {}
         """Loss per microbatch (last stage only)."""
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self.handlers = MappingProxyType({NodeKind.F: self.forward, NodeKind.BW: self.backward})
+        self.handlers = MappingProxyType(named_handlers(self))
 
     def forward(self, call: ComputeCall) -> torch.Tensor:
         x = self.inputs[call.microbatch] if call.stage == 0 else call.received

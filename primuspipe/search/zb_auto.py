@@ -27,7 +27,8 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from primuspipe.algorithms.list_scheduler import FillPolicy, Filled, fill_all, shortlist
+from primuspipe.algorithms.competition import Filled, fill_all, shortlist
+from primuspipe.algorithms.list_scheduler import FillPolicy
 from primuspipe.algorithms.registry import ScheduleRequest, list_algorithms, register
 from primuspipe.algorithms.vshape import vshape_candidates, zbv_handcrafted
 from primuspipe.errors import ConfigError, ScheduleShapeError

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.dataflow import Step, reaches, step_needs
+from primuspipe.ir.kinds import split_kinds
 from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
@@ -37,8 +38,8 @@ logger = logging.getLogger(__name__)
 Key = Step
 """A node of the model: its kind, stage and microbatch (one node completes one step)."""
 
-_KINDS = (NodeKind.F, NodeKind.B, NodeKind.W)
-"""The kinds the model orders: a split backward."""
+_KINDS = split_kinds()
+"""The kinds the model orders: a split backward (``F``, ``B``, ``W``)."""
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,7 @@ def table_starts(table: ScheduleTable, starts_by_rank: list[list[float]]) -> dic
     for rank, row in enumerate(table.ranks):
         compute = [(n, s) for n, s in zip(row, starts_by_rank[rank]) if n.kind.is_compute]
         for node, start in compute:
-            if node.kind not in (NodeKind.F, NodeKind.B, NodeKind.W):
+            if node.kind not in _KINDS:
                 return None
             out[Step(node.kind, table.placement.stage(rank, node.chunk), node.microbatch)] = start
     for rank_nodes in _by_kind_stage(out).values():

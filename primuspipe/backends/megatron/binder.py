@@ -40,7 +40,7 @@ import torch
 from primuspipe.backends.megatron.wgrad_store import WeightGradStore
 from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.runtime.activation_offload import ActivationOffload
-from primuspipe.runtime.protocols import ComputeCall
+from primuspipe.runtime.protocols import ComputeCall, named_handlers
 
 
 @dataclass(frozen=True)
@@ -193,8 +193,7 @@ class MegatronBinder:
         self._saved: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.wgrad = WeightGradStore(args.models)
         self.offload = offload
-        handlers = {NodeKind.F: self.forward, NodeKind.BW: self.backward, NodeKind.B: self.backward_input,
-                    NodeKind.W: self.backward_weight}
+        handlers = named_handlers(self)
         if offload is not None:  # OFFLOAD / RELOAD: the forward's saved activations to host and back
             handlers.update({NodeKind.OFFLOAD: lambda call: offload.offload(call.chunk, call.microbatch),
                              NodeKind.RELOAD: lambda call: offload.reload(call.chunk, call.microbatch)})

@@ -60,7 +60,7 @@ def check_megatron_config(config: Any, table: ScheduleTable, models: Sequence[An
         raise ConfigError(f"the model has {len(models)} chunk(s) per rank but the {table.algorithm} table has vpp={table.vpp}")
     _check_placement(table, models, rank)
     _check_multi_token_prediction(table, config, models)
-    split = any(n.kind in (NodeKind.W, NodeKind.B, NodeKind.FB) for _, _, n in table.positions())
+    split = table.splits_backward
     _check_te_deferral(table, config, models, split)
     if split:
         _check_split_backward(table, config, models)
@@ -147,7 +147,7 @@ def _check_multi_token_prediction(table: ScheduleTable, config: Any, models: Seq
             "embedding copy would sit on rank 0 beside the word embedding, and Megatron keeps the two equal through "
             "its embedding group (first and last pipeline rank), which the V does not route; use a table with "
             "Megatron's placement (1f1b, interleaved-1f1b, zb-h1, zb-h2) or unset mtp_num_layers")
-    split = any(n.kind in (NodeKind.W, NodeKind.B, NodeKind.FB) for _, _, n in table.positions())
+    split = table.splits_backward
     tied = any(getattr(_unwrap(m), "share_embeddings_and_output_weights", False) for m in models)
     if split and tied and getattr(config, "gradient_accumulation_fusion", False):
         raise ConfigError(

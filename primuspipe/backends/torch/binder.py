@@ -34,7 +34,7 @@ from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.resources import Resource, ResourceAction, resource_plan
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.runtime.driver import last_backwards
-from primuspipe.runtime.protocols import ComputeCall
+from primuspipe.runtime.protocols import ComputeCall, named_handlers
 
 Key = tuple[int, int]
 """``(chunk, microbatch)``."""
@@ -79,8 +79,7 @@ class TorchBinder:
         self._before = {row[i].parts()[0]: actions for i, actions in plan.before.items()}
         self._after = {row[i].parts()[-1]: actions for i, actions in plan.after.items()}
         self._at_end = plan.at_end
-        handlers = {NodeKind.F: self.forward, NodeKind.B: self.backward_input, NodeKind.W: self.backward_weight,
-                    NodeKind.BW: self.backward}
+        handlers = named_handlers(self)
         if offload is not None:
             handlers.update({NodeKind.OFFLOAD: lambda call: offload.offload(call.chunk, call.microbatch),
                              NodeKind.RELOAD: lambda call: offload.reload(call.chunk, call.microbatch)})

@@ -27,7 +27,6 @@ from primuspipe.backends.torch.meta import StageMeta, infer_stage_meta
 from primuspipe.runtime.activation_offload import ActivationOffload, SavedBytes
 from primuspipe.errors import ConfigError
 from primuspipe import strict
-from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication
 from primuspipe.passes.validation import validate
@@ -78,7 +77,7 @@ class TorchPipeline:
                               f"({table.placement.name} placement), but was given modules for {sorted(stages)}")
         self.modules = [stages[s] for s in mine]
         """This rank's modules by chunk (``modules[c]`` is stage ``table.placement.stage(rank, c)``)."""
-        data_parallel.check_wrappers(self.modules, any(n.kind is NodeKind.W for n in self.table.ranks[self.rank]))
+        data_parallel.check_wrappers(self.modules, any(k.is_weight_grad and not k.is_input_grad for n in self.table.ranks[self.rank] for k, _, _ in n.parts()))
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
         self.device = torch.device(device) if device is not None else _device_of(self.modules)

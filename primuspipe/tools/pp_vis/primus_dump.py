@@ -28,7 +28,7 @@ from typing import Any
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import TableFormatError
 from primuspipe import strict
-from primuspipe.ir.kinds import NodeKind, overlapped_kind
+from primuspipe.ir.kinds import NodeKind, overlapped_kind, split_kinds
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.io.timeline import RankTimeline, TimedNode, Timeline
@@ -108,8 +108,9 @@ class _PrimusDump:
         record = self._record(rank, iteration)
         where = f"{self._file(rank)} iteration {iteration}"
         series = {name: self._series(record, name, rank, where) for name in SERIES}
-        backward = NodeKind.B if series["wgrad"] else NodeKind.BW
-        kinds = {"fwd": NodeKind.F, "bwd": backward, "wgrad": NodeKind.W}
+        kinds = dict(zip(("fwd", "bwd", "wgrad"), split_kinds()))  # a split backward's three series, in order
+        if not series["wgrad"]:
+            kinds["bwd"] = NodeKind.BW
         timed = {name: [(start, end, kinds[name], mb, chunk) for start, end, mb, chunk in events]
                  for name, events in series.items()}
         weights = [TimedNode(ScheduleNode(kind, mb, chunk), start, end) for start, end, kind, mb, chunk in timed["wgrad"]]
