@@ -50,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, required=True,
                    help="pipeline-parallel size")
-    p.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int, default=None,
+    p.add_argument("--vpp", "--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size", dest="vpp",
+                   type=int, default=None,
                    help="model chunks per rank (default: the algorithm's)")
     p.add_argument("--microbatches", type=int, required=True, help="microbatches per step and data-parallel rank")
     p.add_argument("--pp-algorithm", default=None, help="primuspipe algorithm (default: config, else auto)")
@@ -102,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="multi-token-prediction layers, built with the last stage")
     m.add_argument("--bf16", action="store_true",
                    help="bfloat16 parameters (Megatron's Float16Module) and pipeline transfers, fp32 gradient "
-                        "reduction; GPU only")
+                        "reduction (CPU and GPU)")
     m.add_argument("--calculate-per-token-loss", action="store_true")
     m.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
     par = p.add_argument_group("parallelism (Megatron-LM's flags)")
@@ -316,9 +317,6 @@ def main(argv=None) -> None:
             print(f"train_gpt: {line}", file=sys.stderr, flush=True)
 
     model, overrides = model_and_overrides(args, table, say)
-    if args.bf16 and not torch.cuda.is_available():
-        raise SystemExit("--bf16 runs on GPU only: on CPU (gloo) a bf16 run of this example aborts in its first step "
-                         "(SIGABRT, megatron-core 0.19.2, torch 2.13); drop --bf16 on CPU")
     device = init_distributed(args, table.vpp)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -371,4 +369,9 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from primuspipe.errors import PrimusPipeError
+
+    try:
+        main()
+    except PrimusPipeError as exc:  # a refused setting: its one line, no traceback
+        raise SystemExit(f"train_gpt: {exc}") from None

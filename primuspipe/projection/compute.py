@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
+from primuspipe.projection.host import layer_host
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import RankShape, TrainingSpec
@@ -300,6 +301,10 @@ class PartTimes:
     """Of each pass, the seconds of GEMMs (what TP communication can hide under)."""
     attention: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Of each pass, the seconds of the attention kernels (what ring attention hides its transfers under)."""
+    host: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Of each pass, the host's seconds issuing it (:mod:`~primuspipe.projection.host`; 0 where not modelled)."""
+    host_syncs: bool = False
+    """The forward waits for the GPU once (a device-to-host copy of token counts)."""
 
 
 @dataclass(frozen=True)
@@ -327,20 +332,23 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
 
     length = work.model.seq_length / work.training.cp  # queries per attention kernel (per ring step under CP)
 
-    def timed(pw: PassWork, part: str) -> PartTimes:
+    def timed(pw: PassWork, part: str, fp8: bool | None = None) -> PartTimes:
         factors = [calibration.factor(part, name) for name in PASSES]
         seconds = [w.seconds(hardware, precision, length) * f for w, f in zip(pw.passes(), factors)]
         recompute = pw.recompute.seconds(hardware, precision, length) * calibration.factor(part, "forward")
         gemm = tuple(w.gemm_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
         attention = tuple(w.attention_seconds(hardware, precision, length) * f for w, f in zip(pw.passes(), factors))
-        return PartTimes(*seconds, recompute, gemm, attention)
+        if part not in ("dense", "moe") or hardware.host_op_seconds is None:
+            return PartTimes(*seconds, recompute, gemm, attention)
+        host = layer_host(work.model, work.training, part, fp8)
+        return PartTimes(*seconds, recompute, gemm, attention, host.seconds(hardware), host.syncs)
 
     times = {part: timed(work.part(part), part) for part in parts}
     bf16 = work.training.bf16_layers(work.model.num_layers)
     if bf16:
         plain = WorkModel(work.model, work.training.without_fp8())
         for kind in {work.model.layer_kinds[i] for i in bf16}:
-            times[layer_part(kind, True)] = timed(plain.layer(kind), kind)
+            times[layer_part(kind, True)] = timed(plain.layer(kind), kind, fp8=False)
     return times
 
 

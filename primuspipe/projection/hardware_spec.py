@@ -73,13 +73,18 @@ class HardwareSpec:
     runtime_reserved_bytes: float = 0.0
     """HBM no tensor can use: the CUDA/HIP context, the caching allocator's fragmentation reserve, NCCL/RCCL
     communicator buffers, GEMM workspaces (added to every rank's peak)."""
+    host_op_seconds: float | None = None
+    """Host (CPU) time to issue one framework op from Python through PyTorch (:mod:`~primuspipe.projection.host`);
+    None: host time is not modelled (the GPU is never waiting for the host)."""
+    host_launch_seconds: float | None = None
+    """Host time of one kernel launch issued from C++ (a grouped GEMM's per-expert GEMMs); None: 0."""
     source: str = "<built-in>"
     """Where the values came from; named in error messages."""
 
     def __post_init__(self) -> None:
         for name in ("peak_bf16_tflops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
                      "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node",
-                     "peak_fp8_tflops", "compute_units"):
+                     "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
         rates = self.attention_length_rates or ()

@@ -36,6 +36,8 @@ ALIASES = {
     "num_layers_in_first_pipeline_stage": ("training", "decoder_first_pipeline_num_layers", None),
     "num_layers_in_last_pipeline_stage": ("training", "decoder_last_pipeline_num_layers", None),
     "fp8_param": ("training", "fp8_param_gather", None),
+    "enable_cuda_graph": ("training", "cuda_graph_impl", "local"),
+    "external_cuda_graph": ("training", "cuda_graph_impl", "transformer_engine"),
 }
 """Megatron arguments whose name is not the field they set: ``flag -> (spec, field, value)``; value None:
 the argument's own value."""

@@ -18,6 +18,7 @@ from primuspipe.projection.comm import layer_comm, p2p_message_bytes, pipeline_r
 from primuspipe.projection.compute import PartTimes, layer_part
 from primuspipe.projection.framework import ComputeCosts, CostModel, Link, MemoryCost, P2PCost, Placement
 from primuspipe.projection.hardware_spec import HardwareSpec
+from primuspipe.projection.host import host_bound
 from primuspipe.projection.layout import StageLayout
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import ParamCount, rank_params
@@ -89,12 +90,20 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
             for i, wait in enumerate((f_wait, b_wait + (f_wait if full else 0.0), w_wait)):
                 waits[i] += wait
         communication = [c + w for c, w in zip(communication, waits)]
-        f = sum(parts[k].forward for k in kinds)
-        b = sum(parts[k].backward_input + (parts[k].forward if full else parts[k].recompute) for k, full in zip(kinds, again))
-        w = sum(parts[k].backward_weight for k in kinds)
-        forward.append(f + waits[0] + sum(x.forward for x in extras))
-        backward_input.append(b + waits[1] + sum(x.backward_input for x in extras))
-        backward_weight.append(w + waits[2] + sum(x.backward_weight for x in extras))
+        f = b = w = 0.0
+        for k, full in zip(kinds, again):
+            p, (f_wait, b_wait, w_wait) = parts[k], exposed[k]
+            device = (p.forward + f_wait, p.backward_input + (p.forward + f_wait if full else p.recompute) + b_wait,
+                      p.backward_weight + w_wait)
+            host = (p.host[0], p.host[1] + (p.host[0] if full else 0.0), p.host[2])
+            lf, lb, lw = host_bound(device, host, p.host_syncs)
+            f, b, w = f + lf, b + lb, w + lw
+        for k in mtp:
+            f_wait, b_wait, w_wait = exposed[k]
+            f, b, w = f + f_wait, b + b_wait, w + w_wait
+        forward.append(f + sum(x.forward for x in extras))
+        backward_input.append(b + sum(x.backward_input for x in extras))
+        backward_weight.append(w + sum(x.backward_weight for x in extras))
         stage_bytes = (sum(activations.layer_bytes(layers)) + (activations.embedding() if stage == 0 else 0.0)
                        + (activations.head() + activations.mtp() * (training.mtp_num_layers or 0) if stage == last else 0.0))
         held.append(stage_bytes)

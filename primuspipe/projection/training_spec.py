@@ -137,6 +137,17 @@ class TrainingSpec:
     """The busiest expert group's tokens over the mean (>= 1): expert GEMMs and the all-to-all take that much
     longer on the rank that holds it. None: 1 (uniform routing; no public figure for trained routers is
     shipped, so set it from your own router statistics)."""
+    moe_expert_capacity_factor: float | None = None
+    """Token drop: each expert takes at most this many times its share of the token copies (None: dropless)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity factor: every expert computes its full capacity (padded), so sizes are known in advance
+    and the dispatcher never waits for token counts on the host."""
+    cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] = "none"
+    """Megatron's CUDA graphs (``--enable-cuda-graph`` is ``local``, ``--external-cuda-graph``
+    ``transformer_engine``): captured regions replay with one launch, which removes their host time."""
+    cuda_graph_modules: tuple[str, ...] = ()
+    """Regions of each layer captured (``attn``, ``mlp``, ``moe``, ``moe_router``, ``moe_preprocess``); empty:
+    the whole layer, as Megatron reads it."""
     mtp_num_layers: int | None = None
     """DeepSeek-V3's multi-token prediction: this many extra layers (each with its own projection and the
     shared output head) on the last pipeline stage."""
@@ -251,10 +262,14 @@ class TrainingSpec:
 
     @property
     def load_imbalance(self) -> float:
-        """Busiest expert group's load over the mean."""
-        if self.moe_router_force_load_balancing or self.moe_expert_load_imbalance is None:
-            return 1.0
-        return self.moe_expert_load_imbalance
+        """Busiest expert group's load over the mean; under token drop the capacity caps it, and padding to
+        capacity makes every expert compute all of it."""
+        load = (1.0 if self.moe_router_force_load_balancing or self.moe_expert_load_imbalance is None
+                else self.moe_expert_load_imbalance)
+        if self.moe_expert_capacity_factor is None:
+            return load
+        return self.moe_expert_capacity_factor if self.moe_pad_expert_input_to_capacity else min(
+            load, self.moe_expert_capacity_factor)
 
     @property
     def flash_attention(self) -> bool:
@@ -318,6 +333,18 @@ class TrainingSpec:
         if self.moe_expert_load_imbalance is not None and self.moe_expert_load_imbalance < 1:
             self._fail(("moe_expert_load_imbalance",), "the busiest experts cannot carry less than the mean",
                        "give a factor >= 1 (1 = uniform routing)")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            self._fail(("moe_pad_expert_input_to_capacity", "moe_expert_capacity_factor"),
+                       "padding to capacity needs a capacity (Megatron's rule)",
+                       "set moe_expert_capacity_factor (e.g. 1.0) or remove moe_pad_expert_input_to_capacity")
+        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
+            self._fail(("moe_expert_capacity_factor",), "a capacity factor must be positive", "give e.g. 1.0, or leave it out")
+        if unknown := set(self.cuda_graph_modules) - {"attn", "mlp", "moe", "moe_router", "moe_preprocess"}:
+            self._fail(("cuda_graph_modules",), f"{sorted(unknown)} are not regions of a transformer layer",
+                       "use some of attn, mlp, moe, moe_router, moe_preprocess (empty: the whole layer)")
+        if "moe_preprocess" in self.cuda_graph_modules and "moe_router" not in self.cuda_graph_modules:
+            self._fail(("cuda_graph_modules",), "moe_preprocess is captured only together with moe_router (Megatron's rule)",
+                       "add moe_router")
         if self.num_layers_at_start_in_bf16 < 0 or self.num_layers_at_end_in_bf16 < 0:
             self._fail(("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"), "a layer count cannot be negative",
                        "give 0 or more layers")

@@ -10,9 +10,7 @@ interleaved placement, so the float sum is grouped differently and the clip fact
 bit. Measured for zbv here: the third step's loss sums by 9.5e-7 (of ~45) and parameters by 5.2e-6
 (Adam, lr 0.01); without clipping the V is bitwise equal (test_distributed_optimizer.py).
 
-``pretrain()`` itself does not run on CPU in megatron-core 0.19.2 (``initialize_megatron`` asserts
-``torch.cuda.is_available()`` and sets devices and streams; docs/megatron.md, "Coming from Megatron-LM");
-``train_step`` is the part of its loop that calls the schedule.
+``pretrain()`` as a whole, around this step, is tested in test_pretrain_cpu.py.
 """
 
 import dataclasses

@@ -149,6 +149,14 @@ def test_v_min_pp4_uneven_first_last_trains_equal_to_the_pp1_reference():
     assert_same_tensors(compare.merge_ranks(params for _, params in runs), want_params, "params", bitwise=True)
 
 
+def _stage_queries() -> list[tuple[bool, bool]]:
+    """Megatron's per-chunk stage queries, as a Megatron-LM script's ``get_batch`` asks them."""
+    from megatron.core import parallel_state
+
+    return [(parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=c),
+             parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=c)) for c in (0, 1)]
+
+
 def _through_get_model(ctx) -> dict:
     """install(zbv), then megatron.training's own get_model (DDP, distributed optimizer) on the tiny model's
     plain provider, then three train_step calls; beside it the same model built by compare.build."""
@@ -166,9 +174,11 @@ def _through_get_model(ctx) -> dict:
     try:
         config = tiny_models.transformer_config(GPT, 2, 2, placement="v")
         model = training.get_model(tiny_models.model_provider(GPT, config))
+        queries = _stage_queries()
     finally:
         uninstall()
     out = {"pp_rank": ctx.pp_rank, "flags": [(m.module.pre_process, m.module.post_process) for m in model],
+           "queries": queries, "queries_after_uninstall": _stage_queries(),
            "layers": [[layer.layer_number - 1 for layer in m.module.decoder.layers] for m in model]}
     for m in model:
         tiny_models.fill_parameters(m.module, spec.seed)
@@ -196,7 +206,8 @@ def _through_get_model(ctx) -> dict:
 @pytest.mark.slow
 def test_install_builds_v_chunks_through_megatrons_get_model():
     """The user's provider is called by megatron.training's get_model as in Megatron-LM; install() alone
-    makes the chunks the V's (flags, layers), and three DDP + distributed-optimizer steps equal the
+    makes the chunks the V's (flags, layers) and Megatron's per-chunk stage queries answer for the V
+    (until uninstall), and three DDP + distributed-optimizer steps equal the
     primuspipe-built V bitwise."""
     from primuspipe.ir.placement import Placement
 
@@ -206,5 +217,8 @@ def test_install_builds_v_chunks_through_megatrons_get_model():
         stages = [placement.stage(r["pp_rank"], chunk) for chunk in (0, 1)]
         assert r["layers"] == [want[s] for s in stages]
         assert r["flags"] == [(s == 0, s == 3) for s in stages]
+        assert r["queries"] == r["flags"], "the script's data pipeline feeds the V's first and last stage"
+        assert r["queries_after_uninstall"] == [(r["pp_rank"] == 0 and c == 0, r["pp_rank"] == 1 and c == 1)
+                                                 for c in (0, 1)], "Megatron's own answers back"
         assert r["losses"] == r["reference"]
     assert any(r["losses"][0] for r in results), "the loss rank reports"

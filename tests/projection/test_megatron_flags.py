@@ -33,8 +33,17 @@ def test_the_shipped_flag_list_is_megatrons():
 
 def test_typos_and_unmodelled_arguments_are_refused_together():
     with pytest.raises(ConfigError, match=r"run.sh: --pipeline-model-paralel-size is not a Megatron argument "
-                                          r"\(did you mean --pipeline-model-parallel-size\?\); --cuda-graph-impl changes"):
-        read_arguments(MODEL_ARGS + "--pipeline-model-paralel-size 4 --cuda-graph-impl local", "run.sh")
+                                          r"\(did you mean --pipeline-model-parallel-size\?\); --cpu-offloading changes"):
+        read_arguments(MODEL_ARGS + "--pipeline-model-paralel-size 4 --cpu-offloading", "run.sh")
+
+
+def test_cuda_graph_and_capacity_arguments_are_modelled():
+    t = read_arguments(MODEL_ARGS + "--cuda-graph-impl transformer_engine --cuda-graph-modules attn moe_router", "r").training
+    assert (t.cuda_graph_impl, t.cuda_graph_modules) == ("transformer_engine", ("attn", "moe_router"))
+    assert read_arguments(MODEL_ARGS + "--enable-cuda-graph", "r").training.cuda_graph_impl == "local"
+    assert read_arguments(MODEL_ARGS + "--external-cuda-graph", "r").training.cuda_graph_impl == "transformer_engine"
+    t = read_arguments(MODEL_ARGS + "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity", "r").training
+    assert (t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity) == (1.0, True)
 
 
 def test_settings_that_change_time_are_modelled_and_the_rest_set_aside():

@@ -22,7 +22,8 @@ reproduced here, per node rather than per warm-up/steady/cool-down phase, so it 
 * parameter sync with interleaving: ``param_sync_func`` for chunks 0 and 1 at the start, for chunk
   c >= 2 before its first forward;
 * ``deallocate_pipeline_outputs``: an activation is pseudo-freed as soon as its send is posted (the
-  transport keeps its data alive until the transfer is done);
+  transport keeps its data alive until the transfer is done) or it is handed to the next stage on the
+  same rank (the V's turn; Megatron's ``backward_step`` then insists on a pseudo-freed output);
 * loss dicts are kept per microbatch and returned in microbatch order, as Megatron's schedules return
   them for the built-in algorithms.
 """
@@ -253,7 +254,10 @@ class MegatronBinder:
                            requires_grad=node.kind is NodeKind.RECV_F)
 
     def local_handoff(self, tensor: torch.Tensor, carries: NodeKind) -> torch.Tensor:
-        return tensor.detach().requires_grad_(carries is NodeKind.F)
+        handed = tensor.detach().requires_grad_(carries is NodeKind.F)
+        if carries is NodeKind.F:  # as if sent: the next stage holds the data through ``handed``
+            self._schedules.deallocate_output_tensor(tensor, self.args.config.deallocate_pipeline_outputs)
+        return handed
 
     def sent(self, node: ScheduleNode, tensor: torch.Tensor) -> None:
         if node.kind is NodeKind.SEND_F:

@@ -79,9 +79,10 @@ Each shim below is a few lines, applies only after ``enable_cpu_mode()`` and onl
   ``megatron.training.training`` (``get_model``'s devices and streams) join the CUDA-call shim;
   ``get_model`` runs under :class:`_CudaIsCpu` (it moves each chunk with ``Module.cuda()``).
 
-What the model must do itself (see ``tiny_models``): ``use_cpu_initialization=True``, float32,
-fusions off, an explicit attention mask (the default causal mask is built on CUDA), and
-``clip_grad=0`` (grad-norm asserts CUDA).
+What the model must do itself (see ``tiny_models``): ``use_cpu_initialization=True``, fusions off,
+and an explicit attention mask (the default causal mask is built on CUDA; ``megatron.training.pretrain``
+on CPU, :mod:`primuspipe.testing.megatron.pretrain_cpu`, moves that one to CPU too). Gradient clipping
+and bf16 run (see above and docs/megatron-lm.md).
 """
 
 from __future__ import annotations

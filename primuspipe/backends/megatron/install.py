@@ -13,7 +13,9 @@ to schedule (pp > 1); with pp = 1 or multi-module process groups it returns Mega
 before ``install``, as Megatron-LM scripts do): for a V-shape table (zbv, v-half, v-min,
 dualpipe-v) it hands the user's unchanged ``model_provider`` to Megatron's ``get_model`` wrapped by
 :func:`~primuspipe.backends.megatron.v_placement.v_model_provider`, so the two chunks of each rank are the
-V's stages (layers, ``pre_process``/``post_process``, tied embeddings, checkpoint names).
+V's stages (layers, ``pre_process``/``post_process``, tied embeddings, checkpoint names), and Megatron's
+per-chunk stage queries answer for the V, so the script's data pipeline feeds the V's first and last
+stage (:func:`~primuspipe.backends.megatron.v_placement.answer_stage_queries_for_v`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Optional
 
 from primuspipe.backends.megatron.config import PrimusPipeConfig, load_config
 from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
-from primuspipe.backends.megatron.v_placement import v_model_provider
+from primuspipe.backends.megatron.v_placement import answer_stage_queries_for_v, restore_stage_queries, v_model_provider
 from primuspipe.errors import ConfigError
 from primuspipe.ir.placement import Placement
 
@@ -70,6 +72,7 @@ def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusF
         return func if pp_size > 1 else native(pp_size, vp_size, schedule_pg_collection)
 
     _install_get_model(func)
+    _install_model_builder(func)
     get_forward_backward_func.__doc__ = native.__doc__
     get_forward_backward_func.primuspipe = func  # type: ignore[attr-defined]
     for name in _BOUND_IN:
@@ -103,23 +106,67 @@ def _install_get_model(func: PrimusForwardBackward) -> None:
 
     def get_model(model_provider_func, *args, **kwargs):
         from megatron.core import parallel_state
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         pp = parallel_state.get_pipeline_model_parallel_world_size()
-        vpp = training.get_args().virtual_pipeline_model_parallel_size
-        if pp > 1:
-            table = func.table_for(pp, vpp, get_num_microbatches())
-            if table.placement == Placement.vshape(pp) and table.vpp == 2:
-                if vpp != 2:
-                    raise ConfigError(f"{table.algorithm} places two model chunks per rank in a V; set "
-                                      "--virtual-pipeline-model-parallel-size 2 (virtual_pipeline_model_parallel_size=2)")
-                model_provider_func = v_model_provider(model_provider_func, pp,
-                                                       parallel_state.get_pipeline_model_parallel_rank())
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        if _runs_v(func, pp, training.get_args().virtual_pipeline_model_parallel_size):
+            model_provider_func = v_model_provider(model_provider_func, pp, rank)
         return native(model_provider_func, *args, **kwargs)
 
     get_model.__doc__ = native.__doc__
     get_model.primuspipe = func  # type: ignore[attr-defined]
     training.get_model = get_model
+
+
+def _runs_v(func: PrimusForwardBackward, pp: int, vpp: Optional[int]) -> bool:
+    """Whether the run's table places two chunks per rank in a V (then Megatron's per-chunk stage queries
+    answer for the V from now on, :func:`answer_stage_queries_for_v`); refused in one line when the table is
+    a V but the run does not build two chunks per rank."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    restore_stage_queries()
+    table = func.table_for(pp, vpp, get_num_microbatches()) if pp > 1 else None
+    if table is None or not (table.placement == Placement.vshape(pp) and table.vpp == 2):
+        return False
+    if vpp != 2:
+        raise ConfigError(f"{table.algorithm} places two model chunks per rank in a V; set "
+                          "--num-virtual-stages-per-pipeline-rank 2 (virtual_pipeline_model_parallel_size=2)")
+    answer_stage_queries_for_v(pp)
+    return True
+
+
+def _install_model_builder(func: PrimusForwardBackward) -> None:
+    """The same for ``pretrain`` given a model config (``GPTModelConfig``/``HybridModelConfig`` in the
+    config container) instead of a ``model_provider``: its builder builds the chunks through
+    ``megatron.training.models.dist_utils.build_virtual_pipeline_stages``, whose ``build_model_func``
+    takes the provider's keywords; for a V it gets the V stage's. Like ``get_model``, wrapped when the
+    script already imported ``megatron.training`` (which imports that module)."""
+    dist_utils = sys.modules.get("megatron.training.models.dist_utils")
+    if dist_utils is None:
+        return
+    if _native_builder:
+        _restore_model_builder()
+    native = dist_utils.build_virtual_pipeline_stages
+    _native_builder[:] = [(dist_utils, native)]
+
+    def build_virtual_pipeline_stages(build_model_func, pg_collection, vp_size, *args, **kwargs):
+        pp, rank = pg_collection.pp.size(), pg_collection.pp.rank()
+        if _runs_v(func, pp, vp_size):
+            build_model_func = v_model_provider(build_model_func, pp, rank)
+        return native(build_model_func, pg_collection, vp_size, *args, **kwargs)
+
+    build_virtual_pipeline_stages.__doc__ = native.__doc__
+    dist_utils.build_virtual_pipeline_stages = build_virtual_pipeline_stages
+
+
+_native_builder: list = []
+"""``(megatron.training.models.dist_utils, its own build_virtual_pipeline_stages)`` while wrapped."""
+
+
+def _restore_model_builder() -> None:
+    if _native_builder:
+        module, native = _native_builder.pop()
+        module.build_virtual_pipeline_stages = native
 
 
 _native_get_model: list = []
@@ -137,6 +184,8 @@ def uninstall() -> None:
     modules that imported it after :func:`install` (``megatron.training.training``), and its own
     ``get_model``."""
     _restore_get_model()
+    _restore_model_builder()
+    restore_stage_queries()
     if not _native:
         return
     for name in _BOUND_IN:

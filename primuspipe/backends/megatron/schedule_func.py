@@ -35,10 +35,11 @@ from primuspipe.backends.megatron.binder import GradSync, MegatronBinder, StepAr
 from primuspipe.backends.megatron.compat import check_megatron_config
 from primuspipe.backends.megatron.config import PrimusPipeConfig
 from primuspipe.backends.megatron.last_stage import hand_to_last_rank
-from primuspipe.backends.megatron.v_placement import tied_embedding_grads
+from primuspipe.backends.megatron.v_placement import tied_embedding_grads, v_float16_boundaries
 from primuspipe.backends.replanning import InFlightReplanner
 from primuspipe.errors import ConfigError
 from primuspipe.ir.node import NodeKind
+from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication
 from primuspipe.passes.offload import offload_activations
@@ -182,6 +183,8 @@ class PrimusForwardBackward:
             print(f"primuspipe schedule table ({full.algorithm}, pp={pp} vpp={full.vpp} microbatches={num_microbatches}):\n"
                   f"{full.grid()}", flush=True)
         check_megatron_config(config, full, models, rank)
+        if full.placement == Placement.vshape(pp) and full.vpp == 2:
+            v_float16_boundaries(models, pp, rank)
         table = self.driver.view(full, forward_only)
 
         shapes = schedules.get_tensor_shapes(

@@ -108,7 +108,7 @@ def _stage_view(config: Any, pp: int) -> Any:
                           "last stage their counts with num_layers_in_first/last_pipeline_stage")
     if (config.virtual_pipeline_model_parallel_size or 1) != 2:
         raise ConfigError("the V placement needs virtual_pipeline_model_parallel_size=2 (two chunks per rank; "
-                          "Megatron-LM: --virtual-pipeline-model-parallel-size 2)")
+                          "Megatron-LM: --num-virtual-stages-per-pipeline-rank 2)")
     view = copy.copy(config)
     view.pipeline_model_parallel_size = 2 * pp
     view.virtual_pipeline_model_parallel_size = None
@@ -238,6 +238,83 @@ def v_model_provider(model_provider: Callable[..., Any], pp: int, rank: int) -> 
         return chunk
 
     return provider
+
+
+def v_float16_boundaries(models: Sequence[Any], pp: int, rank: int) -> None:
+    """Make each ``Float16Module`` in ``models`` (this rank's V chunks, as ``get_model`` wraps them under
+    ``--bf16``/``--fp16``) cast at the V's ends: inputs to 16 bits on V stage 0, outputs back to fp32 on
+    V stage ``2p-1``. Idempotent; the Megatron backend calls it at each step of a V table.
+
+    Why: ``Float16Module.forward`` decides by Megatron's placement (chunk 0 of the first rank, chunk
+    ``vpp-1`` of the last). In the V that upcasts the output of the last rank's chunk 1, a middle stage,
+    so it sends fp32 where the next stage receives ``pipeline_dtype`` (gloo aborts on the size
+    mismatch), and leaves the V's real last stage (chunk 1 of rank 0) in 16 bits, so its loss would be
+    computed from bf16 logits."""
+    from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp32_to_float16
+
+    placement = Placement.vshape(pp)
+    for model in models:
+        for module in model.modules():
+            if not isinstance(module, Float16Module) or "forward" in vars(module):
+                continue
+            stage = placement.stage(rank, module.vp_stage)
+
+            def forward(*inputs: Any, fp32_output: bool = True, _m: Any = module, _first: bool = stage == 0,
+                        _last: bool = stage == 2 * pp - 1, **kwargs: Any) -> Any:
+                if _first:
+                    inputs = fp32_to_float16(inputs, _m.float16_convertor)
+                outputs = _m.module(*inputs, **kwargs)
+                return float16_to_fp32(outputs) if _last and fp32_output else outputs
+
+            module.forward = forward
+
+
+_STAGE_QUERIES = ("is_pipeline_first_stage", "is_pipeline_last_stage")
+_native_stage_queries: dict[str, Any] = {}
+"""Megatron's own ``parallel_state`` stage queries while :func:`answer_stage_queries_for_v` is in force."""
+
+
+def answer_stage_queries_for_v(pp: int) -> None:
+    """Make ``parallel_state.is_pipeline_first_stage`` / ``is_pipeline_last_stage`` answer for the V when
+    asked about a chunk (``ignore_virtual=False, vp_stage=c``): rank ``r``'s chunk ``c`` is the first stage
+    iff it is V stage 0, the last iff V stage ``2p-1``.
+
+    Why: a Megatron-LM script decides with these which chunks read data -- ``pretrain_gpt``'s
+    ``get_batch`` (``is_first_or_last_pipeline_stage(vp_stage)``) and its dataset builder -- and
+    Megatron's answer (chunk 1 of the last rank) is wrong for the V, whose last stage is chunk 1 of rank
+    0: that chunk would get no labels and no loss mask. Questions about the rank (``ignore_virtual=True``,
+    where ``train_step`` reduces and logs the loss) keep Megatron's answer; the backend hands the V's
+    losses to the last rank (:mod:`~primuspipe.backends.megatron.last_stage`). Set by ``install()``'s
+    ``get_model`` for V tables and undone by :func:`restore_stage_queries`."""
+    from megatron.core import parallel_state
+
+    restore_stage_queries()
+    native = {name: getattr(parallel_state, name) for name in _STAGE_QUERIES}
+    placement = Placement.vshape(pp)
+
+    def v_answer(name: str) -> Callable[..., bool]:
+        want = 0 if name == "is_pipeline_first_stage" else 2 * pp - 1
+
+        def query(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+            if ignore_virtual or vp_stage is None:
+                return native[name](ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+            return placement.stage(parallel_state.get_pipeline_model_parallel_rank(), vp_stage) == want
+
+        query.__doc__ = native[name].__doc__
+        return query
+
+    for name in _STAGE_QUERIES:
+        setattr(parallel_state, name, v_answer(name))
+    _native_stage_queries.update(native)
+
+
+def restore_stage_queries() -> None:
+    """Put Megatron's own stage queries back (no-op when they are in place)."""
+    from megatron.core import parallel_state
+
+    for name, query in _native_stage_queries.items():
+        setattr(parallel_state, name, query)
+    _native_stage_queries.clear()
 
 
 def _shared_weight(chunk: Any) -> Any:

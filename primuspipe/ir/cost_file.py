@@ -1,0 +1,154 @@
+"""The cost file: its YAML form, and the readers of its sections.
+
+YAML form (every section but ``compute`` optional). The file does not know the pipeline shape, so its
+per-stage quantities (times, activation bytes) describe *1F1B stages*, the model split ``pp`` ways: a
+number is one 1F1B stage's value, a list has one per 1F1B stage (``pp`` values). A schedule with
+``vpp`` chunks per rank cuts each 1F1B stage into ``vpp`` model stages, and model stage ``s`` gets
+``value[s // vpp] / vpp``; this is what makes algorithms of different ``vpp`` comparable under one
+file, and matches the microbatch units of memory (a chunk's activations are ``1/vpp`` of a unit). A
+list of ``pp * vpp`` values gives every model stage exactly. Per-rank quantities (parameter, gradient,
+optimizer bytes) are one number or ``pp`` values::
+
+    time_unit: ms
+    compute:
+      f: 1.0                 # forward time of a 1F1B stage (or a list, see above)
+      b: 1.0                 # input-grad backward (B)
+      w: 1.0                 # weight-grad backward (W)
+      bw: 1.8                # fused backward; defaults to b + w
+      recompute: 0.4         # any other timed kind, by its KindSpec.cost key (a plug-in's, say)
+      fb_overlap: 0.0        # FB pair: F + B - fb_overlap * min(F, B); 0 = no gain, 1 = max(F, B)
+      cold_start: {f: 0.3, b: 0.1, w: 0.05}  # extra time of each chunk's first F, B, W in a step
+    host:                    # time on the host, outside the kernels (every key optional, default 0)
+      overhead: {f: 0.03, b: 0.04, w: 0.02, bw: 0.04}   # rank time before each node of a kind
+      send: 0.15             # rank time to post a send (the transfer can start once it is posted)
+      recv: 0.10             # rank time to post a receive
+      cores: 2               # cores the ranks of one node share; omitted: one per rank (no contention)
+      background: 0.05       # with cores: share of a core each rank's process keeps busy off its main thread
+      contention: 0.03       # with cores: extra CPU per unit of work for each job beyond the free cores
+      step_gap: 3.0          # per rank (one number or pp values): from its step's end to its next step
+    p2p:
+      message_bytes: 16777216            # one activation (= its gradient) crossing a stage boundary
+      ranks_per_node: 8
+      intra_node: {latency: 0.005, bandwidth: 4.0e8}   # bandwidth in bytes per time unit
+      inter_node: {latency: 0.020, bandwidth: 2.5e7}   # omitted bandwidth: unlimited
+    host_link: {latency: 0.01, bandwidth: 2.5e7}   # device <-> host copies (OFFLOAD/RELOAD); default free
+    memory:
+      w_retained_fraction: 0.94          # share of a microbatch's activations B keeps for W (default 32/34)
+      offload_fraction: 1.0              # share of them an OFFLOAD moves to host (default 1: all)
+      activation_bytes: 2.0e9            # per 1F1B stage, one microbatch, held from F until released
+      parameter_bytes: 1.0e9             # per rank
+      gradient_bytes: 1.0e9
+      optimizer_bytes: 4.0e9
+
+:meth:`CostModel.from_dict <primuspipe.ir.cost_model.CostModel.from_dict>` reads it with the section
+readers below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from primuspipe import strict
+from primuspipe.errors import ConfigError
+from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION
+from primuspipe.ir.cost_parts import HostCost, Link, MemoryCost
+from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
+from primuspipe.ir.kinds import compute_kinds
+
+def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ...]:
+    """Per-model-stage values from 1F1B-stage values (module docstring): model stage ``s`` gets
+    ``value[s // vpp] / vpp``; a list of ``pp * vpp`` values is taken as is.
+
+    >>> split_stages("F", [2, 4], pp=2, vpp=2)
+    (1.0, 1.0, 2.0, 2.0)
+    """
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) == pp * vpp:
+            return per_stage_values(name, value, pp * vpp, "stages")
+        if len(value) != pp:
+            raise ConfigError(f"{name} has {len(value)} values; give one number, {pp} (one per 1F1B stage) or "
+                              f"{pp * vpp} (one per model stage at pp={pp}, vpp={vpp})")
+    per_1f1b_stage = per_stage_values(name, value, pp, "1F1B stages")
+    return tuple(per_1f1b_stage[s // vpp] / vpp for s in range(pp * vpp))
+
+
+def read_cost_file(path: str | Path) -> dict[str, Any]:
+    """The raw YAML mapping of a cost file (resolve it per shape with :meth:`CostModel.from_dict`)."""
+    data = strict.load_yaml(strict.read_text(path, "cost model"), f"cost model {path}")
+    return strict.keys(data, f"cost model {path}", SECTIONS)
+
+
+def memory_section(data: Any, pp: int, vpp: int, source: str) -> MemoryCost:
+    """The ``memory`` section: the retained share alone (default :data:`W_RETAINED_FRACTION`), or bytes,
+    which then must say what W keeps (the byte figures depend on it)."""
+    mem = strict.keys(data, f"{source}: memory", {"activation_bytes", "w_retained_fraction", "parameter_bytes",
+                                                  "gradient_bytes", "optimizer_bytes", "offload_fraction"})
+    retained = strict.number(mem.get("w_retained_fraction", W_RETAINED_FRACTION),
+                             f"{source}: memory.w_retained_fraction", minimum=0, maximum=1)
+    offload = strict.number(mem.get("offload_fraction", OFFLOAD_FRACTION), f"{source}: memory.offload_fraction",
+                            minimum=0, maximum=1)
+    if "activation_bytes" not in mem:
+        if set(mem) - {"w_retained_fraction", "offload_fraction"}:
+            raise ConfigError(f"{source}: memory: parameter, gradient and optimizer bytes need activation_bytes too")
+        return MemoryCost(retained, offload_fraction=offload)
+    if "w_retained_fraction" not in mem:
+        raise ConfigError(f"{source}: memory lacks ['w_retained_fraction']: with activation_bytes, say what share of "
+                          f"them B keeps for W (e.g. {W_RETAINED_FRACTION:.3f} with flash attention, see docs/simulator.md)")
+    mem["w_retained_fraction"], mem["offload_fraction"] = retained, offload
+    mem["activation_bytes"] = split_stages(f"{source}: memory.activation_bytes", mem["activation_bytes"], pp, vpp)
+    for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
+        mem[key] = per_stage_values(f"{source}: memory.{key}", mem.get(key, 0.0), pp, "ranks")
+    return MemoryCost.per_stage(pp * vpp, pp, **mem)
+
+
+def link_section(data: Mapping[str, Any], name: str) -> Link:
+    """A link's YAML form; a missing or null bandwidth is unlimited (infinity itself is refused)."""
+    latency = strict.number(data.get("latency", 0.0), f"{name}.latency", minimum=0)
+    if data.get("bandwidth") is None:
+        return Link(latency)
+    bandwidth = strict.number(data["bandwidth"], f"{name}.bandwidth")
+    if bandwidth <= 0:
+        raise ConfigError(f"{name}: a link needs bandwidth > 0 (bytes per time unit; null or no key for unlimited), "
+                          f"got {bandwidth:g}")
+    return Link(latency, bandwidth)
+
+
+SECTIONS = {"time_unit", "compute", "host", "p2p", "memory", "host_link"}
+COMPUTE_FIELDS = {"f", "b", "w", "bw", "fb_overlap", "cold_start"}
+"""The ``compute`` keys the model reads itself; any other is a timed kind's cost key."""
+
+
+def cost_keys() -> set[str]:
+    """The cost keys of every timed kind in the kind table (``f``, ``b``, ``w``, ``bw`` and any a
+    plug-in kind names): what a cost file's ``compute`` section may time."""
+    return {k.spec.cost for k in compute_kinds() if k.spec.cost is not None}
+
+
+def host_section(data: Any, pp: int) -> HostCost:
+    host = strict.keys(data, "host", {"overhead", "send", "recv", "cores", "background", "contention", "step_gap"})
+    overhead = strict.keys(host.get("overhead", {}), "host.overhead", {k.name.lower() for k in compute_kinds()})
+    cores, gap = host.get("cores"), host.get("step_gap")
+
+    def time(value: Any, name: str) -> float:  # strictly a number: YAML's true is not 1 second
+        return strict.number(value, f"host.{name} (a time >= 0)", minimum=0)
+
+    return HostCost(tuple((k, time(v, f"overhead.{k}")) for k, v in overhead.items()),
+                    time(host.get("send", 0.0), "send"), time(host.get("recv", 0.0), "recv"),
+                    None if cores is None else strict.number(cores, "host.cores (a number of cores > 0)", above=0),
+                    strict.number(host.get("background", 0.0), "host.background (a share of a core >= 0)", minimum=0),
+                    strict.number(host.get("contention", 0.0), "host.contention (a share >= 0)", minimum=0),
+                    None if gap is None else per_stage_values("host.step_gap", gap, pp, "ranks"))
+
+
+def cold_start_section(data: Any, pp: int, vpp: int) -> ComputeCosts | None:
+    """``compute.cold_start`` per model stage: like the times, per 1F1B stage and split among its chunks."""
+    if data is None:
+        return None
+    cold = strict.keys(data, "compute.cold_start", cost_keys() - {"bw"})
+
+    def times(key: str) -> tuple[float, ...]:
+        return split_stages(f"compute.cold_start.{key}", cold.get(key, 0.0), pp, vpp)
+
+    return ComputeCosts(times("f"), times("b"), times("w"), tuple((k, times(k)) for k in set(cold) - {"f", "b", "w"}))

@@ -1,0 +1,162 @@
+"""The parts of a cost model besides compute times: links, point-to-point and host costs, memory.
+
+Each is a frozen value checked when built; :class:`~primuspipe.ir.cost_model.CostModel` holds one of
+each, and :mod:`~primuspipe.ir.cost_file` reads them from a cost file's sections.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from primuspipe.errors import ConfigError
+from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION
+from primuspipe.ir.costs import Values, per_stage_values
+from primuspipe.ir.kinds import NodeKind
+
+TIME_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0}
+"""Microseconds per time unit (the Chrome trace's unit)."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point path: a message of ``n`` bytes takes ``latency + n / bandwidth``."""
+
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    """Bytes per time unit; ``math.inf`` (the default) makes the size free."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.latency < math.inf and self.bandwidth > 0):  # NaN fails every comparison
+            raise ConfigError(f"a link needs latency >= 0 and bandwidth > 0, got {self}")
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class P2PCost:
+    """Cost of moving one stage-boundary tensor between ranks. The default is free communication."""
+
+    message_bytes: float = 0.0
+    """Size of one activation (and of its gradient, the same shape) crossing a stage boundary."""
+    intra_node: Link = Link()
+    inter_node: Link = Link()
+    ranks_per_node: int = 8
+    """Ranks ``r`` and ``q`` share a node when ``r // ranks_per_node == q // ranks_per_node``."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.message_bytes < math.inf and self.ranks_per_node >= 1):
+            raise ConfigError(f"p2p needs message_bytes >= 0 and ranks_per_node >= 1, got {self}")
+
+    def transfer_time(self, src: int, dst: int) -> float:
+        same_node = src // self.ranks_per_node == dst // self.ranks_per_node
+        return (self.intra_node if same_node else self.inter_node).time(self.message_bytes)
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """Time a rank spends on the host around its nodes, and the cores ranks share (docs/simulator.md).
+
+    The default is a free host: no overheads, a core per rank."""
+
+    overhead: tuple[tuple[str, float], ...] = ()
+    """``(kind, time)`` pairs, kinds by lower-case name (``f``, ``b``, ``w``, ``bw``, ``fb``): the rank
+    time spent before each node of that kind once its inputs are in (dispatch, taking the inputs,
+    bookkeeping); an unnamed kind takes none."""
+    send: float = 0.0
+    """Rank time to post one send; the transfer can start once both its ends are posted."""
+    recv: float = 0.0
+    """Rank time to post one receive."""
+    cores: float | None = None
+    """Cores the ranks of one node (``p2p.ranks_per_node`` of them) share for compute and host work;
+    when more ranks are busy than there are cores, they share them evenly (processor sharing, the fluid
+    form of an OS time-slicing them). None: every rank has its own (an accelerator per rank)."""
+    background: float = 0.0
+    """With ``cores``: the share of a core each rank's process keeps busy outside its main thread while
+    the step runs (communication threads, runtime threads), taken from its node's cores; e.g. 0.05 of
+    2 cores shared by 2 ranks leaves 1.9 for their main threads. Measured, this CPU follows the time a
+    step takes rather than its message count, so it is a rate, not a price per message."""
+    contention: float = 0.0
+    """With ``cores``: while ``n`` jobs (ranks busy with host work or compute) run on ``free`` cores
+    (``cores`` less the background), each needs ``1 + contention * (n - free)`` times its work in CPU
+    -- what time slicing costs in cache refills -- so work runs that much slower than the CPU it gets.
+    0 (the default): a node's work is its CPU time however crowded the cores."""
+    step_gap: tuple[float, ...] | None = None
+    """Per rank, the time from the end of its step to the start of its next (optimizer, gradient
+    synchronisation, the next batch): a rank that finishes early starts the next step early, so in the
+    steady state of training ranks enter a step at different times. None: every rank starts every
+    step together (as after a step-end synchronisation)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overhead", tuple(sorted(self.overhead)))  # one model, one value
+        values = [v for _, v in self.overhead] + [self.send, self.recv, self.background, self.contention,
+                                                  *(self.step_gap or ())]
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ConfigError(f"host times must be >= 0 and finite, got {self}")
+        if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
+            raise ConfigError(f"host.cores must be a number > 0 (or omitted), got {self.cores}")
+
+    def before(self, kind: NodeKind) -> float:
+        """Rank time before a node of ``kind``."""
+        return dict(self.overhead).get(kind.name.lower(), 0.0)
+
+    def post(self, kind: NodeKind) -> float:
+        """Rank time to post a node of a communication ``kind``."""
+        return self.send if kind.is_send else self.recv
+
+
+@dataclass(frozen=True)
+class MemoryCost:
+    """What a rank holds: activations of microbatches in flight, and (optionally) bytes.
+
+    Release rule: F takes a microbatch's activations of its stage; B releases all but
+    ``w_retained_fraction`` of them (what the deferred W still needs, the inputs of its GEMMs); W
+    releases the rest; a fused BW releases everything. Memory counted this way is what the device
+    holds, and it is the one count of every memory figure: ``peak_activations`` (microbatch units),
+    the peak bytes, ``--memory-limit``, ``validate --max-in-flight`` and the algorithms' budgets.
+    """
+
+    w_retained_fraction: float = W_RETAINED_FRACTION
+    """Share of a microbatch's activations that B keeps for W (default 32/34, see
+    :data:`~primuspipe.ir.activations.W_RETAINED_FRACTION`)."""
+    activation_bytes: tuple[float, ...] | None = None
+    """Per stage: one microbatch's activations; None: bytes are not modelled (reported as unknown)."""
+    parameter_bytes: tuple[float, ...] = ()
+    """Per rank (so are gradient and optimizer bytes); empty: none modelled."""
+    gradient_bytes: tuple[float, ...] = ()
+    optimizer_bytes: tuple[float, ...] = ()
+    offload_fraction: float = OFFLOAD_FRACTION
+    """Share of a microbatch's activations on a chunk that an OFFLOAD node moves to host memory (1: all
+    the chunk's saved tensors; less when the runner offloads chosen ops only, e.g. the MLP's inputs)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.w_retained_fraction <= 1.0:
+            raise ConfigError(f"w_retained_fraction must be in [0, 1], got {self.w_retained_fraction}")
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise ConfigError(f"memory.offload_fraction must be in [0, 1], got {self.offload_fraction}")
+        if not (len(self.parameter_bytes) == len(self.gradient_bytes) == len(self.optimizer_bytes)):
+            raise ConfigError("parameter, gradient and optimizer bytes need one value per rank each")
+
+    @classmethod
+    def per_stage(
+        cls, num_stages: int, pp: int, *, activation_bytes: Values, w_retained_fraction: float = W_RETAINED_FRACTION,
+        parameter_bytes: Values = 0.0, gradient_bytes: Values = 0.0, optimizer_bytes: Values = 0.0,
+        offload_fraction: float = OFFLOAD_FRACTION,
+    ) -> MemoryCost:
+        return cls(
+            float(w_retained_fraction), per_stage_values("activation_bytes", activation_bytes, num_stages, "stages"),
+            per_stage_values("parameter_bytes", parameter_bytes, pp, "ranks"),
+            per_stage_values("gradient_bytes", gradient_bytes, pp, "ranks"),
+            per_stage_values("optimizer_bytes", optimizer_bytes, pp, "ranks"),
+            float(offload_fraction),
+        )
+
+    @property
+    def models_bytes(self) -> bool:
+        return self.activation_bytes is not None
+
+    def static_bytes(self, rank: int) -> float:
+        if not self.parameter_bytes:
+            return 0.0
+        return self.parameter_bytes[rank] + self.gradient_bytes[rank] + self.optimizer_bytes[rank]

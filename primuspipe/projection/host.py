@@ -1,0 +1,159 @@
+"""Host-side time of a layer: the CPU issuing its kernels, which the GPU cannot run ahead of.
+
+A training step runs eagerly: Python walks megatron-core's modules and every operation is dispatched
+through PyTorch (and Transformer Engine) before its kernel is queued. The GPU overlaps that with the
+kernels already queued, so a layer costs its device time unless the host issues its work more slowly
+than the GPU runs it -- small, fine-grained MoE layers (many experts per rank, few tokens each) do.
+Then the layer takes the host's time.
+
+The host's work per layer is counted in two units, each priced by the hardware file (the host CPU the
+accelerator ships with):
+
+* **framework ops** (``host_op_seconds``): operations dispatched from Python, priced by a measured
+  ``torch.nn.Linear`` forward on the host (a Python call through PyTorch's dispatcher into one kernel).
+  Transformer Engine's modules cost more than one: its ``Linear`` forward took 2.7 times
+  ``torch.nn.Linear``'s host time on one host (99.66 against 37.08 us, TransformerEngine issue 2053), and
+  an FP8 ``Linear`` more than twice a BF16 one (TransformerEngine issue 761: casts, scales, amax
+  bookkeeping) -- 3 and 6 ops here. Backward, autograd runs a node per forward op; a linear layer's
+  backward is two GEMMs with their casts (input gradient in B, weight gradient in W), each as costly to
+  issue as the forward.
+* **kernel launches** (``host_launch_seconds``): kernels a C++ loop issues without Python, one per
+  expert in Transformer Engine's ``GroupedLinear`` (its grouped GEMM runs one cuBLAS GEMM per expert,
+  and under FP8 one cast per expert's input).
+
+What each layer issues is counted from megatron-core 0.19's code path (:data:`OPS`). The counts are a
+structural estimate -- a profile of a real step would replace them -- but their inputs (module count,
+experts per rank, FP8, the dispatcher, CUDA graphs) are the ones that decide when the host binds.
+
+**Synchronisation.** The MoE dispatchers of dropless routing need the token counts on the host before
+they can size the all-to-all and the expert GEMMs: megatron-core's ``MoEAlltoAllTokenDispatcher`` copies
+them to the host and waits for that copy (``_maybe_dtoh_and_synchronize``: ``d2h_event.synchronize()``
+at ``cuda_sync_point``), the all-gather dispatcher calls ``.cpu()``, DeepEP returns them to the host.
+The host cannot run past that point, so the GPU's queue is empty after it: each forward MoE layer takes
+max(host, device) on its own. With ``moe_pad_expert_input_to_capacity`` every size is known in advance
+and nothing waits (``_maybe_dtoh_and_synchronize`` does nothing when ``drop_and_pad``); without a sync
+the host runs ahead over the passes, and a pass is slowed only by what the host takes over all of them.
+
+**CUDA graphs** (``cuda_graph_impl`` local / transformer_engine with ``cuda_graph_modules``): a captured
+region replays with one graph launch instead of its ops, forward and backward. Megatron captures the
+MoE part only when padded to capacity, and the pre-processing only with the router; ``full_iteration``
+captures the whole step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from primuspipe.projection.hardware_spec import HardwareSpec
+from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.spec_fields import InputError
+from primuspipe.projection.training_spec import TrainingSpec
+
+TE_LINEAR_OPS = {False: 3.0, True: 6.0}
+"""Framework ops one Transformer Engine linear module's forward costs the host, BF16 and FP8 (see above)."""
+
+OPS = {
+    "attn": 3 + 2 + 1,        # core attention (a TE module), RoPE on queries and keys, bias-dropout-add
+    "qk_norm": 2,             # per-head query and key norms
+    "mlp": 1 + 1,             # activation, bias-dropout-add
+    "moe_norm": 1,            # the pre-MLP norm (the router reads its output, so it is not fused into fc1)
+    "moe_router": 1 + 4 + 3,  # gating GEMM; score function and top-k; auxiliary-loss bookkeeping
+    "moe_preprocess": 10,     # token counts per expert and rank, their all-gather, the split sizes
+    "moe_dtoh": 6,            # the split sizes' copies to the host (dropless only)
+    "moe_dispatch": 3 + 2,    # permute; all-to-all of the tokens and of their probabilities
+    "moe_sort": 2 + 2,        # sort received copies by local expert, and back (more than one local expert)
+    "moe_experts": 2,         # the experts' activation (weighted by the routing probabilities)
+    "moe_combine": 1 + 2 + 1, # all-to-all back; unpermute; bias-dropout-add
+    "shared_expert": 1,       # the shared expert's activation (its two linears are counted as linears)
+}
+"""Framework ops of one layer's forward besides its linear modules, by region; each has one autograd node
+backward (in B)."""
+
+
+@dataclass(frozen=True)
+class HostWork:
+    """What the host issues for one pass of a layer."""
+
+    ops: float = 0.0
+    launches: float = 0.0
+
+    def seconds(self, hardware: HardwareSpec) -> float:
+        return self.ops * (hardware.host_op_seconds or 0.0) + self.launches * (hardware.host_launch_seconds or 0.0)
+
+
+@dataclass(frozen=True)
+class LayerHost:
+    """Host work of a layer's forward, input-gradient and weight-gradient passes, and whether its forward
+    waits for the GPU (a device-to-host sync)."""
+
+    forward: HostWork
+    backward_input: HostWork
+    backward_weight: HostWork
+    syncs: bool
+
+    def seconds(self, hardware: HardwareSpec) -> tuple[float, float, float]:
+        return tuple(w.seconds(hardware) for w in (self.forward, self.backward_input, self.backward_weight))
+
+
+def captured(training: TrainingSpec, region: str) -> bool:
+    """Whether CUDA graphs capture ``region`` (attn, mlp, moe, moe_router, moe_preprocess) of a layer."""
+    if training.cuda_graph_impl == "full_iteration":
+        return True
+    if training.cuda_graph_impl == "none":
+        return False
+    return not training.cuda_graph_modules or region in training.cuda_graph_modules
+
+
+def layer_host(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool | None = None) -> LayerHost:
+    """Host work of one layer of ``kind`` (``dense`` or ``moe``) on one rank, per microbatch."""
+    t = training
+    fp8 = t.fp8 if fp8 is None else fp8
+    linear = TE_LINEAR_OPS[fp8]
+    regions: dict[str, tuple[float, float]] = {}  # region -> (linear modules, other ops)
+    regions["attn"] = (2, OPS["attn"] + (OPS["qk_norm"] if model.qk_layernorm else 0))
+    per_expert = 0.0
+    if kind == "dense":
+        regions["mlp"] = (2, OPS["mlp"])
+    else:
+        local = model.num_experts // t.ep
+        padded = t.moe_pad_expert_input_to_capacity
+        shared = 2 if model.moe_shared_expert_intermediate_size else 0
+        regions["moe_router"] = (0, OPS["moe_norm"] + OPS["moe_router"])
+        regions["moe_preprocess"] = (0, OPS["moe_preprocess"] + (0 if padded else OPS["moe_dtoh"]))
+        regions["moe"] = (2 + shared, OPS["moe_dispatch"] + (OPS["moe_sort"] if local > 1 else 0) + OPS["moe_experts"]
+                          + OPS["moe_combine"] + (OPS["shared_expert"] if shared else 0))
+        per_expert = local * (1 + (1 if fp8 else 0))  # each expert's GEMM (and its input's cast), per grouped linear
+    if kind == "moe" and captured(t, "moe") and not t.moe_pad_expert_input_to_capacity:
+        raise InputError([(t.source, "cuda_graph_modules", list(t.cuda_graph_modules)),
+                          (t.source, "moe_pad_expert_input_to_capacity", False)],
+                         "CUDA graphs capture an MoE layer only when its experts are padded to capacity (Megatron's rule)",
+                         "capture attn / moe_router / moe_preprocess only, or set moe_expert_capacity_factor and "
+                         "moe_pad_expert_input_to_capacity")
+    forward = backward_input = backward_weight = 0.0
+    launches = 0.0 if kind == "dense" or captured(t, "moe") else per_expert * 2  # two grouped linears
+    for region, (linears, ops) in regions.items():
+        if captured(t, region):
+            forward, backward_input = forward + 1, backward_input + 1  # one graph replay each way
+            continue
+        forward += linears * linear + ops
+        backward_input += linears * linear + ops
+        backward_weight += linears * linear
+    syncs = kind == "moe" and not t.moe_pad_expert_input_to_capacity  # even at EP 1 ("before_finish")
+    return LayerHost(HostWork(forward, launches), HostWork(backward_input, launches), HostWork(backward_weight, launches),
+                     syncs)
+
+
+def host_bound(device: tuple[float, float, float], host: tuple[float, float, float], syncs: bool
+               ) -> tuple[float, float, float]:
+    """A layer's F, B, W seconds once the host is counted: a pass after a sync point takes max(host, device)
+    alone; passes the host may run ahead over are stretched together by what the host takes over them all."""
+    def stretched(d: tuple[float, ...], h: tuple[float, ...]) -> tuple[float, ...]:
+        total = sum(d)
+        if total <= 0:
+            return tuple(max(x, y) for x, y in zip(d, h))
+        factor = max(1.0, sum(h) / total)
+        return tuple(x * factor for x in d)
+
+    if syncs:
+        return (max(device[0], host[0]), *stretched(device[1:], host[1:]))
+    return stretched(device, host)  # type: ignore[return-value]

@@ -1,0 +1,153 @@
+"""Host-side time: what the CPU issues per layer, the device-to-host sync of dropless MoE dispatch, CUDA graphs,
+and the count of host work against the operations a real megatron-core layer dispatches."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from primuspipe.projection.hardware_spec import load_hardware
+from primuspipe.projection.host import TE_LINEAR_OPS, host_bound, layer_host
+from primuspipe.projection.model_spec import load_model
+from primuspipe.projection.projection import Projector
+from primuspipe.projection.published import load_runs, training_of
+from primuspipe.projection.spec_fields import InputError
+from primuspipe.projection.training_spec import TrainingSpec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
+QWEN = load_model(EXAMPLES / "models" / "qwen3-30b-a3b.yaml")
+B200 = load_hardware(EXAMPLES / "hardware" / "b200.yaml")
+
+
+def moe_training(**fields) -> TrainingSpec:
+    base = dict(pipeline_model_parallel_size=1, expert_model_parallel_size=8, data_parallel_size=8,
+                global_batch_size=64, precision="bf16")
+    return TrainingSpec(**(base | fields))
+
+
+def test_a_sync_bounds_the_forward_alone_and_otherwise_the_host_runs_ahead():
+    device, host = (1.0, 2.0, 1.0), (1.5, 1.0, 0.5)
+    assert host_bound(device, host, syncs=True) == (1.5, 2.0, 1.0)  # forward waits; B and W absorb their host time
+    assert host_bound(device, host, syncs=False) == (1.0, 2.0, 1.0)  # 3.0 s of host under 4.0 s of device
+    slow = (3.0, 3.0, 2.0)
+    assert host_bound(device, slow, syncs=False) == pytest.approx((2.0, 4.0, 2.0))  # all passes stretched by 8/4
+    assert host_bound(device, slow, syncs=True) == pytest.approx((3.0, 5.0 / 3 * 2.0, 5.0 / 3 * 1.0))
+    assert host_bound(device, (0.0, 0.0, 0.0), syncs=True) == device
+
+
+def test_host_work_follows_experts_fp8_padding_and_cuda_graphs():
+    dropless = layer_host(QWEN, moe_training(), "moe")
+    assert dropless.syncs and dropless.forward.launches == 2 * 16  # one GEMM per local expert per grouped linear
+    more = layer_host(QWEN, moe_training(expert_model_parallel_size=4, data_parallel_size=4), "moe")
+    assert more.forward.launches == 2 * 32 and more.forward.ops == dropless.forward.ops
+    fp8 = layer_host(QWEN, moe_training(fp8_format="hybrid"), "moe")
+    assert fp8.forward.launches == 2 * 2 * 16  # and a cast per expert
+    assert fp8.forward.ops - dropless.forward.ops == 4 * (TE_LINEAR_OPS[True] - TE_LINEAR_OPS[False])  # qkv, proj, fc1, fc2
+    padded = layer_host(QWEN, moe_training(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True), "moe")
+    assert not padded.syncs and padded.forward.ops < dropless.forward.ops  # no token counts copied to the host
+    router = layer_host(QWEN, moe_training(cuda_graph_impl="transformer_engine",
+                                           cuda_graph_modules=("attn", "moe_router", "moe_preprocess")), "moe")
+    assert router.syncs and router.forward.ops < dropless.forward.ops and router.forward.launches == dropless.forward.launches
+    whole = layer_host(QWEN, moe_training(cuda_graph_impl="local", moe_expert_capacity_factor=1.0,
+                                          moe_pad_expert_input_to_capacity=True), "moe")
+    assert (whole.forward.ops, whole.forward.launches, whole.syncs) == (4, 0, False)  # four regions, one replay each
+    with pytest.raises(InputError, match="padded to capacity"):
+        layer_host(QWEN, moe_training(cuda_graph_impl="local"), "moe")
+    with pytest.raises(InputError, match="moe_router"):
+        moe_training(cuda_graph_impl="local", cuda_graph_modules=("moe_preprocess",))
+    with pytest.raises(InputError, match="capacity"):
+        moe_training(moe_pad_expert_input_to_capacity=True)
+    t = moe_training(moe_expert_capacity_factor=1.25, moe_expert_load_imbalance=1.5)
+    assert t.load_imbalance == 1.25 and dataclasses.replace(t, moe_pad_expert_input_to_capacity=True).load_imbalance == 1.25
+    assert moe_training(moe_expert_capacity_factor=2.0, moe_expert_load_imbalance=1.5).load_imbalance == 1.5
+
+
+def _tokens_per_s(run_id: str, hardware_fields: dict) -> float:
+    run = next(r for r in load_runs() if r.id == run_id)
+    hardware = dataclasses.replace(load_hardware(EXAMPLES / "hardware" / f"{run.hardware}.yaml"), **hardware_fields)
+    return Projector(load_model(EXAMPLES / "models" / f"{run.model}.yaml"), hardware).evaluate(
+        training_of(run), run.algorithm()).tokens_per_s_per_gpu
+
+
+@pytest.mark.parametrize("run_id", ["mbridge2511-llama3-8b-fp8cs-8", "nemo2412-llama2-13b-fp8-16",
+                                    "mbridge2509-qwen3-30b-a3b-fp8-16", "mbridge2511-b200-llama3-8b-fp8cs-8"])
+def test_host_time_leaves_runs_with_enough_gpu_work_alone(run_id):
+    assert _tokens_per_s(run_id, {}) == pytest.approx(_tokens_per_s(run_id, {"host_op_seconds": None}), rel=1e-9)
+
+
+def test_host_time_slows_a_fine_grained_moe_layer_with_little_gpu_work():
+    run_id = "mbridge2511-b200-qwen3-30b-a3b-mxfp8-8"
+    with_host, without = _tokens_per_s(run_id, {}), _tokens_per_s(run_id, {"host_op_seconds": None})
+    assert with_host < 0.98 * without
+    ten_times = _tokens_per_s(run_id, {"host_op_seconds": 10 * B200.host_op_seconds})
+    assert ten_times < 0.5 * with_host  # host-bound: the step follows the host
+
+
+@pytest.mark.slow
+def test_the_count_follows_the_operations_a_real_megatron_layer_dispatches():
+    """aten operations a real megatron-core layer (local spec, CPU) dispatches forward and backward, priced at
+    the hardware file's op cost over the aten operations of the torch.nn.Linear forward it was measured on,
+    against the structural count (BF16): within a factor 1.5 for a dense layer and MoE layers of 4 and 16
+    local experts (the local spec loops over experts in Python, heavier per expert than Transformer Engine's
+    grouped GEMM, lighter per layer than its modules)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        counted = pool.apply(_count_real_layers)
+    linear_ops, layers = counted
+    per_aten = B200.host_op_seconds / linear_ops
+    for (name, ep), aten in layers.items():
+        model = load_model(EXAMPLES / "models" / f"{name}.yaml")
+        t = moe_training(expert_model_parallel_size=ep, data_parallel_size=ep) if model.is_moe else TrainingSpec(
+            pipeline_model_parallel_size=1, global_batch_size=1)
+        ours = sum(layer_host(model, t, model.layer_kinds[-1]).seconds(B200))
+        assert 1 / 1.5 < ours / (aten * per_aten) < 1.5, (name, ep, ours, aten * per_aten)
+
+
+def _count_real_layers():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
+    from primuspipe.projection.benchmark.layers import _on_one_rank, benchmark_shape
+    from primuspipe.projection.benchmark.megatron_model import build_layer, transformer_config
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted(run) -> int:
+        Count.n = 0
+        with Count():
+            run()
+        return Count.n
+
+    def layers():
+        out = {}
+        for name, ep in (("llama3-8b", 1), ("qwen3-30b-a3b", 32), ("qwen3-30b-a3b", 8)):
+            m = load_model(EXAMPLES / "models" / f"{name}.yaml")
+            small = dict(hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2, kv_channels=32,
+                         seq_length=64) | ({"moe_ffn_hidden_size": 64} if m.is_moe else {})
+            t = moe_training(expert_model_parallel_size=ep, data_parallel_size=ep, precision="fp32",
+                             moe_router_force_load_balancing=True) if m.is_moe else TrainingSpec(
+                pipeline_model_parallel_size=1, global_batch_size=1, precision="fp32")
+            bm, bt = benchmark_shape(dataclasses.replace(m, **small), t)
+            layer = build_layer(bm, bt, bm.layer_kinds[-1], transformer_config(bm, bt))
+            x = torch.randn(64, 1, 128, requires_grad=True)
+            mask = torch.ones(1, 1, 64, 64, dtype=torch.bool).triu(1)
+            out[(name, ep)] = 0
+            for _ in range(2):  # the second pass, after lazy set-up
+                y = [None]
+                forward = counted(lambda: y.__setitem__(0, layer(x, attention_mask=mask)[0]))
+                out[(name, ep)] = forward + counted(lambda: y[0].sum().backward())
+        return out
+
+    enable_cpu_mode()
+    torch.set_num_threads(1)
+    linear, x = torch.nn.Linear(64, 64), torch.randn(16, 2, 64)
+    return counted(lambda: linear(x)), _on_one_rank("gloo", layers)
