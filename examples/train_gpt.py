@@ -280,6 +280,8 @@ def replan_result(ours, table, times: list[float]) -> dict:
     summary = ours.replanner.summary(table) if ours.replanner is not None else None
     if summary is None:
         return {"replanned_to": None, "replan": "no decision"}
+    if "failure" in summary:
+        return {"replanned_to": None, "replan": f"no decision: {summary['failure']}"}
     after = times[summary["first_verified_step"]:]  # a switched-to table's first step warms it up
     out = {"replanned_to": summary["replanned_to"], "predicted_step_time_s": summary["predicted_step_time_s"],
            "step_time_before_s": statistics.median(times[:summary["decided_at_step"]]),

@@ -61,6 +61,8 @@ class _State:
     """The first step timed against the prediction: after the decision, one later where the table changed
     (a new table's first step allocates its buffers and warms its code paths, as the run's first steps did)."""
     verified: list[dict[str, float]] = field(default_factory=list)
+    failure: str | None = None
+    """Why no decision could be taken (the run then keeps its table, unprobed and untimed)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class InFlightReplanner:
             self.settings.check_layout(running)  # the same refusal on every rank, before any step
             state = self._states[running] = _State()
         s = self.settings
-        if state.steps < s.warmup_steps:
+        if state.steps < s.warmup_steps or state.failure is not None:
             return StepPlan(running, False, None)
         if state.decision is None:
             return StepPlan(probed(running, s.probe), True, None)
@@ -110,8 +112,8 @@ class InFlightReplanner:
         """Count the step just run for ``running``; ``timeline`` is its recorded timeline when it was timed."""
         state = self._states[running]
         state.steps += 1
-        if timeline is None or state.steps <= self.settings.warmup_steps:  # a dumped warm-up step is not measured
-            return
+        if timeline is None or state.steps <= self.settings.warmup_steps or state.failure is not None:
+            return  # a dumped warm-up step (or any step after a failed decision) is not measured
         if state.decision is None:
             state.measured.append(timeline)
             if len(state.measured) == self.settings.measure_steps:
@@ -120,10 +122,12 @@ class InFlightReplanner:
             self._verify(state, timeline)
 
     def summary(self, running: ScheduleTable) -> dict[str, Any] | None:
-        """The decision and the verified steps for ``running`` (None before the decision)."""
+        """The decision and the verified steps for ``running``, or why none was taken (None before)."""
         state = self._states.get(running)
-        if state is None or state.decision is None:
+        if state is None or (state.decision is None and state.failure is None):
             return None
+        if state.failure is not None:
+            return {"decided_at_step": state.decided_at, "failure": state.failure, "replanned_to": None}
         measured = [v["measured_step_time_s"] for v in state.verified]
         out = {"decided_at_step": state.decided_at, "first_verified_step": state.verify_from,
                "threshold": self.settings.threshold, **state.decision.to_dict(),
@@ -151,7 +155,8 @@ class InFlightReplanner:
         if failure is not None:
             if self.rank == 0:
                 logger.warning("primuspipe auto-replan: no decision (%s); keeping %s", failure, running.algorithm)
-            state.decision, state.table = _kept(running), running
+            state.failure = failure
+            self._write()
             return
         table = ScheduleTable.from_json(table_text, "the re-planned table rank 0 broadcast")
         check_same_table(table, self.rank, dist.group.WORLD)  # every rank of every pipeline holds it
@@ -200,11 +205,6 @@ class InFlightReplanner:
         records = [self.summary(running) for running in self._states]
         write_atomically(Path(self.dump_dir) / "replan.json",
                          json.dumps([r for r in records if r is not None], indent=1))
-
-
-def _kept(running: ScheduleTable) -> Decision:
-    """The decision of a run that could not decide: keep ``running``, predicted nothing."""
-    return Decision(running.algorithm, running.algorithm, False, running, float("nan"), float("nan"), float("nan"), ())
 
 
 def replanner_for(settings: ReplanSettings, group: Any, device: torch.device,

@@ -128,3 +128,30 @@ def test_auto_replan_refusals():
     assert settings.algorithms == ("zb-h1", "zbv")
     with pytest.raises(ConfigError, match=r"\['zbv'\] do not share the running 1f1b table's layout"):
         settings.check_layout(build_schedule("1f1b", 2, 4))
+
+
+def test_a_run_whose_decision_fails_keeps_its_table_and_records_why(tmp_path):
+    """Calibration can refuse the measured steps: the run keeps its table, stops probing, and its summary
+    and replan.json say why -- no decision made of NaN predictions."""
+    def work(rank, world):
+        import primuspipe.backends.replanning as replanning
+
+        def refuse(*args, **kwargs):
+            raise ConfigError("the measured steps do not calibrate (test)")
+
+        replanning.decide = refuse  # this rank's process only
+        table = build_schedule("1f1b", 2, 4)
+        stages = split_sequential(_model(table.num_stages), table.num_stages)
+        mine = {s: stages[s] for s in table.placement.stages[rank]}
+        pipe = TorchPipeline(table, mine, loss_fn=torch.nn.MSELoss(), auto_replan=SETTINGS, dump_dir=str(tmp_path))
+        for _ in range(STEPS):
+            pipe.step(torch.randn(64, WIDTH), target=torch.randn(64, WIDTH))
+            for module in mine.values():
+                module.zero_grad()
+        return pipe.running_table.algorithm, pipe.replan_summary
+
+    for algorithm, summary in run_gloo(work, 2, timeout_s=300):
+        assert algorithm == "1f1b"
+        assert summary["replanned_to"] is None and "do not calibrate" in summary["failure"]
+    (record,) = json.loads((tmp_path / "replan.json").read_text())
+    assert "do not calibrate" in record["failure"]
