@@ -10,6 +10,7 @@ import torch
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.backends.torch import TorchPipeline, split_sequential
 from primuspipe.testing.gloo import run_gloo
+from emulation_limits import TORCH_RUNTIME_HANGS
 from primuspipe.testing.torch_pipelining import (
     local_stage_indices, mse, plain_model, sequential_reference, torch_runtime, torch_schedule, torch_step,
 )
@@ -63,6 +64,7 @@ def _run_all(pp: int, m: int):
     return tables, run_gloo(work, pp, timeout_s=300)
 
 
+@TORCH_RUNTIME_HANGS
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_algorithm_equals_one_process_and_torch_runtime(pp):
     m = 2 * pp

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from primuspipe.testing.torch_pipelining import torch_orders
+from emulation_limits import TORCH_RUNTIME_HANGS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,6 +24,7 @@ def _run(*args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@TORCH_RUNTIME_HANGS
 @pytest.mark.slow
 def test_example_trains_like_torch(tmp_path):
     result = _run("--microbatches", "4", "--algorithm", "dualpipe-v")

@@ -11,6 +11,7 @@ from primuspipe.errors import ConfigError
 from primuspipe.io.timeline import dump_iterations
 from primuspipe.testing.gloo import run_gloo
 from primuspipe.testing.torch_pipelining import mse, plain_model, sequential_reference
+from emulation_limits import NO_DEVICE_MESH
 
 H = 8
 
@@ -197,9 +198,11 @@ def _data_parallel_run(wrap: str, algorithms):
         assert all(r[alg][1] == table.vpp for r in results), f"{wrap} {alg}: one reduction per stage and step"
 
 
+@NO_DEVICE_MESH
 def test_ddp_stages_reduce_once_per_step():
     _data_parallel_run("ddp", [("1f1b", 1), ("zbv", 2)])
 
 
+@NO_DEVICE_MESH
 def test_fsdp2_stages_reduce_scatter_once_per_step():
     _data_parallel_run("fsdp", [("interleaved-1f1b", 2), ("zbv", 2)])

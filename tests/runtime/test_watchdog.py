@@ -24,6 +24,7 @@ from primuspipe.runtime.reference_binder import ModuleBinder
 from primuspipe.runtime.runner import ScheduleRunner
 from primuspipe.runtime.transport import P2PTransport
 from primuspipe.runtime.watchdog import TransferWatchdog
+from emulation_limits import GROUP_NOT_FREED
 from primuspipe.testing.gloo import WorkerError, run_gloo
 
 H, BATCH = 4, 2
@@ -99,6 +100,7 @@ def test_gloo_wait_keeps_the_deadline_counted_from_posting():
     assert 0.5 < waited < 2.5, f"waited {waited:.2f} s after a 2 s head start: the deadline counts from posting"
 
 
+@GROUP_NOT_FREED
 def test_a_watchdog_does_not_keep_its_process_group_alive():
     """A destroyed group must be freed (with its gloo worker threads) although a watchdog watched it, and
     the watchdog's thread must end: a group kept alive into the interpreter's exit aborted torchrun ranks

@@ -88,9 +88,8 @@ class TorchPipeline:
                               f"({table.placement.name} placement), but was given modules for {sorted(stages)}")
         self.modules = [stages[s] for s in mine]
         """This rank's modules by chunk (``modules[c]`` is stage ``table.placement.stage(rank, c)``)."""
-        data_parallel.check_wrappers(self.modules, settings.enabled  # re-planning probes and may switch to W nodes
-                                     or any(k.is_weight_grad and not k.is_input_grad
-                                            for n in self.table.ranks[self.rank] for k, _, _ in n.parts()))
+        # re-planning probes and may switch to W nodes
+        data_parallel.check_wrappers(self.modules, settings.enabled or self.table.splits_backward)
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
         self.device = torch.device(device) if device is not None else _device_of(self.modules)
