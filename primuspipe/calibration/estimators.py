@@ -36,6 +36,9 @@ class Samples:
     waits: list[tuple[float, int | None]]
     """Per compute node that waited for its input: how long the transfer took after both ends were
     posted (its arrival is when the consumer went on), and its size in bytes where known."""
+    fixed: dict[tuple[NodeKind, int], list[float]]
+    """Like ``durations``, the part of each node's time spent outside the model's layers, for nodes whose
+    event times the layers (``TimedNode.layers``); empty otherwise."""
 
     @classmethod
     def of(cls, steps: Sequence[Step], placement: Placement, *, use_cpu: bool,
@@ -53,8 +56,18 @@ class Samples:
                 return e.cpu_time / slowdown.get((rank, e.node), 1.0)
             return e.end - e.start
 
+        def outside(e: TimedNode, rank: int) -> float | None:
+            """The node's time outside the layers, on the clock :func:`span` reads."""
+            if e.layers is None:
+                return None
+            wall, cpu = e.layers
+            if use_cpu and e.cpu is not None:
+                return None if cpu is None else max(0.0, e.cpu_time - cpu) / slowdown.get((rank, e.node), 1.0)
+            return max(0.0, e.end - e.start - wall)
+
         durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
-        firsts: list[tuple[NodeKind, int, float]] = []
+        firsts: list[tuple[NodeKind, int, float, float | None]] = []
+        fixed: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         seen: set[tuple] = set()
         pairs, waits = [], []
         host: dict[str, list[float]] = defaultdict(list)
@@ -73,9 +86,11 @@ class Samples:
                 stage = placement.stage(rank, node.chunk)
                 if (rank, kind, node.chunk) in seen:
                     durations[(kind, stage)].append(span(e, rank))
+                    if (part := outside(e, rank)) is not None:
+                        fixed[(kind, stage)].append(part)
                 else:
                     seen.add((rank, kind, node.chunk))
-                    firsts.append((kind, stage, span(e, rank)))
+                    firsts.append((kind, stage, span(e, rank), outside(e, rank)))
             if step.ready is None:
                 continue
             host[kind.name.lower()].append(gap(step.ready, e, use_cpu))
@@ -83,12 +98,14 @@ class Samples:
                 send, recv = step.waited
                 waits.append((elapsed(max(send.start, recv.start), recv.end), recv.bytes))
         cold: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
-        for kind, stage, took in firsts:
+        for kind, stage, took, part in firsts:
             if rest := durations.get((kind, stage)):
                 cold[(kind, stage)].append(significant(took) - significant(statistics.median(rest)))
             else:  # a chunk with one node of this kind: it is all there is to time
                 durations[(kind, stage)].append(took)
-        return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits)
+                if part is not None:
+                    fixed[(kind, stage)].append(part)
+        return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits, dict(fixed))
 
 
 def medians(groups) -> dict[str, float]:

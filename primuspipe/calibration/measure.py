@@ -74,6 +74,20 @@ def _timed_kinds() -> dict[str, NodeKind]:
     return {k.spec.cost: k for k in compute_kinds() if k.spec.cost and not k.spec.parts}
 
 
+def fixed_parts(times: dict[str, list], outside: dict[str, list], fused_only: list[int]) -> dict[str, tuple[float, ...]]:
+    """Per cost key, each stage's time outside the layers (``MeasuredCosts.fixed``), for the keys timed
+    on every stage with the layers timed too (a fused-only stage's B and W: half of BW's, as their
+    times); at most the stage's time."""
+    out = {}
+    for key, parts in outside.items():
+        if key in ("b", "w") and fused_only and outside.get("bw"):
+            parts = [outside["bw"][s] / 2 if s in fused_only and outside["bw"][s] is not None else x
+                     for s, x in enumerate(parts)]
+        if parts and None not in parts and None not in times[key]:
+            out[key] = tuple(significant(min(x, t)) for x, t in zip(parts, times[key]))
+    return out
+
+
 def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = None, *,
                   warmup: int = 1) -> MeasuredCosts:
     """Costs from timelines of one table shape (a run's iterations, oldest first). The first
@@ -108,10 +122,10 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
                for steps, slowdown in zip(walks, slowdowns)]
     n = placement.num_stages
 
-    def median_of(kind: NodeKind) -> list[float | None]:
+    def median_of(kind: NodeKind, field: str = "durations") -> list[float | None]:
         out: list[float | None] = []
         for stage in range(n):
-            means = [statistics.fmean(d) for s in samples if (d := s.durations.get((kind, stage)))]
+            means = [statistics.fmean(d) for s in samples if (d := getattr(s, field).get((kind, stage)))]
             out.append(significant(statistics.median(means)) if means else None)
         return out
 
@@ -128,6 +142,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
                                        "backward; the timeline must run every stage's backward")
             b[stage] = w[stage] = bw[stage] / 2
             fused_only.append(stage)
+    fixed = fixed_parts(times, {key: median_of(kind, "fixed") for key, kind in _timed_kinds().items()}, fused_only)
     if fused_only:
         notes.append(f"stage(s) {', '.join(map(str, fused_only))} ran only fused BW: B and W are each taken as "
                      "half of it (only schedules that split them depend on this)")
@@ -159,7 +174,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         significant(statistics.median(overlaps)) if overlaps else None, latency,
         tuple(peaks), tuple(dict.fromkeys(notes)), cold, host_overhead,
         {k.removeprefix("post_"): v for k, v in host_post.items()}, bandwidth, size, cores,
-        background_share, contention and significant(contention), gaps,
+        background_share, contention and significant(contention), gaps, fixed,
     )
     if cores is None:
         return measured

@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from primuspipe.ir.cost_file import merge_fixed
+
 
 @dataclass(frozen=True)
 class MeasuredCosts:
@@ -59,6 +61,9 @@ class MeasuredCosts:
     step_gap: tuple[float, ...] | None = None
     """Per rank, the time from its step's end to its next step's start (consecutive dumped iterations);
     None where the dump cannot tell."""
+    fixed: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Per cost key (``f``, ``b``, ``w``, ``bw``), each stage's time outside the model's layers, where the
+    dump timed the layers (``TimedNode.layers``; the cost file's ``compute.fixed``); empty otherwise."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for
@@ -76,6 +81,8 @@ class MeasuredCosts:
             compute["fb_overlap"] = self.fb_overlap
         if self.cold_start is not None:
             compute["cold_start"] = {key: values(v) for key, v in zip("fbw", self.cold_start)}
+        if self.fixed:
+            compute["fixed"] = {key: self._fixed_values(key, parts, per_model_stage) for key, parts in self.fixed.items()}
         out: dict[str, Any] = {"time_unit": self.time_unit, "compute": compute}
         host: dict[str, Any] = {}
         if any(self.host_overhead.values()):
@@ -104,6 +111,15 @@ class MeasuredCosts:
         if p2p:
             out["p2p"] = p2p
         return out
+
+    def _fixed_values(self, key: str, parts: Sequence[float], per_model_stage: bool) -> list[float]:
+        """``compute.fixed.<key>``: per model stage as measured, or per 1F1B stage (:func:`merge_fixed`: the
+        ``vpp - 1`` extra chunks' own fixed costs are not a 1F1B stage's)."""
+        if per_model_stage or self.vpp == 1:
+            return list(parts)
+        times = self.fused_backward if key == "bw" else {"f": self.forward, "b": self.backward_input,
+                                                         "w": self.backward_weight}[key]
+        return [significant(x) for x in merge_fixed(times, parts, self.pp)[1]]
 
     def to_yaml(self, *, per_model_stage: bool = False) -> str:
         """A cost file ``primuspipe simulate --cost`` reads, with what was measured in its header

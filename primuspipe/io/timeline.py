@@ -33,7 +33,7 @@ TIMELINE_VERSION = 1
 _KEYS = {"format", "version", "source", "algorithm", "pp", "vpp", "microbatches", "iteration", "time_unit", "meta",
          "ranks"}
 _RANK_KEYS = {"rank", "peak_memory_bytes", "events"}
-_EVENT_KEYS = {"node", "start", "end", "cpu", "bytes"}
+_EVENT_KEYS = {"node", "start", "end", "cpu", "bytes", "layers"}
 
 
 def idle_share(window: float, busy: float) -> float:
@@ -55,6 +55,10 @@ class TimedNode:
     time; None where not measured."""
     bytes: int | None = None
     """Run dumps: the size of the tensor a SEND/RECV node moved; None where not measured."""
+    layers: tuple[float, float | None] | None = None
+    """Run dumps of a backend that knows the model's layer stack (Megatron: the decoder): the wall time
+    and the thread's CPU time (None where not measured) the node spent inside it, so calibration can
+    tell a chunk's fixed cost from its per-layer cost; None where not measured."""
 
     @property
     def cpu_time(self) -> float | None:
@@ -211,7 +215,7 @@ def _rank_timeline(data: object, where: str, pp: int, vpp: int, m: int) -> RankT
         size = e.get("bytes")
         if size is not None:
             size = strict.count(size, f"{at}.bytes", error=TableFormatError)
-        events.append(TimedNode(node, start, end, cpu, size))
+        events.append(TimedNode(node, start, end, cpu, size, _layers(e.get("layers"), at, end - start)))
     return RankTimeline(rank, tuple(events), peak)
 
 
@@ -221,13 +225,31 @@ def _part(key: tuple) -> str:
 
 
 def _event_dict(e: TimedNode) -> dict:
-    """One event's JSON: node, start, end, and ``cpu`` / ``bytes`` where measured."""
+    """One event's JSON: node, start, end, and ``cpu`` / ``bytes`` / ``layers`` where measured."""
     out = {"node": str(e.node), "start": e.start, "end": e.end}
     if e.cpu is not None:
         out["cpu"] = list(e.cpu)
     if e.bytes is not None:
         out["bytes"] = e.bytes
+    if e.layers is not None:
+        out["layers"] = list(e.layers)
     return out
+
+
+def _layers(value, at: str, span: float) -> tuple[float, float | None] | None:
+    """An event's ``layers``: ``[wall, cpu]`` seconds inside the layer stack (cpu may be null), at most
+    the node's own time (a little clock noise allowed)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2:
+        raise TableFormatError(f"{at}.layers must be [wall, cpu] seconds the node spent in the model's layers "
+                               f"(cpu may be null), got {strict.show(value)}")
+    wall = strict.number(value[0], f"{at}.layers[0]", minimum=0, error=TableFormatError)
+    if wall > span * (1 + 1e-6) + 1e-9:
+        raise TableFormatError(f"{at}.layers[0] = {wall:g} is longer than the node itself ({span:g}); the time "
+                               "in the layers is part of the node's time")
+    cpu = None if value[1] is None else strict.number(value[1], f"{at}.layers[1]", minimum=0, error=TableFormatError)
+    return wall, cpu
 
 
 # -- run dumps: one file per rank and iteration (written by primuspipe.runtime.recorder) --------

@@ -18,6 +18,7 @@ optimizer bytes) are one number or ``pp`` values::
       recompute: 0.4         # any other timed kind, by its KindSpec.cost key (a plug-in's, say)
       fb_overlap: 0.0        # FB pair: F + B - fb_overlap * min(F, B); 0 = no gain, 1 = max(F, B)
       cold_start: {f: 0.3, b: 0.1, w: 0.05}  # extra time of each chunk's first F, B, W in a step
+      fixed: {f: [0.3, 0.2], b: [0.2, 0.3], w: 0.05, bw: [0.3, 0.4]}  # part of each time outside the layers
     host:                    # time on the host, outside the kernels (every key optional, default 0)
       overhead: {f: 0.03, b: 0.04, w: 0.02, bw: 0.04}   # rank time before each node of a kind
       send: 0.15             # rank time to post a send (the transfer can start once it is posted)
@@ -40,12 +41,22 @@ optimizer bytes) are one number or ``pp`` values::
       gradient_bytes: 1.0e9
       optimizer_bytes: 4.0e9
 
+``compute.fixed`` (optional; per kind, one number or a value per 1F1B stage like the times) is the part
+of each time spent outside the model's layers: a chunk's own cost (its Python, dispatch and launches,
+paid once per chunk and node), with the embedding on the first stage and the loss head on the last.
+Without it a 1F1B stage's time is cut evenly over its ``vpp`` chunks, which loses that every chunk pays
+its own fixed cost; with it a model stage gets its share of the layers plus a chunk's fixed cost, and the
+first and last model stages keep the embedding's and the head's (:func:`split_fixed`; under the V
+placement the last model stage, with the head, sits on rank 0). ``primuspipe calibrate`` writes it from
+a dump whose events time the layers (the Megatron backend's; ``TimedNode.layers``).
+
 :meth:`CostModel.from_dict <primuspipe.ir.cost_model.CostModel.from_dict>` reads it with the section
 readers below.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,6 +83,56 @@ def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ..
                               f"{pp * vpp} (one per model stage at pp={pp}, vpp={vpp})")
     per_1f1b_stage = per_stage_values(name, value, pp, "1F1B stages")
     return tuple(per_1f1b_stage[s // vpp] / vpp for s in range(pp * vpp))
+
+
+def chunk_fixed(fixed: Sequence[float]) -> float:
+    """A chunk's own fixed cost, from per-stage fixed parts in pipeline order: what a stage holding
+    neither the embedding (the first) nor the loss head (the last) pays, the median of the inner stages;
+    with two stages the smaller of the two (it still holds the embedding or the head, so it is an upper
+    bound); with one, its own."""
+    inner = fixed[1:-1]
+    return statistics.median(inner) if inner else min(fixed)
+
+
+def split_fixed(name: str, value: Values, fixed: Values, pp: int, vpp: int,
+                fixed_name: str = "compute.fixed") -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``(times, fixed parts)`` per model stage from a 1F1B-stage time and its fixed part (``compute.fixed``,
+    module docstring): model stage ``s`` of 1F1B stage ``k`` gets ``(value[k] - fixed[k]) / vpp`` of
+    layers plus a chunk's fixed cost (:func:`chunk_fixed`), except the chunk that holds what made stage
+    ``k`` differ -- the first model stage (embedding), the last (loss head), the first chunk of a middle
+    stage -- which keeps ``fixed[k]``. At ``vpp = 1`` that is the value itself. A time given per model
+    stage (``pp * vpp`` values) needs its fixed part per model stage too, and both are taken as is.
+
+    >>> split_fixed("F", [10, 12], [2, 4], pp=2, vpp=2)
+    ((6.0, 6.0, 6.0, 8.0), (2.0, 2.0, 2.0, 4.0))
+    """
+    n = pp * vpp
+    if n != pp and isinstance(value, Sequence) and not isinstance(value, str) and len(value) == n:
+        return split_stages(name, value, pp, vpp), per_stage_values(fixed_name, fixed, n, "stages")
+    total = per_stage_values(name, value, pp, "1F1B stages")
+    own = per_stage_values(fixed_name, fixed, pp, "1F1B stages")
+    for k, (t, f) in enumerate(zip(total, own)):
+        if f > t * (1 + 1e-9):
+            raise ConfigError(f"{fixed_name}[{k}] = {f:g} is more than {name}[{k}] = {t:g}; the fixed part is the "
+                              "part of the time spent outside the layers, at most the time itself")
+    base = chunk_fixed(own)
+    parts = tuple(own[k] if j == (vpp - 1 if k == pp - 1 and k > 0 else 0) else base
+                  for k, j in (divmod(s, vpp) for s in range(n)))
+    return tuple((total[s // vpp] - own[s // vpp]) / vpp + parts[s] for s in range(n)), parts
+
+
+def merge_fixed(times: Sequence[float], fixed: Sequence[float], pp: int) -> tuple[list[float], list[float]]:
+    """The inverse of :func:`split_fixed`: per 1F1B stage, the time of its ``vpp`` model stages together
+    and its fixed part (theirs less the ``vpp - 1`` chunks' own fixed costs a 1F1B stage does not pay).
+
+    >>> merge_fixed((6.0, 6.0, 6.0, 8.0), (2.0, 2.0, 2.0, 4.0), pp=2)
+    ([12.0, 14.0], [2.0, 4.0])
+    """
+    vpp = len(times) // pp
+    base = chunk_fixed(fixed)
+    totals = [sum(times[k * vpp:(k + 1) * vpp]) for k in range(pp)]
+    own = [min(t, max(0.0, sum(fixed[k * vpp:(k + 1) * vpp]) - (vpp - 1) * base)) for k, t in enumerate(totals)]
+    return totals, own
 
 
 def read_cost_file(path: str | Path) -> dict[str, Any]:
@@ -116,7 +177,7 @@ def link_section(data: Mapping[str, Any], name: str) -> Link:
 
 
 SECTIONS = {"time_unit", "compute", "host", "p2p", "memory", "host_link"}
-COMPUTE_FIELDS = {"f", "b", "w", "bw", "fb_overlap", "cold_start"}
+COMPUTE_FIELDS = {"f", "b", "w", "bw", "fb_overlap", "cold_start", "fixed"}
 """The ``compute`` keys the model reads itself; any other is a timed kind's cost key."""
 
 

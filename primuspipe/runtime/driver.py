@@ -20,6 +20,8 @@ A minimal backend is a binder plus ``StepDriver(...).execute(...)``: see docs/ba
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import hashlib
 import json
@@ -128,7 +130,9 @@ class StepDriver:
                 self.run_id = self.run_id or shared_run_id(group)
             recorder = StepRecorder(device, self.run_id)
         transport = P2PTransport(group, timeout_s=self.watchdog_timeout_s)
-        runner.run(binder, transport, recorder)
+        timing = getattr(binder, "timing_layers", None)  # optional (protocols.Binder): spans inside the layers
+        with timing(recorder) if timing is not None and recorder is not None else contextlib.nullcontext():
+            runner.run(binder, transport, recorder)
         timeline = None
         if recorder is not None:
             timeline = recorder.timeline(table, rank, self.iteration)

@@ -68,6 +68,10 @@ class Binder(Protocol):
     def sent(self, node: ScheduleNode, tensor: Any) -> None:
         """Called right after ``tensor``'s send was posted (the transport keeps its data alive)."""
 
+    # Optional: ``timing_layers(recorder)``, a context manager the driver enters around a recorded step,
+    # in which the binder reports each node's spans inside the model's layer stack to ``recorder.layers``
+    # (the Megatron binder does; a binder that does not know the layers leaves it out).
+
 
 @dataclass
 class Pending:

@@ -92,7 +92,9 @@ class StepRecorder:
         self.run_id = run_id
         self.cuda = device.type == "cuda"
         self.device = device
-        self.events: list[tuple[ScheduleNode, Any, Any, int | None]] = []
+        self.events: list[tuple[ScheduleNode, Any, Any, int | None, tuple]] = []
+        self._inside: list[tuple[Any, Any]] = []
+        """Spans in the model's layer stack (:meth:`layers`) since the last compute node was recorded."""
         if self.cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -122,17 +124,32 @@ class StepRecorder:
         nbytes = None  # a tuple of tensors went as consecutive messages: their bytes together
         if tensor is not None:
             nbytes = sum(t.numel() * t.element_size() for t in (tensor if isinstance(tensor, tuple) else (tensor,)))
-        self.events.append((node, start, end, nbytes))
+        spans: tuple = ()
+        if node.kind.is_compute:
+            spans, self._inside = tuple(self._inside), []
+        self.events.append((node, start, end, nbytes, spans))
         if self._rss is not None and node.kind.is_compute:
             self._peak_rss = max(self._peak_rss, self._rss())
 
-    def _timed(self, node: ScheduleNode, start: Any, end: Any, nbytes: int | None) -> TimedNode:
+    def layers(self, start: Any, end: Any) -> None:
+        """A span (two :meth:`clock` readings) the running compute node spent in the model's layer stack; a
+        backend that knows the layers reports them (the Megatron binder's
+        :mod:`~primuspipe.backends.megatron.layer_timing`), and the node's event carries their sum
+        (``TimedNode.layers``): how calibration tells a chunk's fixed cost from its per-layer cost."""
+        self._inside.append((start, end))
+
+    def _timed(self, node: ScheduleNode, start: Any, end: Any, nbytes: int | None, spans: tuple) -> TimedNode:
         """An event in seconds from the step start (CUDA events must have completed)."""
         if self.cuda:
+            layers = (sum(a.elapsed_time(b) for a, b in spans) / 1e3, None) if spans else None
             return TimedNode(node, self._origin.elapsed_time(start) / 1e3, self._origin.elapsed_time(end) / 1e3,
-                             bytes=nbytes)
+                             bytes=nbytes, layers=layers)
         cpu = (start.cpu, end.cpu) if isinstance(start, Stamp) and isinstance(end, Stamp) else None
-        return TimedNode(node, float(start), float(end), cpu, nbytes)
+        layers = None
+        if spans:  # within the node's own span by construction; clamp the last digits' noise
+            layers = (min(float(end) - float(start), sum(float(b) - float(a) for a, b in spans)),
+                      min(end.cpu - start.cpu, sum(b.cpu - a.cpu for a, b in spans)) if cpu else None)
+        return TimedNode(node, float(start), float(end), cpu, nbytes, layers)
 
     def peak_memory_bytes(self) -> int:
         if self.cuda:

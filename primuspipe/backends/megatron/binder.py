@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from primuspipe.backends.megatron.layer_timing import timing_layers
 from primuspipe.backends.megatron.wgrad_store import WeightGradStore
 from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.runtime.activation_offload import ActivationOffload
@@ -248,6 +249,11 @@ class MegatronBinder:
         """``W``: the weight gradients ``B`` deferred; the chunk's last ``W`` opens gradient sync."""
         with self.sync.around_backward(call.chunk, call.microbatch):
             self.wgrad.flush(call.chunk, call.microbatch)
+
+    def timing_layers(self, recorder: Any):
+        """While a step is recorded: each node's time inside the chunks' decoders, to ``recorder``
+        (:mod:`.layer_timing`)."""
+        return timing_layers(self.args.models, recorder, self.wgrad)
 
     def recv_buffer(self, node: ScheduleNode) -> torch.Tensor:
         return torch.empty(self.transfer_shape, dtype=self.args.config.pipeline_dtype, device=self.device,

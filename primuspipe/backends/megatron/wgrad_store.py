@@ -167,6 +167,9 @@ class WeightGradStore:
         self._parameters: dict[tuple, torch.nn.Parameter] | None = None
         """What identifies each parameter's memory -> the parameter; built at the first weight that is
         not a parameter object (see :meth:`_stash`), never in a step without saved-tensor hooks."""
+        self.timed: tuple[set[int], Any] | None = None
+        """While a step is recorded: (ids of the layer stack's weights, the recorder) -- their GEMMs in
+        :meth:`flush` are reported as time inside the layers (:mod:`.layer_timing`)."""
 
     @contextlib.contextmanager
     def collecting(self, chunk: int, microbatch: int) -> Iterator[None]:
@@ -211,9 +214,13 @@ class WeightGradStore:
                 f"W{microbatch}.{chunk} has no deferred weight gradients: B{microbatch}.{chunk} did not run before "
                 f"it on this rank in this step, or its W already ran (pending: {have})") from None
         weights, grads = [], []
+        layer_weights, recorder = self.timed or ((), None)
         for item in work:
+            start = recorder.clock() if id(item.weight) in layer_weights else None
             with torch.no_grad():  # as inside autograd's backward, where Megatron computes them
                 grad = _compute_wgrad(item)
+            if start is not None:
+                recorder.layers(start, recorder.clock())
             if grad is not None:
                 weights.append(item.weight)
                 grads.append(grad)
