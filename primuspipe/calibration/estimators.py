@@ -39,6 +39,9 @@ class Samples:
     fixed: dict[tuple[NodeKind, int], list[float]]
     """Like ``durations``, the part of each node's time spent outside the model's layers, for nodes whose
     event times the layers (``TimedNode.layers``); empty otherwise."""
+    chunk: dict[tuple[NodeKind, int], list[float]]
+    """Likewise, the part outside the layers and the first and last stage's own modules
+    (``TimedNode.ends``): the fixed cost every chunk pays."""
 
     @classmethod
     def of(cls, steps: Sequence[Step], placement: Placement, *, use_cpu: bool,
@@ -56,18 +59,25 @@ class Samples:
                 return e.cpu_time / slowdown.get((rank, e.node), 1.0)
             return e.end - e.start
 
-        def outside(e: TimedNode, rank: int) -> float | None:
-            """The node's time outside the layers, on the clock :func:`span` reads."""
+        def outside(e: TimedNode, rank: int, parts: tuple[str, ...]) -> float | None:
+            """The node's time outside ``parts`` of the model, on the clock :func:`span` reads."""
+            inside = [getattr(e, part) or (0.0, 0.0) for part in parts]
             if e.layers is None:
                 return None
-            wall, cpu = e.layers
             if use_cpu and e.cpu is not None:
-                return None if cpu is None else max(0.0, e.cpu_time - cpu) / slowdown.get((rank, e.node), 1.0)
-            return max(0.0, e.end - e.start - wall)
+                if any(cpu is None for _, cpu in inside):
+                    return None
+                return max(0.0, e.cpu_time - sum(cpu for _, cpu in inside)) / slowdown.get((rank, e.node), 1.0)
+            return max(0.0, e.end - e.start - sum(wall for wall, _ in inside))
+
+        def split(e: TimedNode, rank: int) -> tuple[float | None, float | None]:
+            """(time outside the layers, time outside the layers and the ends)."""
+            return outside(e, rank, ("layers",)), outside(e, rank, ("layers", "ends"))
 
         durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
-        firsts: list[tuple[NodeKind, int, float, float | None]] = []
+        firsts: list[tuple[NodeKind, int, float, tuple[float | None, float | None]]] = []
         fixed: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
+        chunk: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         seen: set[tuple] = set()
         pairs, waits = [], []
         host: dict[str, list[float]] = defaultdict(list)
@@ -86,11 +96,10 @@ class Samples:
                 stage = placement.stage(rank, node.chunk)
                 if (rank, kind, node.chunk) in seen:
                     durations[(kind, stage)].append(span(e, rank))
-                    if (part := outside(e, rank)) is not None:
-                        fixed[(kind, stage)].append(part)
+                    _add_parts(fixed, chunk, (kind, stage), split(e, rank))
                 else:
                     seen.add((rank, kind, node.chunk))
-                    firsts.append((kind, stage, span(e, rank), outside(e, rank)))
+                    firsts.append((kind, stage, span(e, rank), split(e, rank)))
             if step.ready is None:
                 continue
             host[kind.name.lower()].append(gap(step.ready, e, use_cpu))
@@ -103,9 +112,15 @@ class Samples:
                 cold[(kind, stage)].append(significant(took) - significant(statistics.median(rest)))
             else:  # a chunk with one node of this kind: it is all there is to time
                 durations[(kind, stage)].append(took)
-                if part is not None:
-                    fixed[(kind, stage)].append(part)
-        return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits, dict(fixed))
+                _add_parts(fixed, chunk, (kind, stage), part)
+        return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits, dict(fixed), dict(chunk))
+
+
+def _add_parts(fixed: dict, chunk: dict, key: tuple, parts: tuple[float | None, float | None]) -> None:
+    """File a node's time outside the layers and outside layers and ends, where measured."""
+    for into, value in zip((fixed, chunk), parts):
+        if value is not None:
+            into[key].append(value)
 
 
 def medians(groups) -> dict[str, float]:

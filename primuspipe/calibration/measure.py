@@ -75,9 +75,9 @@ def _timed_kinds() -> dict[str, NodeKind]:
 
 
 def fixed_parts(times: dict[str, list], outside: dict[str, list], fused_only: list[int]) -> dict[str, tuple[float, ...]]:
-    """Per cost key, each stage's time outside the layers (``MeasuredCosts.fixed``), for the keys timed
-    on every stage with the layers timed too (a fused-only stage's B and W: half of BW's, as their
-    times); at most the stage's time."""
+    """Per cost key, each stage's time outside some parts of the model (``MeasuredCosts.fixed`` and
+    ``chunk``), for the keys timed on every stage with those parts timed too (a fused-only stage's B and
+    W: half of BW's, as their times); at most the stage's time."""
     out = {}
     for key, parts in outside.items():
         if key in ("b", "w") and fused_only and outside.get("bw"):
@@ -86,6 +86,15 @@ def fixed_parts(times: dict[str, list], outside: dict[str, list], fused_only: li
         if parts and None not in parts and None not in times[key]:
             out[key] = tuple(significant(min(x, t)) for x, t in zip(parts, times[key]))
     return out
+
+
+def last_from_others(chunk: tuple[float, ...]) -> tuple[float, ...]:
+    """Per stage, the fixed cost a chunk pays, with the last model stage's taken as the median of the
+    others': its own measure still holds the output layer and the loss, which are not timed apart
+    (:mod:`primuspipe.backends.megatron.layer_timing`)."""
+    if len(chunk) < 2:
+        return chunk
+    return (*chunk[:-1], significant(min(chunk[-1], statistics.median(chunk[:-1]))))
 
 
 def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = None, *,
@@ -142,7 +151,8 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
                                        "backward; the timeline must run every stage's backward")
             b[stage] = w[stage] = bw[stage] / 2
             fused_only.append(stage)
-    fixed = fixed_parts(times, {key: median_of(kind, "fixed") for key, kind in _timed_kinds().items()}, fused_only)
+    fixed, chunk = (fixed_parts(times, {key: median_of(kind, field) for key, kind in _timed_kinds().items()}, fused_only)
+                    for field in ("fixed", "chunk"))
     if fused_only:
         notes.append(f"stage(s) {', '.join(map(str, fused_only))} ran only fused BW: B and W are each taken as "
                      "half of it (only schedules that split them depend on this)")
@@ -175,6 +185,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         tuple(peaks), tuple(dict.fromkeys(notes)), cold, host_overhead,
         {k.removeprefix("post_"): v for k, v in host_post.items()}, bandwidth, size, cores,
         background_share, contention and significant(contention), gaps, fixed,
+        {key: last_from_others(parts) for key, parts in chunk.items() if key in fixed},
     )
     if cores is None:
         return measured

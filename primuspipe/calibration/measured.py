@@ -64,6 +64,9 @@ class MeasuredCosts:
     fixed: dict[str, tuple[float, ...]] = field(default_factory=dict)
     """Per cost key (``f``, ``b``, ``w``, ``bw``), each stage's time outside the model's layers, where the
     dump timed the layers (``TimedNode.layers``; the cost file's ``compute.fixed``); empty otherwise."""
+    chunk: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Likewise, outside the layers and the embedding and output layer (``TimedNode.ends``): the fixed
+    cost every chunk pays (the cost file's ``compute.chunk``); empty where not measured."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for
@@ -82,7 +85,10 @@ class MeasuredCosts:
         if self.cold_start is not None:
             compute["cold_start"] = {key: values(v) for key, v in zip("fbw", self.cold_start)}
         if self.fixed:
-            compute["fixed"] = {key: self._fixed_values(key, parts, per_model_stage) for key, parts in self.fixed.items()}
+            written = {key: self._fixed_values(key, per_model_stage) for key in self.fixed}
+            compute["fixed"] = {key: parts for key, (parts, _) in written.items()}
+            if self.chunk:
+                compute["chunk"] = {key: chunk for key, (_, chunk) in written.items() if key in self.chunk}
         out: dict[str, Any] = {"time_unit": self.time_unit, "compute": compute}
         host: dict[str, Any] = {}
         if any(self.host_overhead.values()):
@@ -112,14 +118,17 @@ class MeasuredCosts:
             out["p2p"] = p2p
         return out
 
-    def _fixed_values(self, key: str, parts: Sequence[float], per_model_stage: bool) -> list[float]:
-        """``compute.fixed.<key>``: per model stage as measured, or per 1F1B stage (:func:`merge_fixed`: the
-        ``vpp - 1`` extra chunks' own fixed costs are not a 1F1B stage's)."""
+    def _fixed_values(self, key: str, per_model_stage: bool) -> tuple[list[float], list[float]]:
+        """``compute.fixed.<key>`` and ``compute.chunk.<key>``: per model stage as measured, or per 1F1B
+        stage (:func:`merge_fixed`: the ``vpp - 1`` extra chunks' own fixed costs are not a 1F1B stage's)."""
+        parts = self.fixed[key]
+        chunk = self.chunk.get(key, parts)
         if per_model_stage or self.vpp == 1:
-            return list(parts)
+            return list(parts), list(chunk)
         times = self.fused_backward if key == "bw" else {"f": self.forward, "b": self.backward_input,
                                                          "w": self.backward_weight}[key]
-        return [significant(x) for x in merge_fixed(times, parts, self.pp)[1]]
+        _, own, each = merge_fixed(times, parts, chunk, self.pp)
+        return [significant(x) for x in own], [significant(x) for x in each]
 
     def to_yaml(self, *, per_model_stage: bool = False) -> str:
         """A cost file ``primuspipe simulate --cost`` reads, with what was measured in its header

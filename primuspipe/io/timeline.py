@@ -33,7 +33,7 @@ TIMELINE_VERSION = 1
 _KEYS = {"format", "version", "source", "algorithm", "pp", "vpp", "microbatches", "iteration", "time_unit", "meta",
          "ranks"}
 _RANK_KEYS = {"rank", "peak_memory_bytes", "events"}
-_EVENT_KEYS = {"node", "start", "end", "cpu", "bytes", "layers"}
+_EVENT_KEYS = {"node", "start", "end", "cpu", "bytes", "layers", "ends"}
 
 
 def idle_share(window: float, busy: float) -> float:
@@ -59,6 +59,9 @@ class TimedNode:
     """Run dumps of a backend that knows the model's layer stack (Megatron: the decoder): the wall time
     and the thread's CPU time (None where not measured) the node spent inside it, so calibration can
     tell a chunk's fixed cost from its per-layer cost; None where not measured."""
+    ends: tuple[float, float | None] | None = None
+    """Likewise, the time in the modules only the first and last stage hold (Megatron: the embedding,
+    the output layer), so calibration can tell them from the fixed cost every chunk pays."""
 
     @property
     def cpu_time(self) -> float | None:
@@ -215,7 +218,8 @@ def _rank_timeline(data: object, where: str, pp: int, vpp: int, m: int) -> RankT
         size = e.get("bytes")
         if size is not None:
             size = strict.count(size, f"{at}.bytes", error=TableFormatError)
-        events.append(TimedNode(node, start, end, cpu, size, _layers(e.get("layers"), at, end - start)))
+        events.append(TimedNode(node, start, end, cpu, size, *(_inside(e.get(part), f"{at}.{part}", end - start)
+                                                               for part in ("layers", "ends"))))
     return RankTimeline(rank, tuple(events), peak)
 
 
@@ -225,7 +229,7 @@ def _part(key: tuple) -> str:
 
 
 def _event_dict(e: TimedNode) -> dict:
-    """One event's JSON: node, start, end, and ``cpu`` / ``bytes`` / ``layers`` where measured."""
+    """One event's JSON: node, start, end, and ``cpu`` / ``bytes`` / ``layers`` / ``ends`` where measured."""
     out = {"node": str(e.node), "start": e.start, "end": e.end}
     if e.cpu is not None:
         out["cpu"] = list(e.cpu)
@@ -233,23 +237,26 @@ def _event_dict(e: TimedNode) -> dict:
         out["bytes"] = e.bytes
     if e.layers is not None:
         out["layers"] = list(e.layers)
+    if e.ends is not None:
+        out["ends"] = list(e.ends)
     return out
 
 
-def _layers(value, at: str, span: float) -> tuple[float, float | None] | None:
-    """An event's ``layers``: ``[wall, cpu]`` seconds inside the layer stack (cpu may be null), at most
-    the node's own time (a little clock noise allowed)."""
+def _inside(value, at: str, span: float) -> tuple[float, float | None] | None:
+    """An event's ``layers`` or ``ends``: ``[wall, cpu]`` seconds inside that part of the model (cpu may be
+    null), at most the node's own time (a little clock noise allowed)."""
     if value is None:
         return None
     if not isinstance(value, list) or len(value) != 2:
-        raise TableFormatError(f"{at}.layers must be [wall, cpu] seconds the node spent in the model's layers "
+        raise TableFormatError(f"{at} must be [wall, cpu] seconds the node spent in that part of the model "
                                f"(cpu may be null), got {strict.show(value)}")
-    wall = strict.number(value[0], f"{at}.layers[0]", minimum=0, error=TableFormatError)
+    wall = strict.number(value[0], f"{at}[0]", minimum=0, error=TableFormatError)
     if wall > span * (1 + 1e-6) + 1e-9:
-        raise TableFormatError(f"{at}.layers[0] = {wall:g} is longer than the node itself ({span:g}); the time "
-                               "in the layers is part of the node's time")
-    cpu = None if value[1] is None else strict.number(value[1], f"{at}.layers[1]", minimum=0, error=TableFormatError)
+        raise TableFormatError(f"{at}[0] = {wall:g} is longer than the node itself ({span:g}); the time in a part "
+                               "of the model is part of the node's time")
+    cpu = None if value[1] is None else strict.number(value[1], f"{at}[1]", minimum=0, error=TableFormatError)
     return wall, cpu
+
 
 
 # -- run dumps: one file per rank and iteration (written by primuspipe.runtime.recorder) --------

@@ -19,6 +19,7 @@ optimizer bytes) are one number or ``pp`` values::
       fb_overlap: 0.0        # FB pair: F + B - fb_overlap * min(F, B); 0 = no gain, 1 = max(F, B)
       cold_start: {f: 0.3, b: 0.1, w: 0.05}  # extra time of each chunk's first F, B, W in a step
       fixed: {f: [0.3, 0.2], b: [0.2, 0.3], w: 0.05, bw: [0.3, 0.4]}  # part of each time outside the layers
+      chunk: {f: 0.15, b: 0.1}   # of that, what each chunk pays (without the embedding and output layer)
     host:                    # time on the host, outside the kernels (every key optional, default 0)
       overhead: {f: 0.03, b: 0.04, w: 0.02, bw: 0.04}   # rank time before each node of a kind
       send: 0.15             # rank time to post a send (the transfer can start once it is posted)
@@ -47,8 +48,12 @@ paid once per chunk and node), with the embedding on the first stage and the los
 Without it a 1F1B stage's time is cut evenly over its ``vpp`` chunks, which loses that every chunk pays
 its own fixed cost; with it a model stage gets its share of the layers plus a chunk's fixed cost, and the
 first and last model stages keep the embedding's and the head's (:func:`split_fixed`; under the V
-placement the last model stage, with the head, sits on rank 0). ``primuspipe calibrate`` writes it from
-a dump whose events time the layers (the Megatron backend's; ``TimedNode.layers``).
+placement the last model stage, with the head, sits on rank 0). ``compute.chunk`` (optional, per kind
+given in ``fixed``) is the fixed cost each chunk pays, ``fixed`` less the embedding's and output layer's
+time; without it, it is estimated from ``fixed`` (:func:`chunk_fixed`). ``primuspipe calibrate`` writes
+both from a dump whose events time the layers and those modules (the Megatron backend's;
+``TimedNode.layers`` and ``ends``); a backend that does not know the model's layers (``TorchPipeline``'s
+user modules) dumps neither, and the file keeps the even split.
 
 :meth:`CostModel.from_dict <primuspipe.ir.cost_model.CostModel.from_dict>` reads it with the section
 readers below.
@@ -94,45 +99,58 @@ def chunk_fixed(fixed: Sequence[float]) -> float:
     return statistics.median(inner) if inner else min(fixed)
 
 
-def split_fixed(name: str, value: Values, fixed: Values, pp: int, vpp: int,
-                fixed_name: str = "compute.fixed") -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """``(times, fixed parts)`` per model stage from a 1F1B-stage time and its fixed part (``compute.fixed``,
-    module docstring): model stage ``s`` of 1F1B stage ``k`` gets ``(value[k] - fixed[k]) / vpp`` of
-    layers plus a chunk's fixed cost (:func:`chunk_fixed`), except the chunk that holds what made stage
-    ``k`` differ -- the first model stage (embedding), the last (loss head), the first chunk of a middle
-    stage -- which keeps ``fixed[k]``. At ``vpp = 1`` that is the value itself. A time given per model
-    stage (``pp * vpp`` values) needs its fixed part per model stage too, and both are taken as is.
+def split_fixed(name: str, value: Values, fixed: Values, pp: int, vpp: int, fixed_name: str = "compute.fixed",
+                chunk: Values | None = None, chunk_name: str = "compute.chunk") -> tuple[tuple[float, ...], ...]:
+    """``(times, fixed parts, chunks' own fixed costs)`` per model stage from a 1F1B-stage time, its fixed
+    part (``compute.fixed``) and the fixed cost each of its chunks pays (``compute.chunk``; default
+    :func:`chunk_fixed` of the fixed parts), module docstring: model stage ``s`` of 1F1B stage ``k`` gets
+    ``(value[k] - fixed[k]) / vpp`` of layers plus ``chunk[k]``, except the chunk that holds what made
+    stage ``k`` differ -- the first model stage (embedding), the last (loss head), the first chunk of a
+    middle stage -- which keeps ``fixed[k]``. At ``vpp = 1`` that is the value itself. A time given per
+    model stage (``pp * vpp`` values) needs its fixed parts per model stage too, and all are taken as is.
 
-    >>> split_fixed("F", [10, 12], [2, 4], pp=2, vpp=2)
-    ((6.0, 6.0, 6.0, 8.0), (2.0, 2.0, 2.0, 4.0))
+    >>> split_fixed("F", [10, 12], [2, 4], pp=2, vpp=2, chunk=[1.5, 1.5])
+    ((6.0, 5.5, 5.5, 8.0), (2.0, 1.5, 1.5, 4.0), (1.5, 1.5, 1.5, 1.5))
     """
     n = pp * vpp
     if n != pp and isinstance(value, Sequence) and not isinstance(value, str) and len(value) == n:
-        return split_stages(name, value, pp, vpp), per_stage_values(fixed_name, fixed, n, "stages")
+        own = per_stage_values(fixed_name, fixed, n, "stages")
+        return (split_stages(name, value, pp, vpp), own,
+                own if chunk is None else per_stage_values(chunk_name, chunk, n, "stages"))
     total = per_stage_values(name, value, pp, "1F1B stages")
     own = per_stage_values(fixed_name, fixed, pp, "1F1B stages")
     for k, (t, f) in enumerate(zip(total, own)):
         if f > t * (1 + 1e-9):
             raise ConfigError(f"{fixed_name}[{k}] = {f:g} is more than {name}[{k}] = {t:g}; the fixed part is the "
                               "part of the time spent outside the layers, at most the time itself")
-    base = chunk_fixed(own)
-    parts = tuple(own[k] if j == (vpp - 1 if k == pp - 1 and k > 0 else 0) else base
-                  for k, j in (divmod(s, vpp) for s in range(n)))
-    return tuple((total[s // vpp] - own[s // vpp]) / vpp + parts[s] for s in range(n)), parts
+    if chunk is None:  # estimated: at most the stage's own fixed part
+        each = tuple(min(chunk_fixed(own), f) for f in own)
+    else:
+        each = per_stage_values(chunk_name, chunk, pp, "1F1B stages")
+    for k, (c, f) in enumerate(zip(each, own)):
+        if c > f * (1 + 1e-9):
+            raise ConfigError(f"{chunk_name}[{k}] = {c:g} is more than {fixed_name}[{k}] = {f:g}; a chunk's own "
+                              "fixed cost is the fixed part less the embedding's and output layer's, at most it")
+    holder = [(0 if k == 0 or k < pp - 1 else vpp - 1) for k in range(pp)]
+    parts = tuple(own[k] if j == holder[k] else each[k] for k, j in (divmod(s, vpp) for s in range(n)))
+    times = tuple((total[s // vpp] - own[s // vpp]) / vpp + parts[s] for s in range(n))
+    return times, parts, tuple(each[s // vpp] for s in range(n))
 
 
-def merge_fixed(times: Sequence[float], fixed: Sequence[float], pp: int) -> tuple[list[float], list[float]]:
-    """The inverse of :func:`split_fixed`: per 1F1B stage, the time of its ``vpp`` model stages together
-    and its fixed part (theirs less the ``vpp - 1`` chunks' own fixed costs a 1F1B stage does not pay).
+def merge_fixed(times: Sequence[float], fixed: Sequence[float], chunk: Sequence[float], pp: int) -> tuple[list[float], ...]:
+    """The inverse of :func:`split_fixed`: per 1F1B stage, the time and the fixed part of its ``vpp``
+    model stages together, less the ``vpp - 1`` chunks' own fixed costs a 1F1B stage does not pay, and its
+    chunks' own fixed cost (their mean).
 
-    >>> merge_fixed((6.0, 6.0, 6.0, 8.0), (2.0, 2.0, 2.0, 4.0), pp=2)
-    ([12.0, 14.0], [2.0, 4.0])
+    >>> merge_fixed((6.0, 5.5, 5.5, 8.0), (2.0, 1.5, 1.5, 4.0), (1.5, 1.5, 1.5, 1.5), pp=2)
+    ([10.0, 12.0], [2.0, 4.0], [1.5, 1.5])
     """
     vpp = len(times) // pp
-    base = chunk_fixed(fixed)
-    totals = [sum(times[k * vpp:(k + 1) * vpp]) for k in range(pp)]
-    own = [min(t, max(0.0, sum(fixed[k * vpp:(k + 1) * vpp]) - (vpp - 1) * base)) for k, t in enumerate(totals)]
-    return totals, own
+    group = [slice(k * vpp, (k + 1) * vpp) for k in range(pp)]
+    each = [statistics.fmean(chunk[g]) for g in group]
+    totals = [max(0.0, sum(times[g]) - (vpp - 1) * c) for c, g in zip(each, group)]
+    own = [min(t, max(c, sum(fixed[g]) - (vpp - 1) * c)) for t, c, g in zip(totals, each, group)]
+    return totals, own, each
 
 
 def read_cost_file(path: str | Path) -> dict[str, Any]:
@@ -177,7 +195,7 @@ def link_section(data: Mapping[str, Any], name: str) -> Link:
 
 
 SECTIONS = {"time_unit", "compute", "host", "p2p", "memory", "host_link"}
-COMPUTE_FIELDS = {"f", "b", "w", "bw", "fb_overlap", "cold_start", "fixed"}
+COMPUTE_FIELDS = {"f", "b", "w", "bw", "fb_overlap", "cold_start", "fixed", "chunk"}
 """The ``compute`` keys the model reads itself; any other is a timed kind's cost key."""
 
 

@@ -48,11 +48,12 @@ class CostModel:
     memory: MemoryCost = MemoryCost()
     """What W keeps of B's activations (always) and bytes (when modelled)."""
     time_unit: str = "ms"
-    fixed: tuple[tuple[str, tuple[float, ...]], ...] = ()
-    """Per cost key (``f``, ``b``, ``w``, ``bw``...), the part of each stage's time spent outside the
-    model's layers (``compute.fixed``, :func:`~primuspipe.ir.cost_file.split_fixed`); empty where not
-    measured. Only :meth:`for_shape` reads it: cutting the model for another ``vpp`` then charges every
-    chunk its own fixed cost instead of an even share."""
+    fixed: tuple[tuple[str, tuple[float, ...], tuple[float, ...]], ...] = ()
+    """Per cost key (``f``, ``b``, ``w``, ``bw``...): the part of each stage's time spent outside the
+    model's layers and the fixed cost its chunk pays of it (``compute.fixed`` and ``compute.chunk``,
+    :func:`~primuspipe.ir.cost_file.split_fixed`); empty where not measured. Only :meth:`for_shape`
+    reads it: cutting the model for another ``vpp`` then charges every chunk its own fixed cost instead
+    of an even share."""
     host_link: Link = Link()
     """The device <-> host path an OFFLOAD or RELOAD copies over (PCIe on a GPU): a copy of ``n`` bytes
     takes ``latency + n / bandwidth`` on the rank's copy stream of its direction, overlapping compute.
@@ -68,9 +69,10 @@ class CostModel:
             raise ConfigError(f"compute.cold_start has {self.cold_start.num_stages} values for {n} stages")
         if self.memory.models_bytes and len(self.memory.activation_bytes) != n:
             raise ConfigError(f"memory.activation_bytes has {len(self.memory.activation_bytes)} values for {n} stages")
-        for key, parts in self.fixed:
-            if len(parts) != n:
-                raise ConfigError(f"compute.fixed.{key} has {len(parts)} values for {n} stages")
+        for key, parts, chunk in self.fixed:
+            if len(parts) != n or len(chunk) != n:
+                raise ConfigError(f"compute.fixed.{key} / compute.chunk.{key} have {len(parts)} / {len(chunk)} values "
+                                  f"for {n} stages")
         if self.time_unit not in TIME_UNITS:
             raise ConfigError(f"time_unit must be one of {sorted(TIME_UNITS)}, got {self.time_unit!r}")
         _check_time_range(self)
@@ -149,12 +151,12 @@ class CostModel:
             k = len(values) // pp
             return split_stages(name, [sum(values[i * k:(i + 1) * k]) for i in range(pp)], pp, vpp)
 
-        fixed = dict(self.fixed)
-        cut: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {}  # key -> (times, fixed parts)
-        for key, parts in fixed.items():
+        cut: dict[str, tuple[tuple[float, ...], ...]] = {}  # key -> (times, fixed parts, chunks' own)
+        for key, parts, chunk in self.fixed:
             times = self.fused_backward if key == "bw" else self.compute.times.get(key)
             if times is not None:
-                cut[key] = split_fixed(f"compute.{key}", *merge_fixed(times, parts, pp), pp, vpp, f"compute.fixed.{key}")
+                total, own, each = merge_fixed(times, parts, chunk, pp)
+                cut[key] = split_fixed(f"compute.{key}", total, own, pp, vpp, f"compute.fixed.{key}", each)
 
         def recut_key(name: str, key: str, times: tuple[float, ...]) -> tuple[float, ...]:
             return cut[key][0] if key in cut else recut(f"{name}{key.upper()}", times)
@@ -168,7 +170,7 @@ class CostModel:
         return replace(self, compute=self.compute.map(lambda key, times: recut_key("", key, times)),
                        fused_backward=None if self.fused_backward is None else recut_key("", "bw", self.fused_backward),
                        cold_start=None if self.cold_start is None else recut_costs("cold_start.", self.cold_start),
-                       memory=memory, fixed=tuple((key, parts) for key, (_, parts) in cut.items()))
+                       memory=memory, fixed=tuple((key, parts, chunk) for key, (_, parts, chunk) in cut.items()))
 
     # -- dict / YAML --------------------------------------------------------------------------------
     @classmethod
@@ -176,7 +178,7 @@ class CostModel:
         """Build from the YAML form (:mod:`~primuspipe.ir.cost_file`) for a pipeline of ``pp`` ranks x ``vpp`` chunks;
         every value is checked (:mod:`primuspipe.strict`) and errors name ``source`` and the field."""
         top = strict.keys(data, source, SECTIONS)
-        comp = strict.keys(top.get("compute"), f"{source}: compute", {*cost_keys(), "fb_overlap", "cold_start", "fixed"},
+        comp = strict.keys(top.get("compute"), f"{source}: compute", {*cost_keys(), "fb_overlap", "cold_start", "fixed", "chunk"},
                            required={"f", "b", "w"})
         p2p = strict.keys(top.get("p2p", {}), f"{source}: p2p",
                           {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
@@ -184,17 +186,19 @@ class CostModel:
                  for k in ("intra_node", "inter_node")}
 
         fixed_given = strict.keys(comp.get("fixed", {}), f"{source}: compute.fixed", cost_keys())
-        unknown = sorted(set(fixed_given) - set(comp))
-        if unknown:
-            raise ConfigError(f"{source}: compute.fixed.{unknown[0]} is given but compute.{unknown[0]} is not; the "
-                              "fixed part belongs to a time the file gives")
-        fixed: dict[str, tuple[float, ...]] = {}
+        chunk_given = strict.keys(comp.get("chunk", {}), f"{source}: compute.chunk", cost_keys())
+        for part, given, needs in (("fixed", fixed_given, comp), ("chunk", chunk_given, fixed_given)):
+            if unknown := sorted(set(given) - set(needs)):
+                raise ConfigError(f"{source}: compute.{part}.{unknown[0]} is given but compute."
+                                  f"{'fixed.' if part == 'chunk' else ''}{unknown[0]} is not; give both or neither")
+        fixed: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {}
 
         def stages(name: str, value: Values) -> tuple[float, ...]:
             key = name.lower()
             if key in fixed_given:
-                times, fixed[key] = split_fixed(f"{source}: compute.{key}", value, fixed_given[key], pp, vpp,
-                                                f"{source}: compute.fixed.{key}")
+                times, *fixed[key] = split_fixed(f"{source}: compute.{key}", value, fixed_given[key], pp, vpp,
+                                                 f"{source}: compute.fixed.{key}", chunk_given.get(key),
+                                                 f"{source}: compute.chunk.{key}")
                 return times
             return split_stages(f"{source}: {name}", value, pp, vpp)
 
@@ -217,7 +221,7 @@ class CostModel:
                 host=host_section(top.get("host", {}), pp), cold_start=cold_start_section(comp.get("cold_start"), pp, vpp),
                 host_link=link_section(strict.keys(top.get("host_link", {}), f"{source}: host_link",
                                             {"latency", "bandwidth"}), f"{source}: host_link"),
-                fixed=tuple(sorted(fixed.items())),
+                fixed=tuple((key, *parts) for key, parts in sorted(fixed.items())),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"bad value in the cost model: {exc}") from exc
@@ -244,7 +248,8 @@ class CostModel:
             c = self.cold_start
             out["compute"]["cold_start"] = {key: list(times) for key, times in c.times.items()}
         if self.fixed:
-            out["compute"]["fixed"] = {key: list(parts) for key, parts in self.fixed}
+            out["compute"]["fixed"] = {key: list(parts) for key, parts, _ in self.fixed}
+            out["compute"]["chunk"] = {key: list(chunk) for key, _, chunk in self.fixed}
         if self.host != HostCost():
             h = self.host
             out["host"] = {"overhead": dict(h.overhead), "send": h.send, "recv": h.recv, "cores": h.cores,

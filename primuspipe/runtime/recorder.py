@@ -131,25 +131,29 @@ class StepRecorder:
         if self._rss is not None and node.kind.is_compute:
             self._peak_rss = max(self._peak_rss, self._rss())
 
-    def layers(self, start: Any, end: Any) -> None:
-        """A span (two :meth:`clock` readings) the running compute node spent in the model's layer stack; a
-        backend that knows the layers reports them (the Megatron binder's
-        :mod:`~primuspipe.backends.megatron.layer_timing`), and the node's event carries their sum
-        (``TimedNode.layers``): how calibration tells a chunk's fixed cost from its per-layer cost."""
-        self._inside.append((start, end))
+    def inside(self, part: str, start: Any, end: Any, share: float = 1.0) -> None:
+        """A span (two :meth:`clock` readings) the running compute node spent in a ``part`` of the model:
+        ``"layers"`` (its layer stack) or ``"ends"`` (the embedding, the output layer); ``share`` of it
+        where one call served several parts. A backend that knows the model reports them (the Megatron
+        binder's :mod:`~primuspipe.backends.megatron.layer_timing`) and the node's event carries their
+        sums (``TimedNode.layers`` / ``TimedNode.ends``): how calibration tells a chunk's fixed cost from
+        its per-layer cost."""
+        self._inside.append((part, start, end, share))
 
     def _timed(self, node: ScheduleNode, start: Any, end: Any, nbytes: int | None, spans: tuple) -> TimedNode:
         """An event in seconds from the step start (CUDA events must have completed)."""
         if self.cuda:
-            layers = (sum(a.elapsed_time(b) for a, b in spans) / 1e3, None) if spans else None
+            inside = {part: (sum(a.elapsed_time(b) * share for p, a, b, share in spans if p == part) / 1e3, None)
+                      for part in {p for p, *_ in spans}}
             return TimedNode(node, self._origin.elapsed_time(start) / 1e3, self._origin.elapsed_time(end) / 1e3,
-                             bytes=nbytes, layers=layers)
+                             bytes=nbytes, **inside)
         cpu = (start.cpu, end.cpu) if isinstance(start, Stamp) and isinstance(end, Stamp) else None
-        layers = None
-        if spans:  # within the node's own span by construction; clamp the last digits' noise
-            layers = (min(float(end) - float(start), sum(float(b) - float(a) for a, b in spans)),
-                      min(end.cpu - start.cpu, sum(b.cpu - a.cpu for a, b in spans)) if cpu else None)
-        return TimedNode(node, float(start), float(end), cpu, nbytes, layers)
+        inside = {}
+        for part in {p for p, *_ in spans}:  # within the node's span by construction; clamp the last digits' noise
+            mine = [(a, b, share) for p, a, b, share in spans if p == part]
+            inside[part] = (min(float(end) - float(start), sum((float(b) - float(a)) * x for a, b, x in mine)),
+                            min(cpu[1] - cpu[0], sum((b.cpu - a.cpu) * x for a, b, x in mine)) if cpu else None)
+        return TimedNode(node, float(start), float(end), cpu, nbytes, **inside)
 
     def peak_memory_bytes(self) -> int:
         if self.cuda:

@@ -14,8 +14,15 @@ is timed inside each node and reported to the recorder (:meth:`StepRecorder.laye
 * ``B`` / ``BW``: from the gradient of the decoder's output to that of its input (tensor hooks registered
   in the forward), the decoder's own backward;
 * ``W``: the deferred weight-gradient GEMMs of the decoder's weights
-  (:class:`~primuspipe.backends.megatron.wgrad_store.WeightGradStore`; their accumulation into the
-  gradient buffers, one call for all of a microbatch's weights, stays in the fixed part).
+  (:class:`~primuspipe.backends.megatron.wgrad_store.WeightGradStore`), and of their accumulation into
+  the gradient buffers (one call for all of a microbatch's weights) the decoder weights' share of the
+  elements.
+
+The embedding (the first stage's own module) is timed the same way as ``ends`` (its forward: its
+backward has no input gradient to end at), so calibration can tell the fixed cost every chunk pays from
+what the first model stage pays on top. The last stage's own work, the output layer and the loss, is
+not timed apart: the loss is computed outside any module (``forward_step``'s loss function), so
+calibration takes the last stage's chunk cost from the other stages' (:mod:`primuspipe.calibration.measure`).
 
 Only recorded steps are hooked (dumps and the re-planner's measured steps); hooks are removed when the
 step ends.
@@ -30,51 +37,77 @@ from typing import Any
 import torch
 
 
-def decoder_of(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The layer stack of a (wrapped) megatron-core model chunk: its ``decoder``; None if it has none."""
-    while not hasattr(model, "decoder"):
-        if not hasattr(model, "module"):
+def model_of(chunk: torch.nn.Module) -> torch.nn.Module | None:
+    """The megatron-core model inside a (wrapped) chunk: the module holding a ``decoder``; None if none."""
+    while not hasattr(chunk, "decoder"):
+        if not hasattr(chunk, "module"):
             return None
-        model = model.module
-    return model.decoder
+        chunk = chunk.module
+    return chunk
+
+
+def parts_of(chunk: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(part, module)`` of a chunk: its decoder (``layers``) and, on the first stage, its embedding
+    (``ends``)."""
+    model = model_of(chunk)
+    if model is None:
+        return []
+    embedding = getattr(model, "embedding", None)
+    return [("layers", model.decoder)] + ([("ends", embedding)] if isinstance(embedding, torch.nn.Module) else [])
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The tensor a module takes or gives (the first of a tuple), if it carries a gradient. The first
+    stage's decoder gets its input as megatron-core's ``WrappedTensor`` (one reference, for early
+    freeing), which is looked into, not unwrapped."""
+    value = value[0] if isinstance(value, (tuple, list)) and value else value
+    wrapped = getattr(value, "_wrapper", None)
+    value = wrapped[0] if isinstance(wrapped, list) and wrapped else value
+    return value if isinstance(value, torch.Tensor) and value.requires_grad else None
 
 
 @contextlib.contextmanager
 def timing_layers(models: Sequence[torch.nn.Module], recorder: Any, wgrad: Any) -> Iterator[None]:
-    """Report every span the enclosed step spends in a chunk's decoder to ``recorder.layers``."""
-    decoders = [d for d in map(decoder_of, models) if d is not None]
-    if not decoders:
+    """Report every span the enclosed step spends in a chunk's decoder (``layers``) or its embedding or
+    output layer (``ends``) to ``recorder.inside``."""
+    parts = [pair for chunk in models for pair in parts_of(chunk)]
+    if not parts:
         yield
         return
     clock = recorder.clock
-    entered: list[Any] = []  # the running forward's start (one node at a time per process)
-    backward: list[Any] = []  # the running backward's start
+    handles = []
 
-    def output_grad(_grad):
-        backward[:] = [clock()]
+    def timed(part: str, module: torch.nn.Module) -> None:
+        forward: list[Any] = []  # the running forward's start (one node at a time per process)
+        backward: list[Any] = []  # the running backward's start
 
-    def input_grad(_grad):
-        if backward:
-            recorder.layers(backward.pop(), clock())
+        def output_grad(_grad):
+            backward[:] = [clock()]
 
-    def before(module, args, kwargs):
-        tensor = kwargs.get("hidden_states", args[0] if args else None)
-        if not getattr(module, "pre_process", True):
-            tensor = getattr(module, "input_tensor", None)  # what TransformerBlock runs on after stage 0
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-            tensor.register_hook(input_grad)
-        entered[:] = [clock()]
+        def input_grad(_grad):
+            if backward:
+                recorder.inside(part, backward.pop(), clock())
 
-    def after(module, args, kwargs, output):
-        if entered:
-            recorder.layers(entered.pop(), clock())
-        out = output[0] if isinstance(output, tuple) else output
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(output_grad)
+        def before(module, args, kwargs):
+            tensor = _first_tensor(kwargs.get("hidden_states", args[0] if args else None))
+            if part == "layers" and not getattr(module, "pre_process", True):
+                tensor = _first_tensor(getattr(module, "input_tensor", None))  # what TransformerBlock runs on then
+            if tensor is not None:
+                tensor.register_hook(input_grad)
+            forward[:] = [clock()]
 
-    handles = [h for d in decoders for h in (d.register_forward_pre_hook(before, with_kwargs=True),
-                                             d.register_forward_hook(after, with_kwargs=True))]
-    wgrad.timed = ({id(p) for d in decoders for p in d.parameters()}, recorder)
+        def after(module, args, kwargs, output):
+            if forward:
+                recorder.inside(part, forward.pop(), clock())
+            if (tensor := _first_tensor(output)) is not None:
+                tensor.register_hook(output_grad)
+
+        handles.extend((module.register_forward_pre_hook(before, with_kwargs=True),
+                        module.register_forward_hook(after, with_kwargs=True)))
+
+    for part, module in parts:
+        timed(part, module)
+    wgrad.timed = ({id(p): part for part, module in parts for p in module.parameters()}, recorder)
     try:
         yield
     finally:

@@ -167,9 +167,9 @@ class WeightGradStore:
         self._parameters: dict[tuple, torch.nn.Parameter] | None = None
         """What identifies each parameter's memory -> the parameter; built at the first weight that is
         not a parameter object (see :meth:`_stash`), never in a step without saved-tensor hooks."""
-        self.timed: tuple[set[int], Any] | None = None
-        """While a step is recorded: (ids of the layer stack's weights, the recorder) -- their GEMMs in
-        :meth:`flush` are reported as time inside the layers (:mod:`.layer_timing`)."""
+        self.timed: tuple[dict[int, str], Any] | None = None
+        """While a step is recorded: (id of a weight -> the part of the model it is in, the recorder) --
+        :meth:`flush` reports its GEMMs as time in that part (:mod:`.layer_timing`)."""
 
     @contextlib.contextmanager
     def collecting(self, chunk: int, microbatch: int) -> Iterator[None]:
@@ -214,20 +214,24 @@ class WeightGradStore:
                 f"W{microbatch}.{chunk} has no deferred weight gradients: B{microbatch}.{chunk} did not run before "
                 f"it on this rank in this step, or its W already ran (pending: {have})") from None
         weights, grads = [], []
-        layer_weights, recorder = self.timed or ((), None)
+        part_of, recorder = self.timed or ({}, None)
         for item in work:
-            start = recorder.clock() if id(item.weight) in layer_weights else None
+            part = part_of.get(id(item.weight))
+            start = recorder.clock() if part is not None else None
             with torch.no_grad():  # as inside autograd's backward, where Megatron computes them
                 grad = _compute_wgrad(item)
-            if start is not None:
-                recorder.layers(start, recorder.clock())
+            if part is not None:
+                recorder.inside(part, start, recorder.clock())
             if grad is not None:
                 weights.append(item.weight)
                 grads.append(grad)
         if weights:
+            start = recorder.clock() if recorder is not None else None
             # Autograd's accumulator of each weight adds to .grad and runs its hooks (e.g. Megatron DDP's
             # main_grad accumulation), as it does when the fused backward returns the gradient.
             torch.autograd.backward(weights, grads)
+            if recorder is not None:
+                _report_shares(recorder, part_of, weights, start, recorder.clock())
         return len(work) + (self._te.flush(chunk, microbatch) if self._te else 0)
 
     def forwarding(self, chunk: int, microbatch: int):
@@ -258,6 +262,16 @@ class WeightGradStore:
             raise WeightGradError(f"the step ended with weight gradients never applied: {missing} did not run "
                                   "(every B needs its W in the same step); gradients of those microbatches are "
                                   "incomplete")
+
+
+def _report_shares(recorder: Any, part_of: dict[int, str], weights: list, start: Any, end: Any) -> None:
+    """One accumulation call served every weight: each part of the model gets its weights' share of the
+    elements (the accumulation is an add per element)."""
+    total = sum(w.numel() for w in weights)
+    for part in set(part_of.values()):
+        mine = sum(w.numel() for w in weights if part_of.get(id(w)) == part)
+        if mine:
+            recorder.inside(part, start, end, mine / total)
 
 
 def check_deferrable(models: Sequence[torch.nn.Module], config: Any = None, split: bool = True) -> bool:
