@@ -3,7 +3,7 @@
     python bench/bench_prediction.py [--runs 3] [--iterations 8] [--microbatches 8] [--hidden 256] [--held-out 1 4]
                                      [--lock FILE] [--keep DIR [--reuse]] [-o bench/results/prediction.json]
 
-For pp = 2 and pp = 4 (megatron-core GPT on CPU, gloo ranks of one thread each through the Megatron
+For pp = 2 and pp = 4 (``--pp``; pp = 3 with ``--layers 12``; megatron-core GPT on CPU, gloo ranks of one thread each through the Megatron
 CPU harness, primuspipe's schedules with ``dump_pp_data``), each run is one session that trains a
 model per algorithm -- 1f1b, zb-h1, zbv, interleaved-1f1b, v-half -- a step of each in turn, so every
 algorithm meets the machine in the same state (on a shared machine the speed drifts by ten percent
@@ -52,6 +52,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -231,12 +233,22 @@ def predict(timelines: list[Timeline], pp: int, args: argparse.Namespace, folder
     cost_file = folder / "measured_cost.yaml"
     cost_file.write_text(measured.to_yaml())
     own = replay_accuracy(timelines, CostModel.load(cost_file, pp=pp, vpp=1))
-    rows = {}
+    # the same file without the fixed parts: each 1F1B stage's time cut evenly over its chunks (what a
+    # backend that cannot time the layers gets), predicted beside it from the same runs
+    even = measured.cost_dict()
+    for key in ("fixed", "chunk"):
+        even["compute"].pop(key, None)
+    even_file = folder / "measured_cost_even_split.yaml"
+    even_file.write_text(yaml.safe_dump(even, sort_keys=False))
+    rows, even_rows = {}, {}
     for m in sorted({args.microbatches, *held_out_counts(pp, args)}):
-        simulated = primuspipe("simulate", "-a", "all", "--pp", str(pp), "-m", str(m),
-                               "--cost", str(cost_file), "--plan-cost", "unit", "--json")
         suffix = "" if m == args.microbatches else f"@m{m}"
-        rows.update((row["algorithm"] + suffix, row) for row in simulated["results"] if "error" not in row)
+        for into, file in ((rows, cost_file), (even_rows, even_file)):
+            simulated = primuspipe("simulate", "-a", "all", "--pp", str(pp), "-m", str(m),
+                                   "--cost", str(file), "--plan-cost", "unit", "--json")
+            into.update((row["algorithm"] + suffix, row) for row in simulated["results"] if "error" not in row)
+    for name, row in rows.items():
+        row["even_split_step_time"] = even_rows[name]["step_time"]
     calibration = {"cost_model": measured.cost_dict(), "notes": list(measured.notes),
                    "replay_of_the_1f1b_runs": own.to_dict()}
     return calibration, rows
@@ -297,6 +309,7 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
         bubbles = [statistics.median(map(bubble_rate, run)) for run in per_run]
         predicted = [rows[name] for _, rows in sessions]
         errors = [p["step_time"] / step - 1 for p, step in zip(predicted, steps)]
+        even_errors = [p["even_split_step_time"] / step - 1 for p, step in zip(predicted, steps)]
         step, error = statistics.median(steps), statistics.median(errors)
         algorithm, m = shape_of(name, args)
         table.append({
@@ -306,6 +319,7 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
             "predicted_bubble_rate": statistics.median(p["bubble_rate"] for p in predicted),
             "measured_bubble_rate": statistics.median(bubbles),
             "pooled": {"predicted_step_s": pooled[name]["step_time"], "error": pooled[name]["step_time"] / step - 1},
+            "even_split": {"error": statistics.median(even_errors), "session_errors": even_errors},
             "measured_runs": [{"step_s": x, "bubble_rate": y, "predicted_step_s": p["step_time"], **{k: r[k] for k in (
                 "external_cores", "external_cores_tries")}} for x, y, p, r in zip(steps, bubbles, predicted, records)]})
         print(f"pp={pp} {name:17s} measured {step * 1e3:7.2f} ms; per session predicted/measured - 1: "
@@ -328,10 +342,10 @@ def markdown(report: dict) -> str:
                          f"{row['measured_step_s'] * 1e3:.0f} ({min(runs):.0f}-{max(runs):.0f})",
                          f"{row['error']:+.1%} ({min(errors):+.1%} to {max(errors):+.1%})",
                          f"{row['pooled']['error']:+.1%}",
-                         f"{row['predicted_bubble_rate']:.3f} / {row['measured_bubble_rate']:.3f}"])
+                         f"{row['even_split']['error']:+.1%}" if "even_split" in row else "-"])
     return markdown_table(["pp", "m", "algorithm", "vpp", "predicted step (ms)", "measured step (ms): median (sessions)",
                            "error: median (sessions)", "error, one file from all sessions",
-                           "bubble: predicted / measured"], rows)
+                           "error without compute.fixed (even split)"], rows)
 
 
 def main() -> None:
@@ -364,6 +378,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.reuse and args.keep is None:
         parser.error("--reuse needs --keep DIR, the folder of an earlier run")
+    if bad := [pp for pp in args.pp if args.layers % (2 * pp)]:
+        parser.error(f"--layers {args.layers} does not split into 2 x pp chunks at pp={bad[0]} (the vpp = 2 algorithms "
+                     f"need a multiple of {2 * bad[0]}; e.g. --layers 12 for pp 2 and 3)")
     with contextlib.ExitStack() as stack:
         work = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="primuspipe-prediction-")))
         report: dict = {"bench": "prediction", "host": platform.node(), "cpus": os.cpu_count(),
