@@ -133,7 +133,7 @@ def split_fixed(name: str, value: Values, fixed: Values, pp: int, vpp: int, fixe
                               "fixed cost is the fixed part less the embedding's and output layer's, at most it")
     holder = [(0 if k == 0 or k < pp - 1 else vpp - 1) for k in range(pp)]
     parts = tuple(own[k] if j == holder[k] else each[k] for k, j in (divmod(s, vpp) for s in range(n)))
-    times = tuple((total[s // vpp] - own[s // vpp]) / vpp + parts[s] for s in range(n))
+    times = total if vpp == 1 else tuple((total[s // vpp] - own[s // vpp]) / vpp + parts[s] for s in range(n))
     return times, parts, tuple(each[s // vpp] for s in range(n))
 
 
