@@ -153,6 +153,9 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
             fused_only.append(stage)
     fixed, chunk = (fixed_parts(times, {key: median_of(kind, field) for key, kind in _timed_kinds().items()}, fused_only)
                     for field in ("fixed", "chunk"))
+    if fixed:
+        notes.append(f"compute.fixed ({', '.join(sorted(fixed))}): each node's time outside the model's layers, from the "
+                     "dump's layer times; cut for another vpp, every chunk pays its own (compute.chunk)")
     if fused_only:
         notes.append(f"stage(s) {', '.join(map(str, fused_only))} ran only fused BW: B and W are each taken as "
                      "half of it (only schedules that split them depend on this)")
