@@ -9,8 +9,8 @@ folder, so ``replan.json`` holds the decision (the ranking under the measured co
 after it. Per run: the algorithm switched to and whether it is the ranking's first (it must be, whenever the
 predicted gain passes the threshold), the predicted step, and the measured step span of the steps after the
 switch (first node start to last node end over the ranks, what the simulator predicts), median over them.
-The figure is the median over runs of ``predicted / measured - 1``; target: within 5 %. The host's load
-(``os.getloadavg``) is recorded before and after each run: on a shared machine node times drift between the
+The figure is the median over runs of ``predicted / measured - 1``; target: within 5 %. Each run waits (up
+to ``--quiet-wait`` s) for idle CPUs first; the host's load (``os.getloadavg``) is recorded before and after it: on a shared machine node times drift between the
 measured steps and the steps after the switch, and the figures say how loaded it was.
 """
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_prediction import held  # noqa: E402
+from bench_prediction import held, wait_for_quiet  # noqa: E402
 
 TARGET = 0.05
 
@@ -48,6 +48,7 @@ def one_run(pp: int, args: argparse.Namespace, dump: Path) -> dict:
                PRIMUSPIPE_AUTO_REPLAN_WARMUP=str(args.warmup), PRIMUSPIPE_AUTO_REPLAN_STEPS=str(args.measure))
     if args.algorithms:
         env["PRIMUSPIPE_AUTO_REPLAN_ALGORITHMS"] = args.algorithms
+    waited = wait_for_quiet(args.quiet_wait)
     with held(args.lock):
         load_before = os.getloadavg()
         done = subprocess.run([torchrun, "--nproc-per-node", str(pp), str(ROOT / "examples" / "train_gpt.py"), *flags],
@@ -71,7 +72,7 @@ def one_run(pp: int, args: argparse.Namespace, dump: Path) -> dict:
         "running_predicted_step_time_s": decision["running_predicted_step_time_s"],
         "ranking": [(c["algorithm"], c["predicted_step_time_s"]) for c in ranking],
         "verified_steps": decision["verified_steps"], "notes": decision["notes"],
-        "loadavg_before": load_before, "loadavg_after": load_after}
+        "loadavg_before": load_before, "loadavg_after": load_after, "quiet_wait_s": round(waited, 1)}
     if record["error"] is None:
         raise RuntimeError(f"pp={pp}: no verified step after the decision: {line}")
     print(f"  pp={pp}: -> {record['replanned_to']} (simulator first: {first}, gain {gain:+.1%}); predicted "
@@ -95,6 +96,7 @@ def main() -> None:
                         help="auto_replan_algorithms: choose among these only (e.g. zb-h1,zb-h2,zb-auto: the run then "
                              "always switches, so the prediction of a switched-to schedule is measured)")
     parser.add_argument("--lock", type=Path, help="an flock file held during each run (shared with other heavy jobs)")
+    parser.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait for idle CPUs before a run")
     parser.add_argument("-o", "--output", type=Path, default=ROOT / "bench" / "results" / "auto_replan.json")
     args = parser.parse_args()
     report: dict = {"bench": "auto_replan", "host": platform.node(), "cpus": os.cpu_count(),
