@@ -151,7 +151,8 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
                                        "backward; the timeline must run every stage's backward")
             b[stage] = w[stage] = bw[stage] / 2
             fused_only.append(stage)
-    fixed, chunk = (fixed_parts(times, {key: median_of(kind, field) for key, kind in _timed_kinds().items()}, fused_only)
+    written = {key: kind for key, kind in _timed_kinds().items() if key in ("f", "b", "w", "bw")}  # what the file has
+    fixed, chunk = (fixed_parts(times, {key: median_of(kind, field) for key, kind in written.items()}, fused_only)
                     for field in ("fixed", "chunk"))
     if fixed:
         notes.append(f"compute.fixed ({', '.join(sorted(fixed))}): each node's time outside the model's layers, from the "

@@ -86,9 +86,10 @@ class MeasuredCosts:
             compute["cold_start"] = {key: values(v) for key, v in zip("fbw", self.cold_start)}
         if self.fixed:
             written = {key: self._fixed_values(key, per_model_stage) for key in self.fixed}
-            compute["fixed"] = {key: parts for key, (parts, _) in written.items()}
+            compute.update((key, times) for key, (times, _, _) in written.items())  # less the extra chunks' own
+            compute["fixed"] = {key: parts for key, (_, parts, _) in written.items()}
             if self.chunk:
-                compute["chunk"] = {key: chunk for key, (_, chunk) in written.items() if key in self.chunk}
+                compute["chunk"] = {key: chunk for key, (_, _, chunk) in written.items() if key in self.chunk}
         out: dict[str, Any] = {"time_unit": self.time_unit, "compute": compute}
         host: dict[str, Any] = {}
         if any(self.host_overhead.values()):
@@ -118,17 +119,17 @@ class MeasuredCosts:
             out["p2p"] = p2p
         return out
 
-    def _fixed_values(self, key: str, per_model_stage: bool) -> tuple[list[float], list[float]]:
-        """``compute.fixed.<key>`` and ``compute.chunk.<key>``: per model stage as measured, or per 1F1B
-        stage (:func:`merge_fixed`: the ``vpp - 1`` extra chunks' own fixed costs are not a 1F1B stage's)."""
+    def _fixed_values(self, key: str, per_model_stage: bool) -> tuple[list[float], list[float], list[float]]:
+        """``compute.<key>``, ``compute.fixed.<key>`` and ``compute.chunk.<key>``: per model stage as
+        measured, or per 1F1B stage (:func:`merge_fixed`: the ``vpp - 1`` extra chunks' own fixed costs
+        are not a 1F1B stage's)."""
+        times = self.fused_backward if key == "bw" else {"f": self.forward, "b": self.backward_input,
+                                                         "w": self.backward_weight}[key]
         parts = self.fixed[key]
         chunk = self.chunk.get(key, parts)
         if per_model_stage or self.vpp == 1:
-            return list(parts), list(chunk)
-        times = self.fused_backward if key == "bw" else {"f": self.forward, "b": self.backward_input,
-                                                         "w": self.backward_weight}[key]
-        _, own, each = merge_fixed(times, parts, chunk, self.pp)
-        return [significant(x) for x in own], [significant(x) for x in each]
+            return list(times), list(parts), list(chunk)
+        return tuple([significant(x) for x in values] for values in merge_fixed(times, parts, chunk, self.pp))
 
     def to_yaml(self, *, per_model_stage: bool = False) -> str:
         """A cost file ``primuspipe simulate --cost`` reads, with what was measured in its header

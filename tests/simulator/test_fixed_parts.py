@@ -155,3 +155,16 @@ def test_timeline_layers_round_trip_and_bad_values_are_refused(tmp_path):
         except TableFormatError as exc:
             assert says in str(exc) and "\n" not in str(exc)
 
+
+
+def test_a_file_calibrated_at_vpp2_is_the_same_per_1f1b_stage():
+    """From a vpp = 2 run the file is written per 1F1B stage: the chunks' times and fixed parts together,
+    less the extra chunk's own cost a 1F1B stage does not pay -- the vpp = 1 model, and cut back, the run's."""
+    truth2, outside2 = _truth(2, 2)
+    timeline = _timed_layers(simulate(build_schedule("zbv", 2, 6), truth2).timeline(), outside2)
+    cost = measure_costs([timeline]).cost_dict()
+    for vpp in (1, 2):
+        truth, _ = _truth(2, vpp)
+        model = CostModel.from_dict(cost, pp=2, vpp=vpp)
+        for kind in LAYERS:
+            assert model.compute.of(kind) == pytest.approx(truth.compute.of(kind), rel=1e-9), (vpp, kind)
