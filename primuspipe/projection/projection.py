@@ -157,6 +157,13 @@ class PipelineFigures:
         return max(idle_share(self.step_time, b) for b in self.busy)
 
 
+def _growing(runs: list[tuple[TrainingSpec, StageCosts, PipelineFigures]]) -> bool:
+    """Whether every rank's memory peak rose or stayed between the runs' first two counts: only then can a
+    third count show it growing on a line (a peak that fell somewhere follows none)."""
+    (_, _, first), (_, _, second) = runs[:2]
+    return all(b >= a for a, b in zip(first.peak_memory_bytes, second.peak_memory_bytes))
+
+
 def extrapolate(samples: list[PipelineFigures], microbatches: int) -> PipelineFigures | None:
     """The figures at ``microbatches`` from ``samples`` at fewer (ascending counts): times on the line
     through the last two; each rank's memory as it is at every sample, or on their common line where it
@@ -210,7 +217,7 @@ class Projector:
                 return self._result(training, algorithm, costs, figures)
             runs = [self._pipeline(training, algorithm, m) for m in counts[:2]]
             figures = self._extrapolated(runs, training.microbatches)
-            if figures is None and counts[2] < training.microbatches:
+            if figures is None and counts[2] < training.microbatches and _growing(runs):
                 runs.append(self._pipeline(training, algorithm, counts[2]))
                 figures = self._extrapolated(runs, training.microbatches)
             if figures is None:
