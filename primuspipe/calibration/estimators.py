@@ -40,8 +40,8 @@ class Samples:
     """Like ``durations``, the part of each node's time spent outside the model's layers, for nodes whose
     event times the layers (``TimedNode.layers``); empty otherwise."""
     chunk: dict[tuple[NodeKind, int], list[float]]
-    """Likewise, the part outside the layers and the first and last stage's own modules
-    (``TimedNode.ends``): the fixed cost every chunk pays."""
+    """Likewise, the part outside the layers and the first stage's embedding (``TimedNode.ends``): the
+    fixed cost every chunk pays."""
 
     @classmethod
     def of(cls, steps: Sequence[Step], placement: Placement, *, use_cpu: bool,
@@ -61,9 +61,9 @@ class Samples:
 
         def outside(e: TimedNode, rank: int, parts: tuple[str, ...]) -> float | None:
             """The node's time outside ``parts`` of the model, on the clock :func:`span` reads."""
-            inside = [getattr(e, part) or (0.0, 0.0) for part in parts]
             if e.layers is None:
                 return None
+            inside = [getattr(e, part) or (0.0, 0.0) for part in parts]
             if use_cpu and e.cpu is not None:
                 if any(cpu is None for _, cpu in inside):
                     return None

@@ -65,8 +65,9 @@ class MeasuredCosts:
     """Per cost key (``f``, ``b``, ``w``, ``bw``), each stage's time outside the model's layers, where the
     dump timed the layers (``TimedNode.layers``; the cost file's ``compute.fixed``); empty otherwise."""
     chunk: dict[str, tuple[float, ...]] = field(default_factory=dict)
-    """Likewise, outside the layers and the embedding and output layer (``TimedNode.ends``): the fixed
-    cost every chunk pays (the cost file's ``compute.chunk``); empty where not measured."""
+    """Likewise, outside the layers and the embedding (``TimedNode.ends``): the fixed cost every chunk
+    pays (the cost file's ``compute.chunk``; the last stage's, whose loss is not timed apart, is the
+    others' median); empty where not measured."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for

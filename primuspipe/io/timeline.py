@@ -60,8 +60,8 @@ class TimedNode:
     and the thread's CPU time (None where not measured) the node spent inside it, so calibration can
     tell a chunk's fixed cost from its per-layer cost; None where not measured."""
     ends: tuple[float, float | None] | None = None
-    """Likewise, the time in the modules only the first and last stage hold (Megatron: the embedding,
-    the output layer), so calibration can tell them from the fixed cost every chunk pays."""
+    """Likewise, the time in the module only the first stage holds (Megatron: the embedding's forward),
+    so calibration can tell it from the fixed cost every chunk pays."""
 
     @property
     def cpu_time(self) -> float | None:

@@ -19,7 +19,7 @@ optimizer bytes) are one number or ``pp`` values::
       fb_overlap: 0.0        # FB pair: F + B - fb_overlap * min(F, B); 0 = no gain, 1 = max(F, B)
       cold_start: {f: 0.3, b: 0.1, w: 0.05}  # extra time of each chunk's first F, B, W in a step
       fixed: {f: [0.3, 0.2], b: [0.2, 0.3], w: 0.05, bw: [0.3, 0.4]}  # part of each time outside the layers
-      chunk: {f: 0.15, b: 0.1}   # of that, what each chunk pays (without the embedding and output layer)
+      chunk: {f: 0.15, b: 0.1}   # of that, what each chunk pays (without the embedding and loss head)
     host:                    # time on the host, outside the kernels (every key optional, default 0)
       overhead: {f: 0.03, b: 0.04, w: 0.02, bw: 0.04}   # rank time before each node of a kind
       send: 0.15             # rank time to post a send (the transfer can start once it is posted)
@@ -49,7 +49,7 @@ Without it a 1F1B stage's time is cut evenly over its ``vpp`` chunks, which lose
 its own fixed cost; with it a model stage gets its share of the layers plus a chunk's fixed cost, and the
 first and last model stages keep the embedding's and the head's (:func:`split_fixed`; under the V
 placement the last model stage, with the head, sits on rank 0). ``compute.chunk`` (optional, per kind
-given in ``fixed``) is the fixed cost each chunk pays, ``fixed`` less the embedding's and output layer's
+given in ``fixed``) is the fixed cost each chunk pays, ``fixed`` less the embedding's and loss head's
 time; without it, it is estimated from ``fixed`` (:func:`chunk_fixed`). ``primuspipe calibrate`` writes
 both from a dump whose events time the layers and those modules (the Megatron backend's;
 ``TimedNode.layers`` and ``ends``); a backend that does not know the model's layers (``TorchPipeline``'s
@@ -130,7 +130,7 @@ def split_fixed(name: str, value: Values, fixed: Values, pp: int, vpp: int, fixe
     for k, (c, f) in enumerate(zip(each, own)):
         if c > f * (1 + 1e-9):
             raise ConfigError(f"{chunk_name}[{k}] = {c:g} is more than {fixed_name}[{k}] = {f:g}; a chunk's own "
-                              "fixed cost is the fixed part less the embedding's and output layer's, at most it")
+                              "fixed cost is the fixed part less the embedding's and loss head's, at most it")
     holder = [(0 if k == 0 or k < pp - 1 else vpp - 1) for k in range(pp)]
     parts = tuple(own[k] if j == holder[k] else each[k] for k, j in (divmod(s, vpp) for s in range(n)))
     times = total if vpp == 1 else tuple((total[s // vpp] - own[s // vpp]) / vpp + parts[s] for s in range(n))

@@ -21,7 +21,6 @@ A minimal backend is a binder plus ``StepDriver(...).execute(...)``: see docs/ba
 from __future__ import annotations
 
 import contextlib
-
 import functools
 import hashlib
 import json

@@ -69,7 +69,7 @@ class Binder(Protocol):
         """Called right after ``tensor``'s send was posted (the transport keeps its data alive)."""
 
     # Optional: ``timing_layers(recorder)``, a context manager the driver enters around a recorded step,
-    # in which the binder reports each node's spans inside the model's layer stack to ``recorder.layers``
+    # in which the binder reports each node's spans inside the model's layer stack to ``recorder.inside``
     # (the Megatron binder does; a binder that does not know the layers leaves it out).
 
 

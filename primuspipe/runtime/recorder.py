@@ -93,8 +93,8 @@ class StepRecorder:
         self.cuda = device.type == "cuda"
         self.device = device
         self.events: list[tuple[ScheduleNode, Any, Any, int | None, tuple]] = []
-        self._inside: list[tuple[Any, Any]] = []
-        """Spans in the model's layer stack (:meth:`layers`) since the last compute node was recorded."""
+        self._inside: list[tuple[str, Any, Any, float]] = []
+        """Spans in parts of the model (:meth:`inside`) since the last compute node was recorded."""
         if self.cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -133,7 +133,7 @@ class StepRecorder:
 
     def inside(self, part: str, start: Any, end: Any, share: float = 1.0) -> None:
         """A span (two :meth:`clock` readings) the running compute node spent in a ``part`` of the model:
-        ``"layers"`` (its layer stack) or ``"ends"`` (the embedding, the output layer); ``share`` of it
+        ``"layers"`` (its layer stack) or ``"ends"`` (the first stage's embedding); ``share`` of it
         where one call served several parts. A backend that knows the model reports them (the Megatron
         binder's :mod:`~primuspipe.backends.megatron.layer_timing`) and the node's event carries their
         sums (``TimedNode.layers`` / ``TimedNode.ends``): how calibration tells a chunk's fixed cost from
