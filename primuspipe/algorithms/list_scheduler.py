@@ -32,10 +32,10 @@ Two fills share one event loop (:func:`_fill`) and differ only in their candidat
 
 from __future__ import annotations
 
-import math
-
 import bisect
+import functools
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -51,6 +51,13 @@ _SCHEDULED = split_kinds()
 """The kinds this scheduler places: a split backward, one node per step (F, B, W), from the kind table."""
 
 _EPS = 1e-9
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _node(kind: NodeKind, microbatch: int, chunk: int) -> ScheduleNode:
+    """One node value, made once: fills of a competition place the same nodes many times over, and a
+    node is immutable, so the rows share them."""
+    return ScheduleNode(kind, microbatch, chunk)
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,9 @@ class _Pipeline:
     def __init__(self, placement: Placement, microbatches: int, cost: CostModel):
         pp, vpp = placement.pp, placement.vpp
         self.placement, self.m = placement, microbatches
-        self.finish: dict[tuple[NodeKind, int, int], float] = {}  # (step kind, stage, mb) -> end time
+        # (step kind, stage) -> per microbatch, the end time of its node (None: not scheduled yet)
+        self.finish: dict[tuple[NodeKind, int], list[float | None]] = {
+            (kind, s): [None] * microbatches for kind in _SCHEDULED for s in range(placement.num_stages)}
         self.clock = [0.0] * pp
         self.in_flight = [0] * pp  # forwards whose B has not run
         self.held = [0.0] * pp  # chunk activations held, counted until W (the one counter's rule)
@@ -133,13 +142,13 @@ class _Pipeline:
         self.rows: list[list[ScheduleNode]] = [[] for _ in range(pp)]
         self.remaining = [len(_SCHEDULED) * microbatches * vpp] * pp
         self.durations = {kind: [cost.duration(kind, s) for s in range(placement.num_stages)] for kind in _SCHEDULED}
-        # (kind, stage) -> [(needed step kind, needed stage, delay)]: dataflow's rules, resolved once
+        # (kind, rank, chunk) -> ((end times of the needed step, delay), ...): dataflow's rules, resolved once
         self.needs = {
-            (kind, placement.stage(r, c)): [
-                (need.kind, need.stage, 0.0 if (src := placement.rank_of(need.stage)) == r
+            (kind, r, c): tuple(
+                (self.finish[need.kind, need.stage], 0.0 if (src := placement.rank_of(need.stage)) == r
                  else cost.p2p.transfer_time(src, r))
                 for need in step_needs(placement, kind, placement.stage(r, c), 0)
-            ]
+            )
             for kind in _SCHEDULED for r in range(pp) for c in range(vpp)
         }
 
@@ -150,22 +159,22 @@ class _Pipeline:
     def candidate(self, rank: int, kind: NodeKind, chunk: int, priority: tuple) -> Candidate:
         """The next ``kind`` node of ``chunk`` on ``rank``, with the time its inputs are there."""
         mb = (self.next_f if kind is NodeKind.F else self.next_b)[rank][chunk]
-        t: float | None = 0.0
-        for need_kind, need_stage, delay in self.needs[(kind, self.placement.stage(rank, chunk))]:
-            done = self.finish.get((need_kind, need_stage, mb))
+        t = 0.0
+        for ends, delay in self.needs[kind, rank, chunk]:
+            done = ends[mb]
             if done is None:
-                t = None
-                break
-            t = max(t, done + delay)
+                return Candidate(kind, chunk, mb, None, priority)
+            if done + delay > t:
+                t = done + delay
         return Candidate(kind, chunk, mb, t, priority)
 
     def run(self, rank: int, kind: NodeKind, chunk: int, mb: int, start: float) -> None:
         stage = self.placement.stage(rank, chunk)
         end = start + self.durations[kind][stage]
-        self.finish[(kind, stage, mb)] = end
+        self.finish[kind, stage][mb] = end
         self.clock[rank] = end
         self.remaining[rank] -= 1
-        self.rows[rank].append(ScheduleNode(kind, mb, chunk))
+        self.rows[rank].append(_node(kind, mb, chunk))
         self.held[rank] += self.delta[kind]
         if kind is NodeKind.F:
             self.next_f[rank][chunk] += 1
@@ -197,20 +206,24 @@ def greedy_fill(placement: Placement, microbatches: int, cost: CostModel, policy
             )
     state = _Pipeline(placement, microbatches, cost)
 
+    first = (NodeKind.B, NodeKind.F) if policy.backward_first else (NodeKind.F, NodeKind.B)
+    # per rank and chunk, the priority of its B and of its F: the kind ``first`` prefers, then the later stage
+    priorities = [[{kind: (first.index(kind), -placement.stage(r, c)) for kind in first} for c in range(vpp)]
+                  for r in range(pp)]
+
     def candidates(rank: int) -> list[Candidate]:
         """The next B and F of each chunk that the caps allow."""
         out = []
+        next_f, next_b = state.next_f[rank], state.next_b[rank]
         for c in range(vpp):
-            later_stage_first = -placement.stage(rank, c)
-            if state.next_b[rank][c] < state.next_f[rank][c]:
-                out.append(state.candidate(rank, NodeKind.B, c, (first.index(NodeKind.B), later_stage_first)))
+            if next_b[c] < next_f[c]:
+                out.append(state.candidate(rank, NodeKind.B, c, priorities[rank][c][NodeKind.B]))
             reserve = 0 if c == vpp - 1 else policy.reserve
-            if (state.next_f[rank][c] < microbatches and state.in_flight[rank] + 1 <= policy.in_flight[rank] - reserve
+            if (next_f[c] < microbatches and state.in_flight[rank] + 1 <= policy.in_flight[rank] - reserve
                     and state.fits_forward(rank, policy.memory[rank] - reserve)):
-                out.append(state.candidate(rank, NodeKind.F, c, (first.index(NodeKind.F), later_stage_first)))
+                out.append(state.candidate(rank, NodeKind.F, c, priorities[rank][c][NodeKind.F]))
         return out
 
-    first = (NodeKind.B, NodeKind.F) if policy.backward_first else (NodeKind.F, NodeKind.B)
     return _fill(state, candidates, lambda rank, cands, t: True, policy, algorithm)
 
 
@@ -223,32 +236,32 @@ def fixed_order_fill(placement: Placement, microbatches: int, cost: CostModel, o
     constructed timing would move it into the wait."""
     assert len(order.sequence) == placement.pp
     state = _Pipeline(placement, microbatches, cost)
-    # per rank, (kind, chunk) -> positions in the order of its nodes (consumed in microbatch order)
-    positions = []
+    # per rank, for each (kind, chunk) of its order: the positions of its nodes (consumed in microbatch order)
+    positions: list[list[tuple[NodeKind, int, list[int]]]] = []
     for row in order.sequence:
         where: dict[tuple[NodeKind, int], list[int]] = {}
         for i, key in enumerate(row):
             where.setdefault(key, []).append(i)
-        positions.append(where)
+        positions.append([(kind, chunk, at) for (kind, chunk), at in where.items()])
 
     def candidates(rank: int) -> list[Candidate]:
         """The rank's next node of the order (with lookahead, the next of every (kind, chunk)), unless
         deferred W's must run first to make room for a forward."""
+        next_f, next_b = state.next_f[rank], state.next_b[rank]
         out = []
-        for (kind, chunk), where in positions[rank].items():
-            done = (state.next_f if kind is NodeKind.F else state.next_b)[rank][chunk]
+        for kind, chunk, where in positions[rank]:
+            done = (next_f if kind is NodeKind.F else next_b)[chunk]
             if done < len(where):
                 out.append((where[done], kind, chunk))
-        out.sort()
-        if not order.lookahead:
-            out = out[:1]
-        return [state.candidate(rank, kind, chunk, (i,)) for i, kind, chunk in out
+        ahead = sorted(out) if order.lookahead else [min(out)] if out else []
+        return [state.candidate(rank, kind, chunk, (i,)) for i, kind, chunk in ahead
                 if kind is not NodeKind.F or state.fits_forward(rank, order.memory - skipped_forwards(rank, i))]
 
     def skipped_forwards(rank: int, position: int) -> int:
         """Forwards of the order before ``position`` not run yet: room a node run ahead of them keeps."""
-        return sum(bisect.bisect_left(where, position) - state.next_f[rank][chunk]
-                   for (kind, chunk), where in positions[rank].items() if kind is NodeKind.F)
+        next_f = state.next_f[rank]
+        return sum(bisect.bisect_left(where, position) - next_f[chunk]
+                   for kind, chunk, where in positions[rank] if kind is NodeKind.F)
 
     def w_may_run(rank: int, cands: list[Candidate], t: float) -> bool:
         w_end = t + state.next_w_time(rank)

@@ -38,10 +38,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from primuspipe.algorithms import list_algorithms
+from primuspipe.algorithms import get_algorithm, list_algorithms
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.calibration.measure import measure_costs
-from primuspipe.errors import ConfigError, PrimusPipeError
+from primuspipe.errors import ConfigError, PrimusPipeError, UnknownAlgorithmError
 from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.kinds import NodeKind
@@ -94,10 +94,15 @@ class ReplanSettings:
                 self.memory_limit_bytes, "auto_replan memory_limit_bytes", above=0))
         if self.algorithms is not None:
             names = self.algorithms.split(",") if isinstance(self.algorithms, str) else list(self.algorithms)
-            names = [strict.text(n, "auto_replan algorithms").strip() for n in names]
-            if not all(names):
-                raise ConfigError(f"auto_replan algorithms: empty name in {self.algorithms!r}; give algorithm "
-                                  "names separated by commas")
+            names = [n.strip() if isinstance(n, str) else n for n in names]
+            if not all(isinstance(n, str) and n for n in names):
+                raise ConfigError(f"auto_replan algorithms: an empty or non-text name in {self.algorithms!r}; give "
+                                  "algorithm names separated by commas")
+            for name in names:
+                try:
+                    get_algorithm(name)
+                except UnknownAlgorithmError as e:
+                    raise UnknownAlgorithmError(f"auto_replan algorithms: {e}") from None
             object.__setattr__(self, "algorithms", tuple(names))
 
     def check_layout(self, running: ScheduleTable) -> None:
@@ -121,12 +126,14 @@ class ReplanSettings:
             what = f"environment variable {var}"
             if name == "enabled":
                 values[name] = strict.flag(text, what)
-            elif name in ("threshold", "memory_limit_bytes"):
-                values[name] = strict.number(text, what, minimum=0)
+            elif name == "threshold":
+                values[name] = strict.number(text, f"{what} (a share, e.g. 0.03)", minimum=0, maximum=1)
+            elif name == "memory_limit_bytes":
+                values[name] = strict.number(text, f"{what} (bytes)", above=0)
             elif name == "algorithms":
                 values[name] = text
             else:
-                values[name] = strict.count(text, what, text=True)
+                values[name] = strict.count(text, what, text=True, minimum=1 if name == "measure_steps" else 0)
         return cls(**values)
 
 

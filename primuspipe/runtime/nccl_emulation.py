@@ -273,15 +273,20 @@ class EmulatedNCCLGroup(dist.ProcessGroup):
 
     # NCCL fuses these into one group; gloo has no fused form, so they run one pair after another in one
     # stream item (the same order on every rank, which is all a collective needs)
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+    # (torch 2.13 calls them all_gather_single_coalesced / reduce_scatter_single_coalesced; older torch
+    # the *_tensor_coalesced names)
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        return self._collective("all_gather_into_tensor_coalesced", outputs, lambda: _Each(
+        return self._collective("all_gather_single_coalesced", outputs, lambda: _Each(
             [self._gloo._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]))
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
-        return self._collective("reduce_scatter_tensor_coalesced", outputs, lambda: _Each(
+        return self._collective("reduce_scatter_single_coalesced", outputs, lambda: _Each(
             [self._gloo._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def shutdown(self) -> None:
         """End the streams and release the gloo group while Python still runs: a gloo group left to the
@@ -306,28 +311,37 @@ class _Each:
             work.wait()
 
 
-def _delegate(name: str, options: Callable[[], Any], arity: int, tensors_at: int) -> Callable:
-    """A collective of gloo's, posted on the group's stream: ``arity`` arguments before the options,
-    the request's tensors at ``tensors_at``."""
+def _delegate(name: str, gloo_name: str, options: Callable[[], Any], arity: int, tensors_at: int) -> Callable:
+    """A collective of gloo's (its ``gloo_name``), posted on the group's stream as ``name``: ``arity``
+    arguments before the options, the request's tensors at ``tensors_at``."""
     def collective(self: EmulatedNCCLGroup, *args: Any) -> EmulatedWork:
         args = args if len(args) > arity else (*args, options())
         tensors = args[tensors_at]
         return self._collective(name, tensors if isinstance(tensors, list) else [tensors],
-                                lambda: getattr(self._gloo, name)(*args))
+                                lambda: getattr(self._gloo, gloo_name)(*args))
     collective.__name__ = name
     return collective
 
 
-for _name, _options, _arity, _tensors_at in (
-        ("allreduce", c10d.AllreduceOptions, 1, 0), ("allreduce_coalesced", c10d.AllreduceCoalescedOptions, 1, 0),
-        ("broadcast", c10d.BroadcastOptions, 1, 0), ("reduce", c10d.ReduceOptions, 1, 0),
-        ("allgather", c10d.AllgatherOptions, 2, 1), ("_allgather_base", c10d.AllgatherOptions, 2, 0),
-
-        ("reduce_scatter", c10d.ReduceScatterOptions, 2, 0), ("_reduce_scatter_base", c10d.ReduceScatterOptions, 2, 0),
-
-        ("alltoall_base", c10d.AllToAllOptions, 4, 0), ("gather", c10d.GatherOptions, 2, 1),
-        ("scatter", c10d.ScatterOptions, 2, 0)):
-    setattr(EmulatedNCCLGroup, _name, _delegate(_name, _options, _arity, _tensors_at))
+# (ProcessGroup method, gloo's method, options, arity, tensors at): every collective torch.distributed
+# calls on a group, under the names of the torch it runs with -- a method left out would fall through to
+# ProcessGroup's device dispatch, which finds no backend for this Python group
+for _name, _gloo_name, _options, _arity, _tensors_at in (
+        ("allreduce", "allreduce", c10d.AllreduceOptions, 1, 0),
+        ("allreduce_coalesced", "allreduce_coalesced", c10d.AllreduceCoalescedOptions, 1, 0),
+        ("broadcast", "broadcast", c10d.BroadcastOptions, 1, 0), ("reduce", "reduce", c10d.ReduceOptions, 1, 0),
+        ("allgather", "allgather", c10d.AllgatherOptions, 2, 1),
+        ("allgather_coalesced", "allgather_coalesced", c10d.AllgatherOptions, 2, 1),
+        ("_allgather_base", "_allgather_base", c10d.AllgatherOptions, 2, 0),
+        ("all_gather_single", "_allgather_base", c10d.AllgatherOptions, 2, 0),
+        ("reduce_scatter", "reduce_scatter", c10d.ReduceScatterOptions, 2, 0),
+        ("_reduce_scatter_base", "_reduce_scatter_base", c10d.ReduceScatterOptions, 2, 0),
+        ("reduce_scatter_single", "_reduce_scatter_base", c10d.ReduceScatterOptions, 2, 0),
+        ("alltoall_base", "alltoall_base", c10d.AllToAllOptions, 4, 0),
+        ("all_to_all_single", "alltoall_base", c10d.AllToAllOptions, 4, 0),
+        ("alltoall", "alltoall", c10d.AllToAllOptions, 2, 0),
+        ("gather", "gather", c10d.GatherOptions, 2, 1), ("scatter", "scatter", c10d.ScatterOptions, 2, 0)):
+    setattr(EmulatedNCCLGroup, _name, _delegate(_name, _gloo_name, _options, _arity, _tensors_at))
 
 
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> EmulatedNCCLGroup:

@@ -12,6 +12,7 @@
 """
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,63 @@ def _megatron_backend_run(pp: int, m: int):
 @pytest.mark.slow
 def test_every_algorithm_on_the_megatron_backend_is_bitwise_gloo_under_both_modes(emulate):
     _assert_bitwise_gloo_under_both_modes(lambda: _megatron_backend_run(2, 5), emulate)
+
+
+# methods torch.distributed calls on a group that are not collectives (or that NCCL has no form of)
+_NOT_COLLECTIVES = {"rank", "size", "_get_backend", "_start_coalescing", "_end_coalescing", "recv_anysource",
+                    "monitored_barrier", "split_group", "shutdown", "abort", "new_group", "get_group_store",
+                    "_wait_for_pending_works", "_has_hooks", "_set_default_backend", "_register_backend",
+                    "_set_group_name", "_set_group_desc"}
+
+
+def test_every_collective_torch_calls_on_a_group_is_emulated():
+    # torch.distributed calls collectives as methods of the group (their names change between torch
+    # versions: 2.13 calls all_gather_single where 2.5 called _allgather_base); one the emulator does not
+    # define falls through to ProcessGroup's device dispatch and fails with "No backend type associated"
+    source = Path(dist.distributed_c10d.__file__).read_text()
+    called = set(re.findall(r"\b(?:group|pg)\.([A-Za-z_]+)\(", source)) & set(dir(dist.ProcessGroup))
+    collectives = called - _NOT_COLLECTIVES
+    assert {"all_gather_single", "allreduce", "send"} <= collectives, "the scan finds torch's calls"
+    missing = sorted(n for n in collectives if n not in vars(nccl_emulation.EmulatedNCCLGroup))
+    assert not missing, f"collectives torch calls that the emulator does not define: {missing}"
+
+
+def _collectives(rank, world):
+    """Every collective form Megatron and torch use, on the default group: their results."""
+    out = {}
+    x = torch.arange(4, dtype=torch.float32) + 10 * rank
+    gathered = torch.empty(4 * world)
+    dist.all_gather_into_tensor(gathered, x)
+    out["all_gather_into_tensor"] = gathered
+    scattered = torch.empty(2)
+    dist.reduce_scatter_tensor(scattered, torch.arange(2.0 * world) * (rank + 1))
+    out["reduce_scatter_tensor"] = scattered
+    splits = [1 + (r + rank) % 2 for r in range(world)]  # uneven, as MoE token dispatch sends
+    received = [1 + (rank + r) % 2 for r in range(world)]
+    a2a = torch.empty(sum(received))
+    dist.all_to_all_single(a2a, torch.full((sum(splits),), float(rank)), received, splits)
+    out["all_to_all_single"] = a2a
+    lists = [torch.empty(2) for _ in range(world)]
+    dist.all_to_all(lists, [torch.full((2,), float(rank * world + r)) for r in range(world)])
+    out["all_to_all"] = torch.cat(lists)
+    with dist._coalescing_manager(async_ops=True) as manager:  # the distributed optimizer's fused form
+        both = [torch.empty(2 * world), torch.empty(3 * world)]
+        dist.all_gather_into_tensor(both[0], torch.full((2,), float(rank)), async_op=True)
+        dist.all_gather_into_tensor(both[1], torch.full((3,), float(rank + 1)), async_op=True)
+    manager.wait()
+    out["coalesced all_gather_into_tensor"] = torch.cat(both)
+    total = torch.ones(3) * (rank + 1)
+    dist.all_reduce(total)
+    out["all_reduce"] = total
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_collective_form_gives_gloos_result(mode, emulate):
+    emulate(None)
+    want = run_gloo(_collectives, 2)
+    emulate(mode)
+    got = run_gloo(_collectives, 2)
+    for rank in range(2):
+        for name, value in want[rank].items():
+            assert torch.equal(got[rank][name], value), f"{name} on rank {rank} under {mode}"

@@ -3,11 +3,13 @@ running layout, the threshold, the memory limit, the algorithms to choose among 
 another layout, and the decision's round trip through the text every rank receives."""
 
 import dataclasses
+import re
 
 import pytest
 
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.calibration.replan import Decision, ReplanSettings, decide, probed
+from primuspipe.errors import ConfigError, UnknownAlgorithmError
 from primuspipe.simulator import CostModel, simulate
 
 ON = ReplanSettings(enabled=True)
@@ -82,3 +84,26 @@ def test_the_decision_goes_through_text_unchanged():
     assert {c.algorithm for c in decision.ranking} >= {"zbv", "v-half", "v-min", "dualpipe-v"}
     again = Decision.from_dict(decision.to_dict(), decision.table)
     assert again == decision
+
+
+@pytest.mark.parametrize("names, error, words", [
+    ("zb-h1,,zb-h2", ConfigError, "empty or non-text name"),
+    (" ", ConfigError, "empty or non-text name"),
+    (("zb-h1", 3), ConfigError, "empty or non-text name"),
+    ("zb-h3", UnknownAlgorithmError, "auto_replan algorithms: no algorithm named 'zb-h3'; registered: 1f1b"),
+])
+def test_algorithms_to_choose_among_are_refused_when_not_algorithm_names(names, error, words):
+    with pytest.raises(error, match=re.escape(words)):
+        ReplanSettings(enabled=True, algorithms=names)
+    assert ReplanSettings(algorithms=" zb-h1, zb-h2 ").algorithms == ("zb-h1", "zb-h2")
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"PRIMUSPIPE_AUTO_REPLAN_STEPS": "0"}, "PRIMUSPIPE_AUTO_REPLAN_STEPS must be >= 1"),
+    ({"PRIMUSPIPE_AUTO_REPLAN_THRESHOLD": "1.5"}, "PRIMUSPIPE_AUTO_REPLAN_THRESHOLD (a share, e.g. 0.03) must be <= 1"),
+    ({"PRIMUSPIPE_AUTO_REPLAN_THRESHOLD": "nan"}, "PRIMUSPIPE_AUTO_REPLAN_THRESHOLD (a share, e.g. 0.03) must be a number"),
+    ({"PRIMUSPIPE_AUTO_REPLAN_MEMORY_LIMIT": "0"}, "PRIMUSPIPE_AUTO_REPLAN_MEMORY_LIMIT (bytes) must be > 0"),
+])
+def test_a_bad_variable_is_named_in_the_one_line(env, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        ReplanSettings.from_env({"PRIMUSPIPE_AUTO_REPLAN": "1", **env})
