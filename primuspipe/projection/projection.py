@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from primuspipe.projection.comm import gradient_sync
 from primuspipe.projection.compute import Calibration, PartTimes, WorkModel, optimizer_seconds, part_times
 from primuspipe.projection.framework import (
-    Placement, PrimusPipeError, build_schedule, get_algorithm, list_algorithms, simulate)
+    Placement, PrimusPipeError, build_schedule, get_algorithm, idle_share, list_algorithms, simulate)
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import embedding_params
@@ -86,10 +86,14 @@ class ProjectionResult:
     note: str = ""
     """Why a row is not what its algorithm name says: zb-auto replaced by a better fixed table, or a
     degenerate schedule."""
+    simulated_microbatches: tuple[int, ...] = ()
+    """Empty when the pipeline was simulated at the step's own microbatch count; else the two smaller
+    counts it was simulated at, the step extrapolated from them (:class:`PipelineFigures`)."""
 
     def row(self) -> dict:
         """The JSON row (``--json`` contract)."""
-        return dataclasses.asdict(self) | {"peak_memory_bytes": list(self.peak_memory_bytes)}
+        return dataclasses.asdict(self) | {"peak_memory_bytes": list(self.peak_memory_bytes),
+                                           "simulated_microbatches": list(self.simulated_microbatches)}
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,88 @@ class Refusal:
 
     def row(self) -> dict:
         return dataclasses.asdict(self)
+
+
+EXTRAPOLATE_ABOVE = 8
+"""Above this many microbatches per pipeline rank, a projection simulates the pipeline at smaller counts
+and extrapolates (:func:`sampled_microbatches`)."""
+
+
+def sampled_microbatches(microbatches: int, pp: int) -> tuple[int, ...] | None:
+    """The counts a long pipeline is simulated at instead of its own: ``4 pp``, ``6 pp`` and ``8 pp`` plus
+    the remainder of ``microbatches`` by ``pp`` (so divisibility rules, e.g. interleaving's, hold alike),
+    or None when ``microbatches`` is at most :data:`EXTRAPOLATE_ABOVE` ``* pp`` and simulated as is.
+
+    Past its warm-up every schedule repeats a steady pattern (one F, B and W per microbatch and chunk on
+    every rank), so each more microbatch adds the same time: step and busy times are linear in the count
+    from there on, and two counts past the warm-up give them (:func:`extrapolate`). A projection at
+    Megatron-Bridge's GBS 8192 on 16 replicas (512 microbatches at pp 8) then builds and simulates
+    tables of 32 and 48 microbatches per algorithm instead of 512. The third count is simulated only
+    where memory differs between the first two."""
+    if microbatches <= EXTRAPOLATE_ABOVE * pp:
+        return None
+    rest = microbatches % pp
+    return rest + 4 * pp, rest + 6 * pp, rest + 8 * pp
+
+
+@dataclass(frozen=True)
+class PipelineFigures:
+    """What the projection takes from a simulated step: its time, each rank's busy time and memory peak."""
+
+    step_time: float
+    busy: tuple[float, ...]
+    peak_memory_bytes: tuple[float, ...]
+    """Per rank, static bytes + peak activation bytes."""
+    peak_activation_bytes: tuple[float, ...]
+    microbatches: tuple[int, ...]
+    """The microbatch counts simulated (one: the step's own)."""
+
+    @classmethod
+    def of(cls, simulated, microbatches: int) -> PipelineFigures:
+        return cls(simulated.step_time, tuple(r.busy_time for r in simulated.ranks),
+                   tuple(r.peak_memory_bytes for r in simulated.ranks),
+                   tuple(r.peak_activation_bytes for r in simulated.ranks), (microbatches,))
+
+    @property
+    def bubble_rate(self) -> float:
+        """The worst rank's idle share of the step (the simulator's :attr:`SimulationResult.bubble_rate`)."""
+        return max(idle_share(self.step_time, b) for b in self.busy)
+
+
+def _growing(runs: list[tuple[TrainingSpec, StageCosts, PipelineFigures]]) -> bool:
+    """Whether every rank's memory peak rose or stayed between the runs' first two counts: only then can a
+    third count show it growing on a line (a peak that fell somewhere follows none)."""
+    (_, _, first), (_, _, second) = runs[:2]
+    return all(b >= a for a, b in zip(first.peak_memory_bytes, second.peak_memory_bytes))
+
+
+def extrapolate(samples: list[PipelineFigures], microbatches: int) -> PipelineFigures | None:
+    """The figures at ``microbatches`` from ``samples`` at fewer (ascending counts): times on the line
+    through the last two; each rank's memory as it is at every sample, or on their common line where it
+    grows with the count (GPipe holds every microbatch) -- None where memory follows no line (a warm-up
+    that depends on the count, as interleaving's does when pp does not divide it): only the full
+    simulation tells."""
+    (m1,), (m2,) = samples[-2].microbatches, samples[-1].microbatches
+
+    def at(m: float, a: float, b: float) -> float:
+        return b + (b - a) * (m - m2) / (m2 - m1)
+
+    def linear(values: tuple[float, ...], counts: tuple[int, ...]) -> bool:
+        return all(math.isclose(at(c, *values[-2:]), v, rel_tol=1e-9, abs_tol=1.0) for c, v in zip(counts, values))
+
+    counts = tuple(s.microbatches[0] for s in samples)
+    for name in ("peak_memory_bytes", "peak_activation_bytes"):
+        per_rank = list(zip(*(getattr(s, name) for s in samples)))
+        constant = all(math.isclose(min(v), max(v), rel_tol=1e-9, abs_tol=1.0) for v in per_rank)
+        if not constant and (len(samples) < 3 or not all(linear(v, counts) for v in per_rank)):
+            return None
+    first, last = samples[-2], samples[-1]
+    return PipelineFigures(
+        at(microbatches, first.step_time, last.step_time),
+        tuple(at(microbatches, a, b) for a, b in zip(first.busy, last.busy)),
+        tuple(at(microbatches, a, b) for a, b in zip(first.peak_memory_bytes, last.peak_memory_bytes)),
+        tuple(at(microbatches, a, b) for a, b in zip(first.peak_activation_bytes, last.peak_activation_bytes)),
+        counts)
 
 
 @dataclass(frozen=True)
@@ -126,24 +212,56 @@ class Projector:
                        recompute=recompute_label(training))
         try:
             check_compatible(self.model, training)
-            # An algorithm that picks its own placement and vpp ("any": zb-auto) plans with the configured
-            # interleaved layout's costs, re-cut to the layouts it tries; the answer is then costed as
-            # what it is (only where layers, embedding and head sit differs).
-            chooses = info.placement == "any"
-            costs = stage_costs(self.model, training, self.hardware, self._parts(training),
-                                Placement.named("interleaved" if chooses else info.placement, training.pp, training.vpp))
-            with _quiet(ALGORITHM_LOGGER):  # one projection builds many tables; their progress is noise here
-                table = build_schedule(algorithm, training.pp, training.microbatches, None if chooses else training.vpp,
-                                       cost=costs.cost_model(), memory_limit=self._activation_budget(costs),
-                                       **ALGORITHM_OPTIONS.get(info.name, {}))
-            if table.placement != costs.layout.placement:
-                training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=table.placement.vpp)
-                check_compatible(self.model, training)
-                costs = stage_costs(self.model, training, self.hardware, self._parts(training), table.placement)
-            simulated = simulate(table, costs.cost_model())
-            return self._result(training, algorithm, costs, simulated)
+            if (counts := sampled_microbatches(training.microbatches, training.pp)) is None:
+                training, costs, figures = self._pipeline(training, algorithm, training.microbatches)
+                return self._result(training, algorithm, costs, figures)
+            runs = [self._pipeline(training, algorithm, m) for m in counts[:2]]
+            figures = self._extrapolated(runs, training.microbatches)
+            if figures is None and counts[2] < training.microbatches and _growing(runs):
+                runs.append(self._pipeline(training, algorithm, counts[2]))
+                figures = self._extrapolated(runs, training.microbatches)
+            if figures is None:
+                training, costs, figures = self._pipeline(training, algorithm, training.microbatches)
+                return self._result(training, algorithm, costs, figures)
+            shape, costs, _ = runs[0]
+            training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=shape.vpp)
+            return self._result(training, algorithm, costs, figures)
         except PrimusPipeError as exc:
             return Refusal(**refused, error=str(exc).splitlines()[0])
+
+    @staticmethod
+    def _extrapolated(runs: list[tuple[TrainingSpec, StageCosts, PipelineFigures]], microbatches: int
+                      ) -> PipelineFigures | None:
+        """:func:`extrapolate` over the runs, unless zb-auto chose another layout at some count (no line
+        goes through different tables' shapes)."""
+        if len({shape.vpp for shape, _, _ in runs}) > 1:
+            return None
+        return extrapolate([figures for _, _, figures in runs], microbatches)
+
+    def _pipeline(self, training: TrainingSpec, algorithm: str, microbatches: int
+                  ) -> tuple[TrainingSpec, StageCosts, PipelineFigures]:
+        """The algorithm's table for ``training`` run with ``microbatches`` per replica (the global batch
+        scaled to it), simulated: the configuration as the table runs it (zb-auto may pick another
+        vpp), its stage costs and the step's figures."""
+        info = get_algorithm(algorithm)
+        if microbatches != training.microbatches:
+            training = dataclasses.replace(
+                training, global_batch_size=microbatches * training.micro_batch_size * training.dp)
+        # An algorithm that picks its own placement and vpp ("any": zb-auto) plans with the configured
+        # interleaved layout's costs, re-cut to the layouts it tries; the answer is then costed as
+        # what it is (only where layers, embedding and head sit differs).
+        chooses = info.placement == "any"
+        costs = stage_costs(self.model, training, self.hardware, self._parts(training),
+                            Placement.named("interleaved" if chooses else info.placement, training.pp, training.vpp))
+        with _quiet(ALGORITHM_LOGGER):  # one projection builds many tables; their progress is noise here
+            table = build_schedule(algorithm, training.pp, microbatches, None if chooses else training.vpp,
+                                   cost=costs.cost_model(), memory_limit=self._activation_budget(costs),
+                                   **ALGORITHM_OPTIONS.get(info.name, {}))
+        if table.placement != costs.layout.placement:
+            training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=table.placement.vpp)
+            check_compatible(self.model, training)
+            costs = stage_costs(self.model, training, self.hardware, self._parts(training), table.placement)
+        return training, costs, PipelineFigures.of(simulate(table, costs.cost_model()), microbatches)
 
     def _parts(self, training: TrainingSpec) -> dict[str, PartTimes]:
         """Per-part times, computed once per configuration (they do not depend on pp, vpp or the algorithm)."""
@@ -161,7 +279,8 @@ class Projector:
         return max(1.0, min(f / u for f, u in zip(free, costs.activation_units_per_rank())))
 
 
-    def _result(self, training: TrainingSpec, algorithm: str, costs: StageCosts, simulated) -> ProjectionResult:
+    def _result(self, training: TrainingSpec, algorithm: str, costs: StageCosts, simulated: PipelineFigures
+                ) -> ProjectionResult:
         t, h = training, self.hardware
         tied = 0 if self.model.untie_embeddings_and_output_weights or costs.layout.num_stages == 1 else \
             embedding_params(self.model, t.tp)
@@ -173,11 +292,11 @@ class Projector:
         optimizer = max(optimizer_seconds(optimizer_params(p, t), h) for p in costs.params)
         step = simulated.step_time + sync + optimizer
         reserved = h.runtime_reserved_bytes
-        peaks = [r.peak_memory_bytes + transient + reserved for r, transient in zip(simulated.ranks, costs.transient_bytes)]
+        peaks = [peak + transient + reserved for peak, transient in zip(simulated.peak_memory_bytes, costs.transient_bytes)]
         worst = max(range(len(peaks)), key=peaks.__getitem__)
         static = costs.static[worst]
         breakdown = {"weights": static.weights, "gradients": static.gradients, "optimizer": static.optimizer,
-                     "activations": simulated.ranks[worst].peak_activation_bytes,
+                     "activations": simulated.peak_activation_bytes[worst],
                      "recompute_working_set": costs.transient_bytes[worst], "runtime_reserved": reserved}
         tokens = t.global_batch_size * self.model.seq_length
         work, replicas = WorkModel(self.model, t), t.tp * t.cp * t.microbatches * t.dp
@@ -194,7 +313,8 @@ class Projector:
             gradient_sync_s=sync, optimizer_s=optimizer, bubble_rate=simulated.bubble_rate, peak_memory_bytes=tuple(peaks),
             memory_breakdown=breakdown, tokens_per_s_per_gpu=tokens / step / t.world_size,
             mfu=mfu, verdict=self.verdict(max(peaks)), mfu_full_attention=mfu_full,
-            exposed_communication_s=sync + exposed)
+            exposed_communication_s=sync + exposed,
+            simulated_microbatches=simulated.microbatches if len(simulated.microbatches) > 1 else ())
 
     def verdict(self, peak_bytes: float) -> str:
         if peak_bytes > self.hardware.hbm_bytes:

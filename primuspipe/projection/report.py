@@ -88,6 +88,11 @@ def print_report(console: Console, projector: Projector, training: TrainingSpec,
     for k, r in enumerate(results[:top], 1):
         if r.note:
             console.print(f"#{k} {r.algorithm}: {r.note}", highlight=False)
+    if sampled := {r.simulated_microbatches for r in results[:top] if r.simulated_microbatches}:
+        counts = " / ".join(", ".join(map(str, c)) for c in sorted(sampled))
+        console.print(f"{results[0].microbatches} microbatches per replica: pipelines simulated at {counts} and carried "
+                      "on linearly (past the warm-up each microbatch repeats the same steady pattern; tables whose "
+                      "memory follows no line were simulated whole)", highlight=False)
     if len(results) > top:
         console.print(f"({len(results) - top} more; --top N shows more, --json shows all)")
     reasons = Counter(r.error for r in refusals)

@@ -14,7 +14,10 @@ from primuspipe.projection.framework import Placement
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.measured import calibration_from_cost_file
 from primuspipe.projection.model_spec import load_model
-from primuspipe.projection.projection import Projector, ProjectionResult, candidates, project, scale_to_nodes
+from primuspipe.projection import projection as projection_module
+from primuspipe.projection.framework import list_algorithms
+from primuspipe.projection.projection import (
+    Projector, ProjectionResult, candidates, project, sampled_microbatches, scale_to_nodes)
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.stage_costs import stage_costs
 from primuspipe.projection.training_spec import TrainingSpec, load_training
@@ -131,3 +134,32 @@ def test_shipped_pairs_project_without_error():
         results, _ = project(Projector(model, load_hardware(EXAMPLES / "hardware" / f"{hardware}.yaml")), training,
                              algorithms=["1f1b", "zbv"])
         assert len(results) == 2 and all(r.step_time_s > 0 and 0 < r.mfu < 1 for r in results)
+
+
+def test_long_pipelines_are_simulated_at_two_counts_with_the_same_remainder():
+    assert sampled_microbatches(32, 4) is None  # 8 per rank: simulated as is
+    assert sampled_microbatches(33, 4) == (17, 25, 33)
+    assert sampled_microbatches(512, 8) == (32, 48, 64)
+    assert sampled_microbatches(1000, 1) == (4, 6, 8)
+
+
+@pytest.mark.parametrize("pp, vpp, microbatches", [(4, 2, 52), (3, 2, 40), (2, 1, 35)])
+def test_extrapolated_projection_equals_the_full_simulation(monkeypatch, pp, vpp, microbatches):
+    # past the warm-up a schedule repeats per microbatch, so two short simulations give the long one's step
+    # time, bubble and memory; generated over algorithms, pp, vpp, odd counts, uneven stages (pp 3 of 32
+    # layers) and GPipe, whose memory grows with the count
+    training = TrainingSpec(global_batch_size=microbatches, pipeline_model_parallel_size=pp,
+                            virtual_pipeline_model_parallel_size=vpp)
+    names = [info.name for info in list_algorithms()]
+    extrapolated = {r.algorithm: r for r in project(Projector(LLAMA, H100), training, algorithms=names)[0]}
+    monkeypatch.setattr(projection_module, "EXTRAPOLATE_ABOVE", 10**6)
+    full = {r.algorithm: r for r in project(Projector(LLAMA, H100), training, algorithms=names)[0]}
+    assert extrapolated.keys() == full.keys() and len(full) >= 6
+    # memory constant past the warm-up, or growing on a line (GPipe): extrapolated; else simulated whole
+    assert {"1f1b", "zb-h1", "zbv", "v-half", "gpipe"} <= {n for n, r in extrapolated.items() if r.simulated_microbatches}
+    for name, want in full.items():
+        got = extrapolated[name]
+        assert not want.simulated_microbatches
+        assert got.step_time_s == pytest.approx(want.step_time_s, rel=5e-3), name
+        assert got.bubble_rate == pytest.approx(want.bubble_rate, abs=5e-3), name
+        assert max(got.peak_memory_bytes) == pytest.approx(max(want.peak_memory_bytes), rel=5e-3), name
