@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
-from primuspipe.projection.host import layer_host
+from primuspipe.projection.host import layer_host, moe_small_kernels
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import RankShape, TrainingSpec
@@ -334,8 +334,11 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
 
     def timed(pw: PassWork, part: str, fp8: bool | None = None) -> PartTimes:
         factors = [calibration.factor(part, name) for name in PASSES]
-        seconds = [w.seconds(hardware, precision, length) * f for w, f in zip(pw.passes(), factors)]
-        recompute = pw.recompute.seconds(hardware, precision, length) * calibration.factor(part, "forward")
+        fixed = [0.0 if (part, name) in calibration.factors else k  # a measured factor includes them
+                 for name, k in zip(PASSES, kernel_overheads(work, hardware, part, fp8))]
+        seconds = [w.seconds(hardware, precision, length) * f + k for w, f, k in zip(pw.passes(), factors, fixed)]
+        recompute = (pw.recompute.seconds(hardware, precision, length) * calibration.factor(part, "forward")
+                     + (fixed[0] if part == "moe" and work.training.recomputes("moe") else 0.0))
         gemm = tuple(w.gemm_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
         attention = tuple(w.attention_seconds(hardware, precision, length) * f for w, f in zip(pw.passes(), factors))
         if part not in ("dense", "moe") or hardware.host_op_seconds is None:
@@ -350,6 +353,18 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
         for kind in {work.model.layer_kinds[i] for i in bf16}:
             times[layer_part(kind, True)] = timed(plain.layer(kind), kind, fp8=False)
     return times
+
+
+def kernel_overheads(work: WorkModel, hardware: HardwareSpec, part: str, fp8: bool | None = None
+                     ) -> tuple[float, float, float]:
+    """Seconds an MoE layer's small kernels add to each pass beyond their modelled work
+    (``moe_kernel_seconds`` per kernel of :func:`~primuspipe.projection.host.moe_small_kernels`); nothing for
+    other parts or where the hardware file does not give the figure. A pass with a measured calibration
+    factor does not add them: the measurement already holds them."""
+    if part != "moe" or hardware.moe_kernel_seconds is None:
+        return 0.0, 0.0, 0.0
+    kernels = moe_small_kernels(work.model, work.training, fp8)
+    return tuple(n * hardware.moe_kernel_seconds for n in kernels)  # type: ignore[return-value]
 
 
 def layer_part(kind: str, bf16: bool) -> str:

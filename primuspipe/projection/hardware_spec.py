@@ -78,13 +78,20 @@ class HardwareSpec:
     None: host time is not modelled (the GPU is never waiting for the host)."""
     host_launch_seconds: float | None = None
     """Host time of one kernel launch issued from C++ (a grouped GEMM's per-expert GEMMs); None: 0."""
+    moe_kernel_seconds: float | None = None
+    """Device time each kernel of an MoE layer's routing, dispatch and expert loop takes beyond the work the
+    model prices (its launch, and the ramp-up and drain of a grid small against the device): those kernels
+    work on routing metadata or one expert's share of the tokens, where that fixed cost is a large share,
+    while the full-microbatch kernels the fitted ``sustained_fraction`` stands for carry theirs inside it.
+    Counted by :func:`~primuspipe.projection.host.moe_small_kernels`; None: not modelled."""
     source: str = "<built-in>"
     """Where the values came from; named in error messages."""
 
     def __post_init__(self) -> None:
         for name in ("peak_bf16_tflops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
                      "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node",
-                     "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds"):
+                     "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds",
+                     "moe_kernel_seconds"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
         rates = self.attention_length_rates or ()

@@ -104,25 +104,51 @@ def captured(training: TrainingSpec, region: str) -> bool:
     return not training.cuda_graph_modules or region in training.cuda_graph_modules
 
 
+def _regions(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool) -> tuple[dict[str, tuple[float, float]], float]:
+    """The framework work of one layer of ``kind`` by region -- (linear modules, other ops) -- and the kernels a
+    grouped GEMM's per-expert loop launches per grouped linear (0 for a dense layer)."""
+    t = training
+    regions: dict[str, tuple[float, float]] = {}
+    regions["attn"] = (2, OPS["attn"] + (OPS["qk_norm"] if model.qk_layernorm else 0))
+    if kind == "dense":
+        regions["mlp"] = (2, OPS["mlp"])
+        return regions, 0.0
+    local = model.num_experts // t.ep
+    padded = t.moe_pad_expert_input_to_capacity
+    shared = 2 if model.moe_shared_expert_intermediate_size else 0
+    regions["moe_router"] = (0, OPS["moe_norm"] + OPS["moe_router"])
+    regions["moe_preprocess"] = (0, OPS["moe_preprocess"] + (0 if padded else OPS["moe_dtoh"]))
+    regions["moe"] = (2 + shared, OPS["moe_dispatch"] + (OPS["moe_sort"] if local > 1 else 0) + OPS["moe_experts"]
+                      + OPS["moe_combine"] + (OPS["shared_expert"] if shared else 0))
+    return regions, local * (1 + (1 if fp8 else 0))  # each expert's GEMM (and its input's cast), per grouped linear
+
+
+MOE_REGIONS = ("moe_router", "moe_preprocess", "moe")
+"""The regions of an MoE layer whose kernels work on a share of the microbatch (routing metadata, one expert's
+tokens) rather than on all of it."""
+
+
+def moe_small_kernels(model: ModelSpec, training: TrainingSpec, fp8: bool | None = None) -> tuple[float, float, float]:
+    """Kernels of one MoE layer's routing, dispatch and experts on one rank per microbatch, forward, input
+    gradient and weight gradient -- what the device runs whether CUDA graphs replay them or the host issues
+    them one by one (graphs remove the host's cost, not the kernels). Counted in the host's units (a
+    Transformer Engine linear as its ops, a grouped GEMM's per-expert GEMMs and casts one each): a structural
+    estimate, as :data:`OPS` is."""
+    fp8 = training.fp8 if fp8 is None else fp8
+    linear = TE_LINEAR_OPS[fp8]
+    regions, per_expert = _regions(model, training, "moe", fp8)
+    moe = [regions[r] for r in MOE_REGIONS]
+    launches = per_expert * 2  # two grouped linears
+    both = sum(linears * linear + ops for linears, ops in moe) + launches
+    return both, both, sum(linears * linear for linears, _ in moe) + launches
+
+
 def layer_host(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool | None = None) -> LayerHost:
     """Host work of one layer of ``kind`` (``dense`` or ``moe``) on one rank, per microbatch."""
     t = training
     fp8 = t.fp8 if fp8 is None else fp8
     linear = TE_LINEAR_OPS[fp8]
-    regions: dict[str, tuple[float, float]] = {}  # region -> (linear modules, other ops)
-    regions["attn"] = (2, OPS["attn"] + (OPS["qk_norm"] if model.qk_layernorm else 0))
-    per_expert = 0.0
-    if kind == "dense":
-        regions["mlp"] = (2, OPS["mlp"])
-    else:
-        local = model.num_experts // t.ep
-        padded = t.moe_pad_expert_input_to_capacity
-        shared = 2 if model.moe_shared_expert_intermediate_size else 0
-        regions["moe_router"] = (0, OPS["moe_norm"] + OPS["moe_router"])
-        regions["moe_preprocess"] = (0, OPS["moe_preprocess"] + (0 if padded else OPS["moe_dtoh"]))
-        regions["moe"] = (2 + shared, OPS["moe_dispatch"] + (OPS["moe_sort"] if local > 1 else 0) + OPS["moe_experts"]
-                          + OPS["moe_combine"] + (OPS["shared_expert"] if shared else 0))
-        per_expert = local * (1 + (1 if fp8 else 0))  # each expert's GEMM (and its input's cast), per grouped linear
+    regions, per_expert = _regions(model, t, kind, fp8)
     if kind == "moe" and captured(t, "moe") and not t.moe_pad_expert_input_to_capacity:
         raise InputError([(t.source, "cuda_graph_modules", list(t.cuda_graph_modules)),
                           (t.source, "moe_pad_expert_input_to_capacity", False)],

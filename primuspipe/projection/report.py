@@ -8,7 +8,8 @@ JSON (``primuspipe project --json``)::
                   "mfu_full_attention", "exposed_communication_s", "verdict", "note", ...}, ...],  # ranked, best first
      "refused": [{"algorithm", "pp", "vpp", "micro_batch_size", "recompute", "error"}, ...],
      "parameters": {"total": N, "per_rank": [per pipeline rank of the given configuration]},
-     "memory": {"dense": {component: bytes}, "moe": {...}}}   # one layer, one microbatch, one rank
+     "memory": {"dense": {component: bytes}, "moe": {...}},   # one layer, one microbatch, one rank
+     "moe_small_kernels": {"kernels": [F, B, W], "seconds": [F, B, W]}}   # one MoE layer and microbatch; MoE only
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rich.text import Text
 
 from primuspipe.projection.activations import ActivationModel
 from primuspipe.projection.framework import Placement
+from primuspipe.projection.host import moe_small_kernels
 from primuspipe.projection.layout import StageLayout
 from primuspipe.projection.parameters import rank_params, total_params
 from primuspipe.projection.projection import Projector, ProjectionResult, Refusal
@@ -44,7 +46,15 @@ def report_dict(projector: Projector, training: TrainingSpec, results: list[Proj
         "refused": [r.row() for r in refusals],
         "parameters": {"total": total_params(model), "per_rank": [p.total for p in rank_params(model, training, layout)]},
         "memory": {kind: activations.layer(kind).components for kind in sorted(set(model.layer_kinds))},
-    }
+    } | ({"moe_small_kernels": small_kernels(projector, training)} if model.is_moe else {})
+
+
+def small_kernels(projector: Projector, training: TrainingSpec) -> dict[str, list[float]]:
+    """The small kernels of one MoE layer and microbatch per pass and the device seconds they add
+    (``moe_kernel_seconds``; 0 where the hardware file does not give it)."""
+    kernels = moe_small_kernels(projector.model, training)
+    each = projector.hardware.moe_kernel_seconds or 0.0
+    return {"kernels": list(kernels), "seconds": [n * each for n in kernels]}
 
 
 def print_report(console: Console, projector: Projector, training: TrainingSpec, results: list[ProjectionResult],
@@ -69,6 +79,12 @@ def print_report(console: Console, projector: Projector, training: TrainingSpec,
                       f"{r.mfu_full_attention:.1%}", f"{r.exposed_communication_s:.2f}",
                       Text(r.verdict, style=VERDICT_STYLE[r.verdict]))
     console.print(table)
+    if projector.model.is_moe:
+        small = small_kernels(projector, training)
+        console.print(f"small MoE kernels per MoE layer and microbatch (F/B/W): "
+                      f"{'/'.join(f'{n:.0f}' for n in small['kernels'])}, adding "
+                      f"{sum(small['seconds']) * 1e3:.2f} ms of device time (moe_kernel_seconds of {h.name}"
+                      f"{'' if h.moe_kernel_seconds else ': not given, not modelled'})", highlight=False)
     for k, r in enumerate(results[:top], 1):
         if r.note:
             console.print(f"#{k} {r.algorithm}: {r.note}", highlight=False)

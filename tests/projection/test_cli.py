@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from primuspipe.cli import main
+from primuspipe.projection.hardware_spec import load_hardware
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
 MODEL = str(EXAMPLES / "models" / "llama2-7b.yaml")
@@ -28,7 +29,7 @@ def test_json_contract_without_a_training_file(capsys):
         assert ROW_KEYS <= set(row) and len(row["peak_memory_bytes"]) == 4
         assert row["verdict"] in ("FITS", "AT-RISK", "OOM")
     assert out["parameters"]["total"] == 6_738_415_616 and len(out["parameters"]["per_rank"]) == 4
-    assert set(out["memory"]) == {"dense"}
+    assert set(out["memory"]) == {"dense"} and "moe_small_kernels" not in out
     assert set(out["memory"]["dense"]) == {"input_norm", "attention", "pre_mlp_norm", "mlp"}
 
 
@@ -38,6 +39,9 @@ def test_moe_memory_per_layer_kind_and_overrides(capsys):
                 "--pp", "3", "--micro-batch-size", "2", "-a", "1f1b")
     assert set(out["memory"]) == {"dense", "moe"} and {"router", "moe_mlp"} <= set(out["memory"]["moe"])
     assert (out["results"][0]["pp"], out["results"][0]["micro_batch_size"]) == (3, 2)
+    small = out["moe_small_kernels"]  # shown: what the fitted per-kernel cost adds to one MoE layer
+    each = load_hardware(EXAMPLES / "hardware" / "h200.yaml").moe_kernel_seconds
+    assert small["seconds"] == pytest.approx([n * each for n in small["kernels"]]) and min(small["kernels"]) > 0
 
 
 def test_target_nodes_and_search(capsys):

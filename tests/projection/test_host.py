@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from primuspipe.projection.hardware_spec import load_hardware
-from primuspipe.projection.host import TE_LINEAR_OPS, host_bound, layer_host
+from primuspipe.projection.compute import Calibration, WorkModel, part_times
+from primuspipe.projection.host import TE_LINEAR_OPS, host_bound, layer_host, moe_small_kernels
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.projection import Projector
 from primuspipe.projection.published import load_runs, training_of
@@ -64,11 +65,12 @@ def test_host_work_follows_experts_fp8_padding_and_cuda_graphs():
     assert moe_training(moe_expert_capacity_factor=2.0, moe_expert_load_imbalance=1.5).load_imbalance == 1.5
 
 
-def _tokens_per_s(run_id: str, hardware_fields: dict) -> float:
+def _tokens_per_s(run_id: str, hardware_fields: dict, **training_fields) -> float:
     run = next(r for r in load_runs() if r.id == run_id)
     hardware = dataclasses.replace(load_hardware(EXAMPLES / "hardware" / f"{run.hardware}.yaml"), **hardware_fields)
+    training = dataclasses.replace(training_of(run), **training_fields)
     return Projector(load_model(EXAMPLES / "models" / f"{run.model}.yaml"), hardware).evaluate(
-        training_of(run), run.algorithm()).tokens_per_s_per_gpu
+        training, run.algorithm()).tokens_per_s_per_gpu
 
 
 @pytest.mark.parametrize("run_id", ["mbridge2511-llama3-8b-fp8cs-8", "nemo2412-llama2-13b-fp8-16",
@@ -78,11 +80,16 @@ def test_host_time_leaves_runs_with_enough_gpu_work_alone(run_id):
 
 
 def test_host_time_slows_a_fine_grained_moe_layer_with_little_gpu_work():
-    run_id = "mbridge2511-b200-qwen3-30b-a3b-mxfp8-8"
-    with_host, without = _tokens_per_s(run_id, {}), _tokens_per_s(run_id, {"host_op_seconds": None})
+    run_id = "mbridge2511-b200-qwen3-30b-a3b-mxfp8-8"  # its recipe graphs the router; eager here, so the host binds
+    eager = {"cuda_graph_impl": "none", "cuda_graph_modules": ()}
+    bare = {"moe_kernel_seconds": None}  # the device's least work: the host's share shows most
+    with_host = _tokens_per_s(run_id, bare, **eager)
+    without = _tokens_per_s(run_id, bare | {"host_op_seconds": None}, **eager)
     assert with_host < 0.98 * without
-    ten_times = _tokens_per_s(run_id, {"host_op_seconds": 10 * B200.host_op_seconds})
+    ten_times = _tokens_per_s(run_id, bare | {"host_op_seconds": 10 * B200.host_op_seconds}, **eager)
     assert ten_times < 0.5 * with_host  # host-bound: the step follows the host
+    graphed = _tokens_per_s(run_id, bare)
+    assert with_host < graphed <= without  # CUDA graphs over router and pre-processing take host work away
 
 
 @pytest.mark.slow
@@ -151,3 +158,37 @@ def _count_real_layers():
     torch.set_num_threads(1)
     linear, x = torch.nn.Linear(64, 64), torch.randn(16, 2, 64)
     return counted(lambda: linear(x)), _on_one_rank("gloo", layers)
+
+
+def test_small_moe_kernels_add_device_time_to_moe_layers_only():
+    """moe_kernel_seconds: each kernel of the routing, dispatch and expert loop adds its fixed cost to the MoE
+    part's passes -- counted whether CUDA graphs replay the kernels or not -- and nothing to a dense layer."""
+    t = moe_training()
+    f, b, w = moe_small_kernels(QWEN, t)
+    assert f == b > w > 2 * 16  # at least each expert's GEMM in both grouped linears
+    graphed = moe_training(cuda_graph_impl="transformer_engine", cuda_graph_modules=("attn", "moe_router", "moe_preprocess"))
+    assert moe_small_kernels(QWEN, graphed) == (f, b, w)  # graphs take the host's work away, not the kernels
+    more = moe_small_kernels(QWEN, moe_training(expert_model_parallel_size=4, data_parallel_size=4))
+    assert more[0] - f == 2 * 16  # twice the local experts: one more GEMM per added expert per grouped linear
+    off = dataclasses.replace(B200, moe_kernel_seconds=None)
+    with_kernels, without = part_times(WorkModel(QWEN, t), B200, Calibration()), part_times(WorkModel(QWEN, t), off, Calibration())
+    added = [getattr(with_kernels["moe"], p) - getattr(without["moe"], p) for p in ("forward", "backward_input", "backward_weight")]
+    assert added == pytest.approx([n * B200.moe_kernel_seconds for n in (f, b, w)])
+    assert with_kernels["head"] == without["head"]
+    llama = load_model(EXAMPLES / "models" / "llama3-8b.yaml")
+    dense = TrainingSpec(pipeline_model_parallel_size=1, global_batch_size=8)
+    assert part_times(WorkModel(llama, dense), B200, Calibration()) == part_times(WorkModel(llama, dense), off, Calibration())
+    measured = Calibration({("moe", "forward"): 1.0})  # a measured factor already holds the kernels' cost
+    assert part_times(WorkModel(QWEN, t), B200, measured)["moe"].forward == without["moe"].forward
+
+
+@pytest.mark.parametrize("value, message", [(0, "must be positive"), (-5e-6, "finite number >= 0"), (float("nan"), "finite number >= 0")])
+def test_bad_moe_kernel_seconds_is_refused_with_one_line(tmp_path, value, message):
+    import yaml
+
+    path = tmp_path / "hw.yaml"
+    path.write_text(yaml.safe_dump({**yaml.safe_load((EXAMPLES / "hardware" / "b200.yaml").read_text()),
+                                    "moe_kernel_seconds": value}))
+    with pytest.raises(InputError, match=message) as raised:
+        load_hardware(path)
+    assert "moe_kernel_seconds" in str(raised.value).splitlines()[0]
