@@ -21,6 +21,9 @@ optimizer step does. ``--runs`` sessions per pp. Then
   and every predicted algorithm at those microbatch counts, predicted from the same cost file,
   calibrated at ``--microbatches`` only -- shapes the file was not measured at (run the bench again
   with another ``--hidden`` for a second model size);
+* **compare models**: each prediction is also made from the same file without ``compute.fixed`` /
+  ``compute.chunk`` (each 1F1B stage's time cut evenly over its chunks, what a backend that cannot time the
+  layers gets), so the two are judged on the same runs;
 * **measure** each algorithm's step: the dump's step span (first node start to last node end over all
   ranks, what the simulator predicts), median over a session's iterations after the first, then the
   median over sessions; the bubble rate likewise (worst rank's ``(step - busy) / step``).
