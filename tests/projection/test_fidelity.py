@@ -139,6 +139,21 @@ def test_every_published_run_loads_and_projects():
     assert "error" not in row and row["ratio"] > 0 and row["verdict"] in ("FITS", "AT-RISK", "OOM")
 
 
+@pytest.mark.parametrize("run", [r for r in load_runs() if r.model == "gpt-oss-120b"], ids=lambda r: r.id)
+def test_published_gpt_oss_runs_could_not_have_run_unfused_attention(run):
+    """GPT-OSS's attention sinks rule FlashAttention out in Transformer Engine, leaving cuDNN's fused kernel
+    or the unfused one; the unfused one keeps the b x a x s x s probabilities for the backward, which no
+    published GPT-OSS layout has room for (docs/projection.md, GPT-OSS 120B): these runs ran fused."""
+    model = load_model(EXAMPLES / "models" / "gpt-oss-120b.yaml")
+    hardware = load_hardware(EXAMPLES / "hardware" / f"{run.hardware}.yaml")
+    as_run = training_of(run)
+    unfused = dataclasses.replace(as_run, attention_backend="unfused", attention_softmax_in_fp32=False)
+    fused, bare = (Projector(model, hardware).evaluate(t, run.algorithm()) for t in (as_run, unfused))
+    assert isinstance(fused, ProjectionResult) and isinstance(bare, ProjectionResult)
+    probabilities = run.training["micro_batch_size"] * model.num_attention_heads * model.seq_length ** 2 * 2
+    assert max(bare.peak_memory_bytes) - max(fused.peak_memory_bytes) > probabilities
+    assert bare.verdict == "OOM" and (fused.verdict != "OOM" or run.excluded)
+
 def test_fused_cross_entropy_and_narrow_optimizer_state_shrink_memory():
     from primuspipe.projection.activations import ActivationModel
     from primuspipe.projection.parameters import ParamCount
