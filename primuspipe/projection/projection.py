@@ -35,7 +35,8 @@ from primuspipe.projection.static_memory import optimizer_params
 from primuspipe.projection.training_spec import TrainingSpec, check_compatible
 
 logger = logging.getLogger("primuspipe.projection")
-ALGORITHM_LOGGER = "primuspipe.algorithms"
+ALGORITHM_LOGGERS = ("primuspipe.algorithms", "primuspipe.search")
+"""The loggers of the table builders: zb-auto's search reports its progress, which is noise in a projection."""
 
 RISK_MARGIN = 0.10
 """Default share of HBM kept free before a configuration is called AT-RISK."""
@@ -114,6 +115,13 @@ class Refusal:
 EXTRAPOLATE_ABOVE = 8
 """Above this many microbatches per pipeline rank, a projection simulates the pipeline at smaller counts
 and extrapolates (:func:`sampled_microbatches`)."""
+
+
+SEARCH_WHOLE_UP_TO = 1024
+"""pp x microbatches up to which a searching algorithm (zb-auto) whose answers at the sampled counts follow
+no line is searched and simulated at the full count; above it the row is refused: the search's time grows
+with the table (about 2 s at pp 8 x 128 microbatches, 3 s at 256, 6.5 s at 512 on this project's 2-core
+host), and a projection must stay within seconds."""
 
 
 def sampled_microbatches(microbatches: int, pp: int) -> tuple[int, ...] | None:
@@ -220,6 +228,13 @@ class Projector:
             if figures is None and counts[2] < training.microbatches and _growing(runs):
                 runs.append(self._pipeline(training, algorithm, counts[2]))
                 figures = self._extrapolated(runs, training.microbatches)
+            if figures is None and info.placement == "any" and training.microbatches * training.pp > SEARCH_WHOLE_UP_TO:
+                return Refusal(**refused, error=(
+                    f"{algorithm} searches anew at every microbatch count and its answers at {', '.join(map(str, counts))} "
+                    f"follow no line, so its {training.microbatches}-microbatch table cannot be carried on from "
+                    f"shorter ones, and a search that size (pp x microbatches above {SEARCH_WHOLE_UP_TO}) does not fit "
+                    "a projection's time; the fixed algorithms' rows stand (`primuspipe simulate -a "
+                    f"{algorithm}` at this count times its table)"))
             if figures is None:
                 training, costs, figures = self._pipeline(training, algorithm, training.microbatches)
                 return self._result(training, algorithm, costs, figures)
@@ -253,7 +268,7 @@ class Projector:
         chooses = info.placement == "any"
         costs = stage_costs(self.model, training, self.hardware, self._parts(training),
                             Placement.named("interleaved" if chooses else info.placement, training.pp, training.vpp))
-        with _quiet(ALGORITHM_LOGGER):  # one projection builds many tables; their progress is noise here
+        with _quiet(*ALGORITHM_LOGGERS):  # one projection builds many tables; their progress is noise here
             table = build_schedule(algorithm, training.pp, microbatches, None if chooses else training.vpp,
                                    cost=costs.cost_model(), memory_limit=self._activation_budget(costs),
                                    **ALGORITHM_OPTIONS.get(info.name, {}))
@@ -323,15 +338,17 @@ class Projector:
 
 
 @contextlib.contextmanager
-def _quiet(name: str) -> Iterator[None]:
-    """Only warnings from logger ``name`` while the block runs."""
-    target = logging.getLogger(name)
-    level = target.level
-    target.setLevel(max(level, logging.WARNING))
+def _quiet(*names: str) -> Iterator[None]:
+    """Only warnings from the loggers ``names`` while the block runs."""
+    targets = [logging.getLogger(name) for name in names]
+    levels = [target.level for target in targets]
+    for target, level in zip(targets, levels):
+        target.setLevel(max(level, logging.WARNING))
     try:
         yield
     finally:
-        target.setLevel(level)
+        for target, level in zip(targets, levels):
+            target.setLevel(level)
 
 
 def recompute_label(training: TrainingSpec) -> str:

@@ -17,7 +17,7 @@ from primuspipe.projection.model_spec import load_model
 from primuspipe.projection import projection as projection_module
 from primuspipe.projection.framework import list_algorithms
 from primuspipe.projection.projection import (
-    Projector, ProjectionResult, candidates, project, sampled_microbatches, scale_to_nodes)
+    Projector, ProjectionResult, Refusal, candidates, project, sampled_microbatches, scale_to_nodes)
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.stage_costs import stage_costs
 from primuspipe.projection.training_spec import TrainingSpec, load_training
@@ -163,3 +163,17 @@ def test_extrapolated_projection_equals_the_full_simulation(monkeypatch, pp, vpp
         assert got.step_time_s == pytest.approx(want.step_time_s, rel=5e-3), name
         assert got.bubble_rate == pytest.approx(want.bubble_rate, abs=5e-3), name
         assert max(got.peak_memory_bytes) == pytest.approx(max(want.peak_memory_bytes), rel=5e-3), name
+
+
+def test_a_search_that_follows_no_line_is_searched_whole_up_to_a_size_and_refused_above_it():
+    # zb-auto plans under MI300X's memory budget a different order at each sampled count (its memory peaks
+    # differ), so nothing carries it on: searched whole while pp x m is small, refused (one line, why and
+    # what to do) where a full search would not fit a projection's time
+    llama_mi300x = Projector(LLAMA, MI300X)
+    small = llama_mi300x.evaluate(TrainingSpec(global_batch_size=69, pipeline_model_parallel_size=4), "zb-auto")
+    assert isinstance(small, ProjectionResult) and not small.simulated_microbatches
+    large = llama_mi300x.evaluate(TrainingSpec(global_batch_size=517, pipeline_model_parallel_size=4), "zb-auto")
+    assert isinstance(large, Refusal)
+    assert "follow no line" in large.error and "fixed algorithms' rows stand" in large.error
+    fixed = llama_mi300x.evaluate(TrainingSpec(global_batch_size=517, pipeline_model_parallel_size=4), "zb-h1")
+    assert isinstance(fixed, ProjectionResult) and fixed.simulated_microbatches == (17, 25)
