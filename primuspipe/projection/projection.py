@@ -214,35 +214,40 @@ class Projector:
     def evaluate(self, training: TrainingSpec, algorithm: str) -> ProjectionResult | Refusal:
         """Project one configuration under one algorithm (with ``training.vpp`` chunks per rank where the
         algorithm takes any vpp, see :func:`algorithm_vpp`)."""
-        info = get_algorithm(algorithm)
         training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=algorithm_vpp(algorithm, training.vpp))
         refused = dict(algorithm=algorithm, pp=training.pp, vpp=training.vpp, micro_batch_size=training.micro_batch_size,
                        recompute=recompute_label(training))
         try:
             check_compatible(self.model, training)
-            if (counts := sampled_microbatches(training.microbatches, training.pp)) is None:
-                training, costs, figures = self._pipeline(training, algorithm, training.microbatches)
-                return self._result(training, algorithm, costs, figures)
-            runs = [self._pipeline(training, algorithm, m) for m in counts[:2]]
-            figures = self._extrapolated(runs, training.microbatches)
-            if figures is None and counts[2] < training.microbatches and _growing(runs):
-                runs.append(self._pipeline(training, algorithm, counts[2]))
-                figures = self._extrapolated(runs, training.microbatches)
-            if figures is None and info.placement == "any" and training.microbatches * training.pp > SEARCH_WHOLE_UP_TO:
-                return Refusal(**refused, error=(
-                    f"{algorithm} searches anew at every microbatch count and its answers at {', '.join(map(str, counts))} "
-                    f"follow no line, so its {training.microbatches}-microbatch table cannot be carried on from "
-                    f"shorter ones, and a search that size (pp x microbatches above {SEARCH_WHOLE_UP_TO}) does not fit "
-                    "a projection's time; the fixed algorithms' rows stand (`primuspipe simulate -a "
-                    f"{algorithm}` at this count times its table)"))
-            if figures is None:
-                training, costs, figures = self._pipeline(training, algorithm, training.microbatches)
-                return self._result(training, algorithm, costs, figures)
-            shape, costs, _ = runs[0]
-            training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=shape.vpp)
+            shaped = self._carried_on(training, algorithm) or self._pipeline(training, algorithm, training.microbatches)
+            training, costs, figures = shaped
             return self._result(training, algorithm, costs, figures)
         except PrimusPipeError as exc:
             return Refusal(**refused, error=str(exc).splitlines()[0])
+
+    def _carried_on(self, training: TrainingSpec, algorithm: str
+                    ) -> tuple[TrainingSpec, StageCosts, PipelineFigures] | None:
+        """A long pipeline's figures from shorter ones (:func:`sampled_microbatches`), or None where it is
+        short or its figures follow no line (it is then simulated whole); raises for a search too long to
+        run whole (:data:`SEARCH_WHOLE_UP_TO`)."""
+        m = training.microbatches
+        if (counts := sampled_microbatches(m, training.pp)) is None:
+            return None
+        runs = [self._pipeline(training, algorithm, k) for k in counts[:2]]
+        figures = self._extrapolated(runs, m)
+        if figures is None and counts[2] < m and _growing(runs):
+            runs.append(self._pipeline(training, algorithm, counts[2]))
+            figures = self._extrapolated(runs, m)
+        if figures is not None:
+            shape, costs, _ = runs[0]
+            return dataclasses.replace(training, virtual_pipeline_model_parallel_size=shape.vpp), costs, figures
+        if get_algorithm(algorithm).placement == "any" and m * training.pp > SEARCH_WHOLE_UP_TO:
+            raise PrimusPipeError(
+                f"{algorithm} searches anew at every microbatch count and its answers at {', '.join(map(str, counts))} "
+                f"follow no line, so its {m}-microbatch table cannot be carried on from shorter ones, and a search "
+                f"that size (pp x microbatches above {SEARCH_WHOLE_UP_TO}) does not fit a projection's time; the fixed "
+                f"algorithms' rows stand (`primuspipe simulate -a {algorithm}` at this count times its table)")
+        return None
 
     @staticmethod
     def _extrapolated(runs: list[tuple[TrainingSpec, StageCosts, PipelineFigures]], microbatches: int
