@@ -10,9 +10,11 @@ import pytest
 from primuspipe.projection.comm import Collectives, gradient_sync, layer_comm, p2p_message_bytes, pipeline_ranks_per_node
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
 from primuspipe.projection.framework import Placement
-from primuspipe.projection.hardware_spec import HardwareSpec
-from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
+from primuspipe.projection.model_spec import ModelSpec, load_model
 from primuspipe.projection.parameters import ParamCount
+from primuspipe.projection.projection import Projector
+from primuspipe.projection.published import EXAMPLES
 from primuspipe.projection.stage_costs import stage_costs
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -261,3 +263,22 @@ def test_overlapped_data_parallel_sync_shows_what_outlasts_one_microbatch(forwar
     assert got == pytest.approx(expected)
     assert gradient_sync(params, t, HW, buckets=8, forward_s=forward_s * 2, backward_s=backward_s * 2) <= got
     assert got >= (reduce + gather) / 8
+
+
+@pytest.mark.parametrize("microbatches", [1, 5, 40])
+def test_experts_replicated_over_nodes_expose_their_synchronisation(microbatches):
+    """GPT-OSS 120B on 64 B200 as Megatron-Bridge ran it (MBS 4): at EP 8 each rank's 16 experts of every layer
+    are replicated over 8 nodes and their gradients and weights cross one network card per step, more than
+    one microbatch's compute hides; at EP 64 every expert lives once and nothing of that kind is left. The
+    step's exposed synchronisation does not depend on how many microbatches there are."""
+    model = load_model(EXAMPLES / "models" / "gpt-oss-120b.yaml")
+    projector = Projector(model, load_hardware(EXAMPLES / "hardware" / "b200.yaml"))
+    base = TrainingSpec(micro_batch_size=4, global_batch_size=4 * 64 * microbatches, pipeline_model_parallel_size=1,
+                        data_parallel_size=64, expert_tensor_parallel_size=1, overlap_param_gather=True,
+                        grad_reduce_in_bf16=True, moe_router_force_load_balancing=True)
+    sync = {ep: projector.evaluate(dataclasses.replace(base, expert_model_parallel_size=ep), "1f1b").gradient_sync_s
+            for ep in (8, 64)}
+    expert_bytes = 16 * model.num_layers * 3 * model.hidden_size * model.expert_ffn * 2  # bf16, biases aside
+    one_way = Collectives(projector.hardware).gather(expert_bytes, 8, 64)
+    assert one_way > 0.5  # one network card: the strided expert-data-parallel group
+    assert sync[8] > 0.5 * one_way and sync[64] < 0.1 * sync[8]
