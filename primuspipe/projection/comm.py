@@ -4,7 +4,9 @@ Collectives follow the ring (bandwidth-optimal) cost model of Thakur et al. 2005
 Collective Communication Operations in MPICH") over ``n`` ranks moving a buffer of ``S`` bytes:
 all-reduce ``2 (n-1)/n * S / bw + 2 (n-1) * latency``; all-gather, reduce-scatter and all-to-all
 ``(n-1)/n * S / bw + (n-1) * latency``. The bandwidth is the intra-node fabric's when the group fits in
-one node, else the network's (no hierarchical algorithms), times ``network_efficiency``.
+one node, else the network cards' of the group's members on one node (NCCL runs a ring per card, each
+crossing between nodes on its own card: a group with ``m`` members a node has ``m`` cards' bandwidth, up to
+the node's fabric; a strided group with one member a node has one card's), times ``network_efficiency``.
 
 Ranks are ordered as Megatron orders them (tensor, context, data, pipeline, innermost first; experts:
 expert-tensor, expert, data), so a group spans a run of consecutive ranks: TP ``tp``, CP ``tp * cp``,
@@ -42,18 +44,25 @@ class Collectives:
 
     hardware: HardwareSpec
 
-    def _link(self, span: int) -> tuple[float, float]:
-        """(bandwidth, latency) of a group covering ``span`` consecutive ranks."""
+    def _link(self, ranks: int, span: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a ring over ``ranks`` spread evenly over ``span`` consecutive ranks.
+
+        Across nodes NCCL runs one ring (channel) per network card, each crossing between nodes on its own
+        card, so a ring's share of a node's traffic leaves through every card of the node's group members:
+        with ``m`` members a node, the inter-node links carry ``m`` cards' bandwidth (up to the node's
+        fabric); with one member a node (a strided group), one card's."""
         h = self.hardware
         if span <= h.gpus_per_node:
             return h.intra_node_bandwidth_bytes_per_s * h.network_efficiency, h.intra_node_latency_s
-        return h.inter_node_bandwidth_bytes_per_s * h.network_efficiency, h.inter_node_latency_s
+        members = max(1, ranks * h.gpus_per_node // span)
+        cards = min(members * h.inter_node_bandwidth_bytes_per_s, h.intra_node_bandwidth_bytes_per_s)
+        return cards * h.network_efficiency, h.inter_node_latency_s
 
     def gather(self, nbytes: float, ranks: int, span: int) -> float:
-        """All-gather (or reduce-scatter, or all-to-all) of a ``nbytes`` buffer over ``ranks``."""
+        """All-gather (or reduce-scatter) of a ``nbytes`` buffer over ``ranks`` (a ring)."""
         if ranks == 1 or nbytes == 0:
             return 0.0
-        bandwidth, latency = self._link(span)
+        bandwidth, latency = self._link(ranks, span)
         return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency
 
     def all_reduce(self, nbytes: float, ranks: int, span: int) -> float:
@@ -150,19 +159,25 @@ def pipeline_ranks_per_node(training: TrainingSpec, hardware: HardwareSpec) -> i
 
 
 def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: HardwareSpec, *, tied_embedding: float = 0.0,
-                  buckets: int = 1, compute_s: float = 0.0) -> float:
+                  buckets: int = 1, forward_s: float = 0.0, backward_s: float = 0.0) -> float:
     """Seconds one rank's data-parallel gradient reduction and weight all-gather add to the step;
     ``tied_embedding`` are the embedding parameters whose gradients the first and last stage all-reduce.
 
     Megatron reduces gradients bucket by bucket as backward produces them (``overlap_grad_reduce``) and
-    gathers the updated weights bucket by bucket as the next forward needs them (``overlap_param_gather``);
-    overlapped, only the last reduction (the first gather) of ``buckets`` roughly equal buckets -- one per
-    layer of the rank -- is exposed.
+    gathers the updated weights bucket by bucket as the next forward needs them (``overlap_param_gather``).
+    Gradients accumulate locally over the microbatches and are reduced only during the last microbatch's
+    backward (``no_sync`` for the others), and the gathers run ahead of the first microbatch's forward only
+    (the forward pre-hook waits for a bucket and launches the next). So what hides them is one microbatch's
+    backward (``backward_s``: the rank's B and W seconds of one microbatch) and one microbatch's forward
+    (``forward_s``): of ``buckets`` roughly equal buckets -- one per layer of the rank -- the last reduction
+    (the first gather) shows, or what outlasts that compute, whichever is longer. That matters where the
+    gradients are large beside one microbatch's compute: a rank's many experts replicated over an
+    expert-data-parallel group that crosses the network, with few microbatches.
 
     With gradients sharded (Megatron-FSDP ``optim_grads``) every microbatch's gradients are reduce-scattered
     as its backward produces them, not once per step. Nothing waits for those collectives before the
     optimizer step, so they run on their own stream beside all later compute, forward included: what
-    outlasts the rank's compute per microbatch (``compute_s``, its F, B and W seconds) shows for every
+    outlasts the rank's compute per microbatch (its F, B and W seconds) shows for every
     microbatch, or at least the last bucket of the last one. (The network is taken as the data-parallel
     group's alone: pipeline sends share it, and are small beside gradients.)
 
@@ -183,13 +198,20 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
             reduce += net.all_reduce(count * grad_bytes, ranks, span)
     tied = net.all_reduce(tied_embedding * grad_bytes, 2, span * t.pp)
     tail = 1 / max(1, buckets)
+    compute_s = forward_s + backward_s
     if t.shards_gradients:
         reduce = max(reduce * tail, t.microbatches * max(0.0, reduce - compute_s)) if t.overlap_grad_reduce \
             else reduce * t.microbatches
     elif t.overlap_grad_reduce:
-        reduce *= tail
+        reduce = _hidden_under(reduce, tail, backward_s)
     if t.shards_weights:
         gather = t.microbatches * max(0.0, 2 * gather - compute_s) if t.overlap_param_gather \
             else 2 * gather * t.microbatches
         return gather + tied + reduce
-    return gather * (tail if t.overlap_param_gather else 1.0) + tied + reduce
+    return (_hidden_under(gather, tail, forward_s) if t.overlap_param_gather else gather) + tied + reduce
+
+
+def _hidden_under(collective: float, tail: float, compute: float) -> float:
+    """What shows of a collective issued bucket by bucket under ``compute``: its last bucket (``tail`` of it),
+    or what outlasts the compute."""
+    return max(collective * tail, collective - compute)

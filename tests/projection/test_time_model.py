@@ -10,9 +10,11 @@ import pytest
 from primuspipe.projection.comm import Collectives, gradient_sync, layer_comm, p2p_message_bytes, pipeline_ranks_per_node
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
 from primuspipe.projection.framework import Placement
-from primuspipe.projection.hardware_spec import HardwareSpec
-from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
+from primuspipe.projection.model_spec import ModelSpec, load_model
 from primuspipe.projection.parameters import ParamCount
+from primuspipe.projection.projection import Projector
+from primuspipe.projection.published import EXAMPLES
 from primuspipe.projection.stage_costs import stage_costs
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -78,7 +80,11 @@ def test_full_recompute_adds_the_forward_to_b():
 def test_ring_collectives_and_link_choice():
     net = Collectives(HW)
     assert net.gather(8e9, 8, 8) == pytest.approx(7 / 8 * 8e9 / 100e9 + 7 * 1e-5)  # one node: the fabric
-    assert net.gather(8e9, 8, 16) == pytest.approx(7 / 8 * 8e9 / 10e9 + 7 * 2e-5)  # spans two nodes: the network
+    # across nodes a ring's traffic leaves through the cards of the group's members on each node: one member
+    # a node (a strided group) has one card, four members a node four cards, up to the node's fabric
+    assert net.gather(8e9, 8, 64) == pytest.approx(7 / 8 * 8e9 / 10e9 + 7 * 2e-5)
+    assert net.gather(8e9, 8, 16) == pytest.approx(7 / 8 * 8e9 / (4 * 10e9) + 7 * 2e-5)
+    assert net.gather(8e9, 64, 64) == pytest.approx(63 / 64 * 8e9 / 80e9 + 63 * 2e-5)
     assert net.all_reduce(8e9, 8, 8) == pytest.approx(2 * net.gather(8e9, 8, 8))
     assert net.gather(8e9, 1, 1) == 0
 
@@ -105,11 +111,15 @@ def test_pipeline_link_and_gradient_sync():
     params = ParamCount(dense=10**9)
     dp = dataclasses.replace(TRAINING, data_parallel_size=8, global_batch_size=32)
     net = Collectives(HW)
-    # distributed optimizer: the fp32 gradient reduce-scatter hides behind backward but for its last bucket
-    # (one per layer); the bf16 gather is exposed unless overlap_param_gather hides all but its first bucket
-    assert gradient_sync(params, dp, HW, buckets=4) == pytest.approx(net.gather(2e9, 8, 8) + net.gather(4e9, 8, 8) / 4)
+    # distributed optimizer: the fp32 gradient reduce-scatter hides behind the last microbatch's backward but
+    # for its last bucket (one per layer); the bf16 gather is exposed unless overlap_param_gather hides all but
+    # its first bucket under the first microbatch's forward
+    long = dict(forward_s=10.0, backward_s=10.0)
+    assert gradient_sync(params, dp, HW, buckets=4, **long) == pytest.approx(
+        net.gather(2e9, 8, 8) + net.gather(4e9, 8, 8) / 4)
     both = dataclasses.replace(dp, overlap_param_gather=True)
-    assert gradient_sync(params, both, HW, buckets=4) == pytest.approx((net.gather(2e9, 8, 8) + net.gather(4e9, 8, 8)) / 4)
+    assert gradient_sync(params, both, HW, buckets=4, **long) == pytest.approx(
+        (net.gather(2e9, 8, 8) + net.gather(4e9, 8, 8)) / 4)
     exposed = dataclasses.replace(dp, overlap_grad_reduce=False)
     assert gradient_sync(params, exposed, HW) == pytest.approx(net.gather(4e9, 8, 8) + net.gather(2e9, 8, 8))
     plain = dataclasses.replace(exposed, use_distributed_optimizer=False)
@@ -141,11 +151,12 @@ def test_sharded_gradients_are_reduce_scattered_every_microbatch_beside_the_comp
     net = Collectives(HW)
     reduce, gather = net.gather(4e9, 8, 8), net.gather(2e9, 8, 8)
     assert dp.shards_gradients and dp.microbatches == 2
-    assert gradient_sync(params, dp, HW, buckets=4, compute_s=10.0) == pytest.approx(gather + reduce / 4)
+    assert gradient_sync(params, dp, HW, buckets=4, forward_s=4.0, backward_s=6.0) == pytest.approx(gather + reduce / 4)
     short = reduce / 2
-    assert gradient_sync(params, dp, HW, buckets=4, compute_s=short) == pytest.approx(gather + 2 * (reduce - short))
+    assert gradient_sync(params, dp, HW, buckets=4, forward_s=short / 4, backward_s=3 * short / 4) == pytest.approx(
+        gather + 2 * (reduce - short))
     unhidden = dataclasses.replace(dp, overlap_grad_reduce=False)
-    assert gradient_sync(params, unhidden, HW, compute_s=10.0) == pytest.approx(gather + 2 * reduce)
+    assert gradient_sync(params, unhidden, HW, backward_s=10.0) == pytest.approx(gather + 2 * reduce)
 
 
 def test_per_head_query_key_norms_read_and_write_queries_and_keys():
@@ -171,9 +182,9 @@ def test_sharded_weights_are_gathered_before_every_forward_and_backward_beside_t
                                 data_parallel_sharding_strategy="optim_grads_params", overlap_param_gather=True)
     net = Collectives(HW)
     reduce, gather = net.gather(4e9, 8, 8), net.gather(2e9, 8, 8)
-    assert gradient_sync(params, zero3, HW, buckets=4, compute_s=10.0) == pytest.approx(reduce / 4)
+    assert gradient_sync(params, zero3, HW, buckets=4, backward_s=10.0) == pytest.approx(reduce / 4)
     short = gather
-    assert gradient_sync(params, zero3, HW, buckets=4, compute_s=short) == pytest.approx(
+    assert gradient_sync(params, zero3, HW, buckets=4, forward_s=short) == pytest.approx(
         2 * (2 * gather - short) + 2 * (reduce - short))
 
 
@@ -232,3 +243,42 @@ def test_a_bad_attention_rate_table_is_refused(rates):
               "attention_length_rates": rates}
     with pytest.raises(InputError, match="attention_length_rates"):
         spec_from_mapping(HardwareSpec, values, "hw.yaml")
+
+
+@pytest.mark.parametrize("forward_s,backward_s", [(0.0, 0.0), (0.01, 0.03), (0.2, 0.5), (1.0, 3.0), (50.0, 90.0)])
+@pytest.mark.parametrize("edp_across_nodes", [False, True])
+def test_overlapped_data_parallel_sync_shows_what_outlasts_one_microbatch(forward_s, backward_s, edp_across_nodes):
+    """Megatron reduces the accumulated gradients during the last microbatch's backward only and gathers the
+    weights ahead of the first microbatch's forward only: of each, the last (first) bucket shows, or what
+    outlasts that one microbatch's compute -- never less, however many microbatches the step has."""
+    params = ParamCount(dense=10**8, expert=4 * 10**9)
+    ep = 8 if edp_across_nodes else 1
+    t = dataclasses.replace(TRAINING, data_parallel_size=64, global_batch_size=64 * 8, expert_model_parallel_size=ep,
+                            overlap_param_gather=True, pipeline_model_parallel_size=1)
+    net, span = Collectives(HW), 64
+    reduce = net.gather(1e8 * 4, 64, span) + net.gather(4e9 * 4, t.expert_data_parallel_size, span)
+    gather = net.gather(1e8 * 2, 64, span) + net.gather(4e9 * 2, t.expert_data_parallel_size, span)
+    expected = max(reduce / 8, reduce - backward_s) + max(gather / 8, gather - forward_s)
+    got = gradient_sync(params, t, HW, buckets=8, forward_s=forward_s, backward_s=backward_s)
+    assert got == pytest.approx(expected)
+    assert gradient_sync(params, t, HW, buckets=8, forward_s=forward_s * 2, backward_s=backward_s * 2) <= got
+    assert got >= (reduce + gather) / 8
+
+
+@pytest.mark.parametrize("microbatches", [1, 5, 40])
+def test_experts_replicated_over_nodes_expose_their_synchronisation(microbatches):
+    """GPT-OSS 120B on 64 B200 as Megatron-Bridge ran it (MBS 4): at EP 8 each rank's 16 experts of every layer
+    are replicated over 8 nodes and their gradients and weights cross one network card per step, more than
+    one microbatch's compute hides; at EP 64 every expert lives once and nothing of that kind is left. The
+    step's exposed synchronisation does not depend on how many microbatches there are."""
+    model = load_model(EXAMPLES / "models" / "gpt-oss-120b.yaml")
+    projector = Projector(model, load_hardware(EXAMPLES / "hardware" / "b200.yaml"))
+    base = TrainingSpec(micro_batch_size=4, global_batch_size=4 * 64 * microbatches, pipeline_model_parallel_size=1,
+                        data_parallel_size=64, expert_tensor_parallel_size=1, overlap_param_gather=True,
+                        grad_reduce_in_bf16=True, moe_router_force_load_balancing=True)
+    sync = {ep: projector.evaluate(dataclasses.replace(base, expert_model_parallel_size=ep), "1f1b").gradient_sync_s
+            for ep in (8, 64)}
+    expert_bytes = 16 * model.num_layers * 3 * model.hidden_size * model.expert_ffn * 2  # bf16, biases aside
+    one_way = Collectives(projector.hardware).gather(expert_bytes, 8, 64)
+    assert one_way > 0.5  # one network card: the strided expert-data-parallel group
+    assert sync[8] > 0.5 * one_way and sync[64] < 0.1 * sync[8]
