@@ -207,6 +207,32 @@ class WorkModel(RankShape):
         return 2 if second else 1
 
     @property
+    def probs_bytes(self) -> int:
+        """Bytes of one routing probability as the experts receive it: DeepEP and HybridEP (the flex dispatcher)
+        take fp32 probabilities only, and megatron-core casts them (``MoEFlexTokenDispatcher``: "HybridEP only
+        supports float32 probs"); the other dispatchers pass the router's dtype on."""
+        t = self.training
+        if t.moe_token_dispatcher_type == "flex":
+            return 4
+        return {"fp32": 4, "fp64": 8}.get(t.moe_router_dtype or "", self.e)
+
+    def _expert_output_bias(self) -> PassWork:
+        """The experts' second bias (``add_bias_linear``), which megatron-core's ``TEGroupedMLP`` adds outside the
+        grouped GEMM (``skip_bias_add``, then ``_apply_bias``): per local expert the bias times each copy's
+        probability plus that expert's slice of the output, then one concatenation and a cast back. Each step
+        is an element-wise pass over the ``copies x H`` output in the promoted dtype ``r`` of the activations and
+        the probabilities: forward ``b*p`` written, the sum read and written, the concatenation read and
+        written, the cast read and written (none when ``r`` is the activations' dtype); backward the casts'
+        gradients, and per factor of ``b*p`` a product written and read back for its reduction (the bias's
+        gradient over the tokens, the probability's over ``H``)."""
+        e, r = self.e, max(self.e, self.probs_bytes)
+        elements = self.expert_copies * self.training.load_imbalance * self.model.hidden_size
+        casts = (r + e) if r != e else 0
+        forward = r + (e + 2 * r) + 2 * r + casts
+        backward = 2 * casts + 2 * 3 * r
+        return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
+
+    @property
     def expert_copies(self) -> float:
         """Token copies the experts of one rank process per microbatch (uniform routing)."""
         return self.residual_tokens * self.model.moe_router_topk * self.training.etp
@@ -226,7 +252,8 @@ class WorkModel(RankShape):
             shared = (self._mlp(self.tokens, m.moe_shared_expert_intermediate_size / t.tp)
                       if m.moe_shared_expert_intermediate_size else None)
             router = self._linear(self.residual_tokens, m.hidden_size, m.num_experts, fp8=False)
-            mlp = _sum(routed, router, *([shared] if shared else []))
+            bias = [self._expert_output_bias()] if m.add_bias_linear else []
+            mlp = _sum(routed, router, *bias, *([shared] if shared else []))
             mlp_recompute = (mlp.forward if t.recomputes("moe") else
                              shared.forward if shared and t.recomputes("shared_experts") else Work())
             if t.recomputes("moe_act") and not t.recomputes("moe"):

@@ -131,6 +131,9 @@ class TrainingSpec:
     overlap_moe_expert_parallel_comm: bool = False
     """EP all-to-all overlap (Megatron's 1F1B A2A overlap): one microbatch's dispatch/combine runs under
     another microbatch's compute; only what outlasts that compute is exposed."""
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """The router's logits and probabilities in fp32 / fp64; None: the activations' dtype (Megatron's default).
+    The probabilities weight each token copy in the experts (see ``WorkModel.probs_bytes``)."""
     moe_router_force_load_balancing: bool = False
     """Route tokens evenly (benchmarks do): no expert gets more than its share."""
     moe_expert_load_imbalance: float | None = None

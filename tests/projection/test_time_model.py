@@ -11,6 +11,7 @@ from primuspipe.projection.comm import Collectives, gradient_sync, layer_comm, p
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
 from primuspipe.projection.framework import Placement
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
+from primuspipe.projection.host import moe_small_kernels
 from primuspipe.projection.model_spec import ModelSpec, load_model
 from primuspipe.projection.parameters import ParamCount
 from primuspipe.projection.projection import Projector
@@ -282,3 +283,32 @@ def test_experts_replicated_over_nodes_expose_their_synchronisation(microbatches
     one_way = Collectives(projector.hardware).gather(expert_bytes, 8, 64)
     assert one_way > 0.5  # one network card: the strided expert-data-parallel group
     assert sync[8] > 0.5 * one_way and sync[64] < 0.1 * sync[8]
+
+
+@pytest.mark.parametrize("dispatcher,router_dtype,precision,r", [
+    ("alltoall", None, "bf16", 2), ("alltoall", "fp32", "bf16", 4), ("flex", None, "bf16", 4),
+    ("flex", "fp32", "bf16", 4), ("alltoall", "fp64", "bf16", 8), ("alltoall", None, "fp32", 4)])
+@pytest.mark.parametrize("experts,ep", [(16, 8), (16, 2), (8, 8)])
+def test_expert_biases_are_applied_outside_the_grouped_gemm_per_local_expert(dispatcher, router_dtype, precision, r,
+                                                                               experts, ep):
+    """megatron-core's TEGroupedMLP adds the experts' second bias after the grouped GEMM (_apply_bias): bias x
+    routing probability plus each local expert's output slice, concatenated and cast back -- element-wise passes
+    over the copies x H output in the promoted dtype of the activations and the probabilities (fp32 on the flex
+    dispatcher, the router's dtype otherwise), and 4 + 2 per local expert ops and kernels each pass."""
+    biased = dataclasses.replace(MODEL, num_experts=experts, moe_router_topk=2, add_bias_linear=True)
+    plain = dataclasses.replace(biased, add_bias_linear=False)
+    t = dataclasses.replace(TRAINING, expert_model_parallel_size=ep, data_parallel_size=8, global_batch_size=64,
+                            moe_token_dispatcher_type=dispatcher, moe_router_dtype=router_dtype, precision=precision)
+    work, e = WorkModel(biased, t), t.activation_bytes
+    assert max(work.probs_bytes, e) == r
+    elements = work.expert_copies * biased.hidden_size
+    cast = (r + e) if r != e else 0
+    with_bias, without = work.layer("moe"), WorkModel(plain, t).layer("moe")
+    assert with_bias.forward.memory_bytes - without.forward.memory_bytes == pytest.approx((5 * r + e + cast) * elements)
+    assert with_bias.backward_input.memory_bytes - without.backward_input.memory_bytes == pytest.approx(
+        (6 * r + 2 * cast) * elements)
+    assert with_bias.backward_weight.memory_bytes == without.backward_weight.memory_bytes
+    ops = 4 + 2 * experts // ep
+    f, b, w = moe_small_kernels(biased, t)
+    f0, b0, w0 = moe_small_kernels(plain, t)
+    assert (f - f0, b - b0, w - w0) == (ops, ops, 0)
