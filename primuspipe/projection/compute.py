@@ -21,6 +21,7 @@ the layer benchmark (real megatron-core layers timed on the local device) or fro
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -32,6 +33,9 @@ from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 PASSES = ("forward", "backward_input", "backward_weight")
+ATTENTION_BLOCK = 128
+"""Queries and keys per block of a flash attention kernel (FlashAttention-2's and cuDNN's tiles for head
+dimensions up to 128): the granularity at which a sliding window's masked work is skipped."""
 FLOP_CONVENTIONS = ("causal", "full")
 """How model FLOPs count attention: ``causal`` the half of the score square a causal mask keeps (what the
 kernels compute), ``full`` the whole square (Narayanan et al. 2021's formula, as NVIDIA's NeMo /
@@ -65,16 +69,19 @@ class Work:
     def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
 
-    def attention_seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None) -> float:
-        """Seconds of the attention kernels; ``length``: the queries one kernel sees (the rate depends on it
-        where the hardware file gives ``attention_length_rates``)."""
+    def attention_seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None,
+                          head_dim: float | None = None) -> float:
+        """Seconds of the attention kernels; ``length``: the queries one kernel sees, ``head_dim``: its heads'
+        query/key width (the rate depends on them where the hardware file gives ``attention_length_rates`` and
+        ``attention_head_dim_rates``)."""
         slow = 0.5 if precision == "fp32" else 1.0
-        rate = hardware.attention_rate(length)
+        rate = hardware.attention_rate(length, head_dim)
         return self.attention_flops / (hardware.peak_bf16_tflops * 1e12 * hardware.attention_fraction * slow * rate)
 
-    def seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None) -> float:
+    def seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None,
+                head_dim: float | None = None) -> float:
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
-        return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision, length)
+        return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision, length, head_dim)
                 + self.memory_bytes / bytes_per_s)
 
 
@@ -134,13 +141,42 @@ class WorkModel(RankShape):
         ups = _sum(kv_up, *([q_up] if q_up else []))
         return _sum(query, kv, self._linear(tokens, heads * m.v_head_dim, h)), ups
 
+    @property
+    def head_dims(self) -> tuple[int, int]:
+        """(query/key, value) width of one attention head."""
+        m = self.model
+        return ((m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim) if m.multi_latent_attention
+                else (m.head_dim, m.head_dim))
+
+    def _attention_square(self) -> float:
+        """FLOPs of ``QK^T`` and ``PV`` over the whole score square of one layer and microbatch on this rank."""
+        m, t = self.model, self.training
+        qk, v = self.head_dims
+        return 2 * t.micro_batch_size * (m.seq_length / t.cp) * m.seq_length * m.num_attention_heads / t.tp * (qk + v)
+
+    @property
+    def window_share(self) -> float:
+        """Work of the model's attention kernels over causal attention's, averaged over its layers (1 without
+        ``window_size``). Flash kernels walk, for each block of queries, the key blocks from the first one its
+        window reaches to the diagonal, as they stop at the diagonal for causal attention (cudnn-frontend's open
+        SM100 attention kernels bound the key loop by the window's left block, ``compute_kv_loop_bounds``, its pull
+        request 584; FlashAttention's local attention skips the blocks outside the window likewise): with
+        ``ATTENTION_BLOCK``-token blocks a windowed layer visits ``min(i + 1, ceil(left / block) + 1)`` key blocks
+        for query block ``i`` where causal attention visits ``i + 1``."""
+        m = self.model
+        if not m.windowed_layers:
+            return 1.0
+        blocks = math.ceil(m.seq_length / ATTENTION_BLOCK)
+        reach = math.ceil(m.window_size[0] / ATTENTION_BLOCK) + 1
+        windowed = sum(min(i + 1, reach) for i in range(blocks)) / (blocks * (blocks + 1) / 2)
+        return (m.windowed_layers * windowed + m.num_layers - m.windowed_layers) / m.num_layers
+
     def _attention_core(self) -> PassWork:
         m, t = self.model, self.training
-        qk, v = ((m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim) if m.multi_latent_attention
-                 else (m.head_dim, m.head_dim))
-        square = 2 * t.micro_batch_size * (m.seq_length / t.cp) * m.seq_length * m.num_attention_heads / t.tp * (qk + v)
-        causal = 0.5 * square
-        forward = causal if t.flash_attention else square
+        qk, v = self.head_dims
+        square = self._attention_square()
+        causal = 0.5 * square * self.window_share
+        forward = causal if t.flash_attention else square  # the unfused kernel computes the square, then masks
         backward = 2.5 * causal if t.flash_attention else 2 * square
         e = self.e
         scores = square / (qk + v) / 2  # elements of the score matrix
@@ -298,12 +334,13 @@ class WorkModel(RankShape):
     def model_flops(self, attention: str = "causal") -> float:
         """Model FLOPs of one microbatch on one rank, all three passes, no recompute (MFU's numerator):
         GEMMs, and attention counted by ``attention`` (see :data:`FLOP_CONVENTIONS`)."""
-        def useful(work: PassWork, attention_share: float) -> float:
-            return sum(w.gemm_flops for w in work.passes()) + work.forward.attention_flops * attention_share * 3
+        def useful(work: PassWork, attention_flops: float) -> float:
+            return sum(w.gemm_flops for w in work.passes()) + attention_flops * 3
 
-        causal_share = (1.0 if self.training.flash_attention else 0.5) * (2.0 if attention == "full" else 1.0)
+        square = self._attention_square()  # the full convention counts the square in every layer, windowed or not
+        counted = square if attention == "full" else 0.5 * square * self.window_share
         layers = Counter(self.model.layer_kinds)
-        return sum(n * useful(self.layer(k), causal_share) for k, n in layers.items()) + useful(self.head(), 0)
+        return sum(n * useful(self.layer(k), counted) for k, n in layers.items()) + useful(self.head(), 0)
 
 
 def model_flops_per_token(model: ModelSpec, attention: str = "causal") -> float:
@@ -358,16 +395,17 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
              or (p == "mtp" and work.training.mtp_num_layers)]
 
     length = work.model.seq_length / work.training.cp  # queries per attention kernel (per ring step under CP)
+    head_dim = work.head_dims[0]
 
     def timed(pw: PassWork, part: str, fp8: bool | None = None) -> PartTimes:
         factors = [calibration.factor(part, name) for name in PASSES]
         fixed = [0.0 if (part, name) in calibration.factors else k  # a measured factor includes them
                  for name, k in zip(PASSES, kernel_overheads(work, hardware, part, fp8))]
-        seconds = [w.seconds(hardware, precision, length) * f + k for w, f, k in zip(pw.passes(), factors, fixed)]
-        recompute = (pw.recompute.seconds(hardware, precision, length) * calibration.factor(part, "forward")
+        seconds = [w.seconds(hardware, precision, length, head_dim) * f + k for w, f, k in zip(pw.passes(), factors, fixed)]
+        recompute = (pw.recompute.seconds(hardware, precision, length, head_dim) * calibration.factor(part, "forward")
                      + (fixed[0] if part == "moe" and work.training.recomputes("moe") else 0.0))
         gemm = tuple(w.gemm_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
-        attention = tuple(w.attention_seconds(hardware, precision, length) * f for w, f in zip(pw.passes(), factors))
+        attention = tuple(w.attention_seconds(hardware, precision, length, head_dim) * f for w, f in zip(pw.passes(), factors))
         if part not in ("dense", "moe") or hardware.host_op_seconds is None:
             return PartTimes(*seconds, recompute, gemm, attention)
         host = layer_host(work.model, work.training, part, fp8)
