@@ -81,6 +81,9 @@ class LayerComm:
     tp: tuple[float, float, float] = (0.0, 0.0, 0.0)
     cp: tuple[float, float, float] = (0.0, 0.0, 0.0)
     ep: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    tp_tail: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Of ``tp``, what an overlapped GEMM cannot hide: the last of the ``TP`` steps of each reduce-scatter, which
+    follows the last GEMM chunk (the all-gathers start on the rank's own chunk)."""
     blocking: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Small collectives the next kernel waits on and no overlap hides: under current scaling with sequence
     parallelism, the amax all-reduce over TP before each gathered operand is quantized."""
@@ -101,8 +104,12 @@ class LayerComm:
                 compute: tuple[float, ...]) -> tuple[float, float, float]:
         """Seconds of each pass the compute does not hide, as the frameworks overlap:
 
-        * TP with ``tp_comm_overlap``: chunked all-gathers/reduce-scatters under the GEMMs they feed; the
-          first of ``TP`` chunks, or what outlasts the GEMMs, shows;
+        * TP with ``tp_comm_overlap`` (Transformer Engine's userbuffers, as Megatron-Bridge configures them for
+          each GEMM): the all-gathers feed the GEMM chunk by chunk in a ring, starting on the rank's own chunk
+          (QKV and the MLP's first linear forward, the output gradients of the projection and the second
+          linear); each reduce-scatter runs behind the GEMM chunk that produced its data, so its last step
+          shows (``tp_tail``); the re-gathers of W and the reduce-scatters of B run beside the other backward
+          GEMM (bulk overlap). What outlasts the GEMMs shows in any case;
         * CP: ring attention passes key/value blocks under the attention of the block before; the first of
           ``CP`` steps, or what outlasts the attention, shows;
         * EP with ``overlap_moe_expert_parallel_comm``: one microbatch's all-to-alls under another's compute
@@ -112,7 +119,7 @@ class LayerComm:
         t = training
         exposed = []
         for i in range(3):
-            tp = (max(self.tp[i] / t.tp, self.tp[i] - gemm[i]) if t.tp_comm_overlap and t.tp > 1 else self.tp[i])
+            tp = (max(self.tp_tail[i], self.tp[i] - gemm[i]) if t.tp_comm_overlap and t.tp > 1 else self.tp[i])
             cp = max(self.cp[i] / t.cp, self.cp[i] - attention[i]) if t.cp > 1 else self.cp[i]
             ep = max(0.0, self.ep[i] - compute[i]) if t.overlap_moe_expert_parallel_comm else self.ep[i]
             exposed.append(tp + cp + ep + self.blocking[i])
@@ -149,7 +156,8 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
             copies *= nodes * (1 - (1 - 1 / nodes) ** k) / k
         ep = 2 * net.all_to_all(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
     regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
-    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (amax, amax, 0.0))
+    tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
+    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0))
 
 
 def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:
