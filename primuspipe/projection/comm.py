@@ -136,7 +136,7 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     # second linear in B, one byte per element (see WorkModel._quantize_bytes); the reduce-scatters stay bf16.
     # Current scaling needs the amax of the whole gathered operand: an all-reduce of one value over TP before each
     # of those quantizations (TE's input / grad-output quantizers with_amax_reduction over the TP group).
-    fp8_gathers = (2 if kind == "dense" else 1) if t.sp and t.fp8 and t.fp8_recipe in ("delayed", "tensorwise") else 0
+    fp8_gathers = (2 if kind == "dense" else 1) if t.sp and t.per_tensor_fp8 else 0
     narrowed = fp8_gathers * (net.gather(activation, t.tp, t.tp) - net.gather(activation / e, t.tp, t.tp))
     tp -= narrowed
     amax = fp8_gathers * net.all_reduce(4, t.tp, t.tp) if t.fp8_recipe == "tensorwise" else 0.0

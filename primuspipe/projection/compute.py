@@ -133,7 +133,7 @@ class WorkModel(RankShape):
 
         Blockwise and MXFP8 scaling: a cast reading 2 and writing 2 bytes per element."""
         t = self.training
-        if t.fp8_recipe not in ("delayed", "tensorwise"):
+        if not t.per_tensor_fp8:
             return 4 * elements
         current = t.fp8_recipe == "tensorwise"
         amax = 2 if current else 0
