@@ -103,33 +103,71 @@ class PassWork:
 class WorkModel(RankShape):
     """Per-rank work of each part of the model for one microbatch."""
 
-    def _linear(self, tokens: float, fan_in: float, fan_out: float, *, groups: float = 1, fp8: bool | None = None
-                ) -> PassWork:
+    def _linear(self, tokens: float, fan_in: float, fan_out: float, *, groups: float = 1, fp8: bool | None = None,
+                norm_fed: bool = False, tensor_parallel: str = "") -> PassWork:
         """A linear layer over ``tokens``: its forward, input-gradient and weight-gradient GEMMs. Under FP8
-        each GEMM input is cast first (read bf16, write FP8 and its transpose; current scaling reads it once
-        more for the scale)."""
+        the input and the output gradient are quantized first (:meth:`_quantize_bytes`): ``norm_fed``, the input
+        is a norm's output (a LayerNormLinear); ``tensor_parallel`` ``column`` or ``row``, the layer's TP split,
+        which says (with sequence parallelism) whether its input or its output gradient is all-gathered."""
         fp8 = self.training.fp8 if fp8 is None else fp8
         gemm = Gemm(tokens, fan_out, fan_in, groups, fp8)
         cast_fwd = cast_bwd = 0.0
         if fp8:
-            per_element = 4 + (2 if self.training.fp8_recipe == "tensorwise" else 0)
-            cast_fwd, cast_bwd = per_element * tokens * fan_in * groups, per_element * tokens * fan_out * groups
+            sp = self.training.sp
+            cast_fwd = self._quantize_bytes(tokens * fan_in * groups, norm_fed=norm_fed,
+                                            gathered=sp and tensor_parallel == "column")
+            cast_bwd = self._quantize_bytes(tokens * fan_out * groups, gathered=sp and tensor_parallel == "row")
         return PassWork(Work((gemm,), memory_bytes=cast_fwd), Work((gemm.dgrad(),), memory_bytes=cast_bwd),
                         Work((gemm.wgrad(),)))
 
-    def _mlp(self, tokens: float, width: float, *, groups: float = 1) -> PassWork:
-        """Up (gated with SwiGLU) and down projections of an MLP ``width`` wide on this rank."""
+    def _quantize_bytes(self, elements: float, *, norm_fed: bool = False, gathered: bool = False) -> float:
+        """HBM bytes Transformer Engine moves to quantize one GEMM operand of ``elements`` (its full size on the
+        rank, after any gather) to FP8, row-wise and transposed (Hopper's FP8 GEMMs take both operands K-major,
+        so the wgrad and dgrad GEMMs need the transposes).
+
+        Per-tensor scaling as TE 2.x does it (``module/layernorm_linear.py``, ``distributed.py``,
+        ``csrc/extensions/normalization.cpp``):
+
+        * a plain operand: one cast-transpose kernel reads bf16 and writes both FP8 copies, 4 bytes per element;
+          current scaling (``tensorwise``) first reads the operand once more for its amax: 6;
+        * a norm's output (the input of QKV and of the MLP's first linear, LayerNormLinear modules) is quantized
+          by the norm kernel: delayed scaling writes FP8 instead of the bf16 the norm is counted with (a byte
+          less), then the transpose (read 1, write 1); current scaling has the norm kernel compute the amax and
+          then casts (read 2, write 1 and 1);
+        * with sequence parallelism an operand that is all-gathered over TP (the input of a column-parallel
+          layer, the output gradient of a row-parallel one) is quantized row-wise on the rank's 1/TP shard and
+          gathered in FP8 (TE gathers no transposes); the transpose is made from the gathered copy.
+
+        Blockwise and MXFP8 scaling: a cast reading 2 and writing 2 bytes per element."""
+        t = self.training
+        if not t.per_tensor_fp8:
+            return 4 * elements
+        current = t.fp8_recipe == "tensorwise"
+        amax = 2 if current else 0
+        if not gathered:
+            return elements * ((4 if current else 1) if norm_fed else 4 + amax)
+        rowwise = (3 if current else -1) if norm_fed else 3 + amax  # on the shard, before the gather
+        return elements * (rowwise / t.tp + 2)
+
+    def _mlp(self, tokens: float, width: float, *, groups: float = 1, dense: bool = False) -> PassWork:
+        """Up (gated with SwiGLU) and down projections of an MLP ``width`` wide on this rank; ``dense``: a dense
+        layer's MLP, whose up projection takes the pre-MLP norm's output (a LayerNormLinear) and which is split
+        over TP column-wise, then row-wise."""
         h = self.model.hidden_size
-        return _sum(self._linear(tokens, h, width * (2 if self.model.swiglu else 1), groups=groups),
-                    self._linear(tokens, width, h, groups=groups))
+        up, down = ("column", "row") if dense else ("", "")
+        return _sum(self._linear(tokens, h, width * (2 if self.model.swiglu else 1), groups=groups, norm_fed=dense,
+                                 tensor_parallel=up),
+                    self._linear(tokens, width, h, groups=groups, tensor_parallel=down))
 
     def _attention_projections(self) -> tuple[PassWork, PassWork]:
         """(all projections of the attention block, the MLA up-projections among them)."""
         m, t, tokens, h = self.model, self.training, self.tokens, self.model.hidden_size
         heads = m.num_attention_heads / t.tp
         if not m.multi_latent_attention:
-            qkv = self._linear(tokens, h, (heads + 2 * m.query_groups / t.tp) * m.head_dim)
-            return _sum(qkv, self._linear(tokens, heads * m.head_dim, h)), PassWork(Work(), Work(), Work())
+            qkv = self._linear(tokens, h, (heads + 2 * m.query_groups / t.tp) * m.head_dim, norm_fed=True,
+                               tensor_parallel="column")
+            proj = self._linear(tokens, heads * m.head_dim, h, tensor_parallel="row")
+            return _sum(qkv, proj), PassWork(Work(), Work(), Work())
         qk = m.qk_head_dim + m.qk_pos_emb_head_dim
         if m.q_lora_rank is None:
             query, q_up = self._linear(tokens, h, heads * qk), None
@@ -279,7 +317,7 @@ class WorkModel(RankShape):
         attention, up_projections = self._attention_projections()
         core = self._attention_core()
         if kind == "dense":
-            mlp = self._mlp(self.tokens, m.ffn / t.tp)
+            mlp = self._mlp(self.tokens, m.ffn / t.tp, dense=True)
             mlp_recompute = mlp.forward if t.recomputes("mlp") else Work()
         else:
             local = m.num_experts // t.ep

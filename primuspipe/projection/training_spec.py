@@ -245,6 +245,12 @@ class TrainingSpec:
         return self.fp8_format is not None
 
     @property
+    def per_tensor_fp8(self) -> bool:
+        """FP8 with one scale per tensor (delayed or current scaling), whose operands Transformer Engine
+        quantizes in norm kernels and on sequence-parallel shards (``WorkModel._quantize_bytes``)."""
+        return self.fp8 and self.fp8_recipe in ("delayed", "tensorwise")
+
+    @property
     def main_grad_bytes(self) -> int:
         """Bytes of one main-gradient element (what is accumulated, kept and reduced)."""
         if self.precision == "fp32":
