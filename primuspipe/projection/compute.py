@@ -5,7 +5,8 @@ on GPU Clusters Using Megatron-LM"): a GEMM over ``n`` tokens with a weight of `
 ``2 n p`` FLOPs forward, the same again for the input gradient (B, "dgrad") and for the weight gradient
 (W, "wgrad"). Attention scores and their use (``QK^T`` and ``PV``) cost ``2 * 2 b (s/CP) s a d / TP``
 forward; causal masking halves that for flash attention, which skips masked tiles (the unfused kernel
-computes the full square), and the model FLOPs behind MFU count the causal half. Their backward is in
+computes the full square), and a sliding window keeps only the key blocks it reaches
+(:attr:`WorkModel.window_share`); the model FLOPs behind MFU count what the kernels do. Their backward is in
 B: twice the forward (two GEMMs per forward GEMM), 2.5 times with flash attention, which recomputes
 the scores (Dao 2022, "FlashAttention-2"). Element-wise kernels (norms, residual adds, rotary
 embedding, the activation function, the unfused softmax, MoE permutation) are memory-bound: each
