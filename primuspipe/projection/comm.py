@@ -90,37 +90,48 @@ class LayerComm:
     tp: tuple[float, float, float] = (0.0, 0.0, 0.0)
     cp: tuple[float, float, float] = (0.0, 0.0, 0.0)
     ep: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    tp_tail: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Of ``tp``, what an overlapped GEMM cannot hide: the last of the ``TP`` steps of each reduce-scatter, which
+    follows the last GEMM chunk (the all-gathers start on the rank's own chunk)."""
+    blocking: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Small collectives the next kernel waits on and no overlap hides: under current scaling with sequence
+    parallelism, the amax all-reduce over TP before each gathered operand is quantized."""
 
     @property
     def forward(self) -> float:
-        return self.tp[0] + self.cp[0] + self.ep[0]
+        return self.tp[0] + self.cp[0] + self.ep[0] + self.blocking[0]
 
     @property
     def backward_input(self) -> float:
-        return self.tp[1] + self.cp[1] + self.ep[1]
+        return self.tp[1] + self.cp[1] + self.ep[1] + self.blocking[1]
 
     @property
     def backward_weight(self) -> float:
-        return self.tp[2] + self.cp[2] + self.ep[2]
+        return self.tp[2] + self.cp[2] + self.ep[2] + self.blocking[2]
 
     def exposed(self, training: TrainingSpec, gemm: tuple[float, ...], attention: tuple[float, ...],
                 compute: tuple[float, ...]) -> tuple[float, float, float]:
         """Seconds of each pass the compute does not hide, as the frameworks overlap:
 
-        * TP with ``tp_comm_overlap``: chunked all-gathers/reduce-scatters under the GEMMs they feed; the
-          first of ``TP`` chunks, or what outlasts the GEMMs, shows;
+        * TP with ``tp_comm_overlap`` (Transformer Engine's userbuffers, as Megatron-Bridge configures them for
+          each GEMM): the all-gathers feed the GEMM chunk by chunk in a ring, starting on the rank's own chunk
+          (QKV and the MLP's first linear forward, the output gradients of the projection and the second
+          linear); each reduce-scatter runs behind the GEMM chunk that produced its data, so its last step
+          shows (``tp_tail``); the re-gathers of W and the reduce-scatters of B run beside the other backward
+          GEMM (bulk overlap). What outlasts the GEMMs shows in any case;
         * CP: ring attention passes key/value blocks under the attention of the block before; the first of
           ``CP`` steps, or what outlasts the attention, shows;
         * EP with ``overlap_moe_expert_parallel_comm``: one microbatch's all-to-alls under another's compute
-          of the same pass; what outlasts it shows. Otherwise all of it.
+          of the same pass; what outlasts it shows. Otherwise all of it;
+        * ``blocking`` collectives: all of them.
         """
         t = training
         exposed = []
         for i in range(3):
-            tp = (max(self.tp[i] / t.tp, self.tp[i] - gemm[i]) if t.tp_comm_overlap and t.tp > 1 else self.tp[i])
+            tp = (max(self.tp_tail[i], self.tp[i] - gemm[i]) if t.tp_comm_overlap and t.tp > 1 else self.tp[i])
             cp = max(self.cp[i] / t.cp, self.cp[i] - attention[i]) if t.cp > 1 else self.cp[i]
             ep = max(0.0, self.ep[i] - compute[i]) if t.overlap_moe_expert_parallel_comm else self.ep[i]
-            exposed.append(tp + cp + ep)
+            exposed.append(tp + cp + ep + self.blocking[i])
         return exposed[0], exposed[1], exposed[2]
 
 
@@ -129,6 +140,15 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     e, tokens = shape.e, shape.tokens
     activation = tokens * model.hidden_size * e  # the full (gathered) T x H tensor
     tp = net.all_reduce(activation, t.tp, t.tp) * 2  # two per layer: after attention and after the MLP
+    # Under per-tensor FP8 with sequence parallelism, Transformer Engine gathers the quantized shards: the inputs of
+    # QKV and of a dense MLP's first linear in F and W, the output gradients of the projection and of a dense MLP's
+    # second linear in B, one byte per element (see WorkModel._quantize_bytes); the reduce-scatters stay bf16.
+    # Current scaling needs the amax of the whole gathered operand: an all-reduce of one value over TP before each
+    # of those quantizations (TE's input / grad-output quantizers with_amax_reduction over the TP group).
+    fp8_gathers = (2 if kind == "dense" else 1) if t.sp and t.per_tensor_fp8 else 0
+    narrowed = fp8_gathers * (net.gather(activation, t.tp, t.tp) - net.gather(activation / e, t.tp, t.tp))
+    tp -= narrowed
+    amax = fp8_gathers * net.all_reduce(4, t.tp, t.tp) if t.fp8_recipe == "tensorwise" else 0.0
     head_dim = model.qk_head_dim + model.qk_pos_emb_head_dim if model.multi_latent_attention else model.head_dim
     kv_heads = model.num_attention_heads if model.multi_latent_attention else model.query_groups
     kv = tokens * t.cp * 2 * kv_heads / t.tp * head_dim * e
@@ -144,8 +164,9 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
             k = model.moe_router_topk
             copies *= nodes * (1 - (1 - 1 / nodes) ** k) / k
         ep = 2 * net.all_to_all(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
-    regather = 2 * net.gather(activation, t.tp, t.tp) if t.sp else 0.0
-    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0))
+    regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
+    tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
+    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0))
 
 
 def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:

@@ -65,6 +65,8 @@ OPS = {
     "moe_experts": 2,         # the experts' activation (weighted by the routing probabilities)
     "moe_combine": 1 + 2 + 1, # all-to-all back; unpermute; bias-dropout-add
     "shared_expert": 1,       # the shared expert's activation (its two linears are counted as linears)
+    "expert_bias": 2 + 1 + 1, # with add_bias_linear: split output and probabilities, concatenate, cast back
+    "expert_bias_each": 2,    # ... and per local expert: bias x probability, added to the expert's slice
 }
 """Framework ops of one layer's forward besides its linear modules, by region; each has one autograd node
 backward (in B)."""
@@ -118,8 +120,9 @@ def _regions(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool) -> 
     shared = 2 if model.moe_shared_expert_intermediate_size else 0
     regions["moe_router"] = (0, OPS["moe_norm"] + OPS["moe_router"])
     regions["moe_preprocess"] = (0, OPS["moe_preprocess"] + (0 if padded else OPS["moe_dtoh"]))
+    bias = OPS["expert_bias"] + local * OPS["expert_bias_each"] if model.add_bias_linear else 0  # TEGroupedMLP._apply_bias
     regions["moe"] = (2 + shared, OPS["moe_dispatch"] + (OPS["moe_sort"] if local > 1 else 0) + OPS["moe_experts"]
-                      + OPS["moe_combine"] + (OPS["shared_expert"] if shared else 0))
+                      + OPS["moe_combine"] + (OPS["shared_expert"] if shared else 0) + bias)
     return regions, local * (1 + (1 if fp8 else 0))  # each expert's GEMM (and its input's cast), per grouped linear
 
 

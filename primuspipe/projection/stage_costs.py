@@ -70,12 +70,13 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
     """Costs of ``placement`` (pp ranks x vpp chunks) with per-part times ``parts``."""
     layout = StageLayout.build(model.num_layers, training, placement)
     activations = ActivationModel(model, training)
-    comm = {kind: layer_comm(model, training, hardware, kind) for kind in set(model.layer_kinds)}
     bf16 = training.bf16_layers(model.num_layers)
-    names = {layer_part(kind, b): kind for kind in comm for b in (False, True) if layer_part(kind, b) in parts}
-    exposed = {name: comm[kind].exposed(training, parts[name].gemm, parts[name].attention,
-                                        (parts[name].forward, parts[name].backward_input, parts[name].backward_weight))
-               for name, kind in names.items()}
+    names = {layer_part(kind, b): (kind, b) for kind in set(model.layer_kinds) for b in (False, True)
+             if layer_part(kind, b) in parts}
+    exposed = {name: layer_comm(model, training.without_fp8() if b else training, hardware, kind).exposed(
+                   training, parts[name].gemm, parts[name].attention,
+                   (parts[name].forward, parts[name].backward_input, parts[name].backward_weight))
+               for name, (kind, b) in names.items()}
     last = layout.num_stages - 1
     forward, backward_input, backward_weight, held, kept_for_w, transient = [], [], [], [], [], []
     communication = [0.0, 0.0, 0.0]
