@@ -35,14 +35,46 @@ def test_a_fine_grained_moe_layer_on_mi355x_is_host_bound_at_one_and_two_samples
     one, two, four = (_microbatch_seconds(LITE.format(mbs)) for mbs in (1, 2, 4))
     assert two == pytest.approx(one, rel=0.05)
     assert four > 1.3 * two
-    bare_one, bare_two = (_microbatch_seconds(LITE.format(mbs), host_op_seconds=None) for mbs in (1, 2))
+    bare_one, bare_two = (_microbatch_seconds(LITE.format(mbs), moe_sync_host_op_seconds=None) for mbs in (1, 2))
     assert bare_one < 0.6 * one and bare_two > 1.5 * bare_one
-    assert _microbatch_seconds(LITE.format(8)) == pytest.approx(_microbatch_seconds(LITE.format(8), host_op_seconds=None),
-                                                                rel=1e-9)  # MBS 8: the device hides the host
+    assert _microbatch_seconds(LITE.format(8)) == pytest.approx(
+        _microbatch_seconds(LITE.format(8), moe_sync_host_op_seconds=None), rel=1e-9)  # MBS 8: the device hides the host
+
+
+def test_the_sync_host_figure_prices_syncing_moe_layers_only():
+    """``moe_sync_host_op_seconds`` prices every pass of an MoE layer whose forward waits for token counts, at
+    that figure per op (launches at ``host_launch_seconds``), and nothing else: not a dense layer, not an MoE
+    layer padded to capacity (nothing waits); where the file also gives ``host_op_seconds`` the other layers
+    keep it."""
+    from primuspipe.projection.compute import Calibration, WorkModel, part_times
+    from primuspipe.projection.host import layer_host
+    from primuspipe.projection.training_spec import TrainingSpec
+
+    mi355x = load_hardware(EXAMPLES / "hardware" / "mi355x.yaml")
+    lite = load_model(EXAMPLES / "models" / "deepseek-v2-lite.yaml")
+    dropless = training_of(RUNS[LITE.format(1)])
+    padded = dataclasses.replace(dropless, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    times = part_times(WorkModel(lite, dropless), mi355x, Calibration())
+    host = layer_host(lite, dropless, "moe")
+    assert times["moe"].host == pytest.approx(tuple(w.ops * mi355x.moe_sync_host_op_seconds
+                                                    for w in (host.forward, host.backward_input, host.backward_weight)))
+    assert times["moe"].host_syncs and times["dense"].host == (0.0, 0.0, 0.0)
+    assert part_times(WorkModel(lite, padded), mi355x, Calibration())["moe"].host == (0.0, 0.0, 0.0)
+    llama = load_model(EXAMPLES / "models" / "llama3-8b.yaml")
+    dense = TrainingSpec(pipeline_model_parallel_size=1, global_batch_size=8)
+    assert part_times(WorkModel(llama, dense), mi355x, Calibration())["dense"].host == (0.0, 0.0, 0.0)
+    both = dataclasses.replace(mi355x, host_op_seconds=13.48e-6, host_launch_seconds=4.58e-6)
+    mixed = part_times(WorkModel(lite, dropless), both, Calibration())
+    assert mixed["dense"].host[0] == pytest.approx(layer_host(lite, dropless, "dense").forward.ops * 13.48e-6)
+    assert mixed["moe"].host[0] == pytest.approx(host.forward.ops * both.moe_sync_host_op_seconds
+                                                 + host.forward.launches * 4.58e-6)
+    padded_host = layer_host(lite, padded, "moe")
+    assert part_times(WorkModel(lite, padded), both, Calibration())["moe"].host[0] == pytest.approx(
+        padded_host.forward.ops * 13.48e-6 + padded_host.forward.launches * 4.58e-6)
 
 
 @pytest.mark.parametrize("fitted, hardware, field, checks", [
-    (LITE.format(1), ("mi355x",), "host_op_seconds", (LITE.format(2),)),
+    (LITE.format(1), ("mi355x",), "moe_sync_host_op_seconds", (LITE.format(2),)),
     ("amd-pytorch-train-mi300x-llama3.1-8b-bf16-fsdp-8", ("mi300x", "mi325x"), "sustained_fraction",
      ("amd-pytorch-train-mi300x-llama3.1-8b-fp8-fsdp-8", "amd-pytorch-train-mi325x-llama3.1-8b-bf16-fsdp-8",
       "amd-pytorch-train-mi325x-llama3.1-8b-fp8-fsdp-8")),
@@ -55,3 +87,18 @@ def test_each_fitted_amd_figure_has_one_fitting_row_and_holds_on_its_checks(fitt
     assert project_run(RUNS[fitted])["ratio"] == pytest.approx(1.0, abs=0.02)
     for run_id in checks:
         assert 0.9 <= project_run(RUNS[run_id])["ratio"] <= 1.1, run_id
+
+
+@pytest.mark.parametrize("value, message", [(0, "must be positive"), (-1e-5, "finite number >= 0"),
+                                            (float("nan"), "finite number >= 0")])
+def test_a_bad_sync_host_figure_is_refused_with_one_line(tmp_path, value, message):
+    import yaml
+
+    from primuspipe.projection.spec_fields import InputError
+
+    path = tmp_path / "hw.yaml"
+    path.write_text(yaml.safe_dump({**yaml.safe_load((EXAMPLES / "hardware" / "mi355x.yaml").read_text()),
+                                    "moe_sync_host_op_seconds": value}))
+    with pytest.raises(InputError, match=message) as raised:
+        load_hardware(path)
+    assert "moe_sync_host_op_seconds" in str(raised.value).splitlines()[0]
