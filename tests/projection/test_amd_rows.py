@@ -81,12 +81,13 @@ def test_the_sync_host_figure_prices_syncing_moe_layers_only():
 ])
 def test_each_fitted_amd_figure_has_one_fitting_row_and_holds_on_its_checks(fitted, hardware, field, checks):
     """The fitting row is marked (not held out) and comes out right; the figure is shared by the hardware that
-    the source says runs the same way; the rows it was not fitted on land within 10 %."""
+    the source says runs the same way; the rows it was not fitted on land within the issue's 15 % bar (they
+    are at 0.90-1.04 now: bench/bench_published.py)."""
     assert not RUNS[fitted].held_out
     assert len({getattr(load_hardware(EXAMPLES / "hardware" / f"{h}.yaml"), field) for h in hardware}) == 1
     assert project_run(RUNS[fitted])["ratio"] == pytest.approx(1.0, abs=0.02)
     for run_id in checks:
-        assert 0.9 <= project_run(RUNS[run_id])["ratio"] <= 1.1, run_id
+        assert 0.85 <= project_run(RUNS[run_id])["ratio"] <= 1.15, run_id
 
 
 @pytest.mark.parametrize("value, message", [(0, "must be positive"), (-1e-5, "finite number >= 0"),
