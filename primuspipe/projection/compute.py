@@ -111,7 +111,7 @@ class WorkModel(RankShape):
         is a norm's output (a LayerNormLinear); ``tensor_parallel`` ``column`` or ``row``, the layer's TP split,
         which says (with sequence parallelism) whether its input or its output gradient is all-gathered."""
         fp8 = self.training.fp8 if fp8 is None else fp8
-        gemm = Gemm(tokens, fan_out, fan_in, groups, fp8)
+        gemm = Gemm(tokens, fan_out, fan_in, groups, fp8, self.training.moe_expert_gemm)
         cast_fwd = cast_bwd = 0.0
         if fp8:
             sp = self.training.sp

@@ -3,9 +3,9 @@
 A GEMM ``C[m, n] = A[m, k] B[k, n]`` (``groups`` identical ones for the experts of a grouped GEMM) is cut
 into output tiles of ``gemm_tile`` (rows x columns); the tiles run in waves over the accelerator's
 compute units (SMs / CUs), and a wave takes as long as a full one however many of its units have work
-(wave quantisation; tiles past the matrix edge compute padding). The groups of a grouped GEMM (the
-experts of one rank) run one after another, as Transformer Engine's ``GroupedLinear`` issues them, each
-with its own last, partly idle wave. So::
+(wave quantisation; tiles past the matrix edge compute padding). How the groups of a grouped GEMM (the
+experts of one rank) share waves depends on the kernel path that runs them (:data:`GROUPED_GEMM_KERNELS`,
+the training's ``moe_expert_gemm``; :func:`grouped_waves`). So::
 
     compute = waves * 2 * tile_m * tile_n * k / (peak * gemm_efficiency / compute_units)
     memory  = (m k + k n) * input bytes + m n * output bytes, at HBM bandwidth
@@ -19,6 +19,32 @@ FLOPs at ``peak * achievable_fraction``.
 
 FP8 GEMMs (Transformer Engine) run at the FP8 peak and its own MAMF efficiency, read 1-byte inputs and
 write a 2-byte output.
+
+Grouped GEMM kernel paths, from the frameworks' source:
+
+* ``multi_stream``: one GEMM per group, issued round-robin on ``GEMM_STREAMS`` (4) side streams, so up to
+  four groups run at once and fill each other's idle units. Transformer Engine's ``GroupedLinear`` (what
+  megatron-core's ``TEGroupedMLP`` builds) calls ``general_grouped_gemm`` ->
+  ``te_general_grouped_gemm`` -> ``nvte_multi_tensor_gemm``, which takes ``multi_stream_cublas_gemm``
+  (transformer_engine/common/gemm/cublaslt_gemm.cu: ``get_compute_stream(i % num_streams)``) with
+  ``get_num_compute_streams()`` a constant 4 (transformer_engine/common/util/multi_stream.cpp;
+  https://github.com/NVIDIA/TransformerEngine, v2.7 to v2.18 alike, the TE 2.x of the NeMo 25.09 / 25.11 /
+  26.02 containers). The CUTLASS grouped kernel there is opt-in (``NVTE_USE_CUTLASS_GROUPED_GEMM``, Hopper,
+  BF16; v2.8+), and so is the fused cuBLASLt grouped GEMM (``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM``,
+  v2.17+, transformer_engine/pytorch/module/grouped_linear.py). megatron-core's legacy ``GroupedMLP``
+  (``--moe-use-legacy-grouped-gemm``) calls the ``grouped_gemm`` package's ``gmm``, which also loops
+  cuBLAS over ``NUM_STREAM`` 4 streams except for the forward on SM80 (csrc/grouped_gemm.cu,
+  https://github.com/fanshiqing/grouped_gemm, ``CublasGroupedGemm``); AMD's ROCm builds of both follow the
+  same code, and Primus-Turbo's hipBLASLt backend keeps four (``kMaxNumStreams``,
+  csrc/kernels/grouped_gemm/hipblaslt_grouped_gemm.cu, https://github.com/AMD-AGI/Primus-Turbo).
+* ``fused``: one kernel for all groups whose workgroups walk the tiles of every group: the tiles of all
+  groups pack into waves, only the last wave of the whole GEMM partly idle. Primus-Turbo's CK grouped GEMM
+  (Primus ``--use_turbo_grouped_gemm``) launches a persistent kernel of at most ``num_cu`` workgroups
+  (csrc/kernels/grouped_gemm/ck/ck_grouped_gemm_kernel_template.h, ``PersistentTileGemmUniversalTraits``);
+  CUTLASS and cuBLASLt grouped GEMMs (the opt-ins above) schedule their tiles the same way.
+* ``sequential``: one group after another on one stream, each with its own last partly idle wave:
+  megatron-core's ``SequentialMLP`` (experts without ``--moe-grouped-gemm``, a loop over per-expert linears,
+  megatron/core/transformer/moe/experts.py, https://github.com/NVIDIA/Megatron-LM).
 """
 
 from __future__ import annotations
@@ -27,6 +53,12 @@ import math
 from dataclasses import dataclass
 
 from primuspipe.projection.hardware_spec import HardwareSpec
+
+GROUPED_GEMM_KERNELS = ("multi_stream", "fused", "sequential")
+"""How a grouped GEMM's groups run (module docstring)."""
+GEMM_STREAMS = 4
+"""Side streams the multi-stream path spreads a grouped GEMM's groups over (Transformer Engine's
+``get_num_compute_streams()``, the grouped_gemm package's and Primus-Turbo's ``NUM_STREAM``: all 4)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +74,8 @@ class Gemm:
     groups: float = 1
     """Identical GEMMs run as one grouped GEMM (experts on one rank)."""
     fp8: bool = False
+    kernel: str = "multi_stream"
+    """How the groups run (one of :data:`GROUPED_GEMM_KERNELS`); no matter for one group."""
 
     @property
     def flops(self) -> float:
@@ -49,14 +83,31 @@ class Gemm:
 
     def dgrad(self) -> Gemm:
         """The input gradient: ``dA[m, k] = dC[m, n] B^T``."""
-        return Gemm(self.m, self.k, self.n, self.groups, self.fp8)
+        return Gemm(self.m, self.k, self.n, self.groups, self.fp8, self.kernel)
 
     def wgrad(self) -> Gemm:
         """The weight gradient: ``dB[k, n] = A^T dC``, reducing over the rows."""
-        return Gemm(self.k, self.n, self.m, self.groups, self.fp8)
+        return Gemm(self.k, self.n, self.m, self.groups, self.fp8, self.kernel)
 
     def times(self, factor: float) -> Gemm:
-        return Gemm(self.m, self.n, self.k, self.groups * factor, self.fp8)
+        return Gemm(self.m, self.n, self.k, self.groups * factor, self.fp8, self.kernel)
+
+
+def grouped_waves(tiles: int, units: int, groups: float, kernel: str) -> float:
+    """Waves of ``groups`` GEMMs of ``tiles`` output tiles each over ``units`` compute units on path ``kernel``.
+
+    ``fused`` packs every group's tiles into one sequence of waves; ``multi_stream`` runs the groups in rounds
+    of ``GEMM_STREAMS`` concurrent GEMMs whose tiles share waves (the block scheduler fills units a GEMM leaves
+    idle with another stream's tiles), a last short round for the rest; ``sequential`` is rounds of one.
+    A fractional group count (a scaled work item) counts its fraction of a group's tiles."""
+    def waves(n: float) -> int:
+        return math.ceil(n * tiles / units - 1e-9)
+
+    if kernel == "fused":
+        return waves(groups)
+    concurrent = GEMM_STREAMS if kernel == "multi_stream" else 1
+    rounds, rest = divmod(groups, concurrent)
+    return rounds * waves(concurrent) + waves(rest)
 
 
 def gemm_seconds(gemm: Gemm, hardware: HardwareSpec, precision: str) -> float:
@@ -71,7 +122,7 @@ def gemm_seconds(gemm: Gemm, hardware: HardwareSpec, precision: str) -> float:
     tile_m, tile_n = h.gemm_tile
     tiles = math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n)
     units = h.compute_units or tiles  # no unit count: no wave quantisation, only tile padding
-    waves = math.ceil(tiles / units - 1e-9) * gemm.groups  # a grouped GEMM runs its groups one after another
+    waves = grouped_waves(tiles, units, gemm.groups, gemm.kernel)
     compute = waves * units * 2 * tile_m * tile_n * gemm.k / (peak * efficiency)
     in_bytes = 1 if gemm.fp8 else (4 if precision == "fp32" else 2)
     out_bytes = 4 if precision == "fp32" else 2

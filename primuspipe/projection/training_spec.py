@@ -131,6 +131,13 @@ class TrainingSpec:
     overlap_moe_expert_parallel_comm: bool = False
     """EP all-to-all overlap (Megatron's 1F1B A2A overlap): one microbatch's dispatch/combine runs under
     another microbatch's compute; only what outlasts that compute is exposed."""
+    moe_expert_gemm: Literal["multi_stream", "fused", "sequential"] = "multi_stream"
+    """How a rank's expert GEMMs run (:mod:`~primuspipe.projection.gemm` cites the code): ``multi_stream``, one
+    GEMM per expert over 4 streams (megatron-core's ``TEGroupedMLP`` with ``--moe-grouped-gemm``: Transformer
+    Engine's default ``GroupedLinear`` path; also the legacy ``grouped_gemm`` package); ``fused``, one grouped
+    kernel whose waves hold tiles of all experts (Primus-Turbo's CK grouped GEMM, ``--use_turbo_grouped_gemm``;
+    TE's opt-in CUTLASS / cuBLASLt grouped GEMMs); ``sequential``, one expert after another (megatron-core's
+    ``SequentialMLP``, Megatron's default without ``--moe-grouped-gemm``)."""
     moe_router_dtype: Literal["fp32", "fp64"] | None = None
     """The router's logits and probabilities in fp32 / fp64; None: the activations' dtype (Megatron's default).
     The probabilities weight each token copy in the experts (see ``WorkModel.probs_bytes``)."""
