@@ -26,7 +26,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from primuspipe.projection.gemm import Gemm, gemm_seconds
+from primuspipe.projection.gemm import GEMM_STREAMS, Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels
 from primuspipe.projection.model_spec import ModelSpec
@@ -111,7 +111,8 @@ class WorkModel(RankShape):
         is a norm's output (a LayerNormLinear); ``tensor_parallel`` ``column`` or ``row``, the layer's TP split,
         which says (with sequence parallelism) whether its input or its output gradient is all-gathered."""
         fp8 = self.training.fp8 if fp8 is None else fp8
-        gemm = Gemm(tokens, fan_out, fan_in, groups, fp8, self.training.moe_expert_gemm)
+        streams = min(GEMM_STREAMS, self.training.gpu_max_hw_queues or GEMM_STREAMS)  # ROCm: streams share queues
+        gemm = Gemm(tokens, fan_out, fan_in, groups, fp8, self.training.moe_expert_gemm, streams)
         cast_fwd = cast_bwd = 0.0
         if fp8:
             sp = self.training.sp

@@ -36,7 +36,9 @@ Grouped GEMM kernel paths, from the frameworks' source:
   cuBLAS over ``NUM_STREAM`` 4 streams except for the forward on SM80 (csrc/grouped_gemm.cu,
   https://github.com/fanshiqing/grouped_gemm, ``CublasGroupedGemm``); AMD's ROCm builds of both follow the
   same code, and Primus-Turbo's hipBLASLt backend keeps four (``kMaxNumStreams``,
-  csrc/kernels/grouped_gemm/hipblaslt_grouped_gemm.cu, https://github.com/AMD-AGI/Primus-Turbo).
+  csrc/kernels/grouped_gemm/hipblaslt_grouped_gemm.cu, https://github.com/AMD-AGI/Primus-Turbo). On ROCm
+  the streams share the device's hardware queues (``GPU_MAX_HW_QUEUES``, the training's
+  ``gpu_max_hw_queues``), and a queue runs its kernels in order, so at most that many groups overlap.
 * ``fused``: one kernel for all groups whose workgroups walk the tiles of every group: the tiles of all
   groups pack into waves, only the last wave of the whole GEMM partly idle. Primus-Turbo's CK grouped GEMM
   (Primus ``--use_turbo_grouped_gemm``) launches a persistent kernel of at most ``num_cu`` workgroups
@@ -76,6 +78,8 @@ class Gemm:
     fp8: bool = False
     kernel: str = "multi_stream"
     """How the groups run (one of :data:`GROUPED_GEMM_KERNELS`); no matter for one group."""
+    streams: int = 4
+    """``multi_stream``: groups that run at once (``GEMM_STREAMS``, or fewer hardware queues on ROCm)."""
 
     @property
     def flops(self) -> float:
@@ -83,21 +87,21 @@ class Gemm:
 
     def dgrad(self) -> Gemm:
         """The input gradient: ``dA[m, k] = dC[m, n] B^T``."""
-        return Gemm(self.m, self.k, self.n, self.groups, self.fp8, self.kernel)
+        return Gemm(self.m, self.k, self.n, self.groups, self.fp8, self.kernel, self.streams)
 
     def wgrad(self) -> Gemm:
         """The weight gradient: ``dB[k, n] = A^T dC``, reducing over the rows."""
-        return Gemm(self.k, self.n, self.m, self.groups, self.fp8, self.kernel)
+        return Gemm(self.k, self.n, self.m, self.groups, self.fp8, self.kernel, self.streams)
 
     def times(self, factor: float) -> Gemm:
-        return Gemm(self.m, self.n, self.k, self.groups * factor, self.fp8, self.kernel)
+        return Gemm(self.m, self.n, self.k, self.groups * factor, self.fp8, self.kernel, self.streams)
 
 
-def grouped_waves(tiles: int, units: int, groups: float, kernel: str) -> float:
+def grouped_waves(tiles: int, units: int, groups: float, kernel: str, streams: int = GEMM_STREAMS) -> float:
     """Waves of ``groups`` GEMMs of ``tiles`` output tiles each over ``units`` compute units on path ``kernel``.
 
     ``fused`` packs every group's tiles into one sequence of waves; ``multi_stream`` runs the groups in rounds
-    of ``GEMM_STREAMS`` concurrent GEMMs whose tiles share waves (the block scheduler fills units a GEMM leaves
+    of ``streams`` concurrent GEMMs whose tiles share waves (the block scheduler fills units a GEMM leaves
     idle with another stream's tiles), a last short round for the rest; ``sequential`` is rounds of one.
     A fractional group count (a scaled work item) counts its fraction of a group's tiles."""
     def waves(n: float) -> int:
@@ -105,7 +109,7 @@ def grouped_waves(tiles: int, units: int, groups: float, kernel: str) -> float:
 
     if kernel == "fused":
         return waves(groups)
-    concurrent = GEMM_STREAMS if kernel == "multi_stream" else 1
+    concurrent = streams if kernel == "multi_stream" else 1
     rounds, rest = divmod(groups, concurrent)
     return rounds * waves(concurrent) + waves(rest)
 
@@ -122,7 +126,7 @@ def gemm_seconds(gemm: Gemm, hardware: HardwareSpec, precision: str) -> float:
     tile_m, tile_n = h.gemm_tile
     tiles = math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n)
     units = h.compute_units or tiles  # no unit count: no wave quantisation, only tile padding
-    waves = grouped_waves(tiles, units, gemm.groups, gemm.kernel)
+    waves = grouped_waves(tiles, units, gemm.groups, gemm.kernel, gemm.streams)
     compute = waves * units * 2 * tile_m * tile_n * gemm.k / (peak * efficiency)
     in_bytes = 1 if gemm.fp8 else (4 if precision == "fp32" else 2)
     out_bytes = 4 if precision == "fp32" else 2

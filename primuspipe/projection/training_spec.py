@@ -138,6 +138,11 @@ class TrainingSpec:
     kernel whose waves hold tiles of all experts (Primus-Turbo's CK grouped GEMM, ``--use_turbo_grouped_gemm``;
     TE's opt-in CUTLASS / cuBLASLt grouped GEMMs); ``sequential``, one expert after another (megatron-core's
     ``SequentialMLP``, Megatron's default without ``--moe-grouped-gemm``)."""
+    gpu_max_hw_queues: int | None = None
+    """ROCm's ``GPU_MAX_HW_QUEUES``: the hardware queues HIP gives a device's streams (ROCm/clr
+    ``rocclr/utils/flags.hpp``, default 4; AMD's Primus launcher sets 2, ``runner/helpers/envs/base_env.sh``).
+    Streams beyond it share queues, so a ``multi_stream`` grouped GEMM runs at most this many experts at once.
+    None: the runtime's default (no limit below the 4 streams; CUDA has no such setting)."""
     moe_router_dtype: Literal["fp32", "fp64"] | None = None
     """The router's logits and probabilities in fp32 / fp64; None: the activations' dtype (Megatron's default).
     The probabilities weight each token copy in the experts (see ``WorkModel.probs_bytes``)."""
@@ -346,6 +351,9 @@ class TrainingSpec:
             self._fail(("use_precision_aware_optimizer", "main_params_dtype", "main_grads_dtype", "exp_avg_dtype",
                         "exp_avg_sq_dtype"), "narrower optimizer dtypes need the precision-aware optimizer (Megatron's rule)",
                        "set use_precision_aware_optimizer: true or keep the dtypes fp32")
+        if self.gpu_max_hw_queues is not None and self.gpu_max_hw_queues < 1:
+            self._fail(("gpu_max_hw_queues",), "a device needs at least one hardware queue",
+                       "give ROCm's GPU_MAX_HW_QUEUES of the run (e.g. 2 or 4), or leave it out")
         if self.moe_expert_load_imbalance is not None and self.moe_expert_load_imbalance < 1:
             self._fail(("moe_expert_load_imbalance",), "the busiest experts cannot carry less than the mean",
                        "give a factor >= 1 (1 = uniform routing)")
