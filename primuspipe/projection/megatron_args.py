@@ -42,7 +42,7 @@ logger = logging.getLogger("primuspipe.projection")
 MEGATRON_DEFAULTS = {
     "model": {"attention_dropout": 0.1, "hidden_dropout": 0.1},
     "training": {"pipeline_model_parallel_size": 1, "precision": "fp32", "use_distributed_optimizer": False,
-                 "overlap_grad_reduce": False, "attention_backend": "flash"},
+                 "overlap_grad_reduce": False, "attention_backend": "flash", "moe_expert_gemm": "sequential"},
 }
 """Where Megatron's defaults differ from the projection's own (which describe a current pre-training run)."""
 
@@ -80,7 +80,7 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
         name = RENAMED.get(name, name)
         spec = next((s for s, known in targets.items() if name in known), None)
         if name in ALIASES:
-            if value is not False and value is not None:
+            if value is not False and value is not None and ALIASES[name][1] not in arguments:  # a field named wins
                 spec, field, setting = ALIASES[name]
                 values[spec][field] = value if setting is None else setting
         elif name in RESOLVED:

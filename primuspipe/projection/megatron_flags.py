@@ -38,6 +38,7 @@ ALIASES = {
     "fp8_param": ("training", "fp8_param_gather", None),
     "enable_cuda_graph": ("training", "cuda_graph_impl", "local"),
     "external_cuda_graph": ("training", "cuda_graph_impl", "transformer_engine"),
+    "moe_grouped_gemm": ("training", "moe_expert_gemm", "multi_stream"),
 }
 """Megatron arguments whose name is not the field they set: ``flag -> (spec, field, value)``; value None:
 the argument's own value."""
@@ -96,7 +97,7 @@ NO_EFFECT = frozenset({
     "clip_grad", "cross_entropy_fusion_impl", "distributed_backend", "eod_mask_loss", "exp_name",
     "gradient_accumulation_fusion", "no_gradient_accumulation_fusion", "init_model_with_meta_device",
     "lazy_mpu_init", "masked_softmax_fusion", "no_masked_softmax_fusion", "micro_batch_size_rampup",
-    "moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion", "moe_aux_loss_coeff",
+    "moe_permute_fusion", "moe_router_fusion", "moe_aux_loss_coeff",
     "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_pre_softmax", "moe_router_score_function",
     "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_topk_scaling_factor",
     "moe_input_jitter_eps", "moe_per_layer_logging", "moe_enable_deepep", "moe_flex_dispatcher_backend",

@@ -12,7 +12,7 @@ import pytest
 
 from primuspipe.projection.comm import Collectives, LayerComm, layer_comm
 from primuspipe.projection.compute import WorkModel, model_flops_per_token
-from primuspipe.projection.gemm import Gemm, gemm_seconds
+from primuspipe.projection.gemm import GROUPED_GEMM_KERNELS, Gemm, gemm_seconds, grouped_waves
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.layout import StageLayout, layer_counts, parse_layout
 from primuspipe.projection.framework import Placement
@@ -37,12 +37,64 @@ def test_gemms_run_in_waves_of_tiles_and_never_beat_the_roofline():
     assert gemm_seconds(Gemm(4 * 100, 128, k), HW, "bf16") == pytest.approx(4 * UNIT * k)  # partial tiles pay in full
     skinny, slow_memory = Gemm(1, 8192, 8192), dataclasses.replace(HW, hbm_bandwidth_bytes_per_s=1e9)
     assert gemm_seconds(skinny, slow_memory, "bf16") == pytest.approx((8192 * 8192 + 8192 + 8192) * 2 / 1e9)  # reads B
-    # a grouped GEMM's groups run one after another, each with its own last wave
-    assert gemm_seconds(Gemm(128, 128, k, groups=3), HW, "bf16") == pytest.approx(3 * 4 * UNIT * k)
+    # run one after another (SequentialMLP), a grouped GEMM's groups each have their own last wave
+    assert gemm_seconds(Gemm(128, 128, k, groups=3, kernel="sequential"), HW, "bf16") == pytest.approx(3 * 4 * UNIT * k)
     # FP8 at the FP8 peak and its own efficiency (here 200 * 0.25 = the bf16 rate)
     assert gemm_seconds(Gemm(4 * 128, 128, k, fp8=True), HW, "bf16") == pytest.approx(4 * UNIT * k)
     flat = dataclasses.replace(HW, gemm_efficiency=None, achievable_fraction=0.5)  # old hardware files: shape-free
     assert gemm_seconds(Gemm(5 * 128, 128, k), flat, "bf16") == pytest.approx(2 * 5 * 128 * 128 * k / 50e12)
+
+
+@pytest.mark.parametrize("kernel, streams, waves", [
+    ("fused", 4, 1),         # one kernel: the 6 groups' 6 tiles fill the 6 units once
+    ("multi_stream", 4, 2),  # Transformer Engine's 4 streams: a round of 4 tiles (one wave), then 2 (another)
+    ("multi_stream", 2, 3),  # ROCm with 2 hardware queues: 3 rounds of 2 concurrent groups
+    ("multi_stream", 1, 6),  # one queue: as sequential
+    ("sequential", 4, 6),    # SequentialMLP: a wave per group whatever the streams
+])
+def test_a_grouped_gemms_groups_share_waves_as_its_kernel_path_runs_them(kernel, streams, waves):
+    six_units, k = dataclasses.replace(HW, compute_units=6), 4096
+    gemm = Gemm(128, 128, k, groups=6, kernel=kernel, streams=streams)  # one tile a group
+    assert gemm_seconds(gemm, six_units, "bf16") == pytest.approx(waves * 6 * UNIT * k)
+    # the gradients (and a scaled pass) run on the same path
+    assert {(g.kernel, g.streams) for g in (gemm.dgrad(), gemm.wgrad(), gemm.times(2))} == {(kernel, streams)}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_grouped_waves_order_the_paths_and_agree_for_one_group(seed):
+    import random
+    rng = random.Random(seed)
+    for _ in range(200):
+        tiles, units, groups = rng.randint(1, 600), rng.randint(1, 304), rng.randint(1, 40)
+        fused = grouped_waves(tiles, units, groups, "fused")
+        multi = [grouped_waves(tiles, units, groups, "multi_stream", s) for s in (4, 2, 1)]
+        sequential = grouped_waves(tiles, units, groups, "sequential")
+        assert math.ceil(tiles * groups / units) == fused <= multi[0] <= multi[1] <= multi[2] == sequential
+        assert sequential == groups * math.ceil(tiles / units)
+        assert len({grouped_waves(tiles, units, 1, p) for p in GROUPED_GEMM_KERNELS}) == 1
+
+
+def test_the_experts_gemms_follow_the_trainings_kernel_path_and_hardware_queues():
+    model = load_model(EXAMPLES / "models" / "deepseek-v2-lite.yaml")
+    mi355x = load_hardware(EXAMPLES / "hardware" / "mi355x.yaml")
+    base = dict(micro_batch_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                expert_model_parallel_size=8, data_parallel_size=8)
+
+    def experts(**settings):
+        work = WorkModel(model, TrainingSpec(**base, **settings)).layer("moe")
+        grouped = [g for w in work.passes() for g in w.gemms if g.groups > 1]
+        assert len(grouped) == 6  # two expert linears, three passes each
+        return grouped, sum(gemm_seconds(g, mi355x, "bf16") for g in grouped)
+
+    default, multi = experts()
+    assert {(g.kernel, g.streams) for g in default} == {("multi_stream", 4)}
+    queues, two = experts(gpu_max_hw_queues=2)
+    assert {(g.kernel, g.streams) for g in queues} == {("multi_stream", 2)}
+    _, fused = experts(moe_expert_gemm="fused")
+    _, sequential = experts(moe_expert_gemm="sequential")
+    assert fused <= multi <= two < sequential
+    with pytest.raises(InputError, match="gpu_max_hw_queues"):
+        TrainingSpec(gpu_max_hw_queues=0)
 
 
 def test_fp8_needs_an_fp8_peak_and_mixed_precision():

@@ -12,7 +12,7 @@ import yaml
 
 from primuspipe.cli import main
 from primuspipe.projection.framework import ConfigError, PrimusPipeError
-from primuspipe.projection.megatron_args import read_arguments, read_megatron_config
+from primuspipe.projection.megatron_args import read_arguments, read_megatron_config, split_arguments
 from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
 from primuspipe.projection.megatron_flags import defined_flags
 
@@ -44,6 +44,17 @@ def test_cuda_graph_and_capacity_arguments_are_modelled():
     assert read_arguments(MODEL_ARGS + "--external-cuda-graph", "r").training.cuda_graph_impl == "transformer_engine"
     t = read_arguments(MODEL_ARGS + "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity", "r").training
     assert (t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity) == (1.0, True)
+
+
+def test_expert_gemms_run_as_megatron_builds_them():
+    moe = MODEL_ARGS + "--num-experts 8 --expert-model-parallel-size 2 --moe-router-topk 2 "
+    assert read_arguments(moe, "r").training.moe_expert_gemm == "sequential"  # SequentialMLP, Megatron's default
+    assert read_arguments(moe + "--moe-grouped-gemm", "r").training.moe_expert_gemm == "multi_stream"  # TEGroupedMLP
+    config = split_arguments(
+        {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 128,
+         "max_position_embeddings": 128, "vocab_size": 1000, "num_experts": 8, "moe_grouped_gemm": True,
+         "moe_expert_gemm": "fused", "gpu_max_hw_queues": 2}, "primus.yaml")
+    assert (config.training.moe_expert_gemm, config.training.gpu_max_hw_queues) == ("fused", 2)  # a field named wins
 
 
 def test_settings_that_change_time_are_modelled_and_the_rest_set_aside():
