@@ -34,7 +34,8 @@ Grouped GEMM kernel paths, from the frameworks' source:
   v2.17+, transformer_engine/pytorch/module/grouped_linear.py). megatron-core's legacy ``GroupedMLP``
   (``--moe-use-legacy-grouped-gemm``) calls the ``grouped_gemm`` package's ``gmm``, which also loops
   cuBLAS over ``NUM_STREAM`` 4 streams except for the forward on SM80 (csrc/grouped_gemm.cu,
-  https://github.com/fanshiqing/grouped_gemm, ``CublasGroupedGemm``); AMD's ROCm builds of both follow the
+  https://github.com/fanshiqing/grouped_gemm, ``CublasGroupedGemm``; NeMo AutoModel's MoE experts call the same
+  ``ops.gmm``, nemo_automodel/components/moe/layers.py); AMD's ROCm builds of both follow the
   same code, and Primus-Turbo's hipBLASLt backend keeps four (``kMaxNumStreams``,
   csrc/kernels/grouped_gemm/hipblaslt_grouped_gemm.cu, https://github.com/AMD-AGI/Primus-Turbo). On ROCm
   the streams share the device's hardware queues (``GPU_MAX_HW_QUEUES``, the training's
