@@ -80,7 +80,8 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
         name = RENAMED.get(name, name)
         spec = next((s for s, known in targets.items() if name in known), None)
         if name in ALIASES:
-            if value is not False and value is not None and ALIASES[name][1] not in arguments:  # a field named wins
+            field = ALIASES[name][1]  # a projection-only field given by name (moe_expert_gemm) wins over its alias
+            if value is not False and value is not None and (field not in arguments or field in MEGATRON_FLAGS):
                 spec, field, setting = ALIASES[name]
                 values[spec][field] = value if setting is None else setting
         elif name in RESOLVED:
