@@ -35,11 +35,15 @@ Grouped GEMM kernel paths, from the frameworks' source:
   (``--moe-use-legacy-grouped-gemm``) calls the ``grouped_gemm`` package's ``gmm``, which also loops
   cuBLAS over ``NUM_STREAM`` 4 streams except for the forward on SM80 (csrc/grouped_gemm.cu,
   https://github.com/fanshiqing/grouped_gemm, ``CublasGroupedGemm``; NeMo AutoModel's MoE experts call the same
-  ``ops.gmm``, nemo_automodel/components/moe/layers.py); AMD's ROCm builds of both follow the
-  same code, and Primus-Turbo's hipBLASLt backend keeps four (``kMaxNumStreams``,
+  ``ops.gmm``, nemo_automodel/components/moe/layers.py). ROCm's Transformer Engine keeps the same loop
+  (transformer_engine/common/gemm/cublaslt_gemm.cu, ``num_streams = 4`` in common/include/transformer_engine/gemm.h,
+  https://github.com/ROCm/TransformerEngine; the ROCm build of ``grouped_gemm`` was not read and is taken to
+  follow its source), and Primus-Turbo's hipBLASLt backend keeps four (``kMaxNumStreams``,
   csrc/kernels/grouped_gemm/hipblaslt_grouped_gemm.cu, https://github.com/AMD-AGI/Primus-Turbo). On ROCm
-  the streams share the device's hardware queues (``GPU_MAX_HW_QUEUES``, the training's
-  ``gpu_max_hw_queues``), and a queue runs its kernels in order, so at most that many groups overlap.
+  HIP gives a device's streams at most ``GPU_MAX_HW_QUEUES`` hardware queues (ROCm/clr
+  rocclr/utils/flags.hpp, "The maximum number of HW queues allocated per device", default 4; the training's
+  ``gpu_max_hw_queues``), and streams beyond it share one; taken as: at most that many groups overlap (a
+  shared queue issues its kernels in order).
 * ``fused``: one kernel for all groups whose workgroups walk the tiles of every group: the tiles of all
   groups pack into waves, only the last wave of the whole GEMM partly idle. Primus-Turbo's CK grouped GEMM
   (Primus ``--use_turbo_grouped_gemm``) launches a persistent kernel of at most ``num_cu`` workgroups
