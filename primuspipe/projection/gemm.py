@@ -42,8 +42,9 @@ Grouped GEMM kernel paths, from the frameworks' source:
   csrc/kernels/grouped_gemm/hipblaslt_grouped_gemm.cu, https://github.com/AMD-AGI/Primus-Turbo). On ROCm
   HIP gives a device's streams at most ``GPU_MAX_HW_QUEUES`` hardware queues (ROCm/clr
   rocclr/utils/flags.hpp, "The maximum number of HW queues allocated per device", default 4; the training's
-  ``gpu_max_hw_queues``), and streams beyond it share one; taken as: at most that many groups overlap (a
-  shared queue issues its kernels in order).
+  ``gpu_max_hw_queues``), and a stream created past it reuses the least-used queue of its priority
+  (rocclr/device/rocm/rocdevice.cpp, ``Device::acquireQueue``; https://github.com/ROCm/clr); taken as: at
+  most that many groups overlap (a shared queue issues its kernels in order).
 * ``fused``: one kernel for all groups whose workgroups walk the tiles of every group: the tiles of all
   groups pack into waves, only the last wave of the whole GEMM partly idle. Primus-Turbo's CK grouped GEMM
   (Primus ``--use_turbo_grouped_gemm``) launches a persistent kernel of at most ``num_cu`` workgroups
