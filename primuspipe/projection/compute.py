@@ -37,6 +37,8 @@ PASSES = ("forward", "backward_input", "backward_weight")
 ATTENTION_BLOCK = 128
 """Queries and keys per block of a flash attention kernel (FlashAttention-2's and cuDNN's tiles for head
 dimensions up to 128): the granularity at which a sliding window's masked work is skipped."""
+MXFP8_BLOCK = 32
+"""Elements sharing one E8M0 scale in MXFP8 (the OCP Microscaling specification's block)."""
 FLOP_CONVENTIONS = ("causal", "full")
 """How model FLOPs count attention: ``causal`` the half of the score square a causal mask keeps (what the
 kernels compute), ``full`` the whole square (Narayanan et al. 2021's formula, as NVIDIA's NeMo /
@@ -55,6 +57,8 @@ class Work:
     attention_flops: float = 0.0
     memory_bytes: float = 0.0
     """Bytes moved by element-wise (memory-bound) kernels."""
+    mxfp8_cast_bytes: float = 0.0
+    """Bytes moved by MXFP8 quantize kernels, timed at the hardware's ``mxfp8_cast_bandwidth_fraction``."""
 
     @property
     def gemm_flops(self) -> float:
@@ -62,10 +66,11 @@ class Work:
 
     def __add__(self, other: Work) -> Work:
         return Work(self.gemms + other.gemms, self.attention_flops + other.attention_flops,
-                    self.memory_bytes + other.memory_bytes)
+                    self.memory_bytes + other.memory_bytes, self.mxfp8_cast_bytes + other.mxfp8_cast_bytes)
 
     def scaled(self, factor: float) -> Work:
-        return Work(tuple(g.times(factor) for g in self.gemms), self.attention_flops * factor, self.memory_bytes * factor)
+        return Work(tuple(g.times(factor) for g in self.gemms), self.attention_flops * factor, self.memory_bytes * factor,
+                    self.mxfp8_cast_bytes * factor)
 
     def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
@@ -82,8 +87,9 @@ class Work:
     def seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None,
                 head_dim: float | None = None) -> float:
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
+        cast_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.mxfp8_cast_fraction
         return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision, length, head_dim)
-                + self.memory_bytes / bytes_per_s)
+                + self.memory_bytes / bytes_per_s + self.mxfp8_cast_bytes / cast_per_s)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,9 @@ class WorkModel(RankShape):
             cast_fwd = self._quantize_bytes(tokens * fan_in * groups, norm_fed=norm_fed,
                                             gathered=sp and tensor_parallel == "column")
             cast_bwd = self._quantize_bytes(tokens * fan_out * groups, gathered=sp and tensor_parallel == "row")
+        if self.training.fp8_recipe == "mxfp8":
+            return PassWork(Work((gemm,), mxfp8_cast_bytes=cast_fwd), Work((gemm.dgrad(),), mxfp8_cast_bytes=cast_bwd),
+                            Work((gemm.wgrad(),)))
         return PassWork(Work((gemm,), memory_bytes=cast_fwd), Work((gemm.dgrad(),), memory_bytes=cast_bwd),
                         Work((gemm.wgrad(),)))
 
@@ -139,8 +148,17 @@ class WorkModel(RankShape):
           layer, the output gradient of a row-parallel one) is quantized row-wise on the rank's 1/TP shard and
           gathered in FP8 (TE gathers no transposes); the transpose is made from the gathered copy.
 
-        Blockwise and MXFP8 scaling: a cast reading 2 and writing 2 bytes per element."""
+        Blockwise scaling: a cast reading 2 and writing 2 bytes per element. MXFP8 (TE 2.12,
+        ``common/cast/mxfp8``, ``module/grouped_linear.py``): one kernel reads bf16 and writes the row-wise copy
+        with an E8M0 scale per 32 elements along a row and the column-wise copy with one per 32 along a column
+        (Blackwell's MMA takes both in place, so the column-wise copy is a second quantization, not a
+        transpose), ``2 + 1 + 1 + 2/32`` bytes per element; a grouped linear quantizes every expert's slice
+        so (``split_quantize``); a norm's output is not quantized by the norm kernel (``normalization.cpp`` runs
+        MXFP8 norms unfused unless ``NVTE_NORM_FWD_USE_CUDNN``), so it is a plain cast too. These bytes run at
+        the hardware's ``mxfp8_cast_bandwidth_fraction`` (:class:`Work`)."""
         t = self.training
+        if t.fp8_recipe == "mxfp8":
+            return (4 + 2 / MXFP8_BLOCK) * elements
         if not t.per_tensor_fp8:
             return 4 * elements
         current = t.fp8_recipe == "tensorwise"

@@ -35,6 +35,9 @@ class HardwareSpec:
     quantisation); fp32 runs at half of it on top."""
     memory_bandwidth_fraction: float = 0.8
     """Share of the HBM bandwidth that element-wise kernels (norms, activations, softmax) sustain."""
+    mxfp8_cast_bandwidth_fraction: float | None = None
+    """Share of the HBM bandwidth Transformer Engine's MXFP8 quantize kernels sustain (bf16 in, row-wise and
+    column-wise FP8 with their E8M0 scales out); None: ``memory_bandwidth_fraction``."""
     intra_node_peer_bandwidth_bytes_per_s: float | None = None
     """Bandwidth between two accelerators of a node (point-to-point pipeline sends); None means
     intra_node_bandwidth (a switched fabric); a fully connected mesh gives one link's bandwidth here."""
@@ -108,7 +111,7 @@ class HardwareSpec:
             raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))], "a tile is two positive sizes",
                              "give [rows, columns], e.g. [128, 256]")
         for name in ("achievable_fraction", "memory_bandwidth_fraction", "network_efficiency", "gemm_efficiency",
-                     "fp8_gemm_efficiency", "attention_efficiency", "sustained_fraction"):
+                     "fp8_gemm_efficiency", "attention_efficiency", "sustained_fraction", "mxfp8_cast_bandwidth_fraction"):
             if getattr(self, name) is None:
                 continue
             if not 0 < getattr(self, name) <= 1:
@@ -120,6 +123,12 @@ class HardwareSpec:
             raise InputError([(self.source, "peak_fp8_tflops", None)], "FP8 training on an accelerator without an FP8 peak",
                              "give peak_fp8_tflops (the dense FP8 figure of its data sheet) or train in bf16")
         return self.peak_fp8_tflops
+
+    @property
+    def mxfp8_cast_fraction(self) -> float:
+        """Share of the HBM bandwidth MXFP8 quantize kernels run at."""
+        return (self.memory_bandwidth_fraction if self.mxfp8_cast_bandwidth_fraction is None
+                else self.mxfp8_cast_bandwidth_fraction)
 
     @property
     def attention_fraction(self) -> float:
