@@ -102,6 +102,40 @@ def test_fp8_operands_are_quantized_where_transformer_engine_quantizes_them(reci
     assert comm.exposed(overlapped, (1.0,) * 3, (0.0,) * 3, (1.0,) * 3)[0] >= amax
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("model_name", ["llama3-8b", "qwen3-30b-a3b"])
+def test_mxfp8_casts_write_both_copies_with_their_scales_at_the_cast_kernels_bandwidth(model_name, tp):
+    model = load_model(EXAMPLES / "models" / f"{model_name}.yaml")
+    ep = 8 if model.num_experts else 1
+    mx = TrainingSpec(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, expert_model_parallel_size=ep,
+                      fp8_format="e4m3", fp8_recipe="mxfp8", pipeline_model_parallel_size=1, global_batch_size=8,
+                      data_parallel_size=8)
+    work, plain = WorkModel(model, mx), WorkModel(model, mx.without_fp8())
+    # bf16 read (2), row-wise and column-wise FP8 written (1 + 1), an E8M0 scale per 32 elements for each: the same
+    # for a norm's output (TE runs MXFP8 norms unfused) and for a gathered operand (quantized after the gather)
+    for kw in ({}, {"norm_fed": True}, {"gathered": tp > 1}):
+        assert work._quantize_bytes(1.0, **kw) == pytest.approx(4 + 2 / 32)
+    kind = "moe" if model.num_experts else "dense"
+    layer, bf16 = work.layer(kind), plain.layer(kind)
+    # the casts are MXFP8 bytes, not element-wise bytes: they add nothing to memory_bytes
+    assert layer.forward.memory_bytes == pytest.approx(bf16.forward.memory_bytes)
+    assert layer.backward_input.memory_bytes == pytest.approx(bf16.backward_input.memory_bytes)
+    # one cast per FP8 GEMM operand fed from bf16: every FP8 linear's input forward, its output gradient backward
+    fwd = sum(g.m * g.k * g.groups for g in layer.forward.gemms if g.fp8)
+    bwd = sum(g.m * g.k * g.groups for g in layer.backward_input.gemms if g.fp8)
+    assert layer.forward.mxfp8_cast_bytes == pytest.approx(fwd * (4 + 2 / 32))
+    assert layer.backward_input.mxfp8_cast_bytes == pytest.approx(bwd * (4 + 2 / 32))
+    assert layer.backward_weight.mxfp8_cast_bytes == 0.0
+    # timed at mxfp8_cast_bandwidth_fraction where the hardware file gives it, else at the element-wise fraction
+    slow = dataclasses.replace(HW, mxfp8_cast_bandwidth_fraction=0.5, block_scaled_fp8=True)
+    fast = dataclasses.replace(HW, block_scaled_fp8=True)
+    extra = layer.forward.seconds(slow, "bf16") - layer.forward.seconds(fast, "bf16")
+    assert extra == pytest.approx(layer.forward.mxfp8_cast_bytes / 1e12)  # (1/0.5 - 1/1.0) x bytes / bandwidth
+    assert fast.mxfp8_cast_fraction == fast.memory_bandwidth_fraction and slow.mxfp8_cast_fraction == 0.5
+    with pytest.raises(InputError, match="mxfp8_cast_bandwidth_fraction"):
+        dataclasses.replace(HW, mxfp8_cast_bandwidth_fraction=1.5)
+
+
 def test_overlapped_communication_shows_only_what_outlasts_its_compute():
     comm = LayerComm(tp=(4.0, 4.0, 1.0), cp=(2.0, 4.0, 0.0), ep=(3.0, 3.0, 0.0))
     plain = TrainingSpec(tensor_model_parallel_size=4, context_parallel_size=2, sequence_parallel=True)
