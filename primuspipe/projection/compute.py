@@ -59,6 +59,9 @@ class Work:
     """Bytes moved by element-wise (memory-bound) kernels."""
     mxfp8_cast_bytes: float = 0.0
     """Bytes moved by MXFP8 quantize kernels, timed at the hardware's ``mxfp8_cast_bandwidth_fraction``."""
+    fp8_transpose_bytes: float = 0.0
+    """Bytes per-tensor FP8 casts move for the transposed copies Hopper's FP8 GEMMs need; hardware whose FP8
+    GEMMs take any layout (``fp8_gemm_any_layout``) makes none."""
 
     @property
     def gemm_flops(self) -> float:
@@ -66,11 +69,12 @@ class Work:
 
     def __add__(self, other: Work) -> Work:
         return Work(self.gemms + other.gemms, self.attention_flops + other.attention_flops,
-                    self.memory_bytes + other.memory_bytes, self.mxfp8_cast_bytes + other.mxfp8_cast_bytes)
+                    self.memory_bytes + other.memory_bytes, self.mxfp8_cast_bytes + other.mxfp8_cast_bytes,
+                    self.fp8_transpose_bytes + other.fp8_transpose_bytes)
 
     def scaled(self, factor: float) -> Work:
         return Work(tuple(g.times(factor) for g in self.gemms), self.attention_flops * factor, self.memory_bytes * factor,
-                    self.mxfp8_cast_bytes * factor)
+                    self.mxfp8_cast_bytes * factor, self.fp8_transpose_bytes * factor)
 
     def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
@@ -88,8 +92,9 @@ class Work:
                 head_dim: float | None = None) -> float:
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
         cast_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.mxfp8_cast_fraction
+        moved = self.memory_bytes + (0.0 if hardware.fp8_gemm_any_layout else self.fp8_transpose_bytes)
         return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision, length, head_dim)
-                + self.memory_bytes / bytes_per_s + self.mxfp8_cast_bytes / cast_per_s)
+                + moved / bytes_per_s + self.mxfp8_cast_bytes / cast_per_s)
 
 
 @dataclass(frozen=True)
@@ -118,17 +123,34 @@ class WorkModel(RankShape):
         which says (with sequence parallelism) whether its input or its output gradient is all-gathered."""
         fp8 = self.training.fp8 if fp8 is None else fp8
         gemm = Gemm(tokens, fan_out, fan_in, groups, fp8)
-        cast_fwd = cast_bwd = 0.0
-        if fp8:
-            sp = self.training.sp
-            cast_fwd = self._quantize_bytes(tokens * fan_in * groups, norm_fed=norm_fed,
-                                            gathered=sp and tensor_parallel == "column")
-            cast_bwd = self._quantize_bytes(tokens * fan_out * groups, gathered=sp and tensor_parallel == "row")
+        if not fp8:
+            return PassWork(Work((gemm,)), Work((gemm.dgrad(),)), Work((gemm.wgrad(),)))
+        sp = self.training.sp
+        fwd = self._cast(tokens * fan_in * groups, norm_fed=norm_fed, gathered=sp and tensor_parallel == "column")
+        bwd = self._cast(tokens * fan_out * groups, gathered=sp and tensor_parallel == "row")
+        return PassWork(Work((gemm,)) + fwd, Work((gemm.dgrad(),)) + bwd, Work((gemm.wgrad(),)))
+
+    def _cast(self, elements: float, *, norm_fed: bool = False, gathered: bool = False) -> Work:
+        """The quantization of one GEMM operand as work: :meth:`_quantize_bytes`, MXFP8's as MXFP8 cast bytes,
+        a per-tensor recipe's transposed copy (:meth:`_transpose_bytes`) apart from the rest."""
+        total = self._quantize_bytes(elements, norm_fed=norm_fed, gathered=gathered)
         if self.training.fp8_recipe == "mxfp8":
-            return PassWork(Work((gemm,), mxfp8_cast_bytes=cast_fwd), Work((gemm.dgrad(),), mxfp8_cast_bytes=cast_bwd),
-                            Work((gemm.wgrad(),)))
-        return PassWork(Work((gemm,), memory_bytes=cast_fwd), Work((gemm.dgrad(),), memory_bytes=cast_bwd),
-                        Work((gemm.wgrad(),)))
+            return Work(mxfp8_cast_bytes=total)
+        transpose = self._transpose_bytes(elements, norm_fed=norm_fed, gathered=gathered)
+        return Work(memory_bytes=total - transpose, fp8_transpose_bytes=transpose)
+
+    def _transpose_bytes(self, elements: float, *, norm_fed: bool = False, gathered: bool = False) -> float:
+        """Of :meth:`_quantize_bytes`, what a per-tensor recipe spends on the transposed copy: its write (1 byte per
+        element) where the cast kernel makes it alongside the row-wise copy, a read and a write (2) where it is
+        made from an FP8 copy afterwards (a delayed-scaling norm's FP8 output, a gathered operand). Hardware whose
+        FP8 GEMMs take any layout skips it: Transformer Engine 2.12 quantizes without the transpose where
+        ``nvte_is_non_tn_fp8_gemm_supported()`` (compute capability 10.x and 13+: Blackwell; ``csrc/quantizer.cpp``,
+        ``with_transpose = columnwise_usage && !nvte_is_non_tn_fp8_gemm_supported()``)."""
+        t = self.training
+        if not t.per_tensor_fp8:
+            return 0.0
+        after = gathered or (norm_fed and t.fp8_recipe == "delayed")
+        return (2 if after else 1) * elements
 
     def _quantize_bytes(self, elements: float, *, norm_fed: bool = False, gathered: bool = False) -> float:
         """HBM bytes Transformer Engine moves to quantize one GEMM operand of ``elements`` (its full size on the

@@ -53,6 +53,9 @@ class HardwareSpec:
     """Dense FP8 matrix throughput, TFLOP/s; None: the accelerator has no FP8 GEMMs (FP8 training is refused)."""
     block_scaled_fp8: bool = False
     """Whether the matrix units scale FP8 per block in hardware (MXFP8: Blackwell, MI355X)."""
+    fp8_gemm_any_layout: bool = False
+    """Whether FP8 GEMMs take either operand in either layout (Blackwell), so per-tensor FP8 casts write no
+    transposed copies; Hopper's take both K-major (``compute.WorkModel._transpose_bytes``)."""
     gemm_efficiency: float | None = None
     """Share of the bf16 peak the best-shaped large GEMM sustains (its measured Maximum Achievable Matmul
     FLOPS / peak). Set, GEMM times follow their shapes (tiles, waves, roofline: :mod:`~primuspipe.projection.gemm`);

@@ -90,7 +90,16 @@ def test_fp8_operands_are_quantized_where_transformer_engine_quantizes_them(reci
     t, h, ffn = work.tokens, model.hidden_size, model.ffn / tp
     casts = (2 * t * h * norm_fed + t * (model.num_attention_heads * model.head_dim / tp + ffn)
              * ((6 if current else 4) if per_tensor else 4))
-    assert work.layer("dense").forward.memory_bytes - plain.layer("dense").forward.memory_bytes == pytest.approx(casts)
+    forward = work.layer("dense").forward
+    moved = forward.memory_bytes + forward.fp8_transpose_bytes
+    assert moved - plain.layer("dense").forward.memory_bytes == pytest.approx(casts)
+    # of which the transposed copies: written by the cast (1), or read and written after it (2) for a gathered
+    # operand and a delayed-scaling norm's FP8 output; a GPU whose FP8 GEMMs take any layout (Blackwell) skips them
+    transposed = (2 * t * h * (2 if sp or not current else 1)
+                  + t * (model.num_attention_heads * model.head_dim / tp + ffn)) if per_tensor else 0.0
+    assert forward.fp8_transpose_bytes == pytest.approx(transposed)
+    any_layout = dataclasses.replace(HW, fp8_gemm_any_layout=True)
+    assert forward.seconds(HW, "bf16") - forward.seconds(any_layout, "bf16") == pytest.approx(transposed / 1e12)
     # the gathers of those operands move one byte per element; current scaling all-reduces each amax first, unhidden
     net, activation = Collectives(HW), t * h * 2
     saved = 2 * (net.gather(activation, tp, tp) - net.gather(activation / 2, tp, tp)) if sp and per_tensor else 0.0
