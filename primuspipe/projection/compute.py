@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
-from primuspipe.projection.host import layer_host, moe_small_kernels
+from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import RankShape, TrainingSpec
@@ -485,7 +485,7 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
                      + (fixed[0] if part == "moe" and work.training.recomputes("moe") else 0.0))
         gemm = tuple(w.gemm_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
         attention = tuple(w.attention_seconds(hardware, precision, length, head_dim) * f for w, f in zip(pw.passes(), factors))
-        if part not in ("dense", "moe") or hardware.host_op_seconds is None:
+        if part not in ("dense", "moe") or not host_priced(hardware, work.training, part):
             return PartTimes(*seconds, recompute, gemm, attention)
         host = layer_host(work.model, work.training, part, fp8)
         return PartTimes(*seconds, recompute, gemm, attention, host.seconds(hardware), host.syncs)

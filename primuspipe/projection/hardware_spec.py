@@ -88,6 +88,12 @@ class HardwareSpec:
     None: host time is not modelled (the GPU is never waiting for the host)."""
     host_launch_seconds: float | None = None
     """Host time of one kernel launch issued from C++ (a grouped GEMM's per-expert GEMMs); None: 0."""
+    moe_sync_host_op_seconds: float | None = None
+    """Host time per framework op of an MoE layer whose forward waits for token counts on the host (dropless
+    dispatch), where the platform's launch path around such a sync is slower than ``host_op_seconds`` says
+    (the MI355X's: AMD names device-to-host syncs that stall the launch queue); it prices every pass of such
+    a layer, and only of such a layer (its per-expert launches stay at ``host_launch_seconds``). None:
+    ``host_op_seconds`` prices it as any other layer."""
     moe_kernel_seconds: float | None = None
     """Device time each kernel of an MoE layer's routing, dispatch and expert loop takes beyond the work the
     model prices (its launch, and the ramp-up and drain of a grid small against the device): those kernels
@@ -101,7 +107,7 @@ class HardwareSpec:
         for name in ("peak_bf16_tflops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
                      "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node",
                      "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds",
-                     "moe_kernel_seconds"):
+                     "moe_sync_host_op_seconds", "moe_kernel_seconds"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
         for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),

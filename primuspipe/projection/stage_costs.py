@@ -43,7 +43,9 @@ class StageCosts:
     static: tuple[StaticMemory, ...]
     """Per rank."""
     transient_bytes: tuple[float, ...]
-    """Per rank: what a full-recompute backward rebuilds at once, on top of what the schedule holds."""
+    """Per rank: what a full-recompute backward rebuilds at once, or the unfused loss's fp32 copy beside the
+    logits (the last stage), whichever is larger, on top of what the schedule holds (reported as the
+    recompute working set)."""
     p2p: P2PCost
     communication: tuple[float, float, float]
     """Seconds of TP / CP / EP collectives inside F, B and W that compute does not hide, summed over stages
@@ -110,7 +112,8 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
         held.append(stage_bytes)
         w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if stage == last else 0.0)
         kept_for_w.append(min(stage_bytes, w_bytes))
-        transient.append(activations.recompute_working_set(layers))
+        transient.append(max(activations.recompute_working_set(layers),  # at different moments: the larger shows
+                             activations.loss_working_set() if stage == last else 0.0))
     params = rank_params(model, training, layout)
     ranks = range(placement.pp)
     return StageCosts(
