@@ -176,8 +176,11 @@ class WorkModel(RankShape):
         (Blackwell's MMA takes both in place, so the column-wise copy is a second quantization, not a
         transpose), ``2 + 1 + 1 + 2/32`` bytes per element; a grouped linear quantizes every expert's slice
         so (``split_quantize``); a norm's output is not quantized by the norm kernel (``normalization.cpp`` runs
-        MXFP8 norms unfused unless ``NVTE_NORM_FWD_USE_CUDNN``), so it is a plain cast too. These bytes run at
-        the hardware's ``mxfp8_cast_bandwidth_fraction`` (:class:`Work`)."""
+        MXFP8 norms unfused unless ``NVTE_NORM_FWD_USE_CUDNN``), so it is a plain cast too. An operand gathered
+        over TP is counted as cast whole and gathered in bf16, where TE casts the 1/TP shard and gathers both
+        FP8 copies with their scales (``distributed._all_gather_mxfp8``, 2 + 2/32 bytes an element against bf16's
+        2): a simplification worth under 1 % of a TP layer. These bytes run at the hardware's
+        ``mxfp8_cast_bandwidth_fraction`` (:class:`Work`)."""
         t = self.training
         if t.fp8_recipe == "mxfp8":
             return (4 + 2 / MXFP8_BLOCK) * elements

@@ -121,7 +121,7 @@ def test_mxfp8_casts_write_both_copies_with_their_scales_at_the_cast_kernels_ban
                       data_parallel_size=8)
     work, plain = WorkModel(model, mx), WorkModel(model, mx.without_fp8())
     # bf16 read (2), row-wise and column-wise FP8 written (1 + 1), an E8M0 scale per 32 elements for each: the same
-    # for a norm's output (TE runs MXFP8 norms unfused) and for a gathered operand (quantized after the gather)
+    # for a norm's output (TE runs MXFP8 norms unfused) and for a gathered operand (counted as cast whole)
     for kw in ({}, {"norm_fed": True}, {"gathered": tp > 1}):
         assert work._quantize_bytes(1.0, **kw) == pytest.approx(4 + 2 / 32)
     kind = "moe" if model.num_experts else "dense"
