@@ -31,14 +31,12 @@ from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.spec_fields import InputError
-from primuspipe.projection.training_spec import RankShape, TrainingSpec
+from primuspipe.projection.training_spec import MXFP8_BLOCK, RankShape, TrainingSpec
 
 PASSES = ("forward", "backward_input", "backward_weight")
 ATTENTION_BLOCK = 128
 """Queries and keys per block of a flash attention kernel (FlashAttention-2's and cuDNN's tiles for head
 dimensions up to 128): the granularity at which a sliding window's masked work is skipped."""
-MXFP8_BLOCK = 32
-"""Elements sharing one E8M0 scale in MXFP8 (the OCP Microscaling specification's block)."""
 FLOP_CONVENTIONS = ("causal", "full")
 """How model FLOPs count attention: ``causal`` the half of the score square a causal mask keeps (what the
 kernels compute), ``full`` the whole square (Narayanan et al. 2021's formula, as NVIDIA's NeMo /
