@@ -120,7 +120,7 @@ class WorkModel(RankShape):
         is a norm's output (a LayerNormLinear); ``tensor_parallel`` ``column`` or ``row``, the layer's TP split,
         which says (with sequence parallelism) whether its input or its output gradient is all-gathered."""
         fp8 = self.training.fp8 if fp8 is None else fp8
-        gemm = Gemm(tokens, fan_out, fan_in, groups, fp8)
+        gemm = Gemm(tokens, fan_out, fan_in, groups, fp8, mxfp8=fp8 and self.training.fp8_recipe == "mxfp8")
         if not fp8:
             return PassWork(Work((gemm,)), Work((gemm.dgrad(),)), Work((gemm.wgrad(),)))
         sp = self.training.sp

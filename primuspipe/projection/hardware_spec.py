@@ -62,6 +62,8 @@ class HardwareSpec:
     None: every GEMM at ``achievable_fraction``."""
     fp8_gemm_efficiency: float | None = None
     """The same for FP8 GEMMs (share of ``peak_fp8_tflops``); None: ``gemm_efficiency``."""
+    mxfp8_gemm_efficiency: float | None = None
+    """The same for MXFP8 (block-scaled) GEMMs; None: ``fp8_gemm_efficiency``."""
     sustained_fraction: float = 1.0
     """Share of those isolated-kernel rates (GEMMs, attention) a training step sustains: clocks drop when
     every unit, HBM and the links are busy at once, and overlapped communication kernels hold compute units.
@@ -120,7 +122,8 @@ class HardwareSpec:
             raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))], "a tile is two positive sizes",
                              "give [rows, columns], e.g. [128, 256]")
         for name in ("achievable_fraction", "memory_bandwidth_fraction", "network_efficiency", "gemm_efficiency",
-                     "fp8_gemm_efficiency", "attention_efficiency", "sustained_fraction", "mxfp8_cast_bandwidth_fraction"):
+                     "fp8_gemm_efficiency", "attention_efficiency", "sustained_fraction", "mxfp8_cast_bandwidth_fraction",
+                     "mxfp8_gemm_efficiency"):
             if getattr(self, name) is None:
                 continue
             if not 0 < getattr(self, name) <= 1:

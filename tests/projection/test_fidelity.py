@@ -143,6 +143,16 @@ def test_mxfp8_casts_write_both_copies_with_their_scales_at_the_cast_kernels_ban
     assert fast.mxfp8_cast_fraction == fast.memory_bandwidth_fraction and slow.mxfp8_cast_fraction == 0.5
     with pytest.raises(InputError, match="mxfp8_cast_bandwidth_fraction"):
         dataclasses.replace(HW, mxfp8_cast_bandwidth_fraction=1.5)
+    # its linears' GEMMs are block-scaled in every pass, and run at mxfp8_gemm_efficiency where the file gives it
+    passes = [g for w in layer.passes() for g in w.gemms]
+    assert all(g.mxfp8 == g.fp8 for g in passes) and any(g.mxfp8 for g in passes)
+    assert not any(g.mxfp8 for w in WorkModel(model, dataclasses.replace(mx, fp8_recipe="tensorwise")).layer(kind).passes()
+                   for g in w.gemms)
+    big = Gemm(4 * 128, 128, 4096, fp8=True, mxfp8=True)
+    assert gemm_seconds(big, dataclasses.replace(fast, mxfp8_gemm_efficiency=0.125), "bf16") == pytest.approx(
+        2 * gemm_seconds(big, fast, "bf16"))  # half the FP8 efficiency (0.25) -> twice the time
+    assert gemm_seconds(big.dgrad(), fast, "bf16") == gemm_seconds(dataclasses.replace(big.dgrad(), mxfp8=False), fast, "bf16")
+    assert big.dgrad().mxfp8 and big.wgrad().mxfp8 and big.times(2).mxfp8
 
 
 def test_overlapped_communication_shows_only_what_outlasts_its_compute():
