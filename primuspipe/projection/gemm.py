@@ -18,7 +18,8 @@ describes tile and wave quantisation. Hardware without ``gemm_efficiency`` keeps
 FLOPs at ``peak * achievable_fraction``.
 
 FP8 GEMMs (Transformer Engine) run at the FP8 peak and its own MAMF efficiency, read 1-byte inputs and
-write a 2-byte output.
+write a 2-byte output; MXFP8 ones (block-scaled: an E8M0 scale per 32 elements of K that the tensor cores
+apply in the main loop) at ``mxfp8_gemm_efficiency`` where the hardware file gives it.
 
 Grouped GEMM kernel paths, from the frameworks' source:
 
@@ -58,7 +59,7 @@ Grouped GEMM kernel paths, from the frameworks' source:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from primuspipe.projection.hardware_spec import HardwareSpec
 
@@ -82,9 +83,11 @@ class Gemm:
     groups: float = 1
     """Identical GEMMs run as one grouped GEMM (experts on one rank)."""
     fp8: bool = False
+    mxfp8: bool = False
+    """An FP8 GEMM whose operands are MXFP8 (block-scaled)."""
     kernel: str = "multi_stream"
     """How the groups run (one of :data:`GROUPED_GEMM_KERNELS`); no matter for one group."""
-    streams: int = 4
+    streams: int = GEMM_STREAMS
     """``multi_stream``: groups that run at once (``GEMM_STREAMS``, or fewer hardware queues on ROCm)."""
 
     @property
@@ -93,14 +96,14 @@ class Gemm:
 
     def dgrad(self) -> Gemm:
         """The input gradient: ``dA[m, k] = dC[m, n] B^T``."""
-        return Gemm(self.m, self.k, self.n, self.groups, self.fp8, self.kernel, self.streams)
+        return replace(self, n=self.k, k=self.n)
 
     def wgrad(self) -> Gemm:
         """The weight gradient: ``dB[k, n] = A^T dC``, reducing over the rows."""
-        return Gemm(self.k, self.n, self.m, self.groups, self.fp8, self.kernel, self.streams)
+        return replace(self, m=self.k, k=self.m)
 
     def times(self, factor: float) -> Gemm:
-        return Gemm(self.m, self.n, self.k, self.groups * factor, self.fp8, self.kernel, self.streams)
+        return replace(self, groups=self.groups * factor)
 
 
 def grouped_waves(tiles: int, units: int, groups: float, kernel: str, streams: int = GEMM_STREAMS) -> float:
@@ -127,8 +130,9 @@ def gemm_seconds(gemm: Gemm, hardware: HardwareSpec, precision: str) -> float:
     peak = (h.fp8_peak_tflops() if gemm.fp8 else h.peak_bf16_tflops * slow) * 1e12
     if h.gemm_efficiency is None:
         return gemm.flops / (peak * h.achievable_fraction)
-    efficiency = (h.fp8_gemm_efficiency if gemm.fp8 and h.fp8_gemm_efficiency is not None else h.gemm_efficiency
-                  ) * h.sustained_fraction
+    efficiency = (h.mxfp8_gemm_efficiency if gemm.mxfp8 and h.mxfp8_gemm_efficiency is not None
+                  else h.fp8_gemm_efficiency if gemm.fp8 and h.fp8_gemm_efficiency is not None
+                  else h.gemm_efficiency) * h.sustained_fraction
     tile_m, tile_n = h.gemm_tile
     tiles = math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n)
     units = h.compute_units or tiles  # no unit count: no wave quantisation, only tile padding

@@ -29,6 +29,9 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 one per 128x128 weight block and 1x128 activation tile (DeepSeek-V3's), mxfp8 one per 32 elements (needs a
 GPU with block-scaled FP8 GEMMs)."""
 
+MXFP8_BLOCK = 32
+"""Elements sharing one E8M0 scale in MXFP8 (the OCP Microscaling specification's block)."""
+
 @dataclass(frozen=True)
 class TrainingSpec:
     """One training configuration of one model (one pipeline replica's view, times DP replicas)."""

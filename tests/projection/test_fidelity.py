@@ -142,7 +142,16 @@ def test_fp8_operands_are_quantized_where_transformer_engine_quantizes_them(reci
     t, h, ffn = work.tokens, model.hidden_size, model.ffn / tp
     casts = (2 * t * h * norm_fed + t * (model.num_attention_heads * model.head_dim / tp + ffn)
              * ((6 if current else 4) if per_tensor else 4))
-    assert work.layer("dense").forward.memory_bytes - plain.layer("dense").forward.memory_bytes == pytest.approx(casts)
+    forward = work.layer("dense").forward
+    moved = forward.memory_bytes + forward.fp8_transpose_bytes
+    assert moved - plain.layer("dense").forward.memory_bytes == pytest.approx(casts)
+    # of which the transposed copies: written by the cast (1), or read and written after it (2) for a gathered
+    # operand and a delayed-scaling norm's FP8 output; a GPU whose FP8 GEMMs take any layout (Blackwell) skips them
+    transposed = (2 * t * h * (2 if sp or not current else 1)
+                  + t * (model.num_attention_heads * model.head_dim / tp + ffn)) if per_tensor else 0.0
+    assert forward.fp8_transpose_bytes == pytest.approx(transposed)
+    any_layout = dataclasses.replace(HW, fp8_gemm_any_layout=True)
+    assert forward.seconds(HW, "bf16") - forward.seconds(any_layout, "bf16") == pytest.approx(transposed / 1e12)
     # the gathers of those operands move one byte per element; current scaling all-reduces each amax first, unhidden
     net, activation = Collectives(HW), t * h * 2
     saved = 2 * (net.gather(activation, tp, tp) - net.gather(activation / 2, tp, tp)) if sp and per_tensor else 0.0
@@ -152,6 +161,50 @@ def test_fp8_operands_are_quantized_where_transformer_engine_quantizes_them(reci
     assert comm.blocking == pytest.approx((amax, amax, 0.0))
     overlapped = dataclasses.replace(fp8, tp_comm_overlap=True)
     assert comm.exposed(overlapped, (1.0,) * 3, (0.0,) * 3, (1.0,) * 3)[0] >= amax
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("model_name", ["llama3-8b", "qwen3-30b-a3b"])
+def test_mxfp8_casts_write_both_copies_with_their_scales_at_the_cast_kernels_bandwidth(model_name, tp):
+    model = load_model(EXAMPLES / "models" / f"{model_name}.yaml")
+    ep = 8 if model.num_experts else 1
+    mx = TrainingSpec(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, expert_model_parallel_size=ep,
+                      fp8_format="e4m3", fp8_recipe="mxfp8", pipeline_model_parallel_size=1, global_batch_size=8,
+                      data_parallel_size=8)
+    work, plain = WorkModel(model, mx), WorkModel(model, mx.without_fp8())
+    # bf16 read (2), row-wise and column-wise FP8 written (1 + 1), an E8M0 scale per 32 elements for each: the same
+    # for a norm's output (TE runs MXFP8 norms unfused) and for a gathered operand (counted as cast whole)
+    for kw in ({}, {"norm_fed": True}, {"gathered": tp > 1}):
+        assert work._quantize_bytes(1.0, **kw) == pytest.approx(4 + 2 / 32)
+    kind = "moe" if model.num_experts else "dense"
+    layer, bf16 = work.layer(kind), plain.layer(kind)
+    # the casts are MXFP8 bytes, not element-wise bytes: they add nothing to memory_bytes
+    assert layer.forward.memory_bytes == pytest.approx(bf16.forward.memory_bytes)
+    assert layer.backward_input.memory_bytes == pytest.approx(bf16.backward_input.memory_bytes)
+    # one cast per FP8 GEMM operand fed from bf16: every FP8 linear's input forward, its output gradient backward
+    fwd = sum(g.m * g.k * g.groups for g in layer.forward.gemms if g.fp8)
+    bwd = sum(g.m * g.k * g.groups for g in layer.backward_input.gemms if g.fp8)
+    assert layer.forward.mxfp8_cast_bytes == pytest.approx(fwd * (4 + 2 / 32))
+    assert layer.backward_input.mxfp8_cast_bytes == pytest.approx(bwd * (4 + 2 / 32))
+    assert layer.backward_weight.mxfp8_cast_bytes == 0.0
+    # timed at mxfp8_cast_bandwidth_fraction where the hardware file gives it, else at the element-wise fraction
+    slow = dataclasses.replace(HW, mxfp8_cast_bandwidth_fraction=0.5, block_scaled_fp8=True)
+    fast = dataclasses.replace(HW, block_scaled_fp8=True)
+    extra = layer.forward.seconds(slow, "bf16") - layer.forward.seconds(fast, "bf16")
+    assert extra == pytest.approx(layer.forward.mxfp8_cast_bytes / 1e12)  # (1/0.5 - 1/1.0) x bytes / bandwidth
+    assert fast.mxfp8_cast_fraction == fast.memory_bandwidth_fraction and slow.mxfp8_cast_fraction == 0.5
+    with pytest.raises(InputError, match="mxfp8_cast_bandwidth_fraction"):
+        dataclasses.replace(HW, mxfp8_cast_bandwidth_fraction=1.5)
+    # its linears' GEMMs are block-scaled in every pass, and run at mxfp8_gemm_efficiency where the file gives it
+    passes = [g for w in layer.passes() for g in w.gemms]
+    assert all(g.mxfp8 == g.fp8 for g in passes) and any(g.mxfp8 for g in passes)
+    assert not any(g.mxfp8 for w in WorkModel(model, dataclasses.replace(mx, fp8_recipe="tensorwise")).layer(kind).passes()
+                   for g in w.gemms)
+    big = Gemm(4 * 128, 128, 4096, fp8=True, mxfp8=True)
+    assert gemm_seconds(big, dataclasses.replace(fast, mxfp8_gemm_efficiency=0.125), "bf16") == pytest.approx(
+        2 * gemm_seconds(big, fast, "bf16"))  # half the FP8 efficiency (0.25) -> twice the time
+    assert gemm_seconds(big.dgrad(), fast, "bf16") == gemm_seconds(dataclasses.replace(big.dgrad(), mxfp8=False), fast, "bf16")
+    assert big.dgrad().mxfp8 and big.wgrad().mxfp8 and big.times(2).mxfp8
 
 
 def test_overlapped_communication_shows_only_what_outlasts_its_compute():
@@ -266,5 +319,9 @@ def test_fused_cross_entropy_and_narrow_optimizer_state_shrink_memory():
     narrow = TrainingSpec(use_distributed_optimizer=False, use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
                           exp_avg_sq_dtype="bf16", fp8_format="e4m3", fp8_param_gather=True)
     assert dataclasses.astuple(static_memory(params, narrow)) == (1000, 4000, 8000)  # 1 + 4 + (4 + 2 + 2) bytes
+    # MXFP8 weights keep a row-wise and a column-wise FP8 copy, each with an E8M0 scale per 32 elements
+    mx = dataclasses.replace(narrow, fp8_recipe="mxfp8")
+    assert static_memory(params, mx).weights == pytest.approx(1000 * (2 + 2 / 32))
+    assert static_memory(params, dataclasses.replace(mx, fp8_param_gather=False)).weights == 2000
     with pytest.raises(InputError, match="need the precision-aware optimizer"):
         TrainingSpec(exp_avg_dtype="bf16")
