@@ -13,7 +13,14 @@ the training's ``moe_expert_gemm``; :func:`grouped_waves`). So::
 
 ``gemm_efficiency`` is the best a large, well-shaped GEMM reaches of the peak (the Maximum Achievable
 Matmul FLOPS, MAMF, measured per accelerator and precision: the hardware files cite where); the tile
-and the unit count are the hardware's. NVIDIA's "Matrix Multiplication Background User's Guide"
+and the unit count are the hardware's. Smaller shapes run further below it: the efficiency is scaled by
+:func:`shape_fraction`, ``I / (I + gemm_half_intensity)`` of the GEMM's arithmetic intensity ``I = m n k /
+(m k + k n + m n)`` (multiply-adds per element read or written: a tile sequence that reuses each operand
+element fewer times spends more of its time loading, filling and draining its pipeline), with
+``gemm_half_intensity`` fitted per accelerator to measured GEMMs over shapes
+(:mod:`~primuspipe.projection.gemm_fit`; the measurements and their sources are
+``examples/projection/hardware/gemm_measurements.yaml``). The fit is of what the model leaves: each measured
+point is modelled with the same tiles and waves, so wave quantisation is not counted twice. NVIDIA's "Matrix Multiplication Background User's Guide"
 describes tile and wave quantisation. Hardware without ``gemm_efficiency`` keeps the shape-free model:
 FLOPs at ``peak * achievable_fraction``.
 
@@ -123,6 +130,18 @@ def grouped_waves(tiles: int, units: int, groups: float, kernel: str, streams: i
     return rounds * waves(concurrent) + waves(rest)
 
 
+def shape_fraction(gemm: Gemm, hardware: HardwareSpec) -> float:
+    """The share of the accelerator's GEMM efficiency (its MAMF) one GEMM of ``gemm``'s shape reaches:
+    ``I / (I + gemm_half_intensity)`` with ``I = m n k / (m k + k n + m n)``, 1 without ``gemm_half_intensity``.
+    The same in every precision: FP8 moves half the bytes per element at twice the rate, so a shape keeps
+    its units as busy against its operand traffic in either."""
+    if hardware.gemm_half_intensity is None:
+        return 1.0
+    m, n, k = gemm.m, gemm.n, gemm.k
+    intensity = m * n * k / (m * k + k * n + m * n)
+    return intensity / (intensity + hardware.gemm_half_intensity)
+
+
 def gemm_seconds(gemm: Gemm, hardware: HardwareSpec, precision: str) -> float:
     """Seconds of ``gemm`` on ``hardware`` (``precision``: the training's, for non-FP8 GEMMs)."""
     h = hardware
@@ -132,7 +151,7 @@ def gemm_seconds(gemm: Gemm, hardware: HardwareSpec, precision: str) -> float:
         return gemm.flops / (peak * h.achievable_fraction)
     efficiency = (h.mxfp8_gemm_efficiency if gemm.mxfp8 and h.mxfp8_gemm_efficiency is not None
                   else h.fp8_gemm_efficiency if gemm.fp8 and h.fp8_gemm_efficiency is not None
-                  else h.gemm_efficiency) * h.sustained_fraction
+                  else h.gemm_efficiency) * shape_fraction(gemm, h) * h.sustained_fraction
     tile_m, tile_n = h.gemm_tile
     tiles = math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n)
     units = h.compute_units or tiles  # no unit count: no wave quantisation, only tile padding

@@ -64,6 +64,12 @@ class HardwareSpec:
     """The same for FP8 GEMMs (share of ``peak_fp8_tflops``); None: ``gemm_efficiency``."""
     mxfp8_gemm_efficiency: float | None = None
     """The same for MXFP8 (block-scaled) GEMMs; None: ``fp8_gemm_efficiency``."""
+    gemm_half_intensity: float | None = None
+    """The arithmetic intensity (multiply-adds per element read or written, ``m n k / (m k + k n + m n)``) at which
+    a GEMM runs at half its efficiency: a GEMM's rate is ``gemm_efficiency`` (or the FP8 / MXFP8 one) times
+    ``I / (I + gemm_half_intensity)`` (:func:`~primuspipe.projection.gemm.shape_fraction`), fitted to measured GEMMs
+    over shapes (``gemm_measurements.yaml`` next to the shipped hardware files). None: every GEMM at the efficiency
+    (the curve flat)."""
     sustained_fraction: float = 1.0
     """Share of those isolated-kernel rates (GEMMs, attention) a training step sustains: clocks drop when
     every unit, HBM and the links are busy at once, and overlapped communication kernels hold compute units.
@@ -109,7 +115,7 @@ class HardwareSpec:
         for name in ("peak_bf16_tflops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
                      "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node",
                      "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds",
-                     "moe_sync_host_op_seconds", "moe_kernel_seconds"):
+                     "moe_sync_host_op_seconds", "moe_kernel_seconds", "gemm_half_intensity"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
         for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),
