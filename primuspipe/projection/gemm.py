@@ -130,6 +130,28 @@ def grouped_waves(tiles: int, units: int, groups: float, kernel: str, streams: i
     return rounds * waves(concurrent) + waves(rest)
 
 
+def library_tile(gemm: Gemm, hardware: HardwareSpec) -> tuple[int, int]:
+    """The output tile one of ``gemm``'s GEMMs runs with: ``gemm_tile``, or where the hardware file gives
+    ``gemm_min_tile``, whichever of ``gemm_tile`` and its halvings (per side, down to ``gemm_min_tile``) leaves the
+    fewest idle unit-tile slots over its waves (the larger tile on a tie): the library's kernel choice for one GEMM
+    (concurrent groups do not enter it)."""
+    largest = hardware.gemm_tile
+    if hardware.gemm_min_tile is None:
+        return largest[0], largest[1]
+
+    def sides(size: int, floor: int) -> list[int]:
+        return [size >> i for i in range(8) if size >> i >= floor]
+
+    def slots(tile: tuple[int, int]) -> float:
+        tiles = math.ceil(gemm.m / tile[0]) * math.ceil(gemm.n / tile[1])
+        units = hardware.compute_units or tiles
+        return math.ceil(tiles / units - 1e-9) * units * tile[0] * tile[1]
+
+    candidates = [(a, b) for a in sides(largest[0], hardware.gemm_min_tile[0])
+                  for b in sides(largest[1], hardware.gemm_min_tile[1])]
+    return min(candidates, key=lambda tile: (slots(tile), -tile[0] * tile[1]))
+
+
 def shape_fraction(gemm: Gemm, hardware: HardwareSpec) -> float:
     """The share of the accelerator's GEMM efficiency (its MAMF) one GEMM of ``gemm``'s shape reaches:
     ``I / (I + gemm_half_intensity)`` with ``I = m n k / (m k + k n + m n)``, 1 without ``gemm_half_intensity``.
@@ -152,7 +174,7 @@ def gemm_seconds(gemm: Gemm, hardware: HardwareSpec, precision: str) -> float:
     efficiency = (h.mxfp8_gemm_efficiency if gemm.mxfp8 and h.mxfp8_gemm_efficiency is not None
                   else h.fp8_gemm_efficiency if gemm.fp8 and h.fp8_gemm_efficiency is not None
                   else h.gemm_efficiency) * shape_fraction(gemm, h) * h.sustained_fraction
-    tile_m, tile_n = h.gemm_tile
+    tile_m, tile_n = library_tile(gemm, h)
     tiles = math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n)
     units = h.compute_units or tiles  # no unit count: no wave quantisation, only tile padding
     waves = grouped_waves(tiles, units, gemm.groups, gemm.kernel, gemm.streams)

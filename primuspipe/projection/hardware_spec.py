@@ -78,6 +78,10 @@ class HardwareSpec:
     """Streaming multiprocessors / compute units GEMM tiles are spread over (wave quantisation)."""
     gemm_tile: tuple[int, ...] = (128, 256)
     """Output tile (rows, columns) of one GEMM work unit."""
+    gemm_min_tile: tuple[int, ...] | None = None
+    """The smallest output tile (rows, columns) the GEMM library picks for a shape that would leave units idle with
+    ``gemm_tile`` (:func:`~primuspipe.projection.gemm.library_tile`: ``gemm_tile`` halved per side down to this);
+    None: every GEMM with ``gemm_tile``."""
     attention_efficiency: float | None = None
     """Share of the bf16 peak fused (flash) attention sustains, forward and backward; None: achievable_fraction."""
     attention_length_rates: tuple[tuple[float, float], ...] | None = None
@@ -127,6 +131,11 @@ class HardwareSpec:
         if len(self.gemm_tile) != 2 or min(self.gemm_tile) < 1:
             raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))], "a tile is two positive sizes",
                              "give [rows, columns], e.g. [128, 256]")
+        if self.gemm_min_tile is not None and (len(self.gemm_min_tile) != 2 or min(self.gemm_min_tile) < 1 or any(
+                small > large for small, large in zip(self.gemm_min_tile, self.gemm_tile))):
+            raise InputError([(self.source, "gemm_min_tile", list(self.gemm_min_tile))],
+                             "the smallest tile is two positive sizes, each at most gemm_tile's",
+                             f"give [rows, columns] no larger than gemm_tile {list(self.gemm_tile)}, e.g. [128, 128]")
         for name in ("achievable_fraction", "memory_bandwidth_fraction", "network_efficiency", "gemm_efficiency",
                      "fp8_gemm_efficiency", "attention_efficiency", "sustained_fraction", "mxfp8_cast_bandwidth_fraction",
                      "mxfp8_gemm_efficiency"):
