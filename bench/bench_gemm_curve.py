@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/bench_gemm_curve.py [--output bench/results/gemm_curve.json] [--markdown FILE]
 
-For every set of ``examples/projection/hardware/gemm_measurements.yaml`` (one accelerator, one precision, one
+For every set of ``examples/projection/hardware/measurements/gemm.yaml`` (one accelerator, one precision, one
 public source): the ``gemm_half_intensity`` that least-squares fits it (:mod:`primuspipe.projection.gemm_fit`),
 the hardware file's value, and each measured GEMM's TFLOP/s against the model's with the flat MAMF and with
 the file's curve, with the rms and worst log error of each.

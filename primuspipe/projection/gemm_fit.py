@@ -1,6 +1,6 @@
 """Fitting a hardware file's GEMM efficiency curve (``gemm_half_intensity``) to measured GEMMs over shapes.
 
-``examples/projection/hardware/gemm_measurements.yaml`` lists published measurements, a set per accelerator and
+``examples/projection/hardware/measurements/gemm.yaml`` lists published measurements, a set per accelerator and
 precision with its source. Each point is modelled exactly as the projection models that GEMM
 (:func:`~primuspipe.projection.gemm.gemm_seconds`: the hardware file's tiles, waves, MAMF and roofline; the set's
 groups on its kernel path), as an isolated kernel (``sustained_fraction`` 1, which stands for what a whole
@@ -18,8 +18,8 @@ from primuspipe.projection.gemm import GEMM_STREAMS, GROUPED_GEMM_KERNELS, Gemm,
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.spec_fields import InputError, read_yaml
 
-MEASUREMENTS = Path(__file__).resolve().parents[2] / "examples" / "projection" / "hardware" / "gemm_measurements.yaml"
-"""The shipped measurements (next to the hardware files they fit)."""
+MEASUREMENTS = Path(__file__).resolve().parents[2] / "examples" / "projection" / "hardware" / "measurements" / "gemm.yaml"
+"""The shipped measurements (beside the hardware files they fit, which name them relative to this file)."""
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class HardwareSpec:
     """The arithmetic intensity (multiply-adds per element read or written, ``m n k / (m k + k n + m n)``) at which
     a GEMM runs at half its efficiency: a GEMM's rate is ``gemm_efficiency`` (or the FP8 / MXFP8 one) times
     ``I / (I + gemm_half_intensity)`` (:func:`~primuspipe.projection.gemm.shape_fraction`), fitted to measured GEMMs
-    over shapes (``gemm_measurements.yaml`` next to the shipped hardware files). None: every GEMM at the efficiency
+    over shapes (``measurements/gemm.yaml`` beside the shipped hardware files). None: every GEMM at the efficiency
     (the curve flat)."""
     sustained_fraction: float = 1.0
     """Share of those isolated-kernel rates (GEMMs, attention) a training step sustains: clocks drop when

@@ -54,7 +54,7 @@ def test_the_curve_rises_with_every_dimension_and_saturates_at_the_mamf():
 
 
 def test_hardware_without_the_curve_keeps_the_flat_mamf_and_a_zero_is_refused():
-    h100 = load_hardware(MEASUREMENTS.parent / "h100.yaml")
+    h100 = load_hardware(MEASUREMENTS.parents[1] / "h100.yaml")
     old = dataclasses.replace(h100, gemm_half_intensity=None)  # an old file, without the field
     gemm = Gemm(8192, 8192, 8192)
     assert shape_fraction(gemm, old) == 1.0
@@ -90,7 +90,7 @@ def test_each_shipped_curve_is_the_fit_of_its_cited_measurements(measured):
 
 
 def test_a_malformed_measurement_is_named(tmp_path):
-    (tmp_path / "h100.yaml").write_text((MEASUREMENTS.parent / "h100.yaml").read_text())
+    (tmp_path / "h100.yaml").write_text((MEASUREMENTS.parents[1] / "h100.yaml").read_text())
     bad = tmp_path / "gemm_measurements.yaml"
     bad.write_text("sets:\n  - hardware: h100.yaml\n    precision: fp8\n    source: https://x\n"
                    "    points:\n      - [1024, 1024, 274.1]\n")
