@@ -20,7 +20,8 @@ element fewer times spends more of its time loading, filling and draining its pi
 ``gemm_half_intensity`` fitted per accelerator to measured GEMMs over shapes
 (:mod:`~primuspipe.projection.gemm_fit`; the measurements and their sources are
 ``examples/projection/hardware/measurements/gemm.yaml``). The fit is of what the model leaves: each measured
-point is modelled with the same tiles and waves, so wave quantisation is not counted twice. NVIDIA's "Matrix Multiplication Background User's Guide"
+point is modelled with the same tiles and waves, so wave quantisation is not counted twice. NVIDIA's
+"Matrix Multiplication Background User's Guide"
 describes tile and wave quantisation. Hardware without ``gemm_efficiency`` keeps the shape-free model:
 FLOPs at ``peak * achievable_fraction``.
 

@@ -18,7 +18,8 @@ from primuspipe.projection.gemm import GEMM_STREAMS, GROUPED_GEMM_KERNELS, Gemm,
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.spec_fields import InputError, read_yaml
 
-MEASUREMENTS = Path(__file__).resolve().parents[2] / "examples" / "projection" / "hardware" / "measurements" / "gemm.yaml"
+MEASUREMENTS = (Path(__file__).resolve().parents[2] / "examples" / "projection" / "hardware"
+                / "measurements" / "gemm.yaml")
 """The shipped measurements (beside the hardware files they fit, which name them relative to this file)."""
 
 

@@ -60,7 +60,8 @@ def test_hardware_without_the_curve_keeps_the_flat_mamf_and_a_zero_is_refused():
     assert shape_fraction(gemm, old) == 1.0
     tiles = math.ceil(8192 / 128) * math.ceil(8192 / 256)
     waves = math.ceil(tiles / 132)
-    expected = waves * 132 * 2 * 128 * 256 * 8192 / (h100.peak_bf16_tflops * 1e12 * h100.gemm_efficiency * h100.sustained_fraction)
+    rate = h100.peak_bf16_tflops * 1e12 * h100.gemm_efficiency * h100.sustained_fraction
+    expected = waves * 132 * 2 * 128 * 256 * 8192 / rate
     assert gemm_seconds(gemm, old, "bf16") == pytest.approx(expected)
     assert gemm_seconds(gemm, h100, "bf16") > gemm_seconds(gemm, old, "bf16")
     with pytest.raises(InputError, match="gemm_half_intensity"):
@@ -70,7 +71,8 @@ def test_hardware_without_the_curve_keeps_the_flat_mamf_and_a_zero_is_refused():
 def test_the_fit_recovers_a_known_curve_from_points_the_model_made():
     shapes = [(1024, 1024, 1024), (2048, 4096, 2048), (512, 8192, 4096), (8192, 8192, 8192), (128, 2880, 5760)]
     truth = dataclasses.replace(HW, gemm_half_intensity=321.0, sustained_fraction=1.0)
-    points = tuple((m, n, k, 2 * m * n * k / gemm_seconds(Gemm(m, n, k), truth, "bf16") / 1e12) for m, n, k in shapes)
+    points = tuple((m, n, k, 2 * m * n * k / gemm_seconds(Gemm(m, n, k), truth, "bf16") / 1e12)
+                   for m, n, k in shapes)
     measured = MeasuredGemms(hardware=HW, fp8=False, source="synthetic", points=points)
     assert measured.fit() == pytest.approx(321.0, rel=1e-3)
     assert max(abs(e) for e in measured.log_errors(321.0)) < 1e-9
@@ -78,7 +80,8 @@ def test_the_fit_recovers_a_known_curve_from_points_the_model_made():
 
 # Stated error of the fits (docs/projection.md, "GEMMs by shape"): within 15 % rms on log time and 35 % at worst
 # per set, and better than the flat MAMF on both counts.
-@pytest.mark.parametrize("measured", load_measurements(), ids=lambda s: f"{s.hardware.name}-{'fp8' if s.fp8 else 'bf16'}")
+@pytest.mark.parametrize("measured", load_measurements(),
+                         ids=lambda s: f"{s.hardware.name}-{'fp8' if s.fp8 else 'bf16'}")
 def test_each_shipped_curve_is_the_fit_of_its_cited_measurements(measured):
     assert measured.source.startswith("https://")
     fitted, shipped = measured.fit(), measured.hardware.gemm_half_intensity
@@ -96,6 +99,7 @@ def test_a_malformed_measurement_is_named(tmp_path):
                    "    points:\n      - [1024, 1024, 274.1]\n")
     with pytest.raises(InputError, match=r"sets\[0\]\.points"):
         load_measurements(bad)
-    bad.write_text("sets:\n  - hardware: h100.yaml\n    precision: fp4\n    source: https://x\n    points: [[1, 1, 1, 1]]\n")
+    bad.write_text("sets:\n  - hardware: h100.yaml\n    precision: fp4\n    source: https://x\n"
+                   "    points: [[1, 1, 1, 1]]\n")
     with pytest.raises(InputError, match="precision bf16 or fp8"):
         load_measurements(bad)
