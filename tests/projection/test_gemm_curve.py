@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from primuspipe.projection.gemm import Gemm, gemm_seconds, shape_fraction
+from primuspipe.projection.gemm import Gemm, gemm_seconds, library_tile, shape_fraction
 from primuspipe.projection.gemm_fit import MEASUREMENTS, MeasuredGemms, load_measurements
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.spec_fields import InputError
@@ -103,3 +103,18 @@ def test_a_malformed_measurement_is_named(tmp_path):
                    "    points: [[1, 1, 1, 1]]\n")
     with pytest.raises(InputError, match="precision bf16 or fp8"):
         load_measurements(bad)
+
+
+def test_with_a_smallest_tile_the_library_halves_its_tile_where_units_would_idle():
+    amd = dataclasses.replace(HW, gemm_half_intensity=None, gemm_min_tile=(64, 64))
+    k = 1024
+    # one 128 x 128 tile leaves 3 of 4 units idle: four 64 x 64 tiles fill the wave, a quarter of the time
+    assert library_tile(Gemm(128, 128, k), amd) == (64, 64)
+    assert gemm_seconds(Gemm(128, 128, k), amd, "bf16") == pytest.approx(UNIT * k)  # 4 units x a quarter tile
+    assert library_tile(Gemm(128, 128, k), HW) == (128, 128)  # without gemm_min_tile: always gemm_tile
+    # a tie (4 full tiles, or 8 half ones in 2 waves) keeps the larger tile; 64 rows pad no 64-row tile
+    assert library_tile(Gemm(512, 128, k), amd) == (128, 128)
+    assert library_tile(Gemm(64, 512, k), amd) == (64, 128)
+    for bad in ((256, 64), (0, 64), (64,)):
+        with pytest.raises(InputError, match="gemm_min_tile"):
+            dataclasses.replace(HW, gemm_min_tile=bad)
