@@ -7,7 +7,7 @@ compute units (SMs / CUs), and a wave takes as long as a full one however many o
 experts of one rank) share waves depends on the kernel path that runs them (:data:`GROUPED_GEMM_KERNELS`,
 the training's ``moe_expert_gemm``; :func:`grouped_waves`). So::
 
-    compute = waves * 2 * tile_m * tile_n * k / (peak * gemm_efficiency / compute_units)
+    compute = waves * 2 * tile_m * tile_n * k / (peak * gemm_efficiency * shape_fraction / compute_units)
     memory  = (m k + k n) * input bytes + m n * output bytes, at HBM bandwidth
     time    = max(compute, memory)                      (a roofline; Williams et al. 2009)
 
@@ -20,7 +20,9 @@ element fewer times spends more of its time loading, filling and draining its pi
 ``gemm_half_intensity`` fitted per accelerator to measured GEMMs over shapes
 (:mod:`~primuspipe.projection.gemm_fit`; the measurements and their sources are
 ``examples/projection/hardware/measurements/gemm.yaml``). The fit is of what the model leaves: each measured
-point is modelled with the same tiles and waves, so wave quantisation is not counted twice. NVIDIA's
+point is modelled with the same tiles and waves, so wave quantisation is not counted twice. Where the hardware
+file gives ``gemm_min_tile`` (the AMD files: hipBLASLt picks smaller kernels for shapes that would leave units
+idle), each GEMM takes the tile :func:`library_tile` chooses. NVIDIA's
 "Matrix Multiplication Background User's Guide"
 describes tile and wave quantisation. Hardware without ``gemm_efficiency`` keeps the shape-free model:
 FLOPs at ``peak * achievable_fraction``.
