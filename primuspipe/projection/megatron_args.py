@@ -33,7 +33,7 @@ import yaml
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.framework import ConfigError, strict
 from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
-from primuspipe.projection.megatron_flags import ALIASES, RESOLVED, closest, no_effect
+from primuspipe.projection.megatron_flags import ALIASES, PRIMUS_FLAGS, RESOLVED, closest, no_effect, primus_default
 from primuspipe.projection.spec_fields import spec_from_mapping
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -88,13 +88,13 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
         elif spec is not None:
             if value is not None:
                 values[spec][name] = "flash" if (name, value) == ("attention_backend", "auto") else value
-        elif no_effect(name):
+        elif no_effect(name) or primus_default(name, value):
             set_aside.append(name)
-        elif name in MEGATRON_FLAGS:
+        elif name in MEGATRON_FLAGS or name in PRIMUS_FLAGS:
             refused.append(f"{_flag(name)} changes time or memory in a way the projection does not model "
                            "(remove it to project the run without it)")
         else:
-            guess = closest(name, MEGATRON_FLAGS | targets["model"] | targets["training"])
+            guess = closest(name, MEGATRON_FLAGS | PRIMUS_FLAGS | targets["model"] | targets["training"])
             refused.append(f"{_flag(name)} is not a Megatron argument"
                            + (f" (did you mean {_flag(guess)}?)" if guess else ""))
     if refused:

@@ -96,7 +96,7 @@ NO_EFFECT = frozenset({
     "clip_grad", "cross_entropy_fusion_impl", "distributed_backend", "eod_mask_loss", "exp_name",
     "gradient_accumulation_fusion", "no_gradient_accumulation_fusion", "init_model_with_meta_device",
     "lazy_mpu_init", "masked_softmax_fusion", "no_masked_softmax_fusion", "micro_batch_size_rampup",
-    "moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion", "moe_aux_loss_coeff",
+    "moe_grouped_gemm", "moe_aux_loss_coeff",
     "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_pre_softmax", "moe_router_score_function",
     "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_topk_scaling_factor",
     "moe_input_jitter_eps", "moe_per_layer_logging", "moe_enable_deepep", "moe_flex_dispatcher_backend",
@@ -132,6 +132,31 @@ NO_EFFECT = frozenset({
 """Further no-effect arguments, each by name. (Kernel-fusion switches whose effect the projection does
 model are fields or aliases instead, e.g. ``no_bias_swiglu_fusion``; ``attention_softmax_in_fp32`` matters
 only to the unfused kernel, whose backend the projection reads from ``attention_backend``.)"""
+
+
+PRIMUS_FLAGS = frozenset({
+    "use_turbo_autotune", "turbo_gemm_backend", "turbo_grouped_gemm_backend", "mxfp4_gradient_stochastic_rounding",
+    "use_turbo_attention", "use_sink_attention", "sink_sliding_window", "sink_window_even_layers_only",
+    "enable_turbo_attention_float8", "use_turbo_gemm", "turbo_grouped_gemm_without_padding", "turbo_deepep_num_cu",
+    "turbo_deepep_use_comm_stream", "use_turbo_mega_moe", "turbo_mega_moe_precision", "use_turbo_rms_norm",
+    "use_turbo_norm_te_linear",
+})
+"""Primus-Turbo's own arguments (``primus/configs/modules/megatron/primus_turbo.yaml``) that are not training
+fields: their kernels' speed is not modelled, so each is refused when it turns something on, and set aside
+when it leaves Primus's default path (``false``, ``default``; :func:`primus_default`). The modelled ones
+(``enable_primus_turbo``, ``turbo_sync_free_moe_stage``, ``use_turbo_deepep``, ...) are training fields."""
+
+PRIMUS_DEFAULT_VALUES = {"turbo_gemm_backend": "default", "turbo_grouped_gemm_backend": "default",
+                         "turbo_mega_moe_precision": "bf16"}
+
+
+def primus_default(name: str, value) -> bool:
+    """A Primus-Turbo argument that leaves the default path: a switch off, a backend ``default``, or
+    ``turbo_deepep_num_cu`` (the compute units DeepEP's kernels take: the projection prices DeepEP's
+    transfers at the link's bandwidth whatever it is given)."""
+    if name == "turbo_deepep_num_cu":
+        return True
+    return name in PRIMUS_FLAGS and (value is False or value is None or value == PRIMUS_DEFAULT_VALUES.get(name))
 
 
 def no_effect(name: str) -> bool:
