@@ -217,19 +217,25 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
         if unknown := set(module) - _PRIMUS_MODULE_KEYS:
             raise ConfigError(f"{path}: modules.{name}: unknown keys {sorted(unknown)}; a Primus module has "
                               f"{', '.join(sorted(_PRIMUS_MODULE_KEYS))}")
-        if module.get("model") is not None:
-            arguments.update(_primus_model(Path(path), str(module["model"])))
+        if module.get("model") is not None:  # e.g. ${PRIMUS_MODEL:llama3.1_8B}.yaml
+            arguments.update(_primus_model(Path(path), str(_primus_values({"model": module["model"]})["model"])))
         if isinstance(module.get("overrides"), Mapping):
             arguments.update(module["overrides"])
     return split_arguments(_primus_values(arguments), str(path))
 
 
+_PRIMUS_VARIABLE = re.compile(r"\$\{\w+:([^}]*)\}")
+
+
 def _primus_values(arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """Primus writes ``${VAR:default}`` for values a launch may override: the default is the value."""
+    """Primus writes ``${VAR:default}`` for values a launch may override: the default is the value (read as
+    YAML when it is the whole value, so numbers stay numbers; put in place within a longer string)."""
     resolved = {}
     for name, value in arguments.items():
-        if isinstance(value, str) and (match := re.fullmatch(r"\$\{\w+:(.*)\}", value.strip())):
+        if isinstance(value, str) and (match := _PRIMUS_VARIABLE.fullmatch(value.strip())):
             value = yaml.safe_load(match.group(1)) if match.group(1) else None
+        elif isinstance(value, str):
+            value = _PRIMUS_VARIABLE.sub(lambda m: m.group(1), value)
         resolved[name] = value
     return resolved
 

@@ -128,22 +128,34 @@ NO_EFFECT = frozenset({
     "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "no_fp8_wgrad", "tp_comm_bootstrap_backend",
     "tp_comm_overlap_cfg", "num_distributed_optimizer_instances", "align_param_gather", "align_grad_reduce",
     "use_sharp", "nccl_communicator_config_path", "sequence_parallel_size_rampup",
+    "moe_router_num_groups", "moe_router_group_topk",
 })
 """Further no-effect arguments, each by name. (Kernel-fusion switches whose effect the projection does
 model are fields or aliases instead, e.g. ``no_bias_swiglu_fusion``; ``attention_softmax_in_fp32`` matters
 only to the unfused kernel, whose backend the projection reads from ``attention_backend``.)"""
 
 
+PRIMUS_NO_EFFECT_PREFIXES = ("mlflow_", "torch_profiler_", "use_rocm_mem_info")
+PRIMUS_NO_EFFECT = frozenset({
+    "stderr_sink_level", "file_sink_level", "auto_continue_train", "disable_last_saving", "disable_tensorboard",
+    "disable_wandb", "disable_mlflow", "generate_tracelens_report", "disable_compile_dependencies", "pp_warmup",
+    "moe_router_force_load_balancing_type",
+})
+"""Primus's own arguments (``primus/configs/modules/megatron/primus_megatron_module.yaml``) that cannot change a
+step's time or memory: logging sinks and trackers, profiler options, resuming and the last checkpoint, the
+first iteration's pipeline warm-up, and how forced balancing spreads tokens (``even`` or ``uniform``: both
+balanced, which is what ``moe_router_force_load_balancing`` means to the projection)."""
+
 PRIMUS_FLAGS = frozenset({
     "use_turbo_autotune", "turbo_gemm_backend", "turbo_grouped_gemm_backend", "mxfp4_gradient_stochastic_rounding",
     "use_turbo_attention", "use_sink_attention", "sink_sliding_window", "sink_window_even_layers_only",
     "enable_turbo_attention_float8", "use_turbo_gemm", "turbo_grouped_gemm_without_padding", "turbo_deepep_num_cu",
     "turbo_deepep_use_comm_stream", "use_turbo_mega_moe", "turbo_mega_moe_precision", "use_turbo_rms_norm",
-    "use_turbo_norm_te_linear",
+    "use_turbo_norm_te_linear", "moe_use_legacy_grouped_gemm",
 })
 """Primus-Turbo's own arguments (``primus/configs/modules/megatron/primus_turbo.yaml``) that are not training
-fields: their kernels' speed is not modelled, so each is refused when it turns something on, and set aside
-when it leaves Primus's default path (``false``, ``default``; :func:`primus_default`). The modelled ones
+fields, and Primus's legacy grouped-GEMM switch: their kernels' speed is not modelled, so each is refused when
+it turns something on, and set aside when it leaves Primus's default path (``false``, ``default``; :func:`primus_default`). The modelled ones
 (``enable_primus_turbo``, ``turbo_sync_free_moe_stage``, ``use_turbo_deepep``, ...) are training fields."""
 
 PRIMUS_DEFAULT_VALUES = {"turbo_gemm_backend": "default", "turbo_grouped_gemm_backend": "default",
@@ -160,7 +172,8 @@ def primus_default(name: str, value) -> bool:
 
 
 def no_effect(name: str) -> bool:
-    return name in NO_EFFECT or name.startswith(NO_EFFECT_PREFIXES)
+    return (name in NO_EFFECT or name.startswith(NO_EFFECT_PREFIXES) or name in PRIMUS_NO_EFFECT
+            or name.startswith(PRIMUS_NO_EFFECT_PREFIXES))
 
 
 def closest(name: str, names) -> str | None:

@@ -82,7 +82,7 @@ def test_primus_model_files_and_their_bases_are_followed(tmp_path):
     exp = tmp_path / "experiments" / "exp.yaml"
     exp.parent.mkdir()
     exp.write_text(yaml.safe_dump({"work_group": "x", "modules": {"pre_trainer": {
-        "framework": "megatron", "config": "pre_trainer.yaml", "model": "tiny.yaml",
+        "framework": "megatron", "config": "pre_trainer.yaml", "model": "${PRIMUS_MODEL:tiny}.yaml",
         "overrides": {"micro_batch_size": 1, "global_batch_size": 16, "pipeline_model_parallel_size": "${PP:2}",
                       "bf16": True, "recompute_num_layers": 0, "recompute_granularity": "selective",
                       "recompute_modules": ["layernorm", "moe_act"]}}}}))
@@ -137,3 +137,19 @@ def test_primus_moe_features_are_modelled_and_turbo_kernels_refused_when_on():
         read_arguments(MODEL_ARGS + "--turbo_sync_free_moe_stage 1", "r")
     fused = read_arguments(MODEL_ARGS + "--moe-permute-fusion --moe-router-fusion", "r").training
     assert fused.moe_permute_fusion and fused.moe_router_fusion
+
+
+def test_primus_bookkeeping_is_set_aside_and_its_legacy_grouped_gemm_refused_when_on():
+    """Primus's own logging and resuming keys cannot change a step; its legacy grouped GEMM (the
+    ``grouped_gemm`` package) is another kernel path, refused when on; group-limited routing is a few ops
+    over the routing scores, set aside."""
+    config = read_arguments(MODEL_ARGS + "--stderr_sink_level DEBUG --auto_continue_train False "
+                            "--disable_last_saving True --mlflow_run_name x --moe_use_legacy_grouped_gemm False "
+                            "--moe_router_force_load_balancing_type even --moe-router-num-groups 8 "
+                            "--moe-router-group-topk 3", "r")
+    assert set(config.no_effect) == {"stderr_sink_level", "auto_continue_train", "disable_last_saving",
+                                     "mlflow_run_name", "moe_use_legacy_grouped_gemm",
+                                     "moe_router_force_load_balancing_type", "moe_router_num_groups",
+                                     "moe_router_group_topk"}
+    with pytest.raises(ConfigError, match="--moe-use-legacy-grouped-gemm changes time or memory"):
+        read_arguments(MODEL_ARGS + "--moe_use_legacy_grouped_gemm True", "r")
