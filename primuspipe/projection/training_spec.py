@@ -160,6 +160,30 @@ class TrainingSpec:
     moe_pad_expert_input_to_capacity: bool = False
     """With a capacity factor: every expert computes its full capacity (padded), so sizes are known in advance
     and the dispatcher never waits for token counts on the host."""
+    moe_permute_fusion: bool = False
+    """megatron-core's fused permutation (Transformer Engine's ``moe_permute`` / ``moe_unpermute`` / ``moe_sort_chunks_by_index``):
+    one kernel for each permutation of the token copies where the unfused path issues several (the host's
+    work, :mod:`~primuspipe.projection.host`; the copies' bytes are the same)."""
+    moe_router_fusion: bool = False
+    """megatron-core's fused router: the score function and top-k in one kernel (the auxiliary loss stays apart)."""
+    enable_primus_turbo: bool = False
+    """Primus: turn on Primus-Turbo (AMD's kernels, ``primus/configs/modules/megatron/primus_turbo.yaml``); every
+    ``use_turbo_*`` / ``turbo_*`` setting below needs it, as Primus asserts."""
+    turbo_sync_free_moe_stage: int = 0
+    """Primus's sync-free MoE (0-3; ``rocm_arg_validation.py``, ``_get_sync_free_moe_options``): each stage turns
+    other settings on as Primus does -- 1: ``moe_use_fused_router_with_aux_score`` and ``moe_permute_fusion``; 2:
+    also ``use_turbo_deepep`` and ``use_turbo_grouped_gemm`` (which it requires), and DeepEP sized for the worst
+    case (``num_worst_tokens``) with the token counts kept on the GPU, so no MoE layer waits for the host;
+    3: also ``use_turbo_fused_act_with_probs``."""
+    moe_use_fused_router_with_aux_score: bool = False
+    """Primus-Turbo's fused router: score function, top-k and the auxiliary loss's scores in one kernel."""
+    use_turbo_deepep: bool = False
+    """Primus-Turbo's DeepEP dispatcher (it replaces megatron-core's flex dispatcher, so
+    ``moe_token_dispatcher_type`` becomes ``flex`` as Primus sets it); needs ``moe_router_dtype: fp32``."""
+    use_turbo_grouped_gemm: bool = False
+    """Primus-Turbo's grouped GEMM: all local experts in one kernel launch instead of one GEMM per expert."""
+    use_turbo_fused_act_with_probs: bool = False
+    """Primus-Turbo: the experts' activation and the routing-probability weighting in one kernel."""
     cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] = "none"
     """Megatron's CUDA graphs (``--enable-cuda-graph`` is ``local``, ``--external-cuda-graph``
     ``transformer_engine``): captured regions replay with one launch, which removes their host time."""
@@ -188,6 +212,21 @@ class TrainingSpec:
         if self.recompute_granularity is None and self.recompute_method is not None and not self.recompute_num_layers:
             object.__setattr__(self, "recompute_method", None)
         self._check()
+        self._enable_sync_free_moe()
+
+    def _enable_sync_free_moe(self) -> None:
+        """What Primus's ``turbo_sync_free_moe_stage`` and ``use_turbo_deepep`` turn on, set as Primus sets it
+        (``rocm_arg_validation.py``: the stage's options after its checks; the DeepEP patch: the flex dispatcher)."""
+        for name in SYNC_FREE_MOE_OPTIONS[self.turbo_sync_free_moe_stage]:
+            object.__setattr__(self, name, True)
+        if self.use_turbo_deepep:
+            object.__setattr__(self, "moe_token_dispatcher_type", "flex")
+
+    @property
+    def moe_syncs_free(self) -> bool:
+        """No MoE layer waits for token counts on the host: Primus's sync-free stage 2 and up size DeepEP's
+        receive buffer for the worst case and keep the counts on the GPU for the grouped GEMM."""
+        return self.turbo_sync_free_moe_stage >= 2
 
     @property
     def tp(self) -> int:
@@ -383,10 +422,49 @@ class TrainingSpec:
                        "set fp8_format (e4m3 or hybrid), or remove fp8_recipe / fp8_param_gather")
         if self.fp8_format is not None and self.precision == "fp32":
             self._fail(("fp8_format", "precision"), "FP8 GEMMs need mixed precision", "set precision: bf16")
+        self._check_primus_turbo()
         if (self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers) and self.pp == 1:
             self._fail(("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                         "pipeline_model_parallel_size"), "uneven first/last stages need a pipeline",
                        "remove them or set pipeline_model_parallel_size > 1")
+
+
+    def _check_primus_turbo(self) -> None:
+        """Primus's own rules for its MoE features (``rocm_arg_validation.py``, ``validate_args_on_rocm``)."""
+        if self.turbo_sync_free_moe_stage not in SYNC_FREE_MOE_OPTIONS:
+            self._fail(("turbo_sync_free_moe_stage",), "Primus's sync-free MoE has stages 0-3", "give 0, 1, 2 or 3")
+        turbo = [n for n in PRIMUS_TURBO_FIELDS if getattr(self, n)]
+        if turbo and not self.enable_primus_turbo:
+            self._fail(("enable_primus_turbo", *turbo), "Primus-Turbo features need Primus-Turbo turned on (Primus asserts it)",
+                       "set enable_primus_turbo: true, or remove them")
+        if self.turbo_sync_free_moe_stage > 1 and not self.use_turbo_grouped_gemm:
+            self._fail(("turbo_sync_free_moe_stage", "use_turbo_grouped_gemm"),
+                       "sync-free MoE stages 2 and 3 need Primus-Turbo's grouped GEMM (Primus raises otherwise)",
+                       "set use_turbo_grouped_gemm: true, or use stage 1")
+        deepep = self.use_turbo_deepep or self.turbo_sync_free_moe_stage > 1
+        if deepep and self.moe_router_dtype != "fp32":
+            self._fail(("use_turbo_deepep", "turbo_sync_free_moe_stage", "moe_router_dtype"),
+                       "Primus-Turbo's DeepEP takes float32 probabilities only (Primus asserts it)",
+                       "set moe_router_dtype: fp32")
+        if deepep and self.ep * self.etp <= 1:
+            self._fail(("use_turbo_deepep", "turbo_sync_free_moe_stage", "expert_model_parallel_size"),
+                       "the DeepEP dispatcher needs expert (or expert-tensor) parallelism above 1 (Primus raises otherwise)",
+                       "set expert_model_parallel_size > 1, or turn DeepEP off")
+
+
+SYNC_FREE_MOE_OPTIONS: dict[int, tuple[str, ...]] = {
+    0: (),
+    1: ("moe_use_fused_router_with_aux_score", "moe_permute_fusion"),
+    2: ("moe_use_fused_router_with_aux_score", "moe_permute_fusion", "use_turbo_deepep", "use_turbo_grouped_gemm"),
+    3: ("moe_use_fused_router_with_aux_score", "moe_permute_fusion", "use_turbo_deepep", "use_turbo_grouped_gemm",
+        "use_turbo_fused_act_with_probs"),
+}
+"""The settings each of Primus's sync-free MoE stages turns on (``_get_sync_free_moe_options``;
+``moe_router_padding_for_quantization``, which it also sets under FP8, changes neither time nor memory here)."""
+
+PRIMUS_TURBO_FIELDS = ("turbo_sync_free_moe_stage", "moe_use_fused_router_with_aux_score", "use_turbo_deepep",
+                       "use_turbo_grouped_gemm", "use_turbo_fused_act_with_probs")
+"""Training fields that only act with ``enable_primus_turbo``."""
 
 
 @dataclass(frozen=True)
