@@ -122,7 +122,7 @@ class WorkModel(RankShape):
         fp8 = self.training.fp8 if fp8 is None else fp8
         streams = min(GEMM_STREAMS, self.training.gpu_max_hw_queues or GEMM_STREAMS)  # ROCm: streams share queues
         gemm = Gemm(tokens, fan_out, fan_in, groups, fp8, mxfp8=fp8 and self.training.fp8_recipe == "mxfp8",
-                    kernel=self.training.moe_expert_gemm, streams=streams)
+                    kernel=self.training.expert_gemm_kernel, streams=streams)
         if not fp8:
             return PassWork(Work((gemm,)), Work((gemm.dgrad(),)), Work((gemm.wgrad(),)))
         sp = self.training.sp

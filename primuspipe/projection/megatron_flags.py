@@ -140,22 +140,26 @@ PRIMUS_NO_EFFECT_PREFIXES = ("mlflow_", "torch_profiler_", "use_rocm_mem_info")
 PRIMUS_NO_EFFECT = frozenset({
     "stderr_sink_level", "file_sink_level", "auto_continue_train", "disable_last_saving", "disable_tensorboard",
     "disable_wandb", "disable_mlflow", "generate_tracelens_report", "disable_compile_dependencies", "pp_warmup",
-    "moe_router_force_load_balancing_type",
+    "moe_router_force_load_balancing_type", "moe_use_legacy_grouped_gemm",
 })
 """Primus's own arguments (``primus/configs/modules/megatron/primus_megatron_module.yaml``) that cannot change a
 step's time or memory: logging sinks and trackers, profiler options, resuming and the last checkpoint, the
 first iteration's pipeline warm-up, and how forced balancing spreads tokens (``even`` or ``uniform``: both
-balanced, which is what ``moe_router_force_load_balancing`` means to the projection)."""
+balanced, which is what ``moe_router_force_load_balancing`` means to the projection), and the legacy grouped
+GEMM switch (also megatron-core's ``--moe-use-legacy-grouped-gemm``): with ``moe_grouped_gemm`` its ``GroupedMLP``
+calls the ``grouped_gemm`` package, which loops over 4 streams as Transformer Engine's ``GroupedLinear`` does (the
+same ``multi_stream`` path, :mod:`~primuspipe.projection.gemm`); without it megatron-core builds ``SequentialMLP``
+either way."""
 
 PRIMUS_FLAGS = frozenset({
     "use_turbo_autotune", "turbo_gemm_backend", "turbo_grouped_gemm_backend", "mxfp4_gradient_stochastic_rounding",
     "use_turbo_attention", "use_sink_attention", "sink_sliding_window", "sink_window_even_layers_only",
     "enable_turbo_attention_float8", "use_turbo_gemm", "turbo_grouped_gemm_without_padding", "turbo_deepep_num_cu",
     "turbo_deepep_use_comm_stream", "use_turbo_mega_moe", "turbo_mega_moe_precision", "use_turbo_rms_norm",
-    "use_turbo_norm_te_linear", "moe_use_legacy_grouped_gemm",
+    "use_turbo_norm_te_linear",
 })
 """Primus-Turbo's own arguments (``primus/configs/modules/megatron/primus_turbo.yaml``) that are not training
-fields, and Primus's legacy grouped-GEMM switch: their kernels' speed is not modelled, so each is refused when
+fields: their kernels' speed is not modelled, so each is refused when
 it turns something on, and set aside when it leaves Primus's default path (``false``, ``default``; :func:`primus_default`). The modelled ones
 (``enable_primus_turbo``, ``turbo_sync_free_moe_stage``, ``use_turbo_deepep``, ...) are training fields."""
 

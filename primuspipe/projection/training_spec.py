@@ -181,7 +181,8 @@ class TrainingSpec:
     """Primus-Turbo's DeepEP dispatcher (it replaces megatron-core's flex dispatcher, so
     ``moe_token_dispatcher_type`` becomes ``flex`` as Primus sets it); needs ``moe_router_dtype: fp32``."""
     use_turbo_grouped_gemm: bool = False
-    """Primus-Turbo's grouped GEMM: all local experts in one kernel launch instead of one GEMM per expert."""
+    """Primus-Turbo's grouped GEMM: all local experts in one kernel launch instead of one GEMM per expert, whose
+    waves hold tiles of all experts (the ``fused`` path of ``moe_expert_gemm``, whatever that field says)."""
     use_turbo_fused_act_with_probs: bool = False
     """Primus-Turbo: the experts' activation and the routing-probability weighting in one kernel."""
     cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] = "none"
@@ -297,6 +298,12 @@ class TrainingSpec:
     def fp8(self) -> bool:
         """Linear-layer GEMMs run in FP8."""
         return self.fp8_format is not None
+
+    @property
+    def expert_gemm_kernel(self) -> str:
+        """The kernel path of the experts' GEMMs (:mod:`~primuspipe.projection.gemm`): Primus-Turbo's grouped
+        GEMM is one kernel over all experts (``fused``); otherwise ``moe_expert_gemm``."""
+        return "fused" if self.use_turbo_grouped_gemm else self.moe_expert_gemm
 
     @property
     def per_tensor_fp8(self) -> bool:

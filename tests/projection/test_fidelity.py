@@ -93,6 +93,8 @@ def test_the_experts_gemms_follow_the_trainings_kernel_path_and_hardware_queues(
     _, fused = experts(moe_expert_gemm="fused")
     _, sequential = experts(moe_expert_gemm="sequential")
     assert fused <= multi <= two < sequential
+    turbo, turbo_s = experts(moe_expert_gemm="sequential", enable_primus_turbo=True, use_turbo_grouped_gemm=True)
+    assert {g.kernel for g in turbo} == {"fused"} and turbo_s == fused  # Primus-Turbo's one grouped kernel
     with pytest.raises(InputError, match="gpu_max_hw_queues"):
         TrainingSpec(gpu_max_hw_queues=0)
 

@@ -150,17 +150,18 @@ def test_primus_moe_features_are_modelled_and_turbo_kernels_refused_when_on():
     assert fused.moe_permute_fusion and fused.moe_router_fusion
 
 
-def test_primus_bookkeeping_is_set_aside_and_its_legacy_grouped_gemm_refused_when_on():
+def test_primus_bookkeeping_and_the_legacy_grouped_gemm_switch_are_set_aside():
     """Primus's own logging and resuming keys cannot change a step; its legacy grouped GEMM (the
-    ``grouped_gemm`` package) is another kernel path, refused when on; group-limited routing is a few ops
+    ``grouped_gemm`` package) takes the same 4-stream path as TE's, either way; group-limited routing is a few ops
     over the routing scores, set aside."""
-    config = read_arguments(MODEL_ARGS + "--stderr_sink_level DEBUG --auto_continue_train False "
-                            "--disable_last_saving True --mlflow_run_name x --moe_use_legacy_grouped_gemm False "
-                            "--moe_router_force_load_balancing_type even --moe-router-num-groups 8 "
-                            "--moe-router-group-topk 3", "r")
-    assert set(config.no_effect) == {"stderr_sink_level", "auto_continue_train", "disable_last_saving",
-                                     "mlflow_run_name", "moe_use_legacy_grouped_gemm",
-                                     "moe_router_force_load_balancing_type", "moe_router_num_groups",
-                                     "moe_router_group_topk"}
-    with pytest.raises(ConfigError, match="--moe-use-legacy-grouped-gemm changes time or memory"):
-        read_arguments(MODEL_ARGS + "--moe_use_legacy_grouped_gemm True", "r")
+    for legacy in ("False", "True"):
+        config = read_arguments(MODEL_ARGS + "--stderr_sink_level DEBUG --auto_continue_train False "
+                                "--disable_last_saving True --mlflow_run_name x --moe-grouped-gemm "
+                                f"--moe_use_legacy_grouped_gemm {legacy} "
+                                "--moe_router_force_load_balancing_type even --moe-router-num-groups 8 "
+                                "--moe-router-group-topk 3", "r")
+        assert set(config.no_effect) == {"stderr_sink_level", "auto_continue_train", "disable_last_saving",
+                                         "mlflow_run_name", "moe_use_legacy_grouped_gemm",
+                                         "moe_router_force_load_balancing_type", "moe_router_num_groups",
+                                         "moe_router_group_topk"}
+        assert config.training.moe_expert_gemm == "multi_stream"
