@@ -19,13 +19,15 @@ import contextlib
 import dataclasses
 import logging
 import math
+import multiprocessing
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from primuspipe.projection.comm import gradient_sync
 from primuspipe.projection.compute import Calibration, PartTimes, WorkModel, optimizer_seconds, part_times
 from primuspipe.projection.framework import (
-    Placement, PrimusPipeError, build_schedule, get_algorithm, idle_share, list_algorithms, simulate)
+    ConfigError, Placement, PrimusPipeError, build_schedule, get_algorithm, idle_share, list_algorithms, simulate)
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import embedding_params
@@ -174,10 +176,11 @@ def _growing(runs: list[tuple[TrainingSpec, StageCosts, PipelineFigures]]) -> bo
 
 def extrapolate(samples: list[PipelineFigures], microbatches: int) -> PipelineFigures | None:
     """The figures at ``microbatches`` from ``samples`` at fewer (ascending counts): times on the line
-    through the last two; each rank's memory as it is at every sample, or on their common line where it
-    grows with the count (GPipe holds every microbatch) -- None where memory follows no line (a warm-up
-    that depends on the count, as interleaving's does when pp does not divide it): only the full
-    simulation tells."""
+    through the last two; each rank's memory as it is at every sample, as it settled at the last two of
+    three (the shortest sample too short for the steady pattern's peak, as a cost-aware V-shape's can
+    be), or on their common line where it grows with the count (GPipe holds every microbatch) -- None
+    where memory follows no line (a warm-up that depends on the count, as interleaving's does when pp does
+    not divide it): only the full simulation tells."""
     (m1,), (m2,) = samples[-2].microbatches, samples[-1].microbatches
 
     def at(m: float, a: float, b: float) -> float:
@@ -186,11 +189,14 @@ def extrapolate(samples: list[PipelineFigures], microbatches: int) -> PipelineFi
     def linear(values: tuple[float, ...], counts: tuple[int, ...]) -> bool:
         return all(math.isclose(at(c, *values[-2:]), v, rel_tol=1e-9, abs_tol=1.0) for c, v in zip(counts, values))
 
+    def settled(values: tuple[float, ...]) -> bool:
+        return math.isclose(values[-2], values[-1], rel_tol=1e-9, abs_tol=1.0)
+
     counts = tuple(s.microbatches[0] for s in samples)
     for name in ("peak_memory_bytes", "peak_activation_bytes"):
         per_rank = list(zip(*(getattr(s, name) for s in samples)))
         constant = all(math.isclose(min(v), max(v), rel_tol=1e-9, abs_tol=1.0) for v in per_rank)
-        if not constant and (len(samples) < 3 or not all(linear(v, counts) for v in per_rank)):
+        if not constant and (len(samples) < 3 or not all(settled(v) or linear(v, counts) for v in per_rank)):
             return None
     first, last = samples[-2], samples[-1]
     return PipelineFigures(
@@ -432,15 +438,60 @@ def project(projector: Projector, training: TrainingSpec, *, algorithms: list[st
     names = algorithms or [info.name for info in list_algorithms() if not (search and info.name == "zb-auto")]
     pairs = list(candidates(projector.model, training, names, search))
     results, refusals = [], []
-    for k, (config, name) in enumerate(pairs, 1):
+    for k, outcome in enumerate(_evaluated(projector, pairs), 1):
         if search and k % 20 == 0:
             logger.info("projected %d of %d candidates", k, len(pairs))
-        outcome = projector.evaluate(config, name)
         (results if isinstance(outcome, ProjectionResult) else refusals).append(outcome)
     results = [_no_worse_than_fixed(r, results) if r.algorithm == "zb-auto" else r for r in results]
     results.sort(key=lambda r: (r.verdict == "OOM", bool(r.note.startswith(DEGENERATE)), -r.tokens_per_s_per_gpu,
                                 r.algorithm))
     return results, refusals
+
+
+WORKERS_VARIABLE = "PRIMUSPIPE_PROJECT_WORKERS"
+"""Environment variable: how many processes project the candidates (1: in this process; unset: one per core)."""
+
+
+def project_workers(pairs: int) -> int:
+    """Processes to project ``pairs`` candidates with: :data:`WORKERS_VARIABLE`'s count, else one per core;
+    never more than the pairs, and 1 where the platform cannot fork or this process is a pool's worker
+    (which may not start its own). The candidates are independent, and one algorithm's table can take
+    most of a projection's time (a cost-aware V-shape at pp 8 x 512 microbatches, several seconds), so
+    projecting them side by side keeps ``project`` within seconds on a few cores."""
+    value = os.environ.get(WORKERS_VARIABLE, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"{WORKERS_VARIABLE}={value!r}: give a whole number of processes >= 1 (1 projects "
+                              "in this process), or unset it for one per core")
+        workers = int(value)
+    else:
+        workers = os.cpu_count() or 1
+    if "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
+        return 1
+    return max(1, min(workers, pairs))
+
+
+_WORKER_PROJECTOR: Projector | None = None
+"""The projector a pool's worker evaluates with (inherited at fork, not pickled)."""
+
+
+def _adopt(projector: Projector) -> None:
+    global _WORKER_PROJECTOR
+    _WORKER_PROJECTOR = projector
+
+
+def _evaluate_in_worker(pair: tuple[TrainingSpec, str]) -> ProjectionResult | Refusal:
+    return _WORKER_PROJECTOR.evaluate(*pair)
+
+
+def _evaluated(projector: Projector, pairs: list[tuple[TrainingSpec, str]]) -> Iterator[ProjectionResult | Refusal]:
+    """Each pair's outcome, in the pairs' order, from :func:`project_workers` processes."""
+    workers = project_workers(len(pairs))
+    if workers == 1:
+        yield from (projector.evaluate(config, name) for config, name in pairs)
+        return
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_adopt, initargs=(projector,)) as pool:
+        yield from pool.imap(_evaluate_in_worker, pairs, chunksize=1)
 
 
 DEGENERATE = "degenerate"

@@ -10,14 +10,15 @@ import pytest
 import yaml
 
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
-from primuspipe.projection.framework import Placement
+from primuspipe.projection.framework import ConfigError, Placement
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.measured import calibration_from_cost_file
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection import projection as projection_module
 from primuspipe.projection.framework import list_algorithms
 from primuspipe.projection.projection import (
-    Projector, ProjectionResult, Refusal, candidates, project, sampled_microbatches, scale_to_nodes)
+    PipelineFigures, Projector, ProjectionResult, Refusal, candidates, extrapolate, project, sampled_microbatches,
+    scale_to_nodes)
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.stage_costs import stage_costs
 from primuspipe.projection.training_spec import TrainingSpec, load_training
@@ -143,29 +144,51 @@ def test_long_pipelines_are_simulated_at_two_counts_with_the_same_remainder():
     assert sampled_microbatches(1000, 1) == (4, 6, 8)
 
 
+@pytest.mark.parametrize("curve", [True, False], ids=["gemm-curve", "flat-gemm"])
 @pytest.mark.parametrize("pp, vpp, microbatches", [(4, 2, 52), (3, 2, 40), (2, 1, 35)])
-def test_extrapolated_projection_equals_the_full_simulation(monkeypatch, pp, vpp, microbatches):
+def test_extrapolated_projection_equals_the_full_simulation(monkeypatch, pp, vpp, microbatches, curve):
     # past the warm-up a schedule repeats per microbatch, so two short simulations give the long one's step
     # time, bubble and memory; generated over algorithms, pp, vpp, odd counts, uneven stages (pp 3 of 32
-    # layers) and GPipe, whose memory grows with the count
+    # layers) and GPipe, whose memory grows with the count; on the H100 with and without its GEMM curve
     training = TrainingSpec(global_batch_size=microbatches, pipeline_model_parallel_size=pp,
                             virtual_pipeline_model_parallel_size=vpp)
     names = [info.name for info in list_algorithms()]
-    # the H100 with flat GEMM efficiency: with its curve by shape, zbv's pp-3 tables at 13 and 19 microbatches
-    # follow no line and that pipeline is simulated whole (right, only slower), which the set below would miss
-    h100 = dataclasses.replace(H100, gemm_half_intensity=None)
+    h100 = H100 if curve else dataclasses.replace(H100, gemm_half_intensity=None)
     extrapolated = {r.algorithm: r for r in project(Projector(LLAMA, h100), training, algorithms=names)[0]}
     monkeypatch.setattr(projection_module, "EXTRAPOLATE_ABOVE", 10**6)
     full = {r.algorithm: r for r in project(Projector(LLAMA, h100), training, algorithms=names)[0]}
     assert extrapolated.keys() == full.keys() and len(full) >= 6
-    # memory constant past the warm-up, or growing on a line (GPipe): extrapolated; else simulated whole
-    assert {"1f1b", "zb-h1", "zbv", "v-half", "gpipe"} <= {n for n, r in extrapolated.items() if r.simulated_microbatches}
+    # memory constant past the warm-up, or growing on a line (GPipe): extrapolated; else simulated whole --
+    # with the curve, zbv's pp-3 peak on rank 1 alternates between counts (17.6 GiB at 13 and 25, 17.1 at 19)
+    carried = {"1f1b", "zb-h1", "v-half", "gpipe"} | (set() if curve and pp == 3 else {"zbv"})
+    assert carried <= {n for n, r in extrapolated.items() if r.simulated_microbatches}
     for name, want in full.items():
         got = extrapolated[name]
         assert not want.simulated_microbatches
         assert got.step_time_s == pytest.approx(want.step_time_s, rel=5e-3), name
         assert got.bubble_rate == pytest.approx(want.bubble_rate, abs=5e-3), name
         assert max(got.peak_memory_bytes) == pytest.approx(max(want.peak_memory_bytes), rel=5e-3), name
+
+
+def figures(count: int, peaks: tuple[float, ...]) -> PipelineFigures:
+    return PipelineFigures(step_time=2.0 * count, busy=(1.5 * count,) * len(peaks), peak_memory_bytes=peaks,
+                           peak_activation_bytes=peaks, microbatches=(count,))
+
+
+@pytest.mark.parametrize("peaks, want", [
+    ((5e9, 5e9, 5e9), 5e9),          # constant
+    ((4e9, 5e9, 5e9), 5e9),          # settled after the shortest sample (a cost-aware V-shape at pp 8)
+    ((4e9, 5e9, 6e9), 7e9),          # on a line (GPipe): one more GB per 16 microbatches
+    ((5e9, 4e9, 5e9), None),         # alternates between counts: no line
+    ((4e9, 5e9, 7e9), None),         # grows, not on a line
+])
+def test_carried_on_memory_is_constant_settled_or_on_a_line(peaks, want):
+    samples = [figures(c, (p, 1e9)) for c, p in zip((16, 32, 48), peaks)]
+    got = extrapolate(samples, 64)
+    if want is None:
+        assert got is None
+    else:
+        assert got.peak_memory_bytes == pytest.approx((want, 1e9)) and got.step_time == pytest.approx(128.0)
 
 
 def test_a_search_that_follows_no_line_is_searched_whole_up_to_a_size_and_refused_above_it():
@@ -180,3 +203,18 @@ def test_a_search_that_follows_no_line_is_searched_whole_up_to_a_size_and_refuse
     assert "follow no line" in large.error and "fixed algorithms' rows stand" in large.error
     fixed = llama_mi300x.evaluate(TrainingSpec(global_batch_size=517, pipeline_model_parallel_size=4), "zb-h1")
     assert isinstance(fixed, ProjectionResult) and fixed.simulated_microbatches == (17, 25)
+
+
+def test_projecting_in_worker_processes_gives_the_same_rows_as_in_one(monkeypatch):
+    # the candidates are independent: a pool of forked workers (one per core by default) returns every row and
+    # refusal the serial loop does, in the same order; a bad count is one line naming the variable
+    training = TrainingSpec(global_batch_size=24, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
+    runs = {}
+    for workers in ("1", "3"):
+        monkeypatch.setenv(projection_module.WORKERS_VARIABLE, workers)
+        runs[workers] = project(Projector(LLAMA, H100), training)
+    assert projection_module.project_workers(10) == 3
+    assert runs["1"] == runs["3"] and len(runs["1"][0]) >= 6
+    monkeypatch.setenv(projection_module.WORKERS_VARIABLE, "two")
+    with pytest.raises(ConfigError, match="PRIMUSPIPE_PROJECT_WORKERS='two'"):
+        project(Projector(LLAMA, H100), training)
