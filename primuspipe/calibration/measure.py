@@ -12,7 +12,7 @@ model is measured (docs/simulator.md, "Calibration"):
   FB nodes (an F overlapped with a B) give ``fb_overlap``. W nodes run right after their own B
   (:func:`~primuspipe.ir.cost_model.follows_own_backward`) are timed apart: where a stage ran W in both
   contexts, ``compute.w`` is the others' and ``compute.w_after_b`` theirs; in one context only, that
-  is its W, whatever the context.
+  is its W, whatever the context (a run whose W cost the same in both writes no ``w_after_b``).
 * **host** -- a rank's time between nodes. Walking each rank's nodes in table order, the rank is free
   to go on at the end of its last compute node or posting, or, for a compute node whose input arrived
   later, at that arrival (a receive's end: when the runner got the tensor); a posting's host time is
@@ -196,7 +196,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         {k.removeprefix("post_"): v for k, v in host_post.items()}, bandwidth, size, cores,
         background_share, contention and significant(contention), gaps, fixed,
         {key: last_from_others(parts) for key, parts in chunk.items() if key in fixed},
-        tuple(y if two else x for x, y, two in zip(w, hot, both)) if any(both) else None,
+        after_b if (after_b := tuple(y if two else x for x, y, two in zip(w, hot, both))) != tuple(w) else None,
     )
     if cores is None:
         return measured

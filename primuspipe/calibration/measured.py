@@ -70,7 +70,8 @@ class MeasuredCosts:
     others' median); empty where not measured."""
     w_after_b: tuple[float, ...] | None = None
     """Per stage, the time of a W run right after its own B (``backward_weight``: of one run anywhere
-    else); the W of a stage that ran W in one context only. None where no stage ran W in both."""
+    else); the W of a stage that ran W in one context only. None where no stage ran W in both, or
+    both took the same."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for
