@@ -15,39 +15,40 @@ from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import ConfigError, TableFormatError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.passes.communication import add_communication
-from primuspipe.passes.split_probe import split_backward_probe
+from primuspipe.passes.split_probe import probed_microbatches, split_backward_probe
 from primuspipe.passes.validation import validate
 
 
 @pytest.mark.parametrize("algorithm,vpp", [("1f1b", 1), ("interleaved-1f1b", 2)])
-@pytest.mark.parametrize("count,microbatches", [(1, 8), (3, 8), (2, 4), (1, 4), (1, 2)])
+@pytest.mark.parametrize("count,microbatches", [(1, 8), (3, 8), (2, 4), (1, 4), (1, 2), (2, 12)])
 def test_middle_backwards_become_b_and_w_in_both_placements_and_the_table_stays_valid(algorithm, vpp, count,
                                                                                      microbatches):
     pp = 2 if microbatches < 4 else 4
     table = build_schedule(algorithm, pp=pp, microbatches=microbatches, vpp=vpp)
     probed = add_communication(split_backward_probe(table.compute_only(), count))
     validate(probed)
-    first = (microbatches - count) // 2
-    deferred = set(range(first, first + count))
-    at_once = set(range(first - count, first)) if first >= count else set(range(first + count, min(microbatches, first + 2 * count)))
-    assert at_once and not deferred & at_once
-    deferred_after_a_forward = 0
+    deferred, at_once = probed_microbatches(microbatches, count)
+    assert len(deferred) == min(count + 1, microbatches) and not set(deferred) & set(at_once)
+    assert list(at_once) == list(range(deferred.stop, min(microbatches, deferred.stop + count)))
     for before, after in zip(table.compute_only().ranks, probed.compute_only().ranks):
         names = [str(n) for n in after]
         split = {(n.chunk, n.microbatch) for n in after if n.kind is NodeKind.B}
-        assert split == {(c, mb) for c in range(vpp) for mb in deferred | at_once}
+        assert split == {(c, mb) for c in range(vpp) for mb in [*deferred, *at_once]}
         for chunk, mb in split:
             b, w = names.index(f"B{mb}.{chunk}"), names.index(f"W{mb}.{chunk}")
             if mb in at_once:
                 assert w == b + 1, f"W{mb}.{chunk} is not right after its B"
+            elif mb == deferred[-1]:
+                assert names[w - 1] == f"W{mb - 1}.{chunk}" if len(deferred) > 1 else w == b + 1
             else:
-                assert w == b + 1 or (w == b + 2 and names[b + 1].startswith("F")), f"W{mb}.{chunk} is not after B or B, F"
-                deferred_after_a_forward += w == b + 2
+                assert names[w - 1] == f"B{mb + 1}.{chunk}", f"W{mb}.{chunk} is not right after the next B"
         # without the Ws and with each B read as BW, the order is the table's own
         assert [n.replace("B", "BW", 1) if n.startswith("B") and not n.startswith("BW") else n
                 for n in names if not n.startswith("W")] == [str(n) for n in before]
-    if microbatches >= 2 * pp:  # a steady state: the probe times Ws run after another node
-        assert deferred_after_a_forward >= pp
+        # every chunk's weight gradients are added in microbatch order, as the fused table adds them
+        for chunk in range(vpp):
+            order = [n.microbatch for n in after if n.chunk == chunk and n.kind in (NodeKind.W, NodeKind.BW)]
+            assert order == sorted(order)
 
 
 def test_bad_inputs_are_refused():
