@@ -209,7 +209,7 @@ def contention_from_walks(walks: Sequence[Sequence[Step]], placement: Placement,
                  if s.event.node.kind.is_compute and s.event.node.pair is None and s.event.cpu is not None]
         excess = excess_during(busy, [(s.event.start, s.event.end) for s in nodes], free)
         excesses.append(dict(zip(((s.rank, s.event.node) for s in nodes), excess)))
-        points += [((s.event.node.kind, placement.stage(s.rank, s.event.node.chunk), s.after_own_b), x, s.event.cpu_time)
+        points += [((s.event.node.kind, placement.stage(s.rank, s.event.node.chunk), s.warm), x, s.event.cpu_time)
                    for s, x in zip(nodes, excess)]  # a W after its own B is timed apart: a group of its own
     share = fit_contention(points)
     if share is None:

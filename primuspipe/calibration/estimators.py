@@ -25,10 +25,10 @@ class Samples:
 
     durations: dict[tuple[NodeKind, int], list[float]]
     """(kind, model stage) -> time of its nodes, chunks' first ones left out (work, with shared cores);
-    of the W nodes, those that did not run right after their own B."""
-    after_b: dict[tuple[NodeKind, int], list[float]]
-    """``(W, model stage)`` -> time of the W nodes that ran right after their own B (``Step.after_own_b``:
-    their inputs still in cache), likewise."""
+    of the W nodes, the cold ones."""
+    warm: dict[tuple[NodeKind, int], list[float]]
+    """``(W, model stage)`` -> time of the warm W nodes (``Step.warm``: right after their own B or another
+    W of their chunk), likewise."""
     cold: dict[tuple[NodeKind, int], list[float]]
     """(kind, model stage) -> how much longer a chunk's first node took than the stage's others."""
     pairs: list[tuple[int, int, float]]
@@ -79,7 +79,7 @@ class Samples:
             return outside(e, rank, ("layers",)), outside(e, rank, ("layers", "ends"))
 
         durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
-        after_b: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
+        warm: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         firsts: list[tuple[dict, NodeKind, int, float, tuple[float | None, float | None]]] = []
         fixed: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         chunk: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
@@ -99,7 +99,7 @@ class Samples:
                 pairs.append((placement.stage(rank, fc), placement.stage(rank, bc), e.end - e.start))
             else:
                 stage = placement.stage(rank, node.chunk)
-                context = after_b if step.after_own_b else durations
+                context = warm if step.warm else durations
                 if (rank, kind, node.chunk) in seen:
                     context[(kind, stage)].append(span(e, rank))
                     _add_parts(fixed, chunk, (kind, stage), split(e, rank))
@@ -119,7 +119,7 @@ class Samples:
             else:  # a chunk with one node of this kind (and context): it is all there is to time
                 context[(kind, stage)].append(took)
                 _add_parts(fixed, chunk, (kind, stage), part)
-        return cls(dict(durations), dict(after_b), dict(cold), pairs, dict(host), dict(post), waits, dict(fixed),
+        return cls(dict(durations), dict(warm), dict(cold), pairs, dict(host), dict(post), waits, dict(fixed),
                    dict(chunk))
 
 

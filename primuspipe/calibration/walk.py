@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from primuspipe.calibration.replay import run_table
 from primuspipe.io.timeline import TimedNode, Timeline
-from primuspipe.ir.cost_model import follows_own_backward
+from primuspipe.ir.cost_model import warm_weight_grad
 from primuspipe.ir.placement import Placement
 
 
@@ -29,9 +29,9 @@ class Step:
     """``(send, receive)`` of the input that arrived after the rank was free, if one did."""
     idle: float = 0.0
     """How long the rank was free before that input arrived."""
-    after_own_b: bool = False
-    """A W the rank ran directly after its own B (:func:`~primuspipe.ir.cost_model.follows_own_backward`),
-    which the cost model times apart (``compute.w_after_b``)."""
+    warm: bool = False
+    """A warm W (:func:`~primuspipe.ir.cost_model.warm_weight_grad`: right after its own B or another W of
+    its chunk), which the cost model times apart (``compute.w_warm``)."""
 
 
 def walk(timeline: Timeline, placement: Placement) -> Iterator[Step]:
@@ -49,13 +49,13 @@ def walk(timeline: Timeline, placement: Placement) -> Iterator[Step]:
     for rank, row in enumerate(table.ranks):
         free, previous = None, None  # previous: the rank's last compute node in the table
         for node, e, taken in zip(row, rows[rank], wiring.takes[rank]):
-            after_own_b = follows_own_backward(previous, node)
+            warm = warm_weight_grad(previous, node)
             if node.kind.is_compute:
                 previous = node
             if e is None:
                 free = None
                 continue
-            step = Step(rank, e, free, bool(taken), after_own_b=after_own_b)
+            step = Step(rank, e, free, bool(taken), warm=warm)
             ends = [(sent.get(key), received.get(key)) for key in taken]
             if free is not None and ends and all(x is not None and r is not None for x, r in ends):
                 send, recv = max(ends, key=lambda pair: pair[1].end)

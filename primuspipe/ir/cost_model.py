@@ -21,7 +21,7 @@ from typing import Any
 
 from primuspipe.errors import ConfigError
 from primuspipe import strict
-from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, after_b_stages, cold_start_section, cost_keys,
+from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, warm_stages, cold_start_section, cost_keys,
                                      host_section, link_section, memory_section, merge_fixed, read_cost_file, split_fixed,
                                      split_stages)
 from primuspipe.ir.cost_parts import TIME_UNITS, HostCost, Link, MemoryCost, P2PCost
@@ -58,11 +58,12 @@ class CostModel:
     """The device <-> host path an OFFLOAD or RELOAD copies over (PCIe on a GPU): a copy of ``n`` bytes
     takes ``latency + n / bandwidth`` on the rank's copy stream of its direction, overlapping compute.
     Default free (zero latency, unlimited bandwidth): give it to price offload (docs/offload.md)."""
-    w_after_b: tuple[float, ...] | None = None
-    """Per stage, the time of a W run directly after the B of its own microbatch and chunk on its rank
-    (:func:`follows_own_backward`: its inputs are still in cache), where ``compute`` W is what it takes
-    anywhere else; None: W costs the same wherever it runs. Only :meth:`node_time` (the simulator) reads
-    it: the algorithms plan with :meth:`duration`, the W of no context, and are judged by simulating."""
+    w_warm: tuple[float, ...] | None = None
+    """Per stage, the time of a *warm* W (:func:`warm_weight_grad`: run right after its own B or another
+    W of its chunk, what it reads still in cache), where ``compute`` W is what a cold one takes (after a
+    forward or another microbatch's B); None: W costs the same wherever it runs. Only :meth:`node_time`
+    (the simulator) reads it: the algorithms plan with :meth:`duration`, the cold W, and are judged by
+    simulating."""
 
     def __post_init__(self) -> None:
         n = self.compute.num_stages
@@ -72,8 +73,8 @@ class CostModel:
             raise ConfigError(f"fb_overlap must be in [0, 1] (0: F+B, 1: max(F, B)), got {self.fb_overlap}")
         if self.cold_start is not None and self.cold_start.num_stages != n:
             raise ConfigError(f"compute.cold_start has {self.cold_start.num_stages} values for {n} stages")
-        if self.w_after_b is not None and len(self.w_after_b) != n:
-            raise ConfigError(f"compute.w_after_b has {len(self.w_after_b)} values for {n} stages")
+        if self.w_warm is not None and len(self.w_warm) != n:
+            raise ConfigError(f"compute.w_warm has {len(self.w_warm)} values for {n} stages")
         if self.memory.models_bytes and len(self.memory.activation_bytes) != n:
             raise ConfigError(f"memory.activation_bytes has {len(self.memory.activation_bytes)} values for {n} stages")
         for key, parts, chunk in self.fixed:
@@ -86,13 +87,13 @@ class CostModel:
 
     @classmethod
     def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values, *, bw: Values | None = None,
-                  other: Mapping[str, Values] | None = None, w_after_b: Values | None = None, **rest: Any) -> CostModel:
+                  other: Mapping[str, Values] | None = None, w_warm: Values | None = None, **rest: Any) -> CostModel:
         """Compute times as one value for all stages or one per stage (``other``: other kinds' times by
-        cost key, :class:`~primuspipe.ir.costs.ComputeCosts`; ``w_after_b``: :attr:`w_after_b`);
+        cost key, :class:`~primuspipe.ir.costs.ComputeCosts`; ``w_warm``: :attr:`w_warm`);
         ``rest`` are the other fields."""
         fused = None if bw is None else per_stage_values("BW", bw, num_stages, "stages")
-        after_b = None if w_after_b is None else per_stage_values("compute.w_after_b", w_after_b, num_stages, "stages")
-        return cls(ComputeCosts.per_stage(num_stages, f, b, w, **(other or {})), fused, w_after_b=after_b, **rest)
+        warm = None if w_warm is None else per_stage_values("compute.w_warm", w_warm, num_stages, "stages")
+        return cls(ComputeCosts.per_stage(num_stages, f, b, w, **(other or {})), fused, w_warm=warm, **rest)
 
     @property
     def num_stages(self) -> int:
@@ -121,12 +122,12 @@ class CostModel:
 
     def node_time(self, placement: Placement, rank: int, node: ScheduleNode, previous: ScheduleNode | None = None) -> float:
         """Compute time of a node on ``rank`` (0 for communication nodes); ``previous`` is the compute
-        node the rank ran just before it (None: none), which sets what a W costs (:attr:`w_after_b`)."""
+        node the rank ran just before it (None: none), which sets what a W costs (:attr:`w_warm`)."""
         parts = [(kind, placement.stage(rank, chunk)) for kind, _, chunk in node.parts()]
         if len(parts) > 1:
             return self.overlapped_time(parts)
-        if self.w_after_b is not None and follows_own_backward(previous, node):
-            return self.w_after_b[parts[0][1]]
+        if self.w_warm is not None and warm_weight_grad(previous, node):
+            return self.w_warm[parts[0][1]]
         return self.duration(*parts[0]) if parts else 0.0
 
     def cold_start_time(self, parts: Sequence[tuple[NodeKind, int]]) -> float:
@@ -180,12 +181,12 @@ class CostModel:
             return costs.map(lambda key, times: recut(f"{name}{key.upper()}", times))
 
         compute = self.compute.map(lambda key, times: recut_key("", key, times))
-        after_b = None
-        if self.w_after_b is not None:  # each 1F1B stage keeps what running W after its B saves on it
-            saving = [w - hot for w, hot in zip(self.compute.backward_weight, self.w_after_b)]
+        warm = None
+        if self.w_warm is not None:  # each 1F1B stage keeps what running W warm saves on it
+            saving = [w - hot for w, hot in zip(self.compute.backward_weight, self.w_warm)]
             k = self.num_stages // pp
-            after_b = after_b_stages(compute.backward_weight, [sum(saving[i * k:(i + 1) * k]) for i in range(pp)])
-        return replace(self, compute=compute, w_after_b=after_b,
+            warm = warm_stages(compute.backward_weight, [sum(saving[i * k:(i + 1) * k]) for i in range(pp)])
+        return replace(self, compute=compute, w_warm=warm,
                        fused_backward=None if self.fused_backward is None else recut_key("", "bw", self.fused_backward),
                        cold_start=None if self.cold_start is None else recut_costs("cold_start.", self.cold_start),
                        memory=memory, fixed=tuple((key, parts, chunk) for key, (_, parts, chunk) in cut.items()))
@@ -223,12 +224,12 @@ class CostModel:
         def number(section: Mapping[str, Any], key: str, name: str, default: float, **bounds: float) -> float:
             return strict.number(section.get(key, default), f"{source}: {name}", **bounds)
 
-        def after_b(w: tuple[float, ...]) -> tuple[float, ...] | None:
-            """``compute.w_after_b`` per model stage (:mod:`~primuspipe.ir.cost_file`): as given per model
+        def warm(w: tuple[float, ...]) -> tuple[float, ...] | None:
+            """``compute.w_warm`` per model stage (:mod:`~primuspipe.ir.cost_file`): as given per model
             stage, else each chunk's W less its share of its 1F1B stage's saving."""
-            if (value := comp.get("w_after_b")) is None:
+            if (value := comp.get("w_warm")) is None:
                 return None
-            name, n = f"{source}: compute.w_after_b", pp * vpp
+            name, n = f"{source}: compute.w_warm", pp * vpp
 
             def per_model_stage(v: Any) -> bool:
                 return vpp > 1 and isinstance(v, Sequence) and not isinstance(v, str) and len(v) == n
@@ -241,14 +242,14 @@ class CostModel:
                 totals = [sum(each[k * vpp:(k + 1) * vpp]) for k in range(pp)]
             else:
                 totals = per_stage_values(f"{source}: compute.w", comp["w"], pp, "1F1B stages")
-            return after_b_stages(w, [t - h for t, h in zip(totals, hot)])
+            return warm_stages(w, [t - h for t, h in zip(totals, hot)])
 
         try:
             memory = memory_section(top.get("memory", {}), pp, vpp, source)
             other = {key: stages(key.upper(), comp[key]) for key in sorted(set(comp) - COMPUTE_FIELDS)}
             w = stages("W", comp["w"])
             return cls.per_stage(
-                pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), w, other=other, w_after_b=after_b(w),
+                pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), w, other=other, w_warm=warm(w),
                 bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
                 fb_overlap=number(comp, "fb_overlap", "compute.fb_overlap", 0.0, minimum=0, maximum=1),
                 p2p=P2PCost(number(p2p, "message_bytes", "p2p.message_bytes", 0.0, minimum=0),
@@ -283,8 +284,8 @@ class CostModel:
         }
         if self.fused_backward is not None:
             out["compute"]["bw"] = list(self.fused_backward)
-        if self.w_after_b is not None:
-            out["compute"]["w_after_b"] = list(self.w_after_b)
+        if self.w_warm is not None:
+            out["compute"]["w_warm"] = list(self.w_warm)
         if self.cold_start is not None:
             c = self.cold_start
             out["compute"]["cold_start"] = {key: list(times) for key, times in c.times.items()}
@@ -304,19 +305,22 @@ class CostModel:
         return out
 
 
-def follows_own_backward(previous: ScheduleNode | None, node: ScheduleNode) -> bool:
-    """Whether ``node`` is a W its rank runs directly after the B of the same microbatch and chunk
-    (``previous``: the rank's compute node just before it, communication between them aside): the
-    context in which a W finds its inputs still in cache (:attr:`CostModel.w_after_b`). The simulator
-    charges W by it and calibration sorts measured W by it, with this one rule.
+def warm_weight_grad(previous: ScheduleNode | None, node: ScheduleNode) -> bool:
+    """Whether ``node`` is a *warm* W: its rank ran, just before it (``previous``: the rank's compute node
+    before it, communication between them aside), the B of the same microbatch and chunk -- whose output
+    gradients it reads -- or another W of the same chunk -- whose weight-gradient buffers it adds to.
+    Measured on CPU, such a W took 10-20 % less than one after a forward or another microbatch's B
+    (docs/simulator.md). The simulator charges W by it (:attr:`CostModel.w_warm`) and calibration sorts
+    measured W by it, with this one rule.
 
     >>> from primuspipe.ir.node import B, F, W
-    >>> follows_own_backward(B(3), W(3)), follows_own_backward(B(4), W(3)), follows_own_backward(F(5), W(3))
-    (True, False, False)
+    >>> [warm_weight_grad(before, W(3)) for before in (B(3), W(2), B(4), F(5), W(2, 1))]
+    [True, True, False, False, False]
     """
-    return (node.kind is NodeKind.W and previous is not None
-            and any(p.kind is NodeKind.B and (p.microbatch, p.chunk) == (node.microbatch, node.chunk)
-                    for p in previous.parts()))
+    if node.kind is not NodeKind.W or previous is None:
+        return False
+    return any((p.kind is NodeKind.B and p.microbatch == node.microbatch or p.kind is NodeKind.W) and p.chunk == node.chunk
+               for p in previous.parts())
 
 
 MAX_TIME = 1e12
@@ -342,7 +346,7 @@ def _check_time_range(model: CostModel) -> None:
 
     times = {**per_stage("compute ", model.compute), **per_stage("cold_start ", model.cold_start),
              **{f"compute BW[{s}]": t for s, t in enumerate(model.fused_backward or ())},
-             **{f"compute.w_after_b[{s}]": t for s, t in enumerate(model.w_after_b or ())},
+             **{f"compute.w_warm[{s}]": t for s, t in enumerate(model.w_warm or ())},
              **{f"host.overhead.{k}": t for k, t in model.host.overhead},
              "host.send": model.host.send, "host.recv": model.host.recv,
              **link("p2p.intra_node", model.p2p.intra_node, model.p2p.message_bytes),

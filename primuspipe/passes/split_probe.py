@@ -8,14 +8,14 @@ after another microbatch's B. So this pass splits the backward of a few microbat
 into B and W, some Ws deferred past the next microbatch's B, some right after their own B -- the same
 order otherwise, the same gradients (W adds exactly what BW's weight GEMMs add, in the same microbatch
 order) -- and a dump of that run gives ``primuspipe calibrate`` real B and W times in both contexts next
-to BW (``compute.w`` and ``compute.w_after_b``, docs/simulator.md).
+to BW (``compute.w`` and ``compute.w_warm``, docs/simulator.md).
 
 Takes and returns a compute-only table (add communication afterwards), like the other lowering passes.
 
 >>> from primuspipe.algorithms.build import build_schedule
 >>> probed = split_backward_probe(build_schedule("1f1b", pp=2, microbatches=5).compute_only())
 >>> " ".join(map(str, probed.ranks[0]))
-'F0.0 F1.0 BW0.0 F2.0 B1.0 F3.0 B2.0 W1.0 W2.0 F4.0 B3.0 W3.0 BW4.0'
+'F0.0 F1.0 BW0.0 F2.0 B1.0 W1.0 F3.0 B2.0 F4.0 B3.0 W2.0 W3.0 BW4.0'
 """
 
 from __future__ import annotations
@@ -27,25 +27,26 @@ from primuspipe.ir.table import ScheduleTable
 
 
 def probed_microbatches(microbatches: int, count: int) -> tuple[range, range]:
-    """``(deferred, right after)``: a run of ``count + 1`` microbatches from the middle of the step whose
-    Ws the probe defers -- each W after the next one's B, the last right after the W before it -- and
-    the ``count`` after them whose W runs right after their own B; as many as the step has.
+    """``(deferred, right after)``: from the middle of the step, ``count`` microbatches whose W runs right
+    after their own B, then a run of ``count + 1`` whose Ws are deferred -- each after the next one's B,
+    the last right after the W before it; as many as the step has.
 
     >>> probed_microbatches(8, 1), probed_microbatches(8, 2), probed_microbatches(2, 1)
-    ((range(2, 4), range(4, 5)), (range(1, 4), range(4, 6)), (range(0, 2), range(2, 2)))
+    ((range(3, 5), range(2, 3)), (range(3, 6), range(1, 3)), (range(1, 2), range(0, 1)))
     """
     first = max(0, (microbatches - 2 * count - 1) // 2)
-    deferred = range(first, min(microbatches, first + count + 1))
-    return deferred, range(deferred.stop, min(microbatches, deferred.stop + count))
+    at_once = range(first, min(microbatches, first + count))
+    return range(at_once.stop, min(microbatches, at_once.stop + count + 1)), at_once
 
 
 def split_backward_probe(table: ScheduleTable, count: int = 1) -> ScheduleTable:
     """``table`` with the BW of microbatches from the middle of the step (:func:`probed_microbatches`),
-    on every chunk, run as B and W: a run of ``count + 1`` with each W deferred past the next one's B
-    (where ZB-H1's later ranks and ZB-H2 put a W: after another microbatch's B), the last W right after
-    the one before it, then ``count`` with W right after their B (ZB-H1's first rank, the V-shapes). A W
-    is never moved past a backward that is not split, so every weight still sums its microbatches'
-    gradients in the table's order (the same gradients, bitwise)."""
+    on every chunk, run as B and W: ``count`` with W right after their B (ZB-H1's first rank, the
+    V-shapes: a warm W, :func:`~primuspipe.ir.cost_model.warm_weight_grad`, the first of them the chunk's
+    first W of the step), then a run of ``count + 1`` with each W deferred past the next one's B (where
+    ZB-H1's later ranks and ZB-H2 put a W: a cold one), the last W right after the one before it (warm
+    again, as ZB-H2's second W of a pair). A W is never moved past a backward that is not split, so every
+    weight still sums its microbatches' gradients in the table's order (the same gradients, bitwise)."""
     if table.has_communication:
         raise TableFormatError("split_backward_probe takes a compute-only table; pass table.compute_only() and add "
                                "communication afterwards")

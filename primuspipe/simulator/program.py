@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from primuspipe.ir.cost_model import CostModel, follows_own_backward
+from primuspipe.ir.cost_model import CostModel, warm_weight_grad
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
@@ -28,7 +28,7 @@ from primuspipe.simulator.transport import Wires
 
 class Compute(NamedTuple):
     """A compute node: the rank spends ``host`` (its kind's host overhead), then ``duration`` (its cost
-    -- a W's by whether it follows its own B, :func:`~primuspipe.ir.cost_model.follows_own_backward` --
+    -- a W's by whether it runs warm, :func:`~primuspipe.ir.cost_model.warm_weight_grad` --
     plus its cold start when it is its chunk's first of its kind in the step), once the keys it needs
     (:attr:`Program.needs`: inbound transfers, reloads) have arrived."""
     host: float
@@ -90,8 +90,8 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
                 needs.append(())
                 continue
             posted = moved >= 0
-            after_own_b = follows_own_backward(previous, node)
-            shape_key = (kind, node.chunk, node.peer, node.pair and node.pair[1], after_own_b)
+            warm = warm_weight_grad(previous, node)
+            shape_key = (kind, node.chunk, node.peer, node.pair and node.pair[1], warm)
             if (record := records.get(shape_key)) is None:
                 record = records[shape_key] = _record(placement, rank, node, cost, posted, previous)
             if kind.is_compute:
