@@ -10,9 +10,9 @@ algorithm meets the machine in the same state (on a shared machine the speed dri
 from minute to minute); a barrier starts every step on all ranks together, as a synchronising
 optimizer step does. ``--runs`` sessions per pp. Then
 
-* **calibrate** from the 1f1b dumps only (their runs carry ``--split-probe`` probes: three BW per chunk
-  run as B and W, one W right after its B and two deferred past the next B, so the file has real B and
-  warm and cold W times; ``--split-probe 0`` halves BW instead):
+* **calibrate** from the 1f1b dumps only (their runs carry ``--split-probe`` probes, by default five BW
+  per chunk run as B and W, two Ws right after their B and the others deferred past the next B, so the
+  file has real B and warm and cold W times; ``--split-probe 0`` halves BW instead):
   ``measure_costs`` over all their iterations (each session's first dropped), written as the portable
   cost file ``primuspipe calibrate`` writes (without step gaps: steps start together here);
 * **predict** with ``primuspipe simulate --cost FILE --plan-cost unit -a all --json``, the command a user
@@ -366,7 +366,7 @@ def main() -> None:
                         help="also run the predicted algorithms at these multiples of pp microbatches (e.g. 1 4: m = pp "
                              "and 4pp), predicted from the same 1F1B calibration at --microbatches: shapes the cost "
                              "file was not measured at")
-    parser.add_argument("--split-probe", type=int, default=1,
+    parser.add_argument("--split-probe", type=int, default=2,
                         help="the 1F1B runs split the backward of 2N+1 middle microbatches per chunk into B and W (N "
                              "Ws right after their B, the others after the next B), so the calibration sees what "
                              "split-backward schedules pay for B and for warm and cold Ws (0: halve BW instead)")

@@ -65,7 +65,7 @@ class ReplanSettings:
     measure_steps: int = 3
     """Training steps measured by the run's recorder (CUDA events on GPU, CPU clocks on CPU), the running
     table with ``probe`` backwards per chunk split: the median of their iterations is calibrated."""
-    probe: int = 1
+    probe: int = 2
     """The split probe's count (:func:`~primuspipe.passes.split_probe.split_backward_probe`): the measured
     steps run the fused backward (BW) of ``2 * probe + 1`` microbatches per chunk as B and W, ``probe`` Ws
     right after their B and the others deferred past the next microbatch's B, so B and both kinds of W
