@@ -162,7 +162,8 @@ def merge_fixed(times: Sequence[float], fixed: Sequence[float], chunk: Sequence[
 
 
 def warm_stages(w: Sequence[float], saving: Sequence[float]) -> tuple[float, ...]:
-    """Per model stage, the time of a warm W: the stage's W less its share of its 1F1B stage's ``saving`` (``w - w_warm`` per 1F1B stage, ``len(w) // len(saving)`` chunks each);
+    """Per model stage, the time of a warm W: the stage's W less its share of its 1F1B stage's
+    ``saving`` (``w - w_warm`` per 1F1B stage, ``len(w) // len(saving)`` chunks each);
     never below 0.
 
     >>> warm_stages([3.0, 3.0, 5.0, 5.0], [1.0, 2.0])

@@ -21,9 +21,9 @@ from typing import Any
 
 from primuspipe.errors import ConfigError
 from primuspipe import strict
-from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, warm_stages, cold_start_section, cost_keys,
-                                     host_section, link_section, memory_section, merge_fixed, read_cost_file, split_fixed,
-                                     split_stages)
+from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, cold_start_section, cost_keys, host_section,
+                                     link_section, memory_section, merge_fixed, read_cost_file, split_fixed,
+                                     split_stages, warm_stages)
 from primuspipe.ir.cost_parts import TIME_UNITS, HostCost, Link, MemoryCost, P2PCost
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind
@@ -120,7 +120,8 @@ class CostModel:
         times = [self.duration(kind, stage) for kind, stage in parts]
         return sum(times) - self.fb_overlap * min(times)
 
-    def node_time(self, placement: Placement, rank: int, node: ScheduleNode, previous: ScheduleNode | None = None) -> float:
+    def node_time(self, placement: Placement, rank: int, node: ScheduleNode,
+                  previous: ScheduleNode | None = None) -> float:
         """Compute time of a node on ``rank`` (0 for communication nodes); ``previous`` is the compute
         node the rank ran just before it (None: none), which sets what a W costs (:attr:`w_warm`)."""
         parts = [(kind, placement.stage(rank, chunk)) for kind, _, chunk in node.parts()]
@@ -319,7 +320,7 @@ def warm_weight_grad(previous: ScheduleNode | None, node: ScheduleNode) -> bool:
     """
     if node.kind is not NodeKind.W or previous is None:
         return False
-    return any((p.kind is NodeKind.B and p.microbatch == node.microbatch or p.kind is NodeKind.W) and p.chunk == node.chunk
+    return any(p.chunk == node.chunk and (p.kind is NodeKind.W or p.kind is NodeKind.B and p.microbatch == node.microbatch)
                for p in previous.parts())
 
 

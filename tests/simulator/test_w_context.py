@@ -1,5 +1,6 @@
 """What a W costs by where it runs (``compute.w_warm``): warm (right after its own B or another W of its
-chunk on its rank) or cold (anywhere else). One rule (``warm_weight_grad``) for the simulator, calibration and the cost file."""
+chunk on its rank) or cold (anywhere else). One rule (``warm_weight_grad``) for the simulator, calibration and
+the cost file."""
 
 import pytest
 import yaml

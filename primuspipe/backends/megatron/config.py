@@ -120,7 +120,8 @@ class PrimusPipeConfig:
     from the middle of the step, as B and W -- ``split_probe`` Ws right after their B, the others deferred
     past the next microbatch's B (:mod:`primuspipe.passes.split_probe`) -- so a dump of a 1F1B run also
     times B and both kinds of W (warm and cold, ``compute.w_warm``) and ``primuspipe calibrate`` predicts
-    split-backward schedules from it. Same gradients, bitwise; the step takes the split's small extra time. 0 (default): off."""
+    split-backward schedules from it. Same gradients, bitwise; the step takes the split's small extra
+    time. 0 (default): off."""
 
     auto_replan: bool = False
     """In-flight re-planning (docs/replanning.md): the first steps are measured (with a split-backward probe),
