@@ -320,7 +320,8 @@ def warm_weight_grad(previous: ScheduleNode | None, node: ScheduleNode) -> bool:
     """
     if node.kind is not NodeKind.W or previous is None:
         return False
-    return any(p.chunk == node.chunk and (p.kind is NodeKind.W or p.kind is NodeKind.B and p.microbatch == node.microbatch)
+    return any(p.chunk == node.chunk
+               and (p.kind is NodeKind.W or p.kind is NodeKind.B and p.microbatch == node.microbatch)
                for p in previous.parts())
 
 
