@@ -210,7 +210,7 @@ def contention_from_walks(walks: Sequence[Sequence[Step]], placement: Placement,
         excess = excess_during(busy, [(s.event.start, s.event.end) for s in nodes], free)
         excesses.append(dict(zip(((s.rank, s.event.node) for s in nodes), excess)))
         points += [((s.event.node.kind, placement.stage(s.rank, s.event.node.chunk), s.warm), x, s.event.cpu_time)
-                   for s, x in zip(nodes, excess)]  # a W after its own B is timed apart: a group of its own
+                   for s, x in zip(nodes, excess)]  # warm Ws are timed apart: a group of their own
     share = fit_contention(points)
     if share is None:
         return None, [{} for _ in walks], 0

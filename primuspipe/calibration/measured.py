@@ -70,8 +70,7 @@ class MeasuredCosts:
     others' median); empty where not measured."""
     w_warm: tuple[float, ...] | None = None
     """Per stage, the time of a warm W (``backward_weight``: of a cold one); the W of a stage that ran W
-    in one context only. None where no stage ran W in both, or
-    both took the same."""
+    in one context only. None where no stage ran W in both, or both took the same."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for
