@@ -260,6 +260,18 @@ class ActivationModel(RankShape):
         logits = self.tokens * m.padded_vocab(tp) / tp * (self.e if self.training.cross_entropy_loss_fusion else _FP32)
         return self._norm(self.residual_tokens, m.hidden_size) + self.hidden_bytes + logits + self.tokens * 2 * _INDEX
 
+    def loss_working_set(self) -> float:
+        """Bytes the unfused loss holds for a moment beyond :meth:`head` (what it keeps for the backward):
+        megatron-core's ``vocab_parallel_cross_entropy`` makes its fp32 copy of the logits (``.float()`` in
+        ``calculate_logits_max``) while ``GPTModel._postprocess`` still holds the output layer's logits, and
+        its backward casts the fp32 gradient back to the activation dtype while that copy is alive: ``T V /
+        TP`` elements at activation bytes, both times. Nothing when fused, or in fp32 training (``.float()``
+        returns the tensor itself)."""
+        m, t = self.model, self.training
+        if t.cross_entropy_loss_fusion or self.e >= _FP32:
+            return 0.0
+        return self.tokens * m.padded_vocab(t.tp) / t.tp * self.e
+
     def head_gemm_bytes(self) -> float:
         """Output layer input and its output gradient (what a deferred W of the last stage reads)."""
         m, tp = self.model, self.training.tp

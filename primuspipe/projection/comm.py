@@ -4,7 +4,9 @@ Collectives follow the ring (bandwidth-optimal) cost model of Thakur et al. 2005
 Collective Communication Operations in MPICH") over ``n`` ranks moving a buffer of ``S`` bytes:
 all-reduce ``2 (n-1)/n * S / bw + 2 (n-1) * latency``; all-gather, reduce-scatter and all-to-all
 ``(n-1)/n * S / bw + (n-1) * latency``. The bandwidth is the intra-node fabric's when the group fits in
-one node, else the network's (no hierarchical algorithms), times ``network_efficiency``.
+one node, else the network cards' of the group's members on one node (NCCL runs a ring per card, each
+crossing between nodes on its own card: a group with ``m`` members a node has ``m`` cards' bandwidth, up to
+the node's fabric; a strided group with one member a node has one card's), times ``network_efficiency``.
 
 Ranks are ordered as Megatron orders them (tensor, context, data, pipeline, innermost first; experts:
 expert-tensor, expert, data), so a group spans a run of consecutive ranks: TP ``tp``, CP ``tp * cp``,
@@ -42,18 +44,25 @@ class Collectives:
 
     hardware: HardwareSpec
 
-    def _link(self, span: int) -> tuple[float, float]:
-        """(bandwidth, latency) of a group covering ``span`` consecutive ranks."""
+    def _link(self, ranks: int, span: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a ring over ``ranks`` spread evenly over ``span`` consecutive ranks.
+
+        Across nodes NCCL runs one ring (channel) per network card, each crossing between nodes on its own
+        card, so a ring's share of a node's traffic leaves through every card of the node's group members:
+        with ``m`` members a node, the inter-node links carry ``m`` cards' bandwidth (up to the node's
+        fabric); with one member a node (a strided group), one card's."""
         h = self.hardware
         if span <= h.gpus_per_node:
             return h.intra_node_bandwidth_bytes_per_s * h.network_efficiency, h.intra_node_latency_s
-        return h.inter_node_bandwidth_bytes_per_s * h.network_efficiency, h.inter_node_latency_s
+        members = max(1, ranks * h.gpus_per_node // span)
+        cards = min(members * h.inter_node_bandwidth_bytes_per_s, h.intra_node_bandwidth_bytes_per_s)
+        return cards * h.network_efficiency, h.inter_node_latency_s
 
     def gather(self, nbytes: float, ranks: int, span: int) -> float:
-        """All-gather (or reduce-scatter, or all-to-all) of a ``nbytes`` buffer over ``ranks``."""
+        """All-gather (or reduce-scatter) of a ``nbytes`` buffer over ``ranks`` (a ring)."""
         if ranks == 1 or nbytes == 0:
             return 0.0
-        bandwidth, latency = self._link(span)
+        bandwidth, latency = self._link(ranks, span)
         return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency
 
     def all_reduce(self, nbytes: float, ranks: int, span: int) -> float:
@@ -81,37 +90,48 @@ class LayerComm:
     tp: tuple[float, float, float] = (0.0, 0.0, 0.0)
     cp: tuple[float, float, float] = (0.0, 0.0, 0.0)
     ep: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    tp_tail: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Of ``tp``, what an overlapped GEMM cannot hide: the last of the ``TP`` steps of each reduce-scatter, which
+    follows the last GEMM chunk (the all-gathers start on the rank's own chunk)."""
+    blocking: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Small collectives the next kernel waits on and no overlap hides: under current scaling with sequence
+    parallelism, the amax all-reduce over TP before each gathered operand is quantized."""
 
     @property
     def forward(self) -> float:
-        return self.tp[0] + self.cp[0] + self.ep[0]
+        return self.tp[0] + self.cp[0] + self.ep[0] + self.blocking[0]
 
     @property
     def backward_input(self) -> float:
-        return self.tp[1] + self.cp[1] + self.ep[1]
+        return self.tp[1] + self.cp[1] + self.ep[1] + self.blocking[1]
 
     @property
     def backward_weight(self) -> float:
-        return self.tp[2] + self.cp[2] + self.ep[2]
+        return self.tp[2] + self.cp[2] + self.ep[2] + self.blocking[2]
 
     def exposed(self, training: TrainingSpec, gemm: tuple[float, ...], attention: tuple[float, ...],
                 compute: tuple[float, ...]) -> tuple[float, float, float]:
         """Seconds of each pass the compute does not hide, as the frameworks overlap:
 
-        * TP with ``tp_comm_overlap``: chunked all-gathers/reduce-scatters under the GEMMs they feed; the
-          first of ``TP`` chunks, or what outlasts the GEMMs, shows;
+        * TP with ``tp_comm_overlap`` (Transformer Engine's userbuffers, as Megatron-Bridge configures them for
+          each GEMM): the all-gathers feed the GEMM chunk by chunk in a ring, starting on the rank's own chunk
+          (QKV and the MLP's first linear forward, the output gradients of the projection and the second
+          linear); each reduce-scatter runs behind the GEMM chunk that produced its data, so its last step
+          shows (``tp_tail``); the re-gathers of W and the reduce-scatters of B run beside the other backward
+          GEMM (bulk overlap). What outlasts the GEMMs shows in any case;
         * CP: ring attention passes key/value blocks under the attention of the block before; the first of
           ``CP`` steps, or what outlasts the attention, shows;
         * EP with ``overlap_moe_expert_parallel_comm``: one microbatch's all-to-alls under another's compute
-          of the same pass; what outlasts it shows. Otherwise all of it.
+          of the same pass; what outlasts it shows. Otherwise all of it;
+        * ``blocking`` collectives: all of them.
         """
         t = training
         exposed = []
         for i in range(3):
-            tp = (max(self.tp[i] / t.tp, self.tp[i] - gemm[i]) if t.tp_comm_overlap and t.tp > 1 else self.tp[i])
+            tp = (max(self.tp_tail[i], self.tp[i] - gemm[i]) if t.tp_comm_overlap and t.tp > 1 else self.tp[i])
             cp = max(self.cp[i] / t.cp, self.cp[i] - attention[i]) if t.cp > 1 else self.cp[i]
             ep = max(0.0, self.ep[i] - compute[i]) if t.overlap_moe_expert_parallel_comm else self.ep[i]
-            exposed.append(tp + cp + ep)
+            exposed.append(tp + cp + ep + self.blocking[i])
         return exposed[0], exposed[1], exposed[2]
 
 
@@ -120,6 +140,15 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     e, tokens = shape.e, shape.tokens
     activation = tokens * model.hidden_size * e  # the full (gathered) T x H tensor
     tp = net.all_reduce(activation, t.tp, t.tp) * 2  # two per layer: after attention and after the MLP
+    # Under per-tensor FP8 with sequence parallelism, Transformer Engine gathers the quantized shards: the inputs of
+    # QKV and of a dense MLP's first linear in F and W, the output gradients of the projection and of a dense MLP's
+    # second linear in B, one byte per element (see WorkModel._quantize_bytes); the reduce-scatters stay bf16.
+    # Current scaling needs the amax of the whole gathered operand: an all-reduce of one value over TP before each
+    # of those quantizations (TE's input / grad-output quantizers with_amax_reduction over the TP group).
+    fp8_gathers = (2 if kind == "dense" else 1) if t.sp and t.per_tensor_fp8 else 0
+    narrowed = fp8_gathers * (net.gather(activation, t.tp, t.tp) - net.gather(activation / e, t.tp, t.tp))
+    tp -= narrowed
+    amax = fp8_gathers * net.all_reduce(4, t.tp, t.tp) if t.fp8_recipe == "tensorwise" else 0.0
     head_dim = model.qk_head_dim + model.qk_pos_emb_head_dim if model.multi_latent_attention else model.head_dim
     kv_heads = model.num_attention_heads if model.multi_latent_attention else model.query_groups
     kv = tokens * t.cp * 2 * kv_heads / t.tp * head_dim * e
@@ -135,8 +164,9 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
             k = model.moe_router_topk
             copies *= nodes * (1 - (1 - 1 / nodes) ** k) / k
         ep = 2 * net.all_to_all(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
-    regather = 2 * net.gather(activation, t.tp, t.tp) if t.sp else 0.0
-    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0))
+    regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
+    tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
+    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0))
 
 
 def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:
@@ -150,19 +180,25 @@ def pipeline_ranks_per_node(training: TrainingSpec, hardware: HardwareSpec) -> i
 
 
 def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: HardwareSpec, *, tied_embedding: float = 0.0,
-                  buckets: int = 1, compute_s: float = 0.0) -> float:
+                  buckets: int = 1, forward_s: float = 0.0, backward_s: float = 0.0) -> float:
     """Seconds one rank's data-parallel gradient reduction and weight all-gather add to the step;
     ``tied_embedding`` are the embedding parameters whose gradients the first and last stage all-reduce.
 
     Megatron reduces gradients bucket by bucket as backward produces them (``overlap_grad_reduce``) and
-    gathers the updated weights bucket by bucket as the next forward needs them (``overlap_param_gather``);
-    overlapped, only the last reduction (the first gather) of ``buckets`` roughly equal buckets -- one per
-    layer of the rank -- is exposed.
+    gathers the updated weights bucket by bucket as the next forward needs them (``overlap_param_gather``).
+    Gradients accumulate locally over the microbatches and are reduced only during the last microbatch's
+    backward (``no_sync`` for the others), and the gathers run ahead of the first microbatch's forward only
+    (the forward pre-hook waits for a bucket and launches the next). So what hides them is one microbatch's
+    backward (``backward_s``: the rank's B and W seconds of one microbatch) and one microbatch's forward
+    (``forward_s``): of ``buckets`` roughly equal buckets -- one per layer of the rank -- the last reduction
+    (the first gather) shows, or what outlasts that compute, whichever is longer. That matters where the
+    gradients are large beside one microbatch's compute: a rank's many experts replicated over an
+    expert-data-parallel group that crosses the network, with few microbatches.
 
     With gradients sharded (Megatron-FSDP ``optim_grads``) every microbatch's gradients are reduce-scattered
     as its backward produces them, not once per step. Nothing waits for those collectives before the
     optimizer step, so they run on their own stream beside all later compute, forward included: what
-    outlasts the rank's compute per microbatch (``compute_s``, its F, B and W seconds) shows for every
+    outlasts the rank's compute per microbatch (its F, B and W seconds) shows for every
     microbatch, or at least the last bucket of the last one. (The network is taken as the data-parallel
     group's alone: pipeline sends share it, and are small beside gradients.)
 
@@ -183,13 +219,20 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
             reduce += net.all_reduce(count * grad_bytes, ranks, span)
     tied = net.all_reduce(tied_embedding * grad_bytes, 2, span * t.pp)
     tail = 1 / max(1, buckets)
+    compute_s = forward_s + backward_s
     if t.shards_gradients:
         reduce = max(reduce * tail, t.microbatches * max(0.0, reduce - compute_s)) if t.overlap_grad_reduce \
             else reduce * t.microbatches
     elif t.overlap_grad_reduce:
-        reduce *= tail
+        reduce = _hidden_under(reduce, tail, backward_s)
     if t.shards_weights:
         gather = t.microbatches * max(0.0, 2 * gather - compute_s) if t.overlap_param_gather \
             else 2 * gather * t.microbatches
         return gather + tied + reduce
-    return gather * (tail if t.overlap_param_gather else 1.0) + tied + reduce
+    return (_hidden_under(gather, tail, forward_s) if t.overlap_param_gather else gather) + tied + reduce
+
+
+def _hidden_under(collective: float, tail: float, compute: float) -> float:
+    """What shows of a collective issued bucket by bucket under ``compute``: its last bucket (``tail`` of it),
+    or what outlasts the compute."""
+    return max(collective * tail, collective - compute)

@@ -5,7 +5,8 @@ on GPU Clusters Using Megatron-LM"): a GEMM over ``n`` tokens with a weight of `
 ``2 n p`` FLOPs forward, the same again for the input gradient (B, "dgrad") and for the weight gradient
 (W, "wgrad"). Attention scores and their use (``QK^T`` and ``PV``) cost ``2 * 2 b (s/CP) s a d / TP``
 forward; causal masking halves that for flash attention, which skips masked tiles (the unfused kernel
-computes the full square), and the model FLOPs behind MFU count the causal half. Their backward is in
+computes the full square), and a sliding window keeps only the key blocks it reaches
+(:attr:`WorkModel.window_share`); the model FLOPs behind MFU count what the kernels do. Their backward is in
 B: twice the forward (two GEMMs per forward GEMM), 2.5 times with flash attention, which recomputes
 the scores (Dao 2022, "FlashAttention-2"). Element-wise kernels (norms, residual adds, rotary
 embedding, the activation function, the unfused softmax, MoE permutation) are memory-bound: each
@@ -21,17 +22,21 @@ the layer benchmark (real megatron-core layers timed on the local device) or fro
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
 from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
-from primuspipe.projection.host import layer_host, moe_small_kernels
+from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 PASSES = ("forward", "backward_input", "backward_weight")
+ATTENTION_BLOCK = 128
+"""Queries and keys per block of a flash attention kernel (FlashAttention-2's and cuDNN's tiles for head
+dimensions up to 128): the granularity at which a sliding window's masked work is skipped."""
 FLOP_CONVENTIONS = ("causal", "full")
 """How model FLOPs count attention: ``causal`` the half of the score square a causal mask keeps (what the
 kernels compute), ``full`` the whole square (Narayanan et al. 2021's formula, as NVIDIA's NeMo /
@@ -65,16 +70,19 @@ class Work:
     def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
 
-    def attention_seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None) -> float:
-        """Seconds of the attention kernels; ``length``: the queries one kernel sees (the rate depends on it
-        where the hardware file gives ``attention_length_rates``)."""
+    def attention_seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None,
+                          head_dim: float | None = None) -> float:
+        """Seconds of the attention kernels; ``length``: the queries one kernel sees, ``head_dim``: its heads'
+        query/key width (the rate depends on them where the hardware file gives ``attention_length_rates`` and
+        ``attention_head_dim_rates``)."""
         slow = 0.5 if precision == "fp32" else 1.0
-        rate = hardware.attention_rate(length)
+        rate = hardware.attention_rate(length, head_dim)
         return self.attention_flops / (hardware.peak_bf16_tflops * 1e12 * hardware.attention_fraction * slow * rate)
 
-    def seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None) -> float:
+    def seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None,
+                head_dim: float | None = None) -> float:
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
-        return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision, length)
+        return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision, length, head_dim)
                 + self.memory_bytes / bytes_per_s)
 
 
@@ -96,33 +104,71 @@ class PassWork:
 class WorkModel(RankShape):
     """Per-rank work of each part of the model for one microbatch."""
 
-    def _linear(self, tokens: float, fan_in: float, fan_out: float, *, groups: float = 1, fp8: bool | None = None
-                ) -> PassWork:
+    def _linear(self, tokens: float, fan_in: float, fan_out: float, *, groups: float = 1, fp8: bool | None = None,
+                norm_fed: bool = False, tensor_parallel: str = "") -> PassWork:
         """A linear layer over ``tokens``: its forward, input-gradient and weight-gradient GEMMs. Under FP8
-        each GEMM input is cast first (read bf16, write FP8 and its transpose; current scaling reads it once
-        more for the scale)."""
+        the input and the output gradient are quantized first (:meth:`_quantize_bytes`): ``norm_fed``, the input
+        is a norm's output (a LayerNormLinear); ``tensor_parallel`` ``column`` or ``row``, the layer's TP split,
+        which says (with sequence parallelism) whether its input or its output gradient is all-gathered."""
         fp8 = self.training.fp8 if fp8 is None else fp8
         gemm = Gemm(tokens, fan_out, fan_in, groups, fp8)
         cast_fwd = cast_bwd = 0.0
         if fp8:
-            per_element = 4 + (2 if self.training.fp8_recipe == "tensorwise" else 0)
-            cast_fwd, cast_bwd = per_element * tokens * fan_in * groups, per_element * tokens * fan_out * groups
+            sp = self.training.sp
+            cast_fwd = self._quantize_bytes(tokens * fan_in * groups, norm_fed=norm_fed,
+                                            gathered=sp and tensor_parallel == "column")
+            cast_bwd = self._quantize_bytes(tokens * fan_out * groups, gathered=sp and tensor_parallel == "row")
         return PassWork(Work((gemm,), memory_bytes=cast_fwd), Work((gemm.dgrad(),), memory_bytes=cast_bwd),
                         Work((gemm.wgrad(),)))
 
-    def _mlp(self, tokens: float, width: float, *, groups: float = 1) -> PassWork:
-        """Up (gated with SwiGLU) and down projections of an MLP ``width`` wide on this rank."""
+    def _quantize_bytes(self, elements: float, *, norm_fed: bool = False, gathered: bool = False) -> float:
+        """HBM bytes Transformer Engine moves to quantize one GEMM operand of ``elements`` (its full size on the
+        rank, after any gather) to FP8, row-wise and transposed (Hopper's FP8 GEMMs take both operands K-major,
+        so the wgrad and dgrad GEMMs need the transposes).
+
+        Per-tensor scaling as TE 2.x does it (``module/layernorm_linear.py``, ``distributed.py``,
+        ``csrc/extensions/normalization.cpp``):
+
+        * a plain operand: one cast-transpose kernel reads bf16 and writes both FP8 copies, 4 bytes per element;
+          current scaling (``tensorwise``) first reads the operand once more for its amax: 6;
+        * a norm's output (the input of QKV and of the MLP's first linear, LayerNormLinear modules) is quantized
+          by the norm kernel: delayed scaling writes FP8 instead of the bf16 the norm is counted with (a byte
+          less), then the transpose (read 1, write 1); current scaling has the norm kernel compute the amax and
+          then casts (read 2, write 1 and 1);
+        * with sequence parallelism an operand that is all-gathered over TP (the input of a column-parallel
+          layer, the output gradient of a row-parallel one) is quantized row-wise on the rank's 1/TP shard and
+          gathered in FP8 (TE gathers no transposes); the transpose is made from the gathered copy.
+
+        Blockwise and MXFP8 scaling: a cast reading 2 and writing 2 bytes per element."""
+        t = self.training
+        if not t.per_tensor_fp8:
+            return 4 * elements
+        current = t.fp8_recipe == "tensorwise"
+        amax = 2 if current else 0
+        if not gathered:
+            return elements * ((4 if current else 1) if norm_fed else 4 + amax)
+        rowwise = (3 if current else -1) if norm_fed else 3 + amax  # on the shard, before the gather
+        return elements * (rowwise / t.tp + 2)
+
+    def _mlp(self, tokens: float, width: float, *, groups: float = 1, dense: bool = False) -> PassWork:
+        """Up (gated with SwiGLU) and down projections of an MLP ``width`` wide on this rank; ``dense``: a dense
+        layer's MLP, whose up projection takes the pre-MLP norm's output (a LayerNormLinear) and which is split
+        over TP column-wise, then row-wise."""
         h = self.model.hidden_size
-        return _sum(self._linear(tokens, h, width * (2 if self.model.swiglu else 1), groups=groups),
-                    self._linear(tokens, width, h, groups=groups))
+        up, down = ("column", "row") if dense else ("", "")
+        return _sum(self._linear(tokens, h, width * (2 if self.model.swiglu else 1), groups=groups, norm_fed=dense,
+                                 tensor_parallel=up),
+                    self._linear(tokens, width, h, groups=groups, tensor_parallel=down))
 
     def _attention_projections(self) -> tuple[PassWork, PassWork]:
         """(all projections of the attention block, the MLA up-projections among them)."""
         m, t, tokens, h = self.model, self.training, self.tokens, self.model.hidden_size
         heads = m.num_attention_heads / t.tp
         if not m.multi_latent_attention:
-            qkv = self._linear(tokens, h, (heads + 2 * m.query_groups / t.tp) * m.head_dim)
-            return _sum(qkv, self._linear(tokens, heads * m.head_dim, h)), PassWork(Work(), Work(), Work())
+            qkv = self._linear(tokens, h, (heads + 2 * m.query_groups / t.tp) * m.head_dim, norm_fed=True,
+                               tensor_parallel="column")
+            proj = self._linear(tokens, heads * m.head_dim, h, tensor_parallel="row")
+            return _sum(qkv, proj), PassWork(Work(), Work(), Work())
         qk = m.qk_head_dim + m.qk_pos_emb_head_dim
         if m.q_lora_rank is None:
             query, q_up = self._linear(tokens, h, heads * qk), None
@@ -134,13 +180,42 @@ class WorkModel(RankShape):
         ups = _sum(kv_up, *([q_up] if q_up else []))
         return _sum(query, kv, self._linear(tokens, heads * m.v_head_dim, h)), ups
 
+    @property
+    def head_dims(self) -> tuple[int, int]:
+        """(query/key, value) width of one attention head."""
+        m = self.model
+        return ((m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim) if m.multi_latent_attention
+                else (m.head_dim, m.head_dim))
+
+    def _attention_square(self) -> float:
+        """FLOPs of ``QK^T`` and ``PV`` over the whole score square of one layer and microbatch on this rank."""
+        m, t = self.model, self.training
+        qk, v = self.head_dims
+        return 2 * t.micro_batch_size * (m.seq_length / t.cp) * m.seq_length * m.num_attention_heads / t.tp * (qk + v)
+
+    @property
+    def window_share(self) -> float:
+        """Work of the model's attention kernels over causal attention's, averaged over its layers (1 without
+        ``window_size``). Flash kernels walk, for each block of queries, the key blocks from the first one its
+        window reaches to the diagonal, as they stop at the diagonal for causal attention (cudnn-frontend's open
+        SM100 attention kernels bound the key loop by the window's left block, ``compute_kv_loop_bounds``, its pull
+        request 584; FlashAttention's local attention skips the blocks outside the window likewise): with
+        ``ATTENTION_BLOCK``-token blocks a windowed layer visits ``min(i + 1, ceil(left / block) + 1)`` key blocks
+        for query block ``i`` where causal attention visits ``i + 1``."""
+        m = self.model
+        if not m.windowed_layers:
+            return 1.0
+        blocks = math.ceil(m.seq_length / ATTENTION_BLOCK)
+        reach = math.ceil(m.window_size[0] / ATTENTION_BLOCK) + 1
+        windowed = sum(min(i + 1, reach) for i in range(blocks)) / (blocks * (blocks + 1) / 2)
+        return (m.windowed_layers * windowed + m.num_layers - m.windowed_layers) / m.num_layers
+
     def _attention_core(self) -> PassWork:
         m, t = self.model, self.training
-        qk, v = ((m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim) if m.multi_latent_attention
-                 else (m.head_dim, m.head_dim))
-        square = 2 * t.micro_batch_size * (m.seq_length / t.cp) * m.seq_length * m.num_attention_heads / t.tp * (qk + v)
-        causal = 0.5 * square
-        forward = causal if t.flash_attention else square
+        qk, v = self.head_dims
+        square = self._attention_square()
+        causal = 0.5 * square * self.window_share
+        forward = causal if t.flash_attention else square  # the unfused kernel computes the square, then masks
         backward = 2.5 * causal if t.flash_attention else 2 * square
         e = self.e
         scores = square / (qk + v) / 2  # elements of the score matrix
@@ -207,6 +282,32 @@ class WorkModel(RankShape):
         return 2 if second else 1
 
     @property
+    def probs_bytes(self) -> int:
+        """Bytes of one routing probability as the experts receive it: DeepEP and HybridEP (the flex dispatcher)
+        take fp32 probabilities only, and megatron-core casts them (``MoEFlexTokenDispatcher``: "HybridEP only
+        supports float32 probs"); the other dispatchers pass the router's dtype on."""
+        t = self.training
+        if t.moe_token_dispatcher_type == "flex":
+            return 4
+        return {"fp32": 4, "fp64": 8}.get(t.moe_router_dtype or "", self.e)
+
+    def _expert_output_bias(self) -> PassWork:
+        """The experts' second bias (``add_bias_linear``), which megatron-core's ``TEGroupedMLP`` adds outside the
+        grouped GEMM (``skip_bias_add``, then ``_apply_bias``): per local expert the bias times each copy's
+        probability plus that expert's slice of the output, then one concatenation and a cast back. Each step
+        is an element-wise pass over the ``copies x H`` output in the promoted dtype ``r`` of the activations and
+        the probabilities: forward ``b*p`` written, the sum read and written, the concatenation read and
+        written, the cast read and written (none when ``r`` is the activations' dtype); backward the casts'
+        gradients, and per factor of ``b*p`` a product written and read back for its reduction (the bias's
+        gradient over the tokens, the probability's over ``H``)."""
+        e, r = self.e, max(self.e, self.probs_bytes)
+        elements = self.expert_copies * self.training.load_imbalance * self.model.hidden_size
+        casts = (r + e) if r != e else 0
+        forward = r + (e + 2 * r) + 2 * r + casts
+        backward = 2 * casts + 2 * 3 * r
+        return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
+
+    @property
     def expert_copies(self) -> float:
         """Token copies the experts of one rank process per microbatch (uniform routing)."""
         return self.residual_tokens * self.model.moe_router_topk * self.training.etp
@@ -217,7 +318,7 @@ class WorkModel(RankShape):
         attention, up_projections = self._attention_projections()
         core = self._attention_core()
         if kind == "dense":
-            mlp = self._mlp(self.tokens, m.ffn / t.tp)
+            mlp = self._mlp(self.tokens, m.ffn / t.tp, dense=True)
             mlp_recompute = mlp.forward if t.recomputes("mlp") else Work()
         else:
             local = m.num_experts // t.ep
@@ -226,7 +327,8 @@ class WorkModel(RankShape):
             shared = (self._mlp(self.tokens, m.moe_shared_expert_intermediate_size / t.tp)
                       if m.moe_shared_expert_intermediate_size else None)
             router = self._linear(self.residual_tokens, m.hidden_size, m.num_experts, fp8=False)
-            mlp = _sum(routed, router, *([shared] if shared else []))
+            bias = [self._expert_output_bias()] if m.add_bias_linear else []
+            mlp = _sum(routed, router, *bias, *([shared] if shared else []))
             mlp_recompute = (mlp.forward if t.recomputes("moe") else
                              shared.forward if shared and t.recomputes("shared_experts") else Work())
             if t.recomputes("moe_act") and not t.recomputes("moe"):
@@ -271,12 +373,13 @@ class WorkModel(RankShape):
     def model_flops(self, attention: str = "causal") -> float:
         """Model FLOPs of one microbatch on one rank, all three passes, no recompute (MFU's numerator):
         GEMMs, and attention counted by ``attention`` (see :data:`FLOP_CONVENTIONS`)."""
-        def useful(work: PassWork, attention_share: float) -> float:
-            return sum(w.gemm_flops for w in work.passes()) + work.forward.attention_flops * attention_share * 3
+        def useful(work: PassWork, attention_flops: float) -> float:
+            return sum(w.gemm_flops for w in work.passes()) + attention_flops * 3
 
-        causal_share = (1.0 if self.training.flash_attention else 0.5) * (2.0 if attention == "full" else 1.0)
+        square = self._attention_square()  # the full convention counts the square in every layer, windowed or not
+        counted = square if attention == "full" else 0.5 * square * self.window_share
         layers = Counter(self.model.layer_kinds)
-        return sum(n * useful(self.layer(k), causal_share) for k, n in layers.items()) + useful(self.head(), 0)
+        return sum(n * useful(self.layer(k), counted) for k, n in layers.items()) + useful(self.head(), 0)
 
 
 def model_flops_per_token(model: ModelSpec, attention: str = "causal") -> float:
@@ -331,17 +434,18 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
              or (p == "mtp" and work.training.mtp_num_layers)]
 
     length = work.model.seq_length / work.training.cp  # queries per attention kernel (per ring step under CP)
+    head_dim = work.head_dims[0]
 
     def timed(pw: PassWork, part: str, fp8: bool | None = None) -> PartTimes:
         factors = [calibration.factor(part, name) for name in PASSES]
         fixed = [0.0 if (part, name) in calibration.factors else k  # a measured factor includes them
                  for name, k in zip(PASSES, kernel_overheads(work, hardware, part, fp8))]
-        seconds = [w.seconds(hardware, precision, length) * f + k for w, f, k in zip(pw.passes(), factors, fixed)]
-        recompute = (pw.recompute.seconds(hardware, precision, length) * calibration.factor(part, "forward")
+        seconds = [w.seconds(hardware, precision, length, head_dim) * f + k for w, f, k in zip(pw.passes(), factors, fixed)]
+        recompute = (pw.recompute.seconds(hardware, precision, length, head_dim) * calibration.factor(part, "forward")
                      + (fixed[0] if part == "moe" and work.training.recomputes("moe") else 0.0))
         gemm = tuple(w.gemm_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
-        attention = tuple(w.attention_seconds(hardware, precision, length) * f for w, f in zip(pw.passes(), factors))
-        if part not in ("dense", "moe") or hardware.host_op_seconds is None:
+        attention = tuple(w.attention_seconds(hardware, precision, length, head_dim) * f for w, f in zip(pw.passes(), factors))
+        if part not in ("dense", "moe") or not host_priced(hardware, work.training, part):
             return PartTimes(*seconds, recompute, gemm, attention)
         host = layer_host(work.model, work.training, part, fp8)
         return PartTimes(*seconds, recompute, gemm, attention, host.seconds(hardware), host.syncs)

@@ -70,6 +70,10 @@ class HardwareSpec:
     """Fused attention's rate against the sequence length one kernel sees: ``[length, rate]`` pairs, the rate
     relative to the one ``attention_efficiency`` stands for (1 at 8,192); lengths between pairs interpolate
     on a log scale, outside them the nearest pair holds. None: one rate at every length."""
+    attention_head_dim_rates: tuple[tuple[float, float], ...] | None = None
+    """Fused attention's rate against the head dimension: ``[head dim, rate]`` pairs, the rate relative to the one
+    ``attention_efficiency`` stands for (1 at 128); interpolated and held outside the pairs as the length
+    rates are. None: one rate at every head dimension."""
     runtime_reserved_bytes: float = 0.0
     """HBM no tensor can use: the CUDA/HIP context, the caching allocator's fragmentation reserve, NCCL/RCCL
     communicator buffers, GEMM workspaces (added to every rank's peak)."""
@@ -78,6 +82,12 @@ class HardwareSpec:
     None: host time is not modelled (the GPU is never waiting for the host)."""
     host_launch_seconds: float | None = None
     """Host time of one kernel launch issued from C++ (a grouped GEMM's per-expert GEMMs); None: 0."""
+    moe_sync_host_op_seconds: float | None = None
+    """Host time per framework op of an MoE layer whose forward waits for token counts on the host (dropless
+    dispatch), where the platform's launch path around such a sync is slower than ``host_op_seconds`` says
+    (the MI355X's: AMD names device-to-host syncs that stall the launch queue); it prices every pass of such
+    a layer, and only of such a layer (its per-expert launches stay at ``host_launch_seconds``). None:
+    ``host_op_seconds`` prices it as any other layer."""
     moe_kernel_seconds: float | None = None
     """Device time each kernel of an MoE layer's routing, dispatch and expert loop takes beyond the work the
     model prices (its launch, and the ramp-up and drain of a grid small against the device): those kernels
@@ -91,14 +101,15 @@ class HardwareSpec:
         for name in ("peak_bf16_tflops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
                      "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node",
                      "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds",
-                     "moe_kernel_seconds"):
+                     "moe_sync_host_op_seconds", "moe_kernel_seconds"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
-        rates = self.attention_length_rates or ()
-        if any(len(pair) != 2 or not pair[0] > 0 or not 0 < pair[1] <= 1.5 for pair in rates):
-            raise InputError([(self.source, "attention_length_rates", [list(p) for p in rates])],
-                             "each entry is [sequence length > 0, relative rate in (0, 1.5]]",
-                             "give pairs such as [[2048, 0.92], [8192, 1.0]]")
+        for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),
+                                    ("attention_head_dim_rates", "head dimension", "[[64, 0.63], [128, 1.0]]")):
+            rates = getattr(self, name) or ()
+            if any(len(pair) != 2 or not pair[0] > 0 or not 0 < pair[1] <= 1.5 for pair in rates):
+                raise InputError([(self.source, name, [list(p) for p in rates])],
+                                 f"each entry is [{what} > 0, relative rate in (0, 1.5]]", f"give pairs such as {example}")
         if len(self.gemm_tile) != 2 or min(self.gemm_tile) < 1:
             raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))], "a tile is two positive sizes",
                              "give [rows, columns], e.g. [128, 256]")
@@ -122,20 +133,27 @@ class HardwareSpec:
             return self.attention_efficiency if self.attention_efficiency is not None else self.achievable_fraction
         return (self.attention_efficiency or self.achievable_fraction) * self.sustained_fraction
 
-    def attention_rate(self, length: float | None) -> float:
-        """``attention_length_rates`` at ``length`` queries per kernel (1 without the table or the length)."""
-        if not self.attention_length_rates or length is None:
-            return 1.0
-        points = sorted(self.attention_length_rates)
-        x = math.log2(min(max(length, points[0][0]), points[-1][0]))
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            if x <= math.log2(x1):
-                return y0 if x1 == x0 else y0 + (y1 - y0) * (x - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
-        return points[-1][1]
+    def attention_rate(self, length: float | None, head_dim: float | None = None) -> float:
+        """``attention_length_rates`` at ``length`` queries per kernel times ``attention_head_dim_rates`` at
+        ``head_dim`` (each 1 without its table or its value)."""
+        return _interpolate(self.attention_length_rates, length) * _interpolate(self.attention_head_dim_rates, head_dim)
 
     @property
     def peer_bandwidth(self) -> float:
         return self.intra_node_peer_bandwidth_bytes_per_s or self.intra_node_bandwidth_bytes_per_s
+
+
+def _interpolate(table: tuple[tuple[float, float], ...] | None, at: float | None) -> float:
+    """A rate table's value at ``at``: interpolated on a log scale between its pairs, the nearest pair's outside
+    them, 1 without the table or the value."""
+    if not table or at is None:
+        return 1.0
+    points = sorted(table)
+    x = math.log2(min(max(at, points[0][0]), points[-1][0]))
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= math.log2(x1):
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
+    return points[-1][1]
 
 
 def load_hardware(path: str | Path) -> HardwareSpec:

@@ -65,6 +65,8 @@ OPS = {
     "moe_experts": 2,         # the experts' activation (weighted by the routing probabilities)
     "moe_combine": 1 + 2 + 1, # all-to-all back; unpermute; bias-dropout-add
     "shared_expert": 1,       # the shared expert's activation (its two linears are counted as linears)
+    "expert_bias": 2 + 1 + 1, # with add_bias_linear: split output and probabilities, concatenate, cast back
+    "expert_bias_each": 2,    # ... and per local expert: bias x probability, added to the expert's slice
 }
 """Framework ops of one layer's forward besides its linear modules, by region; each has one autograd node
 backward (in B)."""
@@ -77,8 +79,8 @@ class HostWork:
     ops: float = 0.0
     launches: float = 0.0
 
-    def seconds(self, hardware: HardwareSpec) -> float:
-        return self.ops * (hardware.host_op_seconds or 0.0) + self.launches * (hardware.host_launch_seconds or 0.0)
+    def seconds(self, op_seconds: float, launch_seconds: float) -> float:
+        return self.ops * op_seconds + self.launches * launch_seconds
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,25 @@ class LayerHost:
     syncs: bool
 
     def seconds(self, hardware: HardwareSpec) -> tuple[float, float, float]:
-        return tuple(w.seconds(hardware) for w in (self.forward, self.backward_input, self.backward_weight))
+        """Each pass's host seconds: the ops of a syncing layer at ``moe_sync_host_op_seconds`` where the hardware
+        file gives it, every other layer's at ``host_op_seconds``; launches at ``host_launch_seconds``."""
+        sync_op = hardware.moe_sync_host_op_seconds if self.syncs else None
+        op = sync_op if sync_op is not None else hardware.host_op_seconds or 0.0
+        launch = hardware.host_launch_seconds or 0.0
+        return tuple(w.seconds(op, launch) for w in (self.forward, self.backward_input, self.backward_weight))
+
+
+def waits_for_token_counts(training: TrainingSpec, kind: str) -> bool:
+    """Whether a layer of ``kind``'s forward waits for the GPU: a dropless MoE dispatch copies the token counts
+    to the host, even at EP 1 (``before_finish``); padded to capacity every size is known in advance."""
+    return kind == "moe" and not training.moe_pad_expert_input_to_capacity
+
+
+def host_priced(hardware: HardwareSpec, training: TrainingSpec, kind: str) -> bool:
+    """Whether the hardware file prices the host's work of a layer of ``kind``: ``host_op_seconds`` for every
+    layer, ``moe_sync_host_op_seconds`` for a layer that waits for token counts."""
+    return hardware.host_op_seconds is not None or (
+        hardware.moe_sync_host_op_seconds is not None and waits_for_token_counts(training, kind))
 
 
 def captured(training: TrainingSpec, region: str) -> bool:
@@ -118,8 +138,9 @@ def _regions(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool) -> 
     shared = 2 if model.moe_shared_expert_intermediate_size else 0
     regions["moe_router"] = (0, OPS["moe_norm"] + OPS["moe_router"])
     regions["moe_preprocess"] = (0, OPS["moe_preprocess"] + (0 if padded else OPS["moe_dtoh"]))
+    bias = OPS["expert_bias"] + local * OPS["expert_bias_each"] if model.add_bias_linear else 0  # TEGroupedMLP._apply_bias
     regions["moe"] = (2 + shared, OPS["moe_dispatch"] + (OPS["moe_sort"] if local > 1 else 0) + OPS["moe_experts"]
-                      + OPS["moe_combine"] + (OPS["shared_expert"] if shared else 0))
+                      + OPS["moe_combine"] + (OPS["shared_expert"] if shared else 0) + bias)
     return regions, local * (1 + (1 if fp8 else 0))  # each expert's GEMM (and its input's cast), per grouped linear
 
 
@@ -164,7 +185,7 @@ def layer_host(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool | 
         forward += linears * linear + ops
         backward_input += linears * linear + ops
         backward_weight += linears * linear
-    syncs = kind == "moe" and not t.moe_pad_expert_input_to_capacity  # even at EP 1 ("before_finish")
+    syncs = waits_for_token_counts(t, kind)
     return LayerHost(HostWork(forward, launches), HostWork(backward_input, launches), HostWork(backward_weight, launches),
                      syncs)
 

@@ -90,6 +90,13 @@ class ModelSpec:
     moe_layer_freq: int | tuple[int, ...] | str = 1
     """Which layers are MoE: N (every N-th, from layer 0), a list of 0/1 per layer, or Megatron's string
     form such as ``"([0]*1+[1]*26)"``."""
+    window_size: tuple[int, ...] | None = None
+    """Sliding-window attention, Megatron's ``window_size`` ``[left, right]``: each query attends to itself and
+    the ``left`` keys before it; ``right`` must be 0 (causal, the form Transformer Engine's cuDNN attention
+    runs). None: full causal attention in every layer."""
+    window_attn_skip_freq: int | None = None
+    """With ``window_size``: every N-th layer, counting from 1, keeps full attention (megatron-core's
+    ``is_layer_window_attention``: layer_number % N != 0 is windowed); None: every layer is windowed."""
     multi_latent_attention: bool = False
     """DeepSeek's multi-latent attention instead of (grouped-query) self-attention."""
     q_lora_rank: int | None = None
@@ -130,6 +137,14 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def windowed_layers(self) -> int:
+        """Layers whose attention is a sliding window (``window_size``, ``window_attn_skip_freq``)."""
+        if self.window_size is None:
+            return 0
+        every = self.window_attn_skip_freq
+        return self.num_layers if every is None else sum(n % every != 0 for n in range(1, self.num_layers + 1))
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron's ``_vocab_size_with_padding``: up to a multiple of divisible_by * TP."""
@@ -176,6 +191,12 @@ class ModelSpec:
                 fail(("moe_router_topk", "num_experts"), "each token cannot go to more experts than there are",
                      "make moe_router_topk at most num_experts")
             self.layer_kinds  # noqa: B018  (checks moe_layer_freq now, at load time)
+        if self.window_size is not None and (len(self.window_size) != 2 or self.window_size[1] != 0):
+            fail(("window_size",), "a sliding window is [left, 0]: the keys before each query, none after it",
+                 "give [left, 0] (e.g. [128, 0]), or leave window_size out for full causal attention")
+        if self.window_attn_skip_freq is not None and (self.window_size is None or self.window_attn_skip_freq < 1):
+            fail(("window_attn_skip_freq", "window_size"), "says which layers keep full attention, so it needs a window "
+                 "and N >= 1", "give window_size, and N >= 1 (every N-th layer keeps full attention)")
         if self.multi_latent_attention and self.position_embedding_type == "learned_absolute":
             fail(("multi_latent_attention", "position_embedding_type"), "MLA carries its own rotary embedding",
                  "set position_embedding_type: rope")

@@ -306,8 +306,9 @@ class Projector:
             embedding_params(self.model, t.tp)
         sync = max(gradient_sync(p, t, h, tied_embedding=tied if r in (costs.layout.embedding_rank, costs.layout.head_rank) else 0,
                                  buckets=sum(costs.layout.counts[s] for s in costs.layout.rank_stages(r)),
-                                 compute_s=sum(costs.forward[s] + costs.backward_input[s] + costs.backward_weight[s]
-                                               for s in costs.layout.rank_stages(r)))
+                                 forward_s=sum(costs.forward[s] for s in costs.layout.rank_stages(r)),
+                                 backward_s=sum(costs.backward_input[s] + costs.backward_weight[s]
+                                                for s in costs.layout.rank_stages(r)))
                    for r, p in enumerate(costs.params))
         optimizer = max(optimizer_seconds(optimizer_params(p, t), h) for p in costs.params)
         step = simulated.step_time + sync + optimizer

@@ -43,7 +43,9 @@ class StageCosts:
     static: tuple[StaticMemory, ...]
     """Per rank."""
     transient_bytes: tuple[float, ...]
-    """Per rank: what a full-recompute backward rebuilds at once, on top of what the schedule holds."""
+    """Per rank: what a full-recompute backward rebuilds at once, or the unfused loss's fp32 copy beside the
+    logits (the last stage), whichever is larger, on top of what the schedule holds (reported as the
+    recompute working set)."""
     p2p: P2PCost
     communication: tuple[float, float, float]
     """Seconds of TP / CP / EP collectives inside F, B and W that compute does not hide, summed over stages
@@ -68,12 +70,13 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
     """Costs of ``placement`` (pp ranks x vpp chunks) with per-part times ``parts``."""
     layout = StageLayout.build(model.num_layers, training, placement)
     activations = ActivationModel(model, training)
-    comm = {kind: layer_comm(model, training, hardware, kind) for kind in set(model.layer_kinds)}
     bf16 = training.bf16_layers(model.num_layers)
-    names = {layer_part(kind, b): kind for kind in comm for b in (False, True) if layer_part(kind, b) in parts}
-    exposed = {name: comm[kind].exposed(training, parts[name].gemm, parts[name].attention,
-                                        (parts[name].forward, parts[name].backward_input, parts[name].backward_weight))
-               for name, kind in names.items()}
+    names = {layer_part(kind, b): (kind, b) for kind in set(model.layer_kinds) for b in (False, True)
+             if layer_part(kind, b) in parts}
+    exposed = {name: layer_comm(model, training.without_fp8() if b else training, hardware, kind).exposed(
+                   training, parts[name].gemm, parts[name].attention,
+                   (parts[name].forward, parts[name].backward_input, parts[name].backward_weight))
+               for name, (kind, b) in names.items()}
     last = layout.num_stages - 1
     forward, backward_input, backward_weight, held, kept_for_w, transient = [], [], [], [], [], []
     communication = [0.0, 0.0, 0.0]
@@ -109,7 +112,8 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
         held.append(stage_bytes)
         w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if stage == last else 0.0)
         kept_for_w.append(min(stage_bytes, w_bytes))
-        transient.append(activations.recompute_working_set(layers))
+        transient.append(max(activations.recompute_working_set(layers),  # at different moments: the larger shows
+                             activations.loss_working_set() if stage == last else 0.0))
     params = rank_params(model, training, layout)
     ranks = range(placement.pp)
     return StageCosts(

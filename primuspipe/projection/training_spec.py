@@ -131,6 +131,9 @@ class TrainingSpec:
     overlap_moe_expert_parallel_comm: bool = False
     """EP all-to-all overlap (Megatron's 1F1B A2A overlap): one microbatch's dispatch/combine runs under
     another microbatch's compute; only what outlasts that compute is exposed."""
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """The router's logits and probabilities in fp32 / fp64; None: the activations' dtype (Megatron's default).
+    The probabilities weight each token copy in the experts (see ``WorkModel.probs_bytes``)."""
     moe_router_force_load_balancing: bool = False
     """Route tokens evenly (benchmarks do): no expert gets more than its share."""
     moe_expert_load_imbalance: float | None = None
@@ -240,6 +243,12 @@ class TrainingSpec:
     def fp8(self) -> bool:
         """Linear-layer GEMMs run in FP8."""
         return self.fp8_format is not None
+
+    @property
+    def per_tensor_fp8(self) -> bool:
+        """FP8 with one scale per tensor (delayed or current scaling), whose operands Transformer Engine
+        quantizes in norm kernels and on sequence-parallel shards (``WorkModel._quantize_bytes``)."""
+        return self.fp8 and self.fp8_recipe in ("delayed", "tensorwise")
 
     @property
     def main_grad_bytes(self) -> int:

@@ -69,6 +69,39 @@ def test_fp8_runs_its_linear_layers_in_fp8_and_keeps_fp8_copies():
     assert ActivationModel(model, fp8).layer("dense").total < ActivationModel(model, bf16).layer("dense").total
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_fp8_operands_are_quantized_where_transformer_engine_quantizes_them(recipe, tp):
+    model = load_model(EXAMPLES / "models" / "llama3-8b.yaml")
+    fp8 = TrainingSpec(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, fp8_format="hybrid", fp8_recipe=recipe,
+                       pipeline_model_parallel_size=1, global_batch_size=1)
+    bf16 = fp8.without_fp8()
+    work, plain = WorkModel(model, fp8), WorkModel(model, bf16)
+    n = 1.0
+    per_tensor, current, sp = recipe != "blockwise", recipe == "tensorwise", tp > 1
+    # bytes per element: a plain cast-transpose 4 (+2 for current scaling's amax pass); a norm's output is quantized
+    # by the norm kernel; under sequence parallelism a gathered operand is cast on its 1/TP shard, transposed whole
+    norm_fed = ((3 if current else -1) / tp + 2 if sp else (4 if current else 1)) if per_tensor else 4
+    gathered_grad = ((5 if current else 3) / tp + 2 if sp else (6 if current else 4)) if per_tensor else 4
+    assert work._quantize_bytes(n, norm_fed=True, gathered=sp) == pytest.approx(norm_fed)
+    assert work._quantize_bytes(n, gathered=sp) == pytest.approx(gathered_grad)
+    assert work._quantize_bytes(n) == pytest.approx((6 if current else 4) if per_tensor else 4)
+    # a dense layer's forward adds exactly its four input quantizations to the bf16 layer's element-wise bytes
+    t, h, ffn = work.tokens, model.hidden_size, model.ffn / tp
+    casts = (2 * t * h * norm_fed + t * (model.num_attention_heads * model.head_dim / tp + ffn)
+             * ((6 if current else 4) if per_tensor else 4))
+    assert work.layer("dense").forward.memory_bytes - plain.layer("dense").forward.memory_bytes == pytest.approx(casts)
+    # the gathers of those operands move one byte per element; current scaling all-reduces each amax first, unhidden
+    net, activation = Collectives(HW), t * h * 2
+    saved = 2 * (net.gather(activation, tp, tp) - net.gather(activation / 2, tp, tp)) if sp and per_tensor else 0.0
+    comm, comm_bf16 = layer_comm(model, fp8, HW, "dense"), layer_comm(model, bf16, HW, "dense")
+    assert comm_bf16.tp[0] - comm.tp[0] == pytest.approx(saved)
+    amax = 2 * net.all_reduce(4, tp, tp) if sp and current else 0.0
+    assert comm.blocking == pytest.approx((amax, amax, 0.0))
+    overlapped = dataclasses.replace(fp8, tp_comm_overlap=True)
+    assert comm.exposed(overlapped, (1.0,) * 3, (0.0,) * 3, (1.0,) * 3)[0] >= amax
+
+
 def test_overlapped_communication_shows_only_what_outlasts_its_compute():
     comm = LayerComm(tp=(4.0, 4.0, 1.0), cp=(2.0, 4.0, 0.0), ep=(3.0, 3.0, 0.0))
     plain = TrainingSpec(tensor_model_parallel_size=4, context_parallel_size=2, sequence_parallel=True)
@@ -76,7 +109,10 @@ def test_overlapped_communication_shows_only_what_outlasts_its_compute():
     # TP not overlapped; CP's ring hides all but the first step (1 of 2) or what outlasts attention; EP exposed
     assert comm.exposed(plain, gemm, attention, compute) == pytest.approx((4 + 1 + 3, 4 + 2 + 3, 1))
     overlapped = dataclasses.replace(plain, tp_comm_overlap=True, overlap_moe_expert_parallel_comm=True)
-    assert comm.exposed(overlapped, gemm, attention, compute) == pytest.approx((1 + 1 + 0, 1 + 2 + 1, 0.25))
+    assert comm.exposed(overlapped, gemm, attention, compute) == pytest.approx((1 + 1 + 0, 1 + 2 + 1, 0))
+    # a reduce-scatter's last step follows the GEMM's last chunk: it shows even under a long GEMM
+    tailed = dataclasses.replace(comm, tp_tail=(1.5, 0.0, 0.0))
+    assert tailed.exposed(overlapped, gemm, attention, compute)[0] == pytest.approx(1.5 + 1 + 0)
 
 
 def test_all_to_all_across_nodes_and_deepep_dedup():
@@ -163,6 +199,16 @@ def test_fused_cross_entropy_and_narrow_optimizer_state_shrink_memory():
     plain, fused = TrainingSpec(), TrainingSpec(cross_entropy_loss_fusion=True)
     logits = 4096 * 32000
     assert ActivationModel(model, plain).head() - ActivationModel(model, fused).head() == pytest.approx(logits * (4 - 2))
+    # unfused, the bf16 logits beside the fp32 copy for a moment; fused, or fp32 training (no copy), nothing
+    assert ActivationModel(model, plain).loss_working_set() == pytest.approx(logits * 2)
+    assert ActivationModel(model, fused).loss_working_set() == ActivationModel(model, TrainingSpec(precision="fp32")
+                                                                               ).loss_working_set() == 0
+    hardware = load_hardware(EXAMPLES / "hardware" / "h100.yaml")
+    one = dict(pipeline_model_parallel_size=1, global_batch_size=8)
+    unfused, fused_run = (Projector(model, hardware).evaluate(TrainingSpec(**one, cross_entropy_loss_fusion=f), "1f1b")
+                          for f in (False, True))
+    assert unfused.memory_breakdown["recompute_working_set"] == pytest.approx(logits * 2)
+    assert max(unfused.peak_memory_bytes) - max(fused_run.peak_memory_bytes) == pytest.approx(logits * (4 - 2 + 2))
     assert WorkModel(model, fused).head().forward.memory_bytes < WorkModel(model, plain).head().forward.memory_bytes
     params = ParamCount(dense=1000)
     narrow = TrainingSpec(use_distributed_optimizer=False, use_precision_aware_optimizer=True, exp_avg_dtype="bf16",

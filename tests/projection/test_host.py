@@ -182,13 +182,13 @@ def test_small_moe_kernels_add_device_time_to_moe_layers_only():
     assert part_times(WorkModel(QWEN, t), B200, measured)["moe"].forward == without["moe"].forward
 
 
+@pytest.mark.parametrize("field", ["moe_kernel_seconds", "moe_sync_host_op_seconds"])
 @pytest.mark.parametrize("value, message", [(0, "must be positive"), (-5e-6, "finite number >= 0"), (float("nan"), "finite number >= 0")])
-def test_bad_moe_kernel_seconds_is_refused_with_one_line(tmp_path, value, message):
+def test_bad_moe_kernel_or_sync_host_seconds_is_refused_with_one_line(tmp_path, field, value, message):
     import yaml
 
     path = tmp_path / "hw.yaml"
-    path.write_text(yaml.safe_dump({**yaml.safe_load((EXAMPLES / "hardware" / "b200.yaml").read_text()),
-                                    "moe_kernel_seconds": value}))
+    path.write_text(yaml.safe_dump({**yaml.safe_load((EXAMPLES / "hardware" / "b200.yaml").read_text()), field: value}))
     with pytest.raises(InputError, match=message) as raised:
         load_hardware(path)
-    assert "moe_kernel_seconds" in str(raised.value).splitlines()[0]
+    assert field in str(raised.value).splitlines()[0]

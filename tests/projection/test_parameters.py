@@ -71,6 +71,9 @@ def test_hand_computed_moe_layer_and_sharding():
     # DeepSeek's release counts 15,706,484,224; megatron-core adds a norm (2048 weights) fused into each
     # layer's query projection when qk_layernorm is set without a query latent
     ("deepseek-v2-lite", 15_706_484_224 + 27 * 2048),
+    # DeepSeek-V2: the released checkpoint's tensors (config.json shapes) sum to 235,741,434,880; with a query
+    # latent the query norm is the checkpoint's q_a_layernorm, so megatron-core adds nothing
+    ("deepseek-v2", 235_741_434_880),
 ])
 def test_totals_match_the_published_models(name, published):
     assert total_params(load_model(EXAMPLES / "models" / f"{name}.yaml")) == published

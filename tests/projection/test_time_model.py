@@ -10,9 +10,13 @@ import pytest
 from primuspipe.projection.comm import Collectives, gradient_sync, layer_comm, p2p_message_bytes, pipeline_ranks_per_node
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
 from primuspipe.projection.framework import Placement
-from primuspipe.projection.hardware_spec import HardwareSpec
-from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
+from primuspipe.projection.host import moe_small_kernels
+from primuspipe.projection.model_spec import ModelSpec, load_model
 from primuspipe.projection.parameters import ParamCount
+from primuspipe.projection.projection import Projector
+from primuspipe.projection.published import EXAMPLES
+from primuspipe.projection.spec_fields import InputError, spec_from_mapping
 from primuspipe.projection.stage_costs import stage_costs
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -78,7 +82,11 @@ def test_full_recompute_adds_the_forward_to_b():
 def test_ring_collectives_and_link_choice():
     net = Collectives(HW)
     assert net.gather(8e9, 8, 8) == pytest.approx(7 / 8 * 8e9 / 100e9 + 7 * 1e-5)  # one node: the fabric
-    assert net.gather(8e9, 8, 16) == pytest.approx(7 / 8 * 8e9 / 10e9 + 7 * 2e-5)  # spans two nodes: the network
+    # across nodes a ring's traffic leaves through the cards of the group's members on each node: one member
+    # a node (a strided group) has one card, four members a node four cards, up to the node's fabric
+    assert net.gather(8e9, 8, 64) == pytest.approx(7 / 8 * 8e9 / 10e9 + 7 * 2e-5)
+    assert net.gather(8e9, 8, 16) == pytest.approx(7 / 8 * 8e9 / (4 * 10e9) + 7 * 2e-5)
+    assert net.gather(8e9, 64, 64) == pytest.approx(63 / 64 * 8e9 / 80e9 + 63 * 2e-5)
     assert net.all_reduce(8e9, 8, 8) == pytest.approx(2 * net.gather(8e9, 8, 8))
     assert net.gather(8e9, 1, 1) == 0
 
@@ -105,11 +113,15 @@ def test_pipeline_link_and_gradient_sync():
     params = ParamCount(dense=10**9)
     dp = dataclasses.replace(TRAINING, data_parallel_size=8, global_batch_size=32)
     net = Collectives(HW)
-    # distributed optimizer: the fp32 gradient reduce-scatter hides behind backward but for its last bucket
-    # (one per layer); the bf16 gather is exposed unless overlap_param_gather hides all but its first bucket
-    assert gradient_sync(params, dp, HW, buckets=4) == pytest.approx(net.gather(2e9, 8, 8) + net.gather(4e9, 8, 8) / 4)
+    # distributed optimizer: the fp32 gradient reduce-scatter hides behind the last microbatch's backward but
+    # for its last bucket (one per layer); the bf16 gather is exposed unless overlap_param_gather hides all but
+    # its first bucket under the first microbatch's forward
+    long = dict(forward_s=10.0, backward_s=10.0)
+    assert gradient_sync(params, dp, HW, buckets=4, **long) == pytest.approx(
+        net.gather(2e9, 8, 8) + net.gather(4e9, 8, 8) / 4)
     both = dataclasses.replace(dp, overlap_param_gather=True)
-    assert gradient_sync(params, both, HW, buckets=4) == pytest.approx((net.gather(2e9, 8, 8) + net.gather(4e9, 8, 8)) / 4)
+    assert gradient_sync(params, both, HW, buckets=4, **long) == pytest.approx(
+        (net.gather(2e9, 8, 8) + net.gather(4e9, 8, 8)) / 4)
     exposed = dataclasses.replace(dp, overlap_grad_reduce=False)
     assert gradient_sync(params, exposed, HW) == pytest.approx(net.gather(4e9, 8, 8) + net.gather(2e9, 8, 8))
     plain = dataclasses.replace(exposed, use_distributed_optimizer=False)
@@ -141,11 +153,12 @@ def test_sharded_gradients_are_reduce_scattered_every_microbatch_beside_the_comp
     net = Collectives(HW)
     reduce, gather = net.gather(4e9, 8, 8), net.gather(2e9, 8, 8)
     assert dp.shards_gradients and dp.microbatches == 2
-    assert gradient_sync(params, dp, HW, buckets=4, compute_s=10.0) == pytest.approx(gather + reduce / 4)
+    assert gradient_sync(params, dp, HW, buckets=4, forward_s=4.0, backward_s=6.0) == pytest.approx(gather + reduce / 4)
     short = reduce / 2
-    assert gradient_sync(params, dp, HW, buckets=4, compute_s=short) == pytest.approx(gather + 2 * (reduce - short))
+    assert gradient_sync(params, dp, HW, buckets=4, forward_s=short / 4, backward_s=3 * short / 4) == pytest.approx(
+        gather + 2 * (reduce - short))
     unhidden = dataclasses.replace(dp, overlap_grad_reduce=False)
-    assert gradient_sync(params, unhidden, HW, compute_s=10.0) == pytest.approx(gather + 2 * reduce)
+    assert gradient_sync(params, unhidden, HW, backward_s=10.0) == pytest.approx(gather + 2 * reduce)
 
 
 def test_per_head_query_key_norms_read_and_write_queries_and_keys():
@@ -171,9 +184,9 @@ def test_sharded_weights_are_gathered_before_every_forward_and_backward_beside_t
                                 data_parallel_sharding_strategy="optim_grads_params", overlap_param_gather=True)
     net = Collectives(HW)
     reduce, gather = net.gather(4e9, 8, 8), net.gather(2e9, 8, 8)
-    assert gradient_sync(params, zero3, HW, buckets=4, compute_s=10.0) == pytest.approx(reduce / 4)
+    assert gradient_sync(params, zero3, HW, buckets=4, backward_s=10.0) == pytest.approx(reduce / 4)
     short = gather
-    assert gradient_sync(params, zero3, HW, buckets=4, compute_s=short) == pytest.approx(
+    assert gradient_sync(params, zero3, HW, buckets=4, forward_s=short) == pytest.approx(
         2 * (2 * gather - short) + 2 * (reduce - short))
 
 
@@ -223,12 +236,136 @@ def test_attention_rate_follows_the_sequence_length_one_kernel_sees():
         part_times(WorkModel(MODEL, ring), HW, Calibration())["dense"].attention[1] / 0.5)
 
 
+@pytest.mark.parametrize("field", ["attention_length_rates", "attention_head_dim_rates"])
 @pytest.mark.parametrize("rates", [[[0, 1.0]], [[1024, 0.0]], [[1024]], [[1024, 2.0]]])
-def test_a_bad_attention_rate_table_is_refused(rates):
-    from primuspipe.projection.spec_fields import InputError, spec_from_mapping
-
+def test_a_bad_attention_rate_table_is_refused(rates, field):
     values = {"peak_bf16_tflops": 100, "hbm_bytes": 1e9, "hbm_bandwidth_bytes_per_s": 1e12,
-              "intra_node_bandwidth_bytes_per_s": 1e11, "inter_node_bandwidth_bytes_per_s": 1e10,
-              "attention_length_rates": rates}
-    with pytest.raises(InputError, match="attention_length_rates"):
+              "intra_node_bandwidth_bytes_per_s": 1e11, "inter_node_bandwidth_bytes_per_s": 1e10, field: rates}
+    with pytest.raises(InputError, match=field):
         spec_from_mapping(HardwareSpec, values, "hw.yaml")
+
+
+@pytest.mark.parametrize("forward_s,backward_s", [(0.0, 0.0), (0.01, 0.03), (0.2, 0.5), (1.0, 3.0), (50.0, 90.0)])
+@pytest.mark.parametrize("edp_across_nodes", [False, True])
+def test_overlapped_data_parallel_sync_shows_what_outlasts_one_microbatch(forward_s, backward_s, edp_across_nodes):
+    """Megatron reduces the accumulated gradients during the last microbatch's backward only and gathers the
+    weights ahead of the first microbatch's forward only: of each, the last (first) bucket shows, or what
+    outlasts that one microbatch's compute -- never less, however many microbatches the step has."""
+    params = ParamCount(dense=10**8, expert=4 * 10**9)
+    ep = 8 if edp_across_nodes else 1
+    t = dataclasses.replace(TRAINING, data_parallel_size=64, global_batch_size=64 * 8, expert_model_parallel_size=ep,
+                            overlap_param_gather=True, pipeline_model_parallel_size=1)
+    net, span = Collectives(HW), 64
+    reduce = net.gather(1e8 * 4, 64, span) + net.gather(4e9 * 4, t.expert_data_parallel_size, span)
+    gather = net.gather(1e8 * 2, 64, span) + net.gather(4e9 * 2, t.expert_data_parallel_size, span)
+    expected = max(reduce / 8, reduce - backward_s) + max(gather / 8, gather - forward_s)
+    got = gradient_sync(params, t, HW, buckets=8, forward_s=forward_s, backward_s=backward_s)
+    assert got == pytest.approx(expected)
+    assert gradient_sync(params, t, HW, buckets=8, forward_s=forward_s * 2, backward_s=backward_s * 2) <= got
+    assert got >= (reduce + gather) / 8
+
+
+@pytest.mark.parametrize("microbatches", [1, 5, 40])
+def test_experts_replicated_over_nodes_expose_their_synchronisation(microbatches):
+    """GPT-OSS 120B on 64 B200 as Megatron-Bridge ran it (MBS 4): at EP 8 each rank's 16 experts of every layer
+    are replicated over 8 nodes and their gradients and weights cross one network card per step, more than
+    one microbatch's compute hides; at EP 64 every expert lives once and nothing of that kind is left. The
+    step's exposed synchronisation does not depend on how many microbatches there are."""
+    model = load_model(EXAMPLES / "models" / "gpt-oss-120b.yaml")
+    projector = Projector(model, load_hardware(EXAMPLES / "hardware" / "b200.yaml"))
+    base = TrainingSpec(micro_batch_size=4, global_batch_size=4 * 64 * microbatches, pipeline_model_parallel_size=1,
+                        data_parallel_size=64, expert_tensor_parallel_size=1, overlap_param_gather=True,
+                        grad_reduce_in_bf16=True, moe_router_force_load_balancing=True)
+    sync = {ep: projector.evaluate(dataclasses.replace(base, expert_model_parallel_size=ep), "1f1b").gradient_sync_s
+            for ep in (8, 64)}
+    expert_bytes = 16 * model.num_layers * 3 * model.hidden_size * model.expert_ffn * 2  # bf16, biases aside
+    one_way = Collectives(projector.hardware).gather(expert_bytes, 8, 64)
+    assert one_way > 0.5  # one network card: the strided expert-data-parallel group
+    assert sync[8] > 0.5 * one_way and sync[64] < 0.1 * sync[8]
+
+
+@pytest.mark.parametrize("dispatcher,router_dtype,precision,r", [
+    ("alltoall", None, "bf16", 2), ("alltoall", "fp32", "bf16", 4), ("flex", None, "bf16", 4),
+    ("flex", "fp32", "bf16", 4), ("alltoall", "fp64", "bf16", 8), ("alltoall", None, "fp32", 4)])
+@pytest.mark.parametrize("experts,ep", [(16, 8), (16, 2), (8, 8)])
+def test_expert_biases_are_applied_outside_the_grouped_gemm_per_local_expert(dispatcher, router_dtype, precision, r,
+                                                                               experts, ep):
+    """megatron-core's TEGroupedMLP adds the experts' second bias after the grouped GEMM (_apply_bias): bias x
+    routing probability plus each local expert's output slice, concatenated and cast back -- element-wise passes
+    over the copies x H output in the promoted dtype of the activations and the probabilities (fp32 on the flex
+    dispatcher, the router's dtype otherwise), and 4 + 2 per local expert ops and kernels each pass."""
+    biased = dataclasses.replace(MODEL, num_experts=experts, moe_router_topk=2, add_bias_linear=True)
+    plain = dataclasses.replace(biased, add_bias_linear=False)
+    t = dataclasses.replace(TRAINING, expert_model_parallel_size=ep, data_parallel_size=8, global_batch_size=64,
+                            moe_token_dispatcher_type=dispatcher, moe_router_dtype=router_dtype, precision=precision)
+    work, e = WorkModel(biased, t), t.activation_bytes
+    assert max(work.probs_bytes, e) == r
+    elements = work.expert_copies * biased.hidden_size
+    cast = (r + e) if r != e else 0
+    with_bias, without = work.layer("moe"), WorkModel(plain, t).layer("moe")
+    assert with_bias.forward.memory_bytes - without.forward.memory_bytes == pytest.approx((5 * r + e + cast) * elements)
+    assert with_bias.backward_input.memory_bytes - without.backward_input.memory_bytes == pytest.approx(
+        (6 * r + 2 * cast) * elements)
+    assert with_bias.backward_weight.memory_bytes == without.backward_weight.memory_bytes
+    ops = 4 + 2 * experts // ep
+    f, b, w = moe_small_kernels(biased, t)
+    f0, b0, w0 = moe_small_kernels(plain, t)
+    assert (f - f0, b - b0, w - w0) == (ops, ops, 0)
+
+
+def _visited_key_blocks(seq: int, left: int, block: int) -> int:
+    """Key blocks a flash kernel must visit for a causal window of ``left`` keys, by brute force over the queries:
+    block j serves query block i when some query q of i sees a key of j, i.e. j * block <= q and
+    (j + 1) * block - 1 >= q - left."""
+    blocks = -(-seq // block)
+    return sum(any(j * block <= q and (j + 1) * block - 1 >= q - left
+                   for q in range(i * block, min(seq, (i + 1) * block)))
+               for i in range(blocks) for j in range(i + 1))
+
+
+@pytest.mark.parametrize("seq,left,every", [(4096, 128, 2), (4096, 128, None), (2048, 100, 3), (1024, 129, 2),
+                                            (4096, 4096, 2), (512, 0, None), (4096, 1000, 4)])
+def test_sliding_window_layers_visit_only_the_key_blocks_their_window_reaches(seq, left, every):
+    """megatron-core windows layer n (from 1) unless n % window_attn_skip_freq == 0; a windowed layer's flash kernel
+    visits, per query block, the key blocks its window reaches -- counted here by brute force over the mask -- and
+    the full layers the causal triangle. MFU's causal convention counts what the kernels do; the full convention
+    (NVIDIA's) counts the whole square in every layer, windowed or not."""
+    from primuspipe.projection.compute import ATTENTION_BLOCK
+
+    plain = dataclasses.replace(MODEL, seq_length=seq, num_layers=12)
+    model = dataclasses.replace(plain, window_size=(left, 0), window_attn_skip_freq=every)
+    windowed = sum(1 for n in range(1, 13) if every is None or n % every)
+    assert model.windowed_layers == windowed
+    blocks = -(-seq // ATTENTION_BLOCK)
+    share = _visited_key_blocks(seq, left, ATTENTION_BLOCK) / (blocks * (blocks + 1) / 2)
+    expected = (windowed * share + 12 - windowed) / 12
+    t = dataclasses.replace(TRAINING, pipeline_model_parallel_size=1, global_batch_size=2)
+    ours, full = WorkModel(model, t), WorkModel(plain, t)
+    assert ours.window_share == pytest.approx(expected)
+    for a, b in zip(ours.layer("dense").passes(), full.layer("dense").passes()):
+        assert a.attention_flops == pytest.approx(b.attention_flops * expected)
+    unfused = dataclasses.replace(t, attention_backend="unfused")  # computes the whole square, then masks
+    assert WorkModel(model, unfused).layer("dense").forward.attention_flops == \
+        WorkModel(plain, unfused).layer("dense").forward.attention_flops
+    assert ours.model_flops("full") == pytest.approx(full.model_flops("full"))
+    assert ours.model_flops("causal") <= full.model_flops("causal")
+
+
+@pytest.mark.parametrize("window,every,field", [((128, 1), None, "window_size"), ((128,), None, "window_size"),
+                                               (None, 2, "window_attn_skip_freq"), ((128, 0), 0, "window_attn_skip_freq")])
+def test_window_settings_are_checked(window, every, field):
+    with pytest.raises(InputError, match=field):
+        dataclasses.replace(MODEL, window_size=window, window_attn_skip_freq=every)
+
+
+@pytest.mark.parametrize("head_dim,rate", [(64, 0.63), (128, 1.0), (32, 0.63), (256, 1.0), (96, 0.63 + 0.37 * 0.585)])
+def test_attention_runs_slower_with_narrow_heads(head_dim, rate):
+    """attention_head_dim_rates scales the fused kernels' rate by the head dimension, on a log scale between the
+    pairs and held outside them; without the table every width runs at one rate."""
+    hw = dataclasses.replace(HW, attention_head_dim_rates=((64, 0.63), (128, 1.0)))
+    assert hw.attention_rate(None, head_dim) == pytest.approx(rate, abs=2e-3)
+    assert HW.attention_rate(None, head_dim) == 1.0
+    model = dataclasses.replace(MODEL, kv_channels=head_dim)
+    base = part_times(WorkModel(model, TRAINING), HW, Calibration())["dense"].attention
+    narrow = part_times(WorkModel(model, TRAINING), hw, Calibration())["dense"].attention
+    assert narrow[0] == pytest.approx(base[0] / rate, rel=5e-3) and narrow[1] == pytest.approx(base[1] / rate, rel=5e-3)

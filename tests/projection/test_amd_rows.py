@@ -1,0 +1,91 @@
+"""The AMD hardware files against AMD's measured runs: the MI355X host that binds a fine-grained MoE layer at small
+micro-batches (Primus DeepSeek-V2-Lite baseline), and the CDNA 3 sustained GEMM rate (the PyTorch training
+container's Llama 3.1 8B); each figure fitted on one published row that is marked as used for fitting."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from primuspipe.projection.hardware_spec import load_hardware
+from primuspipe.projection.model_spec import load_model
+from primuspipe.projection.projection import Projector
+from primuspipe.projection.published import load_runs, project_run, training_of
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
+RUNS = {run.id: run for run in load_runs()}
+LITE = "primus-mi355x-deepseek-v2-lite-bf16-8-mbs{}-baseline"
+
+
+def _microbatch_seconds(run_id: str, **hardware_fields) -> float:
+    """Seconds one micro-batch takes on a rank (the step over the micro-batches: PP 1, DP sync overlapped)."""
+    run = RUNS[run_id]
+    hardware = dataclasses.replace(load_hardware(EXAMPLES / "hardware" / f"{run.hardware}.yaml"), **hardware_fields)
+    training = training_of(run)
+    result = Projector(load_model(EXAMPLES / "models" / f"{run.model}.yaml"), hardware).evaluate(training, run.algorithm())
+    return result.step_time_s / result.microbatches
+
+
+def test_a_fine_grained_moe_layer_on_mi355x_is_host_bound_at_one_and_two_samples():
+    """AMD measured 0.382 s a micro-batch at MBS 1 and 0.390 s at MBS 2 (twice the tokens in the same time): the
+    host's issue time, which a sync per MoE layer keeps from running ahead, bounds the step until the device has
+    more work than that; from MBS 4 the device's time shows. Without the host's cost MBS 1 takes half of MBS 2."""
+    one, two, four = (_microbatch_seconds(LITE.format(mbs)) for mbs in (1, 2, 4))
+    assert two == pytest.approx(one, rel=0.05)
+    assert four > 1.3 * two
+    bare_one, bare_two = (_microbatch_seconds(LITE.format(mbs), moe_sync_host_op_seconds=None) for mbs in (1, 2))
+    assert bare_one < 0.6 * one and bare_two > 1.5 * bare_one
+    assert _microbatch_seconds(LITE.format(8)) == pytest.approx(
+        _microbatch_seconds(LITE.format(8), moe_sync_host_op_seconds=None), rel=1e-9)  # MBS 8: the device hides the host
+
+
+def test_the_sync_host_figure_prices_syncing_moe_layers_only():
+    """``moe_sync_host_op_seconds`` prices every pass of an MoE layer whose forward waits for token counts, at
+    that figure per op (launches at ``host_launch_seconds``), and nothing else: not a dense layer, not an MoE
+    layer padded to capacity (nothing waits); where the file also gives ``host_op_seconds`` the other layers
+    keep it."""
+    from primuspipe.projection.compute import Calibration, WorkModel, part_times
+    from primuspipe.projection.host import layer_host
+    from primuspipe.projection.training_spec import TrainingSpec
+
+    mi355x = load_hardware(EXAMPLES / "hardware" / "mi355x.yaml")
+    lite = load_model(EXAMPLES / "models" / "deepseek-v2-lite.yaml")
+    dropless = training_of(RUNS[LITE.format(1)])
+    padded = dataclasses.replace(dropless, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    times = part_times(WorkModel(lite, dropless), mi355x, Calibration())
+    host = layer_host(lite, dropless, "moe")
+    assert times["moe"].host == pytest.approx(tuple(w.ops * mi355x.moe_sync_host_op_seconds
+                                                    for w in (host.forward, host.backward_input, host.backward_weight)))
+    assert times["moe"].host_syncs and times["dense"].host == (0.0, 0.0, 0.0)
+    assert part_times(WorkModel(lite, padded), mi355x, Calibration())["moe"].host == (0.0, 0.0, 0.0)
+    llama = load_model(EXAMPLES / "models" / "llama3-8b.yaml")
+    dense = TrainingSpec(pipeline_model_parallel_size=1, global_batch_size=8)
+    assert part_times(WorkModel(llama, dense), mi355x, Calibration())["dense"].host == (0.0, 0.0, 0.0)
+    both = dataclasses.replace(mi355x, host_op_seconds=13.48e-6, host_launch_seconds=4.58e-6)
+    mixed = part_times(WorkModel(lite, dropless), both, Calibration())
+    assert mixed["dense"].host[0] == pytest.approx(layer_host(lite, dropless, "dense").forward.ops * 13.48e-6)
+    assert mixed["moe"].host[0] == pytest.approx(host.forward.ops * both.moe_sync_host_op_seconds
+                                                 + host.forward.launches * 4.58e-6)
+    padded_host = layer_host(lite, padded, "moe")
+    assert part_times(WorkModel(lite, padded), both, Calibration())["moe"].host[0] == pytest.approx(
+        padded_host.forward.ops * 13.48e-6 + padded_host.forward.launches * 4.58e-6)
+
+
+@pytest.mark.parametrize("fitted, hardware, field, checks", [
+    (LITE.format(1), ("mi355x",), "moe_sync_host_op_seconds", (LITE.format(2),)),
+    ("amd-pytorch-train-mi300x-llama3.1-8b-bf16-fsdp-8", ("mi300x", "mi325x"), "sustained_fraction",
+     ("amd-pytorch-train-mi300x-llama3.1-8b-fp8-fsdp-8", "amd-pytorch-train-mi325x-llama3.1-8b-bf16-fsdp-8",
+      "amd-pytorch-train-mi325x-llama3.1-8b-fp8-fsdp-8")),
+])
+def test_each_fitted_amd_figure_has_one_fitting_row_and_holds_on_its_checks(fitted, hardware, field, checks):
+    """The fitting row is marked (not held out) and comes out right; the figure is shared by the hardware that
+    the source says runs the same way; the rows it was not fitted on land within the issue's 15 % bar (they
+    are at 0.90-1.04 now: bench/bench_published.py)."""
+    assert not RUNS[fitted].held_out
+    assert len({getattr(load_hardware(EXAMPLES / "hardware" / f"{h}.yaml"), field) for h in hardware}) == 1
+    assert project_run(RUNS[fitted])["ratio"] == pytest.approx(1.0, abs=0.02)
+    for run_id in checks:
+        assert 0.85 <= project_run(RUNS[run_id])["ratio"] <= 1.15, run_id
+
