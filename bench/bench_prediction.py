@@ -130,6 +130,8 @@ def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) ->
     dumps = {name: dump_root / f"{name}-run{rep}" for name in names}
 
     def work(ctx) -> None:
+        import gc
+
         import torch.distributed
         from megatron.core import parallel_state
 
@@ -151,7 +153,10 @@ def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) ->
                                                               split_probe=probe))
             name = key
             runs[name] = (vpp, spec, compare.build(spec, pp, vpp)[2], schedule)
+        gc.collect()  # as Megatron-LM's --manual-gc: a collection (100+ ms of CPU) never lands inside a step
+        gc.disable()
         for step in range(args.iterations):
+            gc.collect()
             for name in rotated(names, step):
                 vpp, spec, built, schedule = runs[name]
                 layout(vpp)
