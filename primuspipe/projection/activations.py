@@ -153,12 +153,21 @@ class ActivationModel(RankShape):
         up = shard * (2 if self.model.swiglu else 1)
         return act, tokens * shard * self.e, tokens * (up + self.model.hidden_size) * self.e
 
+    @property
+    def permuted_rows_per_copy(self) -> float:
+        """Rows of the experts' tensors per routed token copy. Primus's sync-free stage 3 sizes the permuted
+        tokens for the worst case so no count reaches the host: ``permute_max_token_num`` = the microbatch's
+        tokens x TP x EP x top-k (``PrimusTurboDeepEPTokenDispatcher``), every expert tensor that many rows
+        whatever the routing -- TP x EP / ETP times the copies (AMD: "significantly more GPU memory")."""
+        t = self.training
+        return t.tp * t.ep / t.etp if t.turbo_sync_free_moe_stage >= 3 else 1.0
+
     def _moe(self) -> tuple[dict[str, float], float, float]:
         m, t = self.model, self.training
         block_input = 0.0 if t.recomputes("layernorm") else self.hidden_bytes
         if t.recomputes("moe"):
             return {"moe_mlp": self.hidden_bytes}, self.hidden_bytes, 0.0
-        copies = self.residual_tokens * m.moe_router_topk * t.etp
+        copies = self.residual_tokens * m.moe_router_topk * t.etp * self.permuted_rows_per_copy
         width = m.expert_ffn / t.etp
         routed_act = copies * self._mlp_activation(width, probs_scaled=True) * self.e
         if t.recomputes("moe_act"):  # the activation's output (the down projection's input) is rebuilt

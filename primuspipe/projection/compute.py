@@ -26,12 +26,12 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from primuspipe.projection.gemm import Gemm, gemm_seconds
+from primuspipe.projection.gemm import GEMM_STREAMS, Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.spec_fields import InputError
-from primuspipe.projection.training_spec import RankShape, TrainingSpec
+from primuspipe.projection.training_spec import MXFP8_BLOCK, RankShape, TrainingSpec
 
 PASSES = ("forward", "backward_input", "backward_weight")
 ATTENTION_BLOCK = 128
@@ -55,6 +55,11 @@ class Work:
     attention_flops: float = 0.0
     memory_bytes: float = 0.0
     """Bytes moved by element-wise (memory-bound) kernels."""
+    mxfp8_cast_bytes: float = 0.0
+    """Bytes moved by MXFP8 quantize kernels, timed at the hardware's ``mxfp8_cast_bandwidth_fraction``."""
+    fp8_transpose_bytes: float = 0.0
+    """Bytes per-tensor FP8 casts move for the transposed copies Hopper's FP8 GEMMs need; hardware whose FP8
+    GEMMs take any layout (``fp8_gemm_any_layout``) makes none."""
 
     @property
     def gemm_flops(self) -> float:
@@ -62,10 +67,12 @@ class Work:
 
     def __add__(self, other: Work) -> Work:
         return Work(self.gemms + other.gemms, self.attention_flops + other.attention_flops,
-                    self.memory_bytes + other.memory_bytes)
+                    self.memory_bytes + other.memory_bytes, self.mxfp8_cast_bytes + other.mxfp8_cast_bytes,
+                    self.fp8_transpose_bytes + other.fp8_transpose_bytes)
 
     def scaled(self, factor: float) -> Work:
-        return Work(tuple(g.times(factor) for g in self.gemms), self.attention_flops * factor, self.memory_bytes * factor)
+        return Work(tuple(g.times(factor) for g in self.gemms), self.attention_flops * factor, self.memory_bytes * factor,
+                    self.mxfp8_cast_bytes * factor, self.fp8_transpose_bytes * factor)
 
     def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
@@ -82,8 +89,10 @@ class Work:
     def seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None,
                 head_dim: float | None = None) -> float:
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
+        cast_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.mxfp8_cast_fraction
+        moved = self.memory_bytes + (0.0 if hardware.fp8_gemm_any_layout else self.fp8_transpose_bytes)
         return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision, length, head_dim)
-                + self.memory_bytes / bytes_per_s)
+                + moved / bytes_per_s + self.mxfp8_cast_bytes / cast_per_s)
 
 
 @dataclass(frozen=True)
@@ -111,15 +120,37 @@ class WorkModel(RankShape):
         is a norm's output (a LayerNormLinear); ``tensor_parallel`` ``column`` or ``row``, the layer's TP split,
         which says (with sequence parallelism) whether its input or its output gradient is all-gathered."""
         fp8 = self.training.fp8 if fp8 is None else fp8
-        gemm = Gemm(tokens, fan_out, fan_in, groups, fp8)
-        cast_fwd = cast_bwd = 0.0
-        if fp8:
-            sp = self.training.sp
-            cast_fwd = self._quantize_bytes(tokens * fan_in * groups, norm_fed=norm_fed,
-                                            gathered=sp and tensor_parallel == "column")
-            cast_bwd = self._quantize_bytes(tokens * fan_out * groups, gathered=sp and tensor_parallel == "row")
-        return PassWork(Work((gemm,), memory_bytes=cast_fwd), Work((gemm.dgrad(),), memory_bytes=cast_bwd),
-                        Work((gemm.wgrad(),)))
+        streams = min(GEMM_STREAMS, self.training.gpu_max_hw_queues or GEMM_STREAMS)  # ROCm: streams share queues
+        gemm = Gemm(tokens, fan_out, fan_in, groups, fp8, mxfp8=fp8 and self.training.fp8_recipe == "mxfp8",
+                    kernel=self.training.expert_gemm_kernel, streams=streams)
+        if not fp8:
+            return PassWork(Work((gemm,)), Work((gemm.dgrad(),)), Work((gemm.wgrad(),)))
+        sp = self.training.sp
+        fwd = self._cast(tokens * fan_in * groups, norm_fed=norm_fed, gathered=sp and tensor_parallel == "column")
+        bwd = self._cast(tokens * fan_out * groups, gathered=sp and tensor_parallel == "row")
+        return PassWork(Work((gemm,)) + fwd, Work((gemm.dgrad(),)) + bwd, Work((gemm.wgrad(),)))
+
+    def _cast(self, elements: float, *, norm_fed: bool = False, gathered: bool = False) -> Work:
+        """The quantization of one GEMM operand as work: :meth:`_quantize_bytes`, MXFP8's as MXFP8 cast bytes,
+        a per-tensor recipe's transposed copy (:meth:`_transpose_bytes`) apart from the rest."""
+        total = self._quantize_bytes(elements, norm_fed=norm_fed, gathered=gathered)
+        if self.training.fp8_recipe == "mxfp8":
+            return Work(mxfp8_cast_bytes=total)
+        transpose = self._transpose_bytes(elements, norm_fed=norm_fed, gathered=gathered)
+        return Work(memory_bytes=total - transpose, fp8_transpose_bytes=transpose)
+
+    def _transpose_bytes(self, elements: float, *, norm_fed: bool = False, gathered: bool = False) -> float:
+        """Of :meth:`_quantize_bytes`, what a per-tensor recipe spends on the transposed copy: its write (1 byte per
+        element) where the cast kernel makes it alongside the row-wise copy, a read and a write (2) where it is
+        made from an FP8 copy afterwards (a delayed-scaling norm's FP8 output, a gathered operand). Hardware whose
+        FP8 GEMMs take any layout skips it: Transformer Engine 2.12 quantizes without the transpose where
+        ``nvte_is_non_tn_fp8_gemm_supported()`` (compute capability 10.x and 13+: Blackwell; ``csrc/quantizer.cpp``,
+        ``with_transpose = columnwise_usage && !nvte_is_non_tn_fp8_gemm_supported()``)."""
+        t = self.training
+        if not t.per_tensor_fp8:
+            return 0.0
+        after = gathered or (norm_fed and t.fp8_recipe == "delayed")
+        return (2 if after else 1) * elements
 
     def _quantize_bytes(self, elements: float, *, norm_fed: bool = False, gathered: bool = False) -> float:
         """HBM bytes Transformer Engine moves to quantize one GEMM operand of ``elements`` (its full size on the
@@ -139,8 +170,20 @@ class WorkModel(RankShape):
           layer, the output gradient of a row-parallel one) is quantized row-wise on the rank's 1/TP shard and
           gathered in FP8 (TE gathers no transposes); the transpose is made from the gathered copy.
 
-        Blockwise and MXFP8 scaling: a cast reading 2 and writing 2 bytes per element."""
+        Blockwise scaling: a cast reading 2 and writing 2 bytes per element. MXFP8 (TE 2.12,
+        ``common/cast/mxfp8``, ``module/grouped_linear.py``): one kernel reads bf16 and writes the row-wise copy
+        with an E8M0 scale per 32 elements along a row and the column-wise copy with one per 32 along a column
+        (Blackwell's MMA takes both in place, so the column-wise copy is a second quantization, not a
+        transpose), ``2 + 1 + 1 + 2/32`` bytes per element; a grouped linear quantizes every expert's slice
+        so (``split_quantize``); a norm's output is not quantized by the norm kernel (``normalization.cpp`` runs
+        MXFP8 norms unfused unless ``NVTE_NORM_FWD_USE_CUDNN``), so it is a plain cast too. An operand gathered
+        over TP is counted as cast whole and gathered in bf16, where TE casts the 1/TP shard and gathers both
+        FP8 copies with their scales (``distributed._all_gather_mxfp8``, 2 + 2/32 bytes an element against bf16's
+        2): a simplification worth under 1 % of a TP layer. These bytes run at the hardware's
+        ``mxfp8_cast_bandwidth_fraction`` (:class:`Work`)."""
         t = self.training
+        if t.fp8_recipe == "mxfp8":
+            return (4 + 2 / MXFP8_BLOCK) * elements
         if not t.per_tensor_fp8:
             return 4 * elements
         current = t.fp8_recipe == "tensorwise"

@@ -35,6 +35,9 @@ class HardwareSpec:
     quantisation); fp32 runs at half of it on top."""
     memory_bandwidth_fraction: float = 0.8
     """Share of the HBM bandwidth that element-wise kernels (norms, activations, softmax) sustain."""
+    mxfp8_cast_bandwidth_fraction: float | None = None
+    """Share of the HBM bandwidth Transformer Engine's MXFP8 quantize kernels sustain (bf16 in, row-wise and
+    column-wise FP8 with their E8M0 scales out); None: ``memory_bandwidth_fraction``."""
     intra_node_peer_bandwidth_bytes_per_s: float | None = None
     """Bandwidth between two accelerators of a node (point-to-point pipeline sends); None means
     intra_node_bandwidth (a switched fabric); a fully connected mesh gives one link's bandwidth here."""
@@ -50,12 +53,23 @@ class HardwareSpec:
     """Dense FP8 matrix throughput, TFLOP/s; None: the accelerator has no FP8 GEMMs (FP8 training is refused)."""
     block_scaled_fp8: bool = False
     """Whether the matrix units scale FP8 per block in hardware (MXFP8: Blackwell, MI355X)."""
+    fp8_gemm_any_layout: bool = False
+    """Whether FP8 GEMMs take either operand in either layout (Blackwell), so per-tensor FP8 casts write no
+    transposed copies; Hopper's take both K-major (``compute.WorkModel._transpose_bytes``)."""
     gemm_efficiency: float | None = None
     """Share of the bf16 peak the best-shaped large GEMM sustains (its measured Maximum Achievable Matmul
     FLOPS / peak). Set, GEMM times follow their shapes (tiles, waves, roofline: :mod:`~primuspipe.projection.gemm`);
     None: every GEMM at ``achievable_fraction``."""
     fp8_gemm_efficiency: float | None = None
     """The same for FP8 GEMMs (share of ``peak_fp8_tflops``); None: ``gemm_efficiency``."""
+    mxfp8_gemm_efficiency: float | None = None
+    """The same for MXFP8 (block-scaled) GEMMs; None: ``fp8_gemm_efficiency``."""
+    gemm_half_intensity: float | None = None
+    """The arithmetic intensity (multiply-adds per element read or written, ``m n k / (m k + k n + m n)``) at which
+    a GEMM runs at half its efficiency: a GEMM's rate is ``gemm_efficiency`` (or the FP8 / MXFP8 one) times
+    ``I / (I + gemm_half_intensity)`` (:func:`~primuspipe.projection.gemm.shape_fraction`), fitted to measured GEMMs
+    over shapes (``measurements/gemm.yaml`` beside the shipped hardware files). None: every GEMM at the efficiency
+    (the curve flat)."""
     sustained_fraction: float = 1.0
     """Share of those isolated-kernel rates (GEMMs, attention) a training step sustains: clocks drop when
     every unit, HBM and the links are busy at once, and overlapped communication kernels hold compute units.
@@ -64,6 +78,10 @@ class HardwareSpec:
     """Streaming multiprocessors / compute units GEMM tiles are spread over (wave quantisation)."""
     gemm_tile: tuple[int, ...] = (128, 256)
     """Output tile (rows, columns) of one GEMM work unit."""
+    gemm_min_tile: tuple[int, ...] | None = None
+    """The smallest output tile (rows, columns) the GEMM library picks for a shape that would leave units idle with
+    ``gemm_tile`` (:func:`~primuspipe.projection.gemm.library_tile`: ``gemm_tile`` halved per side down to this);
+    None: every GEMM with ``gemm_tile``."""
     attention_efficiency: float | None = None
     """Share of the bf16 peak fused (flash) attention sustains, forward and backward; None: achievable_fraction."""
     attention_length_rates: tuple[tuple[float, float], ...] | None = None
@@ -101,7 +119,7 @@ class HardwareSpec:
         for name in ("peak_bf16_tflops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
                      "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node",
                      "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds",
-                     "moe_sync_host_op_seconds", "moe_kernel_seconds"):
+                     "moe_sync_host_op_seconds", "moe_kernel_seconds", "gemm_half_intensity"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
         for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),
@@ -113,8 +131,14 @@ class HardwareSpec:
         if len(self.gemm_tile) != 2 or min(self.gemm_tile) < 1:
             raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))], "a tile is two positive sizes",
                              "give [rows, columns], e.g. [128, 256]")
+        if self.gemm_min_tile is not None and (len(self.gemm_min_tile) != 2 or min(self.gemm_min_tile) < 1 or any(
+                small > large for small, large in zip(self.gemm_min_tile, self.gemm_tile))):
+            raise InputError([(self.source, "gemm_min_tile", list(self.gemm_min_tile))],
+                             "the smallest tile is two positive sizes, each at most gemm_tile's",
+                             f"give [rows, columns] no larger than gemm_tile {list(self.gemm_tile)}, e.g. [128, 128]")
         for name in ("achievable_fraction", "memory_bandwidth_fraction", "network_efficiency", "gemm_efficiency",
-                     "fp8_gemm_efficiency", "attention_efficiency", "sustained_fraction"):
+                     "fp8_gemm_efficiency", "attention_efficiency", "sustained_fraction", "mxfp8_cast_bandwidth_fraction",
+                     "mxfp8_gemm_efficiency"):
             if getattr(self, name) is None:
                 continue
             if not 0 < getattr(self, name) <= 1:
@@ -126,6 +150,12 @@ class HardwareSpec:
             raise InputError([(self.source, "peak_fp8_tflops", None)], "FP8 training on an accelerator without an FP8 peak",
                              "give peak_fp8_tflops (the dense FP8 figure of its data sheet) or train in bf16")
         return self.peak_fp8_tflops
+
+    @property
+    def mxfp8_cast_fraction(self) -> float:
+        """Share of the HBM bandwidth MXFP8 quantize kernels run at."""
+        return (self.memory_bandwidth_fraction if self.mxfp8_cast_bandwidth_fraction is None
+                else self.mxfp8_cast_bandwidth_fraction)
 
     @property
     def attention_fraction(self) -> float:

@@ -57,19 +57,45 @@ OPS = {
     "qk_norm": 2,             # per-head query and key norms
     "mlp": 1 + 1,             # activation, bias-dropout-add
     "moe_norm": 1,            # the pre-MLP norm (the router reads its output, so it is not fused into fc1)
-    "moe_router": 1 + 4 + 3,  # gating GEMM; score function and top-k; auxiliary-loss bookkeeping
+    "moe_gating": 1,          # the router's gating GEMM
+    "moe_score_topk": 4,      # score function and top-k
+    "moe_aux_loss": 3,        # auxiliary-loss bookkeeping
     "moe_preprocess": 10,     # token counts per expert and rank, their all-gather, the split sizes
     "moe_dtoh": 6,            # the split sizes' copies to the host (dropless only)
-    "moe_dispatch": 3 + 2,    # permute; all-to-all of the tokens and of their probabilities
-    "moe_sort": 2 + 2,        # sort received copies by local expert, and back (more than one local expert)
+    "moe_permute": 3,         # permute the copies into expert order
+    "moe_dispatch": 2,        # all-to-all of the tokens and of their probabilities
+    "moe_sort": 2,            # sort received copies by local expert (more than one local expert), and back
     "moe_experts": 2,         # the experts' activation (weighted by the routing probabilities)
-    "moe_combine": 1 + 2 + 1, # all-to-all back; unpermute; bias-dropout-add
+    "moe_unpermute": 2,       # unpermute the returned copies
+    "moe_combine": 1 + 1,     # all-to-all back; bias-dropout-add
     "shared_expert": 1,       # the shared expert's activation (its two linears are counted as linears)
     "expert_bias": 2 + 1 + 1, # with add_bias_linear: split output and probabilities, concatenate, cast back
     "expert_bias_each": 2,    # ... and per local expert: bias x probability, added to the expert's slice
 }
 """Framework ops of one layer's forward besides its linear modules, by region; each has one autograd node
-backward (in B)."""
+backward (in B). A fused kernel replaces a group by one op (:func:`moe_op_counts`)."""
+
+
+def moe_op_counts(training: TrainingSpec) -> dict[str, float]:
+    """:data:`OPS` as ``training``'s fusions leave them: each fused group is one op.
+
+    * ``moe_router_fusion`` (megatron-core's fused top-k): score function and top-k one op;
+      Primus-Turbo's ``moe_use_fused_router_with_aux_score`` (``primus/backends/megatron/core/transformer/moe/
+      router.py``, ``fused_router_and_auxiliary_loss``): the auxiliary loss's scores in the same op;
+    * ``moe_permute_fusion`` (Transformer Engine's ``moe_permute`` / ``moe_unpermute`` / ``moe_sort_chunks_by_index``
+      in megatron-core's ``moe_utils``): each permutation, sort and unpermutation one op;
+    * ``use_turbo_fused_act_with_probs`` (Primus's ``PrimusGroupedMLP``): activation and weighting one op."""
+    t = training
+    ops = dict(OPS)
+    if t.moe_router_fusion or t.moe_use_fused_router_with_aux_score:
+        ops["moe_score_topk"] = 1
+    if t.moe_use_fused_router_with_aux_score:
+        ops["moe_aux_loss"] = 0
+    if t.moe_permute_fusion:
+        ops.update(moe_permute=1, moe_sort=1, moe_unpermute=1)
+    if t.use_turbo_fused_act_with_probs:
+        ops["moe_experts"] = 1
+    return ops
 
 
 @dataclass(frozen=True)
@@ -104,8 +130,11 @@ class LayerHost:
 
 def waits_for_token_counts(training: TrainingSpec, kind: str) -> bool:
     """Whether a layer of ``kind``'s forward waits for the GPU: a dropless MoE dispatch copies the token counts
-    to the host, even at EP 1 (``before_finish``); padded to capacity every size is known in advance."""
-    return kind == "moe" and not training.moe_pad_expert_input_to_capacity
+    to the host, even at EP 1 (``before_finish``); padded to capacity every size is known in advance. Primus's
+    sync-free stage 1 (fused router and permutation) keeps the wait: its DeepEP dispatch still busy-waits for
+    the received counts (``PrimusTurboDeepEPTokenDispatcher``: ``num_worst_tokens`` is 0 below stage 2) and the
+    per-expert GEMMs take their sizes from the host; stage 2 and up wait for nothing."""
+    return kind == "moe" and not training.moe_pad_expert_input_to_capacity and not training.moe_syncs_free
 
 
 def host_priced(hardware: HardwareSpec, training: TrainingSpec, kind: str) -> bool:
@@ -133,15 +162,19 @@ def _regions(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool) -> 
     if kind == "dense":
         regions["mlp"] = (2, OPS["mlp"])
         return regions, 0.0
+    ops = moe_op_counts(t)
     local = model.num_experts // t.ep
-    padded = t.moe_pad_expert_input_to_capacity
     shared = 2 if model.moe_shared_expert_intermediate_size else 0
-    regions["moe_router"] = (0, OPS["moe_norm"] + OPS["moe_router"])
-    regions["moe_preprocess"] = (0, OPS["moe_preprocess"] + (0 if padded else OPS["moe_dtoh"]))
+    regions["moe_router"] = (0, ops["moe_norm"] + ops["moe_gating"] + ops["moe_score_topk"] + ops["moe_aux_loss"])
+    regions["moe_preprocess"] = (0, ops["moe_preprocess"] + (ops["moe_dtoh"] if waits_for_token_counts(t, kind) else 0))
     bias = OPS["expert_bias"] + local * OPS["expert_bias_each"] if model.add_bias_linear else 0  # TEGroupedMLP._apply_bias
-    regions["moe"] = (2 + shared, OPS["moe_dispatch"] + (OPS["moe_sort"] if local > 1 else 0) + OPS["moe_experts"]
-                      + OPS["moe_combine"] + (OPS["shared_expert"] if shared else 0) + bias)
-    return regions, local * (1 + (1 if fp8 else 0))  # each expert's GEMM (and its input's cast), per grouped linear
+    regions["moe"] = (2 + shared, ops["moe_permute"] + ops["moe_dispatch"] + (2 * ops["moe_sort"] if local > 1 else 0)
+                      + ops["moe_experts"] + ops["moe_unpermute"] + ops["moe_combine"]
+                      + (OPS["shared_expert"] if shared else 0) + bias)
+    # each expert's GEMM (and its input's cast) per grouped linear; Primus-Turbo's grouped GEMM runs all local
+    # experts in one launch (examples/moe_package/README.md, "Turbo Grouped GEMM")
+    gemms = 1 if t.use_turbo_grouped_gemm else local
+    return regions, gemms * (1 + (1 if fp8 else 0))
 
 
 MOE_REGIONS = ("moe_router", "moe_preprocess", "moe")

@@ -33,7 +33,7 @@ import yaml
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.framework import ConfigError, strict
 from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
-from primuspipe.projection.megatron_flags import ALIASES, RESOLVED, closest, no_effect
+from primuspipe.projection.megatron_flags import ALIASES, PRIMUS_FLAGS, RESOLVED, closest, no_effect, primus_default
 from primuspipe.projection.spec_fields import spec_from_mapping
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -42,7 +42,7 @@ logger = logging.getLogger("primuspipe.projection")
 MEGATRON_DEFAULTS = {
     "model": {"attention_dropout": 0.1, "hidden_dropout": 0.1},
     "training": {"pipeline_model_parallel_size": 1, "precision": "fp32", "use_distributed_optimizer": False,
-                 "overlap_grad_reduce": False, "attention_backend": "flash"},
+                 "overlap_grad_reduce": False, "attention_backend": "flash", "moe_expert_gemm": "sequential"},
 }
 """Where Megatron's defaults differ from the projection's own (which describe a current pre-training run)."""
 
@@ -80,7 +80,8 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
         name = RENAMED.get(name, name)
         spec = next((s for s, known in targets.items() if name in known), None)
         if name in ALIASES:
-            if value is not False and value is not None:
+            field = ALIASES[name][1]  # a projection-only field given by name (moe_expert_gemm) wins over its alias
+            if value is not False and value is not None and (field not in arguments or field in MEGATRON_FLAGS):
                 spec, field, setting = ALIASES[name]
                 values[spec][field] = value if setting is None else setting
         elif name in RESOLVED:
@@ -88,13 +89,13 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
         elif spec is not None:
             if value is not None:
                 values[spec][name] = "flash" if (name, value) == ("attention_backend", "auto") else value
-        elif no_effect(name):
+        elif no_effect(name) or primus_default(name, value):
             set_aside.append(name)
-        elif name in MEGATRON_FLAGS:
+        elif name in MEGATRON_FLAGS or name in PRIMUS_FLAGS:
             refused.append(f"{_flag(name)} changes time or memory in a way the projection does not model "
                            "(remove it to project the run without it)")
         else:
-            guess = closest(name, MEGATRON_FLAGS | targets["model"] | targets["training"])
+            guess = closest(name, MEGATRON_FLAGS | PRIMUS_FLAGS | targets["model"] | targets["training"])
             refused.append(f"{_flag(name)} is not a Megatron argument"
                            + (f" (did you mean {_flag(guess)}?)" if guess else ""))
     if refused:
@@ -217,19 +218,25 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
         if unknown := set(module) - _PRIMUS_MODULE_KEYS:
             raise ConfigError(f"{path}: modules.{name}: unknown keys {sorted(unknown)}; a Primus module has "
                               f"{', '.join(sorted(_PRIMUS_MODULE_KEYS))}")
-        if module.get("model") is not None:
-            arguments.update(_primus_model(Path(path), str(module["model"])))
+        if module.get("model") is not None:  # e.g. ${PRIMUS_MODEL:llama3.1_8B}.yaml
+            arguments.update(_primus_model(Path(path), str(_primus_values({"model": module["model"]})["model"])))
         if isinstance(module.get("overrides"), Mapping):
             arguments.update(module["overrides"])
     return split_arguments(_primus_values(arguments), str(path))
 
 
+_PRIMUS_VARIABLE = re.compile(r"\$\{\w+:([^}]*)\}")
+
+
 def _primus_values(arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """Primus writes ``${VAR:default}`` for values a launch may override: the default is the value."""
+    """Primus writes ``${VAR:default}`` for values a launch may override: the default is the value (read as
+    YAML when it is the whole value, so numbers stay numbers; put in place within a longer string)."""
     resolved = {}
     for name, value in arguments.items():
-        if isinstance(value, str) and (match := re.fullmatch(r"\$\{\w+:(.*)\}", value.strip())):
+        if isinstance(value, str) and (match := _PRIMUS_VARIABLE.fullmatch(value.strip())):
             value = yaml.safe_load(match.group(1)) if match.group(1) else None
+        elif isinstance(value, str):
+            value = _PRIMUS_VARIABLE.sub(lambda m: m.group(1), value)
         resolved[name] = value
     return resolved
 

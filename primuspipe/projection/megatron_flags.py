@@ -38,6 +38,7 @@ ALIASES = {
     "fp8_param": ("training", "fp8_param_gather", None),
     "enable_cuda_graph": ("training", "cuda_graph_impl", "local"),
     "external_cuda_graph": ("training", "cuda_graph_impl", "transformer_engine"),
+    "moe_grouped_gemm": ("training", "moe_expert_gemm", "multi_stream"),
 }
 """Megatron arguments whose name is not the field they set: ``flag -> (spec, field, value)``; value None:
 the argument's own value."""
@@ -96,7 +97,7 @@ NO_EFFECT = frozenset({
     "clip_grad", "cross_entropy_fusion_impl", "distributed_backend", "eod_mask_loss", "exp_name",
     "gradient_accumulation_fusion", "no_gradient_accumulation_fusion", "init_model_with_meta_device",
     "lazy_mpu_init", "masked_softmax_fusion", "no_masked_softmax_fusion", "micro_batch_size_rampup",
-    "moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion", "moe_aux_loss_coeff",
+    "moe_aux_loss_coeff",
     "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_pre_softmax", "moe_router_score_function",
     "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_topk_scaling_factor",
     "moe_input_jitter_eps", "moe_per_layer_logging", "moe_enable_deepep", "moe_flex_dispatcher_backend",
@@ -128,14 +129,56 @@ NO_EFFECT = frozenset({
     "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "no_fp8_wgrad", "tp_comm_bootstrap_backend",
     "tp_comm_overlap_cfg", "num_distributed_optimizer_instances", "align_param_gather", "align_grad_reduce",
     "use_sharp", "nccl_communicator_config_path", "sequence_parallel_size_rampup",
+    "moe_router_num_groups", "moe_router_group_topk",
 })
 """Further no-effect arguments, each by name. (Kernel-fusion switches whose effect the projection does
 model are fields or aliases instead, e.g. ``no_bias_swiglu_fusion``; ``attention_softmax_in_fp32`` matters
 only to the unfused kernel, whose backend the projection reads from ``attention_backend``.)"""
 
 
+PRIMUS_NO_EFFECT_PREFIXES = ("mlflow_", "torch_profiler_", "use_rocm_mem_info")
+PRIMUS_NO_EFFECT = frozenset({
+    "stderr_sink_level", "file_sink_level", "auto_continue_train", "disable_last_saving", "disable_tensorboard",
+    "disable_wandb", "disable_mlflow", "generate_tracelens_report", "disable_compile_dependencies", "pp_warmup",
+    "moe_router_force_load_balancing_type", "moe_use_legacy_grouped_gemm",
+})
+"""Primus's own arguments (``primus/configs/modules/megatron/primus_megatron_module.yaml``) that cannot change a
+step's time or memory: logging sinks and trackers, profiler options, resuming and the last checkpoint, the
+first iteration's pipeline warm-up, and how forced balancing spreads tokens (``even`` or ``uniform``: both
+balanced, which is what ``moe_router_force_load_balancing`` means to the projection), and the legacy grouped
+GEMM switch (also megatron-core's ``--moe-use-legacy-grouped-gemm``): with ``moe_grouped_gemm`` its ``GroupedMLP``
+calls the ``grouped_gemm`` package, which loops over 4 streams as Transformer Engine's ``GroupedLinear`` does (the
+same ``multi_stream`` path, :mod:`~primuspipe.projection.gemm`); without it megatron-core builds ``SequentialMLP``
+either way."""
+
+PRIMUS_FLAGS = frozenset({
+    "use_turbo_autotune", "turbo_gemm_backend", "turbo_grouped_gemm_backend", "mxfp4_gradient_stochastic_rounding",
+    "use_turbo_attention", "use_sink_attention", "sink_sliding_window", "sink_window_even_layers_only",
+    "enable_turbo_attention_float8", "use_turbo_gemm", "turbo_grouped_gemm_without_padding", "turbo_deepep_num_cu",
+    "turbo_deepep_use_comm_stream", "use_turbo_mega_moe", "turbo_mega_moe_precision", "use_turbo_rms_norm",
+    "use_turbo_norm_te_linear",
+})
+"""Primus-Turbo's own arguments (``primus/configs/modules/megatron/primus_turbo.yaml``) that are not training
+fields: their kernels' speed is not modelled, so each is refused when
+it turns something on, and set aside when it leaves Primus's default path (``false``, ``default``; :func:`primus_default`). The modelled ones
+(``enable_primus_turbo``, ``turbo_sync_free_moe_stage``, ``use_turbo_deepep``, ...) are training fields."""
+
+PRIMUS_DEFAULT_VALUES = {"turbo_gemm_backend": "default", "turbo_grouped_gemm_backend": "default",
+                         "turbo_mega_moe_precision": "bf16"}
+
+
+def primus_default(name: str, value) -> bool:
+    """A Primus-Turbo argument that leaves the default path: a switch off, a backend ``default``, or
+    ``turbo_deepep_num_cu`` (the compute units DeepEP's kernels take: the projection prices DeepEP's
+    transfers at the link's bandwidth whatever it is given)."""
+    if name == "turbo_deepep_num_cu":
+        return True
+    return name in PRIMUS_FLAGS and (value is False or value is None or value == PRIMUS_DEFAULT_VALUES.get(name))
+
+
 def no_effect(name: str) -> bool:
-    return name in NO_EFFECT or name.startswith(NO_EFFECT_PREFIXES)
+    return (name in NO_EFFECT or name.startswith(NO_EFFECT_PREFIXES) or name in PRIMUS_NO_EFFECT
+            or name.startswith(PRIMUS_NO_EFFECT_PREFIXES))
 
 
 def closest(name: str, names) -> str | None:

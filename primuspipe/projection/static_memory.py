@@ -9,7 +9,11 @@ data-parallel group -- DP * CP ranks for dense parameters, the expert-data-paral
 parameter; without it every rank keeps all 18. fp32 training keeps a 4-byte weight and gradient and
 8 bytes of moments (the weight is its own master copy). Megatron's precision-aware optimizer narrows
 the master weight, main gradient and moments to the dtypes given; FP8 weights (``fp8_param_gather``)
-take 1 byte; ``grad_reduce_in_bf16`` keeps 2-byte main gradients. Megatron-FSDP's ``optim_grads`` strategy shards the main gradients as well (ZeRO-2);
+take 1 byte, MXFP8 ones ``2 + 2/32``: Transformer Engine keeps an FP8 weight for both GEMM orientations
+(``module/base.py``, ``reset_parameters``: ``set_usage(rowwise=True, columnwise=...)``), and MXFP8's column-wise
+copy is a second quantization with its own E8M0 scales, not a view of the row-wise one (megatron-core gathers
+MXFP8 weights in bf16 into the gradient buffer, ``reuse_grad_buf_for_mxfp8_param_ag``, so no bf16 copy stays);
+``grad_reduce_in_bf16`` keeps 2-byte main gradients. Megatron-FSDP's ``optim_grads`` strategy shards the main gradients as well (ZeRO-2);
 ``optim_grads_params`` the weights too (ZeRO-3), and holds two layers' weights gathered at a time (the one
 computing and the next one, prefetched: Megatron-FSDP's double buffer).
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from primuspipe.projection.parameters import ParamCount
-from primuspipe.projection.training_spec import TrainingSpec
+from primuspipe.projection.training_spec import MXFP8_BLOCK, TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ def static_memory(params: ParamCount, training: TrainingSpec, layers: int = 1) -
     if t.precision == "fp32":
         weight, grad, state = 4, 4, 8
     else:
-        weight = 1 if t.fp8_param_gather else 2
+        weight = (2 + 2 / MXFP8_BLOCK if t.fp8_recipe == "mxfp8" else 1) if t.fp8_param_gather else 2
         grad = t.main_grad_bytes
         state = _BYTES[t.main_params_dtype] + _BYTES[t.exp_avg_dtype] + _BYTES[t.exp_avg_sq_dtype]
     gradients = sharded_params(params, training) if t.shards_gradients else params.total

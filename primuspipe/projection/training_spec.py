@@ -29,6 +29,9 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 one per 128x128 weight block and 1x128 activation tile (DeepSeek-V3's), mxfp8 one per 32 elements (needs a
 GPU with block-scaled FP8 GEMMs)."""
 
+MXFP8_BLOCK = 32
+"""Elements sharing one E8M0 scale in MXFP8 (the OCP Microscaling specification's block)."""
+
 @dataclass(frozen=True)
 class TrainingSpec:
     """One training configuration of one model (one pipeline replica's view, times DP replicas)."""
@@ -131,6 +134,18 @@ class TrainingSpec:
     overlap_moe_expert_parallel_comm: bool = False
     """EP all-to-all overlap (Megatron's 1F1B A2A overlap): one microbatch's dispatch/combine runs under
     another microbatch's compute; only what outlasts that compute is exposed."""
+    moe_expert_gemm: Literal["multi_stream", "fused", "sequential"] = "multi_stream"
+    """How a rank's expert GEMMs run (:mod:`~primuspipe.projection.gemm` cites the code): ``multi_stream``, one
+    GEMM per expert over 4 streams (megatron-core's ``TEGroupedMLP`` with ``--moe-grouped-gemm``: Transformer
+    Engine's default ``GroupedLinear`` path; also the legacy ``grouped_gemm`` package); ``fused``, one grouped
+    kernel whose waves hold tiles of all experts (Primus-Turbo's CK grouped GEMM, ``--use_turbo_grouped_gemm``;
+    TE's opt-in CUTLASS / cuBLASLt grouped GEMMs); ``sequential``, one expert after another (megatron-core's
+    ``SequentialMLP``, Megatron's default without ``--moe-grouped-gemm``)."""
+    gpu_max_hw_queues: int | None = None
+    """ROCm's ``GPU_MAX_HW_QUEUES``: the hardware queues HIP gives a device's streams (ROCm/clr
+    ``rocclr/utils/flags.hpp``, default 4; AMD's Primus launcher sets 2, ``runner/helpers/envs/base_env.sh``).
+    Streams beyond it share queues, so a ``multi_stream`` grouped GEMM runs at most this many experts at once.
+    None: the runtime's default (no limit below the 4 streams; CUDA has no such setting)."""
     moe_router_dtype: Literal["fp32", "fp64"] | None = None
     """The router's logits and probabilities in fp32 / fp64; None: the activations' dtype (Megatron's default).
     The probabilities weight each token copy in the experts (see ``WorkModel.probs_bytes``)."""
@@ -145,6 +160,31 @@ class TrainingSpec:
     moe_pad_expert_input_to_capacity: bool = False
     """With a capacity factor: every expert computes its full capacity (padded), so sizes are known in advance
     and the dispatcher never waits for token counts on the host."""
+    moe_permute_fusion: bool = False
+    """megatron-core's fused permutation (Transformer Engine's ``moe_permute`` / ``moe_unpermute`` / ``moe_sort_chunks_by_index``):
+    one kernel for each permutation of the token copies where the unfused path issues several (the host's
+    work, :mod:`~primuspipe.projection.host`; the copies' bytes are the same)."""
+    moe_router_fusion: bool = False
+    """megatron-core's fused router: the score function and top-k in one kernel (the auxiliary loss stays apart)."""
+    enable_primus_turbo: bool = False
+    """Primus: turn on Primus-Turbo (AMD's kernels, ``primus/configs/modules/megatron/primus_turbo.yaml``); every
+    ``use_turbo_*`` / ``turbo_*`` setting below needs it, as Primus asserts."""
+    turbo_sync_free_moe_stage: int = 0
+    """Primus's sync-free MoE (0-3; ``rocm_arg_validation.py``, ``_get_sync_free_moe_options``): each stage turns
+    other settings on as Primus does -- 1: ``moe_use_fused_router_with_aux_score`` and ``moe_permute_fusion``; 2:
+    also ``use_turbo_deepep`` and ``use_turbo_grouped_gemm`` (which it requires), and DeepEP sized for the worst
+    case (``num_worst_tokens``) with the token counts kept on the GPU, so no MoE layer waits for the host;
+    3: also ``use_turbo_fused_act_with_probs``."""
+    moe_use_fused_router_with_aux_score: bool = False
+    """Primus-Turbo's fused router: score function, top-k and the auxiliary loss's scores in one kernel."""
+    use_turbo_deepep: bool = False
+    """Primus-Turbo's DeepEP dispatcher (it replaces megatron-core's flex dispatcher, so
+    ``moe_token_dispatcher_type`` becomes ``flex`` as Primus sets it); needs ``moe_router_dtype: fp32``."""
+    use_turbo_grouped_gemm: bool = False
+    """Primus-Turbo's grouped GEMM: all local experts in one kernel launch instead of one GEMM per expert, whose
+    waves hold tiles of all experts (the ``fused`` path of ``moe_expert_gemm``, whatever that field says)."""
+    use_turbo_fused_act_with_probs: bool = False
+    """Primus-Turbo: the experts' activation and the routing-probability weighting in one kernel."""
     cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] = "none"
     """Megatron's CUDA graphs (``--enable-cuda-graph`` is ``local``, ``--external-cuda-graph``
     ``transformer_engine``): captured regions replay with one launch, which removes their host time."""
@@ -173,6 +213,21 @@ class TrainingSpec:
         if self.recompute_granularity is None and self.recompute_method is not None and not self.recompute_num_layers:
             object.__setattr__(self, "recompute_method", None)
         self._check()
+        self._enable_sync_free_moe()
+
+    def _enable_sync_free_moe(self) -> None:
+        """What Primus's ``turbo_sync_free_moe_stage`` and ``use_turbo_deepep`` turn on, set as Primus sets it
+        (``rocm_arg_validation.py``: the stage's options after its checks; the DeepEP patch: the flex dispatcher)."""
+        for name in SYNC_FREE_MOE_OPTIONS[self.turbo_sync_free_moe_stage]:
+            object.__setattr__(self, name, True)
+        if self.use_turbo_deepep:
+            object.__setattr__(self, "moe_token_dispatcher_type", "flex")
+
+    @property
+    def moe_syncs_free(self) -> bool:
+        """No MoE layer waits for token counts on the host: Primus's sync-free stage 2 and up size DeepEP's
+        receive buffer for the worst case and keep the counts on the GPU for the grouped GEMM."""
+        return self.turbo_sync_free_moe_stage >= 2
 
     @property
     def tp(self) -> int:
@@ -243,6 +298,12 @@ class TrainingSpec:
     def fp8(self) -> bool:
         """Linear-layer GEMMs run in FP8."""
         return self.fp8_format is not None
+
+    @property
+    def expert_gemm_kernel(self) -> str:
+        """The kernel path of the experts' GEMMs (:mod:`~primuspipe.projection.gemm`): Primus-Turbo's grouped
+        GEMM is one kernel over all experts (``fused``); otherwise ``moe_expert_gemm``."""
+        return "fused" if self.use_turbo_grouped_gemm else self.moe_expert_gemm
 
     @property
     def per_tensor_fp8(self) -> bool:
@@ -339,6 +400,9 @@ class TrainingSpec:
             self._fail(("use_precision_aware_optimizer", "main_params_dtype", "main_grads_dtype", "exp_avg_dtype",
                         "exp_avg_sq_dtype"), "narrower optimizer dtypes need the precision-aware optimizer (Megatron's rule)",
                        "set use_precision_aware_optimizer: true or keep the dtypes fp32")
+        if self.gpu_max_hw_queues is not None and self.gpu_max_hw_queues < 1:
+            self._fail(("gpu_max_hw_queues",), "a device needs at least one hardware queue",
+                       "give ROCm's GPU_MAX_HW_QUEUES of the run (e.g. 2 or 4), or leave it out")
         if self.moe_expert_load_imbalance is not None and self.moe_expert_load_imbalance < 1:
             self._fail(("moe_expert_load_imbalance",), "the busiest experts cannot carry less than the mean",
                        "give a factor >= 1 (1 = uniform routing)")
@@ -365,10 +429,49 @@ class TrainingSpec:
                        "set fp8_format (e4m3 or hybrid), or remove fp8_recipe / fp8_param_gather")
         if self.fp8_format is not None and self.precision == "fp32":
             self._fail(("fp8_format", "precision"), "FP8 GEMMs need mixed precision", "set precision: bf16")
+        self._check_primus_turbo()
         if (self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers) and self.pp == 1:
             self._fail(("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                         "pipeline_model_parallel_size"), "uneven first/last stages need a pipeline",
                        "remove them or set pipeline_model_parallel_size > 1")
+
+
+    def _check_primus_turbo(self) -> None:
+        """Primus's own rules for its MoE features (``rocm_arg_validation.py``, ``validate_args_on_rocm``)."""
+        if self.turbo_sync_free_moe_stage not in SYNC_FREE_MOE_OPTIONS:
+            self._fail(("turbo_sync_free_moe_stage",), "Primus's sync-free MoE has stages 0-3", "give 0, 1, 2 or 3")
+        turbo = [n for n in PRIMUS_TURBO_FIELDS if getattr(self, n)]
+        if turbo and not self.enable_primus_turbo:
+            self._fail(("enable_primus_turbo", *turbo), "Primus-Turbo features need Primus-Turbo turned on (Primus asserts it)",
+                       "set enable_primus_turbo: true, or remove them")
+        if self.turbo_sync_free_moe_stage > 1 and not self.use_turbo_grouped_gemm:
+            self._fail(("turbo_sync_free_moe_stage", "use_turbo_grouped_gemm"),
+                       "sync-free MoE stages 2 and 3 need Primus-Turbo's grouped GEMM (Primus raises otherwise)",
+                       "set use_turbo_grouped_gemm: true, or use stage 1")
+        deepep = self.use_turbo_deepep or self.turbo_sync_free_moe_stage > 1
+        if deepep and self.moe_router_dtype != "fp32":
+            self._fail(("use_turbo_deepep", "turbo_sync_free_moe_stage", "moe_router_dtype"),
+                       "Primus-Turbo's DeepEP takes float32 probabilities only (Primus asserts it)",
+                       "set moe_router_dtype: fp32")
+        if deepep and self.ep * self.etp <= 1:
+            self._fail(("use_turbo_deepep", "turbo_sync_free_moe_stage", "expert_model_parallel_size"),
+                       "the DeepEP dispatcher needs expert (or expert-tensor) parallelism above 1 (Primus raises otherwise)",
+                       "set expert_model_parallel_size > 1, or turn DeepEP off")
+
+
+SYNC_FREE_MOE_OPTIONS: dict[int, tuple[str, ...]] = {
+    0: (),
+    1: ("moe_use_fused_router_with_aux_score", "moe_permute_fusion"),
+    2: ("moe_use_fused_router_with_aux_score", "moe_permute_fusion", "use_turbo_deepep", "use_turbo_grouped_gemm"),
+    3: ("moe_use_fused_router_with_aux_score", "moe_permute_fusion", "use_turbo_deepep", "use_turbo_grouped_gemm",
+        "use_turbo_fused_act_with_probs"),
+}
+"""The settings each of Primus's sync-free MoE stages turns on (``_get_sync_free_moe_options``;
+``moe_router_padding_for_quantization``, which it also sets under FP8, changes neither time nor memory here)."""
+
+PRIMUS_TURBO_FIELDS = ("turbo_sync_free_moe_stage", "moe_use_fused_router_with_aux_score", "use_turbo_deepep",
+                       "use_turbo_grouped_gemm", "use_turbo_fused_act_with_probs")
+"""Training fields that only act with ``enable_primus_turbo``."""
 
 
 @dataclass(frozen=True)

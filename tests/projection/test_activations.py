@@ -110,3 +110,18 @@ def test_full_recompute_keeps_one_input_per_group():
                                                        recompute_num_layers=2))
     assert block.recomputed(range(5)) == [True, True, False, False, False]
     assert block.layer_bytes(range(5))[:3] == [hidden, hidden, block.layer("dense").total]
+
+
+def test_sync_free_stage_3_keeps_the_experts_tensors_at_their_worst_case_rows():
+    """Stage 3 sizes the permuted tokens for every token of the EP group going to this rank
+    (``permute_max_token_num``): the routed experts' kept tensors grow EP-fold; stages 1 and 2 keep the copies."""
+    base = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=4, data_parallel_size=4,
+                        micro_batch_size=2, global_batch_size=8, moe_router_dtype="fp32", enable_primus_turbo=True)
+    def routed(**fields):
+        model = dataclasses.replace(MOE, moe_shared_expert_intermediate_size=None)
+        training = dataclasses.replace(base, **fields)
+        return ActivationModel(model, training).layer("moe").components["moe_mlp"]
+    plain = routed()
+    assert routed(turbo_sync_free_moe_stage=1) == plain
+    assert routed(turbo_sync_free_moe_stage=2, use_turbo_grouped_gemm=True) == plain
+    assert routed(turbo_sync_free_moe_stage=3, use_turbo_grouped_gemm=True) == pytest.approx(4 * plain)

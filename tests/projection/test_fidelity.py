@@ -12,7 +12,7 @@ import pytest
 
 from primuspipe.projection.comm import Collectives, LayerComm, layer_comm
 from primuspipe.projection.compute import WorkModel, model_flops_per_token
-from primuspipe.projection.gemm import Gemm, gemm_seconds
+from primuspipe.projection.gemm import GROUPED_GEMM_KERNELS, Gemm, gemm_seconds, grouped_waves
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.layout import StageLayout, layer_counts, parse_layout
 from primuspipe.projection.framework import Placement
@@ -37,12 +37,66 @@ def test_gemms_run_in_waves_of_tiles_and_never_beat_the_roofline():
     assert gemm_seconds(Gemm(4 * 100, 128, k), HW, "bf16") == pytest.approx(4 * UNIT * k)  # partial tiles pay in full
     skinny, slow_memory = Gemm(1, 8192, 8192), dataclasses.replace(HW, hbm_bandwidth_bytes_per_s=1e9)
     assert gemm_seconds(skinny, slow_memory, "bf16") == pytest.approx((8192 * 8192 + 8192 + 8192) * 2 / 1e9)  # reads B
-    # a grouped GEMM's groups run one after another, each with its own last wave
-    assert gemm_seconds(Gemm(128, 128, k, groups=3), HW, "bf16") == pytest.approx(3 * 4 * UNIT * k)
+    # run one after another (SequentialMLP), a grouped GEMM's groups each have their own last wave
+    assert gemm_seconds(Gemm(128, 128, k, groups=3, kernel="sequential"), HW, "bf16") == pytest.approx(3 * 4 * UNIT * k)
     # FP8 at the FP8 peak and its own efficiency (here 200 * 0.25 = the bf16 rate)
     assert gemm_seconds(Gemm(4 * 128, 128, k, fp8=True), HW, "bf16") == pytest.approx(4 * UNIT * k)
     flat = dataclasses.replace(HW, gemm_efficiency=None, achievable_fraction=0.5)  # old hardware files: shape-free
     assert gemm_seconds(Gemm(5 * 128, 128, k), flat, "bf16") == pytest.approx(2 * 5 * 128 * 128 * k / 50e12)
+
+
+@pytest.mark.parametrize("kernel, streams, waves", [
+    ("fused", 4, 1),         # one kernel: the 6 groups' 6 tiles fill the 6 units once
+    ("multi_stream", 4, 2),  # Transformer Engine's 4 streams: a round of 4 tiles (one wave), then 2 (another)
+    ("multi_stream", 2, 3),  # ROCm with 2 hardware queues: 3 rounds of 2 concurrent groups
+    ("multi_stream", 1, 6),  # one queue: as sequential
+    ("sequential", 4, 6),    # SequentialMLP: a wave per group whatever the streams
+])
+def test_a_grouped_gemms_groups_share_waves_as_its_kernel_path_runs_them(kernel, streams, waves):
+    six_units, k = dataclasses.replace(HW, compute_units=6), 4096
+    gemm = Gemm(128, 128, k, groups=6, kernel=kernel, streams=streams)  # one tile a group
+    assert gemm_seconds(gemm, six_units, "bf16") == pytest.approx(waves * 6 * UNIT * k)
+    # the gradients (and a scaled pass) run on the same path
+    assert {(g.kernel, g.streams) for g in (gemm.dgrad(), gemm.wgrad(), gemm.times(2))} == {(kernel, streams)}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_grouped_waves_order_the_paths_and_agree_for_one_group(seed):
+    import random
+    rng = random.Random(seed)
+    for _ in range(200):
+        tiles, units, groups = rng.randint(1, 600), rng.randint(1, 304), rng.randint(1, 40)
+        fused = grouped_waves(tiles, units, groups, "fused")
+        multi = [grouped_waves(tiles, units, groups, "multi_stream", s) for s in (4, 2, 1)]
+        sequential = grouped_waves(tiles, units, groups, "sequential")
+        assert math.ceil(tiles * groups / units) == fused <= multi[0] <= multi[1] <= multi[2] == sequential
+        assert sequential == groups * math.ceil(tiles / units)
+        assert len({grouped_waves(tiles, units, 1, p) for p in GROUPED_GEMM_KERNELS}) == 1
+
+
+def test_the_experts_gemms_follow_the_trainings_kernel_path_and_hardware_queues():
+    model = load_model(EXAMPLES / "models" / "deepseek-v2-lite.yaml")
+    mi355x = load_hardware(EXAMPLES / "hardware" / "mi355x.yaml")
+    base = dict(micro_batch_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                expert_model_parallel_size=8, data_parallel_size=8)
+
+    def experts(**settings):
+        work = WorkModel(model, TrainingSpec(**base, **settings)).layer("moe")
+        grouped = [g for w in work.passes() for g in w.gemms if g.groups > 1]
+        assert len(grouped) == 6  # two expert linears, three passes each
+        return grouped, sum(gemm_seconds(g, mi355x, "bf16") for g in grouped)
+
+    default, multi = experts()
+    assert {(g.kernel, g.streams) for g in default} == {("multi_stream", 4)}
+    queues, two = experts(gpu_max_hw_queues=2)
+    assert {(g.kernel, g.streams) for g in queues} == {("multi_stream", 2)}
+    _, fused = experts(moe_expert_gemm="fused")
+    _, sequential = experts(moe_expert_gemm="sequential")
+    assert fused <= multi <= two < sequential
+    turbo, turbo_s = experts(moe_expert_gemm="sequential", enable_primus_turbo=True, use_turbo_grouped_gemm=True)
+    assert {g.kernel for g in turbo} == {"fused"} and turbo_s == fused  # Primus-Turbo's one grouped kernel
+    with pytest.raises(InputError, match="gpu_max_hw_queues"):
+        TrainingSpec(gpu_max_hw_queues=0)
 
 
 def test_fp8_needs_an_fp8_peak_and_mixed_precision():
@@ -90,7 +144,16 @@ def test_fp8_operands_are_quantized_where_transformer_engine_quantizes_them(reci
     t, h, ffn = work.tokens, model.hidden_size, model.ffn / tp
     casts = (2 * t * h * norm_fed + t * (model.num_attention_heads * model.head_dim / tp + ffn)
              * ((6 if current else 4) if per_tensor else 4))
-    assert work.layer("dense").forward.memory_bytes - plain.layer("dense").forward.memory_bytes == pytest.approx(casts)
+    forward = work.layer("dense").forward
+    moved = forward.memory_bytes + forward.fp8_transpose_bytes
+    assert moved - plain.layer("dense").forward.memory_bytes == pytest.approx(casts)
+    # of which the transposed copies: written by the cast (1), or read and written after it (2) for a gathered
+    # operand and a delayed-scaling norm's FP8 output; a GPU whose FP8 GEMMs take any layout (Blackwell) skips them
+    transposed = (2 * t * h * (2 if sp or not current else 1)
+                  + t * (model.num_attention_heads * model.head_dim / tp + ffn)) if per_tensor else 0.0
+    assert forward.fp8_transpose_bytes == pytest.approx(transposed)
+    any_layout = dataclasses.replace(HW, fp8_gemm_any_layout=True)
+    assert forward.seconds(HW, "bf16") - forward.seconds(any_layout, "bf16") == pytest.approx(transposed / 1e12)
     # the gathers of those operands move one byte per element; current scaling all-reduces each amax first, unhidden
     net, activation = Collectives(HW), t * h * 2
     saved = 2 * (net.gather(activation, tp, tp) - net.gather(activation / 2, tp, tp)) if sp and per_tensor else 0.0
@@ -100,6 +163,50 @@ def test_fp8_operands_are_quantized_where_transformer_engine_quantizes_them(reci
     assert comm.blocking == pytest.approx((amax, amax, 0.0))
     overlapped = dataclasses.replace(fp8, tp_comm_overlap=True)
     assert comm.exposed(overlapped, (1.0,) * 3, (0.0,) * 3, (1.0,) * 3)[0] >= amax
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("model_name", ["llama3-8b", "qwen3-30b-a3b"])
+def test_mxfp8_casts_write_both_copies_with_their_scales_at_the_cast_kernels_bandwidth(model_name, tp):
+    model = load_model(EXAMPLES / "models" / f"{model_name}.yaml")
+    ep = 8 if model.num_experts else 1
+    mx = TrainingSpec(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, expert_model_parallel_size=ep,
+                      fp8_format="e4m3", fp8_recipe="mxfp8", pipeline_model_parallel_size=1, global_batch_size=8,
+                      data_parallel_size=8)
+    work, plain = WorkModel(model, mx), WorkModel(model, mx.without_fp8())
+    # bf16 read (2), row-wise and column-wise FP8 written (1 + 1), an E8M0 scale per 32 elements for each: the same
+    # for a norm's output (TE runs MXFP8 norms unfused) and for a gathered operand (counted as cast whole)
+    for kw in ({}, {"norm_fed": True}, {"gathered": tp > 1}):
+        assert work._quantize_bytes(1.0, **kw) == pytest.approx(4 + 2 / 32)
+    kind = "moe" if model.num_experts else "dense"
+    layer, bf16 = work.layer(kind), plain.layer(kind)
+    # the casts are MXFP8 bytes, not element-wise bytes: they add nothing to memory_bytes
+    assert layer.forward.memory_bytes == pytest.approx(bf16.forward.memory_bytes)
+    assert layer.backward_input.memory_bytes == pytest.approx(bf16.backward_input.memory_bytes)
+    # one cast per FP8 GEMM operand fed from bf16: every FP8 linear's input forward, its output gradient backward
+    fwd = sum(g.m * g.k * g.groups for g in layer.forward.gemms if g.fp8)
+    bwd = sum(g.m * g.k * g.groups for g in layer.backward_input.gemms if g.fp8)
+    assert layer.forward.mxfp8_cast_bytes == pytest.approx(fwd * (4 + 2 / 32))
+    assert layer.backward_input.mxfp8_cast_bytes == pytest.approx(bwd * (4 + 2 / 32))
+    assert layer.backward_weight.mxfp8_cast_bytes == 0.0
+    # timed at mxfp8_cast_bandwidth_fraction where the hardware file gives it, else at the element-wise fraction
+    slow = dataclasses.replace(HW, mxfp8_cast_bandwidth_fraction=0.5, block_scaled_fp8=True)
+    fast = dataclasses.replace(HW, block_scaled_fp8=True)
+    extra = layer.forward.seconds(slow, "bf16") - layer.forward.seconds(fast, "bf16")
+    assert extra == pytest.approx(layer.forward.mxfp8_cast_bytes / 1e12)  # (1/0.5 - 1/1.0) x bytes / bandwidth
+    assert fast.mxfp8_cast_fraction == fast.memory_bandwidth_fraction and slow.mxfp8_cast_fraction == 0.5
+    with pytest.raises(InputError, match="mxfp8_cast_bandwidth_fraction"):
+        dataclasses.replace(HW, mxfp8_cast_bandwidth_fraction=1.5)
+    # its linears' GEMMs are block-scaled in every pass, and run at mxfp8_gemm_efficiency where the file gives it
+    passes = [g for w in layer.passes() for g in w.gemms]
+    assert all(g.mxfp8 == g.fp8 for g in passes) and any(g.mxfp8 for g in passes)
+    assert not any(g.mxfp8 for w in WorkModel(model, dataclasses.replace(mx, fp8_recipe="tensorwise")).layer(kind).passes()
+                   for g in w.gemms)
+    big = Gemm(4 * 128, 128, 4096, fp8=True, mxfp8=True)
+    assert gemm_seconds(big, dataclasses.replace(fast, mxfp8_gemm_efficiency=0.125), "bf16") == pytest.approx(
+        2 * gemm_seconds(big, fast, "bf16"))  # half the FP8 efficiency (0.25) -> twice the time
+    assert gemm_seconds(big.dgrad(), fast, "bf16") == gemm_seconds(dataclasses.replace(big.dgrad(), mxfp8=False), fast, "bf16")
+    assert big.dgrad().mxfp8 and big.wgrad().mxfp8 and big.times(2).mxfp8
 
 
 def test_overlapped_communication_shows_only_what_outlasts_its_compute():
@@ -214,5 +321,9 @@ def test_fused_cross_entropy_and_narrow_optimizer_state_shrink_memory():
     narrow = TrainingSpec(use_distributed_optimizer=False, use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
                           exp_avg_sq_dtype="bf16", fp8_format="e4m3", fp8_param_gather=True)
     assert dataclasses.astuple(static_memory(params, narrow)) == (1000, 4000, 8000)  # 1 + 4 + (4 + 2 + 2) bytes
+    # MXFP8 weights keep a row-wise and a column-wise FP8 copy, each with an E8M0 scale per 32 elements
+    mx = dataclasses.replace(narrow, fp8_recipe="mxfp8")
+    assert static_memory(params, mx).weights == pytest.approx(1000 * (2 + 2 / 32))
+    assert static_memory(params, dataclasses.replace(mx, fp8_param_gather=False)).weights == 2000
     with pytest.raises(InputError, match="need the precision-aware optimizer"):
         TrainingSpec(exp_avg_dtype="bf16")

@@ -82,7 +82,7 @@ def test_host_time_leaves_runs_with_enough_gpu_work_alone(run_id):
 def test_host_time_slows_a_fine_grained_moe_layer_with_little_gpu_work():
     run_id = "mbridge2511-b200-qwen3-30b-a3b-mxfp8-8"  # its recipe graphs the router; eager here, so the host binds
     eager = {"cuda_graph_impl": "none", "cuda_graph_modules": ()}
-    bare = {"moe_kernel_seconds": None}  # the device's least work: the host's share shows most
+    bare = {"moe_kernel_seconds": None, "gemm_half_intensity": None}  # the device's least work: the host's share shows most
     with_host = _tokens_per_s(run_id, bare, **eager)
     without = _tokens_per_s(run_id, bare | {"host_op_seconds": None}, **eager)
     assert with_host < 0.98 * without
@@ -192,3 +192,73 @@ def test_bad_moe_kernel_or_sync_host_seconds_is_refused_with_one_line(tmp_path, 
     with pytest.raises(InputError, match=message) as raised:
         load_hardware(path)
     assert field in str(raised.value).splitlines()[0]
+
+
+MI355X = load_hardware(EXAMPLES / "hardware" / "mi355x.yaml")
+TURBO = dict(enable_primus_turbo=True, moe_router_dtype="fp32")
+
+
+@pytest.mark.parametrize("stage, on", [
+    (0, set()),
+    (1, {"moe_use_fused_router_with_aux_score", "moe_permute_fusion"}),
+    (2, {"moe_use_fused_router_with_aux_score", "moe_permute_fusion", "use_turbo_deepep", "use_turbo_grouped_gemm"}),
+    (3, {"moe_use_fused_router_with_aux_score", "moe_permute_fusion", "use_turbo_deepep", "use_turbo_grouped_gemm",
+         "use_turbo_fused_act_with_probs"}),
+])
+def test_each_sync_free_stage_turns_on_what_primus_turns_on(stage, on):
+    switches = {"moe_use_fused_router_with_aux_score", "moe_permute_fusion", "use_turbo_deepep",
+                "use_turbo_grouped_gemm", "use_turbo_fused_act_with_probs"}
+    t = moe_training(**TURBO, turbo_sync_free_moe_stage=stage, use_turbo_grouped_gemm=stage > 1)
+    assert {n for n in switches if getattr(t, n)} == on
+    assert t.moe_token_dispatcher_type == ("flex" if stage > 1 else "alltoall")  # Primus's DeepEP patch sets flex
+    assert t.moe_syncs_free == (stage > 1)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(TURBO, turbo_sync_free_moe_stage=4), "stages 0-3"),
+    (dict(turbo_sync_free_moe_stage=1), "enable_primus_turbo"),
+    (dict(use_turbo_deepep=True, moe_router_dtype="fp32"), "enable_primus_turbo"),
+    (dict(TURBO, turbo_sync_free_moe_stage=2), "use_turbo_grouped_gemm"),
+    (dict(enable_primus_turbo=True, use_turbo_deepep=True), "float32 probabilities"),
+    (dict(TURBO, use_turbo_deepep=True, expert_model_parallel_size=1), "expert"),
+])
+def test_primus_rules_for_its_moe_features_are_kept(fields, message):
+    with pytest.raises(InputError, match=message):
+        moe_training(**fields)
+
+
+def test_fusions_cut_the_host_ops_of_their_groups_and_stage_2_the_wait():
+    base = layer_host(QWEN, moe_training(), "moe")  # 16 local experts: the received copies are sorted
+    router = layer_host(QWEN, moe_training(moe_router_fusion=True), "moe")
+    assert base.forward.ops - router.forward.ops == 3  # score function and top-k: 4 ops -> 1
+    turbo_router = layer_host(QWEN, moe_training(**TURBO, moe_use_fused_router_with_aux_score=True), "moe")
+    assert base.forward.ops - turbo_router.forward.ops == 3 + 3  # ... and the auxiliary loss's 3 in it
+    permute = layer_host(QWEN, moe_training(moe_permute_fusion=True), "moe")
+    assert base.forward.ops - permute.forward.ops == 2 + 2 + 1  # permute 3 -> 1, two sorts 2 -> 1 each, unpermute 2 -> 1
+    assert base.backward_input.ops - permute.backward_input.ops == 5 and permute.syncs
+    stage1 = layer_host(QWEN, moe_training(**TURBO, turbo_sync_free_moe_stage=1, use_turbo_deepep=True), "moe")
+    assert base.forward.ops - stage1.forward.ops == 6 + 5 and stage1.syncs  # DeepEP still waits for counts
+    assert stage1.forward.launches == base.forward.launches  # the per-expert GEMMs stay
+    grouped = layer_host(QWEN, moe_training(**TURBO, use_turbo_grouped_gemm=True), "moe")
+    assert grouped.forward.launches == 2  # one launch per grouped linear for all 16 experts
+    stage2 = layer_host(QWEN, moe_training(**TURBO, turbo_sync_free_moe_stage=2, use_turbo_grouped_gemm=True), "moe")
+    assert not stage2.syncs and stage1.forward.ops - stage2.forward.ops == 6  # no copies of the counts to the host
+    stage3 = layer_host(QWEN, moe_training(**TURBO, turbo_sync_free_moe_stage=3, use_turbo_grouped_gemm=True), "moe")
+    assert stage2.forward.ops - stage3.forward.ops == 1  # activation and probability weighting fused
+
+
+def test_sync_free_stage_2_takes_the_mi355x_moe_layer_off_its_host_price():
+    """On the MI355X only MoE layers that wait for token counts are host-priced (moe_sync_host_op_seconds): the
+    baseline MBS 1 row is host-bound; from stage 2 nothing waits, and the projection is the device's."""
+    run = next(r for r in load_runs() if r.id == "primus-mi355x-deepseek-v2-lite-bf16-8-mbs1-baseline")
+    model = load_model(EXAMPLES / "models" / f"{run.model}.yaml")
+    base = training_of(run)
+    free = dataclasses.replace(base, **TURBO, turbo_sync_free_moe_stage=2, use_turbo_grouped_gemm=True)
+    stage1 = dataclasses.replace(base, **TURBO, turbo_sync_free_moe_stage=1)
+    parts = {name: part_times(WorkModel(model, t), MI355X, Calibration())["moe"]
+             for name, t in (("base", base), ("stage1", stage1), ("free", free))}
+    assert parts["base"].host_syncs and parts["stage1"].host_syncs and not parts["free"].host_syncs
+    assert 0 < parts["stage1"].host[0] < parts["base"].host[0] and parts["free"].host == (0.0, 0.0, 0.0)
+    speed = {name: Projector(model, MI355X).evaluate(t, "1f1b").tokens_per_s_per_gpu
+             for name, t in (("base", base), ("stage1", stage1), ("free", free))}
+    assert speed["base"] < speed["stage1"] < speed["free"]

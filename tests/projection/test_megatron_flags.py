@@ -12,7 +12,7 @@ import yaml
 
 from primuspipe.cli import main
 from primuspipe.projection.framework import ConfigError, PrimusPipeError
-from primuspipe.projection.megatron_args import read_arguments, read_megatron_config
+from primuspipe.projection.megatron_args import read_arguments, read_megatron_config, split_arguments
 from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
 from primuspipe.projection.megatron_flags import defined_flags
 
@@ -44,6 +44,17 @@ def test_cuda_graph_and_capacity_arguments_are_modelled():
     assert read_arguments(MODEL_ARGS + "--external-cuda-graph", "r").training.cuda_graph_impl == "transformer_engine"
     t = read_arguments(MODEL_ARGS + "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity", "r").training
     assert (t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity) == (1.0, True)
+
+
+def test_expert_gemms_run_as_megatron_builds_them():
+    moe = MODEL_ARGS + "--num-experts 8 --expert-model-parallel-size 2 --moe-router-topk 2 "
+    assert read_arguments(moe, "r").training.moe_expert_gemm == "sequential"  # SequentialMLP, Megatron's default
+    assert read_arguments(moe + "--moe-grouped-gemm", "r").training.moe_expert_gemm == "multi_stream"  # TEGroupedMLP
+    config = split_arguments(
+        {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 128,
+         "max_position_embeddings": 128, "vocab_size": 1000, "num_experts": 8, "moe_grouped_gemm": True,
+         "moe_expert_gemm": "fused", "gpu_max_hw_queues": 2}, "primus.yaml")
+    assert (config.training.moe_expert_gemm, config.training.gpu_max_hw_queues) == ("fused", 2)  # a field named wins
 
 
 def test_settings_that_change_time_are_modelled_and_the_rest_set_aside():
@@ -82,7 +93,7 @@ def test_primus_model_files_and_their_bases_are_followed(tmp_path):
     exp = tmp_path / "experiments" / "exp.yaml"
     exp.parent.mkdir()
     exp.write_text(yaml.safe_dump({"work_group": "x", "modules": {"pre_trainer": {
-        "framework": "megatron", "config": "pre_trainer.yaml", "model": "tiny.yaml",
+        "framework": "megatron", "config": "pre_trainer.yaml", "model": "${PRIMUS_MODEL:tiny}.yaml",
         "overrides": {"micro_batch_size": 1, "global_batch_size": 16, "pipeline_model_parallel_size": "${PP:2}",
                       "bf16": True, "recompute_num_layers": 0, "recompute_granularity": "selective",
                       "recompute_modules": ["layernorm", "moe_act"]}}}}))
@@ -112,3 +123,45 @@ def test_first_last_layers_bf16_is_read_with_its_layer_counts():
     t = config.training
     assert (t.first_last_layers_bf16, t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16) == (True, 1, 2)
     assert t.bf16_layers(8) == {0, 6, 7}
+
+
+def test_primus_moe_features_are_modelled_and_turbo_kernels_refused_when_on():
+    """Primus's MoE switches as its run scripts pass them (examples/moe_package/run_deepseek_v2_lite_pretrain_mi355x.sh)
+    are training fields; Primus-Turbo kernels the projection does not time are refused when turned on and set
+    aside when left off; a mistyped Primus name gets the closest one."""
+    primus = ("--enable_primus_turbo True --use_turbo_deepep True --turbo_deepep_num_cu 64 "
+              "--turbo_deepep_use_comm_stream False --moe_router_dtype fp32 --turbo_sync_free_moe_stage 1 "
+              "--use_turbo_attention False --turbo_gemm_backend default --expert_model_parallel_size 8 "
+              "--num_moe_experts 8 --moe_ffn_hidden_size 128 --moe_router_topk 2 --manual_gc True ")
+    config = read_arguments(MODEL_ARGS + primus, "run.sh")
+    t = config.training
+    assert (t.enable_primus_turbo, t.use_turbo_deepep, t.turbo_sync_free_moe_stage, t.moe_token_dispatcher_type) == (
+        True, True, 1, "flex")
+    assert t.moe_use_fused_router_with_aux_score and t.moe_permute_fusion and not t.moe_syncs_free
+    assert {"turbo_deepep_num_cu", "turbo_deepep_use_comm_stream", "use_turbo_attention", "turbo_gemm_backend",
+            "manual_gc"} <= set(config.no_effect)
+    with pytest.raises(ConfigError, match="--use-turbo-attention changes time or memory"):
+        read_arguments(MODEL_ARGS + primus.replace("--use_turbo_attention False", "--use_turbo_attention True"), "r")
+    with pytest.raises(ConfigError, match=r"--use-turbo-deeep is not a Megatron argument \(did you mean --use-turbo-deepep\?\)"):
+        read_arguments(MODEL_ARGS + "--use_turbo_deeep True", "r")
+    with pytest.raises(PrimusPipeError, match="enable_primus_turbo"):
+        read_arguments(MODEL_ARGS + "--turbo_sync_free_moe_stage 1", "r")
+    fused = read_arguments(MODEL_ARGS + "--moe-permute-fusion --moe-router-fusion", "r").training
+    assert fused.moe_permute_fusion and fused.moe_router_fusion
+
+
+def test_primus_bookkeeping_and_the_legacy_grouped_gemm_switch_are_set_aside():
+    """Primus's own logging and resuming keys cannot change a step; its legacy grouped GEMM (the
+    ``grouped_gemm`` package) takes the same 4-stream path as TE's, either way; group-limited routing is a few ops
+    over the routing scores, set aside."""
+    for legacy in ("False", "True"):
+        config = read_arguments(MODEL_ARGS + "--stderr_sink_level DEBUG --auto_continue_train False "
+                                "--disable_last_saving True --mlflow_run_name x --moe-grouped-gemm "
+                                f"--moe_use_legacy_grouped_gemm {legacy} "
+                                "--moe_router_force_load_balancing_type even --moe-router-num-groups 8 "
+                                "--moe-router-group-topk 3", "r")
+        assert set(config.no_effect) == {"stderr_sink_level", "auto_continue_train", "disable_last_saving",
+                                         "mlflow_run_name", "moe_use_legacy_grouped_gemm",
+                                         "moe_router_force_load_balancing_type", "moe_router_num_groups",
+                                         "moe_router_group_topk"}
+        assert config.training.moe_expert_gemm == "multi_stream"

@@ -151,9 +151,12 @@ def test_extrapolated_projection_equals_the_full_simulation(monkeypatch, pp, vpp
     training = TrainingSpec(global_batch_size=microbatches, pipeline_model_parallel_size=pp,
                             virtual_pipeline_model_parallel_size=vpp)
     names = [info.name for info in list_algorithms()]
-    extrapolated = {r.algorithm: r for r in project(Projector(LLAMA, H100), training, algorithms=names)[0]}
+    # the H100 with flat GEMM efficiency: with its curve by shape, zbv's pp-3 tables at 13 and 19 microbatches
+    # follow no line and that pipeline is simulated whole (right, only slower), which the set below would miss
+    h100 = dataclasses.replace(H100, gemm_half_intensity=None)
+    extrapolated = {r.algorithm: r for r in project(Projector(LLAMA, h100), training, algorithms=names)[0]}
     monkeypatch.setattr(projection_module, "EXTRAPOLATE_ABOVE", 10**6)
-    full = {r.algorithm: r for r in project(Projector(LLAMA, H100), training, algorithms=names)[0]}
+    full = {r.algorithm: r for r in project(Projector(LLAMA, h100), training, algorithms=names)[0]}
     assert extrapolated.keys() == full.keys() and len(full) >= 6
     # memory constant past the warm-up, or growing on a line (GPipe): extrapolated; else simulated whole
     assert {"1f1b", "zb-h1", "zbv", "v-half", "gpipe"} <= {n for n, r in extrapolated.items() if r.simulated_microbatches}
