@@ -9,7 +9,9 @@ folder, so ``replan.json`` holds the decision (the ranking under the measured co
 after it. Per run: the algorithm switched to and whether it is the ranking's first (it must be, whenever the
 predicted gain passes the threshold), the predicted step, and the measured step span of the steps after the
 switch (first node start to last node end over the ranks, what the simulator predicts), median over them.
-The figure is the median over runs of ``predicted / measured - 1``; target: within 5 %. Each run waits (up
+The figure is the median over runs of ``predicted / measured - 1``; target: within 5 %. The runs take
+Megatron-LM's ``--manual-gc``: Python's automatic garbage collection, 100-170 ms of CPU per full
+collection in these processes, otherwise lands on a node of one step in a few and that step carries it. Each run waits (up
 to ``--quiet-wait`` s) for idle CPUs first; the host's load (``os.getloadavg``) is recorded before and after it: on a shared machine node times drift between the
 measured steps and the steps after the switch, and the figures say how loaded it was.
 """
@@ -43,7 +45,8 @@ def one_run(pp: int, args: argparse.Namespace, dump: Path) -> dict:
     flags = ["--pp", str(pp), "--microbatches", str(args.microbatches), "--pp-algorithm", "1f1b", "--auto-replan",
              "--iterations", str(iterations), "--dump-dir", str(dump), "--hidden-size", str(args.hidden),
              "--ffn-hidden-size", str(4 * args.hidden), "--num-attention-heads", "4", "--seq-length", str(args.seq),
-             "--micro-batch-size", "4", "--num-layers", str(args.layers), "--vocab-size", "512"]
+             "--micro-batch-size", "4", "--num-layers", str(args.layers), "--vocab-size", "512",
+             "--manual-gc"]  # Megatron-LM's: no garbage collection inside a timed step (100+ ms of CPU on a node)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PRIMUSPIPE_AUTO_REPLAN_WARMUP=str(args.warmup), PRIMUSPIPE_AUTO_REPLAN_STEPS=str(args.measure))
     if args.algorithms:

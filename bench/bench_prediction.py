@@ -10,8 +10,9 @@ algorithm meets the machine in the same state (on a shared machine the speed dri
 from minute to minute); a barrier starts every step on all ranks together, as a synchronising
 optimizer step does. ``--runs`` sessions per pp. Then
 
-* **calibrate** from the 1f1b dumps only (their runs carry ``--split-probe`` probes: one BW per chunk
-  run as B, next F, W, so the file has real B and W times; ``--split-probe 0`` halves BW instead):
+* **calibrate** from the 1f1b dumps only (their runs carry ``--split-probe`` probes, by default five BW
+  per chunk run as B and W, two Ws right after their B and the others deferred past the next B, so the
+  file has real B and warm and cold W times; ``--split-probe 0`` halves BW instead):
   ``measure_costs`` over all their iterations (each session's first dropped), written as the portable
   cost file ``primuspipe calibrate`` writes (without step gaps: steps start together here);
 * **predict** with ``primuspipe simulate --cost FILE --plan-cost unit -a all --json``, the command a user
@@ -129,6 +130,8 @@ def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) ->
     dumps = {name: dump_root / f"{name}-run{rep}" for name in names}
 
     def work(ctx) -> None:
+        import gc
+
         import torch.distributed
         from megatron.core import parallel_state
 
@@ -150,7 +153,10 @@ def run_session(pp: int, args: argparse.Namespace, dump_root: Path, rep: int) ->
                                                               split_probe=probe))
             name = key
             runs[name] = (vpp, spec, compare.build(spec, pp, vpp)[2], schedule)
+        gc.collect()  # as Megatron-LM's --manual-gc: a collection (100+ ms of CPU) never lands inside a step
+        gc.disable()
         for step in range(args.iterations):
+            gc.collect()
             for name in rotated(names, step):
                 vpp, spec, built, schedule = runs[name]
                 layout(vpp)
@@ -365,9 +371,10 @@ def main() -> None:
                         help="also run the predicted algorithms at these multiples of pp microbatches (e.g. 1 4: m = pp "
                              "and 4pp), predicted from the same 1F1B calibration at --microbatches: shapes the cost "
                              "file was not measured at")
-    parser.add_argument("--split-probe", type=int, default=1,
-                        help="the 1F1B runs split the backward of N middle microbatches per chunk into B, the next F, "
-                             "then W, so the calibration sees what split-backward schedules pay (0: halve BW instead)")
+    parser.add_argument("--split-probe", type=int, default=2,
+                        help="the 1F1B runs split the backward of 2N+1 middle microbatches per chunk into B and W (N "
+                             "Ws right after their B, the others after the next B), so the calibration sees what "
+                             "split-backward schedules pay for B and for warm and cold Ws (0: halve BW instead)")
     parser.add_argument("--lock", type=Path, help="an flock file held during each run (shared with other heavy jobs)")
     parser.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait for idle CPUs before a run")
     parser.add_argument("--max-external", type=float, default=0.25,

@@ -63,6 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="measure the first steps (auto_replan_warmup + auto_replan_steps, default 2 + 3) and switch to "
                         "the algorithm of the same layout the simulator ranks first (docs/replanning.md); needs more "
                         "--iterations than that")
+    p.add_argument("--manual-gc", action="store_true",
+                   help="Megatron-LM's: turn Python's automatic garbage collector off and collect between steps "
+                        "(--manual-gc-interval), so a collection (100+ ms of CPU here) never lands inside a step")
+    p.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: collect after every N-th step (0: never between steps)")
     p.add_argument("--lr", type=float, default=0.05)
     opt = p.add_argument_group("optimizer, data-parallel gradients and checkpoints (Megatron-LM's flags)")
     opt.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
@@ -125,6 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     rec.add_argument("--recompute-num-layers", type=int, default=None)
     rec.add_argument("--recompute-modules", nargs="*", default=None)
     args = p.parse_args(argv)
+    if args.manual_gc_interval < 0:
+        p.error(f"--manual-gc-interval must be >= 0 (0: no collection between steps), got {args.manual_gc_interval}")
     if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
         p.error("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (Megatron-LM)")
     if args.use_distributed_optimizer and args.optimizer != "adam":
@@ -244,7 +251,8 @@ def train(schedule, spec_for, args, pp: int, vpp: int, device, save: bool = True
     from primuspipe.testing.megatron import compare
 
     result = compare.train(schedule, spec_for, pp, vpp, args.iterations, device,
-                           load=args.load, save=args.save if save else None)
+                           load=args.load, save=args.save if save else None,
+                           manual_gc_interval=args.manual_gc_interval if args.manual_gc else None)
     losses = []
     for out in result.losses:
         if out:

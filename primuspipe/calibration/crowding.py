@@ -200,16 +200,17 @@ def background_shares(timeline: Timeline) -> list[float]:
 def contention_from_walks(walks: Sequence[Sequence[Step]], placement: Placement, free: float):
     """``(contention, per timeline {(rank, node): CPU per unit of work}, nodes fitted)``: each compute
     node's excess -- busy ranks beyond ``free`` cores while it ran, busy as :func:`effective_cores`
-    counts it -- against its CPU time, per kind and stage (:func:`fit_contention`), over each timeline's walk."""
+    counts it -- against its CPU time, per kind, stage and W context (:func:`fit_contention`), over each
+    timeline's walk."""
     points, excesses = [], []
     for steps in walks:
         busy = [(start, end) for start, end, _ in busy_intervals(steps)]
-        nodes = [(s.rank, s.event) for s in steps
+        nodes = [s for s in steps
                  if s.event.node.kind.is_compute and s.event.node.pair is None and s.event.cpu is not None]
-        excess = excess_during(busy, [(e.start, e.end) for _, e in nodes], free)
-        excesses.append(dict(zip(((rank, e.node) for rank, e in nodes), excess)))
-        points += [((e.node.kind, placement.stage(rank, e.node.chunk)), x, e.cpu_time)
-                   for (rank, e), x in zip(nodes, excess)]
+        excess = excess_during(busy, [(s.event.start, s.event.end) for s in nodes], free)
+        excesses.append(dict(zip(((s.rank, s.event.node) for s in nodes), excess)))
+        points += [((s.event.node.kind, placement.stage(s.rank, s.event.node.chunk), s.warm), x, s.event.cpu_time)
+                   for s, x in zip(nodes, excess)]  # warm Ws are timed apart: a group of their own
     share = fit_contention(points)
     if share is None:
         return None, [{} for _ in walks], 0

@@ -24,7 +24,11 @@ class Samples:
     """What one timeline says about each cost term (see the module docstring)."""
 
     durations: dict[tuple[NodeKind, int], list[float]]
-    """(kind, model stage) -> time of its nodes, chunks' first ones left out (work, with shared cores)."""
+    """(kind, model stage) -> time of its nodes, chunks' first ones left out (work, with shared cores);
+    of the W nodes, the cold ones."""
+    warm: dict[tuple[NodeKind, int], list[float]]
+    """``(W, model stage)`` -> time of the warm W nodes (``Step.warm``: right after their own B or another
+    W of their chunk), likewise."""
     cold: dict[tuple[NodeKind, int], list[float]]
     """(kind, model stage) -> how much longer a chunk's first node took than the stage's others."""
     pairs: list[tuple[int, int, float]]
@@ -75,7 +79,8 @@ class Samples:
             return outside(e, rank, ("layers",)), outside(e, rank, ("layers", "ends"))
 
         durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
-        firsts: list[tuple[NodeKind, int, float, tuple[float | None, float | None]]] = []
+        warm: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
+        firsts: list[tuple[dict, NodeKind, int, float, tuple[float | None, float | None]]] = []
         fixed: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         chunk: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         seen: set[tuple] = set()
@@ -94,12 +99,13 @@ class Samples:
                 pairs.append((placement.stage(rank, fc), placement.stage(rank, bc), e.end - e.start))
             else:
                 stage = placement.stage(rank, node.chunk)
+                context = warm if step.warm else durations
                 if (rank, kind, node.chunk) in seen:
-                    durations[(kind, stage)].append(span(e, rank))
+                    context[(kind, stage)].append(span(e, rank))
                     _add_parts(fixed, chunk, (kind, stage), split(e, rank))
                 else:
                     seen.add((rank, kind, node.chunk))
-                    firsts.append((kind, stage, span(e, rank), split(e, rank)))
+                    firsts.append((context, kind, stage, span(e, rank), split(e, rank)))
             if step.ready is None:
                 continue
             host[kind.name.lower()].append(gap(step.ready, e, use_cpu))
@@ -107,13 +113,14 @@ class Samples:
                 send, recv = step.waited
                 waits.append((elapsed(max(send.start, recv.start), recv.end), recv.bytes))
         cold: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
-        for kind, stage, took, part in firsts:
-            if rest := durations.get((kind, stage)):
+        for context, kind, stage, took, part in firsts:  # each against the nodes of its own context
+            if rest := context.get((kind, stage)):
                 cold[(kind, stage)].append(significant(took) - significant(statistics.median(rest)))
-            else:  # a chunk with one node of this kind: it is all there is to time
-                durations[(kind, stage)].append(took)
+            else:  # a chunk with one node of this kind (and context): it is all there is to time
+                context[(kind, stage)].append(took)
                 _add_parts(fixed, chunk, (kind, stage), part)
-        return cls(dict(durations), dict(cold), pairs, dict(host), dict(post), waits, dict(fixed), dict(chunk))
+        return cls(dict(durations), dict(warm), dict(cold), pairs, dict(host), dict(post), waits, dict(fixed),
+                   dict(chunk))
 
 
 def _add_parts(fixed: dict, chunk: dict, key: tuple, parts: tuple[float | None, float | None]) -> None:

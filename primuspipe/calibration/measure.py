@@ -9,7 +9,11 @@ model is measured (docs/simulator.md, "Calibration"):
   the iterations kept (the first ``warmup`` iterations are dropped: allocator growth, autotuning and
   lazy initialisation make them slow). A chunk's first node of a kind in a step is left out of the
   mean; how much longer it takes than the rest is its **cold start** (median over ranks and chunks).
-  FB nodes (an F overlapped with a B) give ``fb_overlap``.
+  FB nodes (an F overlapped with a B) give ``fb_overlap``. Warm W nodes (right after their own B or
+  another W of their chunk, :func:`~primuspipe.ir.cost_model.warm_weight_grad`) are timed apart: where
+  a stage ran W in both contexts, ``compute.w`` is the cold ones' and ``compute.w_warm`` theirs; in one
+  context only, that is its W, whatever the context (a run whose Ws took the same in both writes no
+  ``w_warm``).
 * **host** -- a rank's time between nodes. Walking each rank's nodes in table order, the rank is free
   to go on at the end of its last compute node or posting, or, for a compute node whose input arrived
   later, at that arrival (a receive's end: when the runner got the tensor); a posting's host time is
@@ -140,6 +144,9 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
 
     times = {key: median_of(kind) for key, kind in _timed_kinds().items()}
     f, b, w, bw = (times[key] for key in ("f", "b", "w", "bw"))
+    hot = median_of(NodeKind.W, "warm")  # warm Ws (compute.w_warm)
+    both = [x is not None and y is not None for x, y in zip(w, hot)]
+    w[:] = [x if x is not None else y for x, y in zip(w, hot)]  # a stage whose Ws all ran warm
     fused_only = []
     for stage in range(n):
         if f[stage] is None:
@@ -190,6 +197,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         {k.removeprefix("post_"): v for k, v in host_post.items()}, bandwidth, size, cores,
         background_share, contention and significant(contention), gaps, fixed,
         {key: last_from_others(parts) for key, parts in chunk.items() if key in fixed},
+        warm if (warm := tuple(y if two else x for x, y, two in zip(w, hot, both))) != tuple(w) else None,
     )
     if cores is None:
         return measured

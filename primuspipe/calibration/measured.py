@@ -68,6 +68,9 @@ class MeasuredCosts:
     """Likewise, outside the layers and the embedding (``TimedNode.ends``): the fixed cost every chunk
     pays (the cost file's ``compute.chunk``; the last stage's, whose loss is not timed apart, is the
     others' median); empty where not measured."""
+    w_warm: tuple[float, ...] | None = None
+    """Per stage, the time of a warm W (``backward_weight``: of a cold one); the W of a stage that ran W
+    in one context only. None where no stage ran W in both, or both took the same."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for
@@ -91,6 +94,9 @@ class MeasuredCosts:
             compute["fixed"] = {key: parts for key, (_, parts, _) in written.items()}
             if self.chunk:
                 compute["chunk"] = {key: chunk for key, (_, _, chunk) in written.items() if key in self.chunk}
+        if self.w_warm is not None:  # W as written less what running warm saved, on the same stages
+            saving = values([w - hot for w, hot in zip(self.backward_weight, self.w_warm)])
+            compute["w_warm"] = [significant(max(0.0, w - x)) for w, x in zip(compute["w"], saving)]
         out: dict[str, Any] = {"time_unit": self.time_unit, "compute": compute}
         host: dict[str, Any] = {}
         if any(self.host_overhead.values()):

@@ -65,9 +65,12 @@ class ReplanSettings:
     measure_steps: int = 3
     """Training steps measured by the run's recorder (CUDA events on GPU, CPU clocks on CPU), the running
     table with ``probe`` backwards per chunk split: the median of their iterations is calibrated."""
-    probe: int = 1
-    """Microbatches per chunk whose fused backward (BW) the measured steps run as B, the next F, then W, so
-    B and W are measured apart (0: no probe; B and W are then each half of BW). Same gradients, bitwise."""
+    probe: int = 2
+    """The split probe's count (:func:`~primuspipe.passes.split_probe.split_backward_probe`): the measured
+    steps run the fused backward (BW) of ``2 * probe + 1`` microbatches per chunk as B and W, ``probe`` Ws
+    right after their B and the others deferred past the next microbatch's B, so B and both kinds of W
+    (warm and cold) are measured apart (0: no probe; B and W are then each half of BW). Same gradients,
+    bitwise."""
     threshold: float = 0.03
     """Switch only when the chosen table's predicted step is shorter than the running table's by more than
     this share (and recommend another layout only when it beats the choice by as much)."""

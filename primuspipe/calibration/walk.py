@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from primuspipe.calibration.replay import run_table
 from primuspipe.io.timeline import TimedNode, Timeline
+from primuspipe.ir.cost_model import warm_weight_grad
 from primuspipe.ir.placement import Placement
 
 
@@ -28,6 +29,9 @@ class Step:
     """``(send, receive)`` of the input that arrived after the rank was free, if one did."""
     idle: float = 0.0
     """How long the rank was free before that input arrived."""
+    warm: bool = False
+    """A warm W (:func:`~primuspipe.ir.cost_model.warm_weight_grad`: right after its own B or another W of
+    its chunk), which the cost model times apart (``compute.w_warm``)."""
 
 
 def walk(timeline: Timeline, placement: Placement) -> Iterator[Step]:
@@ -43,12 +47,15 @@ def walk(timeline: Timeline, placement: Placement) -> Iterator[Step]:
             if key >= 0 and e is not None:
                 (sent if node.kind.is_send else received)[key] = e
     for rank, row in enumerate(table.ranks):
-        free = None
-        for e, taken in zip(rows[rank], wiring.takes[rank]):
+        free, previous = None, None  # previous: the rank's last compute node in the table
+        for node, e, taken in zip(row, rows[rank], wiring.takes[rank]):
+            warm = warm_weight_grad(previous, node)
+            if node.kind.is_compute:
+                previous = node
             if e is None:
                 free = None
                 continue
-            step = Step(rank, e, free, bool(taken))
+            step = Step(rank, e, free, bool(taken), warm=warm)
             ends = [(sent.get(key), received.get(key)) for key in taken]
             if free is not None and ends and all(x is not None and r is not None for x, r in ends):
                 send, recv = max(ends, key=lambda pair: pair[1].end)

@@ -20,6 +20,7 @@ optimizer bytes) are one number or ``pp`` values::
       cold_start: {f: 0.3, b: 0.1, w: 0.05}  # extra time of each chunk's first F, B, W in a step
       fixed: {f: [0.3, 0.2], b: [0.2, 0.3], w: 0.05, bw: [0.3, 0.4]}  # part of each time outside the layers
       chunk: {f: 0.15, b: 0.1}   # of that, what each chunk pays (without the embedding and loss head)
+      w_warm: 0.8            # W run right after its own B or another W of its chunk; omitted: w wherever it runs
     host:                    # time on the host, outside the kernels (every key optional, default 0)
       overhead: {f: 0.03, b: 0.04, w: 0.02, bw: 0.04}   # rank time before each node of a kind
       send: 0.15             # rank time to post a send (the transfer can start once it is posted)
@@ -54,6 +55,13 @@ time; without it, it is estimated from ``fixed`` (:func:`chunk_fixed`). ``primus
 both from a dump whose events time the layers and those modules (the Megatron backend's;
 ``TimedNode.layers`` and ``ends``); a backend that does not know the model's layers (``TorchPipeline``'s
 user modules) dumps neither, and the file keeps the even split.
+
+``compute.w_warm`` (optional; like the times) is what a *warm* W costs: one its rank runs right after
+the B of its own microbatch and chunk or right after another W of its chunk
+(:func:`~primuspipe.ir.cost_model.warm_weight_grad`); ``compute.w`` is then what a cold one costs (after
+a forward or another microbatch's B). Cut for ``vpp`` chunks, each chunk's warm W is its W less
+``(w - w_warm) / vpp`` (:func:`warm_stages`: the cache's saving is in the layers' weight GEMMs, so it
+divides like them). A file without it charges W alike wherever it runs, as it always did.
 
 :meth:`CostModel.from_dict <primuspipe.ir.cost_model.CostModel.from_dict>` reads it with the section
 readers below.
@@ -153,6 +161,18 @@ def merge_fixed(times: Sequence[float], fixed: Sequence[float], chunk: Sequence[
     return totals, own, each
 
 
+def warm_stages(w: Sequence[float], saving: Sequence[float]) -> tuple[float, ...]:
+    """Per model stage, the time of a warm W: the stage's W less its share of its 1F1B stage's
+    ``saving`` (``w - w_warm`` per 1F1B stage, ``len(w) // len(saving)`` chunks each);
+    never below 0.
+
+    >>> warm_stages([3.0, 3.0, 5.0, 5.0], [1.0, 2.0])
+    (2.5, 2.5, 4.0, 4.0)
+    """
+    vpp = len(w) // len(saving)
+    return tuple(max(0.0, t - saving[s // vpp] / vpp) for s, t in enumerate(w))
+
+
 def read_cost_file(path: str | Path) -> dict[str, Any]:
     """The raw YAML mapping of a cost file (resolve it per shape with :meth:`CostModel.from_dict`)."""
     data = strict.load_yaml(strict.read_text(path, "cost model"), f"cost model {path}")
@@ -195,7 +215,7 @@ def link_section(data: Mapping[str, Any], name: str) -> Link:
 
 
 SECTIONS = {"time_unit", "compute", "host", "p2p", "memory", "host_link"}
-COMPUTE_FIELDS = {"f", "b", "w", "bw", "fb_overlap", "cold_start", "fixed", "chunk"}
+COMPUTE_FIELDS = {"f", "b", "w", "bw", "fb_overlap", "cold_start", "fixed", "chunk", "w_warm"}
 """The ``compute`` keys the model reads itself; any other is a timed kind's cost key."""
 
 

@@ -23,7 +23,7 @@ from primuspipe.errors import ConfigError
 from primuspipe import strict
 from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, cold_start_section, cost_keys, host_section,
                                      link_section, memory_section, merge_fixed, read_cost_file, split_fixed,
-                                     split_stages)
+                                     split_stages, warm_stages)
 from primuspipe.ir.cost_parts import TIME_UNITS, HostCost, Link, MemoryCost, P2PCost
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind
@@ -58,6 +58,12 @@ class CostModel:
     """The device <-> host path an OFFLOAD or RELOAD copies over (PCIe on a GPU): a copy of ``n`` bytes
     takes ``latency + n / bandwidth`` on the rank's copy stream of its direction, overlapping compute.
     Default free (zero latency, unlimited bandwidth): give it to price offload (docs/offload.md)."""
+    w_warm: tuple[float, ...] | None = None
+    """Per stage, the time of a *warm* W (:func:`warm_weight_grad`: run right after its own B or another
+    W of its chunk, what it reads still in cache), where ``compute`` W is what a cold one takes (after a
+    forward or another microbatch's B); None: W costs the same wherever it runs. Only :meth:`node_time`
+    (the simulator) reads it: the algorithms plan with :meth:`duration`, the cold W, and are judged by
+    simulating."""
 
     def __post_init__(self) -> None:
         n = self.compute.num_stages
@@ -67,6 +73,8 @@ class CostModel:
             raise ConfigError(f"fb_overlap must be in [0, 1] (0: F+B, 1: max(F, B)), got {self.fb_overlap}")
         if self.cold_start is not None and self.cold_start.num_stages != n:
             raise ConfigError(f"compute.cold_start has {self.cold_start.num_stages} values for {n} stages")
+        if self.w_warm is not None and len(self.w_warm) != n:
+            raise ConfigError(f"compute.w_warm has {len(self.w_warm)} values for {n} stages")
         if self.memory.models_bytes and len(self.memory.activation_bytes) != n:
             raise ConfigError(f"memory.activation_bytes has {len(self.memory.activation_bytes)} values for {n} stages")
         for key, parts, chunk in self.fixed:
@@ -79,11 +87,13 @@ class CostModel:
 
     @classmethod
     def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values, *, bw: Values | None = None,
-                  other: Mapping[str, Values] | None = None, **rest: Any) -> CostModel:
+                  other: Mapping[str, Values] | None = None, w_warm: Values | None = None, **rest: Any) -> CostModel:
         """Compute times as one value for all stages or one per stage (``other``: other kinds' times by
-        cost key, :class:`~primuspipe.ir.costs.ComputeCosts`); ``rest`` are the other fields."""
+        cost key, :class:`~primuspipe.ir.costs.ComputeCosts`; ``w_warm``: :attr:`w_warm`);
+        ``rest`` are the other fields."""
         fused = None if bw is None else per_stage_values("BW", bw, num_stages, "stages")
-        return cls(ComputeCosts.per_stage(num_stages, f, b, w, **(other or {})), fused, **rest)
+        warm = None if w_warm is None else per_stage_values("compute.w_warm", w_warm, num_stages, "stages")
+        return cls(ComputeCosts.per_stage(num_stages, f, b, w, **(other or {})), fused, w_warm=warm, **rest)
 
     @property
     def num_stages(self) -> int:
@@ -110,11 +120,15 @@ class CostModel:
         times = [self.duration(kind, stage) for kind, stage in parts]
         return sum(times) - self.fb_overlap * min(times)
 
-    def node_time(self, placement: Placement, rank: int, node: ScheduleNode) -> float:
-        """Compute time of a node on ``rank`` (0 for communication nodes)."""
+    def node_time(self, placement: Placement, rank: int, node: ScheduleNode,
+                  previous: ScheduleNode | None = None) -> float:
+        """Compute time of a node on ``rank`` (0 for communication nodes); ``previous`` is the compute
+        node the rank ran just before it (None: none), which sets what a W costs (:attr:`w_warm`)."""
         parts = [(kind, placement.stage(rank, chunk)) for kind, _, chunk in node.parts()]
         if len(parts) > 1:
             return self.overlapped_time(parts)
+        if self.w_warm is not None and warm_weight_grad(previous, node):
+            return self.w_warm[parts[0][1]]
         return self.duration(*parts[0]) if parts else 0.0
 
     def cold_start_time(self, parts: Sequence[tuple[NodeKind, int]]) -> float:
@@ -167,7 +181,13 @@ class CostModel:
         def recut_costs(name: str, costs: ComputeCosts) -> ComputeCosts:
             return costs.map(lambda key, times: recut(f"{name}{key.upper()}", times))
 
-        return replace(self, compute=self.compute.map(lambda key, times: recut_key("", key, times)),
+        compute = self.compute.map(lambda key, times: recut_key("", key, times))
+        warm = None
+        if self.w_warm is not None:  # each 1F1B stage keeps what running W warm saves on it
+            saving = [w - hot for w, hot in zip(self.compute.backward_weight, self.w_warm)]
+            k = self.num_stages // pp
+            warm = warm_stages(compute.backward_weight, [sum(saving[i * k:(i + 1) * k]) for i in range(pp)])
+        return replace(self, compute=compute, w_warm=warm,
                        fused_backward=None if self.fused_backward is None else recut_key("", "bw", self.fused_backward),
                        cold_start=None if self.cold_start is None else recut_costs("cold_start.", self.cold_start),
                        memory=memory, fixed=tuple((key, parts, chunk) for key, (_, parts, chunk) in cut.items()))
@@ -178,7 +198,7 @@ class CostModel:
         """Build from the YAML form (:mod:`~primuspipe.ir.cost_file`) for a pipeline of ``pp`` ranks x ``vpp`` chunks;
         every value is checked (:mod:`primuspipe.strict`) and errors name ``source`` and the field."""
         top = strict.keys(data, source, SECTIONS)
-        comp = strict.keys(top.get("compute"), f"{source}: compute", {*cost_keys(), "fb_overlap", "cold_start", "fixed", "chunk"},
+        comp = strict.keys(top.get("compute"), f"{source}: compute", {*cost_keys(), *COMPUTE_FIELDS},
                            required={"f", "b", "w"})
         p2p = strict.keys(top.get("p2p", {}), f"{source}: p2p",
                           {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
@@ -205,11 +225,32 @@ class CostModel:
         def number(section: Mapping[str, Any], key: str, name: str, default: float, **bounds: float) -> float:
             return strict.number(section.get(key, default), f"{source}: {name}", **bounds)
 
+        def warm(w: tuple[float, ...]) -> tuple[float, ...] | None:
+            """``compute.w_warm`` per model stage (:mod:`~primuspipe.ir.cost_file`): as given per model
+            stage, else each chunk's W less its share of its 1F1B stage's saving."""
+            if (value := comp.get("w_warm")) is None:
+                return None
+            name, n = f"{source}: compute.w_warm", pp * vpp
+
+            def per_model_stage(v: Any) -> bool:
+                return vpp > 1 and isinstance(v, Sequence) and not isinstance(v, str) and len(v) == n
+
+            if per_model_stage(value):
+                return per_stage_values(name, value, n, "stages")
+            hot = per_stage_values(name, value, pp, "1F1B stages")
+            if per_model_stage(comp["w"]):
+                each = per_stage_values(f"{source}: compute.w", comp["w"], n, "stages")
+                totals = [sum(each[k * vpp:(k + 1) * vpp]) for k in range(pp)]
+            else:
+                totals = per_stage_values(f"{source}: compute.w", comp["w"], pp, "1F1B stages")
+            return warm_stages(w, [t - h for t, h in zip(totals, hot)])
+
         try:
             memory = memory_section(top.get("memory", {}), pp, vpp, source)
             other = {key: stages(key.upper(), comp[key]) for key in sorted(set(comp) - COMPUTE_FIELDS)}
+            w = stages("W", comp["w"])
             return cls.per_stage(
-                pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), stages("W", comp["w"]), other=other,
+                pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), w, other=other, w_warm=warm(w),
                 bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
                 fb_overlap=number(comp, "fb_overlap", "compute.fb_overlap", 0.0, minimum=0, maximum=1),
                 p2p=P2PCost(number(p2p, "message_bytes", "p2p.message_bytes", 0.0, minimum=0),
@@ -244,6 +285,8 @@ class CostModel:
         }
         if self.fused_backward is not None:
             out["compute"]["bw"] = list(self.fused_backward)
+        if self.w_warm is not None:
+            out["compute"]["w_warm"] = list(self.w_warm)
         if self.cold_start is not None:
             c = self.cold_start
             out["compute"]["cold_start"] = {key: list(times) for key, times in c.times.items()}
@@ -261,6 +304,25 @@ class CostModel:
             out["memory"].update(activation_bytes=list(m.activation_bytes), parameter_bytes=list(m.parameter_bytes),
                                  gradient_bytes=list(m.gradient_bytes), optimizer_bytes=list(m.optimizer_bytes))
         return out
+
+
+def warm_weight_grad(previous: ScheduleNode | None, node: ScheduleNode) -> bool:
+    """Whether ``node`` is a *warm* W: its rank ran, just before it (``previous``: the rank's compute node
+    before it, communication between them aside), the B of the same microbatch and chunk -- whose output
+    gradients it reads -- or another W of the same chunk -- whose weight-gradient buffers it adds to.
+    Measured on CPU, such a W took 10-20 % less than one after a forward or another microbatch's B
+    (docs/simulator.md). The simulator charges W by it (:attr:`CostModel.w_warm`) and calibration sorts
+    measured W by it, with this one rule.
+
+    >>> from primuspipe.ir.node import B, F, W
+    >>> [warm_weight_grad(before, W(3)) for before in (B(3), W(2), B(4), F(5), W(2, 1))]
+    [True, True, False, False, False]
+    """
+    if node.kind is not NodeKind.W or previous is None:
+        return False
+    return any(p.chunk == node.chunk
+               and (p.kind is NodeKind.W or p.kind is NodeKind.B and p.microbatch == node.microbatch)
+               for p in previous.parts())
 
 
 MAX_TIME = 1e12
@@ -286,6 +348,7 @@ def _check_time_range(model: CostModel) -> None:
 
     times = {**per_stage("compute ", model.compute), **per_stage("cold_start ", model.cold_start),
              **{f"compute BW[{s}]": t for s, t in enumerate(model.fused_backward or ())},
+             **{f"compute.w_warm[{s}]": t for s, t in enumerate(model.w_warm or ())},
              **{f"host.overhead.{k}": t for k, t in model.host.overhead},
              "host.send": model.host.send, "host.recv": model.host.recv,
              **link("p2p.intra_node", model.p2p.intra_node, model.p2p.message_bytes),

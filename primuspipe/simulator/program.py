@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from primuspipe.ir.cost_model import CostModel
+from primuspipe.ir.cost_model import CostModel, warm_weight_grad
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
@@ -27,7 +27,8 @@ from primuspipe.simulator.transport import Wires
 
 
 class Compute(NamedTuple):
-    """A compute node: the rank spends ``host`` (its kind's host overhead), then ``duration`` (its cost,
+    """A compute node: the rank spends ``host`` (its kind's host overhead), then ``duration`` (its cost
+    -- a W's by whether it runs warm, :func:`~primuspipe.ir.cost_model.warm_weight_grad` --
     plus its cold start when it is its chunk's first of its kind in the step), once the keys it needs
     (:attr:`Program.needs`: inbound transfers, reloads) have arrived."""
     host: float
@@ -69,7 +70,7 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
     send completed together with its receive, which the peer waited for before producing this input,
     so the wait never delays it (tests/simulator/test_transport.py checks this on the shipped tables).
 
-    Everything but the microbatch is looked up once per (rank, kind, chunk, peer): this keeps simulate
+    Everything but the microbatch is looked up once per (rank, kind, chunk, peer, W's context): this keeps simulate
     fast enough for search loops over large tables.
     """
     placement, wiring = table.placement, table.wiring
@@ -80,6 +81,7 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
         reloads = host_copies.reloaded(table, rank)
         ops: list[Op] = []
         needs: list[tuple[int, ...]] = []
+        previous = None  # the rank's last compute node
         for node, moved, takes_keys, slot in zip(row, moves, takes, slots):
             kind = node.kind
             if kind.on_host_stream:
@@ -88,9 +90,12 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
                 needs.append(())
                 continue
             posted = moved >= 0
-            shape_key = (kind, node.chunk, node.peer, node.pair and node.pair[1])
+            warm = warm_weight_grad(previous, node)
+            shape_key = (kind, node.chunk, node.peer, node.pair and node.pair[1], warm)
             if (record := records.get(shape_key)) is None:
-                record = records[shape_key] = _record(placement, rank, node, cost, posted)
+                record = records[shape_key] = _record(placement, rank, node, cost, posted, previous)
+            if kind.is_compute:
+                previous = node
             if not posted:
                 if cost.cold_start is not None and (first := [p for p in node.parts() if (p.kind, p.chunk) not in warmed]):
                     warmed.update((p.kind, p.chunk) for p in first)
@@ -104,12 +109,14 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
     return programs
 
 
-def _record(placement: Placement, rank: int, node: ScheduleNode, cost: CostModel, posted: bool) -> Compute | Post:
-    """The record of a node of this (rank, kind, chunk, peer): a compute node's host overhead and
-    duration, or a send's or receive's post time and transfer time."""
+def _record(placement: Placement, rank: int, node: ScheduleNode, cost: CostModel, posted: bool,
+            previous: ScheduleNode | None) -> Compute | Post:
+    """The record of a node of this (rank, kind, chunk, peer, W's context): a compute node's host
+    overhead and duration (after ``previous``, the rank's last compute node), or a send's or receive's
+    post time and transfer time."""
     kind = node.kind
     if kind.is_compute:
-        host, time = cost.host.before(kind), cost.node_time(placement, rank, node)
+        host, time = cost.host.before(kind), cost.node_time(placement, rank, node, previous)
     else:
         src, dst = (rank, node.peer) if kind.is_send else (node.peer, rank)
         host, time = cost.host.post(kind), cost.p2p.transfer_time(src, dst)

@@ -2,6 +2,7 @@
 split that trains and matches Megatron's schedule bitwise, and a pp=1 reference where Megatron's own
 schedule refuses the shape."""
 
+import gc
 import importlib.util
 import json
 import os
@@ -34,6 +35,32 @@ def test_megatron_flag_names_and_uneven_split():
     assert not args.untie_embeddings_and_output_weights and args.gradient_accumulation_fusion, "Megatron's defaults"
     assert example.uneven_split(7, 3) == (2, 2) and example.uneven_split(7, 2) == (4, 3)
     assert example.uneven_split(10, 4) == (2, 2)  # 2 + 3 + 3 + 2
+
+
+def test_manual_gc_turns_the_collector_off_and_collects_between_steps(monkeypatch):
+    """Megatron-LM's --manual-gc: no automatic collection inside the loop, one every N-th step, the
+    collector restored after; a negative interval is refused by name."""
+    from primuspipe.testing.megatron.compare import manual_gc
+
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *_: collected.append(1) or 0)
+    assert gc.isenabled()
+    with manual_gc(2) as step_done:
+        assert not gc.isenabled()
+        for step in range(5):
+            step_done(step)
+    assert gc.isenabled() and len(collected) == 3  # on entry, after steps 1 and 3
+    with manual_gc(0) as step_done:
+        step_done(0)
+        assert not gc.isenabled()
+    with manual_gc(None) as step_done:
+        step_done(0)
+        assert gc.isenabled()
+    assert len(collected) == 4
+    example = _example()
+    assert example.parse_args(["--pp", "2", "--microbatches", "2", "--manual-gc"]).manual_gc_interval == 0
+    with pytest.raises(SystemExit):
+        example.parse_args(["--pp", "2", "--microbatches", "2", "--manual-gc", "--manual-gc-interval", "-1"])
 
 
 def _torchrun(nproc: int, *flags: str) -> tuple[dict, str]:
@@ -130,7 +157,8 @@ def test_auto_replan_switches_and_trains_as_the_new_schedule(pp, emulation, monk
     monkeypatch.setenv("PRIMUSPIPE_AUTO_REPLAN_STEPS", "2")
     monkeypatch.setenv("PRIMUSPIPE_AUTO_REPLAN_ALGORITHMS", "zb-h1,zb-h2")
     flags = ("--pp", str(pp), "--num-layers", str(2 * pp), "--microbatches", str(2 * pp), "--iterations", "5")
-    result, log = _torchrun(pp, *flags, "--pp-algorithm", "1f1b", "--auto-replan")
+    gc_flags = ("--manual-gc", "--manual-gc-interval", "2") if pp == 2 else ()  # no numerics change, either way
+    result, log = _torchrun(pp, *flags, *gc_flags, "--pp-algorithm", "1f1b", "--auto-replan")
     assert result["replanned_to"] in ("zb-h1", "zb-h2")
     assert f"switching 1f1b -> {result['replanned_to']}, predicted step" in log
     assert result["predicted_step_time_s"] > 0 and result["step_time_s"] > 0 and "prediction_error" in result

@@ -18,7 +18,7 @@ is given. Primus's ``primus_pipeline.yaml`` loads as it is: its keys are ours, w
 ``offload_fraction``       ``PRIMUSPIPE_OFFLOAD_FRACTION``    share of a chunk's activations ``offload_ops`` hold
 ``pp_cost_f/b/w``          ``PRIMUSPIPE_PP_COST_F/B/W``       F / B / W time per stage (number or list; env: JSON)
 ``pp_max_mem``             ``PRIMUSPIPE_PP_MAX_MEM``          activation limit per rank, microbatches until W
-``split_probe``            ``PRIMUSPIPE_SPLIT_PROBE``         calibration: N backwards per chunk run as B, next F, W
+``split_probe``            ``PRIMUSPIPE_SPLIT_PROBE``         calibration: ~2N+1 backwards per chunk run as B and W
 ``auto_replan``            ``PRIMUSPIPE_AUTO_REPLAN``         measure the first steps, switch to the best schedule
 ``auto_replan_warmup``     ``PRIMUSPIPE_AUTO_REPLAN_WARMUP``  steps before measuring (default 2)
 ``auto_replan_steps``      ``PRIMUSPIPE_AUTO_REPLAN_STEPS``   steps measured (default 3)
@@ -116,10 +116,12 @@ class PrimusPipeConfig:
     it is set (a cost file in ``algorithm_options.cost`` keeps its own)."""
 
     split_probe: int = 0
-    """Calibration probe: run the fused backward (BW) of ``split_probe`` microbatches per chunk, from the
-    middle of the step, as B, the rank's next F, then W (:mod:`primuspipe.passes.split_probe`), so a dump
-    of a 1F1B run also times B and W and ``primuspipe calibrate`` predicts split-backward schedules from
-    it. Same gradients, bitwise; the step takes the split's small extra time. 0 (default): off."""
+    """Calibration probe: run the fused backward (BW) of ``2 * split_probe + 1`` microbatches per chunk,
+    from the middle of the step, as B and W -- ``split_probe`` Ws right after their B, the others deferred
+    past the next microbatch's B (:mod:`primuspipe.passes.split_probe`) -- so a dump of a 1F1B run also
+    times B and both kinds of W (warm and cold, ``compute.w_warm``) and ``primuspipe calibrate`` predicts
+    split-backward schedules from it. Same gradients, bitwise; the step takes the split's small extra
+    time. 0 (default): off."""
 
     auto_replan: bool = False
     """In-flight re-planning (docs/replanning.md): the first steps are measured (with a split-backward probe),

@@ -10,6 +10,7 @@ Call inside an initialised process (``parallel_state`` set up, e.g. by
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -254,28 +255,64 @@ class TrainResult:
     """The first iteration run (a loaded checkpoint's)."""
 
 
+@contextlib.contextmanager
+def manual_gc(interval: int | None):
+    """Megatron-LM's ``--manual-gc``: Python's automatic garbage collector off while the block runs and a
+    collection after every ``interval``-th step (0: none between steps), so a collection never lands
+    inside a step's nodes. None: the collector as it is. A full collection in a megatron-core process
+    takes 100-170 ms of CPU; on CPU runs it landed on one node of a step in every few steps, which a
+    timed step then carries (docs/simulator.md, "Accuracy"). Yields ``step_done(step)``, to call after
+    each step (counted from 0).
+
+    >>> with manual_gc(2) as step_done:
+    ...     off = not gc.isenabled()
+    ...     step_done(0); step_done(1)
+    >>> off, gc.isenabled()
+    (True, True)
+    """
+    if interval is None:
+        yield lambda step: None
+        return
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+
+    def step_done(step: int) -> None:
+        if interval and (step + 1) % interval == 0:
+            gc.collect()
+
+    try:
+        yield step_done
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def train(schedule: Callable, spec_for: Callable[[int], StepSpec], pp: int, vpp: int, iterations: int,
           device: torch.device | None = None, model=None, load: str | None = None,
-          save: str | None = None) -> TrainResult:
+          save: str | None = None, manual_gc_interval: int | None = None) -> TrainResult:
     """Training steps up to iteration ``iterations`` as Megatron's loop takes them: zero the grad buffers
     and the optimizer, the forward-backward call, the optimizer step. Iteration ``i`` draws
     ``spec_for(i)``'s data; the model (``spec_for(0)``'s, or ``model`` = what :func:`build` returned)
     and the optimizer are built once. ``load``: start from that checkpoint (:func:`load_checkpoint`, any
-    schedule saved it) at its iteration; ``save``: save one there after the last step."""
+    schedule saved it) at its iteration; ``save``: save one there after the last step.
+    ``manual_gc_interval``: Python's garbage collector as :func:`manual_gc` runs it (None: automatic)."""
     spec = spec_for(0)
     config, chunks, wrapped = model if model is not None else build(spec, pp, vpp, device)
     optimizer = make_optimizer(spec, wrapped)
     result = TrainResult([], [], {}, [])
     result.start = load_checkpoint(load, wrapped, optimizer) if load else 0
-    for it in range(result.start, iterations):
-        for m in wrapped:
-            m.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses, seconds = call_schedule(schedule, spec_for(it), wrapped, device)
-        result.losses.append([_detach(loss) for loss in losses])
-        result.grads.append(param_grads(chunks, ddp=True, shards=True))
-        result.step_times.append(seconds)
-        optimizer.step()
+    with manual_gc(manual_gc_interval) as step_done:
+        for it in range(result.start, iterations):
+            for m in wrapped:
+                m.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses, seconds = call_schedule(schedule, spec_for(it), wrapped, device)
+            result.losses.append([_detach(loss) for loss in losses])
+            result.grads.append(param_grads(chunks, ddp=True, shards=True))
+            result.step_times.append(seconds)
+            optimizer.step()
+            step_done(it)
     if save:
         if torch.distributed.get_rank() == 0:
             os.makedirs(save, exist_ok=True)
