@@ -17,7 +17,6 @@ a wide margin; node times, not steps, are compared, so other jobs on the host mo
 
 import functools
 import importlib.util
-import statistics
 
 import pytest
 import torch
@@ -120,7 +119,10 @@ def test_fixed_parts_predict_vpp2_node_times_better_than_the_even_cut(dumps, tar
     else:
         pairs += [(measured.backward_input, with_fixed.compute.backward_input, cut_evenly.compute.backward_input),
                   (measured.backward_weight, with_fixed.compute.backward_weight, cut_evenly.compute.backward_weight)]
-    error = {label: statistics.fmean(abs(p[s] / got[s] - 1) for got, *models in pairs
-                                     for p in [models[i]] for s in range(len(got)))
+    # the error in seconds over the seconds measured: a W of a tiny GPT takes 0.3-0.5 ms and swings by 40 %
+    # from run to run (more under the NCCL emulator's group streams), which a mean of per-node ratios lets
+    # outweigh the millisecond F and B nodes where the fixed cost shows
+    measured_total = sum(sum(got) for got, *_ in pairs)
+    error = {label: sum(abs(models[i][s] - got[s]) for got, *models in pairs for s in range(len(got))) / measured_total
              for i, label in enumerate(("fixed", "even"))}
     assert error["fixed"] < error["even"], error
