@@ -76,12 +76,15 @@ _REPEAT = re.compile(r"\(([^()]*)\)\*(\d+)|([EtmL])\*(\d+)")
 def parse_layout(text: str) -> list[str]:
     """Megatron's ``--pipeline-model-parallel-layout``: stages in model order separated by ``|``, each a run
     of ``E`` (embedding), ``t`` (transformer layer), ``m`` (multi-token prediction), ``L`` (loss), with
-    ``(...)*N`` and ``X*N`` repeats.
+    ``(...)*N`` and ``X*N`` repeats; spaces and commas are cosmetic (megatron-core's
+    ``PipelineParallelLayerLayout.from_str`` drops commas too).
 
     >>> parse_layout("Et|(tt|)*2mL")
     ['Et', 'tt', 'tt', 'mL']
+    >>> parse_layout("E, t|t*2, L")
+    ['Et', 'ttL']
     """
-    expanded, previous = text.replace(" ", ""), None
+    expanded, previous = text.replace(" ", "").replace(",", ""), None
     while previous != expanded:
         previous = expanded
         expanded = _REPEAT.sub(lambda m: (m.group(1) or m.group(3)) * int(m.group(2) or m.group(4)), expanded)

@@ -241,6 +241,9 @@ def test_all_to_all_across_nodes_and_deepep_dedup():
 
 def test_explicit_layouts_and_the_embedding_and_loss_accounting():
     assert parse_layout("Et|(tt|)*3mL") == ["Et", "tt", "tt", "tt", "mL"]
+    # commas are cosmetic, as megatron-core reads them (its own example: "Ettt|(tt|)*29,m|L")
+    assert parse_layout("Ettt|(tt|)*29,m|L") == ["Ettt"] + ["tt"] * 29 + ["m", "L"]
+    assert parse_layout("E, t|t * 2, L") == parse_layout("Et|ttL")
     assert layer_counts(126, pp=16, vpp=8, embedding_slot=True, loss_slot=True)[:2] == (0, 1)
     layout = StageLayout.build(7, TrainingSpec(pipeline_model_parallel_size=5, pipeline_model_parallel_layout="Et|(tt|)*3mL"),
                                Placement.interleaved(5))
