@@ -61,7 +61,11 @@ examples:
       --training examples/projection/training/llama3-70b.yaml --target-nodes 16
   primuspipe project --model examples/projection/models/mixtral-8x7b.yaml --hardware examples/projection/hardware/mi355x.yaml \\
       --training examples/projection/training/mixtral-8x7b.yaml --search --json
-  primuspipe project --megatron-config my_run_args.txt --hardware examples/projection/hardware/h200.yaml --pp 8"""
+  primuspipe project --megatron-config my_run_args.txt --hardware examples/projection/hardware/h200.yaml --pp 8
+
+environment:
+  PRIMUSPIPE_PROJECT_WORKERS=N  processes that project the candidates side by side (default: one per core;
+                                1: all in this process); the rows are the same either way"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
