@@ -26,7 +26,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from primuspipe.projection.gemm import GEMM_STREAMS, Gemm, gemm_seconds
+from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels
 from primuspipe.projection.model_spec import ModelSpec
@@ -120,9 +120,8 @@ class WorkModel(RankShape):
         is a norm's output (a LayerNormLinear); ``tensor_parallel`` ``column`` or ``row``, the layer's TP split,
         which says (with sequence parallelism) whether its input or its output gradient is all-gathered."""
         fp8 = self.training.fp8 if fp8 is None else fp8
-        streams = min(GEMM_STREAMS, self.training.gpu_max_hw_queues or GEMM_STREAMS)  # ROCm: streams share queues
         gemm = Gemm(tokens, fan_out, fan_in, groups, fp8, mxfp8=fp8 and self.training.fp8_recipe == "mxfp8",
-                    kernel=self.training.expert_gemm_kernel, streams=streams)
+                    kernel=self.training.expert_gemm_kernel, streams=self.training.expert_gemm_streams)
         if not fp8:
             return PassWork(Work((gemm,)), Work((gemm.dgrad(),)), Work((gemm.wgrad(),)))
         sp = self.training.sp

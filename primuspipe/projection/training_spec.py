@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from primuspipe.projection.gemm import GEMM_STREAMS
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
 
@@ -304,6 +305,12 @@ class TrainingSpec:
         """The kernel path of the experts' GEMMs (:mod:`~primuspipe.projection.gemm`): Primus-Turbo's grouped
         GEMM is one kernel over all experts (``fused``); otherwise ``moe_expert_gemm``."""
         return "fused" if self.use_turbo_grouped_gemm else self.moe_expert_gemm
+
+    @property
+    def expert_gemm_streams(self) -> int:
+        """Expert GEMMs that run at once on the ``multi_stream`` path: the framework's streams, or fewer
+        hardware queues on ROCm (``gpu_max_hw_queues``: streams beyond it share queues)."""
+        return min(GEMM_STREAMS, self.gpu_max_hw_queues or GEMM_STREAMS)
 
     @property
     def per_tensor_fp8(self) -> bool:

@@ -90,7 +90,7 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
                 needs.append(())
                 continue
             posted = moved >= 0
-            warm = warm_weight_grad(previous, node)
+            warm = cost.w_warm is not None and warm_weight_grad(previous, node)  # a context only where W has two costs
             shape_key = (kind, node.chunk, node.peer, node.pair and node.pair[1], warm)
             if (record := records.get(shape_key)) is None:
                 record = records[shape_key] = _record(placement, rank, node, cost, posted, previous)
