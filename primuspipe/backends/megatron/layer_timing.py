@@ -13,14 +13,16 @@ is timed inside each node and reported to the recorder (:meth:`StepRecorder.laye
 * ``F``: the decoder's forward (module pre- and post-hooks);
 * ``B`` / ``BW``: from the gradient of the decoder's output to that of its input (tensor hooks registered
   in the forward), the decoder's own backward;
-* ``W``: the deferred weight-gradient GEMMs of the decoder's weights
-  (:class:`~primuspipe.backends.megatron.wgrad_store.WeightGradStore`), and of their accumulation into
+* ``W``: the deferred weight-gradient GEMMs of the decoder's weights, each with the store's own work
+  for it (:class:`~primuspipe.backends.megatron.wgrad_store.WeightGradStore`), and of their accumulation into
   the gradient buffers (one call for all of a microbatch's weights) the decoder weights' share of the
   elements.
 
-The embedding (the first stage's own module) is timed the same way as ``ends`` (its forward: its
-backward has no input gradient to end at), so calibration can tell the fixed cost every chunk pays from
-what the first model stage pays on top. The last stage's own work, the output layer and the loss, is
+The embedding (the first stage's own module) is timed the same way as ``ends``: its forward, and its
+backward from the gradient of its output until its weights' gradients are accumulated (it has no input
+gradient to end at), so calibration can tell the fixed cost every chunk pays from what the first model
+stage pays on top. (Before its backward was timed, the 0.15 ms it took in a B of the bench's GPT at
+hidden 128 counted as a cost every chunk pays: ``compute.chunk`` for B was twice a plain chunk's.) The last stage's own work, the output layer and the loss, is
 not timed apart: the loss is computed outside any module (``forward_step``'s loss function), so
 calibration takes the last stage's chunk cost from the other stages' (:mod:`primuspipe.calibration.measure`).
 
@@ -102,8 +104,17 @@ def timing_layers(models: Sequence[torch.nn.Module], recorder: Any, wgrad: Any) 
             if (tensor := _first_tensor(output)) is not None:
                 tensor.register_hook(output_grad)
 
+        def accumulated(_param):  # a module whose input has no gradient (the embedding): its backward
+            if backward:           # ends as its weights' gradients land, each span from the one before
+                now = clock()
+                recorder.inside(part, backward[0], now)
+                backward[:] = [now]
+
         handles.extend((module.register_forward_pre_hook(before, with_kwargs=True),
                         module.register_forward_hook(after, with_kwargs=True)))
+        if part == "ends":
+            handles.extend(p.register_post_accumulate_grad_hook(accumulated)
+                           for p in module.parameters() if p.requires_grad)
 
     for part, module in parts:
         timed(part, module)

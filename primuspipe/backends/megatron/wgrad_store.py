@@ -215,23 +215,27 @@ class WeightGradStore:
                 f"it on this rank in this step, or its W already ran (pending: {have})") from None
         weights, grads = [], []
         part_of, recorder = self.timed or ({}, None)
+        # each weight's span runs from the previous one's end (the first from here): the loop's own work
+        # per weight (a few us of Python each, 4 weights a layer) is the layers' cost, paid per layer
+        # whatever the chunk, not a fixed cost every chunk pays (docs/simulator.md, "Fixed parts")
+        mark = recorder.clock() if recorder is not None else None
         for item in work:
-            part = part_of.get(id(item.weight))
-            start = recorder.clock() if part is not None else None
             with torch.no_grad():  # as inside autograd's backward, where Megatron computes them
                 grad = _compute_wgrad(item)
-            if part is not None:
-                recorder.inside(part, start, recorder.clock())
+            if recorder is not None:
+                now = recorder.clock()
+                if (part := part_of.get(id(item.weight))) is not None:
+                    recorder.inside(part, mark, now)
+                mark = now
             if grad is not None:
                 weights.append(item.weight)
                 grads.append(grad)
         if weights:
-            start = recorder.clock() if recorder is not None else None
             # Autograd's accumulator of each weight adds to .grad and runs its hooks (e.g. Megatron DDP's
             # main_grad accumulation), as it does when the fused backward returns the gradient.
             torch.autograd.backward(weights, grads)
             if recorder is not None:
-                _report_shares(recorder, part_of, weights, start, recorder.clock())
+                _report_shares(recorder, part_of, weights, mark)
         return len(work) + (self._te.flush(chunk, microbatch) if self._te else 0)
 
     def forwarding(self, chunk: int, microbatch: int):
@@ -264,14 +268,16 @@ class WeightGradStore:
                                   "incomplete")
 
 
-def _report_shares(recorder: Any, part_of: dict[int, str], weights: list, start: Any, end: Any) -> None:
-    """One accumulation call served every weight: each part of the model gets its weights' share of the
-    elements (the accumulation is an add per element)."""
+def _report_shares(recorder: Any, part_of: dict[int, str], weights: list, start: Any) -> None:
+    """One accumulation call served every weight: from ``start`` (the last GEMM's end) until the shares
+    are worked out (a pass over the weights, work per layer too), each part of the model gets its
+    weights' share of the elements (the accumulation is an add per element)."""
     total = sum(w.numel() for w in weights)
-    for part in set(part_of.values()):
-        mine = sum(w.numel() for w in weights if part_of.get(id(w)) == part)
-        if mine:
-            recorder.inside(part, start, end, mine / total)
+    shares = {part: mine / total for part in set(part_of.values())
+              if (mine := sum(w.numel() for w in weights if part_of.get(id(w)) == part))}
+    end = recorder.clock()
+    for part, share in shares.items():
+        recorder.inside(part, start, end, share)
 
 
 def check_deferrable(models: Sequence[torch.nn.Module], config: Any = None, split: bool = True) -> bool:
