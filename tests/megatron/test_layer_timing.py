@@ -20,14 +20,18 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, re
 
 
 class TickingRecorder:
-    """The recorder's protocol (``clock``, ``inside``) with a clock that ticks once per reading."""
+    """The recorder's protocol (``clock``, ``inside``) with a clock that ticks once per reading;
+    ``watch`` (weak references) gives, per reading, how many of them were still alive."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: tuple = ()) -> None:
         self.ticks = 0
         self.spans: list[tuple[str, int, int, float]] = []
+        self.watch = watch
+        self.alive: list[int] = []
 
     def clock(self) -> int:
         self.ticks += 1
+        self.alive.append(sum(ref() is not None for ref in self.watch))
         return self.ticks
 
     def inside(self, part: str, start: int, end: int, share: float = 1.0) -> None:
@@ -39,19 +43,25 @@ class TickingRecorder:
 def test_a_w_nodes_spans_cover_its_decoder_weights_work_without_gaps(weights):
     """``(in the decoder, rows, cols)`` per deferred weight, in B's order: every tick from the flush's
     start to the accumulation's end is the decoder's but the GEMMs of weights of no timed part (the
-    output layer's)."""
+    output layer's), and what B kept for a weight (its input and output gradient) is freed within its
+    own span (freeing a 6-layer stage's took 0.2 ms of CPU at hidden 128)."""
+    import weakref
+
     from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
     from primuspipe.backends.megatron.wgrad_store import WeightGradStore, _Deferred
 
     enable_cpu_mode()
     store = WeightGradStore()
-    params, items = [], []
+    params, kept, expected_grads = [], [], []
     for _, rows, cols in weights:
         weight = torch.nn.Parameter(torch.zeros(rows, cols))
         params.append(weight)
-        items.append(_Deferred(weight, torch.ones(4, cols), torch.ones(4, rows), None, False, False, None))
-    store._work[(0, 0)] = items
-    recorder = TickingRecorder()
+        saved, grad_output = torch.rand(4, cols), torch.rand(4, rows)
+        expected_grads.append(grad_output.t() @ saved)
+        kept.append(weakref.ref(saved))
+        store._work.setdefault((0, 0), []).append(_Deferred(weight, saved, grad_output, None, False, False, None))
+    del saved, grad_output
+    recorder = TickingRecorder(tuple(kept))
     store.timed = ({id(p): "layers" for p, (decoder, *_) in zip(params, weights) if decoder}, recorder)
     assert store.flush(0, 0) == len(weights)
     # one reading before the loop, one after each GEMM, one after the shares: reading i + 1 ends GEMM i
@@ -68,9 +78,11 @@ def test_a_w_nodes_spans_cover_its_decoder_weights_work_without_gaps(weights):
         expected[len(weights) + 1] = decoder_share  # the accumulation: the decoder's share of the elements
         assert last == len(weights) + 2
     assert covered.keys() == expected.keys() and all(covered[t] == pytest.approx(v) for t, v in expected.items())
+    # reading i + 1 ends GEMM i: by then the weights up to i no longer hold what B kept
+    assert recorder.alive[:len(weights) + 1] == [len(weights) - i for i in range(len(weights) + 1)]
     # the gradients are the GEMMs' (timing changes nothing)
-    for p, item in zip(params, items):
-        assert torch.equal(p.grad, item.grad_output.t() @ item.input)
+    for p, grad in zip(params, expected_grads):
+        assert torch.equal(p.grad, grad)
 
 
 class _Chunk(torch.nn.Module):

@@ -215,20 +215,24 @@ class WeightGradStore:
                 f"it on this rank in this step, or its W already ran (pending: {have})") from None
         weights, grads = [], []
         part_of, recorder = self.timed or ({}, None)
-        # each weight's span runs from the previous one's end (the first from here): the loop's own work
-        # per weight (a few us of Python each, 4 weights a layer) is the layers' cost, paid per layer
-        # whatever the chunk, not a fixed cost every chunk pays (docs/simulator.md, "Fixed parts")
+        # each weight's span runs from the previous one's end (the first from here) and frees what B kept
+        # for it (its input and output gradient): the loop's own work and the freeing per weight are the
+        # layers' cost, paid per layer whatever the chunk, not a fixed cost every chunk pays
+        # (docs/simulator.md, "Fixed parts")
         mark = recorder.clock() if recorder is not None else None
-        for item in work:
+        for i in range(len(work)):
+            item, work[i] = work[i], None
+            weight = item.weight
             with torch.no_grad():  # as inside autograd's backward, where Megatron computes them
                 grad = _compute_wgrad(item)
+            del item
             if recorder is not None:
                 now = recorder.clock()
-                if (part := part_of.get(id(item.weight))) is not None:
+                if (part := part_of.get(id(weight))) is not None:
                     recorder.inside(part, mark, now)
                 mark = now
             if grad is not None:
-                weights.append(item.weight)
+                weights.append(weight)
                 grads.append(grad)
         if weights:
             # Autograd's accumulator of each weight adds to .grad and runs its hooks (e.g. Megatron DDP's
