@@ -114,6 +114,16 @@ class TrainingSpec:
     moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = "alltoall"
     """How MoE layers move token copies to their experts (the communication model treats all as all-to-alls;
     ``flex`` is DeepEP's, which sends each token once per node and spreads it over NVLink there)."""
+    moe_flex_dispatcher_backend: Literal["deepep", "hybridep"] = "deepep"
+    """The flex dispatcher's backend (Megatron's default ``deepep``). Under FP8, HybridEP's dispatch pads each
+    local expert's token copies to the quantization alignment itself (megatron-core ``_HybridEPManager.dispatch``:
+    ``pad_multiple = get_align_size_for_quantization``), so the experts never pad them again
+    (``WorkModel.fp8_padding_copies``)."""
+    moe_router_padding_for_quantization: bool = False
+    """megatron-core (alias ``moe_router_padding_for_fp8``): under FP8 the router routes extra copies so that every
+    expert's count is a multiple of the quantization alignment (``pad_routing_map``), so the experts never pad
+    them (``WorkModel.fp8_padding_copies``); the extra copies (fewer than the alignment per expert and source rank)
+    are not modelled. Primus's sync-free MoE turns it on under FP8."""
     fp8_format: Literal["e4m3", "hybrid"] | None = None
     """FP8 GEMMs (Transformer Engine) for the linear layers: e4m3 everywhere, or hybrid (e5m2 gradients);
     None: the GEMMs run in ``precision``. Weights, optimizer and the other kernels keep ``precision``."""
@@ -221,6 +231,8 @@ class TrainingSpec:
         (``rocm_arg_validation.py``: the stage's options after its checks; the DeepEP patch: the flex dispatcher)."""
         for name in SYNC_FREE_MOE_OPTIONS[self.turbo_sync_free_moe_stage]:
             object.__setattr__(self, name, True)
+        if self.turbo_sync_free_moe_stage and self.fp8:
+            object.__setattr__(self, "moe_router_padding_for_quantization", True)
         if self.use_turbo_deepep:
             object.__setattr__(self, "moe_token_dispatcher_type", "flex")
 
@@ -311,6 +323,13 @@ class TrainingSpec:
         """Expert GEMMs that run at once on the ``multi_stream`` path: the framework's streams, or fewer
         hardware queues on ROCm (``gpu_max_hw_queues``: streams beyond it share queues)."""
         return min(GEMM_STREAMS, self.gpu_max_hw_queues or GEMM_STREAMS)
+
+    @property
+    def fp8_alignment(self) -> int:
+        """Rows an FP8 GEMM's token dimension must be a multiple of: 32 for MXFP8 (one scale per 32 rows of the
+        column-wise copy), 16 for the other recipes (megatron-core ``fp8_utils.get_fp8_align_size``, which
+        ``get_align_size_for_quantization`` returns for FP8)."""
+        return MXFP8_BLOCK if self.fp8_recipe == "mxfp8" else 16
 
     @property
     def per_tensor_fp8(self) -> bool:
@@ -473,8 +492,8 @@ SYNC_FREE_MOE_OPTIONS: dict[int, tuple[str, ...]] = {
     3: ("moe_use_fused_router_with_aux_score", "moe_permute_fusion", "use_turbo_deepep", "use_turbo_grouped_gemm",
         "use_turbo_fused_act_with_probs"),
 }
-"""The settings each of Primus's sync-free MoE stages turns on (``_get_sync_free_moe_options``;
-``moe_router_padding_for_quantization``, which it also sets under FP8, changes neither time nor memory here)."""
+"""The settings each of Primus's sync-free MoE stages turns on (``_get_sync_free_moe_options``; under FP8 every
+stage also sets ``moe_router_padding_for_quantization``, :meth:`TrainingSpec._enable_sync_free_moe`)."""
 
 PRIMUS_TURBO_FIELDS = ("turbo_sync_free_moe_stage", "moe_use_fused_router_with_aux_score", "use_turbo_deepep",
                        "use_turbo_grouped_gemm", "use_turbo_fused_act_with_probs")
