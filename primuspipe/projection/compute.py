@@ -349,34 +349,8 @@ class WorkModel(RankShape):
         backward = 2 * casts + 2 * 3 * r
         return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
 
-    @property
-    def fp8_padding_copies(self) -> bool:
-        """Whether the experts copy their token copies into a padded buffer and back under FP8.
-
-        FP8 GEMMs need every expert's token count to be a multiple of the quantization alignment
-        (``TrainingSpec.fp8_alignment``). megatron-core's experts pad
-        them themselves under FP8 (``TEGroupedMLP.forward``: ``Fp8Padding`` before the first linear,
-        ``Fp8Unpadding`` after the second; ``SequentialMLP`` per expert), and Transformer Engine's ``Fp8Padding``
-        copies only when some count is not aligned (``fp8_padding.py``: ``if m_splits == padded_m_splits: return``;
-        ``fused_multi_row_padding`` otherwise) -- megatron-core core_r0.16 and TE 2.12, the NeMo 26.02 container's.
-        The counts arrive aligned, and nothing is copied, where the router pads the routing map
-        (``moe_router_padding_for_quantization``), where HybridEP's dispatch pads them
-        (``moe_flex_dispatcher_backend: hybridep``), and where every expert is padded to a capacity that is a
-        multiple of the alignment (``get_capacity``: ``ceil(T_r k / E * factor)`` per source rank). Otherwise
-        (dropless, even forced-balanced routing, whose counts are random) some count is not aligned. Primus-Turbo's
-        grouped GEMM (``use_turbo_grouped_gemm``) is not megatron-core's ``TEGroupedMLP`` and is left out."""
-        m, t = self.model, self.training
-        if not (t.fp8 and m.is_moe) or t.use_turbo_grouped_gemm or t.moe_router_padding_for_quantization:
-            return False
-        if t.moe_token_dispatcher_type == "flex" and t.moe_flex_dispatcher_backend == "hybridep":
-            return False
-        if t.moe_expert_capacity_factor is not None and t.moe_pad_expert_input_to_capacity:
-            capacity = math.ceil(self.residual_tokens * m.moe_router_topk / m.num_experts * t.moe_expert_capacity_factor)
-            return capacity % t.fp8_alignment != 0
-        return True
-
     def _fp8_padding(self) -> PassWork:
-        """The experts' FP8 padding copies (:attr:`fp8_padding_copies`) as memory traffic: forward, the token copies
+        """The experts' FP8 padding copies (:attr:`~primuspipe.projection.training_spec.RankShape.fp8_padding_copies`) as memory traffic: forward, the token copies
         read and written into the padded buffer and the second linear's output read and written back out of it,
         and the routing probabilities padded likewise; backward, the same copies of the gradients the other way.
         The padding rows themselves (fewer than the alignment per expert) are not counted in the GEMMs."""
