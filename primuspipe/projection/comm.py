@@ -182,7 +182,8 @@ def destination_ranks(model: ModelSpec, training: TrainingSpec) -> float:
     nemo_automodel/components/moe/megatron/token_dispatcher.py); the combine returns one sum per rank.
     HybridEP does the same: its permuted output holds up to ``min(topk, experts per rank)`` copies of each
     received token (DeepEP branch hybrid-ep, docs/Hybrid-EP_Implementation.md, "worst_case_dispatch_output x
-    min(topk, num_experts_per_rank)").
+    min(topk, num_experts_per_rank)"), and so does Primus-Turbo's DeepEP port, which keeps DeepEP's
+    ``is_token_in_rank`` layout (AMD-AGI/Primus-Turbo a6a16cdc, benchmark/ops/training/deep_ep/test_intranode.py).
 
     Which ranks: a router (forced balance included: random logits) picks ``k`` distinct experts out of ``E``,
     ``E / EP`` on each rank, so a rank is missed with probability ``C(E - E/EP, k) / C(E, k)``; AutoModel's
