@@ -25,6 +25,7 @@ ALIASES = {
     "no_rope_fusion": ("training", "apply_rope_fusion", False),
     "no_bias_swiglu_fusion": ("training", "bias_activation_fusion", False),
     "no_bias_gelu_fusion": ("training", "bias_activation_fusion", False),
+    "no_gradient_accumulation_fusion": ("training", "gradient_accumulation_fusion", False),
     "bf16": ("training", "precision", "bf16"),
     "fp16": ("training", "precision", "fp16"),
     "use_flash_attn": ("training", "attention_backend", "flash"),
@@ -95,7 +96,7 @@ NO_EFFECT_PREFIXES = (
 
 NO_EFFECT = frozenset({
     "clip_grad", "cross_entropy_fusion_impl", "distributed_backend", "eod_mask_loss", "exp_name",
-    "gradient_accumulation_fusion", "no_gradient_accumulation_fusion", "init_model_with_meta_device",
+    "init_model_with_meta_device",
     "lazy_mpu_init", "masked_softmax_fusion", "no_masked_softmax_fusion", "micro_batch_size_rampup",
     "moe_aux_loss_coeff",
     "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_pre_softmax", "moe_router_score_function",

@@ -90,6 +90,14 @@ class TrainingSpec:
     """Adam's first moment."""
     exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
     """Adam's second moment."""
+    gradient_accumulation_fusion: bool = True
+    """Megatron's default (``--no-gradient-accumulation-fusion`` turns it off): Transformer Engine's linears
+    accumulate their weight gradients into the fp32 main gradients inside the weight-gradient GEMM
+    (``fuse_wgrad_accumulation=config.gradient_accumulation_fusion``, megatron-core
+    ``extensions/transformer_engine.py``). Off, each writes a fresh bf16 ``param.grad`` that the data-parallel
+    wrapper's backward hook adds into the main gradient, a separate pass over every weight per microbatch
+    (``param.main_grad.add_(param.grad.data)``, ``distributed/distributed_data_parallel.py``). AMD's Primus MoE
+    experiment files turn it off (``examples/moe_package/configs/MI355X/deepseek_v2*-pretrain-baseline.yaml``)."""
     cross_entropy_loss_fusion: bool = False
     """Fused vocab-parallel cross entropy: the loss reads the logits once and writes their gradient in place,
     keeping no fp32 softmax."""
