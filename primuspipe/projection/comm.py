@@ -159,14 +159,23 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         nodes = max(1, t.etp * t.ep // hardware.gpus_per_node)
         if t.moe_token_dispatcher_type == "flex" and nodes > 1:
             # DeepEP sends a token once to every node holding one of its experts and fans it out over NVLink
-            # there (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", 3.2.2): a token's k experts, uniform
-            # over the group's nodes, touch nodes * (1 - (1 - 1/nodes)^k) distinct nodes on average.
-            k = model.moe_router_topk
-            copies *= nodes * (1 - (1 - 1 / nodes) ** k) / k
+            # there (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", 3.2.2).
+            copies *= distinct_share(nodes, model.moe_router_topk)
+        elif t.use_turbo_deepep:
+            # Inside a node Primus-Turbo's DeepEP sends a token once to every rank holding one of its experts and
+            # returns one row per token and rank (AMD-AGI/Primus-Turbo primus_turbo/pytorch/deep_ep/buffer.py,
+            # get_dispatch_layout's is_token_in_rank and dispatch); the rank copies it per local expert.
+            copies *= distinct_share(t.ep, model.moe_router_topk)
         ep = 2 * net.all_to_all(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
     regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
     tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
     return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0))
+
+
+def distinct_share(groups: int, k: int) -> float:
+    """Of a token's ``k`` expert choices, uniform over ``groups`` equal groups of experts (nodes or ranks), the
+    share that lands in distinct groups: ``groups * (1 - (1 - 1/groups)^k) / k`` on average."""
+    return groups * (1 - (1 - 1 / groups) ** k) / k
 
 
 def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:
