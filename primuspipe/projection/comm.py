@@ -30,6 +30,7 @@ compute, except the data-parallel gradient reduction when ``overlap_grad_reduce`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from primuspipe.projection.hardware_spec import HardwareSpec
@@ -160,22 +161,24 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         if t.moe_token_dispatcher_type == "flex" and nodes > 1:
             # DeepEP sends a token once to every node holding one of its experts and fans it out over NVLink
             # there (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", 3.2.2).
-            copies *= distinct_share(nodes, model.moe_router_topk)
+            copies *= distinct_share(nodes, model.moe_router_topk, model.num_experts)
         elif t.use_turbo_deepep:
             # Inside a node Primus-Turbo's DeepEP sends a token once to every rank holding one of its experts and
             # returns one row per token and rank (AMD-AGI/Primus-Turbo primus_turbo/pytorch/deep_ep/buffer.py,
             # get_dispatch_layout's is_token_in_rank and dispatch); the rank copies it per local expert.
-            copies *= distinct_share(t.ep, model.moe_router_topk)
+            copies *= distinct_share(t.ep, model.moe_router_topk, model.num_experts)
         ep = 2 * net.all_to_all(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
     regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
     tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
     return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0))
 
 
-def distinct_share(groups: int, k: int) -> float:
-    """Of a token's ``k`` expert choices, uniform over ``groups`` equal groups of experts (nodes or ranks), the
-    share that lands in distinct groups: ``groups * (1 - (1 - 1/groups)^k) / k`` on average."""
-    return groups * (1 - (1 - 1 / groups) ** k) / k
+def distinct_share(groups: int, k: int, experts: int) -> float:
+    """Of a token's ``k`` distinct experts, drawn uniformly from ``experts`` split into ``groups`` equal groups (nodes
+    or ranks), the share of distinct groups among them on average: a group is missed with probability
+    C(experts - experts/groups, k) / C(experts, k)."""
+    missed = math.comb(experts - experts // groups, k) / math.comb(experts, k)
+    return groups * (1 - missed) / k
 
 
 def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:

@@ -5,18 +5,20 @@ ways, zb-auto never behind the fixed tables, and the published-runs table the be
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
 import pytest
 
 from primuspipe.projection.comm import Collectives, LayerComm, layer_comm
-from primuspipe.projection.compute import WorkModel, model_flops_per_token
+from primuspipe.projection.compute import Calibration, WorkModel, model_flops_per_token, part_times
 from primuspipe.projection.gemm import GROUPED_GEMM_KERNELS, Gemm, gemm_seconds, grouped_waves
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.layout import StageLayout, layer_counts, parse_layout
 from primuspipe.projection.framework import Placement
 from primuspipe.projection.model_spec import ModelSpec, load_model
+from primuspipe.projection.parameters import ParamCount, head_params, layer_params
 from primuspipe.projection.projection import Projector, ProjectionResult, project
 from primuspipe.projection.published import load_runs, project_run, training_of
 from primuspipe.projection.spec_fields import InputError
@@ -232,11 +234,31 @@ def test_all_to_all_across_nodes_and_deepep_dedup():
     ep = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=32, data_parallel_size=32,
                       global_batch_size=32)
     flex = dataclasses.replace(ep, moe_token_dispatcher_type="flex")
-    nodes, k = 4, 8  # a token's 8 experts touch 4 * (1 - (3/4)^8) of the 4 nodes on average: sent once to each
-    dedup = nodes * (1 - (1 - 1 / nodes) ** k) / k
+    nodes, k = 4, 8  # a token's 8 distinct experts of 64 touch this many of the 4 nodes (16 experts each) on average
+    dedup = nodes * (1 - math.comb(48, k) / math.comb(64, k)) / k
     a2a, deepep = layer_comm(model, ep, HW, "moe").ep[0], layer_comm(model, flex, HW, "moe").ep[0]
     latency = 2 * 31 * HW.inter_node_latency_s
     assert deepep - latency == pytest.approx((a2a - latency) * dedup)
+
+
+@pytest.mark.parametrize("experts, ep, k", [(64, 8, 6), (128, 8, 8), (16, 4, 2), (8, 8, 1), (32, 2, 4), (24, 4, 3), (32, 8, 4)])
+def test_primus_turbo_deepep_sends_a_token_once_to_each_rank_of_its_experts_inside_a_node(experts, ep, k):
+    model = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=1000,
+                      num_experts=experts, moe_router_topk=k)
+    a2a = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=ep, data_parallel_size=ep,
+                       global_batch_size=ep)
+    turbo = dataclasses.replace(a2a, enable_primus_turbo=True, use_turbo_deepep=True, moe_router_dtype="fp32")
+    # the distinct ranks among a token's k distinct experts, counted over every choice of k experts
+    per_rank = experts // ep
+    choices = list(itertools.combinations(range(experts), k)) if math.comb(experts, k) < 200_000 else None
+    if choices is not None:
+        distinct = sum(len({e // per_rank for e in c}) for c in choices) / len(choices)
+    else:  # too many to list: the complement of every rank being missed
+        distinct = ep * (1 - math.comb(experts - per_rank, k) / math.comb(experts, k))
+    latency = 2 * (ep - 1) * HW.intra_node_latency_s
+    sent, deduped = layer_comm(model, a2a, HW, "moe").ep[0], layer_comm(model, turbo, HW, "moe").ep[0]
+    assert deduped - latency == pytest.approx((sent - latency) * distinct / k)
+    assert deduped <= sent and (deduped < sent) == (k > 1)
 
 
 def test_explicit_layouts_and_the_embedding_and_loss_accounting():
@@ -330,3 +352,25 @@ def test_fused_cross_entropy_and_narrow_optimizer_state_shrink_memory():
     assert static_memory(params, dataclasses.replace(mx, fp8_param_gather=False)).weights == 2000
     with pytest.raises(InputError, match="need the precision-aware optimizer"):
         TrainingSpec(exp_avg_dtype="bf16")
+
+
+@pytest.mark.parametrize("kind, tp, main_grads", [("dense", 1, "fp32"), ("moe", 1, "fp32"), ("moe", 2, "bf16"),
+                                                  ("dense", 4, "bf16")])
+def test_without_gradient_accumulation_fusion_w_adds_every_weight_gradient_into_its_main_gradient(kind, tp, main_grads):
+    model = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=1000,
+                      ffn_hidden_size=4096, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512,
+                      moe_shared_expert_intermediate_size=1024, moe_layer_freq="([0]*1+[1]*1)")
+    fused = TrainingSpec(pipeline_model_parallel_size=1, tensor_model_parallel_size=tp, expert_model_parallel_size=2,
+                         data_parallel_size=2, global_batch_size=2, use_precision_aware_optimizer=main_grads != "fp32",
+                         main_grads_dtype=main_grads)
+    unfused = dataclasses.replace(fused, gradient_accumulation_fusion=False)
+    grad_bytes = 2 + 2 * (4 if main_grads == "fp32" else 2)  # bf16 gradient read, main gradient read and written
+    weights = sum(layer_params(model, fused, kind).values(), ParamCount()).total
+    for part, count in ((kind, weights), ("head", head_params(model, tp))):
+        a, b = WorkModel(model, fused).part(part), WorkModel(model, unfused).part(part)
+        assert a.forward == b.forward and a.backward_input == b.backward_input  # only W adds the pass
+        assert b.backward_weight.gemms == a.backward_weight.gemms
+        assert b.backward_weight.memory_bytes - a.backward_weight.memory_bytes == pytest.approx(count * grad_bytes)
+        added = part_times(WorkModel(model, unfused), HW, Calibration())[part].backward_weight \
+            - part_times(WorkModel(model, fused), HW, Calibration())[part].backward_weight
+        assert added == pytest.approx(count * grad_bytes / HW.hbm_bandwidth_bytes_per_s)

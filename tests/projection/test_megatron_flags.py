@@ -70,6 +70,15 @@ def test_settings_that_change_time_are_modelled_and_the_rest_set_aside():
     assert layout.training.pipeline_model_parallel_layout == "Et*4|t*4L"
 
 
+def test_gradient_accumulation_fusion_is_megatrons_default_and_turned_off_as_megatron_and_primus_write_it():
+    assert read_arguments(MODEL_ARGS, "r").training.gradient_accumulation_fusion
+    off = read_arguments(MODEL_ARGS + "--no-gradient-accumulation-fusion", "r")
+    assert not off.training.gradient_accumulation_fusion and not off.no_effect
+    primus = split_arguments({"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 128,
+                              "vocab_size": 1000, "gradient_accumulation_fusion": False}, "primus.yaml")
+    assert not primus.training.gradient_accumulation_fusion
+
+
 def test_the_launcher_gives_the_gpu_count_else_it_must_be_asked(tmp_path, capsys):
     config = read_arguments("torchrun --nnodes 2 --nproc-per-node 8 pretrain_gpt.py " + MODEL_ARGS
                             + "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", "run")
