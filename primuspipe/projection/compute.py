@@ -350,15 +350,15 @@ class WorkModel(RankShape):
         backward = 2 * casts + 2 * 3 * r
         return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
 
-    def _grad_accumulation(self, params: float) -> Work:
-        """Without ``gradient_accumulation_fusion``, the W pass of a part with ``params`` weights on the rank also
-        adds each fresh weight gradient into its main gradient, one element-wise pass (megatron-core's DDP backward
-        hook, ``param.main_grad.add_(param.grad.data)``): the gradient read in the parameters' dtype, the main
-        gradient read and written. Fused, the weight-gradient GEMM accumulates in place and nothing is added."""
+    def _grad_accumulation(self, params: ParamCount) -> Work:
+        """The W pass's adds of fresh weight gradients into their main gradients, for the part's ``params`` on the
+        rank: one element-wise pass each (megatron-core's DDP backward hook, ``param.main_grad.add_(param.grad.data)``)
+        reading the gradient in the parameters' dtype and reading and writing the main gradient. Every weight
+        without ``gradient_accumulation_fusion``; with it only the legacy ``GroupedMLP``'s expert weights (its GEMMs
+        cannot accumulate in place); the rest accumulate inside their weight-gradient GEMMs."""
         t = self.training
-        if t.gradient_accumulation_fusion:
-            return Work()
-        return Work(memory_bytes=params * (self.e + 2 * t.main_grad_bytes))
+        unfused = params.total if not t.gradient_accumulation_fusion else params.expert if t.legacy_grouped_mlp else 0
+        return Work(memory_bytes=unfused * (self.e + 2 * t.main_grad_bytes))
 
     @property
     def expert_copies(self) -> float:
@@ -388,7 +388,7 @@ class WorkModel(RankShape):
                 mlp_recompute = mlp_recompute + self._activation(self.expert_copies * t.load_imbalance,
                                                                  m.expert_ffn / t.etp)
         element = self._elementwise(kind) + self._norms()
-        accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()).total)
+        accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()))
         forward = attention.forward + core.forward + mlp.forward + element
         recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
                      + (self._norms() if t.recomputes("layernorm") else Work())
@@ -411,7 +411,7 @@ class WorkModel(RankShape):
         loss = Work(memory_bytes=self.tokens * vocab * per_logit)  # logits -> fp32 softmax; fused: read, write in place
         norm = Work(memory_bytes=2 * self.hidden_bytes)
         return PassWork(output.forward + loss + norm, output.backward_input + loss + norm.scaled(2),
-                        output.backward_weight + self._grad_accumulation(head_params(m, t.tp)))
+                        output.backward_weight + self._grad_accumulation(ParamCount(head_params(m, t.tp))))
 
     def mtp(self) -> PassWork:
         """One multi-token-prediction module: embedding lookup, two norms, the 2H -> H projection, a layer

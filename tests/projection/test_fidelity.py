@@ -374,3 +374,29 @@ def test_without_gradient_accumulation_fusion_w_adds_every_weight_gradient_into_
         added = part_times(WorkModel(model, unfused), HW, Calibration())[part].backward_weight \
             - part_times(WorkModel(model, fused), HW, Calibration())[part].backward_weight
         assert added == pytest.approx(count * grad_bytes / HW.hbm_bandwidth_bytes_per_s)
+
+
+@pytest.mark.parametrize("legacy, expert_gemm, turbo, accumulated", [
+    (True, "multi_stream", False, "expert"), (True, "sequential", False, "none"), (True, "multi_stream", True, "none"),
+    (False, "multi_stream", False, "none")])
+def test_the_legacy_grouped_mlp_accumulates_its_expert_gradients_outside_the_gemm(legacy, expert_gemm, turbo,
+                                                                                   accumulated):
+    model = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=1000,
+                      ffn_hidden_size=4096, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512,
+                      moe_layer_freq="([0]*1+[1]*1)")
+    base = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=2, data_parallel_size=2,
+                        global_batch_size=2, moe_expert_gemm=expert_gemm)
+    turbo_on = dict(enable_primus_turbo=True, use_turbo_grouped_gemm=True) if turbo else {}
+    training = dataclasses.replace(base, moe_use_legacy_grouped_gemm=legacy, **turbo_on)
+    plain = dataclasses.replace(base, **turbo_on)
+    params = sum(layer_params(model, training, "moe").values(), ParamCount())
+    expected = {"expert": params.expert, "none": 0}[accumulated] * (2 + 2 * 4)
+    for kind, extra in (("moe", expected), ("dense", 0)):  # a dense layer has no experts
+        added = (WorkModel(model, training).part(kind).backward_weight.memory_bytes
+                 - WorkModel(model, plain).part(kind).backward_weight.memory_bytes)
+        assert added == pytest.approx(extra)
+    # without gradient_accumulation_fusion every weight is added outside its GEMM, legacy or not
+    unfused = dataclasses.replace(training, gradient_accumulation_fusion=False)
+    fused = dataclasses.replace(plain, gradient_accumulation_fusion=True)
+    assert (WorkModel(model, unfused).part("moe").backward_weight.memory_bytes
+            - WorkModel(model, fused).part("moe").backward_weight.memory_bytes) == pytest.approx(params.total * 10)
