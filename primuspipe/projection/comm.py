@@ -160,25 +160,41 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         nodes = max(1, t.etp * t.ep // hardware.gpus_per_node)
         if t.moe_token_dispatcher_type == "flex" and nodes > 1:
             # DeepEP sends a token once to every node holding one of its experts and fans it out over NVLink
-            # there (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", 3.2.2).
-            copies *= distinct_share(nodes, model.moe_router_topk, model.num_experts)
-        elif t.use_turbo_deepep:
-            # Inside a node Primus-Turbo's DeepEP sends a token once to every rank holding one of its experts and
-            # returns one row per token and rank (AMD-AGI/Primus-Turbo primus_turbo/pytorch/deep_ep/buffer.py,
-            # get_dispatch_layout's is_token_in_rank and dispatch); the rank copies it per local expert.
-            copies *= distinct_share(t.ep, model.moe_router_topk, model.num_experts)
+            # there (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", 3.2.2): a token's k experts, uniform
+            # over the group's nodes, touch nodes * (1 - (1 - 1/nodes)^k) distinct nodes on average.
+            k = model.moe_router_topk
+            copies *= nodes * (1 - (1 - 1 / nodes) ** k) / k
+        elif t.moe_token_dispatcher_type == "flex":
+            copies *= destination_ranks(model, t) / model.moe_router_topk
         ep = 2 * net.all_to_all(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
     regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
     tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
     return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0))
 
 
-def distinct_share(groups: int, k: int, experts: int) -> float:
-    """Of a token's ``k`` distinct experts, drawn uniformly from ``experts`` split into ``groups`` equal groups (nodes
-    or ranks), the share of distinct groups among them on average: a group is missed with probability
-    C(experts - experts/groups, k) / C(experts, k)."""
-    missed = math.comb(experts - experts // groups, k) / math.comb(experts, k)
-    return groups * (1 - missed) / k
+def destination_ranks(model: ModelSpec, training: TrainingSpec) -> float:
+    """EP ranks one token's ``k`` experts live on, on average: what the flex dispatcher sends it to inside a node.
+
+    DeepEP's dispatch sends a token once to every rank where ``is_token_in_rank`` (``get_dispatch_layout`` over
+    its top-k expert ids; deep_ep/buffer.py ``dispatch`` and csrc/kernels/intranode.cu, deepseek-ai/DeepEP
+    79bbb54), and the receiver expands it to one copy per local expert (megatron-core's flex dispatcher:
+    ``fused_indices_to_multihot`` then ``permute``; NeMo AutoModel's copy of it,
+    nemo_automodel/components/moe/megatron/token_dispatcher.py); the combine returns one sum per rank.
+    HybridEP does the same: its permuted output holds up to ``min(topk, experts per rank)`` copies of each
+    received token (DeepEP branch hybrid-ep, docs/Hybrid-EP_Implementation.md, "worst_case_dispatch_output x
+    min(topk, num_experts_per_rank)"), and so does Primus-Turbo's DeepEP port, which keeps DeepEP's
+    ``is_token_in_rank`` layout (AMD-AGI/Primus-Turbo a6a16cdc, benchmark/ops/training/deep_ep/test_intranode.py).
+
+    Which ranks: a router (forced balance included: random logits) picks ``k`` distinct experts out of ``E``,
+    ``E / EP`` on each rank, so a rank is missed with probability ``C(E - E/EP, k) / C(E, k)``; AutoModel's
+    ``fake_balanced_gate`` gives token ``i`` experts ``i k`` ... ``i k + k - 1`` (mod ``E``), counted exactly over
+    one period of its starting expert."""
+    experts, k, ranks = model.num_experts, model.moe_router_topk, training.ep
+    per_rank = experts // ranks
+    if training.fake_balanced_gate:
+        starts = range(0, experts * k // math.gcd(experts, k), k)
+        return sum(len({(s + j) % experts // per_rank for j in range(k)}) for s in starts) / len(starts)
+    return ranks * (1 - math.comb(experts - per_rank, k) / math.comb(experts, k))
 
 
 def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:

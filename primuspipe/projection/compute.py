@@ -308,7 +308,8 @@ class WorkModel(RankShape):
             return Work(memory_bytes=moved) + self._activation(self.tokens, m.ffn / t.tp)
         copies = self.expert_copies * t.load_imbalance
         moved += 4 * copies * m.hidden_size * e * self.permutations
-        moved += self.residual_tokens * m.num_experts * 4 * 3  # router softmax / top-k over fp32 logits
+        if not t.fake_balanced_gate:  # AutoModel's fake gate computes no logits (FakeBalancedGate: arange, ones)
+            moved += self.residual_tokens * m.num_experts * 4 * 3  # router softmax / top-k over fp32 logits
         shared = self._activation(self.tokens, (m.moe_shared_expert_intermediate_size or 0) / t.tp)
         return Work(memory_bytes=moved) + self._activation(copies, m.expert_ffn / t.etp) + shared
 
@@ -379,7 +380,8 @@ class WorkModel(RankShape):
             routed = self._mlp(per_expert, m.expert_ffn / t.etp, groups=local)
             shared = (self._mlp(self.tokens, m.moe_shared_expert_intermediate_size / t.tp)
                       if m.moe_shared_expert_intermediate_size else None)
-            router = self._linear(self.residual_tokens, m.hidden_size, m.num_experts, fp8=False)
+            router = (PassWork(Work(), Work(), Work()) if t.fake_balanced_gate  # AutoModel's fake gate has no GEMM
+                      else self._linear(self.residual_tokens, m.hidden_size, m.num_experts, fp8=False))
             bias = [self._expert_output_bias()] if m.add_bias_linear else []
             mlp = _sum(routed, router, *bias, *([shared] if shared else []))
             mlp_recompute = (mlp.forward if t.recomputes("moe") else

@@ -127,7 +127,8 @@ class TrainingSpec:
     """Gradient reduce-scatter/all-reduce hidden behind backward compute (only its tail is exposed)."""
     moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = "alltoall"
     """How MoE layers move token copies to their experts (the communication model treats all as all-to-alls;
-    ``flex`` is DeepEP's, which sends each token once per node and spreads it over NVLink there)."""
+    ``flex`` is DeepEP's or HybridEP's, which send each token once to every rank holding one of its experts --
+    once per node across nodes, spread over NVLink there -- and copy it per expert on arrival)."""
     fp8_format: Literal["e4m3", "hybrid"] | None = None
     """FP8 GEMMs (Transformer Engine) for the linear layers: e4m3 everywhere, or hybrid (e5m2 gradients);
     None: the GEMMs run in ``precision``. Weights, optimizer and the other kernels keep ``precision``."""
@@ -166,6 +167,12 @@ class TrainingSpec:
     The probabilities weight each token copy in the experts (see ``WorkModel.probs_bytes``)."""
     moe_router_force_load_balancing: bool = False
     """Route tokens evenly (benchmarks do): no expert gets more than its share."""
+    fake_balanced_gate: bool = False
+    """NeMo AutoModel's ``fake_balanced_gate`` (its MoE ``BackendConfig``; ``FakeBalancedGate`` in
+    nemo_automodel/components/moe/layers.py): no router -- token ``i`` goes to experts ``i k`` ... ``i k + k - 1``
+    (mod the expert count) with equal weights, so every expert gets the same share and a token's ``k`` experts are
+    consecutive, on as few EP ranks as they can be (one where ``k`` divides the experts per rank). Megatron's
+    ``moe_router_force_load_balancing`` balances by random logits instead (experts drawn at random)."""
     moe_expert_load_imbalance: float | None = None
     """The busiest expert group's tokens over the mean (>= 1): expert GEMMs and the all-to-all take that much
     longer on the rank that holds it. None: 1 (uniform routing; no public figure for trained routers is
@@ -358,10 +365,15 @@ class TrainingSpec:
         return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads_params"
 
     @property
+    def balanced(self) -> bool:
+        """Every expert gets its share of the token copies: forced balance (Megatron) or AutoModel's fake gate."""
+        return self.moe_router_force_load_balancing or self.fake_balanced_gate
+
+    @property
     def load_imbalance(self) -> float:
         """Busiest expert group's load over the mean; under token drop the capacity caps it, and padding to
         capacity makes every expert compute all of it."""
-        load = (1.0 if self.moe_router_force_load_balancing or self.moe_expert_load_imbalance is None
+        load = (1.0 if self.balanced or self.moe_expert_load_imbalance is None
                 else self.moe_expert_load_imbalance)
         if self.moe_expert_capacity_factor is None:
             return load

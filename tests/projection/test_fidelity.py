@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from primuspipe.projection.comm import Collectives, LayerComm, layer_comm
+from primuspipe.projection.comm import Collectives, LayerComm, destination_ranks, layer_comm
 from primuspipe.projection.compute import Calibration, WorkModel, model_flops_per_token, part_times
 from primuspipe.projection.gemm import GROUPED_GEMM_KERNELS, Gemm, gemm_seconds, grouped_waves
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
@@ -234,31 +234,57 @@ def test_all_to_all_across_nodes_and_deepep_dedup():
     ep = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=32, data_parallel_size=32,
                       global_batch_size=32)
     flex = dataclasses.replace(ep, moe_token_dispatcher_type="flex")
-    nodes, k = 4, 8  # a token's 8 distinct experts of 64 touch this many of the 4 nodes (16 experts each) on average
-    dedup = nodes * (1 - math.comb(48, k) / math.comb(64, k)) / k
+    nodes, k = 4, 8  # a token's 8 experts touch 4 * (1 - (3/4)^8) of the 4 nodes on average: sent once to each
+    dedup = nodes * (1 - (1 - 1 / nodes) ** k) / k
     a2a, deepep = layer_comm(model, ep, HW, "moe").ep[0], layer_comm(model, flex, HW, "moe").ep[0]
     latency = 2 * 31 * HW.inter_node_latency_s
     assert deepep - latency == pytest.approx((a2a - latency) * dedup)
 
 
-@pytest.mark.parametrize("experts, ep, k", [(64, 8, 6), (128, 8, 8), (16, 4, 2), (8, 8, 1), (32, 2, 4), (24, 4, 3), (32, 8, 4)])
-def test_primus_turbo_deepep_sends_a_token_once_to_each_rank_of_its_experts_inside_a_node(experts, ep, k):
+@pytest.mark.parametrize("experts,k,ep", [(8, 2, 2), (8, 3, 4), (12, 4, 3), (16, 4, 8), (10, 3, 5), (16, 6, 4),
+                                           (128, 8, 8), (128, 8, 32), (64, 6, 16)])
+def test_flex_dispatch_sends_a_token_once_to_each_rank_holding_its_experts(experts, k, ep):
+    """Inside a node DeepEP / HybridEP send a token to each EP rank holding one of its experts once; the rank
+    count is checked against the routes themselves: every k-subset of experts (a router's pick, forced balance's
+    random logits included), and AutoModel's fake gate rebuilt as its source builds it (arange(T k) % E)."""
     model = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=1000,
                       num_experts=experts, moe_router_topk=k)
-    a2a = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=ep, data_parallel_size=ep,
-                       global_batch_size=ep)
-    turbo = dataclasses.replace(a2a, enable_primus_turbo=True, use_turbo_deepep=True, moe_router_dtype="fp32")
-    # the distinct ranks among a token's k distinct experts, counted over every choice of k experts
+    routed = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=ep, data_parallel_size=ep,
+                          global_batch_size=ep, moe_token_dispatcher_type="flex")
+    fake = dataclasses.replace(routed, fake_balanced_gate=True)
     per_rank = experts // ep
-    choices = list(itertools.combinations(range(experts), k)) if math.comb(experts, k) < 200_000 else None
-    if choices is not None:
-        distinct = sum(len({e // per_rank for e in c}) for c in choices) / len(choices)
-    else:  # too many to list: the complement of every rank being missed
-        distinct = ep * (1 - math.comb(experts - per_rank, k) / math.comb(experts, k))
+
+    def ranks(route) -> int:
+        return len({e // per_rank for e in route})
+
+    if math.comb(experts, k) <= 200_000:
+        picks = list(itertools.combinations(range(experts), k))
+        assert destination_ranks(model, routed) == pytest.approx(sum(map(ranks, picks)) / len(picks))
+    else:  # the same law by inclusion: a rank is missed when all k experts fall on the others
+        assert destination_ranks(model, routed) == pytest.approx(ep * (1 - math.comb(experts - per_rank, k)
+                                                                     / math.comb(experts, k)))
+    tokens = 1000
+    routes = [[(t * k + j) % experts for j in range(k)] for t in range(tokens)]  # FakeBalancedGate's indices
+    assert destination_ranks(model, fake) == pytest.approx(sum(map(ranks, routes)) / tokens, rel=experts / tokens)
+    # the all-to-all carries one copy per destination rank, not per expert
+    node = dataclasses.replace(HW, gpus_per_node=max(8, ep))  # the group inside one node
+    plain = dataclasses.replace(routed, moe_token_dispatcher_type="alltoall")
+    a2a, flex = layer_comm(model, plain, node, "moe").ep[0], layer_comm(model, routed, node, "moe").ep[0]
     latency = 2 * (ep - 1) * HW.intra_node_latency_s
-    sent, deduped = layer_comm(model, a2a, HW, "moe").ep[0], layer_comm(model, turbo, HW, "moe").ep[0]
-    assert deduped - latency == pytest.approx((sent - latency) * distinct / k)
-    assert deduped <= sent and (deduped < sent) == (k > 1)
+    assert flex - latency == pytest.approx((a2a - latency) * destination_ranks(model, routed) / k)
+
+
+def test_the_fake_balanced_gate_has_no_router_gemm():
+    model = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=1000,
+                      num_experts=16, moe_router_topk=2)
+    routed = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=2, data_parallel_size=2,
+                          global_batch_size=2)
+    fake = WorkModel(model, dataclasses.replace(routed, fake_balanced_gate=True)).layer("moe")
+    real = WorkModel(model, routed).layer("moe")
+    router = 2 * 1024 * 1024 * 16  # T x H x E, forward
+    assert real.forward.gemm_flops - fake.forward.gemm_flops == pytest.approx(router)
+    assert real.forward.memory_bytes - fake.forward.memory_bytes == pytest.approx(1024 * 16 * 12)  # fp32 logits
+    assert dataclasses.replace(routed, fake_balanced_gate=True).load_imbalance == 1.0
 
 
 def test_explicit_layouts_and_the_embedding_and_loss_accounting():
