@@ -30,6 +30,7 @@ from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels
 from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.parameters import ParamCount, head_params, layer_params
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import MXFP8_BLOCK, RankShape, TrainingSpec
 
@@ -361,6 +362,16 @@ class WorkModel(RankShape):
         moved = 2 * 2 * copies * self.model.hidden_size * self.e + 2 * copies * self.probs_bytes
         return PassWork(Work(memory_bytes=moved), Work(memory_bytes=moved), Work())
 
+    def _grad_accumulation(self, params: ParamCount) -> Work:
+        """The W pass's adds of fresh weight gradients into their main gradients, for the part's ``params`` on the
+        rank: one element-wise pass each (megatron-core's DDP backward hook, ``param.main_grad.add_(param.grad.data)``)
+        reading the gradient in the parameters' dtype and reading and writing the main gradient. Every weight
+        without ``gradient_accumulation_fusion``; with it only the legacy ``GroupedMLP``'s expert weights (its GEMMs
+        cannot accumulate in place); the rest accumulate inside their weight-gradient GEMMs."""
+        t = self.training
+        unfused = params.total if not t.gradient_accumulation_fusion else params.expert if t.legacy_grouped_mlp else 0
+        return Work(memory_bytes=unfused * (self.e + 2 * t.main_grad_bytes))
+
     @property
     def expert_copies(self) -> float:
         """Token copies the experts of one rank process per microbatch (uniform routing)."""
@@ -390,12 +401,13 @@ class WorkModel(RankShape):
                 mlp_recompute = mlp_recompute + self._activation(self.expert_copies * t.load_imbalance,
                                                                  m.expert_ffn / t.etp)
         element = self._elementwise(kind) + self._norms()
+        accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()))
         forward = attention.forward + core.forward + mlp.forward + element
         recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
                      + (self._norms() if t.recomputes("layernorm") else Work())
                      + (up_projections.forward if t.recomputes("mla_up_proj") and m.multi_latent_attention else Work()))
         return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.scaled(2),
-                        attention.backward_weight + mlp.backward_weight, recompute)
+                        attention.backward_weight + mlp.backward_weight + accumulate, recompute)
 
     def embedding(self) -> PassWork:
         """Token (and position) lookup: memory-bound; its gradient, a scatter-add, runs in B (split-backward
@@ -412,7 +424,7 @@ class WorkModel(RankShape):
         loss = Work(memory_bytes=self.tokens * vocab * per_logit)  # logits -> fp32 softmax; fused: read, write in place
         norm = Work(memory_bytes=2 * self.hidden_bytes)
         return PassWork(output.forward + loss + norm, output.backward_input + loss + norm.scaled(2),
-                        output.backward_weight)
+                        output.backward_weight + self._grad_accumulation(ParamCount(head_params(m, t.tp))))
 
     def mtp(self) -> PassWork:
         """One multi-token-prediction module: embedding lookup, two norms, the 2H -> H projection, a layer

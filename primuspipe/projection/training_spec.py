@@ -91,6 +91,20 @@ class TrainingSpec:
     """Adam's first moment."""
     exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
     """Adam's second moment."""
+    gradient_accumulation_fusion: bool = True
+    """Megatron's default (``--no-gradient-accumulation-fusion`` turns it off): Transformer Engine's linears
+    accumulate their weight gradients into the fp32 main gradients inside the weight-gradient GEMM
+    (``fuse_wgrad_accumulation=config.gradient_accumulation_fusion``, megatron-core
+    ``extensions/transformer_engine.py``). Off, each writes a fresh bf16 ``param.grad`` that the data-parallel
+    wrapper's backward hook adds into the main gradient, a separate pass over every weight per microbatch
+    (``param.main_grad.add_(param.grad.data)``, ``distributed/distributed_data_parallel.py``). AMD's Primus MoE
+    experiment files turn it off (``examples/moe_package/configs/MI355X/deepseek_v2*-pretrain-baseline.yaml``)."""
+    moe_use_legacy_grouped_gemm: bool = False
+    """Megatron's legacy ``GroupedMLP`` for the experts (``--moe-use-legacy-grouped-gemm``; Primus keeps it as
+    ``DeprecatedGroupedMLP``, ``primus/backends/megatron/core/transformer/moe/deprecated_20251209/experts.py``): its
+    expert weights are plain parameters that the ``grouped_gemm`` package's ``gg.ops.gmm`` multiplies, so their
+    gradients always reach the main gradients through ``param.grad`` and the data-parallel hook, whatever
+    ``gradient_accumulation_fusion`` says. Its GEMMs take the same 4-stream path as Transformer Engine's."""
     cross_entropy_loss_fusion: bool = False
     """Fused vocab-parallel cross entropy: the loss reads the logits once and writes their gradient in place,
     keeping no fp32 softmax."""
@@ -325,6 +339,12 @@ class TrainingSpec:
         """The kernel path of the experts' GEMMs (:mod:`~primuspipe.projection.gemm`): Primus-Turbo's grouped
         GEMM is one kernel over all experts (``fused``); otherwise ``moe_expert_gemm``."""
         return "fused" if self.use_turbo_grouped_gemm else self.moe_expert_gemm
+
+    @property
+    def legacy_grouped_mlp(self) -> bool:
+        """The experts run as the legacy ``GroupedMLP``: it is asked for with grouped GEMMs on and Primus-Turbo's
+        grouped GEMM off (Primus's ``grouped_mlp_modules``, ``transformer_engine_spec_provider.py``)."""
+        return self.moe_use_legacy_grouped_gemm and self.moe_expert_gemm != "sequential" and not self.use_turbo_grouped_gemm
 
     @property
     def expert_gemm_streams(self) -> int:

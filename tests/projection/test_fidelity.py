@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from primuspipe.projection.comm import Collectives, LayerComm, destination_ranks, layer_comm
-from primuspipe.projection.compute import WorkModel, model_flops_per_token
+from primuspipe.projection.compute import Calibration, WorkModel, model_flops_per_token, part_times
 from primuspipe.projection.gemm import GROUPED_GEMM_KERNELS, Gemm, gemm_seconds, grouped_waves
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.layout import StageLayout, layer_counts, parse_layout
 from primuspipe.projection.framework import Placement
 from primuspipe.projection.model_spec import ModelSpec, load_model
+from primuspipe.projection.parameters import ParamCount, head_params, layer_params
 from primuspipe.projection.projection import Projector, ProjectionResult, project
 from primuspipe.projection.published import load_runs, project_run, training_of
 from primuspipe.projection.spec_fields import InputError
@@ -381,3 +382,51 @@ def test_fused_cross_entropy_and_narrow_optimizer_state_shrink_memory():
     assert static_memory(params, dataclasses.replace(mx, fp8_param_gather=False)).weights == 2000
     with pytest.raises(InputError, match="need the precision-aware optimizer"):
         TrainingSpec(exp_avg_dtype="bf16")
+
+
+@pytest.mark.parametrize("kind, tp, main_grads", [("dense", 1, "fp32"), ("moe", 1, "fp32"), ("moe", 2, "bf16"),
+                                                  ("dense", 4, "bf16")])
+def test_without_gradient_accumulation_fusion_w_adds_every_weight_gradient_into_its_main_gradient(kind, tp, main_grads):
+    model = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=1000,
+                      ffn_hidden_size=4096, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512,
+                      moe_shared_expert_intermediate_size=1024, moe_layer_freq="([0]*1+[1]*1)")
+    fused = TrainingSpec(pipeline_model_parallel_size=1, tensor_model_parallel_size=tp, expert_model_parallel_size=2,
+                         data_parallel_size=2, global_batch_size=2, use_precision_aware_optimizer=main_grads != "fp32",
+                         main_grads_dtype=main_grads)
+    unfused = dataclasses.replace(fused, gradient_accumulation_fusion=False)
+    grad_bytes = 2 + 2 * (4 if main_grads == "fp32" else 2)  # bf16 gradient read, main gradient read and written
+    weights = sum(layer_params(model, fused, kind).values(), ParamCount()).total
+    for part, count in ((kind, weights), ("head", head_params(model, tp))):
+        a, b = WorkModel(model, fused).part(part), WorkModel(model, unfused).part(part)
+        assert a.forward == b.forward and a.backward_input == b.backward_input  # only W adds the pass
+        assert b.backward_weight.gemms == a.backward_weight.gemms
+        assert b.backward_weight.memory_bytes - a.backward_weight.memory_bytes == pytest.approx(count * grad_bytes)
+        added = part_times(WorkModel(model, unfused), HW, Calibration())[part].backward_weight \
+            - part_times(WorkModel(model, fused), HW, Calibration())[part].backward_weight
+        assert added == pytest.approx(count * grad_bytes / HW.hbm_bandwidth_bytes_per_s)
+
+
+@pytest.mark.parametrize("legacy, expert_gemm, turbo, accumulated", [
+    (True, "multi_stream", False, "expert"), (True, "sequential", False, "none"), (True, "multi_stream", True, "none"),
+    (False, "multi_stream", False, "none")])
+def test_the_legacy_grouped_mlp_accumulates_its_expert_gradients_outside_the_gemm(legacy, expert_gemm, turbo,
+                                                                                   accumulated):
+    model = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=1000,
+                      ffn_hidden_size=4096, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512,
+                      moe_layer_freq="([0]*1+[1]*1)")
+    base = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=2, data_parallel_size=2,
+                        global_batch_size=2, moe_expert_gemm=expert_gemm)
+    turbo_on = dict(enable_primus_turbo=True, use_turbo_grouped_gemm=True) if turbo else {}
+    training = dataclasses.replace(base, moe_use_legacy_grouped_gemm=legacy, **turbo_on)
+    plain = dataclasses.replace(base, **turbo_on)
+    params = sum(layer_params(model, training, "moe").values(), ParamCount())
+    expected = {"expert": params.expert, "none": 0}[accumulated] * (2 + 2 * 4)
+    for kind, extra in (("moe", expected), ("dense", 0)):  # a dense layer has no experts
+        added = (WorkModel(model, training).part(kind).backward_weight.memory_bytes
+                 - WorkModel(model, plain).part(kind).backward_weight.memory_bytes)
+        assert added == pytest.approx(extra)
+    # without gradient_accumulation_fusion every weight is added outside its GEMM, legacy or not
+    unfused = dataclasses.replace(training, gradient_accumulation_fusion=False)
+    fused = dataclasses.replace(plain, gradient_accumulation_fusion=True)
+    assert (WorkModel(model, unfused).part("moe").backward_weight.memory_bytes
+            - WorkModel(model, fused).part("moe").backward_weight.memory_bytes) == pytest.approx(params.total * 10)
