@@ -104,3 +104,32 @@ def test_the_mi325x_runs_fp8_gemms_faster_than_the_mi300x_as_amd_measured():
     fp8 = project_run(RUNS["amd-pytorch-train-mi325x-llama3.1-8b-fp8-fsdp-8"])["ratio"]
     bf16 = project_run(RUNS["amd-pytorch-train-mi325x-llama3.1-8b-bf16-fsdp-8"])["ratio"]
     assert abs(fp8 - bf16) < 0.05
+
+
+# AITER's causal flash attention on MI355X, BF16, head dim 128, forward / backward TFLOP/s by queries a kernel
+# (HipKittens at f09e9685, analysis/attn/{fwd,bkwd}/benchmark/mi355x_mha_*causal*.json, the reference rows).
+AITER_MI355X_CAUSAL = {1024: (554.6, 388.7), 2048: (876.3, 673.1), 4096: (1069.0, 876.8), 8192: (1173.2, 1034.1),
+                       16384: (1247.4, 1108.7)}
+
+
+@pytest.mark.parametrize("length", sorted(AITER_MI355X_CAUSAL))
+def test_mi355x_attention_takes_aiters_measured_time_at_each_length(length):
+    """One forward and one backward of causal attention (backward 2.5 times the forward's FLOPs) take, on the MI355X
+    file, what AITER's kernels took at that length, times the file's sustained share for a training step."""
+    from primuspipe.projection.compute import Work
+
+    mi355x = load_hardware(EXAMPLES / "hardware" / "mi355x.yaml")
+    forward_tflops, backward_tflops = AITER_MI355X_CAUSAL[length]
+    flops = 1e15  # any amount: the rate is what is checked
+    measured = (flops / forward_tflops + 2.5 * flops / backward_tflops) / 1e12 / mi355x.sustained_fraction
+    modelled = Work(attention_flops=3.5 * flops).attention_seconds(mi355x, "bf16", length, 128)
+    assert modelled == pytest.approx(measured, rel=0.005)
+
+
+def test_mi355x_attention_between_measured_lengths_lies_between_their_rates():
+    """A length between two measured ones runs between their rates (log-scale interpolation), and past the table the
+    nearest measured rate holds."""
+    mi355x = load_hardware(EXAMPLES / "hardware" / "mi355x.yaml")
+    assert mi355x.attention_rate(2048) < mi355x.attention_rate(3000) < mi355x.attention_rate(4096)
+    assert mi355x.attention_rate(65536) == mi355x.attention_rate(16384)
+    assert mi355x.attention_rate(512) == mi355x.attention_rate(1024)
