@@ -349,6 +349,32 @@ class WorkModel(RankShape):
         backward = 2 * casts + 2 * 3 * r
         return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
 
+    def _expert_clamp(self) -> PassWork:
+        """The clamp of the experts' gated activation (``activation_func_clamp_value``, GPT-OSS), which megatron-core
+        runs as eager element-wise ops outside its fused activation kernel over the first expert linear's
+        ``copies x 2F`` output (``weighted_bias_quick_geglu_impl`` in ``megatron/core/fusions/fused_bias_geglu.py``,
+        lines 410-440, the same at core_v0.15.0, core_v0.16.0 and the Megatron-LM commit 55ac708 that
+        Megatron-Bridge 26.02.01 pins; the unfused path, ``glu`` in ``TEGroupedMLP.forward``, clamps the same halves
+        without the concatenation). Bytes per element of one half (``copies x F``), ``e`` the activations' dtype:
+
+        * forward: the gate half clamped from above and the linear half from both sides, each read and written
+          (4e), and with ``bias_activation_fusion`` the two concatenated into the fused kernel's input (4e);
+        * backward (autograd's ``clamp_backward``): the gate half's mask (read e, write a 1-byte bool) and the
+          ``where`` that applies it (read the mask and the gradient, write it: 1 + 2e); the linear half's two masks,
+          their ``logical_and_`` (read 2, write 1) and its ``where``; then ``chunk``'s gradient, a concatenation of
+          the two halves' gradients (read 2e, write 2e): 11e + 8.
+
+        Held against the aten operations megatron-core's own function dispatches (``tests/projection/
+        test_time_model.py``). A recompute of ``moe_act`` repeats the forward's (the checkpoint reruns the whole
+        function)."""
+        m, t, e = self.model, self.training, self.e
+        if m.activation_func_clamp_value is None:
+            return PassWork(Work(), Work(), Work())
+        elements = self.expert_copies * t.load_imbalance * m.expert_ffn / t.etp
+        forward = 4 * e + (4 * e if t.bias_activation_fusion else 0)
+        backward = 11 * e + 8
+        return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
+
     @property
     def expert_copies(self) -> float:
         """Token copies the experts of one rank process per microbatch (uniform routing)."""
@@ -370,12 +396,13 @@ class WorkModel(RankShape):
                       if m.moe_shared_expert_intermediate_size else None)
             router = self._linear(self.residual_tokens, m.hidden_size, m.num_experts, fp8=False)
             bias = [self._expert_output_bias()] if m.add_bias_linear else []
-            mlp = _sum(routed, router, *bias, *([shared] if shared else []))
+            clamp = self._expert_clamp()
+            mlp = _sum(routed, router, clamp, *bias, *([shared] if shared else []))
             mlp_recompute = (mlp.forward if t.recomputes("moe") else
                              shared.forward if shared and t.recomputes("shared_experts") else Work())
             if t.recomputes("moe_act") and not t.recomputes("moe"):
                 mlp_recompute = mlp_recompute + self._activation(self.expert_copies * t.load_imbalance,
-                                                                 m.expert_ffn / t.etp)
+                                                                 m.expert_ffn / t.etp) + clamp.forward
         element = self._elementwise(kind) + self._norms()
         forward = attention.forward + core.forward + mlp.forward + element
         recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute

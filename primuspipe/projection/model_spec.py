@@ -22,6 +22,7 @@ attention (DeepSeek) sets ``multi_latent_attention`` and its ranks.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -97,6 +98,11 @@ class ModelSpec:
     window_attn_skip_freq: int | None = None
     """With ``window_size``: every N-th layer, counting from 1, keeps full attention (megatron-core's
     ``is_layer_window_attention``: layer_number % N != 0 is windowed); None: every layer is windowed."""
+    activation_func_clamp_value: float | None = None
+    """Clamp of a gated linear unit's inputs before the activation (GPT-OSS: 7.0; megatron-core's
+    ``activation_func_clamp_value``): the gate half at most this, the linear half within plus or minus it.
+    megatron-core clamps outside its fused expert activation, with two eager clamps and a concatenation
+    (:meth:`~primuspipe.projection.compute.WorkModel._expert_clamp`); None: no clamp."""
     multi_latent_attention: bool = False
     """DeepSeek's multi-latent attention instead of (grouped-query) self-attention."""
     q_lora_rank: int | None = None
@@ -197,6 +203,10 @@ class ModelSpec:
         if self.window_attn_skip_freq is not None and (self.window_size is None or self.window_attn_skip_freq < 1):
             fail(("window_attn_skip_freq", "window_size"), "says which layers keep full attention, so it needs a window "
                  "and N >= 1", "give window_size, and N >= 1 (every N-th layer keeps full attention)")
+        clamp = self.activation_func_clamp_value
+        if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
+            fail(("activation_func_clamp_value",), "a clamp bounds the activation's inputs to [-value, value], so it "
+                 "must be a positive number", "give a positive value (GPT-OSS: 7.0), or leave it out for no clamp")
         if self.multi_latent_attention and self.position_embedding_type == "learned_absolute":
             fail(("multi_latent_attention", "position_embedding_type"), "MLA carries its own rotary embedding",
                  "set position_embedding_type: rope")
