@@ -313,6 +313,102 @@ def test_expert_biases_are_applied_outside_the_grouped_gemm_per_local_expert(dis
     assert (f - f0, b - b0, w - w0) == (ops, ops, 0)
 
 
+def _clamp_bytes_of_megatron(fused_rows: int, half: int) -> tuple[float, float]:
+    """Bytes megatron-core's own ``weighted_bias_quick_geglu_impl`` moves with ``clamp_value`` 7.0 beyond what it
+    moves without, forward and backward, per element of one half of its bf16 input: every aten operation it
+    dispatches (CPU mode; torch.compile off, so the fused body runs eagerly and cancels between the two runs)
+    counted as the bytes of its tensor inputs and outputs, views aside. In a forked process (megatron's CPU mode
+    patches torch globally)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
+
+    enable_cpu_mode()
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
+
+    class Moved(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs or {}, out))
+                                  if isinstance(t, torch.Tensor))
+            return out
+
+    def moved(clamp):
+        x = torch.randn(fused_rows, 2 * half, dtype=torch.bfloat16, requires_grad=True)
+        probs = torch.rand(fused_rows, 1, requires_grad=True)
+        forward, backward = Moved(), Moved()
+        with forward:
+            y = weighted_bias_quick_geglu_impl(x, None, probs, False, 1.0, clamp)
+        with backward:
+            y.backward(torch.randn_like(y))
+        return forward.bytes, backward.bytes
+
+    (f, b), (f0, b0) = moved(7.0), moved(None)
+    return (f - f0) / (fused_rows * half), (b - b0) / (fused_rows * half)
+
+
+def test_the_experts_clamp_costs_what_megatron_core_dispatches_for_it():
+    """GPT-OSS's clamped GLU: megatron-core clamps the two halves of the first expert linear's output with eager ops
+    and concatenates them before its fused activation, forward, again in a moe_act recompute, and autograd's
+    clamp gradients and the halves' concatenation backward. The work model's bytes per element match the aten
+    operations megatron-core's own function dispatches."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        forward, backward = pool.apply(_clamp_bytes_of_megatron, (96, 40))
+    model = dataclasses.replace(MODEL, num_experts=16, moe_router_topk=4, swiglu=True, activation_func_clamp_value=7.0)
+    t = dataclasses.replace(TRAINING, expert_model_parallel_size=2, data_parallel_size=2, global_batch_size=16)
+    work = WorkModel(model, t)
+    elements = work.expert_copies * model.expert_ffn
+    clamp = work._expert_clamp()
+    assert clamp.forward.memory_bytes / elements == pytest.approx(forward)  # 8 bytes an element in bf16
+    assert clamp.backward_input.memory_bytes / elements == pytest.approx(backward, abs=0.01)  # 30 (two scalars aside)
+    assert clamp.backward_weight.memory_bytes == 0
+
+
+@pytest.mark.parametrize("recompute", [(), ("moe_act",), ("moe",), ("layernorm", "moe_act")])
+@pytest.mark.parametrize("fusion", [True, False])
+def test_a_clamped_glu_adds_its_passes_to_the_moe_layer_and_its_recompute(recompute, fusion):
+    """The clamp's bytes land in the MoE layer's F and B (not W, not dense layers), its forward again in B under a
+    recompute of moe_act or moe; without the fused activation there is no concatenation forward. Without moe_act
+    recompute the clamped copy of fc1's output is kept beside fc1's output."""
+    from primuspipe.projection.activations import ActivationModel
+
+    plain = dataclasses.replace(MODEL, num_experts=16, moe_router_topk=4, swiglu=True, moe_layer_freq=(0, 1, 1, 1))
+    clamped = dataclasses.replace(plain, activation_func_clamp_value=7.0)
+    t = dataclasses.replace(TRAINING, expert_model_parallel_size=2, data_parallel_size=2, global_batch_size=16,
+                            bias_activation_fusion=fusion, recompute_granularity="selective" if recompute else None,
+                            recompute_modules=recompute)
+    ours, base = WorkModel(clamped, t), WorkModel(plain, t)
+    e, elements = t.activation_bytes, ours.expert_copies * plain.expert_ffn
+    forward = (8 if fusion else 4) * e * elements
+    moe, moe0 = ours.layer("moe"), base.layer("moe")
+    assert moe.forward.memory_bytes - moe0.forward.memory_bytes == pytest.approx(forward)
+    assert moe.backward_input.memory_bytes - moe0.backward_input.memory_bytes == pytest.approx((11 * e + 8) * elements)
+    assert moe.backward_weight.memory_bytes == moe0.backward_weight.memory_bytes
+    repeated = moe.recompute.memory_bytes - moe0.recompute.memory_bytes
+    assert repeated == pytest.approx(forward if {"moe_act", "moe"} & set(recompute) else 0.0)
+    assert ours.layer("dense") == base.layer("dense")
+    kept = ActivationModel(clamped, t).layer("moe").total - ActivationModel(plain, t).layer("moe").total
+    assert kept == pytest.approx(0.0 if {"moe_act", "moe"} & set(recompute) else 2 * e * elements)
+
+
+@pytest.mark.parametrize("value", [0.0, -7.0, float("inf")])
+def test_a_clamp_that_bounds_nothing_is_refused(value):
+    with pytest.raises(InputError, match="activation_func_clamp_value"):
+        dataclasses.replace(MODEL, activation_func_clamp_value=value)
+
+
 def _visited_key_blocks(seq: int, left: int, block: int) -> int:
     """Key blocks a flash kernel must visit for a causal window of ``left`` keys, by brute force over the queries:
     block j serves query block i when some query q of i sees a key of j, i.e. j * block <= q and
