@@ -353,7 +353,7 @@ class WorkModel(RankShape):
         """The clamp of the experts' gated activation (``activation_func_clamp_value``, GPT-OSS), which megatron-core
         runs as eager element-wise ops outside its fused activation kernel over the first expert linear's
         ``copies x 2F`` output (``weighted_bias_quick_geglu_impl`` in ``megatron/core/fusions/fused_bias_geglu.py``,
-        lines 410-440, the same at core_v0.15.0, core_v0.16.0 and the Megatron-LM commit 55ac708 that
+        lines 410-442, the same at core_v0.15.0, core_v0.16.0 and the Megatron-LM commit 55ac708 that
         Megatron-Bridge 26.02.01 pins; the unfused path, ``glu`` in ``TEGroupedMLP.forward``, clamps the same halves
         without the concatenation). Bytes per element of one half (``copies x F``), ``e`` the activations' dtype:
 
