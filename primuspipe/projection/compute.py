@@ -292,15 +292,33 @@ class WorkModel(RankShape):
         """The activation function over ``tokens`` x ``width``: SwiGLU reads 2F, writes F; GELU reads F, writes F."""
         return Work(memory_bytes=(3 if self.model.swiglu else 2) * tokens * width * self.e)
 
+    def _rope(self) -> PassWork:
+        """Rotary embedding of the queries and keys (``X`` elements), forward and backward. Transformer Engine's fused
+        kernel reads and writes each once forward, and the gradient likewise backward (2 and 4 bytes of ``e`` per
+        element). megatron-core's unfused ``_apply_rotary_pos_emb_bshd`` (``rope_utils.py`` lines 92-126 at
+        core_v0.15.0, b0cc270 and 55ac708), which runs without ``apply_rope_fusion`` and for YaRN
+        (:attr:`~primuspipe.projection.training_spec.RankShape.rope_fused`), is a chain of eager ops: ``t * cos``,
+        the rotated half (a negation of one half and a concatenation), ``* sin``, their sum, and a concatenation with
+        the empty unrotated part -- 2 + 1 + 2 + 2 + 3 + 2 = 12 ``e`` per element forward; autograd's gradients of the
+        two products, the negation and concatenation, the sum of the two branches, and the slices' gradients with
+        their sum, 14 backward (held against the aten operations that function dispatches,
+        ``tests/projection/test_time_model.py``; the cos and sin of the small frequency table aside). MLA is counted
+        alike over its heads' query/key width."""
+        m, t = self.model, self.training
+        if not m.rotary:
+            return PassWork(Work(), Work(), Work())
+        elements = self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim
+        forward, backward = (2, 4) if self.rope_fused else (12, 14)
+        return PassWork(Work(memory_bytes=forward * self.e * elements), Work(memory_bytes=backward * self.e * elements),
+                        Work())
+
     def _elementwise(self, kind: str) -> Work:
-        """Residual adds, rotary embedding, per-head query/key norms, the activation function and MoE
+        """Residual adds, per-head query/key norms, the activation function and MoE
         permutation of one layer, forward
         (the norms are :meth:`_norms`)."""
         m, t = self.model, self.training
         e = self.e
         moved = 2 * 3 * self.hidden_bytes  # two residual adds (2 reads, 1 write)
-        if m.position_embedding_type == "rope":
-            moved += 2 * self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
         if m.qk_layernorm and not m.multi_latent_attention:  # per-head norms read and write the queries and keys
             moved += 2 * self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
         if kind == "dense":
@@ -404,11 +422,13 @@ class WorkModel(RankShape):
                 mlp_recompute = mlp_recompute + self._activation(self.expert_copies * t.load_imbalance,
                                                                  m.expert_ffn / t.etp) + clamp.forward
         element = self._elementwise(kind) + self._norms()
-        forward = attention.forward + core.forward + mlp.forward + element
+        rope = self._rope()
+        forward = attention.forward + core.forward + mlp.forward + element + rope.forward
         recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
                      + (self._norms() if t.recomputes("layernorm") else Work())
                      + (up_projections.forward if t.recomputes("mla_up_proj") and m.multi_latent_attention else Work()))
-        return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.scaled(2),
+        return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.scaled(2)
+                        + rope.backward_input,
                         attention.backward_weight + mlp.backward_weight, recompute)
 
     def embedding(self) -> PassWork:

@@ -72,8 +72,17 @@ class ModelSpec:
     """Biases on the QKV projection only (Qwen2)."""
     qk_layernorm: bool = False
     """Norms on queries and keys per head (Qwen3), or on the MLA latents."""
-    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
-    """Learned positions add a table on the first stage; RoPE adds no parameters."""
+    position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = "learned_absolute"
+    """Learned positions add a table on the first stage; RoPE adds no parameters; ``yarn``: RoPE with YaRN's
+    frequency scaling (GPT-OSS), see ``yarn_rotary_scaling_factor``."""
+    yarn_rotary_scaling_factor: float | None = None
+    """YaRN's context-extension factor (GPT-OSS: 32); with ``yarn_mscale`` / ``yarn_mscale_all_dim`` it gives the
+    concentration factor megatron-core multiplies the rotary cos/sin by (:attr:`rope_concentration`)."""
+    yarn_mscale: float | None = None
+    """YaRN's ``mscale`` (megatron-core's ``yarn_mscale``); None with ``yarn_mscale_all_dim`` None: the default
+    concentration ``0.1 ln(factor) + 1``."""
+    yarn_mscale_all_dim: float | None = None
+    """YaRN's ``mscale_all_dim`` (megatron-core's ``yarn_mscale_all_dim``)."""
     max_position_embeddings: int | None = None
     """Rows of the learned position table; None means seq_length."""
     attention_dropout: float = 0.0
@@ -143,6 +152,29 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def rotary(self) -> bool:
+        """Rotary position embedding on queries and keys (plain RoPE or YaRN's)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    @property
+    def rope_concentration(self) -> float:
+        """The factor megatron-core's attention multiplies the rotary cos and sin by
+        (``_yarn_get_concentration_factor_from_config`` and ``_yarn_get_mscale`` in
+        ``megatron/core/models/common/embeddings/yarn_rotary_pos_embedding.py``, lines 252-281 at the Megatron-LM
+        commit 55ac708): with YaRN ``0.1 m ln(factor) + 1`` for a factor above 1, ``m`` 1, or the ratio of the
+        ``yarn_mscale`` and ``yarn_mscale_all_dim`` ones where both are given; 1 otherwise (GPT-OSS: 1.347)."""
+        factor = self.yarn_rotary_scaling_factor
+        if self.position_embedding_type != "yarn" or factor is None or factor <= 1:
+            return 1.0
+
+        def mscale(m: float) -> float:
+            return 0.1 * m * math.log(factor) + 1.0
+
+        if self.yarn_mscale is None or self.yarn_mscale_all_dim is None:
+            return mscale(1.0)
+        return mscale(self.yarn_mscale) / mscale(self.yarn_mscale_all_dim)
 
     @property
     def windowed_layers(self) -> int:
