@@ -235,6 +235,10 @@ class ModelSpec:
         if self.window_attn_skip_freq is not None and (self.window_size is None or self.window_attn_skip_freq < 1):
             fail(("window_attn_skip_freq", "window_size"), "says which layers keep full attention, so it needs a window "
                  "and N >= 1", "give window_size, and N >= 1 (every N-th layer keeps full attention)")
+        yarn = [n for n in ("yarn_rotary_scaling_factor", "yarn_mscale", "yarn_mscale_all_dim") if getattr(self, n) is not None]
+        if yarn and self.position_embedding_type != "yarn":
+            fail((*yarn, "position_embedding_type"), "YaRN settings scale a YaRN rotary embedding, which this model "
+                 "does not have", "set position_embedding_type: yarn, or leave the yarn_* fields out")
         clamp = self.activation_func_clamp_value
         if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
             fail(("activation_func_clamp_value",), "a clamp bounds the activation's inputs to [-value, value], so it "

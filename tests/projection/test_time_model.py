@@ -349,8 +349,9 @@ def _clamp_bytes_of_megatron(fused_rows: int, half: int) -> tuple[float, float]:
         forward, backward = Moved(), Moved()
         with forward:
             y = weighted_bias_quick_geglu_impl(x, None, probs, False, 1.0, clamp)
+        grad = torch.randn_like(y)
         with backward:
-            y.backward(torch.randn_like(y))
+            y.backward(grad)
         return forward.bytes, backward.bytes
 
     (f, b), (f0, b0) = moved(7.0), moved(None)
@@ -401,6 +402,98 @@ def test_a_clamped_glu_adds_its_passes_to_the_moe_layer_and_its_recompute(recomp
     assert ours.layer("dense") == base.layer("dense")
     kept = ActivationModel(clamped, t).layer("moe").total - ActivationModel(plain, t).layer("moe").total
     assert kept == pytest.approx(0.0 if {"moe_act", "moe"} & set(recompute) else 2 * e * elements)
+
+
+def _rope_bytes_of_megatron(tokens: int, heads: int, head_dim: int) -> tuple[float, float, float, float]:
+    """Bytes megatron-core's own unfused ``_apply_rotary_pos_emb_bshd`` moves forward and backward per element of its
+    bf16 input (every aten operation it dispatches, views aside, in CPU mode), and the concentration factors its
+    ``_yarn_get_concentration_factor`` gives GPT-OSS's YaRN (factor 32) and a factor 40 with mscale 1 over 0.5."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
+
+    enable_cpu_mode()
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
+
+    class Moved(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs or {}, out))
+                                  if isinstance(t, torch.Tensor))
+            return out
+
+    t = torch.randn(tokens, 1, heads, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    freqs = torch.randn(tokens, 1, 1, head_dim)
+    forward, backward = Moved(), Moved()
+    with forward:
+        y = _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False, mscale=1.3466)
+    grad = torch.randn_like(y)
+    with backward:
+        y.backward(grad)
+    per = t.numel() * t.element_size()
+    return (forward.bytes / per, backward.bytes / per, _yarn_get_concentration_factor(32.0, None, None),
+            _yarn_get_concentration_factor(40.0, 1.0, 0.5))
+
+
+def test_unfused_rope_costs_what_megatron_core_dispatches_and_yarn_forces_it():
+    """megatron-core's apply_rotary_pos_emb hands a YaRN rotary embedding (a concentration factor other than 1) to its
+    unfused chain of eager ops even under apply_rope_fusion; the work model's bytes per rotated element, fused and
+    unfused, and its concentration factor match megatron-core's own functions."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        forward, backward, gpt_oss, ratio = pool.apply(_rope_bytes_of_megatron, (256, 64, 64))
+    yarn = dataclasses.replace(MODEL, position_embedding_type="yarn", yarn_rotary_scaling_factor=32.0)
+    assert yarn.rope_concentration == pytest.approx(gpt_oss)
+    assert dataclasses.replace(yarn, yarn_rotary_scaling_factor=40.0, yarn_mscale=1.0,
+                               yarn_mscale_all_dim=0.5).rope_concentration == pytest.approx(ratio)
+    assert dataclasses.replace(yarn, yarn_rotary_scaling_factor=1.0).rope_concentration == 1.0
+    elements = TRAINING.micro_batch_size * MODEL.seq_length * 2 * MODEL.num_attention_heads * MODEL.head_dim
+    unfused = WorkModel(yarn, TRAINING)
+    assert not unfused.rope_fused and WorkModel(MODEL, TRAINING).rope_fused
+    rope = unfused._rope()
+    # beside the 12 bytes of e per element: the fp32 frequency table's cos, sin, their scaling and casts (44 bytes
+    # per table entry) and the bf16 tables read by the two products (2 + 2), one entry per token and channel
+    table = (44 + 4) / 2 / 64
+    assert rope.forward.memory_bytes / elements / 2 + table == pytest.approx(forward)
+    assert rope.backward_input.memory_bytes / elements / 2 == pytest.approx(backward, rel=0.01)
+    fused = WorkModel(MODEL, TRAINING)._rope()
+    assert (fused.forward.memory_bytes / elements / 2, fused.backward_input.memory_bytes / elements / 2) == (2, 4)
+    asked_off = dataclasses.replace(TRAINING, apply_rope_fusion=False)
+    assert WorkModel(MODEL, asked_off)._rope() == rope
+
+
+def test_yarn_rotary_positions_move_time_only_through_the_unfused_rope():
+    """A YaRN model differs from its RoPE twin by the unfused rotary embedding's extra bytes forward and backward, and
+    by the cos and sin tables the unfused path keeps; its parameters are the same."""
+    from primuspipe.projection.activations import ActivationModel
+    from primuspipe.projection.parameters import embedding_params
+
+    yarn = dataclasses.replace(MODEL, position_embedding_type="yarn", yarn_rotary_scaling_factor=32.0)
+    ours, base = WorkModel(yarn, TRAINING).layer("dense"), WorkModel(MODEL, TRAINING).layer("dense")
+    elements = TRAINING.micro_batch_size * MODEL.seq_length * 2 * MODEL.num_attention_heads * MODEL.head_dim
+    e = TRAINING.activation_bytes
+    assert ours.forward.memory_bytes - base.forward.memory_bytes == pytest.approx(10 * e * elements)
+    assert ours.backward_input.memory_bytes - base.backward_input.memory_bytes == pytest.approx(10 * e * elements)
+    assert ours.backward_weight == base.backward_weight and ours.forward.gemms == base.forward.gemms
+    tables = 4 * MODEL.seq_length * MODEL.head_dim * e  # cos and sin, for queries and for keys
+    assert ActivationModel(yarn, TRAINING).layer("dense").total - ActivationModel(MODEL, TRAINING).layer("dense").total \
+        == pytest.approx(tables)
+    assert embedding_params(yarn, 1) == embedding_params(MODEL, 1)
+
+
+@pytest.mark.parametrize("fields", [{"yarn_rotary_scaling_factor": 32.0}, {"yarn_mscale": 1.0}])
+def test_yarn_settings_without_a_yarn_embedding_are_refused(fields):
+    with pytest.raises(InputError, match="position_embedding_type"):
+        dataclasses.replace(MODEL, **fields)
 
 
 @pytest.mark.parametrize("value", [0.0, -7.0, float("inf")])
