@@ -326,6 +326,7 @@ def _clamp_bytes_of_megatron(fused_rows: int, half: int) -> tuple[float, float]:
     from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
 
     enable_cpu_mode()
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
     import torch._dynamo
 
     torch._dynamo.config.disable = True
@@ -415,6 +416,7 @@ def _rope_bytes_of_megatron(tokens: int, heads: int, head_dim: int) -> tuple[flo
     from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
 
     enable_cpu_mode()
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
 
@@ -431,7 +433,7 @@ def _rope_bytes_of_megatron(tokens: int, heads: int, head_dim: int) -> tuple[flo
             return out
 
     t = torch.randn(tokens, 1, heads, head_dim, dtype=torch.bfloat16, requires_grad=True)
-    freqs = torch.randn(tokens, 1, 1, head_dim)
+    freqs = torch.randn(tokens, 1, 1, head_dim, dtype=torch.float32)  # megatron-core builds it in fp32
     forward, backward = Moved(), Moved()
     with forward:
         y = _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False, mscale=1.3466)
@@ -450,7 +452,7 @@ def test_unfused_rope_costs_what_megatron_core_dispatches_and_yarn_forces_it():
     import multiprocessing
 
     with multiprocessing.get_context("fork").Pool(1) as pool:
-        forward, backward, gpt_oss, ratio = pool.apply(_rope_bytes_of_megatron, (256, 64, 64))
+        forward, backward, gpt_oss, ratio = pool.apply(_rope_bytes_of_megatron, (128, 64, 64))
     yarn = dataclasses.replace(MODEL, position_embedding_type="yarn", yarn_rotary_scaling_factor=32.0)
     assert yarn.rope_concentration == pytest.approx(gpt_oss)
     assert dataclasses.replace(yarn, yarn_rotary_scaling_factor=40.0, yarn_mscale=1.0,
