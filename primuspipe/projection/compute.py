@@ -350,6 +350,17 @@ class WorkModel(RankShape):
         backward = 2 * casts + 2 * 3 * r
         return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
 
+    def _fp8_padding(self) -> PassWork:
+        """The experts' FP8 padding copies (:attr:`~primuspipe.projection.training_spec.RankShape.fp8_padding_copies`) as memory traffic: forward, the token copies
+        read and written into the padded buffer and the second linear's output read and written back out of it,
+        and the routing probabilities padded likewise; backward, the same copies of the gradients the other way.
+        The padding rows themselves (fewer than the alignment per expert) are not counted in the GEMMs."""
+        if not self.fp8_padding_copies:
+            return PassWork(Work(), Work(), Work())
+        copies = self.expert_copies * self.training.load_imbalance
+        moved = 2 * 2 * copies * self.model.hidden_size * self.e + 2 * copies * self.probs_bytes
+        return PassWork(Work(memory_bytes=moved), Work(memory_bytes=moved), Work())
+
     @property
     def expert_copies(self) -> float:
         """Token copies the experts of one rank process per microbatch (uniform routing)."""
@@ -372,7 +383,7 @@ class WorkModel(RankShape):
             router = (PassWork(Work(), Work(), Work()) if t.fake_balanced_gate  # AutoModel's fake gate has no GEMM
                       else self._linear(self.residual_tokens, m.hidden_size, m.num_experts, fp8=False))
             bias = [self._expert_output_bias()] if m.add_bias_linear else []
-            mlp = _sum(routed, router, *bias, *([shared] if shared else []))
+            mlp = _sum(routed, self._fp8_padding(), router, *bias, *([shared] if shared else []))
             mlp_recompute = (mlp.forward if t.recomputes("moe") else
                              shared.forward if shared and t.recomputes("shared_experts") else Work())
             if t.recomputes("moe_act") and not t.recomputes("moe"):

@@ -39,6 +39,7 @@ ALIASES = {
     "enable_cuda_graph": ("training", "cuda_graph_impl", "local"),
     "external_cuda_graph": ("training", "cuda_graph_impl", "transformer_engine"),
     "moe_grouped_gemm": ("training", "moe_expert_gemm", "multi_stream"),
+    "moe_router_padding_for_fp8": ("training", "moe_router_padding_for_quantization", None),
 }
 """Megatron arguments whose name is not the field they set: ``flag -> (spec, field, value)``; value None:
 the argument's own value."""
@@ -100,8 +101,8 @@ NO_EFFECT = frozenset({
     "moe_aux_loss_coeff",
     "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_pre_softmax", "moe_router_score_function",
     "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_topk_scaling_factor",
-    "moe_input_jitter_eps", "moe_per_layer_logging", "moe_enable_deepep", "moe_flex_dispatcher_backend",
-    "moe_router_padding_for_fp8", "moe_shared_expert_overlap", "mtp_loss_scaling_factor", "norm_epsilon",
+    "moe_input_jitter_eps", "moe_per_layer_logging", "moe_enable_deepep",
+    "moe_shared_expert_overlap", "mtp_loss_scaling_factor", "norm_epsilon",
     "overlap_p2p_comm", "rope_type", "softmax_scale", "allow_ambiguous_pad_tokens", "apply_wd_to_qk_layernorm",
     "disable_msc", "enable_msc", "disable_straggler_on_startup", "use_pytorch_profiler",
     "no_overlap_p2p_communication", "relative_attention_max_distance", "relative_attention_num_buckets",
@@ -117,7 +118,7 @@ NO_EFFECT = frozenset({
     "rotary_base", "no_position_embedding", "glu_linear_offset", "activation_func_clamp_value",
     "clone_scatter_output_in_embedding", "no_clone_scatter_output_in_embedding",
     "disable_clone_scatter_output_in_embedding", "attention_output_gate", "no_attention_softmax_in_fp32",
-    "disable_attention_softmax_in_fp32", "moe_router_padding_for_quantization", "fused_residual_rmsnorm",
+    "disable_attention_softmax_in_fp32", "fused_residual_rmsnorm",
     "memory_efficient_layer_norm", "mla_down_proj_fusion", "fused_single_qkv_rope", "batch_size",
     "disable_parameter_transpose_cache", "keep_fp8_transpose_cache", "moe_single_grouped_weight",
     "moe_single_grouped_bias", "moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size",

@@ -57,6 +57,15 @@ def test_expert_gemms_run_as_megatron_builds_them():
     assert (config.training.moe_expert_gemm, config.training.gpu_max_hw_queues) == ("fused", 2)  # a field named wins
 
 
+@pytest.mark.parametrize("flag", ["--moe-router-padding-for-fp8", "--moe-router-padding-for-quantization"])
+def test_fp8_padding_arguments_decide_whether_the_experts_copy(flag):
+    moe = MODEL_ARGS + "--num-experts 8 --expert-model-parallel-size 2 --moe-router-topk 2 --fp8-format e4m3 "
+    assert read_arguments(moe + flag, "r").training.moe_router_padding_for_quantization
+    assert not read_arguments(moe, "r").training.moe_router_padding_for_quantization
+    flex = moe + "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep"
+    assert read_arguments(flex, "r").training.moe_flex_dispatcher_backend == "hybridep"
+
+
 def test_settings_that_change_time_are_modelled_and_the_rest_set_aside():
     config = read_arguments(MODEL_ARGS + "--tp-comm-overlap --overlap-param-gather --mtp-num-layers 1 "
                             "--fp8-format hybrid --fp8-recipe tensorwise --recompute-activations "
