@@ -30,6 +30,7 @@ compute, except the data-parallel gradient reduction when ``overlap_grad_reduce`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from primuspipe.projection.hardware_spec import HardwareSpec
@@ -163,10 +164,37 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
             # over the group's nodes, touch nodes * (1 - (1 - 1/nodes)^k) distinct nodes on average.
             k = model.moe_router_topk
             copies *= nodes * (1 - (1 - 1 / nodes) ** k) / k
+        elif t.moe_token_dispatcher_type == "flex":
+            copies *= destination_ranks(model, t) / model.moe_router_topk
         ep = 2 * net.all_to_all(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
     regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
     tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
     return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0))
+
+
+def destination_ranks(model: ModelSpec, training: TrainingSpec) -> float:
+    """EP ranks one token's ``k`` experts live on, on average: what the flex dispatcher sends it to inside a node.
+
+    DeepEP's dispatch sends a token once to every rank where ``is_token_in_rank`` (``get_dispatch_layout`` over
+    its top-k expert ids; deep_ep/buffer.py ``dispatch`` and csrc/kernels/intranode.cu, deepseek-ai/DeepEP
+    79bbb54), and the receiver expands it to one copy per local expert (megatron-core's flex dispatcher:
+    ``fused_indices_to_multihot`` then ``permute``; NeMo AutoModel's copy of it,
+    nemo_automodel/components/moe/megatron/token_dispatcher.py); the combine returns one sum per rank.
+    HybridEP does the same: its permuted output holds up to ``min(topk, experts per rank)`` copies of each
+    received token (DeepEP branch hybrid-ep, docs/Hybrid-EP_Implementation.md, "worst_case_dispatch_output x
+    min(topk, num_experts_per_rank)"), and so does Primus-Turbo's DeepEP port, which keeps DeepEP's
+    ``is_token_in_rank`` layout (AMD-AGI/Primus-Turbo a6a16cdc, benchmark/ops/training/deep_ep/test_intranode.py).
+
+    Which ranks: a router (forced balance included: random logits) picks ``k`` distinct experts out of ``E``,
+    ``E / EP`` on each rank, so a rank is missed with probability ``C(E - E/EP, k) / C(E, k)``; AutoModel's
+    ``fake_balanced_gate`` gives token ``i`` experts ``i k`` ... ``i k + k - 1`` (mod ``E``), counted exactly over
+    one period of its starting expert."""
+    experts, k, ranks = model.num_experts, model.moe_router_topk, training.ep
+    per_rank = experts // ranks
+    if training.fake_balanced_gate:
+        starts = range(0, experts * k // math.gcd(experts, k), k)
+        return sum(len({(s + j) % experts // per_rank for j in range(k)}) for s in starts) / len(starts)
+    return ranks * (1 - math.comb(experts - per_rank, k) / math.comb(experts, k))
 
 
 def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from primuspipe.projection.comm import Collectives, gradient_sync, layer_comm, p2p_message_bytes, pipeline_ranks_per_node
-from primuspipe.projection.compute import Calibration, WorkModel, part_times
+from primuspipe.projection.compute import Calibration, PassWork, Work, WorkModel, part_times
 from primuspipe.projection.framework import Placement
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.host import moe_small_kernels
@@ -313,24 +313,12 @@ def test_expert_biases_are_applied_outside_the_grouped_gemm_per_local_expert(dis
     assert (f - f0, b - b0, w - w0) == (ops, ops, 0)
 
 
-def _clamp_bytes_of_megatron(fused_rows: int, half: int) -> tuple[float, float]:
-    """Bytes megatron-core's own ``weighted_bias_quick_geglu_impl`` moves with ``clamp_value`` 7.0 beyond what it
-    moves without, forward and backward, per element of one half of its bf16 input: every aten operation it
-    dispatches (CPU mode; torch.compile off, so the fused body runs eagerly and cancels between the two runs)
-    counted as the bytes of its tensor inputs and outputs, views aside. In a forked process (megatron's CPU mode
-    patches torch globally)."""
+def _byte_counter():
+    """A dispatch mode that adds up the bytes of every aten operation's tensor inputs and outputs (views aside): what
+    an element-wise chain of eager ops reads and writes."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
-
-    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
-
-    enable_cpu_mode()
-    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
-    import torch._dynamo
-
-    torch._dynamo.config.disable = True
-    from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
 
     class Moved(TorchDispatchMode):
         def __init__(self):
@@ -343,6 +331,28 @@ def _clamp_bytes_of_megatron(fused_rows: int, half: int) -> tuple[float, float]:
                 self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs or {}, out))
                                   if isinstance(t, torch.Tensor))
             return out
+
+    return Moved
+
+
+def _clamp_bytes_of_megatron(fused_rows: int, half: int) -> tuple[float, float]:
+    """Bytes megatron-core's own ``weighted_bias_quick_geglu_impl`` moves with ``clamp_value`` 7.0 beyond what it
+    moves without, forward and backward, per element of one half of its bf16 input: every aten operation it
+    dispatches (CPU mode; torch.compile off, so the fused body runs eagerly and cancels between the two runs)
+    counted as the bytes of its tensor inputs and outputs, views aside. In a forked process (megatron's CPU mode
+    patches torch globally)."""
+    import torch
+
+    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
+
+    enable_cpu_mode()
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
+
+    Moved = _byte_counter()
 
     def moved(clamp):
         x = torch.randn(fused_rows, 2 * half, dtype=torch.bfloat16, requires_grad=True)
@@ -410,8 +420,6 @@ def _rope_bytes_of_megatron(tokens: int, heads: int, head_dim: int) -> tuple[flo
     bf16 input (every aten operation it dispatches, views aside, in CPU mode), and the concentration factors its
     ``_yarn_get_concentration_factor`` gives GPT-OSS's YaRN (factor 32) and a factor 40 with mscale 1 over 0.5."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
 
     from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
 
@@ -420,17 +428,7 @@ def _rope_bytes_of_megatron(tokens: int, heads: int, head_dim: int) -> tuple[flo
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
 
-    class Moved(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.bytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not func.is_view:
-                self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs or {}, out))
-                                  if isinstance(t, torch.Tensor))
-            return out
+    Moved = _byte_counter()
 
     t = torch.randn(tokens, 1, heads, head_dim, dtype=torch.bfloat16, requires_grad=True)
     freqs = torch.randn(tokens, 1, 1, head_dim, dtype=torch.float32)  # megatron-core builds it in fp32
@@ -461,16 +459,17 @@ def test_unfused_rope_costs_what_megatron_core_dispatches_and_yarn_forces_it():
     elements = TRAINING.micro_batch_size * MODEL.seq_length * 2 * MODEL.num_attention_heads * MODEL.head_dim
     unfused = WorkModel(yarn, TRAINING)
     assert not unfused.rope_fused and WorkModel(MODEL, TRAINING).rope_fused
-    rope = unfused._rope()
+    rope = unfused._unfused_rope()
     # beside the 12 bytes of e per element: the fp32 frequency table's cos, sin, their scaling and casts (44 bytes
     # per table entry) and the bf16 tables read by the two products (2 + 2), one entry per token and channel
     table = (44 + 4) / 2 / 64
     assert rope.forward.memory_bytes / elements / 2 + table == pytest.approx(forward)
     assert rope.backward_input.memory_bytes / elements / 2 == pytest.approx(backward, rel=0.01)
-    fused = WorkModel(MODEL, TRAINING)._rope()
-    assert (fused.forward.memory_bytes / elements / 2, fused.backward_input.memory_bytes / elements / 2) == (2, 4)
+    assert WorkModel(MODEL, TRAINING)._unfused_rope() == PassWork(Work(), Work(), Work())  # the fused kernel's
+    assert WorkModel(MODEL, TRAINING)._elementwise_kernels("dense")["rope"] == 2 * elements * 2  # a read and a write
+    assert "rope" not in WorkModel(yarn, TRAINING)._elementwise_kernels("dense")
     asked_off = dataclasses.replace(TRAINING, apply_rope_fusion=False)
-    assert WorkModel(MODEL, asked_off)._rope() == rope
+    assert WorkModel(MODEL, asked_off)._unfused_rope() == rope
 
 
 def test_yarn_rotary_positions_move_time_only_through_the_unfused_rope():
@@ -483,8 +482,9 @@ def test_yarn_rotary_positions_move_time_only_through_the_unfused_rope():
     ours, base = WorkModel(yarn, TRAINING).layer("dense"), WorkModel(MODEL, TRAINING).layer("dense")
     elements = TRAINING.micro_batch_size * MODEL.seq_length * 2 * MODEL.num_attention_heads * MODEL.head_dim
     e = TRAINING.activation_bytes
+    # unfused 12 and 14 bytes of e an element against the fused kernel's 2 and 2 (its inverse rotation backward)
     assert ours.forward.memory_bytes - base.forward.memory_bytes == pytest.approx(10 * e * elements)
-    assert ours.backward_input.memory_bytes - base.backward_input.memory_bytes == pytest.approx(10 * e * elements)
+    assert ours.backward_input.memory_bytes - base.backward_input.memory_bytes == pytest.approx(12 * e * elements)
     assert ours.backward_weight == base.backward_weight and ours.forward.gemms == base.forward.gemms
     tables = 4 * MODEL.seq_length * MODEL.head_dim * e  # cos and sin, for queries and for keys
     assert ActivationModel(yarn, TRAINING).layer("dense").total - ActivationModel(MODEL, TRAINING).layer("dense").total \
@@ -560,3 +560,52 @@ def test_attention_runs_slower_with_narrow_heads(head_dim, rate):
     base = part_times(WorkModel(model, TRAINING), HW, Calibration())["dense"].attention
     narrow = part_times(WorkModel(model, TRAINING), hw, Calibration())["dense"].attention
     assert narrow[0] == pytest.approx(base[0] / rate, rel=5e-3) and narrow[1] == pytest.approx(base[1] / rate, rel=5e-3)
+
+
+@pytest.mark.parametrize("recipe,align", [("mxfp8", 32), ("tensorwise", 16), ("delayed", 16), ("blockwise", 16)])
+@pytest.mark.parametrize("dispatcher,backend,router_padding", [
+    ("alltoall", "deepep", False), ("allgather", "deepep", False), ("flex", "deepep", False),
+    ("flex", "hybridep", False), ("alltoall", "deepep", True)])
+@pytest.mark.parametrize("capacity_factor,pad", [(None, False), (1.0, True), (1.03125, True), (1.01, True), (1.0, False)])
+def test_fp8_experts_pad_unaligned_token_counts_with_two_copies_each_way(recipe, align, dispatcher, backend,
+                                                                         router_padding, capacity_factor, pad):
+    """megatron-core's TEGroupedMLP pads each expert's copies to the FP8 alignment (Fp8Padding) and unpads the
+    output (Fp8Unpadding) under FP8; Transformer Engine copies only when some count is unaligned. Counts arrive
+    aligned when the router pads the routing map, when HybridEP pads in its dispatch, or when every expert computes
+    a capacity (ceil(T_r k / E * factor), Megatron's get_capacity) that is a multiple of the alignment."""
+    moe = dataclasses.replace(MODEL, num_experts=16, moe_router_topk=2)
+    t = dataclasses.replace(TRAINING, expert_model_parallel_size=8, data_parallel_size=8, global_batch_size=64,
+                            moe_token_dispatcher_type=dispatcher, moe_flex_dispatcher_backend=backend,
+                            moe_router_padding_for_quantization=router_padding, moe_expert_capacity_factor=capacity_factor,
+                            moe_pad_expert_input_to_capacity=pad, fp8_format="e4m3", fp8_recipe=recipe)
+    assert t.fp8_alignment == align
+    capacity = -(-(2 * 2048 * 2 * (capacity_factor or 1)) // 16)  # T_r k / E, rounded up
+    arrives_aligned = router_padding or (dispatcher, backend) == ("flex", "hybridep") or (pad and capacity % align == 0)
+    work = WorkModel(moe, t)
+    assert work.fp8_padding_copies == (not arrives_aligned)
+    plain = WorkModel(moe, dataclasses.replace(t, moe_router_padding_for_quantization=True)).layer("moe")
+    layer = work.layer("moe")
+    copies = work.expert_copies * t.load_imbalance
+    moved = 0 if arrives_aligned else 4 * copies * moe.hidden_size * work.e + 2 * copies * work.probs_bytes
+    assert layer.forward.memory_bytes - plain.forward.memory_bytes == pytest.approx(moved)
+    assert layer.backward_input.memory_bytes - plain.backward_input.memory_bytes == pytest.approx(moved)
+    assert layer.backward_weight.memory_bytes == plain.backward_weight.memory_bytes
+    kernels = [a - b for a, b in zip(moe_small_kernels(moe, t), moe_small_kernels(
+        moe, dataclasses.replace(t, moe_router_padding_for_quantization=True)))]
+    assert kernels == ([0, 0, 0] if arrives_aligned else [3, 3, 0])  # pad copies and probabilities, unpad the output
+    bf16 = t.without_fp8()
+    assert not WorkModel(moe, bf16).fp8_padding_copies
+    assert WorkModel(moe, bf16).layer("moe").forward.memory_bytes == WorkModel(
+        moe, dataclasses.replace(bf16, moe_router_padding_for_quantization=True)).layer("moe").forward.memory_bytes
+
+
+@pytest.mark.parametrize("stage,fp8", [(0, True), (1, True), (1, False), (2, True)])
+def test_primus_sync_free_moe_pads_the_routing_map_under_fp8(stage, fp8):
+    """Primus's sync-free MoE sets moe_router_padding_for_quantization under FP8 at every stage
+    (rocm_arg_validation.py, _get_sync_free_moe_options), so its experts get aligned counts."""
+    t = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=8, data_parallel_size=8,
+                     global_batch_size=64, enable_primus_turbo=True, turbo_sync_free_moe_stage=stage,
+                     moe_router_dtype="fp32", fp8_format="e4m3" if fp8 else None, use_turbo_grouped_gemm=stage > 1)
+    assert t.moe_router_padding_for_quantization == (stage > 0 and fp8)
+    assert WorkModel(dataclasses.replace(MODEL, num_experts=16, moe_router_topk=2), t).fp8_padding_copies == (
+        fp8 and stage == 0)
