@@ -116,7 +116,7 @@ NO_EFFECT = frozenset({
     "pipeline_model_parallel_comm_backend", "use_ring_exchange_p2p", "overlap_p2p_communication_warmup_flush",
     "no_align_grad_reduce", "no_align_param_gather", "disable_align_grad_reduce", "moe_router_force_biased",
     "moe_apply_probs_on_input", "mrope_section", "use_te_activation_func", "use_fused_weighted_squared_relu",
-    "rotary_base", "no_position_embedding", "glu_linear_offset", "activation_func_clamp_value",
+    "rotary_base", "no_position_embedding", "glu_linear_offset",
     "clone_scatter_output_in_embedding", "no_clone_scatter_output_in_embedding",
     "disable_clone_scatter_output_in_embedding", "attention_output_gate", "no_attention_softmax_in_fp32",
     "disable_attention_softmax_in_fp32", "fused_residual_rmsnorm",

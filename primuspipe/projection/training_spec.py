@@ -586,6 +586,16 @@ class RankShape:
             return capacity % t.fp8_alignment != 0
         return True
 
+    @property
+    def rope_fused(self) -> bool:
+        """Whether queries and keys are rotated by Transformer Engine's fused kernel: ``apply_rope_fusion``, unless
+        the rotary cos and sin carry a concentration factor (YaRN's), which megatron-core's ``apply_rotary_pos_emb``
+        hands to its unfused ``_apply_rotary_pos_emb_bshd`` ("mscale ... is not supported by TE's fused RoPE",
+        ``megatron/core/models/common/embeddings/rope_utils.py`` line 279 at the Megatron-LM commits Megatron-Bridge
+        26.02 and 26.02.01 pin, b0cc270 and 55ac708; core_v0.15.0 still ran the fused kernel and dropped the
+        factor)."""
+        return self.training.apply_rope_fusion and self.model.rope_concentration == 1.0
+
 
 def load_training(path: str | Path | None) -> TrainingSpec:
     """A :class:`TrainingSpec` from a training YAML file, or the built-in defaults when ``path`` is None."""

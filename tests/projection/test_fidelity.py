@@ -430,3 +430,40 @@ def test_the_legacy_grouped_mlp_accumulates_its_expert_gradients_outside_the_gem
     fused = dataclasses.replace(plain, gradient_accumulation_fusion=True)
     assert (WorkModel(model, unfused).part("moe").backward_weight.memory_bytes
             - WorkModel(model, fused).part("moe").backward_weight.memory_bytes) == pytest.approx(params.total * 10)
+
+
+@pytest.mark.parametrize("model_name,tp,sp,mbs", [("llama3-8b", 1, False, 1), ("llama3-70b", 4, True, 2),
+                                                  ("gpt3-20b", 2, False, 1), ("qwen3-30b-a3b", 1, False, 2)])
+def test_an_element_wise_kernels_backward_moves_what_it_reads_and_writes(model_name, tp, sp, mbs):
+    """Element-wise backward traffic, kernel by kernel, from what each reads and writes (T tokens, H hidden,
+    F a TP shard of the MLP width, e bytes): norm forward x -> y (2), backward x, dy -> dx (3); a residual add
+    a, b -> c (3), backward the two gradients summed where the stream splits (3); rotary q -> q' (2), back (2);
+    SwiGLU 2F -> F (3F), backward 2F and dF -> 2F (5F); GELU F -> F (2F), backward F and dF -> F (3F). The
+    backward is no longer twice the forward."""
+    model = load_model(EXAMPLES / "models" / f"{model_name}.yaml")
+    kind = model.layer_kinds[0]
+    if kind != "dense":
+        pytest.skip("the dense sum below; MoE layers add permutation and router kernels priced alike (1x)")
+    training = TrainingSpec(tensor_model_parallel_size=tp, sequence_parallel=sp, micro_batch_size=mbs,
+                            global_batch_size=mbs)
+    work = WorkModel(model, training)
+    t, t_r, h, e = work.tokens, work.residual_tokens, model.hidden_size, training.activation_bytes
+    f = model.ffn / tp
+    heads = t * (model.num_attention_heads + model.query_groups) / tp * model.head_dim * e
+    rope = model.position_embedding_type == "rope"
+    act_forward, act_backward = ((3 * f, 5 * f) if model.swiglu else (2 * f, 3 * f))
+    forward = 2 * 2 * t_r * h * e + 2 * 3 * t_r * h * e + (2 * heads if rope else 0) + t * act_forward * e
+    backward = 2 * 3 * t_r * h * e + 2 * 3 * t_r * h * e + (2 * heads if rope else 0) + t * act_backward * e
+    element = work._elementwise(kind)
+    assert element.forward.memory_bytes == pytest.approx(forward)
+    assert element.backward_input.memory_bytes == pytest.approx(backward)
+    assert element.backward_input.memory_bytes < 2 * element.forward.memory_bytes
+
+
+def test_an_moe_layers_permutation_and_router_backward_cost_what_their_forward_does():
+    model = load_model(EXAMPLES / "models" / "qwen3-30b-a3b.yaml")
+    work = WorkModel(model, TrainingSpec(expert_model_parallel_size=8, global_batch_size=8))
+    kernels = work._elementwise_kernels("moe")
+    assert kernels["permute"] > 0 and kernels["router"] > 0 and kernels["swiglu"] > 0
+    expected = sum(b * {"norm": 1.5, "swiglu": 5 / 3}.get(k, 1.0) for k, b in kernels.items())
+    assert work._elementwise("moe").backward_input.memory_bytes == pytest.approx(expected)

@@ -100,12 +100,12 @@ def build_gpt_chunk(model: ModelSpec, training: TrainingSpec, config, *, vp_stag
                     max_sequence_length=model.max_position_embeddings or model.seq_length,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-                    position_embedding_type=model.position_embedding_type, vp_stage=vp_stage)
+                    position_embedding_type="rope" if model.rotary else model.position_embedding_type, vp_stage=vp_stage)
 
 
 def rotary_embedding(model: ModelSpec, training: TrainingSpec) -> torch.Tensor | None:
     """The rotary table a layer receives from ``GPTModel`` (None without RoPE, and for MLA, which makes its own)."""
-    if model.position_embedding_type != "rope" or model.multi_latent_attention:
+    if not model.rotary or model.multi_latent_attention:
         return None
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
