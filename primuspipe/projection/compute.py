@@ -299,7 +299,9 @@ class WorkModel(RankShape):
         m, t = self.model, self.training
         e = self.e
         moved = 2 * 3 * self.hidden_bytes  # two residual adds (2 reads, 1 write)
-        if m.position_embedding_type == "rope":
+        if m.multi_latent_attention:
+            moved += self._mla_elements() * e
+        elif m.position_embedding_type == "rope":
             moved += 2 * self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
         if m.qk_layernorm and not m.multi_latent_attention:  # per-head norms read and write the queries and keys
             moved += 2 * self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
@@ -311,6 +313,34 @@ class WorkModel(RankShape):
             moved += self.residual_tokens * m.num_experts * 4 * 3  # router softmax / top-k over fp32 logits
         shared = self._activation(self.tokens, (m.moe_shared_expert_intermediate_size or 0) / t.tp)
         return Work(memory_bytes=moved) + self._activation(copies, m.expert_ffn / t.etp) + shared
+
+    def _mla_elements(self) -> float:
+        """Elements MLA's element-wise kernels read and write in one layer's forward besides its GEMMs (megatron-core
+        0.19's ``MLASelfAttention.get_query_key_value_tensors``): the two latent norms (``q_layernorm`` over the
+        query latent, ``kv_layernorm`` over the key/value latent; read and write), then, per head, the rotary part of
+        the query and the shared rotary key rotated and the query, key and value assembled for the attention kernel
+        (TE's fused attention takes them contiguous):
+
+        * with ``apply_rope_fusion`` (``fusions/fused_mla_yarn_rope_apply.py``): ``fused_apply_mla_rope_for_q``
+          rotates the query's rotary slice in place (read and write ``r`` per head); ``fused_apply_mla_rope_for_kv``
+          reads the up-projected ``kv`` (``d_qk + d_v`` per head) and the rotary key and writes the key
+          (``d_qk + r``) and the value (``d_v``);
+        * without it (``rope_utils._apply_rotary_pos_emb_bshd`` with ``mla_rotary_interleaved``): the query's and
+          the key's rotary slices pass through seven element-wise ops each (the interleaving ``cat``, ``* cos``,
+          ``rotate_half``'s negation and ``cat``, ``* sin``, the sum, the ``cat`` with the empty pass-through part:
+          14 element reads and writes per rotary element), then ``torch.cat`` builds the query
+          (``d_qk + r`` read and written per head) and the key (the key slice of ``kv`` and the broadcast rotary
+          key, ``d_qk + r`` each way), and ``value.contiguous()`` copies the value out of ``kv`` (``d_v`` each way).
+        """
+        m, t = self.model, self.training
+        heads, tokens = m.num_attention_heads / t.tp, self.tokens
+        qk, rope, v = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+        latents = 2 * tokens * ((m.q_lora_rank or 0) + m.kv_lora_rank)
+        if t.apply_rope_fusion:
+            per_head = 2 * rope + (qk + v) + (qk + rope) + v
+            return latents + tokens * (heads * per_head + rope)
+        per_head = 14 * rope + 2 * (qk + rope) + 2 * (qk + rope) + 2 * v
+        return latents + tokens * (heads * per_head + 14 * rope)
 
     @property
     def permutations(self) -> int:
