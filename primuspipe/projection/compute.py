@@ -317,9 +317,15 @@ class WorkModel(RankShape):
     def _mla_elements(self) -> float:
         """Elements MLA's element-wise kernels read and write in one layer's forward besides its GEMMs (megatron-core
         0.19's ``MLASelfAttention.get_query_key_value_tensors``): the two latent norms (``q_layernorm`` over the
-        query latent, ``kv_layernorm`` over the key/value latent; read and write), then, per head, the rotary part of
-        the query and the shared rotary key rotated and the query, key and value assembled for the attention kernel
-        (TE's fused attention takes them contiguous):
+        query latent, ``kv_layernorm`` over the key/value latent; read and write), then :meth:`_mla_rope_elements`."""
+        m = self.model
+        return 2 * self.tokens * ((m.q_lora_rank or 0) + m.kv_lora_rank) + self._mla_rope_elements()
+
+    def _mla_rope_elements(self) -> float:
+        """Of :meth:`_mla_elements`, what follows the up-projections (``qkv_up_proj_and_rope_apply``, which
+        ``mla_up_proj`` recompute re-runs with them): per head, the rotary part of the query and the shared rotary
+        key rotated and the query, key and value assembled for the attention kernel (TE's fused attention takes
+        them contiguous):
 
         * with ``apply_rope_fusion`` (``fusions/fused_mla_yarn_rope_apply.py``): ``fused_apply_mla_rope_for_q``
           rotates the query's rotary slice in place (read and write ``r`` per head); ``fused_apply_mla_rope_for_kv``
@@ -335,12 +341,9 @@ class WorkModel(RankShape):
         m, t = self.model, self.training
         heads, tokens = m.num_attention_heads / t.tp, self.tokens
         qk, rope, v = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
-        latents = 2 * tokens * ((m.q_lora_rank or 0) + m.kv_lora_rank)
         if t.apply_rope_fusion:
-            per_head = 2 * rope + (qk + v) + (qk + rope) + v
-            return latents + tokens * (heads * per_head + rope)
-        per_head = 14 * rope + 2 * (qk + rope) + 2 * (qk + rope) + 2 * v
-        return latents + tokens * (heads * per_head + 14 * rope)
+            return tokens * (heads * (2 * rope + (qk + v) + (qk + rope) + v) + rope)
+        return tokens * (heads * (14 * rope + 2 * (qk + rope) + 2 * (qk + rope) + 2 * v) + 14 * rope)
 
     @property
     def permutations(self) -> int:
@@ -412,7 +415,8 @@ class WorkModel(RankShape):
         forward = attention.forward + core.forward + mlp.forward + element
         recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
                      + (self._norms() if t.recomputes("layernorm") else Work())
-                     + (up_projections.forward if t.recomputes("mla_up_proj") and m.multi_latent_attention else Work()))
+                     + (up_projections.forward + Work(memory_bytes=self._mla_rope_elements() * self.e)
+                        if t.recomputes("mla_up_proj") and m.multi_latent_attention else Work()))
         return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.scaled(2),
                         attention.backward_weight + mlp.backward_weight, recompute)
 

@@ -76,3 +76,18 @@ def test_mla_elementwise_work_counts_its_heads_widths():
     # TP splits the heads, not the latents (replicated down-projections)
     tp2 = dataclasses.replace(fused, tensor_model_parallel_size=2, sequence_parallel=True)
     assert WorkModel(model, tp2)._mla_elements() == latents + tokens * (heads / 2 * (128 + 256 + 192 + 128) + 64)
+
+
+def test_mla_up_proj_recompute_repeats_the_rotary_and_assembly_not_the_latent_norms():
+    """megatron-core checkpoints ``qkv_up_proj_and_rope_apply`` (the up-projections, the rotary embedding and the
+    query/key/value assembly) after the latent norms: B repeats those, at bf16."""
+    model = load_model(EXAMPLES / "models" / "deepseek-v3.yaml")
+    for fusion in (True, False):
+        plain = TrainingSpec(pipeline_model_parallel_size=1, global_batch_size=1, apply_rope_fusion=fusion)
+        up = dataclasses.replace(plain, recompute_granularity="selective", recompute_modules=("mla_up_proj",))
+        work = WorkModel(model, up)
+        recompute = work.layer("moe").recompute
+        gemms = WorkModel(model, plain)._attention_projections()[1].forward
+        assert recompute.gemm_flops == pytest.approx(gemms.gemm_flops)
+        latents = 2 * 4096 * (1536 + 512)
+        assert recompute.memory_bytes == pytest.approx((work._mla_elements() - latents) * 2 + gemms.memory_bytes)
