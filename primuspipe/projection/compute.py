@@ -212,13 +212,17 @@ class WorkModel(RankShape):
             proj = self._linear(tokens, heads * m.head_dim, h, tensor_parallel="row")
             return _sum(qkv, proj), PassWork(Work(), Work(), Work())
         qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+        # The down-projections are replicated (TE's TELinear, parallel_mode "duplicated", in megatron-core 0.19's
+        # MLASelfAttention) and take the layer input as it comes: the rank's 1/TP of the tokens under sequence
+        # parallelism; the up-projections gather them.
+        down = self.latent_tokens
         if m.q_lora_rank is None:
             query, q_up = self._linear(tokens, h, heads * qk), None
         else:
             q_up = self._linear(tokens, m.q_lora_rank, heads * qk)
-            query = _sum(self._linear(tokens, h, m.q_lora_rank), q_up)
+            query = _sum(self._linear(down, h, m.q_lora_rank), q_up)
         kv_up = self._linear(tokens, m.kv_lora_rank, heads * (m.qk_head_dim + m.v_head_dim))
-        kv = _sum(self._linear(tokens, h, m.kv_lora_rank + m.qk_pos_emb_head_dim), kv_up)
+        kv = _sum(self._linear(down, h, m.kv_lora_rank + m.qk_pos_emb_head_dim), kv_up)
         ups = _sum(kv_up, *([q_up] if q_up else []))
         return _sum(query, kv, self._linear(tokens, heads * m.v_head_dim, h)), ups
 
@@ -317,9 +321,15 @@ class WorkModel(RankShape):
     def _mla_elements(self) -> float:
         """Elements MLA's element-wise kernels read and write in one layer's forward besides its GEMMs (megatron-core
         0.19's ``MLASelfAttention.get_query_key_value_tensors``): the two latent norms (``q_layernorm`` over the
-        query latent, ``kv_layernorm`` over the key/value latent; read and write), then :meth:`_mla_rope_elements`."""
+        query latent, ``kv_layernorm`` over the key/value latent, on the :attr:`latent_tokens`; read and write), then
+        :meth:`_mla_rope_elements`."""
         m = self.model
-        return 2 * self.tokens * ((m.q_lora_rank or 0) + m.kv_lora_rank) + self._mla_rope_elements()
+        return 2 * self.latent_tokens * ((m.q_lora_rank or 0) + m.kv_lora_rank) + self._mla_rope_elements()
+
+    @property
+    def latent_tokens(self) -> float:
+        """Tokens MLA's down-projections and latent norms see on this rank: the sequence-parallel shard."""
+        return self.tokens / self.training.tp if self.training.sp else self.tokens
 
     def _mla_rope_elements(self) -> float:
         """Of :meth:`_mla_elements`, what follows the up-projections (``qkv_up_proj_and_rope_apply``, which

@@ -73,9 +73,11 @@ def test_mla_elementwise_work_counts_its_heads_widths():
     # MLA's heads are its own widths: kv_channels (the GQA head dimension) changes nothing
     wide = dataclasses.replace(model, kv_channels=128)
     assert WorkModel(wide, fused)._mla_elements() == WorkModel(model, fused)._mla_elements()
-    # TP splits the heads, not the latents (replicated down-projections)
+    # TP splits the heads; with sequence parallelism the latents (and the down-projections) see 1/TP of the tokens
     tp2 = dataclasses.replace(fused, tensor_model_parallel_size=2, sequence_parallel=True)
-    assert WorkModel(model, tp2)._mla_elements() == latents + tokens * (heads / 2 * (128 + 256 + 192 + 128) + 64)
+    assert WorkModel(model, tp2)._mla_elements() == latents / 2 + tokens * (heads / 2 * (128 + 256 + 192 + 128) + 64)
+    down = [g for g in WorkModel(model, tp2)._attention_projections()[0].forward.gemms if g.n in (1536, 576)]
+    assert sorted((g.m, g.n, g.k) for g in down) == [(2048, 576, 7168), (2048, 1536, 7168)]
 
 
 def test_mla_up_proj_recompute_repeats_the_rotary_and_assembly_not_the_latent_norms():
