@@ -369,3 +369,52 @@ def test_attention_runs_slower_with_narrow_heads(head_dim, rate):
     base = part_times(WorkModel(model, TRAINING), HW, Calibration())["dense"].attention
     narrow = part_times(WorkModel(model, TRAINING), hw, Calibration())["dense"].attention
     assert narrow[0] == pytest.approx(base[0] / rate, rel=5e-3) and narrow[1] == pytest.approx(base[1] / rate, rel=5e-3)
+
+
+@pytest.mark.parametrize("recipe,align", [("mxfp8", 32), ("tensorwise", 16), ("delayed", 16), ("blockwise", 16)])
+@pytest.mark.parametrize("dispatcher,backend,router_padding", [
+    ("alltoall", "deepep", False), ("allgather", "deepep", False), ("flex", "deepep", False),
+    ("flex", "hybridep", False), ("alltoall", "deepep", True)])
+@pytest.mark.parametrize("capacity_factor,pad", [(None, False), (1.0, True), (1.03125, True), (1.01, True), (1.0, False)])
+def test_fp8_experts_pad_unaligned_token_counts_with_two_copies_each_way(recipe, align, dispatcher, backend,
+                                                                         router_padding, capacity_factor, pad):
+    """megatron-core's TEGroupedMLP pads each expert's copies to the FP8 alignment (Fp8Padding) and unpads the
+    output (Fp8Unpadding) under FP8; Transformer Engine copies only when some count is unaligned. Counts arrive
+    aligned when the router pads the routing map, when HybridEP pads in its dispatch, or when every expert computes
+    a capacity (ceil(T_r k / E * factor), Megatron's get_capacity) that is a multiple of the alignment."""
+    moe = dataclasses.replace(MODEL, num_experts=16, moe_router_topk=2)
+    t = dataclasses.replace(TRAINING, expert_model_parallel_size=8, data_parallel_size=8, global_batch_size=64,
+                            moe_token_dispatcher_type=dispatcher, moe_flex_dispatcher_backend=backend,
+                            moe_router_padding_for_quantization=router_padding, moe_expert_capacity_factor=capacity_factor,
+                            moe_pad_expert_input_to_capacity=pad, fp8_format="e4m3", fp8_recipe=recipe)
+    assert t.fp8_alignment == align
+    capacity = -(-(2 * 2048 * 2 * (capacity_factor or 1)) // 16)  # T_r k / E, rounded up
+    arrives_aligned = router_padding or (dispatcher, backend) == ("flex", "hybridep") or (pad and capacity % align == 0)
+    work = WorkModel(moe, t)
+    assert work.fp8_padding_copies == (not arrives_aligned)
+    plain = WorkModel(moe, dataclasses.replace(t, moe_router_padding_for_quantization=True)).layer("moe")
+    layer = work.layer("moe")
+    copies = work.expert_copies * t.load_imbalance
+    moved = 0 if arrives_aligned else 4 * copies * moe.hidden_size * work.e + 2 * copies * work.probs_bytes
+    assert layer.forward.memory_bytes - plain.forward.memory_bytes == pytest.approx(moved)
+    assert layer.backward_input.memory_bytes - plain.backward_input.memory_bytes == pytest.approx(moved)
+    assert layer.backward_weight.memory_bytes == plain.backward_weight.memory_bytes
+    kernels = [a - b for a, b in zip(moe_small_kernels(moe, t), moe_small_kernels(
+        moe, dataclasses.replace(t, moe_router_padding_for_quantization=True)))]
+    assert kernels == ([0, 0, 0] if arrives_aligned else [3, 3, 0])  # pad copies and probabilities, unpad the output
+    bf16 = t.without_fp8()
+    assert not WorkModel(moe, bf16).fp8_padding_copies
+    assert WorkModel(moe, bf16).layer("moe").forward.memory_bytes == WorkModel(
+        moe, dataclasses.replace(bf16, moe_router_padding_for_quantization=True)).layer("moe").forward.memory_bytes
+
+
+@pytest.mark.parametrize("stage,fp8", [(0, True), (1, True), (1, False), (2, True)])
+def test_primus_sync_free_moe_pads_the_routing_map_under_fp8(stage, fp8):
+    """Primus's sync-free MoE sets moe_router_padding_for_quantization under FP8 at every stage
+    (rocm_arg_validation.py, _get_sync_free_moe_options), so its experts get aligned counts."""
+    t = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=8, data_parallel_size=8,
+                     global_batch_size=64, enable_primus_turbo=True, turbo_sync_free_moe_stage=stage,
+                     moe_router_dtype="fp32", fp8_format="e4m3" if fp8 else None, use_turbo_grouped_gemm=stage > 1)
+    assert t.moe_router_padding_for_quantization == (stage > 0 and fp8)
+    assert WorkModel(dataclasses.replace(MODEL, num_experts=16, moe_router_topk=2), t).fp8_padding_copies == (
+        fp8 and stage == 0)
