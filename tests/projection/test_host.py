@@ -10,7 +10,7 @@ import pytest
 
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
-from primuspipe.projection.host import TE_LINEAR_OPS, host_bound, layer_host, moe_small_kernels
+from primuspipe.projection.host import OPS, TE_LINEAR_OPS, host_bound, layer_host, moe_small_kernels
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.projection import Projector
 from primuspipe.projection.published import load_runs, training_of
@@ -45,7 +45,10 @@ def test_host_work_follows_experts_fp8_padding_and_cuda_graphs():
     assert more.forward.launches == 2 * 32 and more.forward.ops == dropless.forward.ops
     fp8 = layer_host(QWEN, moe_training(fp8_format="hybrid"), "moe")
     assert fp8.forward.launches == 2 * 2 * 16  # and a cast per expert
-    assert fp8.forward.ops - dropless.forward.ops == 4 * (TE_LINEAR_OPS[True] - TE_LINEAR_OPS[False])  # qkv, proj, fc1, fc2
+    linears = 4 * (TE_LINEAR_OPS[True] - TE_LINEAR_OPS[False])  # qkv, proj, fc1, fc2
+    assert fp8.forward.ops - dropless.forward.ops == linears + OPS["moe_fp8_padding"]  # dropless counts arrive unaligned
+    aligned = layer_host(QWEN, moe_training(fp8_format="hybrid", moe_router_padding_for_quantization=True), "moe")
+    assert fp8.forward.ops - aligned.forward.ops == OPS["moe_fp8_padding"]
     padded = layer_host(QWEN, moe_training(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True), "moe")
     assert not padded.syncs and padded.forward.ops < dropless.forward.ops  # no token counts copied to the host
     router = layer_host(QWEN, moe_training(cuda_graph_impl="transformer_engine",
