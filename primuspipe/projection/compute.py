@@ -225,13 +225,17 @@ class WorkModel(RankShape):
             proj = self._linear(tokens, heads * m.head_dim, h, tensor_parallel="row")
             return _sum(qkv, proj), PassWork(Work(), Work(), Work())
         qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+        # The down-projections are replicated (TE's TELinear, parallel_mode "duplicated", in megatron-core 0.19's
+        # MLASelfAttention) and take the layer input as it comes: the rank's 1/TP of the tokens under sequence
+        # parallelism; the up-projections gather them.
+        down = self.latent_tokens
         if m.q_lora_rank is None:
             query, q_up = self._linear(tokens, h, heads * qk), None
         else:
             q_up = self._linear(tokens, m.q_lora_rank, heads * qk)
-            query = _sum(self._linear(tokens, h, m.q_lora_rank), q_up)
+            query = _sum(self._linear(down, h, m.q_lora_rank), q_up)
         kv_up = self._linear(tokens, m.kv_lora_rank, heads * (m.qk_head_dim + m.v_head_dim))
-        kv = _sum(self._linear(tokens, h, m.kv_lora_rank + m.qk_pos_emb_head_dim), kv_up)
+        kv = _sum(self._linear(down, h, m.kv_lora_rank + m.qk_pos_emb_head_dim), kv_up)
         ups = _sum(kv_up, *([q_up] if q_up else []))
         return _sum(query, kv, self._linear(tokens, heads * m.v_head_dim, h)), ups
 
@@ -319,9 +323,9 @@ class WorkModel(RankShape):
         two products, the negation and concatenation, the sum of the two branches, and the slices' gradients with
         their sum, 14 backward (held against the aten operations that function dispatches,
         ``tests/projection/test_time_model.py``; the cos and sin of the small frequency table aside). MLA is counted
-        alike over its heads' query/key width."""
+        apart: :meth:`_mla_rope_elements` prices its rotary, fused or not."""
         m, t = self.model, self.training
-        if not m.rotary or self.rope_fused:
+        if not m.rotary or self.rope_fused or m.multi_latent_attention:
             return PassWork(Work(), Work(), Work())
         elements = self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim
         return PassWork(Work(memory_bytes=12 * self.e * elements), Work(memory_bytes=14 * self.e * elements), Work())
@@ -335,7 +339,10 @@ class WorkModel(RankShape):
         heads = self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
         moved = Counter({"norm": self._norms().memory_bytes,
                          "residual_add": 2 * 3 * self.hidden_bytes})  # two adds: 2 reads, 1 write
-        if m.rotary and self.rope_fused:  # else :meth:`_unfused_rope`
+        if m.multi_latent_attention:  # latent norms; rotary embedding and query/key/value assembly (_mla_elements)
+            moved["norm"] += (self._mla_elements() - self._mla_rope_elements()) * e
+            moved["rope"] += self._mla_rope_elements() * e
+        elif m.rotary and self.rope_fused:  # else :meth:`_unfused_rope`
             moved["rope"] += 2 * heads
         if m.qk_layernorm and not m.multi_latent_attention:  # per-head norms read and write the queries and keys
             moved["norm"] += 2 * heads
@@ -353,6 +360,43 @@ class WorkModel(RankShape):
     def _elementwise(self, kind: str) -> PassWork:
         """One layer's element-wise kernels, forward and backward (:meth:`_elementwise_kernels`)."""
         return _elementwise_pass(self._elementwise_kernels(kind))
+
+    def _mla_elements(self) -> float:
+        """Elements MLA's element-wise kernels read and write in one layer's forward besides its GEMMs (megatron-core
+        0.19's ``MLASelfAttention.get_query_key_value_tensors``): the two latent norms (``q_layernorm`` over the
+        query latent, ``kv_layernorm`` over the key/value latent, on the :attr:`latent_tokens`; read and write), then
+        :meth:`_mla_rope_elements`."""
+        m = self.model
+        return 2 * self.latent_tokens * ((m.q_lora_rank or 0) + m.kv_lora_rank) + self._mla_rope_elements()
+
+    @property
+    def latent_tokens(self) -> float:
+        """Tokens MLA's down-projections and latent norms see on this rank: the sequence-parallel shard."""
+        return self.tokens / self.training.tp if self.training.sp else self.tokens
+
+    def _mla_rope_elements(self) -> float:
+        """Of :meth:`_mla_elements`, what follows the up-projections (``qkv_up_proj_and_rope_apply``, which
+        ``mla_up_proj`` recompute re-runs with them): per head, the rotary part of the query and the shared rotary
+        key rotated and the query, key and value assembled for the attention kernel (TE's fused attention takes
+        them contiguous):
+
+        * with ``apply_rope_fusion`` (``fusions/fused_mla_yarn_rope_apply.py``): ``fused_apply_mla_rope_for_q``
+          rotates the query's rotary slice in place (read and write ``r`` per head); ``fused_apply_mla_rope_for_kv``
+          reads the up-projected ``kv`` (``d_qk + d_v`` per head) and the rotary key and writes the key
+          (``d_qk + r``) and the value (``d_v``);
+        * without it (``rope_utils._apply_rotary_pos_emb_bshd`` with ``mla_rotary_interleaved``): the query's and
+          the key's rotary slices pass through seven element-wise ops each (the interleaving ``cat``, ``* cos``,
+          ``rotate_half``'s negation and ``cat``, ``* sin``, the sum, the ``cat`` with the empty pass-through part:
+          14 element reads and writes per rotary element), then ``torch.cat`` builds the query
+          (``d_qk + r`` read and written per head) and the key (the key slice of ``kv`` and the broadcast rotary
+          key, ``d_qk + r`` each way), and ``value.contiguous()`` copies the value out of ``kv`` (``d_v`` each way).
+        """
+        m, t = self.model, self.training
+        heads, tokens = m.num_attention_heads / t.tp, self.tokens
+        qk, rope, v = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+        if t.apply_rope_fusion:
+            return tokens * (heads * (2 * rope + (qk + v) + (qk + rope) + v) + rope)
+        return tokens * (heads * (14 * rope + 2 * (qk + rope) + 2 * (qk + rope) + 2 * v) + 14 * rope)
 
     @property
     def permutations(self) -> int:
@@ -473,7 +517,8 @@ class WorkModel(RankShape):
         forward = attention.forward + core.forward + mlp.forward + element.forward
         recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
                      + (self._norms() if t.recomputes("layernorm") else Work())
-                     + (up_projections.forward if t.recomputes("mla_up_proj") and m.multi_latent_attention else Work()))
+                     + (up_projections.forward + Work(memory_bytes=self._mla_rope_elements() * self.e)
+                        if t.recomputes("mla_up_proj") and m.multi_latent_attention else Work()))
         return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.backward_input,
                         attention.backward_weight + mlp.backward_weight + accumulate, recompute)
 

@@ -100,7 +100,7 @@ NO_EFFECT = frozenset({
     "init_model_with_meta_device",
     "lazy_mpu_init", "masked_softmax_fusion", "no_masked_softmax_fusion", "micro_batch_size_rampup",
     "moe_aux_loss_coeff",
-    "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_pre_softmax", "moe_router_score_function",
+    "moe_z_loss_coeff", "moe_router_load_balancing_type",
     "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_topk_scaling_factor",
     "moe_input_jitter_eps", "moe_per_layer_logging", "moe_enable_deepep",
     "moe_shared_expert_overlap", "mtp_loss_scaling_factor", "norm_epsilon",
@@ -131,7 +131,6 @@ NO_EFFECT = frozenset({
     "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "no_fp8_wgrad", "tp_comm_bootstrap_backend",
     "tp_comm_overlap_cfg", "num_distributed_optimizer_instances", "align_param_gather", "align_grad_reduce",
     "use_sharp", "nccl_communicator_config_path", "sequence_parallel_size_rampup",
-    "moe_router_num_groups", "moe_router_group_topk",
 })
 """Further no-effect arguments, each by name. (Kernel-fusion switches whose effect the projection does
 model are fields or aliases instead, e.g. ``no_bias_swiglu_fusion``; ``attention_softmax_in_fp32`` matters

@@ -93,6 +93,19 @@ class ModelSpec:
     """Routed experts per MoE layer; None: a dense model."""
     moe_router_topk: int = 2
     """Experts each token is sent to (k)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (megatron-core's ``group_limited_topk``): the experts split into this many equal
+    groups of consecutive experts; each token picks ``moe_router_group_topk`` groups by the sum of each group's
+    top ``moe_router_topk / moe_router_group_topk`` scores, then its ``k`` experts inside them (DeepSeek-V3: 8
+    groups, 4 picked, so a token reaches at most 4 groups: 4 nodes, or 4 ranks at EP 8). None: no groups."""
+    moe_router_group_topk: int | None = None
+    """Groups each token picks under group-limited routing (with ``moe_router_num_groups``)."""
+    moe_router_score_function: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
+    """The router's score function (Megatron's default softmax; DeepSeek-V3 sigmoid). Only the group choice
+    depends on it: groups are ranked by sums of scores."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (Megatron's ``moe_router_pre_softmax``): with softmax scoring,
+    groups are then ranked by summed probabilities instead of summed logits."""
     moe_ffn_hidden_size: int | None = None
     """Width of one routed expert (F_e); None means ffn_hidden_size."""
     moe_shared_expert_intermediate_size: int | None = None
@@ -206,7 +219,8 @@ class ModelSpec:
 
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by",
                      "ffn_hidden_size", "num_query_groups", "kv_channels", "vocab_size", "padded_vocab_size",
-                     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                     "num_experts", "moe_router_topk", "moe_router_num_groups", "moe_router_group_topk",
+                     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                      "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim"):
             if getattr(self, name) == 0:
                 fail((name,), "must be at least 1", "give a positive size (or leave it out for the default)")
@@ -229,6 +243,7 @@ class ModelSpec:
                 fail(("moe_router_topk", "num_experts"), "each token cannot go to more experts than there are",
                      "make moe_router_topk at most num_experts")
             self.layer_kinds  # noqa: B018  (checks moe_layer_freq now, at load time)
+            self._check_groups(fail)
         if self.window_size is not None and (len(self.window_size) != 2 or self.window_size[1] != 0):
             fail(("window_size",), "a sliding window is [left, 0]: the keys before each query, none after it",
                  "give [left, 0] (e.g. [128, 0]), or leave window_size out for full causal attention")
@@ -246,6 +261,29 @@ class ModelSpec:
         if self.multi_latent_attention and self.position_embedding_type == "learned_absolute":
             fail(("multi_latent_attention", "position_embedding_type"), "MLA carries its own rotary embedding",
                  "set position_embedding_type: rope")
+
+
+    def _check_groups(self, fail) -> None:
+        """Megatron's conditions on group-limited routing (``group_limited_topk`` reshapes the scores into
+        ``[tokens, groups, experts / groups]`` and takes ``k // group_topk`` of each group, then ``k`` experts
+        of the picked groups)."""
+        groups, picked, k = self.moe_router_num_groups, self.moe_router_group_topk, self.moe_router_topk
+        names = ("moe_router_num_groups", "moe_router_group_topk")
+        if (groups is None) != (picked is None):
+            fail(names, "group-limited routing needs both the group count and the groups each token picks",
+                 "give both moe_router_num_groups and moe_router_group_topk, or neither")
+        if groups is None:
+            return
+        if self.num_experts % groups:
+            fail(("num_experts", "moe_router_num_groups"), "the experts do not split into equal groups",
+                 "make moe_router_num_groups a divisor of num_experts")
+        if picked > groups or picked > k:
+            fail(names + ("moe_router_topk",), "a token cannot pick more groups than there are, nor more groups "
+                 "than experts (each group is ranked by its top k / group_topk scores)",
+                 "make moe_router_group_topk at most moe_router_num_groups and at most moe_router_topk")
+        if picked * (self.num_experts // groups) < k:
+            fail(names + ("moe_router_topk",), "the picked groups hold fewer experts than each token needs",
+                 "pick more groups (moe_router_group_topk) or route to fewer experts")
 
 
 MAX_SIZE = 2**31

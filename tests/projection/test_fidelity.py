@@ -238,8 +238,10 @@ def test_all_to_all_across_nodes_and_deepep_dedup():
     ep = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=32, data_parallel_size=32,
                       global_batch_size=32)
     flex = dataclasses.replace(ep, moe_token_dispatcher_type="flex")
-    nodes, k = 4, 8  # a token's 8 experts touch 4 * (1 - (3/4)^8) of the 4 nodes on average: sent once to each
-    dedup = nodes * (1 - (1 - 1 / nodes) ** k) / k
+    # a token's 8 distinct experts of 64, 16 a node, miss a node with probability C(48, 8) / C(64, 8): sent once to
+    # each of the nodes they touch
+    nodes, k = 4, 8
+    dedup = nodes * (1 - math.comb(48, k) / math.comb(64, k)) / k
     a2a, deepep = layer_comm(model, ep, HW, "moe").ep[0], layer_comm(model, flex, HW, "moe").ep[0]
     latency = 2 * 31 * HW.inter_node_latency_s
     assert deepep - latency == pytest.approx((a2a - latency) * dedup)

@@ -171,15 +171,14 @@ def test_primus_moe_features_are_modelled_and_turbo_kernels_refused_when_on():
 def test_primus_bookkeeping_is_set_aside_and_the_legacy_grouped_gemm_switch_read():
     """Primus's own logging and resuming keys cannot change a step; its legacy grouped GEMM (the
     ``grouped_gemm`` package) takes the same 4-stream path as TE's, either way, and is read (its expert gradients
-    are accumulated outside the GEMM); group-limited routing is a few ops over the routing scores, set aside."""
+    are accumulated outside the GEMM). (Group-limited routing, once set aside here, is modelled:
+    test_group_routing.py.)"""
     for legacy in ("False", "True"):
         config = read_arguments(MODEL_ARGS + "--stderr_sink_level DEBUG --auto_continue_train False "
                                 "--disable_last_saving True --mlflow_run_name x --moe-grouped-gemm "
                                 f"--moe_use_legacy_grouped_gemm {legacy} "
-                                "--moe_router_force_load_balancing_type even --moe-router-num-groups 8 "
-                                "--moe-router-group-topk 3", "r")
+                                "--moe_router_force_load_balancing_type even", "r")
         assert set(config.no_effect) == {"stderr_sink_level", "auto_continue_train", "disable_last_saving",
-                                         "mlflow_run_name", "moe_router_force_load_balancing_type",
-                                         "moe_router_num_groups", "moe_router_group_topk"}
+                                         "mlflow_run_name", "moe_router_force_load_balancing_type"}
         assert config.training.moe_expert_gemm == "multi_stream"
         assert config.training.moe_use_legacy_grouped_gemm == (legacy == "True") == config.training.legacy_grouped_mlp

@@ -59,7 +59,9 @@ def transformer_config(model: ModelSpec, training: TrainingSpec, *, stage_counts
             moe_ffn_hidden_size=model.expert_ffn, moe_layer_freq=[int(k == "moe") for k in model.layer_kinds],
             moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size, moe_grouped_gemm=False,
             moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_permute_fusion=False,
+            moe_permute_fusion=False, moe_router_num_groups=model.moe_router_num_groups,
+            moe_router_group_topk=model.moe_router_group_topk, moe_router_score_function=model.moe_router_score_function,
+            moe_router_pre_softmax=model.moe_router_pre_softmax,
         )
     if model.multi_latent_attention:
         fields.update(q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
