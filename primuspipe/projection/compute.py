@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
-from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels
+from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels, moe_stream_kernels
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import ParamCount, head_params, layer_params
 from primuspipe.projection.spec_fields import InputError
@@ -649,13 +649,17 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
 def kernel_overheads(work: WorkModel, hardware: HardwareSpec, part: str, fp8: bool | None = None
                      ) -> tuple[float, float, float]:
     """Seconds an MoE layer's small kernels add to each pass beyond their modelled work
-    (``moe_kernel_seconds`` per kernel of :func:`~primuspipe.projection.host.moe_small_kernels`); nothing for
-    other parts or where the hardware file does not give the figure. A pass with a measured calibration
-    factor does not add them: the measurement already holds them."""
+    (``moe_kernel_seconds`` per kernel of :func:`~primuspipe.projection.host.moe_small_kernels`, and
+    ``stream_launch_gap_seconds`` more per kernel the host launches into a stream rather than a CUDA graph
+    replays, :func:`~primuspipe.projection.host.moe_stream_kernels`); nothing for other parts or where the
+    hardware file does not give ``moe_kernel_seconds``. A pass with a measured calibration factor does not add
+    them: the measurement already holds them."""
     if part != "moe" or hardware.moe_kernel_seconds is None:
         return 0.0, 0.0, 0.0
     kernels = moe_small_kernels(work.model, work.training, fp8)
-    return tuple(n * hardware.moe_kernel_seconds for n in kernels)  # type: ignore[return-value]
+    streamed = moe_stream_kernels(work.model, work.training, fp8)
+    gap = hardware.stream_launch_gap_seconds or 0.0
+    return tuple(n * hardware.moe_kernel_seconds + s * gap for n, s in zip(kernels, streamed))  # type: ignore[return-value]
 
 
 def layer_part(kind: str, bf16: bool) -> str:
