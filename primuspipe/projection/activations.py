@@ -106,7 +106,7 @@ class ActivationModel(RankShape):
         context = tokens * heads * v_dim * e
         scores = t.micro_batch_size * heads * (m.seq_length / t.cp) * m.seq_length
         per_head_norms = m.qk_layernorm and not m.multi_latent_attention
-        rope = m.position_embedding_type == "rope" and not m.multi_latent_attention
+        rope = m.rotary and not m.multi_latent_attention
         # With grouped queries the query is reshaped out of the fused QKV output into a copy; K and V are
         # views of that output, so a saved K or V slice keeps all of it alive.
         query_copy = tokens * heads * qk_dim * e if heads > kv_heads else 0.0
@@ -115,7 +115,7 @@ class ActivationModel(RankShape):
         if per_head_norms:  # their inputs: the query (copy) and the key slice; their fp32 statistics
             stats = 1 if m.normalization == "RMSNorm" else 2
             core += query_copy + tokens * (heads + kv_heads) * stats * _FP32
-        if rope and not t.apply_rope_fusion:  # cos and sin, once for queries and once for keys
+        if rope and not self.rope_fused:  # cos and sin, once for queries and once for keys
             core += 4 * (m.seq_length / t.cp) * qk_dim * e
         if t.recomputes("core_attn"):  # the checkpoint keeps its inputs: query, key, and V's slice
             new_qk = rope or per_head_norms  # rotated or normalised query and key are new tensors
@@ -174,6 +174,10 @@ class ActivationModel(RankShape):
             routed_act -= copies * width * self.e
         elif t.fp8:
             routed_act -= 0.5 * copies * width * self.e
+        if m.activation_func_clamp_value is not None and not t.recomputes("moe_act"):
+            # the clamped copy of fc1's output the activation saves, beside fc1's output the clamps save
+            # (megatron-core's weighted_bias_quick_geglu_impl / glu; compute.WorkModel._expert_clamp)
+            routed_act += copies * 2 * width * self.e
         routed = copies * m.hidden_size * self.e * (0.5 if t.fp8 else 1.0) + routed_act
         routed_grads = copies * (width * (2 if m.swiglu else 1) + m.hidden_size) * self.e
         routed_inputs = copies * (m.hidden_size + width) * self.e

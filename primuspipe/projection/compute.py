@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
-from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels
+from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels, moe_stream_kernels
 from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.parameters import ParamCount, head_params, layer_params
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import MXFP8_BLOCK, RankShape, TrainingSpec
 
@@ -44,6 +46,17 @@ Megatron-Bridge and AMD's Primus report Model TFLOP/s)."""
 PARTS = ("dense", "moe", "embedding", "head", "mtp")
 """The parts the model is timed in: a layer of each kind, the first stage's extra, the last's, and one
 multi-token-prediction module (with ``mtp_num_layers``; on the last stage)."""
+BACKWARD_BYTES_PER_FORWARD_BYTE = {
+    "norm": 1.5,  # forward reads x, writes y; backward reads x and dy, writes dx (RMSNorm/LayerNorm backward)
+    "residual_add": 1.0,  # forward reads two, writes one; backward adds the two gradients where the stream splits
+    "rope": 1.0,  # the fused rotary kernel's backward rotates dq/dk back: one read, one write, as forward
+    "swiglu": 5 / 3,  # forward reads 2F, writes F; megatron-core's swiglu_back reads 2F and dF, writes 2F
+    "gelu": 1.5,  # forward reads F, writes F; bias_gelu_back reads F and dF, writes F
+    "permute": 1.0,  # a permutation's gradient is the inverse permutation: same reads and writes
+    "router": 1.0,  # softmax / top-k backward reads the probabilities and their gradient, writes the logits'
+}
+"""Memory traffic of an element-wise kernel's backward per byte of its forward, by kernel: what each reads and
+writes (the autograd functions of megatron-core and Transformer Engine), instead of one factor for all."""
 
 
 @dataclass(frozen=True)
@@ -212,13 +225,17 @@ class WorkModel(RankShape):
             proj = self._linear(tokens, heads * m.head_dim, h, tensor_parallel="row")
             return _sum(qkv, proj), PassWork(Work(), Work(), Work())
         qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+        # The down-projections are replicated (TE's TELinear, parallel_mode "duplicated", in megatron-core 0.19's
+        # MLASelfAttention) and take the layer input as it comes: the rank's 1/TP of the tokens under sequence
+        # parallelism; the up-projections gather them.
+        down = self.latent_tokens
         if m.q_lora_rank is None:
             query, q_up = self._linear(tokens, h, heads * qk), None
         else:
             q_up = self._linear(tokens, m.q_lora_rank, heads * qk)
-            query = _sum(self._linear(tokens, h, m.q_lora_rank), q_up)
+            query = _sum(self._linear(down, h, m.q_lora_rank), q_up)
         kv_up = self._linear(tokens, m.kv_lora_rank, heads * (m.qk_head_dim + m.v_head_dim))
-        kv = _sum(self._linear(tokens, h, m.kv_lora_rank + m.qk_pos_emb_head_dim), kv_up)
+        kv = _sum(self._linear(down, h, m.kv_lora_rank + m.qk_pos_emb_head_dim), kv_up)
         ups = _sum(kv_up, *([q_up] if q_up else []))
         return _sum(query, kv, self._linear(tokens, heads * m.v_head_dim, h)), ups
 
@@ -288,28 +305,98 @@ class WorkModel(RankShape):
         """The layer's two norms, forward: each reads and writes the residual stream."""
         return Work(memory_bytes=2 * 2 * self.hidden_bytes)
 
+    @property
+    def _activation_kernel(self) -> str:
+        return "swiglu" if self.model.swiglu else "gelu"
+
     def _activation(self, tokens: float, width: float) -> Work:
         """The activation function over ``tokens`` x ``width``: SwiGLU reads 2F, writes F; GELU reads F, writes F."""
         return Work(memory_bytes=(3 if self.model.swiglu else 2) * tokens * width * self.e)
 
-    def _elementwise(self, kind: str) -> Work:
-        """Residual adds, rotary embedding, per-head query/key norms, the activation function and MoE
-        permutation of one layer, forward
-        (the norms are :meth:`_norms`)."""
+    def _unfused_rope(self) -> PassWork:
+        """Rotary embedding of the queries and keys (``X`` elements) where it does not run fused (the fused kernel is
+        the ``rope`` entry of :meth:`_elementwise_kernels`). megatron-core's unfused ``_apply_rotary_pos_emb_bshd`` (``rope_utils.py`` lines 92-126 at
+        core_v0.15.0, b0cc270 and 55ac708), which runs without ``apply_rope_fusion`` and for YaRN
+        (:attr:`~primuspipe.projection.training_spec.RankShape.rope_fused`), is a chain of eager ops: ``t * cos``,
+        the rotated half (a negation of one half and a concatenation), ``* sin``, their sum, and a concatenation with
+        the empty unrotated part -- 2 + 1 + 2 + 2 + 3 + 2 = 12 ``e`` per element forward; autograd's gradients of the
+        two products, the negation and concatenation, the sum of the two branches, and the slices' gradients with
+        their sum, 14 backward (held against the aten operations that function dispatches,
+        ``tests/projection/test_time_model.py``; the cos and sin of the small frequency table aside). MLA is counted
+        apart: :meth:`_mla_rope_elements` prices its rotary, fused or not."""
+        m, t = self.model, self.training
+        if not m.rotary or self.rope_fused or m.multi_latent_attention:
+            return PassWork(Work(), Work(), Work())
+        elements = self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim
+        return PassWork(Work(memory_bytes=12 * self.e * elements), Work(memory_bytes=14 * self.e * elements), Work())
+
+    def _elementwise_kernels(self, kind: str) -> dict[str, float]:
+        """Forward bytes of one layer's element-wise kernels by kernel (keys of
+        :data:`BACKWARD_BYTES_PER_FORWARD_BYTE`): norms, residual adds, rotary embedding, per-head query/key
+        norms, the activation functions, MoE permutation and the router's softmax / top-k."""
         m, t = self.model, self.training
         e = self.e
-        moved = 2 * 3 * self.hidden_bytes  # two residual adds (2 reads, 1 write)
-        if m.position_embedding_type == "rope":
-            moved += 2 * self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
+        heads = self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
+        moved = Counter({"norm": self._norms().memory_bytes,
+                         "residual_add": 2 * 3 * self.hidden_bytes})  # two adds: 2 reads, 1 write
+        if m.multi_latent_attention:  # latent norms; rotary embedding and query/key/value assembly (_mla_elements)
+            moved["norm"] += (self._mla_elements() - self._mla_rope_elements()) * e
+            moved["rope"] += self._mla_rope_elements() * e
+        elif m.rotary and self.rope_fused:  # else :meth:`_unfused_rope`
+            moved["rope"] += 2 * heads
         if m.qk_layernorm and not m.multi_latent_attention:  # per-head norms read and write the queries and keys
-            moved += 2 * self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
+            moved["norm"] += 2 * heads
         if kind == "dense":
-            return Work(memory_bytes=moved) + self._activation(self.tokens, m.ffn / t.tp)
+            moved[self._activation_kernel] += self._activation(self.tokens, m.ffn / t.tp).memory_bytes
+            return moved
         copies = self.expert_copies * t.load_imbalance
-        moved += 4 * copies * m.hidden_size * e * self.permutations
-        moved += self.residual_tokens * m.num_experts * 4 * 3  # router softmax / top-k over fp32 logits
+        moved["permute"] += 4 * copies * m.hidden_size * e * self.permutations
+        if not t.fake_balanced_gate:  # AutoModel's fake gate computes no logits (FakeBalancedGate: arange, ones)
+            moved["router"] += self.residual_tokens * m.num_experts * 4 * 3  # softmax / top-k over fp32 logits
         shared = self._activation(self.tokens, (m.moe_shared_expert_intermediate_size or 0) / t.tp)
-        return Work(memory_bytes=moved) + self._activation(copies, m.expert_ffn / t.etp) + shared
+        moved[self._activation_kernel] += (self._activation(copies, m.expert_ffn / t.etp) + shared).memory_bytes
+        return moved
+
+    def _elementwise(self, kind: str) -> PassWork:
+        """One layer's element-wise kernels, forward and backward (:meth:`_elementwise_kernels`)."""
+        return _elementwise_pass(self._elementwise_kernels(kind))
+
+    def _mla_elements(self) -> float:
+        """Elements MLA's element-wise kernels read and write in one layer's forward besides its GEMMs (megatron-core
+        0.19's ``MLASelfAttention.get_query_key_value_tensors``): the two latent norms (``q_layernorm`` over the
+        query latent, ``kv_layernorm`` over the key/value latent, on the :attr:`latent_tokens`; read and write), then
+        :meth:`_mla_rope_elements`."""
+        m = self.model
+        return 2 * self.latent_tokens * ((m.q_lora_rank or 0) + m.kv_lora_rank) + self._mla_rope_elements()
+
+    @property
+    def latent_tokens(self) -> float:
+        """Tokens MLA's down-projections and latent norms see on this rank: the sequence-parallel shard."""
+        return self.tokens / self.training.tp if self.training.sp else self.tokens
+
+    def _mla_rope_elements(self) -> float:
+        """Of :meth:`_mla_elements`, what follows the up-projections (``qkv_up_proj_and_rope_apply``, which
+        ``mla_up_proj`` recompute re-runs with them): per head, the rotary part of the query and the shared rotary
+        key rotated and the query, key and value assembled for the attention kernel (TE's fused attention takes
+        them contiguous):
+
+        * with ``apply_rope_fusion`` (``fusions/fused_mla_yarn_rope_apply.py``): ``fused_apply_mla_rope_for_q``
+          rotates the query's rotary slice in place (read and write ``r`` per head); ``fused_apply_mla_rope_for_kv``
+          reads the up-projected ``kv`` (``d_qk + d_v`` per head) and the rotary key and writes the key
+          (``d_qk + r``) and the value (``d_v``);
+        * without it (``rope_utils._apply_rotary_pos_emb_bshd`` with ``mla_rotary_interleaved``): the query's and
+          the key's rotary slices pass through seven element-wise ops each (the interleaving ``cat``, ``* cos``,
+          ``rotate_half``'s negation and ``cat``, ``* sin``, the sum, the ``cat`` with the empty pass-through part:
+          14 element reads and writes per rotary element), then ``torch.cat`` builds the query
+          (``d_qk + r`` read and written per head) and the key (the key slice of ``kv`` and the broadcast rotary
+          key, ``d_qk + r`` each way), and ``value.contiguous()`` copies the value out of ``kv`` (``d_v`` each way).
+        """
+        m, t = self.model, self.training
+        heads, tokens = m.num_attention_heads / t.tp, self.tokens
+        qk, rope, v = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+        if t.apply_rope_fusion:
+            return tokens * (heads * (2 * rope + (qk + v) + (qk + rope) + v) + rope)
+        return tokens * (heads * (14 * rope + 2 * (qk + rope) + 2 * (qk + rope) + 2 * v) + 14 * rope)
 
     @property
     def permutations(self) -> int:
@@ -349,6 +436,53 @@ class WorkModel(RankShape):
         backward = 2 * casts + 2 * 3 * r
         return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
 
+    def _fp8_padding(self) -> PassWork:
+        """The experts' FP8 padding copies (:attr:`~primuspipe.projection.training_spec.RankShape.fp8_padding_copies`) as memory traffic: forward, the token copies
+        read and written into the padded buffer and the second linear's output read and written back out of it,
+        and the routing probabilities padded likewise; backward, the same copies of the gradients the other way.
+        The padding rows themselves (fewer than the alignment per expert) are not counted in the GEMMs."""
+        if not self.fp8_padding_copies:
+            return PassWork(Work(), Work(), Work())
+        copies = self.expert_copies * self.training.load_imbalance
+        moved = 2 * 2 * copies * self.model.hidden_size * self.e + 2 * copies * self.probs_bytes
+        return PassWork(Work(memory_bytes=moved), Work(memory_bytes=moved), Work())
+
+    def _grad_accumulation(self, params: ParamCount) -> Work:
+        """The W pass's adds of fresh weight gradients into their main gradients, for the part's ``params`` on the
+        rank: one element-wise pass each (megatron-core's DDP backward hook, ``param.main_grad.add_(param.grad.data)``)
+        reading the gradient in the parameters' dtype and reading and writing the main gradient. Every weight
+        without ``gradient_accumulation_fusion``; with it only the legacy ``GroupedMLP``'s expert weights (its GEMMs
+        cannot accumulate in place); the rest accumulate inside their weight-gradient GEMMs."""
+        t = self.training
+        unfused = params.total if not t.gradient_accumulation_fusion else params.expert if t.legacy_grouped_mlp else 0
+        return Work(memory_bytes=unfused * (self.e + 2 * t.main_grad_bytes))
+
+    def _expert_clamp(self) -> PassWork:
+        """The clamp of the experts' gated activation (``activation_func_clamp_value``, GPT-OSS), which megatron-core
+        runs as eager element-wise ops outside its fused activation kernel over the first expert linear's
+        ``copies x 2F`` output (``weighted_bias_quick_geglu_impl`` in ``megatron/core/fusions/fused_bias_geglu.py``,
+        lines 410-442, the same at core_v0.15.0, core_v0.16.0 and the Megatron-LM commit 55ac708 that
+        Megatron-Bridge 26.02.01 pins; the unfused path, ``glu`` in ``TEGroupedMLP.forward``, clamps the same halves
+        without the concatenation). Bytes per element of one half (``copies x F``), ``e`` the activations' dtype:
+
+        * forward: the gate half clamped from above and the linear half from both sides, each read and written
+          (4e), and with ``bias_activation_fusion`` the two concatenated into the fused kernel's input (4e);
+        * backward (autograd's ``clamp_backward``): the gate half's mask (read e, write a 1-byte bool) and the
+          ``where`` that applies it (read the mask and the gradient, write it: 1 + 2e); the linear half's two masks,
+          their ``logical_and_`` (read 2, write 1) and its ``where``; then ``chunk``'s gradient, a concatenation of
+          the two halves' gradients (read 2e, write 2e): 11e + 8.
+
+        Held against the aten operations megatron-core's own function dispatches (``tests/projection/
+        test_time_model.py``). A recompute of ``moe_act`` repeats the forward's (the checkpoint reruns the whole
+        function)."""
+        m, t, e = self.model, self.training, self.e
+        if m.activation_func_clamp_value is None:
+            return PassWork(Work(), Work(), Work())
+        elements = self.expert_copies * t.load_imbalance * m.expert_ffn / t.etp
+        forward = 4 * e + (4 * e if t.bias_activation_fusion else 0)
+        backward = 11 * e + 8
+        return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
+
     @property
     def expert_copies(self) -> float:
         """Token copies the experts of one rank process per microbatch (uniform routing)."""
@@ -368,21 +502,25 @@ class WorkModel(RankShape):
             routed = self._mlp(per_expert, m.expert_ffn / t.etp, groups=local)
             shared = (self._mlp(self.tokens, m.moe_shared_expert_intermediate_size / t.tp)
                       if m.moe_shared_expert_intermediate_size else None)
-            router = self._linear(self.residual_tokens, m.hidden_size, m.num_experts, fp8=False)
+            router = (PassWork(Work(), Work(), Work()) if t.fake_balanced_gate  # AutoModel's fake gate has no GEMM
+                      else self._linear(self.residual_tokens, m.hidden_size, m.num_experts, fp8=False))
             bias = [self._expert_output_bias()] if m.add_bias_linear else []
-            mlp = _sum(routed, router, *bias, *([shared] if shared else []))
+            clamp = self._expert_clamp()
+            mlp = _sum(routed, self._fp8_padding(), router, clamp, *bias, *([shared] if shared else []))
             mlp_recompute = (mlp.forward if t.recomputes("moe") else
                              shared.forward if shared and t.recomputes("shared_experts") else Work())
             if t.recomputes("moe_act") and not t.recomputes("moe"):
                 mlp_recompute = mlp_recompute + self._activation(self.expert_copies * t.load_imbalance,
-                                                                 m.expert_ffn / t.etp)
-        element = self._elementwise(kind) + self._norms()
-        forward = attention.forward + core.forward + mlp.forward + element
+                                                                 m.expert_ffn / t.etp) + clamp.forward
+        element = _sum(self._elementwise(kind), self._unfused_rope())
+        accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()))
+        forward = attention.forward + core.forward + mlp.forward + element.forward
         recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
                      + (self._norms() if t.recomputes("layernorm") else Work())
-                     + (up_projections.forward if t.recomputes("mla_up_proj") and m.multi_latent_attention else Work()))
-        return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.scaled(2),
-                        attention.backward_weight + mlp.backward_weight, recompute)
+                     + (up_projections.forward + Work(memory_bytes=self._mla_rope_elements() * self.e)
+                        if t.recomputes("mla_up_proj") and m.multi_latent_attention else Work()))
+        return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.backward_input,
+                        attention.backward_weight + mlp.backward_weight + accumulate, recompute)
 
     def embedding(self) -> PassWork:
         """Token (and position) lookup: memory-bound; its gradient, a scatter-add, runs in B (split-backward
@@ -397,9 +535,9 @@ class WorkModel(RankShape):
         output = self._linear(self.tokens, m.hidden_size, vocab, fp8=False)  # Megatron keeps the output layer in bf16
         per_logit = t.activation_bytes * 2 if t.cross_entropy_loss_fusion else t.activation_bytes + 3 * 4
         loss = Work(memory_bytes=self.tokens * vocab * per_logit)  # logits -> fp32 softmax; fused: read, write in place
-        norm = Work(memory_bytes=2 * self.hidden_bytes)
-        return PassWork(output.forward + loss + norm, output.backward_input + loss + norm.scaled(2),
-                        output.backward_weight)
+        norm = _elementwise_pass({"norm": 2 * self.hidden_bytes})
+        return PassWork(output.forward + loss + norm.forward, output.backward_input + loss + norm.backward_input,
+                        output.backward_weight + self._grad_accumulation(ParamCount(head_params(m, t.tp))))
 
     def mtp(self) -> PassWork:
         """One multi-token-prediction module: embedding lookup, two norms, the 2H -> H projection, a layer
@@ -407,7 +545,7 @@ class WorkModel(RankShape):
         m = self.model
         projection = self._linear(self.tokens, 2 * m.hidden_size, m.hidden_size)
         return _sum(self.embedding(), projection, self.layer(m.layer_kinds[-1]), self.head(),
-                    PassWork(self._norms(), self._norms().scaled(2), Work()))
+                    _elementwise_pass({"norm": self._norms().memory_bytes}))
 
     def part(self, name: str) -> PassWork:
         return {"embedding": self.embedding, "head": self.head, "mtp": self.mtp}.get(name, lambda: self.layer(name))()
@@ -428,6 +566,13 @@ def model_flops_per_token(model: ModelSpec, attention: str = "causal") -> float:
     """Model FLOPs (three passes) per token of the whole model, attention counted by ``attention``."""
     neutral = TrainingSpec(pipeline_model_parallel_size=1, global_batch_size=1)
     return WorkModel(model, neutral).model_flops(attention) / model.seq_length
+
+
+def _elementwise_pass(forward_bytes: Mapping[str, float]) -> PassWork:
+    """Element-wise kernels' forward and input-gradient traffic from their forward bytes by kernel."""
+    forward = sum(forward_bytes.values())
+    backward = sum(b * BACKWARD_BYTES_PER_FORWARD_BYTE[k] for k, b in forward_bytes.items())
+    return PassWork(Work(memory_bytes=forward), Work(memory_bytes=backward), Work())
 
 
 def _sum(*works: PassWork) -> PassWork:
@@ -504,13 +649,17 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
 def kernel_overheads(work: WorkModel, hardware: HardwareSpec, part: str, fp8: bool | None = None
                      ) -> tuple[float, float, float]:
     """Seconds an MoE layer's small kernels add to each pass beyond their modelled work
-    (``moe_kernel_seconds`` per kernel of :func:`~primuspipe.projection.host.moe_small_kernels`); nothing for
-    other parts or where the hardware file does not give the figure. A pass with a measured calibration
-    factor does not add them: the measurement already holds them."""
+    (``moe_kernel_seconds`` per kernel of :func:`~primuspipe.projection.host.moe_small_kernels`, and
+    ``stream_launch_gap_seconds`` more per kernel the host launches into a stream rather than a CUDA graph
+    replays, :func:`~primuspipe.projection.host.moe_stream_kernels`); nothing for other parts or where the
+    hardware file does not give ``moe_kernel_seconds``. A pass with a measured calibration factor does not add
+    them: the measurement already holds them."""
     if part != "moe" or hardware.moe_kernel_seconds is None:
         return 0.0, 0.0, 0.0
     kernels = moe_small_kernels(work.model, work.training, fp8)
-    return tuple(n * hardware.moe_kernel_seconds for n in kernels)  # type: ignore[return-value]
+    streamed = moe_stream_kernels(work.model, work.training, fp8)
+    gap = hardware.stream_launch_gap_seconds or 0.0
+    return tuple(n * hardware.moe_kernel_seconds + s * gap for n, s in zip(kernels, streamed))  # type: ignore[return-value]
 
 
 def layer_part(kind: str, bf16: bool) -> str:

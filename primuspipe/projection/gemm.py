@@ -48,8 +48,13 @@ Grouped GEMM kernel paths, from the frameworks' source:
   https://github.com/fanshiqing/grouped_gemm, ``CublasGroupedGemm``; NeMo AutoModel's MoE experts call the same
   ``ops.gmm``, nemo_automodel/components/moe/layers.py). ROCm's Transformer Engine keeps the same loop
   (transformer_engine/common/gemm/cublaslt_gemm.cu, ``num_streams = 4`` in common/include/transformer_engine/gemm.h,
-  https://github.com/ROCm/TransformerEngine; the ROCm build of ``grouped_gemm`` was not read and is taken to
-  follow its source), and Primus-Turbo's hipBLASLt backend keeps four (``kMaxNumStreams``,
+  https://github.com/ROCm/TransformerEngine), so does the ROCm build of ``grouped_gemm`` that Primus's containers
+  install (https://github.com/caaatch22/grouped_gemm, branch ``rocm`` at 8a9b438, pinned by AMD-AGI/Primus's
+  .github/workflows/docker-release/Dockerfile.primus-v26.5.1 and docs/01-getting-started/bare-metal-installation.md:
+  ``CublasGroupedGemm`` and ``CublasGroupedGemmVariableK`` issue one hipified ``cublasGemmEx`` per expert on
+  ``NUM_STREAM`` 4 streams, the group sizes read on the host; its ``hipblaslt`` branch, not the one installed, also
+  calls ``hipMalloc`` and hipBLASLt's heuristic query for every expert's GEMM), and Primus-Turbo's hipBLASLt
+  backend keeps four (``kMaxNumStreams``,
   csrc/kernels/grouped_gemm/hipblaslt_grouped_gemm.cu, https://github.com/AMD-AGI/Primus-Turbo). On ROCm
   HIP gives a device's streams at most ``GPU_MAX_HW_QUEUES`` hardware queues (ROCm/clr
   rocclr/utils/flags.hpp, "The maximum number of HW queues allocated per device", default 4; the training's

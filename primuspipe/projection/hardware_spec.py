@@ -112,6 +112,10 @@ class HardwareSpec:
     work on routing metadata or one expert's share of the tokens, where that fixed cost is a large share,
     while the full-microbatch kernels the fitted ``sustained_fraction`` stands for carry theirs inside it.
     Counted by :func:`~primuspipe.projection.host.moe_small_kernels`; None: not modelled."""
+    stream_launch_gap_seconds: float | None = None
+    """Device time between back-to-back kernels launched into a stream by the host that a CUDA graph's replay of
+    the same kernels does not take (the front end's per-launch work; a grid's ramp-up and drain stay, in
+    ``moe_kernel_seconds``). Added to each small MoE kernel no graph captures; None: graphs shorten nothing."""
     source: str = "<built-in>"
     """Where the values came from; named in error messages."""
 
@@ -119,7 +123,8 @@ class HardwareSpec:
         for name in ("peak_bf16_tflops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
                      "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node",
                      "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds",
-                     "moe_sync_host_op_seconds", "moe_kernel_seconds", "gemm_half_intensity"):
+                     "moe_sync_host_op_seconds", "moe_kernel_seconds", "stream_launch_gap_seconds",
+                     "gemm_half_intensity"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
         for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),

@@ -42,12 +42,13 @@ captures the whole step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.spec_fields import InputError
-from primuspipe.projection.training_spec import TrainingSpec
+from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 TE_LINEAR_OPS = {False: 3.0, True: 6.0}
 """Framework ops one Transformer Engine linear module's forward costs the host, BF16 and FP8 (see above)."""
@@ -66,6 +67,7 @@ OPS = {
     "moe_dispatch": 2,        # all-to-all of the tokens and of their probabilities
     "moe_sort": 2,            # sort received copies by local expert (more than one local expert), and back
     "moe_experts": 2,         # the experts' activation (weighted by the routing probabilities)
+    "moe_fp8_padding": 3,     # under FP8 where counts arrive unaligned: pad copies and probabilities, unpad output
     "moe_unpermute": 2,       # unpermute the returned copies
     "moe_combine": 1 + 1,     # all-to-all back; bias-dropout-add
     "shared_expert": 1,       # the shared expert's activation (its two linears are counted as linears)
@@ -168,8 +170,9 @@ def _regions(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool) -> 
     regions["moe_router"] = (0, ops["moe_norm"] + ops["moe_gating"] + ops["moe_score_topk"] + ops["moe_aux_loss"])
     regions["moe_preprocess"] = (0, ops["moe_preprocess"] + (ops["moe_dtoh"] if waits_for_token_counts(t, kind) else 0))
     bias = OPS["expert_bias"] + local * OPS["expert_bias_each"] if model.add_bias_linear else 0  # TEGroupedMLP._apply_bias
+    padding = OPS["moe_fp8_padding"] if fp8 and RankShape(model, t).fp8_padding_copies else 0
     regions["moe"] = (2 + shared, ops["moe_permute"] + ops["moe_dispatch"] + (2 * ops["moe_sort"] if local > 1 else 0)
-                      + ops["moe_experts"] + ops["moe_unpermute"] + ops["moe_combine"]
+                      + ops["moe_experts"] + padding + ops["moe_unpermute"] + ops["moe_combine"]
                       + (OPS["shared_expert"] if shared else 0) + bias)
     # each expert's GEMM (and its input's cast) per grouped linear; Primus-Turbo's grouped GEMM runs all local
     # experts in one launch (examples/moe_package/README.md, "Turbo Grouped GEMM")
@@ -185,14 +188,26 @@ tokens) rather than on all of it."""
 def moe_small_kernels(model: ModelSpec, training: TrainingSpec, fp8: bool | None = None) -> tuple[float, float, float]:
     """Kernels of one MoE layer's routing, dispatch and experts on one rank per microbatch, forward, input
     gradient and weight gradient -- what the device runs whether CUDA graphs replay them or the host issues
-    them one by one (graphs remove the host's cost, not the kernels). Counted in the host's units (a
-    Transformer Engine linear as its ops, a grouped GEMM's per-expert GEMMs and casts one each): a structural
-    estimate, as :data:`OPS` is."""
+    them one by one (graphs remove the host's cost and shorten the gap between kernels, not the kernels).
+    Counted in the host's units (a Transformer Engine linear as its ops, a grouped GEMM's per-expert GEMMs
+    and casts one each): a structural estimate, as :data:`OPS` is."""
+    return _small_kernels(model, training, fp8, lambda region: True)
+
+
+def moe_stream_kernels(model: ModelSpec, training: TrainingSpec, fp8: bool | None = None) -> tuple[float, float, float]:
+    """The :func:`moe_small_kernels` the host launches into a stream one by one (F, B, W): those of the regions
+    CUDA graphs do not capture, each of which pays the device's stream launch gap that a graph node does not."""
+    return _small_kernels(model, training, fp8, lambda region: not captured(training, region))
+
+
+def _small_kernels(model: ModelSpec, training: TrainingSpec, fp8: bool | None, counted: Callable[[str], bool]
+                   ) -> tuple[float, float, float]:
+    """The small kernels of the MoE regions ``counted`` keeps, per pass (the grouped GEMMs' in ``moe``)."""
     fp8 = training.fp8 if fp8 is None else fp8
     linear = TE_LINEAR_OPS[fp8]
     regions, per_expert = _regions(model, training, "moe", fp8)
-    moe = [regions[r] for r in MOE_REGIONS]
-    launches = per_expert * 2  # two grouped linears
+    moe = [regions[r] for r in MOE_REGIONS if counted(r)]
+    launches = per_expert * 2 if counted("moe") else 0.0  # two grouped linears
     both = sum(linears * linear + ops for linears, ops in moe) + launches
     return both, both, sum(linears * linear for linears, _ in moe) + launches
 

@@ -25,6 +25,7 @@ ALIASES = {
     "no_rope_fusion": ("training", "apply_rope_fusion", False),
     "no_bias_swiglu_fusion": ("training", "bias_activation_fusion", False),
     "no_bias_gelu_fusion": ("training", "bias_activation_fusion", False),
+    "no_gradient_accumulation_fusion": ("training", "gradient_accumulation_fusion", False),
     "bf16": ("training", "precision", "bf16"),
     "fp16": ("training", "precision", "fp16"),
     "use_flash_attn": ("training", "attention_backend", "flash"),
@@ -39,6 +40,7 @@ ALIASES = {
     "enable_cuda_graph": ("training", "cuda_graph_impl", "local"),
     "external_cuda_graph": ("training", "cuda_graph_impl", "transformer_engine"),
     "moe_grouped_gemm": ("training", "moe_expert_gemm", "multi_stream"),
+    "moe_router_padding_for_fp8": ("training", "moe_router_padding_for_quantization", None),
 }
 """Megatron arguments whose name is not the field they set: ``flag -> (spec, field, value)``; value None:
 the argument's own value."""
@@ -95,13 +97,13 @@ NO_EFFECT_PREFIXES = (
 
 NO_EFFECT = frozenset({
     "clip_grad", "cross_entropy_fusion_impl", "distributed_backend", "eod_mask_loss", "exp_name",
-    "gradient_accumulation_fusion", "no_gradient_accumulation_fusion", "init_model_with_meta_device",
+    "init_model_with_meta_device",
     "lazy_mpu_init", "masked_softmax_fusion", "no_masked_softmax_fusion", "micro_batch_size_rampup",
     "moe_aux_loss_coeff",
-    "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_pre_softmax", "moe_router_score_function",
+    "moe_z_loss_coeff", "moe_router_load_balancing_type",
     "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_topk_scaling_factor",
-    "moe_input_jitter_eps", "moe_per_layer_logging", "moe_enable_deepep", "moe_flex_dispatcher_backend",
-    "moe_router_padding_for_fp8", "moe_shared_expert_overlap", "mtp_loss_scaling_factor", "norm_epsilon",
+    "moe_input_jitter_eps", "moe_per_layer_logging", "moe_enable_deepep",
+    "moe_shared_expert_overlap", "mtp_loss_scaling_factor", "norm_epsilon",
     "overlap_p2p_comm", "rope_type", "softmax_scale", "allow_ambiguous_pad_tokens", "apply_wd_to_qk_layernorm",
     "disable_msc", "enable_msc", "disable_straggler_on_startup", "use_pytorch_profiler",
     "no_overlap_p2p_communication", "relative_attention_max_distance", "relative_attention_num_buckets",
@@ -114,10 +116,10 @@ NO_EFFECT = frozenset({
     "pipeline_model_parallel_comm_backend", "use_ring_exchange_p2p", "overlap_p2p_communication_warmup_flush",
     "no_align_grad_reduce", "no_align_param_gather", "disable_align_grad_reduce", "moe_router_force_biased",
     "moe_apply_probs_on_input", "mrope_section", "use_te_activation_func", "use_fused_weighted_squared_relu",
-    "rotary_base", "no_position_embedding", "glu_linear_offset", "activation_func_clamp_value",
+    "rotary_base", "no_position_embedding", "glu_linear_offset",
     "clone_scatter_output_in_embedding", "no_clone_scatter_output_in_embedding",
     "disable_clone_scatter_output_in_embedding", "attention_output_gate", "no_attention_softmax_in_fp32",
-    "disable_attention_softmax_in_fp32", "moe_router_padding_for_quantization", "fused_residual_rmsnorm",
+    "disable_attention_softmax_in_fp32", "fused_residual_rmsnorm",
     "memory_efficient_layer_norm", "mla_down_proj_fusion", "fused_single_qkv_rope", "batch_size",
     "disable_parameter_transpose_cache", "keep_fp8_transpose_cache", "moe_single_grouped_weight",
     "moe_single_grouped_bias", "moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size",
@@ -129,7 +131,6 @@ NO_EFFECT = frozenset({
     "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "no_fp8_wgrad", "tp_comm_bootstrap_backend",
     "tp_comm_overlap_cfg", "num_distributed_optimizer_instances", "align_param_gather", "align_grad_reduce",
     "use_sharp", "nccl_communicator_config_path", "sequence_parallel_size_rampup",
-    "moe_router_num_groups", "moe_router_group_topk",
 })
 """Further no-effect arguments, each by name. (Kernel-fusion switches whose effect the projection does
 model are fields or aliases instead, e.g. ``no_bias_swiglu_fusion``; ``attention_softmax_in_fp32`` matters
@@ -140,16 +141,14 @@ PRIMUS_NO_EFFECT_PREFIXES = ("mlflow_", "torch_profiler_", "use_rocm_mem_info")
 PRIMUS_NO_EFFECT = frozenset({
     "stderr_sink_level", "file_sink_level", "auto_continue_train", "disable_last_saving", "disable_tensorboard",
     "disable_wandb", "disable_mlflow", "generate_tracelens_report", "disable_compile_dependencies", "pp_warmup",
-    "moe_router_force_load_balancing_type", "moe_use_legacy_grouped_gemm",
+    "moe_router_force_load_balancing_type",
 })
 """Primus's own arguments (``primus/configs/modules/megatron/primus_megatron_module.yaml``) that cannot change a
 step's time or memory: logging sinks and trackers, profiler options, resuming and the last checkpoint, the
 first iteration's pipeline warm-up, and how forced balancing spreads tokens (``even`` or ``uniform``: both
-balanced, which is what ``moe_router_force_load_balancing`` means to the projection), and the legacy grouped
-GEMM switch (also megatron-core's ``--moe-use-legacy-grouped-gemm``): with ``moe_grouped_gemm`` its ``GroupedMLP``
-calls the ``grouped_gemm`` package, which loops over 4 streams as Transformer Engine's ``GroupedLinear`` does (the
-same ``multi_stream`` path, :mod:`~primuspipe.projection.gemm`); without it megatron-core builds ``SequentialMLP``
-either way."""
+balanced, which is what ``moe_router_force_load_balancing`` means to the projection). (The legacy grouped GEMM
+switch, ``moe_use_legacy_grouped_gemm``, is a training field: its GEMMs take the same 4-stream path as Transformer
+Engine's, but its expert weights' gradients are accumulated outside the GEMM.)"""
 
 PRIMUS_FLAGS = frozenset({
     "use_turbo_autotune", "turbo_gemm_backend", "turbo_grouped_gemm_backend", "mxfp4_gradient_stochastic_rounding",

@@ -22,6 +22,7 @@ attention (DeepSeek) sets ``multi_latent_attention`` and its ranks.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -71,8 +72,17 @@ class ModelSpec:
     """Biases on the QKV projection only (Qwen2)."""
     qk_layernorm: bool = False
     """Norms on queries and keys per head (Qwen3), or on the MLA latents."""
-    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
-    """Learned positions add a table on the first stage; RoPE adds no parameters."""
+    position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = "learned_absolute"
+    """Learned positions add a table on the first stage; RoPE adds no parameters; ``yarn``: RoPE with YaRN's
+    frequency scaling (GPT-OSS), see ``yarn_rotary_scaling_factor``."""
+    yarn_rotary_scaling_factor: float | None = None
+    """YaRN's context-extension factor (GPT-OSS: 32); with ``yarn_mscale`` / ``yarn_mscale_all_dim`` it gives the
+    concentration factor megatron-core multiplies the rotary cos/sin by (:attr:`rope_concentration`)."""
+    yarn_mscale: float | None = None
+    """YaRN's ``mscale`` (megatron-core's ``yarn_mscale``); None with ``yarn_mscale_all_dim`` None: the default
+    concentration ``0.1 ln(factor) + 1``."""
+    yarn_mscale_all_dim: float | None = None
+    """YaRN's ``mscale_all_dim`` (megatron-core's ``yarn_mscale_all_dim``)."""
     max_position_embeddings: int | None = None
     """Rows of the learned position table; None means seq_length."""
     attention_dropout: float = 0.0
@@ -83,6 +93,19 @@ class ModelSpec:
     """Routed experts per MoE layer; None: a dense model."""
     moe_router_topk: int = 2
     """Experts each token is sent to (k)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (megatron-core's ``group_limited_topk``): the experts split into this many equal
+    groups of consecutive experts; each token picks ``moe_router_group_topk`` groups by the sum of each group's
+    top ``moe_router_topk / moe_router_group_topk`` scores, then its ``k`` experts inside them (DeepSeek-V3: 8
+    groups, 4 picked, so a token reaches at most 4 groups: 4 nodes, or 4 ranks at EP 8). None: no groups."""
+    moe_router_group_topk: int | None = None
+    """Groups each token picks under group-limited routing (with ``moe_router_num_groups``)."""
+    moe_router_score_function: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
+    """The router's score function (Megatron's default softmax; DeepSeek-V3 sigmoid). Only the group choice
+    depends on it: groups are ranked by sums of scores."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (Megatron's ``moe_router_pre_softmax``): with softmax scoring,
+    groups are then ranked by summed probabilities instead of summed logits."""
     moe_ffn_hidden_size: int | None = None
     """Width of one routed expert (F_e); None means ffn_hidden_size."""
     moe_shared_expert_intermediate_size: int | None = None
@@ -97,6 +120,11 @@ class ModelSpec:
     window_attn_skip_freq: int | None = None
     """With ``window_size``: every N-th layer, counting from 1, keeps full attention (megatron-core's
     ``is_layer_window_attention``: layer_number % N != 0 is windowed); None: every layer is windowed."""
+    activation_func_clamp_value: float | None = None
+    """Clamp of a gated linear unit's inputs before the activation (GPT-OSS: 7.0; megatron-core's
+    ``activation_func_clamp_value``): the gate half at most this, the linear half within plus or minus it.
+    megatron-core clamps outside its fused expert activation, with two eager clamps and a concatenation
+    (:meth:`~primuspipe.projection.compute.WorkModel._expert_clamp`); None: no clamp."""
     multi_latent_attention: bool = False
     """DeepSeek's multi-latent attention instead of (grouped-query) self-attention."""
     q_lora_rank: int | None = None
@@ -139,6 +167,29 @@ class ModelSpec:
         return self.num_experts is not None
 
     @property
+    def rotary(self) -> bool:
+        """Rotary position embedding on queries and keys (plain RoPE or YaRN's)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    @property
+    def rope_concentration(self) -> float:
+        """The factor megatron-core's attention multiplies the rotary cos and sin by
+        (``_yarn_get_concentration_factor_from_config`` and ``_yarn_get_mscale`` in
+        ``megatron/core/models/common/embeddings/yarn_rotary_pos_embedding.py``, lines 252-281 at the Megatron-LM
+        commit 55ac708): with YaRN ``0.1 m ln(factor) + 1`` for a factor above 1, ``m`` 1, or the ratio of the
+        ``yarn_mscale`` and ``yarn_mscale_all_dim`` ones where both are given; 1 otherwise (GPT-OSS: 1.347)."""
+        factor = self.yarn_rotary_scaling_factor
+        if self.position_embedding_type != "yarn" or factor is None or factor <= 1:
+            return 1.0
+
+        def mscale(m: float) -> float:
+            return 0.1 * m * math.log(factor) + 1.0
+
+        if self.yarn_mscale is None or self.yarn_mscale_all_dim is None:
+            return mscale(1.0)
+        return mscale(self.yarn_mscale) / mscale(self.yarn_mscale_all_dim)
+
+    @property
     def windowed_layers(self) -> int:
         """Layers whose attention is a sliding window (``window_size``, ``window_attn_skip_freq``)."""
         if self.window_size is None:
@@ -168,7 +219,8 @@ class ModelSpec:
 
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by",
                      "ffn_hidden_size", "num_query_groups", "kv_channels", "vocab_size", "padded_vocab_size",
-                     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                     "num_experts", "moe_router_topk", "moe_router_num_groups", "moe_router_group_topk",
+                     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                      "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim"):
             if getattr(self, name) == 0:
                 fail((name,), "must be at least 1", "give a positive size (or leave it out for the default)")
@@ -191,15 +243,47 @@ class ModelSpec:
                 fail(("moe_router_topk", "num_experts"), "each token cannot go to more experts than there are",
                      "make moe_router_topk at most num_experts")
             self.layer_kinds  # noqa: B018  (checks moe_layer_freq now, at load time)
+            self._check_groups(fail)
         if self.window_size is not None and (len(self.window_size) != 2 or self.window_size[1] != 0):
             fail(("window_size",), "a sliding window is [left, 0]: the keys before each query, none after it",
                  "give [left, 0] (e.g. [128, 0]), or leave window_size out for full causal attention")
         if self.window_attn_skip_freq is not None and (self.window_size is None or self.window_attn_skip_freq < 1):
             fail(("window_attn_skip_freq", "window_size"), "says which layers keep full attention, so it needs a window "
                  "and N >= 1", "give window_size, and N >= 1 (every N-th layer keeps full attention)")
+        yarn = [n for n in ("yarn_rotary_scaling_factor", "yarn_mscale", "yarn_mscale_all_dim") if getattr(self, n) is not None]
+        if yarn and self.position_embedding_type != "yarn":
+            fail((*yarn, "position_embedding_type"), "YaRN settings scale a YaRN rotary embedding, which this model "
+                 "does not have", "set position_embedding_type: yarn, or leave the yarn_* fields out")
+        clamp = self.activation_func_clamp_value
+        if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
+            fail(("activation_func_clamp_value",), "a clamp bounds the activation's inputs to [-value, value], so it "
+                 "must be a positive number", "give a positive value (GPT-OSS: 7.0), or leave it out for no clamp")
         if self.multi_latent_attention and self.position_embedding_type == "learned_absolute":
             fail(("multi_latent_attention", "position_embedding_type"), "MLA carries its own rotary embedding",
                  "set position_embedding_type: rope")
+
+
+    def _check_groups(self, fail) -> None:
+        """Megatron's conditions on group-limited routing (``group_limited_topk`` reshapes the scores into
+        ``[tokens, groups, experts / groups]`` and takes ``k // group_topk`` of each group, then ``k`` experts
+        of the picked groups)."""
+        groups, picked, k = self.moe_router_num_groups, self.moe_router_group_topk, self.moe_router_topk
+        names = ("moe_router_num_groups", "moe_router_group_topk")
+        if (groups is None) != (picked is None):
+            fail(names, "group-limited routing needs both the group count and the groups each token picks",
+                 "give both moe_router_num_groups and moe_router_group_topk, or neither")
+        if groups is None:
+            return
+        if self.num_experts % groups:
+            fail(("num_experts", "moe_router_num_groups"), "the experts do not split into equal groups",
+                 "make moe_router_num_groups a divisor of num_experts")
+        if picked > groups or picked > k:
+            fail(names + ("moe_router_topk",), "a token cannot pick more groups than there are, nor more groups "
+                 "than experts (each group is ranked by its top k / group_topk scores)",
+                 "make moe_router_group_topk at most moe_router_num_groups and at most moe_router_topk")
+        if picked * (self.num_experts // groups) < k:
+            fail(names + ("moe_router_topk",), "the picked groups hold fewer experts than each token needs",
+                 "pick more groups (moe_router_group_topk) or route to fewer experts")
 
 
 MAX_SIZE = 2**31

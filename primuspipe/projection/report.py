@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from primuspipe.projection.activations import ActivationModel
+from primuspipe.projection.compute import WorkModel, kernel_overheads
 from primuspipe.projection.framework import Placement
 from primuspipe.projection.host import moe_small_kernels
 from primuspipe.projection.layout import StageLayout
@@ -51,10 +52,11 @@ def report_dict(projector: Projector, training: TrainingSpec, results: list[Proj
 
 def small_kernels(projector: Projector, training: TrainingSpec) -> dict[str, list[float]]:
     """The small kernels of one MoE layer and microbatch per pass and the device seconds they add
-    (``moe_kernel_seconds``; 0 where the hardware file does not give it)."""
+    (``moe_kernel_seconds`` each, ``stream_launch_gap_seconds`` more each one no CUDA graph captures; 0 where
+    the hardware file does not give ``moe_kernel_seconds``)."""
     kernels = moe_small_kernels(projector.model, training)
-    each = projector.hardware.moe_kernel_seconds or 0.0
-    return {"kernels": list(kernels), "seconds": [n * each for n in kernels]}
+    seconds = kernel_overheads(WorkModel(projector.model, training), projector.hardware, "moe")
+    return {"kernels": list(kernels), "seconds": list(seconds)}
 
 
 def print_report(console: Console, projector: Projector, training: TrainingSpec, results: list[ProjectionResult],

@@ -13,6 +13,7 @@ Each problem is one :class:`~primuspipe.projection.spec_fields.InputError` namin
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -90,6 +91,20 @@ class TrainingSpec:
     """Adam's first moment."""
     exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
     """Adam's second moment."""
+    gradient_accumulation_fusion: bool = True
+    """Megatron's default (``--no-gradient-accumulation-fusion`` turns it off): Transformer Engine's linears
+    accumulate their weight gradients into the fp32 main gradients inside the weight-gradient GEMM
+    (``fuse_wgrad_accumulation=config.gradient_accumulation_fusion``, megatron-core
+    ``extensions/transformer_engine.py``). Off, each writes a fresh bf16 ``param.grad`` that the data-parallel
+    wrapper's backward hook adds into the main gradient, a separate pass over every weight per microbatch
+    (``param.main_grad.add_(param.grad.data)``, ``distributed/distributed_data_parallel.py``). AMD's Primus MoE
+    experiment files turn it off (``examples/moe_package/configs/MI355X/deepseek_v2*-pretrain-baseline.yaml``)."""
+    moe_use_legacy_grouped_gemm: bool = False
+    """Megatron's legacy ``GroupedMLP`` for the experts (``--moe-use-legacy-grouped-gemm``; Primus keeps it as
+    ``DeprecatedGroupedMLP``, ``primus/backends/megatron/core/transformer/moe/deprecated_20251209/experts.py``): its
+    expert weights are plain parameters that the ``grouped_gemm`` package's ``gg.ops.gmm`` multiplies, so their
+    gradients always reach the main gradients through ``param.grad`` and the data-parallel hook, whatever
+    ``gradient_accumulation_fusion`` says. Its GEMMs take the same 4-stream path as Transformer Engine's."""
     cross_entropy_loss_fusion: bool = False
     """Fused vocab-parallel cross entropy: the loss reads the logits once and writes their gradient in place,
     keeping no fp32 softmax."""
@@ -113,7 +128,18 @@ class TrainingSpec:
     """Gradient reduce-scatter/all-reduce hidden behind backward compute (only its tail is exposed)."""
     moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = "alltoall"
     """How MoE layers move token copies to their experts (the communication model treats all as all-to-alls;
-    ``flex`` is DeepEP's, which sends each token once per node and spreads it over NVLink there)."""
+    ``flex`` is DeepEP's or HybridEP's, which send each token once to every rank holding one of its experts --
+    once per node across nodes, spread over NVLink there -- and copy it per expert on arrival)."""
+    moe_flex_dispatcher_backend: Literal["deepep", "hybridep"] = "deepep"
+    """The flex dispatcher's backend (Megatron's default ``deepep``). Under FP8, HybridEP's dispatch pads each
+    local expert's token copies to the quantization alignment itself (megatron-core ``_HybridEPManager.dispatch``:
+    ``pad_multiple = get_align_size_for_quantization``), so the experts never pad them again
+    (``RankShape.fp8_padding_copies``)."""
+    moe_router_padding_for_quantization: bool = False
+    """megatron-core (alias ``moe_router_padding_for_fp8``): under FP8 the router routes extra copies so that every
+    expert's count is a multiple of the quantization alignment (``pad_routing_map``), so the experts never pad
+    them (``RankShape.fp8_padding_copies``); the extra copies (fewer than the alignment per expert and source rank)
+    are not modelled. Primus's sync-free MoE turns it on under FP8."""
     fp8_format: Literal["e4m3", "hybrid"] | None = None
     """FP8 GEMMs (Transformer Engine) for the linear layers: e4m3 everywhere, or hybrid (e5m2 gradients);
     None: the GEMMs run in ``precision``. Weights, optimizer and the other kernels keep ``precision``."""
@@ -152,6 +178,12 @@ class TrainingSpec:
     The probabilities weight each token copy in the experts (see ``WorkModel.probs_bytes``)."""
     moe_router_force_load_balancing: bool = False
     """Route tokens evenly (benchmarks do): no expert gets more than its share."""
+    fake_balanced_gate: bool = False
+    """NeMo AutoModel's ``fake_balanced_gate`` (its MoE ``BackendConfig``; ``FakeBalancedGate`` in
+    nemo_automodel/components/moe/layers.py): no router -- token ``i`` goes to experts ``i k`` ... ``i k + k - 1``
+    (mod the expert count) with equal weights, so every expert gets the same share and a token's ``k`` experts are
+    consecutive, on as few EP ranks as they can be (one where ``k`` divides the experts per rank). Megatron's
+    ``moe_router_force_load_balancing`` balances by random logits instead (experts drawn at random)."""
     moe_expert_load_imbalance: float | None = None
     """The busiest expert group's tokens over the mean (>= 1): expert GEMMs and the all-to-all take that much
     longer on the rank that holds it. None: 1 (uniform routing; no public figure for trained routers is
@@ -221,6 +253,8 @@ class TrainingSpec:
         (``rocm_arg_validation.py``: the stage's options after its checks; the DeepEP patch: the flex dispatcher)."""
         for name in SYNC_FREE_MOE_OPTIONS[self.turbo_sync_free_moe_stage]:
             object.__setattr__(self, name, True)
+        if self.turbo_sync_free_moe_stage and self.fp8:
+            object.__setattr__(self, "moe_router_padding_for_quantization", True)
         if self.use_turbo_deepep:
             object.__setattr__(self, "moe_token_dispatcher_type", "flex")
 
@@ -307,10 +341,23 @@ class TrainingSpec:
         return "fused" if self.use_turbo_grouped_gemm else self.moe_expert_gemm
 
     @property
+    def legacy_grouped_mlp(self) -> bool:
+        """The experts run as the legacy ``GroupedMLP``: it is asked for with grouped GEMMs on and Primus-Turbo's
+        grouped GEMM off (Primus's ``grouped_mlp_modules``, ``transformer_engine_spec_provider.py``)."""
+        return self.moe_use_legacy_grouped_gemm and self.moe_expert_gemm != "sequential" and not self.use_turbo_grouped_gemm
+
+    @property
     def expert_gemm_streams(self) -> int:
         """Expert GEMMs that run at once on the ``multi_stream`` path: the framework's streams, or fewer
         hardware queues on ROCm (``gpu_max_hw_queues``: streams beyond it share queues)."""
         return min(GEMM_STREAMS, self.gpu_max_hw_queues or GEMM_STREAMS)
+
+    @property
+    def fp8_alignment(self) -> int:
+        """Rows an FP8 GEMM's token dimension must be a multiple of: 32 for MXFP8 (one scale per 32 rows of the
+        column-wise copy), 16 for the other recipes (megatron-core ``fp8_utils.get_fp8_align_size``, which
+        ``get_align_size_for_quantization`` returns for FP8)."""
+        return MXFP8_BLOCK if self.fp8_recipe == "mxfp8" else 16
 
     @property
     def per_tensor_fp8(self) -> bool:
@@ -338,10 +385,15 @@ class TrainingSpec:
         return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads_params"
 
     @property
+    def balanced(self) -> bool:
+        """Every expert gets its share of the token copies: forced balance (Megatron) or AutoModel's fake gate."""
+        return self.moe_router_force_load_balancing or self.fake_balanced_gate
+
+    @property
     def load_imbalance(self) -> float:
         """Busiest expert group's load over the mean; under token drop the capacity caps it, and padding to
         capacity makes every expert compute all of it."""
-        load = (1.0 if self.moe_router_force_load_balancing or self.moe_expert_load_imbalance is None
+        load = (1.0 if self.balanced or self.moe_expert_load_imbalance is None
                 else self.moe_expert_load_imbalance)
         if self.moe_expert_capacity_factor is None:
             return load
@@ -473,8 +525,8 @@ SYNC_FREE_MOE_OPTIONS: dict[int, tuple[str, ...]] = {
     3: ("moe_use_fused_router_with_aux_score", "moe_permute_fusion", "use_turbo_deepep", "use_turbo_grouped_gemm",
         "use_turbo_fused_act_with_probs"),
 }
-"""The settings each of Primus's sync-free MoE stages turns on (``_get_sync_free_moe_options``;
-``moe_router_padding_for_quantization``, which it also sets under FP8, changes neither time nor memory here)."""
+"""The settings each of Primus's sync-free MoE stages turns on (``_get_sync_free_moe_options``; under FP8 every
+stage also sets ``moe_router_padding_for_quantization``, :meth:`TrainingSpec._enable_sync_free_moe`)."""
 
 PRIMUS_TURBO_FIELDS = ("turbo_sync_free_moe_stage", "moe_use_fused_router_with_aux_score", "use_turbo_deepep",
                        "use_turbo_grouped_gemm", "use_turbo_fused_act_with_probs")
@@ -507,6 +559,42 @@ class RankShape:
     def hidden_bytes(self) -> float:
         """One residual-stream tensor on one rank (T_r x H)."""
         return self.residual_tokens * self.model.hidden_size * self.e
+
+    @property
+    def fp8_padding_copies(self) -> bool:
+        """Whether the experts copy their token copies into a padded buffer and back under FP8.
+
+        FP8 GEMMs need every expert's token count to be a multiple of the quantization alignment
+        (``TrainingSpec.fp8_alignment``). megatron-core's experts pad
+        them themselves under FP8 (``TEGroupedMLP.forward``: ``Fp8Padding`` before the first linear,
+        ``Fp8Unpadding`` after the second; ``SequentialMLP`` per expert), and Transformer Engine's ``Fp8Padding``
+        copies only when some count is not aligned (``fp8_padding.py``: ``if m_splits == padded_m_splits: return``;
+        ``fused_multi_row_padding`` otherwise) -- megatron-core core_r0.16 and TE 2.12, the NeMo 26.02 container's.
+        The counts arrive aligned, and nothing is copied, where the router pads the routing map
+        (``moe_router_padding_for_quantization``), where HybridEP's dispatch pads them
+        (``moe_flex_dispatcher_backend: hybridep``), and where every expert is padded to a capacity that is a
+        multiple of the alignment (``get_capacity``: ``ceil(T_r k / E * factor)`` per source rank). Otherwise
+        (dropless, even forced-balanced routing, whose counts are random) some count is not aligned. Primus-Turbo's
+        grouped GEMM (``use_turbo_grouped_gemm``) is not megatron-core's ``TEGroupedMLP`` and is left out."""
+        m, t = self.model, self.training
+        if not (t.fp8 and m.is_moe) or t.use_turbo_grouped_gemm or t.moe_router_padding_for_quantization:
+            return False
+        if t.moe_token_dispatcher_type == "flex" and t.moe_flex_dispatcher_backend == "hybridep":
+            return False
+        if t.moe_expert_capacity_factor is not None and t.moe_pad_expert_input_to_capacity:
+            capacity = math.ceil(self.residual_tokens * m.moe_router_topk / m.num_experts * t.moe_expert_capacity_factor)
+            return capacity % t.fp8_alignment != 0
+        return True
+
+    @property
+    def rope_fused(self) -> bool:
+        """Whether queries and keys are rotated by Transformer Engine's fused kernel: ``apply_rope_fusion``, unless
+        the rotary cos and sin carry a concentration factor (YaRN's), which megatron-core's ``apply_rotary_pos_emb``
+        hands to its unfused ``_apply_rotary_pos_emb_bshd`` ("mscale ... is not supported by TE's fused RoPE",
+        ``megatron/core/models/common/embeddings/rope_utils.py`` line 279 at the Megatron-LM commits Megatron-Bridge
+        26.02 and 26.02.01 pin, b0cc270 and 55ac708; core_v0.15.0 still ran the fused kernel and dropped the
+        factor)."""
+        return self.training.apply_rope_fusion and self.model.rope_concentration == 1.0
 
 
 def load_training(path: str | Path | None) -> TrainingSpec:

@@ -10,6 +10,14 @@ ranks, fails fast on the first rank that raises or dies (:class:`WorkerError`, w
 and kills whatever is left; a run past the deadline raises
 :class:`~primuspipe.errors.PipelineHangError` naming the ranks that did not finish.
 
+A rank that dies without a word (a native crash: ``malloc(): ...`` and SIGABRT, a segfault, the OOM
+killer) leaves only its stderr, so each rank writes its stderr to a file of its own, with Python's
+fault handler on (every thread's stack on a fatal signal) and glibc's fatal messages sent there rather
+than to a terminal. The error names the rank, the signal and the end of that stderr (its stack dump
+shortened to the innermost frames of each thread); a rank that failed only because a peer's
+connection closed is not blamed while that peer lies dead. Every rank's stderr is written to the
+caller's stderr afterwards, each line marked with its rank, so nothing a rank printed is lost.
+
 With ``start_method="fork"`` (the default) whatever the parent imported (torch, megatron) is inherited,
 so a launch costs about a second and ``fn`` may be any callable, closures included; with ``"spawn"``
 ``fn`` must be importable by name.
@@ -17,12 +25,16 @@ so a launch costs about a second and ``fn`` may be any callable, closures includ
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import re
 import shutil
+import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -67,26 +79,30 @@ def run_gloo(
     logger.debug("launching %d gloo ranks (%s)", world_size, start_method)
     store_dir = tempfile.mkdtemp(prefix="primuspipe-gloo-")
     store_path = os.path.join(store_dir, "store")
+    stderr_paths = [os.path.join(store_dir, f"rank{rank}.stderr") for rank in range(world_size)]
     processes, readers = [], []
     try:
         for rank in range(world_size):
             reader, writer = mp.Pipe(duplex=False)
-            proc = mp.Process(target=_worker, args=(fn, rank, world_size, store_path, timeout_s, writer),
+            proc = mp.Process(target=_worker,
+                              args=(fn, rank, world_size, store_path, stderr_paths[rank], timeout_s, writer),
                               name=f"primuspipe-gloo-{rank}", daemon=True)
             proc.start()
             writer.close()
             processes.append(proc)
             readers.append(reader)
-        return _collect(processes, readers, time.monotonic() + timeout_s, timeout_s)
+        return _collect(processes, readers, stderr_paths, time.monotonic() + timeout_s, timeout_s)
     finally:
         _stop(processes)
         for reader in readers:
             reader.close()
+        _replay_stderr(stderr_paths)
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _worker(fn: Callable[[int, int], Any], rank: int, world_size: int, store_path: str, timeout_s: float,
-            conn: multiprocessing.connection.Connection) -> None:
+def _worker(fn: Callable[[int, int], Any], rank: int, world_size: int, store_path: str, stderr_path: str,
+            timeout_s: float, conn: multiprocessing.connection.Connection) -> None:
+    _stderr_to(stderr_path)
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
@@ -106,6 +122,16 @@ def _worker(fn: Callable[[int, int], Any], rank: int, world_size: int, store_pat
     conn.close()
 
 
+def _stderr_to(path: str) -> None:
+    """This rank's stderr -- Python's, native code's, the fault handler's and glibc's -- into ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stderr from now on
+    os.environ["LIBC_FATAL_STDERR_"] = "1"  # glibc's "malloc(): ..." goes to a terminal, if any, without it
+    faulthandler.enable(sys.stderr, all_threads=True)
+
+
 def _stop(processes: list[multiprocessing.process.BaseProcess]) -> None:
     for proc in processes:
         if proc.is_alive():
@@ -118,7 +144,8 @@ def _stop(processes: list[multiprocessing.process.BaseProcess]) -> None:
 
 
 def _collect(processes: list[multiprocessing.process.BaseProcess],
-             readers: list[multiprocessing.connection.Connection], deadline: float, timeout_s: float) -> list:
+             readers: list[multiprocessing.connection.Connection], stderr_paths: list[str], deadline: float,
+             timeout_s: float) -> list:
     """Gather one message per rank; fail fast on the first error, death or the deadline."""
     results: dict[int, Any] = {}
     waiting = dict(enumerate(readers))
@@ -134,15 +161,95 @@ def _collect(processes: list[multiprocessing.process.BaseProcess],
             rank = rank_of[item]
             if rank not in waiting:
                 continue  # both its pipe and its sentinel were ready
-            reader = waiting[rank]
-            if not reader.poll():
-                # The process ended; give a message still in flight a moment to land.
-                processes[rank].join(timeout=1.0)
-                if not reader.poll(1.0):
-                    raise WorkerError(rank, f"process exited with code {processes[rank].exitcode}")
-            status, value = pickle.loads(reader.recv_bytes())
-            del waiting[rank]
-            if status == "error":
-                raise WorkerError(rank, value)
-            results[rank] = value
+            # A process that ended has sent its message already (or never will: the pipe reads as closed).
+            message = _message(waiting.pop(rank), processes[rank])
+            if message is None or message[0] == "error":
+                raise _blame(rank, message, processes, stderr_paths)
+            results[rank] = message[1]
     return [results[rank] for rank in range(len(processes))]
+
+
+def _message(reader: multiprocessing.connection.Connection, process: multiprocessing.process.BaseProcess
+             ) -> tuple[str, Any] | None:
+    """The rank's ``(status, value)``; None when it ended without one (it died)."""
+    try:
+        if reader.poll(1.0):
+            return pickle.loads(reader.recv_bytes())
+    except EOFError:
+        pass
+    process.join(timeout=1.0)
+    return None
+
+
+_DEATH_GRACE_S = 1.0
+"""How long a failed rank's peers get to show whether one of them died first (a peer's death fails
+the others' transfers, "connection closed by peer", often before the parent sees the death)."""
+
+
+def _blame(rank: int, message: tuple[str, Any] | None, processes: list, stderr_paths: list[str]) -> WorkerError:
+    """The error for the first rank seen failing -- or for a peer that died before it, the cause."""
+    if message is not None:
+        deadline = time.monotonic() + _DEATH_GRACE_S
+        alive = {p.sentinel: p for r, p in enumerate(processes) if r != rank and p.exitcode is None}
+        while alive and (left := deadline - time.monotonic()) > 0:
+            for ended in multiprocessing.connection.wait(list(alive), left):
+                alive.pop(ended).join(timeout=1.0)  # its files close a moment before its exit status is there
+        dead = [r for r, p in enumerate(processes) if r != rank and p.exitcode is not None and p.exitcode < 0]
+        if not dead:
+            return WorkerError(rank, message[1])
+        first_line = message[1].strip().splitlines()[-1]
+        return WorkerError(dead[0], _death(processes[dead[0]], stderr_paths[dead[0]])
+                           + f"\n(rank {rank} failed after it: {first_line})")
+    return WorkerError(rank, _death(processes[rank], stderr_paths[rank]))
+
+
+def _death(process: multiprocessing.process.BaseProcess, stderr_path: str) -> str:
+    code = process.exitcode
+    how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 and -code in
+           signal.valid_signals() else f"exited with code {code}")
+    tail = _stderr_tail(_read(stderr_path))
+    return (f"process {how} before returning a result" +
+            (f"; its stderr ends with:\n{tail}" if tail else " and wrote nothing to stderr"))
+
+
+_TAIL_LINES = 40
+_FRAMES_PER_THREAD = 4
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
+
+
+def _stderr_tail(text: str) -> str:
+    """The last lines of a rank's stderr, a fault handler's stack dump cut to the innermost frames of
+    each thread (it prints the innermost first) and without its list of extension modules."""
+    lines, frames = [], None
+    for line in text.splitlines():
+        if _THREAD.match(line):
+            frames = 0
+        elif frames is not None and line.startswith("  File "):
+            frames += 1
+            if frames == _FRAMES_PER_THREAD + 1:
+                lines.append("  ...")
+            if frames > _FRAMES_PER_THREAD:
+                continue
+        elif line.startswith("Extension modules:"):
+            continue
+        else:
+            frames = None
+        lines.append(line)
+    return "\n".join(lines[-_TAIL_LINES:])
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _replay_stderr(stderr_paths: list[str]) -> None:
+    """Every rank's stderr to the caller's, each line marked with its rank."""
+    for rank, path in enumerate(stderr_paths):
+        text = _read(path)
+        if text:
+            sys.stderr.write("".join(f"[gloo rank {rank}] {line}\n" for line in text.splitlines()))
+    sys.stderr.flush()

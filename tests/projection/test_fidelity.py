@@ -5,18 +5,20 @@ ways, zb-auto never behind the fixed tables, and the published-runs table the be
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
 import pytest
 
-from primuspipe.projection.comm import Collectives, LayerComm, layer_comm
-from primuspipe.projection.compute import WorkModel, model_flops_per_token
+from primuspipe.projection.comm import Collectives, LayerComm, destination_ranks, layer_comm
+from primuspipe.projection.compute import Calibration, WorkModel, model_flops_per_token, part_times
 from primuspipe.projection.gemm import GROUPED_GEMM_KERNELS, Gemm, gemm_seconds, grouped_waves
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.layout import StageLayout, layer_counts, parse_layout
 from primuspipe.projection.framework import Placement
 from primuspipe.projection.model_spec import ModelSpec, load_model
+from primuspipe.projection.parameters import ParamCount, head_params, layer_params
 from primuspipe.projection.projection import Projector, ProjectionResult, project
 from primuspipe.projection.published import load_runs, project_run, training_of
 from primuspipe.projection.spec_fields import InputError
@@ -180,9 +182,13 @@ def test_mxfp8_casts_write_both_copies_with_their_scales_at_the_cast_kernels_ban
         assert work._quantize_bytes(1.0, **kw) == pytest.approx(4 + 2 / 32)
     kind = "moe" if model.num_experts else "dense"
     layer, bf16 = work.layer(kind), plain.layer(kind)
-    # the casts are MXFP8 bytes, not element-wise bytes: they add nothing to memory_bytes
-    assert layer.forward.memory_bytes == pytest.approx(bf16.forward.memory_bytes)
-    assert layer.backward_input.memory_bytes == pytest.approx(bf16.backward_input.memory_bytes)
+    # the casts are MXFP8 bytes, not element-wise bytes: they add nothing to memory_bytes (the MoE layer's only
+    # element-wise FP8 work is the experts' padding copies, test_time_model's)
+    padding = work._fp8_padding()
+    assert (kind == "moe") == (padding.forward.memory_bytes > 0)  # dropless on the all-to-all dispatcher: copied
+    assert layer.forward.memory_bytes - padding.forward.memory_bytes == pytest.approx(bf16.forward.memory_bytes)
+    assert layer.backward_input.memory_bytes - padding.backward_input.memory_bytes == pytest.approx(
+        bf16.backward_input.memory_bytes)
     # one cast per FP8 GEMM operand fed from bf16: every FP8 linear's input forward, its output gradient backward
     fwd = sum(g.m * g.k * g.groups for g in layer.forward.gemms if g.fp8)
     bwd = sum(g.m * g.k * g.groups for g in layer.backward_input.gemms if g.fp8)
@@ -232,11 +238,59 @@ def test_all_to_all_across_nodes_and_deepep_dedup():
     ep = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=32, data_parallel_size=32,
                       global_batch_size=32)
     flex = dataclasses.replace(ep, moe_token_dispatcher_type="flex")
-    nodes, k = 4, 8  # a token's 8 experts touch 4 * (1 - (3/4)^8) of the 4 nodes on average: sent once to each
-    dedup = nodes * (1 - (1 - 1 / nodes) ** k) / k
+    # a token's 8 distinct experts of 64, 16 a node, miss a node with probability C(48, 8) / C(64, 8): sent once to
+    # each of the nodes they touch
+    nodes, k = 4, 8
+    dedup = nodes * (1 - math.comb(48, k) / math.comb(64, k)) / k
     a2a, deepep = layer_comm(model, ep, HW, "moe").ep[0], layer_comm(model, flex, HW, "moe").ep[0]
     latency = 2 * 31 * HW.inter_node_latency_s
     assert deepep - latency == pytest.approx((a2a - latency) * dedup)
+
+
+@pytest.mark.parametrize("experts,k,ep", [(8, 2, 2), (8, 3, 4), (12, 4, 3), (16, 4, 8), (10, 3, 5), (16, 6, 4),
+                                           (128, 8, 8), (128, 8, 32), (64, 6, 16)])
+def test_flex_dispatch_sends_a_token_once_to_each_rank_holding_its_experts(experts, k, ep):
+    """Inside a node DeepEP / HybridEP send a token to each EP rank holding one of its experts once; the rank
+    count is checked against the routes themselves: every k-subset of experts (a router's pick, forced balance's
+    random logits included), and AutoModel's fake gate rebuilt as its source builds it (arange(T k) % E)."""
+    model = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=1000,
+                      num_experts=experts, moe_router_topk=k)
+    routed = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=ep, data_parallel_size=ep,
+                          global_batch_size=ep, moe_token_dispatcher_type="flex")
+    fake = dataclasses.replace(routed, fake_balanced_gate=True)
+    per_rank = experts // ep
+
+    def ranks(route) -> int:
+        return len({e // per_rank for e in route})
+
+    if math.comb(experts, k) <= 200_000:
+        picks = list(itertools.combinations(range(experts), k))
+        assert destination_ranks(model, routed) == pytest.approx(sum(map(ranks, picks)) / len(picks))
+    else:  # the same law by inclusion: a rank is missed when all k experts fall on the others
+        assert destination_ranks(model, routed) == pytest.approx(ep * (1 - math.comb(experts - per_rank, k)
+                                                                     / math.comb(experts, k)))
+    tokens = 1000
+    routes = [[(t * k + j) % experts for j in range(k)] for t in range(tokens)]  # FakeBalancedGate's indices
+    assert destination_ranks(model, fake) == pytest.approx(sum(map(ranks, routes)) / tokens, rel=experts / tokens)
+    # the all-to-all carries one copy per destination rank, not per expert
+    node = dataclasses.replace(HW, gpus_per_node=max(8, ep))  # the group inside one node
+    plain = dataclasses.replace(routed, moe_token_dispatcher_type="alltoall")
+    a2a, flex = layer_comm(model, plain, node, "moe").ep[0], layer_comm(model, routed, node, "moe").ep[0]
+    latency = 2 * (ep - 1) * HW.intra_node_latency_s
+    assert flex - latency == pytest.approx((a2a - latency) * destination_ranks(model, routed) / k)
+
+
+def test_the_fake_balanced_gate_has_no_router_gemm():
+    model = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=1000,
+                      num_experts=16, moe_router_topk=2)
+    routed = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=2, data_parallel_size=2,
+                          global_batch_size=2)
+    fake = WorkModel(model, dataclasses.replace(routed, fake_balanced_gate=True)).layer("moe")
+    real = WorkModel(model, routed).layer("moe")
+    router = 2 * 1024 * 1024 * 16  # T x H x E, forward
+    assert real.forward.gemm_flops - fake.forward.gemm_flops == pytest.approx(router)
+    assert real.forward.memory_bytes - fake.forward.memory_bytes == pytest.approx(1024 * 16 * 12)  # fp32 logits
+    assert dataclasses.replace(routed, fake_balanced_gate=True).load_imbalance == 1.0
 
 
 def test_explicit_layouts_and_the_embedding_and_loss_accounting():
@@ -330,3 +384,88 @@ def test_fused_cross_entropy_and_narrow_optimizer_state_shrink_memory():
     assert static_memory(params, dataclasses.replace(mx, fp8_param_gather=False)).weights == 2000
     with pytest.raises(InputError, match="need the precision-aware optimizer"):
         TrainingSpec(exp_avg_dtype="bf16")
+
+
+@pytest.mark.parametrize("kind, tp, main_grads", [("dense", 1, "fp32"), ("moe", 1, "fp32"), ("moe", 2, "bf16"),
+                                                  ("dense", 4, "bf16")])
+def test_without_gradient_accumulation_fusion_w_adds_every_weight_gradient_into_its_main_gradient(kind, tp, main_grads):
+    model = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=1000,
+                      ffn_hidden_size=4096, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512,
+                      moe_shared_expert_intermediate_size=1024, moe_layer_freq="([0]*1+[1]*1)")
+    fused = TrainingSpec(pipeline_model_parallel_size=1, tensor_model_parallel_size=tp, expert_model_parallel_size=2,
+                         data_parallel_size=2, global_batch_size=2, use_precision_aware_optimizer=main_grads != "fp32",
+                         main_grads_dtype=main_grads)
+    unfused = dataclasses.replace(fused, gradient_accumulation_fusion=False)
+    grad_bytes = 2 + 2 * (4 if main_grads == "fp32" else 2)  # bf16 gradient read, main gradient read and written
+    weights = sum(layer_params(model, fused, kind).values(), ParamCount()).total
+    for part, count in ((kind, weights), ("head", head_params(model, tp))):
+        a, b = WorkModel(model, fused).part(part), WorkModel(model, unfused).part(part)
+        assert a.forward == b.forward and a.backward_input == b.backward_input  # only W adds the pass
+        assert b.backward_weight.gemms == a.backward_weight.gemms
+        assert b.backward_weight.memory_bytes - a.backward_weight.memory_bytes == pytest.approx(count * grad_bytes)
+        added = part_times(WorkModel(model, unfused), HW, Calibration())[part].backward_weight \
+            - part_times(WorkModel(model, fused), HW, Calibration())[part].backward_weight
+        assert added == pytest.approx(count * grad_bytes / HW.hbm_bandwidth_bytes_per_s)
+
+
+@pytest.mark.parametrize("legacy, expert_gemm, turbo, accumulated", [
+    (True, "multi_stream", False, "expert"), (True, "sequential", False, "none"), (True, "multi_stream", True, "none"),
+    (False, "multi_stream", False, "none")])
+def test_the_legacy_grouped_mlp_accumulates_its_expert_gradients_outside_the_gemm(legacy, expert_gemm, turbo,
+                                                                                   accumulated):
+    model = ModelSpec(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=1000,
+                      ffn_hidden_size=4096, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512,
+                      moe_layer_freq="([0]*1+[1]*1)")
+    base = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=2, data_parallel_size=2,
+                        global_batch_size=2, moe_expert_gemm=expert_gemm)
+    turbo_on = dict(enable_primus_turbo=True, use_turbo_grouped_gemm=True) if turbo else {}
+    training = dataclasses.replace(base, moe_use_legacy_grouped_gemm=legacy, **turbo_on)
+    plain = dataclasses.replace(base, **turbo_on)
+    params = sum(layer_params(model, training, "moe").values(), ParamCount())
+    expected = {"expert": params.expert, "none": 0}[accumulated] * (2 + 2 * 4)
+    for kind, extra in (("moe", expected), ("dense", 0)):  # a dense layer has no experts
+        added = (WorkModel(model, training).part(kind).backward_weight.memory_bytes
+                 - WorkModel(model, plain).part(kind).backward_weight.memory_bytes)
+        assert added == pytest.approx(extra)
+    # without gradient_accumulation_fusion every weight is added outside its GEMM, legacy or not
+    unfused = dataclasses.replace(training, gradient_accumulation_fusion=False)
+    fused = dataclasses.replace(plain, gradient_accumulation_fusion=True)
+    assert (WorkModel(model, unfused).part("moe").backward_weight.memory_bytes
+            - WorkModel(model, fused).part("moe").backward_weight.memory_bytes) == pytest.approx(params.total * 10)
+
+
+@pytest.mark.parametrize("model_name,tp,sp,mbs", [("llama3-8b", 1, False, 1), ("llama3-70b", 4, True, 2),
+                                                  ("gpt3-20b", 2, False, 1), ("qwen3-30b-a3b", 1, False, 2)])
+def test_an_element_wise_kernels_backward_moves_what_it_reads_and_writes(model_name, tp, sp, mbs):
+    """Element-wise backward traffic, kernel by kernel, from what each reads and writes (T tokens, H hidden,
+    F a TP shard of the MLP width, e bytes): norm forward x -> y (2), backward x, dy -> dx (3); a residual add
+    a, b -> c (3), backward the two gradients summed where the stream splits (3); rotary q -> q' (2), back (2);
+    SwiGLU 2F -> F (3F), backward 2F and dF -> 2F (5F); GELU F -> F (2F), backward F and dF -> F (3F). The
+    backward is no longer twice the forward."""
+    model = load_model(EXAMPLES / "models" / f"{model_name}.yaml")
+    kind = model.layer_kinds[0]
+    if kind != "dense":
+        pytest.skip("the dense sum below; MoE layers add permutation and router kernels priced alike (1x)")
+    training = TrainingSpec(tensor_model_parallel_size=tp, sequence_parallel=sp, micro_batch_size=mbs,
+                            global_batch_size=mbs)
+    work = WorkModel(model, training)
+    t, t_r, h, e = work.tokens, work.residual_tokens, model.hidden_size, training.activation_bytes
+    f = model.ffn / tp
+    heads = t * (model.num_attention_heads + model.query_groups) / tp * model.head_dim * e
+    rope = model.position_embedding_type == "rope"
+    act_forward, act_backward = ((3 * f, 5 * f) if model.swiglu else (2 * f, 3 * f))
+    forward = 2 * 2 * t_r * h * e + 2 * 3 * t_r * h * e + (2 * heads if rope else 0) + t * act_forward * e
+    backward = 2 * 3 * t_r * h * e + 2 * 3 * t_r * h * e + (2 * heads if rope else 0) + t * act_backward * e
+    element = work._elementwise(kind)
+    assert element.forward.memory_bytes == pytest.approx(forward)
+    assert element.backward_input.memory_bytes == pytest.approx(backward)
+    assert element.backward_input.memory_bytes < 2 * element.forward.memory_bytes
+
+
+def test_an_moe_layers_permutation_and_router_backward_cost_what_their_forward_does():
+    model = load_model(EXAMPLES / "models" / "qwen3-30b-a3b.yaml")
+    work = WorkModel(model, TrainingSpec(expert_model_parallel_size=8, global_batch_size=8))
+    kernels = work._elementwise_kernels("moe")
+    assert kernels["permute"] > 0 and kernels["router"] > 0 and kernels["swiglu"] > 0
+    expected = sum(b * {"norm": 1.5, "swiglu": 5 / 3}.get(k, 1.0) for k, b in kernels.items())
+    assert work._elementwise("moe").backward_input.memory_bytes == pytest.approx(expected)

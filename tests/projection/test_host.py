@@ -10,7 +10,8 @@ import pytest
 
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
-from primuspipe.projection.host import TE_LINEAR_OPS, host_bound, layer_host, moe_small_kernels
+from primuspipe.projection.host import (OPS, TE_LINEAR_OPS, captured, host_bound, layer_host, moe_small_kernels,
+                                        moe_stream_kernels)
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.projection import Projector
 from primuspipe.projection.published import load_runs, training_of
@@ -45,7 +46,10 @@ def test_host_work_follows_experts_fp8_padding_and_cuda_graphs():
     assert more.forward.launches == 2 * 32 and more.forward.ops == dropless.forward.ops
     fp8 = layer_host(QWEN, moe_training(fp8_format="hybrid"), "moe")
     assert fp8.forward.launches == 2 * 2 * 16  # and a cast per expert
-    assert fp8.forward.ops - dropless.forward.ops == 4 * (TE_LINEAR_OPS[True] - TE_LINEAR_OPS[False])  # qkv, proj, fc1, fc2
+    linears = 4 * (TE_LINEAR_OPS[True] - TE_LINEAR_OPS[False])  # qkv, proj, fc1, fc2
+    assert fp8.forward.ops - dropless.forward.ops == linears + OPS["moe_fp8_padding"]  # dropless counts arrive unaligned
+    aligned = layer_host(QWEN, moe_training(fp8_format="hybrid", moe_router_padding_for_quantization=True), "moe")
+    assert fp8.forward.ops - aligned.forward.ops == OPS["moe_fp8_padding"]
     padded = layer_host(QWEN, moe_training(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True), "moe")
     assert not padded.syncs and padded.forward.ops < dropless.forward.ops  # no token counts copied to the host
     router = layer_host(QWEN, moe_training(cuda_graph_impl="transformer_engine",
@@ -173,7 +177,8 @@ def test_small_moe_kernels_add_device_time_to_moe_layers_only():
     off = dataclasses.replace(B200, moe_kernel_seconds=None)
     with_kernels, without = part_times(WorkModel(QWEN, t), B200, Calibration()), part_times(WorkModel(QWEN, t), off, Calibration())
     added = [getattr(with_kernels["moe"], p) - getattr(without["moe"], p) for p in ("forward", "backward_input", "backward_weight")]
-    assert added == pytest.approx([n * B200.moe_kernel_seconds for n in (f, b, w)])
+    each = B200.moe_kernel_seconds + B200.stream_launch_gap_seconds  # no graphs: every kernel launched into a stream
+    assert added == pytest.approx([n * each for n in (f, b, w)])
     assert with_kernels["head"] == without["head"]
     llama = load_model(EXAMPLES / "models" / "llama3-8b.yaml")
     dense = TrainingSpec(pipeline_model_parallel_size=1, global_batch_size=8)
@@ -182,7 +187,37 @@ def test_small_moe_kernels_add_device_time_to_moe_layers_only():
     assert part_times(WorkModel(QWEN, t), B200, measured)["moe"].forward == without["moe"].forward
 
 
-@pytest.mark.parametrize("field", ["moe_kernel_seconds", "moe_sync_host_op_seconds"])
+GRAPHS = [dict(), dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=("attn",)),
+          dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=("moe_router",)),
+          dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=("moe_router", "moe_preprocess")),
+          dict(cuda_graph_impl="local", moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+          dict(cuda_graph_impl="full_iteration", moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)]
+
+
+@pytest.mark.parametrize("graphs", GRAPHS, ids=lambda g: "+".join(g.get("cuda_graph_modules", ())) or g.get("cuda_graph_impl", "none"))
+@pytest.mark.parametrize("fields", [dict(), dict(precision="fp8"), dict(moe_router_fusion=True, moe_permute_fusion=True)],
+                         ids=["bf16", "fp8", "fused"])
+def test_cuda_graphs_take_the_stream_launch_gap_off_the_kernels_they_capture_and_only_those(graphs, fields):
+    """stream_launch_gap_seconds: a small MoE kernel launched into a stream pays the launch gap, the same kernel
+    in a graph replay does not; the kernels' own fixed cost (moe_kernel_seconds) is paid either way."""
+    t = moe_training(**fields, **graphs)
+    kernels, streamed = moe_small_kernels(QWEN, t), moe_stream_kernels(QWEN, t)
+    if not any(captured(t, r) for r in ("moe_router", "moe_preprocess", "moe")):
+        assert streamed == kernels
+    elif captured(t, "moe") and captured(t, "moe_router") and captured(t, "moe_preprocess"):
+        assert streamed == (0, 0, 0)
+    else:
+        assert all(0 < s < n for s, n in zip(streamed[:2], kernels[:2]))
+    no_gap = dataclasses.replace(B200, stream_launch_gap_seconds=None)
+    work = WorkModel(QWEN, t)
+    with_gap, without = part_times(work, B200, Calibration())["moe"], part_times(work, no_gap, Calibration())["moe"]
+    added = [getattr(with_gap, p) - getattr(without, p) for p in ("forward", "backward_input", "backward_weight")]
+    assert added == pytest.approx([s * B200.stream_launch_gap_seconds for s in streamed], abs=1e-12)
+    stream = part_times(WorkModel(QWEN, moe_training(**fields)), B200, Calibration())["moe"]
+    assert with_gap.forward <= stream.forward  # a graph never makes the small kernels slower
+
+
+@pytest.mark.parametrize("field", ["moe_kernel_seconds", "moe_sync_host_op_seconds", "stream_launch_gap_seconds"])
 @pytest.mark.parametrize("value, message", [(0, "must be positive"), (-5e-6, "finite number >= 0"), (float("nan"), "finite number >= 0")])
 def test_bad_moe_kernel_or_sync_host_seconds_is_refused_with_one_line(tmp_path, field, value, message):
     import yaml

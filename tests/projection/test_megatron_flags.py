@@ -57,6 +57,15 @@ def test_expert_gemms_run_as_megatron_builds_them():
     assert (config.training.moe_expert_gemm, config.training.gpu_max_hw_queues) == ("fused", 2)  # a field named wins
 
 
+@pytest.mark.parametrize("flag", ["--moe-router-padding-for-fp8", "--moe-router-padding-for-quantization"])
+def test_fp8_padding_arguments_decide_whether_the_experts_copy(flag):
+    moe = MODEL_ARGS + "--num-experts 8 --expert-model-parallel-size 2 --moe-router-topk 2 --fp8-format e4m3 "
+    assert read_arguments(moe + flag, "r").training.moe_router_padding_for_quantization
+    assert not read_arguments(moe, "r").training.moe_router_padding_for_quantization
+    flex = moe + "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep"
+    assert read_arguments(flex, "r").training.moe_flex_dispatcher_backend == "hybridep"
+
+
 def test_settings_that_change_time_are_modelled_and_the_rest_set_aside():
     config = read_arguments(MODEL_ARGS + "--tp-comm-overlap --overlap-param-gather --mtp-num-layers 1 "
                             "--fp8-format hybrid --fp8-recipe tensorwise --recompute-activations "
@@ -68,6 +77,15 @@ def test_settings_that_change_time_are_modelled_and_the_rest_set_aside():
     assert set(config.no_effect) == {"lr", "data_path", "log_interval"}
     layout = read_arguments(MODEL_ARGS + "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'Et*4|t*4L'", "r")
     assert layout.training.pipeline_model_parallel_layout == "Et*4|t*4L"
+
+
+def test_gradient_accumulation_fusion_is_megatrons_default_and_turned_off_as_megatron_and_primus_write_it():
+    assert read_arguments(MODEL_ARGS, "r").training.gradient_accumulation_fusion
+    off = read_arguments(MODEL_ARGS + "--no-gradient-accumulation-fusion", "r")
+    assert not off.training.gradient_accumulation_fusion and not off.no_effect
+    primus = split_arguments({"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 128,
+                              "vocab_size": 1000, "gradient_accumulation_fusion": False}, "primus.yaml")
+    assert not primus.training.gradient_accumulation_fusion
 
 
 def test_the_launcher_gives_the_gpu_count_else_it_must_be_asked(tmp_path, capsys):
@@ -150,18 +168,17 @@ def test_primus_moe_features_are_modelled_and_turbo_kernels_refused_when_on():
     assert fused.moe_permute_fusion and fused.moe_router_fusion
 
 
-def test_primus_bookkeeping_and_the_legacy_grouped_gemm_switch_are_set_aside():
+def test_primus_bookkeeping_is_set_aside_and_the_legacy_grouped_gemm_switch_read():
     """Primus's own logging and resuming keys cannot change a step; its legacy grouped GEMM (the
-    ``grouped_gemm`` package) takes the same 4-stream path as TE's, either way; group-limited routing is a few ops
-    over the routing scores, set aside."""
+    ``grouped_gemm`` package) takes the same 4-stream path as TE's, either way, and is read (its expert gradients
+    are accumulated outside the GEMM). (Group-limited routing, once set aside here, is modelled:
+    test_group_routing.py.)"""
     for legacy in ("False", "True"):
         config = read_arguments(MODEL_ARGS + "--stderr_sink_level DEBUG --auto_continue_train False "
                                 "--disable_last_saving True --mlflow_run_name x --moe-grouped-gemm "
                                 f"--moe_use_legacy_grouped_gemm {legacy} "
-                                "--moe_router_force_load_balancing_type even --moe-router-num-groups 8 "
-                                "--moe-router-group-topk 3", "r")
+                                "--moe_router_force_load_balancing_type even", "r")
         assert set(config.no_effect) == {"stderr_sink_level", "auto_continue_train", "disable_last_saving",
-                                         "mlflow_run_name", "moe_use_legacy_grouped_gemm",
-                                         "moe_router_force_load_balancing_type", "moe_router_num_groups",
-                                         "moe_router_group_topk"}
+                                         "mlflow_run_name", "moe_router_force_load_balancing_type"}
         assert config.training.moe_expert_gemm == "multi_stream"
+        assert config.training.moe_use_legacy_grouped_gemm == (legacy == "True") == config.training.legacy_grouped_mlp

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from primuspipe.projection.comm import Collectives, gradient_sync, layer_comm, p2p_message_bytes, pipeline_ranks_per_node
-from primuspipe.projection.compute import Calibration, WorkModel, part_times
+from primuspipe.projection.compute import Calibration, PassWork, Work, WorkModel, part_times
 from primuspipe.projection.framework import Placement
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.host import moe_small_kernels
@@ -313,6 +313,197 @@ def test_expert_biases_are_applied_outside_the_grouped_gemm_per_local_expert(dis
     assert (f - f0, b - b0, w - w0) == (ops, ops, 0)
 
 
+def _byte_counter():
+    """A dispatch mode that adds up the bytes of every aten operation's tensor inputs and outputs (views aside): what
+    an element-wise chain of eager ops reads and writes."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Moved(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs or {}, out))
+                                  if isinstance(t, torch.Tensor))
+            return out
+
+    return Moved
+
+
+def _clamp_bytes_of_megatron(fused_rows: int, half: int) -> tuple[float, float]:
+    """Bytes megatron-core's own ``weighted_bias_quick_geglu_impl`` moves with ``clamp_value`` 7.0 beyond what it
+    moves without, forward and backward, per element of one half of its bf16 input: every aten operation it
+    dispatches (CPU mode; torch.compile off, so the fused body runs eagerly and cancels between the two runs)
+    counted as the bytes of its tensor inputs and outputs, views aside. In a forked process (megatron's CPU mode
+    patches torch globally)."""
+    import torch
+
+    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
+
+    enable_cpu_mode()
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
+
+    Moved = _byte_counter()
+
+    def moved(clamp):
+        x = torch.randn(fused_rows, 2 * half, dtype=torch.bfloat16, requires_grad=True)
+        probs = torch.rand(fused_rows, 1, requires_grad=True)
+        forward, backward = Moved(), Moved()
+        with forward:
+            y = weighted_bias_quick_geglu_impl(x, None, probs, False, 1.0, clamp)
+        grad = torch.randn_like(y)
+        with backward:
+            y.backward(grad)
+        return forward.bytes, backward.bytes
+
+    (f, b), (f0, b0) = moved(7.0), moved(None)
+    return (f - f0) / (fused_rows * half), (b - b0) / (fused_rows * half)
+
+
+def test_the_experts_clamp_costs_what_megatron_core_dispatches_for_it():
+    """GPT-OSS's clamped GLU: megatron-core clamps the two halves of the first expert linear's output with eager ops
+    and concatenates them before its fused activation, forward, again in a moe_act recompute, and autograd's
+    clamp gradients and the halves' concatenation backward. The work model's bytes per element match the aten
+    operations megatron-core's own function dispatches."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        forward, backward = pool.apply(_clamp_bytes_of_megatron, (96, 40))
+    model = dataclasses.replace(MODEL, num_experts=16, moe_router_topk=4, swiglu=True, activation_func_clamp_value=7.0)
+    t = dataclasses.replace(TRAINING, expert_model_parallel_size=2, data_parallel_size=2, global_batch_size=16)
+    work = WorkModel(model, t)
+    elements = work.expert_copies * model.expert_ffn
+    clamp = work._expert_clamp()
+    assert clamp.forward.memory_bytes / elements == pytest.approx(forward)  # 8 bytes an element in bf16
+    assert clamp.backward_input.memory_bytes / elements == pytest.approx(backward, abs=0.01)  # 30 (two scalars aside)
+    assert clamp.backward_weight.memory_bytes == 0
+
+
+@pytest.mark.parametrize("recompute", [(), ("moe_act",), ("moe",), ("layernorm", "moe_act")])
+@pytest.mark.parametrize("fusion", [True, False])
+def test_a_clamped_glu_adds_its_passes_to_the_moe_layer_and_its_recompute(recompute, fusion):
+    """The clamp's bytes land in the MoE layer's F and B (not W, not dense layers), its forward again in B under a
+    recompute of moe_act or moe; without the fused activation there is no concatenation forward. Without moe_act
+    recompute the clamped copy of fc1's output is kept beside fc1's output."""
+    from primuspipe.projection.activations import ActivationModel
+
+    plain = dataclasses.replace(MODEL, num_experts=16, moe_router_topk=4, swiglu=True, moe_layer_freq=(0, 1, 1, 1))
+    clamped = dataclasses.replace(plain, activation_func_clamp_value=7.0)
+    t = dataclasses.replace(TRAINING, expert_model_parallel_size=2, data_parallel_size=2, global_batch_size=16,
+                            bias_activation_fusion=fusion, recompute_granularity="selective" if recompute else None,
+                            recompute_modules=recompute)
+    ours, base = WorkModel(clamped, t), WorkModel(plain, t)
+    e, elements = t.activation_bytes, ours.expert_copies * plain.expert_ffn
+    forward = (8 if fusion else 4) * e * elements
+    moe, moe0 = ours.layer("moe"), base.layer("moe")
+    assert moe.forward.memory_bytes - moe0.forward.memory_bytes == pytest.approx(forward)
+    assert moe.backward_input.memory_bytes - moe0.backward_input.memory_bytes == pytest.approx((11 * e + 8) * elements)
+    assert moe.backward_weight.memory_bytes == moe0.backward_weight.memory_bytes
+    repeated = moe.recompute.memory_bytes - moe0.recompute.memory_bytes
+    assert repeated == pytest.approx(forward if {"moe_act", "moe"} & set(recompute) else 0.0)
+    assert ours.layer("dense") == base.layer("dense")
+    kept = ActivationModel(clamped, t).layer("moe").total - ActivationModel(plain, t).layer("moe").total
+    assert kept == pytest.approx(0.0 if {"moe_act", "moe"} & set(recompute) else 2 * e * elements)
+
+
+def _rope_bytes_of_megatron(tokens: int, heads: int, head_dim: int) -> tuple[float, float, float, float]:
+    """Bytes megatron-core's own unfused ``_apply_rotary_pos_emb_bshd`` moves forward and backward per element of its
+    bf16 input (every aten operation it dispatches, views aside, in CPU mode), and the concentration factors its
+    ``_yarn_get_concentration_factor`` gives GPT-OSS's YaRN (factor 32) and a factor 40 with mscale 1 over 0.5."""
+    import torch
+
+    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
+
+    enable_cpu_mode()
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
+
+    Moved = _byte_counter()
+
+    t = torch.randn(tokens, 1, heads, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    freqs = torch.randn(tokens, 1, 1, head_dim, dtype=torch.float32)  # megatron-core builds it in fp32
+    forward, backward = Moved(), Moved()
+    with forward:
+        y = _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False, mscale=1.3466)
+    grad = torch.randn_like(y)
+    with backward:
+        y.backward(grad)
+    per = t.numel() * t.element_size()
+    return (forward.bytes / per, backward.bytes / per, _yarn_get_concentration_factor(32.0, None, None),
+            _yarn_get_concentration_factor(40.0, 1.0, 0.5))
+
+
+def test_unfused_rope_costs_what_megatron_core_dispatches_and_yarn_forces_it():
+    """megatron-core's apply_rotary_pos_emb hands a YaRN rotary embedding (a concentration factor other than 1) to its
+    unfused chain of eager ops even under apply_rope_fusion; the work model's bytes per rotated element, fused and
+    unfused, and its concentration factor match megatron-core's own functions."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        forward, backward, gpt_oss, ratio = pool.apply(_rope_bytes_of_megatron, (128, 64, 64))
+    yarn = dataclasses.replace(MODEL, position_embedding_type="yarn", yarn_rotary_scaling_factor=32.0)
+    assert yarn.rope_concentration == pytest.approx(gpt_oss)
+    assert dataclasses.replace(yarn, yarn_rotary_scaling_factor=40.0, yarn_mscale=1.0,
+                               yarn_mscale_all_dim=0.5).rope_concentration == pytest.approx(ratio)
+    assert dataclasses.replace(yarn, yarn_rotary_scaling_factor=1.0).rope_concentration == 1.0
+    elements = TRAINING.micro_batch_size * MODEL.seq_length * 2 * MODEL.num_attention_heads * MODEL.head_dim
+    unfused = WorkModel(yarn, TRAINING)
+    assert not unfused.rope_fused and WorkModel(MODEL, TRAINING).rope_fused
+    rope = unfused._unfused_rope()
+    # beside the 12 bytes of e per element: the fp32 frequency table's cos, sin, their scaling and casts (44 bytes
+    # per table entry) and the bf16 tables read by the two products (2 + 2), one entry per token and channel
+    table = (44 + 4) / 2 / 64
+    assert rope.forward.memory_bytes / elements / 2 + table == pytest.approx(forward)
+    assert rope.backward_input.memory_bytes / elements / 2 == pytest.approx(backward, rel=0.01)
+    assert WorkModel(MODEL, TRAINING)._unfused_rope() == PassWork(Work(), Work(), Work())  # the fused kernel's
+    assert WorkModel(MODEL, TRAINING)._elementwise_kernels("dense")["rope"] == 2 * elements * 2  # a read and a write
+    assert "rope" not in WorkModel(yarn, TRAINING)._elementwise_kernels("dense")
+    asked_off = dataclasses.replace(TRAINING, apply_rope_fusion=False)
+    assert WorkModel(MODEL, asked_off)._unfused_rope() == rope
+
+
+def test_yarn_rotary_positions_move_time_only_through_the_unfused_rope():
+    """A YaRN model differs from its RoPE twin by the unfused rotary embedding's extra bytes forward and backward, and
+    by the cos and sin tables the unfused path keeps; its parameters are the same."""
+    from primuspipe.projection.activations import ActivationModel
+    from primuspipe.projection.parameters import embedding_params
+
+    yarn = dataclasses.replace(MODEL, position_embedding_type="yarn", yarn_rotary_scaling_factor=32.0)
+    ours, base = WorkModel(yarn, TRAINING).layer("dense"), WorkModel(MODEL, TRAINING).layer("dense")
+    elements = TRAINING.micro_batch_size * MODEL.seq_length * 2 * MODEL.num_attention_heads * MODEL.head_dim
+    e = TRAINING.activation_bytes
+    # unfused 12 and 14 bytes of e an element against the fused kernel's 2 and 2 (its inverse rotation backward)
+    assert ours.forward.memory_bytes - base.forward.memory_bytes == pytest.approx(10 * e * elements)
+    assert ours.backward_input.memory_bytes - base.backward_input.memory_bytes == pytest.approx(12 * e * elements)
+    assert ours.backward_weight == base.backward_weight and ours.forward.gemms == base.forward.gemms
+    tables = 4 * MODEL.seq_length * MODEL.head_dim * e  # cos and sin, for queries and for keys
+    assert ActivationModel(yarn, TRAINING).layer("dense").total - ActivationModel(MODEL, TRAINING).layer("dense").total \
+        == pytest.approx(tables)
+    assert embedding_params(yarn, 1) == embedding_params(MODEL, 1)
+
+
+@pytest.mark.parametrize("fields", [{"yarn_rotary_scaling_factor": 32.0}, {"yarn_mscale": 1.0}])
+def test_yarn_settings_without_a_yarn_embedding_are_refused(fields):
+    with pytest.raises(InputError, match="position_embedding_type"):
+        dataclasses.replace(MODEL, **fields)
+
+
+@pytest.mark.parametrize("value", [0.0, -7.0, float("inf")])
+def test_a_clamp_that_bounds_nothing_is_refused(value):
+    with pytest.raises(InputError, match="activation_func_clamp_value"):
+        dataclasses.replace(MODEL, activation_func_clamp_value=value)
+
+
 def _visited_key_blocks(seq: int, left: int, block: int) -> int:
     """Key blocks a flash kernel must visit for a causal window of ``left`` keys, by brute force over the queries:
     block j serves query block i when some query q of i sees a key of j, i.e. j * block <= q and
@@ -369,3 +560,52 @@ def test_attention_runs_slower_with_narrow_heads(head_dim, rate):
     base = part_times(WorkModel(model, TRAINING), HW, Calibration())["dense"].attention
     narrow = part_times(WorkModel(model, TRAINING), hw, Calibration())["dense"].attention
     assert narrow[0] == pytest.approx(base[0] / rate, rel=5e-3) and narrow[1] == pytest.approx(base[1] / rate, rel=5e-3)
+
+
+@pytest.mark.parametrize("recipe,align", [("mxfp8", 32), ("tensorwise", 16), ("delayed", 16), ("blockwise", 16)])
+@pytest.mark.parametrize("dispatcher,backend,router_padding", [
+    ("alltoall", "deepep", False), ("allgather", "deepep", False), ("flex", "deepep", False),
+    ("flex", "hybridep", False), ("alltoall", "deepep", True)])
+@pytest.mark.parametrize("capacity_factor,pad", [(None, False), (1.0, True), (1.03125, True), (1.01, True), (1.0, False)])
+def test_fp8_experts_pad_unaligned_token_counts_with_two_copies_each_way(recipe, align, dispatcher, backend,
+                                                                         router_padding, capacity_factor, pad):
+    """megatron-core's TEGroupedMLP pads each expert's copies to the FP8 alignment (Fp8Padding) and unpads the
+    output (Fp8Unpadding) under FP8; Transformer Engine copies only when some count is unaligned. Counts arrive
+    aligned when the router pads the routing map, when HybridEP pads in its dispatch, or when every expert computes
+    a capacity (ceil(T_r k / E * factor), Megatron's get_capacity) that is a multiple of the alignment."""
+    moe = dataclasses.replace(MODEL, num_experts=16, moe_router_topk=2)
+    t = dataclasses.replace(TRAINING, expert_model_parallel_size=8, data_parallel_size=8, global_batch_size=64,
+                            moe_token_dispatcher_type=dispatcher, moe_flex_dispatcher_backend=backend,
+                            moe_router_padding_for_quantization=router_padding, moe_expert_capacity_factor=capacity_factor,
+                            moe_pad_expert_input_to_capacity=pad, fp8_format="e4m3", fp8_recipe=recipe)
+    assert t.fp8_alignment == align
+    capacity = -(-(2 * 2048 * 2 * (capacity_factor or 1)) // 16)  # T_r k / E, rounded up
+    arrives_aligned = router_padding or (dispatcher, backend) == ("flex", "hybridep") or (pad and capacity % align == 0)
+    work = WorkModel(moe, t)
+    assert work.fp8_padding_copies == (not arrives_aligned)
+    plain = WorkModel(moe, dataclasses.replace(t, moe_router_padding_for_quantization=True)).layer("moe")
+    layer = work.layer("moe")
+    copies = work.expert_copies * t.load_imbalance
+    moved = 0 if arrives_aligned else 4 * copies * moe.hidden_size * work.e + 2 * copies * work.probs_bytes
+    assert layer.forward.memory_bytes - plain.forward.memory_bytes == pytest.approx(moved)
+    assert layer.backward_input.memory_bytes - plain.backward_input.memory_bytes == pytest.approx(moved)
+    assert layer.backward_weight.memory_bytes == plain.backward_weight.memory_bytes
+    kernels = [a - b for a, b in zip(moe_small_kernels(moe, t), moe_small_kernels(
+        moe, dataclasses.replace(t, moe_router_padding_for_quantization=True)))]
+    assert kernels == ([0, 0, 0] if arrives_aligned else [3, 3, 0])  # pad copies and probabilities, unpad the output
+    bf16 = t.without_fp8()
+    assert not WorkModel(moe, bf16).fp8_padding_copies
+    assert WorkModel(moe, bf16).layer("moe").forward.memory_bytes == WorkModel(
+        moe, dataclasses.replace(bf16, moe_router_padding_for_quantization=True)).layer("moe").forward.memory_bytes
+
+
+@pytest.mark.parametrize("stage,fp8", [(0, True), (1, True), (1, False), (2, True)])
+def test_primus_sync_free_moe_pads_the_routing_map_under_fp8(stage, fp8):
+    """Primus's sync-free MoE sets moe_router_padding_for_quantization under FP8 at every stage
+    (rocm_arg_validation.py, _get_sync_free_moe_options), so its experts get aligned counts."""
+    t = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=8, data_parallel_size=8,
+                     global_batch_size=64, enable_primus_turbo=True, turbo_sync_free_moe_stage=stage,
+                     moe_router_dtype="fp32", fp8_format="e4m3" if fp8 else None, use_turbo_grouped_gemm=stage > 1)
+    assert t.moe_router_padding_for_quantization == (stage > 0 and fp8)
+    assert WorkModel(dataclasses.replace(MODEL, num_experts=16, moe_router_topk=2), t).fp8_padding_copies == (
+        fp8 and stage == 0)

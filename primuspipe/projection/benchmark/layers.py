@@ -131,7 +131,7 @@ def _build_parts(model: ModelSpec, training: TrainingSpec, device: torch.device)
                             list(layer.parameters()))
     vocab = model.padded_vocab(1)
     embedding = LanguageModelEmbedding(config, vocab, model.max_position_embeddings or s,
-                                       model.position_embedding_type).to(device=device, dtype=dtype)
+                                       "rope" if model.rotary else model.position_embedding_type).to(device=device, dtype=dtype)
     tokens = torch.randint(vocab, (b, s), device=device)
     positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
     parts["embedding"] = _Part(lambda _: embedding(tokens, positions), lambda: None, list(embedding.parameters()))

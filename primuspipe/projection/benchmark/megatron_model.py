@@ -59,7 +59,9 @@ def transformer_config(model: ModelSpec, training: TrainingSpec, *, stage_counts
             moe_ffn_hidden_size=model.expert_ffn, moe_layer_freq=[int(k == "moe") for k in model.layer_kinds],
             moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size, moe_grouped_gemm=False,
             moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_permute_fusion=False,
+            moe_permute_fusion=False, moe_router_num_groups=model.moe_router_num_groups,
+            moe_router_group_topk=model.moe_router_group_topk, moe_router_score_function=model.moe_router_score_function,
+            moe_router_pre_softmax=model.moe_router_pre_softmax,
         )
     if model.multi_latent_attention:
         fields.update(q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
@@ -100,12 +102,12 @@ def build_gpt_chunk(model: ModelSpec, training: TrainingSpec, config, *, vp_stag
                     max_sequence_length=model.max_position_embeddings or model.seq_length,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-                    position_embedding_type=model.position_embedding_type, vp_stage=vp_stage)
+                    position_embedding_type="rope" if model.rotary else model.position_embedding_type, vp_stage=vp_stage)
 
 
 def rotary_embedding(model: ModelSpec, training: TrainingSpec) -> torch.Tensor | None:
     """The rotary table a layer receives from ``GPTModel`` (None without RoPE, and for MLA, which makes its own)."""
-    if model.position_embedding_type != "rope" or model.multi_latent_attention:
+    if not model.rotary or model.multi_latent_attention:
         return None
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
