@@ -122,6 +122,10 @@ class PassWork:
         return self.forward, self.backward_input, self.backward_weight
 
 
+NO_WORK = PassWork(Work(), Work(), Work())
+"""A part that does nothing in any pass (a feature the run does not use)."""
+
+
 @dataclass(frozen=True)
 class WorkModel(RankShape):
     """Per-rank work of each part of the model for one microbatch."""
@@ -223,7 +227,7 @@ class WorkModel(RankShape):
             qkv = self._linear(tokens, h, (heads + 2 * m.query_groups / t.tp) * m.head_dim, norm_fed=True,
                                tensor_parallel="column")
             proj = self._linear(tokens, heads * m.head_dim, h, tensor_parallel="row")
-            return _sum(qkv, proj), PassWork(Work(), Work(), Work())
+            return _sum(qkv, proj), NO_WORK
         qk = m.qk_head_dim + m.qk_pos_emb_head_dim
         # The down-projections are replicated (TE's TELinear, parallel_mode "duplicated", in megatron-core 0.19's
         # MLASelfAttention) and take the layer input as it comes: the rank's 1/TP of the tokens under sequence
@@ -324,11 +328,17 @@ class WorkModel(RankShape):
         their sum, 14 backward (held against the aten operations that function dispatches,
         ``tests/projection/test_time_model.py``; the cos and sin of the small frequency table aside). MLA is counted
         apart: :meth:`_mla_rope_elements` prices its rotary, fused or not."""
-        m, t = self.model, self.training
+        m = self.model
         if not m.rotary or self.rope_fused or m.multi_latent_attention:
-            return PassWork(Work(), Work(), Work())
-        elements = self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim
+            return NO_WORK
+        elements = self._query_key_elements
         return PassWork(Work(memory_bytes=12 * self.e * elements), Work(memory_bytes=14 * self.e * elements), Work())
+
+    @property
+    def _query_key_elements(self) -> float:
+        """Elements of one layer's queries and keys on this rank (what rotary embedding and per-head norms touch)."""
+        m = self.model
+        return self.tokens * (m.num_attention_heads + m.query_groups) / self.training.tp * m.head_dim
 
     def _elementwise_kernels(self, kind: str) -> dict[str, float]:
         """Forward bytes of one layer's element-wise kernels by kernel (keys of
@@ -336,11 +346,11 @@ class WorkModel(RankShape):
         norms, the activation functions, MoE permutation and the router's softmax / top-k."""
         m, t = self.model, self.training
         e = self.e
-        heads = self.tokens * (m.num_attention_heads + m.query_groups) / t.tp * m.head_dim * e
+        heads = self._query_key_elements * e
         moved = Counter({"norm": self._norms().memory_bytes,
                          "residual_add": 2 * 3 * self.hidden_bytes})  # two adds: 2 reads, 1 write
         if m.multi_latent_attention:  # latent norms; rotary embedding and query/key/value assembly (_mla_elements)
-            moved["norm"] += (self._mla_elements() - self._mla_rope_elements()) * e
+            moved["norm"] += self._mla_norm_elements() * e
             moved["rope"] += self._mla_rope_elements() * e
         elif m.rotary and self.rope_fused:  # else :meth:`_unfused_rope`
             moved["rope"] += 2 * heads
@@ -366,8 +376,12 @@ class WorkModel(RankShape):
         0.19's ``MLASelfAttention.get_query_key_value_tensors``): the two latent norms (``q_layernorm`` over the
         query latent, ``kv_layernorm`` over the key/value latent, on the :attr:`latent_tokens`; read and write), then
         :meth:`_mla_rope_elements`."""
+        return self._mla_norm_elements() + self._mla_rope_elements()
+
+    def _mla_norm_elements(self) -> float:
+        """Of :meth:`_mla_elements`, the two latent norms'."""
         m = self.model
-        return 2 * self.latent_tokens * ((m.q_lora_rank or 0) + m.kv_lora_rank) + self._mla_rope_elements()
+        return 2 * self.latent_tokens * ((m.q_lora_rank or 0) + m.kv_lora_rank)
 
     @property
     def latent_tokens(self) -> float:
@@ -442,7 +456,7 @@ class WorkModel(RankShape):
         and the routing probabilities padded likewise; backward, the same copies of the gradients the other way.
         The padding rows themselves (fewer than the alignment per expert) are not counted in the GEMMs."""
         if not self.fp8_padding_copies:
-            return PassWork(Work(), Work(), Work())
+            return NO_WORK
         copies = self.expert_copies * self.training.load_imbalance
         moved = 2 * 2 * copies * self.model.hidden_size * self.e + 2 * copies * self.probs_bytes
         return PassWork(Work(memory_bytes=moved), Work(memory_bytes=moved), Work())
@@ -477,7 +491,7 @@ class WorkModel(RankShape):
         function)."""
         m, t, e = self.model, self.training, self.e
         if m.activation_func_clamp_value is None:
-            return PassWork(Work(), Work(), Work())
+            return NO_WORK
         elements = self.expert_copies * t.load_imbalance * m.expert_ffn / t.etp
         forward = 4 * e + (4 * e if t.bias_activation_fusion else 0)
         backward = 11 * e + 8
@@ -502,7 +516,7 @@ class WorkModel(RankShape):
             routed = self._mlp(per_expert, m.expert_ffn / t.etp, groups=local)
             shared = (self._mlp(self.tokens, m.moe_shared_expert_intermediate_size / t.tp)
                       if m.moe_shared_expert_intermediate_size else None)
-            router = (PassWork(Work(), Work(), Work()) if t.fake_balanced_gate  # AutoModel's fake gate has no GEMM
+            router = (NO_WORK if t.fake_balanced_gate  # AutoModel's fake gate has no GEMM
                       else self._linear(self.residual_tokens, m.hidden_size, m.num_experts, fp8=False))
             bias = [self._expert_output_bias()] if m.add_bias_linear else []
             clamp = self._expert_clamp()

@@ -22,8 +22,8 @@ The embedding (the first stage's own module) is timed the same way as ``ends``: 
 backward from the gradient of its output until its weights' gradients are accumulated (it has no input
 gradient to end at), so calibration can tell the fixed cost every chunk pays from what the first model
 stage pays on top. (Before its backward was timed, the 0.15 ms it took in a B of the bench's GPT at
-hidden 128 counted as a cost every chunk pays: ``compute.chunk`` for B was twice a plain chunk's.) The last stage's own work, the output layer and the loss, is
-not timed apart: the loss is computed outside any module (``forward_step``'s loss function), so
+hidden 128 counted as a cost every chunk pays: ``compute.chunk`` for B was twice a plain chunk's.) The
+last stage's own work, the output layer and the loss, is not timed apart: the loss is computed outside any module (``forward_step``'s loss function), so
 calibration takes the last stage's chunk cost from the other stages' (:mod:`primuspipe.calibration.measure`).
 
 Only recorded steps are hooked (dumps and the re-planner's measured steps); hooks are removed when the
