@@ -6,6 +6,7 @@
 #   1. gpu-marked tests (recorder, offload; NCCL and Transformer Engine ones skip without 2 GPUs / TE)
 #   2. NCCL on the GPU against the emulator: every communication pattern of bench/nccl_one_gpu.py on real NCCL
 #      (lazy and eager communicators), joined with the emulator's verdicts (bench/results/nccl_one_gpu_emulator.json)
+#      (NCCL_PATTERNS="a b": only those patterns)
 #   3. every shipped algorithm through examples/train_gpt.py --compare-native on real NCCL (pp 2): it must finish
 #      with Megatron's own schedule's gradients
 #   4. kernels against the projection's model of them (bench/bench_gpu_kernels.py)
@@ -29,7 +30,8 @@ timeout 150 $py -m pytest -q -m gpu -p no:cacheprovider tests/runtime tests/offl
   2>&1 | tee "$out/gpu_tests.log" | tail -n 3 | tee -a "$out/summary.txt"
 
 part "2. NCCL patterns against the emulator"
-timeout 200 $py bench/nccl_one_gpu.py patterns --modes nccl-lazy nccl-eager --deadline 60 --parallel 28 \
+timeout 240 $py bench/nccl_one_gpu.py patterns --modes nccl-lazy nccl-eager --deadline 20 --parallel 8 \
+  ${NCCL_PATTERNS:+--patterns $NCCL_PATTERNS} \
   --with bench/results/nccl_one_gpu_emulator.json -o "$out/nccl_patterns.json" 2>"$out/nccl_patterns.log" \
   | tee -a "$out/summary.txt"
 
@@ -37,7 +39,7 @@ part "3. every algorithm on real NCCL, pp 2, against Megatron's schedule"
 algorithms=$($py -c "from primuspipe.algorithms.registry import list_algorithms; print(*[i.name for i in list_algorithms()])")
 one() {  # one ALGORITHM -> $out/nccl_train_ALGORITHM.json (the launcher's verdict, then the example's JSON line)
   timeout 240 $py bench/nccl_one_gpu.py train --ranks 2 --deadline 200 -- examples/train_gpt.py --pp 2 \
-    --microbatches 5 --pp-algorithm "$1" --num-layers 8 --iterations 2 --compare-native > "$out/nccl_train_$1.json" 2>&1
+    --microbatches 5 --pp-algorithm "$1" --num-layers 8 --iterations 2 --compare-native --no-gradient-accumulation-fusion > "$out/nccl_train_$1.json" 2>&1
   echo "   $1: exit $? $(tail -n 1 "$out/nccl_train_$1.json" | cut -c1-220)"
 }
 export -f one; export out py
@@ -49,7 +51,7 @@ timeout 240 $py bench/bench_gpu_kernels.py --output "$out/gpu_kernels.json" --ma
 
 part "5. one GPU: megatron-core GPT, auto-replan, CUDA-event dump, calibrate, projection"
 model=(--num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16 --seq-length 2048
-       --micro-batch-size 4 --vocab-size 64 --bf16 --optimizer adam)
+       --micro-batch-size 4 --vocab-size 64 --bf16 --optimizer adam --no-gradient-accumulation-fusion)
 timeout 200 $py -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py --pp 1 --microbatches 8 --iterations 10 \
   --pp-algorithm 1f1b --auto-replan --dump-dir "$out/pp_data" "${model[@]}" > "$out/single_gpu.log" 2>&1
 tail -n 1 "$out/single_gpu.log" | tee "$out/single_gpu.json" | cut -c1-400 | tee -a "$out/summary.txt"
