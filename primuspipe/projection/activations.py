@@ -285,6 +285,32 @@ class ActivationModel(RankShape):
             return 0.0
         return self.tokens * m.padded_vocab(t.tp) / t.tp * self.e
 
+    def _local_scores(self) -> float:
+        """Elements of one layer's attention score matrix on this rank where megatron-core's local
+        ``DotProductAttention`` computes it whole (``attention_backend`` local); 0 otherwise."""
+        m, t = self.model, self.training
+        if t.attention_backend != "local":
+            return 0.0
+        return t.micro_batch_size * m.num_attention_heads / t.tp * (m.seq_length / t.cp) * m.seq_length
+
+    def attention_working_set(self) -> float:
+        """Bytes the local attention holds for a moment beyond what the layer keeps, at the larger of two moments:
+        forward, the low-precision scores ``baddbmm`` wrote (``DotProductAttention.forward`` holds them in
+        ``attention_scores`` until it returns) and, with the softmax in fp32, the fp32 copy
+        ``forward_torch_softmax`` masks in place (``e + 4`` bytes a score); backward, the fp32 gradient and the
+        softmax's input gradient (then the masked one) while the value GEMM's low-precision probabilities are
+        already freed (``8 - e``). In the activations' dtype: ``e`` either way. Held against the live bytes of a
+        local-spec layer's forward and backward (``tests/projection/test_local_spec.py``)."""
+        e = self.e
+        per_score = max(e + _FP32, 2 * _FP32 - e) if self.training.attention_softmax_in_fp32 else e
+        return self._local_scores() * per_score
+
+    def attention_buffer(self) -> float:
+        """The buffer the local attention's ``baddbmm`` is given as its ``input`` (``beta=0``):
+        ``parallel_state.get_global_memory_buffer().get_tensor(..., "mpu")``, allocated at the first forward and
+        kept for the run, one per rank (every layer asks for the same shape and name)."""
+        return self._local_scores() * self.e
+
     def head_gemm_bytes(self) -> float:
         """Output layer input and its output gradient (what a deferred W of the last stage reads)."""
         m, tp = self.model, self.training.tp

@@ -282,10 +282,58 @@ class WorkModel(RankShape):
         backward = 2.5 * causal if t.flash_attention else 2 * square
         e = self.e
         scores = square / (qk + v) / 2  # elements of the score matrix
-        softmax = 0.0 if t.flash_attention else scores * (2 * e + (8 if t.attention_softmax_in_fp32 else 2 * e))
+        if t.attention_backend == "local":
+            softmax_fwd, softmax_bwd = self._local_softmax_bytes(scores)
+        else:
+            softmax_fwd = 0.0 if t.flash_attention else scores * (2 * e + (8 if t.attention_softmax_in_fp32 else 2 * e))
+            softmax_bwd = 2 * softmax_fwd
         ring_fwd, ring_bwd = self._ring_corrections(v)
-        fwd = Work(attention_flops=forward, memory_bytes=softmax + ring_fwd)
-        return PassWork(fwd, Work(attention_flops=backward, memory_bytes=2 * softmax + ring_bwd), Work(), recompute=fwd)
+        fwd = Work(attention_flops=forward, memory_bytes=softmax_fwd + ring_fwd)
+        return PassWork(fwd, Work(attention_flops=backward, memory_bytes=softmax_bwd + ring_bwd), Work(), recompute=fwd)
+
+    def _local_softmax_bytes(self, scores: float) -> tuple[float, float]:
+        """Bytes megatron-core's local ``DotProductAttention`` moves around its two batched GEMMs, forward and
+        backward, for ``scores`` elements of the score matrix (``b a/TP (s/CP) s``), with ``masked_softmax_fusion``
+        off: ``FusedScaleMaskSoftmax.forward_torch_softmax`` (``fusions/fused_softmax.py``) casts the low-precision
+        scores ``baddbmm`` wrote to fp32 (read ``e``, write 4), masks them in place (``attention_mask_func``'s
+        ``masked_fill_``: read 4 and the one-byte mask, write 4), takes the softmax (read 4, write 4) and casts the
+        probabilities back (read 4, write ``e``): ``2e + 24`` an element, and the mask. Autograd's backward runs the
+        same chain the other way: the gradient cast to fp32 (``e + 4``), ``_softmax_backward_data`` (reads the
+        probabilities and the gradient, writes one: 12), ``masked_fill`` of the gradient (8 and the mask), the cast
+        back (``4 + e``): ``2e + 28``. With the softmax in the activations' dtype, no casts: ``4e`` forward, ``5e``
+        backward. The mask (``[1, 1, s, s]`` booleans, what ``GPTModel`` is given) is read whole per masking pass.
+        Held against the aten operations a local-spec layer dispatches (``tests/projection/test_local_spec.py``)."""
+        m, t, e = self.model, self.training, self.e
+        mask = (m.seq_length / t.cp) * m.seq_length
+        if t.attention_softmax_in_fp32:
+            return scores * (2 * e + 24) + mask, scores * (2 * e + 28) + mask
+        return scores * 4 * e + mask, scores * 5 * e + mask
+
+    def _local_spec_elements(self, kind: str) -> PassWork:
+        """Element-wise passes megatron-core's local spec (``--transformer-impl local``) runs as kernels of their own
+        where Transformer Engine folds them into a GEMM or attention kernel (nothing for other backends):
+
+        * ``add_bias_linear``: ``ColumnParallelLinear`` / ``RowParallelLinear`` (``tensor_parallel/layers.py``) run
+          ``matmul`` and add the bias in a pass of its own over each linear's output (read and write; with
+          ``skip_bias_add`` in the layer's ``bias_dropout_add`` or before the activation); backward, each bias's
+          gradient is a sum of the output gradient over the tokens (read it);
+        * the context's ``permute(...).contiguous()`` at the end of ``DotProductAttention.forward`` (read and write
+          the attention output);
+        * backward, ``baddbmm``'s ``alpha`` (the softmax scale) applied to the query and key gradients in a pass
+          each, and the gradient of ``get_query_key_value_tensors``'s ``torch.split`` of the fused QKV output: a
+          concatenation of the three gradients (read and write).
+
+        Dense layers only (the local spec's MoE experts are not priced here)."""
+        m, t, e = self.model, self.training, self.e
+        if t.attention_backend != "local" or kind != "dense":
+            return NO_WORK
+        heads, groups = m.num_attention_heads / t.tp, m.query_groups / t.tp
+        qkv = (heads + 2 * groups) * m.head_dim
+        context = self.tokens * heads * m.head_dim * e
+        outputs = self.tokens * (qkv + m.ffn / t.tp) * e + 2 * self.hidden_bytes if m.add_bias_linear else 0.0
+        forward = 2 * outputs + 2 * context
+        backward = outputs + 2 * 2 * context + 2 * self.tokens * qkv * e
+        return PassWork(Work(memory_bytes=forward), Work(memory_bytes=backward), Work())
 
     def _ring_corrections(self, v_head_dim: float) -> tuple[float, float]:
         """Bytes ring attention (context parallelism) moves besides its kernels, forward and backward.
@@ -526,7 +574,7 @@ class WorkModel(RankShape):
             if t.recomputes("moe_act") and not t.recomputes("moe"):
                 mlp_recompute = mlp_recompute + self._activation(self.expert_copies * t.load_imbalance,
                                                                  m.expert_ffn / t.etp) + clamp.forward
-        element = _sum(self._elementwise(kind), self._unfused_rope())
+        element = _sum(self._elementwise(kind), self._unfused_rope(), self._local_spec_elements(kind))
         accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()))
         forward = attention.forward + core.forward + mlp.forward + element.forward
         recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute

@@ -113,7 +113,9 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
         w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if stage == last else 0.0)
         kept_for_w.append(min(stage_bytes, w_bytes))
         transient.append(max(activations.recompute_working_set(layers),  # at different moments: the larger shows
-                             activations.loss_working_set() if stage == last else 0.0))
+                             activations.loss_working_set() if stage == last else 0.0,
+                             activations.attention_working_set() if layers else 0.0)
+                         + activations.attention_buffer())
     params = rank_params(model, training, layout)
     ranks = range(placement.pp)
     return StageCosts(
