@@ -294,16 +294,34 @@ class ActivationModel(RankShape):
         return t.micro_batch_size * m.num_attention_heads / t.tp * (m.seq_length / t.cp) * m.seq_length
 
     def attention_working_set(self) -> float:
-        """Bytes the local attention holds for a moment beyond what the layer keeps, at the larger of two moments:
-        forward, the low-precision scores ``baddbmm`` wrote (``DotProductAttention.forward`` holds them in
-        ``attention_scores`` until it returns) and, with the softmax in fp32, the fp32 copy
-        ``forward_torch_softmax`` masks in place (``e + 4`` bytes a score); backward, the fp32 gradient and the
-        softmax's input gradient (then the masked one) while the value GEMM's low-precision probabilities are
-        already freed (``8 - e``). In the activations' dtype: ``e`` either way. Held against the live bytes of a
-        local-spec layer's forward and backward (``tests/projection/test_local_spec.py``)."""
-        e = self.e
-        per_score = max(e + _FP32, 2 * _FP32 - e) if self.training.attention_softmax_in_fp32 else e
-        return self._local_scores() * per_score
+        """Bytes the local attention holds for a moment beyond what the stage keeps (nothing for other backends), at
+        the larger of two moments of one layer:
+
+        * forward, once the softmax has run: the low-precision scores ``baddbmm`` wrote (``DotProductAttention
+          .forward`` holds them in ``attention_scores`` until it returns) and, with the softmax in fp32, the fp32
+          copy ``forward_torch_softmax`` masked in place: ``e + 4`` bytes a score (``e`` without the fp32 softmax);
+        * backward, in the softmax's backward: with the softmax in fp32 the fp32 gradient and the softmax's input
+          gradient (then the masked one), the low-precision probabilities the value GEMM kept already freed:
+          ``8 - e``; without it the masked scores' gradient rebuilt by autograd's ``CopySlices`` (a zeroed base, its
+          strided copy and a clone beside the softmax's and the mask's gradients) less the freed probabilities:
+          ``3e``; and two gradients in flight, the residual stream's and the value's (waiting for the QKV split's
+          concatenation).
+
+        What the layer keeps after its core attention (the output projection's input, the pre-MLP norm, the MLP) is
+        not yet made at the first moment and already freed at the second, so it comes off both. Held against the
+        live bytes of a local-spec layer's forward and backward (``tests/projection/test_local_spec.py``)."""
+        m, t, e = self.model, self.training, self.e
+        scores = self._local_scores()
+        if not scores:
+            return 0.0
+        fp32 = t.attention_softmax_in_fp32 and e < _FP32
+        forward = scores * (e + _FP32 if fp32 else e)
+        grads = self.hidden_bytes + self.tokens * m.query_groups / t.tp * m.head_dim * e
+        backward = scores * (2 * _FP32 - e if fp32 else 3 * e) + grads
+        context = self.tokens * m.num_attention_heads / t.tp * m.head_dim * e
+        after_core = min(self._layers[k].total - self._layers[k].components["input_norm"]
+                         - self._layers[k].components["attention"] + context for k in self._layers)
+        return max(forward, backward) - after_core
 
     def attention_buffer(self) -> float:
         """The buffer the local attention's ``baddbmm`` is given as its ``input`` (``beta=0``):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
@@ -283,13 +283,31 @@ class WorkModel(RankShape):
         e = self.e
         scores = square / (qk + v) / 2  # elements of the score matrix
         if t.attention_backend == "local":
-            softmax_fwd, softmax_bwd = self._local_softmax_bytes(scores)
-        else:
-            softmax_fwd = 0.0 if t.flash_attention else scores * (2 * e + (8 if t.attention_softmax_in_fp32 else 2 * e))
-            softmax_bwd = 2 * softmax_fwd
+            return self._local_attention_core(scores)
+        softmax = 0.0 if t.flash_attention else scores * (2 * e + (8 if t.attention_softmax_in_fp32 else 2 * e))
+        softmax_fwd, softmax_bwd = softmax, 2 * softmax
         ring_fwd, ring_bwd = self._ring_corrections(v)
         fwd = Work(attention_flops=forward, memory_bytes=softmax_fwd + ring_fwd)
         return PassWork(fwd, Work(attention_flops=backward, memory_bytes=softmax_bwd + ring_bwd), Work(), recompute=fwd)
+
+    def _local_attention_core(self, scores: float) -> PassWork:
+        """megatron-core's local ``DotProductAttention`` (``transformer/dot_product_attention.py``): cuBLAS batched
+        GEMMs, one per ``b a/TP`` head, timed as GEMMs by shape (:func:`~primuspipe.projection.gemm.gemm_seconds`),
+        not at a fused attention kernel's rate: forward ``baddbmm`` (``Q K^T``: ``s/CP x s``, reduced over the
+        query/key width) and ``bmm`` (``P V``: ``s/CP x d_v``, reduced over ``s``); backward autograd's two GEMMs
+        for each (``dP = dO V^T``, ``dV = P^T dO``, ``dQ = dS K``, ``dK = dS^T Q``), all in B. The unfused softmax
+        around them is :meth:`_local_softmax_bytes`. The full square is computed, then masked."""
+        m, t = self.model, self.training
+        qk, v = self.head_dims
+        heads = t.micro_batch_size * m.num_attention_heads / t.tp
+        queries, keys = m.seq_length / t.cp, m.seq_length
+        scores_gemm = Gemm(queries, keys, qk, heads, kernel="fused")  # one strided-batched launch
+        context_gemm = Gemm(queries, v, keys, heads, kernel="fused")
+        backward = (replace(scores_gemm, k=v), replace(context_gemm, m=keys, n=v, k=queries),
+                    replace(context_gemm, n=qk), replace(context_gemm, m=keys, n=qk, k=queries))
+        softmax_fwd, softmax_bwd = self._local_softmax_bytes(scores)
+        fwd = Work((scores_gemm, context_gemm), memory_bytes=softmax_fwd)
+        return PassWork(fwd, Work(backward, memory_bytes=softmax_bwd), Work(), recompute=fwd)
 
     def _local_softmax_bytes(self, scores: float) -> tuple[float, float]:
         """Bytes megatron-core's local ``DotProductAttention`` moves around its two batched GEMMs, forward and
@@ -300,14 +318,17 @@ class WorkModel(RankShape):
         probabilities back (read 4, write ``e``): ``2e + 24`` an element, and the mask. Autograd's backward runs the
         same chain the other way: the gradient cast to fp32 (``e + 4``), ``_softmax_backward_data`` (reads the
         probabilities and the gradient, writes one: 12), ``masked_fill`` of the gradient (8 and the mask), the cast
-        back (``4 + e``): ``2e + 28``. With the softmax in the activations' dtype, no casts: ``4e`` forward, ``5e``
-        backward. The mask (``[1, 1, s, s]`` booleans, what ``GPTModel`` is given) is read whole per masking pass.
+        back (``4 + e``): ``2e + 28``. With the softmax in the activations' dtype there are no casts and the mask
+        goes in place onto a view of ``baddbmm``'s output, so autograd's ``CopySlices`` rebuilds that output's
+        gradient around the mask's (``new_zeros``, three ``copy_``, a ``clone``): ``4e`` forward, ``3e`` (softmax)
+        ``+ e + 3 * 2e + 2e`` (the rebuild) ``+ 2e`` (the mask) ``= 14e`` backward. The mask (``[1, 1, s, s]``
+        booleans, what ``GPTModel`` is given) is read whole per masking pass.
         Held against the aten operations a local-spec layer dispatches (``tests/projection/test_local_spec.py``)."""
         m, t, e = self.model, self.training, self.e
         mask = (m.seq_length / t.cp) * m.seq_length
         if t.attention_softmax_in_fp32:
             return scores * (2 * e + 24) + mask, scores * (2 * e + 28) + mask
-        return scores * 4 * e + mask, scores * 5 * e + mask
+        return scores * 4 * e + mask, scores * 14 * e + mask
 
     def _local_spec_elements(self, kind: str) -> PassWork:
         """Element-wise passes megatron-core's local spec (``--transformer-impl local``) runs as kernels of their own
@@ -615,13 +636,17 @@ class WorkModel(RankShape):
     def model_flops(self, attention: str = "causal") -> float:
         """Model FLOPs of one microbatch on one rank, all three passes, no recompute (MFU's numerator):
         GEMMs, and attention counted by ``attention`` (see :data:`FLOP_CONVENTIONS`)."""
+        core = self._attention_core()  # the local backend's are GEMMs: counted below by the convention instead
+        core_gemms = sum(w.gemm_flops for w in core.passes())
+
         def useful(work: PassWork, attention_flops: float) -> float:
             return sum(w.gemm_flops for w in work.passes()) + attention_flops * 3
 
         square = self._attention_square()  # the full convention counts the square in every layer, windowed or not
         counted = square if attention == "full" else 0.5 * square * self.window_share
         layers = Counter(self.model.layer_kinds)
-        return sum(n * useful(self.layer(k), counted) for k, n in layers.items()) + useful(self.head(), 0)
+        return (sum(n * (useful(self.layer(k), counted) - core_gemms) for k, n in layers.items())
+                + useful(self.head(), 0))
 
 
 def model_flops_per_token(model: ModelSpec, attention: str = "causal") -> float:

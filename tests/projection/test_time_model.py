@@ -40,8 +40,11 @@ def test_layer_flops_per_pass():
     assert layer.forward.attention_flops == causal  # flash skips masked tiles
     assert layer.backward_input.attention_flops == 2.5 * causal  # ... and recomputes the scores backward
     assert layer.backward_weight.attention_flops == 0
-    unfused = WorkModel(MODEL, dataclasses.replace(TRAINING, attention_backend="local")).layer("dense")
+    unfused = WorkModel(MODEL, dataclasses.replace(TRAINING, attention_backend="unfused")).layer("dense")
     assert unfused.forward.attention_flops == 2 * causal and unfused.backward_input.attention_flops == 4 * causal
+    local = WorkModel(MODEL, dataclasses.replace(TRAINING, attention_backend="local")).layer("dense")  # batched GEMMs
+    assert local.forward.attention_flops == local.backward_input.attention_flops == 0
+    assert local.forward.gemm_flops == gemm + 2 * causal and local.backward_input.gemm_flops == gemm + 4 * causal
 
 
 def test_model_flops_count_three_passes_and_causal_attention_once():

@@ -1,0 +1,127 @@
+"""What one real megatron-core local-spec layer dispatches, op by op: bytes, GEMM FLOPs and live memory.
+
+In eager mode the GPU runs about one kernel per aten operation, so the operations a layer's forward and
+backward dispatch (recorded here under a ``TorchDispatchMode``, on CPU) are its kernel list: the work the
+projection must count for the local spec (``primuspipe.projection.compute``, ``activations``). Live bytes follow
+storages: a storage's Python object lives as long as the storage, so a weak reference to it says when the caching
+allocator would get the block back (as ``torch.distributed._tools.mem_tracker`` does); views allocate nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from projection_megatron import fake_parallel_state
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
+NO_DATA = {"_unsafe_view", "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "detach",
+           "lift_fresh"}
+"""Operations that move no data (``_unsafe_view`` reshapes a 3-D ``matmul``'s output) or only allocate."""
+WRITE_ONLY = {"new_zeros", "zeros_like", "zero_", "fill_", "new_full"}
+"""Operations that write their output without reading their tensor argument (taken for its shape)."""
+OVERWRITES = {"copy_"}
+"""In-place operations that overwrite their first argument without reading it."""
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    phase: str
+    """``forward`` or ``backward``."""
+    moved: int
+    """Bytes of the tensor inputs (a broadcast input at its own size) and outputs."""
+    flops: float
+    """``2 M N K`` of a GEMM (batched: times the batch); 0 otherwise."""
+
+
+@dataclass
+class LayerRecord:
+    ops: list[Op] = field(default_factory=list)
+    saved_bytes: int = 0
+    """Bytes the forward created that are alive when it returns (what autograd keeps, the output, buffers)."""
+    peak_bytes: int = 0
+    """Peak of live bytes the forward and backward created."""
+
+    def moved(self, phase: str) -> int:
+        """Bytes the element-wise (non-GEMM) operations of ``phase`` read and write."""
+        return sum(o.moved for o in self.ops if o.phase == phase and o.name not in GEMMS)
+
+    def flops(self, phase: str) -> float:
+        return sum(o.flops for o in self.ops if o.phase == phase)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _gemm_flops(name: str, args: tuple) -> float:
+    a, b = args[-2], args[-1]  # addmm / baddbmm take the added input first
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, record: LayerRecord) -> None:
+        super().__init__()
+        self.record, self.phase, self.live = record, "forward", 0
+        self.seen: set[int] = set()
+        self.refs: list[weakref.ref] = []
+
+    def _free(self, key: int, size: int) -> None:
+        self.live -= size
+        self.seen.discard(key)
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if key in self.seen or size == 0:
+            return
+        self.seen.add(key)
+        self.live += size
+        self.refs.append(weakref.ref(storage, lambda _, k=key, s=size: self._free(k, s)))
+        self.record.peak_bytes = max(self.record.peak_bytes, self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view:
+            return out
+        name = func.__name__.split(".")[0]
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if name not in NO_DATA:
+            inputs = [] if name in WRITE_ONLY else tree_leaves((args[1:] if name in OVERWRITES else args, kwargs))
+            moved = sum(_bytes(t) for t in inputs if isinstance(t, torch.Tensor)) + sum(_bytes(t) for t in outputs)
+            self.record.ops.append(Op(name, self.phase, moved, _gemm_flops(name, args) if name in GEMMS else 0.0))
+        if not name.endswith("_"):  # an in-place operation allocates nothing
+            for t in outputs:
+                self._track(t)
+        return out
+
+
+def record_layer(model, training, kind: str = "dense") -> LayerRecord:
+    """Forward and backward of one layer of ``kind`` from megatron-core's local spec, for the specs (the
+    training's precision and kernels; the projection's own Megatron config builder), on CPU, with the explicit
+    causal mask ``GPTModel`` is given."""
+    from primuspipe.projection.benchmark.megatron_model import DTYPES, build_layer, causal_mask
+
+    with fake_parallel_state(training):
+        layer = build_layer(model, training, kind)
+        generator = torch.Generator().manual_seed(0)
+        dtype, tokens = DTYPES[training.precision], model.seq_length // training.cp
+        shape = (tokens, training.micro_batch_size, model.hidden_size)
+        x = torch.randn(shape, generator=generator).to(dtype).requires_grad_()
+        grad = torch.randn(shape, generator=generator).to(dtype)
+        mask = causal_mask(tokens)
+        record = LayerRecord()
+        recorder = _Recorder(record)
+        with recorder:
+            out, _ = layer(x, attention_mask=mask)
+        record.saved_bytes = recorder.live
+        with recorder:
+            recorder.phase = "backward"
+            out.backward(grad)
+        return record
