@@ -69,12 +69,13 @@ for f in sorted(glob.glob(sys.argv[1] + "/iter_*/rank_0.json")):  # memory must 
           f" layers + ends beyond the node {over * 1e3:+.3f} ms")
 PY
 done
+# the example builds its TransformerConfig with the softmax in fp32 (megatron-core's default); Megatron-LM needs the flag
 cat > "$out/single_gpu_args.txt" <<EOF
 torchrun --nproc-per-node 1 pretrain_gpt.py --num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192
 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 32
 --vocab-size 64 --position-embedding-type learned_absolute --normalization LayerNorm --transformer-impl local
 --no-bias-gelu-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion --no-gradient-accumulation-fusion
---hidden-dropout 0 --attention-dropout 0 --bf16 --optimizer adam
+--hidden-dropout 0 --attention-dropout 0 --bf16 --optimizer adam --attention-softmax-in-fp32
 EOF
 hardware=examples/projection/hardware/h100.yaml
 timeout 60 "${cli[@]}" project --megatron-config "$out/single_gpu_args.txt" --hardware $hardware -a 1f1b --json \

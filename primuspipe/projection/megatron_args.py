@@ -106,6 +106,8 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
     _resolve_virtual_stages(arguments, values, source)
     _resolve_transformer_impl(arguments, values, source)
     training = values["training"]
+    if training.get("attention_backend") == "local":  # these decide the local spec's attention kernels
+        set_aside = [name for name in set_aside if name not in LOCAL_SOFTMAX_FLAGS]
     training.setdefault("global_batch_size", training.get("micro_batch_size", 1))  # Megatron: MBS * DP
     if not arguments.get("group_query_attention"):
         values["model"].pop("num_query_groups", None)
@@ -128,12 +130,23 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+LOCAL_SOFTMAX_FLAGS = frozenset({"masked_softmax_fusion", "no_masked_softmax_fusion", "attention_softmax_in_fp32",
+                                 "apply_query_key_layer_scaling"})
+"""Flags without effect on Transformer Engine's attention that decide the local spec's (:func:`_resolve_transformer_impl`)."""
+
+
 def _resolve_transformer_impl(arguments: Mapping[str, Any], values: dict[str, dict[str, Any]], source: str) -> None:
     """``--transformer-impl local`` builds the layers from megatron-core's local spec
     (``get_gpt_layer_local_spec``): attention is megatron-core's own ``DotProductAttention``, scores, masked
     softmax and the probabilities' product as separate kernels over the whole square (whatever
     ``--attention-backend`` says; the local spec does not read it), so the projection prices and keeps it as the
-    ``local`` backend. Megatron refuses FP8 without Transformer Engine, and so does the projection."""
+    ``local`` backend. Megatron refuses FP8 without Transformer Engine, and so does the projection.
+
+    Two of Megatron-LM's flags then decide that attention's kernels (``megatron/training/arguments.py``): the
+    softmax runs in fp32 only with ``--attention-softmax-in-fp32`` or ``--apply-query-key-layer-scaling`` (which
+    sets it; both off by default), and ``--no-masked-softmax-fusion`` keeps the softmax unfused; by default
+    ``FusedScaleMaskSoftmax`` takes a fused CUDA kernel where the shapes allow it, which the projection does not
+    price, so that case is refused."""
     impl = arguments.get("transformer_impl") or "transformer_engine"
     if impl == "transformer_engine":
         return
@@ -144,7 +157,12 @@ def _resolve_transformer_impl(arguments: Mapping[str, Any], values: dict[str, di
     if training.get("precision") == "fp8" or training.get("fp8_format"):
         raise ConfigError(f"{source}: --transformer-impl local with FP8: Megatron trains FP8 only with Transformer "
                           "Engine; drop --fp8-format or use --transformer-impl transformer_engine")
+    if not arguments.get("no_masked_softmax_fusion") and arguments.get("masked_softmax_fusion", True) is not False:
+        raise ConfigError(f"{source}: --transformer-impl local with Megatron's fused masked softmax (the default): "
+                          "its kernel is not priced; add --no-masked-softmax-fusion, or use transformer_engine")
     training["attention_backend"] = "local"
+    training["attention_softmax_in_fp32"] = bool(arguments.get("attention_softmax_in_fp32")
+                                                 or arguments.get("apply_query_key_layer_scaling"))
 
 
 def _resolve_virtual_stages(arguments: Mapping[str, Any], values: dict[str, dict[str, Any]], source: str) -> None:

@@ -184,17 +184,31 @@ def test_primus_bookkeeping_is_set_aside_and_the_legacy_grouped_gemm_switch_read
         assert config.training.moe_use_legacy_grouped_gemm == (legacy == "True") == config.training.legacy_grouped_mlp
 
 
+LOCAL = "--transformer-impl local --no-masked-softmax-fusion"
+
+
 @pytest.mark.parametrize("flags, backend", [("", "flash"), ("--transformer-impl transformer_engine", "flash"),
-                                            ("--transformer-impl local", "local"),
-                                            ("--transformer-impl local --attention-backend flash", "local")])
+                                            (LOCAL, "local"), (LOCAL + " --attention-backend flash", "local")])
 def test_the_local_layer_spec_runs_megatrons_own_unfused_attention(flags, backend):
     """``--transformer-impl local`` builds megatron-core's local spec, whose attention is its own unfused
     DotProductAttention whatever --attention-backend says: priced and kept as the ``local`` backend."""
     assert read_arguments(MODEL_ARGS + flags, "run.sh").training.attention_backend == backend
 
 
+@pytest.mark.parametrize("flags, fp32", [("", False), (" --attention-softmax-in-fp32", True),
+                                         (" --apply-query-key-layer-scaling", True)])
+def test_the_local_specs_softmax_runs_in_fp32_only_when_megatron_is_told(flags, fp32):
+    """Megatron-LM's ``--attention-softmax-in-fp32`` is off by default (``--apply-query-key-layer-scaling`` turns it
+    on): the local spec's softmax then runs in the activations' dtype, which moves and holds other bytes."""
+    config = read_arguments(MODEL_ARGS + LOCAL + flags, "run.sh")
+    assert config.training.attention_softmax_in_fp32 is fp32
+    assert not set(config.no_effect) & {"no_masked_softmax_fusion", "attention_softmax_in_fp32",
+                                        "apply_query_key_layer_scaling"}  # they matter here
+
+
 @pytest.mark.parametrize("flags, message", [
-    ("--transformer-impl local --fp8-format hybrid", r"run.sh: --transformer-impl local with FP8"),
+    (LOCAL + " --fp8-format hybrid", r"run.sh: --transformer-impl local with FP8"),
+    ("--transformer-impl local", r"run.sh: --transformer-impl local with Megatron's fused masked softmax"),
     ("--transformer-impl inference_optimized", r"run.sh: --transformer-impl inference_optimized: only"),
 ])
 def test_layer_implementations_megatron_cannot_train_are_refused(flags, message):
