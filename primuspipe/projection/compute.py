@@ -342,7 +342,11 @@ class WorkModel(RankShape):
           the attention output);
         * backward, ``baddbmm``'s ``alpha`` (the softmax scale) applied to the query and key gradients in a pass
           each, and the gradient of ``get_query_key_value_tensors``'s ``torch.split`` of the fused QKV output: a
-          concatenation of the three gradients (read and write).
+          concatenation of the three gradients (read and write);
+        * with grouped queries, ``DotProductAttention`` expands the keys and values to every head
+          (``repeat_interleave``: read the groups, write the heads), and backward sums each expanded gradient back
+          over its heads (read the heads, write the groups); the query, sliced out of the grouped QKV layout, is
+          copied by a ``reshape`` forward and its gradient backward (read and write the heads).
 
         Dense layers only (the local spec's MoE experts are not priced here)."""
         m, t, e = self.model, self.training, self.e
@@ -352,8 +356,10 @@ class WorkModel(RankShape):
         qkv = (heads + 2 * groups) * m.head_dim
         context = self.tokens * heads * m.head_dim * e
         outputs = self.tokens * (qkv + m.ffn / t.tp) * e + 2 * self.hidden_bytes if m.add_bias_linear else 0.0
-        forward = 2 * outputs + 2 * context
-        backward = outputs + 2 * 2 * context + 2 * self.tokens * qkv * e
+        grouped = heads > groups  # keys and values expanded, the query copied
+        expand = 2 * self.tokens * (heads + groups) * m.head_dim * e + 2 * context if grouped else 0.0
+        forward = 2 * outputs + 2 * context + expand
+        backward = outputs + 2 * 2 * context + 2 * self.tokens * qkv * e + expand
         return PassWork(Work(memory_bytes=forward), Work(memory_bytes=backward), Work())
 
     def _ring_corrections(self, v_head_dim: float) -> tuple[float, float]:

@@ -26,6 +26,8 @@ CASES = {
     "two-samples-short": (dataclasses.replace(GPT2_LIKE, seq_length=512, num_attention_heads=4),
                           dataclasses.replace(LOCAL, micro_batch_size=2, global_batch_size=2)),
     "bf16-softmax": (GPT2_LIKE, dataclasses.replace(LOCAL, attention_softmax_in_fp32=False)),
+    "grouped-queries": (dataclasses.replace(GPT2_LIKE, seq_length=1024, num_attention_heads=4, num_query_groups=2,
+                                            kv_channels=64), LOCAL),
 }
 
 
@@ -51,15 +53,15 @@ def test_local_layer_keeps_and_briefly_holds_what_the_activation_model_counts(ca
     # the record holds the layer's output and the global score buffer, not its input (made before it): the
     # output stands in for the input the activation model counts. CPU keeps a bf16 norm's mean and 1/std in bf16
     # where CUDA keeps fp32, two bytes a token each for each of the two norms.
-    cpu_norm_stats = 2 * 2 * 2 * training.micro_batch_size * model.seq_length if training.precision == "bf16" else 0
-    kept = activations.layer("dense").total + activations.attention_buffer() - cpu_norm_stats
+    per_norm = 2 * 2 * training.micro_batch_size * model.seq_length if training.precision == "bf16" else 0
+    kept = activations.layer("dense").total + activations.attention_buffer() - 2 * per_norm
     assert kept == record.saved_bytes
     h, f = model.hidden_size, model.ffn
     # the weight gradients made before the peak (output projection, MLP, pre-MLP norm): megatron-core's DDP hook
     # moves each into its main gradient and drops it
     weight_grads = 2 * (h * h + 2 * h * f + h + f + h + 2 * h)
-    transient = record.peak_bytes - record.saved_bytes - weight_grads
-    assert activations.attention_working_set() == pytest.approx(transient, rel=0.01)
+    transient = record.peak_bytes - record.saved_bytes - weight_grads - per_norm  # the pre-MLP norm's, freed
+    assert transient <= activations.attention_working_set() <= 1.02 * transient  # never under
 
 
 def test_other_backends_gain_no_local_spec_terms():

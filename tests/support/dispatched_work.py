@@ -33,7 +33,7 @@ class Op:
     phase: str
     """``forward`` or ``backward``."""
     moved: int
-    """Bytes of the tensor inputs (a broadcast input at its own size) and outputs."""
+    """Bytes of the tensor inputs (an expanded view at the memory it spans) and outputs."""
     flops: float
     """``2 M N K`` of a GEMM (batched: times the batch); 0 otherwise."""
 
@@ -56,6 +56,14 @@ class LayerRecord:
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _read(t: torch.Tensor) -> int:
+    """Bytes of memory an input spans: an expanded (stride 0) dimension is read once, not once per copy."""
+    size = t.element_size()
+    for n, stride in zip(t.shape, t.stride()):
+        size *= n if stride else 1
+    return size
 
 
 def _gemm_flops(name: str, args: tuple) -> float:
@@ -94,7 +102,7 @@ class _Recorder(TorchDispatchMode):
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if name not in NO_DATA:
             inputs = [] if name in WRITE_ONLY else tree_leaves((args[1:] if name in OVERWRITES else args, kwargs))
-            moved = sum(_bytes(t) for t in inputs if isinstance(t, torch.Tensor)) + sum(_bytes(t) for t in outputs)
+            moved = sum(_read(t) for t in inputs if isinstance(t, torch.Tensor)) + sum(_bytes(t) for t in outputs)
             self.record.ops.append(Op(name, self.phase, moved, _gemm_flops(name, args) if name in GEMMS else 0.0))
         if not name.endswith("_"):  # an in-place operation allocates nothing
             for t in outputs:
