@@ -43,9 +43,9 @@ class StageCosts:
     static: tuple[StaticMemory, ...]
     """Per rank."""
     transient_bytes: tuple[float, ...]
-    """Per rank: what a full-recompute backward rebuilds at once, or the unfused loss's fp32 copy beside the
-    logits (the last stage), whichever is larger, on top of what the schedule holds (reported as the
-    recompute working set)."""
+    """Per rank: what a full-recompute backward rebuilds at once, the unfused loss's fp32 copy beside the
+    logits (the last stage) or the local attention's working set, whichever is larger, plus the local attention's
+    score buffer, on top of what the schedule holds (reported as the recompute working set)."""
     p2p: P2PCost
     communication: tuple[float, float, float]
     """Seconds of TP / CP / EP collectives inside F, B and W that compute does not hide, summed over stages

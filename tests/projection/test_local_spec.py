@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from dispatched_work import record_layer
+from dispatched_work import record_layer, record_model
 
 from primuspipe.projection.activations import ActivationModel
 from primuspipe.projection.compute import WorkModel
+from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.projection import Projector
 from primuspipe.projection.training_spec import TrainingSpec
 
 # The lent H100's single-GPU run (h 2048, 16 heads of 128, s 2048, FFN 4h, LayerNorm, GELU with biases) scaled
@@ -71,3 +73,17 @@ def test_other_backends_gain_no_local_spec_terms():
         assert activations.attention_working_set() == activations.attention_buffer() == 0.0
         work = WorkModel(GPT2_LIKE, training)
         assert work._local_spec_elements("dense").forward.memory_bytes == 0.0
+
+
+def test_a_whole_local_spec_model_peaks_where_the_projection_says():
+    """Embedding, four layers, head and loss of one microbatch: the projection's activations and working set (1F1B
+    on one GPU holds one microbatch) against the peak of live bytes of the real model's forward and backward. The
+    record's peak also holds the weight gradients made by then (at most all of them, before megatron-core's DDP
+    hook would move each into its main gradient)."""
+    model, training = dataclasses.replace(GPT2_LIKE, num_layers=4), LOCAL
+    record = record_model(model, training)
+    result = Projector(model, load_hardware("examples/projection/hardware/h100.yaml")).evaluate(training, "1f1b")
+    projected = result.memory_breakdown["activations"] + result.memory_breakdown["recompute_working_set"]
+    weight_grads = 2 * result.memory_breakdown["weights"] / 2  # bf16 weights, bf16 gradients
+    cpu_norm_stats = 9 * 2 * 2 * model.seq_length  # 9 norms keep bf16 statistics on CPU, fp32 on CUDA
+    assert record.peak_bytes - weight_grads <= projected - cpu_norm_stats <= 1.01 * record.peak_bytes

@@ -110,6 +110,40 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _record(run_forward) -> LayerRecord:
+    """Forward (``run_forward()`` returns what backward starts from and its gradient) and backward, recorded."""
+    record = LayerRecord()
+    recorder = _Recorder(record)
+    with recorder:
+        out, grad = run_forward()
+    record.saved_bytes = recorder.live
+    with recorder:
+        recorder.phase = "backward"
+        out.backward(grad)
+    return record
+
+
+def record_model(model, training) -> LayerRecord:
+    """One microbatch through the whole model (``GPTModel`` of the local spec: embedding, every layer, final norm,
+    output layer, the vocab-parallel cross entropy), forward and backward, on CPU."""
+    from primuspipe.projection.benchmark.megatron_model import DTYPES, build_gpt_chunk, causal_mask, transformer_config
+
+    with fake_parallel_state(training):
+        config = transformer_config(model, training)
+        gpt = build_gpt_chunk(model, training, config, vp_stage=None, pre_process=True, post_process=True)
+        gpt = gpt.to(DTYPES[training.precision])
+        b, s = training.micro_batch_size, model.seq_length
+        tokens = torch.randint(model.padded_vocab(1), (b, s), generator=torch.Generator().manual_seed(0))
+        positions = torch.arange(s).unsqueeze(0).expand(b, s)
+        mask = causal_mask(s)
+
+        def forward():
+            loss = gpt(tokens, positions, mask, labels=tokens).float().sum()
+            return loss, torch.ones_like(loss)
+
+        return _record(forward)
+
+
 def record_layer(model, training, kind: str = "dense") -> LayerRecord:
     """Forward and backward of one layer of ``kind`` from megatron-core's local spec, for the specs (the
     training's precision and kernels; the projection's own Megatron config builder), on CPU, with the explicit
@@ -124,12 +158,4 @@ def record_layer(model, training, kind: str = "dense") -> LayerRecord:
         x = torch.randn(shape, generator=generator).to(dtype).requires_grad_()
         grad = torch.randn(shape, generator=generator).to(dtype)
         mask = causal_mask(tokens)
-        record = LayerRecord()
-        recorder = _Recorder(record)
-        with recorder:
-            out, _ = layer(x, attention_mask=mask)
-        record.saved_bytes = recorder.live
-        with recorder:
-            recorder.phase = "backward"
-            out.backward(grad)
-        return record
+        return _record(lambda: (layer(x, attention_mask=mask)[0], grad))
