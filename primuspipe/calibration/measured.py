@@ -71,6 +71,9 @@ class MeasuredCosts:
     w_warm: tuple[float, ...] | None = None
     """Per stage, the time of a warm W (``backward_weight``: of a cold one); the W of a stage that ran W
     in one context only. None where no stage ran W in both, or both took the same."""
+    dropped_runs: tuple[int, ...] = ()
+    """Of several runs calibrated together, the indices of those left out as a moment of the host
+    (:mod:`~primuspipe.calibration.runs`; ``notes`` says why); empty otherwise."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for
