@@ -28,6 +28,10 @@ optimizer step does. ``--runs`` sessions per pp. Then
 * **measure** each algorithm's step: the dump's step span (first node start to last node end over all
   ranks, what the simulator predicts), median over a session's iterations after the first, then the
   median over sessions; the bubble rate likewise (worst rank's ``(step - busy) / step``);
+* **diagnose** each run: its node order replayed under a file calibrated from its own dump
+  (``own_cost_error``: what is left to the simulator given exact node costs) and, per kind and model
+  stage, the 1F1B file's node time over the run's own (``node_cost_errors``: which costs a 1F1B run
+  mis-states for this layout), per session in each row's ``diagnosis``;
 * **slow moments**: with three sessions or more, a session whose 1F1B calibration step lies outside the
   sessions' robust band (``primuspipe.calibration.runs``: modified z-score over 3.5, at least about 5 %
   off their median) met a slow or free moment of the host; it is left out of the median errors (printed,
@@ -271,6 +275,22 @@ def predict(runs: list[list[Timeline]], pp: int, args: argparse.Namespace, folde
     return calibration, rows
 
 
+def diagnose(iterations: list[Timeline], cost_file: Path, pp: int) -> dict:
+    """Where a run's prediction error comes from. ``own_cost_error``: the run's node order replayed under a
+    file calibrated from its own dump (per model stage; the simulator's error given exact node costs, which
+    the calibration from 1F1B cannot beat); ``node_cost_errors``: per kind the run ran and model stage, the
+    node time the 1F1B file predicts over the run's own, less 1 (which node costs the 1F1B run mis-states)."""
+    first = iterations[0]
+    own = dataclasses.replace(calibrate_runs([iterations], warmup=0), step_gap=None)
+    own_model = CostModel.from_dict(own.cost_dict(per_model_stage=True), pp=pp, vpp=first.vpp)
+    predicted = CostModel.load(cost_file, pp=pp, vpp=first.vpp)
+    ran = {e.node.kind for rt in first.ranks for e in rt.events if e.node.kind.is_compute and e.node.pair is None}
+    return {"own_cost_error": replay_accuracy(iterations, own_model).to_dict()["step_time"]["error"],
+            "node_cost_errors": {kind.spec.cost: [predicted.duration(kind, s) / own_model.duration(kind, s) - 1
+                                                  for s in range(own_model.num_stages)]
+                                 for kind in sorted(ran, key=lambda k: k.name) if kind.spec.cost}}
+
+
 def check_ran_as_planned(key: str, pp: int, args: argparse.Namespace, ran: Timeline, dump: str) -> None:
     """The run's node order is the table ``build_schedule`` plans with unit costs (what the prediction
     simulates); the 1F1B calibration runs carry their split probe and are left out."""
@@ -349,10 +369,14 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
             "even_split": {"error": statistics.median(e for i, e in enumerate(even_errors) if i not in dropped),
                            "session_errors": even_errors},
             "measured_runs": [{"step_s": x, "bubble_rate": y, "predicted_step_s": p["step_time"], **{k: r[k] for k in (
-                "external_cores", "external_cores_tries")}} for x, y, p, r in zip(steps, bubbles, predicted, records)]})
+                "external_cores", "external_cores_tries")}} for x, y, p, r in zip(steps, bubbles, predicted, records)],
+            "diagnosis": [diagnose(run, work / f"pp{pp}" / f"session{i}" / "measured_cost.yaml", pp)
+                          for i, run in enumerate(per_run)]})
+        own_errors = [d["own_cost_error"] for d in table[-1]["diagnosis"]]
         print(f"pp={pp} {name:17s} measured {step * 1e3:7.2f} ms; per session predicted/measured - 1: "
               f"{', '.join(f'{e:+.1%}' for e in errors)} (median {error:+.1%}); pooled file "
-              f"{table[-1]['pooled']['error']:+.1%}", flush=True)
+              f"{table[-1]['pooled']['error']:+.1%}; replayed under its own costs {statistics.median(own_errors):+.1%}",
+              flush=True)
     return {"calibration": [calibration for calibration, _ in sessions], "pooled_calibration": pooled_calibration,
             "calibration_step_s": calibration_steps, "sessions_left_out": sorted(dropped), "algorithms": table}
 
