@@ -55,6 +55,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import platform
 import resource
@@ -74,6 +75,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from primuspipe.calibration.accuracy import replay_accuracy  # noqa: E402
 from primuspipe.calibration.measure import measure_runs as calibrate_runs  # noqa: E402
 from primuspipe.calibration.runs import outliers  # noqa: E402
+from primuspipe.errors import PrimusPipeError  # noqa: E402
 from primuspipe.ir.cost_model import CostModel  # noqa: E402
 from primuspipe.io.timeline import Timeline, idle_share  # noqa: E402
 from primuspipe.tools.pp_vis import load_iterations  # noqa: E402
@@ -282,7 +284,10 @@ def diagnose(iterations: list[Timeline], cost_file: Path, pp: int) -> dict:
     node time the 1F1B file predicts over the run's own, less 1 (which node costs the 1F1B run mis-states)."""
     first = iterations[0]
     own = dataclasses.replace(calibrate_runs([iterations], warmup=0), step_gap=None)
-    own_model = CostModel.from_dict(own.cost_dict(per_model_stage=True), pp=pp, vpp=first.vpp)
+    try:
+        own_model = CostModel.from_dict(own.cost_dict(per_model_stage=True), pp=pp, vpp=first.vpp)
+    except PrimusPipeError as exc:  # the run's own file is refused: say why instead of a figure
+        return {"error": str(exc)}
     predicted = CostModel.load(cost_file, pp=pp, vpp=first.vpp)
     ran = {e.node.kind for rt in first.ranks for e in rt.events if e.node.kind.is_compute and e.node.pair is None}
     return {"own_cost_error": replay_accuracy(iterations, own_model).to_dict()["step_time"]["error"],
@@ -372,7 +377,7 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
                 "external_cores", "external_cores_tries")}} for x, y, p, r in zip(steps, bubbles, predicted, records)],
             "diagnosis": [diagnose(run, work / f"pp{pp}" / f"session{i}" / "measured_cost.yaml", pp)
                           for i, run in enumerate(per_run)]})
-        own_errors = [d["own_cost_error"] for d in table[-1]["diagnosis"]]
+        own_errors = [d["own_cost_error"] for d in table[-1]["diagnosis"] if "own_cost_error" in d] or [math.nan]
         print(f"pp={pp} {name:17s} measured {step * 1e3:7.2f} ms; per session predicted/measured - 1: "
               f"{', '.join(f'{e:+.1%}' for e in errors)} (median {error:+.1%}); pooled file "
               f"{table[-1]['pooled']['error']:+.1%}; replayed under its own costs {statistics.median(own_errors):+.1%}",

@@ -64,7 +64,7 @@ from dataclasses import replace
 from primuspipe.calibration.crowding import (REPLAY_TOLERANCE, background_shares, contention_from_walks,
                                              effective_cores, replayed_cores)
 from primuspipe.calibration.estimators import Samples, cold_start_extras, medians, run_gaps, step_gaps, transfer_fit
-from primuspipe.calibration.measured import MeasuredCosts, significant
+from primuspipe.calibration.measured import MeasuredCosts, negligible, significant
 from primuspipe.calibration.replay import placement_of
 from primuspipe.calibration.runs import Screened, screen_runs
 from primuspipe.calibration.walk import walk
@@ -177,9 +177,12 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
     overlaps = [min(1.0, max(0.0, (f[fs] + b[bs] - d) / min(f[fs], b[bs])))
                 for s in samples for fs, bs, d in s.pairs if min(f[fs], b[bs]) > 0]
     cold = cold_start_extras(samples, n, fused_only)
-    host_overhead = medians(s.host for s in samples)
-    host_post = medians(s.post for s in samples)
+    # a time so small beside the nodes' that no sum with them keeps it is a clock difference's float noise
+    longest = max(t for t in (*f, *b, *w, *(fused or ())) if t is not None)
+    host_overhead = {k: negligible(v, longest) for k, v in medians(s.host for s in samples).items()}
+    host_post = {k: negligible(v, longest) for k, v in medians(s.post for s in samples).items()}
     latency, bandwidth, size = transfer_fit(samples)
+    latency = None if latency is None else negligible(latency, longest)
 
     def host_time(kind: NodeKind) -> float:
         """What the rank spends on the host before a node of ``kind`` (as measured just above)."""
