@@ -182,7 +182,11 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
     host_overhead = {k: negligible(v, longest) for k, v in medians(s.host for s in samples).items()}
     host_post = {k: negligible(v, longest) for k, v in medians(s.post for s in samples).items()}
     latency, bandwidth, size = transfer_fit(samples)
-    latency = None if latency is None else negligible(latency, longest)
+    if latency and not negligible(latency, longest):
+        notes.append(f"the waited-for transfers took {latency:.3g} {first.time_unit} after both ends were posted, float "
+                     "noise of clock readings that agree: taken as no latency (the transfers took less than the "
+                     "clocks resolve)")
+        latency = 0.0
 
     def host_time(kind: NodeKind) -> float:
         """What the rank spends on the host before a node of ``kind`` (as measured just above)."""

@@ -235,4 +235,5 @@ def test_a_transfer_timed_as_float_noise_is_no_latency():
     ranks = tuple(replace(rt, events=tuple(noisy.get(e.node, e) for e in rt.events)) for rt in timeline.ranks)
     measured = measure_costs([replace(timeline, ranks=ranks)])
     assert measured.p2p_latency == 0.0 and measured.forward == (0.01, 0.01)
+    assert any("taken as no latency" in note for note in measured.notes)
     CostModel.from_dict(measured.cost_dict(), pp=2, vpp=1)  # a file the simulator reads
