@@ -14,7 +14,7 @@ deviation from their median), a band that one or two odd runs cannot widen as th
 deviation. Runs whose steps agree to a fraction of a percent have a MAD too small to mean anything
 (timer and scheduling noise), so it is taken at least ``MIN_SPREAD`` of the median: no run within
 about 5 % of the median is ever dropped. The rule needs at least three runs (with two, neither is the
-odd one); a majority must stay, which the median guarantees.
+odd one); at least half the runs always stay (half lie within one MAD of the median).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ MIN_SPREAD = 0.01
 """The MAD is taken at least this share of the median step: runs within ``Z_LIMIT / 0.6745 * MIN_SPREAD``
 (5.2 %) of the median are never outliers."""
 MIN_RUNS = 3
+"""Fewest runs the rule judges: of two, neither is the odd one."""
 
 
 def outliers(values: Sequence[float]) -> tuple[int, ...]:
