@@ -13,6 +13,7 @@ from primuspipe.calibration.runs import outliers
 from primuspipe.cli import main
 from primuspipe.simulator import CostModel, simulate
 from primuspipe.tools.pp_vis import load_iterations
+from real_runs import train_1f1b
 
 JITTER = (-0.02, 0.0, 0.02)
 """Each run's steady iterations differ by a few percent, as a real run's do."""
@@ -68,3 +69,33 @@ def test_calibrate_pools_several_dumps_and_names_the_run_it_left_out(write_dump,
     truth = statistics.median(s * (1 + j) for s in SCALES[:4] for j in JITTER)
     assert report["cost_model"]["compute"]["f"] == pytest.approx([truth, truth], rel=1e-9)
     assert [len(load_iterations(d)) for d in dumps] == [1 + len(JITTER)] * len(SCALES)
+
+
+def _on_host(timeline, factor: float):
+    """``timeline`` as a host ``factor`` times slower would have run it: every reading stretched. CPU
+    stamps are dropped (wall clock only): the guard judges steps, and the CPU-sharing fit of a loaded test
+    host is not what this test is about."""
+    def stretch(pair):
+        return None if pair is None else tuple(x if x is None else x * factor for x in pair)
+
+    ranks = tuple(replace(rt, events=tuple(replace(e, start=e.start * factor, end=e.end * factor, cpu=None,
+                                                   layers=stretch(e.layers), ends=stretch(e.ends)) for e in rt.events))
+                  for rt in timeline.ranks)
+    return replace(timeline, ranks=ranks)
+
+
+def test_recorded_runs_with_one_slowed_session(tmp_path):
+    """A real gloo run's dump, calibrated as three sessions of it and a fourth that is the same run met by a
+    host 30 % slower (the bench's left-out session was 40 % slower): the fourth is left out and named, and
+    the costs are the real run's own; pooled in, it moves them. (The same run three times keeps the test
+    deterministic: a loaded test host makes separate tiny runs differ by more than any band.)"""
+    train_1f1b(tmp_path / "pp_data", steps=8)
+    real = [_on_host(t, 1.0) for t in load_iterations(tmp_path / "pp_data")[1:]]
+    slowed = [_on_host(t, 1.3) for t in real]
+    measured = measure_runs([real, real, real, slowed], warmup=0)
+    assert measured.dropped_runs == (3,) and any("left out run 3" in note and "+30" in note for note in measured.notes)
+    own = measure_costs(real, warmup=0)
+    assert (measured.forward, measured.fused_backward) == (own.forward, own.fused_backward)
+    pooled = measure_costs([*real, *real, *real, *slowed], warmup=0)  # what the guard prevents
+    assert pooled.forward != own.forward
+    assert measure_runs([real, real, real, [_on_host(t, 1.04) for t in real]], warmup=0).dropped_runs == ()
