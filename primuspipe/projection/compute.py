@@ -73,6 +73,11 @@ class Work:
     fp8_transpose_bytes: float = 0.0
     """Bytes per-tensor FP8 casts move for the transposed copies Hopper's FP8 GEMMs need; hardware whose FP8
     GEMMs take any layout (``fp8_gemm_any_layout``) makes none."""
+    scatter_add_elements: float = 0.0
+    """Elements accumulating scatters (``scatter_add_``, ``index_add_``) add, timed at the hardware's
+    ``scatter_add_elements_per_s`` where it gives it, else as the ``scatter_add_bytes`` they move."""
+    scatter_add_bytes: float = 0.0
+    """Bytes those scatters read and write, their cost as plain copies."""
 
     @property
     def gemm_flops(self) -> float:
@@ -81,11 +86,13 @@ class Work:
     def __add__(self, other: Work) -> Work:
         return Work(self.gemms + other.gemms, self.attention_flops + other.attention_flops,
                     self.memory_bytes + other.memory_bytes, self.mxfp8_cast_bytes + other.mxfp8_cast_bytes,
-                    self.fp8_transpose_bytes + other.fp8_transpose_bytes)
+                    self.fp8_transpose_bytes + other.fp8_transpose_bytes,
+                    self.scatter_add_elements + other.scatter_add_elements, self.scatter_add_bytes + other.scatter_add_bytes)
 
     def scaled(self, factor: float) -> Work:
         return Work(tuple(g.times(factor) for g in self.gemms), self.attention_flops * factor, self.memory_bytes * factor,
-                    self.mxfp8_cast_bytes * factor, self.fp8_transpose_bytes * factor)
+                    self.mxfp8_cast_bytes * factor, self.fp8_transpose_bytes * factor,
+                    self.scatter_add_elements * factor, self.scatter_add_bytes * factor)
 
     def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
@@ -104,8 +111,11 @@ class Work:
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
         cast_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.mxfp8_cast_fraction
         moved = self.memory_bytes + (0.0 if hardware.fp8_gemm_any_layout else self.fp8_transpose_bytes)
+        scatter_rate = hardware.scatter_add_elements_per_s
+        scatters = (self.scatter_add_elements / scatter_rate if scatter_rate is not None
+                    else self.scatter_add_bytes / bytes_per_s)
         return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision, length, head_dim)
-                + moved / bytes_per_s + self.mxfp8_cast_bytes / cast_per_s)
+                + moved / bytes_per_s + self.mxfp8_cast_bytes / cast_per_s + scatters)
 
 
 @dataclass(frozen=True)
@@ -360,7 +370,8 @@ class WorkModel(RankShape):
             moved[self._activation_kernel] += self._activation(self.tokens, m.ffn / t.tp).memory_bytes
             return moved
         copies = self.expert_copies * t.load_imbalance
-        moved["permute"] += 4 * copies * m.hidden_size * e * self.permutations
+        scattered = self.accumulating_scatters(kind).forward.scatter_add_bytes  # priced apart
+        moved["permute"] += 4 * copies * m.hidden_size * e * self.permutations - scattered
         if not t.fake_balanced_gate:  # AutoModel's fake gate computes no logits (FakeBalancedGate: arange, ones)
             moved["router"] += self.residual_tokens * m.num_experts * 4 * 3  # softmax / top-k over fp32 logits
         shared = self._activation(self.tokens, (m.moe_shared_expert_intermediate_size or 0) / t.tp)
@@ -423,6 +434,22 @@ class WorkModel(RankShape):
         t = self.training
         second = t.moe_token_dispatcher_type == "alltoall" and t.ep > 1 and self.model.num_experts // t.ep > 1
         return 2 if second else 1
+
+    def accumulating_scatters(self, kind: str) -> PassWork:
+        """The accumulating scatters of megatron-core's unfused MoE permutation (``moe_permute_fusion`` off; the
+        all-to-all and DeepEP dispatchers alike, ``moe_utils.permute`` / ``unpermute`` at the Megatron-LM commit
+        Primus pins, 84778176): ``unpermute`` returns the copies to token order with ``scatter_add_`` forward, and
+        ``permute``'s ``index_select`` has ``index_add_`` as its backward; each adds every copy's row into its
+        token's (a token's ``k`` copies meet in one row, so they cannot be plain stores). Of the permutation's
+        traffic (:attr:`permutations`) these are the unpermutation's forward half and the permutation's
+        backward half; Transformer Engine's fused kernels (``moe_unpermute`` and the fused permutation's
+        backward) reduce a token's copies in registers and store once, so with fusion there are none."""
+        t, m = self.training, self.model
+        if kind != "moe" or t.moe_permute_fusion:
+            return NO_WORK
+        elements = self.expert_copies * t.load_imbalance * m.hidden_size
+        scatter = Work(scatter_add_elements=elements, scatter_add_bytes=2 * elements * self.e)
+        return PassWork(scatter, scatter, Work())
 
     @property
     def probs_bytes(self) -> int:
@@ -526,7 +553,7 @@ class WorkModel(RankShape):
             if t.recomputes("moe_act") and not t.recomputes("moe"):
                 mlp_recompute = mlp_recompute + self._activation(self.expert_copies * t.load_imbalance,
                                                                  m.expert_ffn / t.etp) + clamp.forward
-        element = _sum(self._elementwise(kind), self._unfused_rope())
+        element = _sum(self._elementwise(kind), self._unfused_rope(), self.accumulating_scatters(kind))
         accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()))
         forward = attention.forward + core.forward + mlp.forward + element.forward
         recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
