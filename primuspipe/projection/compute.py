@@ -219,15 +219,16 @@ class WorkModel(RankShape):
         rowwise = (3 if current else -1) if norm_fed else 3 + amax  # on the shard, before the gather
         return elements * (rowwise / t.tp + 2)
 
-    def _mlp(self, tokens: float, width: float, *, groups: float = 1, dense: bool = False) -> PassWork:
+    def _mlp(self, tokens: float, width: float, *, groups: float = 1, dense: bool = False, fp8: bool | None = None
+             ) -> PassWork:
         """Up (gated with SwiGLU) and down projections of an MLP ``width`` wide on this rank; ``dense``: a dense
         layer's MLP, whose up projection takes the pre-MLP norm's output (a LayerNormLinear) and which is split
-        over TP column-wise, then row-wise."""
+        over TP column-wise, then row-wise; ``fp8``: as :meth:`_linear`."""
         h = self.model.hidden_size
         up, down = ("column", "row") if dense else ("", "")
         return _sum(self._linear(tokens, h, width * (2 if self.model.swiglu else 1), groups=groups, norm_fed=dense,
-                                 tensor_parallel=up),
-                    self._linear(tokens, width, h, groups=groups, tensor_parallel=down))
+                                 tensor_parallel=up, fp8=fp8),
+                    self._linear(tokens, width, h, groups=groups, tensor_parallel=down, fp8=fp8))
 
     def _attention_projections(self) -> tuple[PassWork, PassWork]:
         """(all projections of the attention block, the MLA up-projections among them)."""
@@ -540,7 +541,7 @@ class WorkModel(RankShape):
         else:
             local = m.num_experts // t.ep
             per_expert = self.expert_copies * t.load_imbalance / local
-            routed = self._mlp(per_expert, m.expert_ffn / t.etp, groups=local)
+            routed = self._mlp(per_expert, m.expert_ffn / t.etp, groups=local, fp8=t.experts_fp8)
             shared = (self._mlp(self.tokens, m.moe_shared_expert_intermediate_size / t.tp)
                       if m.moe_shared_expert_intermediate_size else None)
             router = (NO_WORK if t.fake_balanced_gate  # AutoModel's fake gate has no GEMM

@@ -196,3 +196,32 @@ def test_amd_measured_the_gain_of_the_fused_permutation_that_the_scatter_rate_gi
     without = (_microbatch_seconds(deepep.id, scatter_add_elements_per_s=None)
                / _microbatch_seconds(syncfree.id, scatter_add_elements_per_s=None))
     assert without == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.parametrize("model_name, ep", [("deepseek-v3", 8), ("qwen3-30b-a3b", 8), ("deepseek-v2-lite", 4),
+                                            ("mixtral-8x7b", 4)])
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+def test_the_legacy_grouped_mlp_runs_its_experts_in_bf16_under_fp8(model_name, ep, recipe):
+    """Primus routes ``moe_use_legacy_grouped_gemm`` without Primus-Turbo's grouped GEMM to ``DeprecatedGroupedMLP``,
+    whose two ``gg.ops.gmm`` calls are BF16 GEMMs: under an FP8 recipe its experts' GEMMs (every pass) stay BF16 and
+    pad nothing, while the attention, router-free shared-expert and dense linears run in FP8; Transformer Engine's
+    grouped linear (the default) runs the experts in FP8."""
+    from primuspipe.projection.compute import WorkModel
+    from primuspipe.projection.training_spec import RankShape, TrainingSpec
+
+    model = load_model(EXAMPLES / "models" / f"{model_name}.yaml")
+    local = model.num_experts // ep
+
+    def training(legacy: bool) -> TrainingSpec:
+        return TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=ep, data_parallel_size=ep,
+                            global_batch_size=ep, precision="bf16", fp8_format="hybrid", fp8_recipe=recipe,
+                            moe_use_legacy_grouped_gemm=legacy)
+
+    for legacy in (True, False):
+        t = training(legacy)
+        assert t.experts_fp8 is not legacy and RankShape(model, t).fp8_padding_copies is not legacy
+        layer = WorkModel(model, t).layer("moe")
+        experts = [g for w in layer.passes() for g in w.gemms if g.groups == local]
+        others = [g for g in layer.forward.gemms if g.groups == 1 and g.n != model.num_experts]  # not the router
+        assert len(experts) == 6 and all(g.fp8 is not legacy for g in experts)
+        assert others and all(g.fp8 for g in others)
