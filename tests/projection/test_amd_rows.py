@@ -225,3 +225,9 @@ def test_the_legacy_grouped_mlp_runs_its_experts_in_bf16_under_fp8(model_name, e
         others = [g for g in layer.forward.gemms if g.groups == 1 and g.n != model.num_experts]  # not the router
         assert len(experts) == 6 and all(g.fp8 is not legacy for g in experts)
         assert others and all(g.fp8 for g in others)
+    # and they keep their inputs in BF16 for the backward: half a byte more an element of the copies' rows
+    from primuspipe.projection.activations import ActivationModel
+
+    saved = {legacy: ActivationModel(model, training(legacy)).layer("moe").components["moe_mlp"] for legacy in (True, False)}
+    copies = ActivationModel(model, training(True)).residual_tokens * model.moe_router_topk
+    assert saved[True] - saved[False] == pytest.approx(0.5 * copies * (model.hidden_size + model.expert_ffn) * 2, rel=1e-9)
