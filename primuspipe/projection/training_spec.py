@@ -20,6 +20,7 @@ from typing import Literal
 
 from primuspipe.projection.gemm import GEMM_STREAMS
 from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.routing import busiest_rank_load
 from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act", "mla_up_proj")
@@ -391,10 +392,15 @@ class TrainingSpec:
 
     @property
     def load_imbalance(self) -> float:
-        """Busiest expert group's load over the mean; under token drop the capacity caps it, and padding to
-        capacity makes every expert compute all of it."""
-        load = (1.0 if self.balanced or self.moe_expert_load_imbalance is None
-                else self.moe_expert_load_imbalance)
+        """Busiest expert group's load over the mean as set (forced balance: 1, its random spread is
+        :attr:`RankShape.load_imbalance`'s); under token drop the capacity caps it, and padding to capacity makes
+        every expert compute all of it."""
+        return self.capped_load(1.0 if self.balanced or self.moe_expert_load_imbalance is None
+                                else self.moe_expert_load_imbalance)
+
+    def capped_load(self, load: float) -> float:
+        """``load`` (busiest expert group over the mean) as token drop leaves it: capped at the capacity factor,
+        or the capacity itself when every expert is padded to it."""
         if self.moe_expert_capacity_factor is None:
             return load
         return self.moe_expert_capacity_factor if self.moe_pad_expert_input_to_capacity else min(
@@ -559,6 +565,19 @@ class RankShape:
     def hidden_bytes(self) -> float:
         """One residual-stream tensor on one rank (T_r x H)."""
         return self.residual_tokens * self.model.hidden_size * self.e
+
+    @property
+    def load_imbalance(self) -> float:
+        """Busiest expert-parallel rank's token copies over the mean, which every MoE layer waits for. Megatron's
+        forced balance draws each token's experts at random (:mod:`~primuspipe.projection.routing`), balanced on
+        average only: the expected busiest of the EP ranks' random loads (:func:`~primuspipe.projection.routing.
+        busiest_rank_load`, over the microbatch's tokens of the whole EP group), as token drop caps it. AutoModel's
+        fake gate is exactly even, and otherwise the set figure holds (:attr:`TrainingSpec.load_imbalance`)."""
+        t = self.training
+        if not self.model.is_moe or not t.moe_router_force_load_balancing or t.fake_balanced_gate:
+            return t.load_imbalance
+        tokens = self.residual_tokens * t.etp * t.ep
+        return t.capped_load(busiest_rank_load(self.model, t.ep, tokens))
 
     @property
     def fp8_padding_copies(self) -> bool:
