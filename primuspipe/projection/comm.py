@@ -37,6 +37,7 @@ from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import ParamCount
 from primuspipe.projection.routing import destinations
+from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 
@@ -98,6 +99,9 @@ class LayerComm:
     blocking: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Small collectives the next kernel waits on and no overlap hides: under current scaling with sequence
     parallelism, the amax all-reduce over TP before each gathered operand is quantized."""
+    dispatcher_share: float = 0.0
+    """Share of the compute units the flex dispatcher's kernels hold while they run (``TrainingSpec.dispatcher_sms``
+    over the hardware's ``compute_units``)."""
 
     @property
     def forward(self) -> float:
@@ -124,7 +128,10 @@ class LayerComm:
         * CP: ring attention passes key/value blocks under the attention of the block before; the first of
           ``CP`` steps, or what outlasts the attention, shows;
         * EP with ``overlap_moe_expert_parallel_comm``: one microbatch's all-to-alls under another's compute
-          of the same pass; what outlasts it shows. Otherwise all of it;
+          of the same pass; what outlasts it shows. The flex dispatcher's kernels hold SMs while they run
+          (``dispatcher_share``; DeepEP is built to keep the rest for compute, DeepSeek-V3 report 3.2.2), so the
+          compute they overlap runs on the remaining ``1 - share`` and takes ``1 / (1 - share)`` as long: its
+          extra time shows too. Otherwise all of it;
         * ``blocking`` collectives: all of them.
         """
         t = training
@@ -132,7 +139,9 @@ class LayerComm:
         for i in range(3):
             tp = (max(self.tp_tail[i], self.tp[i] - gemm[i]) if t.tp_comm_overlap and t.tp > 1 else self.tp[i])
             cp = max(self.cp[i] / t.cp, self.cp[i] - attention[i]) if t.cp > 1 else self.cp[i]
-            ep = max(0.0, self.ep[i] - compute[i]) if t.overlap_moe_expert_parallel_comm else self.ep[i]
+            beside = min(self.ep[i], compute[i])  # the compute the overlapped all-to-alls run beside
+            ep = (self.ep[i] - beside + beside * self.dispatcher_share / (1 - self.dispatcher_share)
+                  if t.overlap_moe_expert_parallel_comm else self.ep[i])
             exposed.append(tp + cp + ep + self.blocking[i])
         return exposed[0], exposed[1], exposed[2]
 
@@ -168,7 +177,14 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         ep = 2 * net.all_to_all(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
     regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
     tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
-    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0))
+    beside = kind == "moe" and t.overlap_moe_expert_parallel_comm and hardware.compute_units
+    share = t.dispatcher_sms / hardware.compute_units if beside else 0.0  # what the overlapped compute lacks
+    if share >= 1:
+        raise InputError([(t.source, "moe_flex_dispatcher_num_sms", t.dispatcher_sms),
+                          (hardware.source, "compute_units", hardware.compute_units)],
+                         "the flex dispatcher's kernels would hold every SM, leaving none for the compute",
+                         "give moe_flex_dispatcher_num_sms fewer SMs than the GPU has")
+    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0), share)
 
 
 def destination_ranks(model: ModelSpec, training: TrainingSpec) -> float:
