@@ -174,7 +174,11 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
             copies *= destinations(model, model.num_experts // nodes) / model.moe_router_topk
         elif t.moe_token_dispatcher_type == "flex":
             copies *= destination_ranks(model, t) / model.moe_router_topk
-        ep = 2 * net.all_to_all(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
+        rows = copies * model.hidden_size * e
+        if hybridep_timed(t, hardware, nodes):  # a measured call, its own rows counted (see HardwareSpec)
+            ep = 2 * (rows / hardware.hybridep_bandwidth_bytes_per_s + (t.ep - 1) * hardware.intra_node_latency_s)
+        else:
+            ep = 2 * net.all_to_all(rows, t.ep, t.etp * t.ep)  # dispatch + combine
     regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
     tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
     beside = kind == "moe" and t.overlap_moe_expert_parallel_comm and hardware.compute_units
@@ -185,6 +189,13 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                          "the flex dispatcher's kernels would hold every SM, leaving none for the compute",
                          "give moe_flex_dispatcher_num_sms fewer SMs than the GPU has")
     return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0), share)
+
+
+def hybridep_timed(training: TrainingSpec, hardware: HardwareSpec, nodes: int) -> bool:
+    """Whether the EP all-to-alls run on HybridEP inside one node where the hardware file gives its measured
+    bandwidth (``hybridep_bandwidth_bytes_per_s``)."""
+    return (training.moe_token_dispatcher_type == "flex" and training.moe_flex_dispatcher_backend == "hybridep"
+            and nodes == 1 and training.ep > 1 and hardware.hybridep_bandwidth_bytes_per_s is not None)
 
 
 def destination_ranks(model: ModelSpec, training: TrainingSpec) -> float:

@@ -1,6 +1,7 @@
-"""The flex dispatcher's kernels hold SMs while they run (DeepEP 20, HybridEP 24 by default): under the EP overlap
-the compute beside them runs on the rest, so the overlapped share of a pass takes longer; without the overlap, or
-on the all-to-all dispatcher, nothing changes. Megatron's three spellings of the setting reach one field."""
+"""The flex dispatcher under the EP overlap holds SMs (DeepEP 20, HybridEP 24 by default): the compute beside its
+kernels runs on the rest, so the overlapped share of a pass takes longer; without the overlap, or on the all-to-all
+dispatcher, nothing changes; Megatron's three spellings of the setting reach one field. And HybridEP inside a node
+runs at its measured bandwidth where the hardware file gives it."""
 
 from __future__ import annotations
 
@@ -59,3 +60,24 @@ def test_a_dispatcher_that_takes_every_sm_or_none_is_refused():
         dataclasses.replace(OVERLAPPED, moe_flex_dispatcher_num_sms=0)
     with pytest.raises(InputError, match="compute_units"):
         layer_comm(MODEL, dataclasses.replace(OVERLAPPED, moe_flex_dispatcher_num_sms=H100.compute_units), H100, "moe")
+
+
+def test_hybridep_inside_a_node_runs_at_its_measured_bandwidth():
+    """The B200 file's HybridEP figure (DeepEP hybrid-ep's Torch-API benchmark) times the flex all-to-alls on
+    HybridEP inside a node: the received rows (own rank's included) over the measured bandwidth; DeepEP, the
+    all-to-all dispatcher and a hardware file without the figure keep the fabric's model."""
+    b200 = load_hardware(EXAMPLES / "hardware" / "b200.yaml")
+    assert b200.hybridep_bandwidth_bytes_per_s == pytest.approx(530.86e9)
+    inside = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=8, data_parallel_size=8,
+                          global_batch_size=8, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
+    deepep = dataclasses.replace(inside, moe_flex_dispatcher_backend="deepep")
+    timed, fabric = layer_comm(MODEL, inside, b200, "moe").ep[0], layer_comm(MODEL, deepep, b200, "moe").ep[0]
+    latency = 2 * 7 * b200.intra_node_latency_s
+    # same rows either way: the fabric's all-to-all moves (n-1)/n of them at 900 GB/s x network_efficiency
+    rows = (fabric - latency) / 2 * b200.intra_node_bandwidth_bytes_per_s * b200.network_efficiency * 8 / 7
+    assert timed == pytest.approx(2 * rows / b200.hybridep_bandwidth_bytes_per_s + latency)
+    assert timed > fabric
+    bare = dataclasses.replace(b200, hybridep_bandwidth_bytes_per_s=None)
+    assert layer_comm(MODEL, inside, bare, "moe").ep[0] == pytest.approx(fabric)
+    across = dataclasses.replace(inside, expert_model_parallel_size=16, data_parallel_size=16, global_batch_size=16)
+    assert layer_comm(MODEL, across, b200, "moe").ep[0] == layer_comm(MODEL, across, bare, "moe").ep[0]
