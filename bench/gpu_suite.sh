@@ -1,50 +1,101 @@
 #!/usr/bin/env bash
-# Everything in primuspipe that only a GPU machine can measure, in one run. Needs CUDA; the NCCL parts
-# need at least two GPUs (NCCL refuses two ranks on one device) and are skipped with fewer.
-#   bash bench/gpu_suite.sh [OUT_DIR]          (default out/gpu_suite; one JSON/log per part)
-# Parts:
-#   1. gpu-marked tests (NCCL matrix, offload, recorder, Transformer Engine where installed)
-#   2. runner vs Megatron native: step time of primuspipe's 1f1b/interleaved/zb-h1/zbv vs Megatron's own
-#   3. watchdog and dump overhead: the same run with the watchdog off (timeout 0), on, and dumping
-#   4. split-W speed: F, B and W node times of part 3's dumped zbv run (calibrate), B + W against
-#      part 2's 1f1b BW through the same runner
+# Everything in primuspipe that only a GPU machine can measure, in one run; one GPU is enough (ranks that
+# outnumber the GPUs share them: bench/nccl_one_gpu.py gives each its own NCCL host id).
+#   bash bench/gpu_suite.sh [OUT_DIR]          (default out/gpu_suite; one JSON/log per part, summary.txt)
+# Parts (each under its own time limit, so one stuck part cannot take the others' figures with it):
+#   1. gpu-marked tests (recorder, offload; NCCL and Transformer Engine ones skip without 2 GPUs / TE)
+#   2. NCCL on the GPU against the emulator: every communication pattern of bench/nccl_one_gpu.py on real NCCL
+#      (lazy and eager communicators), joined with the emulator's verdicts (bench/results/nccl_one_gpu_emulator.json)
+#   3. every shipped algorithm through examples/train_gpt.py --compare-native on real NCCL (pp 2): it must finish
+#      with Megatron's own schedule's gradients
+#   4. kernels against the projection's model of them (bench/bench_gpu_kernels.py)
+#   5. one GPU, a megatron-core GPT in bf16: --auto-replan with CUDA-event timelines dumped, calibrated from the
+#      dump, and `primuspipe project` of the same run (analytical and with --benchmark-layers)
+#   6. with two GPUs or more: primuspipe's runner against Megatron's own schedule, watchdog and dump overhead
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-out/gpu_suite}
 mkdir -p "$out"
 py=${PYTHON:-python}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 gpus=$($py -c "import torch; print(torch.cuda.device_count())")
 echo "GPUs: $gpus" | tee "$out/summary.txt"
-$py -c "import torch, json; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))" > "$out/environment.json"
+$py -c "import torch, json; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'nccl': torch.cuda.nccl.version(), 'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))" | tee "$out/environment.json"
+cli=($py -c "import sys; from primuspipe.cli import main; sys.exit(main())")  # the console script, uninstalled
+part() { echo "== $1 ($(date -u +%T))" | tee -a "$out/summary.txt"; }
 
-echo "== 1. gpu-marked tests" | tee -a "$out/summary.txt"
-$py -m pytest -q -m gpu tests 2>&1 | tee "$out/gpu_tests.log" | tail -n 3 | tee -a "$out/summary.txt"
+part "1. gpu-marked tests"
+timeout 150 $py -m pytest -q -m gpu -p no:cacheprovider tests/runtime tests/offload tests/megatron/test_te_gpu.py \
+  2>&1 | tee "$out/gpu_tests.log" | tail -n 3 | tee -a "$out/summary.txt"
 
-run() {  # run NAME PP FLAGS... -> the example's JSON line in $out/NAME.json
-  local name=$1 pp=$2; shift 2
-  torchrun --standalone --nproc-per-node "$pp" examples/train_gpt.py --pp "$pp" "$@" \
-    2>"$out/$name.log" | tail -n 1 > "$out/$name.json" && echo "   $name: $(cat "$out/$name.json")" | tee -a "$out/summary.txt"
+part "2. NCCL patterns against the emulator"
+timeout 200 $py bench/nccl_one_gpu.py patterns --modes nccl-lazy nccl-eager --deadline 60 --parallel 28 \
+  --with bench/results/nccl_one_gpu_emulator.json -o "$out/nccl_patterns.json" 2>"$out/nccl_patterns.log" \
+  | tee -a "$out/summary.txt"
+
+part "3. every algorithm on real NCCL, pp 2, against Megatron's schedule"
+algorithms=$($py -c "from primuspipe.algorithms.registry import list_algorithms; print(*[i.name for i in list_algorithms()])")
+one() {  # one ALGORITHM -> $out/nccl_train_ALGORITHM.json (the launcher's verdict, then the example's JSON line)
+  timeout 240 $py bench/nccl_one_gpu.py train --ranks 2 --deadline 200 -- examples/train_gpt.py --pp 2 \
+    --microbatches 5 --pp-algorithm "$1" --num-layers 8 --iterations 2 --compare-native > "$out/nccl_train_$1.json" 2>&1
+  echo "   $1: exit $? $(tail -n 1 "$out/nccl_train_$1.json" | cut -c1-220)"
 }
+export -f one; export out py
+printf '%s\n' $algorithms | xargs -P 4 -I{} bash -c 'one {}' | tee -a "$out/summary.txt"
+
+part "4. kernels against the projection's model"
+timeout 240 $py bench/bench_gpu_kernels.py --output "$out/gpu_kernels.json" --markdown "$out/gpu_kernels.md" \
+  2>"$out/gpu_kernels.log" | tail -n 8 | tee -a "$out/summary.txt"
+
+part "5. one GPU: megatron-core GPT, auto-replan, CUDA-event dump, calibrate, projection"
+model=(--num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16 --seq-length 2048
+       --micro-batch-size 4 --vocab-size 64 --bf16 --optimizer adam)
+timeout 200 $py -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py --pp 1 --microbatches 8 --iterations 10 \
+  --pp-algorithm 1f1b --auto-replan --dump-dir "$out/pp_data" "${model[@]}" > "$out/single_gpu.log" 2>&1
+tail -n 1 "$out/single_gpu.log" | tee "$out/single_gpu.json" | cut -c1-400 | tee -a "$out/summary.txt"
+timeout 60 "${cli[@]}" calibrate "$out/pp_data" -o "$out/measured_cost.yaml" > "$out/calibrate.log" 2>&1
+tail -n 4 "$out/calibrate.log" | tee -a "$out/summary.txt"
+cat > "$out/single_gpu_args.txt" <<EOF
+torchrun --nproc-per-node 1 pretrain_gpt.py --num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192
+--num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 32
+--vocab-size 64 --position-embedding-type learned_absolute --normalization LayerNorm --transformer-impl local
+--no-bias-gelu-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion --no-gradient-accumulation-fusion
+--hidden-dropout 0 --attention-dropout 0 --bf16 --optimizer adam
+EOF
+hardware=examples/projection/hardware/h100.yaml
+timeout 60 "${cli[@]}" project --megatron-config "$out/single_gpu_args.txt" --hardware $hardware -a 1f1b --json \
+  > "$out/project_analytical.json" 2>"$out/project_analytical.log"
+timeout 120 "${cli[@]}" project --megatron-config "$out/single_gpu_args.txt" --hardware $hardware -a 1f1b --json \
+  --benchmark-layers > "$out/project_benchmarked.json" 2>"$out/project_benchmarked.log"
+$py - "$out" <<'PY' | tee -a "$out/summary.txt"
+import json, sys
+d = sys.argv[1]
+measured = json.load(open(f"{d}/single_gpu.json"))
+for name in ("analytical", "benchmarked"):
+    try:
+        r = json.load(open(f"{d}/project_{name}.json"))["results"][0]
+        print(f"   projected ({name}) step {r['step_time_s']:.4f} s, peak {r['peak_memory_bytes'][0] / 2**30:.2f} GiB"
+              f" (with the runtime reserve); measured step {measured.get('step_time_before_s')} s before any switch")
+    except Exception as error:
+        print(f"   projected ({name}): {type(error).__name__}: {error}")
+PY
+
 if [ "$gpus" -ge 2 ]; then
+  run() {  # run NAME PP FLAGS... -> the example's JSON line in $out/NAME.json
+    local name=$1 pp=$2; shift 2
+    $py -m torch.distributed.run --standalone --nproc-per-node "$pp" examples/train_gpt.py --pp "$pp" "$@" \
+      2>"$out/$name.log" | tail -n 1 > "$out/$name.json" && echo "   $name: $(cat "$out/$name.json")" | tee -a "$out/summary.txt"
+  }
   pp=$([ "$gpus" -ge 4 ] && echo 4 || echo 2)
-  echo "== 2. runner vs Megatron native (pp=$pp)" | tee -a "$out/summary.txt"
+  part "6. runner vs Megatron native, watchdog and dump overhead (pp=$pp)"
   for algo in 1f1b interleaved-1f1b zb-h1 zbv; do
     run "native_vs_$algo" "$pp" --microbatches $((4 * pp)) --pp-algorithm "$algo" --num-layers $((4 * pp)) \
       --hidden-size 1024 --iterations 8 --compare-native
   done
-  echo "== 3. watchdog and dump overhead (zbv, pp=$pp)" | tee -a "$out/summary.txt"
   PRIMUSPIPE_WATCHDOG_TIMEOUT_S=0 run watchdog_off "$pp" --microbatches $((4 * pp)) --pp-algorithm zbv \
     --num-layers $((4 * pp)) --hidden-size 1024 --iterations 8
   run watchdog_on "$pp" --microbatches $((4 * pp)) --pp-algorithm zbv --num-layers $((4 * pp)) --hidden-size 1024 \
     --iterations 8
-  run dumping "$pp" --microbatches $((4 * pp)) --pp-algorithm zbv --num-layers $((4 * pp)) --hidden-size 1024 \
-    --iterations 8 --dump-dir "$out/pp_data"
-else
-  echo "== 2-3 skipped: fewer than two GPUs" | tee -a "$out/summary.txt"
 fi
-if [ -d "$out/pp_data" ]; then
-  echo "== 4. split-W speed: measured F/B/W from the dumped run" | tee -a "$out/summary.txt"
-  primuspipe calibrate "$out/pp_data" -o "$out/measured_cost.yaml" 2>&1 | tee "$out/calibrate.log" | tail -n 5 \
-    | tee -a "$out/summary.txt"
-fi
+part "done"
 echo "results in $out"

@@ -210,7 +210,9 @@ def init_distributed(args, vpp: int) -> torch.device:
         raise SystemExit(f"WORLD_SIZE={world} is not a multiple of pp*tensor-parallel={args.pp * tp}")
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # more ranks than devices share them round-robin (NCCL then needs a distinct NCCL_HOSTID per rank, as
+        # bench/nccl_one_gpu.py gives them; without it NCCL refuses the duplicate GPU with a clear error)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     else:
         from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
 

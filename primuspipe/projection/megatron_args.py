@@ -104,6 +104,7 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
         raise ConfigError(f"{source}: --optimizer {optimizer}: only Adam's state is modelled (16 bytes a parameter); "
                           "project with --optimizer adam or remove it")
     _resolve_virtual_stages(arguments, values, source)
+    _resolve_transformer_impl(arguments, values, source)
     training = values["training"]
     training.setdefault("global_batch_size", training.get("micro_batch_size", 1))  # Megatron: MBS * DP
     if not arguments.get("group_query_attention"):
@@ -125,6 +126,25 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _resolve_transformer_impl(arguments: Mapping[str, Any], values: dict[str, dict[str, Any]], source: str) -> None:
+    """``--transformer-impl local`` builds the layers from megatron-core's local spec
+    (``get_gpt_layer_local_spec``): attention is megatron-core's own ``DotProductAttention``, scores, masked
+    softmax and the probabilities' product as separate kernels over the whole square (whatever
+    ``--attention-backend`` says; the local spec does not read it), so the projection prices and keeps it as the
+    ``local`` backend. Megatron refuses FP8 without Transformer Engine, and so does the projection."""
+    impl = arguments.get("transformer_impl") or "transformer_engine"
+    if impl == "transformer_engine":
+        return
+    if impl != "local":
+        raise ConfigError(f"{source}: --transformer-impl {impl}: only transformer_engine (Megatron's default) and "
+                          "local build training layers; use one of them")
+    training = values["training"]
+    if training.get("precision") == "fp8" or training.get("fp8_format"):
+        raise ConfigError(f"{source}: --transformer-impl local with FP8: Megatron trains FP8 only with Transformer "
+                          "Engine; drop --fp8-format or use --transformer-impl transformer_engine")
+    training["attention_backend"] = "local"
 
 
 def _resolve_virtual_stages(arguments: Mapping[str, Any], values: dict[str, dict[str, Any]], source: str) -> None:

@@ -48,7 +48,7 @@ ALIASES = {
 the argument's own value."""
 
 RESOLVED = frozenset({"num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
-                      "group_query_attention", "optimizer"})
+                      "group_query_attention", "optimizer", "transformer_impl"})
 """Arguments the reader resolves itself (they set other fields)."""
 
 NO_EFFECT_PREFIXES = (
@@ -111,7 +111,7 @@ NO_EFFECT = frozenset({
     "no_overlap_p2p_communication", "relative_attention_max_distance", "relative_attention_num_buckets",
     "experimental_attention_variant_loss_scale_func", "no_overlap_p2p_comm", "persist_layer_norm", "no_persist_layer_norm",
     "rotary_base", "rotary_percent", "rotary_scaling_factor", "rotary_seq_len_interpolation_factor",
-    "tokenizer_type", "transformer_impl", "use_cpu_initialization", "use_mcore_models", "use_legacy_models",
+    "tokenizer_type", "use_cpu_initialization", "use_mcore_models", "use_legacy_models",
     "deterministic_mode", "softmax_type", "qk_l2_norm", "qk_clip_alpha", "qk_clip_threshold",
     "empty_unused_memory_level", "mtp_detach_heads", "moe_shared_expert_gate", "squared_relu", "quick_geglu",
     "openai_gelu", "apply_layernorm_1p", "deallocate_pipeline_outputs", "pipeline_dtype", "params_dtype",

@@ -182,3 +182,21 @@ def test_primus_bookkeeping_is_set_aside_and_the_legacy_grouped_gemm_switch_read
                                          "mlflow_run_name", "moe_router_force_load_balancing_type"}
         assert config.training.moe_expert_gemm == "multi_stream"
         assert config.training.moe_use_legacy_grouped_gemm == (legacy == "True") == config.training.legacy_grouped_mlp
+
+
+@pytest.mark.parametrize("flags, backend", [("", "flash"), ("--transformer-impl transformer_engine", "flash"),
+                                            ("--transformer-impl local", "local"),
+                                            ("--transformer-impl local --attention-backend flash", "local")])
+def test_the_local_layer_spec_runs_megatrons_own_unfused_attention(flags, backend):
+    """``--transformer-impl local`` builds megatron-core's local spec, whose attention is its own unfused
+    DotProductAttention whatever --attention-backend says: priced and kept as the ``local`` backend."""
+    assert read_arguments(MODEL_ARGS + flags, "run.sh").training.attention_backend == backend
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--transformer-impl local --fp8-format hybrid", r"run.sh: --transformer-impl local with FP8"),
+    ("--transformer-impl inference_optimized", r"run.sh: --transformer-impl inference_optimized: only"),
+])
+def test_layer_implementations_megatron_cannot_train_are_refused(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        read_arguments(MODEL_ARGS + flags, "run.sh")
