@@ -15,9 +15,9 @@ whole run loses beyond its kernels is that fitted figure's, checked against publ
   cores take);
 * MoE experts' grouped GEMMs (Qwen3-30B-A3B, GPT-OSS 120B and DeepSeek-V3 expert shapes): as Transformer
   Engine's ``GroupedLinear`` runs them, one GEMM per expert round-robin on four streams (the model's
-  ``multi_stream``), and as one grouped kernel (``torch._grouped_mm``, the model's ``fused``) where torch has it;
+  ``multi_stream``; replayed from a CUDA graph, since a Python loop would time its own launches), and as one grouped kernel (``torch._grouped_mm``, the model's ``fused``) where torch has it;
 * causal attention forward and backward (``scaled_dot_product_attention``, the cuDNN and flash backends) at
-  head dims 128 and 64 over sequence lengths 1k-16k;
+  head dims 128 and 64 over sequence lengths 1k-16k, 16k tokens a call;
 * element-wise traffic: a residual add (reads two tensors, writes one) against HBM bandwidth times the file's
   ``memory_bandwidth_fraction``.
 
@@ -60,7 +60,10 @@ EXPERTS = {
 }
 TOKENS_PER_EXPERT = (256, 1024, 4096)
 ATTENTION = [(32, 128, 8192), (16, 128, 1024), (16, 128, 2048), (16, 128, 4096), (16, 128, 16384),
-             (32, 64, 4096), (32, 64, 8192)]  # (heads, head dim, sequence length), batch 1
+             (32, 64, 4096), (32, 64, 8192)]  # (heads, head dim, sequence length)
+ATTENTION_TOKENS = 16384
+"""Tokens per attention call (batch = this / length, at least 1): the FlashAttention-3 benchmark behind the
+hardware files' ``attention_length_rates`` runs batch x sequence = 16k, so shorter sequences get a larger batch."""
 
 
 def timed(torch, fn, repeats: int, inner: int) -> float:
@@ -77,6 +80,20 @@ def timed(torch, fn, repeats: int, inner: int) -> float:
         end.synchronize()
         spans.append(start.elapsed_time(end) / 1e3 / inner)
     return statistics.median(spans)
+
+
+def graphed(torch, fn):
+    """``fn`` captured in a CUDA graph, its replay returned: the device time of a multi-stream loop without the
+    Python launches between its kernels (Transformer Engine issues them from C++, far faster than a Python loop)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def dense_gemms(torch, hardware, repeats: int, inner: int) -> list[dict]:
@@ -132,7 +149,8 @@ def grouped_gemms(torch, hardware, repeats: int, inner: int) -> list[dict]:
 
                 gemm = Gemm(per_expert, out, inp, groups=experts, kernel="multi_stream")
                 label = f"{name} {part} {experts} x {per_expert} tokens"
-                rows.append(_row("grouped bf16 4-stream", label, gemm, timed(torch, multi_stream, repeats, inner),
+                rows.append(_row("grouped bf16 4-stream", label, gemm,
+                                 timed(torch, graphed(torch, multi_stream), repeats, inner),
                                  gemm_seconds(gemm, hardware, "bf16")))
                 if hasattr(torch, "_grouped_mm"):
                     a = torch.cat(xs)
@@ -157,10 +175,11 @@ def attention(torch, hardware, repeats: int, inner: int) -> list[dict]:
     rows = []
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
         for heads, dim, length in ATTENTION:
-            q, k, v = (torch.randn(1, heads, length, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            batch = max(1, ATTENTION_TOKENS // length)
+            q, k, v = (torch.randn(batch, heads, length, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                        for _ in range(3))
-            grad = torch.randn(1, heads, length, dim, device="cuda", dtype=torch.bfloat16)
-            label = f"{backend.name.lower()} {heads} heads x {dim} x {length}"
+            grad = torch.randn(batch, heads, length, dim, device="cuda", dtype=torch.bfloat16)
+            label = f"{backend.name.lower()} {batch} x {heads} heads x {dim} x {length}"
             try:
                 with sdpa_kernel([backend]):
                     forward = timed(torch, lambda: sdpa(q, k, v, is_causal=True), repeats, inner)
@@ -169,7 +188,7 @@ def attention(torch, hardware, repeats: int, inner: int) -> list[dict]:
             except RuntimeError as error:  # the backend refuses this shape or GPU
                 rows.append({"kind": "attention", "case": label, "error": str(error)[:200]})
                 continue
-            flops = 4 * heads * length * length * dim / 2  # QK^T and PV, causal half
+            flops = 4 * batch * heads * length * length * dim / 2  # QK^T and PV, causal half
             model_forward = Work(attention_flops=flops).attention_seconds(hardware, "bf16", length, dim)
             model_backward = Work(attention_flops=2.5 * flops).attention_seconds(hardware, "bf16", length, dim)
             rows.append(_row("attention forward", label, None, forward, model_forward, flops))

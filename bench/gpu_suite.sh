@@ -6,11 +6,14 @@
 #   1. gpu-marked tests (recorder, offload; NCCL and Transformer Engine ones skip without 2 GPUs / TE)
 #   2. NCCL on the GPU against the emulator: every communication pattern of bench/nccl_one_gpu.py on real NCCL
 #      (lazy and eager communicators), joined with the emulator's verdicts (bench/results/nccl_one_gpu_emulator.json)
-#   3. every shipped algorithm through examples/train_gpt.py --compare-native on real NCCL (pp 2): it must finish
-#      with Megatron's own schedule's gradients
+#      (NCCL_PATTERNS="a b": only those patterns)
+#   3. every shipped algorithm through examples/train_gpt.py --compare-native on real NCCL (NCCL_PPS, default "2";
+#      "2 3 4" also runs pp 3 and 4, all ranks on whatever GPUs there are): it must finish with Megatron's own
+#      schedule's gradients
 #   4. kernels against the projection's model of them (bench/bench_gpu_kernels.py)
-#   5. one GPU, a megatron-core GPT in bf16: --auto-replan with CUDA-event timelines dumped, calibrated from the
-#      dump, and `primuspipe project` of the same run (analytical and with --benchmark-layers)
+#   5. one GPU, a megatron-core GPT in bf16: 1f1b with --auto-replan and zb-h1, CUDA-event timelines dumped and
+#      calibrated (memory per step, layer spans inside their nodes), and `primuspipe project` of the same run
+#      (analytical and with --benchmark-layers)
 #   6. with two GPUs or more: primuspipe's runner against Megatron's own schedule, watchdog and dump overhead
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,19 +32,23 @@ timeout 150 $py -m pytest -q -m gpu -p no:cacheprovider tests/runtime tests/offl
   2>&1 | tee "$out/gpu_tests.log" | tail -n 3 | tee -a "$out/summary.txt"
 
 part "2. NCCL patterns against the emulator"
-timeout 200 $py bench/nccl_one_gpu.py patterns --modes nccl-lazy nccl-eager --deadline 60 --parallel 28 \
+timeout 240 $py bench/nccl_one_gpu.py patterns --modes nccl-lazy nccl-eager --deadline 20 --parallel 8 \
+  ${NCCL_PATTERNS:+--patterns $NCCL_PATTERNS} \
   --with bench/results/nccl_one_gpu_emulator.json -o "$out/nccl_patterns.json" 2>"$out/nccl_patterns.log" \
   | tee -a "$out/summary.txt"
 
-part "3. every algorithm on real NCCL, pp 2, against Megatron's schedule"
+part "3. every algorithm on real NCCL against Megatron's schedule, pp ${NCCL_PPS:=2}"
 algorithms=$($py -c "from primuspipe.algorithms.registry import list_algorithms; print(*[i.name for i in list_algorithms()])")
-one() {  # one ALGORITHM -> $out/nccl_train_ALGORITHM.json (the launcher's verdict, then the example's JSON line)
-  timeout 240 $py bench/nccl_one_gpu.py train --ranks 2 --deadline 200 -- examples/train_gpt.py --pp 2 \
-    --microbatches 5 --pp-algorithm "$1" --num-layers 8 --iterations 2 --compare-native > "$out/nccl_train_$1.json" 2>&1
-  echo "   $1: exit $? $(tail -n 1 "$out/nccl_train_$1.json" | cut -c1-220)"
+one() {  # one PP ALGORITHM -> $out/nccl_train_ppPP_ALGORITHM.json (the launcher's verdict, then the example's JSON line)
+  local pp=$1 algo=$2 log="$out/nccl_train_pp$1_$2.json"
+  timeout 240 $py bench/nccl_one_gpu.py train --ranks "$pp" --deadline 200 -- examples/train_gpt.py --pp "$pp" \
+    --microbatches $((2 * pp + 1)) --pp-algorithm "$algo" --num-layers $((4 * pp)) --iterations 2 --compare-native \
+    --no-gradient-accumulation-fusion > "$log" 2>&1
+  echo "   pp $pp $algo: exit $? $(tail -n 1 "$log" | cut -c1-200)"
 }
 export -f one; export out py
-printf '%s\n' $algorithms | xargs -P 4 -I{} bash -c 'one {}' | tee -a "$out/summary.txt"
+for pp in $NCCL_PPS; do printf "$pp %s\n" $algorithms; done | xargs -P 4 -L 1 bash -c 'one "$0" "$1"' \
+  | tee -a "$out/summary.txt"
 
 part "4. kernels against the projection's model"
 timeout 240 $py bench/bench_gpu_kernels.py --output "$out/gpu_kernels.json" --markdown "$out/gpu_kernels.md" \
@@ -49,12 +56,23 @@ timeout 240 $py bench/bench_gpu_kernels.py --output "$out/gpu_kernels.json" --ma
 
 part "5. one GPU: megatron-core GPT, auto-replan, CUDA-event dump, calibrate, projection"
 model=(--num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16 --seq-length 2048
-       --micro-batch-size 4 --vocab-size 64 --bf16 --optimizer adam)
-timeout 200 $py -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py --pp 1 --microbatches 8 --iterations 10 \
-  --pp-algorithm 1f1b --auto-replan --dump-dir "$out/pp_data" "${model[@]}" > "$out/single_gpu.log" 2>&1
-tail -n 1 "$out/single_gpu.log" | tee "$out/single_gpu.json" | cut -c1-400 | tee -a "$out/summary.txt"
-timeout 60 "${cli[@]}" calibrate "$out/pp_data" -o "$out/measured_cost.yaml" > "$out/calibrate.log" 2>&1
-tail -n 4 "$out/calibrate.log" | tee -a "$out/summary.txt"
+       --micro-batch-size 4 --vocab-size 64 --bf16 --optimizer adam --lr 1e-4 --no-gradient-accumulation-fusion)
+for algo in 1f1b zb-h1; do  # 1f1b re-planning in flight (pp 1: nothing to switch to, the prediction is checked)
+  extra=(); [ "$algo" = 1f1b ] && extra=(--auto-replan)
+  timeout 150 $py -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py --pp 1 --microbatches 8 \
+    --iterations 8 --pp-algorithm $algo "${extra[@]}" --dump-dir "$out/pp_data_$algo" "${model[@]}" > "$out/single_gpu_$algo.log" 2>&1
+  tail -n 1 "$out/single_gpu_$algo.log" | tee "$out/single_gpu_$algo.json" | cut -c1-400 | tee -a "$out/summary.txt"
+  timeout 60 "${cli[@]}" calibrate "$out/pp_data_$algo" -o "$out/measured_cost_$algo.yaml" > "$out/calibrate_$algo.log" 2>&1
+  tail -n 4 "$out/calibrate_$algo.log" | tee -a "$out/summary.txt"
+  $py - "$out/pp_data_$algo" <<'PY' | tee -a "$out/summary.txt"
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/iter_*/rank_0.json")):  # memory must not grow; parts within their nodes
+    d = json.load(open(f)); r = d["ranks"][0]
+    over = max(sum((e.get(p) or [0])[0] or 0 for p in ("layers", "ends")) - (e["end"] - e["start"]) for e in r["events"])
+    print(f"   {f.split('/')[-2]}: peak {r['peak_memory_bytes'] / 1e9:.3f} GB, at start {d['meta']['memory_at_start'] / 1e9:.3f} GB,"
+          f" layers + ends beyond the node {over * 1e3:+.3f} ms")
+PY
+done
 cat > "$out/single_gpu_args.txt" <<EOF
 torchrun --nproc-per-node 1 pretrain_gpt.py --num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192
 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 32
@@ -70,7 +88,7 @@ timeout 120 "${cli[@]}" project --megatron-config "$out/single_gpu_args.txt" --h
 $py - "$out" <<'PY' | tee -a "$out/summary.txt"
 import json, sys
 d = sys.argv[1]
-measured = json.load(open(f"{d}/single_gpu.json"))
+measured = json.load(open(f"{d}/single_gpu_1f1b.json"))
 for name in ("analytical", "benchmarked"):
     try:
         r = json.load(open(f"{d}/project_{name}.json"))["results"][0]

@@ -75,16 +75,29 @@ def rank_environments(ranks: int, transport: str) -> list[dict]:
     return out
 
 
-def launch(command: list[str], ranks: int, transport: str, deadline: float) -> dict:
-    """Run ``command`` as ``ranks`` local ranks; ``outcome``: ok, hang (past ``deadline``) or error."""
+def launch(command: list[str], ranks: int, transport: str, deadline: float, startup: float = 180.0) -> dict:
+    """Run ``command`` as ``ranks`` local ranks; ``outcome``: ok, hang or error. A rank that prints ``ready`` (a
+    pattern's worker, once its process group is up) starts the clock: the run hangs when it has not ended
+    ``deadline`` seconds after every rank was ready (so slow starts on a busy host are not hangs); a command
+    that never prints it gets ``deadline`` from its start. Past ``startup`` seconds without every rank ready
+    it is an error (never started)."""
     started = time.monotonic()
     logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(ranks)]  # never a full pipe
     procs = [subprocess.Popen(command, env=env, cwd=ROOT, stdout=out, stderr=err, text=True, start_new_session=True)
              for env, (out, err) in zip(rank_environments(ranks, transport), logs)]
+    waits_for_ready = command[-4:-3] == ["worker"]
+    ready_at = None if waits_for_ready else started
     outcome = "ok"
     while any(p.poll() is None for p in procs):
-        if time.monotonic() - started > deadline:
+        now = time.monotonic()
+        if ready_at is None:
+            if all(_printed(out, "ready") for out, _ in logs):
+                ready_at = now
+            elif now - started > startup or any(p.returncode for p in procs if p.poll() is not None):
+                outcome = "error"
+        elif now - ready_at > deadline:
             outcome = "hang"
+        if outcome != "ok":
             for p in procs:
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
@@ -99,9 +112,15 @@ def launch(command: list[str], ranks: int, transport: str, deadline: float) -> d
     if outcome == "ok" and any(p.returncode for p in procs):
         outcome = "error"
     return {"outcome": outcome, "seconds": round(time.monotonic() - started, 1),
+            "seconds_after_ready": None if ready_at is None else round(time.monotonic() - ready_at, 1),
             "returncodes": [p.returncode for p in procs],
             "stdout_tail": [o[0].strip().splitlines()[-1:] for o in outputs],
             "stderr_tail": [o[1][-600:] for o in outputs] if outcome == "error" else []}
+
+
+def _printed(log, word: str) -> bool:
+    log.seek(0)
+    return word in log.read().split()
 
 
 def worker(pattern: str, size: str, transport: str) -> None:
@@ -120,6 +139,7 @@ def worker(pattern: str, size: str, transport: str) -> None:
     else:
         device = torch.device("cpu")
         dist.init_process_group(nccl_emulation.cpu_backend() if transport != "gloo" else "gloo")
+    print("ready", flush=True)  # the launcher's clock for the deadline starts when every rank is here
     out = torch.full((SIZES[size],), float(rank), device=device)
     into = torch.empty_like(out)
     nxt, prev = (rank + 1) % world, (rank - 1) % world
@@ -159,11 +179,11 @@ def worker(pattern: str, size: str, transport: str) -> None:
     os._exit(0)  # a hung peer's communicator must not hold this rank in NCCL's teardown
 
 
-def patterns(transports: list[str], deadline: float, parallel: int, output: Path | None,
+def patterns(transports: list[str], chosen: list[str], deadline: float, parallel: int, output: Path | None,
              earlier: Path | None) -> None:
     """Every pattern and size on every transport, ``parallel`` launches at a time; ``earlier``: a JSON of this
     command (e.g. the emulator's verdicts from a CPU host) whose transports join the rows before agreement."""
-    cases = [(p, size, t) for p in PATTERNS for size in SIZES for t in transports]
+    cases = [(p, size, t) for p in chosen for size in SIZES for t in transports]
 
     def run(case):
         pattern, size, transport = case
@@ -177,7 +197,7 @@ def patterns(transports: list[str], deadline: float, parallel: int, output: Path
         results = dict(zip(cases, pool.map(run, cases)))
     before = {(r["pattern"], r["size"]): r for r in json.loads(earlier.read_text())["rows"]} if earlier else {}
     rows = []
-    for pattern in PATTERNS:
+    for pattern in chosen:
         for size in SIZES:
             row = {"pattern": pattern, "size": size, "what": PATTERNS[pattern]}
             row.update({t: v for t, v in before.get((pattern, size), {}).items() if t in TRANSPORTS})
@@ -208,7 +228,9 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("patterns", help="every pattern on every transport asked for")
     p.add_argument("--modes", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS))
-    p.add_argument("--deadline", type=float, default=30.0, help="seconds before a pattern counts as a hang")
+    p.add_argument("--patterns", nargs="+", choices=PATTERNS, default=list(PATTERNS))
+    p.add_argument("--deadline", type=float, default=20.0,
+                   help="seconds after every rank is ready before a pattern counts as a hang")
     p.add_argument("--parallel", type=int, default=1, help="launches at a time")
     p.add_argument("--with", dest="earlier", type=Path, help="join the verdicts of an earlier run of this command")
     p.add_argument("-o", "--output", type=Path)
@@ -224,7 +246,7 @@ def main() -> None:
     if args.command == "worker":
         worker(args.pattern, args.size, args.transport)
     elif args.command == "patterns":
-        patterns(args.modes, args.deadline, args.parallel, args.output, args.earlier)
+        patterns(args.modes, args.patterns, args.deadline, args.parallel, args.output, args.earlier)
     else:
         script = args.script[1:] if args.script[:1] == ["--"] else args.script
         result = launch([sys.executable, *script], args.ranks, "nccl-lazy", args.deadline)

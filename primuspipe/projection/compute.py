@@ -141,19 +141,21 @@ class WorkModel(RankShape):
     """Per-rank work of each part of the model for one microbatch."""
 
     def _linear(self, tokens: float, fan_in: float, fan_out: float, *, groups: float = 1, fp8: bool | None = None,
-                norm_fed: bool = False, tensor_parallel: str = "") -> PassWork:
+                norm_fed: bool = False, tensor_parallel: str = "", stretch: float = 1.0) -> PassWork:
         """A linear layer over ``tokens``: its forward, input-gradient and weight-gradient GEMMs. Under FP8
         the input and the output gradient are quantized first (:meth:`_quantize_bytes`): ``norm_fed``, the input
         is a norm's output (a LayerNormLinear); ``tensor_parallel`` ``column`` or ``row``, the layer's TP split,
-        which says (with sequence parallelism) whether its input or its output gradient is all-gathered."""
+        which says (with sequence parallelism) whether its input or its output gradient is all-gathered;
+        ``stretch``, the share of copies the experts hold beyond ``tokens`` (:attr:`Gemm.stretch`)."""
         fp8 = self.training.fp8 if fp8 is None else fp8
         gemm = Gemm(tokens, fan_out, fan_in, groups, fp8, mxfp8=fp8 and self.training.fp8_recipe == "mxfp8",
-                    kernel=self.training.expert_gemm_kernel, streams=self.training.expert_gemm_streams)
+                    kernel=self.training.expert_gemm_kernel, streams=self.training.expert_gemm_streams, stretch=stretch)
         if not fp8:
             return PassWork(Work((gemm,)), Work((gemm.dgrad(),)), Work((gemm.wgrad(),)))
         sp = self.training.sp
-        fwd = self._cast(tokens * fan_in * groups, norm_fed=norm_fed, gathered=sp and tensor_parallel == "column")
-        bwd = self._cast(tokens * fan_out * groups, gathered=sp and tensor_parallel == "row")
+        elements = tokens * groups * stretch
+        fwd = self._cast(elements * fan_in, norm_fed=norm_fed, gathered=sp and tensor_parallel == "column")
+        bwd = self._cast(elements * fan_out, gathered=sp and tensor_parallel == "row")
         return PassWork(Work((gemm,)) + fwd, Work((gemm.dgrad(),)) + bwd, Work((gemm.wgrad(),)))
 
     def _cast(self, elements: float, *, norm_fed: bool = False, gathered: bool = False) -> Work:
@@ -219,16 +221,16 @@ class WorkModel(RankShape):
         rowwise = (3 if current else -1) if norm_fed else 3 + amax  # on the shard, before the gather
         return elements * (rowwise / t.tp + 2)
 
-    def _mlp(self, tokens: float, width: float, *, groups: float = 1, dense: bool = False, fp8: bool | None = None
-             ) -> PassWork:
+    def _mlp(self, tokens: float, width: float, *, groups: float = 1, dense: bool = False, stretch: float = 1.0,
+             fp8: bool | None = None) -> PassWork:
         """Up (gated with SwiGLU) and down projections of an MLP ``width`` wide on this rank; ``dense``: a dense
         layer's MLP, whose up projection takes the pre-MLP norm's output (a LayerNormLinear) and which is split
-        over TP column-wise, then row-wise; ``fp8``: as :meth:`_linear`."""
+        over TP column-wise, then row-wise; ``stretch`` and ``fp8``: see :meth:`_linear`."""
         h = self.model.hidden_size
         up, down = ("column", "row") if dense else ("", "")
         return _sum(self._linear(tokens, h, width * (2 if self.model.swiglu else 1), groups=groups, norm_fed=dense,
-                                 tensor_parallel=up, fp8=fp8),
-                    self._linear(tokens, width, h, groups=groups, tensor_parallel=down, fp8=fp8))
+                                 tensor_parallel=up, stretch=stretch, fp8=fp8),
+                    self._linear(tokens, width, h, groups=groups, tensor_parallel=down, stretch=stretch, fp8=fp8))
 
     def _attention_projections(self) -> tuple[PassWork, PassWork]:
         """(all projections of the attention block, the MLA up-projections among them)."""
@@ -370,7 +372,7 @@ class WorkModel(RankShape):
         if kind == "dense":
             moved[self._activation_kernel] += self._activation(self.tokens, m.ffn / t.tp).memory_bytes
             return moved
-        copies = self.expert_copies * t.load_imbalance
+        copies = self.expert_copies * self.load_imbalance
         scattered = self.accumulating_scatters(kind).forward.scatter_add_bytes  # priced apart
         moved["permute"] += 4 * copies * m.hidden_size * e * self.permutations - scattered
         if not t.fake_balanced_gate:  # AutoModel's fake gate computes no logits (FakeBalancedGate: arange, ones)
@@ -448,7 +450,7 @@ class WorkModel(RankShape):
         t, m = self.training, self.model
         if kind != "moe" or t.moe_permute_fusion:
             return NO_WORK
-        elements = self.expert_copies * t.load_imbalance * m.hidden_size
+        elements = self.expert_copies * self.load_imbalance * m.hidden_size
         scatter = Work(scatter_add_elements=elements, scatter_add_bytes=2 * elements * self.e)
         return PassWork(scatter, scatter, Work())
 
@@ -472,7 +474,7 @@ class WorkModel(RankShape):
         gradients, and per factor of ``b*p`` a product written and read back for its reduction (the bias's
         gradient over the tokens, the probability's over ``H``)."""
         e, r = self.e, max(self.e, self.probs_bytes)
-        elements = self.expert_copies * self.training.load_imbalance * self.model.hidden_size
+        elements = self.expert_copies * self.load_imbalance * self.model.hidden_size
         casts = (r + e) if r != e else 0
         forward = r + (e + 2 * r) + 2 * r + casts
         backward = 2 * casts + 2 * 3 * r
@@ -485,7 +487,7 @@ class WorkModel(RankShape):
         The padding rows themselves (fewer than the alignment per expert) are not counted in the GEMMs."""
         if not self.fp8_padding_copies:
             return NO_WORK
-        copies = self.expert_copies * self.training.load_imbalance
+        copies = self.expert_copies * self.load_imbalance
         moved = 2 * 2 * copies * self.model.hidden_size * self.e + 2 * copies * self.probs_bytes
         return PassWork(Work(memory_bytes=moved), Work(memory_bytes=moved), Work())
 
@@ -520,7 +522,7 @@ class WorkModel(RankShape):
         m, t, e = self.model, self.training, self.e
         if m.activation_func_clamp_value is None:
             return NO_WORK
-        elements = self.expert_copies * t.load_imbalance * m.expert_ffn / t.etp
+        elements = self.expert_copies * self.load_imbalance * m.expert_ffn / t.etp
         forward = 4 * e + (4 * e if t.bias_activation_fusion else 0)
         backward = 11 * e + 8
         return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
@@ -541,7 +543,8 @@ class WorkModel(RankShape):
         else:
             local = m.num_experts // t.ep
             per_expert = self.expert_copies * t.load_imbalance / local
-            routed = self._mlp(per_expert, m.expert_ffn / t.etp, groups=local, fp8=t.experts_fp8)
+            spread = self.load_imbalance / t.load_imbalance  # forced balance's random excess (Gemm.stretch)
+            routed = self._mlp(per_expert, m.expert_ffn / t.etp, groups=local, stretch=spread, fp8=t.experts_fp8)
             shared = (self._mlp(self.tokens, m.moe_shared_expert_intermediate_size / t.tp)
                       if m.moe_shared_expert_intermediate_size else None)
             router = (NO_WORK if t.fake_balanced_gate  # AutoModel's fake gate has no GEMM
@@ -552,7 +555,7 @@ class WorkModel(RankShape):
             mlp_recompute = (mlp.forward if t.recomputes("moe") else
                              shared.forward if shared and t.recomputes("shared_experts") else Work())
             if t.recomputes("moe_act") and not t.recomputes("moe"):
-                mlp_recompute = mlp_recompute + self._activation(self.expert_copies * t.load_imbalance,
+                mlp_recompute = mlp_recompute + self._activation(self.expert_copies * self.load_imbalance,
                                                                  m.expert_ffn / t.etp) + clamp.forward
         element = _sum(self._elementwise(kind), self._unfused_rope(), self.accumulating_scatters(kind))
         accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()))

@@ -91,6 +91,9 @@ class ActivationOffload:
     :meth:`begin_step` before each step."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], device: torch.device, ops: Sequence[str] = ()):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" names the current device; tensors say cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.ops = device, tuple(ops)
         self._parameters = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
         self._in_chosen_op = 0

@@ -95,6 +95,9 @@ class StepRecorder:
         self.events: list[tuple[ScheduleNode, Any, Any, int | None, tuple]] = []
         self._inside: list[tuple[str, Any, Any, float]] = []
         """Spans in parts of the model (:meth:`inside`) since the last compute node was recorded."""
+        self.compute_nodes = 0
+        """Compute nodes recorded so far: which node a clock reading was taken in (a hook that opens a span in one
+        node must not close it in a later one)."""
         if self.cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -127,6 +130,7 @@ class StepRecorder:
         spans: tuple = ()
         if node.kind.is_compute:
             spans, self._inside = tuple(self._inside), []
+            self.compute_nodes += 1
         self.events.append((node, start, end, nbytes, spans))
         if self._rss is not None and node.kind.is_compute:
             self._peak_rss = max(self._peak_rss, self._rss())

@@ -25,6 +25,7 @@ class TickingRecorder:
 
     def __init__(self, watch: tuple = ()) -> None:
         self.ticks = 0
+        self.compute_nodes = 0
         self.spans: list[tuple[str, int, int, float]] = []
         self.watch = watch
         self.alive: list[int] = []
@@ -126,3 +127,24 @@ def test_the_embeddings_backward_is_timed_as_ends(vocab, hidden, layers, tokens)
     recorder.spans.clear()
     chunk(torch.randint(0, vocab, (tokens,))).backward()
     assert recorder.spans == []
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(4, 32), st.integers(2, 8), st.integers(1, 4), st.integers(1, 6), st.integers(1, 3))
+def test_a_gradient_landing_in_a_later_node_opens_no_span_from_an_earlier_one(vocab, hidden, layers, tokens, later):
+    """The embedding's weight also gets a gradient in a later node (at pp = 1 the output layer's weight is the
+    tied word embedding, and a W accumulates it): that node's accumulation must not close the span the
+    embedding's backward opened nodes before (it gave a W an ``ends`` longer than the W itself on the GPU)."""
+    from primuspipe.backends.megatron.layer_timing import timing_layers
+
+    class Store:
+        timed = None
+
+    chunk, recorder = _Chunk(vocab, hidden, layers), TickingRecorder()
+    with timing_layers([chunk], recorder, Store()):
+        chunk(torch.randint(0, vocab, (tokens,))).backward()
+        spans = len(recorder.spans)
+        recorder.compute_nodes += later  # the B is recorded; a later node accumulates the tied weight's gradient
+        weight = chunk.embedding.weight
+        torch.autograd.backward([weight], [torch.ones_like(weight)])
+    assert len(recorder.spans) == spans, recorder.spans[spans:]

@@ -170,7 +170,7 @@ def test_unfused_permutation_scatters_run_at_the_scatter_rate_and_only_where_the
     model = load_model(EXAMPLES / "models" / f"{model_name}.yaml")
     unfused, fused = (_moe_training(ep, dispatcher, mbs, fusion) for fusion in (False, True))
     work = WorkModel(model, unfused)
-    elements = work.expert_copies * unfused.load_imbalance * model.hidden_size
+    elements = work.expert_copies * work.load_imbalance * model.hidden_size
     as_copies = 2 * elements * work.e / (mi355x.hbm_bandwidth_bytes_per_s * mi355x.memory_bandwidth_fraction)
     extra = elements / mi355x.scatter_add_elements_per_s - as_copies
     assert extra > 0

@@ -81,14 +81,14 @@ def timing_layers(models: Sequence[torch.nn.Module], recorder: Any, wgrad: Any) 
 
     def timed(part: str, module: torch.nn.Module) -> None:
         forward: list[Any] = []  # the running forward's start (one node at a time per process)
-        backward: list[Any] = []  # the running backward's start
+        backward: list[Any] = []  # the running backward's start and the node it was read in
 
         def output_grad(_grad):
-            backward[:] = [clock()]
+            backward[:] = [(clock(), recorder.compute_nodes)]
 
         def input_grad(_grad):
             if backward:
-                recorder.inside(part, backward.pop(), clock())
+                recorder.inside(part, backward.pop()[0], clock())
 
         def before(module, args, kwargs):
             tensor = _first_tensor(kwargs.get("hidden_states", args[0] if args else None))
@@ -105,10 +105,15 @@ def timing_layers(models: Sequence[torch.nn.Module], recorder: Any, wgrad: Any) 
                 tensor.register_hook(output_grad)
 
         def accumulated(_param):  # a module whose input has no gradient (the embedding): its backward
-            if backward:           # ends as its weights' gradients land, each span from the one before
+            # ends as its weights' gradients land, each span from the one before -- within the node its
+            # backward began in: a weight whose gradient a later W accumulates (the output layer's, tied to the
+            # word embedding on one rank) is that W's, which the weight-gradient store already reports
+            if backward and backward[0][1] == recorder.compute_nodes:
                 now = clock()
-                recorder.inside(part, backward[0], now)
-                backward[:] = [now]
+                recorder.inside(part, backward[0][0], now)
+                backward[:] = [(now, recorder.compute_nodes)]
+            else:
+                backward.clear()
 
         handles.extend((module.register_forward_pre_hook(before, with_kwargs=True),
                         module.register_forward_hook(after, with_kwargs=True)))

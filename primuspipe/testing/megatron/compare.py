@@ -195,7 +195,7 @@ def param_grads(chunks, ddp: bool, shards: bool = False) -> dict[str, torch.Tens
         for name, p in chunk.named_parameters():
             g = p.main_grad if ddp else p.grad
             key = shard_name(chunk, name, p) if shards else tiny_models.global_param_name(chunk, name)
-            grads[key] = None if g is None else g.detach().clone()
+            grads[key] = None if g is None else g.detach().to("cpu", copy=True)  # off the device the run measures
     return grads
 
 
