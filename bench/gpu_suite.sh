@@ -7,8 +7,9 @@
 #   2. NCCL on the GPU against the emulator: every communication pattern of bench/nccl_one_gpu.py on real NCCL
 #      (lazy and eager communicators), joined with the emulator's verdicts (bench/results/nccl_one_gpu_emulator.json)
 #      (NCCL_PATTERNS="a b": only those patterns)
-#   3. every shipped algorithm through examples/train_gpt.py --compare-native on real NCCL (pp 2): it must finish
-#      with Megatron's own schedule's gradients
+#   3. every shipped algorithm through examples/train_gpt.py --compare-native on real NCCL (NCCL_PPS, default "2";
+#      "2 3 4" also runs pp 3 and 4, all ranks on whatever GPUs there are): it must finish with Megatron's own
+#      schedule's gradients
 #   4. kernels against the projection's model of them (bench/bench_gpu_kernels.py)
 #   5. one GPU, a megatron-core GPT in bf16: 1f1b with --auto-replan and zb-h1, CUDA-event timelines dumped and
 #      calibrated (memory per step, layer spans inside their nodes), and `primuspipe project` of the same run
@@ -36,15 +37,18 @@ timeout 240 $py bench/nccl_one_gpu.py patterns --modes nccl-lazy nccl-eager --de
   --with bench/results/nccl_one_gpu_emulator.json -o "$out/nccl_patterns.json" 2>"$out/nccl_patterns.log" \
   | tee -a "$out/summary.txt"
 
-part "3. every algorithm on real NCCL, pp 2, against Megatron's schedule"
+part "3. every algorithm on real NCCL against Megatron's schedule, pp ${NCCL_PPS:=2}"
 algorithms=$($py -c "from primuspipe.algorithms.registry import list_algorithms; print(*[i.name for i in list_algorithms()])")
-one() {  # one ALGORITHM -> $out/nccl_train_ALGORITHM.json (the launcher's verdict, then the example's JSON line)
-  timeout 240 $py bench/nccl_one_gpu.py train --ranks 2 --deadline 200 -- examples/train_gpt.py --pp 2 \
-    --microbatches 5 --pp-algorithm "$1" --num-layers 8 --iterations 2 --compare-native --no-gradient-accumulation-fusion > "$out/nccl_train_$1.json" 2>&1
-  echo "   $1: exit $? $(tail -n 1 "$out/nccl_train_$1.json" | cut -c1-220)"
+one() {  # one PP ALGORITHM -> $out/nccl_train_ppPP_ALGORITHM.json (the launcher's verdict, then the example's JSON line)
+  local pp=$1 algo=$2 log="$out/nccl_train_pp$1_$2.json"
+  timeout 240 $py bench/nccl_one_gpu.py train --ranks "$pp" --deadline 200 -- examples/train_gpt.py --pp "$pp" \
+    --microbatches $((2 * pp + 1)) --pp-algorithm "$algo" --num-layers $((4 * pp)) --iterations 2 --compare-native \
+    --no-gradient-accumulation-fusion > "$log" 2>&1
+  echo "   pp $pp $algo: exit $? $(tail -n 1 "$log" | cut -c1-200)"
 }
 export -f one; export out py
-printf '%s\n' $algorithms | xargs -P 4 -I{} bash -c 'one {}' | tee -a "$out/summary.txt"
+for pp in $NCCL_PPS; do printf "$pp %s\n" $algorithms; done | xargs -P 4 -L 1 bash -c 'one "$0" "$1"' \
+  | tee -a "$out/summary.txt"
 
 part "4. kernels against the projection's model"
 timeout 240 $py bench/bench_gpu_kernels.py --output "$out/gpu_kernels.json" --markdown "$out/gpu_kernels.md" \

@@ -30,16 +30,14 @@ compute, except the data-parallel gradient reduction when ``overlap_grad_reduce`
 
 from __future__ import annotations
 
-import functools
-import heapq
 import math
-import random
-import statistics
 from dataclasses import dataclass
 
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import ParamCount
+from primuspipe.projection.routing import destinations
+from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 
@@ -101,6 +99,9 @@ class LayerComm:
     blocking: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Small collectives the next kernel waits on and no overlap hides: under current scaling with sequence
     parallelism, the amax all-reduce over TP before each gathered operand is quantized."""
+    dispatcher_share: float = 0.0
+    """Share of the compute units the flex dispatcher's kernels hold while they run (``TrainingSpec.dispatcher_sms``
+    over the hardware's ``compute_units``)."""
 
     @property
     def forward(self) -> float:
@@ -127,7 +128,10 @@ class LayerComm:
         * CP: ring attention passes key/value blocks under the attention of the block before; the first of
           ``CP`` steps, or what outlasts the attention, shows;
         * EP with ``overlap_moe_expert_parallel_comm``: one microbatch's all-to-alls under another's compute
-          of the same pass; what outlasts it shows. Otherwise all of it;
+          of the same pass; what outlasts it shows. The flex dispatcher's kernels hold SMs while they run
+          (``dispatcher_share``; DeepEP is built to keep the rest for compute, DeepSeek-V3 report 3.2.2), so the
+          compute they overlap runs on the remaining ``1 - share`` and takes ``1 / (1 - share)`` as long: its
+          extra time shows too. Otherwise all of it;
         * ``blocking`` collectives: all of them.
         """
         t = training
@@ -135,7 +139,9 @@ class LayerComm:
         for i in range(3):
             tp = (max(self.tp_tail[i], self.tp[i] - gemm[i]) if t.tp_comm_overlap and t.tp > 1 else self.tp[i])
             cp = max(self.cp[i] / t.cp, self.cp[i] - attention[i]) if t.cp > 1 else self.cp[i]
-            ep = max(0.0, self.ep[i] - compute[i]) if t.overlap_moe_expert_parallel_comm else self.ep[i]
+            beside = min(self.ep[i], compute[i])  # the compute the overlapped all-to-alls run beside
+            ep = (self.ep[i] - beside + beside * self.dispatcher_share / (1 - self.dispatcher_share)
+                  if t.overlap_moe_expert_parallel_comm else self.ep[i])
             exposed.append(tp + cp + ep + self.blocking[i])
         return exposed[0], exposed[1], exposed[2]
 
@@ -160,7 +166,7 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     cp = net.gather(kv, t.cp, t.tp * t.cp)
     ep = 0.0
     if kind == "moe":
-        copies = shape.residual_tokens * model.moe_router_topk * t.load_imbalance
+        copies = shape.residual_tokens * model.moe_router_topk * shape.load_imbalance
         nodes = max(1, t.etp * t.ep // hardware.gpus_per_node)
         if t.moe_token_dispatcher_type == "flex" and nodes > 1:
             # DeepEP sends a token once to every node holding one of its experts and fans it out over NVLink
@@ -168,10 +174,28 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
             copies *= destinations(model, model.num_experts // nodes) / model.moe_router_topk
         elif t.moe_token_dispatcher_type == "flex":
             copies *= destination_ranks(model, t) / model.moe_router_topk
-        ep = 2 * net.all_to_all(copies * model.hidden_size * e, t.ep, t.etp * t.ep)  # dispatch + combine
+        rows = copies * model.hidden_size * e
+        if hybridep_timed(t, hardware, nodes):  # a measured call, its own rows counted (see HardwareSpec)
+            ep = 2 * (rows / hardware.hybridep_bandwidth_bytes_per_s + (t.ep - 1) * hardware.intra_node_latency_s)
+        else:
+            ep = 2 * net.all_to_all(rows, t.ep, t.etp * t.ep)  # dispatch + combine
     regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
     tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
-    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0))
+    beside = kind == "moe" and t.overlap_moe_expert_parallel_comm and hardware.compute_units
+    share = t.dispatcher_sms / hardware.compute_units if beside else 0.0  # what the overlapped compute lacks
+    if share >= 1:
+        raise InputError([(t.source, "moe_flex_dispatcher_num_sms", t.dispatcher_sms),
+                          (hardware.source, "compute_units", hardware.compute_units)],
+                         "the flex dispatcher's kernels would hold every SM, leaving none for the compute",
+                         "give moe_flex_dispatcher_num_sms fewer SMs than the GPU has")
+    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0), share)
+
+
+def hybridep_timed(training: TrainingSpec, hardware: HardwareSpec, nodes: int) -> bool:
+    """Whether the EP all-to-alls run on HybridEP inside one node where the hardware file gives its measured
+    bandwidth (``hybridep_bandwidth_bytes_per_s``)."""
+    return (training.moe_token_dispatcher_type == "flex" and training.moe_flex_dispatcher_backend == "hybridep"
+            and nodes == 1 and training.ep > 1 and hardware.hybridep_bandwidth_bytes_per_s is not None)
 
 
 def destination_ranks(model: ModelSpec, training: TrainingSpec) -> float:
@@ -197,64 +221,6 @@ def destination_ranks(model: ModelSpec, training: TrainingSpec) -> float:
         return sum(len({(s + j) % experts // per_rank for j in range(k)}) for s in starts) / len(starts)
     return destinations(model, per_rank)
 
-
-def destinations(model: ModelSpec, experts_each: int) -> float:
-    """Distinct destinations (ranks, or nodes) one token's ``k`` experts live on, on average, where each
-    destination holds ``experts_each`` consecutive experts (Megatron gives EP rank ``r`` experts
-    ``r E/EP`` ... ``(r+1) E/EP - 1``).
-
-    Without group-limited routing a router picks ``k`` distinct experts out of ``E``, every set alike (forced
-    balance: random logits), so a destination is missed with probability ``C(E - n, k) / C(E, k)``. With it
-    (``moe_router_num_groups`` / ``moe_router_group_topk``) a token's experts lie in its picked groups only,
-    and which groups are picked depends on the scores' values, not only their order: see
-    :func:`_group_limited_destinations`."""
-    experts, k = model.num_experts, model.moe_router_topk
-    if model.moe_router_group_topk is None:
-        return experts / experts_each * (1 - math.comb(experts - experts_each, k) / math.comb(experts, k))
-    return _group_limited_destinations(experts, k, model.moe_router_num_groups, model.moe_router_group_topk,
-                                       experts_each, _group_score(model))
-
-
-def _group_score(model: ModelSpec) -> str:
-    """What megatron-core's ``topk_routing_with_score_function`` ranks groups by: sigmoid (or sqrt-softplus)
-    scores, softmax probabilities with ``moe_router_pre_softmax``, else the raw logits (softmax comes after)."""
-    if model.moe_router_score_function != "softmax":
-        return model.moe_router_score_function
-    return "exp" if model.moe_router_pre_softmax else "logit"
-
-
-_SCORE = {"logit": lambda x: x, "exp": math.exp, "sigmoid": lambda x: 1 / (1 + math.exp(-x)),
-          "sqrtsoftplus": lambda x: math.sqrt(math.log1p(math.exp(x)))}
-_NORMAL = statistics.NormalDist()
-ROUTED_TOKENS = 4096
-"""Tokens :func:`_group_limited_destinations` routes: the count's standard error is under 0.01 destinations
-for DeepSeek-V3's shapes (its spread over tokens is about 0.2 at EP 8, 0.6 at EP 64)."""
-
-
-@functools.lru_cache(maxsize=64)
-def _group_limited_destinations(experts: int, k: int, groups: int, picked: int, experts_each: int,
-                                score: str) -> float:
-    """Mean distinct destinations of ``ROUTED_TOKENS`` tokens routed as megatron-core's ``group_limited_topk``
-    routes them under forced balance: logits standard normal and independent (``RandomSTE``: ``normal_()``),
-    groups of ``E / groups`` consecutive experts ranked by the sum of their top ``k // picked`` scores, the
-    ``picked`` best groups kept, and the ``k`` best experts among them chosen.
-
-    No closed form is known for this count: a group's rank depends on the values of its best scores, and a
-    picked group can still lose all its experts to the other picked groups. So the routes are drawn, from a
-    fixed seed (the count is the same on every run): uniform ``u`` per expert, whose order is the logits'
-    order; only the ``k // picked`` best of each group are turned into logits (``NormalDist().inv_cdf``) and
-    scores to rank the groups."""
-    rng, size, best = random.Random(0), experts // groups, k // picked
-    scale = _SCORE[score]
-    total = 0
-    for _ in range(ROUTED_TOKENS):
-        u = [rng.random() for _ in range(experts)]
-        tops = [sorted(range(g * size, (g + 1) * size), key=u.__getitem__, reverse=True)[:k] for g in range(groups)]
-        rank = sorted(range(groups), key=lambda g: sum(scale(_NORMAL.inv_cdf(u[e])) for e in tops[g][:best]),
-                      reverse=True)
-        chosen = heapq.nlargest(k, (e for g in rank[:picked] for e in tops[g]), key=u.__getitem__)
-        total += len({e // experts_each for e in chosen})
-    return total / ROUTED_TOKENS
 
 
 def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:

@@ -73,6 +73,11 @@ class Work:
     fp8_transpose_bytes: float = 0.0
     """Bytes per-tensor FP8 casts move for the transposed copies Hopper's FP8 GEMMs need; hardware whose FP8
     GEMMs take any layout (``fp8_gemm_any_layout``) makes none."""
+    scatter_add_elements: float = 0.0
+    """Elements accumulating scatters (``scatter_add_``, ``index_add_``) add, timed at the hardware's
+    ``scatter_add_elements_per_s`` where it gives it, else as the ``scatter_add_bytes`` they move."""
+    scatter_add_bytes: float = 0.0
+    """Bytes those scatters read and write, their cost as plain copies."""
 
     @property
     def gemm_flops(self) -> float:
@@ -81,11 +86,13 @@ class Work:
     def __add__(self, other: Work) -> Work:
         return Work(self.gemms + other.gemms, self.attention_flops + other.attention_flops,
                     self.memory_bytes + other.memory_bytes, self.mxfp8_cast_bytes + other.mxfp8_cast_bytes,
-                    self.fp8_transpose_bytes + other.fp8_transpose_bytes)
+                    self.fp8_transpose_bytes + other.fp8_transpose_bytes,
+                    self.scatter_add_elements + other.scatter_add_elements, self.scatter_add_bytes + other.scatter_add_bytes)
 
     def scaled(self, factor: float) -> Work:
         return Work(tuple(g.times(factor) for g in self.gemms), self.attention_flops * factor, self.memory_bytes * factor,
-                    self.mxfp8_cast_bytes * factor, self.fp8_transpose_bytes * factor)
+                    self.mxfp8_cast_bytes * factor, self.fp8_transpose_bytes * factor,
+                    self.scatter_add_elements * factor, self.scatter_add_bytes * factor)
 
     def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
@@ -104,8 +111,11 @@ class Work:
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
         cast_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.mxfp8_cast_fraction
         moved = self.memory_bytes + (0.0 if hardware.fp8_gemm_any_layout else self.fp8_transpose_bytes)
+        scatter_rate = hardware.scatter_add_elements_per_s
+        scatters = (self.scatter_add_elements / scatter_rate if scatter_rate is not None
+                    else self.scatter_add_bytes / bytes_per_s)
         return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision, length, head_dim)
-                + moved / bytes_per_s + self.mxfp8_cast_bytes / cast_per_s)
+                + moved / bytes_per_s + self.mxfp8_cast_bytes / cast_per_s + scatters)
 
 
 @dataclass(frozen=True)
@@ -131,19 +141,21 @@ class WorkModel(RankShape):
     """Per-rank work of each part of the model for one microbatch."""
 
     def _linear(self, tokens: float, fan_in: float, fan_out: float, *, groups: float = 1, fp8: bool | None = None,
-                norm_fed: bool = False, tensor_parallel: str = "") -> PassWork:
+                norm_fed: bool = False, tensor_parallel: str = "", stretch: float = 1.0) -> PassWork:
         """A linear layer over ``tokens``: its forward, input-gradient and weight-gradient GEMMs. Under FP8
         the input and the output gradient are quantized first (:meth:`_quantize_bytes`): ``norm_fed``, the input
         is a norm's output (a LayerNormLinear); ``tensor_parallel`` ``column`` or ``row``, the layer's TP split,
-        which says (with sequence parallelism) whether its input or its output gradient is all-gathered."""
+        which says (with sequence parallelism) whether its input or its output gradient is all-gathered;
+        ``stretch``, the share of copies the experts hold beyond ``tokens`` (:attr:`Gemm.stretch`)."""
         fp8 = self.training.fp8 if fp8 is None else fp8
         gemm = Gemm(tokens, fan_out, fan_in, groups, fp8, mxfp8=fp8 and self.training.fp8_recipe == "mxfp8",
-                    kernel=self.training.expert_gemm_kernel, streams=self.training.expert_gemm_streams)
+                    kernel=self.training.expert_gemm_kernel, streams=self.training.expert_gemm_streams, stretch=stretch)
         if not fp8:
             return PassWork(Work((gemm,)), Work((gemm.dgrad(),)), Work((gemm.wgrad(),)))
         sp = self.training.sp
-        fwd = self._cast(tokens * fan_in * groups, norm_fed=norm_fed, gathered=sp and tensor_parallel == "column")
-        bwd = self._cast(tokens * fan_out * groups, gathered=sp and tensor_parallel == "row")
+        elements = tokens * groups * stretch
+        fwd = self._cast(elements * fan_in, norm_fed=norm_fed, gathered=sp and tensor_parallel == "column")
+        bwd = self._cast(elements * fan_out, gathered=sp and tensor_parallel == "row")
         return PassWork(Work((gemm,)) + fwd, Work((gemm.dgrad(),)) + bwd, Work((gemm.wgrad(),)))
 
     def _cast(self, elements: float, *, norm_fed: bool = False, gathered: bool = False) -> Work:
@@ -209,15 +221,16 @@ class WorkModel(RankShape):
         rowwise = (3 if current else -1) if norm_fed else 3 + amax  # on the shard, before the gather
         return elements * (rowwise / t.tp + 2)
 
-    def _mlp(self, tokens: float, width: float, *, groups: float = 1, dense: bool = False) -> PassWork:
+    def _mlp(self, tokens: float, width: float, *, groups: float = 1, dense: bool = False, stretch: float = 1.0,
+             fp8: bool | None = None) -> PassWork:
         """Up (gated with SwiGLU) and down projections of an MLP ``width`` wide on this rank; ``dense``: a dense
         layer's MLP, whose up projection takes the pre-MLP norm's output (a LayerNormLinear) and which is split
-        over TP column-wise, then row-wise."""
+        over TP column-wise, then row-wise; ``stretch`` and ``fp8``: see :meth:`_linear`."""
         h = self.model.hidden_size
         up, down = ("column", "row") if dense else ("", "")
         return _sum(self._linear(tokens, h, width * (2 if self.model.swiglu else 1), groups=groups, norm_fed=dense,
-                                 tensor_parallel=up),
-                    self._linear(tokens, width, h, groups=groups, tensor_parallel=down))
+                                 tensor_parallel=up, stretch=stretch, fp8=fp8),
+                    self._linear(tokens, width, h, groups=groups, tensor_parallel=down, stretch=stretch, fp8=fp8))
 
     def _attention_projections(self) -> tuple[PassWork, PassWork]:
         """(all projections of the attention block, the MLA up-projections among them)."""
@@ -434,8 +447,9 @@ class WorkModel(RankShape):
         if kind == "dense":
             moved[self._activation_kernel] += self._activation(self.tokens, m.ffn / t.tp).memory_bytes
             return moved
-        copies = self.expert_copies * t.load_imbalance
-        moved["permute"] += 4 * copies * m.hidden_size * e * self.permutations
+        copies = self.expert_copies * self.load_imbalance
+        scattered = self.accumulating_scatters(kind).forward.scatter_add_bytes  # priced apart
+        moved["permute"] += 4 * copies * m.hidden_size * e * self.permutations - scattered
         if not t.fake_balanced_gate:  # AutoModel's fake gate computes no logits (FakeBalancedGate: arange, ones)
             moved["router"] += self.residual_tokens * m.num_experts * 4 * 3  # softmax / top-k over fp32 logits
         shared = self._activation(self.tokens, (m.moe_shared_expert_intermediate_size or 0) / t.tp)
@@ -499,6 +513,22 @@ class WorkModel(RankShape):
         second = t.moe_token_dispatcher_type == "alltoall" and t.ep > 1 and self.model.num_experts // t.ep > 1
         return 2 if second else 1
 
+    def accumulating_scatters(self, kind: str) -> PassWork:
+        """The accumulating scatters of megatron-core's unfused MoE permutation (``moe_permute_fusion`` off; the
+        all-to-all and DeepEP dispatchers alike, ``moe_utils.permute`` / ``unpermute`` at the Megatron-LM commit
+        Primus pins, 84778176): ``unpermute`` returns the copies to token order with ``scatter_add_`` forward, and
+        ``permute``'s ``index_select`` has ``index_add_`` as its backward; each adds every copy's row into its
+        token's (a token's ``k`` copies meet in one row, so they cannot be plain stores). Of the permutation's
+        traffic (:attr:`permutations`) these are the unpermutation's forward half and the permutation's
+        backward half; Transformer Engine's fused kernels (``moe_unpermute`` and the fused permutation's
+        backward) reduce a token's copies in registers and store once, so with fusion there are none."""
+        t, m = self.training, self.model
+        if kind != "moe" or t.moe_permute_fusion:
+            return NO_WORK
+        elements = self.expert_copies * self.load_imbalance * m.hidden_size
+        scatter = Work(scatter_add_elements=elements, scatter_add_bytes=2 * elements * self.e)
+        return PassWork(scatter, scatter, Work())
+
     @property
     def probs_bytes(self) -> int:
         """Bytes of one routing probability as the experts receive it: DeepEP and HybridEP (the flex dispatcher)
@@ -519,7 +549,7 @@ class WorkModel(RankShape):
         gradients, and per factor of ``b*p`` a product written and read back for its reduction (the bias's
         gradient over the tokens, the probability's over ``H``)."""
         e, r = self.e, max(self.e, self.probs_bytes)
-        elements = self.expert_copies * self.training.load_imbalance * self.model.hidden_size
+        elements = self.expert_copies * self.load_imbalance * self.model.hidden_size
         casts = (r + e) if r != e else 0
         forward = r + (e + 2 * r) + 2 * r + casts
         backward = 2 * casts + 2 * 3 * r
@@ -532,7 +562,7 @@ class WorkModel(RankShape):
         The padding rows themselves (fewer than the alignment per expert) are not counted in the GEMMs."""
         if not self.fp8_padding_copies:
             return NO_WORK
-        copies = self.expert_copies * self.training.load_imbalance
+        copies = self.expert_copies * self.load_imbalance
         moved = 2 * 2 * copies * self.model.hidden_size * self.e + 2 * copies * self.probs_bytes
         return PassWork(Work(memory_bytes=moved), Work(memory_bytes=moved), Work())
 
@@ -567,7 +597,7 @@ class WorkModel(RankShape):
         m, t, e = self.model, self.training, self.e
         if m.activation_func_clamp_value is None:
             return NO_WORK
-        elements = self.expert_copies * t.load_imbalance * m.expert_ffn / t.etp
+        elements = self.expert_copies * self.load_imbalance * m.expert_ffn / t.etp
         forward = 4 * e + (4 * e if t.bias_activation_fusion else 0)
         backward = 11 * e + 8
         return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
@@ -588,7 +618,8 @@ class WorkModel(RankShape):
         else:
             local = m.num_experts // t.ep
             per_expert = self.expert_copies * t.load_imbalance / local
-            routed = self._mlp(per_expert, m.expert_ffn / t.etp, groups=local)
+            spread = self.load_imbalance / t.load_imbalance  # forced balance's random excess (Gemm.stretch)
+            routed = self._mlp(per_expert, m.expert_ffn / t.etp, groups=local, stretch=spread, fp8=t.experts_fp8)
             shared = (self._mlp(self.tokens, m.moe_shared_expert_intermediate_size / t.tp)
                       if m.moe_shared_expert_intermediate_size else None)
             router = (NO_WORK if t.fake_balanced_gate  # AutoModel's fake gate has no GEMM
@@ -599,9 +630,10 @@ class WorkModel(RankShape):
             mlp_recompute = (mlp.forward if t.recomputes("moe") else
                              shared.forward if shared and t.recomputes("shared_experts") else Work())
             if t.recomputes("moe_act") and not t.recomputes("moe"):
-                mlp_recompute = mlp_recompute + self._activation(self.expert_copies * t.load_imbalance,
+                mlp_recompute = mlp_recompute + self._activation(self.expert_copies * self.load_imbalance,
                                                                  m.expert_ffn / t.etp) + clamp.forward
-        element = _sum(self._elementwise(kind), self._unfused_rope(), self._local_spec_elements(kind))
+        element = _sum(self._elementwise(kind), self._unfused_rope(), self.accumulating_scatters(kind),
+                       self._local_spec_elements(kind))
         accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()))
         forward = attention.forward + core.forward + mlp.forward + element.forward
         recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute

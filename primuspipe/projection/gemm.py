@@ -104,6 +104,11 @@ class Gemm:
     """How the groups run (one of :data:`GROUPED_GEMM_KERNELS`); no matter for one group."""
     streams: int = GEMM_STREAMS
     """``multi_stream``: groups that run at once (``GEMM_STREAMS``, or fewer hardware queues on ROCm)."""
+    stretch: float = 1.0
+    """Time factor for work beyond the shape: the busiest rank's random excess of token copies under forced
+    balance (:attr:`~primuspipe.projection.training_spec.RankShape.load_imbalance`). It lands on the experts
+    unevenly, a few copies here and there, so it lengthens the grouped GEMM by its share rather than growing every
+    expert's ``m`` (which would tip every group's tile count at once); the FLOPs stay the shape's."""
 
     @property
     def flops(self) -> float:
@@ -190,4 +195,4 @@ def gemm_seconds(gemm: Gemm, hardware: HardwareSpec, precision: str) -> float:
     in_bytes = 1 if gemm.fp8 else (4 if precision == "fp32" else 2)
     out_bytes = 4 if precision == "fp32" else 2
     moved = ((gemm.m + gemm.n) * gemm.k * in_bytes + gemm.m * gemm.n * out_bytes) * gemm.groups
-    return max(compute, moved / (h.hbm_bandwidth_bytes_per_s * h.memory_bandwidth_fraction))
+    return max(compute, moved / (h.hbm_bandwidth_bytes_per_s * h.memory_bandwidth_fraction)) * gemm.stretch

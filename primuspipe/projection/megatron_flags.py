@@ -41,6 +41,8 @@ ALIASES = {
     "external_cuda_graph": ("training", "cuda_graph_impl", "transformer_engine"),
     "moe_grouped_gemm": ("training", "moe_expert_gemm", "multi_stream"),
     "moe_router_padding_for_fp8": ("training", "moe_router_padding_for_quantization", None),
+    "moe_deepep_num_sms": ("training", "moe_flex_dispatcher_num_sms", None),
+    "moe_hybridep_num_sms": ("training", "moe_flex_dispatcher_num_sms", None),
 }
 """Megatron arguments whose name is not the field they set: ``flag -> (spec, field, value)``; value None:
 the argument's own value."""
@@ -80,8 +82,8 @@ NO_EFFECT_PREFIXES = (
     "no_barrier", "disable_manual_gc", "no_manual_gc", "replication", "start_eval", "wsd_", "head_lr_mult",
     "no_weight_decay", "use_mp_args", "fake_process_group", "yaml_cfg", "output_bert", "num_channels",
     "moe_routing_trace", "moe_upcycling", "moe_use_upcycling", "indexer_", "tp_comm_", "no_tp_comm",
-    "disable_tp_comm", "batch_p2p", "no_batch_p2p", "disable_batch_p2p", "ddp_", "use_te_rng", "moe_deepep_num_sms",
-    "moe_flex_dispatcher_num_sms", "moe_hybridep", "moe_ncclep", "high_priority", "symmetric_ar_type",
+    "disable_tp_comm", "batch_p2p", "no_batch_p2p", "disable_batch_p2p", "ddp_", "use_te_rng",
+    "moe_hybridep", "moe_ncclep", "high_priority", "symmetric_ar_type",
     "disable_symmetric", "use_nccl_ub", "nccl_all_reduce_for_prefill", "sharp_enabled_group", "create_all_gather",
     "disable_gloo", "disable_jit_fuser", "disable_bf16_reduced_precision_matmul", "no_rope_freq",
     "no_yarn", "mamba_inference", "enable_chunked_prefill", "decode_only", "num_speculative_tokens",

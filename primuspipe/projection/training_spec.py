@@ -20,12 +20,15 @@ from typing import Literal
 
 from primuspipe.projection.gemm import GEMM_STREAMS
 from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.routing import busiest_rank_load
 from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act", "mla_up_proj")
 """Megatron's ``recompute_modules``. ``layernorm``, ``moe_act`` and ``mla_up_proj`` run only with Transformer
 Engine in megatron-core, so their activation formulas are not checked against a real layer here."""
 
+FLEX_DISPATCHER_SMS = {"deepep": 20, "hybridep": 24}
+"""SMs each flex backend's kernels take by default (see ``TrainingSpec.moe_flex_dispatcher_num_sms``)."""
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 """Megatron's ``--fp8-recipe``: delayed and tensorwise (current) scaling keep one scale per tensor, blockwise
 one per 128x128 weight block and 1x128 activation tile (DeepSeek-V3's), mxfp8 one per 32 elements (needs a
@@ -135,6 +138,13 @@ class TrainingSpec:
     local expert's token copies to the quantization alignment itself (megatron-core ``_HybridEPManager.dispatch``:
     ``pad_multiple = get_align_size_for_quantization``), so the experts never pad them again
     (``RankShape.fp8_padding_copies``)."""
+    moe_flex_dispatcher_num_sms: int | None = None
+    """SMs the flex dispatcher's kernels hold while they run (Megatron's ``moe_flex_dispatcher_num_sms``; aliases
+    ``moe_deepep_num_sms`` and ``moe_hybridep_num_sms``, which megatron-core routes to it). None: the backend's
+    default -- DeepEP's 20 (``deep_ep.Buffer.num_sms = 20``, deepseek-ai/DeepEP ``deep_ep/buffer.py``; megatron-core's
+    historical ``moe_deepep_num_sms`` default 20, as DeepSeek-V3's report gives its dispatch and combine 20 SMs,
+    3.2.2), HybridEP's 24 (megatron-core's ``moe_hybridep_num_sms`` default). Under the EP overlap the compute
+    beside them runs on the other SMs (:meth:`~primuspipe.projection.comm.LayerComm.exposed`)."""
     moe_router_padding_for_quantization: bool = False
     """megatron-core (alias ``moe_router_padding_for_fp8``): under FP8 the router routes extra copies so that every
     expert's count is a multiple of the quantization alignment (``pad_routing_map``), so the experts never pad
@@ -347,6 +357,17 @@ class TrainingSpec:
         return self.moe_use_legacy_grouped_gemm and self.moe_expert_gemm != "sequential" and not self.use_turbo_grouped_gemm
 
     @property
+    def experts_fp8(self) -> bool:
+        """Whether the routed experts' GEMMs run in FP8: under FP8, unless they run as the legacy ``GroupedMLP``,
+        whose GEMMs are the ``grouped_gemm`` package's ``gg.ops.gmm`` -- a BF16 GEMM per expert with no FP8 path
+        (Primus's ``DeprecatedGroupedMLP``, ``primus/backends/megatron/core/transformer/moe/deprecated_20251209/
+        experts.py``, which its ``grouped_mlp_modules`` picks for ``moe_use_legacy_grouped_gemm`` without
+        Primus-Turbo's grouped GEMM; the ROCm ``grouped_gemm`` its containers build, caaatch22/grouped_gemm
+        branch rocm, calls ``cublasGemmEx`` on BF16 operands). Fp8_autocast does not reach it, so the experts
+        run in BF16 (and pad nothing) while the attention, shared-expert and dense linears run in FP8."""
+        return self.fp8 and not self.legacy_grouped_mlp
+
+    @property
     def expert_gemm_streams(self) -> int:
         """Expert GEMMs that run at once on the ``multi_stream`` path: the framework's streams, or fewer
         hardware queues on ROCm (``gpu_max_hw_queues``: streams beyond it share queues)."""
@@ -391,14 +412,29 @@ class TrainingSpec:
 
     @property
     def load_imbalance(self) -> float:
-        """Busiest expert group's load over the mean; under token drop the capacity caps it, and padding to
-        capacity makes every expert compute all of it."""
-        load = (1.0 if self.balanced or self.moe_expert_load_imbalance is None
-                else self.moe_expert_load_imbalance)
+        """Busiest expert group's load over the mean as set (forced balance: 1, its random spread is
+        :attr:`RankShape.load_imbalance`'s); under token drop the capacity caps it, and padding to capacity makes
+        every expert compute all of it."""
+        return self.capped_load(1.0 if self.balanced or self.moe_expert_load_imbalance is None
+                                else self.moe_expert_load_imbalance)
+
+    def capped_load(self, load: float) -> float:
+        """``load`` (busiest expert group over the mean) as token drop leaves it: capped at the capacity factor,
+        or the capacity itself when every expert is padded to it."""
         if self.moe_expert_capacity_factor is None:
             return load
         return self.moe_expert_capacity_factor if self.moe_pad_expert_input_to_capacity else min(
             load, self.moe_expert_capacity_factor)
+
+    @property
+    def dispatcher_sms(self) -> int:
+        """SMs the flex dispatcher's kernels hold (``moe_flex_dispatcher_num_sms`` or its backend's default); 0 for
+        the all-to-all and all-gather dispatchers, whose NCCL kernels' share is not modelled."""
+        if self.moe_token_dispatcher_type != "flex":
+            return 0
+        if self.moe_flex_dispatcher_num_sms is not None:
+            return self.moe_flex_dispatcher_num_sms
+        return FLEX_DISPATCHER_SMS[self.moe_flex_dispatcher_backend]
 
     @property
     def flash_attention(self) -> bool:
@@ -424,6 +460,9 @@ class TrainingSpec:
                      "decoder_last_pipeline_num_layers", "mtp_num_layers"):
             if getattr(self, name) == 0:
                 self._fail((name,), "must be at least 1", "give a positive number (or leave it out for the default)")
+        if self.moe_flex_dispatcher_num_sms is not None and self.moe_flex_dispatcher_num_sms < 1:
+            self._fail(("moe_flex_dispatcher_num_sms",), "the flex dispatcher's kernels need at least one SM",
+                       "give the SMs DeepEP / HybridEP run on (or leave it out for the backend's default)")
         if self.global_batch_size % (self.micro_batch_size * self.dp):
             self._fail(("global_batch_size", "micro_batch_size", "data_parallel_size"),
                        "the global batch does not split into whole microbatches per data-parallel replica",
@@ -561,6 +600,19 @@ class RankShape:
         return self.residual_tokens * self.model.hidden_size * self.e
 
     @property
+    def load_imbalance(self) -> float:
+        """Busiest expert-parallel rank's token copies over the mean, which every MoE layer waits for. Megatron's
+        forced balance draws each token's experts at random (:mod:`~primuspipe.projection.routing`), balanced on
+        average only: the expected busiest of the EP ranks' random loads (:func:`~primuspipe.projection.routing.
+        busiest_rank_load`, over the microbatch's tokens of the whole EP group), as token drop caps it. AutoModel's
+        fake gate is exactly even, and otherwise the set figure holds (:attr:`TrainingSpec.load_imbalance`)."""
+        t = self.training
+        if not self.model.is_moe or not t.moe_router_force_load_balancing or t.fake_balanced_gate:
+            return t.load_imbalance
+        tokens = self.residual_tokens * t.etp * t.ep
+        return t.capped_load(busiest_rank_load(self.model, t.ep, tokens))
+
+    @property
     def fp8_padding_copies(self) -> bool:
         """Whether the experts copy their token copies into a padded buffer and back under FP8.
 
@@ -577,7 +629,7 @@ class RankShape:
         (dropless, even forced-balanced routing, whose counts are random) some count is not aligned. Primus-Turbo's
         grouped GEMM (``use_turbo_grouped_gemm``) is not megatron-core's ``TEGroupedMLP`` and is left out."""
         m, t = self.model, self.training
-        if not (t.fp8 and m.is_moe) or t.use_turbo_grouped_gemm or t.moe_router_padding_for_quantization:
+        if not (t.experts_fp8 and m.is_moe) or t.use_turbo_grouped_gemm or t.moe_router_padding_for_quantization:
             return False
         if t.moe_token_dispatcher_type == "flex" and t.moe_flex_dispatcher_backend == "hybridep":
             return False
