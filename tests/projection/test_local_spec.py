@@ -5,6 +5,7 @@ aten operations, the FLOPs of its GEMMs, the bytes autograd keeps and the transi
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from dispatched_work import record_layer, record_model
@@ -16,6 +17,7 @@ from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.projection import Projector
 from primuspipe.projection.training_spec import TrainingSpec
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
 # The lent H100's single-GPU run (h 2048, 16 heads of 128, s 2048, FFN 4h, LayerNorm, GELU with biases) scaled
 # down with the same head width and a*s/h = 16, so score-sized and hidden-sized work stand in the same ratio.
 GPT2_LIKE = ModelSpec(num_layers=1, hidden_size=256, num_attention_heads=2, ffn_hidden_size=1024, seq_length=2048,
@@ -82,7 +84,7 @@ def test_a_whole_local_spec_model_peaks_where_the_projection_says():
     hook would move each into its main gradient)."""
     model, training = dataclasses.replace(GPT2_LIKE, num_layers=4), LOCAL
     record = record_model(model, training)
-    result = Projector(model, load_hardware("examples/projection/hardware/h100.yaml")).evaluate(training, "1f1b")
+    result = Projector(model, load_hardware(EXAMPLES / "hardware" / "h100.yaml")).evaluate(training, "1f1b")
     projected = result.memory_breakdown["activations"] + result.memory_breakdown["recompute_working_set"]
     weight_grads = 2 * result.memory_breakdown["weights"] / 2  # bf16 weights, bf16 gradients
     cpu_norm_stats = 9 * 2 * 2 * model.seq_length  # 9 norms keep bf16 statistics on CPU, fp32 on CUDA
