@@ -13,7 +13,7 @@ optimizer step does. ``--runs`` sessions per pp. Then
 * **calibrate** from the 1f1b dumps only (their runs carry ``--split-probe`` probes, by default five BW
   per chunk run as B and W, two Ws right after their B and the others deferred past the next B, so the
   file has real B and warm and cold W times; ``--split-probe 0`` halves BW instead):
-  ``measure_costs`` over all their iterations (each session's first dropped), written as the portable
+  ``primuspipe.calibration.measure.measure_runs`` over all their iterations (each session's first dropped), written as the portable
   cost file ``primuspipe calibrate`` writes (without step gaps: steps start together here);
 * **predict** with ``primuspipe simulate --cost FILE --plan-cost unit -a all --json``, the command a user
   runs: the runs' cost-aware algorithms plan with unit costs (the Megatron backend given no costs), so
@@ -27,7 +27,15 @@ optimizer step does. ``--runs`` sessions per pp. Then
   layers gets), so the two are judged on the same runs;
 * **measure** each algorithm's step: the dump's step span (first node start to last node end over all
   ranks, what the simulator predicts), median over a session's iterations after the first, then the
-  median over sessions; the bubble rate likewise (worst rank's ``(step - busy) / step``).
+  median over sessions; the bubble rate likewise (worst rank's ``(step - busy) / step``);
+* **diagnose** each run: its node order replayed under a file calibrated from its own dump
+  (``own_cost_error``: what is left to the simulator given exact node costs) and, per kind and model
+  stage, the 1F1B file's node time over the run's own (``node_cost_errors``: which costs a 1F1B run
+  mis-states for this layout), per session in each row's ``diagnosis``;
+* **slow moments**: with three sessions or more, a session whose 1F1B calibration step lies outside the
+  sessions' robust band (``primuspipe.calibration.runs``: modified z-score over 3.5, at least about 5 %
+  off their median) met a slow or free moment of the host; it is left out of the median errors (printed,
+  ``sessions_left_out`` in the JSON; its errors stay in ``session_errors``) and out of the pooled file.
 
 The GPT is tiny-gpt widened (``--hidden 256 --seq 64``, 8 layers, micro-batch 4): at the example's
 hidden size of 16 a node is mostly Python and a split backward's B + W costs a quarter more than the
@@ -47,6 +55,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import platform
 import resource
@@ -64,7 +73,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from primuspipe.calibration.accuracy import replay_accuracy  # noqa: E402
-from primuspipe.calibration.measure import measure_costs  # noqa: E402
+from primuspipe.calibration.measure import measure_runs as calibrate_runs  # noqa: E402
+from primuspipe.calibration.runs import outliers  # noqa: E402
+from primuspipe.errors import PrimusPipeError  # noqa: E402
 from primuspipe.ir.cost_model import CostModel  # noqa: E402
 from primuspipe.io.timeline import Timeline, idle_share  # noqa: E402
 from primuspipe.tools.pp_vis import load_iterations  # noqa: E402
@@ -232,12 +243,15 @@ def accepted_session(pp: int, args: argparse.Namespace, work: Path, rep: int) ->
     return records
 
 
-def predict(timelines: list[Timeline], pp: int, args: argparse.Namespace, folder: Path) -> tuple[dict, dict]:
-    """Calibrate from 1F1B runs' iterations; simulate every algorithm with ``primuspipe simulate -a all`` at the
-    tuning shape and at every held-out microbatch count (rows keyed as :func:`run_keys` names the runs)."""
+def predict(runs: list[list[Timeline]], pp: int, args: argparse.Namespace, folder: Path) -> tuple[dict, dict]:
+    """Calibrate from 1F1B runs' iterations (several runs pooled as ``primuspipe calibrate`` pools dumps: a run
+    whose step lies far outside the others' is left out, primuspipe/calibration/runs.py); simulate every
+    algorithm with ``primuspipe simulate -a all`` at the tuning shape and at every held-out microbatch count
+    (rows keyed as :func:`run_keys` names the runs)."""
     # steps start together here (a barrier before each) and a dump's consecutive iterations are not
     # consecutive steps (the other algorithms run in between): no gaps between steps to model
-    measured = dataclasses.replace(measure_costs(timelines, warmup=0), step_gap=None)
+    measured = dataclasses.replace(calibrate_runs(runs, warmup=0), step_gap=None)
+    timelines = [t for run in runs for t in run]
     folder.mkdir(parents=True, exist_ok=True)
     cost_file = folder / "measured_cost.yaml"
     cost_file.write_text(measured.to_yaml())
@@ -259,8 +273,27 @@ def predict(timelines: list[Timeline], pp: int, args: argparse.Namespace, folder
     for name, row in rows.items():
         row["even_split_step_time"] = even_rows[name]["step_time"]
     calibration = {"cost_model": measured.cost_dict(), "notes": list(measured.notes),
-                   "replay_of_the_1f1b_runs": own.to_dict()}
+                   "dropped_runs": list(measured.dropped_runs), "replay_of_the_1f1b_runs": own.to_dict()}
     return calibration, rows
+
+
+def diagnose(iterations: list[Timeline], cost_file: Path, pp: int) -> dict:
+    """Where a run's prediction error comes from. ``own_cost_error``: the run's node order replayed under a
+    file calibrated from its own dump (per model stage; the simulator's error given exact node costs, which
+    the calibration from 1F1B cannot beat); ``node_cost_errors``: per kind the run ran and model stage, the
+    node time the 1F1B file predicts over the run's own, less 1 (which node costs the 1F1B run mis-states)."""
+    first = iterations[0]
+    own = dataclasses.replace(calibrate_runs([iterations], warmup=0), step_gap=None)
+    try:
+        own_model = CostModel.from_dict(own.cost_dict(per_model_stage=True), pp=pp, vpp=first.vpp)
+    except PrimusPipeError as exc:  # the run's own file is refused: say why instead of a figure
+        return {"error": str(exc)}
+    predicted = CostModel.load(cost_file, pp=pp, vpp=first.vpp)
+    ran = {e.node.kind for rt in first.ranks for e in rt.events if e.node.kind.is_compute and e.node.pair is None}
+    return {"own_cost_error": replay_accuracy(iterations, own_model).to_dict()["step_time"]["error"],
+            "node_cost_errors": {kind.spec.cost: [predicted.duration(kind, s) / own_model.duration(kind, s) - 1
+                                                  for s in range(own_model.num_stages)]
+                                 for kind in sorted(ran, key=lambda k: k.name) if kind.spec.cost}}
 
 
 def check_ran_as_planned(key: str, pp: int, args: argparse.Namespace, ran: Timeline, dump: str) -> None:
@@ -309,8 +342,17 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
         for record, iterations in zip(runs[name], kept[name]):
             check_ran_as_planned(name, pp, args, iterations[-1], record["dump"])
     calibrations = kept[CALIBRATION]
-    sessions = [predict(run, pp, args, work / f"pp{pp}" / f"session{i}") for i, run in enumerate(calibrations)]
-    _, pooled = predict([t for run in calibrations for t in run], pp, args, work / f"pp{pp}")
+    sessions = [predict([run], pp, args, work / f"pp{pp}" / f"session{i}") for i, run in enumerate(calibrations)]
+    pooled_calibration, pooled = predict(calibrations, pp, args, work / f"pp{pp}")
+    # a session whose 1F1B calibration step lies far outside the other sessions' met a slow (or free) moment
+    # of the host: its prediction says nothing about the cost model, so the medians leave it out (the
+    # pooled file leaves it out the same way); its errors stay in session_errors
+    calibration_steps = [statistics.median(t.step_time for t in run) for run in calibrations]
+    dropped = set(outliers(calibration_steps))
+    if dropped:
+        print(f"pp={pp}: session(s) {', '.join(map(str, sorted(dropped)))} left out of the medians: 1F1B calibration "
+              f"step {', '.join(f'{calibration_steps[i] * 1e3:.1f}' for i in sorted(dropped))} ms against the sessions' "
+              f"median {statistics.median(calibration_steps) * 1e3:.1f} ms (outside the robust band)", flush=True)
     table = []
     for name, records in runs.items():
         per_run = kept[name]
@@ -319,7 +361,8 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
         predicted = [rows[name] for _, rows in sessions]
         errors = [p["step_time"] / step - 1 for p, step in zip(predicted, steps)]
         even_errors = [p["even_split_step_time"] / step - 1 for p, step in zip(predicted, steps)]
-        step, error = statistics.median(steps), statistics.median(errors)
+        step = statistics.median(steps)
+        error = statistics.median(e for i, e in enumerate(errors) if i not in dropped)
         algorithm, m = shape_of(name, args)
         table.append({
             "algorithm": algorithm, "microbatches": m, "held_out": m != args.microbatches, "vpp": predicted[0]["vpp"],
@@ -328,13 +371,19 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
             "predicted_bubble_rate": statistics.median(p["bubble_rate"] for p in predicted),
             "measured_bubble_rate": statistics.median(bubbles),
             "pooled": {"predicted_step_s": pooled[name]["step_time"], "error": pooled[name]["step_time"] / step - 1},
-            "even_split": {"error": statistics.median(even_errors), "session_errors": even_errors},
+            "even_split": {"error": statistics.median(e for i, e in enumerate(even_errors) if i not in dropped),
+                           "session_errors": even_errors},
             "measured_runs": [{"step_s": x, "bubble_rate": y, "predicted_step_s": p["step_time"], **{k: r[k] for k in (
-                "external_cores", "external_cores_tries")}} for x, y, p, r in zip(steps, bubbles, predicted, records)]})
+                "external_cores", "external_cores_tries")}} for x, y, p, r in zip(steps, bubbles, predicted, records)],
+            "diagnosis": [diagnose(run, work / f"pp{pp}" / f"session{i}" / "measured_cost.yaml", pp)
+                          for i, run in enumerate(per_run)]})
+        own_errors = [d["own_cost_error"] for d in table[-1]["diagnosis"] if "own_cost_error" in d] or [math.nan]
         print(f"pp={pp} {name:17s} measured {step * 1e3:7.2f} ms; per session predicted/measured - 1: "
               f"{', '.join(f'{e:+.1%}' for e in errors)} (median {error:+.1%}); pooled file "
-              f"{table[-1]['pooled']['error']:+.1%}", flush=True)
-    return {"calibration": [calibration for calibration, _ in sessions], "algorithms": table}
+              f"{table[-1]['pooled']['error']:+.1%}; replayed under its own costs {statistics.median(own_errors):+.1%}",
+              flush=True)
+    return {"calibration": [calibration for calibration, _ in sessions], "pooled_calibration": pooled_calibration,
+            "calibration_step_s": calibration_steps, "sessions_left_out": sorted(dropped), "algorithms": table}
 
 
 def markdown(report: dict) -> str:

@@ -207,3 +207,13 @@ def step_gaps(timelines: Sequence[Timeline], host_time) -> tuple[float, ...] | N
     if sorted(gaps) != list(range(pp)) or min(min(v) for v in gaps.values()) < 0:
         return None
     return tuple(significant(statistics.median(gaps[r])) for r in range(pp))
+
+
+def run_gaps(per_run: Sequence[tuple[float, ...] | None]) -> tuple[float, ...] | None:
+    """Several runs' :func:`step_gaps` as one: per rank the median over the runs that tell (a run's
+    iteration numbers say nothing about another run's, so each run's gaps are taken on their own);
+    None where none does."""
+    told = [gaps for gaps in per_run if gaps is not None]
+    if not told:
+        return None
+    return tuple(significant(statistics.median(gaps[r] for gaps in told)) for r in range(len(told[0])))

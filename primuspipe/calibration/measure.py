@@ -63,9 +63,10 @@ from dataclasses import replace
 
 from primuspipe.calibration.crowding import (REPLAY_TOLERANCE, background_shares, contention_from_walks,
                                              effective_cores, replayed_cores)
-from primuspipe.calibration.estimators import Samples, cold_start_extras, medians, step_gaps, transfer_fit
-from primuspipe.calibration.measured import MeasuredCosts, significant
+from primuspipe.calibration.estimators import Samples, cold_start_extras, medians, run_gaps, step_gaps, transfer_fit
+from primuspipe.calibration.measured import MeasuredCosts, negligible, significant
 from primuspipe.calibration.replay import placement_of
+from primuspipe.calibration.runs import Screened, screen_runs
 from primuspipe.calibration.walk import walk
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.kinds import NodeKind, compute_kinds
@@ -105,21 +106,24 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
                   warmup: int = 1) -> MeasuredCosts:
     """Costs from timelines of one table shape (a run's iterations, oldest first). The first
     ``warmup`` are dropped when more remain; otherwise all are used and ``notes`` says so."""
-    if not timelines:
-        raise TableFormatError("no timelines to measure; dump at least one iteration (dump_pp_data)")
-    first = timelines[0]
-    shape = (first.algorithm, first.pp, first.vpp, first.microbatches, first.time_unit)
-    for t in timelines:
-        if (t.algorithm, t.pp, t.vpp, t.microbatches, t.time_unit) != shape:
-            raise TableFormatError(f"timelines of different shapes cannot be measured together: {shape} vs "
-                                   f"{(t.algorithm, t.pp, t.vpp, t.microbatches, t.time_unit)} "
-                                   "(algorithm, pp, vpp, microbatches, time unit); measure one run at a time")
+    return measure_runs([timelines], placement, warmup=warmup)
+
+
+def measure_runs(runs: Sequence[Sequence[Timeline]], placement: Placement | None = None, *,
+                 warmup: int = 1) -> MeasuredCosts:
+    """Costs from several runs of one table shape (each a run's iterations, oldest first), pooled:
+    each run's first ``warmup`` iterations are dropped, then any run whose median step lies far
+    outside the others' (:mod:`~primuspipe.calibration.runs`: a slow moment of the host, not a cost),
+    which ``dropped_runs`` and ``notes`` name."""
+    return measure_screened(screen_runs(runs, warmup), placement)
+
+
+def measure_screened(screened: Screened, placement: Placement | None = None) -> MeasuredCosts:
+    """Costs from the iterations :func:`~primuspipe.calibration.runs.screen_runs` kept."""
+    used = screened.used
+    first = used[0]
     placement = placement or placement_of(first)
-    notes = []
-    used = list(timelines[warmup:])
-    if not used:
-        used = list(timelines)
-        notes.append(f"only {len(timelines)} iteration(s), so no warm-up iteration was skipped: times may be high")
+    notes = list(screened.notes)
     walks = [list(walk(t, placement)) for t in used]  # every rank's nodes in table order, once per timeline
     cores = effective_cores(used, walks)
     background = [share for t in used for share in background_shares(t)] if cores is not None else []
@@ -173,9 +177,16 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
     overlaps = [min(1.0, max(0.0, (f[fs] + b[bs] - d) / min(f[fs], b[bs])))
                 for s in samples for fs, bs, d in s.pairs if min(f[fs], b[bs]) > 0]
     cold = cold_start_extras(samples, n, fused_only)
-    host_overhead = medians(s.host for s in samples)
-    host_post = medians(s.post for s in samples)
+    # a time so small beside the nodes' that no sum with them keeps it is a clock difference's float noise
+    longest = max(t for t in (*f, *b, *w, *(fused or ())) if t is not None)
+    host_overhead = {k: negligible(v, longest) for k, v in medians(s.host for s in samples).items()}
+    host_post = {k: negligible(v, longest) for k, v in medians(s.post for s in samples).items()}
     latency, bandwidth, size = transfer_fit(samples)
+    if latency and not negligible(latency, longest):
+        notes.append(f"the waited-for transfers took {latency:.3g} {first.time_unit} after both ends were posted, float "
+                     "noise of clock readings that agree: taken as no latency (the transfers took less than the "
+                     "clocks resolve)")
+        latency = 0.0
 
     def host_time(kind: NodeKind) -> float:
         """What the rank spends on the host before a node of ``kind`` (as measured just above)."""
@@ -183,7 +194,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
             return host_overhead.get(kind.name.lower(), 0.0)
         return host_post.get("post_send" if kind.is_send else "post_recv", 0.0)
 
-    gaps = step_gaps(used, host_time)
+    gaps = run_gaps([step_gaps(run, host_time) for run in screened.runs])
     peaks = []
     for rank in range(first.pp):
         seen = [rt.peak_memory_bytes for t in used for rt in t.ranks
@@ -198,6 +209,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
         background_share, contention and significant(contention), gaps, fixed,
         {key: last_from_others(parts) for key, parts in chunk.items() if key in fixed},
         warm if (warm := tuple(y if two else x for x, y, two in zip(w, hot, both))) != tuple(w) else None,
+        screened.dropped,
     )
     if cores is None:
         return measured

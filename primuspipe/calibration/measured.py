@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from primuspipe.ir.cost_file import merge_fixed
+from primuspipe.ir.cost_model import MAX_TIME_RATIO
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class MeasuredCosts:
     w_warm: tuple[float, ...] | None = None
     """Per stage, the time of a warm W (``backward_weight``: of a cold one); the W of a stage that ran W
     in one context only. None where no stage ran W in both, or both took the same."""
+    dropped_runs: tuple[int, ...] = ()
+    """Of several runs calibrated together, the indices of those left out as a moment of the host
+    (:mod:`~primuspipe.calibration.runs`; ``notes`` says why); empty otherwise."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for
@@ -160,6 +164,18 @@ def significant(x: float) -> float:
     """``x`` to 12 significant digits: drops the float noise of ``end - start`` (1.0 not
     0.9999999999999998) and stays far below any clock's resolution."""
     return float(f"{x:.12g}")
+
+
+def negligible(x: float, beside: float) -> float:
+    """``x``, or 0 where it is more than :data:`~primuspipe.ir.cost_model.MAX_TIME_RATIO` times smaller
+    than ``beside`` (the longest node): no float sum with the node times keeps it, and the cost model
+    refuses such a pair, so it is the float noise of two clock readings that agree (a transfer that
+    arrived as it was posted: 1.5e-13 s beside 9 ms nodes), not a time.
+
+    >>> negligible(1.5e-13, 0.009), negligible(2e-6, 0.009)
+    (0.0, 2e-06)
+    """
+    return 0.0 if x * MAX_TIME_RATIO < beside else x
 
 
 def elapsed(start: float, end: float) -> float:

@@ -15,9 +15,10 @@ from primuspipe import strict
 from primuspipe.errors import ConfigError
 from primuspipe.simulator import CostModel
 from primuspipe.calibration.accuracy import ReplayAccuracy, replay_accuracy
-from primuspipe.calibration.measure import measure_costs
+from primuspipe.calibration.measure import measure_screened
 from primuspipe.calibration.measured import MeasuredCosts
 from primuspipe.calibration.replay import placement_of
+from primuspipe.calibration.runs import screen_runs
 from primuspipe.io.timeline import Timeline
 from primuspipe.tools import pp_vis
 from primuspipe.tools.pp_vis import Comparison, compare_timelines, load_iterations, load_timeline, replay, timeline_stats, write_trace
@@ -56,7 +57,10 @@ unit (seconds for runs), with the measured peak memory per rank in its header co
 format has no field for it). Times are written per 1F1B stage (pp values; with vpp chunks, a 1F1B
 stage is the sum of its vpp model stages), so the file serves every algorithm at the same pp;
 --per-model-stage writes pp*vpp values, exact for the dumped shape only. A run with only fused BW
-nodes gets B = W = BW/2 (noted in the file).
+nodes gets B = W = BW/2 (noted in the file). Several dumps of the same table (runs, sessions) are
+pooled; of three or more, a run whose median step lies outside the runs' robust band (modified
+z-score over 3.5, and more than about 5 % off their median) met a slow or free moment of the host and
+is left out: the notes name it, --json lists it in dropped_runs beside every run's median step.
 
 Then the run's own node order is simulated under the file: each rank's finish (its last node's end
 from the step's start, median over the iterations used) beside the run's, and the worst relative
@@ -65,6 +69,7 @@ error, step_time_error in --json."""
 _CALIBRATE_EPILOG = """\
 examples:
   primuspipe calibrate /tmp/pp_data -o measured.yaml
+  primuspipe calibrate run1/pp_data run2/pp_data run3/pp_data -o measured.yaml   # three runs pooled
   primuspipe calibrate /tmp/pp_data --json | python -c 'import json,sys; print(json.load(sys.stdin)["step_time_error"])'
   primuspipe simulate --algorithm all --pp 4 -m 8 --cost measured.yaml"""
 
@@ -99,9 +104,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("calibrate", help="measure a cost model (YAML for 'simulate --cost') from a run's dump",
                        description=_CALIBRATE_DESCRIPTION, epilog=_CALIBRATE_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("input", metavar="DUMP_DIR", type=Path,
+    c.add_argument("input", metavar="DUMP_DIR", type=Path, nargs="+",
                    help="a run's dump directory or a Primus dump folder (all its iterations are used), or one "
-                        "timeline JSON file")
+                        "timeline JSON file; several runs of the same table are pooled, each run's warm-up "
+                        "skipped, and with three or more a run whose median step lies far outside the others' "
+                        "(a slow moment of the host) is left out and named in the notes")
     c.add_argument("-o", "--output", type=Path, metavar="FILE", help="where to write the cost YAML ('-' or none: stdout)")
     c.add_argument("--warmup", type=count_type(minimum=0), default=1, metavar="N",
                    help="leading iterations to skip as warm-up (default 1; all are used if no more remain)")
@@ -176,19 +183,18 @@ def _typical(path: Path) -> Timeline:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    outputs = Outputs([args.input])
+    outputs = Outputs(args.input)
     output = outputs.claim(args.output, "-o")
-    timelines = load_iterations(args.input)
-    placement = placement_of(timelines[0], args.placement)
-    measured = measure_costs(timelines, placement, warmup=args.warmup)
+    screened = screen_runs([load_iterations(path) for path in args.input], args.warmup)
+    placement = placement_of(screened.runs[0][0], args.placement)
+    measured = measure_screened(screened, placement)
     costs = measured.cost_dict(per_model_stage=args.per_model_stage)
     text = measured.to_yaml(per_model_stage=args.per_model_stage)
     # What is written must read back as the cost model it claims to be (finite times >= 0, one per stage).
     CostModel.from_dict(strict.load_yaml(text, "the measured cost model"), pp=measured.pp, vpp=measured.vpp,
                         source="the measured cost model")
-    used = [t for t in timelines if t.iteration in measured.iterations]
-    accuracy = replay_accuracy(used, CostModel.from_dict(costs, pp=measured.pp, vpp=measured.vpp), placement)
-    sane.check({**accuracy.to_dict(), "cost_model": costs}, str(args.input),
+    accuracy = replay_accuracy(screened.used, CostModel.from_dict(costs, pp=measured.pp, vpp=measured.vpp), placement)
+    sane.check({**accuracy.to_dict(), "cost_model": costs}, ", ".join(map(str, args.input)),
                "its times are too large or contradict each other")
     if output is not None:
         outputs.write_text(output, "-o", text)
@@ -198,6 +204,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                           "vpp": measured.vpp, "microbatches": measured.microbatches,
                           "iterations": list(measured.iterations), "time_unit": measured.time_unit,
                           "cost_model": costs, "notes": list(measured.notes),
+                          "run_steps": list(screened.steps), "dropped_runs": list(measured.dropped_runs),
                           "written": None if output is None else str(output)}))
         return 0
     if output is None:

@@ -172,13 +172,13 @@ class ActivationModel(RankShape):
         routed_act = copies * self._mlp_activation(width, probs_scaled=True) * self.e
         if t.recomputes("moe_act"):  # the activation's output (the down projection's input) is rebuilt
             routed_act -= copies * width * self.e
-        elif t.fp8:
+        elif t.experts_fp8:  # (the legacy GroupedMLP's BF16 experts keep BF16 inputs under FP8)
             routed_act -= 0.5 * copies * width * self.e
         if m.activation_func_clamp_value is not None and not t.recomputes("moe_act"):
             # the clamped copy of fc1's output the activation saves, beside fc1's output the clamps save
             # (megatron-core's weighted_bias_quick_geglu_impl / glu; compute.WorkModel._expert_clamp)
             routed_act += copies * 2 * width * self.e
-        routed = copies * m.hidden_size * self.e * (0.5 if t.fp8 else 1.0) + routed_act
+        routed = copies * m.hidden_size * self.e * (0.5 if t.experts_fp8 else 1.0) + routed_act
         routed_grads = copies * (width * (2 if m.swiglu else 1) + m.hidden_size) * self.e
         routed_inputs = copies * (m.hidden_size + width) * self.e
         router = self.residual_tokens * (m.moe_router_topk * (2 * _INDEX + _FP32 + self.e) + m.num_experts * (_MASK + self.e))

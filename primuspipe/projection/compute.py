@@ -73,6 +73,11 @@ class Work:
     fp8_transpose_bytes: float = 0.0
     """Bytes per-tensor FP8 casts move for the transposed copies Hopper's FP8 GEMMs need; hardware whose FP8
     GEMMs take any layout (``fp8_gemm_any_layout``) makes none."""
+    scatter_add_elements: float = 0.0
+    """Elements accumulating scatters (``scatter_add_``, ``index_add_``) add, timed at the hardware's
+    ``scatter_add_elements_per_s`` where it gives it, else as the ``scatter_add_bytes`` they move."""
+    scatter_add_bytes: float = 0.0
+    """Bytes those scatters read and write, their cost as plain copies."""
 
     @property
     def gemm_flops(self) -> float:
@@ -81,11 +86,13 @@ class Work:
     def __add__(self, other: Work) -> Work:
         return Work(self.gemms + other.gemms, self.attention_flops + other.attention_flops,
                     self.memory_bytes + other.memory_bytes, self.mxfp8_cast_bytes + other.mxfp8_cast_bytes,
-                    self.fp8_transpose_bytes + other.fp8_transpose_bytes)
+                    self.fp8_transpose_bytes + other.fp8_transpose_bytes,
+                    self.scatter_add_elements + other.scatter_add_elements, self.scatter_add_bytes + other.scatter_add_bytes)
 
     def scaled(self, factor: float) -> Work:
         return Work(tuple(g.times(factor) for g in self.gemms), self.attention_flops * factor, self.memory_bytes * factor,
-                    self.mxfp8_cast_bytes * factor, self.fp8_transpose_bytes * factor)
+                    self.mxfp8_cast_bytes * factor, self.fp8_transpose_bytes * factor,
+                    self.scatter_add_elements * factor, self.scatter_add_bytes * factor)
 
     def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
@@ -105,8 +112,12 @@ class Work:
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
         cast_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.mxfp8_cast_fraction
         moved = self.memory_bytes + (0.0 if hardware.fp8_gemm_any_layout else self.fp8_transpose_bytes)
+        scatter_rate = hardware.scatter_add_elements_per_s
+        scatters = (self.scatter_add_elements / scatter_rate if scatter_rate is not None
+                    else self.scatter_add_bytes / bytes_per_s)
         return (self.gemm_seconds(hardware, precision)
-                + self.attention_seconds(hardware, precision, length, head_dim, backward) + moved / bytes_per_s + self.mxfp8_cast_bytes / cast_per_s)
+                + self.attention_seconds(hardware, precision, length, head_dim, backward)
+                + moved / bytes_per_s + self.mxfp8_cast_bytes / cast_per_s + scatters)
 
 
 @dataclass(frozen=True)
@@ -212,16 +223,16 @@ class WorkModel(RankShape):
         rowwise = (3 if current else -1) if norm_fed else 3 + amax  # on the shard, before the gather
         return elements * (rowwise / t.tp + 2)
 
-    def _mlp(self, tokens: float, width: float, *, groups: float = 1, dense: bool = False, stretch: float = 1.0
-             ) -> PassWork:
+    def _mlp(self, tokens: float, width: float, *, groups: float = 1, dense: bool = False, stretch: float = 1.0,
+             fp8: bool | None = None) -> PassWork:
         """Up (gated with SwiGLU) and down projections of an MLP ``width`` wide on this rank; ``dense``: a dense
         layer's MLP, whose up projection takes the pre-MLP norm's output (a LayerNormLinear) and which is split
-        over TP column-wise, then row-wise; ``stretch``: see :meth:`_linear`."""
+        over TP column-wise, then row-wise; ``stretch`` and ``fp8``: see :meth:`_linear`."""
         h = self.model.hidden_size
         up, down = ("column", "row") if dense else ("", "")
         return _sum(self._linear(tokens, h, width * (2 if self.model.swiglu else 1), groups=groups, norm_fed=dense,
-                                 tensor_parallel=up, stretch=stretch),
-                    self._linear(tokens, width, h, groups=groups, tensor_parallel=down, stretch=stretch))
+                                 tensor_parallel=up, stretch=stretch, fp8=fp8),
+                    self._linear(tokens, width, h, groups=groups, tensor_parallel=down, stretch=stretch, fp8=fp8))
 
     def _attention_projections(self) -> tuple[PassWork, PassWork]:
         """(all projections of the attention block, the MLA up-projections among them)."""
@@ -364,7 +375,8 @@ class WorkModel(RankShape):
             moved[self._activation_kernel] += self._activation(self.tokens, m.ffn / t.tp).memory_bytes
             return moved
         copies = self.expert_copies * self.load_imbalance
-        moved["permute"] += 4 * copies * m.hidden_size * e * self.permutations
+        scattered = self.accumulating_scatters(kind).forward.scatter_add_bytes  # priced apart
+        moved["permute"] += 4 * copies * m.hidden_size * e * self.permutations - scattered
         if not t.fake_balanced_gate:  # AutoModel's fake gate computes no logits (FakeBalancedGate: arange, ones)
             moved["router"] += self.residual_tokens * m.num_experts * 4 * 3  # softmax / top-k over fp32 logits
         shared = self._activation(self.tokens, (m.moe_shared_expert_intermediate_size or 0) / t.tp)
@@ -427,6 +439,22 @@ class WorkModel(RankShape):
         t = self.training
         second = t.moe_token_dispatcher_type == "alltoall" and t.ep > 1 and self.model.num_experts // t.ep > 1
         return 2 if second else 1
+
+    def accumulating_scatters(self, kind: str) -> PassWork:
+        """The accumulating scatters of megatron-core's unfused MoE permutation (``moe_permute_fusion`` off; the
+        all-to-all and DeepEP dispatchers alike, ``moe_utils.permute`` / ``unpermute`` at the Megatron-LM commit
+        Primus pins, 84778176): ``unpermute`` returns the copies to token order with ``scatter_add_`` forward, and
+        ``permute``'s ``index_select`` has ``index_add_`` as its backward; each adds every copy's row into its
+        token's (a token's ``k`` copies meet in one row, so they cannot be plain stores). Of the permutation's
+        traffic (:attr:`permutations`) these are the unpermutation's forward half and the permutation's
+        backward half; Transformer Engine's fused kernels (``moe_unpermute`` and the fused permutation's
+        backward) reduce a token's copies in registers and store once, so with fusion there are none."""
+        t, m = self.training, self.model
+        if kind != "moe" or t.moe_permute_fusion:
+            return NO_WORK
+        elements = self.expert_copies * self.load_imbalance * m.hidden_size
+        scatter = Work(scatter_add_elements=elements, scatter_add_bytes=2 * elements * self.e)
+        return PassWork(scatter, scatter, Work())
 
     @property
     def probs_bytes(self) -> int:
@@ -518,7 +546,7 @@ class WorkModel(RankShape):
             local = m.num_experts // t.ep
             per_expert = self.expert_copies * t.load_imbalance / local
             spread = self.load_imbalance / t.load_imbalance  # forced balance's random excess (Gemm.stretch)
-            routed = self._mlp(per_expert, m.expert_ffn / t.etp, groups=local, stretch=spread)
+            routed = self._mlp(per_expert, m.expert_ffn / t.etp, groups=local, stretch=spread, fp8=t.experts_fp8)
             shared = (self._mlp(self.tokens, m.moe_shared_expert_intermediate_size / t.tp)
                       if m.moe_shared_expert_intermediate_size else None)
             router = (NO_WORK if t.fake_balanced_gate  # AutoModel's fake gate has no GEMM
@@ -531,7 +559,7 @@ class WorkModel(RankShape):
             if t.recomputes("moe_act") and not t.recomputes("moe"):
                 mlp_recompute = mlp_recompute + self._activation(self.expert_copies * self.load_imbalance,
                                                                  m.expert_ffn / t.etp) + clamp.forward
-        element = _sum(self._elementwise(kind), self._unfused_rope())
+        element = _sum(self._elementwise(kind), self._unfused_rope(), self.accumulating_scatters(kind))
         accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()))
         forward = attention.forward + core.forward + mlp.forward + element.forward
         recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute

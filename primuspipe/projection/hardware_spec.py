@@ -128,6 +128,13 @@ class HardwareSpec:
     megatron-core makes it (the "Torch API" figure of DeepEP's hybrid-ep benchmark). It times the flex
     dispatcher's all-to-alls on HybridEP inside a node in place of the fabric's ``intra_node_bandwidth`` x
     ``network_efficiency``. None: the fabric's figure."""
+    scatter_add_elements_per_s: float | None = None
+    """Elements per second PyTorch's accumulating scatters (``scatter_add_``, ``index_add_``: a write that adds into
+    its destination instead of overwriting it) reach on this accelerator for bf16 token rows. megatron-core's
+    unfused MoE permutation runs two per layer and microbatch -- the unpermutation's ``scatter_add_`` forward and
+    the permutation's ``index_select`` backward (``index_add_``) -- over every token copy's row; where this is given
+    they are priced at it instead of as plain copies (:meth:`~primuspipe.projection.compute.WorkModel.
+    accumulating_scatters`). None: priced as copies, as a fused permutation's kernels are."""
     source: str = "<built-in>"
     """Where the values came from; named in error messages."""
 
@@ -136,7 +143,7 @@ class HardwareSpec:
                      "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node",
                      "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds",
                      "moe_sync_host_op_seconds", "moe_kernel_seconds", "stream_launch_gap_seconds",
-                     "gemm_half_intensity", "hybridep_bandwidth_bytes_per_s"):
+                     "gemm_half_intensity", "hybridep_bandwidth_bytes_per_s", "scatter_add_elements_per_s"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
         for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),

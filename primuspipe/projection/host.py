@@ -177,7 +177,7 @@ def _regions(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool) -> 
     # each expert's GEMM (and its input's cast) per grouped linear; Primus-Turbo's grouped GEMM runs all local
     # experts in one launch (examples/moe_package/README.md, "Turbo Grouped GEMM")
     gemms = 1 if t.use_turbo_grouped_gemm else local
-    return regions, gemms * (1 + (1 if fp8 else 0))
+    return regions, gemms * (1 + (1 if fp8 and t.experts_fp8 else 0))  # the legacy GroupedMLP casts nothing
 
 
 MOE_REGIONS = ("moe_router", "moe_preprocess", "moe")

