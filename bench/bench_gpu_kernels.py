@@ -190,7 +190,7 @@ def attention(torch, hardware, repeats: int, inner: int) -> list[dict]:
                 continue
             flops = 4 * batch * heads * length * length * dim / 2  # QK^T and PV, causal half
             model_forward = Work(attention_flops=flops).attention_seconds(hardware, "bf16", length, dim)
-            model_backward = Work(attention_flops=2.5 * flops).attention_seconds(hardware, "bf16", length, dim)
+            model_backward = Work(attention_flops=2.5 * flops).attention_seconds(hardware, "bf16", length, dim, backward=True)
             rows.append(_row("attention forward", label, None, forward, model_forward, flops))
             rows.append(_row("attention backward", label, None, both - forward, model_backward, 2.5 * flops))
     return rows

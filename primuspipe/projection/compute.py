@@ -98,23 +98,25 @@ class Work:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
 
     def attention_seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None,
-                          head_dim: float | None = None) -> float:
+                          head_dim: float | None = None, backward: bool = False) -> float:
         """Seconds of the attention kernels; ``length``: the queries one kernel sees, ``head_dim``: its heads'
         query/key width (the rate depends on them where the hardware file gives ``attention_length_rates`` and
-        ``attention_head_dim_rates``)."""
+        ``attention_head_dim_rates``); ``backward``: the kernels are a backward pass's (at
+        ``attention_backward_length_rates`` where the file gives them)."""
         slow = 0.5 if precision == "fp32" else 1.0
-        rate = hardware.attention_rate(length, head_dim)
+        rate = hardware.attention_rate(length, head_dim, backward)
         return self.attention_flops / (hardware.peak_bf16_tflops * 1e12 * hardware.attention_fraction * slow * rate)
 
     def seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None,
-                head_dim: float | None = None) -> float:
+                head_dim: float | None = None, backward: bool = False) -> float:
         bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction
         cast_per_s = hardware.hbm_bandwidth_bytes_per_s * hardware.mxfp8_cast_fraction
         moved = self.memory_bytes + (0.0 if hardware.fp8_gemm_any_layout else self.fp8_transpose_bytes)
         scatter_rate = hardware.scatter_add_elements_per_s
         scatters = (self.scatter_add_elements / scatter_rate if scatter_rate is not None
                     else self.scatter_add_bytes / bytes_per_s)
-        return (self.gemm_seconds(hardware, precision) + self.attention_seconds(hardware, precision, length, head_dim)
+        return (self.gemm_seconds(hardware, precision)
+                + self.attention_seconds(hardware, precision, length, head_dim, backward)
                 + moved / bytes_per_s + self.mxfp8_cast_bytes / cast_per_s + scatters)
 
 
@@ -752,11 +754,13 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
         factors = [calibration.factor(part, name) for name in PASSES]
         fixed = [0.0 if (part, name) in calibration.factors else k  # a measured factor includes them
                  for name, k in zip(PASSES, kernel_overheads(work, hardware, part, fp8))]
-        seconds = [w.seconds(hardware, precision, length, head_dim) * f + k for w, f, k in zip(pw.passes(), factors, fixed)]
+        seconds = [w.seconds(hardware, precision, length, head_dim, name != "forward") * f + k
+                   for w, f, k, name in zip(pw.passes(), factors, fixed, PASSES)]
         recompute = (pw.recompute.seconds(hardware, precision, length, head_dim) * calibration.factor(part, "forward")
                      + (fixed[0] if part == "moe" and work.training.recomputes("moe") else 0.0))
         gemm = tuple(w.gemm_seconds(hardware, precision) * f for w, f in zip(pw.passes(), factors))
-        attention = tuple(w.attention_seconds(hardware, precision, length, head_dim) * f for w, f in zip(pw.passes(), factors))
+        attention = tuple(w.attention_seconds(hardware, precision, length, head_dim, name != "forward") * f
+                          for w, f, name in zip(pw.passes(), factors, PASSES))
         if part not in ("dense", "moe") or not host_priced(hardware, work.training, part):
             return PartTimes(*seconds, recompute, gemm, attention)
         host = layer_host(work.model, work.training, part, fp8)

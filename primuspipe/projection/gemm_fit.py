@@ -1,11 +1,14 @@
 """Fitting a hardware file's GEMM efficiency curve (``gemm_half_intensity``) to measured GEMMs over shapes.
 
 ``examples/projection/hardware/measurements/gemm.yaml`` lists published measurements, a set per accelerator and
-precision with its source. Each point is modelled exactly as the projection models that GEMM
+precision with its source (a URL, or the repository's own measurement: a results file under ``bench/results``).
+Each point is modelled exactly as the projection models that GEMM
 (:func:`~primuspipe.projection.gemm.gemm_seconds`: the hardware file's tiles, waves, MAMF and roofline; the set's
 groups on its kernel path), as an isolated kernel (``sustained_fraction`` 1, which stands for what a whole
 training step loses on top); the fit is the ``gemm_half_intensity`` that minimises the squared log error of the
-modelled times, so what tiles and waves already explain is not fitted twice.
+modelled times, so what tiles and waves already explain is not fitted twice. A hardware file measured by more
+than one set (the H100: a published cuBLASLt sweep and the training shapes timed on a lent GPU) carries the fit
+over all its sets' points together.
 """
 
 from __future__ import annotations
@@ -50,19 +53,34 @@ class MeasuredGemms:
         return [math.log(point[3] / rate) for point, rate in zip(self.points, self.modelled_tflops(half_intensity))]
 
     def fit(self) -> float:
-        """The ``gemm_half_intensity`` of least squared log error: a scan over a log grid, then golden-section
-        refinement around its best (the error is smooth and has one valley over the intensities GEMMs have)."""
-        def cost(log_x: float) -> float:
-            return sum(e * e for e in self.log_errors(math.exp(log_x)))
+        """The ``gemm_half_intensity`` of least squared log error over this set alone (:func:`fit`)."""
+        return fit([self])
 
-        grid = [math.log(1.0) + i * math.log(1e5) / 200 for i in range(201)]
-        best = min(range(len(grid)), key=lambda i: cost(grid[i]))
-        lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
-        ratio = (math.sqrt(5) - 1) / 2
-        for _ in range(60):
-            a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-            lo, hi = (lo, b) if cost(a) < cost(b) else (a, hi)
-        return math.exp((lo + hi) / 2)
+
+def fit(sets: list[MeasuredGemms]) -> float:
+    """The ``gemm_half_intensity`` of least squared log error over every point of ``sets`` (one hardware file's
+    sets together: a file carries one constant, so each of its measurements counts once, whatever its set): a
+    scan over a log grid, then golden-section refinement around its best (the error is smooth and has one valley
+    over the intensities GEMMs have)."""
+    def cost(log_x: float) -> float:
+        return sum(e * e for s in sets for e in s.log_errors(math.exp(log_x)))
+
+    grid = [math.log(1.0) + i * math.log(1e5) / 200 for i in range(201)]
+    best = min(range(len(grid)), key=lambda i: cost(grid[i]))
+    lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(60):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        lo, hi = (lo, b) if cost(a) < cost(b) else (a, hi)
+    return math.exp((lo + hi) / 2)
+
+
+def by_hardware_file(sets: list[MeasuredGemms]) -> dict[str, list[MeasuredGemms]]:
+    """``sets`` grouped by the hardware file they fit (its path), in the order the files first appear."""
+    files: dict[str, list[MeasuredGemms]] = {}
+    for measured in sets:
+        files.setdefault(measured.hardware.source, []).append(measured)
+    return files
 
 
 def load_measurements(path: str | Path = MEASUREMENTS) -> list[MeasuredGemms]:

@@ -83,11 +83,17 @@ class HardwareSpec:
     ``gemm_tile`` (:func:`~primuspipe.projection.gemm.library_tile`: ``gemm_tile`` halved per side down to this);
     None: every GEMM with ``gemm_tile``."""
     attention_efficiency: float | None = None
-    """Share of the bf16 peak fused (flash) attention sustains, forward and backward; None: achievable_fraction."""
+    """Share of the bf16 peak fused (flash) attention sustains, forward and backward (the backward's own rate relative
+    to it where ``attention_backward_length_rates`` is given); None: achievable_fraction."""
     attention_length_rates: tuple[tuple[float, float], ...] | None = None
     """Fused attention's rate against the sequence length one kernel sees: ``[length, rate]`` pairs, the rate
     relative to the one ``attention_efficiency`` stands for (1 at 8,192); lengths between pairs interpolate
     on a log scale, outside them the nearest pair holds. None: one rate at every length."""
+    attention_backward_length_rates: tuple[tuple[float, float], ...] | None = None
+    """The backward kernels' rate against the sequence length, as ``attention_length_rates`` (relative to the rate
+    ``attention_efficiency`` stands for, interpolated alike): a fused attention backward recomputes the scores and
+    writes three gradients, so it runs below its forward, and further below at short sequences. None: the
+    backward at ``attention_length_rates``, as the forward."""
     attention_head_dim_rates: tuple[tuple[float, float], ...] | None = None
     """Fused attention's rate against the head dimension: ``[head dim, rate]`` pairs, the rate relative to the one
     ``attention_efficiency`` stands for (1 at 128); interpolated and held outside the pairs as the length
@@ -141,6 +147,7 @@ class HardwareSpec:
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
         for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),
+                                    ("attention_backward_length_rates", "sequence length", "[[2048, 0.64], [8192, 0.83]]"),
                                     ("attention_head_dim_rates", "head dimension", "[[64, 0.63], [128, 1.0]]")):
             rates = getattr(self, name) or ()
             if any(len(pair) != 2 or not pair[0] > 0 or not 0 < pair[1] <= 1.5 for pair in rates):
@@ -181,10 +188,13 @@ class HardwareSpec:
             return self.attention_efficiency if self.attention_efficiency is not None else self.achievable_fraction
         return (self.attention_efficiency or self.achievable_fraction) * self.sustained_fraction
 
-    def attention_rate(self, length: float | None, head_dim: float | None = None) -> float:
-        """``attention_length_rates`` at ``length`` queries per kernel times ``attention_head_dim_rates`` at
-        ``head_dim`` (each 1 without its table or its value)."""
-        return _interpolate(self.attention_length_rates, length) * _interpolate(self.attention_head_dim_rates, head_dim)
+    def attention_rate(self, length: float | None, head_dim: float | None = None, backward: bool = False) -> float:
+        """``attention_length_rates`` (``attention_backward_length_rates`` for the ``backward`` kernels where given)
+        at ``length`` queries per kernel times ``attention_head_dim_rates`` at ``head_dim`` (each 1 without its
+        table or its value)."""
+        lengths = self.attention_backward_length_rates if backward and self.attention_backward_length_rates else \
+            self.attention_length_rates
+        return _interpolate(lengths, length) * _interpolate(self.attention_head_dim_rates, head_dim)
 
     @property
     def peer_bandwidth(self) -> float:

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from primuspipe.projection.gemm import Gemm, gemm_seconds, library_tile, shape_fraction
-from primuspipe.projection.gemm_fit import MEASUREMENTS, MeasuredGemms, load_measurements
+from primuspipe.projection.gemm_fit import MEASUREMENTS, MeasuredGemms, by_hardware_file, fit, load_measurements
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.spec_fields import InputError
 
@@ -80,16 +80,49 @@ def test_the_fit_recovers_a_known_curve_from_points_the_model_made():
 
 # Stated error of the fits (docs/projection.md, "GEMMs by shape"): within 15 % rms on log time and 35 % at worst
 # per set, and better than the flat MAMF on both counts.
+REPO = MEASUREMENTS.parents[4]
+
+
 @pytest.mark.parametrize("measured", load_measurements(),
-                         ids=lambda s: f"{s.hardware.name}-{'fp8' if s.fp8 else 'bf16'}")
-def test_each_shipped_curve_is_the_fit_of_its_cited_measurements(measured):
-    assert measured.source.startswith("https://")
-    fitted, shipped = measured.fit(), measured.hardware.gemm_half_intensity
-    assert shipped == pytest.approx(fitted, rel=0.01)
-    curve, flat = measured.log_errors(shipped), measured.log_errors(None)
+                         ids=lambda s: f"{s.hardware.name}-{'fp8' if s.fp8 else 'bf16'}-{len(s.points)}")
+def test_each_shipped_curve_fits_each_of_its_cited_measurements(measured):
+    results = [word.strip(",") for word in measured.source.split() if word.startswith("bench/results/")]
+    assert measured.source.startswith("https://") or (results and all((REPO / r).is_file() for r in results))
+    curve, flat = measured.log_errors(measured.hardware.gemm_half_intensity), measured.log_errors(None)
     rms = math.sqrt(sum(e * e for e in curve) / len(curve))
     assert rms < 0.15 and max(map(abs, curve)) < 0.35
     assert rms < math.sqrt(sum(e * e for e in flat) / len(flat)) and max(map(abs, curve)) < max(map(abs, flat))
+
+
+def test_a_set_the_project_measured_is_its_results_file():
+    """Each point of a set whose source is a results file of bench/bench_gpu_kernels.py is one GEMM timed there, at the
+    rate 2 m n k / the measured seconds (to the 0.1 TFLOP/s the set is written to)."""
+    import json
+
+    own = [s for s in load_measurements() if not s.source.startswith("https://")]
+    assert own
+    for measured in own:
+        results = next(w.strip(",") for w in measured.source.split() if w.startswith("bench/results/"))
+        kind = f"gemm {'fp8' if measured.fp8 else 'bf16'}"
+        timed = sorted((c["shape"]["m"], c["shape"]["n"], c["shape"]["k"], 2 * c["shape"]["m"] * c["shape"]["n"]
+                        * c["shape"]["k"] / c["measured_s"] / 1e12)
+                       for c in json.loads((REPO / results).read_text())["cases"] if c["kind"] == kind)
+        assert [p[:3] for p in sorted(measured.points)] == [t[:3] for t in timed]
+        assert [p[3] for p in sorted(measured.points)] == pytest.approx([t[3] for t in timed], abs=0.051)
+
+
+@pytest.mark.parametrize("group", list(by_hardware_file(load_measurements()).values()),
+                         ids=lambda g: g[0].hardware.name)
+def test_each_shipped_curve_is_the_fit_of_all_its_files_measurements_together(group):
+    assert group[0].hardware.gemm_half_intensity == pytest.approx(fit(group), rel=0.01)
+
+
+def test_a_file_measured_twice_fits_between_its_sets():
+    """The pooled fit of two sets lies between their own fits, nearer the one with more points when both pull alike."""
+    h100 = by_hardware_file(load_measurements())[next(p for p in by_hardware_file(load_measurements())
+                                                      if p.endswith("h100.yaml"))]
+    own = sorted(s.fit() for s in h100)
+    assert len(h100) >= 2 and own[0] < fit(h100) < own[-1]
 
 
 def test_a_malformed_measurement_is_named(tmp_path):

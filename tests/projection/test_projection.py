@@ -159,8 +159,9 @@ def test_extrapolated_projection_equals_the_full_simulation(monkeypatch, pp, vpp
     full = {r.algorithm: r for r in project(Projector(LLAMA, h100), training, algorithms=names)[0]}
     assert extrapolated.keys() == full.keys() and len(full) >= 6
     # memory constant past the warm-up, or growing on a line (GPipe): extrapolated; else simulated whole --
-    # with the curve, zbv's pp-3 peak on rank 1 alternates between counts (17.6 GiB at 13 and 25, 17.1 at 19)
-    carried = {"1f1b", "zb-h1", "v-half", "gpipe"} | (set() if curve and pp == 3 else {"zbv"})
+    # zbv's pp-3 peak on rank 1 alternates between counts (with the curve 17.6 GiB at 13 and 25, 17.1 at 19; flat
+    # too since the attention backward runs at its own, slower rate: 57.4 GiB at 13 and 25, 56.9 at 19)
+    carried = {"1f1b", "zb-h1", "v-half", "gpipe"} | (set() if pp == 3 else {"zbv"})
     assert carried <= {n for n, r in extrapolated.items() if r.simulated_microbatches}
     for name, want in full.items():
         got = extrapolated[name]

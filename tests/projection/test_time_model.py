@@ -239,7 +239,24 @@ def test_attention_rate_follows_the_sequence_length_one_kernel_sees():
         part_times(WorkModel(MODEL, ring), HW, Calibration())["dense"].attention[1] / 0.5)
 
 
-@pytest.mark.parametrize("field", ["attention_length_rates", "attention_head_dim_rates"])
+def test_the_backward_takes_its_own_length_rates_where_the_file_gives_them():
+    """attention_backward_length_rates price the B pass's attention kernels (a selective recompute's forward stays at
+    the forward's rates); a file without them runs the backward at the forward's rates, as before."""
+    forward_only = dataclasses.replace(HW, attention_length_rates=((1024, 0.5), (4096, 1.0)))
+    both = dataclasses.replace(forward_only, attention_backward_length_rates=((1024, 0.25), (4096, 0.8)))
+    assert both.attention_rate(2048) == forward_only.attention_rate(2048, backward=True) == pytest.approx(0.75)
+    assert both.attention_rate(2048, backward=True) == pytest.approx(0.525)
+    recompute = dataclasses.replace(TRAINING, recompute_granularity="selective", recompute_modules=("core_attn",))
+    old, new = (part_times(WorkModel(MODEL, recompute), h, Calibration())["dense"] for h in (forward_only, both))
+    assert new.attention[0] == pytest.approx(old.attention[0]) and new.attention[2] == old.attention[2] == 0
+    assert new.attention[1] == pytest.approx(old.attention[1] * 0.75 / 0.525)
+    assert new.backward_input - old.backward_input == pytest.approx(new.attention[1] - old.attention[1])
+    assert new.recompute == pytest.approx(old.recompute) and new.recompute > 0
+    assert new.forward == pytest.approx(old.forward)
+
+
+@pytest.mark.parametrize("field", ["attention_length_rates", "attention_backward_length_rates",
+                                   "attention_head_dim_rates"])
 @pytest.mark.parametrize("rates", [[[0, 1.0]], [[1024, 0.0]], [[1024]], [[1024, 2.0]]])
 def test_a_bad_attention_rate_table_is_refused(rates, field):
     values = {"peak_bf16_tflops": 100, "hbm_bytes": 1e9, "hbm_bandwidth_bytes_per_s": 1e12,

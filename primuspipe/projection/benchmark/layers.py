@@ -223,6 +223,6 @@ def calibration_from_timings(model: ModelSpec, training: TrainingSpec, hardware:
         if (part, "forward") not in measured:
             continue
         for name, analytical in zip(PASSES, work.part(part).passes()):
-            seconds = analytical.seconds(hardware, bench_training.precision)
+            seconds = analytical.seconds(hardware, bench_training.precision, backward=name != "forward")
             factors[(part, name)] = measured[(part, name)] / seconds if seconds > 0 else 1.0
     return Calibration(factors, source=source)
