@@ -75,18 +75,18 @@ def rank_environments(ranks: int, transport: str) -> list[dict]:
     return out
 
 
-def launch(command: list[str], ranks: int, transport: str, deadline: float, startup: float = 180.0) -> dict:
-    """Run ``command`` as ``ranks`` local ranks; ``outcome``: ok, hang or error. A rank that prints ``ready`` (a
-    pattern's worker, once its process group is up) starts the clock: the run hangs when it has not ended
-    ``deadline`` seconds after every rank was ready (so slow starts on a busy host are not hangs); a command
-    that never prints it gets ``deadline`` from its start. Past ``startup`` seconds without every rank ready
-    it is an error (never started)."""
+def launch(command: list[str], ranks: int, transport: str, deadline: float, *, ready: bool = False,
+           startup: float = 180.0) -> dict:
+    """Run ``command`` as ``ranks`` local ranks; ``outcome``: ok, hang or error. ``ready``: every rank prints
+    ``ready`` once its process group is up (a pattern's worker), and the clock starts then: the run hangs when it
+    has not ended ``deadline`` seconds after every rank was ready (so slow starts on a busy host are not hangs),
+    and is an error past ``startup`` seconds without every rank ready (never started); otherwise ``deadline``
+    counts from the start."""
     started = time.monotonic()
     logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(ranks)]  # never a full pipe
     procs = [subprocess.Popen(command, env=env, cwd=ROOT, stdout=out, stderr=err, text=True, start_new_session=True)
              for env, (out, err) in zip(rank_environments(ranks, transport), logs)]
-    waits_for_ready = command[-4:-3] == ["worker"]
-    ready_at = None if waits_for_ready else started
+    ready_at = None if ready else started
     outcome = "ok"
     while any(p.poll() is None for p in procs):
         now = time.monotonic()
@@ -188,7 +188,7 @@ def patterns(transports: list[str], chosen: list[str], deadline: float, parallel
     def run(case):
         pattern, size, transport = case
         result = launch([sys.executable, __file__, "worker", pattern, size, transport],
-                        3 if pattern.startswith("ring3") else 2, transport, deadline)
+                        3 if pattern.startswith("ring3") else 2, transport, deadline, ready=True)
         print(f"{pattern:22s} {size:5s} {transport:10s} {result['outcome']:5s} {result['seconds']:6.1f} s",
               file=sys.stderr, flush=True)
         return result
