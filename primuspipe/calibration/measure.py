@@ -182,7 +182,7 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
     host_overhead = {k: negligible(v, longest) for k, v in medians(s.host for s in samples).items()}
     host_post = {k: negligible(v, longest) for k, v in medians(s.post for s in samples).items()}
     latency, bandwidth, size = transfer_fit(samples)
-    if latency and not negligible(latency, longest):
+    if latency and negligible(latency, longest) == 0.0:
         notes.append(f"the waited-for transfers took {latency:.3g} {first.time_unit} after both ends were posted, float "
                      "noise of clock readings that agree: taken as no latency (the transfers took less than the "
                      "clocks resolve)")

@@ -222,7 +222,6 @@ def destination_ranks(model: ModelSpec, training: TrainingSpec) -> float:
     return destinations(model, per_rank)
 
 
-
 def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:
     """One activation crossing a stage boundary (sequence parallelism sends each rank's shard)."""
     return RankShape(model, training).hidden_bytes

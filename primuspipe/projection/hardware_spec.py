@@ -192,8 +192,7 @@ class HardwareSpec:
         """``attention_length_rates`` (``attention_backward_length_rates`` for the ``backward`` kernels where given)
         at ``length`` queries per kernel times ``attention_head_dim_rates`` at ``head_dim`` (each 1 without its
         table or its value)."""
-        lengths = self.attention_backward_length_rates if backward and self.attention_backward_length_rates else \
-            self.attention_length_rates
+        lengths = (backward and self.attention_backward_length_rates) or self.attention_length_rates
         return _interpolate(lengths, length) * _interpolate(self.attention_head_dim_rates, head_dim)
 
     @property
