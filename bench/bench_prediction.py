@@ -84,6 +84,8 @@ from write_results import markdown_table  # noqa: E402
 CALIBRATION = "1f1b"
 PREDICTED = ("zb-h1", "zbv", "interleaved-1f1b", "v-half")
 TARGET = 0.05
+REPLAY_ROLE = ("calibration replay: the 1F1B table with the split probe that these steps ran, simulated under the "
+               "file calibrated from the same steps; not a prediction, so left out of max_abs_error")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -272,6 +274,12 @@ def predict(runs: list[list[Timeline]], pp: int, args: argparse.Namespace, folde
             into.update((row["algorithm"] + suffix, row) for row in simulated["results"] if "error" not in row)
     for name, row in rows.items():
         row["even_split_step_time"] = even_rows[name]["step_time"]
+    # the calibration steps ran 1F1B with the split probe, not the plain 1F1B `simulate -a all` times: their
+    # row is the probed table that ran, replayed under the file those same steps calibrated (not a prediction)
+    even_replay = replay_accuracy(timelines, CostModel.load(even_file, pp=pp, vpp=1))
+    rows[CALIBRATION] = {"algorithm": CALIBRATION, "vpp": 1, "step_time": own.step_time.simulated,
+                         "bubble_rate": own.bubble_rate.simulated,
+                         "even_split_step_time": even_replay.step_time.simulated}
     calibration = {"cost_model": measured.cost_dict(), "notes": list(measured.notes),
                    "dropped_runs": list(measured.dropped_runs), "replay_of_the_1f1b_runs": own.to_dict()}
     return calibration, rows
@@ -366,6 +374,7 @@ def compare(pp: int, runs: dict[str, list[dict]], args: argparse.Namespace, work
         algorithm, m = shape_of(name, args)
         table.append({
             "algorithm": algorithm, "microbatches": m, "held_out": m != args.microbatches, "vpp": predicted[0]["vpp"],
+            "role": REPLAY_ROLE if name == CALIBRATION else "prediction",
             "predicted_step_s": statistics.median(p["step_time"] for p in predicted), "measured_step_s": step,
             "error": error, "session_errors": errors,
             "predicted_bubble_rate": statistics.median(p["bubble_rate"] for p in predicted),
@@ -393,9 +402,9 @@ def markdown(report: dict) -> str:
         for row in entry["algorithms"]:
             runs = [r["step_s"] * 1e3 for r in row["measured_runs"]]
             errors = row["session_errors"]
-            calibration = row["algorithm"] == CALIBRATION and not row.get("held_out")
+            replay = row.get("role") == REPLAY_ROLE
             rows.append([pp, str(row.get("microbatches", report["microbatches"])),
-                         row["algorithm"] + (" (calibration)" if calibration else ""),
+                         row["algorithm"] + (" + probe (calibration replay)" if replay else ""),
                          str(row["vpp"]), f"{row['predicted_step_s'] * 1e3:.0f}",
                          f"{row['measured_step_s'] * 1e3:.0f} ({min(runs):.0f}-{max(runs):.0f})",
                          f"{row['error']:+.1%} ({min(errors):+.1%} to {max(errors):+.1%})",
@@ -450,7 +459,7 @@ def main() -> None:
         for pp in args.pp:
             report["pp"][str(pp)] = compare(pp, measure_runs(pp, args, work), args, work)
         errors = [abs(row["error"]) for entry in report["pp"].values() for row in entry["algorithms"]
-                  if row["algorithm"] != CALIBRATION or row["held_out"]]
+                  if row["role"] != REPLAY_ROLE]
         report["max_abs_error"] = max(errors)
         report["meets_target"] = max(errors) <= TARGET
         args.output.parent.mkdir(parents=True, exist_ok=True)
