@@ -179,6 +179,32 @@ def replayed_cores(measured: MeasuredCosts, timelines: Sequence[Timeline], place
 REPLAY_TOLERANCE = 0.01
 """Relative miss of the replayed step under the CPU fit of the cores beyond which the replay refits them."""
 
+MIN_LONE = 3
+"""Fewer nodes run alone than this measure no ``host.speed``."""
+ALONE = 0.05
+"""A node ran *alone* when other ranks were busy beside it for at most this share of its busy span (on
+average, in ranks): a posting of the other rank's does not make it shared."""
+
+
+def lone_speed(walks: Sequence[Sequence[Step]]) -> float | None:
+    """``host.speed``: the median share of a core a rank's thread got over the busy spans of its compute
+    nodes (from free to go on to the node's end, :func:`~primuspipe.calibration.walk.busy_intervals`) that
+    ran alone (:data:`ALONE`) -- what a rank gets of a core it has to itself. None with fewer than
+    :data:`MIN_LONE` such nodes or where they got a whole core.
+
+    A run whose ranks share one host's cores (every rank's events carry CPU times; see
+    :func:`effective_cores`), one timeline's walk per iteration."""
+    shares = []
+    for steps in walks:
+        spans = [(s.event.node.kind.is_compute, span) for s in steps for span in busy_intervals([s])]
+        busy = [(start, end) for _, (start, end, _) in spans]
+        beside = excess_during(busy, busy, free=1)  # the node's own rank is the 1
+        shares += [cpu / (end - start) for (compute, (start, end, cpu)), crowd in zip(spans, beside)
+                   if compute and crowd <= ALONE and cpu is not None and end > start]
+    if len(shares) < MIN_LONE or (speed := statistics.median(shares)) >= 1:
+        return None
+    return significant(speed)
+
 
 def _outside_cpu(timeline: Timeline) -> dict[int, float]:
     """Per rank that says it, the CPU its process spent outside its own thread in the step (the

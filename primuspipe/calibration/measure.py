@@ -62,7 +62,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from primuspipe.calibration.crowding import (REPLAY_TOLERANCE, background_shares, contention_from_walks,
-                                             effective_cores, replayed_cores)
+                                             effective_cores, lone_speed, replayed_cores)
 from primuspipe.calibration.estimators import Samples, cold_start_extras, medians, run_gaps, step_gaps, transfer_fit
 from primuspipe.calibration.measured import MeasuredCosts, negligible, significant
 from primuspipe.calibration.replay import placement_of
@@ -209,7 +209,7 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
         background_share, contention and significant(contention), gaps, fixed,
         {key: last_from_others(parts) for key, parts in chunk.items() if key in fixed},
         warm if (warm := tuple(y if two else x for x, y, two in zip(w, hot, both))) != tuple(w) else None,
-        screened.dropped,
+        screened.dropped, None if cores is None else lone_speed(walks),
     )
     if cores is None:
         return measured

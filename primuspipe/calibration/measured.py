@@ -75,6 +75,10 @@ class MeasuredCosts:
     dropped_runs: tuple[int, ...] = ()
     """Of several runs calibrated together, the indices of those left out as a moment of the host
     (:mod:`~primuspipe.calibration.runs`; ``notes`` says why); empty otherwise."""
+    speed: float | None = None
+    """With ``cores``: the share of a core a rank's thread got while no other rank of its host was busy
+    (``host.speed``, :func:`~primuspipe.calibration.crowding.lone_speed`); None where no rank ran alone or
+    it got a whole core."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for
@@ -112,6 +116,8 @@ class MeasuredCosts:
                 host["background"] = self.background
             if self.contention:
                 host["contention"] = self.contention
+            if self.speed is not None:
+                host["speed"] = self.speed
         if self.step_gap is not None:
             host["step_gap"] = list(self.step_gap)
         if host:

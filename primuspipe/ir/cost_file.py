@@ -28,6 +28,7 @@ optimizer bytes) are one number or ``pp`` values::
       cores: 2               # cores the ranks of one node share; omitted: one per rank (no contention)
       background: 0.05       # with cores: share of a core each rank's process keeps busy off its main thread
       contention: 0.03       # with cores: extra CPU per unit of work for each job beyond the free cores
+      speed: 0.98            # with cores: share of a core a rank gets even with one to itself (default 1)
       step_gap: 3.0          # per rank (one number or pp values): from its step's end to its next step
     p2p:
       message_bytes: 16777216            # one activation (= its gradient) crossing a stage boundary
@@ -226,7 +227,8 @@ def cost_keys() -> set[str]:
 
 
 def host_section(data: Any, pp: int) -> HostCost:
-    host = strict.keys(data, "host", {"overhead", "send", "recv", "cores", "background", "contention", "step_gap"})
+    host = strict.keys(data, "host", {"overhead", "send", "recv", "cores", "background", "contention", "step_gap",
+                                         "speed"})
     overhead = strict.keys(host.get("overhead", {}), "host.overhead", {k.name.lower() for k in compute_kinds()})
     cores, gap = host.get("cores"), host.get("step_gap")
 
@@ -238,7 +240,9 @@ def host_section(data: Any, pp: int) -> HostCost:
                     None if cores is None else strict.number(cores, "host.cores (a number of cores > 0)", above=0),
                     strict.number(host.get("background", 0.0), "host.background (a share of a core >= 0)", minimum=0),
                     strict.number(host.get("contention", 0.0), "host.contention (a share >= 0)", minimum=0),
-                    None if gap is None else per_stage_values("host.step_gap", gap, pp, "ranks"))
+                    None if gap is None else per_stage_values("host.step_gap", gap, pp, "ranks"),
+                    strict.number(host.get("speed", 1.0), "host.speed (a share of a core in (0, 1])", above=0,
+                                  maximum=1))
 
 
 def cold_start_section(data: Any, pp: int, vpp: int) -> ComputeCosts | None:

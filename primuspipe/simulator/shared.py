@@ -1,8 +1,9 @@
 """The event loop for ranks sharing cores (``host.cores`` per node of ``p2p.ranks_per_node`` ranks).
 
-Processor sharing: while ``n`` CPU jobs of a node are running each progresses at ``min(1, free / n)``
+Processor sharing: while ``n`` CPU jobs of a node are running each progresses at ``min(speed, free / n)``
 of a core, ``free`` being the node's cores less what its ranks' processes keep busy outside their main
-threads (``host.background`` each); and while more jobs run than there are free cores, a job needs
+threads (``host.background`` each), ``speed`` what a rank gets of a core it has to itself (``host.speed``);
+and while more jobs run than there are free cores, a job needs
 ``1 + contention * (n - free)`` times its work in CPU (``host.contention``: the cache refills of time
 slicing), so its work progresses that much slower than its CPU. A rank's host time and compute are jobs
 of its node (:class:`Job`). Time passes for all ranks together: the next event is the earliest job
@@ -67,7 +68,7 @@ class _SharedCores:
     def __init__(self, programs: list[Program], wires: Wires, offsets: list[float], cost: CostModel):
         pp, per_node = len(programs), cost.p2p.ranks_per_node
         self.programs, self.wires, self.offsets = programs, wires, offsets
-        self.contention = cost.host.contention
+        self.contention, self.speed = cost.host.contention, cost.host.speed
         self.node_of = node_of = [r // per_node for r in range(pp)]
         self.nodes = nodes = node_of[-1] + 1 if pp else 0
         self.free = [cost.host.cores - cost.host.background * node_of.count(n) for n in range(nodes)]
@@ -98,7 +99,7 @@ class _SharedCores:
 
     def share(self, n: int) -> float:
         """The share of a core each running job of node ``n`` gets."""
-        return 1.0 if self.active[n] <= self.free[n] else self.free[n] / self.active[n]
+        return self.speed if self.active[n] <= self.free[n] else min(self.speed, self.free[n] / self.active[n])
 
     def slowdown(self, n: int) -> float:
         """CPU per unit of work of node ``n``'s jobs."""

@@ -123,6 +123,51 @@ def test_contention_slows_work_on_crowded_cores_and_the_dump_shows_its_cpu():
     assert 0 < extra <= 0.2 * 3 * work, "at most 3 ranks beyond the core, each costing 0.2 of the work"
 
 
+@pytest.mark.parametrize("speed", [0.5, 0.9])
+@pytest.mark.parametrize("algorithm, pp, m", [("1f1b", 2, 2), ("1f1b", 3, 6), ("zb-h1", 4, 8), ("zbv", 2, 4),
+                                              ("interleaved-1f1b", 3, 6), ("v-half", 4, 8)])
+def test_a_rank_with_a_core_to_itself_runs_at_host_speed(algorithm, pp, m, speed):
+    """``host.speed``: with a core per rank nothing is shared, yet every job (host time and work) runs at
+    ``speed`` of a core, alone or beside others: with free transfers every time is the dedicated run's of
+    the same step at work / speed, and each node's CPU is still its work."""
+    table = build_schedule(algorithm, pp, m)
+    n = table.placement.num_stages
+    f = [1.0 + 0.5 * (s % 2) for s in range(n)]
+    cost = CostModel.per_stage(n, f, 0.75, 0.5, p2p=P2PCost(ranks_per_node=pp), host=HOST,
+                               cold_start=ComputeCosts.per_stage(n, 0.25, 0.125, 0.0))
+    slow = simulate(table, replace(cost, host=replace(HOST, cores=float(pp), speed=speed)))
+    scaled = replace(cost, compute=ComputeCosts.per_stage(n, [x / speed for x in f], 0.75 / speed, 0.5 / speed),
+                     host=HostCost(overhead=tuple((k, v / speed) for k, v in HOST.overhead), send=HOST.send / speed,
+                                   recv=HOST.recv / speed),
+                     cold_start=ComputeCosts.per_stage(n, 0.25 / speed, 0.125 / speed, 0.0))
+    assert slow.step_time == pytest.approx(simulate(table, scaled).step_time, rel=1e-9)
+    full = simulate(table, replace(cost, host=replace(HOST, cores=float(pp))))
+    assert slow.step_time == pytest.approx(full.step_time / speed, rel=1e-9)
+    for rank in slow.ranks:
+        for node, (cpu_start, cpu_end) in zip(rank.nodes, rank.cpu):
+            if node.kind.is_compute:
+                assert cpu_end - cpu_start >= cost.node_time(table.placement, rank.rank, node) - 1e-12
+
+
+def test_speed_and_sharing_slow_a_rank_by_the_smaller_share():
+    """ZB-H1 pp=2, m=1, F=B=W=1 on 1.5 cores at speed 0.9: alone a rank runs at 0.9, beside the other at
+    0.75 (1.5 / 2): rank 0's F and rank 1's F and B run alone (1 / 0.9 each), rank 0's B beside rank 1's
+    W (1 / 0.75), rank 0's W alone again."""
+    cost = CostModel.per_stage(2, 1, 1, 1, host=HostCost(cores=1.5, speed=0.9))
+    result = simulate(build_schedule("zb-h1", pp=2, microbatches=1), cost)
+    assert result.step_time == pytest.approx(4 / 0.9 + 1 / 0.75)
+    ends = {str(n): e for n, e in zip(result.ranks[1].nodes, result.ranks[1].ends)}
+    assert ends["B0.0"] == pytest.approx(3 / 0.9) and ends["W0.0"] == pytest.approx(3 / 0.9 + 1 / 0.75)
+    assert simulate(build_schedule("zb-h1", pp=2, microbatches=1), replace(cost, host=HostCost(cores=1.5))).step_time == pytest.approx(4 + 1 / 0.75)
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, 1.5, "nan", True])
+def test_a_host_speed_that_is_not_a_share_of_a_core_is_refused(bad):
+    data = {"time_unit": "s", "compute": {"f": 1, "b": 1, "w": 1}, "host": {"cores": 2, "speed": bad}}
+    with pytest.raises(ConfigError, match=r"host.speed"):
+        CostModel.from_dict(data, pp=2, vpp=1)
+
+
 def test_background_that_leaves_no_core_is_refused():
     table = build_schedule("1f1b", pp=2, microbatches=4)
     cost = CostModel.per_stage(2, 1, 1, 1, p2p=P2PCost(ranks_per_node=2), host=HostCost(cores=1.0, background=0.5))

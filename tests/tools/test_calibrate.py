@@ -207,6 +207,34 @@ def test_no_contention_is_fitted_where_every_rank_has_a_core():
     assert "contention" not in measured.cost_dict()["host"]
 
 
+@pytest.mark.parametrize("algorithm, pp, m, cores", [("1f1b", 2, 2, 1.9), ("1f1b", 2, 8, 2.0), ("zb-h1", 3, 3, 2.5),
+                                                     ("zbv", 2, 4, 1.9), ("1f1b", 4, 8, 1.5)])
+@pytest.mark.parametrize("speed", [0.8, 0.95])
+def test_host_speed_is_measured_from_the_nodes_that_ran_alone(write_dump, algorithm, pp, m, cores, speed):
+    """Ranks that get ``speed`` of a core even alone (``host.speed``): calibrate reads it from the nodes
+    that ran while no other rank was busy (CPU over wall), writes it beside the cores, and the run's own
+    order replays in its step time; without it, a step whose bubbles are long replays fast."""
+    n = build_schedule(algorithm, pp, m).placement.num_stages
+    host = replace(HOST, cores=cores, speed=speed, step_gap=None)
+    cost = CostModel.per_stage(n, F[:n], B[:n], W[:n], p2p=replace(P2P, ranks_per_node=pp), time_unit="s", host=host,
+                               cold_start=ComputeCosts.per_stage(n, COLD.forward[:n], 0.25, 0.125))
+    timeline = simulate(build_schedule(algorithm, pp, m, cost=cost), cost).timeline()
+    measured = measure_costs(load_iterations(write_dump([timeline] * 3)), warmup=0)
+    assert measured.speed == pytest.approx(speed, rel=0.01)
+    data = measured.cost_dict(per_model_stage=True)
+    assert data["host"]["speed"] == measured.speed
+    model = CostModel.from_dict(data, pp=pp, vpp=timeline.vpp)
+    assert model.host.speed == measured.speed
+    assert simulate(executed_table(timeline), model).step_time == pytest.approx(timeline.step_time, rel=REPLAY_TOLERANCE)
+
+
+def test_no_host_speed_where_ranks_alone_got_a_whole_core(write_dump):
+    cost = CostModel.per_stage(2, F[:2], B[:2], W[:2], p2p=P2P, time_unit="s", host=HostCost(cores=1.9))
+    measured = measure_costs(load_iterations(write_dump([simulate(build_schedule("1f1b", 2, 4), cost).timeline()] * 2)),
+                             warmup=0)
+    assert measured.cores is not None and measured.speed is None and "speed" not in measured.cost_dict()["host"]
+
+
 def test_cores_the_replay_contradicts_are_refitted_on_it():
     """A core count under which the run's own order would replay too slowly (or too fast) is refitted:
     the replay then takes the run's step time."""
