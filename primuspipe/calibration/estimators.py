@@ -138,21 +138,29 @@ def medians(groups) -> dict[str, float]:
     return {key: significant(max(0.0, statistics.median(v))) for key, v in sorted(pooled.items())}
 
 
-def cold_start_extras(samples: list[Samples], n: int, fused_only: list[int]):
-    """Per stage and kind (F, B, W), the median extra time of a chunk's first node; None if none is
-    longer. A fused-only stage's BW extra is split like its time."""
-    def extra(kind: NodeKind, stage: int) -> float:
+def cold_start_extras(samples: list[Samples], n: int, fused_only: list[int]) -> dict[str, tuple[float, ...]] | None:
+    """Per cost key and stage, the median extra time of a chunk's first node of that kind in a step: F,
+    B and W (a fused-only stage's BW extra split like its time), and BW's own where every stage timed
+    it and it differs from B's and W's together (a run that splits only some backwards, the split probe:
+    its first B and W run mid-step, after BWs, and are not what a step's first backward pays); None if
+    no first node is longer."""
+    def extra(kind: NodeKind, stage: int) -> float | None:
         values = [x for s in samples for x in s.cold.get((kind, stage), ())]
-        return max(0.0, statistics.median(values)) if values else 0.0
+        return max(0.0, statistics.median(values)) if values else None
 
     def split(kind: NodeKind, s: int) -> float:  # a fused-only stage's BW: an even share per step it completes
         fused = NodeKind.BW
-        return extra(fused, s) / len(fused.completes) if s in fused_only and kind in fused.completes else extra(kind, s)
+        if s in fused_only and kind in fused.completes:
+            return (extra(fused, s) or 0.0) / len(fused.completes)
+        return extra(kind, s) or 0.0
 
-    f, b, w = ([split(kind, s) for s in range(n)] for kind in split_kinds())
-    if not any(f + b + w):
+    out = {kind.spec.cost: tuple(significant(split(kind, s)) for s in range(n)) for kind in split_kinds()}
+    fused = [extra(NodeKind.BW, s) for s in range(n)]
+    if None not in fused and any(significant(x) != significant(out["b"][s] + out["w"][s]) for s, x in enumerate(fused)):
+        out["bw"] = tuple(map(significant, fused))
+    if not any(x for times in out.values() for x in times):
         return None
-    return tuple(tuple(map(significant, v)) for v in (f, b, w))
+    return out
 
 
 def transfer_fit(samples: list[Samples]):

@@ -42,8 +42,10 @@ class MeasuredCosts:
     """Per rank, the highest peak over the iterations kept; None where not measured."""
     notes: tuple[str, ...] = ()
     """Assumptions the figures rest on, for people (written into the cost file's header)."""
-    cold_start: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None = None
-    """Per stage, the extra time of a chunk's first F, B and W of a step; None when none was longer."""
+    cold_start: dict[str, tuple[float, ...]] | None = None
+    """Per cost key (``f``, ``b``, ``w``; ``bw`` where a step's first BW paid other than its first B and W
+    together) and stage, the extra time of a chunk's first node of that kind in a step; None when none
+    was longer."""
     host_overhead: dict[str, float] = field(default_factory=dict)
     """Per compute kind (lower-case name), the host time before each of its nodes."""
     host_post: dict[str, float] = field(default_factory=dict)
@@ -95,7 +97,7 @@ class MeasuredCosts:
         if self.fb_overlap is not None:
             compute["fb_overlap"] = self.fb_overlap
         if self.cold_start is not None:
-            compute["cold_start"] = {key: values(v) for key, v in zip("fbw", self.cold_start)}
+            compute["cold_start"] = {key: values(v) for key, v in self.cold_start.items()}
         if self.fixed:
             written = {key: self._fixed_values(key, per_model_stage) for key in self.fixed}
             compute.update((key, times) for key, (times, _, _) in written.items())  # less the extra chunks' own

@@ -118,7 +118,7 @@ def test_host_latency_cold_start_and_cores_are_recovered_exactly(write_dump, cor
     timeline = simulate(build_schedule("zb-h1", 4, 8, cost=cost), cost).timeline()
     measured = measure_costs(load_iterations(write_dump([timeline] * 3)))
     assert (measured.forward, measured.backward_input, measured.backward_weight) == (tuple(F), tuple(B), tuple(W))
-    assert measured.cold_start == (COLD.forward, COLD.backward_input, COLD.backward_weight)
+    assert measured.cold_start == {"f": COLD.forward, "b": COLD.backward_input, "w": COLD.backward_weight}
     assert measured.host_overhead == dict(HOST.overhead)
     assert measured.host_post == {"send": HOST.send, "recv": HOST.recv}
     assert measured.p2p_latency == 0.05
@@ -132,7 +132,32 @@ def test_host_latency_cold_start_and_cores_are_recovered_exactly(write_dump, cor
 def test_a_fused_backward_run_splits_its_cold_start_like_its_time():
     cost = CostModel.per_stage(2, 1.0, 1.0, 1.0, p2p=P2P, time_unit="s", cold_start=ComputeCosts.per_stage(2, 0.5, 0.25, 0.25))
     measured = measure_costs([simulate(build_schedule("1f1b", 2, 6), cost).timeline()])
-    assert measured.cold_start == ((0.5, 0.5), (0.25, 0.25), (0.25, 0.25)), "BW's extra 0.5 split in half"
+    assert measured.cold_start == {"f": (0.5, 0.5), "b": (0.25, 0.25), "w": (0.25, 0.25)}, "BW's extra 0.5 split in half"
+
+
+@pytest.mark.parametrize("pp, m", [(2, 8), (3, 9), (4, 12)])
+@pytest.mark.parametrize("bw_cold", [0.0, 0.375])
+def test_a_probed_run_times_its_first_bw_cold_start_apart_from_its_probe_b_and_w(write_dump, pp, m, bw_cold):
+    """1F1B with the split probe: a step's first backward is a BW, and the probe's B and W run mid-step. A
+    first BW that pays other than B's and W's cold starts together is written as ``cold_start.bw``, so
+    plain 1F1B is charged what its first BW paid, and the probed run replays exactly."""
+    from primuspipe.passes.split_probe import split_backward_probe
+
+    from primuspipe.passes.communication import add_communication
+
+    table = add_communication(split_backward_probe(build_schedule("1f1b", pp, m).compute_only(), 2))
+    cold = ComputeCosts.per_stage(pp, 0.5, 0.125, 0.0625, bw=bw_cold)
+    cost = CostModel.per_stage(pp, F[:pp], B[:pp], W[:pp], bw=[b + w - 0.25 for b, w in zip(B, W)][:pp], p2p=P2P,
+                               time_unit="s", cold_start=cold)
+    timeline = simulate(table, cost).timeline()
+    measured = measure_costs(load_iterations(write_dump([timeline] * 2)), warmup=0)
+    assert measured.cold_start == {"f": cold.forward, "b": cold.backward_input, "w": cold.backward_weight,
+                                   "bw": dict(cold.other)["bw"]}
+    file = CostModel.from_dict(measured.cost_dict(), pp=pp, vpp=1)
+    assert file.cold_start == cold
+    assert simulate(executed_table(timeline), file).step_time == pytest.approx(timeline.step_time, rel=1e-9)
+    plain = build_schedule("1f1b", pp, m)
+    assert simulate(plain, file).step_time == pytest.approx(simulate(plain, cost).step_time, rel=1e-9)
 
 
 def test_calibrate_json_reports_how_well_the_model_replays_the_run(write_dump, capsys, tmp_path):
