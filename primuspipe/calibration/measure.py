@@ -216,7 +216,11 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
     replayed = replayed_cores(measured, used, placement)
     refit = "" if replayed == cores else (f"; {cores:g} by that fit, with which the run's own node order replayed more "
                                           f"than {REPLAY_TOLERANCE:.0%} off its step time")
-    return replace(measured, cores=replayed, notes=(*measured.notes, (
+    alone = () if measured.speed is None else (
+        f"a rank running alone got {measured.speed:.3g} of a core (its nodes' CPU time over their time while no other "
+        "rank was busy: a hypervisor, interrupts, other threads): host.speed charges that wherever a rank runs, "
+        "host.cores only where ranks share",)
+    return replace(measured, cores=replayed, notes=(*measured.notes, *alone, (
         f"the {first.pp} ranks ran as if sharing {replayed:g} cores (fitted from how much longer than their CPU time "
         f"nodes took while others were busy{refit}): compute and host times are CPU times, and host.cores makes the "
         "simulator share the cores the same way")))
