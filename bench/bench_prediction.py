@@ -25,6 +25,11 @@ optimizer step does. ``--runs`` sessions per pp. Then
 * **compare models**: each prediction is also made from the same file without ``compute.fixed`` /
   ``compute.chunk`` (each 1F1B stage's time cut evenly over its chunks, what a backend that cannot time the
   layers gets), so the two are judged on the same runs;
+* **the calibration row**: the 1F1B steps at ``--microbatches`` ran the probed table, not plain 1F1B; their
+  row is that table replayed under the file those steps calibrated (``"role": "calibration replay: ..."``
+  in the JSON, ``1f1b + probe (calibration replay)`` in the table), which says the file reproduces its
+  source, and it is left out of ``max_abs_error`` (every other row is a prediction; plain 1F1B is predicted
+  at the held-out counts);
 * **measure** each algorithm's step: the dump's step span (first node start to last node end over all
   ranks, what the simulator predicts), median over a session's iterations after the first, then the
   median over sessions; the bubble rate likewise (worst rank's ``(step - busy) / step``);
