@@ -3,9 +3,9 @@
 Processor sharing: while ``n`` CPU jobs of a node are running each progresses at ``min(speed, free / n)``
 of a core, ``free`` being the node's cores less what its ranks' processes keep busy outside their main
 threads (``host.background`` each), ``speed`` what a rank gets of a core it has to itself (``host.speed``);
-and while more jobs run than there are free cores, a job needs
-``1 + contention * (n - free)`` times its work in CPU (``host.contention``: the cache refills of time
-slicing), so its work progresses that much slower than its CPU. A rank's host time and compute are jobs
+and while more jobs run than there are free cores, a job needs ``1 + contention * (n - free)`` times its
+work in CPU (``host.contention``: the cache refills of time slicing), so its work progresses that much
+slower than its CPU. A rank's host time and compute are jobs
 of its node (:class:`Job`). Time passes for all ranks together: the next event is the earliest job
 completion (tracked per node in *virtual time*, the work a job running since the start would have done,
 beside the CPU it would have had), transfer arrival or rank entering the step. Also returns, per rank
