@@ -129,12 +129,18 @@ class MemoryCost:
     offload_fraction: float = OFFLOAD_FRACTION
     """Share of a microbatch's activations on a chunk that an OFFLOAD node moves to host memory (1: all
     the chunk's saved tensors; less when the runner offloads chosen ops only, e.g. the MLP's inputs)."""
+    b_rise_fraction: float = 0.0
+    """Share of a microbatch's activations by which a split-backward B's peak tops what the rank held when it
+    started (the byte peaks count it; :attr:`~primuspipe.ir.kinds.KindSpec.rise`): what B has kept for W by
+    then, which a fused backward would have freed. 0: B peaks where it starts (a cost file says otherwise)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.w_retained_fraction <= 1.0:
             raise ConfigError(f"w_retained_fraction must be in [0, 1], got {self.w_retained_fraction}")
         if not 0.0 <= self.offload_fraction <= 1.0:
             raise ConfigError(f"memory.offload_fraction must be in [0, 1], got {self.offload_fraction}")
+        if not (math.isfinite(self.b_rise_fraction) and self.b_rise_fraction >= 0.0):
+            raise ConfigError(f"memory.b_rise_fraction must be a finite number >= 0, got {self.b_rise_fraction}")
         if not (len(self.parameter_bytes) == len(self.gradient_bytes) == len(self.optimizer_bytes)):
             raise ConfigError("parameter, gradient and optimizer bytes need one value per rank each")
 
@@ -142,14 +148,14 @@ class MemoryCost:
     def per_stage(
         cls, num_stages: int, pp: int, *, activation_bytes: Values, w_retained_fraction: float = W_RETAINED_FRACTION,
         parameter_bytes: Values = 0.0, gradient_bytes: Values = 0.0, optimizer_bytes: Values = 0.0,
-        offload_fraction: float = OFFLOAD_FRACTION,
+        offload_fraction: float = OFFLOAD_FRACTION, b_rise_fraction: float = 0.0,
     ) -> MemoryCost:
         return cls(
             float(w_retained_fraction), per_stage_values("activation_bytes", activation_bytes, num_stages, "stages"),
             per_stage_values("parameter_bytes", parameter_bytes, pp, "ranks"),
             per_stage_values("gradient_bytes", gradient_bytes, pp, "ranks"),
             per_stage_values("optimizer_bytes", optimizer_bytes, pp, "ranks"),
-            float(offload_fraction),
+            float(offload_fraction), float(b_rise_fraction),
         )
 
     @property

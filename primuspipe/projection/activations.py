@@ -64,6 +64,11 @@ class LayerActivations:
     """Of those, the inputs of weight GEMMs: what a deferred weight-gradient pass (W) still reads."""
     gemm_output_grads: float
     """Gradients of the weight GEMMs' outputs, created by the input-gradient pass (B) and kept for W."""
+    kept_before_core: float = 0.0
+    """Of those inputs and gradients, what a split B has kept by its core attention's backward and a fused
+    backward has freed by then: the inputs of the MLP's (or MoE block's) GEMMs and of the attention's output
+    projection, and the MLP's output gradients. (The output projection's own output gradient is the residual
+    stream's gradient, which the backward holds at that moment anyway.)"""
 
     @property
     def total(self) -> float:
@@ -88,6 +93,13 @@ class ActivationModel(RankShape):
         return kept + scaled + width
 
     # -- attention ------------------------------------------------------------------------------------
+    @property
+    def context_bytes(self) -> float:
+        """The core attention's output, the output projection's input."""
+        m = self.model
+        return self.tokens * m.num_attention_heads / self.training.tp * (m.v_head_dim if m.multi_latent_attention
+                                                                         else m.head_dim) * self.e
+
     def _attention(self) -> tuple[float, float, float]:
         """(kept bytes, GEMM inputs, GEMM output grads) of the attention block."""
         m, t, tp = self.model, self.training, self.training.tp
@@ -103,7 +115,7 @@ class ActivationModel(RankShape):
             latents = 0.0
             mixed = tokens * (heads + 2 * kv_heads) * qk_dim * e  # the fused QKV projection's output
         qkv_in = self.hidden_bytes
-        context = tokens * heads * v_dim * e
+        context = self.context_bytes
         scores = t.micro_batch_size * heads * (m.seq_length / t.cp) * m.seq_length
         per_head_norms = m.qk_layernorm and not m.multi_latent_attention
         rope = m.rotary and not m.multi_latent_attention
@@ -212,7 +224,8 @@ class ActivationModel(RankShape):
             inputs, grads = attn_in + moe_in, attn_grads + moe_grads
         if m.hidden_dropout > 0:
             parts["dropout"] = 2 * self.residual_tokens * m.hidden_size * _MASK
-        return LayerActivations(parts, inputs, grads)
+        before_core = self.context_bytes + (inputs - attn_in) + (grads - attn_grads)
+        return LayerActivations(parts, inputs, grads, before_core)
 
     @cached_property
     def _layers(self) -> dict[LayerKind, LayerActivations]:
@@ -253,6 +266,28 @@ class ActivationModel(RankShape):
         """Bytes a deferred W needs after B: GEMM inputs and output gradients of every layer."""
         return sum(self._layers[k].gemm_inputs + self._layers[k].gemm_output_grads
                    for k in (self.model.layer_kinds[i] for i in chunk_layers))
+
+    def b_rise(self, chunk_layers: range, *, head: bool) -> float:
+        """Bytes by which a split-backward B of one chunk peaks above what the rank held when it started.
+
+        B walks down the chunk (the head first when the chunk has it). Each part it passes frees what its
+        backward used but keeps its GEMMs' inputs and output gradients for W (:meth:`wgrad_bytes`), so the
+        level drifts by ``W bytes - held bytes`` per part; and inside a layer, at its core attention's backward
+        (the local spec's peak, which :meth:`attention_working_set` counts on top), the layer's
+        :attr:`LayerActivations.kept_before_core` is still there where a fused backward has freed it. The rise is
+        the largest of those moments and of B's end (more kept than held: full recompute), never below 0.
+        Recorded on CPU for real megatron-core layers run through primuspipe's split backward
+        (``tests/projection/test_split_backward_memory.py``); on the lent H100 the local-spec model of
+        ``bench/bench_local_spec.py`` peaked 0.404 GB higher under ZB-H1 than under 1F1B: the top layer's MLP and
+        output-projection inputs, MLP output gradients (11 ``sbh``) and the output layer's input (1 ``sbh``)."""
+        drift = self.head_gemm_bytes() - self.head() if head else 0.0
+        rise = drift
+        kinds = [self.model.layer_kinds[i] for i in chunk_layers]
+        for kind, held in reversed(list(zip(kinds, self.layer_bytes(chunk_layers)))):
+            layer = self._layers[kind]
+            rise = max(rise, drift + layer.kept_before_core)
+            drift += layer.gemm_inputs + layer.gemm_output_grads - held
+        return max(rise, drift, 0.0)
 
     def mtp(self) -> float:
         """One multi-token-prediction module: its layer, the projection's 2H input, and its head."""
@@ -318,9 +353,8 @@ class ActivationModel(RankShape):
         forward = scores * (e + _FP32 if fp32 else e)
         grads = self.hidden_bytes + self.tokens * m.query_groups / t.tp * m.head_dim * e
         backward = scores * (2 * _FP32 - e if fp32 else 3 * e) + grads
-        context = self.tokens * m.num_attention_heads / t.tp * m.head_dim * e
         after_core = min(self._layers[k].total - self._layers[k].components["input_norm"]
-                         - self._layers[k].components["attention"] + context for k in self._layers)
+                         - self._layers[k].components["attention"] + self.context_bytes for k in self._layers)
         return max(forward, backward) - after_core
 
     def attention_buffer(self) -> float:
