@@ -268,24 +268,31 @@ class ActivationModel(RankShape):
                    for k in (self.model.layer_kinds[i] for i in chunk_layers))
 
     def b_rise(self, chunk_layers: range, *, head: bool) -> float:
-        """Bytes by which a split-backward B of one chunk peaks above what the rank held when it started.
+        """Bytes by which a split-backward B of one chunk peaks above a fused backward's peak as the projection
+        counts it (what the rank held when the backward started, plus the local attention's working set).
 
-        B walks down the chunk (the head first when the chunk has it). Each part it passes frees what its
-        backward used but keeps its GEMMs' inputs and output gradients for W (:meth:`wgrad_bytes`), so the
-        level drifts by ``W bytes - held bytes`` per part; and inside a layer, at its core attention's backward
-        (the local spec's peak, which :meth:`attention_working_set` counts on top), the layer's
-        :attr:`LayerActivations.kept_before_core` is still there where a fused backward has freed it. The rise is
-        the largest of those moments and of B's end (more kept than held: full recompute), never below 0.
-        Recorded on CPU for real megatron-core layers run through primuspipe's split backward
-        (``tests/projection/test_split_backward_memory.py``); on the lent H100 the local-spec model of
-        ``bench/bench_local_spec.py`` peaked 0.404 GB higher under ZB-H1 than under 1F1B: the top layer's MLP and
-        output-projection inputs, MLP output gradients (11 ``sbh``) and the output layer's input (1 ``sbh``)."""
+        B walks down the chunk (the head first when the chunk has it). Each part it has passed freed what its
+        backward used but kept its GEMMs' inputs and output gradients for W (:meth:`wgrad_bytes`), so the level
+        drifts by ``W bytes - held bytes`` a part. Inside a layer, at its core attention's backward, the layer's
+        :attr:`LayerActivations.kept_before_core` is still there where a fused backward has freed it (the local
+        attention's working set already counts the fused backward's freeing, :meth:`attention_working_set`; other
+        backends count it here). The rise is the largest of those moments and of B's end (more kept than held:
+        full recompute), never below 0.
+
+        Recorded on CPU for real megatron-core local-spec layers and models run through primuspipe's split
+        backward (``tests/projection/test_split_backward_memory.py``: dense GELU and SwiGLU, grouped queries, MoE
+        with and without a shared expert, exact). On the lent H100 the local-spec model of
+        ``bench/bench_local_spec.py`` (pp 1) peaked 0.404 GB (12.04 ``sbh``) higher under ZB-H1 than under 1F1B: the
+        top layer's MLP and output-projection inputs and MLP output gradients (11 ``sbh``), the output layer's
+        input (1 ``sbh``) and its logits gradient. Here that is 0.333 GB: the 1F1B projection goes on counting the
+        head's activations (:meth:`head`, 0.071 GB) at that moment, which both backwards have freed."""
+        freed_by_fused = 0.0 if self._local_scores() else 1.0  # the local working set subtracts it itself
         drift = self.head_gemm_bytes() - self.head() if head else 0.0
         rise = drift
         kinds = [self.model.layer_kinds[i] for i in chunk_layers]
         for kind, held in reversed(list(zip(kinds, self.layer_bytes(chunk_layers)))):
             layer = self._layers[kind]
-            rise = max(rise, drift + layer.kept_before_core)
+            rise = max(rise, drift + layer.kept_before_core - freed_by_fused * self._after_core(kind))
             drift += layer.gemm_inputs + layer.gemm_output_grads - held
         return max(rise, drift, 0.0)
 
@@ -353,9 +360,14 @@ class ActivationModel(RankShape):
         forward = scores * (e + _FP32 if fp32 else e)
         grads = self.hidden_bytes + self.tokens * m.query_groups / t.tp * m.head_dim * e
         backward = scores * (2 * _FP32 - e if fp32 else 3 * e) + grads
-        after_core = min(self._layers[k].total - self._layers[k].components["input_norm"]
-                         - self._layers[k].components["attention"] + self.context_bytes for k in self._layers)
-        return max(forward, backward) - after_core
+        return max(forward, backward) - min(self._after_core(k) for k in self._layers)
+
+    def _after_core(self, kind: LayerKind) -> float:
+        """What a layer of ``kind`` keeps after its core attention (the output projection's input, the pre-MLP
+        norm, the MLP): not yet made when the core attention runs forward, freed by a fused backward by the time
+        it runs backward."""
+        layer = self._layers[kind]
+        return layer.total - layer.components["input_norm"] - layer.components["attention"] + self.context_bytes
 
     def attention_buffer(self) -> float:
         """The buffer the local attention's ``baddbmm`` is given as its ``input`` (``beta=0``):

@@ -1,5 +1,6 @@
 """The cost model: YAML form, 1F1B-stage values split over chunks, memory release rule."""
 
+import dataclasses
 import math
 
 import pytest
@@ -82,6 +83,33 @@ def test_activation_release_rule(order, peak_bytes, peak_units):
     assert rank.peak_activation_bytes == pytest.approx(peak_bytes)
     assert rank.peak_activations == peak_units
     assert rank.peak_memory_bytes == pytest.approx(4000 + peak_bytes)
+
+
+@pytest.mark.parametrize("order,peak_bytes", [
+    ("F0.0 B0.0 W0.0 F1.0 B1.0 W1.0", 125),  # B tops its 100 by a quarter while it runs
+    ("F0.0 F1.0 B0.0 W0.0 B1.0 W1.0", 225),  # on top of the other microbatch
+    ("F0.0 B0.0 F1.0 B1.0 W0.0 W1.0", 155),  # B1 rises over F1 and W0's kept 30
+    ("F0.0 BW0.0 F1.0 BW1.0", 100),  # a fused backward frees as it goes: no rise
+])
+def test_a_split_backward_peaks_above_its_start_by_the_rise(order, peak_bytes):
+    """``b_rise_fraction``: what B keeps for W before it frees; the byte peaks count it, the microbatch units (the
+    validator's count) do not, and a fused BW never rises."""
+    memory = MemoryCost.per_stage(1, 1, activation_bytes=100, w_retained_fraction=0.3, b_rise_fraction=0.25)
+    flat = dataclasses.replace(memory, b_rise_fraction=0.0)
+    table = text_table(1, [order], m=2)
+    rank = simulate(table, CostModel.per_stage(1, 1, 1, 1, memory=memory)).ranks[0]
+    assert rank.peak_activation_bytes == pytest.approx(peak_bytes)
+    assert rank.peak_activations == simulate(table, CostModel.per_stage(1, 1, 1, 1, memory=flat)).ranks[0].peak_activations
+
+
+def test_the_rise_is_a_cost_file_field():
+    model = CostModel.from_dict({"compute": {"f": 1, "b": 1, "w": 1},
+                                 "memory": {"w_retained_fraction": 0.5, "b_rise_fraction": 0.4}}, pp=2, vpp=1)
+    assert model.memory.b_rise_fraction == 0.4
+    assert CostModel.from_dict(model.to_dict(), pp=2, vpp=1) == model
+    for bad in (math.nan, -0.1, math.inf):
+        with pytest.raises(ConfigError, match="b_rise_fraction"):
+            MemoryCost(b_rise_fraction=bad)
 
 
 def test_fused_backward_releases_everything_and_bytes_follow_the_stage():
