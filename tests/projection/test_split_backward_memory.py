@@ -29,7 +29,8 @@ LOCAL = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=2, global_
 
 def _layer_case(seed: int) -> tuple[ModelSpec, TrainingSpec, str]:
     """A small layer of megatron-core's local spec, shaped at random: GELU with biases or SwiGLU without, grouped
-    queries, RoPE, dense or MoE (with or without a shared expert), the softmax in fp32 or not. Heads 32 wide and
+    queries, RoPE, dense (TP 1 or 2, this rank's shard) or MoE (with or without a shared expert), the softmax in
+    fp32 or not. Heads 32 wide and
     ``heads * seq / hidden`` 8 or 16, as the lent H100's run (16): where the score matrices make the local spec's
     backward peak in its core attention (the moment the projection counts; Llama 3 8B at 8k has 128)."""
     rng = random.Random(seed)
@@ -45,7 +46,9 @@ def _layer_case(seed: int) -> tuple[ModelSpec, TrainingSpec, str]:
         model = dataclasses.replace(model, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=rng.choice((48, 96)),
                                     moe_shared_expert_intermediate_size=rng.choice((None, 64)), moe_layer_freq=(1,),
                                     add_bias_linear=False)
-    training = dataclasses.replace(LOCAL, micro_batch_size=rng.choice((1, 2)),
+    mbs = rng.choice((1, 2))
+    training = dataclasses.replace(LOCAL, micro_batch_size=mbs, global_batch_size=mbs,
+                                   tensor_model_parallel_size=1 if kind == "moe" else rng.choice((1, 2)),
                                    attention_softmax_in_fp32=rng.random() < 0.7)
     return model, training, kind
 
