@@ -89,6 +89,7 @@ def test_activation_release_rule(order, peak_bytes, peak_units):
     ("F0.0 B0.0 W0.0 F1.0 B1.0 W1.0", 125),  # B tops its 100 by a quarter while it runs
     ("F0.0 F1.0 B0.0 W0.0 B1.0 W1.0", 225),  # on top of the other microbatch
     ("F0.0 B0.0 F1.0 B1.0 W0.0 W1.0", 155),  # B1 rises over F1 and W0's kept 30
+    ("F0.0 F1.0+B0.0 W0.0 B1.0 W1.0", 225),  # an overlapped F+B: B rises over the F it runs beside
     ("F0.0 BW0.0 F1.0 BW1.0", 100),  # a fused backward frees as it goes: no rise
 ])
 def test_a_split_backward_peaks_above_its_start_by_the_rise(order, peak_bytes):
