@@ -66,6 +66,7 @@ def test_hand_computed_moe_layer_and_sharding():
 
 @pytest.mark.parametrize("name, published", [
     ("llama2-7b", 6_738_415_616), ("llama3-70b", 70_553_706_496), ("mixtral-8x7b", 46_702_792_704),
+    ("mixtral-8x22b", 140_620_634_112),
     ("qwen3-235b-a22b", 235_093_634_560), ("llama3-8b", 8_030_261_248), ("llama3.1-405b", 405_853_388_800),
     ("llama2-70b", 68_976_648_192), ("qwen3-30b-a3b", 30_532_122_624),
     # DeepSeek's release counts 15,706,484,224; megatron-core adds a norm (2048 weights) fused into each
