@@ -68,7 +68,8 @@ class LayerActivations:
     """Of those inputs and gradients, what a split B has kept by its core attention's backward and a fused
     backward has freed by then: the inputs of the MLP's (or MoE block's) GEMMs and of the attention's output
     projection, and the MLP's output gradients. (The output projection's own output gradient is the residual
-    stream's gradient, which the backward holds at that moment anyway.)"""
+    stream's gradient, which the backward holds at that moment anyway -- unless sequence parallelism
+    all-gathered it.)"""
 
     @property
     def total(self) -> float:
@@ -149,7 +150,9 @@ class ActivationModel(RankShape):
         kept_in = 0.0 if t.recomputes("layernorm") else qkv_in * fp8_copy
         kept = kept_in + latents + core + context * (1.5 if t.fp8 else 1.0)
         gemm_inputs = qkv_in + latents + context
-        grads = tokens * ((heads + 2 * kv_heads) * qk_dim) * e + self.hidden_bytes
+        # the output projection's output gradient is all T tokens' even under sequence parallelism, which
+        # all-gathers it for the projection's backward (the reduce-scatter's backward)
+        grads = tokens * ((heads + 2 * kv_heads) * qk_dim) * e + tokens * m.hidden_size * e
         return kept, gemm_inputs, grads
 
     # -- MLP / MoE ------------------------------------------------------------------------------------
@@ -198,12 +201,12 @@ class ActivationModel(RankShape):
             shared, shared_in, shared_grads = self._dense_mlp(m.moe_shared_expert_intermediate_size, self.tokens,
                                                               recompute=t.recomputes("shared_experts"))
             moe_mlp = routed + block_input + shared
+            shared_in += block_input  # the shared expert's up projection reads the block input
         else:
             shared = shared_in = shared_grads = 0.0
             moe_mlp = routed
-            router += block_input
-        return ({"router": router, "moe_mlp": moe_mlp}, block_input + routed_inputs + shared_in,
-                routed_grads + shared_grads)
+            router += block_input  # read by the router alone, whose weight gradient stays in B
+        return ({"router": router, "moe_mlp": moe_mlp}, routed_inputs + shared_in, routed_grads + shared_grads)
 
     # -- a whole layer --------------------------------------------------------------------------------
     def layer(self, kind: LayerKind) -> LayerActivations:
@@ -224,7 +227,10 @@ class ActivationModel(RankShape):
             inputs, grads = attn_in + moe_in, attn_grads + moe_grads
         if m.hidden_dropout > 0:
             parts["dropout"] = 2 * self.residual_tokens * m.hidden_size * _MASK
-        before_core = self.context_bytes + (inputs - attn_in) + (grads - attn_grads)
+        # the output projection's output gradient is the residual stream's, which B holds then anyway, unless
+        # sequence parallelism all-gathered it into a tensor of its own
+        proj_grad = self.tokens * m.hidden_size * self.e if t.sequence_parallel else 0.0
+        before_core = self.context_bytes + proj_grad + (inputs - attn_in) + (grads - attn_grads)
         return LayerActivations(parts, inputs, grads, before_core)
 
     @cached_property

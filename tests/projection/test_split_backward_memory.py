@@ -29,8 +29,8 @@ LOCAL = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=2, global_
 
 def _layer_case(seed: int) -> tuple[ModelSpec, TrainingSpec, str]:
     """A small layer of megatron-core's local spec, shaped at random: GELU with biases or SwiGLU without, grouped
-    queries, RoPE, dense (TP 1 or 2, this rank's shard) or MoE (with or without a shared expert), the softmax in
-    fp32 or not. Heads 32 wide and
+    queries, RoPE, dense or MoE (with or without a shared expert), TP 1 or 2 (this rank's shard; MoE with sequence
+    parallelism, as megatron-core asks, dense either way), the softmax in fp32 or not. Heads 32 wide and
     ``heads * seq / hidden`` 8 or 16, as the lent H100's run (16): where the score matrices make the local spec's
     backward peak in its core attention (the moment the projection counts; Llama 3 8B at 8k has 128)."""
     rng = random.Random(seed)
@@ -46,23 +46,26 @@ def _layer_case(seed: int) -> tuple[ModelSpec, TrainingSpec, str]:
         model = dataclasses.replace(model, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=rng.choice((48, 96)),
                                     moe_shared_expert_intermediate_size=rng.choice((None, 64)), moe_layer_freq=(1,),
                                     add_bias_linear=False)
-    mbs = rng.choice((1, 2))
-    training = dataclasses.replace(LOCAL, micro_batch_size=mbs, global_batch_size=mbs,
-                                   tensor_model_parallel_size=1 if kind == "moe" else rng.choice((1, 2)),
+    mbs, tp = rng.choice((1, 2)), rng.choice((1, 2))
+    training = dataclasses.replace(LOCAL, micro_batch_size=mbs, global_batch_size=mbs, tensor_model_parallel_size=tp,
+                                   sequence_parallel=tp > 1 and (kind == "moe" or rng.random() < 0.5),
                                    attention_softmax_in_fp32=rng.random() < 0.7)
     return model, training, kind
 
 
 @pytest.mark.slow  # runs megatron-core layers
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(12))
 def test_a_split_backward_keeps_for_w_and_peaks_by_what_the_activation_model_counts(seed):
-    """The layer's output gradient is made outside the record (it is the input of the backward); in a model it is
-    the MLP's output gradient, which B keeps for W: one ``hidden_bytes`` less here."""
+    """The layer's output gradient is made outside the record (it is the input of the backward). In a model it is
+    the output gradient B keeps for the down projection of the dense MLP or the shared expert, one ``hidden_bytes``
+    less here -- unless sequence parallelism all-gathers it first into a tensor of the layer's own."""
     model, training, kind = _layer_case(seed)
     fused = record_layer(model, training, kind, drop_gradients=True)
     split = record_layer(model, training, kind, split=True, drop_gradients=True)
     activations = ActivationModel(model, training)
-    layer, outside = activations.layer(kind), activations.hidden_bytes
+    layer = activations.layer(kind)
+    keeps_its_output_gradient = kind == "dense" or model.moe_shared_expert_intermediate_size
+    outside = activations.hidden_bytes if keeps_its_output_gradient and not training.sequence_parallel else 0.0
     assert split.saved_bytes == fused.saved_bytes
     assert split.kept_for_w_bytes - fused.kept_for_w_bytes == layer.gemm_inputs + layer.gemm_output_grads - outside
     rise = split.backward_peak_bytes - fused.backward_peak_bytes

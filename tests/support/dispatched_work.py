@@ -177,14 +177,17 @@ def record_layer(model, training, kind: str = "dense", split: bool = False, drop
                  ) -> LayerRecord:
     """Forward and backward of one layer of ``kind`` from megatron-core's local spec, for the specs (the
     training's precision and kernels; the projection's own Megatron config builder), on CPU, with the explicit
-    causal mask ``GPTModel`` is given; ``split``: its backward as a ``B`` then a ``W``."""
-    from primuspipe.projection.benchmark.megatron_model import DTYPES, build_layer, causal_mask
+    causal mask ``GPTModel`` is given (under sequence parallelism this rank's share of the tokens); ``split``: its
+    backward as a ``B`` then a ``W``."""
+    from primuspipe.projection.benchmark.megatron_model import DTYPES, build_layer, causal_mask, transformer_config
 
     with fake_parallel_state(training):
-        layer = build_layer(model, training, kind)
+        config = transformer_config(model, training, sequence_parallel=training.sequence_parallel)
+        layer = build_layer(model, training, kind, config)
         generator = torch.Generator().manual_seed(0)
         dtype, tokens = DTYPES[training.precision], model.seq_length // training.cp
-        shape = (tokens, training.micro_batch_size, model.hidden_size)
+        shape = (tokens // (training.tp if training.sequence_parallel else 1), training.micro_batch_size,
+                 model.hidden_size)
         x = torch.randn(shape, generator=generator).to(dtype).requires_grad_()
         grad = torch.randn(shape, generator=generator).to(dtype)
         mask = causal_mask(tokens)
