@@ -283,11 +283,12 @@ class ActivationModel(RankShape):
         :attr:`LayerActivations.kept_before_core` is still there where a fused backward has freed it (the local
         attention's working set already counts the fused backward's freeing, :meth:`attention_working_set`; other
         backends count it here). The rise is the largest of those moments and of B's end (more kept than held:
-        full recompute), never below 0.
+        full recompute, or sequence parallelism, under which W keeps the row-parallel projections' all-gathered
+        output gradients), never below 0.
 
         Recorded on CPU for real megatron-core local-spec layers and models run through primuspipe's split
         backward (``tests/projection/test_split_backward_memory.py``: dense GELU and SwiGLU, grouped queries, MoE
-        with and without a shared expert, exact). On the lent H100 the local-spec model of
+        with and without a shared expert, TP 2 with and without sequence parallelism, exact). On the lent H100 the local-spec model of
         ``bench/bench_local_spec.py`` (pp 1) peaked 0.404 GB (12.04 ``sbh``) higher under ZB-H1 than under 1F1B: the
         top layer's MLP and output-projection inputs and MLP output gradients (11 ``sbh``), the output layer's
         input (1 ``sbh``) and its logits gradient. Here that is 0.333 GB: the 1F1B projection goes on counting the
