@@ -32,7 +32,7 @@ def _layer_case(seed: int) -> tuple[ModelSpec, TrainingSpec, str]:
     queries, RoPE, dense or MoE (with or without a shared expert), TP 1 or 2 (this rank's shard; MoE with sequence
     parallelism, as megatron-core asks, dense either way), the softmax in fp32 or not. Heads 32 wide and
     ``heads * seq / hidden`` 8 or 16, as the lent H100's run (16): where the score matrices make the local spec's
-    backward peak in its core attention (the moment the projection counts; Llama 3 8B at 8k has 128)."""
+    backward peak in its core attention (the moment the projection counts; Llama 3 8B at 8k has 64)."""
     rng = random.Random(seed)
     heads = rng.choice((2, 4))
     swiglu = rng.random() < 0.5
