@@ -9,7 +9,8 @@ node's start, an offload at its copy's end, a reload at its copy's start -- with
 ``w_retained_fraction`` and ``offload_fraction``: a microbatch is held from its F until its W, at the
 retained share between its B and its W, less the offloaded share while it is on the host. The byte peaks
 also count ``b_rise_fraction``: a split-backward B tops what it started with by what it has kept for its W
-before it frees (the microbatch units count microbatches, as the validator does, without it).
+before it frees; and ``w_excess_fraction``: what W keeps beyond the retained share, held from B until W (the
+microbatch units count microbatches, as the validator does, without either).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def peak_activations(table: ScheduleTable, memory: MemoryCost, starts: Sequence[
         if memory.models_bytes:
             stages = table.placement.stages[rank]
             weight = lambda chunk: memory.activation_bytes[stages[chunk]]  # noqa: E731
-            peaks.append(max(timed_levels(row, starts[rank], ends[rank], weight, retained, offloaded,
+            peaks.append(max(timed_levels(row, starts[rank], ends[rank], weight, memory.bytes_retained, offloaded,
                                           memory.b_rise_fraction), default=0.0))
         else:
             peaks.append(0.0)

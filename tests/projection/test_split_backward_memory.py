@@ -112,3 +112,30 @@ def test_zb_h1_on_the_lent_h100_peaked_higher_than_1f1b_by_what_the_projection_a
     head = ActivationModel(config.model, config.training).head()
     assert projected["zb-h1"] - projected["1f1b"] + head == pytest.approx(measured["zb-h1"] - measured["1f1b"],
                                                                              rel=0.01)
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (8, True)])
+def test_the_byte_peaks_hold_all_w_keeps_from_b_until_w(tp, sp):
+    """Llama 3 70B: W's inputs and output gradients per stage (``ActivationModel.wgrad_bytes`` and the head's, held
+    against real layers above) are what the byte counter keeps from B until W, also where they outgrow the stage's
+    activations -- under sequence parallelism W keeps the row-parallel projections' all-gathered output gradients
+    (516 MB a layer at TP 8 against 281 MB held) -- while the microbatch counts stop at the whole microbatch."""
+    from primuspipe.projection.compute import Calibration, WorkModel, part_times
+    from primuspipe.projection.framework import Placement
+    from primuspipe.projection.model_spec import load_model
+    from primuspipe.projection.stage_costs import stage_costs
+
+    model = load_model(ROOT / "examples/projection/models/llama3-70b.yaml")
+    training = TrainingSpec(tensor_model_parallel_size=tp, sequence_parallel=sp, pipeline_model_parallel_size=4,
+                            global_batch_size=32)
+    hardware = load_hardware(ROOT / "examples/projection/hardware/h100.yaml")
+    costs = stage_costs(model, training, hardware, part_times(WorkModel(model, training), hardware, Calibration()),
+                        Placement.interleaved(4))
+    activations = ActivationModel(model, training)
+    last = costs.layout.num_stages - 1
+    kept = sum(activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if s == last else 0.0)
+               for s, layers in enumerate(costs.layout.stage_layers))
+    memory = costs.cost_model().memory
+    assert memory.bytes_retained * sum(costs.activation_bytes) == pytest.approx(kept)
+    assert memory.w_retained_fraction <= 1.0
+    assert (memory.w_excess_fraction > 0.5) == sp
