@@ -5,8 +5,9 @@ A microbatch is *in flight* on a rank from its F until its W. Every kind's effec
 B frees all but the share ``retained`` that the deferred W still needs (the inputs of its GEMMs), W
 frees that share, BW frees everything; while a B runs, the level first rises by the share ``rise``
 (what it keeps for W before it frees: :attr:`~primuspipe.ir.kinds.KindSpec.rise`, the simulator's byte
-peaks). The validator's memory rule, ``peak_in_flight``, the simulator's peaks (units and bytes), the list scheduler, the building blocks and the MILP all count
-with these effects, so "what a rank holds" means one thing everywhere: what the device holds.
+peaks). The validator's memory rule, ``peak_in_flight``, the simulator's peaks (units and bytes), the list
+scheduler, the building blocks and the MILP all count with these effects, so "what a rank holds" means
+one thing everywhere: what the device holds.
 
 Offload: an OFFLOAD node moves the share ``offloaded`` (the cost model's
 ``memory.offload_fraction``; 1 = all of them) of a microbatch's activations on a chunk to host memory,

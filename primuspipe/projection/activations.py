@@ -288,11 +288,12 @@ class ActivationModel(RankShape):
 
         Recorded on CPU for real megatron-core local-spec layers and models run through primuspipe's split
         backward (``tests/projection/test_split_backward_memory.py``: dense GELU and SwiGLU, grouped queries, MoE
-        with and without a shared expert, TP 2 with and without sequence parallelism, exact). On the lent H100 the local-spec model of
-        ``bench/bench_local_spec.py`` (pp 1) peaked 0.404 GB (12.04 ``sbh``) higher under ZB-H1 than under 1F1B: the
-        top layer's MLP and output-projection inputs and MLP output gradients (11 ``sbh``), the output layer's
-        input (1 ``sbh``) and its logits gradient. Here that is 0.333 GB: the 1F1B projection goes on counting the
-        head's activations (:meth:`head`, 0.071 GB) at that moment, which both backwards have freed."""
+        with and without a shared expert, TP 2 with and without sequence parallelism, exact). On the lent H100
+        the local-spec model of ``bench/bench_local_spec.py`` (pp 1) peaked 0.404 GB (12.04 ``sbh``) higher under
+        ZB-H1 than under 1F1B: the top layer's MLP and output-projection inputs and MLP output gradients (11
+        ``sbh``), the output layer's input (1 ``sbh``) and its logits gradient. Here that is 0.333 GB: the 1F1B
+        projection goes on counting the head's activations (:meth:`head`, 0.071 GB) at that moment, which both
+        backwards have freed."""
         freed_by_fused = 0.0 if self._local_scores() else 1.0  # the local working set subtracts it itself
         drift = self.head_gemm_bytes() - self.head() if head else 0.0
         rise = drift

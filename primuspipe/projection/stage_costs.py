@@ -131,8 +131,9 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
     ranks = range(placement.pp)
     return StageCosts(
         layout, tuple(forward), tuple(backward_input), tuple(backward_weight), tuple(held),
-        sum(kept_for_w) / sum(held), sum(excess) / sum(held), max(rise), tuple(params), tuple(static_memory(p, training, sum(len(layout.stage_layers[s]) for s in layout.rank_stages(r)))
-                                                for r, p in zip(ranks, params)),
+        sum(kept_for_w) / sum(held), sum(excess) / sum(held), max(rise), tuple(params),
+        tuple(static_memory(p, training, sum(len(layout.stage_layers[s]) for s in layout.rank_stages(r)))
+              for r, p in zip(ranks, params)),
         tuple(max(transient[s] for s in layout.rank_stages(r)) for r in ranks),
         _p2p(model, training, hardware), tuple(communication),
     )

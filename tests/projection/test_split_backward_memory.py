@@ -23,8 +23,9 @@ from primuspipe.projection.training_spec import TrainingSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
-LOCAL = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=2, global_batch_size=16, attention_backend="local",
-                     bias_activation_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False)
+LOCAL = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=2, global_batch_size=16,
+                     attention_backend="local", bias_activation_fusion=False, gradient_accumulation_fusion=False,
+                     apply_rope_fusion=False)
 
 
 def _layer_case(seed: int) -> tuple[ModelSpec, TrainingSpec, str]:

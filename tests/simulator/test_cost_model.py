@@ -100,7 +100,8 @@ def test_a_split_backward_peaks_above_its_start_by_the_rise(order, peak_bytes):
     table = text_table(1, [order], m=2)
     rank = simulate(table, CostModel.per_stage(1, 1, 1, 1, memory=memory)).ranks[0]
     assert rank.peak_activation_bytes == pytest.approx(peak_bytes)
-    assert rank.peak_activations == simulate(table, CostModel.per_stage(1, 1, 1, 1, memory=flat)).ranks[0].peak_activations
+    units = simulate(table, CostModel.per_stage(1, 1, 1, 1, memory=flat)).ranks[0].peak_activations
+    assert rank.peak_activations == units
 
 
 @pytest.mark.parametrize("order,peak_bytes", [
