@@ -3,9 +3,11 @@
 A microbatch is *in flight* on a rank from its F until its W. Every kind's effect is data
 (:attr:`~primuspipe.ir.kinds.KindSpec.activation`): F takes a microbatch's activations for its stage,
 B frees all but the share ``retained`` that the deferred W still needs (the inputs of its GEMMs), W
-frees that share, BW frees everything. The validator's memory rule, ``peak_in_flight``, the
-simulator's peaks (units and bytes), the list scheduler, the building blocks and the MILP all count
-with these effects, so "what a rank holds" means one thing everywhere: what the device holds.
+frees that share, BW frees everything; while a B runs, the level first rises by the share ``rise``
+(what it keeps for W before it frees: :attr:`~primuspipe.ir.kinds.KindSpec.rise`, the simulator's byte
+peaks). The validator's memory rule, ``peak_in_flight``, the simulator's peaks (units and bytes), the list
+scheduler, the building blocks and the MILP all count with these effects, so "what a rank holds" means
+one thing everywhere: what the device holds.
 
 Offload: an OFFLOAD node moves the share ``offloaded`` (the cost model's
 ``memory.offload_fraction``; 1 = all of them) of a microbatch's activations on a chunk to host memory,
@@ -52,23 +54,40 @@ OFFLOAD_FRACTION = 1.0
 runner offloads every tensor autograd saves in the chunk's forward unless told which ops)."""
 
 
+def _step(kind: NodeKind, weight: float, held: float, retained: float, offloaded: float, rise: float
+          ) -> tuple[float, float]:
+    """One compute part of ``weight`` applied to ``held``: (the level after it, the most held while it ran --
+    a part that rises (B) first peaks ``rise`` of its microbatch's activations above where it started)."""
+    after = held + kind.spec.activation_delta(retained, offloaded) * weight
+    return after, max(held + kind.spec.rise * rise * weight, after)
+
+
+def _run_parts(node: ScheduleNode, held: float, chunk_weight: Callable[[int], float], retained: float,
+               offloaded: float, rise: float) -> tuple[float, float]:
+    """``node``'s parts applied to ``held``: (the level after them, the most held while they ran)."""
+    top = held
+    for kind, _, chunk in node.parts():
+        held, part_top = _step(kind, chunk_weight(chunk), held, retained, offloaded, rise)
+        top = max(top, part_top)
+    return held, top
+
+
 def running_levels(row: Iterable[ScheduleNode], chunk_weight: Callable[[int], float] = lambda chunk: 1.0,
-                   retained: float = W_RETAINED_FRACTION, offloaded: float = OFFLOAD_FRACTION) -> list[float]:
+                   retained: float = W_RETAINED_FRACTION, offloaded: float = OFFLOAD_FRACTION,
+                   rise: float = 0.0) -> list[float]:
     """Per node of one rank's row: the most held while it runs (after its forward parts, before the
-    backward parts of the same node free anything, i.e. the level right after each part, maxed)."""
+    backward parts of the same node free anything, i.e. the level right after each part, maxed, and a
+    B's ``rise``: :func:`_run_parts`)."""
     held, levels = 0.0, []
     for node in row:
-        top = held
-        for kind, _, chunk in node.parts():
-            held += kind.spec.activation_delta(retained, offloaded) * chunk_weight(chunk)
-            top = max(top, held)
+        held, top = _run_parts(node, held, chunk_weight, retained, offloaded, rise)
         levels.append(top)
     return levels
 
 
 def timed_levels(row: Sequence[ScheduleNode], starts: Sequence[float], ends: Sequence[float],
                  chunk_weight: Callable[[int], float] = lambda chunk: 1.0, retained: float = W_RETAINED_FRACTION,
-                 offloaded: float = OFFLOAD_FRACTION) -> list[float]:
+                 offloaded: float = OFFLOAD_FRACTION, rise: float = 0.0) -> list[float]:
     """Per node of one rank's row, with the nodes' ``starts`` and ``ends``: the most held while it runs,
     its effects applied in time order -- a node that frees on a host copy (OFFLOAD) at its end, every
     other node at its start; at one moment a finished offload first, then table order. Without host
@@ -79,22 +98,18 @@ def timed_levels(row: Sequence[ScheduleNode], starts: Sequence[float], ends: Seq
         keyed.append(((ends[i] if late else starts[i], not late, i), i))
     held, levels = 0.0, [0.0] * len(row)
     for _, i in sorted(keyed):
-        top = held
-        for kind, _, chunk in row[i].parts():
-            held += kind.spec.activation_delta(retained, offloaded) * chunk_weight(chunk)
-            top = max(top, held)
-        levels[i] = top
+        held, levels[i] = _run_parts(row[i], held, chunk_weight, retained, offloaded, rise)
     return levels
 
 
 def peak_level(kinds: Iterable[tuple[NodeKind, int]], chunk_weight: Callable[[int], float] = lambda chunk: 1.0,
-               retained: float = W_RETAINED_FRACTION, offloaded: float = OFFLOAD_FRACTION) -> float:
+               retained: float = W_RETAINED_FRACTION, offloaded: float = OFFLOAD_FRACTION, rise: float = 0.0) -> float:
     """The most held over a sequence of ``(kind, chunk)`` compute parts (e.g. a constructed order, or
-    a rank's events in time order)."""
+    a rank's events in time order), a B's ``rise`` included."""
     held = peak = 0.0
     for kind, chunk in kinds:
-        held += kind.spec.activation_delta(retained, offloaded) * chunk_weight(chunk)
-        peak = max(peak, held)
+        held, top = _step(kind, chunk_weight(chunk), held, retained, offloaded, rise)
+        peak = max(peak, top)
     return peak
 
 

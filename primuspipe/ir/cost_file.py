@@ -39,6 +39,8 @@ optimizer bytes) are one number or ``pp`` values::
     memory:
       w_retained_fraction: 0.94          # share of a microbatch's activations B keeps for W (default 32/34)
       offload_fraction: 1.0              # share of them an OFFLOAD moves to host (default 1: all)
+      b_rise_fraction: 0.0               # share by which a B's peak tops its start (what it kept for W; default 0)
+      w_excess_fraction: 0.0             # share W keeps beyond w_retained_fraction, in bytes only (default 0)
       activation_bytes: 2.0e9            # per 1F1B stage, one microbatch, held from F until released
       parameter_bytes: 1.0e9             # per rank
       gradient_bytes: 1.0e9
@@ -184,19 +186,22 @@ def memory_section(data: Any, pp: int, vpp: int, source: str) -> MemoryCost:
     """The ``memory`` section: the retained share alone (default :data:`W_RETAINED_FRACTION`), or bytes,
     which then must say what W keeps (the byte figures depend on it)."""
     mem = strict.keys(data, f"{source}: memory", {"activation_bytes", "w_retained_fraction", "parameter_bytes",
-                                                  "gradient_bytes", "optimizer_bytes", "offload_fraction"})
+                                                  "gradient_bytes", "optimizer_bytes", "offload_fraction",
+                                                  "b_rise_fraction", "w_excess_fraction"})
     retained = strict.number(mem.get("w_retained_fraction", W_RETAINED_FRACTION),
                              f"{source}: memory.w_retained_fraction", minimum=0, maximum=1)
     offload = strict.number(mem.get("offload_fraction", OFFLOAD_FRACTION), f"{source}: memory.offload_fraction",
                             minimum=0, maximum=1)
+    shares = {key: strict.number(mem.get(key, 0.0), f"{source}: memory.{key}", minimum=0)
+              for key in ("b_rise_fraction", "w_excess_fraction")}
     if "activation_bytes" not in mem:
-        if set(mem) - {"w_retained_fraction", "offload_fraction"}:
+        if set(mem) - {"w_retained_fraction", "offload_fraction", *shares}:
             raise ConfigError(f"{source}: memory: parameter, gradient and optimizer bytes need activation_bytes too")
-        return MemoryCost(retained, offload_fraction=offload)
+        return MemoryCost(retained, offload_fraction=offload, **shares)
     if "w_retained_fraction" not in mem:
         raise ConfigError(f"{source}: memory lacks ['w_retained_fraction']: with activation_bytes, say what share of "
                           f"them B keeps for W (e.g. {W_RETAINED_FRACTION:.3f} with flash attention, see docs/simulator.md)")
-    mem["w_retained_fraction"], mem["offload_fraction"] = retained, offload
+    mem.update(w_retained_fraction=retained, offload_fraction=offload, **shares)
     mem["activation_bytes"] = split_stages(f"{source}: memory.activation_bytes", mem["activation_bytes"], pp, vpp)
     for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
         mem[key] = per_stage_values(f"{source}: memory.{key}", mem.get(key, 0.0), pp, "ranks")

@@ -299,7 +299,8 @@ class CostModel:
                            "background": h.background, "contention": h.contention, "speed": h.speed,
                            "step_gap": None if h.step_gap is None else list(h.step_gap)}
         m = self.memory
-        out["memory"] = {"w_retained_fraction": m.w_retained_fraction, "offload_fraction": m.offload_fraction}
+        out["memory"] = {"w_retained_fraction": m.w_retained_fraction, "offload_fraction": m.offload_fraction,
+                         "b_rise_fraction": m.b_rise_fraction, "w_excess_fraction": m.w_excess_fraction}
         if m.models_bytes:
             out["memory"].update(activation_bytes=list(m.activation_bytes), parameter_bytes=list(m.parameter_bytes),
                                  gradient_bytes=list(m.gradient_bytes), optimizer_bytes=list(m.optimizer_bytes))

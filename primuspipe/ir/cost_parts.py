@@ -121,7 +121,8 @@ class MemoryCost:
 
     Release rule: F takes a microbatch's activations of its stage; B releases all but
     ``w_retained_fraction`` of them (what the deferred W still needs, the inputs of its GEMMs); W
-    releases the rest; a fused BW releases everything. Memory counted this way is what the device
+    releases the rest; a fused BW releases everything. In bytes B also keeps ``w_excess_fraction`` more until
+    W, and peaks ``b_rise_fraction`` above where it started. Memory counted this way is what the device
     holds, and it is the one count of every memory figure: ``peak_activations`` (microbatch units),
     the peak bytes, ``--memory-limit``, ``validate --max-in-flight`` and the algorithms' budgets.
     """
@@ -138,12 +139,24 @@ class MemoryCost:
     offload_fraction: float = OFFLOAD_FRACTION
     """Share of a microbatch's activations on a chunk that an OFFLOAD node moves to host memory (1: all
     the chunk's saved tensors; less when the runner offloads chosen ops only, e.g. the MLP's inputs)."""
+    b_rise_fraction: float = 0.0
+    """Share of a microbatch's activations by which a split-backward B's peak tops what the rank held when it
+    started (the byte peaks count it; :attr:`~primuspipe.ir.kinds.KindSpec.rise`): what B has kept for W by
+    then, which a fused backward would have freed. 0: B peaks where it starts (a cost file says otherwise)."""
+    w_excess_fraction: float = 0.0
+    """Share of a microbatch's activations that W keeps on top of ``w_retained_fraction`` where W needs more
+    than F left (sequence parallelism all-gathers the row-parallel projections' output gradients W reads; a
+    full recompute rebuilds what W reads): the byte peaks hold ``w_retained_fraction + w_excess_fraction``
+    from B until W, the microbatch units (the validator's and the algorithms' count) a share of at most 1."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.w_retained_fraction <= 1.0:
             raise ConfigError(f"w_retained_fraction must be in [0, 1], got {self.w_retained_fraction}")
         if not 0.0 <= self.offload_fraction <= 1.0:
             raise ConfigError(f"memory.offload_fraction must be in [0, 1], got {self.offload_fraction}")
+        for name in ("b_rise_fraction", "w_excess_fraction"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0.0):
+                raise ConfigError(f"memory.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if not (len(self.parameter_bytes) == len(self.gradient_bytes) == len(self.optimizer_bytes)):
             raise ConfigError("parameter, gradient and optimizer bytes need one value per rank each")
 
@@ -151,15 +164,20 @@ class MemoryCost:
     def per_stage(
         cls, num_stages: int, pp: int, *, activation_bytes: Values, w_retained_fraction: float = W_RETAINED_FRACTION,
         parameter_bytes: Values = 0.0, gradient_bytes: Values = 0.0, optimizer_bytes: Values = 0.0,
-        offload_fraction: float = OFFLOAD_FRACTION,
+        offload_fraction: float = OFFLOAD_FRACTION, b_rise_fraction: float = 0.0, w_excess_fraction: float = 0.0,
     ) -> MemoryCost:
         return cls(
             float(w_retained_fraction), per_stage_values("activation_bytes", activation_bytes, num_stages, "stages"),
             per_stage_values("parameter_bytes", parameter_bytes, pp, "ranks"),
             per_stage_values("gradient_bytes", gradient_bytes, pp, "ranks"),
             per_stage_values("optimizer_bytes", optimizer_bytes, pp, "ranks"),
-            float(offload_fraction),
+            float(offload_fraction), float(b_rise_fraction), float(w_excess_fraction),
         )
+
+    @property
+    def bytes_retained(self) -> float:
+        """The share of a microbatch's activations the byte peaks hold from B until W."""
+        return self.w_retained_fraction + self.w_excess_fraction
 
     @property
     def models_bytes(self) -> bool:

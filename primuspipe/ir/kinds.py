@@ -92,6 +92,11 @@ class KindSpec:
     changes by ``a + b * retained``, where ``retained`` is the share of the activations a deferred W
     still needs. F takes one (``+1``); B frees all but the retained share; W frees that share; BW
     frees everything. With ``retained = 0`` this counts a microbatch from its F until its B."""
+    rise: float = 0.0
+    """How far the held amount rises while the kind runs, before its :attr:`activation` effect, per share
+    ``rise`` of the activations (the cost model's ``memory.b_rise_fraction``): a split-backward B keeps for
+    its W the inputs and output gradients of every weight GEMM it has passed, which a fused backward frees
+    as it walks down the layers, so B peaks above what it started with (``1``); every other kind ``0``."""
     offload: float = 0.0
     """Effect on the activations held, per share of them a host copy moves (``offloaded``, the cost
     model's ``memory.offload_fraction``): OFFLOAD ``-1`` (they leave the device), RELOAD ``+1``."""
@@ -295,7 +300,7 @@ NodeKind.F = define_kind(KindSpec(
     activation=(1.0, 0.0), cost="f", torch_action="F", color="#4C72B0", handler="forward"))
 NodeKind.B = define_kind(KindSpec(
     "B", Category.COMPUTE, "input grad", completes=("B",), needs=(("F", 0), ("B", _NEXT)),
-    activation=(-1.0, 1.0), cost="b", torch_action="I", color="#55A868", handler="backward_input"))
+    activation=(-1.0, 1.0), rise=1.0, cost="b", torch_action="I", color="#55A868", handler="backward_input"))
 NodeKind.W = define_kind(KindSpec(
     "W", Category.COMPUTE, "weight grad", completes=("W",), needs=(("B", 0),),
     activation=(0.0, -1.0), cost="w", torch_action="W", color="#DD8452", handler="backward_weight"))

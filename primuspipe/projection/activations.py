@@ -64,6 +64,12 @@ class LayerActivations:
     """Of those, the inputs of weight GEMMs: what a deferred weight-gradient pass (W) still reads."""
     gemm_output_grads: float
     """Gradients of the weight GEMMs' outputs, created by the input-gradient pass (B) and kept for W."""
+    kept_before_core: float = 0.0
+    """Of those inputs and gradients, what a split B has kept by its core attention's backward and a fused
+    backward has freed by then: the inputs of the MLP's (or MoE block's) GEMMs and of the attention's output
+    projection, and the MLP's output gradients. (The output projection's own output gradient is the residual
+    stream's gradient, which the backward holds at that moment anyway -- unless sequence parallelism
+    all-gathered it.)"""
 
     @property
     def total(self) -> float:
@@ -88,6 +94,13 @@ class ActivationModel(RankShape):
         return kept + scaled + width
 
     # -- attention ------------------------------------------------------------------------------------
+    @property
+    def context_bytes(self) -> float:
+        """The core attention's output, the output projection's input."""
+        m = self.model
+        return self.tokens * m.num_attention_heads / self.training.tp * (m.v_head_dim if m.multi_latent_attention
+                                                                         else m.head_dim) * self.e
+
     def _attention(self) -> tuple[float, float, float]:
         """(kept bytes, GEMM inputs, GEMM output grads) of the attention block."""
         m, t, tp = self.model, self.training, self.training.tp
@@ -103,7 +116,7 @@ class ActivationModel(RankShape):
             latents = 0.0
             mixed = tokens * (heads + 2 * kv_heads) * qk_dim * e  # the fused QKV projection's output
         qkv_in = self.hidden_bytes
-        context = tokens * heads * v_dim * e
+        context = self.context_bytes
         scores = t.micro_batch_size * heads * (m.seq_length / t.cp) * m.seq_length
         per_head_norms = m.qk_layernorm and not m.multi_latent_attention
         rope = m.rotary and not m.multi_latent_attention
@@ -137,7 +150,9 @@ class ActivationModel(RankShape):
         kept_in = 0.0 if t.recomputes("layernorm") else qkv_in * fp8_copy
         kept = kept_in + latents + core + context * (1.5 if t.fp8 else 1.0)
         gemm_inputs = qkv_in + latents + context
-        grads = tokens * ((heads + 2 * kv_heads) * qk_dim) * e + self.hidden_bytes
+        # the output projection's output gradient is all T tokens' even under sequence parallelism, which
+        # all-gathers it for the projection's backward (the reduce-scatter's backward)
+        grads = tokens * ((heads + 2 * kv_heads) * qk_dim) * e + tokens * m.hidden_size * e
         return kept, gemm_inputs, grads
 
     # -- MLP / MoE ------------------------------------------------------------------------------------
@@ -186,12 +201,12 @@ class ActivationModel(RankShape):
             shared, shared_in, shared_grads = self._dense_mlp(m.moe_shared_expert_intermediate_size, self.tokens,
                                                               recompute=t.recomputes("shared_experts"))
             moe_mlp = routed + block_input + shared
+            shared_in += block_input  # the shared expert's up projection reads the block input
         else:
             shared = shared_in = shared_grads = 0.0
             moe_mlp = routed
-            router += block_input
-        return ({"router": router, "moe_mlp": moe_mlp}, block_input + routed_inputs + shared_in,
-                routed_grads + shared_grads)
+            router += block_input  # read by the router alone, whose weight gradient stays in B
+        return ({"router": router, "moe_mlp": moe_mlp}, routed_inputs + shared_in, routed_grads + shared_grads)
 
     # -- a whole layer --------------------------------------------------------------------------------
     def layer(self, kind: LayerKind) -> LayerActivations:
@@ -212,7 +227,11 @@ class ActivationModel(RankShape):
             inputs, grads = attn_in + moe_in, attn_grads + moe_grads
         if m.hidden_dropout > 0:
             parts["dropout"] = 2 * self.residual_tokens * m.hidden_size * _MASK
-        return LayerActivations(parts, inputs, grads)
+        # the output projection's output gradient is the residual stream's, which B holds then anyway, unless
+        # sequence parallelism all-gathered it into a tensor of its own
+        proj_grad = self.tokens * m.hidden_size * self.e if t.sequence_parallel else 0.0
+        before_core = self.context_bytes + proj_grad + (inputs - attn_in) + (grads - attn_grads)
+        return LayerActivations(parts, inputs, grads, before_core)
 
     @cached_property
     def _layers(self) -> dict[LayerKind, LayerActivations]:
@@ -253,6 +272,37 @@ class ActivationModel(RankShape):
         """Bytes a deferred W needs after B: GEMM inputs and output gradients of every layer."""
         return sum(self._layers[k].gemm_inputs + self._layers[k].gemm_output_grads
                    for k in (self.model.layer_kinds[i] for i in chunk_layers))
+
+    def b_rise(self, chunk_layers: range, *, head: bool) -> float:
+        """Bytes by which a split-backward B of one chunk peaks above a fused backward's peak as the projection
+        counts it (what the rank held when the backward started, plus the local attention's working set).
+
+        B walks down the chunk (the head first when the chunk has it). Each part it has passed freed what its
+        backward used but kept its GEMMs' inputs and output gradients for W (:meth:`wgrad_bytes`), so the level
+        drifts by ``W bytes - held bytes`` a part. Inside a layer, at its core attention's backward, the layer's
+        :attr:`LayerActivations.kept_before_core` is still there where a fused backward has freed it (the local
+        attention's working set already counts the fused backward's freeing, :meth:`attention_working_set`; other
+        backends count it here). The rise is the largest of those moments and of B's end (more kept than held:
+        full recompute, or sequence parallelism, under which W keeps the row-parallel projections' all-gathered
+        output gradients), never below 0.
+
+        Recorded on CPU for real megatron-core local-spec layers and models run through primuspipe's split
+        backward (``tests/projection/test_split_backward_memory.py``: dense GELU and SwiGLU, grouped queries, MoE
+        with and without a shared expert, TP 2 with and without sequence parallelism, exact). On the lent H100
+        the local-spec model of ``bench/bench_local_spec.py`` (pp 1) peaked 0.404 GB (12.04 ``sbh``) higher under
+        ZB-H1 than under 1F1B: the top layer's MLP and output-projection inputs and MLP output gradients (11
+        ``sbh``), the output layer's input (1 ``sbh``) and its logits gradient. Here that is 0.333 GB: the 1F1B
+        projection goes on counting the head's activations (:meth:`head`, 0.071 GB) at that moment, which both
+        backwards have freed."""
+        freed_by_fused = 0.0 if self._local_scores() else 1.0  # the local working set subtracts it itself
+        drift = self.head_gemm_bytes() - self.head() if head else 0.0
+        rise = drift
+        kinds = [self.model.layer_kinds[i] for i in chunk_layers]
+        for kind, held in reversed(list(zip(kinds, self.layer_bytes(chunk_layers)))):
+            layer = self._layers[kind]
+            rise = max(rise, drift + layer.kept_before_core - freed_by_fused * self._after_core(kind))
+            drift += layer.gemm_inputs + layer.gemm_output_grads - held
+        return max(rise, drift, 0.0)
 
     def mtp(self) -> float:
         """One multi-token-prediction module: its layer, the projection's 2H input, and its head."""
@@ -318,10 +368,14 @@ class ActivationModel(RankShape):
         forward = scores * (e + _FP32 if fp32 else e)
         grads = self.hidden_bytes + self.tokens * m.query_groups / t.tp * m.head_dim * e
         backward = scores * (2 * _FP32 - e if fp32 else 3 * e) + grads
-        context = self.tokens * m.num_attention_heads / t.tp * m.head_dim * e
-        after_core = min(self._layers[k].total - self._layers[k].components["input_norm"]
-                         - self._layers[k].components["attention"] + context for k in self._layers)
-        return max(forward, backward) - after_core
+        return max(forward, backward) - min(self._after_core(k) for k in self._layers)
+
+    def _after_core(self, kind: LayerKind) -> float:
+        """What a layer of ``kind`` keeps after its core attention (the output projection's input, the pre-MLP
+        norm, the MLP): not yet made when the core attention runs forward, freed by a fused backward by the time
+        it runs backward."""
+        layer = self._layers[kind]
+        return layer.total - layer.components["input_norm"] - layer.components["attention"] + self.context_bytes
 
     def attention_buffer(self) -> float:
         """The buffer the local attention's ``baddbmm`` is given as its ``input`` (``beta=0``):

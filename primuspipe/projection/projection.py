@@ -299,9 +299,13 @@ class Projector:
 
     def _activation_budget(self, costs: StageCosts) -> float:
         """Activations that fit beside static memory, in the simulator's units (one microbatch through all
-        of a rank's chunks), for memory-aware algorithms; the tightest rank decides."""
-        free = [self.hardware.hbm_bytes * (1 - self.risk_margin) - self.hardware.runtime_reserved_bytes - s.total - t
-                for s, t in zip(costs.static, costs.transient_bytes)]
+        of a rank's chunks), for memory-aware algorithms (split backwards); the tightest rank decides. A B's rise
+        above what the rank holds (``StageCosts.b_rise_fraction`` of its chunk) comes off it, as the transient
+        working set does: the algorithms count held microbatches, the simulator's peak counts the rise too."""
+        hbm = self.hardware.hbm_bytes * (1 - self.risk_margin) - self.hardware.runtime_reserved_bytes
+        rise = [costs.b_rise_fraction * max(costs.activation_bytes[c] for c in costs.layout.rank_stages(r))
+                for r in range(len(costs.static))]
+        free = [hbm - s.total - t - b for s, t, b in zip(costs.static, costs.transient_bytes, rise)]
         return max(1.0, min(f / u for f, u in zip(free, costs.activation_units_per_rank())))
 
 

@@ -6,7 +6,10 @@ forward in B), the embedding on stage 0 and the head on the last stage; the acti
 microbatch leaves on the stage; and per rank the static bytes (weights, gradients, optimizer state).
 What a deferred W keeps after B (GEMM inputs and output gradients) becomes the simulator's
 ``w_retained_fraction``: one share for the whole pipeline, the byte-weighted mean over stages, capped
-at 1 (with recompute a W can need more than the stage held; the cap then under-counts).
+at 1; what W keeps beyond the stage's bytes (sequence parallelism's all-gathered output gradients, full recompute)
+becomes ``w_excess_fraction`` (the byte-weighted mean of the excess), which the byte peaks hold until W. What
+a split-backward B keeps for W before it frees becomes ``b_rise_fraction``: how far B peaks above its start
+(:meth:`~primuspipe.projection.activations.ActivationModel.b_rise`), the largest share over stages (never under).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ class StageCosts:
     activation_bytes: tuple[float, ...]
     """Bytes one microbatch leaves saved on each stage."""
     w_retained_fraction: float
+    w_excess_fraction: float
+    b_rise_fraction: float
+    """The share of a stage's microbatch activations by which its split-backward B peaks above its start
+    (the largest over stages); fused backward (BW) nodes never rise."""
     params: tuple[ParamCount, ...]
     """Per rank."""
     static: tuple[StaticMemory, ...]
@@ -53,7 +60,9 @@ class StageCosts:
 
     def cost_model(self) -> CostModel:
         """The simulator's cost model, in seconds."""
-        memory = MemoryCost(w_retained_fraction=self.w_retained_fraction, activation_bytes=self.activation_bytes,
+        memory = MemoryCost(w_retained_fraction=self.w_retained_fraction, w_excess_fraction=self.w_excess_fraction,
+                            b_rise_fraction=self.b_rise_fraction,
+                            activation_bytes=self.activation_bytes,
                             parameter_bytes=tuple(s.weights for s in self.static),
                             gradient_bytes=tuple(s.gradients for s in self.static),
                             optimizer_bytes=tuple(s.optimizer for s in self.static))
@@ -78,7 +87,7 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
                    (parts[name].forward, parts[name].backward_input, parts[name].backward_weight))
                for name, (kind, b) in names.items()}
     last = layout.num_stages - 1
-    forward, backward_input, backward_weight, held, kept_for_w, transient = [], [], [], [], [], []
+    forward, backward_input, backward_weight, held, kept_for_w, excess, rise, transient = [], [], [], [], [], [], [], []
     communication = [0.0, 0.0, 0.0]
     for stage, layers in enumerate(layout.stage_layers):
         kinds = [layer_part(model.layer_kinds[i], i in bf16) for i in layers]
@@ -112,6 +121,8 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
         held.append(stage_bytes)
         w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if stage == last else 0.0)
         kept_for_w.append(min(stage_bytes, w_bytes))
+        excess.append(w_bytes - kept_for_w[-1])
+        rise.append(activations.b_rise(layers, head=stage == last) / stage_bytes if stage_bytes else 0.0)
         transient.append(max(activations.recompute_working_set(layers),  # at different moments: the larger shows
                              activations.loss_working_set() if stage == last else 0.0,
                              activations.attention_working_set() if layers else 0.0)
@@ -120,8 +131,9 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
     ranks = range(placement.pp)
     return StageCosts(
         layout, tuple(forward), tuple(backward_input), tuple(backward_weight), tuple(held),
-        sum(kept_for_w) / sum(held), tuple(params), tuple(static_memory(p, training, sum(len(layout.stage_layers[s]) for s in layout.rank_stages(r)))
-                                                for r, p in zip(ranks, params)),
+        sum(kept_for_w) / sum(held), sum(excess) / sum(held), max(rise), tuple(params),
+        tuple(static_memory(p, training, sum(len(layout.stage_layers[s]) for s in layout.rank_stages(r)))
+              for r, p in zip(ranks, params)),
         tuple(max(transient[s] for s in layout.rank_stages(r)) for r in ranks),
         _p2p(model, training, hardware), tuple(communication),
     )

@@ -7,7 +7,10 @@ finished, a RELOAD takes the device from its copy's start. So the simulator feed
 counter (:mod:`primuspipe.ir.activations`) each rank's parts in *time* order -- compute parts at their
 node's start, an offload at its copy's end, a reload at its copy's start -- with the model's
 ``w_retained_fraction`` and ``offload_fraction``: a microbatch is held from its F until its W, at the
-retained share between its B and its W, less the offloaded share while it is on the host.
+retained share between its B and its W, less the offloaded share while it is on the host. The byte peaks
+also count ``b_rise_fraction``: a split-backward B tops what it started with by what it has kept for its W
+before it frees; and ``w_excess_fraction``: what W keeps beyond the retained share, held from B until W (the
+microbatch units count microbatches, as the validator does, without either).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ def peak_activations(table: ScheduleTable, memory: MemoryCost, starts: Sequence[
         if memory.models_bytes:
             stages = table.placement.stages[rank]
             weight = lambda chunk: memory.activation_bytes[stages[chunk]]  # noqa: E731
-            peaks.append(max(timed_levels(row, starts[rank], ends[rank], weight, retained, offloaded), default=0.0))
+            peaks.append(max(timed_levels(row, starts[rank], ends[rank], weight, memory.bytes_retained, offloaded,
+                                          memory.b_rise_fraction), default=0.0))
         else:
             peaks.append(0.0)
     return units, peaks

@@ -1,5 +1,6 @@
 """The cost model: YAML form, 1F1B-stage values split over chunks, memory release rule."""
 
+import dataclasses
 import math
 
 import pytest
@@ -82,6 +83,51 @@ def test_activation_release_rule(order, peak_bytes, peak_units):
     assert rank.peak_activation_bytes == pytest.approx(peak_bytes)
     assert rank.peak_activations == peak_units
     assert rank.peak_memory_bytes == pytest.approx(4000 + peak_bytes)
+
+
+@pytest.mark.parametrize("order,peak_bytes", [
+    ("F0.0 B0.0 W0.0 F1.0 B1.0 W1.0", 125),  # B tops its 100 by a quarter while it runs
+    ("F0.0 F1.0 B0.0 W0.0 B1.0 W1.0", 225),  # on top of the other microbatch
+    ("F0.0 B0.0 F1.0 B1.0 W0.0 W1.0", 155),  # B1 rises over F1 and W0's kept 30
+    ("F0.0 F1.0+B0.0 W0.0 B1.0 W1.0", 225),  # an overlapped F+B: B rises over the F it runs beside
+    ("F0.0 BW0.0 F1.0 BW1.0", 100),  # a fused backward frees as it goes: no rise
+])
+def test_a_split_backward_peaks_above_its_start_by_the_rise(order, peak_bytes):
+    """``b_rise_fraction``: what B keeps for W before it frees; the byte peaks count it, the microbatch units (the
+    validator's count) do not, and a fused BW never rises."""
+    memory = MemoryCost.per_stage(1, 1, activation_bytes=100, w_retained_fraction=0.3, b_rise_fraction=0.25)
+    flat = dataclasses.replace(memory, b_rise_fraction=0.0)
+    table = text_table(1, [order], m=2)
+    rank = simulate(table, CostModel.per_stage(1, 1, 1, 1, memory=memory)).ranks[0]
+    assert rank.peak_activation_bytes == pytest.approx(peak_bytes)
+    units = simulate(table, CostModel.per_stage(1, 1, 1, 1, memory=flat)).ranks[0].peak_activations
+    assert rank.peak_activations == units
+
+
+@pytest.mark.parametrize("order,peak_bytes", [
+    ("F0.0 B0.0 F1.0 W0.0 B1.0 W1.0", 240),  # W0 keeps 140 (all 100 and 40 more) while F1 adds 100
+    ("F0.0 B0.0 W0.0 F1.0 B1.0 W1.0", 140),  # B ends above where it started
+])
+def test_what_w_keeps_beyond_the_microbatch_is_held_in_bytes_until_w(order, peak_bytes):
+    """``w_excess_fraction``: W needs more than F left (sequence parallelism's all-gathered output gradients);
+    the byte peaks hold it from B until W, the microbatch units stop at the whole microbatch."""
+    memory = MemoryCost.per_stage(1, 1, activation_bytes=100, w_retained_fraction=1.0, w_excess_fraction=0.4)
+    table = text_table(1, [order], m=2)
+    rank = simulate(table, CostModel.per_stage(1, 1, 1, 1, memory=memory)).ranks[0]
+    assert rank.peak_activation_bytes == pytest.approx(peak_bytes)
+    assert rank.peak_activations == peak_bytes // 100
+
+
+def test_the_rise_and_the_excess_are_cost_file_fields():
+    model = CostModel.from_dict({"compute": {"f": 1, "b": 1, "w": 1},
+                                 "memory": {"w_retained_fraction": 0.5, "b_rise_fraction": 0.4,
+                                            "w_excess_fraction": 0.2}}, pp=2, vpp=1)
+    assert (model.memory.b_rise_fraction, model.memory.w_excess_fraction) == (0.4, 0.2)
+    assert CostModel.from_dict(model.to_dict(), pp=2, vpp=1) == model
+    for name in ("b_rise_fraction", "w_excess_fraction"):
+        for bad in (math.nan, -0.1, math.inf):
+            with pytest.raises(ConfigError, match=name):
+                MemoryCost(**{name: bad})
 
 
 def test_fused_backward_releases_everything_and_bytes_follow_the_stage():

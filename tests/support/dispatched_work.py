@@ -5,10 +5,15 @@ backward dispatch (recorded here under a ``TorchDispatchMode``, on CPU) are its 
 projection must count for the local spec (``primuspipe.projection.compute``, ``activations``). Live bytes follow
 storages: a storage's Python object lives as long as the storage, so a weak reference to it says when the caching
 allocator would get the block back (as ``torch.distributed._tools.mem_tracker`` does); views allocate nothing.
+
+``split=True`` runs the backward as primuspipe's Megatron backend runs a split-backward ``B`` node (inside
+:meth:`~primuspipe.backends.megatron.wgrad_store.WeightGradStore.collecting`, the linear layers' weight GEMMs
+deferred) and then its ``W`` (:meth:`~primuspipe.backends.megatron.wgrad_store.WeightGradStore.flush`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -31,7 +36,7 @@ OVERWRITES = {"copy_"}
 class Op:
     name: str
     phase: str
-    """``forward`` or ``backward``."""
+    """``forward``, ``backward`` (a split one's ``B``) or ``weight`` (its ``W``)."""
     moved: int
     """Bytes of the tensor inputs (an expanded view at the memory it spans) and outputs."""
     flops: float
@@ -45,6 +50,10 @@ class LayerRecord:
     """Bytes the forward created that are alive when it returns (what autograd keeps, the output, buffers)."""
     peak_bytes: int = 0
     """Peak of live bytes the forward and backward created."""
+    backward_peak_bytes: int = 0
+    """Peak of live bytes while the backward (a split one's ``B``) ran."""
+    kept_for_w_bytes: int = 0
+    """Live bytes when the backward returned, before any ``W`` ran."""
 
     def moved(self, phase: str) -> int:
         """Bytes the element-wise (non-GEMM) operations of ``phase`` read and write."""
@@ -92,6 +101,8 @@ class _Recorder(TorchDispatchMode):
         self.live += size
         self.refs.append(weakref.ref(storage, lambda _, k=key, s=size: self._free(k, s)))
         self.record.peak_bytes = max(self.record.peak_bytes, self.live)
+        if self.phase == "backward":
+            self.record.backward_peak_bytes = max(self.record.backward_peak_bytes, self.live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -110,22 +121,40 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _record(run_forward) -> LayerRecord:
-    """Forward (``run_forward()`` returns what backward starts from and its gradient) and backward, recorded."""
+def _drop_gradients(module: torch.nn.Module) -> None:
+    """As megatron-core's DDP does with each parameter's gradient (its hook adds it into the main-gradient buffer,
+    allocated before the step, and drops it): the gradient is gone once accumulated."""
+    for p in module.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+
+
+def _record(run_forward, module: torch.nn.Module, split: bool, drop_gradients: bool) -> LayerRecord:
+    """Forward (``run_forward()`` returns what backward starts from and its gradient) and backward (split: ``B``,
+    then ``W`` as phase ``weight``), recorded; ``drop_gradients``: :func:`_drop_gradients`."""
+    from primuspipe.backends.megatron.wgrad_store import WeightGradStore
+
+    if drop_gradients:
+        _drop_gradients(module)
     record = LayerRecord()
     recorder = _Recorder(record)
+    store = WeightGradStore([module])
     with recorder:
         out, grad = run_forward()
     record.saved_bytes = recorder.live
     with recorder:
         recorder.phase = "backward"
-        out.backward(grad)
+        with store.collecting(0, 0) if split else contextlib.nullcontext():
+            out.backward(grad)
+        record.kept_for_w_bytes = recorder.live
+        recorder.phase = "weight"
+        if split:
+            store.flush(0, 0)
     return record
 
 
-def record_model(model, training) -> LayerRecord:
-    """One microbatch through the whole model (``GPTModel`` of the local spec: embedding, every layer, final norm,
-    output layer, the vocab-parallel cross entropy), forward and backward, on CPU."""
+def record_model(model, training, split: bool = False, drop_gradients: bool = False) -> LayerRecord:
+    """One microbatch through the whole model (``GPTModel`` of the TE-free spec: embedding, every layer, final
+    norm, output layer, the vocab-parallel cross entropy), forward and backward (``split``: B then W), on CPU."""
     from primuspipe.projection.benchmark.megatron_model import DTYPES, build_gpt_chunk, causal_mask, transformer_config
 
     with fake_parallel_state(training):
@@ -141,21 +170,25 @@ def record_model(model, training) -> LayerRecord:
             loss = gpt(tokens, positions, mask, labels=tokens).float().sum()
             return loss, torch.ones_like(loss)
 
-        return _record(forward)
+        return _record(forward, gpt, split, drop_gradients)
 
 
-def record_layer(model, training, kind: str = "dense") -> LayerRecord:
+def record_layer(model, training, kind: str = "dense", split: bool = False, drop_gradients: bool = False
+                 ) -> LayerRecord:
     """Forward and backward of one layer of ``kind`` from megatron-core's local spec, for the specs (the
     training's precision and kernels; the projection's own Megatron config builder), on CPU, with the explicit
-    causal mask ``GPTModel`` is given."""
-    from primuspipe.projection.benchmark.megatron_model import DTYPES, build_layer, causal_mask
+    causal mask ``GPTModel`` is given (under sequence parallelism this rank's share of the tokens); ``split``: its
+    backward as a ``B`` then a ``W``."""
+    from primuspipe.projection.benchmark.megatron_model import DTYPES, build_layer, causal_mask, transformer_config
 
     with fake_parallel_state(training):
-        layer = build_layer(model, training, kind)
+        config = transformer_config(model, training, sequence_parallel=training.sequence_parallel)
+        layer = build_layer(model, training, kind, config)
         generator = torch.Generator().manual_seed(0)
         dtype, tokens = DTYPES[training.precision], model.seq_length // training.cp
-        shape = (tokens, training.micro_batch_size, model.hidden_size)
+        shape = (tokens // (training.tp if training.sequence_parallel else 1), training.micro_batch_size,
+                 model.hidden_size)
         x = torch.randn(shape, generator=generator).to(dtype).requires_grad_()
         grad = torch.randn(shape, generator=generator).to(dtype)
         mask = causal_mask(tokens)
-        return _record(lambda: (layer(x, attention_mask=mask)[0], grad))
+        return _record(lambda: (layer(x, attention_mask=mask)[0], grad), layer, split, drop_gradients)
