@@ -17,7 +17,7 @@ optimizer bytes) are one number or ``pp`` values::
       bw: 1.8                # fused backward; defaults to b + w
       recompute: 0.4         # any other timed kind, by its KindSpec.cost key (a plug-in's, say)
       fb_overlap: 0.0        # FB pair: F + B - fb_overlap * min(F, B); 0 = no gain, 1 = max(F, B)
-      cold_start: {f: 0.3, b: 0.1, w: 0.05}  # extra time of each chunk's first F, B, W (bw: BW; default b + w) in a step
+      cold_start: {f: 0.3, b: 0.1, w: 0.05}  # extra time of a chunk's first F, B, W (bw: BW; default b + w) in a step
       fixed: {f: [0.3, 0.2], b: [0.2, 0.3], w: 0.05, bw: [0.3, 0.4]}  # part of each time outside the layers
       chunk: {f: 0.15, b: 0.1}   # of that, what each chunk pays (without the embedding and loss head)
       w_warm: 0.8            # W run right after its own B or another W of its chunk; omitted: w wherever it runs
