@@ -41,14 +41,15 @@ TARGET = 0.05
 def one_run(pp: int, args: argparse.Namespace, dump: Path) -> dict:
     """One ``train_gpt.py --auto-replan`` run; its JSON line, replan.json and the load around it."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    iterations = args.warmup + args.measure + args.verify
+    iterations = args.warmup + args.measure + 1 + args.verify  # a switch's first step is not verified
     flags = ["--pp", str(pp), "--microbatches", str(args.microbatches), "--pp-algorithm", "1f1b", "--auto-replan",
              "--iterations", str(iterations), "--dump-dir", str(dump), "--hidden-size", str(args.hidden),
              "--ffn-hidden-size", str(4 * args.hidden), "--num-attention-heads", "4", "--seq-length", str(args.seq),
              "--micro-batch-size", "4", "--num-layers", str(args.layers), "--vocab-size", "512",
              "--manual-gc"]  # Megatron-LM's: no garbage collection inside a timed step (100+ ms of CPU on a node)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PRIMUSPIPE_AUTO_REPLAN_WARMUP=str(args.warmup), PRIMUSPIPE_AUTO_REPLAN_STEPS=str(args.measure))
+               PRIMUSPIPE_AUTO_REPLAN_WARMUP=str(args.warmup), PRIMUSPIPE_AUTO_REPLAN_STEPS=str(args.measure),
+               PRIMUSPIPE_AUTO_REPLAN_VERIFY=str(args.verify))
     if args.algorithms:
         env["PRIMUSPIPE_AUTO_REPLAN_ALGORITHMS"] = args.algorithms
     waited = wait_for_quiet(args.quiet_wait)
@@ -94,7 +95,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="auto_replan_warmup")
     parser.add_argument("--measure", type=int, default=3, help="auto_replan_steps")
-    parser.add_argument("--verify", type=int, default=3, help="iterations after the decision (all timed)")
+    parser.add_argument("--verify", type=int, default=3,
+                        help="steps after the decision timed against the prediction (auto_replan_verify)")
     parser.add_argument("--algorithms", default="",
                         help="auto_replan_algorithms: choose among these only (e.g. zb-h1,zb-h2,zb-auto: the run then "
                              "always switches, so the prediction of a switched-to schedule is measured)")

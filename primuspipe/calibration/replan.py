@@ -147,6 +147,7 @@ ENV_NAMES = {
     "threshold": "PRIMUSPIPE_AUTO_REPLAN_THRESHOLD",
     "memory_limit_bytes": "PRIMUSPIPE_AUTO_REPLAN_MEMORY_LIMIT",
     "algorithms": "PRIMUSPIPE_AUTO_REPLAN_ALGORITHMS",
+    "verify_steps": "PRIMUSPIPE_AUTO_REPLAN_VERIFY",
 }
 """:class:`ReplanSettings` field -> the environment variable that sets it (the Megatron config's too)."""
 

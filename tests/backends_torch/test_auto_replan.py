@@ -128,6 +128,9 @@ def test_auto_replan_refusals():
     assert settings.algorithms == ("zb-h1", "zbv")
     with pytest.raises(ConfigError, match=r"\['zbv'\] do not share the running 1f1b table's layout"):
         settings.check_layout(build_schedule("1f1b", 2, 4))
+    assert ReplanSettings.from_env({"PRIMUSPIPE_AUTO_REPLAN": "1", "PRIMUSPIPE_AUTO_REPLAN_VERIFY": "7"}).verify_steps == 7
+    with pytest.raises(ConfigError, match="PRIMUSPIPE_AUTO_REPLAN_VERIFY"):
+        ReplanSettings.from_env({"PRIMUSPIPE_AUTO_REPLAN": "1", "PRIMUSPIPE_AUTO_REPLAN_VERIFY": "-2"})
 
 
 def test_a_run_whose_decision_fails_keeps_its_table_and_records_why(tmp_path):

@@ -25,6 +25,7 @@ is given. Primus's ``primus_pipeline.yaml`` loads as it is: its keys are ours, w
 ``auto_replan_threshold``  ``PRIMUSPIPE_AUTO_REPLAN_THRESHOLD`` predicted gain needed to switch (default 0.03)
 ``auto_replan_memory_limit`` ``PRIMUSPIPE_AUTO_REPLAN_MEMORY_LIMIT`` peak bytes per rank a new schedule may use
 ``auto_replan_algorithms`` ``PRIMUSPIPE_AUTO_REPLAN_ALGORITHMS`` comma-separated algorithms to choose among
+``auto_replan_verify``     ``PRIMUSPIPE_AUTO_REPLAN_VERIFY``  steps after the decision timed against the prediction (default 3)
 =========================  =================================  ==========================================
 
 >>> load_config(env={"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_PP_ALGORITHM": "gpipe"}).pp_algorithm
@@ -140,12 +141,15 @@ class PrimusPipeConfig:
     auto_replan_algorithms: str = ""
     """Comma-separated algorithms of the running layout to choose among (empty: all of them); without the
     configured algorithm among them the run always moves to the best of them after measuring."""
+    auto_replan_verify: int = 3
+    """Steps after the decision whose measured time is logged against the prediction (the median over them is
+    the run's prediction error; more steps, less of one slow step in it)."""
 
     def replan_settings(self) -> ReplanSettings:
         """These settings as the re-planner takes them."""
         return ReplanSettings(self.auto_replan, self.auto_replan_warmup, self.auto_replan_steps,
                               threshold=self.auto_replan_threshold, memory_limit_bytes=self.auto_replan_memory_limit,
-                              algorithms=self.auto_replan_algorithms or None)
+                              verify_steps=self.auto_replan_verify, algorithms=self.auto_replan_algorithms or None)
 
     def __post_init__(self) -> None:
         """Check every field now, so a bad setting fails at :func:`install`, not on every rank at step 1."""
@@ -310,6 +314,7 @@ _ENV_NAMES = {
     "auto_replan_threshold": REPLAN_ENV_NAMES["threshold"],
     "auto_replan_memory_limit": REPLAN_ENV_NAMES["memory_limit_bytes"],
     "auto_replan_algorithms": REPLAN_ENV_NAMES["algorithms"],
+    "auto_replan_verify": REPLAN_ENV_NAMES["verify_steps"],
 }
 _SCHEDULE_KEYWORDS = ("cost", "memory_limit")
 """``algorithm_options`` keys that go to ``build_schedule`` itself, not to the algorithm."""
