@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
@@ -84,15 +84,11 @@ class Work:
         return sum(g.flops for g in self.gemms)
 
     def __add__(self, other: Work) -> Work:
-        return Work(self.gemms + other.gemms, self.attention_flops + other.attention_flops,
-                    self.memory_bytes + other.memory_bytes, self.mxfp8_cast_bytes + other.mxfp8_cast_bytes,
-                    self.fp8_transpose_bytes + other.fp8_transpose_bytes,
-                    self.scatter_add_elements + other.scatter_add_elements, self.scatter_add_bytes + other.scatter_add_bytes)
+        return Work(self.gemms + other.gemms, **{name: getattr(self, name) + getattr(other, name) for name in AMOUNTS})
 
     def scaled(self, factor: float) -> Work:
-        return Work(tuple(g.times(factor) for g in self.gemms), self.attention_flops * factor, self.memory_bytes * factor,
-                    self.mxfp8_cast_bytes * factor, self.fp8_transpose_bytes * factor,
-                    self.scatter_add_elements * factor, self.scatter_add_bytes * factor)
+        gemms = tuple(g.times(factor) for g in self.gemms)
+        return Work(gemms, **{name: getattr(self, name) * factor for name in AMOUNTS})
 
     def gemm_seconds(self, hardware: HardwareSpec, precision: str) -> float:
         return sum(gemm_seconds(g, hardware, precision) for g in self.gemms)
@@ -118,6 +114,10 @@ class Work:
         return (self.gemm_seconds(hardware, precision)
                 + self.attention_seconds(hardware, precision, length, head_dim, backward)
                 + moved / bytes_per_s + self.mxfp8_cast_bytes / cast_per_s + scatters)
+
+
+AMOUNTS = tuple(f.name for f in fields(Work) if f.name != "gemms")
+"""The fields of :class:`Work` besides its GEMMs: quantities that add up and scale alike."""
 
 
 @dataclass(frozen=True)
@@ -449,7 +449,7 @@ class WorkModel(RankShape):
         if kind == "dense":
             moved[self._activation_kernel] += self._activation(self.tokens, m.ffn / t.tp).memory_bytes
             return moved
-        copies = self.expert_copies * self.load_imbalance
+        copies = self.routed_copies
         scattered = self.accumulating_scatters(kind).forward.scatter_add_bytes  # priced apart
         moved["permute"] += 4 * copies * m.hidden_size * e * self.permutations - scattered
         if not t.fake_balanced_gate:  # AutoModel's fake gate computes no logits (FakeBalancedGate: arange, ones)
@@ -527,7 +527,7 @@ class WorkModel(RankShape):
         t, m = self.training, self.model
         if kind != "moe" or t.moe_permute_fusion:
             return NO_WORK
-        elements = self.expert_copies * self.load_imbalance * m.hidden_size
+        elements = self.routed_copies * m.hidden_size
         scatter = Work(scatter_add_elements=elements, scatter_add_bytes=2 * elements * self.e)
         return PassWork(scatter, scatter, Work())
 
@@ -551,7 +551,7 @@ class WorkModel(RankShape):
         gradients, and per factor of ``b*p`` a product written and read back for its reduction (the bias's
         gradient over the tokens, the probability's over ``H``)."""
         e, r = self.e, max(self.e, self.probs_bytes)
-        elements = self.expert_copies * self.load_imbalance * self.model.hidden_size
+        elements = self.routed_copies * self.model.hidden_size
         casts = (r + e) if r != e else 0
         forward = r + (e + 2 * r) + 2 * r + casts
         backward = 2 * casts + 2 * 3 * r
@@ -564,7 +564,7 @@ class WorkModel(RankShape):
         The padding rows themselves (fewer than the alignment per expert) are not counted in the GEMMs."""
         if not self.fp8_padding_copies:
             return NO_WORK
-        copies = self.expert_copies * self.load_imbalance
+        copies = self.routed_copies
         moved = 2 * 2 * copies * self.model.hidden_size * self.e + 2 * copies * self.probs_bytes
         return PassWork(Work(memory_bytes=moved), Work(memory_bytes=moved), Work())
 
@@ -599,7 +599,7 @@ class WorkModel(RankShape):
         m, t, e = self.model, self.training, self.e
         if m.activation_func_clamp_value is None:
             return NO_WORK
-        elements = self.expert_copies * self.load_imbalance * m.expert_ffn / t.etp
+        elements = self.routed_copies * m.expert_ffn / t.etp
         forward = 4 * e + (4 * e if t.bias_activation_fusion else 0)
         backward = 11 * e + 8
         return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
@@ -608,6 +608,12 @@ class WorkModel(RankShape):
     def expert_copies(self) -> float:
         """Token copies the experts of one rank process per microbatch (uniform routing)."""
         return self.residual_tokens * self.model.moe_router_topk * self.training.etp
+
+    @property
+    def routed_copies(self) -> float:
+        """Token copies the busiest rank's experts process per microbatch: :attr:`expert_copies` times the
+        load imbalance (the set figure, or forced balance's random excess), which every MoE layer waits for."""
+        return self.expert_copies * self.load_imbalance
 
     def layer(self, kind: str) -> PassWork:
         """One layer of ``kind``: GEMMs, attention and element-wise work, with what selective recompute repeats."""
@@ -632,8 +638,8 @@ class WorkModel(RankShape):
             mlp_recompute = (mlp.forward if t.recomputes("moe") else
                              shared.forward if shared and t.recomputes("shared_experts") else Work())
             if t.recomputes("moe_act") and not t.recomputes("moe"):
-                mlp_recompute = mlp_recompute + self._activation(self.expert_copies * self.load_imbalance,
-                                                                 m.expert_ffn / t.etp) + clamp.forward
+                act = self._activation(self.routed_copies, m.expert_ffn / t.etp)
+                mlp_recompute = mlp_recompute + act + clamp.forward
         element = _sum(self._elementwise(kind), self._unfused_rope(), self.accumulating_scatters(kind),
                        self._local_spec_elements(kind))
         accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()))
