@@ -226,7 +226,8 @@ def background_shares(timeline: Timeline) -> list[float]:
 def contention_from_walks(walks: Sequence[Sequence[Step]], placement: Placement, free: float):
     """``(contention, per timeline {(rank, node): CPU per unit of work}, nodes fitted)``: each compute
     node's excess -- busy ranks beyond ``free`` cores while it ran, busy as :func:`effective_cores`
-    counts it -- against its CPU time, per kind, stage and W context (:func:`fit_contention`), over each
+    counts it -- against its CPU time, per kind, stage and context (a warm W, a probe window:
+    :func:`fit_contention`), over each
     timeline's walk."""
     points, excesses = [], []
     for steps in walks:
@@ -235,8 +236,9 @@ def contention_from_walks(walks: Sequence[Sequence[Step]], placement: Placement,
                  if s.event.node.kind.is_compute and s.event.node.pair is None and s.event.cpu is not None]
         excess = excess_during(busy, [(s.event.start, s.event.end) for s in nodes], free)
         excesses.append(dict(zip(((s.rank, s.event.node) for s in nodes), excess)))
-        points += [((s.event.node.kind, placement.stage(s.rank, s.event.node.chunk), s.warm), x, s.event.cpu_time)
-                   for s, x in zip(nodes, excess)]  # warm Ws are timed apart: a group of their own
+        points += [((s.event.node.kind, placement.stage(s.rank, s.event.node.chunk), s.warm, s.window), x,
+                    s.event.cpu_time)
+                   for s, x in zip(nodes, excess)]  # warm Ws and probe windows are timed apart: groups of their own
     share = fit_contention(points)
     if share is None:
         return None, [{} for _ in walks], 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from primuspipe.calibration.measured import elapsed, significant
 from primuspipe.calibration.walk import Step, gap
@@ -29,6 +29,9 @@ class Samples:
     warm: dict[tuple[NodeKind, int], list[float]]
     """``(W, model stage)`` -> time of the warm W nodes (``Step.warm``: right after their own B or another
     W of their chunk), likewise."""
+    window: dict[tuple[NodeKind, int], list[float]]
+    """(kind, model stage) -> time of the nodes that ran in a probe window (``Step.window``), which
+    ``durations`` leaves out (:func:`window_share`)."""
     cold: dict[tuple[NodeKind, int], list[float]]
     """(kind, model stage) -> how much longer a chunk's first node took than the stage's others."""
     pairs: list[tuple[int, int, float]]
@@ -80,6 +83,7 @@ class Samples:
 
         durations: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         warm: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
+        window: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         firsts: list[tuple[dict, NodeKind, int, float, tuple[float | None, float | None]]] = []
         fixed: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
         chunk: dict[tuple[NodeKind, int], list[float]] = defaultdict(list)
@@ -94,7 +98,11 @@ class Samples:
                 if step.ready is not None:
                     post[f"post_{'send' if kind.is_send else 'recv'}"].append(gap(step.ready, e, use_cpu))
                 continue
-            if node.pair is not None:
+            if step.window:  # timed apart, its chunk's first or not (the probe's never is)
+                seen.add((rank, kind, node.chunk))
+                if node.pair is None:
+                    window[(kind, placement.stage(rank, node.chunk))].append(span(e, rank))
+            elif node.pair is not None:
                 (_, _, fc), (_, _, bc) = node.parts()
                 pairs.append((placement.stage(rank, fc), placement.stage(rank, bc), e.end - e.start))
             else:
@@ -119,7 +127,7 @@ class Samples:
             else:  # a chunk with one node of this kind (and context): it is all there is to time
                 context[(kind, stage)].append(took)
                 _add_parts(fixed, chunk, (kind, stage), part)
-        return cls(dict(durations), dict(warm), dict(cold), pairs, dict(host), dict(post), waits, dict(fixed),
+        return cls(dict(durations), dict(warm), dict(window), dict(cold), pairs, dict(host), dict(post), waits, dict(fixed),
                    dict(chunk))
 
 
@@ -128,6 +136,30 @@ def _add_parts(fixed: dict, chunk: dict, key: tuple, parts: tuple[float | None, 
     for into, value in zip((fixed, chunk), parts):
         if value is not None:
             into[key].append(value)
+
+
+def window_share(samples: list[Samples]) -> tuple[float | None, list[Samples]]:
+    """``compute.probe_window`` -- the median over timelines, kinds and stages of how much longer the nodes
+    in a probe window took than the same timeline's other nodes of their kind and stage (median against
+    median) -- and ``samples`` with each window node's time, less that share, among ``durations`` where
+    its kind and stage has no other (None, with the window nodes' times among ``durations`` as they
+    are, where no window node was longer)."""
+    ratios = [statistics.median(times) / statistics.median(rest) for s in samples for key, times in s.window.items()
+              if (rest := s.durations.get(key)) and statistics.median(rest) > 0]
+    share = significant(statistics.median(ratios) - 1) if ratios else 0.0
+    if share <= 0:
+        share, scale, only_where_missing = None, 1.0, False
+    else:
+        scale, only_where_missing = 1 + share, True
+
+    def durations(s: Samples) -> dict[tuple[NodeKind, int], list[float]]:
+        out = {key: list(times) for key, times in s.durations.items()}
+        for key, times in s.window.items():
+            if not (only_where_missing and key in out):
+                out.setdefault(key, []).extend(t / scale for t in times)
+        return out
+
+    return share, [replace(s, durations=durations(s)) for s in samples]
 
 
 def medians(groups) -> dict[str, float]:

@@ -13,7 +13,9 @@ model is measured (docs/simulator.md, "Calibration"):
   another W of their chunk, :func:`~primuspipe.ir.cost_model.warm_weight_grad`) are timed apart: where
   a stage ran W in both contexts, ``compute.w`` is the cold ones' and ``compute.w_warm`` theirs; in one
   context only, that is its W, whatever the context (a run whose Ws took the same in both writes no
-  ``w_warm``).
+  ``w_warm``). Nodes in a probe window (:func:`~primuspipe.ir.cost_model.probe_windows`: the split
+  probe's deferred W pending) are timed apart too: the median share by which they took longer than their
+  kind's others is ``compute.probe_window``, and the times are the others'.
 * **host** -- a rank's time between nodes. Walking each rank's nodes in table order, the rank is free
   to go on at the end of its last compute node or posting, or, for a compute node whose input arrived
   later, at that arrival (a receive's end: when the runner got the tensor); a posting's host time is
@@ -63,7 +65,8 @@ from dataclasses import replace
 
 from primuspipe.calibration.crowding import (REPLAY_TOLERANCE, background_shares, contention_from_walks,
                                              effective_cores, lone_speed, replayed_cores)
-from primuspipe.calibration.estimators import Samples, cold_start_extras, medians, run_gaps, step_gaps, transfer_fit
+from primuspipe.calibration.estimators import (Samples, cold_start_extras, medians, run_gaps, step_gaps, transfer_fit,
+                                               window_share)
 from primuspipe.calibration.measured import MeasuredCosts, negligible, significant
 from primuspipe.calibration.replay import placement_of
 from primuspipe.calibration.runs import Screened, screen_runs
@@ -135,8 +138,12 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
             notes.append(f"a node took {contention:.3g} more CPU for each rank busy beyond the {free:.3g} free cores "
                          f"(fitted over {fitted} nodes): compute times are taken at no crowding, and "
                          "host.contention charges it back where a schedule crowds the cores")
-    samples = [Samples.of(steps, placement, use_cpu=cores is not None, slowdown=slowdown)
-               for steps, slowdown in zip(walks, slowdowns)]
+    probe_window, samples = window_share([Samples.of(steps, placement, use_cpu=cores is not None, slowdown=slowdown)
+                                          for steps, slowdown in zip(walks, slowdowns)])
+    if probe_window is not None:
+        notes.append(f"nodes in the split probe's windows (a deferred W pending in a fused-backward step) took "
+                     f"{probe_window:.3g} longer than the same kind's others: compute times are taken outside them, "
+                     "and compute.probe_window charges it there only")
     n = placement.num_stages
 
     def median_of(kind: NodeKind, field: str = "durations") -> list[float | None]:
@@ -209,7 +216,7 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
         background_share, contention and significant(contention), gaps, fixed,
         {key: last_from_others(parts) for key, parts in chunk.items() if key in fixed},
         warm if (warm := tuple(y if two else x for x, y, two in zip(w, hot, both))) != tuple(w) else None,
-        screened.dropped, None if cores is None else lone_speed(walks),
+        screened.dropped, None if cores is None else lone_speed(walks), probe_window,
     )
     if cores is None:
         return measured

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from primuspipe.calibration.replay import run_table
 from primuspipe.io.timeline import TimedNode, Timeline
-from primuspipe.ir.cost_model import warm_weight_grad
+from primuspipe.ir.cost_model import probe_windows, warm_weight_grad
 from primuspipe.ir.placement import Placement
 
 
@@ -32,6 +32,10 @@ class Step:
     warm: bool = False
     """A warm W (:func:`~primuspipe.ir.cost_model.warm_weight_grad`: right after its own B or another W of
     its chunk), which the cost model times apart (``compute.w_warm``)."""
+    window: bool = False
+    """A node in a probe window (:func:`~primuspipe.ir.cost_model.probe_windows`: a deferred W of a rank that
+    otherwise fuses its backwards is pending), whose extra time the cost model prices apart
+    (``compute.probe_window``)."""
 
 
 def walk(timeline: Timeline, placement: Placement) -> Iterator[Step]:
@@ -48,14 +52,14 @@ def walk(timeline: Timeline, placement: Placement) -> Iterator[Step]:
                 (sent if node.kind.is_send else received)[key] = e
     for rank, row in enumerate(table.ranks):
         free, previous = None, None  # previous: the rank's last compute node in the table
-        for node, e, taken in zip(row, rows[rank], wiring.takes[rank]):
+        for node, e, taken, window in zip(row, rows[rank], wiring.takes[rank], probe_windows(row)):
             warm = warm_weight_grad(previous, node)
             if node.kind.is_compute:
                 previous = node
             if e is None:
                 free = None
                 continue
-            step = Step(rank, e, free, bool(taken), warm=warm)
+            step = Step(rank, e, free, bool(taken), warm=warm, window=window)
             ends = [(sent.get(key), received.get(key)) for key in taken]
             if free is not None and ends and all(x is not None and r is not None for x, r in ends):
                 send, recv = max(ends, key=lambda pair: pair[1].end)

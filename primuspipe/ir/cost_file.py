@@ -21,6 +21,7 @@ optimizer bytes) are one number or ``pp`` values::
       fixed: {f: [0.3, 0.2], b: [0.2, 0.3], w: 0.05, bw: [0.3, 0.4]}  # part of each time outside the layers
       chunk: {f: 0.15, b: 0.1}   # of that, what each chunk pays (without the embedding and loss head)
       w_warm: 0.8            # W run right after its own B or another W of its chunk; omitted: w wherever it runs
+      probe_window: 0.1      # share of extra time of a node in a split probe's window (default 0)
     host:                    # time on the host, outside the kernels (every key optional, default 0)
       overhead: {f: 0.03, b: 0.04, w: 0.02, bw: 0.04}   # rank time before each node of a kind
       send: 0.15             # rank time to post a send (the transfer can start once it is posted)
@@ -65,6 +66,12 @@ the B of its own microbatch and chunk or right after another W of its chunk
 a forward or another microbatch's B). Cut for ``vpp`` chunks, each chunk's warm W is its W less
 ``(w - w_warm) / vpp`` (:func:`warm_stages`: the cache's saving is in the layers' weight GEMMs, so it
 divides like them). A file without it charges W alike wherever it runs, as it always did.
+
+``compute.probe_window`` (optional, a share >= 0, default 0) is how much longer a node takes inside a
+*probe window*: on a rank that otherwise fuses its backwards, while it holds a deferred W's inputs (the
+split probe's, :func:`~primuspipe.ir.cost_model.probe_windows`); ``primuspipe calibrate`` measures it from a
+probed run, so that neither the forward's time nor ``host.cores`` takes it in. A schedule that splits every
+backward is never charged it.
 
 :meth:`CostModel.from_dict <primuspipe.ir.cost_model.CostModel.from_dict>` reads it with the section
 readers below.
@@ -221,7 +228,7 @@ def link_section(data: Mapping[str, Any], name: str) -> Link:
 
 
 SECTIONS = {"time_unit", "compute", "host", "p2p", "memory", "host_link"}
-COMPUTE_FIELDS = {"f", "b", "w", "bw", "fb_overlap", "cold_start", "fixed", "chunk", "w_warm"}
+COMPUTE_FIELDS = {"f", "b", "w", "bw", "fb_overlap", "cold_start", "fixed", "chunk", "w_warm", "probe_window"}
 """The ``compute`` keys the model reads itself; any other is a timed kind's cost key."""
 
 

@@ -64,6 +64,11 @@ class CostModel:
     forward or another microbatch's B); None: W costs the same wherever it runs. Only :meth:`node_time`
     (the simulator) reads it: the algorithms plan with :meth:`duration`, the cold W, and are judged by
     simulating."""
+    probe_window: float = 0.0
+    """The share of extra time a node takes inside a *probe window* (:func:`probe_windows`: a rank that
+    otherwise fuses its backwards holds a deferred W's inputs -- the split probe's), F, B or BW alike;
+    0: none. Only :meth:`node_time` (the simulator) reads it; a schedule that splits every backward has
+    no such window (measured on CPU, its F and B took the same with up to six Ws pending as with none)."""
 
     def __post_init__(self) -> None:
         n = self.compute.num_stages
@@ -81,6 +86,9 @@ class CostModel:
             if len(parts) != n or len(chunk) != n:
                 raise ConfigError(f"compute.fixed.{key} / compute.chunk.{key} have {len(parts)} / {len(chunk)} values "
                                   f"for {n} stages")
+        if not (math.isfinite(self.probe_window) and self.probe_window >= 0):
+            raise ConfigError(f"compute.probe_window must be a finite share >= 0 (0.1: 10 % longer), got "
+                              f"{self.probe_window}")
         if self.time_unit not in TIME_UNITS:
             raise ConfigError(f"time_unit must be one of {sorted(TIME_UNITS)}, got {self.time_unit!r}")
         _check_time_range(self)
@@ -121,15 +129,18 @@ class CostModel:
         return sum(times) - self.fb_overlap * min(times)
 
     def node_time(self, placement: Placement, rank: int, node: ScheduleNode,
-                  previous: ScheduleNode | None = None) -> float:
+                  previous: ScheduleNode | None = None, window: bool = False) -> float:
         """Compute time of a node on ``rank`` (0 for communication nodes); ``previous`` is the compute
-        node the rank ran just before it (None: none), which sets what a W costs (:attr:`w_warm`)."""
+        node the rank ran just before it (None: none), which sets what a W costs (:attr:`w_warm`);
+        ``window``: it runs in a probe window (:func:`probe_windows`), which :attr:`probe_window` prices."""
         parts = [(kind, placement.stage(rank, chunk)) for kind, _, chunk in node.parts()]
         if len(parts) > 1:
-            return self.overlapped_time(parts)
-        if self.w_warm is not None and warm_weight_grad(previous, node):
-            return self.w_warm[parts[0][1]]
-        return self.duration(*parts[0]) if parts else 0.0
+            time = self.overlapped_time(parts)
+        elif self.w_warm is not None and warm_weight_grad(previous, node):
+            time = self.w_warm[parts[0][1]]
+        else:
+            time = self.duration(*parts[0]) if parts else 0.0
+        return time * (1 + self.probe_window) if window else time
 
     def cold_start_time(self, parts: Sequence[tuple[NodeKind, int]]) -> float:
         """Extra time of a node whose ``(kind, stage)`` parts are their chunks' first of that kind."""
@@ -253,6 +264,7 @@ class CostModel:
                 pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), w, other=other, w_warm=warm(w),
                 bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
                 fb_overlap=number(comp, "fb_overlap", "compute.fb_overlap", 0.0, minimum=0, maximum=1),
+                probe_window=number(comp, "probe_window", "compute.probe_window", 0.0, minimum=0),
                 p2p=P2PCost(number(p2p, "message_bytes", "p2p.message_bytes", 0.0, minimum=0),
                             ranks_per_node=strict.count(p2p.get("ranks_per_node", 8), f"{source}: p2p.ranks_per_node",
                                                         minimum=1),
@@ -287,6 +299,8 @@ class CostModel:
             out["compute"]["bw"] = list(self.fused_backward)
         if self.w_warm is not None:
             out["compute"]["w_warm"] = list(self.w_warm)
+        if self.probe_window:
+            out["compute"]["probe_window"] = self.probe_window
         if self.cold_start is not None:
             c = self.cold_start
             out["compute"]["cold_start"] = {key: list(times) for key, times in c.times.items()}
@@ -324,6 +338,35 @@ def warm_weight_grad(previous: ScheduleNode | None, node: ScheduleNode) -> bool:
     return any(p.chunk == node.chunk
                and (p.kind is NodeKind.W or p.kind is NodeKind.B and p.microbatch == node.microbatch)
                for p in previous.parts())
+
+
+def probe_windows(row: Sequence[ScheduleNode]) -> list[bool]:
+    """Per node of a rank's row, in table order: whether it runs in a *probe window* -- the rank runs
+    fused backwards (a kind completing both the B and the W step) and, as the node starts, holds the inputs
+    of a W whose B has run. A node that completes only W is never in one (a W is priced by its own context,
+    :func:`warm_weight_grad`), nor is a communication or host-copy node. The split probe
+    (:mod:`primuspipe.passes.split_probe`) opens such windows in a 1F1B step; measured on CPU, the F and B
+    nodes that ran in them took 10-30 % more CPU than the step's others, while the F and B of a schedule
+    that splits every backward (ZB-H2, with up to six Ws pending) took the same as with none: the cost is
+    the probe's (a deferral in a step that otherwise frees each microbatch at once), not a pending W's, and
+    :attr:`CostModel.probe_window` prices it, calibration measures it, with this one rule.
+
+    >>> from primuspipe.ir.node import B, BW, F, W
+    >>> probe_windows([F(0), F(1), B(0), F(2), W(0), BW(1)]), probe_windows([F(0), F(1), B(0), F(2), W(0)])
+    ([False, False, False, True, False, False], [False, False, False, False, False])
+    """
+    if not any(p.kind.is_input_grad and p.kind.is_weight_grad for node in row for p in node.parts()):
+        return [False] * len(row)
+    pending: set[tuple[int, int]] = set()  # (chunk, microbatch) whose B ran and whose W has not
+    out = []
+    for node in row:
+        parts = node.parts()
+        out.append(bool(pending) and not node.kind.on_host_stream
+                   and any(not (p.kind.is_weight_grad and not p.kind.is_input_grad) for p in parts))
+        for p in parts:
+            if p.kind.is_input_grad != p.kind.is_weight_grad:
+                (pending.add if p.kind.is_input_grad else pending.discard)((p.chunk, p.microbatch))
+    return out
 
 
 MAX_TIME = 1e12

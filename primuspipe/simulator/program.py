@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from primuspipe.ir.cost_model import CostModel, warm_weight_grad
+from primuspipe.ir.cost_model import CostModel, probe_windows, warm_weight_grad
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
@@ -28,8 +28,8 @@ from primuspipe.simulator.transport import Wires
 
 class Compute(NamedTuple):
     """A compute node: the rank spends ``host`` (its kind's host overhead), then ``duration`` (its cost
-    -- a W's by whether it runs warm, :func:`~primuspipe.ir.cost_model.warm_weight_grad` --
-    plus its cold start when it is its chunk's first of its kind in the step), once the keys it needs
+    -- a W's by whether it runs warm, :func:`~primuspipe.ir.cost_model.warm_weight_grad`, any node's by
+    whether it runs in a probe window, :func:`~primuspipe.ir.cost_model.probe_windows` -- plus its cold start when it is its chunk's first of its kind in the step), once the keys it needs
     (:attr:`Program.needs`: inbound transfers, reloads) have arrived."""
     host: float
     duration: float
@@ -70,7 +70,7 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
     send completed together with its receive, which the peer waited for before producing this input,
     so the wait never delays it (tests/simulator/test_transport.py checks this on the shipped tables).
 
-    Everything but the microbatch is looked up once per (rank, kind, chunk, peer, W's context): this keeps simulate
+    Everything but the microbatch is looked up once per (rank, kind, chunk, peer, context): this keeps simulate
     fast enough for search loops over large tables.
     """
     placement, wiring = table.placement, table.wiring
@@ -82,7 +82,8 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
         ops: list[Op] = []
         needs: list[tuple[int, ...]] = []
         previous = None  # the rank's last compute node
-        for node, moved, takes_keys, slot in zip(row, moves, takes, slots):
+        windows = probe_windows(row) if cost.probe_window else [False] * len(row)
+        for node, moved, takes_keys, slot, window in zip(row, moves, takes, slots, windows):
             kind = node.kind
             if kind.on_host_stream:
                 key = host_copies.reload_key(rank, node.chunk, node.microbatch, table) if kind is NodeKind.RELOAD else None
@@ -91,9 +92,9 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
                 continue
             posted = moved >= 0
             warm = cost.w_warm is not None and warm_weight_grad(previous, node)  # a context only where W has two costs
-            shape_key = (kind, node.chunk, node.peer, node.pair and node.pair[1], warm)
+            shape_key = (kind, node.chunk, node.peer, node.pair and node.pair[1], warm, window)
             if (record := records.get(shape_key)) is None:
-                record = records[shape_key] = _record(placement, rank, node, cost, posted, previous)
+                record = records[shape_key] = _record(placement, rank, node, cost, posted, previous, window)
             if kind.is_compute:
                 previous = node
             if not posted:
@@ -110,13 +111,13 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
 
 
 def _record(placement: Placement, rank: int, node: ScheduleNode, cost: CostModel, posted: bool,
-            previous: ScheduleNode | None) -> Compute | Post:
-    """The record of a node of this (rank, kind, chunk, peer, W's context): a compute node's host
-    overhead and duration (after ``previous``, the rank's last compute node), or a send's or receive's
-    post time and transfer time."""
+            previous: ScheduleNode | None, window: bool) -> Compute | Post:
+    """The record of a node of this (rank, kind, chunk, peer, context): a compute node's host
+    overhead and duration (after ``previous``, the rank's last compute node; ``window``: in a probe
+    window), or a send's or receive's post time and transfer time."""
     kind = node.kind
     if kind.is_compute:
-        host, time = cost.host.before(kind), cost.node_time(placement, rank, node, previous)
+        host, time = cost.host.before(kind), cost.node_time(placement, rank, node, previous, window)
     else:
         src, dst = (rank, node.peer) if kind.is_send else (node.peer, rank)
         host, time = cost.host.post(kind), cost.p2p.transfer_time(src, dst)
