@@ -291,3 +291,58 @@ def test_a_transfer_timed_as_float_noise_is_no_latency():
     assert measured.p2p_latency == 0.0 and measured.forward == (0.01, 0.01)
     assert any("taken as no latency" in note for note in measured.notes)
     CostModel.from_dict(measured.cost_dict(), pp=2, vpp=1)  # a file the simulator reads
+
+
+@pytest.mark.parametrize("pp, m", [(2, 8), (3, 9), (4, 8), (4, 12)])
+@pytest.mark.parametrize("share", [0.125, 0.4])
+def test_a_probed_runs_window_extra_is_recovered_exactly_and_both_tables_replay(write_dump, pp, m, share):
+    """1F1B with the split probe, whose nodes in a window (a deferred W pending) cost ``share`` more:
+    calibrate writes the share as ``compute.probe_window`` and times F, B and BW from the other nodes, so
+    the probed run replays exactly and plain 1F1B (no window) is predicted as its true costs give it."""
+    from primuspipe.passes.communication import add_communication
+    from primuspipe.passes.split_probe import split_backward_probe
+
+    probed = add_communication(split_backward_probe(build_schedule("1f1b", pp, m).compute_only(), 2))
+    truth = CostModel.per_stage(pp, F[:pp], B[:pp], W[:pp], bw=[b + w - 0.25 for b, w in zip(B, W)][:pp], p2p=P2P,
+                                time_unit="s", probe_window=share, host=replace(HOST, step_gap=None),
+                                cold_start=ComputeCosts.per_stage(pp, COLD.forward[:pp], 0.25, 0.125))
+    timeline = simulate(probed, truth).timeline()
+    measured = measure_costs(load_iterations(write_dump([timeline] * 2)), warmup=0)
+    assert measured.probe_window == share
+    assert measured.forward == tuple(F[:pp]) and measured.backward_input == tuple(B[:pp])
+    file = CostModel.from_dict(measured.cost_dict(), pp=pp, vpp=1)
+    assert file.probe_window == share
+    replayed = simulate(executed_table(timeline), file).timeline()
+    assert replayed.step_time == pytest.approx(timeline.step_time, rel=1e-9)
+    plain = build_schedule("1f1b", pp, m)
+    assert simulate(plain, file).step_time == pytest.approx(simulate(plain, truth).step_time, rel=1e-9)
+
+
+@pytest.mark.parametrize("pp, m, cores", [(2, 8, 1.9), (3, 9, 2.0), (4, 8, 2.0), (4, 12, 1.5)])
+def test_cores_shared_beside_a_probe_window_are_not_raised_to_pay_for_it(write_dump, pp, m, cores):
+    """Ranks sharing cores, the probe's window nodes 15 % longer in CPU: the cores are fitted as shared, not
+    raised so that a faster forward replays the probed run, and plain 1F1B is predicted as its true costs
+    give it (a file that took the window into F and the cores predicted it fast)."""
+    from primuspipe.passes.communication import add_communication
+    from primuspipe.passes.split_probe import split_backward_probe
+
+    probed = add_communication(split_backward_probe(build_schedule("1f1b", pp, m).compute_only(), 2))
+    truth = CostModel.per_stage(pp, F[:pp], B[:pp], W[:pp], bw=[b + w - 0.25 for b, w in zip(B, W)][:pp],
+                                p2p=replace(P2P, ranks_per_node=pp), time_unit="s", probe_window=0.15,
+                                host=replace(HOST, cores=cores, step_gap=None))
+    timeline = simulate(probed, truth).timeline()
+    measured = measure_costs(load_iterations(write_dump([timeline] * 2)), warmup=0)
+    assert measured.probe_window == pytest.approx(0.15, rel=1e-6)
+    assert measured.cores == pytest.approx(cores, abs=0.05)
+    file = CostModel.from_dict(measured.cost_dict(), pp=pp, vpp=1)
+    replayed = simulate(executed_table(timeline), file).timeline()
+    assert replayed.step_time == pytest.approx(timeline.step_time, rel=REPLAY_TOLERANCE)
+    plain = build_schedule("1f1b", pp, m)
+    assert simulate(plain, file).step_time == pytest.approx(simulate(plain, truth).step_time, rel=REPLAY_TOLERANCE)
+
+
+def test_a_run_without_probe_windows_writes_no_share():
+    cost = CostModel.per_stage(2, F[:2], B[:2], W[:2], p2p=P2P, time_unit="s", probe_window=0.5)
+    for algorithm in ("1f1b", "zb-h1"):
+        measured = measure_costs([simulate(build_schedule(algorithm, 2, 6), cost).timeline()] * 2)
+        assert measured.probe_window is None and "probe_window" not in measured.cost_dict()["compute"]

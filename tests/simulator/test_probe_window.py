@@ -1,0 +1,90 @@
+"""What a node costs inside the split probe's windows (``compute.probe_window``): one rule
+(``probe_windows``) for the simulator, calibration and the cost file."""
+
+import math
+
+import pytest
+import yaml
+
+from primuspipe.algorithms.build import build_schedule
+from primuspipe.errors import ConfigError
+from primuspipe.ir.cost_model import probe_windows
+from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.node import B, BW, F, W
+from primuspipe.passes.communication import add_communication
+from primuspipe.passes.split_probe import split_backward_probe
+from primuspipe.simulator import CostModel, simulate
+
+
+def _by_hand(row):
+    """Per node, read off the row directly: the row runs a BW, some earlier B's W runs at or after this
+    node, and the node is not a W."""
+    if not any(n.kind is NodeKind.BW for n in row):
+        return [False] * len(row)
+    out = []
+    for i, node in enumerate(row):
+        pending = any(b.kind is NodeKind.B and any(w.kind is NodeKind.W and (w.chunk, w.microbatch) == (b.chunk, b.microbatch)
+                                                   for w in row[i:]) for b in row[:i])
+        out.append(pending and node.kind.is_compute and node.kind is not NodeKind.W)
+    return out
+
+
+def test_the_window_rule():
+    assert probe_windows([F(0), F(1), B(0), F(2), B(1), W(0), W(1), BW(2)]) == [False, False, False, True, True,
+                                                                                  False, False, False]
+    assert not any(probe_windows([F(0), F(1), B(0), F(2), B(1), W(0), W(1)])), "every backward split: no window"
+    assert not any(probe_windows([F(0), B(0), W(0), BW(1)])), "a W right after its B leaves nothing pending"
+    other_chunk = [F(0, 1), B(0, 1), F(1), W(0, 1), BW(1)]
+    assert probe_windows(other_chunk) == [False, False, True, False, False], "a W of any chunk pending"
+
+
+@pytest.mark.parametrize("pp, m, count", [(2, 4, 1), (2, 8, 2), (3, 9, 2), (4, 8, 2), (4, 12, 3)])
+def test_the_probe_opens_windows_exactly_where_its_ws_wait(pp, m, count):
+    probed = add_communication(split_backward_probe(build_schedule("1f1b", pp, m).compute_only(), count))
+    for row in probed.ranks:
+        compute = [n for n in row if n.kind.is_compute]
+        assert [w for w, n in zip(probe_windows(row), row) if n.kind.is_compute] == _by_hand(compute)
+        assert not any(w for w, n in zip(probe_windows(row), row) if not n.kind.is_compute)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 8), (3, 9), (4, 8)])
+@pytest.mark.parametrize("share", [0.125, 0.5])
+def test_the_simulator_charges_the_share_inside_the_windows_only(pp, m, share):
+    f, b, w = [1.0 + 0.25 * s for s in range(pp)], [1.5] * pp, [0.75] * pp
+    cost = CostModel.per_stage(pp, f, b, w, bw=[2.0] * pp, time_unit="s")
+    windowed = CostModel.per_stage(pp, f, b, w, bw=[2.0] * pp, time_unit="s", probe_window=share)
+    probed = add_communication(split_backward_probe(build_schedule("1f1b", pp, m).compute_only(), 2))
+    timeline = simulate(probed, windowed).timeline()
+    charged = 0
+    for rt in timeline.ranks:
+        inside = {n for n, x in zip(probed.ranks[rt.rank], probe_windows(probed.ranks[rt.rank])) if x}
+        for e in rt.events:
+            if e.node.kind.is_compute:
+                plain = cost.node_time(probed.placement, rt.rank, e.node)
+                expected = plain * (1 + share) if e.node in inside else plain
+                assert e.end - e.start == pytest.approx(expected), f"rank {rt.rank} {e.node}"
+                charged += e.node in inside
+    assert charged > 0
+    assert simulate(probed, windowed).step_time > simulate(probed, cost).step_time
+    for algorithm in ("1f1b", "zb-h1", "zb-h2", "gpipe"):  # no window: split everywhere, or nowhere
+        table = build_schedule(algorithm, pp, m)
+        assert simulate(table, windowed).step_time == simulate(table, cost).step_time
+
+
+def test_the_file_field_round_trips_and_an_old_file_has_none():
+    data = {"time_unit": "s", "compute": {"f": 1.0, "b": 1.0, "w": 1.0, "bw": 1.5, "probe_window": 0.25}}
+    model = CostModel.from_dict(data, pp=2, vpp=1)
+    assert model.probe_window == 0.25 and model.for_shape(2, 2).probe_window == 0.25
+    assert CostModel.from_dict(yaml.safe_load(yaml.safe_dump(model.to_dict())), pp=2, vpp=1) == model
+    old = CostModel.from_dict({"compute": {"f": 1.0, "b": 1.0, "w": 1.0}}, pp=2, vpp=1)
+    assert old.probe_window == 0.0 and "probe_window" not in old.to_dict()["compute"]
+
+
+@pytest.mark.parametrize("value", [-0.1, math.nan, math.inf, "much", True, [0.1, 0.2]])
+def test_bad_values_are_refused_in_one_line_naming_the_field(value):
+    with pytest.raises(ConfigError, match="compute.probe_window") as caught:
+        CostModel.from_dict({"compute": {"f": 1, "b": 1, "w": 1, "probe_window": value}}, pp=2, vpp=1)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match="compute.probe_window"):
+        CostModel.per_stage(2, 1.0, 1.0, 1.0, probe_window=-1.0)
+
