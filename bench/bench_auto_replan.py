@@ -102,6 +102,8 @@ def main() -> None:
                              "always switches, so the prediction of a switched-to schedule is measured)")
     parser.add_argument("--lock", type=Path, help="an flock file held during each run (shared with other heavy jobs)")
     parser.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait for idle CPUs before a run")
+    parser.add_argument("--keep", type=Path, help="keep each run's dump folder (replan.json and every step's timelines) "
+                        "under this folder, as pp<N>-run<k>, to calibrate or replay afterwards")
     parser.add_argument("-o", "--output", type=Path, default=ROOT / "bench" / "results" / "auto_replan.json")
     args = parser.parse_args()
     report: dict = {"bench": "auto_replan", "host": platform.node(), "cpus": os.cpu_count(),
@@ -109,8 +111,9 @@ def main() -> None:
                     "seq": args.seq, "layers": args.layers, "warmup": args.warmup, "measure": args.measure,
                     "verify": args.verify, "runs": args.runs, "algorithms": args.algorithms or "all of the layout", "target_relative_error": TARGET, "pp": {}}
     with tempfile.TemporaryDirectory(prefix="primuspipe-auto-replan-") as work:
+        dumps = args.keep or Path(work)
         for pp in args.pp:
-            runs = [one_run(pp, args, Path(work) / f"pp{pp}-run{k}") for k in range(args.runs)]
+            runs = [one_run(pp, args, dumps / f"pp{pp}-run{k}") for k in range(args.runs)]
             errors = [r["error"] for r in runs if r["error"] is not None]
             report["pp"][str(pp)] = {
                 "runs": runs, "median_error": statistics.median(errors) if errors else None,
