@@ -127,8 +127,8 @@ class Samples:
             else:  # a chunk with one node of this kind (and context): it is all there is to time
                 context[(kind, stage)].append(took)
                 _add_parts(fixed, chunk, (kind, stage), part)
-        return cls(dict(durations), dict(warm), dict(window), dict(cold), pairs, dict(host), dict(post), waits, dict(fixed),
-                   dict(chunk))
+        return cls(dict(durations), dict(warm), dict(window), dict(cold), pairs, dict(host), dict(post), waits,
+                   dict(fixed), dict(chunk))
 
 
 def _add_parts(fixed: dict, chunk: dict, key: tuple, parts: tuple[float | None, float | None]) -> None:

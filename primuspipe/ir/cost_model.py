@@ -345,10 +345,11 @@ def probe_windows(row: Sequence[ScheduleNode]) -> list[bool]:
     fused backwards (a kind completing both the B and the W step) and, as the node starts, holds the inputs
     of a W whose B has run. A node that completes only W is never in one (a W is priced by its own context,
     :func:`warm_weight_grad`), nor is a communication or host-copy node. The split probe
-    (:mod:`primuspipe.passes.split_probe`) opens such windows in a 1F1B step; measured on CPU, the F and B
-    nodes that ran in them took 10-30 % more CPU than the step's others, while the F and B of a schedule
-    that splits every backward (ZB-H2, with up to six Ws pending) took the same as with none: the cost is
-    the probe's (a deferral in a step that otherwise frees each microbatch at once), not a pending W's, and
+    (:mod:`primuspipe.passes.split_probe`) opens such windows in a 1F1B step; measured on CPU (hidden 128
+    and 256), the F and B nodes that ran in them took 2-46 % more CPU than the step's others (median over a
+    run's), while the F and B of a schedule that splits every backward (ZB-H2, with up to six Ws pending)
+    took what those with none took: the cost is the probe's (a deferral in a step that otherwise frees each
+    microbatch at once), not a pending W's, and
     :attr:`CostModel.probe_window` prices it, calibration measures it, with this one rule.
 
     >>> from primuspipe.ir.node import B, BW, F, W
