@@ -279,9 +279,10 @@ class Projector:
         chooses = info.placement == "any"
         costs = stage_costs(self.model, training, self.hardware, self._parts(training),
                             Placement.named("interleaved" if chooses else info.placement, training.pp, training.vpp))
+        budget = self._activation_budget(training, costs, chooses)
         with _quiet(*ALGORITHM_LOGGERS):  # one projection builds many tables; their progress is noise here
             table = build_schedule(algorithm, training.pp, microbatches, None if chooses else training.vpp,
-                                   cost=costs.cost_model(), memory_limit=self._activation_budget(costs),
+                                   cost=costs.cost_model(), memory_limit_bytes=budget,
                                    **ALGORITHM_OPTIONS.get(info.name, {}))
         if table.placement != costs.layout.placement:
             training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=table.placement.vpp)
@@ -297,17 +298,23 @@ class Projector:
             self._part_cache[key] = part_times(WorkModel(self.model, training), self.hardware, self.calibration)
         return self._part_cache[key]
 
-    def _activation_budget(self, costs: StageCosts) -> float:
-        """Activations that fit beside static memory, in the simulator's units (one microbatch through all
-        of a rank's chunks), for memory-aware algorithms (split backwards); the tightest rank decides. A B's rise
-        above what the rank holds (``StageCosts.b_rise_fraction`` of its chunk) comes off it, as the transient
-        working set does: the algorithms count held microbatches, the simulator's peak counts the rise too."""
+    def _activation_budget(self, training: TrainingSpec, costs: StageCosts, chooses: bool) -> tuple[float, ...]:
+        """Per rank, the activation bytes a FITS verdict leaves beside the rank's static memory, working set
+        and the runtime reserve, for memory-aware algorithms: the simulator's byte peak of their table
+        (:meth:`~primuspipe.ir.cost_parts.MemoryCost.peak_bytes`: a B's rise and what W keeps beyond the
+        retained share included) within it is exactly a FITS verdict. An algorithm that chooses its
+        layout (``chooses``: zb-auto) gets the least over the layouts it may choose (the V puts the
+        embedding and the head on rank 0), so whichever it picks fits."""
         hbm = self.hardware.hbm_bytes * (1 - self.risk_margin) - self.hardware.runtime_reserved_bytes
-        rise = [costs.b_rise_fraction * max(costs.activation_bytes[c] for c in costs.layout.rank_stages(r))
-                for r in range(len(costs.static))]
-        free = [hbm - s.total - t - b for s, t, b in zip(costs.static, costs.transient_bytes, rise)]
-        return max(1.0, min(f / u for f, u in zip(free, costs.activation_units_per_rank())))
-
+        layouts = [costs]
+        if chooses:
+            for placement in (Placement.interleaved(training.pp, 1), Placement.vshape(training.pp)):
+                shaped = dataclasses.replace(training, virtual_pipeline_model_parallel_size=placement.vpp)
+                with contextlib.suppress(PrimusPipeError):  # a layout the model cannot take is never the answer
+                    check_compatible(self.model, shaped)
+                    layouts.append(stage_costs(self.model, shaped, self.hardware, self._parts(shaped), placement))
+        return tuple(max(0.0, min(hbm - c.static[r].total - c.transient_bytes[r] for c in layouts))
+                     for r in range(training.pp))
 
     def _result(self, training: TrainingSpec, algorithm: str, costs: StageCosts, simulated: PipelineFigures
                 ) -> ProjectionResult:

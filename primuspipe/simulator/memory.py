@@ -33,10 +33,8 @@ def peak_activations(table: ScheduleTable, memory: MemoryCost, starts: Sequence[
         levels = timed_levels(row, starts[rank], ends[rank], retained=retained, offloaded=offloaded)
         units.append(max(levels, default=0.0) / table.vpp)
         if memory.models_bytes:
-            stages = table.placement.stages[rank]
-            weight = lambda chunk: memory.activation_bytes[stages[chunk]]  # noqa: E731
-            peaks.append(max(timed_levels(row, starts[rank], ends[rank], weight, memory.bytes_retained, offloaded,
-                                          memory.b_rise_fraction), default=0.0))
+            peaks.append(max(timed_levels(row, starts[rank], ends[rank], **memory.byte_count(table.placement.stages[rank])),
+                             default=0.0))
         else:
             peaks.append(0.0)
     return units, peaks
