@@ -239,15 +239,16 @@ class Projector:
         m = training.microbatches
         if (counts := sampled_microbatches(m, training.pp)) is None:
             return None
+        searches = get_algorithm(algorithm).placement == "any"
         runs = [self._pipeline(training, algorithm, k) for k in counts[:2]]
-        figures = self._extrapolated(runs, m)
-        if figures is None and counts[2] < m and _growing(runs):
+        figures = self._extrapolated(runs, m, searches)
+        if figures is None and counts[2] < m and _growing(runs) and not searches:
             runs.append(self._pipeline(training, algorithm, counts[2]))
-            figures = self._extrapolated(runs, m)
+            figures = self._extrapolated(runs, m, searches)
         if figures is not None:
             shape, costs, _ = runs[0]
             return dataclasses.replace(training, virtual_pipeline_model_parallel_size=shape.vpp), costs, figures
-        if get_algorithm(algorithm).placement == "any" and m * training.pp > SEARCH_WHOLE_UP_TO:
+        if searches and m * training.pp > SEARCH_WHOLE_UP_TO:
             raise PrimusPipeError(
                 f"{algorithm} searches anew at every microbatch count and its answers at {', '.join(map(str, counts))} "
                 f"follow no line, so its {m}-microbatch table cannot be carried on from shorter ones, and a search "
@@ -256,11 +257,14 @@ class Projector:
         return None
 
     @staticmethod
-    def _extrapolated(runs: list[tuple[TrainingSpec, StageCosts, PipelineFigures]], microbatches: int
+    def _extrapolated(runs: list[tuple[TrainingSpec, StageCosts, PipelineFigures]], microbatches: int, searches: bool
                       ) -> PipelineFigures | None:
-        """:func:`extrapolate` over the runs, unless zb-auto chose another layout at some count (no line
-        goes through different tables' shapes)."""
+        """:func:`extrapolate` over the runs, unless zb-auto (``searches``) chose another layout at some count or
+        a table whose memory peak differs from another count's: its answer at each count is a search of its own
+        within the memory budget, so no line goes through different tables' shapes or peaks."""
         if len({shape.vpp for shape, _, _ in runs}) > 1:
+            return None
+        if searches and len({figures.peak_memory_bytes for _, _, figures in runs}) > 1:
             return None
         return extrapolate([figures for _, _, figures in runs], microbatches)
 
