@@ -88,7 +88,7 @@ def test_zb_auto_under_a_byte_budget_returns_a_table_that_fits_or_says_none_does
         assert step <= min(fitting)[0] + 1e-9, (step, min(fitting))
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", SEEDS[::2])
 def test_the_unit_caps_bracket_the_byte_count(seed):
     # within the sure cap every table fits the bytes; every table that fits holds at most the loose cap
     pp, m, cost = _case(seed)
