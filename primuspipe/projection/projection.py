@@ -277,22 +277,44 @@ class Projector:
         if microbatches != training.microbatches:
             training = dataclasses.replace(
                 training, global_batch_size=microbatches * training.micro_batch_size * training.dp)
-        # An algorithm that picks its own placement and vpp ("any": zb-auto) plans with the configured
-        # interleaved layout's costs, re-cut to the layouts it tries; the answer is then costed as
-        # what it is (only where layers, embedding and head sit differs).
-        chooses = info.placement == "any"
+        if info.placement == "any":
+            return self._searched(training, algorithm, microbatches)
         costs = stage_costs(self.model, training, self.hardware, self._parts(training),
-                            Placement.named("interleaved" if chooses else info.placement, training.pp, training.vpp))
-        budget = self._activation_budget(training, costs, chooses)
+                            Placement.named(info.placement, training.pp, training.vpp))
         with _quiet(*ALGORITHM_LOGGERS):  # one projection builds many tables; their progress is noise here
-            table = build_schedule(algorithm, training.pp, microbatches, None if chooses else training.vpp,
-                                   cost=costs.cost_model(), memory_limit_bytes=budget,
+            table = build_schedule(algorithm, training.pp, microbatches, training.vpp, cost=costs.cost_model(),
+                                   memory_limit_bytes=self._activation_budget([costs]),
                                    **ALGORITHM_OPTIONS.get(info.name, {}))
-        if table.placement != costs.layout.placement:
-            training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=table.placement.vpp)
-            check_compatible(self.model, training)
-            costs = stage_costs(self.model, training, self.hardware, self._parts(training), table.placement)
         return training, costs, PipelineFigures.of(simulate(table, costs.cost_model()), microbatches)
+
+    def _searched(self, training: TrainingSpec, algorithm: str, microbatches: int
+                  ) -> tuple[TrainingSpec, StageCosts, PipelineFigures]:
+        """:meth:`_pipeline` for an algorithm that picks its own placement ("any": zb-auto): built at vpp 1
+        (interleaved) and at vpp 2 (interleaved or the V, the same stages on other ranks), each time with that
+        layout's own stage costs and FITS budget (at vpp 2 the lesser of the two layouts' on each rank), so the
+        bytes it plans with are the bytes its table is judged by; the faster answer is the row. Where neither
+        vpp gives one, the refusals are joined in one line."""
+        found, refusals = None, []
+        for vpp, others in ((1, ()), (2, (Placement.vshape(training.pp),))):
+            shaped = dataclasses.replace(training, virtual_pipeline_model_parallel_size=vpp)
+            try:
+                check_compatible(self.model, shaped)
+                layouts = [stage_costs(self.model, shaped, self.hardware, self._parts(shaped), placement)
+                           for placement in (Placement.interleaved(training.pp, vpp), *others)]
+                with _quiet(*ALGORITHM_LOGGERS):
+                    table = build_schedule(algorithm, training.pp, microbatches, vpp, cost=layouts[0].cost_model(),
+                                           memory_limit_bytes=self._activation_budget(layouts),
+                                           **ALGORITHM_OPTIONS.get(algorithm, {}))
+            except PrimusPipeError as exc:
+                refusals.append(f"vpp {vpp}: {str(exc).splitlines()[0]}")
+                continue
+            costs = next(c for c in layouts if c.layout.placement == table.placement)
+            figures = PipelineFigures.of(simulate(table, costs.cost_model()), microbatches)
+            if found is None or figures.step_time < found[2].step_time:
+                found = shaped, costs, figures
+        if found is None:
+            raise PrimusPipeError("; ".join(refusals))
+        return found
 
     def _parts(self, training: TrainingSpec) -> dict[str, PartTimes]:
         """Per-part times, computed once per configuration (they do not depend on pp, vpp or the algorithm)."""
@@ -302,23 +324,15 @@ class Projector:
             self._part_cache[key] = part_times(WorkModel(self.model, training), self.hardware, self.calibration)
         return self._part_cache[key]
 
-    def _activation_budget(self, training: TrainingSpec, costs: StageCosts, chooses: bool) -> tuple[float, ...]:
+    def _activation_budget(self, layouts: list[StageCosts]) -> tuple[float, ...]:
         """Per rank, the activation bytes a FITS verdict leaves beside the rank's static memory, working set
         and the runtime reserve, for memory-aware algorithms: the simulator's byte peak of their table
         (:meth:`~primuspipe.ir.cost_parts.MemoryCost.peak_bytes`: a B's rise and what W keeps beyond the
-        retained share included) within it is exactly a FITS verdict. An algorithm that chooses its
-        layout (``chooses``: zb-auto) gets the least over the layouts it may choose (the V puts the
-        embedding and the head on rank 0), so whichever it picks fits."""
+        retained share included) within it is exactly a FITS verdict. Over several ``layouts`` of the same
+        stages (an algorithm that may put them on the interleaved ranks or the V), the least on each rank."""
         hbm = self.hardware.hbm_bytes * (1 - self.risk_margin) - self.hardware.runtime_reserved_bytes
-        layouts = [costs]
-        if chooses:
-            for placement in (Placement.interleaved(training.pp, 1), Placement.vshape(training.pp)):
-                shaped = dataclasses.replace(training, virtual_pipeline_model_parallel_size=placement.vpp)
-                with contextlib.suppress(PrimusPipeError):  # a layout the model cannot take is never the answer
-                    check_compatible(self.model, shaped)
-                    layouts.append(stage_costs(self.model, shaped, self.hardware, self._parts(shaped), placement))
         return tuple(max(0.0, min(hbm - c.static[r].total - c.transient_bytes[r] for c in layouts))
-                     for r in range(training.pp))
+                     for r in range(len(layouts[0].static)))
 
     def _result(self, training: TrainingSpec, algorithm: str, costs: StageCosts, simulated: PipelineFigures
                 ) -> ProjectionResult:
