@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import numbers
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -66,13 +67,15 @@ class ScheduleRequest:
         if self.memory_limit_bytes is None:
             return
         limits = self.memory_limit_bytes
-        limits = (limits,) * self.pp if isinstance(limits, (int, float)) else tuple(limits)
-        if len(limits) != self.pp or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in limits):
-            raise ConfigError(f"memory_limit_bytes needs one finite number per rank ({self.pp}), got {limits!r}")
+        limits = (limits,) * self.pp if isinstance(limits, (numbers.Real, str)) else tuple(limits)
+        if len(limits) != self.pp:
+            raise ConfigError(f"memory_limit_bytes needs one number per rank ({self.pp}) or one for all, got "
+                              f"{strict.show(limits)}")
+        limits = tuple(strict.number(x, f"memory_limit_bytes[{r}]", minimum=0) for r, x in enumerate(limits))
         if self.cost is None or not self.cost.memory.models_bytes:
             raise ConfigError("memory_limit_bytes needs a cost model with activation bytes (memory.activation_bytes) "
                               "to count a table's bytes; give one, or a limit in microbatches (memory_limit)")
-        object.__setattr__(self, "memory_limit_bytes", tuple(float(x) for x in limits))
+        object.__setattr__(self, "memory_limit_bytes", limits)
 
     def cost_model(self, vpp: int | None = None) -> CostModel:
         """The cost model for ``pp * vpp`` stages (the request's vpp by default), re-cut from the given

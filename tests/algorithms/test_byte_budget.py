@@ -106,14 +106,16 @@ def test_the_unit_caps_bracket_the_byte_count(seed):
             assert units <= loose + 1e-9
 
 
-def test_a_byte_budget_needs_bytes_and_one_finite_number_per_rank():
+def test_a_byte_budget_needs_bytes_and_a_finite_number_per_rank():
     with pytest.raises(ConfigError, match="activation bytes"):
         ScheduleRequest(2, 1, 4, CostModel.per_stage(2, 1, 1, 1), memory_limit_bytes=1e9)
     _, _, cost = _case(0)
-    with pytest.raises(ConfigError, match="one finite number per rank"):
+    with pytest.raises(ConfigError, match="one number per rank"):
         ScheduleRequest(cost.num_stages, 1, 4, cost, memory_limit_bytes=(1e9,) * (cost.num_stages + 1))
-    with pytest.raises(ConfigError, match="one finite number per rank"):
+    with pytest.raises(ConfigError, match=r"memory_limit_bytes\[0\] must be a finite number"):
         ScheduleRequest(cost.num_stages, 1, 4, cost, memory_limit_bytes=float("nan"))
+    with pytest.raises(ConfigError, match=r"memory_limit_bytes\[1\] must be >= 0"):
+        ScheduleRequest(cost.num_stages, 1, 4, cost, memory_limit_bytes=(1e9, -1.0) + (1e9,) * (cost.num_stages - 2))
 
 
 @pytest.mark.parametrize("seed", range(3))
