@@ -48,8 +48,8 @@ def build_schedule(
     table says which. ``cost`` is the cost model the table will be judged by (the simulator's);
     cost-aware algorithms plan with it, and with ``memory_limit`` (1F1B-stage microbatches per rank,
     counted until W with the model's retained share) and ``memory_limit_bytes`` (activation bytes per rank,
-    one number or one per rank, as the simulator's byte peak counts them). Raises :class:`ScheduleShapeError` when the
-    algorithm refuses the shape or it is too large to build (:func:`~primuspipe.ir.table.check_shape`) and
+    one number or one per rank, as the simulator's byte peak counts them). Raises
+    :class:`ScheduleShapeError` when the algorithm refuses the shape or it is too large to build (:func:`~primuspipe.ir.table.check_shape`) and
     :class:`ConfigError` for unknown options or values of the wrong type.
 
     >>> t = build_schedule("1f1b", pp=2, microbatches=3)
@@ -72,7 +72,8 @@ def build_schedule(
     if cost is not None and vpp is not None and cost.num_stages not in (pp, pp * vpp):
         raise ConfigError(f"the cost model describes {cost.num_stages} stages but pp*vpp = {pp * vpp}; "
                           "build it for this shape (CostModel.for_shape) or per 1F1B stage")
-    table = info.build(ScheduleRequest(pp, vpp, microbatches, cost, memory_limit, memory_limit_bytes), **info.preset, **options)
+    request = ScheduleRequest(pp, vpp, microbatches, cost, memory_limit, memory_limit_bytes)
+    table = info.build(request, **info.preset, **options)
     assert (table.pp, table.microbatches) == (pp, microbatches) and vpp in (None, table.vpp), \
         f"{algorithm} built the wrong shape"
     assert not table.has_communication, f"{algorithm} must return a compute-only table"

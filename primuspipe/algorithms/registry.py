@@ -59,9 +59,10 @@ class ScheduleRequest:
     """Per-rank bound on activations held, in microbatches of one 1F1B stage, each counted from its F
     until its W (docs/design.md §4); None means unbounded."""
     memory_limit_bytes: tuple[float, ...] | float | None = None
-    """Per rank (one number: every rank): the activation bytes a table may hold at its peak, counted as the simulator's byte peak counts
-    them (:meth:`~primuspipe.ir.cost_parts.MemoryCost.peak_bytes`: a B's rise and what W keeps beyond the
-    retained share included); needs a cost model with activation bytes. None means unbounded."""
+    """Per rank (one number: every rank): the activation bytes a table may hold at its peak, counted as the
+    simulator's byte peak counts them (:meth:`~primuspipe.ir.cost_parts.MemoryCost.peak_bytes`: a B's rise and
+    what W keeps beyond the retained share included); needs a cost model with activation bytes. None means
+    unbounded."""
 
     def __post_init__(self) -> None:
         if self.memory_limit_bytes is None:

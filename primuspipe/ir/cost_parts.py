@@ -7,12 +7,11 @@ each, and :mod:`~primuspipe.ir.cost_file` reads them from a cost file's sections
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
-from primuspipe.errors import ConfigError
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from primuspipe.errors import ConfigError
 from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION, running_levels
 from primuspipe.ir.costs import Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind

@@ -304,7 +304,7 @@ class Projector:
                 with _quiet(*ALGORITHM_LOGGERS):
                     table = build_schedule(algorithm, training.pp, microbatches, vpp, cost=layouts[0].cost_model(),
                                            memory_limit_bytes=self._activation_budget(layouts),
-                                           **ALGORITHM_OPTIONS.get(algorithm, {}))
+                                           **ALGORITHM_OPTIONS.get(get_algorithm(algorithm).name, {}))
             except PrimusPipeError as exc:
                 refusals.append(f"vpp {vpp}: {str(exc).splitlines()[0]}")
                 continue
