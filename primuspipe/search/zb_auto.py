@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from primuspipe.algorithms.competition import Filled, fill_all, shortlist
 from primuspipe.algorithms.list_scheduler import FillPolicy
 from primuspipe.algorithms.registry import ScheduleRequest, list_algorithms, register
-from primuspipe.algorithms.vshape import vshape_candidates, zbv_handcrafted
+from primuspipe.algorithms.vshape import fill_policies, vshape_candidates, zbv_handcrafted
 from primuspipe.errors import ConfigError, ScheduleShapeError
 from primuspipe.ir.activations import peak_in_flight
 from primuspipe.ir.placement import Placement
@@ -253,21 +253,25 @@ def _fixed_candidates(req: ScheduleRequest, layout: Placement) -> Iterator[tuple
 def _constructions(req: ScheduleRequest, layout: Placement, fills: int) -> list[Filled]:
     """Tables built at the memory limit itself that fit it. Constructions count chunk activations (the
     retained share until W); a byte limit allows a range of such caps (:meth:`ScheduleRequest.chunk_cap`):
-    within the sure one every table fits, above the loose one none does. Between them the largest cap whose
-    constructions still fit is found by bisection, and every fitting table found on the way competes."""
+    within the sure one every table fits, above the loose one none does. Between them a bisection on one
+    probe per cap -- the greediest fill, which holds the most -- finds the largest cap where it still fits by
+    the byte count; the constructions are built there (and at the sure cap where none of them fits)."""
     sure, loose = (None if cap is None else int(cap + 1e-9) for cap in req.chunk_cap(layout))
     if sure is None or loose is None or sure >= loose:
         return _constructions_at(req, layout, fills, loose)
-    found, top = _constructions_at(req, layout, fills, sure), _constructions_at(req, layout, fills, loose)
-    if top:
-        return found + top
     while loose - sure > 1:
         mid = (sure + loose) // 2
-        if fitting := _constructions_at(req, layout, fills, mid):
-            found, sure = found + fitting, mid
-        else:
-            loose = mid
-    return found
+        sure, loose = (mid, loose) if _probe_fits(req, layout, mid) else (sure, mid)
+    top = loose if _probe_fits(req, layout, loose) else sure
+    return _constructions_at(req, layout, fills, top) or _constructions_at(req, layout, fills, sure)
+
+
+def _probe_fits(req: ScheduleRequest, layout: Placement, cap: int) -> bool:
+    """Whether the greediest fill within ``cap`` chunk activations (the first V-shape fill policy, or the
+    most warm-up of the grid) fits the request's limits; a fill that stalls does not."""
+    policies = fill_policies(req.pp, cap) if layout.name == "v" else grid(layout, req.microbatches, cap, 1)
+    filled = fill_all(layout, req.microbatches, req.cost_model(layout.vpp), policies[:1], algorithm="zb-auto")
+    return bool(filled) and req.fits(filled[0].table)
 
 
 def _constructions_at(req: ScheduleRequest, layout: Placement, fills: int, cap: float | None) -> list[Filled]:
