@@ -22,13 +22,13 @@ from primuspipe.ir.cost_model import CostModel, MemoryCost
 from primuspipe.search.zb_auto import placements
 from primuspipe.simulator import simulate
 
-SEEDS = range(12)
+SEEDS = range(10)
 
 
 def _case(seed: int) -> tuple[int, int, CostModel]:
     rng = random.Random(seed)
     pp = rng.randint(2, 8)
-    m = rng.randint(pp, pp + 4)
+    m = rng.randint(pp, pp + 3)
     memory = MemoryCost.per_stage(
         pp, pp, activation_bytes=[rng.uniform(1.0, 3.0) * 1e9 for _ in range(pp)],
         w_retained_fraction=rng.choice([0.3, 0.8, 32 / 34, 1.0]), w_excess_fraction=rng.choice([0.0, 0.2, 0.8]),
@@ -88,7 +88,7 @@ def test_zb_auto_under_a_byte_budget_returns_a_table_that_fits_or_says_none_does
         assert step <= min(fitting)[0] + 1e-9, (step, min(fitting))
 
 
-@pytest.mark.parametrize("seed", SEEDS[::2])
+@pytest.mark.parametrize("seed", SEEDS[::3])
 def test_the_unit_caps_bracket_the_byte_count(seed):
     # within the sure cap every table fits the bytes; every table that fits holds at most the loose cap
     pp, m, cost = _case(seed)
