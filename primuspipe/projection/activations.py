@@ -350,12 +350,16 @@ class ActivationModel(RankShape):
         * forward, once the softmax has run: the low-precision scores ``baddbmm`` wrote (``DotProductAttention
           .forward`` holds them in ``attention_scores`` until it returns) and, with the softmax in fp32, the fp32
           copy ``forward_torch_softmax`` masked in place: ``e + 4`` bytes a score (``e`` without the fp32 softmax);
-        * backward, in the softmax's backward: with the softmax in fp32 the fp32 gradient and the softmax's input
-          gradient (then the masked one), the low-precision probabilities the value GEMM kept already freed:
-          ``8 - e``; without it the masked scores' gradient rebuilt by autograd's ``CopySlices`` (a zeroed base, its
-          strided copy and a clone beside the softmax's and the mask's gradients) less the freed probabilities:
-          ``3e``; and two gradients in flight, the residual stream's and the value's (waiting for the QKV split's
-          concatenation).
+        * backward, in the softmax's backward: PyTorch's CUDA kernel (``softmax_backward_cuda_out``,
+          ``aten/src/ATen/native/cuda/SoftMax.cu``) first makes ``grad * output``, a score-sized temporary in the
+          gradient's dtype, beside the incoming gradient and its result; with the softmax in fp32 that is three
+          fp32 tensors, the low-precision probabilities the value GEMM kept already freed: ``12 - e``; without
+          it three low-precision ones, ``3e``, as much as the masked scores' gradient autograd's ``CopySlices``
+          rebuilds next (a zeroed base, its strided copy and a clone beside the softmax's and the mask's
+          gradients, less the freed probabilities); and two gradients in flight, the residual stream's and the
+          value's (waiting for the QKV split's concatenation). The CPU kernel makes no temporary (``8 - e`` with
+          the softmax in fp32): the lent H100's allocator trace of the local-spec run shows the three fp32
+          tensors at its peak (``bench/gpu_memory_peak.py``).
 
         What the layer keeps after its core attention (the output projection's input, the pre-MLP norm, the MLP) is
         not yet made at the first moment and already freed at the second, so it comes off both. Held against the
@@ -367,7 +371,7 @@ class ActivationModel(RankShape):
         fp32 = t.attention_softmax_in_fp32 and e < _FP32
         forward = scores * (e + _FP32 if fp32 else e)
         grads = self.hidden_bytes + self.tokens * m.query_groups / t.tp * m.head_dim * e
-        backward = scores * (2 * _FP32 - e if fp32 else 3 * e) + grads
+        backward = scores * (3 * _FP32 - e if fp32 else 3 * e) + grads
         return max(forward, backward) - min(self._after_core(k) for k in self._layers)
 
     def _after_core(self, kind: LayerKind) -> float:
