@@ -18,6 +18,8 @@
 #   7. one GPU, the model of part 5: what is alive at its peak memory (bench/gpu_memory_peak.py: the allocator's
 #      trace replayed), against what the projection counts
 #   8. in-flight re-planning on real NCCL at pp 2 (two ranks on the one GPU), a switch forced among zb-h1/zb-h2
+#   9. one GPU: the local spec at two more shapes (step time and steady peak memory, 1f1b and zb-h1), for
+#      bench/bench_local_spec.py to hold the projection against
 # PARTS="3 7 8" runs only those parts (default: all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +32,7 @@ echo "GPUs: $gpus" | tee "$out/summary.txt"
 $py -c "import torch, json; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'nccl': torch.cuda.nccl.version(), 'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))" | tee "$out/environment.json"
 cli=($py -c "import sys; from primuspipe.cli import main; sys.exit(main())")  # the console script, uninstalled
 part() { echo "== $1 ($(date -u +%T))" | tee -a "$out/summary.txt"; }
-want() { [[ " ${PARTS:-1 2 3 4 5 6 7 8} " == *" $1 "* ]]; }  # PARTS="3 7": only those parts
+want() { [[ " ${PARTS:-1 2 3 4 5 6 7 8 9} " == *" $1 "* ]]; }  # PARTS="3 7": only those parts
 # the one-GPU model of parts 5 and 7: megatron-core's local spec, bf16
 model=(--num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16 --seq-length 2048
        --micro-batch-size 4 --vocab-size 64 --bf16 --optimizer adam --lr 1e-4 --no-gradient-accumulation-fusion)
@@ -146,6 +148,33 @@ PRIMUSPIPE_AUTO_REPLAN_ALGORITHMS=zb-h1,zb-h2 timeout 240 $py bench/nccl_one_gpu
   examples/train_gpt.py --pp 2 --microbatches 8 --pp-algorithm 1f1b --auto-replan --num-layers 8 --iterations 10 \
   --compare-native --no-gradient-accumulation-fusion > "$out/nccl_auto_replan_pp2.json" 2>&1
 echo "   exit $? $(tail -n 1 "$out/nccl_auto_replan_pp2.json" | cut -c1-500)" | tee -a "$out/summary.txt"
+fi
+
+if want 9; then  # shapes nothing was fitted on, for `bench/bench_local_spec.py` to set beside their projections
+part "9. one GPU: the local spec at two more shapes, 1f1b and zb-h1 (step time, steady peak memory)"
+shapes=("a:--num-layers 6 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 8 --seq-length 4096
+         --micro-batch-size 2 --vocab-size 32000 --untie-embeddings-and-output-weights"
+        "b:--num-layers 8 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24 --seq-length 1024
+         --micro-batch-size 8 --vocab-size 50304 --disable-bias-linear")
+for shape in "${shapes[@]}"; do
+  name=${shape%%:*}; read -ra flags <<< "$(echo ${shape#*:})"
+  for algo in 1f1b zb-h1; do
+    run=shape_${name}_$algo
+    timeout 150 $py -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py --pp 1 --microbatches 8 \
+      --iterations 5 --pp-algorithm $algo --dump-dir "$out/$run" "${flags[@]}" --bf16 --optimizer adam --lr 1e-4 \
+      --no-gradient-accumulation-fusion > "$out/$run.log" 2>&1
+    $py - "$out/$run" <<'PY' | tee -a "$out/shapes.jsonl" | tee -a "$out/summary.txt"
+import glob, json, statistics, sys
+run = sys.argv[1]
+try:  # the steady peak: iterations after the first, whose optimizer state does not exist yet
+    peaks = [json.load(open(f))["ranks"][0]["peak_memory_bytes"] for f in sorted(glob.glob(run + "/iter_*/rank_0.json"))[1:]]
+    step = json.loads(open(run + ".log").read().strip().splitlines()[-1])["step_time_s"]
+    print(json.dumps({"run": run.rsplit("/", 1)[-1], "step_time_s": step, "steady_peak_bytes": statistics.median(peaks)}))
+except Exception as error:
+    print(json.dumps({"run": run.rsplit("/", 1)[-1], "error": f"{type(error).__name__}: {error}"}))
+PY
+  done
+done
 fi
 
 part "done"

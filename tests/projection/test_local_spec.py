@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from dispatched_work import record_layer, record_model
+from dispatched_work import cuda_softmax_product, record_layer, record_model
 
 from primuspipe.projection.activations import ActivationModel
 from primuspipe.projection.compute import WorkModel
@@ -33,14 +33,6 @@ CASES = {
     "grouped-queries": (dataclasses.replace(GPT2_LIKE, seq_length=1024, num_attention_heads=4, num_query_groups=2,
                                             kv_channels=64), LOCAL),
 }
-
-
-def cuda_softmax_product(model, training):
-    """Elements of the score matrix, and the bytes of one score in the softmax gradient's dtype: PyTorch's GPU
-    softmax backward makes ``grad * output`` before its kernel (``softmax_backward_cuda_out``, ``SoftMax.cu``), a
-    temporary the CPU kernel these records run does without; the projection prices the GPU."""
-    scores = training.micro_batch_size * model.num_attention_heads * model.seq_length ** 2
-    return scores, 4 if training.attention_softmax_in_fp32 else 2
 
 
 @pytest.fixture(scope="module", params=list(CASES))

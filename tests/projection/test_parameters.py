@@ -97,6 +97,10 @@ def test_per_rank_counts_equal_megatron_core(name):
 @pytest.mark.parametrize("model_change, training_change", [
     (dict(), dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)),
     (dict(num_layers=10, untie_embeddings_and_output_weights=False), dict(pipeline_model_parallel_size=3)),  # remainder
+    # one stage: the output layer is built on the embedding's own weight
+    (dict(untie_embeddings_and_output_weights=False), dict(pipeline_model_parallel_size=1)),
+    (dict(untie_embeddings_and_output_weights=False, position_embedding_type="learned_absolute", vocab_size=50304),
+     dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)),
     (dict(add_bias_linear=True, normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute"),
      dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=3)),
     (dict(num_experts=8, moe_shared_expert_intermediate_size=64, moe_layer_freq=2),
@@ -106,7 +110,7 @@ def test_per_rank_counts_equal_megatron_core(name):
           v_head_dim=16, qk_layernorm=True, position_embedding_type="rope"), dict(pipeline_model_parallel_size=2)),
 ])
 def test_small_layouts_equal_megatron_core(model_change, training_change):
-    """Tensor/expert sharding, tied embeddings across stages, remainder and explicit uneven splits, MLA."""
+    """Tensor/expert sharding, tied embeddings across stages and on one, remainder and explicit uneven splits, MLA."""
     base = ModelSpec(num_layers=8, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                      seq_length=16, vocab_size=250, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
                      position_embedding_type="rope", untie_embeddings_and_output_weights=True)
