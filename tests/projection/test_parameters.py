@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from projection_megatron import megatron_rank_params
 
+from primuspipe.projection.compute import model_flops_per_token
 from primuspipe.projection.framework import Placement
 from primuspipe.projection.layout import StageLayout, layer_counts
 from primuspipe.projection.model_spec import ModelSpec, load_model
@@ -201,3 +202,12 @@ def test_megatron_core_weak_scaling_models_match_the_readme_sizes(size, billions
     digits = 1 if "." in size else 0
     shown = int(count * 10) / 10 if size == "1.7b" else round(count, digits)
     assert shown == billions
+
+
+@pytest.mark.parametrize("name, tflops, tokens", [
+    ("nemotron3-8b", 643, 12507), ("nemotron3-22b", 562, 4312), ("nemotron4-340b", 686, 326)])
+def test_nemotron_flops_per_token_match_nemos_own_figures(name, tflops, tokens):
+    """NeMo's performance table gives both model TFLOP/s and tokens/s per GPU for each Nemotron run: their
+    quotient is NeMo's FLOPs per token (full attention square), an independent check of the model files."""
+    ours = model_flops_per_token(load_model(EXAMPLES / "models" / f"{name}.yaml"), "full")
+    assert ours == pytest.approx(tflops * 1e12 / tokens, rel=2e-3)
