@@ -72,8 +72,8 @@ def main() -> None:
         model = projected(shape, algorithm)
         rows.append({"shape": shape, "arguments": str(ARGS[shape].relative_to(ROOT)), "algorithm": algorithm,
                      "measured": seen, "projected": model, "error": {k: model[k] / seen[k] - 1 for k in seen}})
-        print(f"{shape} {algorithm}: step {model['step_time_s']:.4f} s projected / {seen['step_time_s']:.4f} s measured "
-              f"({rows[-1]['error']['step_time_s']:+.1%}); peak allocated {model['peak_allocated_bytes'] / 1e9:.2f} GB"
+        print(f"{shape} {algorithm}: step {model['step_time_s']:.4f} s projected / {seen['step_time_s']:.4f} s "
+              f"measured ({rows[-1]['error']['step_time_s']:+.1%}); peak allocated {model['peak_allocated_bytes'] / 1e9:.2f} GB"
               f" / {seen['peak_allocated_bytes'] / 1e9:.2f} GB ({rows[-1]['error']['peak_allocated_bytes']:+.1%})")
     Path(out).write_text(json.dumps({"command": "PYTHONPATH=. python bench/bench_local_spec.py",
                                      "hardware": str(HARDWARE.relative_to(ROOT)), "rows": rows}, indent=1) + "\n")

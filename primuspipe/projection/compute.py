@@ -340,8 +340,8 @@ class WorkModel(RankShape):
         back (``4 + e``): ``2e + 28``; on a GPU PyTorch's softmax backward (``softmax_backward_cuda_out``,
         ``SoftMax.cu``) first multiplies the gradient by the probabilities into a temporary (reads two, writes
         one: 12 more, :data:`CUDA_SOFTMAX_BACKWARD_PRODUCT` passes of the score matrix; ``3e`` without the fp32
-        softmax), which the CPU kernel does not. With the softmax in the activations' dtype there are no casts and the mask
-        goes in place onto a view of ``baddbmm``'s output, so autograd's ``CopySlices`` rebuilds that output's
+        softmax), which the CPU kernel does not. With the softmax in the activations' dtype there are no casts and
+        the mask goes in place onto a view of ``baddbmm``'s output, so autograd's ``CopySlices`` rebuilds that output's
         gradient around the mask's (``new_zeros``, three ``copy_``, a ``clone``): ``4e`` forward, ``3e`` (softmax)
         ``+ e + 3 * 2e + 2e`` (the rebuild) ``+ 2e`` (the mask) ``= 14e`` backward. The mask (``[1, 1, s, s]``
         booleans, what ``GPTModel`` is given) is read whole per masking pass.

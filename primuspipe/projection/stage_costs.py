@@ -124,8 +124,10 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
         excess.append(w_bytes - kept_for_w[-1])
         # A layer's moments come while its microbatch's head (and MTP modules) are not yet made (forward) or
         # already freed (backward), though the stage's held bytes count them for that microbatch throughout.
-        head = (activations.head_tensors() + activations.mtp() * (training.mtp_num_layers or 0)) if stage == last else 0.0
-        in_layers = max(activations.recompute_working_set(layers), activations.attention_working_set() if layers else 0.0)
+        mtp_bytes = activations.mtp() * (training.mtp_num_layers or 0)
+        head = activations.head_tensors() + mtp_bytes if stage == last else 0.0
+        in_layers = max(activations.recompute_working_set(layers),
+                        activations.attention_working_set() if layers else 0.0)
         loss = activations.loss_working_set() if stage == last else 0.0
         moment = max(in_layers - head, loss, 0.0)  # at different moments: the larger shows
         freed = max(in_layers, loss, 0.0) - moment  # the head a layer's moment no longer holds
