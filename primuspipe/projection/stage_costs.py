@@ -69,10 +69,6 @@ class StageCosts:
         return CostModel(ComputeCosts(self.forward, self.backward_input, self.backward_weight), p2p=self.p2p,
                          memory=memory, time_unit="s")
 
-    def activation_units_per_rank(self) -> list[float]:
-        """Bytes of one microbatch through all of a rank's chunks: the simulator's unit of held memory."""
-        return [sum(self.activation_bytes[s] for s in self.layout.rank_stages(r)) for r in range(self.layout.placement.pp)]
-
 
 def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, parts: dict[str, PartTimes],
                 placement: Placement) -> StageCosts:
