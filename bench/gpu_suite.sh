@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything in primuspipe that only a GPU machine can measure, in one run; one GPU is enough (ranks that
 # outnumber the GPUs share them: bench/nccl_one_gpu.py gives each its own NCCL host id).
-#   bash bench/gpu_suite.sh [OUT_DIR]          (default out/gpu_suite; one JSON/log per part, summary.txt)
+#   [PARTS="..."] [NCCL_PPS="2 3 4"] bash bench/gpu_suite.sh [OUT_DIR]          (default out/gpu_suite; one JSON/log per part, summary.txt)
 # Parts (each under its own time limit, so one stuck part cannot take the others' figures with it):
 #   1. gpu-marked tests (recorder, offload; NCCL and Transformer Engine ones skip without 2 GPUs / TE)
 #   2. NCCL on the GPU against the emulator: every communication pattern of bench/nccl_one_gpu.py on real NCCL
@@ -15,6 +15,12 @@
 #      calibrated (memory per step, layer spans inside their nodes), and `primuspipe project` of the same run
 #      (analytical and with --benchmark-layers)
 #   6. with two GPUs or more: primuspipe's runner against Megatron's own schedule, watchdog and dump overhead
+#   7. one GPU, the model of part 5: what is alive at its peak memory (bench/gpu_memory_peak.py: the allocator's
+#      trace replayed), against what the projection counts
+#   8. in-flight re-planning on real NCCL at pp 2 (two ranks on the one GPU), a switch forced among zb-h1/zb-h2
+#   9. one GPU: the local spec at two more shapes (step time and steady peak memory, 1f1b and zb-h1), for
+#      bench/bench_local_spec.py to hold the projection against
+# PARTS="3 7 8" runs only those parts (default: all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-out/gpu_suite}
@@ -26,17 +32,26 @@ echo "GPUs: $gpus" | tee "$out/summary.txt"
 $py -c "import torch, json; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'nccl': torch.cuda.nccl.version(), 'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))" | tee "$out/environment.json"
 cli=($py -c "import sys; from primuspipe.cli import main; sys.exit(main())")  # the console script, uninstalled
 part() { echo "== $1 ($(date -u +%T))" | tee -a "$out/summary.txt"; }
+want() { [[ " ${PARTS:-1 2 3 4 5 6 7 8 9} " == *" $1 "* ]]; }  # PARTS="3 7": only those parts
+# the one-GPU model of parts 5 and 7: megatron-core's local spec, bf16
+model=(--num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16 --seq-length 2048
+       --micro-batch-size 4 --vocab-size 64 --bf16 --optimizer adam --lr 1e-4 --no-gradient-accumulation-fusion)
 
+if want 1; then
 part "1. gpu-marked tests"
 timeout 150 $py -m pytest -q -m gpu -p no:cacheprovider tests/runtime tests/offload tests/megatron/test_te_gpu.py \
   2>&1 | tee "$out/gpu_tests.log" | tail -n 3 | tee -a "$out/summary.txt"
 
+fi
+if want 2; then
 part "2. NCCL patterns against the emulator"
 timeout 240 $py bench/nccl_one_gpu.py patterns --modes nccl-lazy nccl-eager --deadline 20 --parallel 8 \
   ${NCCL_PATTERNS:+--patterns $NCCL_PATTERNS} \
   --with bench/results/nccl_one_gpu_emulator.json -o "$out/nccl_patterns.json" 2>"$out/nccl_patterns.log" \
   | tee -a "$out/summary.txt"
 
+fi
+if want 3; then
 part "3. every algorithm on real NCCL against Megatron's schedule, pp ${NCCL_PPS:=2}"
 algorithms=$($py -c "from primuspipe.algorithms.registry import list_algorithms; print(*[i.name for i in list_algorithms()])")
 one() {  # one PP ALGORITHM -> $out/nccl_train_ppPP_ALGORITHM.json (the launcher's verdict, then the example's JSON line)
@@ -47,16 +62,18 @@ one() {  # one PP ALGORITHM -> $out/nccl_train_ppPP_ALGORITHM.json (the launcher
   echo "   pp $pp $algo: exit $? $(tail -n 1 "$log" | cut -c1-200)"
 }
 export -f one; export out py
-for pp in $NCCL_PPS; do printf "$pp %s\n" $algorithms; done | xargs -P 4 -L 1 bash -c 'one "$0" "$1"' \
+for pp in $NCCL_PPS; do printf "$pp %s\n" $algorithms; done | xargs -P "${NCCL_PARALLEL:-4}" -L 1 bash -c 'one "$0" "$1"' \
   | tee -a "$out/summary.txt"
 
+fi
+if want 4; then
 part "4. kernels against the projection's model"
 timeout 240 $py bench/bench_gpu_kernels.py --output "$out/gpu_kernels.json" --markdown "$out/gpu_kernels.md" \
   2>"$out/gpu_kernels.log" | tail -n 8 | tee -a "$out/summary.txt"
 
+fi
+if want 5; then
 part "5. one GPU: megatron-core GPT, auto-replan, CUDA-event dump, calibrate, projection"
-model=(--num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16 --seq-length 2048
-       --micro-batch-size 4 --vocab-size 64 --bf16 --optimizer adam --lr 1e-4 --no-gradient-accumulation-fusion)
 for algo in 1f1b zb-h1; do  # 1f1b re-planning in flight (pp 1: nothing to switch to, the prediction is checked)
   extra=(); [ "$algo" = 1f1b ] && extra=(--auto-replan)
   timeout 150 $py -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py --pp 1 --microbatches 8 \
@@ -99,7 +116,8 @@ for name in ("analytical", "benchmarked"):
         print(f"   projected ({name}): {type(error).__name__}: {error}")
 PY
 
-if [ "$gpus" -ge 2 ]; then
+fi
+if want 6 && [ "$gpus" -ge 2 ]; then
   run() {  # run NAME PP FLAGS... -> the example's JSON line in $out/NAME.json
     local name=$1 pp=$2; shift 2
     $py -m torch.distributed.run --standalone --nproc-per-node "$pp" examples/train_gpt.py --pp "$pp" "$@" \
@@ -116,5 +134,48 @@ if [ "$gpus" -ge 2 ]; then
   run watchdog_on "$pp" --microbatches $((4 * pp)) --pp-algorithm zbv --num-layers $((4 * pp)) --hidden-size 1024 \
     --iterations 8
 fi
+if want 7; then
+part "7. one GPU: what is alive at the local spec's peak memory (the CUDA allocator's trace replayed)"
+timeout 180 $py -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_memory_peak.py \
+  -o "$out/memory_peak_1f1b.json" -- examples/train_gpt.py --pp 1 --microbatches 8 --iterations 3 --pp-algorithm 1f1b \
+  "${model[@]}" > "$out/memory_peak.log" 2>&1
+echo "   exit $? $(tail -n 1 "$out/memory_peak.log" | cut -c1-600)" | tee -a "$out/summary.txt"
+fi
+
+if want 8; then  # two ranks on the one GPU: the mechanics (CUDA events, the decision's broadcast, the switch), not speed
+part "8. in-flight re-planning on real NCCL, pp 2, among zb-h1/zb-h2 (a switch is certain)"
+PRIMUSPIPE_AUTO_REPLAN_ALGORITHMS=zb-h1,zb-h2 timeout 240 $py bench/nccl_one_gpu.py train --ranks 2 --deadline 200 -- \
+  examples/train_gpt.py --pp 2 --microbatches 8 --pp-algorithm 1f1b --auto-replan --num-layers 8 --iterations 10 \
+  --compare-native --no-gradient-accumulation-fusion > "$out/nccl_auto_replan_pp2.json" 2>&1
+echo "   exit $? $(tail -n 1 "$out/nccl_auto_replan_pp2.json" | cut -c1-500)" | tee -a "$out/summary.txt"
+fi
+
+if want 9; then  # shapes nothing was fitted on, for `bench/bench_local_spec.py` to set beside their projections
+part "9. one GPU: the local spec at two more shapes, 1f1b and zb-h1 (step time, steady peak memory)"
+shapes=("a:--num-layers 6 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 8 --seq-length 4096
+         --micro-batch-size 2 --vocab-size 32000 --untie-embeddings-and-output-weights"
+        "b:--num-layers 8 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24 --seq-length 1024
+         --micro-batch-size 8 --vocab-size 50304 --disable-bias-linear")
+for shape in "${shapes[@]}"; do
+  name=${shape%%:*}; read -ra flags <<< "$(echo ${shape#*:})"
+  for algo in 1f1b zb-h1; do
+    run=shape_${name}_$algo
+    timeout 150 $py -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py --pp 1 --microbatches 8 \
+      --iterations 5 --pp-algorithm $algo --dump-dir "$out/$run" "${flags[@]}" --bf16 --optimizer adam --lr 1e-4 \
+      --no-gradient-accumulation-fusion > "$out/$run.log" 2>&1
+    $py - "$out/$run" <<'PY' | tee -a "$out/shapes.jsonl" | tee -a "$out/summary.txt"
+import glob, json, statistics, sys
+run = sys.argv[1]
+try:  # the steady peak: iterations after the first, whose optimizer state does not exist yet
+    peaks = [json.load(open(f))["ranks"][0]["peak_memory_bytes"] for f in sorted(glob.glob(run + "/iter_*/rank_0.json"))[1:]]
+    step = json.loads(open(run + ".log").read().strip().splitlines()[-1])["step_time_s"]
+    print(json.dumps({"run": run.rsplit("/", 1)[-1], "step_time_s": step, "steady_peak_bytes": statistics.median(peaks)}))
+except Exception as error:
+    print(json.dumps({"run": run.rsplit("/", 1)[-1], "error": f"{type(error).__name__}: {error}"}))
+PY
+  done
+done
+fi
+
 part "done"
 echo "results in $out"

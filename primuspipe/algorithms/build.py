@@ -37,6 +37,7 @@ def build_schedule(
     *,
     cost: CostModel | None = None,
     memory_limit: float | None = None,
+    memory_limit_bytes: float | tuple[float, ...] | None = None,
     communication: bool = True,
     **options: Any,
 ) -> ScheduleTable:
@@ -46,8 +47,9 @@ def build_schedule(
     an algorithm that chooses its placement (``zb-auto``) picks it unless ``vpp`` is given, and the
     table says which. ``cost`` is the cost model the table will be judged by (the simulator's);
     cost-aware algorithms plan with it, and with ``memory_limit`` (1F1B-stage microbatches per rank,
-    counted until W with the model's retained share). Raises :class:`ScheduleShapeError` when the
-    algorithm refuses the shape or it is too large to build (:func:`~primuspipe.ir.table.check_shape`) and
+    counted until W with the model's retained share) and ``memory_limit_bytes`` (activation bytes per rank,
+    one number or one per rank, as the simulator's byte peak counts them). Raises
+    :class:`ScheduleShapeError` when the algorithm refuses the shape or it is too large to build (:func:`~primuspipe.ir.table.check_shape`) and
     :class:`ConfigError` for unknown options or values of the wrong type.
 
     >>> t = build_schedule("1f1b", pp=2, microbatches=3)
@@ -70,7 +72,8 @@ def build_schedule(
     if cost is not None and vpp is not None and cost.num_stages not in (pp, pp * vpp):
         raise ConfigError(f"the cost model describes {cost.num_stages} stages but pp*vpp = {pp * vpp}; "
                           "build it for this shape (CostModel.for_shape) or per 1F1B stage")
-    table = info.build(ScheduleRequest(pp, vpp, microbatches, cost, memory_limit), **info.preset, **options)
+    request = ScheduleRequest(pp, vpp, microbatches, cost, memory_limit, memory_limit_bytes)
+    table = info.build(request, **info.preset, **options)
     assert (table.pp, table.microbatches) == (pp, microbatches) and vpp in (None, table.vpp), \
         f"{algorithm} built the wrong shape"
     assert not table.has_communication, f"{algorithm} must return a compute-only table"

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
+import numbers
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +26,9 @@ from typing import Any
 
 from primuspipe.algorithms.aliases import ALIASES, BY_NAME, Alias
 from primuspipe import strict
+from primuspipe.ir.activations import peak_in_flight
 from primuspipe.ir.cost_model import CostModel, MemoryCost
+from primuspipe.ir.placement import Placement
 from primuspipe.errors import ConfigError, DuplicateAlgorithmError, PrimusPipeError, UnknownAlgorithmError
 from primuspipe.ir.table import ScheduleTable
 
@@ -54,6 +58,25 @@ class ScheduleRequest:
     memory_limit: float | None = None
     """Per-rank bound on activations held, in microbatches of one 1F1B stage, each counted from its F
     until its W (docs/design.md §4); None means unbounded."""
+    memory_limit_bytes: tuple[float, ...] | float | None = None
+    """Per rank (one number: every rank): the activation bytes a table may hold at its peak, counted as the
+    simulator's byte peak counts them (:meth:`~primuspipe.ir.cost_parts.MemoryCost.peak_bytes`: a B's rise and
+    what W keeps beyond the retained share included); needs a cost model with activation bytes. None means
+    unbounded."""
+
+    def __post_init__(self) -> None:
+        if self.memory_limit_bytes is None:
+            return
+        limits = self.memory_limit_bytes
+        limits = (limits,) * self.pp if isinstance(limits, (numbers.Real, str)) else tuple(limits)
+        if len(limits) != self.pp:
+            raise ConfigError(f"memory_limit_bytes needs one number per rank ({self.pp}) or one for all, got "
+                              f"{strict.show(limits)}")
+        limits = tuple(strict.number(x, f"memory_limit_bytes[{r}]", minimum=0) for r, x in enumerate(limits))
+        if self.cost is None or not self.cost.memory.models_bytes:
+            raise ConfigError("memory_limit_bytes needs a cost model with activation bytes (memory.activation_bytes) "
+                              "to count a table's bytes; give one, or a limit in microbatches (memory_limit)")
+        object.__setattr__(self, "memory_limit_bytes", limits)
 
     def cost_model(self, vpp: int | None = None) -> CostModel:
         """The cost model for ``pp * vpp`` stages (the request's vpp by default), re-cut from the given
@@ -61,6 +84,28 @@ class ScheduleRequest:
         vpp = vpp or self.vpp
         assert vpp is not None, "an algorithm that chooses its placement must name the vpp it costs"
         return (self.cost or CostModel.per_stage(self.pp, 1.0, 1.0, 1.0)).for_shape(self.pp, vpp)
+
+    def fits(self, table: ScheduleTable) -> bool:
+        """Whether ``table`` (a compute table of this request's shape) keeps within both memory limits, each by
+        the one activation counter: microbatch units, and bytes as the simulator counts them."""
+        if self.memory_limit is not None and max(peak_in_flight(table, self.retained)) > self.memory_limit + 1e-9:
+            return False
+        if self.memory_limit_bytes is None:
+            return True
+        peaks = self.cost_model(table.vpp).memory.peak_bytes(table)
+        return all(peak <= limit * (1 + 1e-9) for peak, limit in zip(peaks, self.memory_limit_bytes))
+
+    def chunk_cap(self, placement: Placement) -> tuple[float | None, float | None]:
+        """The memory limits as caps on chunk activations per rank in the unit count constructions use
+        (``w_retained_fraction`` until W): ``(sure, loose)`` -- within ``sure`` a table fits both limits, and no
+        table above ``loose`` fits (:meth:`~primuspipe.ir.cost_parts.MemoryCost.chunk_caps`); None: unbounded."""
+        units = None if self.memory_limit is None else self.memory_limit * placement.vpp
+        if self.memory_limit_bytes is None:
+            return units, units
+        sure, loose = self.cost_model(placement.vpp).memory.chunk_caps(placement, self.memory_limit_bytes)
+        if units is not None:
+            sure, loose = min(sure, units), min(loose, units)
+        return tuple(None if math.isinf(cap) else cap for cap in (sure, loose))  # type: ignore[return-value]
 
     @property
     def retained(self) -> float:

@@ -10,7 +10,8 @@ timelines and taken on rank 0 of a live run:
 * every registered algorithm whose table for the shape has the running layout -- same placement and
   vpp, so the model chunks every rank holds stay valid (1f1b, gpipe, zb-h1, zb-h2, zb-auto; zbv,
   v-half, v-min, dualpipe-v) -- is built under the measured costs (cost-aware ones plan with them) and
-  simulated; a table whose predicted peak memory exceeds the limit is left out;
+  simulated; a table whose predicted peak memory exceeds the limit is left out (zb-auto plans within the
+  limit as the same prediction counts it: :meth:`_MemoryModel.unit_limit`);
 * the fastest is chosen when it beats the running table's own prediction by more than the threshold;
 * algorithms of other layouts are simulated from the per-1F1B-stage costs (the portable cost file),
   and the best is *recommended* when it would beat the choice by the threshold: switching layout
@@ -291,7 +292,8 @@ def decide(timelines: Sequence[Timeline], running: ScheduleTable, settings: Repl
     portable = CostModel.from_dict(measured.cost_dict(), pp=pp, vpp=1)  # per 1F1B stage: any vpp
     limit = settings.memory_limit_bytes if settings.memory_limit_bytes is not None else memory_capacity_bytes
     memory = _MemoryModel.of(timelines, simulate(_executed(timelines[0], running), cost).peak_activations, limit)
-    built = {name: table for name, table in _buildable(pp, m, vpp, cost) if table.placement == running.placement}
+    built = {name: table for name, table in _buildable(pp, m, vpp, cost, memory.unit_limit())
+             if table.placement == running.placement}
     layout = set(built)
     if settings.algorithms is not None:
         built = {name: table for name, table in built.items() if name in settings.algorithms}
@@ -360,6 +362,16 @@ class _MemoryModel:
         per_unit = tuple(max(0.0, max(peaks[r]) - start[r]) / units if units > 0 else 0.0
                          for r, units in enumerate(simulated_units))
         return cls(start, per_unit, limit)
+
+    def unit_limit(self) -> float | None:
+        """The limit as activation units (the simulator's ``peak_activations``) that keep every rank's
+        :meth:`predict` within it -- the tightest rank's -- for the memory-aware algorithms (zb-auto) to plan
+        within, so what they build is judged by the count they planned with. None: no limit, memory not
+        predicted, or no room at all (every candidate is then judged over the limit)."""
+        if self.start is None or self.limit is None:
+            return None
+        room = [(self.limit - s) / k for s, k in zip(self.start, self.per_unit) if k > 0]
+        return min(room) if room and min(room) > 0 else None
 
     def predict(self, units: Sequence[float]) -> tuple[float, ...] | None:
         if self.start is None:

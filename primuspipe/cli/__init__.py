@@ -15,15 +15,16 @@ import importlib
 import logging
 import sys
 
-from primuspipe.errors import PrimusPipeError
 from primuspipe import strict
+from primuspipe.cli.parser import Parser
+from primuspipe.errors import PrimusPipeError
 
 COMMAND_MODULES = ("primuspipe.cli.schedule_commands", "primuspipe.cli.simulate_command", "primuspipe.cli.vis_command",
                    "primuspipe.cli.project_command")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="primuspipe",
         description="Build, inspect, validate and simulate pipeline-parallel schedules.",
         epilog="Run 'primuspipe COMMAND --help' for a command's options.",

@@ -94,6 +94,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-limit", type=number_type(minimum=None, above=0), metavar="MICROBATCHES",
                    help="per-rank activation budget in 1F1B-stage microbatches, each counted until its W: passed to "
                         "cost-aware algorithms, and any algorithm whose peak exceeds it is marked as not fitting")
+    p.add_argument("--memory-limit-bytes", type=number_type(minimum=0), metavar="BYTES",
+                   help="per-rank activation budget in bytes, counted as the simulator's byte peak counts them (a "
+                        "split B's rise and what W keeps beyond the retained share included; needs the cost file's "
+                        "memory.activation_bytes): passed to cost-aware algorithms (zb-auto keeps only tables within "
+                        "it), and any algorithm whose byte peak exceeds it is marked as not fitting")
     p.add_argument("--offload", action="store_true",
                    help="insert OFFLOAD/RELOAD nodes (the offload pass) into each table over --memory-limit, "
                         "so it fits; the row's 'offloads' counts them")
@@ -188,9 +193,13 @@ def _cost_spec(args: argparse.Namespace) -> dict[str, Any]:
     source = _cost_source(args)
     lengths = [len(v) for v in (spec.get("compute") or {}).values() if isinstance(v, list) and len(v) % args.pp == 0]
     try:
-        CostModel.from_dict(spec, pp=args.pp, vpp=args.vpp or max([1, *(n // args.pp for n in lengths)]), source=source)
+        model = CostModel.from_dict(spec, pp=args.pp, vpp=args.vpp or max([1, *(n // args.pp for n in lengths)]),
+                                    source=source)
     except ConfigError as exc:
         raise ConfigError(str(exc) if str(exc).startswith(source) else f"{source}: {exc}") from None
+    if args.memory_limit_bytes is not None and not model.memory.models_bytes:
+        raise ConfigError(f"--memory-limit-bytes counts activation bytes, which {source} does not give; add "
+                          "memory.activation_bytes (per stage) to the --cost file, or give --memory-limit in microbatches")
     return spec
 
 
@@ -224,11 +233,11 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, plan_spec: dict |
         plan = _plan_cost(args, plan_spec, vpp or 1, cost)
         if name == "zb-auto":  # the search's report is shown beside its table
             options = check_options(name, options)
-            request = ScheduleRequest(args.pp, vpp, args.microbatches, plan, args.memory_limit)
+            request = ScheduleRequest(args.pp, vpp, args.microbatches, plan, args.memory_limit, args.memory_limit_bytes)
             table, report = zb_auto_search(request, **options)
         else:
             table = build_schedule(name, args.pp, args.microbatches, vpp, cost=plan, memory_limit=args.memory_limit,
-                                   **options)
+                                   memory_limit_bytes=args.memory_limit_bytes, **options)
         cost = cost.for_shape(args.pp, table.vpp)
         if args.offload:
             table = offload_activations(table, cost, memory_limit=args.memory_limit)
@@ -251,7 +260,9 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, plan_spec: dict |
         bubble_rate_span=result.span_bubble_rate,
         peak_activations=result.peak_activations, peak_memory_bytes=max(result.peak_memory_bytes),
         w_retained_fraction=cost.memory.w_retained_fraction,
-        fits=args.memory_limit is None or peak <= args.memory_limit + 1e-9,
+        fits=(args.memory_limit is None or peak <= args.memory_limit + 1e-9) and (
+            args.memory_limit_bytes is None
+            or max(r.peak_activation_bytes for r in result.ranks) <= args.memory_limit_bytes * (1 + 1e-9)),
     )
     if args.offload:
         row["offloads"] = sum(n.kind is NodeKind.OFFLOAD for r in table.ranks for n in r)
@@ -260,6 +271,8 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, plan_spec: dict |
 
 def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     limit = "" if args.memory_limit is None else f", memory limit {args.memory_limit:g} microbatches"
+    if args.memory_limit_bytes is not None:
+        limit += f", activation limit {args.memory_limit_bytes:g} bytes"
     table = Table(title=f"pp={args.pp} microbatches={args.microbatches}{limit}, ranked by step time")
     table.add_column("#", justify="right")
     table.add_column("algorithm", no_wrap=True)

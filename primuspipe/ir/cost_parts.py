@@ -7,12 +7,18 @@ each, and :mod:`~primuspipe.ir.cost_file` reads them from a cost file's sections
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from primuspipe.errors import ConfigError
-from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION
+from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION, running_levels
 from primuspipe.ir.costs import Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.placement import Placement
+
+if TYPE_CHECKING:
+    from primuspipe.ir.table import ScheduleTable
 
 TIME_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0}
 """Microseconds per time unit (the Chrome trace's unit)."""
@@ -187,3 +193,43 @@ class MemoryCost:
         if not self.parameter_bytes:
             return 0.0
         return self.parameter_bytes[rank] + self.gradient_bytes[rank] + self.optimizer_bytes[rank]
+
+    def byte_count(self, stages: Sequence[int]) -> dict[str, Any]:
+        """The one counter's settings (:func:`~primuspipe.ir.activations.running_levels`,
+        :func:`~primuspipe.ir.activations.timed_levels`) that count a rank holding model ``stages`` (its
+        chunks') in bytes: each chunk its stage's activation bytes, ``bytes_retained`` from B until W, a B's
+        rise. The simulator's byte peaks and the algorithms' byte budgets both count with these."""
+        assert self.activation_bytes is not None, "bytes are not modelled"
+        weights = self.activation_bytes
+        weight: Callable[[int], float] = lambda chunk: weights[stages[chunk]]  # noqa: E731
+        return dict(chunk_weight=weight, retained=self.bytes_retained, offloaded=self.offload_fraction,
+                    rise=self.b_rise_fraction)
+
+    def peak_bytes(self, table: ScheduleTable) -> list[float]:
+        """Per rank of a compute table whose stages this model describes: the most activation bytes held at
+        once, in table order (the simulator's byte peak of a table without host copies, whatever the timing)."""
+        return [max(running_levels(row, **self.byte_count(table.placement.stages[rank])), default=0.0)
+                for rank, row in enumerate(table.ranks)]
+
+    def chunk_caps(self, placement: Placement, limit_bytes: Sequence[float]) -> tuple[float, float]:
+        """What a per-rank byte budget ``limit_bytes`` allows in the unit count the algorithms construct with
+        (chunk activations, ``w_retained_fraction`` from B until W): ``(sure, loose)``. A table within ``sure``
+        chunks on every rank fits the byte budget (each unit at the rank's largest chunk bytes, a share held
+        until W at up to ``bytes_retained / w_retained_fraction`` of its count, a B's rise on top); every table
+        that fits holds at most ``loose`` (each unit at the rank's smallest chunk bytes, never more than the
+        bytes count). Between the two only the byte count (:meth:`peak_bytes`) decides."""
+        assert self.activation_bytes is not None, "bytes are not modelled"
+        sure, loose = math.inf, 0.0
+        for rank, stages in enumerate(placement.stages):
+            sizes = [self.activation_bytes[s] for s in stages]
+            biggest, smallest = max(sizes), min(sizes)
+            if biggest <= 0:
+                loose = math.inf  # this rank holds nothing it could overflow
+                continue
+            loose = max(loose, limit_bytes[rank] / smallest if smallest > 0 else math.inf)
+            if self.w_retained_fraction > 0:
+                growth = max(1.0, self.bytes_retained / self.w_retained_fraction)
+            else:  # B keeps nothing in units: a unit count bounds the bytes only if it keeps none in bytes either
+                growth = 1.0 if self.w_excess_fraction == 0 else math.inf
+            sure = min(sure, max(0.0, (limit_bytes[rank] - self.b_rise_fraction * biggest) / (growth * biggest)))
+        return sure, loose

@@ -273,9 +273,11 @@ class ActivationModel(RankShape):
         return sum(self._layers[k].gemm_inputs + self._layers[k].gemm_output_grads
                    for k in (self.model.layer_kinds[i] for i in chunk_layers))
 
-    def b_rise(self, chunk_layers: range, *, head: bool) -> float:
+    def b_rise(self, chunk_layers: range, *, head: bool, freed_in_layers: float = 0.0) -> float:
         """Bytes by which a split-backward B of one chunk peaks above a fused backward's peak as the projection
-        counts it (what the rank held when the backward started, plus the local attention's working set).
+        counts it (what the rank held when the backward started, plus the local attention's working set, less
+        ``freed_in_layers``: what that working set's moment inside a layer no longer holds, the microbatch's head,
+        :mod:`~primuspipe.projection.stage_costs`).
 
         B walks down the chunk (the head first when the chunk has it). Each part it has passed freed what its
         backward used but kept its GEMMs' inputs and output gradients for W (:meth:`wgrad_bytes`), so the level
@@ -291,16 +293,17 @@ class ActivationModel(RankShape):
         with and without a shared expert, TP 2 with and without sequence parallelism, exact). On the lent H100
         the local-spec model of ``bench/bench_local_spec.py`` (pp 1) peaked 0.404 GB (12.04 ``sbh``) higher under
         ZB-H1 than under 1F1B: the top layer's MLP and output-projection inputs and MLP output gradients (11
-        ``sbh``), the output layer's input (1 ``sbh``) and its logits gradient. Here that is 0.333 GB: the 1F1B
-        projection goes on counting the head's activations (:meth:`head`, 0.071 GB) at that moment, which both
-        backwards have freed."""
+        ``sbh``), the output layer's input (1 ``sbh``) and its logits gradient; at two more shapes
+        (``bench/results/gpu_local_shapes_h100.json``, vocabularies of 32,000 and 50,304) 0.726 and 0.415 GB, mostly
+        the logits gradient W keeps. The projection gives 0.400, 0.726 and 0.415 GB."""
         freed_by_fused = 0.0 if self._local_scores() else 1.0  # the local working set subtracts it itself
         drift = self.head_gemm_bytes() - self.head() if head else 0.0
         rise = drift
         kinds = [self.model.layer_kinds[i] for i in chunk_layers]
         for kind, held in reversed(list(zip(kinds, self.layer_bytes(chunk_layers)))):
             layer = self._layers[kind]
-            rise = max(rise, drift + layer.kept_before_core - freed_by_fused * self._after_core(kind))
+            inside = drift + layer.kept_before_core - freed_by_fused * self._after_core(kind)
+            rise = max(rise, inside + freed_in_layers)
             drift += layer.gemm_inputs + layer.gemm_output_grads - held
         return max(rise, drift, 0.0)
 
@@ -319,9 +322,14 @@ class ActivationModel(RankShape):
     def head(self) -> float:
         """The last stage's extra: final norm, output-layer input, fp32 softmax of the vocab-parallel
         cross entropy (``T V / TP`` floats) and the labels."""
+        return self.head_tensors() + self.tokens * 2 * _INDEX
+
+    def head_tensors(self) -> float:
+        """What of :meth:`head` the output layer and loss make and their backward frees: all but the labels (the
+        batch the step function holds), so a layer's moments (forward before, backward after) do not hold it."""
         m, tp = self.model, self.training.tp
         logits = self.tokens * m.padded_vocab(tp) / tp * (self.e if self.training.cross_entropy_loss_fusion else _FP32)
-        return self._norm(self.residual_tokens, m.hidden_size) + self.hidden_bytes + logits + self.tokens * 2 * _INDEX
+        return self._norm(self.residual_tokens, m.hidden_size) + self.hidden_bytes + logits
 
     def loss_working_set(self) -> float:
         """Bytes the unfused loss holds for a moment beyond :meth:`head` (what it keeps for the backward):
@@ -350,12 +358,16 @@ class ActivationModel(RankShape):
         * forward, once the softmax has run: the low-precision scores ``baddbmm`` wrote (``DotProductAttention
           .forward`` holds them in ``attention_scores`` until it returns) and, with the softmax in fp32, the fp32
           copy ``forward_torch_softmax`` masked in place: ``e + 4`` bytes a score (``e`` without the fp32 softmax);
-        * backward, in the softmax's backward: with the softmax in fp32 the fp32 gradient and the softmax's input
-          gradient (then the masked one), the low-precision probabilities the value GEMM kept already freed:
-          ``8 - e``; without it the masked scores' gradient rebuilt by autograd's ``CopySlices`` (a zeroed base, its
-          strided copy and a clone beside the softmax's and the mask's gradients) less the freed probabilities:
-          ``3e``; and two gradients in flight, the residual stream's and the value's (waiting for the QKV split's
-          concatenation).
+        * backward, in the softmax's backward: PyTorch's CUDA kernel (``softmax_backward_cuda_out``,
+          ``aten/src/ATen/native/cuda/SoftMax.cu``) first makes ``grad * output``, a score-sized temporary in the
+          gradient's dtype, beside the incoming gradient and its result; with the softmax in fp32 that is three
+          fp32 tensors, the low-precision probabilities the value GEMM kept already freed: ``12 - e``; without
+          it three low-precision ones, ``3e``, as much as the masked scores' gradient autograd's ``CopySlices``
+          rebuilds next (a zeroed base, its strided copy and a clone beside the softmax's and the mask's
+          gradients, less the freed probabilities); and two gradients in flight, the residual stream's and the
+          value's (waiting for the QKV split's concatenation). The CPU kernel makes no temporary (``8 - e`` with
+          the softmax in fp32): the lent H100's allocator trace of the local-spec run shows the three fp32
+          tensors at its peak (``bench/gpu_memory_peak.py``).
 
         What the layer keeps after its core attention (the output projection's input, the pre-MLP norm, the MLP) is
         not yet made at the first moment and already freed at the second, so it comes off both. Held against the
@@ -367,7 +379,7 @@ class ActivationModel(RankShape):
         fp32 = t.attention_softmax_in_fp32 and e < _FP32
         forward = scores * (e + _FP32 if fp32 else e)
         grads = self.hidden_bytes + self.tokens * m.query_groups / t.tp * m.head_dim * e
-        backward = scores * (2 * _FP32 - e if fp32 else 3 * e) + grads
+        backward = scores * (3 * _FP32 - e if fp32 else 3 * e) + grads
         return max(forward, backward) - min(self._after_core(k) for k in self._layers)
 
     def _after_core(self, kind: LayerKind) -> float:

@@ -211,12 +211,13 @@ def destination_ranks(model: ModelSpec, training: TrainingSpec) -> float:
     min(topk, num_experts_per_rank)"), and so does Primus-Turbo's DeepEP port, which keeps DeepEP's
     ``is_token_in_rank`` layout (AMD-AGI/Primus-Turbo a6a16cdc, benchmark/ops/training/deep_ep/test_intranode.py).
 
-    Which ranks: a router's picks (:func:`destinations`, forced balance's random logits included); AutoModel's
-    ``fake_balanced_gate`` gives token ``i`` experts ``i k`` ... ``i k + k - 1`` (mod ``E``), counted exactly over
-    one period of its starting expert."""
+    Which ranks: a router's picks (:func:`destinations`, megatron-core's forced balance by random logits included);
+    a round-robin (AutoModel's ``fake_balanced_gate``, Primus's ``even`` forced balance:
+    :attr:`TrainingSpec.round_robin_routing`) gives token ``i`` experts ``i k`` ... ``i k + k - 1`` (mod ``E``),
+    counted exactly over one period of its starting expert."""
     experts, k = model.num_experts, model.moe_router_topk
     per_rank = experts // training.ep
-    if training.fake_balanced_gate:
+    if training.round_robin_routing:
         starts = range(0, experts * k // math.gcd(experts, k), k)
         return sum(len({(s + j) % experts // per_rank for j in range(k)}) for s in starts) / len(starts)
     return destinations(model, per_rank)

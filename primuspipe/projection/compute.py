@@ -39,6 +39,10 @@ PASSES = ("forward", "backward_input", "backward_weight")
 ATTENTION_BLOCK = 128
 """Queries and keys per block of a flash attention kernel (FlashAttention-2's and cuDNN's tiles for head
 dimensions up to 128): the granularity at which a sliding window's masked work is skipped."""
+CUDA_SOFTMAX_BACKWARD_PRODUCT = 3
+"""Score-matrix passes of the ``grad * output`` temporary PyTorch's GPU softmax backward makes before its kernel
+(``softmax_backward_cuda_out`` in ``SoftMax.cu``; read the gradient and the probabilities, write the product), which
+the CPU kernel does without: what an unfused softmax moves on a GPU beyond the aten operations a CPU run dispatches."""
 FLOP_CONVENTIONS = ("causal", "full")
 """How model FLOPs count attention: ``causal`` the half of the score square a causal mask keeps (what the
 kernels compute), ``full`` the whole square (Narayanan et al. 2021's formula, as NVIDIA's NeMo /
@@ -333,17 +337,21 @@ class WorkModel(RankShape):
         probabilities back (read 4, write ``e``): ``2e + 24`` an element, and the mask. Autograd's backward runs the
         same chain the other way: the gradient cast to fp32 (``e + 4``), ``_softmax_backward_data`` (reads the
         probabilities and the gradient, writes one: 12), ``masked_fill`` of the gradient (8 and the mask), the cast
-        back (``4 + e``): ``2e + 28``. With the softmax in the activations' dtype there are no casts and the mask
-        goes in place onto a view of ``baddbmm``'s output, so autograd's ``CopySlices`` rebuilds that output's
+        back (``4 + e``): ``2e + 28``; on a GPU PyTorch's softmax backward (``softmax_backward_cuda_out``,
+        ``SoftMax.cu``) first multiplies the gradient by the probabilities into a temporary (reads two, writes
+        one: 12 more, :data:`CUDA_SOFTMAX_BACKWARD_PRODUCT` passes of the score matrix; ``3e`` without the fp32
+        softmax), which the CPU kernel does not. With the softmax in the activations' dtype there are no casts and
+        the mask goes in place onto a view of ``baddbmm``'s output, so autograd's ``CopySlices`` rebuilds that output's
         gradient around the mask's (``new_zeros``, three ``copy_``, a ``clone``): ``4e`` forward, ``3e`` (softmax)
         ``+ e + 3 * 2e + 2e`` (the rebuild) ``+ 2e`` (the mask) ``= 14e`` backward. The mask (``[1, 1, s, s]``
         booleans, what ``GPTModel`` is given) is read whole per masking pass.
         Held against the aten operations a local-spec layer dispatches (``tests/projection/test_local_spec.py``)."""
         m, t, e = self.model, self.training, self.e
         mask = (m.seq_length / t.cp) * m.seq_length
+        product = CUDA_SOFTMAX_BACKWARD_PRODUCT * scores * (4 if t.attention_softmax_in_fp32 else e)
         if t.attention_softmax_in_fp32:
-            return scores * (2 * e + 24) + mask, scores * (2 * e + 28) + mask
-        return scores * 4 * e + mask, scores * 14 * e + mask
+            return scores * (2 * e + 24) + mask, scores * (2 * e + 28) + mask + product
+        return scores * 4 * e + mask, scores * 14 * e + mask + product
 
     def _local_spec_elements(self, kind: str) -> PassWork:
         """Element-wise passes megatron-core's local spec (``--transformer-impl local``) runs as kernels of their own

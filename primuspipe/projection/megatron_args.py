@@ -249,7 +249,7 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
     modules = data.get("modules")
     if not isinstance(modules, Mapping):
         return split_arguments(_primus_values(data), str(path))
-    arguments: dict[str, Any] = {}
+    arguments: dict[str, Any] = dict(PRIMUS_MODULE_DEFAULTS)
     for name, module in modules.items():
         if not isinstance(module, Mapping):
             continue
@@ -262,6 +262,11 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
             arguments.update(module["overrides"])
     return split_arguments(_primus_values(arguments), str(path))
 
+
+PRIMUS_MODULE_DEFAULTS = {"moe_router_force_load_balancing_type": "even"}
+"""Primus module defaults that differ from megatron-core's and change a step: forced balance is Primus's round-robin
+(``primus/configs/modules/megatron/primus_megatron_module.yaml``; before that flag, the only forced balance its
+router had). A module's ``overrides`` and ``model:`` file still win."""
 
 _PRIMUS_VARIABLE = re.compile(r"\$\{\w+:([^}]*)\}")
 

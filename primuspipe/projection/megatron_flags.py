@@ -143,14 +143,13 @@ PRIMUS_NO_EFFECT_PREFIXES = ("mlflow_", "torch_profiler_", "use_rocm_mem_info")
 PRIMUS_NO_EFFECT = frozenset({
     "stderr_sink_level", "file_sink_level", "auto_continue_train", "disable_last_saving", "disable_tensorboard",
     "disable_wandb", "disable_mlflow", "generate_tracelens_report", "disable_compile_dependencies", "pp_warmup",
-    "moe_router_force_load_balancing_type",
 })
 """Primus's own arguments (``primus/configs/modules/megatron/primus_megatron_module.yaml``) that cannot change a
 step's time or memory: logging sinks and trackers, profiler options, resuming and the last checkpoint, the
-first iteration's pipeline warm-up, and how forced balancing spreads tokens (``even`` or ``uniform``: both
-balanced, which is what ``moe_router_force_load_balancing`` means to the projection). (The legacy grouped GEMM
-switch, ``moe_use_legacy_grouped_gemm``, is a training field: its GEMMs take the same 4-stream path as Transformer
-Engine's, but its expert weights' gradients are accumulated outside the GEMM.)"""
+first iteration's pipeline warm-up. (How forced balance routes, ``moe_router_force_load_balancing_type``, is a
+training field: Primus's ``even`` round-robin is exactly balanced and sends a token to fewer ranks than random
+picks do. The legacy grouped GEMM switch, ``moe_use_legacy_grouped_gemm``, is a training field: its GEMMs take the
+same 4-stream path as Transformer Engine's, but its expert weights' gradients are accumulated outside the GEMM.)"""
 
 PRIMUS_FLAGS = frozenset({
     "use_turbo_autotune", "turbo_gemm_backend", "turbo_grouped_gemm_backend", "mxfp4_gradient_stochastic_rounding",

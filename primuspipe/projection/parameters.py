@@ -21,7 +21,8 @@ weight matrix is in x out, biases only with ``add_bias_linear``):
   shared expert as an MLP of width ``moe_shared_expert_intermediate_size``;
 * embedding ``V * H / TP`` (+ ``max_position_embeddings * H`` for learned positions) on stage 0; final
   norm and output layer ``V * H / TP`` on the last stage, which keeps a copy of the embedding even when
-  the weights are tied (Megatron all-reduces the two copies' gradients).
+  the weights are tied (Megatron all-reduces the two copies' gradients) unless it is the first stage too: a
+  single model chunk (pipeline of one stage) builds its output layer on the embedding's own weight.
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ def stage_params(model: ModelSpec, training: TrainingSpec, layout: StageLayout, 
     if stage == 0:
         count += ParamCount(embedding_params(model, training.tp))
     if stage == layout.num_stages - 1:
-        count += sum([mtp_params(model, training)] * (training.mtp_num_layers or 0), ParamCount(head_params(model, training.tp)))
+        head = head_params(model, training.tp)
+        if layout.num_stages == 1 and not model.untie_embeddings_and_output_weights:  # the embedding's own weight
+            head -= model.padded_vocab(training.tp) * model.hidden_size // training.tp
+        count += sum([mtp_params(model, training)] * (training.mtp_num_layers or 0), ParamCount(head))
         if training.mtp_num_layers and layout.num_stages > 1:  # the MTP input embeds tokens: a copy of the table
             count += ParamCount(embedding_params(model, training.tp))
     return count

@@ -239,15 +239,16 @@ class Projector:
         m = training.microbatches
         if (counts := sampled_microbatches(m, training.pp)) is None:
             return None
+        searches = get_algorithm(algorithm).placement == "any"
         runs = [self._pipeline(training, algorithm, k) for k in counts[:2]]
-        figures = self._extrapolated(runs, m)
-        if figures is None and counts[2] < m and _growing(runs):
+        figures = self._extrapolated(runs, m, searches)
+        if figures is None and counts[2] < m and _growing(runs) and not searches:
             runs.append(self._pipeline(training, algorithm, counts[2]))
-            figures = self._extrapolated(runs, m)
+            figures = self._extrapolated(runs, m, searches)
         if figures is not None:
             shape, costs, _ = runs[0]
             return dataclasses.replace(training, virtual_pipeline_model_parallel_size=shape.vpp), costs, figures
-        if get_algorithm(algorithm).placement == "any" and m * training.pp > SEARCH_WHOLE_UP_TO:
+        if searches and m * training.pp > SEARCH_WHOLE_UP_TO:
             raise PrimusPipeError(
                 f"{algorithm} searches anew at every microbatch count and its answers at {', '.join(map(str, counts))} "
                 f"follow no line, so its {m}-microbatch table cannot be carried on from shorter ones, and a search "
@@ -256,11 +257,14 @@ class Projector:
         return None
 
     @staticmethod
-    def _extrapolated(runs: list[tuple[TrainingSpec, StageCosts, PipelineFigures]], microbatches: int
+    def _extrapolated(runs: list[tuple[TrainingSpec, StageCosts, PipelineFigures]], microbatches: int, searches: bool
                       ) -> PipelineFigures | None:
-        """:func:`extrapolate` over the runs, unless zb-auto chose another layout at some count (no line
-        goes through different tables' shapes)."""
+        """:func:`extrapolate` over the runs, unless zb-auto (``searches``) chose another layout at some count or
+        a table whose memory peak differs from another count's: its answer at each count is a search of its own
+        within the memory budget, so no line goes through different tables' shapes or peaks."""
         if len({shape.vpp for shape, _, _ in runs}) > 1:
+            return None
+        if searches and len({figures.peak_memory_bytes for _, _, figures in runs}) > 1:
             return None
         return extrapolate([figures for _, _, figures in runs], microbatches)
 
@@ -273,21 +277,44 @@ class Projector:
         if microbatches != training.microbatches:
             training = dataclasses.replace(
                 training, global_batch_size=microbatches * training.micro_batch_size * training.dp)
-        # An algorithm that picks its own placement and vpp ("any": zb-auto) plans with the configured
-        # interleaved layout's costs, re-cut to the layouts it tries; the answer is then costed as
-        # what it is (only where layers, embedding and head sit differs).
-        chooses = info.placement == "any"
+        if info.placement == "any":
+            return self._searched(training, algorithm, microbatches)
         costs = stage_costs(self.model, training, self.hardware, self._parts(training),
-                            Placement.named("interleaved" if chooses else info.placement, training.pp, training.vpp))
+                            Placement.named(info.placement, training.pp, training.vpp))
         with _quiet(*ALGORITHM_LOGGERS):  # one projection builds many tables; their progress is noise here
-            table = build_schedule(algorithm, training.pp, microbatches, None if chooses else training.vpp,
-                                   cost=costs.cost_model(), memory_limit=self._activation_budget(costs),
+            table = build_schedule(algorithm, training.pp, microbatches, training.vpp, cost=costs.cost_model(),
+                                   memory_limit_bytes=self._activation_budget([costs]),
                                    **ALGORITHM_OPTIONS.get(info.name, {}))
-        if table.placement != costs.layout.placement:
-            training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=table.placement.vpp)
-            check_compatible(self.model, training)
-            costs = stage_costs(self.model, training, self.hardware, self._parts(training), table.placement)
         return training, costs, PipelineFigures.of(simulate(table, costs.cost_model()), microbatches)
+
+    def _searched(self, training: TrainingSpec, algorithm: str, microbatches: int
+                  ) -> tuple[TrainingSpec, StageCosts, PipelineFigures]:
+        """:meth:`_pipeline` for an algorithm that picks its own placement ("any": zb-auto): built at vpp 1
+        (interleaved) and at vpp 2 (interleaved or the V, the same stages on other ranks), each time with that
+        layout's own stage costs and FITS budget (at vpp 2 the lesser of the two layouts' on each rank), so the
+        bytes it plans with are the bytes its table is judged by; the faster answer is the row. Where neither
+        vpp gives one, the refusals are joined in one line."""
+        found, refusals = None, []
+        for vpp, others in ((1, ()), (2, (Placement.vshape(training.pp),))):
+            shaped = dataclasses.replace(training, virtual_pipeline_model_parallel_size=vpp)
+            try:
+                check_compatible(self.model, shaped)
+                layouts = [stage_costs(self.model, shaped, self.hardware, self._parts(shaped), placement)
+                           for placement in (Placement.interleaved(training.pp, vpp), *others)]
+                with _quiet(*ALGORITHM_LOGGERS):
+                    table = build_schedule(algorithm, training.pp, microbatches, vpp, cost=layouts[0].cost_model(),
+                                           memory_limit_bytes=self._activation_budget(layouts),
+                                           **ALGORITHM_OPTIONS.get(get_algorithm(algorithm).name, {}))
+            except PrimusPipeError as exc:
+                refusals.append(f"vpp {vpp}: {str(exc).splitlines()[0]}")
+                continue
+            costs = next(c for c in layouts if c.layout.placement == table.placement)
+            figures = PipelineFigures.of(simulate(table, costs.cost_model()), microbatches)
+            if found is None or figures.step_time < found[2].step_time:
+                found = shaped, costs, figures
+        if found is None:
+            raise PrimusPipeError("; ".join(refusals))
+        return found
 
     def _parts(self, training: TrainingSpec) -> dict[str, PartTimes]:
         """Per-part times, computed once per configuration (they do not depend on pp, vpp or the algorithm)."""
@@ -297,17 +324,15 @@ class Projector:
             self._part_cache[key] = part_times(WorkModel(self.model, training), self.hardware, self.calibration)
         return self._part_cache[key]
 
-    def _activation_budget(self, costs: StageCosts) -> float:
-        """Activations that fit beside static memory, in the simulator's units (one microbatch through all
-        of a rank's chunks), for memory-aware algorithms (split backwards); the tightest rank decides. A B's rise
-        above what the rank holds (``StageCosts.b_rise_fraction`` of its chunk) comes off it, as the transient
-        working set does: the algorithms count held microbatches, the simulator's peak counts the rise too."""
+    def _activation_budget(self, layouts: list[StageCosts]) -> tuple[float, ...]:
+        """Per rank, the activation bytes a FITS verdict leaves beside the rank's static memory, working set
+        and the runtime reserve, for memory-aware algorithms: the simulator's byte peak of their table
+        (:meth:`~primuspipe.ir.cost_parts.MemoryCost.peak_bytes`: a B's rise and what W keeps beyond the
+        retained share included) within it is exactly a FITS verdict. Over several ``layouts`` of the same
+        stages (an algorithm that may put them on the interleaved ranks or the V), the least on each rank."""
         hbm = self.hardware.hbm_bytes * (1 - self.risk_margin) - self.hardware.runtime_reserved_bytes
-        rise = [costs.b_rise_fraction * max(costs.activation_bytes[c] for c in costs.layout.rank_stages(r))
-                for r in range(len(costs.static))]
-        free = [hbm - s.total - t - b for s, t, b in zip(costs.static, costs.transient_bytes, rise)]
-        return max(1.0, min(f / u for f, u in zip(free, costs.activation_units_per_rank())))
-
+        return tuple(max(0.0, min(hbm - c.static[r].total - c.transient_bytes[r] for c in layouts))
+                     for r in range(len(layouts[0].static)))
 
     def _result(self, training: TrainingSpec, algorithm: str, costs: StageCosts, simulated: PipelineFigures
                 ) -> ProjectionResult:

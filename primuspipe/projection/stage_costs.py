@@ -69,10 +69,6 @@ class StageCosts:
         return CostModel(ComputeCosts(self.forward, self.backward_input, self.backward_weight), p2p=self.p2p,
                          memory=memory, time_unit="s")
 
-    def activation_units_per_rank(self) -> list[float]:
-        """Bytes of one microbatch through all of a rank's chunks: the simulator's unit of held memory."""
-        return [sum(self.activation_bytes[s] for s in self.layout.rank_stages(r)) for r in range(self.layout.placement.pp)]
-
 
 def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, parts: dict[str, PartTimes],
                 placement: Placement) -> StageCosts:
@@ -122,11 +118,18 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
         w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if stage == last else 0.0)
         kept_for_w.append(min(stage_bytes, w_bytes))
         excess.append(w_bytes - kept_for_w[-1])
-        rise.append(activations.b_rise(layers, head=stage == last) / stage_bytes if stage_bytes else 0.0)
-        transient.append(max(activations.recompute_working_set(layers),  # at different moments: the larger shows
-                             activations.loss_working_set() if stage == last else 0.0,
-                             activations.attention_working_set() if layers else 0.0)
-                         + activations.attention_buffer())
+        # A layer's moments come while its microbatch's head (and MTP modules) are not yet made (forward) or
+        # already freed (backward), though the stage's held bytes count them for that microbatch throughout.
+        mtp_bytes = activations.mtp() * (training.mtp_num_layers or 0)
+        head = activations.head_tensors() + mtp_bytes if stage == last else 0.0
+        in_layers = max(activations.recompute_working_set(layers),
+                        activations.attention_working_set() if layers else 0.0)
+        loss = activations.loss_working_set() if stage == last else 0.0
+        moment = max(in_layers - head, loss, 0.0)  # at different moments: the larger shows
+        freed = max(in_layers, loss, 0.0) - moment  # the head a layer's moment no longer holds
+        transient.append(moment + activations.attention_buffer())
+        rise.append(activations.b_rise(layers, head=stage == last, freed_in_layers=freed) / stage_bytes
+                    if stage_bytes else 0.0)
     params = rank_params(model, training, layout)
     ranks = range(placement.pp)
     return StageCosts(

@@ -188,6 +188,16 @@ class TrainingSpec:
     The probabilities weight each token copy in the experts (see ``WorkModel.probs_bytes``)."""
     moe_router_force_load_balancing: bool = False
     """Route tokens evenly (benchmarks do): no expert gets more than its share."""
+    moe_router_force_load_balancing_type: Literal["uniform", "even"] = "uniform"
+    """How forced balance routes: ``uniform``, megatron-core's random logits (each token draws its experts at
+    random, balanced on average only: :mod:`~primuspipe.projection.routing`); ``even``, Primus's round-robin, token
+    ``t`` of a rank to experts ``t k`` ... ``t k + k - 1`` (mod the expert count) -- exactly balanced, a token's
+    experts consecutive -- after the router has run (AMD-AGI/Primus ``PrimusTopKRouter.routing``,
+    primus/backends/megatron/core/transformer/moe/router.py, and the Turbo DeepEP dispatcher's
+    ``dispatch_preprocess``, primus/backends/megatron/core/extensions/primus_turbo.py: Primus's only forced balance
+    until the flag came in July 2026, its module default since, primus/configs/modules/megatron/
+    primus_megatron_module.yaml). A Primus configuration read by ``--megatron-config`` takes ``even`` unless it
+    says otherwise."""
     fake_balanced_gate: bool = False
     """NeMo AutoModel's ``fake_balanced_gate`` (its MoE ``BackendConfig``; ``FakeBalancedGate`` in
     nemo_automodel/components/moe/layers.py): no router -- token ``i`` goes to experts ``i k`` ... ``i k + k - 1``
@@ -411,6 +421,13 @@ class TrainingSpec:
         return self.moe_router_force_load_balancing or self.fake_balanced_gate
 
     @property
+    def round_robin_routing(self) -> bool:
+        """Token ``t`` goes to experts ``t k`` ... ``t k + k - 1`` (mod the expert count): AutoModel's fake gate, or
+        Primus's ``even`` forced balance."""
+        return self.fake_balanced_gate or (self.moe_router_force_load_balancing
+                                           and self.moe_router_force_load_balancing_type == "even")
+
+    @property
     def load_imbalance(self) -> float:
         """Busiest expert group's load over the mean as set (forced balance: 1, its random spread is
         :attr:`RankShape.load_imbalance`'s); under token drop the capacity caps it, and padding to capacity makes
@@ -604,10 +621,11 @@ class RankShape:
         """Busiest expert-parallel rank's token copies over the mean, which every MoE layer waits for. Megatron's
         forced balance draws each token's experts at random (:mod:`~primuspipe.projection.routing`), balanced on
         average only: the expected busiest of the EP ranks' random loads (:func:`~primuspipe.projection.routing.
-        busiest_rank_load`, over the microbatch's tokens of the whole EP group), as token drop caps it. AutoModel's
-        fake gate is exactly even, and otherwise the set figure holds (:attr:`TrainingSpec.load_imbalance`)."""
+        busiest_rank_load`, over the microbatch's tokens of the whole EP group), as token drop caps it. A round-robin
+        (AutoModel's fake gate, Primus's ``even`` forced balance) is exactly even, and otherwise the set figure holds
+        (:attr:`TrainingSpec.load_imbalance`)."""
         t = self.training
-        if not self.model.is_moe or not t.moe_router_force_load_balancing or t.fake_balanced_gate:
+        if not self.model.is_moe or not t.moe_router_force_load_balancing or t.round_robin_routing:
             return t.load_imbalance
         tokens = self.residual_tokens * t.etp * t.ep
         return t.capped_load(busiest_rank_load(self.model, t.ep, tokens))
@@ -625,9 +643,12 @@ class RankShape:
         The counts arrive aligned, and nothing is copied, where the router pads the routing map
         (``moe_router_padding_for_quantization``), where HybridEP's dispatch pads them
         (``moe_flex_dispatcher_backend: hybridep``), and where every expert is padded to a capacity that is a
-        multiple of the alignment (``get_capacity``: ``ceil(T_r k / E * factor)`` per source rank). Otherwise
-        (dropless, even forced-balanced routing, whose counts are random) some count is not aligned. Primus-Turbo's
-        grouped GEMM (``use_turbo_grouped_gemm``) is not megatron-core's ``TEGroupedMLP`` and is left out."""
+        multiple of the alignment (``get_capacity``: ``ceil(T_r k / E * factor)`` per source rank). A round-robin
+        (:attr:`TrainingSpec.round_robin_routing`) sends every expert ``floor`` or ``ceil`` of ``T_r k / E`` copies
+        from each of the ``EP x ETP`` source ranks alike, so an expert's count is that many times one of the two:
+        aligned only where both are. Otherwise (dropless, megatron-core's forced balance, whose counts are random)
+        some count is not aligned. Primus-Turbo's grouped GEMM (``use_turbo_grouped_gemm``) is not megatron-core's
+        ``TEGroupedMLP`` and is left out."""
         m, t = self.model, self.training
         if not (t.experts_fp8 and m.is_moe) or t.use_turbo_grouped_gemm or t.moe_router_padding_for_quantization:
             return False
@@ -636,6 +657,10 @@ class RankShape:
         if t.moe_expert_capacity_factor is not None and t.moe_pad_expert_input_to_capacity:
             capacity = math.ceil(self.residual_tokens * m.moe_router_topk / m.num_experts * t.moe_expert_capacity_factor)
             return capacity % t.fp8_alignment != 0
+        if t.round_robin_routing:
+            sent = int(self.residual_tokens) * m.moe_router_topk
+            counts = (sent // m.num_experts, -(-sent // m.num_experts))
+            return any(t.ep * t.etp * count % t.fp8_alignment for count in counts)
         return True
 
     @property

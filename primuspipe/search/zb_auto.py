@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from primuspipe.algorithms.competition import Filled, fill_all, shortlist
 from primuspipe.algorithms.list_scheduler import FillPolicy
 from primuspipe.algorithms.registry import ScheduleRequest, list_algorithms, register
-from primuspipe.algorithms.vshape import vshape_candidates, zbv_handcrafted
+from primuspipe.algorithms.vshape import fill_policies, vshape_candidates, zbv_handcrafted
 from primuspipe.errors import ConfigError, ScheduleShapeError
 from primuspipe.ir.activations import peak_in_flight
 from primuspipe.ir.placement import Placement
@@ -177,7 +177,6 @@ def zb_auto_search(
         raise ConfigError(f"zb-auto: fills, milp_nodes and milp_iterations must be >= 0, got {fills}, {milp_nodes}, "
                           f"{milp_iterations}")
     layouts = placements(req, placement)
-    limit, retained = req.memory_limit, req.retained
     best: _Best | None = None
     tried = 0
     by_layout: dict[Placement, _Best] = {}
@@ -189,9 +188,9 @@ def zb_auto_search(
 
     def consider(method: str, source: str, table: ScheduleTable, layout: Placement) -> None:
         nonlocal best, tried
-        peak = max(peak_in_flight(table, retained))
-        if limit is not None and peak > limit + 1e-9:
+        if not req.fits(table):
             return
+        peak = max(peak_in_flight(table, req.retained))
         tried += 1
         result = simulate(table, req.cost_model(table.vpp))
         candidate = _Best(result.step_time, peak, method, source, table, result)
@@ -204,7 +203,7 @@ def zb_auto_search(
 
     for i, layout in enumerate(layouts):
         report(f"searching {_name(layout.name, layout.vpp)}", i / len(layouts))
-        sub = ScheduleRequest(req.pp, layout.vpp, req.microbatches, req.cost_model(layout.vpp), limit)
+        sub = replace(req, vpp=layout.vpp, cost=req.cost_model(layout.vpp))
         for name, table in _fixed_candidates(sub, layout) if include_fixed else ():
             consider("fixed", name, table, layout)
         for candidate in _constructions(sub, layout, fills):
@@ -212,8 +211,7 @@ def zb_auto_search(
     if best is None:
         raise ScheduleShapeError(
             f"zb-auto: no schedule of pp={req.pp}, {req.microbatches} microbatches "
-            f"({', '.join(_name(lay.name, lay.vpp) for lay in layouts)}) holds at most {limit:g} microbatches of "
-            "activations per rank (counted until W); raise the memory limit"
+            f"({', '.join(_name(lay.name, lay.vpp) for lay in layouts)}) fits {_limits(req)}; raise the memory limit"
         )
     lower_bound, optimal = _improve_with_milp(req, best.table.placement, by_layout, consider, report, use_milp,
                                               milp_nodes, milp_iterations)
@@ -226,6 +224,17 @@ def zb_auto_search(
     if check:
         validate(add_communication(table))
     return table, final
+
+
+def _limits(req: ScheduleRequest) -> str:
+    """The request's memory limits, in words."""
+    said = []
+    if req.memory_limit is not None:
+        said.append(f"{req.memory_limit:g} microbatches of activations per rank (counted until W)")
+    if req.memory_limit_bytes is not None:
+        said.append(f"{min(req.memory_limit_bytes) / 1e9:.4g} GB of activations on the tightest rank (the "
+                    "simulator's byte count: a B's rise and what W keeps included)")
+    return " and ".join(said)
 
 
 def _fixed_candidates(req: ScheduleRequest, layout: Placement) -> Iterator[tuple[str, ScheduleTable]]:
@@ -242,10 +251,33 @@ def _fixed_candidates(req: ScheduleRequest, layout: Placement) -> Iterator[tuple
 
 
 def _constructions(req: ScheduleRequest, layout: Placement, fills: int) -> list[Filled]:
-    """Tables built at the memory limit itself: the shortlist of the greedy fills (and, on the V, of the
-    V-shape family's constructions), plus ready-made tables such as the hand-crafted ZBV."""
-    limit = req.memory_limit
-    cap = None if limit is None else limit * layout.vpp
+    """Tables built at the memory limit itself that fit it. Constructions count chunk activations (the
+    retained share until W); a byte limit allows a range of such caps (:meth:`ScheduleRequest.chunk_cap`):
+    within the sure one every table fits, above the loose one none does. Between them a bisection on one
+    probe per cap -- the greediest fill, which holds the most -- finds the largest cap where it still fits by
+    the byte count; the constructions are built there (and at the sure cap where none of them fits)."""
+    sure, loose = (None if cap is None else int(cap + 1e-9) for cap in req.chunk_cap(layout))
+    if sure is None or loose is None or sure >= loose:
+        return _constructions_at(req, layout, fills, loose)
+    while loose - sure > 1:
+        mid = (sure + loose) // 2
+        sure, loose = (mid, loose) if _probe_fits(req, layout, mid) else (sure, mid)
+    top = loose if _probe_fits(req, layout, loose) else sure
+    return _constructions_at(req, layout, fills, top) or _constructions_at(req, layout, fills, sure)
+
+
+def _probe_fits(req: ScheduleRequest, layout: Placement, cap: int) -> bool:
+    """Whether the greediest fill within ``cap`` chunk activations (the first V-shape fill policy, or the
+    most warm-up of the grid) fits the request's limits; a fill that stalls does not."""
+    policies = fill_policies(req.pp, cap) if layout.name == "v" else grid(layout, req.microbatches, cap, 1)
+    filled = fill_all(layout, req.microbatches, req.cost_model(layout.vpp), policies[:1], algorithm="zb-auto")
+    return bool(filled) and req.fits(filled[0].table)
+
+
+def _constructions_at(req: ScheduleRequest, layout: Placement, fills: int, cap: float | None) -> list[Filled]:
+    """Tables built within ``cap`` chunk activations per rank that fit the request's limits: the shortlist of
+    the greedy fills (and, on the V, of the V-shape family's constructions), plus ready-made tables such as
+    the hand-crafted ZBV."""
     if layout.name == "v" and layout.vpp == 2:
         chunks = 2 * req.pp if cap is None else int(cap + 1e-9)
         if chunks < 1:
@@ -254,7 +286,7 @@ def _constructions(req: ScheduleRequest, layout: Placement, fills: int) -> list[
     else:
         policies, ready = grid(layout, req.microbatches, cap, fills), []
     filled = fill_all(layout, req.microbatches, req.cost_model(layout.vpp), policies[:fills], algorithm="zb-auto")
-    return [*shortlist(filled), *ready]
+    return [*shortlist([f for f in filled if req.fits(f.table)]), *(f for f in ready if req.fits(f.table))]
 
 
 def _improve_with_milp(req: ScheduleRequest, layout: Placement, by_layout: dict, consider, report, use_milp: bool,
@@ -265,7 +297,7 @@ def _improve_with_milp(req: ScheduleRequest, layout: Placement, by_layout: dict,
     seed = by_layout[layout]
     incumbent = table_starts(seed.result.table, [r.starts for r in seed.result.ranks])
     cost = req.cost_model(layout.vpp)
-    cap = None if req.memory_limit is None else req.memory_limit * layout.vpp
+    cap = req.chunk_cap(layout)[1]  # no fitting table holds more: the bound stays a bound
     report(f"MILP over {size} order binaries ({_name(layout.name, layout.vpp)}), at most {nodes} nodes", 0.9)
     milp = solve_order_milp(layout, req.microbatches, cost, cap=cap, upper_bound=seed.step_time, node_limit=nodes,
                             iteration_limit=iterations, incumbent=incumbent)

@@ -10,7 +10,8 @@ node's start, an offload at its copy's end, a reload at its copy's start -- with
 retained share between its B and its W, less the offloaded share while it is on the host. The byte peaks
 also count ``b_rise_fraction``: a split-backward B tops what it started with by what it has kept for its W
 before it frees; and ``w_excess_fraction``: what W keeps beyond the retained share, held from B until W (the
-microbatch units count microbatches, as the validator does, without either).
+microbatch units count microbatches, as the validator does, without either). The byte count's settings are
+:meth:`~primuspipe.ir.cost_parts.MemoryCost.byte_count`, which the algorithms' byte budgets count with too.
 """
 
 from __future__ import annotations
@@ -33,10 +34,8 @@ def peak_activations(table: ScheduleTable, memory: MemoryCost, starts: Sequence[
         levels = timed_levels(row, starts[rank], ends[rank], retained=retained, offloaded=offloaded)
         units.append(max(levels, default=0.0) / table.vpp)
         if memory.models_bytes:
-            stages = table.placement.stages[rank]
-            weight = lambda chunk: memory.activation_bytes[stages[chunk]]  # noqa: E731
-            peaks.append(max(timed_levels(row, starts[rank], ends[rank], weight, memory.bytes_retained, offloaded,
-                                          memory.b_rise_fraction), default=0.0))
+            count = memory.byte_count(table.placement.stages[rank])
+            peaks.append(max(timed_levels(row, starts[rank], ends[rank], **count), default=0.0))
         else:
             peaks.append(0.0)
     return units, peaks

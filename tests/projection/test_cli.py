@@ -86,3 +86,16 @@ def test_benchmark_layers_calibrates_from_this_host(capsys, tmp_path):
     out = _json(capsys, "--model", str(model), "--training", str(training), "--hardware", HARDWARE, "--benchmark-layers",
                 "-a", "1f1b")
     assert out["calibration"].startswith("layer benchmark (CPU") and out["results"][0]["step_time_s"] > 0
+
+
+def test_zb_auto_picks_a_table_that_fits_by_the_verdicts_own_count(capsys):
+    # Llama 3 70B at TP 8 with sequence parallelism on H100: a split B's rise and what W keeps beyond the stage's
+    # activations put ZB-H1 over HBM; zb-auto budgets the same bytes the verdict counts, so its own table (not a
+    # fixed one it keeps) fits with the risk margin to spare (before, its unit budget picked an 82.1 GiB table)
+    hardware = EXAMPLES / "hardware" / "h100.yaml"
+    out = _json(capsys, "--model", str(EXAMPLES / "models" / "llama3-70b.yaml"), "--hardware", str(hardware),
+                "--training", str(EXAMPLES / "training" / "llama3-70b.yaml"), "-a", "zb-auto", "-a", "zb-h1")
+    rows = {r["algorithm"]: r for r in out["results"]}
+    assert rows["zb-h1"]["verdict"] == "OOM"
+    assert rows["zb-auto"]["verdict"] == "FITS" and not rows["zb-auto"]["note"]
+    assert max(rows["zb-auto"]["peak_memory_bytes"]) <= load_hardware(hardware).hbm_bytes * 0.9

@@ -30,7 +30,10 @@ def test_every_shipped_example_loads():
     assert {p.stem for p in MODELS} == {"llama2-7b", "llama3-70b", "mixtral-8x7b", "mixtral-8x22b", "qwen3-235b-a22b",
                                         "deepseek-v2-lite", "deepseek-v2", "llama3-8b", "llama3.1-405b", "llama2-70b",
                                         "gpt3-175b", "gpt-oss-120b",
-                                        "qwen3-30b-a3b", "deepseek-v3", "gpt3-5b", "gpt3-20b", "llama2-13b"}
+                                        "qwen3-30b-a3b", "deepseek-v3", "gpt3-5b", "gpt3-20b", "llama2-13b",
+                                        "nemotron3-8b", "nemotron3-22b", "nemotron4-340b",
+                                        *(f"mcore08-gpt-{size}" for size in
+                                          ("1.7b", "7.1b", "16b", "32b", "70b", "119b", "177b", "314b", "462b"))}
     assert {p.stem for p in HARDWARE} == {"mi300x", "mi325x", "mi355x", "h100", "h200", "b200"}
     for path in MODELS:
         assert load_model(path).source == str(path)

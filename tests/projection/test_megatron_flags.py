@@ -179,7 +179,8 @@ def test_primus_bookkeeping_is_set_aside_and_the_legacy_grouped_gemm_switch_read
                                 f"--moe_use_legacy_grouped_gemm {legacy} "
                                 "--moe_router_force_load_balancing_type even", "r")
         assert set(config.no_effect) == {"stderr_sink_level", "auto_continue_train", "disable_last_saving",
-                                         "mlflow_run_name", "moe_router_force_load_balancing_type"}
+                                         "mlflow_run_name"}
+        assert config.training.moe_router_force_load_balancing_type == "even"  # read: test_primus_round_robin.py
         assert config.training.moe_expert_gemm == "multi_stream"
         assert config.training.moe_use_legacy_grouped_gemm == (legacy == "True") == config.training.legacy_grouped_mlp
 

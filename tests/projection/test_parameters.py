@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from projection_megatron import megatron_rank_params
 
+from primuspipe.projection.compute import model_flops_per_token
 from primuspipe.projection.framework import Placement
 from primuspipe.projection.layout import StageLayout, layer_counts
 from primuspipe.projection.model_spec import ModelSpec, load_model
@@ -97,6 +98,10 @@ def test_per_rank_counts_equal_megatron_core(name):
 @pytest.mark.parametrize("model_change, training_change", [
     (dict(), dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)),
     (dict(num_layers=10, untie_embeddings_and_output_weights=False), dict(pipeline_model_parallel_size=3)),  # remainder
+    # one stage: the output layer is built on the embedding's own weight
+    (dict(untie_embeddings_and_output_weights=False), dict(pipeline_model_parallel_size=1)),
+    (dict(untie_embeddings_and_output_weights=False, position_embedding_type="learned_absolute", vocab_size=50304),
+     dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)),
     (dict(add_bias_linear=True, normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute"),
      dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=3)),
     (dict(num_experts=8, moe_shared_expert_intermediate_size=64, moe_layer_freq=2),
@@ -106,7 +111,7 @@ def test_per_rank_counts_equal_megatron_core(name):
           v_head_dim=16, qk_layernorm=True, position_embedding_type="rope"), dict(pipeline_model_parallel_size=2)),
 ])
 def test_small_layouts_equal_megatron_core(model_change, training_change):
-    """Tensor/expert sharding, tied embeddings across stages, remainder and explicit uneven splits, MLA."""
+    """Tensor/expert sharding, tied embeddings across stages and on one, remainder and explicit uneven splits, MLA."""
     base = ModelSpec(num_layers=8, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                      seq_length=16, vocab_size=250, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
                      position_embedding_type="rope", untie_embeddings_and_output_weights=True)
@@ -176,3 +181,33 @@ def test_bf16_gradient_reduction_keeps_two_byte_main_gradients():
     assert bf16.main_grad_bytes == 2 and static_memory(params, bf16).gradients == 2 * 1000
     with pytest.raises(InputError, match="grad_reduce_in_bf16"):
         TrainingSpec(data_parallel_size=4, grad_reduce_in_bf16=True, precision="fp32", use_distributed_optimizer=False)
+
+
+def test_nemotron4_340b_matches_the_reports_embedding_and_non_embedding_counts():
+    """The Nemotron-4 340B report gives 9.4B embedding and 331.6B non-embedding parameters (to 0.1B)."""
+    model = load_model(EXAMPLES / "models" / "nemotron4-340b.yaml")
+    embedding = 2 * model.vocab_size * model.hidden_size  # untied input embedding and output layer
+    assert round(embedding / 1e9, 1) == 9.4
+    assert round((total_params(model) - embedding) / 1e9, 1) == 331.6
+
+
+@pytest.mark.parametrize("size, billions", [
+    ("1.7b", 1.7), ("7.1b", 7.1), ("16b", 16), ("32b", 32), ("70b", 70), ("119b", 119), ("177b", 177),
+    ("314b", 314), ("462b", 462)])
+def test_megatron_core_weak_scaling_models_match_the_readme_sizes(size, billions):
+    """The Megatron-LM README's weak-scaling table names each GPT by its size to two or three figures; the
+    1.7B one counts 1.754B (the README truncates), every other one rounds to its name. Tied embeddings or a
+    gated MLP would miss by 1.5 % or more (checked on the 177B: 175.6B tied)."""
+    count = total_params(load_model(EXAMPLES / "models" / f"mcore08-gpt-{size}.yaml")) / 1e9
+    digits = 1 if "." in size else 0
+    shown = int(count * 10) / 10 if size == "1.7b" else round(count, digits)
+    assert shown == billions
+
+
+@pytest.mark.parametrize("name, tflops, tokens", [
+    ("nemotron3-8b", 643, 12507), ("nemotron3-22b", 562, 4312), ("nemotron4-340b", 686, 326)])
+def test_nemotron_flops_per_token_match_nemos_own_figures(name, tflops, tokens):
+    """NeMo's performance table gives both model TFLOP/s and tokens/s per GPU for each Nemotron run: their
+    quotient is NeMo's FLOPs per token (full attention square), an independent check of the model files."""
+    ours = model_flops_per_token(load_model(EXAMPLES / "models" / f"{name}.yaml"), "full")
+    assert ours == pytest.approx(tflops * 1e12 / tokens, rel=2e-3)

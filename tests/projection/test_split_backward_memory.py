@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 
 import pytest
-from dispatched_work import record_layer, record_model
+from dispatched_work import cuda_softmax_product, record_layer, record_model
 
 from primuspipe.projection.activations import ActivationModel
 from primuspipe.projection.hardware_spec import load_hardware
@@ -77,10 +77,8 @@ def test_a_split_backward_keeps_for_w_and_peaks_by_what_the_activation_model_cou
 @pytest.mark.slow  # runs a megatron-core model
 def test_a_whole_model_under_zb_h1_peaks_where_the_projection_says():
     """Embedding, four layers, head and loss of one microbatch at pp 1 (ZB-H1: F, B, W per microbatch): the
-    projection's activations and working set against the real model's peak under primuspipe's split backward.
-    The 1F1B projection keeps counting the head's activations at the top layer's attention backward, where the
-    fused backward has freed them (an over-count of the head, ``ActivationModel.head``); the split projection
-    frees them, so the projected ZB-H1 - 1F1B difference is the recorded one less the head."""
+    projection's activations and working set against the real model's peak under primuspipe's split backward
+    and its fused one (1F1B), less the GPU softmax backward's product the CPU kernel does without."""
     model = ModelSpec(num_layers=4, hidden_size=128, num_attention_heads=2, ffn_hidden_size=512, seq_length=512,
                       vocab_size=64, normalization="LayerNorm", swiglu=False, add_bias_linear=True,
                       position_embedding_type="learned_absolute")
@@ -91,28 +89,33 @@ def test_a_whole_model_under_zb_h1_peaks_where_the_projection_says():
     for algorithm in ("1f1b", "zb-h1"):
         breakdown = projector.evaluate(LOCAL, algorithm).memory_breakdown
         projected[algorithm] = breakdown["activations"] + breakdown["recompute_working_set"]
+    scores, grad_bytes = cuda_softmax_product(model, LOCAL)
     cpu_norm_stats = 9 * 2 * 2 * LOCAL.micro_batch_size * model.seq_length  # bf16 on CPU, fp32 on CUDA
-    assert split.peak_bytes <= projected["zb-h1"] - cpu_norm_stats <= 1.01 * split.peak_bytes
-    head = ActivationModel(model, LOCAL).head()
-    assert projected["zb-h1"] - projected["1f1b"] + head == pytest.approx(split.peak_bytes - fused.peak_bytes, rel=0.02)
+    for record, algorithm in ((split, "zb-h1"), (fused, "1f1b")):
+        cpu = projected[algorithm] - cpu_norm_stats - scores * grad_bytes
+        # 1F1B's peak (the top layer's attention backward) comes after the final norm's statistics are freed: the
+        # CPU-CUDA difference counts there for eight norms, and 4 KB of 48 MB stay unexplained
+        assert 0.9998 * record.peak_bytes <= cpu <= 1.01 * record.peak_bytes
+    assert projected["zb-h1"] - projected["1f1b"] == pytest.approx(split.peak_bytes - fused.peak_bytes, rel=0.02)
 
 
-def test_zb_h1_on_the_lent_h100_peaked_higher_than_1f1b_by_what_the_projection_adds():
-    """``bench/bench_local_spec.py``'s run (pp 1, the local spec, 4 layers of hidden 2048): ZB-H1 peaked 0.404 GB
-    above 1F1B. Projected: the top layer's MLP and output-projection inputs and MLP output gradients (11 ``sbh``)
-    and the output layer's input and logits gradient, less the head the 1F1B projection still counts."""
-    from primuspipe.projection.megatron_args import read_megatron_config
-
+def test_the_lent_h100_runs_peaked_where_the_projection_says():
+    """``bench/bench_local_spec.py``'s runs (pp 1, the local spec; three shapes, two of which nothing was fitted
+    on): ZB-H1 peaked 0.404, 0.726 and 0.415 GB above 1F1B -- the top layer's MLP and output-projection inputs and
+    MLP output gradients, the output layer's input and its logits gradient, which W keeps -- and each peak is what
+    the projection says within 1 %. Each was found wrong before: the CUDA softmax backward's product, the head freed
+    by a layer's moment, a pipeline of one stage's one tied weight."""
     spec = importlib.util.spec_from_file_location("bench_local_spec", ROOT / "bench/bench_local_spec.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
-    measured = {name: row["peak_allocated_bytes"] for name, row in bench.measured().items()}
-    projected = {name: bench.projected(name)["peak_allocated_bytes"] for name in measured}
-    config = read_megatron_config(bench.ARGS)
-    head = ActivationModel(config.model, config.training).head()
-    assert projected["zb-h1"] - projected["1f1b"] + head == pytest.approx(measured["zb-h1"] - measured["1f1b"],
-                                                                             rel=0.01)
+    measured = {key: row["peak_allocated_bytes"] for key, row in bench.measured().items()}
+    projected = {key: bench.projected(*key)["peak_allocated_bytes"] for key in measured}
+    for shape in {shape for shape, _ in measured}:
+        assert projected[shape, "1f1b"] == pytest.approx(measured[shape, "1f1b"], rel=0.01)
+        assert projected[shape, "zb-h1"] == pytest.approx(measured[shape, "zb-h1"], rel=0.01)
+        rise = projected[shape, "zb-h1"] - projected[shape, "1f1b"]
+        assert rise == pytest.approx(measured[shape, "zb-h1"] - measured[shape, "1f1b"], rel=0.05)
 
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (8, True)])

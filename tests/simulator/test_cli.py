@@ -131,3 +131,17 @@ def test_plan_cost_times_the_table_a_run_planned_with_other_costs(capsys, tmp_pa
     assert main(["simulate", *argv, "--plan-cost", str(tmp_path / "missing.yaml")]) == 1
     captured = capsys.readouterr()
     assert "missing.yaml" in captured.err + captured.out
+
+
+def test_memory_limit_bytes_budgets_the_bytes_the_simulator_counts(capsys, tmp_path):
+    # a split B's rise and what W keeps beyond the stage's activations count in bytes: zb-auto keeps within the
+    # limit by that count, ZB-H1 (1F1B's microbatches, each held at 1.8x from B until W) is marked over it
+    cost = tmp_path / "cost.yaml"
+    cost.write_text("compute: {f: 1, b: 1.2, w: 0.8}\nmemory: {activation_bytes: 1.0e9, w_retained_fraction: 1.0, "
+                    "w_excess_fraction: 0.8, b_rise_fraction: 0.84}\n")
+    rows = {r["algorithm"]: r for r in simulate_rows(capsys, "-a", "all", "--pp", "4", "-m", "8", "--cost", str(cost),
+                                                         "--memory-limit-bytes", "5.5e9")}
+    assert rows["zb-h1"]["peak_memory_bytes"] > 5.5e9 and not rows["zb-h1"]["fits"]
+    assert rows["zb-auto"]["peak_memory_bytes"] <= 5.5e9 and rows["zb-auto"]["fits"]
+    assert main(["simulate", "-a", "zb-auto", "--pp", "4", "-m", "8", "--memory-limit-bytes", "5e9"]) == 1
+    assert "add memory.activation_bytes" in capsys.readouterr().err

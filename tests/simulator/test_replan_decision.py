@@ -66,6 +66,19 @@ def test_memory_limit_rules_out_the_tables_that_hold_more():
     assert all(not c.fits for c in limited.ranking if c.algorithm in hungry)
 
 
+@pytest.mark.parametrize("room", [4.0, 4.5, 5.0, 6.0])
+def test_zb_auto_plans_within_the_limit_the_decision_judges_by(room):
+    # the limit in the decision's own count (memory at start + activation units x measured bytes per unit):
+    # zb-auto is built within it, so its table fits and is no slower than any fixed table that fits
+    running = build_schedule("1f1b", 4, 8)
+    cost = CostModel.per_stage(4, 1, 1.2, 0.8)
+    steps = _steps(running, cost, bytes_per_unit=100.0)
+    decision = decide(steps, running, dataclasses.replace(ON, memory_limit_bytes=1000 + room * 100))
+    ranked = {c.algorithm: c for c in decision.ranking}
+    assert ranked["zb-auto"].fits and max(ranked["zb-auto"].peak_memory_bytes) <= 1000 + room * 100
+    assert ranked["zb-auto"].step_time <= min(c.step_time for c in decision.ranking if c.fits) + 1e-9
+
+
 def test_algorithms_to_choose_among_and_the_recommendation():
     running = build_schedule("1f1b", 4, 8)
     cost = CostModel.per_stage(4, 1, 1, 1)

@@ -192,3 +192,12 @@ def record_layer(model, training, kind: str = "dense", split: bool = False, drop
         grad = torch.randn(shape, generator=generator).to(dtype)
         mask = causal_mask(tokens)
         return _record(lambda: (layer(x, attention_mask=mask)[0], grad), layer, split, drop_gradients)
+
+
+def cuda_softmax_product(model, training) -> tuple[int, int]:
+    """What a CPU record of the local attention lacks: PyTorch's GPU softmax backward makes ``grad * output``
+    before its kernel (``softmax_backward_cuda_out``, ``SoftMax.cu``), a score-sized temporary the CPU kernel does
+    without, which the projection (pricing a GPU) counts. Elements of the score matrix, and the bytes of one score
+    in the softmax gradient's dtype."""
+    scores = training.micro_batch_size * model.num_attention_heads * model.seq_length ** 2
+    return scores, 4 if training.attention_softmax_in_fp32 else 2

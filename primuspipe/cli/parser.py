@@ -1,0 +1,43 @@
+"""The console script's argument parser: argparse's, except that an option taking one value refuses a second one.
+
+argparse keeps the last of a repeated option (``-a zb-h1 -a zbv`` simulates zbv alone), which reads as if both
+were taken. Every option that stores a value here notes the value it was given; the same option given again with
+another value ends the program with argparse's usage error naming both. The same value again, and flags (which
+can only say the same thing twice), are harmless and pass. Options meant to repeat say so with
+``action="append"`` (``project --algorithm``, ``--option``) and are left alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+_GIVEN = "_primuspipe_values_given"
+"""The namespace attribute the actions note their values in during one parse (removed before the parse returns)."""
+
+
+class _StoreOnce(argparse._StoreAction):
+    """argparse's ``store``, refusing a second, different value in one parse."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault(_GIVEN, {})
+        if self.dest in given and given[self.dest][0] != values:
+            earlier, flag = given[self.dest]
+            parser.error(f"{flag} {earlier!r} and {option_string} {values!r} both given, and only one would be "
+                         f"used: give it once")
+        given[self.dest] = (values, option_string)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class Parser(argparse.ArgumentParser):
+    """An :class:`argparse.ArgumentParser` whose single-valued options refuse two different values; sub-command
+    parsers made by :meth:`add_subparsers` are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        parsed.__dict__.pop(_GIVEN, None)
+        return parsed, extras
