@@ -29,7 +29,8 @@ from primuspipe.simulator.transport import Wires
 class Compute(NamedTuple):
     """A compute node: the rank spends ``host`` (its kind's host overhead), then ``duration`` (its cost
     -- a W's by whether it runs warm, :func:`~primuspipe.ir.cost_model.warm_weight_grad`, any node's by
-    whether it runs in a probe window, :func:`~primuspipe.ir.cost_model.probe_windows` -- plus its cold start when it is its chunk's first of its kind in the step), once the keys it needs
+    whether it runs in a probe window, :func:`~primuspipe.ir.cost_model.probe_windows` -- plus its cold start
+    when it is its chunk's first of its kind in the step), once the keys it needs
     (:attr:`Program.needs`: inbound transfers, reloads) have arrived."""
     host: float
     duration: float
