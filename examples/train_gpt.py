@@ -43,11 +43,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from primuspipe.cli.parser import Parser
 from primuspipe.runtime import nccl_emulation
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, required=True,
                    help="pipeline-parallel size")
     p.add_argument("--vpp", "--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size", dest="vpp",

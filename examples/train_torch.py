@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from primuspipe.algorithms.build import build_schedule
+from primuspipe.cli.parser import Parser
 from primuspipe.backends.torch import TorchPipeline, split_sequential
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.io.formats import load_table
@@ -35,7 +36,7 @@ from primuspipe.runtime import nccl_emulation
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (= number of processes)")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (not with --schedule)")
     p.add_argument("--algorithm", default="1f1b", help="primuspipe algorithm (see 'primuspipe list')")
