@@ -112,16 +112,16 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
         forward.append(f + sum(x.forward for x in extras))
         backward_input.append(b + sum(x.backward_input for x in extras))
         backward_weight.append(w + sum(x.backward_weight for x in extras))
+        # A layer's moments come while its microbatch's head (and MTP modules) are not yet made (forward) or
+        # already freed (backward), though the stage's held bytes count them for that microbatch throughout.
+        mtp = activations.mtp() * (training.mtp_num_layers or 0) if stage == last else 0.0
+        head = activations.head_tensors() + mtp if stage == last else 0.0
         stage_bytes = (sum(activations.layer_bytes(layers)) + (activations.embedding() if stage == 0 else 0.0)
-                       + (activations.head() + activations.mtp() * (training.mtp_num_layers or 0) if stage == last else 0.0))
+                       + (activations.head() + mtp if stage == last else 0.0))
         held.append(stage_bytes)
         w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if stage == last else 0.0)
         kept_for_w.append(min(stage_bytes, w_bytes))
         excess.append(w_bytes - kept_for_w[-1])
-        # A layer's moments come while its microbatch's head (and MTP modules) are not yet made (forward) or
-        # already freed (backward), though the stage's held bytes count them for that microbatch throughout.
-        mtp_bytes = activations.mtp() * (training.mtp_num_layers or 0)
-        head = activations.head_tensors() + mtp_bytes if stage == last else 0.0
         in_layers = max(activations.recompute_working_set(layers),
                         activations.attention_working_set() if layers else 0.0)
         loss = activations.loss_working_set() if stage == last else 0.0
