@@ -42,6 +42,11 @@ optimizer step does. ``--runs`` sessions per pp. Then
   off their median) met a slow or free moment of the host; it is left out of the median errors (printed,
   ``sessions_left_out`` in the JSON; its errors stay in ``session_errors``) and out of the pooled file.
 
+The ranks keep the memory they free (:mod:`primuspipe.testing.host_memory`, as a GPU's caching allocator
+does; ``--return-freed-memory`` for glibc's default): otherwise a node that needs more memory than its
+process still holds pays page faults for it, which the split probe's windows and ZB-H1's last rank do and
+1F1B's steady nodes do not, so node costs would follow each schedule's memory pattern.
+
 The GPT is tiny-gpt widened (``--hidden 256 --seq 64``, 8 layers, micro-batch 4): at the example's
 hidden size of 16 a node is mostly Python and a split backward's B + W costs a quarter more than the
 fused BW (6 % at hidden 128, under 1 % at 256 with pp = 2), a cost no 1F1B run can show; here compute
@@ -82,6 +87,7 @@ from primuspipe.calibration.measure import measure_runs as calibrate_runs  # noq
 from primuspipe.calibration.runs import outliers  # noqa: E402
 from primuspipe.errors import PrimusPipeError  # noqa: E402
 from primuspipe.ir.cost_model import CostModel  # noqa: E402
+from primuspipe.testing.host_memory import keep_freed_memory  # noqa: E402
 from primuspipe.io.timeline import Timeline, idle_share  # noqa: E402
 from primuspipe.tools.pp_vis import load_iterations  # noqa: E402
 from write_results import markdown_table  # noqa: E402
@@ -92,6 +98,10 @@ TARGET = 0.05
 REPLAY_ROLE = ("calibration replay: the 1F1B table with the split probe that these steps ran, simulated under the "
                "file calibrated from the same steps; not a prediction, so left out of max_abs_error")
 _TICK = os.sysconf("SC_CLK_TCK")
+HOST_MEMORY_HELP = ("let the ranks' C library hand freed memory back to the kernel (glibc's default): a node that then "
+                    "needs more memory faults its pages back in, a cost that follows each schedule's memory pattern "
+                    "(the split probe's windows, ZB-H1's last rank) and no GPU's caching allocator has; by default "
+                    "the ranks keep it (primuspipe/testing/host_memory.py)")
 
 
 def _busy_seconds() -> float:
@@ -443,6 +453,7 @@ def main() -> None:
     parser.add_argument("--max-external", type=float, default=0.25,
                         help="cores other processes may take during a run before it is done again")
     parser.add_argument("--retries", type=int, default=2)
+    parser.add_argument("--return-freed-memory", action="store_true", help=HOST_MEMORY_HELP)
     parser.add_argument("--keep", type=Path, help="keep the dumps and cost files here (default: a temporary folder)")
     parser.add_argument("--reuse", action="store_true",
                         help="run nothing: calibrate, predict and compare again from the runs kept in --keep")
@@ -454,13 +465,17 @@ def main() -> None:
     if bad := [pp for pp in args.pp if args.layers % (2 * pp)]:
         parser.error(f"--layers {args.layers} does not split into 2 x pp chunks at pp={bad[0]} (the vpp = 2 algorithms "
                      f"need a multiple of {2 * bad[0]}; e.g. --layers 12 for pp 2 and 3)")
+    # the ranks are forked from this process and inherit its allocator's settings
+    kept = not args.return_freed_memory and not args.reuse and keep_freed_memory()
     with contextlib.ExitStack() as stack:
         work = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="primuspipe-prediction-")))
         report: dict = {"bench": "prediction", "host": platform.node(), "cpus": os.cpu_count(),
                         "python": platform.python_version(), "microbatches": args.microbatches,
                         "iterations": args.iterations, "runs": args.runs, "model": dataclasses.asdict(model(args)),
                         "calibrated_from": CALIBRATION, "split_probe": args.split_probe, "held_out": args.held_out,
-                        "target_relative_error": TARGET, "pp": {}}
+                        "target_relative_error": TARGET,
+                        "host_memory": "freed memory kept" if kept else "glibc default" if not args.reuse else "reused runs",
+                        "pp": {}}
         for pp in args.pp:
             report["pp"][str(pp)] = compare(pp, measure_runs(pp, args, work), args, work)
         errors = [abs(row["error"]) for entry in report["pp"].values() for row in entry["algorithms"]
