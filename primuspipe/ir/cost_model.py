@@ -350,7 +350,9 @@ def probe_windows(row: Sequence[ScheduleNode]) -> list[bool]:
     run's), while the F and B of a schedule that splits every backward (ZB-H2, with up to six Ws pending)
     took what those with none took: the cost is the probe's (a deferral in a step that otherwise frees each
     microbatch at once), not a pending W's, and
-    :attr:`CostModel.probe_window` prices it, calibration measures it, with this one rule.
+    :attr:`CostModel.probe_window` prices it, calibration measures it, with this one rule. On CPU most of
+    that extra was minor page faults (glibc handing freed memory back to the kernel); ranks that keep it
+    (:mod:`primuspipe.testing.host_memory`) measure a share of 0-2 % at hidden 128 (docs/simulator.md).
 
     >>> from primuspipe.ir.node import B, BW, F, W
     >>> probe_windows([F(0), F(1), B(0), F(2), W(0), BW(1)]), probe_windows([F(0), F(1), B(0), F(2), W(0)])
