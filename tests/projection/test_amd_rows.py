@@ -186,10 +186,11 @@ def test_unfused_permutation_scatters_run_at_the_scatter_rate_and_only_where_the
 
 def test_amd_measured_the_gain_of_the_fused_permutation_that_the_scatter_rate_gives():
     """Figure 6 of AMD's MoE package: DeepSeek-V2-Lite at MBS 12 went from 35,150.6 to 39,273.1 tokens/s/GPU (1.117x)
-    when sync-free stage 1 turned on the fused permutation (and the fused router). Both rows are held out; the
-    projection gives the step within 3 % of that gain with the scatter rate, and none without it."""
+    when sync-free stage 1 turned on the fused permutation (and the fused router). The sync-free row is held out
+    (the DeepEP row fits the MI355X's DeepEP rate, which both rows share, not the scatter rate); the projection
+    gives the step within 3 % of that gain with the scatter rate, and none without it."""
     deepep, syncfree = (RUNS[f"primus-mi355x-deepseek-v2-lite-bf16-8-mbs12-{name}"] for name in ("deepep", "syncfree1"))
-    assert deepep.held_out and syncfree.held_out
+    assert syncfree.held_out
     published = syncfree.published["tokens_per_s_per_gpu"] / deepep.published["tokens_per_s_per_gpu"]
     projected = project_run(syncfree)["projected_tokens_per_s_per_gpu"] / project_run(deepep)["projected_tokens_per_s_per_gpu"]
     assert projected == pytest.approx(published, rel=0.03)
