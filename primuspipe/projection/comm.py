@@ -207,9 +207,12 @@ def deepep_sm_bound(training: TrainingSpec, hardware: HardwareSpec, nodes: int, 
     sending rows into the peers' buffers, the odd one copying what arrives out of its own, so the rows a call moves
     per second grow with the SMs it is given until the fabric binds: on B200, 4,096 tokens of 7,168, top-8 of 64
     experts at random, BF16, the combine's algorithm bandwidth is 302, 420, 477 and 524 GB/s at 16, 24, 28 and 32
-    SMs (deepseek-ai/DeepEP branch hybrid-ep, docs/README_Hybrid-EP.md, "B200 Platform", DeepEP "Torch API" rows)
-    -- the rate per SM (``HardwareSpec.deepep_sm_bandwidth_bytes_per_s``) times the SMs, the time of the whole call
-    as the framework makes it. Both directions are priced at the combine's, the lower (as for HybridEP)."""
+    SMs (deepseek-ai/DeepEP branch hybrid-ep, docs/README_Hybrid-EP.md, "B200 Platform", DeepEP "Torch API" rows):
+    the rate per SM (``HardwareSpec.deepep_sm_bandwidth_bytes_per_s``) times the SMs. DeepEP's benchmark
+    (tests/test_intranode.py) times the Python call with the layout cached (``buffer.dispatch(handle=...)``), so the
+    rate holds no ``notify_dispatch`` and no host wait for the received counts, which a forward's dispatch adds: the
+    projection prices that wait as the MoE layer's host sync (:func:`~primuspipe.projection.host.waits_for_token_counts`).
+    Both directions are priced at the combine's rate, the lower (as for HybridEP)."""
     rate = hardware.deepep_sm_bandwidth_bytes_per_s
     t = training
     if (rate is None or t.moe_token_dispatcher_type != "flex" or t.moe_flex_dispatcher_backend != "deepep"
