@@ -232,3 +232,13 @@ def test_the_legacy_grouped_mlp_runs_its_experts_in_bf16_under_fp8(model_name, e
     saved = {legacy: ActivationModel(model, training(legacy)).layer("moe").components["moe_mlp"] for legacy in (True, False)}
     copies = ActivationModel(model, training(True)).residual_tokens * model.moe_router_topk
     assert saved[True] - saved[False] == pytest.approx(0.5 * copies * (model.hidden_size + model.expert_ffn) * 2, rel=1e-9)
+
+
+def test_every_moe_package_bar_runs_with_the_scripts_hardware_queues():
+    """The MoE package's launch scripts export GPU_MAX_HW_QUEUES=2 for every MoE_Features set
+    (run_deepseek_v2*_pretrain_mi355x.sh at AMD-AGI/Primus b3699abf), so every bar of its figures carries it: the
+    intermediate DeepEP / sync-free bars had been written without it (issue 26, ninth session)."""
+    bars = [r for r in RUNS.values() if r.source.startswith("AMD Primus MoE package")]
+    assert len(bars) == 12
+    assert all(r.training.get("gpu_max_hw_queues") == 2 for r in bars), [
+        r.id for r in bars if r.training.get("gpu_max_hw_queues") != 2]
