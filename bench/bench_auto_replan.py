@@ -10,8 +10,8 @@ after it. Per run: the algorithm switched to and whether it is the ranking's fir
 predicted gain passes the threshold), the predicted step, and the measured step span of the steps after the
 switch (first node start to last node end over the ranks, what the simulator predicts), median over them.
 The figure is the median over runs of ``predicted / measured - 1``; target: within 5 %. The runs take
-Megatron-LM's ``--manual-gc`` and keep freed memory (``primuspipe.testing.host_memory``; ``--return-freed-memory``
-for glibc's default, whose page faults make node costs depend on the schedule's memory pattern). Python's automatic garbage collection, 100-170 ms of CPU per full
+Megatron-LM's ``--manual-gc`` (``--keep-freed-memory``: also glibc told to keep freed memory,
+``primuspipe.testing.host_memory``; it did not remove the probe's window share here, docs/simulator.md). Python's automatic garbage collection, 100-170 ms of CPU per full
 collection in these processes, otherwise lands on a node of one step in a few and that step carries it. Each run waits (up
 to ``--quiet-wait`` s) for idle CPUs first; the host's load (``os.getloadavg``) is recorded before and after it: on a shared machine node times drift between the
 measured steps and the steps after the switch, and the figures say how loaded it was.
@@ -54,7 +54,7 @@ def one_run(pp: int, args: argparse.Namespace, dump: Path) -> dict:
                PRIMUSPIPE_AUTO_REPLAN_VERIFY=str(args.verify))
     if args.algorithms:
         env["PRIMUSPIPE_AUTO_REPLAN_ALGORITHMS"] = args.algorithms
-    if not args.return_freed_memory:  # node costs that do not depend on the schedule's memory pattern
+    if args.keep_freed_memory:  # no page faults that follow the schedule's memory pattern
         env.update(KEEP_FREED_ENV)
     waited = wait_for_quiet(args.quiet_wait)
     with held(args.lock):
@@ -108,14 +108,14 @@ def main() -> None:
     parser.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait for idle CPUs before a run")
     parser.add_argument("--keep", type=Path, help="keep each run's dump folder (replan.json and every step's timelines) "
                         "under this folder, as pp<N>-run<k>, to calibrate or replay afterwards")
-    parser.add_argument("--return-freed-memory", action="store_true", help=HOST_MEMORY_HELP)
+    parser.add_argument("--keep-freed-memory", action="store_true", help=HOST_MEMORY_HELP)
     parser.add_argument("-o", "--output", type=Path, default=ROOT / "bench" / "results" / "auto_replan.json")
     args = parser.parse_args()
     report: dict = {"bench": "auto_replan", "host": platform.node(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "microbatches": args.microbatches, "hidden": args.hidden,
                     "seq": args.seq, "layers": args.layers, "warmup": args.warmup, "measure": args.measure,
                     "verify": args.verify, "runs": args.runs, "algorithms": args.algorithms or "all of the layout",
-                    "host_memory": "glibc default" if args.return_freed_memory else "freed memory kept", "target_relative_error": TARGET, "pp": {}}
+                    "host_memory": "freed memory kept" if args.keep_freed_memory else "glibc default", "target_relative_error": TARGET, "pp": {}}
     with tempfile.TemporaryDirectory(prefix="primuspipe-auto-replan-") as work:
         dumps = args.keep or Path(work)
         for pp in args.pp:

@@ -42,10 +42,12 @@ optimizer step does. ``--runs`` sessions per pp. Then
   off their median) met a slow or free moment of the host; it is left out of the median errors (printed,
   ``sessions_left_out`` in the JSON; its errors stay in ``session_errors``) and out of the pooled file.
 
-The ranks keep the memory they free (:mod:`primuspipe.testing.host_memory`, as a GPU's caching allocator
-does; ``--return-freed-memory`` for glibc's default): otherwise a node that needs more memory than its
-process still holds pays page faults for it, which the split probe's windows and ZB-H1's last rank do and
-1F1B's steady nodes do not, so node costs would follow each schedule's memory pattern.
+``--keep-freed-memory`` makes the ranks keep the memory they free (:mod:`primuspipe.testing.host_memory`, as
+a GPU's caching allocator does): with glibc's default a node that needs more memory than its process
+still holds pays page faults for it, which the split probe's windows and ZB-H1's last rank do and 1F1B's
+steady nodes do not. Measured both ways (docs/simulator.md), it took the probe window's share from 5-9 %
+to 0-2 % but did not make the predictions better overall (pp = 2 better, pp = 3 worse), so the default
+stays glibc's and the flag says which one a result used (``host_memory`` in the JSON).
 
 The GPT is tiny-gpt widened (``--hidden 256 --seq 64``, 8 layers, micro-batch 4): at the example's
 hidden size of 16 a node is mostly Python and a split backward's B + W costs a quarter more than the
@@ -98,10 +100,10 @@ TARGET = 0.05
 REPLAY_ROLE = ("calibration replay: the 1F1B table with the split probe that these steps ran, simulated under the "
                "file calibrated from the same steps; not a prediction, so left out of max_abs_error")
 _TICK = os.sysconf("SC_CLK_TCK")
-HOST_MEMORY_HELP = ("let the ranks' C library hand freed memory back to the kernel (glibc's default): a node that then "
-                    "needs more memory faults its pages back in, a cost that follows each schedule's memory pattern "
-                    "(the split probe's windows, ZB-H1's last rank) and no GPU's caching allocator has; by default "
-                    "the ranks keep it (primuspipe/testing/host_memory.py)")
+HOST_MEMORY_HELP = ("make the ranks keep the memory they free (primuspipe/testing/host_memory.py), as a GPU's caching "
+                    "allocator does; by default glibc hands it back to the kernel and a node that then needs more "
+                    "memory faults its pages back in, a cost that follows each schedule's memory pattern (the split "
+                    "probe's windows, ZB-H1's last rank)")
 
 
 def _busy_seconds() -> float:
@@ -453,7 +455,7 @@ def main() -> None:
     parser.add_argument("--max-external", type=float, default=0.25,
                         help="cores other processes may take during a run before it is done again")
     parser.add_argument("--retries", type=int, default=2)
-    parser.add_argument("--return-freed-memory", action="store_true", help=HOST_MEMORY_HELP)
+    parser.add_argument("--keep-freed-memory", action="store_true", help=HOST_MEMORY_HELP)
     parser.add_argument("--keep", type=Path, help="keep the dumps and cost files here (default: a temporary folder)")
     parser.add_argument("--reuse", action="store_true",
                         help="run nothing: calibrate, predict and compare again from the runs kept in --keep")
@@ -466,7 +468,7 @@ def main() -> None:
         parser.error(f"--layers {args.layers} does not split into 2 x pp chunks at pp={bad[0]} (the vpp = 2 algorithms "
                      f"need a multiple of {2 * bad[0]}; e.g. --layers 12 for pp 2 and 3)")
     # the ranks are forked from this process and inherit its allocator's settings
-    kept = not args.return_freed_memory and not args.reuse and keep_freed_memory()
+    kept = args.keep_freed_memory and not args.reuse and keep_freed_memory()
     with contextlib.ExitStack() as stack:
         work = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="primuspipe-prediction-")))
         report: dict = {"bench": "prediction", "host": platform.node(), "cpus": os.cpu_count(),

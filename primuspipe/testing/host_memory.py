@@ -11,8 +11,9 @@ rank's B 80-380, while plain 1F1B's and ZB-H1's first rank's took none; their CP
 (window) and 4-6 % (ZB-H1's last rank's F and B) above the same kinds' elsewhere. With freed memory kept
 (:data:`KEEP_FREED_ENV`), every node took under 50 faults and those excesses fell to 0-3 %. A GPU run
 has no such cost: its caching allocator keeps the blocks it freed for the next node. The prediction
-benches run their ranks this way (``bench/bench_prediction.py``, ``bench/bench_auto_replan.py``), so
-node costs measured in one schedule's memory pattern carry to another's, as on the GPU they stand for.
+benches run their ranks this way with ``--keep-freed-memory`` (``bench/bench_prediction.py``,
+``bench/bench_auto_replan.py``); it made the probe's window share 0-2 % but the predictions no better
+overall (docs/simulator.md), so it is an option there, not the default.
 
 glibc only: elsewhere :func:`keep_freed_memory` changes nothing and says so.
 """
