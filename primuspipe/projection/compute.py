@@ -726,14 +726,16 @@ class WorkModel(RankShape):
         and exponentiates in place (``torch.exp(x, out=x)``: 8) and sums (read 4); ``calculate_cross_entropy_loss``
         divides in place by the sum (8): ``e + 36``. Backward, ``calculate_gradients``' in-place product with the
         loss gradient (8) and autograd's cast of the fp32 gradient back to the logits' dtype (``4 + e``):
-        ``e + 12``. The picks of each token's target logit touch one logit a token (not counted). Fused
+        ``e + 12``. With fp32 logits neither cast runs (``.float()`` returns its input): 32 and 8. The picks of
+        each token's target logit touch one logit a token (not counted). Fused
         (``cross_entropy_loss_fusion``): one kernel reads the logits and writes the gradient in place, ``2e``
         each way. Held against the aten operations megatron-core's functions dispatch
         (``tests/projection/test_dropout_and_loss.py``)."""
         e = self.e
         if self.training.cross_entropy_loss_fusion:
             return 2 * e, 2 * e
-        return e + 36, e + 12
+        cast = e + 4 if e < 4 else 0
+        return cast + 32, cast + 8
 
     def mtp(self) -> PassWork:
         """One multi-token-prediction module: embedding lookup, two norms, the 2H -> H projection, a layer
