@@ -31,7 +31,7 @@ from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels, moe_stream_kernels
 from primuspipe.projection.model_spec import ModelSpec
-from primuspipe.projection.parameters import ParamCount, head_params, layer_params
+from primuspipe.projection.parameters import ParamCount, embedding_params, head_params, layer_params
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import MXFP8_BLOCK, RankShape, TrainingSpec
 
@@ -682,10 +682,24 @@ class WorkModel(RankShape):
 
     def embedding(self) -> PassWork:
         """Token (and position) lookup: memory-bound; its gradient, a scatter-add, runs in B (split-backward
-        runners do not defer it)."""
+        runners do not defer it), with the weight gradient it lands in (:meth:`_embedding_weight_gradient`)."""
         moved = self.hidden_bytes
         return _sum(PassWork(Work(memory_bytes=moved), Work(memory_bytes=2 * moved), Work()),
-                    self._hidden_dropout(sites=1, alone=True))
+                    self._hidden_dropout(sites=1, alone=True), self._embedding_weight_gradient())
+
+    def _embedding_weight_gradient(self) -> PassWork:
+        """The embedding tables' weight gradient, made whole every microbatch, in B. ``F.embedding``'s backward
+        (``embedding_dense_backward`` on a GPU: ``embedding_backward_cuda_kernel`` in PyTorch's
+        ``aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu``) allocates the gradient of the whole table with
+        ``at::zeros`` (a write of ``e`` a parameter) and adds only the looked-up rows into it (the scatter-add
+        :meth:`embedding` counts); no ``gradient_accumulation_fusion`` reaches it (that fusion is the linear
+        layers' weight-gradient GEMM), so megatron-core's DDP backward hook adds it into the main gradient
+        (``param.main_grad.add_(param.grad.data)``: read ``e``, read and write the main gradient), as
+        :meth:`_grad_accumulation` counts for unfused weights. The rank's vocabulary shard and learned positions
+        (:func:`~primuspipe.projection.parameters.embedding_params`)."""
+        params = embedding_params(self.model, self.training.tp)
+        per_param = self.e + self.e + 2 * self.training.main_grad_bytes
+        return PassWork(Work(), Work(memory_bytes=params * per_param), Work())
 
     def _hidden_dropout(self, sites: int, alone: bool = False) -> PassWork:
         """What ``hidden_dropout`` adds over the residual stream's ``T_r x H`` elements at each of ``sites``. In a

@@ -162,3 +162,19 @@ def test_attention_dropout_rate_is_a_fraction():
     for bad in (0.0, 1.2, -0.5):
         with pytest.raises(InputError, match="attention_dropout_rate"):
             dataclasses.replace(hardware, attention_dropout_rate=bad)
+
+
+@pytest.mark.parametrize("model, training", _dropout_cases())
+def test_the_embedding_makes_its_whole_weight_gradient_every_microbatch(model, training):
+    """``F.embedding``'s backward returns a gradient of the whole table (zeros but the looked-up rows), which
+    megatron-core's DDP hook then adds into the main gradient: both priced in B, per microbatch."""
+    work = WorkModel(model, training)
+    vocab = model.padded_vocab(training.tp) // training.tp
+    table = torch.zeros(vocab, 8, requires_grad=True)
+    tokens = torch.randint(vocab, (5,))
+    torch.nn.functional.embedding(tokens, table).sum().backward()
+    assert table.grad.shape == table.shape  # dense: every row written, not only the five looked up
+    params = vocab * model.hidden_size + model.seq_length * model.hidden_size  # and the learned positions' table
+    zeros_and_add = params * (work.e + work.e + 2 * training.main_grad_bytes)
+    assert work.embedding().backward_input.memory_bytes == pytest.approx(2 * work.hidden_bytes + zeros_and_add)
+    assert work.embedding().backward_weight.memory_bytes == 0
