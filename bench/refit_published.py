@@ -57,6 +57,8 @@ FIGURES = (
                  lambda r: r.id == "amd-pytorch-train-mi300x-llama3.1-8b-bf16-fsdp-8", 0.005),
     FittedFigure("moe_sync_host_op_seconds", ("mi355x",),
                  lambda r: r.id == "primus-mi355x-deepseek-v2-lite-bf16-8-mbs1-baseline", 2e-6),
+    FittedFigure("deepep_sm_bandwidth_bytes_per_s", ("mi355x",),
+                 lambda r: r.id == "primus-mi355x-deepseek-v2-lite-bf16-8-mbs12-deepep", 0.02e9),
 )
 
 

@@ -178,7 +178,7 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         if hybridep_timed(t, hardware, nodes):  # a measured call, its own rows counted (see HardwareSpec)
             ep = 2 * (rows / hardware.hybridep_bandwidth_bytes_per_s + (t.ep - 1) * hardware.intra_node_latency_s)
         else:
-            ep = 2 * net.all_to_all(rows, t.ep, t.etp * t.ep)  # dispatch + combine
+            ep = 2 * max(net.all_to_all(rows, t.ep, t.etp * t.ep), deepep_sm_bound(t, hardware, nodes, rows))
     regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
     tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
     beside = kind == "moe" and t.overlap_moe_expert_parallel_comm and hardware.compute_units
@@ -196,6 +196,29 @@ def hybridep_timed(training: TrainingSpec, hardware: HardwareSpec, nodes: int) -
     bandwidth (``hybridep_bandwidth_bytes_per_s``)."""
     return (training.moe_token_dispatcher_type == "flex" and training.moe_flex_dispatcher_backend == "hybridep"
             and nodes == 1 and training.ep > 1 and hardware.hybridep_bandwidth_bytes_per_s is not None)
+
+
+def deepep_sm_bound(training: TrainingSpec, hardware: HardwareSpec, nodes: int, rows: float) -> float:
+    """Seconds a DeepEP dispatch or combine of ``rows`` bytes inside one node takes at least for the SMs it holds
+    (0 where the hardware file gives no rate, or for another dispatcher or across nodes).
+
+    DeepEP's intranode normal kernels (deepseek-ai/DeepEP ``csrc/kernels/intranode.cu``; Primus-Turbo's port,
+    AMD-AGI/Primus-Turbo ``csrc/kernels/deep_ep/intranode.cu``) run one channel per pair of SMs, the even one
+    sending rows into the peers' buffers, the odd one copying what arrives out of its own, so the rows a call moves
+    per second grow with the SMs it is given until the fabric binds: on B200, 4,096 tokens of 7,168, top-8 of 64
+    experts at random, BF16, the combine's algorithm bandwidth is 302, 420, 477 and 524 GB/s at 16, 24, 28 and 32
+    SMs (deepseek-ai/DeepEP branch hybrid-ep, docs/README_Hybrid-EP.md, "B200 Platform", DeepEP "Torch API" rows):
+    the rate per SM (``HardwareSpec.deepep_sm_bandwidth_bytes_per_s``) times the SMs. DeepEP's benchmark
+    (tests/test_intranode.py) times the Python call with the layout cached (``buffer.dispatch(handle=...)``), so the
+    rate holds no ``notify_dispatch`` and no host wait for the received counts, which a forward's dispatch adds: the
+    projection prices that wait as the MoE layer's host sync (:func:`~primuspipe.projection.host.waits_for_token_counts`).
+    Both directions are priced at the combine's rate, the lower (as for HybridEP)."""
+    rate = hardware.deepep_sm_bandwidth_bytes_per_s
+    t = training
+    if (rate is None or t.moe_token_dispatcher_type != "flex" or t.moe_flex_dispatcher_backend != "deepep"
+            or nodes > 1):
+        return 0.0
+    return rows / (t.dispatcher_sms * rate)
 
 
 def destination_ranks(model: ModelSpec, training: TrainingSpec) -> float:

@@ -132,6 +132,13 @@ class HardwareSpec:
     megatron-core makes it (the "Torch API" figure of DeepEP's hybrid-ep benchmark). It times the flex
     dispatcher's all-to-alls on HybridEP inside a node in place of the fabric's ``intra_node_bandwidth`` x
     ``network_efficiency``. None: the fabric's figure."""
+    deepep_sm_bandwidth_bytes_per_s: float | None = None
+    """Bytes per second each SM (compute unit) that DeepEP's intranode normal kernels hold moves: the kernels copy
+    token rows channel by channel, a channel per pair of SMs, so until the fabric binds a call's algorithm
+    bandwidth (the bytes a rank receives in a dispatch, one row per token and destination rank, its own included,
+    or sends in a combine, over the call's time) grows with the SMs given to it. A flex-dispatcher call inside a node
+    on DeepEP takes the longer of the fabric's time and its rows over ``dispatcher SMs x`` this
+    (:func:`~primuspipe.projection.comm.layer_comm`). None: the fabric's time alone."""
     scatter_add_elements_per_s: float | None = None
     """Elements per second PyTorch's accumulating scatters (``scatter_add_``, ``index_add_``: a write that adds into
     its destination instead of overwriting it) reach on this accelerator for bf16 token rows. megatron-core's
@@ -147,7 +154,8 @@ class HardwareSpec:
                      "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node",
                      "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds",
                      "moe_sync_host_op_seconds", "moe_kernel_seconds", "stream_launch_gap_seconds",
-                     "gemm_half_intensity", "hybridep_bandwidth_bytes_per_s", "scatter_add_elements_per_s"):
+                     "gemm_half_intensity", "hybridep_bandwidth_bytes_per_s", "scatter_add_elements_per_s",
+                     "deepep_sm_bandwidth_bytes_per_s"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
         for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),

@@ -154,7 +154,7 @@ same 4-stream path as Transformer Engine's, but its expert weights' gradients ar
 PRIMUS_FLAGS = frozenset({
     "use_turbo_autotune", "turbo_gemm_backend", "turbo_grouped_gemm_backend", "mxfp4_gradient_stochastic_rounding",
     "use_turbo_attention", "use_sink_attention", "sink_sliding_window", "sink_window_even_layers_only",
-    "enable_turbo_attention_float8", "use_turbo_gemm", "turbo_grouped_gemm_without_padding", "turbo_deepep_num_cu",
+    "enable_turbo_attention_float8", "use_turbo_gemm", "turbo_grouped_gemm_without_padding",
     "turbo_deepep_use_comm_stream", "use_turbo_mega_moe", "turbo_mega_moe_precision", "use_turbo_rms_norm",
     "use_turbo_norm_te_linear",
 })
@@ -168,11 +168,7 @@ PRIMUS_DEFAULT_VALUES = {"turbo_gemm_backend": "default", "turbo_grouped_gemm_ba
 
 
 def primus_default(name: str, value) -> bool:
-    """A Primus-Turbo argument that leaves the default path: a switch off, a backend ``default``, or
-    ``turbo_deepep_num_cu`` (the compute units DeepEP's kernels take: the projection prices DeepEP's
-    transfers at the link's bandwidth whatever it is given)."""
-    if name == "turbo_deepep_num_cu":
-        return True
+    """A Primus-Turbo argument that leaves the default path: a switch off or a backend ``default``."""
     return name in PRIMUS_FLAGS and (value is False or value is None or value == PRIMUS_DEFAULT_VALUES.get(name))
 
 

@@ -233,6 +233,12 @@ class TrainingSpec:
     use_turbo_deepep: bool = False
     """Primus-Turbo's DeepEP dispatcher (it replaces megatron-core's flex dispatcher, so
     ``moe_token_dispatcher_type`` becomes ``flex`` as Primus sets it); needs ``moe_router_dtype: fp32``."""
+    turbo_deepep_num_cu: int = 32
+    """Compute units Primus-Turbo's DeepEP kernels run on (Primus's ``turbo_deepep_num_cu``: 32 by default,
+    ``primus/configs/modules/megatron/primus_turbo.yaml``; the MoE package's launch scripts pass 64, the Qwen3-30B
+    FP8 recipe 80). DeepEP's intranode kernels move rows with the units they hold, so where the hardware file
+    gives their rate (``deepep_sm_bandwidth_bytes_per_s``) this bounds the dispatch's speed
+    (:func:`~primuspipe.projection.comm.layer_comm`); it is the dispatcher's SM count with ``use_turbo_deepep``."""
     use_turbo_grouped_gemm: bool = False
     """Primus-Turbo's grouped GEMM: all local experts in one kernel launch instead of one GEMM per expert, whose
     waves hold tiles of all experts (the ``fused`` path of ``moe_expert_gemm``, whatever that field says)."""
@@ -445,10 +451,13 @@ class TrainingSpec:
 
     @property
     def dispatcher_sms(self) -> int:
-        """SMs the flex dispatcher's kernels hold (``moe_flex_dispatcher_num_sms`` or its backend's default); 0 for
-        the all-to-all and all-gather dispatchers, whose NCCL kernels' share is not modelled."""
+        """SMs the flex dispatcher's kernels hold (``moe_flex_dispatcher_num_sms`` or its backend's default; Primus-Turbo's
+        DeepEP: ``turbo_deepep_num_cu``); 0 for the all-to-all and all-gather dispatchers, whose NCCL kernels' share
+        is not modelled."""
         if self.moe_token_dispatcher_type != "flex":
             return 0
+        if self.use_turbo_deepep:
+            return self.turbo_deepep_num_cu
         if self.moe_flex_dispatcher_num_sms is not None:
             return self.moe_flex_dispatcher_num_sms
         return FLEX_DISPATCHER_SMS[self.moe_flex_dispatcher_backend]
@@ -477,6 +486,9 @@ class TrainingSpec:
                      "decoder_last_pipeline_num_layers", "mtp_num_layers"):
             if getattr(self, name) == 0:
                 self._fail((name,), "must be at least 1", "give a positive number (or leave it out for the default)")
+        if self.turbo_deepep_num_cu < 1:
+            self._fail(("turbo_deepep_num_cu",), "Primus-Turbo's DeepEP kernels need at least one compute unit",
+                       "give the compute units DeepEP runs on (Primus's default is 32)")
         if self.moe_flex_dispatcher_num_sms is not None and self.moe_flex_dispatcher_num_sms < 1:
             self._fail(("moe_flex_dispatcher_num_sms",), "the flex dispatcher's kernels need at least one SM",
                        "give the SMs DeepEP / HybridEP run on (or leave it out for the backend's default)")

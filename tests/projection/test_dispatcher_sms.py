@@ -71,13 +71,14 @@ def test_hybridep_inside_a_node_runs_at_its_measured_bandwidth():
     inside = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=8, data_parallel_size=8,
                           global_batch_size=8, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
     deepep = dataclasses.replace(inside, moe_flex_dispatcher_backend="deepep")
-    timed, fabric = layer_comm(MODEL, inside, b200, "moe").ep[0], layer_comm(MODEL, deepep, b200, "moe").ep[0]
+    fabric_only = dataclasses.replace(b200, deepep_sm_bandwidth_bytes_per_s=None)  # DeepEP bound by the fabric alone
+    timed, fabric = layer_comm(MODEL, inside, b200, "moe").ep[0], layer_comm(MODEL, deepep, fabric_only, "moe").ep[0]
     latency = 2 * 7 * b200.intra_node_latency_s
     # same rows either way: the fabric's all-to-all moves (n-1)/n of them at 900 GB/s x network_efficiency
     rows = (fabric - latency) / 2 * b200.intra_node_bandwidth_bytes_per_s * b200.network_efficiency * 8 / 7
     assert timed == pytest.approx(2 * rows / b200.hybridep_bandwidth_bytes_per_s + latency)
     assert timed > fabric
-    bare = dataclasses.replace(b200, hybridep_bandwidth_bytes_per_s=None)
+    bare = dataclasses.replace(fabric_only, hybridep_bandwidth_bytes_per_s=None)
     assert layer_comm(MODEL, inside, bare, "moe").ep[0] == pytest.approx(fabric)
     across = dataclasses.replace(inside, expert_model_parallel_size=16, data_parallel_size=16, global_batch_size=16)
     assert layer_comm(MODEL, across, b200, "moe").ep[0] == layer_comm(MODEL, across, bare, "moe").ep[0]

@@ -156,7 +156,8 @@ def test_primus_moe_features_are_modelled_and_turbo_kernels_refused_when_on():
     assert (t.enable_primus_turbo, t.use_turbo_deepep, t.turbo_sync_free_moe_stage, t.moe_token_dispatcher_type) == (
         True, True, 1, "flex")
     assert t.moe_use_fused_router_with_aux_score and t.moe_permute_fusion and not t.moe_syncs_free
-    assert {"turbo_deepep_num_cu", "turbo_deepep_use_comm_stream", "use_turbo_attention", "turbo_gemm_backend",
+    assert t.turbo_deepep_num_cu == 64 and t.dispatcher_sms == 64
+    assert {"turbo_deepep_use_comm_stream", "use_turbo_attention", "turbo_gemm_backend",
             "manual_gc"} <= set(config.no_effect)
     with pytest.raises(ConfigError, match="--use-turbo-attention changes time or memory"):
         read_arguments(MODEL_ARGS + primus.replace("--use_turbo_attention False", "--use_turbo_attention True"), "r")

@@ -191,6 +191,14 @@ def test_nemotron4_340b_matches_the_reports_embedding_and_non_embedding_counts()
     assert round((total_params(model) - embedding) / 1e9, 1) == 331.6
 
 
+def test_nemotron4_15b_matches_the_reports_non_embedding_count():
+    """The Nemotron-4 15B report gives 12.5B non-embedding parameters; a gated MLP or no grouped-query
+    attention (48 key/value heads) would count 17.3B or 14.5B."""
+    model = load_model(EXAMPLES / "models" / "nemotron4-15b.yaml")
+    embedding = 2 * model.vocab_size * model.hidden_size  # untied input embedding and output layer
+    assert round((total_params(model) - embedding) / 1e9, 1) == 12.5
+
+
 @pytest.mark.parametrize("size, billions", [
     ("1.7b", 1.7), ("7.1b", 7.1), ("16b", 16), ("32b", 32), ("70b", 70), ("119b", 119), ("177b", 177),
     ("314b", 314), ("462b", 462)])
@@ -205,7 +213,8 @@ def test_megatron_core_weak_scaling_models_match_the_readme_sizes(size, billions
 
 
 @pytest.mark.parametrize("name, tflops, tokens", [
-    ("nemotron3-8b", 643, 12507), ("nemotron3-22b", 562, 4312), ("nemotron4-340b", 686, 326)])
+    ("nemotron3-8b", 643, 12507), ("nemotron3-22b", 562, 4312), ("nemotron4-340b", 686, 326),
+    ("nemotron4-15b", 1387, 14760)])
 def test_nemotron_flops_per_token_match_nemos_own_figures(name, tflops, tokens):
     """NeMo's performance table gives both model TFLOP/s and tokens/s per GPU for each Nemotron run: their
     quotient is NeMo's FLOPs per token (full attention square), an independent check of the model files."""

@@ -1,0 +1,67 @@
+"""The B200 file's attention figures against the cuDNN fused-attention rates NVIDIA published for a B200
+(examples/projection/hardware/measurements/attention.yaml): the model reproduces each published forward and backward
+as an isolated kernel (sustained_fraction 1), every length its tables give is a published point, and a B200 layer's
+attention time in a projection is priced at them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from primuspipe.projection.compute import Calibration, Work, WorkModel, part_times
+from primuspipe.projection.hardware_spec import load_hardware
+from primuspipe.projection.model_spec import load_model
+from primuspipe.projection.published import EXAMPLES
+from primuspipe.projection.training_spec import TrainingSpec
+
+MEASUREMENTS = EXAMPLES / "hardware" / "measurements" / "attention.yaml"
+SETS = yaml.safe_load(MEASUREMENTS.read_text())["sets"]
+B200 = EXAMPLES / "hardware" / "b200.yaml"
+
+
+def _points() -> list[tuple[dict, int, str, float]]:
+    """(set, tokens a sequence, pass, published TFLOP/s) of every published point."""
+    return [(s, point[0], name, rate) for s in SETS for point in s["points"]
+            for name, rate in zip(("forward", "backward"), point[1:])]
+
+
+@pytest.mark.parametrize("point", _points(), ids=lambda p: f"{p[0]['kernel']}-{p[2]}-{p[1]}")
+def test_each_attention_figure_gives_the_published_rate(point):
+    """The file's figures are the published rates to their three decimals (0.555 of 2,250 for the 8k forward):
+    within 0.2 % of each, at the benchmark's own shape."""
+    measured, length, pass_name, tflops = point
+    hardware = load_hardware((MEASUREMENTS.parent / measured["hardware"]).resolve())
+    isolated = dataclasses.replace(hardware, sustained_fraction=1.0)
+    flops = (4 * measured["batch"] * measured["heads"] * length * length * measured["head_dim"] / 2
+             * (2.5 if pass_name == "backward" else 1.0))
+    seconds = Work(attention_flops=flops).attention_seconds(isolated, measured["precision"], length,
+                                                            measured["head_dim"], pass_name == "backward")
+    assert flops / seconds / 1e12 == pytest.approx(tflops, rel=0.002)
+
+
+def test_every_length_the_b200_tables_give_is_a_published_point():
+    """A table row without a published point behind it would be an unsourced figure; a published point the
+    tables skip would leave the interpolation unchecked there."""
+    b200 = load_hardware(B200)
+    published = {p[0] for s in SETS if s["hardware"] == "../b200.yaml" for p in s["points"]}
+    assert {n for n, _ in b200.attention_length_rates} == published
+    assert {n for n, _ in b200.attention_backward_length_rates} == published
+    assert dict(b200.attention_length_rates)[8192] == 1.0  # attention_efficiency is the 8k forward
+
+
+def test_a_b200_projection_prices_attention_at_the_published_rates():
+    """Llama 3 70B at 8,192 tokens with CP 2 (the NeMo 25.02 B200 row's layout): each ring step's kernels see
+    4,096 queries, so the forward runs at 0.798 and the backward at 0.642 of the 8k forward's 0.555 of the peak,
+    times the file's sustained fraction."""
+    b200 = load_hardware(B200)
+    training = TrainingSpec(micro_batch_size=1, tensor_model_parallel_size=2, context_parallel_size=2,
+                            pipeline_model_parallel_size=4, sequence_parallel=True, global_batch_size=128)
+    work = WorkModel(load_model(EXAMPLES / "models" / "llama3-70b.yaml"), training)
+    layer = work.layer("dense")
+    times = part_times(work, b200, Calibration())["dense"]
+    peak = 2250e12 * 0.555 * b200.sustained_fraction
+    assert times.attention[0] == pytest.approx(layer.forward.attention_flops / (peak * 0.798))
+    assert times.attention[1] == pytest.approx(layer.backward_input.attention_flops / (peak * 0.642))
+    assert times.attention[2] == 0
