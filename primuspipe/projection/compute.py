@@ -314,7 +314,8 @@ class WorkModel(RankShape):
         softmax_fwd, softmax_bwd = softmax + dropout, 2 * softmax + dropout
         ring_fwd, ring_bwd = self._ring_corrections(v)
         dropped = 1.0 if t.flash_attention and self.model.attention_dropout > 0 else 0.0
-        fwd = Work(attention_flops=forward, dropped_attention_flops=dropped * forward, memory_bytes=softmax_fwd + ring_fwd)
+        fwd = Work(attention_flops=forward, dropped_attention_flops=dropped * forward,
+                   memory_bytes=softmax_fwd + ring_fwd)
         bwd = Work(attention_flops=backward, dropped_attention_flops=dropped * backward,
                    memory_bytes=softmax_bwd + ring_bwd)
         return PassWork(fwd, bwd, Work(), recompute=fwd)
