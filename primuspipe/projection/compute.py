@@ -681,14 +681,15 @@ class WorkModel(RankShape):
         return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.backward_input,
                         attention.backward_weight + mlp.backward_weight + accumulate, recompute)
 
-    def embedding(self) -> PassWork:
+    def embedding(self, shared: bool = False) -> PassWork:
         """Token (and position) lookup: memory-bound; its gradient, a scatter-add, runs in B (split-backward
-        runners do not defer it), with the weight gradient it lands in (:meth:`_embedding_weight_gradient`)."""
+        runners do not defer it), with the weight gradient it lands in (:meth:`_embedding_weight_gradient`;
+        ``shared``: a second lookup of the same tables, a multi-token-prediction module's)."""
         moved = self.hidden_bytes
         return _sum(PassWork(Work(memory_bytes=moved), Work(memory_bytes=2 * moved), Work()),
-                    self._hidden_dropout(sites=1, alone=True), self._embedding_weight_gradient())
+                    self._hidden_dropout(sites=1, alone=True), self._embedding_weight_gradient(shared))
 
-    def _embedding_weight_gradient(self) -> PassWork:
+    def _embedding_weight_gradient(self, shared: bool = False) -> PassWork:
         """The embedding tables' weight gradient, made whole every microbatch, in B. ``F.embedding``'s backward
         (``embedding_dense_backward`` on a GPU: ``embedding_backward_cuda_kernel`` in PyTorch's
         ``aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu``) allocates the gradient of the whole table with
@@ -697,9 +698,11 @@ class WorkModel(RankShape):
         layers' weight-gradient GEMM), so megatron-core's DDP backward hook adds it into the main gradient
         (``param.main_grad.add_(param.grad.data)``: read ``e``, read and write the main gradient), as
         :meth:`_grad_accumulation` counts for unfused weights. The rank's vocabulary shard and learned positions
-        (:func:`~primuspipe.projection.parameters.embedding_params`)."""
+        (:func:`~primuspipe.projection.parameters.embedding_params`). ``shared``: a second lookup of the same
+        tables (megatron-core's multi-token prediction reuses the model's embedding) makes its own zeroed table,
+        which autograd sums with the first before the parameter's one accumulation (read two, write one): ``4e``."""
         params = embedding_params(self.model, self.training.tp)
-        per_param = self.e + self.e + 2 * self.training.main_grad_bytes
+        per_param = 4 * self.e if shared else self.e + self.e + 2 * self.training.main_grad_bytes
         return PassWork(Work(), Work(memory_bytes=params * per_param), Work())
 
     def _hidden_dropout(self, sites: int, alone: bool = False) -> PassWork:
@@ -757,7 +760,7 @@ class WorkModel(RankShape):
         of the last layer's kind and another pass through the output layer and loss."""
         m = self.model
         projection = self._linear(self.tokens, 2 * m.hidden_size, m.hidden_size)
-        return _sum(self.embedding(), projection, self.layer(m.layer_kinds[-1]), self.head(),
+        return _sum(self.embedding(shared=True), projection, self.layer(m.layer_kinds[-1]), self.head(),
                     _elementwise_pass({"norm": self._norms().memory_bytes}))
 
     def part(self, name: str) -> PassWork:

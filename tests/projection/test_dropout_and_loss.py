@@ -178,3 +178,22 @@ def test_the_embedding_makes_its_whole_weight_gradient_every_microbatch(model, t
     zeros_and_add = params * (work.e + work.e + 2 * training.main_grad_bytes)
     assert work.embedding().backward_input.memory_bytes == pytest.approx(2 * work.hidden_bytes + zeros_and_add)
     assert work.embedding().backward_weight.memory_bytes == 0
+
+
+def test_a_prediction_module_sums_its_embedding_gradient_into_the_models():
+    """Multi-token prediction looks the tokens up in the model's own tables: its backward makes a second zeroed
+    table that autograd adds to the first, and the parameter is accumulated into its main gradient once."""
+    model = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=512, vocab_size=4096,
+                      position_embedding_type="rope")
+    training = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=1, global_batch_size=8, mtp_num_layers=1)
+    work = WorkModel(model, training)
+    own, second = work.embedding(), work.embedding(shared=True)
+    params = model.padded_vocab(1) * model.hidden_size
+    assert own.backward_input.memory_bytes - second.backward_input.memory_bytes == pytest.approx(
+        params * (2 * work.e + 2 * training.main_grad_bytes - 4 * work.e))
+    table = torch.zeros(16, 4, requires_grad=True)
+    seen = []
+    table.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    tokens = torch.tensor([1, 3])
+    (torch.nn.functional.embedding(tokens, table).sum() + torch.nn.functional.embedding(tokens, table).sum()).backward()
+    assert len(seen) == 1  # one accumulation (megatron-core's DDP hook runs there) for both lookups
