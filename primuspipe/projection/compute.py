@@ -31,7 +31,7 @@ from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels, moe_stream_kernels
 from primuspipe.projection.model_spec import ModelSpec
-from primuspipe.projection.parameters import ParamCount, head_params, layer_params
+from primuspipe.projection.parameters import ParamCount, embedding_params, head_params, layer_params
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import MXFP8_BLOCK, RankShape, TrainingSpec
 
@@ -39,6 +39,8 @@ PASSES = ("forward", "backward_input", "backward_weight")
 ATTENTION_BLOCK = 128
 """Queries and keys per block of a flash attention kernel (FlashAttention-2's and cuDNN's tiles for head
 dimensions up to 128): the granularity at which a sliding window's masked work is skipped."""
+DROPOUT_MASK_BYTES = 1
+"""Bytes of one element of a dropout keep mask (PyTorch's ``native_dropout`` returns a ``bool`` mask)."""
 CUDA_SOFTMAX_BACKWARD_PRODUCT = 3
 """Score-matrix passes of the ``grad * output`` temporary PyTorch's GPU softmax backward makes before its kernel
 (``softmax_backward_cuda_out`` in ``SoftMax.cu``; read the gradient and the probabilities, write the product), which
@@ -70,6 +72,9 @@ class Work:
     gemms: tuple[Gemm, ...] = ()
     """The pass's GEMMs by shape (timed by :func:`~primuspipe.projection.gemm.gemm_seconds`)."""
     attention_flops: float = 0.0
+    dropped_attention_flops: float = 0.0
+    """Of ``attention_flops``, those of fused kernels that apply ``attention_dropout`` inside (a Philox draw per
+    score), timed at the hardware's ``attention_dropout_rate`` of the plain kernels' rate."""
     memory_bytes: float = 0.0
     """Bytes moved by element-wise (memory-bound) kernels."""
     mxfp8_cast_bytes: float = 0.0
@@ -105,7 +110,8 @@ class Work:
         ``attention_backward_length_rates`` where the file gives them)."""
         slow = 0.5 if precision == "fp32" else 1.0
         rate = hardware.attention_rate(length, head_dim, backward)
-        return self.attention_flops / (hardware.peak_bf16_tflops * 1e12 * hardware.attention_fraction * slow * rate)
+        flops = self.attention_flops + self.dropped_attention_flops * (1 / hardware.attention_dropout_rate - 1)
+        return flops / (hardware.peak_bf16_tflops * 1e12 * hardware.attention_fraction * slow * rate)
 
     def seconds(self, hardware: HardwareSpec, precision: str, length: float | None = None,
                 head_dim: float | None = None, backward: bool = False) -> float:
@@ -304,10 +310,15 @@ class WorkModel(RankShape):
         if t.attention_backend == "local":
             return self._local_attention_core(scores)
         softmax = 0.0 if t.flash_attention else scores * (2 * e + (8 if t.attention_softmax_in_fp32 else 2 * e))
-        softmax_fwd, softmax_bwd = softmax, 2 * softmax
+        dropout = 0.0 if t.flash_attention else self._score_dropout_bytes(scores)
+        softmax_fwd, softmax_bwd = softmax + dropout, 2 * softmax + dropout
         ring_fwd, ring_bwd = self._ring_corrections(v)
-        fwd = Work(attention_flops=forward, memory_bytes=softmax_fwd + ring_fwd)
-        return PassWork(fwd, Work(attention_flops=backward, memory_bytes=softmax_bwd + ring_bwd), Work(), recompute=fwd)
+        dropped = 1.0 if t.flash_attention and self.model.attention_dropout > 0 else 0.0
+        fwd = Work(attention_flops=forward, dropped_attention_flops=dropped * forward,
+                   memory_bytes=softmax_fwd + ring_fwd)
+        bwd = Work(attention_flops=backward, dropped_attention_flops=dropped * backward,
+                   memory_bytes=softmax_bwd + ring_bwd)
+        return PassWork(fwd, bwd, Work(), recompute=fwd)
 
     def _local_attention_core(self, scores: float) -> PassWork:
         """megatron-core's local ``DotProductAttention`` (``transformer/dot_product_attention.py``): cuBLAS batched
@@ -325,8 +336,19 @@ class WorkModel(RankShape):
         backward = (replace(scores_gemm, k=v), replace(context_gemm, m=keys, n=v, k=queries),
                     replace(context_gemm, n=qk), replace(context_gemm, m=keys, n=qk, k=queries))
         softmax_fwd, softmax_bwd = self._local_softmax_bytes(scores)
-        fwd = Work((scores_gemm, context_gemm), memory_bytes=softmax_fwd)
-        return PassWork(fwd, Work(backward, memory_bytes=softmax_bwd), Work(), recompute=fwd)
+        dropout = self._score_dropout_bytes(scores)
+        fwd = Work((scores_gemm, context_gemm), memory_bytes=softmax_fwd + dropout)
+        return PassWork(fwd, Work(backward, memory_bytes=softmax_bwd + dropout), Work(), recompute=fwd)
+
+    def _score_dropout_bytes(self, scores: float) -> float:
+        """Bytes ``attention_dropout`` moves over the probabilities of an attention that is not fused (megatron-core's
+        ``DotProductAttention``, Transformer Engine's ``UnfusedDotProductAttention``: ``self.attention_dropout`` on
+        the ``scores`` probabilities in the activations' dtype), each way: ``native_dropout`` reads them and
+        writes them and the one-byte mask; its backward reads the gradient and the mask and writes the gradient.
+        Fused (flash) kernels drop inside the kernel (``HardwareSpec.attention_dropout_rate``)."""
+        if self.model.attention_dropout == 0:
+            return 0.0
+        return scores * (2 * self.e + DROPOUT_MASK_BYTES)
 
     def _local_softmax_bytes(self, scores: float) -> tuple[float, float]:
         """Bytes megatron-core's local ``DotProductAttention`` moves around its two batched GEMMs, forward and
@@ -649,7 +671,7 @@ class WorkModel(RankShape):
                 act = self._activation(self.routed_copies, m.expert_ffn / t.etp)
                 mlp_recompute = mlp_recompute + act + clamp.forward
         element = _sum(self._elementwise(kind), self._unfused_rope(), self.accumulating_scatters(kind),
-                       self._local_spec_elements(kind))
+                       self._local_spec_elements(kind), self._hidden_dropout(sites=2))
         accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()))
         forward = attention.forward + core.forward + mlp.forward + element.forward
         recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
@@ -659,29 +681,86 @@ class WorkModel(RankShape):
         return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.backward_input,
                         attention.backward_weight + mlp.backward_weight + accumulate, recompute)
 
-    def embedding(self) -> PassWork:
+    def embedding(self, shared: bool = False) -> PassWork:
         """Token (and position) lookup: memory-bound; its gradient, a scatter-add, runs in B (split-backward
-        runners do not defer it)."""
+        runners do not defer it), with the weight gradient it lands in (:meth:`_embedding_weight_gradient`;
+        ``shared``: a second lookup of the same tables, a multi-token-prediction module's)."""
         moved = self.hidden_bytes
-        return PassWork(Work(memory_bytes=moved), Work(memory_bytes=2 * moved), Work())
+        return _sum(PassWork(Work(memory_bytes=moved), Work(memory_bytes=2 * moved), Work()),
+                    self._hidden_dropout(sites=1, alone=True), self._embedding_weight_gradient(shared))
+
+    def _embedding_weight_gradient(self, shared: bool = False) -> PassWork:
+        """The embedding tables' weight gradient, made whole every microbatch, in B. ``F.embedding``'s backward
+        (``embedding_dense_backward`` on a GPU: ``embedding_backward_cuda_kernel`` in PyTorch's
+        ``aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu``) allocates the gradient of the whole table with
+        ``at::zeros`` (a write of ``e`` a parameter) and adds only the looked-up rows into it (the scatter-add
+        :meth:`embedding` counts); no ``gradient_accumulation_fusion`` reaches it (that fusion is the linear
+        layers' weight-gradient GEMM), so megatron-core's DDP backward hook adds it into the main gradient
+        (``param.main_grad.add_(param.grad.data)``: read ``e``, read and write the main gradient), as
+        :meth:`_grad_accumulation` counts for unfused weights. The rank's vocabulary shard and learned positions
+        (:func:`~primuspipe.projection.parameters.embedding_params`). ``shared``: a second lookup of the same
+        tables (megatron-core's multi-token prediction reuses the model's embedding) makes its own zeroed table,
+        which autograd sums with the first before the parameter's one accumulation (read two, write one): ``4e``."""
+        params = embedding_params(self.model, self.training.tp)
+        per_param = 4 * self.e if shared else self.e + self.e + 2 * self.training.main_grad_bytes
+        return PassWork(Work(), Work(memory_bytes=params * per_param), Work())
+
+    def _hidden_dropout(self, sites: int, alone: bool = False) -> PassWork:
+        """What ``hidden_dropout`` adds over the residual stream's ``T_r x H`` elements at each of ``sites``. In a
+        layer (two sites: after attention and after the MLP) it runs inside megatron-core's fused
+        ``bias_dropout_add`` (``bias_dropout_add_fused_train``, ``jit_fuser``: ``torch.compile`` from torch 2.2),
+        whose forward already reads and writes the stream (the ``residual_add`` of :meth:`_elementwise_kernels`):
+        dropout adds the one-byte keep mask it writes for backward (the mask :mod:`~primuspipe.projection.activations`
+        keeps), and a backward pass of its own that applies the mask to the gradient (read ``e`` and the mask,
+        write ``e``; with dropout 0 the gradient passes through the adds untouched, no kernel). ``alone``: the
+        embedding's ``torch.nn.Dropout`` (``LanguageModelEmbedding.embedding_dropout``, after the sequence-parallel
+        scatter), a kernel of its own, ``native_dropout`` forward (read ``e``, write ``e`` and the mask) and
+        ``native_dropout_backward``. Nothing with ``hidden_dropout`` 0 (PyTorch's ``dropout`` returns its input at
+        ``p == 0``)."""
+        if self.model.hidden_dropout == 0:
+            return NO_WORK
+        elements, e = sites * self.residual_tokens * self.model.hidden_size, self.e
+        forward = 2 * e + DROPOUT_MASK_BYTES if alone else DROPOUT_MASK_BYTES
+        return PassWork(Work(memory_bytes=elements * forward),
+                        Work(memory_bytes=elements * (2 * e + DROPOUT_MASK_BYTES)), Work())
 
     def head(self) -> PassWork:
         """Final norm, output layer and the vocab-parallel cross entropy."""
         m, t = self.model, self.training
         vocab = m.padded_vocab(t.tp) / t.tp
         output = self._linear(self.tokens, m.hidden_size, vocab, fp8=False)  # Megatron keeps the output layer in bf16
-        per_logit = t.activation_bytes * 2 if t.cross_entropy_loss_fusion else t.activation_bytes + 3 * 4
-        loss = Work(memory_bytes=self.tokens * vocab * per_logit)  # logits -> fp32 softmax; fused: read, write in place
+        forward, backward = self._loss_bytes_per_logit()
+        logits = self.tokens * vocab
         norm = _elementwise_pass({"norm": 2 * self.hidden_bytes})
-        return PassWork(output.forward + loss + norm.forward, output.backward_input + loss + norm.backward_input,
+        return PassWork(output.forward + Work(memory_bytes=logits * forward) + norm.forward,
+                        output.backward_input + Work(memory_bytes=logits * backward) + norm.backward_input,
                         output.backward_weight + self._grad_accumulation(ParamCount(head_params(m, t.tp))))
+
+    def _loss_bytes_per_logit(self) -> tuple[float, float]:
+        """Bytes the vocab-parallel cross entropy moves per logit of the rank's vocabulary shard, forward and
+        backward. Unfused (megatron-core's ``VocabParallelCrossEntropy``, ``tensor_parallel/cross_entropy.py``, the
+        same at core_r0.8.0 and 0.19): forward, ``calculate_logits_max`` casts the logits to fp32 (read ``e``, write
+        4) and takes their maximum (read 4); ``calculate_predicted_logits`` subtracts it in place (read 4, write 4)
+        and exponentiates in place (``torch.exp(x, out=x)``: 8) and sums (read 4); ``calculate_cross_entropy_loss``
+        divides in place by the sum (8): ``e + 36``. Backward, ``calculate_gradients``' in-place product with the
+        loss gradient (8) and autograd's cast of the fp32 gradient back to the logits' dtype (``4 + e``):
+        ``e + 12``. With fp32 logits neither cast runs (``.float()`` returns its input): 32 and 8. The picks of
+        each token's target logit touch one logit a token (not counted). Fused
+        (``cross_entropy_loss_fusion``): one kernel reads the logits and writes the gradient in place, ``2e``
+        each way. Held against the aten operations megatron-core's functions dispatch
+        (``tests/projection/test_dropout_and_loss.py``)."""
+        e = self.e
+        if self.training.cross_entropy_loss_fusion:
+            return 2 * e, 2 * e
+        cast = e + 4 if e < 4 else 0
+        return cast + 32, cast + 8
 
     def mtp(self) -> PassWork:
         """One multi-token-prediction module: embedding lookup, two norms, the 2H -> H projection, a layer
         of the last layer's kind and another pass through the output layer and loss."""
         m = self.model
         projection = self._linear(self.tokens, 2 * m.hidden_size, m.hidden_size)
-        return _sum(self.embedding(), projection, self.layer(m.layer_kinds[-1]), self.head(),
+        return _sum(self.embedding(shared=True), projection, self.layer(m.layer_kinds[-1]), self.head(),
                     _elementwise_pass({"norm": self._norms().memory_bytes}))
 
     def part(self, name: str) -> PassWork:

@@ -98,6 +98,10 @@ class HardwareSpec:
     """Fused attention's rate against the head dimension: ``[head dim, rate]`` pairs, the rate relative to the one
     ``attention_efficiency`` stands for (1 at 128); interpolated and held outside the pairs as the length
     rates are. None: one rate at every head dimension."""
+    attention_dropout_rate: float = 1.0
+    """Fused attention's rate with ``attention_dropout`` on, as a share of its rate without (the kernel draws a
+    Philox random number per score and masks the probabilities inside); 1: dropout taken as free, where the file
+    gives no measurement."""
     runtime_reserved_bytes: float = 0.0
     """HBM no tensor can use: the CUDA/HIP context, the caching allocator's fragmentation reserve, NCCL/RCCL
     communicator buffers, GEMM workspaces (added to every rank's peak)."""
@@ -171,7 +175,7 @@ class HardwareSpec:
                              f"give [rows, columns] no larger than gemm_tile {list(self.gemm_tile)}, e.g. [128, 128]")
         for name in ("achievable_fraction", "memory_bandwidth_fraction", "network_efficiency", "gemm_efficiency",
                      "fp8_gemm_efficiency", "attention_efficiency", "sustained_fraction", "mxfp8_cast_bandwidth_fraction",
-                     "mxfp8_gemm_efficiency"):
+                     "mxfp8_gemm_efficiency", "attention_dropout_rate"):
             if getattr(self, name) is None:
                 continue
             if not 0 < getattr(self, name) <= 1:

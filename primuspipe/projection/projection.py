@@ -126,6 +126,11 @@ with the table (about 2 s at pp 8 x 128 microbatches, 3 s at 256, 6.5 s at 512 o
 host), and a projection must stay within seconds."""
 
 
+LINE_TOLERANCE = 1e-3
+"""How far (relative) a V algorithm's step time at a third sampled count may lie off the line through the first
+two for the line to carry its step on (:meth:`Projector._carried_on`)."""
+
+
 def sampled_microbatches(microbatches: int, pp: int) -> tuple[int, ...] | None:
     """The counts a long pipeline is simulated at instead of its own: ``4 pp``, ``6 pp`` and ``8 pp`` plus
     the remainder of ``microbatches`` by ``pp`` (so divisibility rules, e.g. interleaving's, hold alike),
@@ -239,12 +244,21 @@ class Projector:
         m = training.microbatches
         if (counts := sampled_microbatches(m, training.pp)) is None:
             return None
-        searches = get_algorithm(algorithm).placement == "any"
+        placement = get_algorithm(algorithm).placement
+        searches = placement == "any"
         runs = [self._pipeline(training, algorithm, k) for k in counts[:2]]
         figures = self._extrapolated(runs, m, searches)
         if figures is None and counts[2] < m and _growing(runs) and not searches:
             runs.append(self._pipeline(training, algorithm, counts[2]))
             figures = self._extrapolated(runs, m, searches)
+        elif figures is not None and placement == "v" and counts[2] < m:
+            # the V algorithms build their tables from the costs at each count, and the time a microbatch adds
+            # can alternate with the count (v-half at pp 2: 0.76, 0.72, 0.71, 0.76 s per four microbatches):
+            # carried on only where a third count lies on the line the first two give
+            third = self._pipeline(training, algorithm, counts[2])[2]
+            line = extrapolate([f for _, _, f in runs], counts[2])
+            if line is None or not math.isclose(line.step_time, third.step_time, rel_tol=LINE_TOLERANCE):
+                figures = None
         if figures is not None:
             shape, costs, _ = runs[0]
             return dataclasses.replace(training, virtual_pipeline_model_parallel_size=shape.vpp), costs, figures

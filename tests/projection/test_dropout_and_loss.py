@@ -1,0 +1,199 @@
+"""The time model's loss and dropout work, held against what the real operations touch.
+
+* The unfused vocab-parallel cross entropy: megatron-core's own ``vocab_parallel_cross_entropy`` run forward and
+  backward on CPU (its all-reduces on torch's ``fake`` backend), every aten operation over logit-sized tensors
+  counted as a GPU kernel moves it, against the bytes :meth:`WorkModel.head` prices beside the output GEMM.
+* Dropout: PyTorch's own ``native_dropout`` / ``native_dropout_backward`` (the kernels ``F.dropout`` runs on a
+  GPU) give the per-element bytes; the layers, embedding and attention of generated models and layouts price
+  exactly those at each dropout site, and nothing at dropout 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from projection_megatron import fake_parallel_state
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from primuspipe.projection.compute import DROPOUT_MASK_BYTES, WorkModel, part_times, Calibration
+from primuspipe.projection.hardware_spec import load_hardware
+from primuspipe.projection.model_spec import ModelSpec
+from primuspipe.projection.training_spec import TrainingSpec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
+NOT_PASSES = {"index", "index_put_", "mm", "_unsafe_view"}
+"""Advanced indexing of each token's target logit (a gather / scatter of one element a row), the output layer's
+GEMMs (priced as GEMMs) and ``matmul``'s reshape of its output (no data moved): no pass over the logits."""
+
+
+class _LogitTraffic(TorchDispatchMode):
+    """Bytes the aten operations move over tensors of ``numel`` elements (the logits): each distinct storage a
+    non-view operation reads (its positional tensor arguments; an ``out=`` buffer is written, not read) and
+    every logit-sized output it writes, by phase."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.phase, self.moved = numel, "forward", {"forward": 0, "backward": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if func.is_view or name in NOT_PASSES:
+            return out
+        big = lambda ts: [t for t in ts if isinstance(t, torch.Tensor) and t.numel() == self.numel]  # noqa: E731
+        reads = {t.untyped_storage().data_ptr(): t.numel() * t.element_size() for t in big(tree_leaves(args))}
+        writes = sum(t.numel() * t.element_size() for t in big(tree_leaves(out)))
+        self.moved[self.phase] += sum(reads.values()) + writes
+        return out
+
+
+def _loss_cases() -> list[tuple[int, int, int, str]]:
+    rng = random.Random(26)
+    return [(rng.choice([1, 2]), rng.choice([64, 96, 256]), 128 * rng.randint(1, 24), rng.choice(["bf16", "fp32"]))
+            for _ in range(8)]
+
+
+@pytest.mark.parametrize("mbs, seq, vocab, precision", _loss_cases())
+def test_unfused_cross_entropy_moves_what_megatron_core_dispatches(mbs, seq, vocab, precision):
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=2, seq_length=seq, vocab_size=vocab,
+                      untie_embeddings_and_output_weights=True)
+    training = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=mbs, global_batch_size=mbs,
+                            precision=precision)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    generator = torch.Generator().manual_seed(seq + vocab)
+    hidden = torch.randn(seq, mbs, model.hidden_size, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(vocab, model.hidden_size, generator=generator).to(dtype).requires_grad_()
+    target = torch.randint(vocab, (seq, mbs), generator=generator)
+    traffic = _LogitTraffic(seq * mbs * vocab)
+    with fake_parallel_state(training):  # CPU mode first: megatron-core imports triton unguarded
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        with traffic:  # the logits come out of the output layer's GEMM, as in the model (not a leaf)
+            loss = vocab_parallel_cross_entropy(hidden @ weight.t(), target)
+            traffic.phase = "backward"
+            loss.backward(torch.ones_like(loss))
+    work = WorkModel(model, training)
+    head = work.head()
+    norm = 2 * work.hidden_bytes  # the final norm's forward read and write (backward: 1.5 times it)
+    assert head.forward.memory_bytes - norm == traffic.moved["forward"]
+    assert head.backward_input.memory_bytes - 1.5 * norm == traffic.moved["backward"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_dropout_moves_two_elements_and_a_mask_each_way(dtype):
+    """The kernels ``F.dropout`` runs on a GPU: forward reads x and writes the output and a bool mask; backward reads
+    the gradient and the mask and writes the gradient. The per-element bytes the model prices."""
+    x = torch.randn(1000).to(dtype)
+    out, mask = torch.ops.aten.native_dropout(x, 0.1, True)
+    grad = torch.ops.aten.native_dropout_backward(out, mask, 1 / 0.9)
+    assert mask.element_size() == DROPOUT_MASK_BYTES
+    e = x.element_size()
+    forward = (x.numel() * e + out.numel() * e + mask.numel() * mask.element_size()) / x.numel()
+    backward = (out.numel() * e + mask.numel() * mask.element_size() + grad.numel() * e) / x.numel()
+    assert forward == backward == 2 * e + DROPOUT_MASK_BYTES
+
+
+def _dropout_cases() -> list[tuple[ModelSpec, TrainingSpec]]:
+    rng = random.Random(8)
+    cases = []
+    for _ in range(10):
+        heads = rng.choice([8, 16, 32])
+        model = ModelSpec(num_layers=4, hidden_size=heads * rng.choice([64, 128]), num_attention_heads=heads,
+                          seq_length=rng.choice([1024, 2048, 4096]), vocab_size=32000,
+                          swiglu=rng.random() < 0.5, add_bias_linear=rng.random() < 0.5)
+        tp = rng.choice([1, 2, 4, 8])
+        training = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=rng.choice([1, 2, 4]),
+                                global_batch_size=64, tensor_model_parallel_size=tp,
+                                sequence_parallel=tp > 1 and rng.random() < 0.7,
+                                precision=rng.choice(["bf16", "fp32"]),
+                                attention_backend=rng.choice(["flash", "fused", "unfused"]))
+        cases.append((model, training))
+    return cases
+
+
+@pytest.mark.parametrize("model, training", _dropout_cases())
+def test_hidden_dropout_prices_its_mask_and_masking_pass_at_each_site(model, training):
+    dropped = dataclasses.replace(model, hidden_dropout=0.1)
+    plain, work = WorkModel(model, training), WorkModel(dropped, training)
+    elements, e = work.residual_tokens * model.hidden_size, work.e
+    layer, base = work.layer("dense"), plain.layer("dense")
+    # two bias-dropout-add sites a layer: the fused kernel writes the mask; a masking pass backward
+    assert layer.forward.memory_bytes - base.forward.memory_bytes == pytest.approx(2 * elements * DROPOUT_MASK_BYTES)
+    assert layer.backward_input.memory_bytes - base.backward_input.memory_bytes == pytest.approx(
+        2 * elements * (2 * e + DROPOUT_MASK_BYTES))
+    assert layer.backward_weight == base.backward_weight
+    # the embedding's dropout is a native_dropout of its own each way
+    for new, old in zip(work.embedding().passes()[:2], plain.embedding().passes()[:2]):
+        assert new.memory_bytes - old.memory_bytes == pytest.approx(elements * (2 * e + DROPOUT_MASK_BYTES))
+    assert WorkModel(dataclasses.replace(model, hidden_dropout=0.0), training).layer("dense") == base
+
+
+@pytest.mark.parametrize("model, training", _dropout_cases())
+def test_attention_dropout_prices_the_probabilities_or_the_fused_kernels_rate(model, training):
+    hardware = load_hardware(EXAMPLES / "hardware" / "h100.yaml")
+    dropped = dataclasses.replace(model, attention_dropout=0.1)
+    plain, work = WorkModel(model, training), WorkModel(dropped, training)
+    layer, base = work.layer("dense"), plain.layer("dense")
+    e = work.e
+    scores = training.micro_batch_size * model.num_attention_heads / training.tp * model.seq_length ** 2
+    if training.flash_attention:  # inside the kernel: no bytes, the kernels at attention_dropout_rate
+        assert layer.forward.memory_bytes == base.forward.memory_bytes
+        times, before = (part_times(w, hardware, Calibration())["dense"] for w in (work, plain))
+        for now, was in zip(times.attention, before.attention):
+            assert now == pytest.approx(was / hardware.attention_dropout_rate)
+        free = dataclasses.replace(hardware, attention_dropout_rate=1.0)
+        assert part_times(work, free, Calibration())["dense"].attention == before.attention
+    else:  # native_dropout over the probabilities, each way
+        extra = scores * (2 * e + DROPOUT_MASK_BYTES)
+        assert layer.forward.memory_bytes - base.forward.memory_bytes == pytest.approx(extra)
+        assert layer.backward_input.memory_bytes - base.backward_input.memory_bytes == pytest.approx(extra)
+    assert layer.forward.attention_flops == base.forward.attention_flops  # dropout adds no FLOPs
+
+
+def test_attention_dropout_rate_is_a_fraction():
+    from primuspipe.projection.spec_fields import InputError
+
+    hardware = load_hardware(EXAMPLES / "hardware" / "h100.yaml")
+    for bad in (0.0, 1.2, -0.5):
+        with pytest.raises(InputError, match="attention_dropout_rate"):
+            dataclasses.replace(hardware, attention_dropout_rate=bad)
+
+
+@pytest.mark.parametrize("model, training", _dropout_cases())
+def test_the_embedding_makes_its_whole_weight_gradient_every_microbatch(model, training):
+    """``F.embedding``'s backward returns a gradient of the whole table (zeros but the looked-up rows), which
+    megatron-core's DDP hook then adds into the main gradient: both priced in B, per microbatch."""
+    work = WorkModel(model, training)
+    vocab = model.padded_vocab(training.tp) // training.tp
+    table = torch.zeros(vocab, 8, requires_grad=True)
+    tokens = torch.randint(vocab, (5,))
+    torch.nn.functional.embedding(tokens, table).sum().backward()
+    assert table.grad.shape == table.shape  # dense: every row written, not only the five looked up
+    params = vocab * model.hidden_size + model.seq_length * model.hidden_size  # and the learned positions' table
+    zeros_and_add = params * (work.e + work.e + 2 * training.main_grad_bytes)
+    assert work.embedding().backward_input.memory_bytes == pytest.approx(2 * work.hidden_bytes + zeros_and_add)
+    assert work.embedding().backward_weight.memory_bytes == 0
+
+
+def test_a_prediction_module_sums_its_embedding_gradient_into_the_models():
+    """Multi-token prediction looks the tokens up in the model's own tables: its backward makes a second zeroed
+    table that autograd adds to the first, and the parameter is accumulated into its main gradient once."""
+    model = ModelSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=512, vocab_size=4096,
+                      position_embedding_type="rope")
+    training = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=1, global_batch_size=8, mtp_num_layers=1)
+    work = WorkModel(model, training)
+    own, second = work.embedding(), work.embedding(shared=True)
+    params = model.padded_vocab(1) * model.hidden_size
+    assert own.backward_input.memory_bytes - second.backward_input.memory_bytes == pytest.approx(
+        params * (2 * work.e + 2 * training.main_grad_bytes - 4 * work.e))
+    table = torch.zeros(16, 4, requires_grad=True)
+    seen = []
+    table.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    tokens = torch.tensor([1, 3])
+    (torch.nn.functional.embedding(tokens, table).sum() + torch.nn.functional.embedding(tokens, table).sum()).backward()
+    assert len(seen) == 1  # one accumulation (megatron-core's DDP hook runs there) for both lookups
