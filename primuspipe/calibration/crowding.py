@@ -223,6 +223,32 @@ def background_shares(timeline: Timeline) -> list[float]:
     return [cpu / spans[rank] for rank, cpu in _outside_cpu(timeline).items() if spans.get(rank, 0) > 0]
 
 
+def background_per_message(timelines: Sequence[Timeline]) -> tuple[float, float] | None:
+    """``(share of a core, CPU per message)``: each rank's CPU outside its main thread in a step fitted as
+    ``share x span + per-message x messages`` (least squares over ranks and steps), where the ranks sent and
+    received different numbers of messages for their spans (the middle ranks of 1F1B at pp >= 3 twice the
+    end ranks') so the two can be told apart; None where they cannot, or the fit is not positive in both."""
+    points = []
+    for t in timelines:
+        outside, spans = _outside_cpu(t), {rt.rank: rt for rt in t.ranks}
+        points += [(spans[rank].span, sum(1 for e in spans[rank].events if e.node.kind.is_send or e.node.kind.is_recv),
+                    cpu) for rank, cpu in outside.items() if spans.get(rank) is not None and spans[rank].span > 0]
+    if len({messages for _, messages, _ in points}) < 2 or len({m / s for s, m, _ in points}) < 2:
+        return None
+    ss = sum(s * s for s, _, _ in points)
+    sm = sum(s * m for s, m, _ in points)
+    mm = sum(m * m for _, m, _ in points)
+    sy = sum(s * y for s, _, y in points)
+    my = sum(m * y for _, m, y in points)
+    det = ss * mm - sm * sm
+    if det <= 1e-12 * ss * mm:
+        return None
+    share, per_message = (sy * mm - my * sm) / det, (my * ss - sy * sm) / det
+    if share <= 0 or per_message <= 1e-9 * max(s for s, _, _ in points):
+        return None
+    return significant(share), significant(per_message)
+
+
 def contention_from_walks(walks: Sequence[Sequence[Step]], placement: Placement, free: float):
     """``(contention, per timeline {(rank, node): CPU per unit of work}, nodes fitted)``: each compute
     node's excess -- busy ranks beyond ``free`` cores while it ran, busy as :func:`effective_cores`

@@ -63,8 +63,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
-from primuspipe.calibration.crowding import (REPLAY_TOLERANCE, background_shares, contention_from_walks,
-                                             effective_cores, lone_speed, replayed_cores)
+from primuspipe.calibration.crowding import (REPLAY_TOLERANCE, background_per_message, background_shares,
+                                             contention_from_walks, effective_cores, lone_speed, replayed_cores)
 from primuspipe.calibration.estimators import (Samples, cold_start_extras, medians, run_gaps, step_gaps, transfer_fit,
                                                window_share)
 from primuspipe.calibration.measured import MeasuredCosts, negligible, significant
@@ -131,6 +131,12 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
     cores = effective_cores(used, walks)
     background = [share for t in used for share in background_shares(t)] if cores is not None else []
     background_share = significant(statistics.median(background)) if background else None
+    rate, message_cpu = background_share, None  # host.background: all of it, or the part apart from messages
+    if cores is not None and (per_message := background_per_message(used)) is not None:
+        rate, message_cpu = per_message
+        notes.append(f"each rank's process spent {rate:.3g} of a core outside its main thread over its step and "
+                     f"{message_cpu:.3g} per message it sent or received (fitted over ranks with different message "
+                     "counts): host.background and host.message_cpu")
     contention, slowdowns = None, [{} for _ in used]
     if cores is not None and (free := cores - (background_share or 0.0) * first.pp) > 0:
         contention, slowdowns, fitted = contention_from_walks(walks, placement, free)
@@ -213,10 +219,10 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
         significant(statistics.median(overlaps)) if overlaps else None, latency,
         tuple(peaks), tuple(dict.fromkeys(notes)), cold, host_overhead,
         {k.removeprefix("post_"): v for k, v in host_post.items()}, bandwidth, size, cores,
-        background_share, contention and significant(contention), gaps, fixed,
+        rate, contention and significant(contention), gaps, fixed,
         {key: last_from_others(parts) for key, parts in chunk.items() if key in fixed},
         warm if (warm := tuple(y if two else x for x, y, two in zip(w, hot, both))) != tuple(w) else None,
-        screened.dropped, None if cores is None else lone_speed(walks), probe_window,
+        screened.dropped, None if cores is None else lone_speed(walks), probe_window, message_cpu,
     )
     if cores is None:
         return measured

@@ -85,6 +85,10 @@ class MeasuredCosts:
     """How much longer (a share) nodes in a probe window took than their kind's others
     (``compute.probe_window``, :func:`~primuspipe.calibration.estimators.window_share`); None where the
     run had no such window or its nodes took no longer."""
+    message_cpu: float | None = None
+    """With ``cores``: the CPU a rank's process spent outside its main thread per message it sent or received,
+    beyond ``background`` (which is then the rest's share of a core); None where the run cannot tell it from
+    the step's length (every rank sent and received as many messages: pp = 2 1F1B)."""
 
     def cost_dict(self, *, per_model_stage: bool = False) -> dict[str, Any]:
         """The cost-file mapping (``CostModel.from_dict``'s YAML form); see the module docstring for
@@ -126,6 +130,8 @@ class MeasuredCosts:
                 host["contention"] = self.contention
             if self.speed is not None:
                 host["speed"] = self.speed
+            if self.message_cpu:
+                host["message_cpu"] = self.message_cpu
         if self.step_gap is not None:
             host["step_gap"] = list(self.step_gap)
         if host:

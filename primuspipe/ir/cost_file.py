@@ -28,6 +28,7 @@ optimizer bytes) are one number or ``pp`` values::
       recv: 0.10             # rank time to post a receive
       cores: 2               # cores the ranks of one node share; omitted: one per rank (no contention)
       background: 0.05       # with cores: share of a core each rank's process keeps busy off its main thread
+      message_cpu: 0.002     # with cores: CPU off the main thread per message a rank sends or receives
       contention: 0.03       # with cores: extra CPU per unit of work for each job beyond the free cores
       speed: 0.98            # with cores: share of a core a rank gets even with one to itself (default 1)
       step_gap: 3.0          # per rank (one number or pp values): from its step's end to its next step
@@ -240,7 +241,7 @@ def cost_keys() -> set[str]:
 
 def host_section(data: Any, pp: int) -> HostCost:
     host = strict.keys(data, "host", {"overhead", "send", "recv", "cores", "background", "contention", "step_gap",
-                                         "speed"})
+                                         "speed", "message_cpu"})
     overhead = strict.keys(host.get("overhead", {}), "host.overhead", {k.name.lower() for k in compute_kinds()})
     cores, gap = host.get("cores"), host.get("step_gap")
 
@@ -254,7 +255,8 @@ def host_section(data: Any, pp: int) -> HostCost:
                     strict.number(host.get("contention", 0.0), "host.contention (a share >= 0)", minimum=0),
                     None if gap is None else per_stage_values("host.step_gap", gap, pp, "ranks"),
                     strict.number(host.get("speed", 1.0), "host.speed (a share of a core in (0, 1])", above=0,
-                                  maximum=1))
+                                  maximum=1),
+                    time(host.get("message_cpu", 0.0), "message_cpu"))
 
 
 def cold_start_section(data: Any, pp: int, vpp: int) -> ComputeCosts | None:

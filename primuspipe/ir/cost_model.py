@@ -311,6 +311,7 @@ class CostModel:
             h = self.host
             out["host"] = {"overhead": dict(h.overhead), "send": h.send, "recv": h.recv, "cores": h.cores,
                            "background": h.background, "contention": h.contention, "speed": h.speed,
+                           "message_cpu": h.message_cpu,
                            "step_gap": None if h.step_gap is None else list(h.step_gap)}
         m = self.memory
         out["memory"] = {"w_retained_fraction": m.w_retained_fraction, "offload_fraction": m.offload_fraction,

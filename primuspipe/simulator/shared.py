@@ -2,7 +2,7 @@
 
 Processor sharing: while ``n`` CPU jobs of a node are running each progresses at ``min(speed, free / n)``
 of a core, ``free`` being the node's cores less what its ranks' processes keep busy outside their main
-threads (``host.background`` each), ``speed`` what a rank gets of a core it has to itself (``host.speed``);
+threads (``host.background`` each, and ``host.message_cpu`` per message spread over the step), ``speed`` what a rank gets of a core it has to itself (``host.speed``);
 and while more jobs run than there are free cores, a job needs ``1 + contention * (n - free)`` times its
 work in CPU (``host.contention``: the cache refills of time slicing), so its work progresses that much
 slower than its CPU. A rank's host time and compute are jobs
@@ -33,6 +33,9 @@ from primuspipe.simulator.transport import StreamClock, Wires
 from primuspipe.simulator.unfinished import check_finished
 
 
+_MESSAGE_ROUNDS = 8  # at most: the step and the cores host.message_cpu leaves settle in 3-4 on the bench's runs
+
+
 class Job(enum.Enum):
     """What the job a rank is running does; when it finishes, the rank goes on accordingly."""
     POSTING = "the host time of posting its current op (a send or receive), which is posted when it ends"
@@ -58,6 +61,21 @@ def run_shared(table: ScheduleTable, programs: list[Program], wires: Wires, offs
                               "simulate the offloaded table with a cost model without host.cores")
     loop = _SharedCores(programs, wires, offsets, cost)
     loop.run()
+    posts = [sum(type(op) is Post for op in program.ops) for program in programs]
+    if cost.host.message_cpu and any(posts):
+        # each message's CPU off the main thread, spread over the step like host.background: the step
+        # depends on the cores that leaves, so settle the two together (a few rounds converge)
+        for _ in range(_MESSAGE_ROUNDS):
+            step = max(max(e, default=o) for e, o in zip(loop.ends, offsets)) - min(offsets, default=0.0)
+            taken = [0.0] * loop.nodes
+            for rank, n in enumerate(loop.node_of):
+                taken[n] += cost.host.message_cpu * posts[rank] / step
+            settled = _SharedCores(programs, wires, offsets, cost, taken)
+            settled.run()
+            before, loop = step, settled
+            after = max(max(e, default=o) for e, o in zip(loop.ends, offsets)) - min(offsets, default=0.0)
+            if abs(after - before) <= 1e-9 * before:
+                break
     check_finished(table, programs, loop.at, loop.waiting, loop.streams, semantics)
     return loop.starts, loop.ends, [[tuple(c) for c in row] for row in loop.cpu]
 
@@ -65,17 +83,20 @@ def run_shared(table: ScheduleTable, programs: list[Program], wires: Wires, offs
 class _SharedCores:
     """The loop's state; :meth:`run` runs the step."""
 
-    def __init__(self, programs: list[Program], wires: Wires, offsets: list[float], cost: CostModel):
+    def __init__(self, programs: list[Program], wires: Wires, offsets: list[float], cost: CostModel,
+                 messages: list[float] | None = None):
         pp, per_node = len(programs), cost.p2p.ranks_per_node
         self.programs, self.wires, self.offsets = programs, wires, offsets
         self.contention, self.speed = cost.host.contention, cost.host.speed
         self.node_of = node_of = [r // per_node for r in range(pp)]
         self.nodes = nodes = node_of[-1] + 1 if pp else 0
-        self.free = [cost.host.cores - cost.host.background * node_of.count(n) for n in range(nodes)]
+        taken = messages or [0.0] * nodes  # per node: the share of cores its ranks' messages take
+        self.free = [cost.host.cores - cost.host.background * node_of.count(n) - taken[n] for n in range(nodes)]
         if any(f <= 0 for f in self.free):
-            raise SimulationError(f"host.background ({cost.host.background:g} of a core per rank) leaves no core free "
-                                  f"on a node of {max(map(node_of.count, range(nodes)))} ranks sharing host.cores "
-                                  f"({cost.host.cores:g}); lower host.background or raise host.cores")
+            raise SimulationError(f"host.background ({cost.host.background:g} of a core per rank) and host.message_cpu "
+                                  f"({cost.host.message_cpu:g} per message) leave no core free on a node of "
+                                  f"{max(map(node_of.count, range(nodes)))} ranks sharing host.cores "
+                                  f"({cost.host.cores:g}); lower host.background or host.message_cpu or raise host.cores")
         # per node: its work clock (virtual time), its CPU clock, how many jobs run, and a heap of
         # (virtual finish, sequence, rank) of its running jobs
         self.virtual, self.spent, self.active = [0.0] * nodes, [0.0] * nodes, [0] * nodes
