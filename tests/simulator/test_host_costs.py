@@ -97,6 +97,43 @@ def test_background_cpu_takes_its_share_of_the_cores():
     assert free.step_time == simulate(table, replace(base, host=HostCost())).step_time, "no cores: no effect"
 
 
+def _messages(rank) -> int:
+    return sum(1 for e in rank.events if e.node.kind.is_send or e.node.kind.is_recv)
+
+
+@pytest.mark.parametrize("algorithm, pp, vpp", [("1f1b", 2, 1), ("1f1b", 3, 1), ("interleaved-1f1b", 3, 2),
+                                                 ("zbv", 3, 2), ("v-half", 4, 2)])
+def test_message_cpu_takes_the_cores_its_messages_need_over_the_step(algorithm, pp, vpp):
+    """Each message a rank sends or receives costs ``host.message_cpu`` of CPU off its main thread, spread
+    over the step: the step is the one of a host whose cores lack exactly that share (the CPU of all its
+    ranks' messages over the step), and the dump's process CPU carries it beside the main thread's."""
+    table = build_schedule(algorithm, pp=pp, microbatches=2 * pp)
+    base = CostModel.per_stage(pp * vpp, 1, 1, 1, p2p=P2PCost(ranks_per_node=pp),
+                               host=HostCost(cores=pp - 0.5, background=0.02))
+    charged = simulate(table, replace(base, host=replace(base.host, message_cpu=0.05)))
+    assert charged.step_time > simulate(table, base).step_time
+    timeline = charged.timeline()
+    messages = sum(map(_messages, timeline.ranks))
+    same = simulate(table, replace(base, host=replace(base.host, cores=pp - 0.5 - 0.05 * messages / charged.step_time)))
+    assert same.step_time == pytest.approx(charged.step_time, rel=1e-6)
+    for facts, rank in zip(timeline.meta["ranks"], timeline.ranks):
+        assert facts["process_cpu"] - facts["thread_cpu"] == pytest.approx(0.02 * rank.span + 0.05 * _messages(rank))
+    free = replace(base, host=HostCost(message_cpu=0.05))
+    assert simulate(table, free).step_time == simulate(table, replace(base, host=HostCost())).step_time, "no cores"
+
+
+def test_message_cpu_weighs_on_the_schedule_that_sends_more():
+    """Same work, same host: interleaved-1f1b sends twice 1F1B's messages per microbatch and rank, so the
+    same per-message CPU lengthens its step by a larger share (a rate alone charges both alike)."""
+    def slowdown(algorithm: str, vpp: int) -> float:
+        table = build_schedule(algorithm, pp=3, microbatches=6)
+        base = CostModel.per_stage(3 * vpp, 2 / vpp, 2 / vpp, 1 / vpp, p2p=P2PCost(ranks_per_node=3),
+                                   host=HostCost(cores=2.0))
+        return simulate(table, replace(base, host=HostCost(cores=2.0, message_cpu=0.05))).step_time / \
+            simulate(table, base).step_time
+    assert slowdown("interleaved-1f1b", 2) > slowdown("1f1b", 1) > 1
+
+
 def test_contention_costs_nothing_while_every_busy_rank_has_a_core():
     cost = CostModel.per_stage(4, [1.0, 1.5] * 2, 0.75, 0.5, p2p=P2PCost(ranks_per_node=4), host=HostCost(cores=4.0))
     table = build_schedule("zb-h1", pp=4, microbatches=8)
@@ -176,11 +213,21 @@ def test_background_that_leaves_no_core_is_refused():
         simulate(table, cost)
 
 
+def test_message_cpu_that_leaves_no_core_is_refused():
+    """2 time units of CPU per message on one core: the messages of a short step would need more than the
+    core; the simulator names both host terms and the fix instead of running a step with no core."""
+    cost = CostModel.per_stage(2, 1, 1, 1, p2p=P2PCost(ranks_per_node=2), host=HostCost(cores=1.0, message_cpu=2.0))
+    with pytest.raises(SimulationError, match=r"host.message_cpu \(2 per message\) leaves no core free .* lower "
+                                              r"host.background or host.message_cpu or raise host.cores"):
+        simulate(build_schedule("1f1b", pp=2, microbatches=4), cost)
+
+
 def test_host_and_cold_start_in_yaml_round_trip():
     data = {"time_unit": "s", "compute": {"f": [1, 2], "b": 1, "w": 1, "cold_start": {"f": 0.5}},
-            "host": {"overhead": {"f": 0.1, "bw": 0.2}, "send": 0.05, "recv": 0.025, "cores": 2, "background": 0.01}}
+            "host": {"overhead": {"f": 0.1, "bw": 0.2}, "send": 0.05, "recv": 0.025, "cores": 2, "background": 0.01,
+                     "message_cpu": 0.002}}
     model = CostModel.from_dict(data, pp=2, vpp=2)
-    assert model.host == HostCost((("bw", 0.2), ("f", 0.1)), 0.05, 0.025, 2.0, 0.01)
+    assert model.host == HostCost((("bw", 0.2), ("f", 0.1)), 0.05, 0.025, 2.0, 0.01, message_cpu=0.002)
     assert model.cold_start.forward == (0.25, 0.25, 0.25, 0.25), "per 1F1B stage, split among its chunks"
     assert CostModel.from_dict(model.to_dict(), pp=2, vpp=2) == model
     assert "host" not in CostModel.per_stage(2, 1, 1, 1).to_dict(), "a free host is not written"
@@ -190,6 +237,10 @@ def test_host_and_cold_start_in_yaml_round_trip():
     ({"send": -1}, r"host.send \(a time >= 0\) must be >= 0"),
     ({"send": True}, r"host.send \(a time >= 0\) must be a number"),
     ({"background": "fast"}, r"host.background \(a share of a core >= 0\)"),
+    ({"message_cpu": -0.001}, r"host.message_cpu \(a time >= 0\) must be >= 0"),
+    ({"message_cpu": float("inf")}, r"host.message_cpu \(a time >= 0\) must be a finite number"),
+    ({"message_cpu": "fast"}, r"host.message_cpu \(a time >= 0\)"),
+    ({"message_cpu": True}, r"host.message_cpu \(a time >= 0\) must be a number"),
     ({"contention": -0.1}, r"host.contention \(a share >= 0\) must be >= 0"),
     ({"overhead": {"f": float("nan")}}, r"host.overhead.f \(a time >= 0\) must be a finite number"),
     ({"cores": 0}, r"host.cores \(a number of cores > 0\) must be > 0"),
