@@ -206,6 +206,35 @@ def test_background_cpu_is_recovered_exactly_and_the_replay_keeps_the_step(backg
     assert replayed.step_time == pytest.approx(timeline.step_time, rel=REPLAY_TOLERANCE)
 
 
+@pytest.mark.parametrize("algorithm, pp", [("1f1b", 3), ("1f1b", 4), ("zb-h1", 4)])
+@pytest.mark.parametrize("background, message_cpu", [(0.03125, 0.0625), (0.0625, 0.015625)])
+def test_message_cpu_is_told_from_background_where_ranks_send_unequal_counts(algorithm, pp, m=8, *, background,
+                                                                             message_cpu):
+    """The middle ranks of 1F1B and ZB-H1 send and receive twice the end ranks' messages in about the same
+    span: their processes' CPU off the main thread splits exactly into a share of the step and a CPU per
+    message, both recovered, and the step replays under them."""
+    host = HostCost(cores=pp / 2 + 0.5, background=background, message_cpu=message_cpu)
+    cost = CostModel.per_stage(pp, F[:pp], B[:pp], W[:pp], p2p=P2P, time_unit="s", host=host)
+    timeline = simulate(build_schedule(algorithm, pp, m, cost=cost), cost).timeline()
+    measured = measure_costs([timeline, timeline], warmup=0)
+    assert (measured.background, measured.message_cpu) == pytest.approx((background, message_cpu), rel=1e-9)
+    assert measured.cost_dict()["host"]["message_cpu"] == measured.message_cpu
+    replayed = simulate(executed_table(timeline), CostModel.from_dict(measured.cost_dict(), pp=pp, vpp=1))
+    assert replayed.step_time == pytest.approx(timeline.step_time, rel=REPLAY_TOLERANCE)
+
+
+def test_message_cpu_is_not_fitted_where_every_rank_sends_as_many():
+    """At pp = 2 both 1F1B ranks send and receive as many messages in about the same span: the run cannot
+    tell a CPU per message from a share of the step, so all of it stays host.background (as a rate it is
+    exact for that run) and no host.message_cpu is written."""
+    host = HostCost(cores=1.5, background=0.03125, message_cpu=0.0625)
+    cost = CostModel.per_stage(2, F[:2], B[:2], W[:2], p2p=P2P, time_unit="s", host=host)
+    timeline = simulate(build_schedule("1f1b", 2, 8, cost=cost), cost).timeline()
+    measured = measure_costs([timeline, timeline], warmup=0)
+    assert measured.message_cpu is None and "message_cpu" not in measured.cost_dict()["host"]
+    assert measured.background > 0.03125
+
+
 @pytest.mark.parametrize("contention", [0.05, 0.2])
 def test_contention_is_measured_from_a_crowded_run_and_the_replay_keeps_the_step(contention):
     """Four ranks on 1.5 cores: nodes that ran while more ranks were busy took more CPU; calibrate fits the
