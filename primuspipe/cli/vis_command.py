@@ -316,7 +316,8 @@ def _measured_table(m: MeasuredCosts) -> Table:
                      + (f", bandwidth {m.p2p_bandwidth:.6g} B/{m.time_unit}" if m.p2p_bandwidth else "")
                      + f"; host time before a node: {host or '-'}; posting: {posts or '-'}"
                      + (f"; ranks shared {m.cores:g} cores (background {m.background or 0:.3g} of a core per rank "
-                        f"off its main thread, contention {m.contention or 0:.3g})"
+                        f"off its main thread{f' and {m.message_cpu:.3g} per message' if m.message_cpu else ''}, "
+                        f"contention {m.contention or 0:.3g})"
                         if m.cores is not None else "")
                      + "; peak memory per rank (bytes): " + ", ".join(_number(b, "bytes") for b in m.peak_memory_bytes))
     return table
