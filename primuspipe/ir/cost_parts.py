@@ -111,7 +111,8 @@ class HostCost:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overhead", tuple(sorted(self.overhead)))  # one model, one value
-        values = [v for _, v in self.overhead] + [self.send, self.recv, self.background, self.contention, self.message_cpu,
+        values = [v for _, v in self.overhead] + [self.send, self.recv, self.background, self.contention,
+                                                  self.message_cpu,
                                                   *(self.step_gap or ())]
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ConfigError(f"host times must be >= 0 and finite, got {self}")

@@ -2,7 +2,8 @@
 
 Processor sharing: while ``n`` CPU jobs of a node are running each progresses at ``min(speed, free / n)``
 of a core, ``free`` being the node's cores less what its ranks' processes keep busy outside their main
-threads (``host.background`` each, and ``host.message_cpu`` per message spread over the step), ``speed`` what a rank gets of a core it has to itself (``host.speed``);
+threads (``host.background`` each, and ``host.message_cpu`` per message spread over the step), ``speed``
+what a rank gets of a core it has to itself (``host.speed``);
 and while more jobs run than there are free cores, a job needs ``1 + contention * (n - free)`` times its
 work in CPU (``host.contention``: the cache refills of time slicing), so its work progresses that much
 slower than its CPU. A rank's host time and compute are jobs
@@ -33,7 +34,8 @@ from primuspipe.simulator.transport import StreamClock, Wires
 from primuspipe.simulator.unfinished import check_finished
 
 
-_MESSAGE_ROUNDS = 8  # at most: the step and the cores host.message_cpu leaves settle to 1e-6 in 3-5 rounds on the bench's files
+# at most: the step and the cores host.message_cpu leaves settle to 1e-6 in 3-5 rounds on the bench's files
+_MESSAGE_ROUNDS = 8
 
 
 class Job(enum.Enum):
@@ -93,10 +95,12 @@ class _SharedCores:
         taken = messages or [0.0] * nodes  # per node: the share of cores its ranks' messages take
         self.free = [cost.host.cores - cost.host.background * node_of.count(n) - taken[n] for n in range(nodes)]
         if any(f <= 0 for f in self.free):
-            raise SimulationError(f"host.background ({cost.host.background:g} of a core per rank) with host.message_cpu "
+            raise SimulationError(f"host.background ({cost.host.background:g} of a core per rank) with "
+                                  f"host.message_cpu "
                                   f"({cost.host.message_cpu:g} per message) leaves no core free on a node of "
                                   f"{max(map(node_of.count, range(nodes)))} ranks sharing host.cores "
-                                  f"({cost.host.cores:g}); lower host.background or host.message_cpu or raise host.cores")
+                                  f"({cost.host.cores:g}); lower host.background or host.message_cpu or raise "
+                                  "host.cores")
         # per node: its work clock (virtual time), its CPU clock, how many jobs run, and a heap of
         # (virtual finish, sequence, rank) of its running jobs
         self.virtual, self.spent, self.active = [0.0] * nodes, [0.0] * nodes, [0] * nodes
