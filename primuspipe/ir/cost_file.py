@@ -239,6 +239,11 @@ def cost_keys() -> set[str]:
     return {k.spec.cost for k in compute_kinds() if k.spec.cost is not None}
 
 
+SHARED_CORE_KEYS = {"background": 0.0, "contention": 0.0, "speed": 1.0, "message_cpu": 0.0}
+"""``host`` fields that only mean something with ``host.cores`` (the shared-cores simulator's terms), with the
+values that change nothing (written by ``CostModel.to_dict`` whatever the cores)."""
+
+
 def host_section(data: Any, pp: int) -> HostCost:
     host = strict.keys(data, "host", {"overhead", "send", "recv", "cores", "background", "contention", "step_gap",
                                          "speed", "message_cpu"})
@@ -248,15 +253,20 @@ def host_section(data: Any, pp: int) -> HostCost:
     def time(value: Any, name: str) -> float:  # strictly a number: YAML's true is not 1 second
         return strict.number(value, f"host.{name} (a time >= 0)", minimum=0)
 
-    return HostCost(tuple((k, time(v, f"overhead.{k}")) for k, v in overhead.items()),
-                    time(host.get("send", 0.0), "send"), time(host.get("recv", 0.0), "recv"),
-                    None if cores is None else strict.number(cores, "host.cores (a number of cores > 0)", above=0),
-                    strict.number(host.get("background", 0.0), "host.background (a share of a core >= 0)", minimum=0),
-                    strict.number(host.get("contention", 0.0), "host.contention (a share >= 0)", minimum=0),
-                    None if gap is None else per_stage_values("host.step_gap", gap, pp, "ranks"),
-                    strict.number(host.get("speed", 1.0), "host.speed (a share of a core in (0, 1])", above=0,
-                                  maximum=1),
-                    time(host.get("message_cpu", 0.0), "message_cpu"))
+    parsed = HostCost(tuple((k, time(v, f"overhead.{k}")) for k, v in overhead.items()),
+                      time(host.get("send", 0.0), "send"), time(host.get("recv", 0.0), "recv"),
+                      None if cores is None else strict.number(cores, "host.cores (a number of cores > 0)", above=0),
+                      strict.number(host.get("background", 0.0), "host.background (a share of a core >= 0)", minimum=0),
+                      strict.number(host.get("contention", 0.0), "host.contention (a share >= 0)", minimum=0),
+                      None if gap is None else per_stage_values("host.step_gap", gap, pp, "ranks"),
+                      strict.number(host.get("speed", 1.0), "host.speed (a share of a core in (0, 1])", above=0,
+                                    maximum=1),
+                      time(host.get("message_cpu", 0.0), "message_cpu"))
+    if cores is None and (shared := [k for k, default in SHARED_CORE_KEYS.items() if getattr(parsed, k) != default]):
+        raise ConfigError(f"host.{shared[0]} is given without host.cores: it describes ranks sharing a node's cores and "
+                          "would be ignored; give host.cores (the cores the ranks of one node share) or remove "
+                          f"{', '.join('host.' + k for k in shared)}")
+    return parsed
 
 
 def cold_start_section(data: Any, pp: int, vpp: int) -> ComputeCosts | None:

@@ -252,6 +252,20 @@ def test_bad_host_values_are_refused_naming_the_field(host, match):
         CostModel.from_dict({"compute": {"f": 1, "b": 1, "w": 1}, "host": host}, pp=2, vpp=1)
 
 
+@pytest.mark.parametrize("key, value", [("background", 0.05), ("contention", 0.1), ("speed", 0.9),
+                                        ("message_cpu", 0.002)])
+def test_shared_core_terms_without_cores_are_refused_not_ignored(key, value):
+    # every term of the shared-cores simulator means nothing without host.cores: given alone it would be
+    # dropped silently; at its neutral value (what to_dict writes for a model without cores) it is accepted
+    base = {"compute": {"f": 1, "b": 1, "w": 1}}
+    with pytest.raises(ConfigError, match=rf"host.{key} is given without host.cores.*give host.cores"):
+        CostModel.from_dict({**base, "host": {key: value}}, pp=2, vpp=1)
+    shared = CostModel.from_dict({**base, "host": {"cores": 2, key: value}}, pp=2, vpp=1)
+    assert getattr(shared.host, key) == value
+    neutral = CostModel.from_dict({**base, "host": {"send": 0.1}}, pp=2, vpp=1)
+    assert CostModel.from_dict(neutral.to_dict(), pp=2, vpp=1) == neutral
+
+
 def test_step_gaps_give_the_steady_state_where_ranks_enter_each_step_at_their_own_time():
     """1F1B pp=2, m=1, F=1, BW=2, a gap of 1 after every rank's step. Started together, rank 1 ends at 4
     and rank 0 at 6, so rank 1 enters the next step 2 earlier; from then on every step is the same:
