@@ -230,9 +230,9 @@ def background_per_message(timelines: Sequence[Timeline]) -> tuple[float, float]
     end ranks') so the two can be told apart; None where they cannot, or the fit is not positive in both."""
     points = []
     for t in timelines:
-        outside, spans = _outside_cpu(t), {rt.rank: rt for rt in t.ranks}
-        points += [(spans[rank].span, sum(1 for e in spans[rank].events if e.node.kind.is_send or e.node.kind.is_recv),
-                    cpu) for rank, cpu in outside.items() if spans.get(rank) is not None and spans[rank].span > 0]
+        outside, ranks = _outside_cpu(t), {rt.rank: rt for rt in t.ranks}
+        points += [(rt.span, rt.messages, cpu) for rank, cpu in outside.items()
+                   if (rt := ranks.get(rank)) is not None and rt.span > 0]
     if len({messages for _, messages, _ in points}) < 2 or len({m / s for s, m, _ in points}) < 2:
         return None
     ss = sum(s * s for s, _, _ in points)

@@ -82,6 +82,12 @@ class RankTimeline:
         (the recorder reads them around the step)."""
         return max((e.end for e in self.events), default=0.0) - min((e.start for e in self.events), default=0.0)
 
+    @property
+    def messages(self) -> int:
+        """How many sends and receives the rank made (each costs its process CPU off the main thread:
+        ``host.message_cpu``)."""
+        return sum(1 for e in self.events if e.node.kind.is_send or e.node.kind.is_recv)
+
 
 @dataclass(frozen=True)
 class Timeline:

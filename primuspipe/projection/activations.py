@@ -50,8 +50,11 @@ from functools import cached_property
 from primuspipe.projection.model_spec import LayerKind
 from primuspipe.projection.training_spec import RankShape
 
-_INDEX, _FP32, _MASK = 8, 4, 1
-"""Bytes of an int64 index, an fp32 value, a boolean mask element."""
+_INDEX, _FP32 = 8, 4
+"""Bytes of an int64 index, an fp32 value."""
+MASK_BYTES = 1
+"""Bytes of a boolean mask element (PyTorch's ``native_dropout`` keep mask, the router's routing map); the time
+model (:mod:`~primuspipe.projection.compute`) moves the same masks."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ class ActivationModel(RankShape):
         else:
             probs = scores * (_FP32 if t.attention_softmax_in_fp32 else e)
             if m.attention_dropout > 0:
-                probs += scores * (_MASK + e)
+                probs += scores * (MASK_BYTES + e)
             elif t.attention_softmax_in_fp32 and e < _FP32:  # the low-precision copy the value GEMM reads
                 probs += scores * e
             core += tokens * heads * (2 * qk_dim + v_dim) * e + probs
@@ -196,7 +199,7 @@ class ActivationModel(RankShape):
         routed = copies * m.hidden_size * self.e * (0.5 if t.experts_fp8 else 1.0) + routed_act
         routed_grads = copies * (width * (2 if m.swiglu else 1) + m.hidden_size) * self.e
         routed_inputs = copies * (m.hidden_size + width) * self.e
-        router = self.residual_tokens * (m.moe_router_topk * (2 * _INDEX + _FP32 + self.e) + m.num_experts * (_MASK + self.e))
+        router = self.residual_tokens * (m.moe_router_topk * (2 * _INDEX + _FP32 + self.e) + m.num_experts * (MASK_BYTES + self.e))
         if m.moe_shared_expert_intermediate_size:
             shared, shared_in, shared_grads = self._dense_mlp(m.moe_shared_expert_intermediate_size, self.tokens,
                                                               recompute=t.recomputes("shared_experts"))
@@ -226,7 +229,7 @@ class ActivationModel(RankShape):
             parts.update(moe)
             inputs, grads = attn_in + moe_in, attn_grads + moe_grads
         if m.hidden_dropout > 0:
-            parts["dropout"] = 2 * self.residual_tokens * m.hidden_size * _MASK
+            parts["dropout"] = 2 * self.residual_tokens * m.hidden_size * MASK_BYTES
         # the output projection's output gradient is the residual stream's, which B holds then anyway, unless
         # sequence parallelism all-gathered it into a tensor of its own
         proj_grad = self.tokens * m.hidden_size * self.e if t.sequence_parallel else 0.0
@@ -317,7 +320,7 @@ class ActivationModel(RankShape):
         """The first stage's extra: token (and position) indices, and the embedding dropout mask."""
         m = self.model
         indices = self.tokens * _INDEX * (2 if m.position_embedding_type == "learned_absolute" else 1)
-        return indices + (self.residual_tokens * m.hidden_size * _MASK if m.hidden_dropout > 0 else 0)
+        return indices + (self.residual_tokens * m.hidden_size * MASK_BYTES if m.hidden_dropout > 0 else 0)
 
     def head(self) -> float:
         """The last stage's extra: final norm, output-layer input, fp32 softmax of the vocab-parallel

@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
+from primuspipe.projection.activations import MASK_BYTES
 from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels, moe_stream_kernels
@@ -39,8 +40,6 @@ PASSES = ("forward", "backward_input", "backward_weight")
 ATTENTION_BLOCK = 128
 """Queries and keys per block of a flash attention kernel (FlashAttention-2's and cuDNN's tiles for head
 dimensions up to 128): the granularity at which a sliding window's masked work is skipped."""
-DROPOUT_MASK_BYTES = 1
-"""Bytes of one element of a dropout keep mask (PyTorch's ``native_dropout`` returns a ``bool`` mask)."""
 CUDA_SOFTMAX_BACKWARD_PRODUCT = 3
 """Score-matrix passes of the ``grad * output`` temporary PyTorch's GPU softmax backward makes before its kernel
 (``softmax_backward_cuda_out`` in ``SoftMax.cu``; read the gradient and the probabilities, write the product), which
@@ -348,7 +347,13 @@ class WorkModel(RankShape):
         Fused (flash) kernels drop inside the kernel (``HardwareSpec.attention_dropout_rate``)."""
         if self.model.attention_dropout == 0:
             return 0.0
-        return scores * (2 * self.e + DROPOUT_MASK_BYTES)
+        return scores * self._native_dropout_bytes
+
+    @property
+    def _native_dropout_bytes(self) -> float:
+        """Bytes ``native_dropout`` moves per element, forward (read ``e``, write ``e`` and the one-byte keep mask)
+        and likewise backward (read the gradient and the mask, write the gradient)."""
+        return 2 * self.e + MASK_BYTES
 
     def _local_softmax_bytes(self, scores: float) -> tuple[float, float]:
         """Bytes megatron-core's local ``DotProductAttention`` moves around its two batched GEMMs, forward and
@@ -719,10 +724,10 @@ class WorkModel(RankShape):
         ``p == 0``)."""
         if self.model.hidden_dropout == 0:
             return NO_WORK
-        elements, e = sites * self.residual_tokens * self.model.hidden_size, self.e
-        forward = 2 * e + DROPOUT_MASK_BYTES if alone else DROPOUT_MASK_BYTES
-        return PassWork(Work(memory_bytes=elements * forward),
-                        Work(memory_bytes=elements * (2 * e + DROPOUT_MASK_BYTES)), Work())
+        elements = sites * self.residual_tokens * self.model.hidden_size
+        forward = self._native_dropout_bytes if alone else MASK_BYTES
+        return PassWork(Work(memory_bytes=elements * forward), Work(memory_bytes=elements * self._native_dropout_bytes),
+                        Work())
 
     def head(self) -> PassWork:
         """Final norm, output layer and the vocab-parallel cross entropy."""

@@ -125,8 +125,7 @@ class SimulationResult:
                 thread = max((c[1] for c in r.cpu or ()), default=0.0)
                 fact.update(host=f"node {fact['rank'] // self.cost.p2p.ranks_per_node}", thread_cpu=thread,
                             process_cpu=thread + self.cost.host.background * rt.span
-                            + self.cost.host.message_cpu * sum(1 for e in rt.events
-                                                               if e.node.kind.is_send or e.node.kind.is_recv))
+                            + self.cost.host.message_cpu * rt.messages)
         if len(facts[0]) > 1:
             meta["ranks"] = facts
         return Timeline("simulator", t.algorithm, t.pp, t.vpp, t.microbatches, ranks, iteration,

@@ -68,15 +68,13 @@ def run_shared(table: ScheduleTable, programs: list[Program], wires: Wires, offs
         # each message's CPU off the main thread, spread over the step like host.background: the step
         # depends on the cores that leaves, so settle the two together (a few rounds converge)
         for _ in range(_MESSAGE_ROUNDS):
-            step = max(max(e, default=o) for e, o in zip(loop.ends, offsets)) - min(offsets, default=0.0)
+            step = loop.step_span()
             taken = [0.0] * loop.nodes
             for rank, n in enumerate(loop.node_of):
                 taken[n] += cost.host.message_cpu * posts[rank] / step
-            settled = _SharedCores(programs, wires, offsets, cost, taken)
-            settled.run()
-            before, loop = step, settled
-            after = max(max(e, default=o) for e, o in zip(loop.ends, offsets)) - min(offsets, default=0.0)
-            if abs(after - before) <= 1e-6 * before:  # far below any measured step's spread
+            loop = _SharedCores(programs, wires, offsets, cost, taken)
+            loop.run()
+            if abs(loop.step_span() - step) <= 1e-6 * step:  # far below any measured step's spread
                 break
     check_finished(table, programs, loop.at, loop.waiting, loop.streams, semantics)
     return loop.starts, loop.ends, [[tuple(c) for c in row] for row in loop.cpu]
@@ -86,17 +84,16 @@ class _SharedCores:
     """The loop's state; :meth:`run` runs the step."""
 
     def __init__(self, programs: list[Program], wires: Wires, offsets: list[float], cost: CostModel,
-                 messages: list[float] | None = None):
+                 message_cores: list[float] | None = None):
         pp, per_node = len(programs), cost.p2p.ranks_per_node
         self.programs, self.wires, self.offsets = programs, wires, offsets
         self.contention, self.speed = cost.host.contention, cost.host.speed
         self.node_of = node_of = [r // per_node for r in range(pp)]
         self.nodes = nodes = node_of[-1] + 1 if pp else 0
-        taken = messages or [0.0] * nodes  # per node: the share of cores its ranks' messages take
+        taken = message_cores or [0.0] * nodes  # per node: the share of cores its ranks' messages take
         self.free = [cost.host.cores - cost.host.background * node_of.count(n) - taken[n] for n in range(nodes)]
         if any(f <= 0 for f in self.free):
-            raise SimulationError(f"host.background ({cost.host.background:g} of a core per rank) with "
-                                  f"host.message_cpu "
+            raise SimulationError(f"host.background ({cost.host.background:g} of a core per rank) with host.message_cpu "
                                   f"({cost.host.message_cpu:g} per message) leaves no core free on a node of "
                                   f"{max(map(node_of.count, range(nodes)))} ranks sharing host.cores "
                                   f"({cost.host.cores:g}); lower host.background or host.message_cpu or raise "
@@ -186,6 +183,10 @@ class _SharedCores:
         self.cpu[rank][i][0] = self.got[rank]
         for completed in self.streams.post(self.programs[rank].slots[i], self.now, op.transfer_time):
             heapq.heappush(self.arrivals, completed)
+
+    def step_span(self) -> float:
+        """From the first rank's entry to the last node's end (after :meth:`run`)."""
+        return max(max(e, default=o) for e, o in zip(self.ends, self.offsets)) - min(self.offsets, default=0.0)
 
     def run(self) -> None:
         for rank, offset in enumerate(self.offsets):

@@ -20,7 +20,8 @@ from projection_megatron import fake_parallel_state
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from primuspipe.projection.compute import DROPOUT_MASK_BYTES, WorkModel, part_times, Calibration
+from primuspipe.projection.activations import MASK_BYTES as DROPOUT_MASK_BYTES
+from primuspipe.projection.compute import WorkModel, part_times, Calibration
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.training_spec import TrainingSpec
