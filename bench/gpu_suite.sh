@@ -20,6 +20,8 @@
 #   8. in-flight re-planning on real NCCL at pp 2 (two ranks on the one GPU), a switch forced among zb-h1/zb-h2
 #   9. one GPU: the local spec at two more shapes (step time and steady peak memory, 1f1b and zb-h1), for
 #      bench/bench_local_spec.py to hold the projection against
+#  10. one GPU: the local-spec shapes' layers timed (what --benchmark-layers measures) against the analytical model, and each
+#      shape's 1f1b step kernel by kernel (bench/gpu_step_kernels.py: torch's profiler, time per kernel name)
 # PARTS="3 7 8" runs only those parts (default: all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,10 +34,15 @@ echo "GPUs: $gpus" | tee "$out/summary.txt"
 $py -c "import torch, json; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'nccl': torch.cuda.nccl.version(), 'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))" | tee "$out/environment.json"
 cli=($py -c "import sys; from primuspipe.cli import main; sys.exit(main())")  # the console script, uninstalled
 part() { echo "== $1 ($(date -u +%T))" | tee -a "$out/summary.txt"; }
-want() { [[ " ${PARTS:-1 2 3 4 5 6 7 8 9} " == *" $1 "* ]]; }  # PARTS="3 7": only those parts
+want() { [[ " ${PARTS:-1 2 3 4 5 6 7 8 9 10} " == *" $1 "* ]]; }  # PARTS="3 7": only those parts
 # the one-GPU model of parts 5 and 7: megatron-core's local spec, bf16
 model=(--num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16 --seq-length 2048
        --micro-batch-size 4 --vocab-size 64 --bf16 --optimizer adam --lr 1e-4 --no-gradient-accumulation-fusion)
+# the two shapes of parts 9 and 10 nothing was fitted on (bench/data/local_shape_{a,b}_args.txt in Megatron-LM's form)
+shapes=("a:--num-layers 6 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 8 --seq-length 4096
+         --micro-batch-size 2 --vocab-size 32000 --untie-embeddings-and-output-weights"
+        "b:--num-layers 8 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24 --seq-length 1024
+         --micro-batch-size 8 --vocab-size 50304 --disable-bias-linear")
 
 if want 1; then
 part "1. gpu-marked tests"
@@ -152,10 +159,6 @@ fi
 
 if want 9; then  # shapes nothing was fitted on, for `bench/bench_local_spec.py` to set beside their projections
 part "9. one GPU: the local spec at two more shapes, 1f1b and zb-h1 (step time, steady peak memory)"
-shapes=("a:--num-layers 6 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 8 --seq-length 4096
-         --micro-batch-size 2 --vocab-size 32000 --untie-embeddings-and-output-weights"
-        "b:--num-layers 8 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24 --seq-length 1024
-         --micro-batch-size 8 --vocab-size 50304 --disable-bias-linear")
 for shape in "${shapes[@]}"; do
   name=${shape%%:*}; read -ra flags <<< "$(echo ${shape#*:})"
   for algo in 1f1b zb-h1; do
@@ -174,6 +177,47 @@ except Exception as error:
     print(json.dumps({"run": run.rsplit("/", 1)[-1], "error": f"{type(error).__name__}: {error}"}))
 PY
   done
+done
+fi
+
+if want 10; then  # where the local spec's step goes on the GPU, beside the projection with real layers timed
+part "10. one GPU: the local-spec shapes' layers timed against the analytical model, and each 1f1b step's kernels by name"
+timeout 200 $py - "$out" <<'PY' 2>"$out/layer_factors.log" | tee -a "$out/summary.txt"
+import json, sys
+from primuspipe.projection.benchmark.layers import calibration_from_timings, measure
+from primuspipe.projection.compute import PASSES, Calibration, WorkModel
+from primuspipe.projection.benchmark.layers import benchmark_shape
+from primuspipe.projection.hardware_spec import load_hardware
+from primuspipe.projection.megatron_args import read_megatron_config
+from primuspipe.projection.projection import Projector
+hardware = load_hardware("examples/projection/hardware/h100.yaml")
+rows = {}
+for shape, path in (("base", "bench/data/single_gpu_h100_args.txt"), ("a", "bench/data/local_shape_a_args.txt"),
+                    ("b", "bench/data/local_shape_b_args.txt")):
+    config = read_megatron_config(path)
+    measured = measure(config.model, config.training, iterations=10, warmup=3)
+    calibration = calibration_from_timings(config.model, config.training, hardware, measured, source="layers, H100")
+    bench_model, bench_training = benchmark_shape(config.model, config.training)
+    work = WorkModel(bench_model, bench_training)
+    row = {"measured_s": {f"{part} {name}": t for (part, name), t in measured.items()},
+           "analytical_s": {f"{part} {name}": w.seconds(hardware, bench_training.precision, backward=name != "forward")
+                            for part in {p for p, _ in measured} for name, w in zip(PASSES, work.part(part).passes())},
+           "factors": {f"{part} {name}": f for (part, name), f in calibration.factors.items()}}
+    for label, cal in (("analytical", Calibration()), ("benchmarked", calibration)):
+        row[f"step_{label}_s"] = {a: Projector(config.model, hardware, cal).evaluate(config.training, a).step_time_s
+                                  for a in ("1f1b", "zb-h1")}
+    rows[shape] = row
+    print(f"   {shape}: step analytical {row['step_analytical_s']['1f1b']:.4f} s, with layers timed "
+          f"{row['step_benchmarked_s']['1f1b']:.4f} s; factors " + ", ".join(f"{k} {v:.3f}" for k, v in row["factors"].items()))
+json.dump(rows, open(sys.argv[1] + "/layer_factors.json", "w"), indent=1)
+PY
+for shape in "base:${model[*]}" "${shapes[@]}"; do
+  name=${shape%%:*}; read -ra flags <<< "$(echo ${shape#*:})"
+  [ "$name" = base ] || flags+=(--bf16 --optimizer adam --lr 1e-4 --no-gradient-accumulation-fusion)
+  timeout 150 $py -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_step_kernels.py --steps 5 \
+    -o "$out/kernels_$name.json" -- examples/train_gpt.py --pp 1 --microbatches 8 --iterations 5 --pp-algorithm 1f1b \
+    "${flags[@]}" > "$out/kernels_$name.log" 2>&1
+  echo "   $name kernels: exit $? $(grep kernel_s_per_step "$out/kernels_$name.log" | tail -n 1 | cut -c1-400)" | tee -a "$out/summary.txt"
 done
 fi
 
