@@ -18,10 +18,10 @@
 #   7. one GPU, the model of part 5: what is alive at its peak memory (bench/gpu_memory_peak.py: the allocator's
 #      trace replayed), against what the projection counts
 #   8. in-flight re-planning on real NCCL at pp 2 (two ranks on the one GPU), a switch forced among zb-h1/zb-h2
-#   9. one GPU: the local spec at two more shapes (step time and steady peak memory, 1f1b and zb-h1), for
+#   9. one GPU: the local spec at part 5's shape and two more (step time and steady peak memory, 1f1b and zb-h1), for
 #      bench/bench_local_spec.py to hold the projection against
-#  10. one GPU: the local-spec shapes' layers timed (what --benchmark-layers measures) against the analytical model, and each
-#      shape's 1f1b step kernel by kernel (bench/gpu_step_kernels.py: torch's profiler, time per kernel name)
+#  10. one GPU: the local-spec shapes' layers timed (what --benchmark-layers measures) against the analytical model
+#  11. one GPU: each local-spec shape's 1f1b step kernel by kernel (bench/gpu_step_kernels.py: torch's profiler)
 # PARTS="3 7 8" runs only those parts (default: all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +34,7 @@ echo "GPUs: $gpus" | tee "$out/summary.txt"
 $py -c "import torch, json; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'nccl': torch.cuda.nccl.version(), 'device': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))" | tee "$out/environment.json"
 cli=($py -c "import sys; from primuspipe.cli import main; sys.exit(main())")  # the console script, uninstalled
 part() { echo "== $1 ($(date -u +%T))" | tee -a "$out/summary.txt"; }
-want() { [[ " ${PARTS:-1 2 3 4 5 6 7 8 9 10} " == *" $1 "* ]]; }  # PARTS="3 7": only those parts
+want() { [[ " ${PARTS:-1 2 3 4 5 6 7 8 9 10 11} " == *" $1 "* ]]; }  # PARTS="3 7": only those parts
 # the one-GPU model of parts 5 and 7: megatron-core's local spec, bf16
 model=(--num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16 --seq-length 2048
        --micro-batch-size 4 --vocab-size 64 --bf16 --optimizer adam --lr 1e-4 --no-gradient-accumulation-fusion)
@@ -158,14 +158,14 @@ echo "   exit $? $(tail -n 1 "$out/nccl_auto_replan_pp2.json" | cut -c1-500)" | 
 fi
 
 if want 9; then  # shapes nothing was fitted on, for `bench/bench_local_spec.py` to set beside their projections
-part "9. one GPU: the local spec at two more shapes, 1f1b and zb-h1 (step time, steady peak memory)"
-for shape in "${shapes[@]}"; do
+part "9. one GPU: the local spec at part 5's shape and two more, 1f1b and zb-h1 (step time, steady peak memory)"
+for shape in "base:${model[*]}" "${shapes[@]}"; do
   name=${shape%%:*}; read -ra flags <<< "$(echo ${shape#*:})"
+  [ "$name" = base ] || flags+=(--bf16 --optimizer adam --lr 1e-4 --no-gradient-accumulation-fusion)
   for algo in 1f1b zb-h1; do
     run=shape_${name}_$algo
     timeout 150 $py -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py --pp 1 --microbatches 8 \
-      --iterations 5 --pp-algorithm $algo --dump-dir "$out/$run" "${flags[@]}" --bf16 --optimizer adam --lr 1e-4 \
-      --no-gradient-accumulation-fusion > "$out/$run.log" 2>&1
+      --iterations 5 --pp-algorithm $algo --dump-dir "$out/$run" "${flags[@]}" > "$out/$run.log" 2>&1
     $py - "$out/$run" <<'PY' | tee -a "$out/shapes.jsonl" | tee -a "$out/summary.txt"
 import glob, json, statistics, sys
 run = sys.argv[1]
@@ -180,8 +180,8 @@ PY
 done
 fi
 
-if want 10; then  # where the local spec's step goes on the GPU, beside the projection with real layers timed
-part "10. one GPU: the local-spec shapes' layers timed against the analytical model, and each 1f1b step's kernels by name"
+if want 10; then  # the local spec's layers on the GPU, beside the analytical model and the projection they calibrate
+part "10. one GPU: the local-spec shapes' layers timed against the analytical model"
 timeout 200 $py - "$out" <<'PY' 2>"$out/layer_factors.log" | tee -a "$out/summary.txt"
 import json, sys
 from primuspipe.projection.benchmark.layers import calibration_from_timings, measure
@@ -211,6 +211,9 @@ for shape, path in (("base", "bench/data/single_gpu_h100_args.txt"), ("a", "benc
           f"{row['step_benchmarked_s']['1f1b']:.4f} s; factors " + ", ".join(f"{k} {v:.3f}" for k, v in row["factors"].items()))
 json.dump(rows, open(sys.argv[1] + "/layer_factors.json", "w"), indent=1)
 PY
+fi
+if want 11; then
+part "11. one GPU: each local-spec shape's 1f1b step, kernel by kernel (torch's profiler)"
 for shape in "base:${model[*]}" "${shapes[@]}"; do
   name=${shape%%:*}; read -ra flags <<< "$(echo ${shape#*:})"
   [ "$name" = base ] || flags+=(--bf16 --optimizer adam --lr 1e-4 --no-gradient-accumulation-fusion)
