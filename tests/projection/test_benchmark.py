@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 
 import pytest
+import torch
 
 from primuspipe.testing.megatron.tiny_models import TinyModelConfig
 from primuspipe.testing.megatron.projection_fidelity import measured_steps, projected_step, specs
@@ -58,3 +60,27 @@ def test_projected_step_of_a_real_cpu_run_is_in_its_range():
     projected = projected_step(tiny, 2, 4, iterations=5)["projected_step_s"]
     measured = statistics.median(measured_steps(tiny, 2, 4, steps=3, warmup=1))
     assert 0.33 < projected / measured < 3.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_pass_is_timed_by_its_kernels_not_the_hosts_time_issuing_them():
+    """A host that takes 20 ms between two tiny kernels: the layer benchmark's device timer reports the kernels'
+    microseconds once its lead has settled (a wall clock reported the launches: 10-30x a small part's kernels on a
+    lent H100), and a large product's time whatever the host."""
+    from primuspipe.projection.benchmark.layers import _DeviceSeconds
+
+    x = torch.zeros(16, device="cuda")
+
+    def slow_host() -> None:
+        x.add_(1.0)
+        time.sleep(0.02)
+        x.add_(1.0)
+
+    timer = _DeviceSeconds()
+    first = timer(slow_host)  # the 5 ms lead is too short: the span holds the host's wait, and the lead grows
+    assert first > 0.01 and timer.lead_s >= 0.04
+    assert timer(slow_host) < 0.005
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    product = timer(lambda: a @ a)
+    assert 1e-4 < product < 0.1 and 2 * 8192**3 / product < 1.2e15  # no faster than a GPU can be

@@ -16,7 +16,8 @@ On a CPU host the timing runs in one single-threaded process; a run that puts mo
 ranks on the host than it has cores time-shares them, each rank getting ``cores / ranks`` of a core
 while all are busy, so the times are scaled by ``ranks / cores`` then (``host_ranks``; steady state
 exactly, a pipeline's fill and drain, when fewer ranks are busy, pessimistically). On a GPU it runs in
-this process, on the current device. The local spec's attention is always the unfused
+this process, on the current device, and takes each pass's kernels' device time (CUDA events), not the host's
+time issuing them, which the projection's host model prices on its own. The local spec's attention is always the unfused
 ``DotProductAttention``; multi-latent attention cannot be built by it (megatron-core 0.19).
 """
 
@@ -77,35 +78,76 @@ class _Part(NamedTuple):
     parameters: list[torch.nn.Parameter]
 
 
+def _host_seconds(run: Callable[[], None]) -> float:
+    """Wall seconds of ``run`` (on CPU the work is done when the call returns)."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+class _DeviceSeconds:
+    """Device seconds of the kernels a call issues on the current CUDA stream, the host's time issuing them left out.
+
+    A wall clock between synchronisations counts the host's launches too: a small part (the embedding, a head
+    over a small vocabulary) measured 10-30x its kernels' time that way on a lent H100, and the projection then
+    charged those launches once more through its host model (``projection/host.py``). Here a sleep kernel is
+    queued first, holding the device until the host has issued every kernel of the call, and two CUDA events on
+    the stream bracket those kernels alone, as in a run's steady state, where earlier kernels hide the launches.
+    The lead starts at 5 ms and becomes twice the host's issuing time whenever that exceeds half of it, so the
+    warm-up iterations settle it before the timed ones."""
+
+    def __init__(self) -> None:
+        probe = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        self.seconds_per_cycle = start.elapsed_time(end) / 1e3 / probe
+        self.lead_s = 0.005
+
+    def __call__(self, run: Callable[[], None]) -> float:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(self.lead_s / self.seconds_per_cycle))
+        start.record()
+        issuing = _host_seconds(run)
+        end.record()
+        end.synchronize()
+        if issuing > self.lead_s / 2:
+            self.lead_s = 2 * issuing
+        return start.elapsed_time(end) / 1e3
+
+
 def _time_passes(part: _Part, iterations: int, warmup: int, device: torch.device) -> tuple[float, float, float]:
-    """Median (F, B, W) seconds of ``part`` (its forward returns a tensor to back-propagate from).
+    """Median (F, B, W) seconds of ``part`` (its forward returns a tensor to back-propagate from): on a GPU its
+    kernels' device time (:class:`_DeviceSeconds`), on CPU wall time.
 
     Each iteration runs F, B and W of one input in turn, as a pipeline's steady state does: timing all
     forwards first would keep every graph alive and time the allocator's growth instead (on CPU, a third
     more per forward)."""
     from primuspipe.backends.megatron.wgrad_store import WeightGradStore
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    timed = _DeviceSeconds() if device.type == "cuda" else _host_seconds
     store = WeightGradStore()
     samples: list[tuple[float, float, float]] = []
     for i in range(warmup + iterations):
         x = part.make_input()
-        sync()
-        start = time.perf_counter()
-        out = part.forward(x)
-        sync()
-        after_forward = time.perf_counter()
-        with store.collecting(0, i):
-            torch.autograd.backward(out, torch.ones_like(out))
-        sync()
-        after_backward = time.perf_counter()
-        store.flush(0, i)
-        sync()
-        end = time.perf_counter()
+        out = None
+
+        def forward() -> None:
+            nonlocal out
+            out = part.forward(x)
+
+        def backward() -> None:
+            with store.collecting(0, i):
+                torch.autograd.backward(out, torch.ones_like(out))
+
+        spans = (timed(forward), timed(backward), timed(lambda: store.flush(0, i)))
         for p in part.parameters:
             p.grad = None
         if i >= warmup:
-            samples.append((after_forward - start, after_backward - after_forward, end - after_backward))
+            samples.append(spans)
     return tuple(statistics.median(s[k] for s in samples) for k in range(3))
 
 
