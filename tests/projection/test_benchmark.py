@@ -66,8 +66,8 @@ def test_projected_step_of_a_real_cpu_run_is_in_its_range():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_a_pass_is_timed_by_its_kernels_not_the_hosts_time_issuing_them():
     """A host that takes 20 ms between two tiny kernels: the layer benchmark's device timer reports the kernels'
-    microseconds once its lead has settled (a wall clock reported the launches: 10-30x a small part's kernels on a
-    lent H100), and a large product's time whatever the host."""
+    microseconds once its lead has settled (a wall clock reported the launches: 7-60x the model's time for a
+    small part on a lent H100), and a large product's time whatever the host."""
     from primuspipe.projection.benchmark.layers import _DeviceSeconds
 
     x = torch.zeros(16, device="cuda")

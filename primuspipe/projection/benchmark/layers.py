@@ -89,8 +89,9 @@ class _DeviceSeconds:
     """Device seconds of the kernels a call issues on the current CUDA stream, the host's time issuing them left out.
 
     A wall clock between synchronisations counts the host's launches too: a small part (the embedding, a head
-    over a small vocabulary) measured 10-30x its kernels' time that way on a lent H100, and the projection then
-    charged those launches once more through its host model (``projection/host.py``). Here a sleep kernel is
+    over a small vocabulary) measured 7-60x the model's time for it that way on a lent H100, twice as much on
+    one machine as on another, and the projection then charged those launches once more through its host
+    model (``projection/host.py``). Here a sleep kernel is
     queued first, holding the device until the host has issued every kernel of the call, and two CUDA events on
     the stream bracket those kernels alone, as in a run's steady state, where earlier kernels hide the launches.
     The lead starts at 5 ms and becomes twice the host's issuing time whenever that exceeds half of it, so the
