@@ -57,6 +57,11 @@ BACKWARD_BYTES_PER_FORWARD_BYTE = {
     "rope": 1.0,  # the fused rotary kernel's backward rotates dq/dk back: one read, one write, as forward
     "swiglu": 5 / 3,  # forward reads 2F, writes F; megatron-core's swiglu_back reads 2F and dF, writes 2F
     "gelu": 1.5,  # forward reads F, writes F; bias_gelu_back reads F and dF, writes F
+    # eager squared ReLU (NeMo 2's ``torch.pow(F.relu(x), 2)``): forward relu and pow, each reads F and writes F (4F);
+    # backward autograd's pow_backward, ``grad * (2 * x.pow(1))`` (pow's exponent-1 copy, the scalar product, the
+    # product with the gradient: 2F + 2F + 3F) and relu's threshold_backward (reads the gradient and relu's output,
+    # writes dF: 3F), 10F
+    "squared_relu": 10 / 4,
     "permute": 1.0,  # a permutation's gradient is the inverse permutation: same reads and writes
     "router": 1.0,  # softmax / top-k backward reads the probabilities and their gradient, writes the logits'
 }
@@ -436,11 +441,17 @@ class WorkModel(RankShape):
 
     @property
     def _activation_kernel(self) -> str:
-        return "swiglu" if self.model.swiglu else "gelu"
+        """The activation's kernel (a key of :data:`BACKWARD_BYTES_PER_FORWARD_BYTE`): a compiled squared ReLU is one
+        kernel each way that moves what GELU's does; NeMo 2's eager one (``squared_relu_fusion`` off) is a chain."""
+        if self.model.swiglu:
+            return "swiglu"
+        return "squared_relu" if self.model.squared_relu and not self.training.squared_relu_fusion else "gelu"
 
     def _activation(self, tokens: float, width: float) -> Work:
-        """The activation function over ``tokens`` x ``width``: SwiGLU reads 2F, writes F; GELU reads F, writes F."""
-        return Work(memory_bytes=(3 if self.model.swiglu else 2) * tokens * width * self.e)
+        """The activation function over ``tokens`` x ``width``: SwiGLU reads 2F, writes F; GELU (and a compiled
+        squared ReLU) reads F, writes F; an eager squared ReLU reads and writes F twice (relu, then pow)."""
+        per_element = {"swiglu": 3, "gelu": 2, "squared_relu": 4}[self._activation_kernel]
+        return Work(memory_bytes=per_element * tokens * width * self.e)
 
     def _unfused_rope(self) -> PassWork:
         """Rotary embedding of the queries and keys (``X`` elements) where it does not run fused (the fused kernel is

@@ -113,7 +113,7 @@ NO_EFFECT = frozenset({
     "rotary_base", "rotary_percent", "rotary_scaling_factor", "rotary_seq_len_interpolation_factor",
     "tokenizer_type", "use_cpu_initialization", "use_mcore_models", "use_legacy_models",
     "deterministic_mode", "softmax_type", "qk_l2_norm", "qk_clip_alpha", "qk_clip_threshold",
-    "empty_unused_memory_level", "mtp_detach_heads", "moe_shared_expert_gate", "squared_relu", "quick_geglu",
+    "empty_unused_memory_level", "mtp_detach_heads", "moe_shared_expert_gate", "quick_geglu",
     "openai_gelu", "apply_layernorm_1p", "deallocate_pipeline_outputs", "pipeline_dtype", "params_dtype",
     "pipeline_model_parallel_comm_backend", "use_ring_exchange_p2p", "overlap_p2p_communication_warmup_flush",
     "no_align_grad_reduce", "no_align_param_gather", "disable_align_grad_reduce", "moe_router_force_biased",

@@ -64,6 +64,10 @@ class ModelSpec:
     """False: the output layer reuses the word embedding (a copy on the last stage when pp > 1)."""
     swiglu: bool = False
     """Gated SiLU MLP (three GEMMs); False: GELU MLP (two)."""
+    squared_relu: bool = False
+    """Squared-ReLU MLP, ``relu(x)^2``, not gated (Megatron's ``--squared-relu``; Nemotron-3 and Nemotron-4): two
+    GEMMs as GELU's. What its activation costs depends on how the framework runs it (the training field
+    ``squared_relu_fusion``)."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """LayerNorm has a weight and a bias per channel; RMSNorm a weight."""
     add_bias_linear: bool = True
@@ -254,6 +258,9 @@ class ModelSpec:
         if yarn and self.position_embedding_type != "yarn":
             fail((*yarn, "position_embedding_type"), "YaRN settings scale a YaRN rotary embedding, which this model "
                  "does not have", "set position_embedding_type: yarn, or leave the yarn_* fields out")
+        if self.squared_relu and self.swiglu:
+            fail(("squared_relu", "swiglu"), "an MLP has one activation: squared ReLU is not gated, SwiGLU is",
+                 "set one of squared_relu and swiglu")
         clamp = self.activation_func_clamp_value
         if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
             fail(("activation_func_clamp_value",), "a clamp bounds the activation's inputs to [-value, value], so it "

@@ -125,6 +125,14 @@ class TrainingSpec:
     """Unfused attention computes (and keeps) the probabilities in fp32, plus a low-precision copy."""
     bias_activation_fusion: bool = True
     """Fused SwiGLU/GeLU keeps only its input; unfused keeps every intermediate."""
+    squared_relu_fusion: bool = True
+    """A squared-ReLU model's activation (``squared_relu``) runs as one compiled kernel each way: megatron-core's
+    ``squared_relu`` is ``@jit_fuser`` (``torch.compile`` from PyTorch 2.2; ``megatron/core/activations.py``), as is
+    NeMo 1's (``nemo/collections/nlp/modules/common/megatron/utils.py`` at v2.0.0, which NeMo-Framework-Launcher
+    runs). False: NeMo 2's own ``squared_relu``, which ``NemotronConfig`` passes as ``activation_func``
+    (``nemo/collections/llm/fn/activation.py`` at v2.1.0 and v2.2.0: ``torch.pow(F.relu(x), 2)`` with its
+    ``@torch.jit.script`` commented out, "remove until we have serialization"), runs eager: two kernels forward, four
+    backward (:data:`~primuspipe.projection.compute.BACKWARD_BYTES_PER_FORWARD_BYTE`)."""
     apply_rope_fusion: bool = True
     """Fused rotary embedding; unfused keeps the cos/sin tables it multiplies queries and keys by."""
     overlap_grad_reduce: bool = True

@@ -629,3 +629,57 @@ def test_primus_sync_free_moe_pads_the_routing_map_under_fp8(stage, fp8):
     assert t.moe_router_padding_for_quantization == (stage > 0 and fp8)
     assert WorkModel(dataclasses.replace(MODEL, num_experts=16, moe_router_topk=2), t).fp8_padding_copies == (
         fp8 and stage == 0)
+
+
+def _squared_relu_bytes(rows: int, width: int) -> tuple[float, float]:
+    """Bytes an eager squared ReLU, ``torch.pow(F.relu(x), 2)`` (NeMo 2's ``squared_relu``,
+    ``nemo/collections/llm/fn/activation.py`` at v2.2.0, its ``@torch.jit.script`` commented out), moves forward
+    and backward per element of its bf16 input: every aten operation it and autograd dispatch, views aside."""
+    import torch
+
+    Moved = _byte_counter()
+    x = torch.randn(rows, width, dtype=torch.bfloat16, requires_grad=True)
+    forward, backward = Moved(), Moved()
+    with forward:
+        y = torch.pow(torch.nn.functional.relu(x), 2)
+    grad = torch.randn_like(y)
+    with backward:
+        y.backward(grad)
+    return forward.bytes / x.numel(), backward.bytes / x.numel()
+
+
+def test_an_eager_squared_relu_costs_what_its_aten_operations_move():
+    """NeMo 2 runs Nemotron's squared ReLU eager (relu, then pow; backward pow's gradient as three element-wise
+    products and relu's threshold_backward): 4 bytes of the activations' dtype an element forward and 10 backward,
+    where a compiled one (megatron-core's ``@jit_fuser`` squared_relu, the default) moves what GELU's fused kernel
+    does, 2 and 3. Only the dense MLP's activation changes, in F and B."""
+    forward, backward = _squared_relu_bytes(64, 96)
+    relu2 = dataclasses.replace(MODEL, squared_relu=True)
+    eager = dataclasses.replace(TRAINING, squared_relu_fusion=False)
+    e, elements = TRAINING.activation_bytes, 2 * 2048 * MODEL.ffn  # one microbatch's tokens x the MLP width
+    gelu, compiled, unfused = (WorkModel(m, t).layer("dense") for m, t in
+                               ((MODEL, TRAINING), (relu2, TRAINING), (relu2, eager)))
+    assert compiled == gelu
+    assert unfused.forward.memory_bytes - gelu.forward.memory_bytes == pytest.approx((4 - 2) * e * elements)
+    assert unfused.backward_input.memory_bytes - gelu.backward_input.memory_bytes == pytest.approx((10 - 3) * e * elements)
+    assert unfused.backward_weight == gelu.backward_weight
+    assert 4 * e == pytest.approx(forward, rel=0.01) and 10 * e == pytest.approx(backward, rel=0.01)
+    assert WorkModel(MODEL, eager).layer("dense") == gelu  # the switch touches squared-ReLU models only
+
+
+def test_squared_relu_and_swiglu_exclude_each_other():
+    with pytest.raises(InputError, match="one activation"):
+        dataclasses.replace(MODEL, squared_relu=True, swiglu=True)
+
+
+def test_the_nemotron_models_run_squared_relu_eager_on_nemo_2_rows_only():
+    """The Nemotron model files are squared-ReLU models; the published rows that ran NeMo 2 (NeMo 25.02's
+    performance scripts and dgxc-benchmarking on it) run its eager activation, the NeMo 24.07 rows (NeMo 1's
+    compiled one) do not."""
+    from primuspipe.projection.published import load_runs
+
+    for name in ("nemotron3-8b", "nemotron3-22b", "nemotron4-15b", "nemotron4-340b"):
+        assert load_model(EXAMPLES / "models" / f"{name}.yaml").squared_relu
+    eager = {r.id for r in load_runs() if r.model.startswith("nemotron") and r.training.get("squared_relu_fusion") is False}
+    nemotron = {r.id for r in load_runs() if r.model.startswith("nemotron")}
+    assert eager == {i for i in nemotron if i.startswith(("dgxc2504-", "nemo2502-"))}
