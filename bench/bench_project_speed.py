@@ -98,8 +98,12 @@ def produce() -> tuple[dict, str]:
             t = training_of(run)
             settings = dict(run.training) | {"data_parallel_size": t.data_parallel_size}
             path.write_text(yaml.safe_dump(settings))
-            rows.append(_row(f"published: {run.id}", *_project(EXAMPLES / "models" / f"{run.model}.yaml", path,
-                                                                run.hardware)))
+            model = EXAMPLES / "models" / f"{run.model}.yaml"
+            if run.seq_length is not None:  # the row's sequence length in a copy of the model file
+                fields = yaml.safe_load(model.read_text()) | {"seq_length": run.seq_length}
+                model = Path(tmp) / f"{run.id}.model.yaml"
+                model.write_text(yaml.safe_dump(fields))
+            rows.append(_row(f"published: {run.id}", *_project(model, path, run.hardware)))
     for model, hardware in SEARCH_PAIRS:
         training = trainings / f"{model}.yaml"
         rows.append(_row(f"{model} on {hardware} --search",

@@ -21,7 +21,7 @@ from typing import Any
 from primuspipe.projection.compute import FLOP_CONVENTIONS, model_flops_per_token
 from primuspipe.projection.framework import ConfigError, PrimusPipeError
 from primuspipe.projection.hardware_spec import load_hardware
-from primuspipe.projection.model_spec import load_model
+from primuspipe.projection.model_spec import ModelSpec, load_model
 from primuspipe.projection.projection import ProjectionResult, Projector
 from primuspipe.projection.spec_fields import read_yaml, spec_from_mapping
 from primuspipe.projection.training_spec import TrainingSpec
@@ -51,6 +51,9 @@ class PublishedRun:
     lower_bound: bool = False
     """The figure is a level the run is expected to reach (a validation suite's pass threshold), not a
     measurement: the projection is held to reach it (ratio >= 0.9), not to match it."""
+    seq_length: int | None = None
+    """The run's tokens per sample where they differ from the model file's (a long-context run of the same
+    model); None: the model file's."""
 
     def algorithm(self) -> str:
         """The schedule Megatron runs for this layout."""
@@ -80,6 +83,12 @@ def published_tokens_per_s(run: PublishedRun, flops_per_token: Mapping[str, floa
     return float(figures["model_tflops_per_gpu"]) * 1e12 / flops_per_token[convention]
 
 
+def model_of(run: PublishedRun) -> ModelSpec:
+    """The run's model: the shipped model file, at the run's sequence length where the row gives one."""
+    model = load_model(EXAMPLES / "models" / f"{run.model}.yaml")
+    return model if run.seq_length is None else dataclasses.replace(model, seq_length=run.seq_length)
+
+
 def training_of(run: PublishedRun, hardware_gpus: int | None = None) -> TrainingSpec:
     """The run's training settings with data parallelism from its GPU count."""
     t = dict(run.training)
@@ -98,7 +107,7 @@ def project_run(run: PublishedRun) -> dict[str, Any]:
                            "held_out": run.held_out, "excluded": run.excluded, "lower_bound": run.lower_bound,
                            "source": run.source, "url": run.url}
     try:
-        model = load_model(EXAMPLES / "models" / f"{run.model}.yaml")
+        model = model_of(run)
         hardware = load_hardware(EXAMPLES / "hardware" / f"{run.hardware}.yaml")
         flops = {c: model_flops_per_token(model, c) for c in FLOP_CONVENTIONS}
         row["published_tokens_per_s_per_gpu"] = published_tokens_per_s(run, flops)

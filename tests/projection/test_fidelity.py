@@ -20,7 +20,7 @@ from primuspipe.projection.framework import Placement
 from primuspipe.projection.model_spec import ModelSpec, load_model
 from primuspipe.projection.parameters import ParamCount, head_params, layer_params
 from primuspipe.projection.projection import Projector, ProjectionResult, project
-from primuspipe.projection.published import load_runs, project_run, training_of
+from primuspipe.projection.published import load_runs, model_of, project_run, training_of
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -337,6 +337,18 @@ def test_every_published_run_loads_and_projects():
         assert training_of(run).world_size == run.gpus
     row = project_run(next(r for r in runs if r.id.startswith("nemo2412-llama3-8b")))
     assert "error" not in row and row["ratio"] > 0 and row["verdict"] in ("FITS", "AT-RISK", "OOM")
+
+
+def test_a_long_context_row_projects_the_model_at_its_own_sequence_length():
+    """A row's seq_length replaces the model file's: its FLOPs a token (so the tokens its published TFLOP/s stand
+    for) and its step follow the longer sequence, as the run's own did."""
+    run = max((r for r in load_runs() if r.seq_length and "model_tflops_per_gpu" in r.published),
+              key=lambda r: r.seq_length)
+    shipped = load_model(EXAMPLES / "models" / f"{run.model}.yaml")
+    assert run.seq_length >= 8 * shipped.seq_length and model_of(run) == dataclasses.replace(shipped, seq_length=run.seq_length)
+    long, short = project_run(run), project_run(dataclasses.replace(run, seq_length=None))
+    assert long["published_tokens_per_s_per_gpu"] < short["published_tokens_per_s_per_gpu"] / 2
+    assert long["step_time_s"] > short["step_time_s"]
 
 
 @pytest.mark.parametrize("run", [r for r in load_runs() if r.model == "gpt-oss-120b"], ids=lambda r: r.id)
