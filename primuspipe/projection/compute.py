@@ -753,8 +753,22 @@ class WorkModel(RankShape):
         each token's target logit touch one logit a token (not counted). Fused
         (``cross_entropy_loss_fusion``): one kernel reads the logits and writes the gradient in place, ``2e``
         each way. Held against the aten operations megatron-core's functions dispatch
-        (``tests/projection/test_dropout_and_loss.py``)."""
+        (``tests/projection/test_dropout_and_loss.py``).
+
+        PyTorch's ``F.cross_entropy`` (``torch_cross_entropy``, NeMo AutoModel's ``MaskedCrossEntropy``) is
+        ``log_softmax`` then ``nll_loss``: forward, the log-softmax reads the logits and writes its output (``2c``,
+        ``c`` the bytes of the dtype it runs in: 4 under ``fp32_upcast``, else ``e``), after the upcast's cast
+        (read ``e``, write 4) where there is one; the loss picks one element a row (not counted). Backward,
+        ``nll_loss_backward`` writes a zero-filled gradient of the logits' size with one element a row set (``c``),
+        ``_log_softmax_backward_data`` reads it and the saved output and writes the input gradient (``3c``), and
+        autograd casts that back (read 4, write ``e``) after an upcast: ``2c`` (+ ``e + 4``) and ``4c``
+        (+ ``e + 4``) -- 4 and 8 bytes a bf16 logit without the upcast, 14 and 22 with it, against megatron-core's
+        unfused 38 and 14."""
         e = self.e
+        if self.training.torch_cross_entropy is not None:
+            upcast = e + 4 if self.training.torch_cross_entropy == "fp32" and e < 4 else 0
+            c = 4 if self.training.torch_cross_entropy == "fp32" else e
+            return upcast + 2 * c, upcast + 4 * c
         if self.training.cross_entropy_loss_fusion:
             return 2 * e, 2 * e
         cast = e + 4 if e < 4 else 0
