@@ -545,8 +545,16 @@ class WorkModel(RankShape):
         received copies a second time, from source-rank order into local-expert order, when a rank holds
         more than one expert, and undoes that before the combine (``MoEAlltoAllTokenDispatcher``'s
         ``dispatch_postprocess`` / ``combine_preprocess``: ``sort_chunks_by_idxs``, or a transposing
-        copy when padded to capacity)."""
+        copy when padded to capacity). HybridEP (the flex dispatcher's ``hybridep`` backend) permutes none
+        apart: megatron-core's ``_HybridEPManager`` returns the dispatched rows as they come
+        (``get_permuted_hidden_states_by_experts`` / ``get_restored_hidden_states_by_experts`` pass them through),
+        because its ``HybridEPDispatch`` / ``HybridEPCombine`` call DeepEP hybrid-ep's ``dispatch_with_permute`` /
+        ``combine_with_unpermute`` ("permute + dispatch a2a + permute", ``fused_a2a.py`` at the Megatron-LM commit
+        Megatron-Bridge 26.02.01 pins, 55ac708): the copy out of its receive buffer writes expert order, and
+        :func:`~primuspipe.projection.comm.layer_comm` prices that copy with the all-to-all."""
         t = self.training
+        if t.hybridep:
+            return 0
         second = t.moe_token_dispatcher_type == "alltoall" and t.ep > 1 and self.model.num_experts // t.ep > 1
         return 2 if second else 1
 
@@ -560,7 +568,7 @@ class WorkModel(RankShape):
         backward half; Transformer Engine's fused kernels (``moe_unpermute`` and the fused permutation's
         backward) reduce a token's copies in registers and store once, so with fusion there are none."""
         t, m = self.training, self.model
-        if kind != "moe" or t.moe_permute_fusion:
+        if kind != "moe" or t.moe_permute_fusion or t.hybridep:  # HybridEP: no permutation apart (permutations)
             return NO_WORK
         elements = self.routed_copies * m.hidden_size
         scatter = Work(scatter_add_elements=elements, scatter_add_bytes=2 * elements * self.e)

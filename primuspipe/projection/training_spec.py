@@ -477,6 +477,11 @@ class TrainingSpec:
         """Bytes of one activation element."""
         return 4 if self.precision == "fp32" else 2
 
+    @property
+    def hybridep(self) -> bool:
+        """The MoE all-to-alls run on HybridEP (the flex dispatcher's ``hybridep`` backend)."""
+        return self.moe_token_dispatcher_type == "flex" and self.moe_flex_dispatcher_backend == "hybridep"
+
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute covers ``module``."""
         return self.recompute_granularity == "selective" and module in self.recompute_modules
