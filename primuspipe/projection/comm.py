@@ -179,7 +179,8 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
             ep = 2 * (rows / hardware.hybridep_bandwidth_bytes_per_s + (t.ep - 1) * hardware.intra_node_latency_s)
         else:
             ep = 2 * max(net.all_to_all(rows, t.ep, t.etp * t.ep), deepep_sm_bound(t, hardware, nodes, rows))
-            if t.hybridep:  # its permuting copy out of the receive buffer (WorkModel.permutations), each way
+            if t.hybridep:  # its permuting copy out of the receive buffer (WorkModel.permutations), each way,
+                # counted as a read and a write of every copy (it reads a rank's row once for its local experts)
                 permuted = shape.residual_tokens * model.moe_router_topk * shape.load_imbalance * model.hidden_size * e
                 ep += 2 * 2 * permuted / (hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction)
     regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0

@@ -550,8 +550,10 @@ class WorkModel(RankShape):
         (``get_permuted_hidden_states_by_experts`` / ``get_restored_hidden_states_by_experts`` pass them through),
         because its ``HybridEPDispatch`` / ``HybridEPCombine`` call DeepEP hybrid-ep's ``dispatch_with_permute`` /
         ``combine_with_unpermute`` ("permute + dispatch a2a + permute", ``fused_a2a.py`` at the Megatron-LM commit
-        Megatron-Bridge 26.02.01 pins, 55ac708): the copy out of its receive buffer writes expert order, and
-        :func:`~primuspipe.projection.comm.layer_comm` prices that copy with the all-to-all."""
+        Megatron-Bridge 26.02.01 pins, 55ac708): the copy out of its receive buffer writes expert order (DeepEP's
+        ``deep_ep/hybrid_ep_buffer.py``, ``dispatch_with_permute``: "If we use permute kernel, the output tensor
+        will be permuted. the result can be directly used in the gemm"; ``csrc/hybrid_ep/extension/permute.cu``),
+        and :func:`~primuspipe.projection.comm.layer_comm` prices that copy with the all-to-all."""
         t = self.training
         if t.hybridep:
             return 0
