@@ -568,7 +568,8 @@ class TrainingSpec:
         if self.torch_cross_entropy is not None and (self.cross_entropy_loss_fusion or self.tp > 1):
             self._fail(("torch_cross_entropy", "cross_entropy_loss_fusion", "tensor_model_parallel_size"),
                        "PyTorch's cross entropy is a loss of its own over unsharded logits",
-                       "remove cross_entropy_loss_fusion (Megatron's loss) and keep TP 1, or remove torch_cross_entropy")
+                       "remove cross_entropy_loss_fusion (Megatron's loss) and keep TP 1, "
+                       "or remove torch_cross_entropy")
         if self.fp8_format is not None and self.precision == "fp32":
             self._fail(("fp8_format", "precision"), "FP8 GEMMs need mixed precision", "set precision: bf16")
         self._check_primus_turbo()

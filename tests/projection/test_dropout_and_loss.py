@@ -119,7 +119,8 @@ def test_torch_cross_entropy_moves_what_automodel_masked_ce_dispatches(mbs, seq,
     traffic = _TorchLossTraffic(seq * mbs * vocab)
     with traffic:
         logits = (hidden @ weight.t()).view(-1, vocab)
-        loss = torch.nn.functional.cross_entropy(logits.float() if upcast == "fp32" else logits, target, reduction="sum")
+        logits = logits.float() if upcast == "fp32" else logits
+        loss = torch.nn.functional.cross_entropy(logits, target, reduction="sum")
         traffic.phase = "backward"
         loss.backward()
     work = WorkModel(model, training)
