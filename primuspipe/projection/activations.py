@@ -331,8 +331,17 @@ class ActivationModel(RankShape):
         """What of :meth:`head` the output layer and loss make and their backward frees: all but the labels (the
         batch the step function holds), so a layer's moments (forward before, backward after) do not hold it."""
         m, tp = self.model, self.training.tp
-        logits = self.tokens * m.padded_vocab(tp) / tp * (self.e if self.training.cross_entropy_loss_fusion else _FP32)
+        logits = self.tokens * m.padded_vocab(tp) / tp * self._saved_loss_bytes
         return self._norm(self.residual_tokens, m.hidden_size) + self.hidden_bytes + logits
+
+    @property
+    def _saved_loss_bytes(self) -> float:
+        """Bytes a logit the loss keeps for its backward: the fused loss its gradient in the logits' dtype, the
+        unfused one its fp32 softmax, PyTorch's ``F.cross_entropy`` its log-softmax output in the dtype it runs in."""
+        t = self.training
+        if t.torch_cross_entropy is not None:
+            return _FP32 if t.torch_cross_entropy == "fp32" else self.e
+        return self.e if t.cross_entropy_loss_fusion else _FP32
 
     def loss_working_set(self) -> float:
         """Bytes the unfused loss holds for a moment beyond :meth:`head` (what it keeps for the backward):
@@ -340,11 +349,17 @@ class ActivationModel(RankShape):
         ``calculate_logits_max``) while ``GPTModel._postprocess`` still holds the output layer's logits, and
         its backward casts the fp32 gradient back to the activation dtype while that copy is alive: ``T V /
         TP`` elements at activation bytes, both times. Nothing when fused, or in fp32 training (``.float()``
-        returns the tensor itself)."""
+        returns the tensor itself). PyTorch's ``F.cross_entropy`` (``torch_cross_entropy``): two logit-sized
+        gradients in its dtype during the backward."""
         m, t = self.model, self.training
+        logits = self.tokens * m.padded_vocab(t.tp) / t.tp
+        if t.torch_cross_entropy is not None:
+            # backward: nll_loss's zero-filled gradient and log-softmax's input gradient beside the saved output
+            # (forward, the upcast's logits and fp32 copy beside that output are no more)
+            return logits * 2 * self._saved_loss_bytes
         if t.cross_entropy_loss_fusion or self.e >= _FP32:
             return 0.0
-        return self.tokens * m.padded_vocab(t.tp) / t.tp * self.e
+        return logits * self.e
 
     def _local_scores(self) -> float:
         """Elements of one layer's attention score matrix on this rank where megatron-core's local

@@ -179,6 +179,10 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
             ep = 2 * (rows / hardware.hybridep_bandwidth_bytes_per_s + (t.ep - 1) * hardware.intra_node_latency_s)
         else:
             ep = 2 * max(net.all_to_all(rows, t.ep, t.etp * t.ep), deepep_sm_bound(t, hardware, nodes, rows))
+            if t.hybridep:  # its permuting copy out of the receive buffer (WorkModel.permutations), each way,
+                # counted as a read and a write of every copy (it reads a rank's row once for its local experts)
+                permuted = shape.residual_tokens * model.moe_router_topk * shape.load_imbalance * model.hidden_size * e
+                ep += 2 * 2 * permuted / (hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction)
     regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
     tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
     beside = kind == "moe" and t.overlap_moe_expert_parallel_comm and hardware.compute_units
@@ -193,8 +197,11 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
 
 def hybridep_timed(training: TrainingSpec, hardware: HardwareSpec, nodes: int) -> bool:
     """Whether the EP all-to-alls run on HybridEP inside one node where the hardware file gives its measured
-    bandwidth (``hybridep_bandwidth_bytes_per_s``)."""
-    return (training.moe_token_dispatcher_type == "flex" and training.moe_flex_dispatcher_backend == "hybridep"
+    bandwidth (``hybridep_bandwidth_bytes_per_s``). The measured call ends with the copy of the received rows out
+    of HybridEP's buffer, which is where megatron-core's ``dispatch_with_permute`` permutes them (and
+    ``combine_with_unpermute`` unpermutes), so the rate holds the permutation; on the fabric's rates
+    :func:`layer_comm` adds that copy (read and write of every copy, each way)."""
+    return (training.hybridep
             and nodes == 1 and training.ep > 1 and hardware.hybridep_bandwidth_bytes_per_s is not None)
 
 

@@ -556,8 +556,18 @@ class WorkModel(RankShape):
         received copies a second time, from source-rank order into local-expert order, when a rank holds
         more than one expert, and undoes that before the combine (``MoEAlltoAllTokenDispatcher``'s
         ``dispatch_postprocess`` / ``combine_preprocess``: ``sort_chunks_by_idxs``, or a transposing
-        copy when padded to capacity)."""
+        copy when padded to capacity). HybridEP (the flex dispatcher's ``hybridep`` backend) permutes none
+        apart: megatron-core's ``_HybridEPManager`` returns the dispatched rows as they come
+        (``get_permuted_hidden_states_by_experts`` / ``get_restored_hidden_states_by_experts`` pass them through),
+        because its ``HybridEPDispatch`` / ``HybridEPCombine`` call DeepEP hybrid-ep's ``dispatch_with_permute`` /
+        ``combine_with_unpermute`` ("permute + dispatch a2a + permute", ``fused_a2a.py`` at the Megatron-LM commit
+        Megatron-Bridge 26.02.01 pins, 55ac708): the copy out of its receive buffer writes expert order (DeepEP's
+        ``deep_ep/hybrid_ep_buffer.py``, ``dispatch_with_permute``: "If we use permute kernel, the output tensor
+        will be permuted. the result can be directly used in the gemm"; ``csrc/hybrid_ep/extension/permute.cu``),
+        and :func:`~primuspipe.projection.comm.layer_comm` prices that copy with the all-to-all."""
         t = self.training
+        if t.hybridep:
+            return 0
         second = t.moe_token_dispatcher_type == "alltoall" and t.ep > 1 and self.model.num_experts // t.ep > 1
         return 2 if second else 1
 
@@ -571,7 +581,7 @@ class WorkModel(RankShape):
         backward half; Transformer Engine's fused kernels (``moe_unpermute`` and the fused permutation's
         backward) reduce a token's copies in registers and store once, so with fusion there are none."""
         t, m = self.training, self.model
-        if kind != "moe" or t.moe_permute_fusion:
+        if kind != "moe" or t.moe_permute_fusion or t.hybridep:  # HybridEP: no permutation apart (permutations)
             return NO_WORK
         elements = self.routed_copies * m.hidden_size
         scatter = Work(scatter_add_elements=elements, scatter_add_bytes=2 * elements * self.e)
@@ -764,8 +774,22 @@ class WorkModel(RankShape):
         each token's target logit touch one logit a token (not counted). Fused
         (``cross_entropy_loss_fusion``): one kernel reads the logits and writes the gradient in place, ``2e``
         each way. Held against the aten operations megatron-core's functions dispatch
-        (``tests/projection/test_dropout_and_loss.py``)."""
+        (``tests/projection/test_dropout_and_loss.py``).
+
+        PyTorch's ``F.cross_entropy`` (``torch_cross_entropy``, NeMo AutoModel's ``MaskedCrossEntropy``) is
+        ``log_softmax`` then ``nll_loss``: forward, the log-softmax reads the logits and writes its output (``2c``,
+        ``c`` the bytes of the dtype it runs in: 4 under ``fp32_upcast``, else ``e``), after the upcast's cast
+        (read ``e``, write 4) where there is one; the loss picks one element a row (not counted). Backward,
+        ``nll_loss_backward`` writes a zero-filled gradient of the logits' size with one element a row set (``c``),
+        ``_log_softmax_backward_data`` reads it and the saved output and writes the input gradient (``3c``), and
+        autograd casts that back (read 4, write ``e``) after an upcast: ``2c`` (+ ``e + 4``) and ``4c``
+        (+ ``e + 4``) -- 4 and 8 bytes a bf16 logit without the upcast, 14 and 22 with it, against megatron-core's
+        unfused 38 and 14."""
         e = self.e
+        if self.training.torch_cross_entropy is not None:
+            upcast = e + 4 if self.training.torch_cross_entropy == "fp32" and e < 4 else 0
+            c = 4 if self.training.torch_cross_entropy == "fp32" else e
+            return upcast + 2 * c, upcast + 4 * c
         if self.training.cross_entropy_loss_fusion:
             return 2 * e, 2 * e
         cast = e + 4 if e < 4 else 0

@@ -111,6 +111,12 @@ class TrainingSpec:
     cross_entropy_loss_fusion: bool = False
     """Fused vocab-parallel cross entropy: the loss reads the logits once and writes their gradient in place,
     keeping no fp32 softmax."""
+    torch_cross_entropy: Literal["fp32", "native"] | None = None
+    """The loss is PyTorch's ``F.cross_entropy`` over the whole logits, as NeMo AutoModel's ``MaskedCrossEntropy``
+    runs it (nemo_automodel/components/loss/masked_ce.py: ``logits.float()`` when ``fp32_upcast``, then
+    ``F.cross_entropy``), not megatron-core's vocab-parallel loss: ``fp32``, its default ``fp32_upcast: true``;
+    ``native``, ``fp32_upcast: false`` (the logits' own dtype). None: megatron-core's loss
+    (``cross_entropy_loss_fusion`` says which of its two). See ``WorkModel._loss_bytes_per_logit``."""
     precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     """Mixed bf16/fp16 keeps fp32 main grads and master weights; fp32 trains in fp32 throughout; ``fp8`` is
     shorthand for bf16 with FP8 GEMMs (``fp8_format: hybrid`` unless given)."""
@@ -479,6 +485,11 @@ class TrainingSpec:
         """Bytes of one activation element."""
         return 4 if self.precision == "fp32" else 2
 
+    @property
+    def hybridep(self) -> bool:
+        """The MoE all-to-alls run on HybridEP (the flex dispatcher's ``hybridep`` backend)."""
+        return self.moe_token_dispatcher_type == "flex" and self.moe_flex_dispatcher_backend == "hybridep"
+
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute covers ``module``."""
         return self.recompute_granularity == "selective" and module in self.recompute_modules
@@ -562,6 +573,11 @@ class TrainingSpec:
         if self.fp8_format is None and (self.fp8_param_gather or self.fp8_recipe != "delayed"):
             self._fail(("fp8_format", "fp8_recipe", "fp8_param_gather"), "an FP8 recipe or FP8 weights without FP8",
                        "set fp8_format (e4m3 or hybrid), or remove fp8_recipe / fp8_param_gather")
+        if self.torch_cross_entropy is not None and (self.cross_entropy_loss_fusion or self.tp > 1):
+            self._fail(("torch_cross_entropy", "cross_entropy_loss_fusion", "tensor_model_parallel_size"),
+                       "PyTorch's cross entropy is a loss of its own over unsharded logits",
+                       "remove cross_entropy_loss_fusion (Megatron's loss) and keep TP 1, "
+                       "or remove torch_cross_entropy")
         if self.fp8_format is not None and self.precision == "fp32":
             self._fail(("fp8_format", "precision"), "FP8 GEMMs need mixed precision", "set precision: bf16")
         self._check_primus_turbo()

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from primuspipe.projection.comm import layer_comm
+from primuspipe.projection.comm import hybridep_timed, layer_comm
+from primuspipe.projection.compute import WorkModel
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.megatron_args import read_arguments
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.spec_fields import InputError
-from primuspipe.projection.training_spec import TrainingSpec
+from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
 H100 = load_hardware(EXAMPLES / "hardware" / "h100.yaml")
@@ -79,6 +80,44 @@ def test_hybridep_inside_a_node_runs_at_its_measured_bandwidth():
     assert timed == pytest.approx(2 * rows / b200.hybridep_bandwidth_bytes_per_s + latency)
     assert timed > fabric
     bare = dataclasses.replace(fabric_only, hybridep_bandwidth_bytes_per_s=None)
-    assert layer_comm(MODEL, inside, bare, "moe").ep[0] == pytest.approx(fabric)
+    assert layer_comm(MODEL, inside, bare, "moe").ep[0] == pytest.approx(fabric + _permuting_copy(inside, bare))
     across = dataclasses.replace(inside, expert_model_parallel_size=16, data_parallel_size=16, global_batch_size=16)
     assert layer_comm(MODEL, across, b200, "moe").ep[0] == layer_comm(MODEL, across, bare, "moe").ep[0]
+
+
+def _permuting_copy(training: TrainingSpec, hardware) -> float:
+    """Seconds of a read and a write of every routed copy, each way (dispatch and combine), at the file's rate."""
+    shape = RankShape(MODEL, training)
+    copies = shape.residual_tokens * MODEL.moe_router_topk * shape.load_imbalance
+    return 2 * 2 * copies * MODEL.hidden_size * shape.e / (hardware.hbm_bandwidth_bytes_per_s
+                                                             * hardware.memory_bandwidth_fraction)
+
+
+@pytest.mark.parametrize("hardware", ["b200", "h100"])
+def test_hybridep_permutes_inside_its_dispatch_and_combine(hardware):
+    """megatron-core's HybridEP manager passes the dispatched rows through (dispatch_with_permute /
+    combine_with_unpermute permute them): no permutation in the layer's element-wise work, where DeepEP has one.
+    Inside a B200 node the measured call holds that copy; on the fabric's rates (an H100 node, or across nodes)
+    the all-to-all adds it, so there a layer costs what it did with the permutation priced apart."""
+    spec = load_hardware(EXAMPLES / "hardware" / f"{hardware}.yaml")
+    hybridep = TrainingSpec(pipeline_model_parallel_size=1, expert_model_parallel_size=8, data_parallel_size=8,
+                            global_batch_size=8, moe_token_dispatcher_type="flex",
+                            moe_flex_dispatcher_backend="hybridep", moe_permute_fusion=True)
+    deepep = dataclasses.replace(hybridep, moe_flex_dispatcher_backend="deepep")
+    assert WorkModel(MODEL, hybridep).permutations == 0 and WorkModel(MODEL, deepep).permutations == 1
+    element = {t.moe_flex_dispatcher_backend: WorkModel(MODEL, t)._elementwise("moe").forward.memory_bytes
+               for t in (hybridep, deepep)}
+    shape = RankShape(MODEL, hybridep)
+    copies = shape.residual_tokens * MODEL.moe_router_topk * shape.load_imbalance
+    assert element["deepep"] - element["hybridep"] == pytest.approx(4 * copies * MODEL.hidden_size * shape.e)
+    timed = hybridep_timed(hybridep, spec, 1)
+    assert timed == (hardware == "b200")
+    if timed:  # the measured rate holds the copy: nothing added
+        call = copies * 5.3 / 8 * MODEL.hidden_size * shape.e / spec.hybridep_bandwidth_bytes_per_s  # 5.3 ranks of 8
+        assert layer_comm(MODEL, hybridep, spec, "moe").ep[0] == pytest.approx(
+            2 * (call + 7 * spec.intra_node_latency_s), rel=0.02)
+    # on the fabric's rates alike (no measured HybridEP call, DeepEP not bound by its SMs) HybridEP adds the copy
+    fabric_only = dataclasses.replace(spec, hybridep_bandwidth_bytes_per_s=None, deepep_sm_bandwidth_bytes_per_s=None)
+    fabric = (layer_comm(MODEL, hybridep, fabric_only, "moe").ep[0]
+              - layer_comm(MODEL, deepep, fabric_only, "moe").ep[0])
+    assert fabric == pytest.approx(_permuting_copy(hybridep, spec))

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from primuspipe.projection.activations import MASK_BYTES as DROPOUT_MASK_BYTES
 from primuspipe.projection.compute import WorkModel, part_times, Calibration
+from primuspipe.projection.framework import PrimusPipeError
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.training_spec import TrainingSpec
@@ -83,6 +84,56 @@ def test_unfused_cross_entropy_moves_what_megatron_core_dispatches(mbs, seq, voc
     norm = 2 * work.hidden_bytes  # the final norm's forward read and write (backward: 1.5 times it)
     assert head.forward.memory_bytes - norm == traffic.moved["forward"]
     assert head.backward_input.memory_bytes - 1.5 * norm == traffic.moved["backward"]
+
+
+class _TorchLossTraffic(_LogitTraffic):
+    """:class:`_LogitTraffic` for PyTorch's ``F.cross_entropy``: ``nll_loss_forward`` picks one element a row (no
+    pass), and ``nll_loss_backward`` takes the log-softmax output for its shape only, writing a zero-filled
+    gradient of that size (its write counted, not a read)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name == "nll_loss_forward":
+            return func(*args, **(kwargs or {}))
+        if name == "nll_loss_backward":
+            out = func(*args, **(kwargs or {}))
+            self.moved[self.phase] += out.numel() * out.element_size()
+            return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("upcast", ["fp32", "native"])
+@pytest.mark.parametrize("mbs, seq, vocab, precision", _loss_cases()[:4])
+def test_torch_cross_entropy_moves_what_automodel_masked_ce_dispatches(mbs, seq, vocab, precision, upcast):
+    """NeMo AutoModel's ``MaskedCrossEntropy`` (``fp32_upcast`` true or false): reshape, optional ``.float()``,
+    ``F.cross_entropy`` summed -- the forward and backward bytes the head prices for ``torch_cross_entropy``."""
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=2, seq_length=seq, vocab_size=vocab,
+                      untie_embeddings_and_output_weights=True)
+    training = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=mbs, global_batch_size=mbs,
+                            precision=precision, torch_cross_entropy=upcast)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    generator = torch.Generator().manual_seed(seq + vocab)
+    hidden = torch.randn(mbs * seq, model.hidden_size, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(vocab, model.hidden_size, generator=generator).to(dtype).requires_grad_()
+    target = torch.randint(vocab, (mbs * seq,), generator=generator)
+    traffic = _TorchLossTraffic(seq * mbs * vocab)
+    with traffic:
+        logits = (hidden @ weight.t()).view(-1, vocab)
+        logits = logits.float() if upcast == "fp32" else logits
+        loss = torch.nn.functional.cross_entropy(logits, target, reduction="sum")
+        traffic.phase = "backward"
+        loss.backward()
+    work = WorkModel(model, training)
+    head = work.head()
+    norm = 2 * work.hidden_bytes
+    assert head.forward.memory_bytes - norm == traffic.moved["forward"]
+    assert head.backward_input.memory_bytes - 1.5 * norm == traffic.moved["backward"]
+
+
+def test_torch_cross_entropy_is_a_loss_of_its_own():
+    with pytest.raises(PrimusPipeError, match="loss of its own"):
+        TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=1, global_batch_size=1,
+                     torch_cross_entropy="native", cross_entropy_loss_fusion=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
