@@ -34,7 +34,7 @@ from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_g
 from primuspipe.tools.pp_vis import load_iterations  # noqa: E402
 
 GPT = tiny_models.TINY_MODELS["tiny-gpt"]
-PP, STEPS = 2, 6
+PP, STEPS = 2, 12
 RUNS = {"1f1b": 4, "interleaved-1f1b": 6, "zbv": 6}
 """Algorithm -> microbatches; 1F1B (the calibration) runs with one split probe per chunk."""
 
