@@ -83,10 +83,13 @@ def _coerce(hint: Any, value: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        for arg in (a for a in args if a is not type(None)):
+        kinds = [a for a in args if a is not type(None)]
+        for arg in kinds:
             try:
                 return _coerce(arg, value)
             except (TypeError, ValueError):
+                if len(kinds) == 1:  # one kind of value (or null): its own problem says more
+                    raise
                 continue
         raise ValueError("not a valid value")
     if origin is Literal:
