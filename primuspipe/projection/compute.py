@@ -873,6 +873,7 @@ class Calibration:
 def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration) -> dict[str, PartTimes]:
     """Seconds per pass of every part the model has, analytical times scaled by the calibration."""
     precision = work.training.precision
+    hardware = hardware.with_attention_kernel(work.training.attention_kernel, work.training.source)
     if work.training.fp8 and work.training.fp8_recipe == "mxfp8" and not hardware.block_scaled_fp8:
         raise InputError([(work.training.source, "fp8_recipe", "mxfp8"), (hardware.source, "block_scaled_fp8", False)],
                          "MXFP8 needs matrix units that scale FP8 per block (Blackwell, MI355X)",

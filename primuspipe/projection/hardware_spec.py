@@ -7,11 +7,28 @@ direction, latencies seconds; ``*_fraction`` fields say how much of a peak real 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """One fused-attention kernel's rates on an accelerator, as published for it (an entry of
+    :attr:`HardwareSpec.attention_kernels`): a run that names it (its training's ``attention_kernel``) is timed at
+    these in place of the file's ``attention_efficiency``, ``attention_length_rates`` and
+    ``attention_backward_length_rates``, which stand for the kernels of today's libraries; older containers ran
+    slower ones (FlashAttention-2, an earlier cuDNN), most visibly where attention is most of the step."""
+
+    efficiency: float
+    """The forward's share of the bf16 peak at 8,192 tokens a sequence, as ``attention_efficiency``."""
+    length_rates: tuple[tuple[float, float], ...]
+    """The forward's rate by sequence length relative to ``efficiency``, as ``attention_length_rates``."""
+    backward_length_rates: tuple[tuple[float, float], ...]
+    """The backward's, relative to ``efficiency`` alike, as ``attention_backward_length_rates``."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +115,10 @@ class HardwareSpec:
     """Fused attention's rate against the head dimension: ``[head dim, rate]`` pairs, the rate relative to the one
     ``attention_efficiency`` stands for (1 at 128); interpolated and held outside the pairs as the length
     rates are. None: one rate at every head dimension."""
+    attention_kernels: dict[str, AttentionKernel] | None = None
+    """Other fused-attention kernels a run may name in its training's ``attention_kernel``, by name: each replaces
+    the three figures above for that run (:meth:`with_attention_kernel`); ``attention_head_dim_rates`` and
+    ``attention_dropout_rate`` stay the file's. None: no kernel can be named."""
     attention_dropout_rate: float = 1.0
     """Fused attention's rate with ``attention_dropout`` on, as a share of its rate without (the kernel draws a
     Philox random number per score and masks the probabilities inside); 1: dropout taken as free, where the file
@@ -161,10 +182,15 @@ class HardwareSpec:
         for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),
                                     ("attention_backward_length_rates", "sequence length", "[[2048, 0.64], [8192, 0.83]]"),
                                     ("attention_head_dim_rates", "head dimension", "[[64, 0.63], [128, 1.0]]")):
-            rates = getattr(self, name) or ()
-            if any(len(pair) != 2 or not pair[0] > 0 or not 0 < pair[1] <= 1.5 for pair in rates):
-                raise InputError([(self.source, name, [list(p) for p in rates])],
-                                 f"each entry is [{what} > 0, relative rate in (0, 1.5]]", f"give pairs such as {example}")
+            _check_rates(self.source, name, getattr(self, name) or (), what, example)
+        for name, kernel in (self.attention_kernels or {}).items():
+            _check_rates(self.source, f"attention_kernels.{name}.length_rates", kernel.length_rates, "sequence length",
+                         "[[2048, 0.92], [8192, 1.0]]")
+            _check_rates(self.source, f"attention_kernels.{name}.backward_length_rates", kernel.backward_length_rates,
+                         "sequence length", "[[2048, 0.64], [8192, 0.83]]")
+            if not 0 < kernel.efficiency <= 1:
+                raise InputError([(self.source, f"attention_kernels.{name}.efficiency", kernel.efficiency)],
+                                 "a fraction must be in (0, 1]", "give the kernel's share of the bf16 peak, e.g. 0.53")
         if len(self.gemm_tile) != 2 or min(self.gemm_tile) < 1:
             raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))], "a tile is two positive sizes",
                              "give [rows, columns], e.g. [128, 256]")
@@ -207,9 +233,33 @@ class HardwareSpec:
         lengths = (backward and self.attention_backward_length_rates) or self.attention_length_rates
         return _interpolate(lengths, length) * _interpolate(self.attention_head_dim_rates, head_dim)
 
+    def with_attention_kernel(self, kernel: str | None, training_source: str) -> HardwareSpec:
+        """This accelerator with ``kernel``'s attention rates (:class:`AttentionKernel`) in place of the file's; itself
+        for None. ``training_source`` names the training file that asked for it in errors."""
+        if kernel is None:
+            return self
+        known = self.attention_kernels or {}
+        if kernel not in known:
+            fix = (f"name one of {', '.join(sorted(known))} or leave it out (the file's own rates)" if known else
+                   "leave it out (the file's own rates) or give the kernel's rates under attention_kernels in the "
+                   "hardware file")
+            raise InputError([(training_source, "attention_kernel", kernel), (self.source, "attention_kernels",
+                              sorted(known))], "the hardware file has no rates for this attention kernel", fix)
+        rates = known[kernel]
+        return dataclasses.replace(self, attention_efficiency=rates.efficiency,
+                                   attention_length_rates=rates.length_rates,
+                                   attention_backward_length_rates=rates.backward_length_rates)
+
     @property
     def peer_bandwidth(self) -> float:
         return self.intra_node_peer_bandwidth_bytes_per_s or self.intra_node_bandwidth_bytes_per_s
+
+
+def _check_rates(source: str, name: str, rates: tuple[tuple[float, float], ...], what: str, example: str) -> None:
+    """A rate table's pairs are ``[what > 0, relative rate in (0, 1.5]]``."""
+    if any(len(pair) != 2 or not pair[0] > 0 or not 0 < pair[1] <= 1.5 for pair in rates):
+        raise InputError([(source, name, [list(p) for p in rates])],
+                         f"each entry is [{what} > 0, relative rate in (0, 1.5]]", f"give pairs such as {example}")
 
 
 def _interpolate(table: tuple[tuple[float, float], ...] | None, at: float | None) -> float:

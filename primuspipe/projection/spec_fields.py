@@ -15,7 +15,7 @@ import math
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -83,10 +83,13 @@ def _coerce(hint: Any, value: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        for arg in (a for a in args if a is not type(None)):
+        kinds = [a for a in args if a is not type(None)]
+        for arg in kinds:
             try:
                 return _coerce(arg, value)
             except (TypeError, ValueError):
+                if len(kinds) == 1:  # one kind of value (or null): its own problem says more
+                    raise
                 continue
         raise ValueError("not a valid value")
     if origin is Literal:
@@ -97,6 +100,22 @@ def _coerce(hint: Any, value: Any) -> Any:
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise TypeError("not a list")
         return tuple(_coerce(args[0], v) for v in value)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise TypeError("not a mapping")
+        return {_coerce(args[0], key): _nested(key, args[1], item) for key, item in value.items()}
+    if is_dataclass(hint):
+        if not isinstance(value, Mapping):
+            raise TypeError("not a mapping")
+        hints = typing.get_type_hints(hint)
+        names = [f.name for f in fields(hint)]
+        unknown = [str(key) for key in value if key not in names]
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0]!r} (known: {', '.join(names)})")
+        missing = [f.name for f in fields(hint) if f.name not in value and f.default is MISSING]
+        if missing:
+            raise ValueError(f"field {missing[0]!r} missing")
+        return hint(**{key: _nested(key, hints[key], item) for key, item in value.items()})
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -110,6 +129,14 @@ def _coerce(hint: Any, value: Any) -> Any:
             raise TypeError("not a non-empty string")
         return value
     raise AssertionError(f"spec field type {hint!r} has no reader")
+
+
+def _nested(key: Any, hint: Any, value: Any) -> Any:
+    """``value`` as ``hint`` inside a mapping: a problem names its ``key``."""
+    try:
+        return _coerce(hint, value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{key}: {exc}") from None
 
 
 def _number(value: Any) -> float:
@@ -143,5 +170,9 @@ def _describe(hint: Any) -> str:
         return "one of " + ", ".join(map(str, args))
     if origin is tuple:
         return f"a list of {_describe(args[0])}"
+    if origin is dict:
+        return f"a mapping of names, each to {_describe(args[1])}"
+    if is_dataclass(hint):
+        return f"a mapping with {', '.join(f.name for f in fields(hint))}"
     return {bool: "true or false", int: "a whole number >= 0", float: "a finite number >= 0", str: "a name",
             type(None): "null"}[hint]

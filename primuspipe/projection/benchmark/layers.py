@@ -261,6 +261,8 @@ def calibration_from_timings(model: ModelSpec, training: TrainingSpec, hardware:
     time of the same shape on ``hardware``, per part and pass (1 where the analytical time is zero)."""
     bench_model, bench_training = benchmark_shape(model, training)
     work = WorkModel(bench_model, bench_training)
+    # the analytical time as part_times prices it (a named attention kernel's rates), so factor x it is the measured
+    hardware = hardware.with_attention_kernel(training.attention_kernel, training.source)
     factors = {}
     for part in PARTS:
         if (part, "forward") not in measured:
