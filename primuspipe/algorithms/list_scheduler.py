@@ -32,9 +32,9 @@ Two fills share one event loop (:func:`_fill`) and differ only in their candidat
 
 from __future__ import annotations
 
-import bisect
 import functools
 import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -169,7 +169,7 @@ class _Pipeline:
         return Candidate(kind, chunk, mb, t, priority)
 
     def run(self, rank: int, kind: NodeKind, chunk: int, mb: int, start: float) -> None:
-        stage = self.placement.stage(rank, chunk)
+        stage = self.placement.stages[rank][chunk]
         end = start + self.durations[kind][stage]
         self.finish[kind, stage][mb] = end
         self.clock[rank] = end
@@ -237,31 +237,34 @@ def fixed_order_fill(placement: Placement, microbatches: int, cost: CostModel, o
     assert len(order.sequence) == placement.pp
     state = _Pipeline(placement, microbatches, cost)
     # per rank, for each (kind, chunk) of its order: the positions of its nodes (consumed in microbatch order)
-    positions: list[list[tuple[NodeKind, int, list[int]]]] = []
-    for row in order.sequence:
+    # and the rank's counter of that kind's nodes run per chunk
+    positions: list[list[tuple[NodeKind, int, list[int], list[int]]]] = []
+    for rank, row in enumerate(order.sequence):
         where: dict[tuple[NodeKind, int], list[int]] = {}
         for i, key in enumerate(row):
             where.setdefault(key, []).append(i)
-        positions.append([(kind, chunk, at) for (kind, chunk), at in where.items()])
+        positions.append([(kind, chunk, at, (state.next_f if kind is NodeKind.F else state.next_b)[rank])
+                          for (kind, chunk), at in where.items()])
+    # per rank and position of its order, the forwards before it (a prefix count, so a skip count is one lookup)
+    forwards_before = [list(itertools.accumulate((kind is NodeKind.F for kind, _ in row), initial=0))
+                       for row in order.sequence]
 
     def candidates(rank: int) -> list[Candidate]:
         """The rank's next node of the order (with lookahead, the next of every (kind, chunk)), unless
         deferred W's must run first to make room for a forward."""
-        next_f, next_b = state.next_f[rank], state.next_b[rank]
-        out = []
-        for kind, chunk, where in positions[rank]:
-            done = (next_f if kind is NodeKind.F else next_b)[chunk]
-            if done < len(where):
-                out.append((where[done], kind, chunk))
-        ahead = sorted(out) if order.lookahead else [min(out)] if out else []
+        if order.lookahead:
+            ahead = sorted((where[done], kind, chunk) for kind, chunk, where, run in positions[rank]
+                           if (done := run[chunk]) < len(where))
+        else:  # the nodes run as the order lists them: the next is the one after those run
+            i, row = sum(state.next_f[rank]) + sum(state.next_b[rank]), order.sequence[rank]
+            ahead = [(i, *row[i])] if i < len(row) else []
         return [state.candidate(rank, kind, chunk, (i,)) for i, kind, chunk in ahead
                 if kind is not NodeKind.F or state.fits_forward(rank, order.memory - skipped_forwards(rank, i))]
 
     def skipped_forwards(rank: int, position: int) -> int:
-        """Forwards of the order before ``position`` not run yet: room a node run ahead of them keeps."""
-        next_f = state.next_f[rank]
-        return sum(bisect.bisect_left(where, position) - next_f[chunk]
-                   for kind, chunk, where in positions[rank] if kind is NodeKind.F)
+        """Forwards of the order before ``position`` not run yet: room a node run ahead of them keeps
+        (every forward the rank ran is one of its order's)."""
+        return forwards_before[rank][position] - sum(state.next_f[rank])
 
     def w_may_run(rank: int, cands: list[Candidate], t: float) -> bool:
         w_end = t + state.next_w_time(rank)
@@ -288,7 +291,7 @@ def _fill(state: _Pipeline, candidates, w_may_run, policy: FillPolicy | FixedOrd
         if now:
             best = min(now, key=lambda c: c.priority)
             state.run(rank, best.kind, best.chunk, best.microbatch, t)
-            for r in asleep & neighbours[placement.stage(rank, best.chunk)]:
+            for r in asleep & neighbours[placement.stage(rank, best.chunk)] if asleep else ():
                 asleep.discard(r)
                 heapq.heappush(awake, (state.clock[r], r))
         elif state.w_queue[rank] and (not cands or w_may_run(rank, cands, t)):

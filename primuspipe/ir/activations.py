@@ -54,20 +54,35 @@ OFFLOAD_FRACTION = 1.0
 runner offloads every tensor autograd saves in the chunk's forward unless told which ops)."""
 
 
-def _step(kind: NodeKind, weight: float, held: float, retained: float, offloaded: float, rise: float
-          ) -> tuple[float, float]:
-    """One compute part of ``weight`` applied to ``held``: (the level after it, the most held while it ran --
-    a part that rises (B) first peaks ``rise`` of its microbatch's activations above where it started)."""
-    after = held + kind.spec.activation_delta(retained, offloaded) * weight
-    return after, max(held + kind.spec.rise * rise * weight, after)
+class _Effects(dict):
+    """(kind, chunk) -> one such compute part's (level change, rise above the level it starts from) under one
+    count's settings: a row repeats a few of them thousands of times, so each is worked out once per count."""
+
+    def __init__(self, chunk_weight: Callable[[int], float], retained: float, offloaded: float, rise: float):
+        super().__init__()
+        self.chunk_weight, self.retained, self.offloaded, self.rise = chunk_weight, retained, offloaded, rise
+
+    def __missing__(self, key: tuple[NodeKind, int]) -> tuple[float, float]:
+        kind, chunk = key
+        weight = self.chunk_weight(chunk)
+        effect = self[key] = (kind.spec.activation_delta(self.retained, self.offloaded) * weight,
+                              kind.spec.rise * self.rise * weight)
+        return effect
 
 
-def _run_parts(node: ScheduleNode, held: float, chunk_weight: Callable[[int], float], retained: float,
-               offloaded: float, rise: float) -> tuple[float, float]:
+def _step(effect: tuple[float, float], held: float) -> tuple[float, float]:
+    """One compute part of ``effect`` (:class:`_Effects`) applied to ``held``: (the level after it, the most
+    held while it ran -- a part that rises (B) first peaks above where it started)."""
+    change, rise = effect
+    after = held + change
+    return after, max(held + rise, after)
+
+
+def _run_parts(node: ScheduleNode, held: float, effects: _Effects) -> tuple[float, float]:
     """``node``'s parts applied to ``held``: (the level after them, the most held while they ran)."""
     top = held
     for kind, _, chunk in node.parts():
-        held, part_top = _step(kind, chunk_weight(chunk), held, retained, offloaded, rise)
+        held, part_top = _step(effects[kind, chunk], held)
         top = max(top, part_top)
     return held, top
 
@@ -78,9 +93,9 @@ def running_levels(row: Iterable[ScheduleNode], chunk_weight: Callable[[int], fl
     """Per node of one rank's row: the most held while it runs (after its forward parts, before the
     backward parts of the same node free anything, i.e. the level right after each part, maxed, and a
     B's ``rise``: :func:`_run_parts`)."""
-    held, levels = 0.0, []
+    held, levels, effects = 0.0, [], _Effects(chunk_weight, retained, offloaded, rise)
     for node in row:
-        held, top = _run_parts(node, held, chunk_weight, retained, offloaded, rise)
+        held, top = _run_parts(node, held, effects)
         levels.append(top)
     return levels
 
@@ -96,9 +111,9 @@ def timed_levels(row: Sequence[ScheduleNode], starts: Sequence[float], ends: Seq
     for i, node in enumerate(row):
         late = node.kind.spec.offload < 0
         keyed.append(((ends[i] if late else starts[i], not late, i), i))
-    held, levels = 0.0, [0.0] * len(row)
+    held, levels, effects = 0.0, [0.0] * len(row), _Effects(chunk_weight, retained, offloaded, rise)
     for _, i in sorted(keyed):
-        held, levels[i] = _run_parts(row[i], held, chunk_weight, retained, offloaded, rise)
+        held, levels[i] = _run_parts(row[i], held, effects)
     return levels
 
 
@@ -107,8 +122,9 @@ def peak_level(kinds: Iterable[tuple[NodeKind, int]], chunk_weight: Callable[[in
     """The most held over a sequence of ``(kind, chunk)`` compute parts (e.g. a constructed order, or
     a rank's events in time order), a B's ``rise`` included."""
     held = peak = 0.0
+    effects = _Effects(chunk_weight, retained, offloaded, rise)
     for kind, chunk in kinds:
-        held, top = _step(kind, chunk_weight(chunk), held, retained, offloaded, rise)
+        held, top = _step(effects[kind, chunk], held)
         peak = max(peak, top)
     return peak
 
