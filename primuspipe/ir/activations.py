@@ -104,15 +104,30 @@ def timed_levels(row: Sequence[ScheduleNode], starts: Sequence[float], ends: Seq
                  chunk_weight: Callable[[int], float] = lambda chunk: 1.0, retained: float = W_RETAINED_FRACTION,
                  offloaded: float = OFFLOAD_FRACTION, rise: float = 0.0) -> list[float]:
     """Per node of one rank's row, with the nodes' ``starts`` and ``ends``: the most held while it runs,
-    its effects applied in time order -- a node that frees on a host copy (OFFLOAD) at its end, every
-    other node at its start; at one moment a finished offload first, then table order. Without host
-    copies this is :func:`running_levels` (a rank's compute starts are in table order)."""
+    its effects applied in time order (:func:`time_order`). Without host copies this is
+    :func:`running_levels` (a rank's compute starts are in table order)."""
+    return levels_in_order(row, time_order(row, starts, ends), chunk_weight, retained, offloaded, rise)
+
+
+def time_order(row: Sequence[ScheduleNode], starts: Sequence[float], ends: Sequence[float]) -> list[int]:
+    """The indices of ``row``'s nodes in the order their effects apply, with the nodes' ``starts`` and
+    ``ends``: a node that frees on a host copy (OFFLOAD) at its end, every other node at its start; at one
+    moment a finished offload first, then table order. One order serves every count of the row (units,
+    bytes)."""
     keyed = []
     for i, node in enumerate(row):
         late = node.kind.spec.offload < 0
-        keyed.append(((ends[i] if late else starts[i], not late, i), i))
+        keyed.append((ends[i] if late else starts[i], not late, i))
+    return [i for _, _, i in sorted(keyed)]
+
+
+def levels_in_order(row: Sequence[ScheduleNode], order: Iterable[int],
+                    chunk_weight: Callable[[int], float] = lambda chunk: 1.0, retained: float = W_RETAINED_FRACTION,
+                    offloaded: float = OFFLOAD_FRACTION, rise: float = 0.0) -> list[float]:
+    """Per node of one rank's row: the most held while it runs, its effects applied in ``order`` (indices
+    into ``row``, e.g. :func:`time_order`)."""
     held, levels, effects = 0.0, [0.0] * len(row), _Effects(chunk_weight, retained, offloaded, rise)
-    for _, i in sorted(keyed):
+    for i in order:
         held, levels[i] = _run_parts(row[i], held, effects)
     return levels
 
