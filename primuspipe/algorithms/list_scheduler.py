@@ -211,7 +211,7 @@ def greedy_fill(placement: Placement, microbatches: int, cost: CostModel, policy
     priorities = [[{kind: (first.index(kind), -placement.stage(r, c)) for kind in first} for c in range(vpp)]
                   for r in range(pp)]
 
-    def candidates(rank: int) -> list[Candidate]:
+    def candidates(rank: int, _t: float) -> list[Candidate]:
         """The next B and F of each chunk that the caps allow."""
         out = []
         next_f, next_b = state.next_f[rank], state.next_b[rank]
@@ -249,17 +249,23 @@ def fixed_order_fill(placement: Placement, microbatches: int, cost: CostModel, o
     forwards_before = [list(itertools.accumulate((kind is NodeKind.F for kind, _ in row), initial=0))
                        for row in order.sequence]
 
-    def candidates(rank: int) -> list[Candidate]:
-        """The rank's next node of the order (with lookahead, the next of every (kind, chunk)), unless
-        deferred W's must run first to make room for a forward."""
+    def candidates(rank: int, t: float) -> list[Candidate]:
+        """The rank's next node of the order (with lookahead, the next of every (kind, chunk) in order
+        up to the first ready at ``t``, which the order prefers to every later one), unless deferred W's
+        must run first to make room for a forward."""
         if order.lookahead:
             ahead = sorted((where[done], kind, chunk) for kind, chunk, where, run in positions[rank]
                            if (done := run[chunk]) < len(where))
         else:  # the nodes run as the order lists them: the next is the one after those run
             i, row = sum(state.next_f[rank]) + sum(state.next_b[rank]), order.sequence[rank]
             ahead = [(i, *row[i])] if i < len(row) else []
-        return [state.candidate(rank, kind, chunk, (i,)) for i, kind, chunk in ahead
-                if kind is not NodeKind.F or state.fits_forward(rank, order.memory - skipped_forwards(rank, i))]
+        out = []
+        for i, kind, chunk in ahead:
+            if kind is not NodeKind.F or state.fits_forward(rank, order.memory - skipped_forwards(rank, i)):
+                out.append(found := state.candidate(rank, kind, chunk, (i,)))
+                if found.ready is not None and found.ready <= t:
+                    break
+        return out
 
     def skipped_forwards(rank: int, position: int) -> int:
         """Forwards of the order before ``position`` not run yet: room a node run ahead of them keeps
@@ -275,7 +281,8 @@ def fixed_order_fill(placement: Placement, microbatches: int, cost: CostModel, o
 
 def _fill(state: _Pipeline, candidates, w_may_run, policy: FillPolicy | FixedOrder, algorithm: str) -> TimedRows:
     """The event loop both fills share: ranks in (clock, rank) order; a rank runs its ready candidate
-    of least priority, else a deferred W where ``w_may_run``, else waits for its earliest known
+    of least priority (``candidates(rank, t)`` gives them, and may leave out any that one ready at ``t``
+    precedes), else a deferred W where ``w_may_run``, else waits for its earliest known
     candidate or sleeps until a neighbour schedules something."""
     placement = state.placement
     awake = [(0.0, r) for r in range(placement.pp)]
@@ -286,10 +293,10 @@ def _fill(state: _Pipeline, candidates, w_may_run, policy: FillPolicy | FixedOrd
     ]
     while awake:
         t, rank = heapq.heappop(awake)
-        cands = candidates(rank)
+        cands = candidates(rank, t)
         now = [c for c in cands if c.ready is not None and c.ready <= t]
         if now:
-            best = min(now, key=lambda c: c.priority)
+            best = now[0] if len(now) == 1 else min(now, key=lambda c: c.priority)
             state.run(rank, best.kind, best.chunk, best.microbatch, t)
             for r in asleep & neighbours[placement.stage(rank, best.chunk)] if asleep else ():
                 asleep.discard(r)
