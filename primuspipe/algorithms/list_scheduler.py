@@ -254,8 +254,9 @@ def fixed_order_fill(placement: Placement, microbatches: int, cost: CostModel, o
         up to the first ready at ``t``, which the order prefers to every later one), unless deferred W's
         must run first to make room for a forward."""
         if order.lookahead:
-            ahead = sorted((where[done], kind, chunk) for kind, chunk, where, run in positions[rank]
-                           if (done := run[chunk]) < len(where))
+            ahead = [(where[done], kind, chunk) for kind, chunk, where, run in positions[rank]
+                     if (done := run[chunk]) < len(where)]
+            ahead.sort()
         else:  # the nodes run as the order lists them: the next is the one after those run
             i, row = sum(state.next_f[rank]) + sum(state.next_b[rank]), order.sequence[rank]
             ahead = [(i, *row[i])] if i < len(row) else []
@@ -294,9 +295,11 @@ def _fill(state: _Pipeline, candidates, w_may_run, policy: FillPolicy | FixedOrd
     while awake:
         t, rank = heapq.heappop(awake)
         cands = candidates(rank, t)
-        now = [c for c in cands if c.ready is not None and c.ready <= t]
-        if now:
-            best = now[0] if len(now) == 1 else min(now, key=lambda c: c.priority)
+        best = None  # the ready candidate of least priority, the first of equals
+        for c in cands:
+            if c.ready is not None and c.ready <= t and (best is None or c.priority < best.priority):
+                best = c
+        if best is not None:
             state.run(rank, best.kind, best.chunk, best.microbatch, t)
             for r in asleep & neighbours[placement.stage(rank, best.chunk)] if asleep else ():
                 asleep.discard(r)
