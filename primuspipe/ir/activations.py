@@ -61,6 +61,14 @@ class _Effects(dict):
     def __init__(self, chunk_weight: Callable[[int], float], retained: float, offloaded: float, rise: float):
         super().__init__()
         self.chunk_weight, self.retained, self.offloaded, self.rise = chunk_weight, retained, offloaded, rise
+        self._nodes: dict[tuple, tuple[tuple[float, float], ...]] = {}
+
+    def of(self, node: ScheduleNode) -> tuple[tuple[float, float], ...]:
+        """The effects of ``node``'s parts, in order; they depend on its kind and chunks, not its microbatch."""
+        key = (node.kind, node.chunk, node.pair)
+        if (effects := self._nodes.get(key)) is None:
+            effects = self._nodes[key] = tuple(self[kind, chunk] for kind, _, chunk in node.parts())
+        return effects
 
     def __missing__(self, key: tuple[NodeKind, int]) -> tuple[float, float]:
         kind, chunk = key
@@ -81,8 +89,8 @@ def _step(effect: tuple[float, float], held: float) -> tuple[float, float]:
 def _run_parts(node: ScheduleNode, held: float, effects: _Effects) -> tuple[float, float]:
     """``node``'s parts applied to ``held``: (the level after them, the most held while they ran)."""
     top = held
-    for kind, _, chunk in node.parts():
-        held, part_top = _step(effects[kind, chunk], held)
+    for effect in effects.of(node):
+        held, part_top = _step(effect, held)
         top = max(top, part_top)
     return held, top
 
