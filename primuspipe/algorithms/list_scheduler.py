@@ -207,21 +207,28 @@ def greedy_fill(placement: Placement, microbatches: int, cost: CostModel, policy
     state = _Pipeline(placement, microbatches, cost)
 
     first = (NodeKind.B, NodeKind.F) if policy.backward_first else (NodeKind.F, NodeKind.B)
-    # per rank and chunk, the priority of its B and of its F: the kind ``first`` prefers, then the later stage
-    priorities = [[{kind: (first.index(kind), -placement.stage(r, c)) for kind in first} for c in range(vpp)]
-                  for r in range(pp)]
+    # per rank, its chunks' B's and F's with their priority (the kind ``first`` prefers, then the later
+    # stage), most preferred first
+    preferred = [sorted(((first.index(kind), -placement.stage(r, c)), kind, c) for kind in first for c in range(vpp))
+                 for r in range(pp)]
 
-    def candidates(rank: int, _t: float) -> list[Candidate]:
-        """The next B and F of each chunk that the caps allow."""
+    def candidates(rank: int, t: float) -> list[Candidate]:
+        """The next B and F of each chunk that the caps allow, most preferred first, up to the first
+        ready at ``t`` (preferred to every later one)."""
         out = []
         next_f, next_b = state.next_f[rank], state.next_b[rank]
-        for c in range(vpp):
-            if next_b[c] < next_f[c]:
-                out.append(state.candidate(rank, NodeKind.B, c, priorities[rank][c][NodeKind.B]))
-            reserve = 0 if c == vpp - 1 else policy.reserve
-            if (next_f[c] < microbatches and state.in_flight[rank] + 1 <= policy.in_flight[rank] - reserve
-                    and state.fits_forward(rank, policy.memory[rank] - reserve)):
-                out.append(state.candidate(rank, NodeKind.F, c, priorities[rank][c][NodeKind.F]))
+        for priority, kind, c in preferred[rank]:
+            if kind is NodeKind.B:
+                if next_b[c] >= next_f[c]:
+                    continue
+            else:
+                reserve = 0 if c == vpp - 1 else policy.reserve
+                if not (next_f[c] < microbatches and state.in_flight[rank] + 1 <= policy.in_flight[rank] - reserve
+                        and state.fits_forward(rank, policy.memory[rank] - reserve)):
+                    continue
+            out.append(found := state.candidate(rank, kind, c, priority))
+            if found.ready is not None and found.ready <= t:
+                break
         return out
 
     return _fill(state, candidates, lambda rank, cands, t: True, policy, algorithm)
