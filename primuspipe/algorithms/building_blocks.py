@@ -287,15 +287,14 @@ class _Grid:
                 step = row.get(t)
                 if step is None or (cap := limit(rank, step)) is None:
                     continue
-                delta, levels, first = self.delta[step.kind], self.levels[rank], self.earliest(step)
+                delta, levels, first, bound = self.delta[step.kind], self.levels[rank], self.earliest(step), cap + _EPS
                 target, j = None, t - 1
-                while j >= first and levels[j] + delta <= cap + _EPS:  # the slots it may move over
+                while j >= first and levels[j] + delta <= bound:  # the slots it may move over
                     if j not in row:
                         target = j
                     j -= 1
                 if target is not None:
-                    for j in range(target, t):
-                        levels[j] += delta
+                    levels[target:t] = [level + delta for level in levels[target:t]]
                     del row[t]
                     self._put(rank, step, target)
 

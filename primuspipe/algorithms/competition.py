@@ -59,16 +59,17 @@ def fill_all(placement: Placement, microbatches: int, cost: CostModel, policies:
              algorithm: str) -> list[Filled]:
     """Every policy's table, timed by the fill (a table two policies give is kept once, as the first's);
     policies that stall are skipped."""
-    filled: dict[tuple, Filled] = {}
+    seen: dict[tuple, int] = {}  # rows -> their place in ``filled`` (a table's rows are hashed once)
+    filled: list[Filled] = []
     for policy in policies:
         try:
             result = list_schedule(placement, microbatches, cost, policy, algorithm=algorithm)
         except ScheduleShapeError:
             continue
-        if result.rows not in filled:
-            table = ScheduleTable.build(placement, microbatches, result.rows, algorithm)
-            filled[result.rows] = Filled(table, str(policy), result.makespan)
-    return list(filled.values())
+        if seen.setdefault(result.rows, len(filled)) == len(filled):  # rows no earlier policy gave
+            filled.append(Filled(ScheduleTable.build(placement, microbatches, result.rows, algorithm), str(policy),
+                                 result.makespan))
+    return filled
 
 
 def shortlist(filled: Sequence[Filled], size: int = SHORTLIST) -> list[Filled]:
