@@ -20,7 +20,7 @@ Two ways turn a block into a schedule, and both are kept as candidates:
 * :func:`repeated_order`: repeat the block ``m`` times and sort each rank's F/B nodes by time; the list
   scheduler then runs that order as soon as possible and places the W's in the waits (see
   :class:`~primuspipe.algorithms.list_scheduler.FixedOrder`). Works with any costs.
-* :func:`squeezed_order`: on the unit time grid of uniform costs, place every W in the rank's first
+* :func:`squeezed_orders`: on the unit time grid of uniform costs, place every W in the rank's first
   free slot after its B, then *squeeze*: visiting the slots in time order, move each node to the
   earliest free slot after its inputs where the rank's memory (counted until W) stays within the
   budget, and in the cool-down to the earliest free slot at all. The squeeze front-loads the warm-up
@@ -174,11 +174,11 @@ def block_orders(placement: Placement, microbatches: int, cost: CostModel, memor
     retained = cost.memory.w_retained_fraction
     sequences: dict[FBOrder, str] = {}
     for stretch, turn in SHAPES:
-        if (block := vshape_block(placement, unit, stretch, turn)) is not None:
-            for cooldown in (False, True):
-                if (seq := squeezed_order(placement, microbatches, block, retained, memory, cooldown)) is not None:
-                    sequences.setdefault(seq, f"block stretch={stretch} turn={turn}, squeezed"
-                                              f"{' with its cool-down' if cooldown else ''}")
+        block = vshape_block(placement, unit, stretch, turn)
+        if block is not None and (orders := squeezed_orders(placement, microbatches, block, retained, memory)):
+            for cooldown, seq in zip((False, True), orders):
+                sequences.setdefault(seq, f"block stretch={stretch} turn={turn}, squeezed"
+                                          f"{' with its cool-down' if cooldown else ''}")
     for weight in BLEND_WEIGHTS:
         if (block := vshape_block(placement, blended(cost, weight))) is not None:
             sequences.setdefault(repeated_order(placement, microbatches, block), f"block of the costs blended {weight:g}")
@@ -196,11 +196,12 @@ def repeated_order(placement: Placement, microbatches: int, block: Block) -> FBO
     return tuple(tuple((kind, chunk) for _, _, kind, chunk in sorted(e, key=lambda x: x[:2])) for e in events)
 
 
-def squeezed_order(placement: Placement, microbatches: int, block: Block, retained: float, memory: float,
-                   cooldown: bool) -> FBOrder | None:
+def squeezed_orders(placement: Placement, microbatches: int, block: Block, retained: float, memory: float
+                    ) -> tuple[FBOrder, FBOrder] | None:
     """Each rank's F/B order after repeating a unit-grid block, placing the W's and squeezing (module
-    doc); ``cooldown`` also closes the cool-down's gaps. None if the block's layout holds more than
-    ``memory`` chunk activations (counted until W) on some rank."""
+    doc): as squeezed, and with the cool-down's gaps closed too (that second squeeze continues the first
+    on the same grid, so one grid gives both). None if the block's layout holds more than ``memory``
+    chunk activations (counted until W) on some rank."""
     grid = _Grid(placement, microbatches, block, retained)
     if grid.peak > memory + _EPS:
         return None
@@ -208,11 +209,10 @@ def squeezed_order(placement: Placement, microbatches: int, block: Block, retain
                     for r in range(placement.pp)]
     in_cooldown = {step for r in range(placement.pp) for t, step in grid.rows[r].items() if t > last_forward[r]}
     grid.squeeze(lambda rank, step: memory)
-    if cooldown:
-        grid.drop_w(in_cooldown)
-        grid.squeeze(lambda rank, step: math.inf if step in in_cooldown else None)
-    return tuple(tuple((step.kind, placement.locate(step.stage)[1]) for _, step in sorted(row.items())
-                       if step.kind is not NodeKind.W) for row in grid.rows)
+    squeezed = grid.order()
+    grid.drop_w(in_cooldown)
+    grid.squeeze(lambda rank, step: math.inf if step in in_cooldown else None)
+    return squeezed, grid.order()
 
 
 class _Grid:
@@ -268,6 +268,11 @@ class _Grid:
         first = max((slot[Step(k, s, mb)] + 1 for k, s in needs), default=0)
         return max(first, slot[Step(kind, stage, mb - 1)] + 1) if mb else first
 
+    def order(self) -> FBOrder:
+        """Each rank's F/B nodes in slot order (the W's are the fill's to place)."""
+        return tuple(tuple((step.kind, self.placement.locate(step.stage)[1]) for _, step in sorted(row.items())
+                           if step.kind is not NodeKind.W) for row in self.rows)
+
     def drop_w(self, steps: set[Step]) -> None:
         for step in steps:
             if step.kind is NodeKind.W:
@@ -282,15 +287,14 @@ class _Grid:
                 step = row.get(t)
                 if step is None or (cap := limit(rank, step)) is None:
                     continue
-                delta, levels, first = self.delta[step.kind], self.levels[rank], self.earliest(step)
+                delta, levels, first, bound = self.delta[step.kind], self.levels[rank], self.earliest(step), cap + _EPS
                 target, j = None, t - 1
-                while j >= first and levels[j] + delta <= cap + _EPS:  # the slots it may move over
+                while j >= first and levels[j] + delta <= bound:  # the slots it may move over
                     if j not in row:
                         target = j
                     j -= 1
                 if target is not None:
-                    for j in range(target, t):
-                        levels[j] += delta
+                    levels[target:t] = [level + delta for level in levels[target:t]]
                     del row[t]
                     self._put(rank, step, target)
 

@@ -32,9 +32,9 @@ Two fills share one event loop (:func:`_fill`) and differ only in their candidat
 
 from __future__ import annotations
 
-import bisect
 import functools
 import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -169,7 +169,7 @@ class _Pipeline:
         return Candidate(kind, chunk, mb, t, priority)
 
     def run(self, rank: int, kind: NodeKind, chunk: int, mb: int, start: float) -> None:
-        stage = self.placement.stage(rank, chunk)
+        stage = self.placement.stages[rank][chunk]
         end = start + self.durations[kind][stage]
         self.finish[kind, stage][mb] = end
         self.clock[rank] = end
@@ -207,21 +207,28 @@ def greedy_fill(placement: Placement, microbatches: int, cost: CostModel, policy
     state = _Pipeline(placement, microbatches, cost)
 
     first = (NodeKind.B, NodeKind.F) if policy.backward_first else (NodeKind.F, NodeKind.B)
-    # per rank and chunk, the priority of its B and of its F: the kind ``first`` prefers, then the later stage
-    priorities = [[{kind: (first.index(kind), -placement.stage(r, c)) for kind in first} for c in range(vpp)]
-                  for r in range(pp)]
+    # per rank, its chunks' B's and F's with their priority (the kind ``first`` prefers, then the later
+    # stage), most preferred first
+    preferred = [sorted(((first.index(kind), -placement.stage(r, c)), kind, c) for kind in first for c in range(vpp))
+                 for r in range(pp)]
 
-    def candidates(rank: int) -> list[Candidate]:
-        """The next B and F of each chunk that the caps allow."""
+    def candidates(rank: int, t: float) -> list[Candidate]:
+        """The next B and F of each chunk that the caps allow, most preferred first, up to the first
+        ready at ``t`` (preferred to every later one)."""
         out = []
         next_f, next_b = state.next_f[rank], state.next_b[rank]
-        for c in range(vpp):
-            if next_b[c] < next_f[c]:
-                out.append(state.candidate(rank, NodeKind.B, c, priorities[rank][c][NodeKind.B]))
-            reserve = 0 if c == vpp - 1 else policy.reserve
-            if (next_f[c] < microbatches and state.in_flight[rank] + 1 <= policy.in_flight[rank] - reserve
-                    and state.fits_forward(rank, policy.memory[rank] - reserve)):
-                out.append(state.candidate(rank, NodeKind.F, c, priorities[rank][c][NodeKind.F]))
+        for priority, kind, c in preferred[rank]:
+            if kind is NodeKind.B:
+                if next_b[c] >= next_f[c]:
+                    continue
+            else:
+                reserve = 0 if c == vpp - 1 else policy.reserve
+                if not (next_f[c] < microbatches and state.in_flight[rank] + 1 <= policy.in_flight[rank] - reserve
+                        and state.fits_forward(rank, policy.memory[rank] - reserve)):
+                    continue
+            out.append(found := state.candidate(rank, kind, c, priority))
+            if found.ready is not None and found.ready <= t:
+                break
         return out
 
     return _fill(state, candidates, lambda rank, cands, t: True, policy, algorithm)
@@ -237,31 +244,41 @@ def fixed_order_fill(placement: Placement, microbatches: int, cost: CostModel, o
     assert len(order.sequence) == placement.pp
     state = _Pipeline(placement, microbatches, cost)
     # per rank, for each (kind, chunk) of its order: the positions of its nodes (consumed in microbatch order)
-    positions: list[list[tuple[NodeKind, int, list[int]]]] = []
-    for row in order.sequence:
+    # and the rank's counter of that kind's nodes run per chunk
+    positions: list[list[tuple[NodeKind, int, list[int], list[int]]]] = []
+    for rank, row in enumerate(order.sequence):
         where: dict[tuple[NodeKind, int], list[int]] = {}
         for i, key in enumerate(row):
             where.setdefault(key, []).append(i)
-        positions.append([(kind, chunk, at) for (kind, chunk), at in where.items()])
+        positions.append([(kind, chunk, at, (state.next_f if kind is NodeKind.F else state.next_b)[rank])
+                          for (kind, chunk), at in where.items()])
+    # per rank and position of its order, the forwards before it (a prefix count, so a skip count is one lookup)
+    forwards_before = [list(itertools.accumulate((kind is NodeKind.F for kind, _ in row), initial=0))
+                       for row in order.sequence]
 
-    def candidates(rank: int) -> list[Candidate]:
-        """The rank's next node of the order (with lookahead, the next of every (kind, chunk)), unless
-        deferred W's must run first to make room for a forward."""
-        next_f, next_b = state.next_f[rank], state.next_b[rank]
+    def candidates(rank: int, t: float) -> list[Candidate]:
+        """The rank's next node of the order (with lookahead, the next of every (kind, chunk) in order
+        up to the first ready at ``t``, which the order prefers to every later one), unless deferred W's
+        must run first to make room for a forward."""
+        if order.lookahead:
+            ahead = [(where[done], kind, chunk) for kind, chunk, where, run in positions[rank]
+                     if (done := run[chunk]) < len(where)]
+            ahead.sort()
+        else:  # the nodes run as the order lists them: the next is the one after those run
+            i, row = sum(state.next_f[rank]) + sum(state.next_b[rank]), order.sequence[rank]
+            ahead = [(i, *row[i])] if i < len(row) else []
         out = []
-        for kind, chunk, where in positions[rank]:
-            done = (next_f if kind is NodeKind.F else next_b)[chunk]
-            if done < len(where):
-                out.append((where[done], kind, chunk))
-        ahead = sorted(out) if order.lookahead else [min(out)] if out else []
-        return [state.candidate(rank, kind, chunk, (i,)) for i, kind, chunk in ahead
-                if kind is not NodeKind.F or state.fits_forward(rank, order.memory - skipped_forwards(rank, i))]
+        for i, kind, chunk in ahead:
+            if kind is not NodeKind.F or state.fits_forward(rank, order.memory - skipped_forwards(rank, i)):
+                out.append(found := state.candidate(rank, kind, chunk, (i,)))
+                if found.ready is not None and found.ready <= t:
+                    break
+        return out
 
     def skipped_forwards(rank: int, position: int) -> int:
-        """Forwards of the order before ``position`` not run yet: room a node run ahead of them keeps."""
-        next_f = state.next_f[rank]
-        return sum(bisect.bisect_left(where, position) - next_f[chunk]
-                   for kind, chunk, where in positions[rank] if kind is NodeKind.F)
+        """Forwards of the order before ``position`` not run yet: room a node run ahead of them keeps
+        (every forward the rank ran is one of its order's)."""
+        return forwards_before[rank][position] - sum(state.next_f[rank])
 
     def w_may_run(rank: int, cands: list[Candidate], t: float) -> bool:
         w_end = t + state.next_w_time(rank)
@@ -272,7 +289,8 @@ def fixed_order_fill(placement: Placement, microbatches: int, cost: CostModel, o
 
 def _fill(state: _Pipeline, candidates, w_may_run, policy: FillPolicy | FixedOrder, algorithm: str) -> TimedRows:
     """The event loop both fills share: ranks in (clock, rank) order; a rank runs its ready candidate
-    of least priority, else a deferred W where ``w_may_run``, else waits for its earliest known
+    of least priority (``candidates(rank, t)`` gives them, and may leave out any that one ready at ``t``
+    precedes), else a deferred W where ``w_may_run``, else waits for its earliest known
     candidate or sleeps until a neighbour schedules something."""
     placement = state.placement
     awake = [(0.0, r) for r in range(placement.pp)]
@@ -283,12 +301,14 @@ def _fill(state: _Pipeline, candidates, w_may_run, policy: FillPolicy | FixedOrd
     ]
     while awake:
         t, rank = heapq.heappop(awake)
-        cands = candidates(rank)
-        now = [c for c in cands if c.ready is not None and c.ready <= t]
-        if now:
-            best = min(now, key=lambda c: c.priority)
+        cands = candidates(rank, t)
+        best = None  # the ready candidate of least priority, the first of equals
+        for c in cands:
+            if c.ready is not None and c.ready <= t and (best is None or c.priority < best.priority):
+                best = c
+        if best is not None:
             state.run(rank, best.kind, best.chunk, best.microbatch, t)
-            for r in asleep & neighbours[placement.stage(rank, best.chunk)]:
+            for r in asleep & neighbours[placement.stage(rank, best.chunk)] if asleep else ():
                 asleep.discard(r)
                 heapq.heappush(awake, (state.clock[r], r))
         elif state.w_queue[rank] and (not cands or w_may_run(rank, cands, t)):

@@ -33,7 +33,7 @@ only where it is strictly faster, so no algorithm is slower than its paper's fig
 
 from __future__ import annotations
 
-from primuspipe.algorithms.building_blocks import block_orders, paper_block, squeezed_order
+from primuspipe.algorithms.building_blocks import block_orders, paper_block, squeezed_orders
 from primuspipe.algorithms.competition import Filled, Paper, best_fill
 from primuspipe.algorithms.list_scheduler import FillPolicy, FixedOrder, fixed_order_fill
 from primuspipe.errors import ScheduleShapeError
@@ -80,10 +80,10 @@ def paper_block_schedule(req: ScheduleRequest, algorithm: str, budget: int) -> P
     name = f"the paper's {algorithm.replace('v-', 'V-')} block"
     placement, cap = Placement.vshape(req.pp), 2 * budget
     cost = req.cost_model(2)
-    order = squeezed_order(placement, req.microbatches, paper_block(placement, algorithm), req.retained, cap,
-                           cooldown=True)
-    if order is None:
+    orders = squeezed_orders(placement, req.microbatches, paper_block(placement, algorithm), req.retained, cap)
+    if orders is None:
         return Paper(name, None)
+    order = orders[1]  # the cool-down closed
     try:
         rows = fixed_order_fill(placement, req.microbatches, cost, FixedOrder(order, cap, source=name),
                                 algorithm=algorithm).rows

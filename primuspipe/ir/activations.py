@@ -54,20 +54,43 @@ OFFLOAD_FRACTION = 1.0
 runner offloads every tensor autograd saves in the chunk's forward unless told which ops)."""
 
 
-def _step(kind: NodeKind, weight: float, held: float, retained: float, offloaded: float, rise: float
-          ) -> tuple[float, float]:
-    """One compute part of ``weight`` applied to ``held``: (the level after it, the most held while it ran --
-    a part that rises (B) first peaks ``rise`` of its microbatch's activations above where it started)."""
-    after = held + kind.spec.activation_delta(retained, offloaded) * weight
-    return after, max(held + kind.spec.rise * rise * weight, after)
+class _Effects(dict):
+    """(kind, chunk) -> one such compute part's (level change, rise above the level it starts from) under one
+    count's settings: a row repeats a few of them thousands of times, so each is worked out once per count."""
+
+    def __init__(self, chunk_weight: Callable[[int], float], retained: float, offloaded: float, rise: float):
+        super().__init__()
+        self.chunk_weight, self.retained, self.offloaded, self.rise = chunk_weight, retained, offloaded, rise
+        self._nodes: dict[tuple, tuple[tuple[float, float], ...]] = {}
+
+    def of(self, node: ScheduleNode) -> tuple[tuple[float, float], ...]:
+        """The effects of ``node``'s parts, in order; they depend on its kind and chunks, not its microbatch."""
+        key = (node.kind, node.chunk, node.pair)
+        if (effects := self._nodes.get(key)) is None:
+            effects = self._nodes[key] = tuple(self[kind, chunk] for kind, _, chunk in node.parts())
+        return effects
+
+    def __missing__(self, key: tuple[NodeKind, int]) -> tuple[float, float]:
+        kind, chunk = key
+        weight = self.chunk_weight(chunk)
+        effect = self[key] = (kind.spec.activation_delta(self.retained, self.offloaded) * weight,
+                              kind.spec.rise * self.rise * weight)
+        return effect
 
 
-def _run_parts(node: ScheduleNode, held: float, chunk_weight: Callable[[int], float], retained: float,
-               offloaded: float, rise: float) -> tuple[float, float]:
+def _step(effect: tuple[float, float], held: float) -> tuple[float, float]:
+    """One compute part of ``effect`` (:class:`_Effects`) applied to ``held``: (the level after it, the most
+    held while it ran -- a part that rises (B) first peaks above where it started)."""
+    change, rise = effect
+    after = held + change
+    return after, max(held + rise, after)
+
+
+def _run_parts(node: ScheduleNode, held: float, effects: _Effects) -> tuple[float, float]:
     """``node``'s parts applied to ``held``: (the level after them, the most held while they ran)."""
     top = held
-    for kind, _, chunk in node.parts():
-        held, part_top = _step(kind, chunk_weight(chunk), held, retained, offloaded, rise)
+    for effect in effects.of(node):
+        held, part_top = _step(effect, held)
         top = max(top, part_top)
     return held, top
 
@@ -78,9 +101,9 @@ def running_levels(row: Iterable[ScheduleNode], chunk_weight: Callable[[int], fl
     """Per node of one rank's row: the most held while it runs (after its forward parts, before the
     backward parts of the same node free anything, i.e. the level right after each part, maxed, and a
     B's ``rise``: :func:`_run_parts`)."""
-    held, levels = 0.0, []
+    held, levels, effects = 0.0, [], _Effects(chunk_weight, retained, offloaded, rise)
     for node in row:
-        held, top = _run_parts(node, held, chunk_weight, retained, offloaded, rise)
+        held, top = _run_parts(node, held, effects)
         levels.append(top)
     return levels
 
@@ -89,16 +112,31 @@ def timed_levels(row: Sequence[ScheduleNode], starts: Sequence[float], ends: Seq
                  chunk_weight: Callable[[int], float] = lambda chunk: 1.0, retained: float = W_RETAINED_FRACTION,
                  offloaded: float = OFFLOAD_FRACTION, rise: float = 0.0) -> list[float]:
     """Per node of one rank's row, with the nodes' ``starts`` and ``ends``: the most held while it runs,
-    its effects applied in time order -- a node that frees on a host copy (OFFLOAD) at its end, every
-    other node at its start; at one moment a finished offload first, then table order. Without host
-    copies this is :func:`running_levels` (a rank's compute starts are in table order)."""
+    its effects applied in time order (:func:`time_order`). Without host copies this is
+    :func:`running_levels` (a rank's compute starts are in table order)."""
+    return levels_in_order(row, time_order(row, starts, ends), chunk_weight, retained, offloaded, rise)
+
+
+def time_order(row: Sequence[ScheduleNode], starts: Sequence[float], ends: Sequence[float]) -> list[int]:
+    """The indices of ``row``'s nodes in the order their effects apply, with the nodes' ``starts`` and
+    ``ends``: a node that frees on a host copy (OFFLOAD) at its end, every other node at its start; at one
+    moment a finished offload first, then table order. One order serves every count of the row (units,
+    bytes)."""
     keyed = []
     for i, node in enumerate(row):
         late = node.kind.spec.offload < 0
-        keyed.append(((ends[i] if late else starts[i], not late, i), i))
-    held, levels = 0.0, [0.0] * len(row)
-    for _, i in sorted(keyed):
-        held, levels[i] = _run_parts(row[i], held, chunk_weight, retained, offloaded, rise)
+        keyed.append((ends[i] if late else starts[i], not late, i))
+    return [i for _, _, i in sorted(keyed)]
+
+
+def levels_in_order(row: Sequence[ScheduleNode], order: Iterable[int],
+                    chunk_weight: Callable[[int], float] = lambda chunk: 1.0, retained: float = W_RETAINED_FRACTION,
+                    offloaded: float = OFFLOAD_FRACTION, rise: float = 0.0) -> list[float]:
+    """Per node of one rank's row: the most held while it runs, its effects applied in ``order`` (indices
+    into ``row``, e.g. :func:`time_order`)."""
+    held, levels, effects = 0.0, [0.0] * len(row), _Effects(chunk_weight, retained, offloaded, rise)
+    for i in order:
+        held, levels[i] = _run_parts(row[i], held, effects)
     return levels
 
 
@@ -107,8 +145,9 @@ def peak_level(kinds: Iterable[tuple[NodeKind, int]], chunk_weight: Callable[[in
     """The most held over a sequence of ``(kind, chunk)`` compute parts (e.g. a constructed order, or
     a rank's events in time order), a B's ``rise`` included."""
     held = peak = 0.0
+    effects = _Effects(chunk_weight, retained, offloaded, rise)
     for kind, chunk in kinds:
-        held, top = _step(kind, chunk_weight(chunk), held, retained, offloaded, rise)
+        held, top = _step(effects[kind, chunk], held)
         peak = max(peak, top)
     return peak
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from primuspipe.ir.activations import timed_levels
+from primuspipe.ir.activations import levels_in_order, time_order
 from primuspipe.ir.cost_model import MemoryCost
 from primuspipe.ir.table import ScheduleTable
 
@@ -31,11 +31,12 @@ def peak_activations(table: ScheduleTable, memory: MemoryCost, starts: Sequence[
     retained, offloaded = memory.w_retained_fraction, memory.offload_fraction
     units, peaks = [], []
     for rank, row in enumerate(table.ranks):
-        levels = timed_levels(row, starts[rank], ends[rank], retained=retained, offloaded=offloaded)
+        order = time_order(row, starts[rank], ends[rank])
+        levels = levels_in_order(row, order, retained=retained, offloaded=offloaded)
         units.append(max(levels, default=0.0) / table.vpp)
         if memory.models_bytes:
             count = memory.byte_count(table.placement.stages[rank])
-            peaks.append(max(timed_levels(row, starts[rank], ends[rank], **count), default=0.0))
+            peaks.append(max(levels_in_order(row, order, **count), default=0.0))
         else:
             peaks.append(0.0)
     return units, peaks
