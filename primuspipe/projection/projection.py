@@ -167,8 +167,8 @@ class PipelineFigures:
         return cls(simulated.step_time, tuple(r.busy_time for r in simulated.ranks),
                    tuple(r.peak_memory_bytes for r in simulated.ranks),
                    tuple(r.peak_activation_bytes for r in simulated.ranks), (microbatches,),
-                   tuple(max((e for n, e in zip(r.nodes, r.ends) if n.kind.is_compute), default=0.0)
-                         for r in simulated.ranks))
+                   tuple(max((e for n, e in zip(r.nodes, r.ends) if n.kind.is_compute and not n.kind.on_host_stream),
+                             default=0.0) for r in simulated.ranks))
 
     def drained(self, rank: int, seconds: float, buffered_bytes: float) -> PipelineFigures:
         """These figures with ``seconds`` more work on ``rank`` after its last node (megatron-core's deferred

@@ -15,7 +15,7 @@ from primuspipe.projection.framework import ConfigError
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.megatron_args import read_arguments
 from primuspipe.projection.model_spec import load_model
-from primuspipe.projection.projection import ProjectionResult, Projector, Refusal
+from primuspipe.projection.projection import ProjectionResult, Projector, Refusal, candidates
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -86,3 +86,10 @@ def test_a_deferral_limit_below_the_microbatch_count_is_refused():
                       ProjectionResult)
     with pytest.raises(ConfigError, match="wgrad_deferral_limit=-1: cannot be negative"):
         dataclasses.replace(DEFERRED, wgrad_deferral_limit=-1)
+
+
+def test_a_search_drops_the_deferral_only_where_there_is_no_pipeline():
+    """Megatron refuses it at pp 1, so the searched pp-1 layouts run without it; every other keeps it."""
+    searched = list(candidates(BIG_HEAD, DEFERRED, ["1f1b"], search=True))
+    assert {t.pp for t, _ in searched} >= {1, 2, 4}
+    assert all(t.defer_embedding_wgrad_compute == (t.pp > 1) for t, _ in searched)
