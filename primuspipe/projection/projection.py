@@ -159,12 +159,33 @@ class PipelineFigures:
     peak_activation_bytes: tuple[float, ...]
     microbatches: tuple[int, ...]
     """The microbatch counts simulated (one: the step's own)."""
+    ends: tuple[float, ...]
+    """Per rank, when its last compute node ends."""
 
     @classmethod
     def of(cls, simulated, microbatches: int) -> PipelineFigures:
         return cls(simulated.step_time, tuple(r.busy_time for r in simulated.ranks),
                    tuple(r.peak_memory_bytes for r in simulated.ranks),
-                   tuple(r.peak_activation_bytes for r in simulated.ranks), (microbatches,))
+                   tuple(r.peak_activation_bytes for r in simulated.ranks), (microbatches,),
+                   tuple(max((e for n, e in zip(r.nodes, r.ends) if n.kind.is_compute and not n.kind.on_host_stream),
+                             default=0.0) for r in simulated.ranks))
+
+    def drained(self, rank: int, seconds: float, buffered_bytes: float) -> PipelineFigures:
+        """These figures with ``seconds`` more work on ``rank`` after its last node (megatron-core's deferred
+        output-layer weight gradients, run in the flush): the step ends no earlier than that work. The
+        ``buffered_bytes`` it reads are added to the rank's peak whole, an upper bound: the buffer is full only
+        after the rank's last backward, when it holds fewer activations than at its peak."""
+        if not seconds and not buffered_bytes:
+            return self
+
+        def plus(values: tuple[float, ...], extra: float) -> tuple[float, ...]:
+            return tuple(v + extra if r == rank else v for r, v in enumerate(values))
+
+        end = self.ends[rank] + seconds
+        return dataclasses.replace(self, step_time=max(self.step_time, end), busy=plus(self.busy, seconds),
+                                   peak_memory_bytes=plus(self.peak_memory_bytes, buffered_bytes),
+                                   peak_activation_bytes=plus(self.peak_activation_bytes, buffered_bytes),
+                                   ends=plus(self.ends, seconds))
 
     @property
     def bubble_rate(self) -> float:
@@ -209,7 +230,7 @@ def extrapolate(samples: list[PipelineFigures], microbatches: int) -> PipelineFi
         tuple(at(microbatches, a, b) for a, b in zip(first.busy, last.busy)),
         tuple(at(microbatches, a, b) for a, b in zip(first.peak_memory_bytes, last.peak_memory_bytes)),
         tuple(at(microbatches, a, b) for a, b in zip(first.peak_activation_bytes, last.peak_activation_bytes)),
-        counts)
+        counts, tuple(at(microbatches, a, b) for a, b in zip(first.ends, last.ends)))
 
 
 @dataclass(frozen=True)
@@ -333,7 +354,8 @@ class Projector:
     def _parts(self, training: TrainingSpec) -> dict[str, PartTimes]:
         """Per-part times, computed once per configuration (they do not depend on pp, vpp or the algorithm)."""
         key = dataclasses.replace(training, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=1,
-                                  decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
+                                  decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                                  defer_embedding_wgrad_compute=False)
         if key not in self._part_cache:
             self._part_cache[key] = part_times(WorkModel(self.model, training), self.hardware, self.calibration)
         return self._part_cache[key]
@@ -351,6 +373,8 @@ class Projector:
     def _result(self, training: TrainingSpec, algorithm: str, costs: StageCosts, simulated: PipelineFigures
                 ) -> ProjectionResult:
         t, h = training, self.hardware
+        simulated = simulated.drained(costs.layout.head_rank, costs.drain_s * t.microbatches,
+                                      costs.drain_bytes * t.microbatches)
         tied = 0 if self.model.untie_embeddings_and_output_weights or costs.layout.num_stages == 1 else \
             embedding_params(self.model, t.tp)
         sync = max(gradient_sync(p, t, h, tied_embedding=tied if r in (costs.layout.embedding_rank, costs.layout.head_rank) else 0,
@@ -457,7 +481,8 @@ def candidates(model: ModelSpec, training: TrainingSpec, algorithms: list[str], 
                 base = _with_recompute(dataclasses.replace(
                     training, pipeline_model_parallel_size=pp, data_parallel_size=dp, micro_batch_size=mbs,
                     decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
-                    pipeline_model_parallel_layout=None), recompute)
+                    pipeline_model_parallel_layout=None,
+                    defer_embedding_wgrad_compute=training.defer_embedding_wgrad_compute and pp > 1), recompute)
                 for name in algorithms:
                     for vpp in sorted({algorithm_vpp(name, v) for v in (*SEARCH_VPPS, training.vpp)}):
                         shape = (pp, vpp, mbs, recompute_label(base))

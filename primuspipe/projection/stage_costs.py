@@ -10,6 +10,9 @@ at 1; what W keeps beyond the stage's bytes (sequence parallelism's all-gathered
 becomes ``w_excess_fraction`` (the byte-weighted mean of the excess), which the byte peaks hold until W. What
 a split-backward B keeps for W before it frees becomes ``b_rise_fraction``: how far B peaks above its start
 (:meth:`~primuspipe.projection.activations.ActivationModel.b_rise`), the largest share over stages (never under).
+Under ``defer_embedding_wgrad_compute`` the head's weight gradient leaves the last stage's W (and its GEMM
+inputs what that W keeps): :attr:`StageCosts.drain_s` and :attr:`StageCosts.drain_bytes` say what the head
+rank runs and buffers instead, per microbatch, for the projection to pay once after that rank's last node.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ class StageCosts:
     communication: tuple[float, float, float]
     """Seconds of TP / CP / EP collectives inside F, B and W that compute does not hide, summed over stages
     (part of the times above)."""
+    drain_s: float = 0.0
+    """Seconds per microbatch of the head's weight-gradient GEMM that ``defer_embedding_wgrad_compute`` takes
+    out of the last stage's W and runs after the head rank's last backward; 0 without it."""
+    drain_bytes: float = 0.0
+    """Bytes per microbatch the head rank buffers for that drain (output-layer input and output gradient)."""
 
     def cost_model(self) -> CostModel:
         """The simulator's cost model, in seconds."""
@@ -83,6 +91,7 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
                    (parts[name].forward, parts[name].backward_input, parts[name].backward_weight))
                for name, (kind, b) in names.items()}
     last = layout.num_stages - 1
+    defer = training.defer_embedding_wgrad_compute
     forward, backward_input, backward_weight, held, kept_for_w, excess, rise, transient = [], [], [], [], [], [], [], []
     communication = [0.0, 0.0, 0.0]
     for stage, layers in enumerate(layout.stage_layers):
@@ -111,7 +120,8 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
             f, b, w = f + f_wait, b + b_wait, w + w_wait
         forward.append(f + sum(x.forward for x in extras))
         backward_input.append(b + sum(x.backward_input for x in extras))
-        backward_weight.append(w + sum(x.backward_weight for x in extras))
+        backward_weight.append(w + sum(x.backward_weight for x in extras)
+                               - (parts["head"].backward_weight if defer and stage == last else 0.0))
         # A layer's moments come while its microbatch's head (and MTP modules) are not yet made (forward) or
         # already freed (backward), though the stage's held bytes count them for that microbatch throughout.
         mtp = activations.mtp() * (training.mtp_num_layers or 0) if stage == last else 0.0
@@ -119,7 +129,8 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
         stage_bytes = (sum(activations.layer_bytes(layers)) + (activations.embedding() if stage == 0 else 0.0)
                        + (activations.head() + mtp if stage == last else 0.0))
         held.append(stage_bytes)
-        w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if stage == last else 0.0)
+        w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if stage == last and not defer
+                                                     else 0.0)
         kept_for_w.append(min(stage_bytes, w_bytes))
         excess.append(w_bytes - kept_for_w[-1])
         in_layers = max(activations.recompute_working_set(layers),
@@ -139,6 +150,7 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
               for r, p in zip(ranks, params)),
         tuple(max(transient[s] for s in layout.rank_stages(r)) for r in ranks),
         _p2p(model, training, hardware), tuple(communication),
+        parts["head"].backward_weight if defer else 0.0, activations.head_gemm_bytes() if defer else 0.0,
     )
 
 

@@ -102,6 +102,19 @@ class TrainingSpec:
     wrapper's backward hook adds into the main gradient, a separate pass over every weight per microbatch
     (``param.main_grad.add_(param.grad.data)``, ``distributed/distributed_data_parallel.py``). AMD's Primus MoE
     experiment files turn it off (``examples/moe_package/configs/MI355X/deepseek_v2*-pretrain-baseline.yaml``)."""
+    defer_embedding_wgrad_compute: bool = False
+    """megatron-core's ``defer_embedding_wgrad_compute`` (NeMo 2's performance mode turns it on): the last pipeline
+    stage's output layer keeps each microbatch's input (``embedding_activation_buffer``, the sequence-parallel
+    shard) and output gradient (``grad_output_buffer``, ``T V / TP``) instead of running its weight-gradient GEMM
+    in that microbatch's backward (``tensor_parallel/layers.py``), and ``finish_embedding_wgrad_compute`` runs
+    every buffered GEMM after the last backward, before the gradients are finalised
+    (``pipeline_parallel/schedules.py``, ``utils.drain_embedding_wgrad_compute``): in the flush, where the
+    last rank would otherwise wait. Megatron refuses it without a pipeline or without gradient accumulation
+    fusion (``ModelParallelConfig.__post_init__``)."""
+    wgrad_deferral_limit: int = 0
+    """With ``defer_embedding_wgrad_compute``: megatron-core buffers only the first this many microbatches and runs
+    the rest's GEMMs in their backward; 0 (its default) buffers every one. A limit below the step's microbatch
+    count is not modelled (:func:`check_compatible` refuses it)."""
     moe_use_legacy_grouped_gemm: bool = False
     """Megatron's legacy ``GroupedMLP`` for the experts (``--moe-use-legacy-grouped-gemm``; Primus keeps it as
     ``DeprecatedGroupedMLP``, ``primus/backends/megatron/core/transformer/moe/deprecated_20251209/experts.py``): its
@@ -585,6 +598,15 @@ class TrainingSpec:
         if self.fp8_format is not None and self.precision == "fp32":
             self._fail(("fp8_format", "precision"), "FP8 GEMMs need mixed precision", "set precision: bf16")
         self._check_primus_turbo()
+        if self.defer_embedding_wgrad_compute and (self.pp == 1 or not self.gradient_accumulation_fusion):
+            self._fail(("defer_embedding_wgrad_compute", "pipeline_model_parallel_size", "gradient_accumulation_fusion"),
+                       "deferring the output layer's weight gradients needs a pipeline and gradient accumulation "
+                       "fusion (megatron-core refuses it otherwise)",
+                       "remove defer_embedding_wgrad_compute, or set pipeline_model_parallel_size > 1 and "
+                       "gradient_accumulation_fusion: true")
+        if self.wgrad_deferral_limit < 0:
+            self._fail(("wgrad_deferral_limit",), "cannot be negative (megatron-core refuses it)",
+                       "give 0 (every microbatch) or a positive count")
         if (self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers) and self.pp == 1:
             self._fail(("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                         "pipeline_model_parallel_size"), "uneven first/last stages need a pipeline",
@@ -765,6 +787,11 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
     elif training.ep > 1:
         fail(("num_experts",), ("expert_model_parallel_size",), "a dense model has no experts to spread",
              "set expert_model_parallel_size: 1")
+    if training.defer_embedding_wgrad_compute and 0 < training.wgrad_deferral_limit < training.microbatches:
+        fail((), ("wgrad_deferral_limit", "defer_embedding_wgrad_compute", "global_batch_size", "micro_batch_size"),
+             f"deferring the output layer's weight gradients of only {training.wgrad_deferral_limit} of the step's "
+             f"{training.microbatches} microbatches is not modelled",
+             "set wgrad_deferral_limit to 0 or at least the microbatch count")
     if training.recompute_granularity == "full" and training.recompute_num_layers > max(1, model.num_layers // (pp * vpp)):
         fail(("num_layers",), ("recompute_num_layers", "pipeline_model_parallel_size"),
              "recompute_num_layers exceeds the layers of one model chunk",

@@ -177,7 +177,7 @@ def test_extrapolated_projection_equals_the_full_simulation(monkeypatch, pp, vpp
 
 def figures(count: int, peaks: tuple[float, ...]) -> PipelineFigures:
     return PipelineFigures(step_time=2.0 * count, busy=(1.5 * count,) * len(peaks), peak_memory_bytes=peaks,
-                           peak_activation_bytes=peaks, microbatches=(count,))
+                           peak_activation_bytes=peaks, microbatches=(count,), ends=(2.0 * count,) * len(peaks))
 
 
 @pytest.mark.parametrize("peaks, want", [
