@@ -726,6 +726,12 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
     if model.seq_length % (2 * training.cp) and training.cp > 1:
         fail(("seq_length",), ("context_parallel_size",), "context parallelism splits the sequence into 2 * CP chunks",
              f"use a CP with seq_length divisible by 2 * CP ({model.seq_length} is not)")
+    # Megatron builds the expert grid (and checks it tiles) for dense models too
+    if (tp * training.cp * training.dp) % (training.etp * training.ep):
+        fail((), ("expert_model_parallel_size", "expert_tensor_parallel_size", "tensor_model_parallel_size",
+                  "context_parallel_size", "data_parallel_size"),
+             "expert parallel groups (ETP * EP ranks) must tile the TP * CP * DP ranks of a pipeline stage",
+             "make TP * CP * DP a multiple of ETP * EP (e.g. raise data_parallel_size)")
     if model.is_moe:
         if model.num_experts % training.ep:
             fail(("num_experts",), ("expert_model_parallel_size",), "experts must split evenly over EP ranks",
@@ -734,11 +740,6 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
             fail(("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"),
                  ("expert_tensor_parallel_size", "tensor_model_parallel_size"),
                  "expert widths must split evenly over their tensor-parallel ranks", "pick divisors of the widths")
-        if (tp * training.cp * training.dp) % (training.etp * training.ep):
-            fail((), ("expert_model_parallel_size", "expert_tensor_parallel_size", "tensor_model_parallel_size",
-                      "context_parallel_size", "data_parallel_size"),
-                 "expert parallel groups (ETP * EP ranks) must tile the TP * CP * DP ranks of a pipeline stage",
-                 "make TP * CP * DP a multiple of ETP * EP (e.g. raise data_parallel_size)")
         if tp > 1 and not training.sequence_parallel:
             fail(("num_experts",), ("tensor_model_parallel_size", "sequence_parallel"),
                  "Megatron requires sequence parallelism for MoE layers with TP > 1", "set sequence_parallel: true")
