@@ -21,7 +21,7 @@ from typing import Literal
 from primuspipe.projection.gemm import GEMM_STREAMS
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.routing import busiest_rank_load
-from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
+from primuspipe.projection.spec_fields import InputError, oversized, read_yaml, spec_from_mapping
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act", "mla_up_proj")
 """Megatron's ``recompute_modules``. ``layernorm``, ``moe_act`` and ``mla_up_proj`` run only with Transformer
@@ -494,6 +494,9 @@ class TrainingSpec:
                      "decoder_last_pipeline_num_layers", "mtp_num_layers"):
             if getattr(self, name) == 0:
                 self._fail((name,), "must be at least 1", "give a positive number (or leave it out for the default)")
+        if large := oversized(self, MAX_COUNT, MAX_COUNTS):
+            self._fail((large[0],), f"is larger than {large[1]:,}, beyond any run this projects (the layout and the "
+                       "arithmetic would not end or not be numbers)", "check the value")
         if self.turbo_deepep_num_cu < 1:
             self._fail(("turbo_deepep_num_cu",), "Primus-Turbo's DeepEP kernels need at least one compute unit",
                        "give the compute units DeepEP runs on (Primus's default is 32)")
@@ -692,6 +695,13 @@ class RankShape:
         26.02 and 26.02.01 pin, b0cc270 and 55ac708; core_v0.15.0 still ran the fused kernel and dropped the
         factor)."""
         return self.training.apply_rope_fusion and self.model.rope_concentration == 1.0
+
+
+MAX_COUNT = 2**31
+"""Largest batch, parallel size or kernel count a training setup may give (no run is near)."""
+MAX_COUNTS = {name: 100_000 for name in ("recompute_num_layers", "decoder_first_pipeline_num_layers",
+                                         "decoder_last_pipeline_num_layers", "mtp_num_layers")}
+"""Layer counts: as the model's num_layers (the projection keeps one entry per layer)."""
 
 
 def load_training(path: str | Path | None) -> TrainingSpec:
