@@ -750,6 +750,12 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
             fail(("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"),
                  ("expert_tensor_parallel_size", "tensor_model_parallel_size"),
                  "expert widths must split evenly over their tensor-parallel ranks", "pick divisors of the widths")
+        if (training.moe_expert_load_imbalance or 1) > model.num_experts / model.moe_router_topk:
+            fail(("num_experts", "moe_router_topk"), ("moe_expert_load_imbalance",),
+                 "an expert cannot get more than every token (each token picks moe_router_topk distinct experts), "
+                 f"so the busiest carries at most num_experts / moe_router_topk = "
+                 f"{model.num_experts / model.moe_router_topk:g} times the mean",
+                 "give your router's measured busiest-over-mean load (>= 1), or leave it out for uniform routing")
         if tp > 1 and not training.sequence_parallel:
             fail(("num_experts",), ("tensor_model_parallel_size", "sequence_parallel"),
                  "Megatron requires sequence parallelism for MoE layers with TP > 1", "set sequence_parallel: true")
