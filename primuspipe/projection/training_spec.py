@@ -548,8 +548,10 @@ class TrainingSpec:
             self._fail(("moe_pad_expert_input_to_capacity", "moe_expert_capacity_factor"),
                        "padding to capacity needs a capacity (Megatron's rule)",
                        "set moe_expert_capacity_factor (e.g. 1.0) or remove moe_pad_expert_input_to_capacity")
-        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
-            self._fail(("moe_expert_capacity_factor",), "a capacity factor must be positive", "give e.g. 1.0, or leave it out")
+        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor >= MIN_CAPACITY_FACTOR:
+            self._fail(("moe_expert_capacity_factor",), f"a capacity factor must be at least {MIN_CAPACITY_FACTOR:g} (below, "
+                       "experts keep almost no token and the priced GEMMs hold fractions of one)",
+                       "give e.g. 1.0, or leave it out")
         if unknown := set(self.cuda_graph_modules) - {"attn", "mlp", "moe", "moe_router", "moe_preprocess"}:
             self._fail(("cuda_graph_modules",), f"{sorted(unknown)} are not regions of a transformer layer",
                        "use some of attn, mlp, moe, moe_router, moe_preprocess (empty: the whole layer)")
@@ -697,6 +699,10 @@ class RankShape:
         return self.training.apply_rope_fusion and self.model.rope_concentration == 1.0
 
 
+MIN_CAPACITY_FACTOR = 0.01
+"""Smallest ``moe_expert_capacity_factor``: 1 % of an expert's share of the tokens; smaller ones drop nearly every
+token, and the projection, which prices token counts as real numbers, would time GEMMs of a fraction of a row
+(at 1e-4, a step slower than dropless)."""
 MAX_COUNT = 2**31
 """Largest batch, parallel size or kernel count a training setup may give (no run is near)."""
 MAX_COUNTS = {name: 100_000 for name in ("recompute_num_layers", "decoder_first_pipeline_num_layers",
