@@ -483,6 +483,14 @@ class TrainingSpec:
         """Whether selective recompute covers ``module``."""
         return self.recompute_granularity == "selective" and module in self.recompute_modules
 
+    def captures(self, region: str) -> bool:
+        """Whether CUDA graphs capture ``region`` (attn, mlp, moe, moe_router, moe_preprocess) of a layer."""
+        if self.cuda_graph_impl == "full_iteration":
+            return True
+        if self.cuda_graph_impl == "none":
+            return False
+        return not self.cuda_graph_modules or region in self.cuda_graph_modules
+
     def _fail(self, names: tuple[str, ...], problem: str, fix: str):
         raise InputError([(self.source, n, getattr(self, n)) for n in names], problem, fix)
 
@@ -756,6 +764,11 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
             fail(("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"),
                  ("expert_tensor_parallel_size", "tensor_model_parallel_size"),
                  "expert widths must split evenly over their tensor-parallel ranks", "pick divisors of the widths")
+        if training.captures("moe") and not training.moe_pad_expert_input_to_capacity:
+            fail((), ("cuda_graph_impl", "cuda_graph_modules", "moe_pad_expert_input_to_capacity"),
+                 "CUDA graphs capture an MoE layer only when its experts are padded to capacity (Megatron's rule)",
+                 "capture attn / moe_router / moe_preprocess only, or set moe_expert_capacity_factor and "
+                 "moe_pad_expert_input_to_capacity")
         if (training.moe_expert_load_imbalance or 1) > model.num_experts / model.moe_router_topk:
             fail(("num_experts", "moe_router_topk"), ("moe_expert_load_imbalance",),
                  "an expert cannot get more than every token (each token picks moe_router_topk distinct experts), "
