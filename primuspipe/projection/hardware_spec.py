@@ -162,12 +162,17 @@ class HardwareSpec:
                                     ("attention_backward_length_rates", "sequence length", "[[2048, 0.64], [8192, 0.83]]"),
                                     ("attention_head_dim_rates", "head dimension", "[[64, 0.63], [128, 1.0]]")):
             rates = getattr(self, name) or ()
-            if any(len(pair) != 2 or not pair[0] > 0 or not 0 < pair[1] <= 1.5 for pair in rates):
+            if any(len(pair) != 2 or not pair[0] > 0 or not MIN_FRACTION <= pair[1] <= 1.5 for pair in rates):
                 raise InputError([(self.source, name, [list(p) for p in rates])],
-                                 f"each entry is [{what} > 0, relative rate in (0, 1.5]]", f"give pairs such as {example}")
-        if len(self.gemm_tile) != 2 or min(self.gemm_tile) < 1:
-            raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))], "a tile is two positive sizes",
-                             "give [rows, columns], e.g. [128, 256]")
+                                 f"each entry is [{what} > 0, relative rate in [{MIN_FRACTION:g}, 1.5]]",
+                                 f"give pairs such as {example}")
+            if len({pair[0] for pair in rates}) < len(rates):
+                raise InputError([(self.source, name, [list(p) for p in rates])],
+                                 f"gives one {what} twice (the table would take either rate)",
+                                 f"give each {what} once, e.g. {example}")
+        if len(self.gemm_tile) != 2 or min(self.gemm_tile) < 1 or max(self.gemm_tile) > MAX_TILE:
+            raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))],
+                             f"a tile is two positive sizes of at most {MAX_TILE}", "give [rows, columns], e.g. [128, 256]")
         if self.gemm_min_tile is not None and (len(self.gemm_min_tile) != 2 or min(self.gemm_min_tile) < 1 or any(
                 small > large for small, large in zip(self.gemm_min_tile, self.gemm_tile))):
             raise InputError([(self.source, "gemm_min_tile", list(self.gemm_min_tile))],
@@ -178,9 +183,16 @@ class HardwareSpec:
                      "mxfp8_gemm_efficiency", "attention_dropout_rate"):
             if getattr(self, name) is None:
                 continue
-            if not 0 < getattr(self, name) <= 1:
-                raise InputError([(self.source, name, getattr(self, name))], "a fraction must be in (0, 1]",
+            if not MIN_FRACTION <= getattr(self, name) <= 1:
+                raise InputError([(self.source, name, getattr(self, name))],
+                                 f"a fraction must be in [{MIN_FRACTION:g}, 1]",
                                  "give the share of the peak that real kernels reach, e.g. 0.6")
+        for name, (low, high, unit) in SPANS.items():
+            value = getattr(self, name)
+            if value is not None and value != 0 and not low <= value <= high:
+                raise InputError([(self.source, name, value)], f"lies outside [{low:g}, {high:g}] {unit}, beyond any "
+                                 "accelerator or link (the projection's times would not stay numbers)",
+                                 f"give the figure in {unit}" + (" (or 0 for none)" if unit == "seconds" else ""))
 
     def fp8_peak_tflops(self) -> float:
         if self.peak_fp8_tflops is None:
@@ -210,6 +222,32 @@ class HardwareSpec:
     @property
     def peer_bandwidth(self) -> float:
         return self.intra_node_peer_bandwidth_bytes_per_s or self.intra_node_bandwidth_bytes_per_s
+
+
+MAX_TILE = 4096
+"""Largest GEMM tile side a hardware file may give (real kernels' tiles are 64 to 256 a side)."""
+MIN_FRACTION = 1e-3
+"""Smallest efficiency or share of a peak a hardware file may give (a kernel at 0.1 % of its peak is no
+kernel any run uses; far smaller shares make times that no longer add up)."""
+_BYTES_PER_S = (1e6, 1e16, "bytes per second")
+_SECONDS = (1e-9, 1.0, "seconds")
+SPANS = {
+    "peak_bf16_tflops": (1e-3, 1e7, "TFLOP/s"), "peak_fp8_tflops": (1e-3, 1e7, "TFLOP/s"),
+    "hbm_bytes": (1e6, 1e16, "bytes"), "runtime_reserved_bytes": (1.0, 1e16, "bytes"),
+    "hbm_bandwidth_bytes_per_s": _BYTES_PER_S, "intra_node_bandwidth_bytes_per_s": _BYTES_PER_S,
+    "intra_node_peer_bandwidth_bytes_per_s": _BYTES_PER_S, "inter_node_bandwidth_bytes_per_s": _BYTES_PER_S,
+    "hybridep_bandwidth_bytes_per_s": _BYTES_PER_S, "deepep_sm_bandwidth_bytes_per_s": _BYTES_PER_S,
+    "scatter_add_elements_per_s": (1e3, 1e16, "elements per second"),
+    "gemm_half_intensity": (1e-3, 1e6, "FLOP per byte"), "gpus_per_node": (1, 2**16, "GPUs"),
+    "compute_units": (1, 2**20, "compute units"),
+    **{name: _SECONDS for name in ("intra_node_latency_s", "inter_node_latency_s", "host_op_seconds",
+                                   "host_launch_seconds", "moe_sync_host_op_seconds", "moe_kernel_seconds",
+                                   "stream_launch_gap_seconds")},
+}
+"""Each physical figure's span: wide enough for a CPU host and any accelerator to come (a benchmark host
+at 1 TFLOP/s and 1 GB/s; an HBM at 10 PB/s), narrow enough that a unit slip by orders of magnitude (a
+latency of 1e300 s, a bandwidth of 1e-300) is named here rather than surfacing as an unnamed stage time
+too large to sum. Zero is left to the checks above (a time of 0 is none; a rate of 0 is refused there)."""
 
 
 def _interpolate(table: tuple[tuple[float, float], ...] | None, at: float | None) -> float:
