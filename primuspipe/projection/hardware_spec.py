@@ -11,7 +11,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
+
+if TYPE_CHECKING:
+    from primuspipe.projection.training_spec import TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -261,6 +266,18 @@ def _interpolate(table: tuple[tuple[float, float], ...] | None, at: float | None
         if x <= math.log2(x1):
             return y0 if x1 == x0 else y0 + (y1 - y0) * (x - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
     return points[-1][1]
+
+
+def check_runs_on(training: TrainingSpec, hardware: HardwareSpec) -> None:
+    """Raise one :class:`InputError` where ``training`` asks for more of the accelerator than it has: the flex
+    dispatcher's kernels given as many SMs (compute units) as the GPU has or more -- DeepEP's bound would price a
+    dispatch on SMs that do not exist (its rate grows with them), and overlapped compute would get none."""
+    sms, units = training.dispatcher_sms, hardware.compute_units
+    if units is not None and sms >= units:
+        field = "turbo_deepep_num_cu" if training.use_turbo_deepep else "moe_flex_dispatcher_num_sms"
+        raise InputError([(training.source, field, sms), (hardware.source, "compute_units", units)],
+                         "the flex dispatcher's kernels would hold every SM, leaving none for the compute",
+                         f"give {field} fewer SMs than the GPU has ({units})")
 
 
 def load_hardware(path: str | Path) -> HardwareSpec:
