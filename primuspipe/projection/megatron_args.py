@@ -166,15 +166,31 @@ def _resolve_transformer_impl(arguments: Mapping[str, Any], values: dict[str, di
 
 
 def _resolve_virtual_stages(arguments: Mapping[str, Any], values: dict[str, dict[str, Any]], source: str) -> None:
+    """vpp from ``--num-virtual-stages-per-pipeline-rank`` or ``--num-layers-per-virtual-pipeline-stage``, as
+    Megatron's ``validate_args`` takes them: not both, and the layers per virtual stage dividing a pipeline
+    stage's layers where the stages hold equal shares (Megatron asserts both; uneven first and last stages are
+    checked by the layout, :mod:`~primuspipe.projection.layout`)."""
     per_stage = arguments.get("num_layers_per_virtual_pipeline_stage")
-    if per_stage is None and (stages := arguments.get("num_virtual_stages_per_pipeline_rank")) is not None:
+    stages = arguments.get("num_virtual_stages_per_pipeline_rank")
+    if per_stage is not None and stages is not None:
+        raise ConfigError(f"{source}: --num-layers-per-virtual-pipeline-stage {per_stage} and "
+                          f"--num-virtual-stages-per-pipeline-rank {stages} both set the virtual pipeline size "
+                          "(Megatron refuses both); keep one")
+    if per_stage is None and stages is not None:
         values["training"]["virtual_pipeline_model_parallel_size"] = stages
     if not per_stage:
         return
-    layers = strict.count(values["model"]["num_layers"], f"{source}: num_layers", minimum=1, text=True)
+    layers = strict.count(values["model"].get("num_layers"), f"{source}: num_layers", minimum=1, text=True)
     pp = strict.count(values["training"]["pipeline_model_parallel_size"], f"{source}: pipeline_model_parallel_size",
                       minimum=1, text=True)
     per_stage = strict.count(per_stage, f"{source}: num_layers_per_virtual_pipeline_stage", minimum=1, text=True)
+    uneven = any(arguments.get(name) for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                                                  "account_for_embedding_in_pipeline_split",
+                                                  "account_for_loss_in_pipeline_split"))
+    if not uneven and (layers % pp or (layers // pp) % per_stage):
+        raise ConfigError(f"{source}: --num-layers-per-virtual-pipeline-stage {per_stage} does not divide the "
+                          f"{layers / pp:g} layers of each of the {pp} pipeline stages ({layers} layers; Megatron "
+                          "asserts it does); give a divisor of the layers per stage")
     values["training"]["virtual_pipeline_model_parallel_size"] = layers // (pp * per_stage)
 
 
