@@ -197,11 +197,15 @@ def _resolve_virtual_stages(arguments: Mapping[str, Any], values: dict[str, dict
 _LAUNCHER_GPUS = {"nproc_per_node": "per_node", "nproc-per-node": "per_node", "nnodes": "nodes"}
 
 
-def parse_argument_list(text: str) -> tuple[dict[str, Any], int | None]:
+def parse_argument_list(text: str, source: str = "the argument list") -> tuple[dict[str, Any], int | None]:
     """``--name value`` / ``--flag`` tokens (shell quoting and line continuations allowed) to a mapping
     (a flag maps to True; values read as YAML scalars), and the world size when a launcher before the
     training script (``torchrun --nnodes N --nproc-per-node G pretrain_gpt.py ...``) names it."""
-    tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+    try:
+        tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as exc:  # an unclosed quote
+        raise ConfigError(f"{source}: cannot split the argument list as a shell would: {exc}; close the quote "
+                          "or escape it") from None
     script = next((i for i, token in enumerate(tokens) if token.endswith(".py")), None)
     launcher, tokens = (tokens[:script], tokens[script + 1:]) if script is not None else ([], tokens)
     return _options(tokens), _world_size(_options(launcher, raw=True))
@@ -243,7 +247,7 @@ def from_arguments(text: str, source: str) -> tuple[ModelSpec, TrainingSpec]:
 
 
 def read_arguments(text: str, source: str) -> MegatronConfig:
-    arguments, world = parse_argument_list(text)
+    arguments, world = parse_argument_list(text, source)
     return split_arguments(arguments, source, world)
 
 
