@@ -100,6 +100,8 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
                            + (f" (did you mean {_flag(guess)}?)" if guess else ""))
     if refused:
         raise ConfigError(f"{source}: " + "; ".join(refused))
+    if arguments.get("bf16") and arguments.get("fp16"):
+        raise ConfigError(f"{source}: --bf16 and --fp16 both set the precision (Megatron refuses both); keep one")
     if (optimizer := arguments.get("optimizer", "adam")) != "adam":
         raise ConfigError(f"{source}: --optimizer {optimizer}: only Adam's state is modelled (16 bytes a parameter); "
                           "project with --optimizer adam or remove it")
