@@ -265,6 +265,11 @@ class ModelSpec:
         if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
             fail(("activation_func_clamp_value",), "a clamp bounds the activation's inputs to [-value, value], so it "
                  "must be a positive number", "give a positive value (GPT-OSS: 7.0), or leave it out for no clamp")
+        if (self.position_embedding_type == "learned_absolute" and self.max_position_embeddings is not None
+                and self.max_position_embeddings < self.seq_length):
+            fail(("max_position_embeddings", "seq_length", "position_embedding_type"), "a learned position table "
+                 "has no entry for the later positions of the sequence (Megatron asserts max_position_embeddings >= "
+                 "seq_length)", "raise max_position_embeddings to at least seq_length")
         if self.multi_latent_attention and self.position_embedding_type == "learned_absolute":
             fail(("multi_latent_attention", "position_embedding_type"), "MLA carries its own rotary embedding",
                  "set position_embedding_type: rope")
