@@ -306,21 +306,31 @@ def _primus_values(arguments: Mapping[str, Any]) -> dict[str, Any]:
     return resolved
 
 
-def _primus_model(config: Path, reference: str, depth: int = 0) -> dict[str, Any]:
+def _primus_model(config: Path, reference: str, chain: tuple[Path, ...] = (),
+                  read: dict[Path, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The Megatron arguments of a Primus model file a module names (``model: llama3.1_8B.yaml``), its
     ``bases:`` first: looked up beside the configuration, in ``models/`` or ``models/megatron/`` there, and
-    in ``configs/models/megatron/`` of the enclosing directories (Primus's layout)."""
-    if depth > 8:
-        raise ConfigError(f"{config}: model files base on each other more than 8 deep (a cycle?) at {reference}")
+    in ``configs/models/megatron/`` of the enclosing directories (Primus's layout). Each file is read once
+    (``read``; a file named as a base many times over many levels was read exponentially often, a hang), and
+    one that bases on itself through ``chain`` is refused, naming the loop."""
+    read = {} if read is None else read
     path = _find_model_file(config, reference)
+    if path in chain:
+        loop = " -> ".join(p.name for p in (*chain[chain.index(path):], path))
+        raise ConfigError(f"{config}: model files base on each other in a loop ({loop}); remove one of the bases")
+    if len(chain) > 8:
+        raise ConfigError(f"{config}: model files base on each other more than 8 deep at {reference}; flatten them")
+    if path in read:
+        return read[path]
     data = strict.load_yaml(strict.read_text(path, "Primus model file"), f"the Primus model file {path}")
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: a Primus model file must hold a mapping of Megatron arguments")
     values: dict[str, Any] = {}
     bases = data.get("bases") or []
     for base in [bases] if isinstance(bases, str) else bases:
-        values.update(_primus_model(path, str(base), depth + 1))
+        values.update(_primus_model(path, str(base), (*chain, path), read))
     values.update({k: v for k, v in data.items() if k not in ("bases", "extends")})
+    read[path] = values
     return values
 
 
@@ -333,4 +343,4 @@ def _find_model_file(config: Path, reference: str) -> Path:
     if found is None:
         raise ConfigError(f"{config}: model {reference!r} not found (looked beside it, in models/, models/megatron/ "
                           "and configs/models/megatron/ up the tree); give its path relative to the configuration")
-    return found
+    return found.resolve()
