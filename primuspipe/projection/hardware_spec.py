@@ -177,7 +177,8 @@ class HardwareSpec:
                                  f"give each {what} once, e.g. {example}")
         if len(self.gemm_tile) != 2 or min(self.gemm_tile) < 1 or max(self.gemm_tile) > MAX_TILE:
             raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))],
-                             f"a tile is two positive sizes of at most {MAX_TILE}", "give [rows, columns], e.g. [128, 256]")
+                             f"a tile is two positive sizes of at most {MAX_TILE}",
+                             "give [rows, columns], e.g. [128, 256]")
         if self.gemm_min_tile is not None and (len(self.gemm_min_tile) != 2 or min(self.gemm_min_tile) < 1 or any(
                 small > large for small, large in zip(self.gemm_min_tile, self.gemm_tile))):
             raise InputError([(self.source, "gemm_min_tile", list(self.gemm_min_tile))],

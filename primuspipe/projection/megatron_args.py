@@ -186,9 +186,9 @@ def _resolve_virtual_stages(arguments: Mapping[str, Any], values: dict[str, dict
     pp = strict.count(values["training"]["pipeline_model_parallel_size"], f"{source}: pipeline_model_parallel_size",
                       minimum=1, text=True)
     per_stage = strict.count(per_stage, f"{source}: num_layers_per_virtual_pipeline_stage", minimum=1, text=True)
-    uneven = any(arguments.get(name) for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                                                  "account_for_embedding_in_pipeline_split",
-                                                  "account_for_loss_in_pipeline_split"))
+    uneven = any(arguments.get(name) for name in (
+        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"))
     if not uneven and (layers % pp or (layers // pp) % per_stage):
         raise ConfigError(f"{source}: --num-layers-per-virtual-pipeline-stage {per_stage} does not divide the "
                           f"{layers / pp:g} layers of each of the {pp} pipeline stages ({layers} layers; Megatron "

@@ -557,8 +557,9 @@ class TrainingSpec:
                        "padding to capacity needs a capacity (Megatron's rule)",
                        "set moe_expert_capacity_factor (e.g. 1.0) or remove moe_pad_expert_input_to_capacity")
         if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor >= MIN_CAPACITY_FACTOR:
-            self._fail(("moe_expert_capacity_factor",), f"a capacity factor must be at least {MIN_CAPACITY_FACTOR:g} (below, "
-                       "experts keep almost no token and the priced GEMMs hold fractions of one)",
+            self._fail(("moe_expert_capacity_factor",),
+                       f"a capacity factor must be at least {MIN_CAPACITY_FACTOR:g} (below, experts keep almost no "
+                       "token and the priced GEMMs hold fractions of one)",
                        "give e.g. 1.0, or leave it out")
         if unknown := set(self.cuda_graph_modules) - {"attn", "mlp", "moe", "moe_router", "moe_preprocess"}:
             self._fail(("cuda_graph_modules",), f"{sorted(unknown)} are not regions of a transformer layer",

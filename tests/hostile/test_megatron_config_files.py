@@ -45,8 +45,8 @@ def test_virtual_pipeline_set_twice(tmp_path, per_stage, stages):
     """Both flags (agreeing or not): Megatron refuses both; the per-stage count won silently."""
     text = BASE.format(layers=32, pp=4) + (f"--num-layers-per-virtual-pipeline-stage {per_stage} "
                                            f"--num-virtual-stages-per-pipeline-rank {stages}")
-    refused(_project(tmp_path, text), "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
-            case=f"megatron-config vpp two ways {per_stage}/{stages}")
+    refused(_project(tmp_path, text), "--num-layers-per-virtual-pipeline-stage",
+            "--num-virtual-stages-per-pipeline-rank", case=f"megatron-config vpp two ways {per_stage}/{stages}")
 
 
 @pytest.mark.parametrize("tail", ["--lr '1e-4", '--lr "1e-4', "--data-path 'a b", "--lr 1e-4 '", '--tokenizer-type "'])
@@ -65,7 +65,8 @@ def test_two_precisions(tmp_path, flags):
 @pytest.mark.parametrize("positions", [512, 2047, 2048, 4096])
 @pytest.mark.parametrize("embedding", ["", "--position-embedding-type rope"])
 def test_position_table_shorter_than_the_sequence(tmp_path, positions, embedding):
-    text = BASE.format(layers=8, pp=2).replace("--max-position-embeddings 2048", f"--max-position-embeddings {positions}")
+    text = BASE.format(layers=8, pp=2).replace("--max-position-embeddings 2048",
+                                                f"--max-position-embeddings {positions}")
     outcome = _project(tmp_path, text + embedding)
     case = f"megatron-config --max-position-embeddings {positions} {embedding}"
     if positions < 2048 and not embedding:

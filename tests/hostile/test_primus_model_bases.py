@@ -8,7 +8,8 @@ from hostile_support import accepted, refused, run_cli
 from pathlib import Path
 
 HARDWARE = Path(__file__).parents[2] / "examples" / "projection" / "hardware" / "h100.yaml"
-OVERRIDES = "{hidden_size: 64, num_attention_heads: 4, seq_length: 32, max_position_embeddings: 32, vocab_size: 100, global_batch_size: 8}"
+OVERRIDES = ("{hidden_size: 64, num_attention_heads: 4, seq_length: 32, max_position_embeddings: 32, vocab_size: 100, "
+             "global_batch_size: 8}")
 
 
 def _graph(kind: str, n: int) -> dict[str, list[str]]:

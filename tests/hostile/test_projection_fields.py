@@ -92,7 +92,8 @@ def test_expert_load_imbalance_within_routing(tmp_path, imbalance):
     if imbalance <= 4:
         accepted(outcome, case=f"project moe_expert_load_imbalance={imbalance}")
     else:
-        refused(outcome, "moe_expert_load_imbalance", "num_experts", case=f"project moe_expert_load_imbalance={imbalance}")
+        refused(outcome, "moe_expert_load_imbalance", "num_experts",
+                case=f"project moe_expert_load_imbalance={imbalance}")
 
 
 @pytest.mark.parametrize("sms", [1, 24, 131, 132, 133, 10**5])
@@ -107,7 +108,8 @@ def test_dispatcher_sms_within_the_gpu(tmp_path, sms, overlap):
     if sms < 132:
         projected_or_named(outcome, f"project flex sms={sms} overlap={overlap}", "moe_flex_dispatcher_num_sms")
     else:
-        refused(outcome, "moe_flex_dispatcher_num_sms", "compute_units", case=f"project flex sms={sms} overlap={overlap}")
+        refused(outcome, "moe_flex_dispatcher_num_sms", "compute_units",
+                case=f"project flex sms={sms} overlap={overlap}")
 
 
 @pytest.mark.parametrize("impl", ["none", "local", "transformer_engine", "full_iteration"])
@@ -120,7 +122,8 @@ def test_cuda_graphs_over_moe_layers(tmp_path, impl, modules, padded):
     if padded:
         changes.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
     outcome = _project(tmp_path, MIXTRAL, "training", changes)
-    projected_or_named(outcome, f"project cuda graphs {impl} {modules} padded={padded}", "moe_pad_expert_input_to_capacity")
+    projected_or_named(outcome, f"project cuda graphs {impl} {modules} padded={padded}",
+                       "moe_pad_expert_input_to_capacity")
 
 
 @pytest.mark.parametrize("field", ["attention_length_rates", "attention_backward_length_rates",
