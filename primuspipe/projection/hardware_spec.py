@@ -270,9 +270,17 @@ def _interpolate(table: tuple[tuple[float, float], ...] | None, at: float | None
 
 
 def check_runs_on(training: TrainingSpec, hardware: HardwareSpec) -> None:
-    """Raise one :class:`InputError` where ``training`` asks for more of the accelerator than it has: the flex
-    dispatcher's kernels given as many SMs (compute units) as the GPU has or more -- DeepEP's bound would price a
-    dispatch on SMs that do not exist (its rate grows with them), and overlapped compute would get none."""
+    """Raise one :class:`InputError` where ``training`` asks for more of the accelerator than it has: FP8 without
+    an FP8 peak, MXFP8 without block-scaled FP8 units, the flex dispatcher's kernels given as many SMs (compute
+    units) as the GPU has or more -- DeepEP's bound would price a dispatch on SMs that do not exist (its rate grows
+    with them), and overlapped compute would get none. Checked once before any candidate is projected (each
+    candidate refused alike was a list of 'not projected' lines and no error)."""
+    if training.fp8:
+        hardware.fp8_peak_tflops()
+    if training.fp8 and training.fp8_recipe == "mxfp8" and not hardware.block_scaled_fp8:
+        raise InputError([(training.source, "fp8_recipe", "mxfp8"), (hardware.source, "block_scaled_fp8", False)],
+                         "MXFP8 needs matrix units that scale FP8 per block (Blackwell, MI355X)",
+                         "use fp8_recipe tensorwise/delayed/blockwise on this accelerator")
     sms, units = training.dispatcher_sms, hardware.compute_units
     if units is not None and sms >= units:
         field = "turbo_deepep_num_cu" if training.use_turbo_deepep else "moe_flex_dispatcher_num_sms"
