@@ -151,3 +151,19 @@ def test_learned_positions_shorter_than_the_sequence(tmp_path, max_positions, em
         refused(outcome, "max_position_embeddings", case=f"project max_position_embeddings={max_positions}")
     else:
         accepted(outcome, case=f"project max_position_embeddings={max_positions} {embedding}")
+
+
+@pytest.mark.parametrize("hardware", ["h100", "b200", "mi355x", "no fp8 peak"])
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8"])
+def test_fp8_recipes_against_the_accelerator(tmp_path, hardware, recipe):
+    """FP8 on an accelerator without an FP8 peak, or MXFP8 without block-scaled FP8 units, was refused once per
+    algorithm ('not projected' lines, no error); now one line naming the recipe or the peak."""
+    base = {**DENSE, "hardware": EXAMPLES / "hardware" / f"{'h100' if hardware == 'no fp8 peak' else hardware}.yaml"}
+    if hardware == "no fp8 peak":
+        data = {k: v for k, v in yaml.safe_load(base["hardware"].read_text()).items() if k != "peak_fp8_tflops"}
+        base["hardware"] = tmp_path / "no_fp8.yaml"
+        base["hardware"].write_text(yaml.safe_dump(data))
+    outcome = _project(tmp_path, base, "training", {"fp8_format": "hybrid" if recipe == "delayed" else "e4m3",
+                                                    "fp8_recipe": recipe})
+    name = "peak_fp8_tflops" if hardware == "no fp8 peak" else "fp8_recipe"
+    projected_or_named(outcome, f"project fp8 {recipe} on {hardware}", name)
