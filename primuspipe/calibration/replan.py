@@ -133,12 +133,27 @@ class ReplanSettings:
             elif name == "threshold":
                 values[name] = strict.number(text, f"{what} (a share, e.g. 0.03)", minimum=0, maximum=1)
             elif name == "memory_limit_bytes":
-                values[name] = strict.number(text, f"{what} (bytes)", above=0)
+                values[name] = memory_limit(text, what)
             elif name == "algorithms":
                 values[name] = text
             else:
                 values[name] = strict.count(text, what, text=True, minimum=1 if name == "measure_steps" else 0)
         return cls(**values)
+
+
+MIN_MEMORY_LIMIT = 2.0**20
+"""Smallest per-rank memory limit a user may set (1 MiB): below it no table fits, so a run would measure and then
+keep its schedule every time, silently -- a limit given in GB or GiB (``80``, ``1.5``) instead of bytes."""
+
+
+def memory_limit(value: Any, what: str) -> float:
+    """A user's ``auto_replan`` memory limit (environment or Megatron config) in bytes, at least
+    :data:`MIN_MEMORY_LIMIT` (the API's :class:`ReplanSettings` takes any positive figure: tests price toy units)."""
+    limit = strict.number(value, f"{what} (bytes)", above=0)
+    if limit < MIN_MEMORY_LIMIT:
+        raise ConfigError(f"{what} = {limit:g} bytes is below 1 MiB, less than any schedule needs, so the run would "
+                          "never switch; give bytes per rank (e.g. 80e9 for 80 GB), not GB")
+    return limit
 
 
 ENV_NAMES = {

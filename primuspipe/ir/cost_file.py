@@ -88,7 +88,7 @@ from typing import Any
 from primuspipe import strict
 from primuspipe.errors import ConfigError
 from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION
-from primuspipe.ir.cost_parts import HostCost, Link, MemoryCost
+from primuspipe.ir.cost_parts import MAX_CONTENTION, MIN_SPEED, HostCost, Link, MemoryCost
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import compute_kinds
 
@@ -257,10 +257,11 @@ def host_section(data: Any, pp: int) -> HostCost:
                       time(host.get("send", 0.0), "send"), time(host.get("recv", 0.0), "recv"),
                       None if cores is None else strict.number(cores, "host.cores (a number of cores > 0)", above=0),
                       strict.number(host.get("background", 0.0), "host.background (a share of a core >= 0)", minimum=0),
-                      strict.number(host.get("contention", 0.0), "host.contention (a share >= 0)", minimum=0),
+                      strict.number(host.get("contention", 0.0), "host.contention (a share >= 0)", minimum=0,
+                                    maximum=MAX_CONTENTION),
                       None if gap is None else per_stage_values("host.step_gap", gap, pp, "ranks"),
-                      strict.number(host.get("speed", 1.0), "host.speed (a share of a core in (0, 1])", above=0,
-                                    maximum=1),
+                      strict.number(host.get("speed", 1.0), f"host.speed (a share of a core in [{MIN_SPEED:g}, 1])",
+                                    minimum=MIN_SPEED, maximum=1),
                       time(host.get("message_cpu", 0.0), "message_cpu"))
     if cores is None and (shared := [k for k, default in SHARED_CORE_KEYS.items() if getattr(parsed, k) != default]):
         raise ConfigError(f"host.{shared[0]} is given without host.cores: it describes ranks sharing a node's cores and "

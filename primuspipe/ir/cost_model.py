@@ -398,7 +398,8 @@ def _check_time_range(model: CostModel) -> None:
              **{f"compute BW[{s}]": t for s, t in enumerate(model.fused_backward or ())},
              **{f"compute.w_warm[{s}]": t for s, t in enumerate(model.w_warm or ())},
              **{f"host.overhead.{k}": t for k, t in model.host.overhead},
-             "host.send": model.host.send, "host.recv": model.host.recv,
+             "host.send": model.host.send, "host.recv": model.host.recv, "host.message_cpu": model.host.message_cpu,
+             **{f"host.step_gap[{r}]": t for r, t in enumerate(model.host.step_gap or ())},
              **link("p2p.intra_node", model.p2p.intra_node, model.p2p.message_bytes),
              **link("p2p.inter_node", model.p2p.inter_node, model.p2p.message_bytes),
              **link("host_link", model.host_link, max(model.memory.activation_bytes or (0.0,)))}

@@ -60,6 +60,15 @@ class P2PCost:
         return (self.intra_node if same_node else self.inter_node).time(self.message_bytes)
 
 
+MIN_SPEED = 1e-3
+"""Smallest ``host.speed``: a rank's work takes ``1 / speed`` times its CPU time, so a share far below any
+host's (measured 0.97-0.98) multiplies every time past what a step's sum keeps (:data:`MAX_TIME`'s bound on
+each time would not hold for the times the simulator runs)."""
+MAX_CONTENTION = 1e3
+"""Largest ``host.contention``: it multiplies crowded work by ``1 + contention * (n - free)``; measured
+figures are below 1, and far larger ones take the simulated times past what a sum keeps."""
+
+
 @dataclass(frozen=True)
 class HostCost:
     """Time a rank spends on the host around its nodes, and the cores ranks share (docs/simulator.md).
@@ -118,8 +127,11 @@ class HostCost:
             raise ConfigError(f"host times must be >= 0 and finite, got {self}")
         if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
             raise ConfigError(f"host.cores must be a number > 0 (or omitted), got {self.cores}")
-        if not (math.isfinite(self.speed) and 0 < self.speed <= 1):
-            raise ConfigError(f"host.speed must be a share of a core in (0, 1], got {self.speed}")
+        if not (math.isfinite(self.speed) and MIN_SPEED <= self.speed <= 1):
+            raise ConfigError(f"host.speed must be a share of a core in [{MIN_SPEED:g}, 1], got {self.speed}")
+        if self.contention > MAX_CONTENTION:
+            raise ConfigError(f"host.contention must be at most {MAX_CONTENTION:g} (a share of the work each crowding "
+                              f"job adds), got {self.contention:g}")
 
     def before(self, kind: NodeKind) -> float:
         """Rank time before a node of ``kind``."""

@@ -37,7 +37,6 @@ from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import ParamCount
 from primuspipe.projection.routing import destinations
-from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 
@@ -187,11 +186,7 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
     beside = kind == "moe" and t.overlap_moe_expert_parallel_comm and hardware.compute_units
     share = t.dispatcher_sms / hardware.compute_units if beside else 0.0  # what the overlapped compute lacks
-    if share >= 1:
-        raise InputError([(t.source, "moe_flex_dispatcher_num_sms", t.dispatcher_sms),
-                          (hardware.source, "compute_units", hardware.compute_units)],
-                         "the flex dispatcher's kernels would hold every SM, leaving none for the compute",
-                         "give moe_flex_dispatcher_num_sms fewer SMs than the GPU has")
+    assert share < 1, "hardware_spec.check_runs_on refuses a dispatcher holding every SM"
     return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0), share)
 
 

@@ -29,11 +29,10 @@ from dataclasses import dataclass, field, fields, replace
 
 from primuspipe.projection.activations import MASK_BYTES
 from primuspipe.projection.gemm import Gemm, gemm_seconds
-from primuspipe.projection.hardware_spec import HardwareSpec
+from primuspipe.projection.hardware_spec import HardwareSpec, check_runs_on
 from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels, moe_stream_kernels
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import ParamCount, embedding_params, head_params, layer_params
-from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import MXFP8_BLOCK, RankShape, TrainingSpec
 
 PASSES = ("forward", "backward_input", "backward_weight")
@@ -874,10 +873,7 @@ def part_times(work: WorkModel, hardware: HardwareSpec, calibration: Calibration
     """Seconds per pass of every part the model has, analytical times scaled by the calibration."""
     precision = work.training.precision
     hardware = hardware.with_attention_kernel(work.training.attention_kernel, work.training.source)
-    if work.training.fp8 and work.training.fp8_recipe == "mxfp8" and not hardware.block_scaled_fp8:
-        raise InputError([(work.training.source, "fp8_recipe", "mxfp8"), (hardware.source, "block_scaled_fp8", False)],
-                         "MXFP8 needs matrix units that scale FP8 per block (Blackwell, MI355X)",
-                         "use fp8_recipe tensorwise/delayed/blockwise on this accelerator")
+    check_runs_on(work.training, hardware)
     parts = [p for p in PARTS if p in work.model.layer_kinds or p in ("embedding", "head")
              or (p == "mtp" and work.training.mtp_num_layers)]
 

@@ -12,7 +12,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
+
+if TYPE_CHECKING:
+    from primuspipe.projection.training_spec import TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -188,11 +193,13 @@ class HardwareSpec:
                          "[[2048, 0.92], [8192, 1.0]]")
             _check_rates(self.source, f"attention_kernels.{name}.backward_length_rates", kernel.backward_length_rates,
                          "sequence length", "[[2048, 0.64], [8192, 0.83]]")
-            if not 0 < kernel.efficiency <= 1:
+            if not MIN_FRACTION <= kernel.efficiency <= 1:
                 raise InputError([(self.source, f"attention_kernels.{name}.efficiency", kernel.efficiency)],
-                                 "a fraction must be in (0, 1]", "give the kernel's share of the bf16 peak, e.g. 0.53")
-        if len(self.gemm_tile) != 2 or min(self.gemm_tile) < 1:
-            raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))], "a tile is two positive sizes",
+                                 f"a fraction must be in [{MIN_FRACTION:g}, 1]",
+                                 "give the kernel's share of the bf16 peak, e.g. 0.53")
+        if len(self.gemm_tile) != 2 or min(self.gemm_tile) < 1 or max(self.gemm_tile) > MAX_TILE:
+            raise InputError([(self.source, "gemm_tile", list(self.gemm_tile))],
+                             f"a tile is two positive sizes of at most {MAX_TILE}",
                              "give [rows, columns], e.g. [128, 256]")
         if self.gemm_min_tile is not None and (len(self.gemm_min_tile) != 2 or min(self.gemm_min_tile) < 1 or any(
                 small > large for small, large in zip(self.gemm_min_tile, self.gemm_tile))):
@@ -204,9 +211,16 @@ class HardwareSpec:
                      "mxfp8_gemm_efficiency", "attention_dropout_rate"):
             if getattr(self, name) is None:
                 continue
-            if not 0 < getattr(self, name) <= 1:
-                raise InputError([(self.source, name, getattr(self, name))], "a fraction must be in (0, 1]",
+            if not MIN_FRACTION <= getattr(self, name) <= 1:
+                raise InputError([(self.source, name, getattr(self, name))],
+                                 f"a fraction must be in [{MIN_FRACTION:g}, 1]",
                                  "give the share of the peak that real kernels reach, e.g. 0.6")
+        for name, (low, high, unit) in SPANS.items():
+            value = getattr(self, name)
+            if value is not None and value != 0 and not low <= value <= high:
+                raise InputError([(self.source, name, value)], f"lies outside [{low:g}, {high:g}] {unit}, beyond any "
+                                 "accelerator or link (the projection's times would not stay numbers)",
+                                 f"give the figure in {unit}" + (" (or 0 for none)" if unit == "seconds" else ""))
 
     def fp8_peak_tflops(self) -> float:
         if self.peak_fp8_tflops is None:
@@ -255,11 +269,42 @@ class HardwareSpec:
         return self.intra_node_peer_bandwidth_bytes_per_s or self.intra_node_bandwidth_bytes_per_s
 
 
+MAX_TILE = 4096
+"""Largest GEMM tile side a hardware file may give (real kernels' tiles are 64 to 256 a side)."""
+MIN_FRACTION = 1e-3
+"""Smallest efficiency or share of a peak a hardware file may give (a kernel at 0.1 % of its peak is no
+kernel any run uses; far smaller shares make times that no longer add up)."""
+_BYTES_PER_S = (1e6, 1e16, "bytes per second")
+_SECONDS = (1e-9, 1.0, "seconds")
+SPANS = {
+    "peak_bf16_tflops": (1e-3, 1e7, "TFLOP/s"), "peak_fp8_tflops": (1e-3, 1e7, "TFLOP/s"),
+    "hbm_bytes": (1e6, 1e16, "bytes"), "runtime_reserved_bytes": (1.0, 1e16, "bytes"),
+    "hbm_bandwidth_bytes_per_s": _BYTES_PER_S, "intra_node_bandwidth_bytes_per_s": _BYTES_PER_S,
+    "intra_node_peer_bandwidth_bytes_per_s": _BYTES_PER_S, "inter_node_bandwidth_bytes_per_s": _BYTES_PER_S,
+    "hybridep_bandwidth_bytes_per_s": _BYTES_PER_S, "deepep_sm_bandwidth_bytes_per_s": _BYTES_PER_S,
+    "scatter_add_elements_per_s": (1e3, 1e16, "elements per second"),
+    "gemm_half_intensity": (1e-3, 1e6, "FLOP per byte"), "gpus_per_node": (1, 2**16, "GPUs"),
+    "compute_units": (1, 2**20, "compute units"),
+    **{name: _SECONDS for name in ("intra_node_latency_s", "inter_node_latency_s", "host_op_seconds",
+                                   "host_launch_seconds", "moe_sync_host_op_seconds", "moe_kernel_seconds",
+                                   "stream_launch_gap_seconds")},
+}
+"""Each physical figure's span: wide enough for a CPU host and any accelerator to come (a benchmark host
+at 1 TFLOP/s and 1 GB/s; an HBM at 10 PB/s), narrow enough that a unit slip by orders of magnitude (a
+latency of 1e300 s, a bandwidth of 1e-300) is named here rather than surfacing as an unnamed stage time
+too large to sum. Zero is left to the checks above (a time of 0 is none; a rate of 0 is refused there)."""
+
+
 def _check_rates(source: str, name: str, rates: tuple[tuple[float, float], ...], what: str, example: str) -> None:
-    """A rate table's pairs are ``[what > 0, relative rate in (0, 1.5]]``."""
-    if any(len(pair) != 2 or not pair[0] > 0 or not 0 < pair[1] <= 1.5 for pair in rates):
+    """A rate table's pairs are ``[what > 0, relative rate in [MIN_FRACTION, 1.5]]``, each ``what`` once."""
+    if any(len(pair) != 2 or not pair[0] > 0 or not MIN_FRACTION <= pair[1] <= 1.5 for pair in rates):
         raise InputError([(source, name, [list(p) for p in rates])],
-                         f"each entry is [{what} > 0, relative rate in (0, 1.5]]", f"give pairs such as {example}")
+                         f"each entry is [{what} > 0, relative rate in [{MIN_FRACTION:g}, 1.5]]",
+                         f"give pairs such as {example}")
+    if len({pair[0] for pair in rates}) < len(rates):
+        raise InputError([(source, name, [list(p) for p in rates])],
+                         f"gives one {what} twice (the table would take either rate)",
+                         f"give each {what} once, e.g. {example}")
 
 
 def _interpolate(table: tuple[tuple[float, float], ...] | None, at: float | None) -> float:
@@ -273,6 +318,26 @@ def _interpolate(table: tuple[tuple[float, float], ...] | None, at: float | None
         if x <= math.log2(x1):
             return y0 if x1 == x0 else y0 + (y1 - y0) * (x - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
     return points[-1][1]
+
+
+def check_runs_on(training: TrainingSpec, hardware: HardwareSpec) -> None:
+    """Raise one :class:`InputError` where ``training`` asks for more of the accelerator than it has: FP8 without
+    an FP8 peak, MXFP8 without block-scaled FP8 units, the flex dispatcher's kernels given as many SMs (compute
+    units) as the GPU has or more -- DeepEP's bound would price a dispatch on SMs that do not exist (its rate grows
+    with them), and overlapped compute would get none. Checked once before any candidate is projected (each
+    candidate refused alike was a list of 'not projected' lines and no error)."""
+    if training.fp8:
+        hardware.fp8_peak_tflops()
+    if training.fp8 and training.fp8_recipe == "mxfp8" and not hardware.block_scaled_fp8:
+        raise InputError([(training.source, "fp8_recipe", "mxfp8"), (hardware.source, "block_scaled_fp8", False)],
+                         "MXFP8 needs matrix units that scale FP8 per block (Blackwell, MI355X)",
+                         "use fp8_recipe tensorwise/delayed/blockwise on this accelerator")
+    sms, units = training.dispatcher_sms, hardware.compute_units
+    if units is not None and sms >= units:
+        field = "turbo_deepep_num_cu" if training.use_turbo_deepep else "moe_flex_dispatcher_num_sms"
+        raise InputError([(training.source, field, sms), (hardware.source, "compute_units", units)],
+                         "the flex dispatcher's kernels would hold every SM, leaving none for the compute",
+                         f"give {field} fewer SMs than the GPU has ({units})")
 
 
 def load_hardware(path: str | Path) -> HardwareSpec:

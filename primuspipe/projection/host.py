@@ -47,7 +47,6 @@ from dataclasses import dataclass
 
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
-from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 TE_LINEAR_OPS = {False: 3.0, True: 6.0}
@@ -148,11 +147,7 @@ def host_priced(hardware: HardwareSpec, training: TrainingSpec, kind: str) -> bo
 
 def captured(training: TrainingSpec, region: str) -> bool:
     """Whether CUDA graphs capture ``region`` (attn, mlp, moe, moe_router, moe_preprocess) of a layer."""
-    if training.cuda_graph_impl == "full_iteration":
-        return True
-    if training.cuda_graph_impl == "none":
-        return False
-    return not training.cuda_graph_modules or region in training.cuda_graph_modules
+    return training.captures(region)
 
 
 def _regions(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool) -> tuple[dict[str, tuple[float, float]], float]:
@@ -218,12 +213,8 @@ def layer_host(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool | 
     fp8 = t.fp8 if fp8 is None else fp8
     linear = TE_LINEAR_OPS[fp8]
     regions, per_expert = _regions(model, t, kind, fp8)
-    if kind == "moe" and captured(t, "moe") and not t.moe_pad_expert_input_to_capacity:
-        raise InputError([(t.source, "cuda_graph_modules", list(t.cuda_graph_modules)),
-                          (t.source, "moe_pad_expert_input_to_capacity", False)],
-                         "CUDA graphs capture an MoE layer only when its experts are padded to capacity (Megatron's rule)",
-                         "capture attn / moe_router / moe_preprocess only, or set moe_expert_capacity_factor and "
-                         "moe_pad_expert_input_to_capacity")
+    assert not (kind == "moe" and captured(t, "moe") and not t.moe_pad_expert_input_to_capacity), \
+        "check_compatible refuses capturing an MoE layer not padded to capacity"
     forward = backward_input = backward_weight = 0.0
     launches = 0.0 if kind == "dense" or captured(t, "moe") else per_expert * 2  # two grouped linears
     for region, (linears, ops) in regions.items():

@@ -100,6 +100,8 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
                            + (f" (did you mean {_flag(guess)}?)" if guess else ""))
     if refused:
         raise ConfigError(f"{source}: " + "; ".join(refused))
+    if arguments.get("bf16") and arguments.get("fp16"):
+        raise ConfigError(f"{source}: --bf16 and --fp16 both set the precision (Megatron refuses both); keep one")
     if (optimizer := arguments.get("optimizer", "adam")) != "adam":
         raise ConfigError(f"{source}: --optimizer {optimizer}: only Adam's state is modelled (16 bytes a parameter); "
                           "project with --optimizer adam or remove it")
@@ -166,26 +168,46 @@ def _resolve_transformer_impl(arguments: Mapping[str, Any], values: dict[str, di
 
 
 def _resolve_virtual_stages(arguments: Mapping[str, Any], values: dict[str, dict[str, Any]], source: str) -> None:
+    """vpp from ``--num-virtual-stages-per-pipeline-rank`` or ``--num-layers-per-virtual-pipeline-stage``, as
+    Megatron's ``validate_args`` takes them: not both, and the layers per virtual stage dividing a pipeline
+    stage's layers where the stages hold equal shares (Megatron asserts both; uneven first and last stages are
+    checked by the layout, :mod:`~primuspipe.projection.layout`)."""
     per_stage = arguments.get("num_layers_per_virtual_pipeline_stage")
-    if per_stage is None and (stages := arguments.get("num_virtual_stages_per_pipeline_rank")) is not None:
+    stages = arguments.get("num_virtual_stages_per_pipeline_rank")
+    if per_stage is not None and stages is not None:
+        raise ConfigError(f"{source}: --num-layers-per-virtual-pipeline-stage {per_stage} and "
+                          f"--num-virtual-stages-per-pipeline-rank {stages} both set the virtual pipeline size "
+                          "(Megatron refuses both); keep one")
+    if per_stage is None and stages is not None:
         values["training"]["virtual_pipeline_model_parallel_size"] = stages
     if not per_stage:
         return
-    layers = strict.count(values["model"]["num_layers"], f"{source}: num_layers", minimum=1, text=True)
+    layers = strict.count(values["model"].get("num_layers"), f"{source}: num_layers", minimum=1, text=True)
     pp = strict.count(values["training"]["pipeline_model_parallel_size"], f"{source}: pipeline_model_parallel_size",
                       minimum=1, text=True)
     per_stage = strict.count(per_stage, f"{source}: num_layers_per_virtual_pipeline_stage", minimum=1, text=True)
+    uneven = any(arguments.get(name) for name in (
+        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"))
+    if not uneven and (layers % pp or (layers // pp) % per_stage):
+        raise ConfigError(f"{source}: --num-layers-per-virtual-pipeline-stage {per_stage} does not divide the "
+                          f"{layers / pp:g} layers of each of the {pp} pipeline stages ({layers} layers; Megatron "
+                          "asserts it does); give a divisor of the layers per stage")
     values["training"]["virtual_pipeline_model_parallel_size"] = layers // (pp * per_stage)
 
 
 _LAUNCHER_GPUS = {"nproc_per_node": "per_node", "nproc-per-node": "per_node", "nnodes": "nodes"}
 
 
-def parse_argument_list(text: str) -> tuple[dict[str, Any], int | None]:
+def parse_argument_list(text: str, source: str = "the argument list") -> tuple[dict[str, Any], int | None]:
     """``--name value`` / ``--flag`` tokens (shell quoting and line continuations allowed) to a mapping
     (a flag maps to True; values read as YAML scalars), and the world size when a launcher before the
     training script (``torchrun --nnodes N --nproc-per-node G pretrain_gpt.py ...``) names it."""
-    tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+    try:
+        tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as exc:  # an unclosed quote
+        raise ConfigError(f"{source}: cannot split the argument list as a shell would: {exc}; close the quote "
+                          "or escape it") from None
     script = next((i for i, token in enumerate(tokens) if token.endswith(".py")), None)
     launcher, tokens = (tokens[:script], tokens[script + 1:]) if script is not None else ([], tokens)
     return _options(tokens), _world_size(_options(launcher, raw=True))
@@ -227,7 +249,7 @@ def from_arguments(text: str, source: str) -> tuple[ModelSpec, TrainingSpec]:
 
 
 def read_arguments(text: str, source: str) -> MegatronConfig:
-    arguments, world = parse_argument_list(text)
+    arguments, world = parse_argument_list(text, source)
     return split_arguments(arguments, source, world)
 
 
@@ -284,21 +306,31 @@ def _primus_values(arguments: Mapping[str, Any]) -> dict[str, Any]:
     return resolved
 
 
-def _primus_model(config: Path, reference: str, depth: int = 0) -> dict[str, Any]:
+def _primus_model(config: Path, reference: str, chain: tuple[Path, ...] = (),
+                  read: dict[Path, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The Megatron arguments of a Primus model file a module names (``model: llama3.1_8B.yaml``), its
     ``bases:`` first: looked up beside the configuration, in ``models/`` or ``models/megatron/`` there, and
-    in ``configs/models/megatron/`` of the enclosing directories (Primus's layout)."""
-    if depth > 8:
-        raise ConfigError(f"{config}: model files base on each other more than 8 deep (a cycle?) at {reference}")
+    in ``configs/models/megatron/`` of the enclosing directories (Primus's layout). Each file is read once
+    (``read``; a file named as a base many times over many levels was read exponentially often, a hang), and
+    one that bases on itself through ``chain`` is refused, naming the loop."""
+    read = {} if read is None else read
     path = _find_model_file(config, reference)
+    if path in chain:
+        loop = " -> ".join(p.name for p in (*chain[chain.index(path):], path))
+        raise ConfigError(f"{config}: model files base on each other in a loop ({loop}); remove one of the bases")
+    if len(chain) > 8:
+        raise ConfigError(f"{config}: model files base on each other more than 8 deep at {reference}; flatten them")
+    if path in read:
+        return read[path]
     data = strict.load_yaml(strict.read_text(path, "Primus model file"), f"the Primus model file {path}")
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: a Primus model file must hold a mapping of Megatron arguments")
     values: dict[str, Any] = {}
     bases = data.get("bases") or []
     for base in [bases] if isinstance(bases, str) else bases:
-        values.update(_primus_model(path, str(base), depth + 1))
+        values.update(_primus_model(path, str(base), (*chain, path), read))
     values.update({k: v for k, v in data.items() if k not in ("bases", "extends")})
+    read[path] = values
     return values
 
 
@@ -311,4 +343,4 @@ def _find_model_file(config: Path, reference: str) -> Path:
     if found is None:
         raise ConfigError(f"{config}: model {reference!r} not found (looked beside it, in models/, models/megatron/ "
                           "and configs/models/megatron/ up the tree); give its path relative to the configuration")
-    return found
+    return found.resolve()

@@ -29,7 +29,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
+from primuspipe.projection.spec_fields import InputError, oversized, read_yaml, spec_from_mapping
 
 LayerKind = Literal["dense", "moe"]
 
@@ -228,9 +228,9 @@ class ModelSpec:
                      "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim"):
             if getattr(self, name) == 0:
                 fail((name,), "must be at least 1", "give a positive size (or leave it out for the default)")
-            if (getattr(self, name) or 0) > MAX_SIZES.get(name, MAX_SIZE):
-                fail((name,), f"is larger than {MAX_SIZES.get(name, MAX_SIZE):,}, beyond any model this projects "
-                     "(the layout and the arithmetic would not end or not be numbers)", "check the value")
+        if large := oversized(self, MAX_SIZE, MAX_SIZES):
+            fail((large[0],), f"is larger than {large[1]:,}, beyond any model this projects "
+                 "(the layout and the arithmetic would not end or not be numbers)", "check the value")
         if self.vocab_size is None and self.padded_vocab_size is None:
             fail(("vocab_size",), "the vocabulary size is missing", "give vocab_size (or padded_vocab_size)")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
@@ -265,6 +265,11 @@ class ModelSpec:
         if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
             fail(("activation_func_clamp_value",), "a clamp bounds the activation's inputs to [-value, value], so it "
                  "must be a positive number", "give a positive value (GPT-OSS: 7.0), or leave it out for no clamp")
+        if (self.position_embedding_type == "learned_absolute" and self.max_position_embeddings is not None
+                and self.max_position_embeddings < self.seq_length):
+            fail(("max_position_embeddings", "seq_length", "position_embedding_type"), "a learned position table "
+                 "has no entry for the later positions of the sequence (Megatron asserts max_position_embeddings >= "
+                 "seq_length)", "raise max_position_embeddings to at least seq_length")
         if self.multi_latent_attention and self.position_embedding_type == "learned_absolute":
             fail(("multi_latent_attention", "position_embedding_type"), "MLA carries its own rotary embedding",
                  "set position_embedding_type: rope")

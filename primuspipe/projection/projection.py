@@ -28,7 +28,7 @@ from primuspipe.projection.comm import gradient_sync
 from primuspipe.projection.compute import Calibration, PartTimes, WorkModel, optimizer_seconds, part_times
 from primuspipe.projection.framework import (
     ConfigError, Placement, PrimusPipeError, build_schedule, get_algorithm, idle_share, list_algorithms, simulate)
-from primuspipe.projection.hardware_spec import HardwareSpec
+from primuspipe.projection.hardware_spec import HardwareSpec, check_runs_on
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import embedding_params
 from primuspipe.projection.spec_fields import InputError
@@ -251,6 +251,7 @@ class Projector:
                        recompute=recompute_label(training))
         try:
             check_compatible(self.model, training)
+            check_runs_on(training, self.hardware)
             shaped = self._carried_on(training, algorithm) or self._pipeline(training, algorithm, training.microbatches)
             training, costs, figures = shaped
             return self._result(training, algorithm, costs, figures)
@@ -503,6 +504,7 @@ def project(projector: Projector, training: TrainingSpec, *, algorithms: list[st
             ) -> tuple[list[ProjectionResult], list[Refusal]]:
     """Results ranked by throughput (tokens/s per GPU, fitting ones first), and the refused candidates."""
     check_compatible(projector.model, training)
+    check_runs_on(training, projector.hardware)
     names = algorithms or [info.name for info in list_algorithms() if not (search and info.name == "zb-auto")]
     pairs = list(candidates(projector.model, training, names, search))
     results, refusals = [], []

@@ -176,3 +176,17 @@ def _describe(hint: Any) -> str:
         return f"a mapping with {', '.join(f.name for f in fields(hint))}"
     return {bool: "true or false", int: "a whole number >= 0", float: "a finite number >= 0", str: "a name",
             type(None): "null"}[hint]
+
+
+def oversized(spec: Any, default: int, maxima: Mapping[str, int]) -> tuple[str, int] | None:
+    """The first whole-number field of ``spec`` (a list's entries too) above its bound -- ``maxima[name]``,
+    else ``default`` -- as ``(name, bound)``; None when all are within. Every whole number a spec holds is
+    a size or a count the projection multiplies or keeps a list entry per unit of, so a bound on each
+    (not only on the fields someone listed) keeps its arithmetic finite and its lists small."""
+    for field in fields(spec):
+        value = getattr(spec, field.name)
+        for v in value if isinstance(value, tuple) else (value,):
+            bound = maxima.get(field.name, default)
+            if isinstance(v, int) and not isinstance(v, bool) and v > bound:
+                return field.name, bound
+    return None

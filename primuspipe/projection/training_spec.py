@@ -21,7 +21,7 @@ from typing import Literal
 from primuspipe.projection.gemm import GEMM_STREAMS
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.routing import busiest_rank_load
-from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
+from primuspipe.projection.spec_fields import InputError, oversized, read_yaml, spec_from_mapping
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act", "mla_up_proj")
 """Megatron's ``recompute_modules``. ``layernorm``, ``moe_act`` and ``mla_up_proj`` run only with Transformer
@@ -511,6 +511,14 @@ class TrainingSpec:
         """Whether selective recompute covers ``module``."""
         return self.recompute_granularity == "selective" and module in self.recompute_modules
 
+    def captures(self, region: str) -> bool:
+        """Whether CUDA graphs capture ``region`` (attn, mlp, moe, moe_router, moe_preprocess) of a layer."""
+        if self.cuda_graph_impl == "full_iteration":
+            return True
+        if self.cuda_graph_impl == "none":
+            return False
+        return not self.cuda_graph_modules or region in self.cuda_graph_modules
+
     def _fail(self, names: tuple[str, ...], problem: str, fix: str):
         raise InputError([(self.source, n, getattr(self, n)) for n in names], problem, fix)
 
@@ -522,6 +530,9 @@ class TrainingSpec:
                      "decoder_last_pipeline_num_layers", "mtp_num_layers"):
             if getattr(self, name) == 0:
                 self._fail((name,), "must be at least 1", "give a positive number (or leave it out for the default)")
+        if large := oversized(self, MAX_COUNT, MAX_COUNTS):
+            self._fail((large[0],), f"is larger than {large[1]:,}, beyond any run this projects (the layout and the "
+                       "arithmetic would not end or not be numbers)", "check the value")
         if self.turbo_deepep_num_cu < 1:
             self._fail(("turbo_deepep_num_cu",), "Primus-Turbo's DeepEP kernels need at least one compute unit",
                        "give the compute units DeepEP runs on (Primus's default is 32)")
@@ -573,8 +584,11 @@ class TrainingSpec:
             self._fail(("moe_pad_expert_input_to_capacity", "moe_expert_capacity_factor"),
                        "padding to capacity needs a capacity (Megatron's rule)",
                        "set moe_expert_capacity_factor (e.g. 1.0) or remove moe_pad_expert_input_to_capacity")
-        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
-            self._fail(("moe_expert_capacity_factor",), "a capacity factor must be positive", "give e.g. 1.0, or leave it out")
+        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor >= MIN_CAPACITY_FACTOR:
+            self._fail(("moe_expert_capacity_factor",),
+                       f"a capacity factor must be at least {MIN_CAPACITY_FACTOR:g} (below, experts keep almost no "
+                       "token and the priced GEMMs hold fractions of one)",
+                       "give e.g. 1.0, or leave it out")
         if unknown := set(self.cuda_graph_modules) - {"attn", "mlp", "moe", "moe_router", "moe_preprocess"}:
             self._fail(("cuda_graph_modules",), f"{sorted(unknown)} are not regions of a transformer layer",
                        "use some of attn, mlp, moe, moe_router, moe_preprocess (empty: the whole layer)")
@@ -736,6 +750,17 @@ class RankShape:
         return self.training.apply_rope_fusion and self.model.rope_concentration == 1.0
 
 
+MIN_CAPACITY_FACTOR = 0.01
+"""Smallest ``moe_expert_capacity_factor``: 1 % of an expert's share of the tokens; smaller ones drop nearly every
+token, and the projection, which prices token counts as real numbers, would time GEMMs of a fraction of a row
+(at 1e-4, a step slower than dropless)."""
+MAX_COUNT = 2**31
+"""Largest batch, parallel size or kernel count a training setup may give (no run is near)."""
+MAX_COUNTS = {name: 100_000 for name in ("recompute_num_layers", "decoder_first_pipeline_num_layers",
+                                         "decoder_last_pipeline_num_layers", "mtp_num_layers")}
+"""Layer counts: as the model's num_layers (the projection keeps one entry per layer)."""
+
+
 def load_training(path: str | Path | None) -> TrainingSpec:
     """A :class:`TrainingSpec` from a training YAML file, or the built-in defaults when ``path`` is None."""
     if path is None:
@@ -768,6 +793,12 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
     if model.seq_length % (2 * training.cp) and training.cp > 1:
         fail(("seq_length",), ("context_parallel_size",), "context parallelism splits the sequence into 2 * CP chunks",
              f"use a CP with seq_length divisible by 2 * CP ({model.seq_length} is not)")
+    # Megatron builds the expert grid (and checks it tiles) for dense models too
+    if (tp * training.cp * training.dp) % (training.etp * training.ep):
+        fail((), ("expert_model_parallel_size", "expert_tensor_parallel_size", "tensor_model_parallel_size",
+                  "context_parallel_size", "data_parallel_size"),
+             "expert parallel groups (ETP * EP ranks) must tile the TP * CP * DP ranks of a pipeline stage",
+             "make TP * CP * DP a multiple of ETP * EP (e.g. raise data_parallel_size)")
     if model.is_moe:
         if model.num_experts % training.ep:
             fail(("num_experts",), ("expert_model_parallel_size",), "experts must split evenly over EP ranks",
@@ -776,11 +807,17 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
             fail(("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"),
                  ("expert_tensor_parallel_size", "tensor_model_parallel_size"),
                  "expert widths must split evenly over their tensor-parallel ranks", "pick divisors of the widths")
-        if (tp * training.cp * training.dp) % (training.etp * training.ep):
-            fail((), ("expert_model_parallel_size", "expert_tensor_parallel_size", "tensor_model_parallel_size",
-                      "context_parallel_size", "data_parallel_size"),
-                 "expert parallel groups (ETP * EP ranks) must tile the TP * CP * DP ranks of a pipeline stage",
-                 "make TP * CP * DP a multiple of ETP * EP (e.g. raise data_parallel_size)")
+        if training.captures("moe") and not training.moe_pad_expert_input_to_capacity:
+            fail((), ("cuda_graph_impl", "cuda_graph_modules", "moe_pad_expert_input_to_capacity"),
+                 "CUDA graphs capture an MoE layer only when its experts are padded to capacity (Megatron's rule)",
+                 "capture attn / moe_router / moe_preprocess only, or set moe_expert_capacity_factor and "
+                 "moe_pad_expert_input_to_capacity")
+        if (training.moe_expert_load_imbalance or 1) > model.num_experts / model.moe_router_topk:
+            fail(("num_experts", "moe_router_topk"), ("moe_expert_load_imbalance",),
+                 "an expert cannot get more than every token (each token picks moe_router_topk distinct experts), "
+                 f"so the busiest carries at most num_experts / moe_router_topk = "
+                 f"{model.num_experts / model.moe_router_topk:g} times the mean",
+                 "give your router's measured busiest-over-mean load (>= 1), or leave it out for uniform routing")
         if tp > 1 and not training.sequence_parallel:
             fail(("num_experts",), ("tensor_model_parallel_size", "sequence_parallel"),
                  "Megatron requires sequence parallelism for MoE layers with TP > 1", "set sequence_parallel: true")

@@ -89,7 +89,7 @@ def test_a_kernel_on_a_hardware_file_without_tables_is_refused():
     ({"efficiency": 0.5, "length_rates": [[8192, 1.0]]}, "field 'backward_length_rates' missing"),
     ({"efficiency": 0.5, "length_rates": [], "backward_length_rates": [], "peak": 1}, "unknown field 'peak'"),
     ({"efficiency": 0.5, "length_rates": [[8192, 2.0]], "backward_length_rates": []},
-     r"attention_kernels.k.length_rates=.*relative rate in \(0, 1.5\]"),
+     r"attention_kernels.k.length_rates=.*relative rate in \[0.001, 1.5\]"),
     ({"efficiency": 1.5, "length_rates": [], "backward_length_rates": []}, r"attention_kernels.k.efficiency=1.5"),
     ({"efficiency": "fast", "length_rates": [], "backward_length_rates": []}, "efficiency: not a number"),
 ])

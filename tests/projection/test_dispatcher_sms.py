@@ -12,7 +12,7 @@ import pytest
 
 from primuspipe.projection.comm import hybridep_timed, layer_comm
 from primuspipe.projection.compute import WorkModel
-from primuspipe.projection.hardware_spec import load_hardware
+from primuspipe.projection.hardware_spec import check_runs_on, load_hardware
 from primuspipe.projection.megatron_args import read_arguments
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.spec_fields import InputError
@@ -60,7 +60,7 @@ def test_a_dispatcher_that_takes_every_sm_or_none_is_refused():
     with pytest.raises(InputError, match="moe_flex_dispatcher_num_sms"):
         dataclasses.replace(OVERLAPPED, moe_flex_dispatcher_num_sms=0)
     with pytest.raises(InputError, match="compute_units"):
-        layer_comm(MODEL, dataclasses.replace(OVERLAPPED, moe_flex_dispatcher_num_sms=H100.compute_units), H100, "moe")
+        check_runs_on(dataclasses.replace(OVERLAPPED, moe_flex_dispatcher_num_sms=H100.compute_units), H100)
 
 
 def test_hybridep_inside_a_node_runs_at_its_measured_bandwidth():

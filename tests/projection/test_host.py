@@ -16,7 +16,7 @@ from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.projection import Projector
 from primuspipe.projection.published import load_runs, training_of
 from primuspipe.projection.spec_fields import InputError
-from primuspipe.projection.training_spec import TrainingSpec
+from primuspipe.projection.training_spec import TrainingSpec, check_compatible
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
 QWEN = load_model(EXAMPLES / "models" / "qwen3-30b-a3b.yaml")
@@ -59,7 +59,7 @@ def test_host_work_follows_experts_fp8_padding_and_cuda_graphs():
                                           moe_pad_expert_input_to_capacity=True), "moe")
     assert (whole.forward.ops, whole.forward.launches, whole.syncs) == (4, 0, False)  # four regions, one replay each
     with pytest.raises(InputError, match="padded to capacity"):
-        layer_host(QWEN, moe_training(cuda_graph_impl="local"), "moe")
+        check_compatible(QWEN, moe_training(cuda_graph_impl="local"))
     with pytest.raises(InputError, match="moe_router"):
         moe_training(cuda_graph_impl="local", cuda_graph_modules=("moe_preprocess",))
     with pytest.raises(InputError, match="capacity"):

@@ -138,7 +138,7 @@ def test_bad_hardware_fraction_and_unreadable_files(tmp_path):
     bad = tmp_path / "hw.yaml"
     bad.write_text(yaml.safe_dump({**yaml.safe_load((EXAMPLES / "hardware" / "h100.yaml").read_text()),
                                    "achievable_fraction": 1.5}))
-    with pytest.raises(InputError, match=r"hw.yaml: achievable_fraction=1.5: a fraction must be in \(0, 1\]"):
+    with pytest.raises(InputError, match=r"hw.yaml: achievable_fraction=1.5: a fraction must be in \[0.001, 1\]"):
         load_hardware(bad)
     with pytest.raises(ConfigError, match="cannot read the model file"):
         load_model(tmp_path / "missing.yaml")

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from primuspipe.calibration.replan import ENV_NAMES as REPLAN_ENV_NAMES, ReplanSettings
+from primuspipe.calibration.replan import ENV_NAMES as REPLAN_ENV_NAMES, ReplanSettings, memory_limit
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost, read_cost_file
@@ -176,6 +176,8 @@ class PrimusPipeConfig:
         strict.flag(self.offload, "offload")
         object.__setattr__(self, "split_probe", strict.count(self.split_probe, "split_probe (microbatches)", minimum=0))
         self.replan_settings()  # checks the auto_replan_* values
+        if self.auto_replan_memory_limit is not None:
+            memory_limit(self.auto_replan_memory_limit, "auto_replan_memory_limit")
         if self.communication_method == BATCH_P2P:
             raise ConfigError("communication_method: batch_p2p is not supported: the runner posts each transfer as "
                               "its own non-blocking send/receive, the order its deadlock proof relies on; use "

@@ -1,0 +1,75 @@
+"""``primuspipe project --megatron-config``: argument lists a launch script could hold that Megatron itself
+refuses -- the virtual pipeline size set two ways or by a per-stage count that does not divide a stage,
+both --bf16 and --fp16, a learned position table shorter than the sequence -- and lists a shell could not
+split. Each is one clear line naming the flag (they were projected, or a traceback)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hostile_support import accepted, refused, run_cli
+
+HARDWARE = Path(__file__).parents[2] / "examples" / "projection" / "hardware" / "h100.yaml"
+BASE = ("torchrun --nnodes 1 --nproc-per-node 8 pretrain_gpt.py --num-layers {layers} --hidden-size 1024 "
+        "--num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --vocab-size 32000 "
+        "--micro-batch-size 1 --global-batch-size 64 --bf16 --pipeline-model-parallel-size {pp} "
+        "--use-distributed-optimizer ")
+
+
+def _project(tmp_path, text: str, algorithm: str = "1f1b"):
+    path = tmp_path / "args.sh"
+    path.write_text(text)
+    return run_cli(["project", "--megatron-config", path, "--hardware", HARDWARE, "-a", algorithm, "--json"])
+
+
+@pytest.mark.parametrize("layers, pp", [(24, 4), (32, 4), (30, 2)])
+@pytest.mark.parametrize("per_stage", [1, 2, 3, 4, 5, 8, 16])
+def test_layers_per_virtual_stage(tmp_path, layers, pp, per_stage):
+    """Megatron asserts the layers per virtual stage divide a stage's layers; the projection floored
+    ``layers / (pp * per_stage)`` into a vpp of another model (or 0)."""
+    text = BASE.format(layers=layers, pp=pp) + f"--num-layers-per-virtual-pipeline-stage {per_stage}"
+    case = f"megatron-config {layers} layers pp {pp} --num-layers-per-virtual-pipeline-stage {per_stage}"
+    outcome = _project(tmp_path, text, "interleaved-1f1b")
+    stage = layers // pp
+    if stage % per_stage:
+        refused(outcome, "--num-layers-per-virtual-pipeline-stage", case=case)
+        return
+    accepted(outcome, case=case)
+    if stage > per_stage:  # vpp 1 leaves an interleaved table its own default
+        assert {row["vpp"] for row in json.loads(outcome.out)["results"]} == {stage // per_stage}
+
+
+@pytest.mark.parametrize("per_stage, stages", [(2, 2), (4, 2), (1, 8)])
+def test_virtual_pipeline_set_twice(tmp_path, per_stage, stages):
+    """Both flags (agreeing or not): Megatron refuses both; the per-stage count won silently."""
+    text = BASE.format(layers=32, pp=4) + (f"--num-layers-per-virtual-pipeline-stage {per_stage} "
+                                           f"--num-virtual-stages-per-pipeline-rank {stages}")
+    refused(_project(tmp_path, text), "--num-layers-per-virtual-pipeline-stage",
+            "--num-virtual-stages-per-pipeline-rank", case=f"megatron-config vpp two ways {per_stage}/{stages}")
+
+
+@pytest.mark.parametrize("tail", ["--lr '1e-4", '--lr "1e-4', "--data-path 'a b", "--lr 1e-4 '", '--tokenizer-type "'])
+def test_unsplittable_argument_lists(tmp_path, tail):
+    """An unclosed quote was a ValueError traceback out of shlex."""
+    refused(_project(tmp_path, BASE.format(layers=8, pp=2) + tail), "args.sh", "quot",
+            case=f"megatron-config unclosed quote {tail!r}")
+
+
+@pytest.mark.parametrize("flags", ["--fp16", "--fp16 --fp8-format hybrid", "--fp16 --bf16"])
+def test_two_precisions(tmp_path, flags):
+    refused(_project(tmp_path, BASE.format(layers=8, pp=2) + flags), "--bf16", "--fp16",
+            case=f"megatron-config --bf16 {flags}")
+
+
+@pytest.mark.parametrize("positions", [512, 2047, 2048, 4096])
+@pytest.mark.parametrize("embedding", ["", "--position-embedding-type rope"])
+def test_position_table_shorter_than_the_sequence(tmp_path, positions, embedding):
+    text = BASE.format(layers=8, pp=2).replace("--max-position-embeddings 2048",
+                                                f"--max-position-embeddings {positions}")
+    outcome = _project(tmp_path, text + embedding)
+    case = f"megatron-config --max-position-embeddings {positions} {embedding}"
+    if positions < 2048 and not embedding:
+        refused(outcome, "max_position_embeddings", case=case)
+    else:
+        accepted(outcome, case=case)
