@@ -34,7 +34,7 @@ def probed_microbatches(microbatches: int, count: int) -> tuple[range, range]:
     The run starts at the third microbatch and ends before the last where the step has room (the last
     kept fused first, then the first two): the BWs left fused are what calibration times ``compute.bw``
     from, and a fused backward costs more in 1F1B's steady state (after a forward) than in its cool-down
-    (after another backward, on every rank but the last; 2-6 % on a CPU host, docs/replanning.md). The
+    (after another backward, on every rank but the last; 5-9 % at pp = 4 on a CPU host, docs/simulator.md). The
     chunk's first BW is its cold start (timed apart), so the second is a steady-state sample on every
     rank and the last a cool-down one where the rank has a cool-down -- not cool-down samples alone.
 
