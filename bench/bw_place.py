@@ -55,7 +55,8 @@ def plain_steps(dumps: list[Path], first_plain: int):
                     data = json.loads(path.read_text())
                     (rank,) = data["ranks"]
                     t0, shape = data["meta"]["t0_unix"], (data["pp"], data["microbatches"], data["vpp"])
-                    ranks.append([(m.group(1), int(m.group(2)), t0 + e["start"], t0 + e["end"], e["cpu"][1] - e["cpu"][0])
+                    ranks.append([(m.group(1), int(m.group(2)), t0 + e["start"], t0 + e["end"],
+                                   e["cpu"][1] - e["cpu"][0])
                                   for e in rank["events"] if (m := COMPUTE.match(e["node"]))])
                 if shape and shape[2] == 1 and all(kind in ("F", "BW") for nodes in ranks for kind, *_ in nodes):
                     yield shape[0], shape[1], ranks
