@@ -1,6 +1,6 @@
 """Where a fused backward runs in plain 1F1B changes what it costs: do the probe's fused samples see the mix?
 
-    python bench/bw_place.py DUMPS... [--count 2] [--fused 6,7 ...] [-o bench/results/bw_place.json]
+    python bench/bw_place.py DUMPS... [--count 2] [--fused 1,7 ...] [-o bench/results/bw_place.json]
 
 Reads the dump folders ``bench/bench_auto_replan.py --keep DIR`` keeps (``DIR/pp<N>-run<k>/iter_*/rank_*.json``)
 and their plain 1F1B steps: the steps after the decision (iteration ``--warmup + --measure`` on) of runs that
@@ -13,7 +13,7 @@ first (its cold start, timed apart), so per pp and rank, on the thread CPU clock
 * **samples**: per step, the mean of the BWs a probe leaves fused over the mean of every BW but the first (what
   plain 1F1B runs and the simulator charges one ``compute.bw`` for); median over steps. The default set is the
   current probe's (:func:`~primuspipe.passes.split_probe.probed_microbatches` with ``--count``); ``--fused``
-  adds others (e.g. ``6,7``: the BWs a probe that split the middle five of eight left);
+  adds others (e.g. ``1,7``: the BWs a probe that split microbatches 2-6 of eight would leave);
 * **calibrated**: per run that stayed on 1F1B, each stage's ``compute.bw`` and ``compute.f`` calibrated from the
   probed steps (what the decision used) over the same calibrated from the run's plain steps, and plain 1F1B's
   step simulated under the first over the same under the second (both CPU-time calibrations of one run, so

@@ -27,31 +27,23 @@ from primuspipe.ir.table import ScheduleTable
 
 
 def probed_microbatches(microbatches: int, count: int) -> tuple[range, range]:
-    """``(deferred, right after)``: ``count`` microbatches whose W runs right after their own B, then a run
-    of ``count + 1`` whose Ws are deferred -- each after the next one's B, the last right after the W
-    before it; as many as the step has.
-
-    The run starts at the third microbatch and ends before the last where the step has room (the last
-    kept fused first, then the first two): the BWs left fused are what calibration times ``compute.bw``
-    from, and a fused backward costs more in 1F1B's steady state (after a forward) than in its cool-down
-    (after another backward, on every rank but the last; 5-9 % at pp = 4 on a CPU host,
-    docs/simulator.md). The chunk's first BW is its cold start (timed apart), so the second is a
-    steady-state sample on every rank and the last a cool-down one where the rank has a cool-down -- not
-    cool-down samples alone.
+    """``(deferred, right after)``: from the middle of the step, ``count`` microbatches whose W runs right
+    after their own B, then a run of ``count + 1`` whose Ws are deferred -- each after the next one's B,
+    the last right after the W before it; as many as the step has.
 
     >>> probed_microbatches(8, 1), probed_microbatches(8, 2), probed_microbatches(2, 1)
-    ((range(3, 5), range(2, 3)), (range(4, 7), range(2, 4)), (range(1, 2), range(0, 1)))
+    ((range(3, 5), range(2, 3)), (range(3, 6), range(1, 3)), (range(1, 2), range(0, 1)))
     """
-    first = max(0, min(2, microbatches - 2 * count - 2))
+    first = max(0, (microbatches - 2 * count - 1) // 2)
     at_once = range(first, min(microbatches, first + count))
     return range(at_once.stop, min(microbatches, at_once.stop + count + 1)), at_once
 
 
 def split_backward_probe(table: ScheduleTable, count: int = 1) -> ScheduleTable:
-    """``table`` with the BW of ``2 * count + 1`` microbatches (:func:`probed_microbatches`), on every
-    chunk, run as B and W: ``count`` with W right after their B (ZB-H1's first rank, the V-shapes: a warm
-    W, :func:`~primuspipe.ir.cost_model.warm_weight_grad`, the first of them the chunk's first W of the
-    step), then a run of ``count + 1`` with each W deferred past the next one's B (where
+    """``table`` with the BW of microbatches from the middle of the step (:func:`probed_microbatches`),
+    on every chunk, run as B and W: ``count`` with W right after their B (ZB-H1's first rank, the
+    V-shapes: a warm W, :func:`~primuspipe.ir.cost_model.warm_weight_grad`, the first of them the chunk's
+    first W of the step), then a run of ``count + 1`` with each W deferred past the next one's B (where
     ZB-H1's later ranks and ZB-H2 put a W: a cold one), the last W right after the one before it (warm
     again, as ZB-H2's second W of a pair). A W is never moved past a backward that is not split, so every
     weight still sums its microbatches' gradients in the table's order (the same gradients, bitwise)."""

@@ -50,32 +50,6 @@ def test_middle_backwards_become_b_and_w_in_both_placements_and_the_table_stays_
             assert order == sorted(order)
 
 
-def _fused_contexts(row) -> set[str]:
-    """Where the BWs of a rank's row run, each chunk's first left out (calibration times it apart, its cold
-    start): ``steady`` right after a forward (1F1B's steady state), ``cool-down`` after another backward."""
-    seen, out, previous = set(), set(), None
-    for node in row:
-        if node.kind is NodeKind.BW:
-            if node.chunk in seen:
-                out.add("steady" if previous is not None and previous.kind is NodeKind.F else "cool-down")
-            seen.add(node.chunk)
-        previous = node
-    return out
-
-
-@pytest.mark.parametrize("pp", [2, 3, 4])
-@pytest.mark.parametrize("microbatches", [8, 16])
-def test_the_backwards_left_fused_sample_1f1b_steady_state_and_cool_down_on_every_rank(pp, microbatches):
-    """compute.bw is calibrated from the BWs the probe leaves fused, and on a CPU host 1F1B's cool-down BWs
-    (after another backward) cost 2-6 % less than its steady-state ones (after a forward): on every rank the
-    fused samples must hold the places the plain table's own BWs run in. The probe that split the middle five
-    of eight left pp = 4's first two ranks cool-down samples only, and plain 1F1B was predicted 5 % fast."""
-    plain = build_schedule("1f1b", pp=pp, microbatches=microbatches).compute_only()
-    probed = split_backward_probe(plain, 2)
-    for rank, (before, after) in enumerate(zip(plain.ranks, probed.ranks)):
-        assert _fused_contexts(after) == _fused_contexts(before), f"rank {rank}"
-
-
 def test_bad_inputs_are_refused():
     table = build_schedule("1f1b", pp=2, microbatches=4)
     with pytest.raises(TableFormatError, match="compute-only table"):

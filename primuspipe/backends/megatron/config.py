@@ -117,10 +117,9 @@ class PrimusPipeConfig:
     it is set (a cost file in ``algorithm_options.cost`` keeps its own)."""
 
     split_probe: int = 0
-    """Calibration probe: run the fused backward (BW) of ``2 * split_probe + 1`` microbatches per chunk
-    (from the third to the one before the last, where the step has room) as B and W -- ``split_probe`` Ws
-    right after their B, the others deferred past the next microbatch's B
-    (:mod:`primuspipe.passes.split_probe`) -- so a dump of a 1F1B run also
+    """Calibration probe: run the fused backward (BW) of ``2 * split_probe + 1`` microbatches per chunk,
+    from the middle of the step, as B and W -- ``split_probe`` Ws right after their B, the others deferred
+    past the next microbatch's B (:mod:`primuspipe.passes.split_probe`) -- so a dump of a 1F1B run also
     times B and both kinds of W (warm and cold, ``compute.w_warm``) and ``primuspipe calibrate`` predicts
     split-backward schedules from it. Same gradients, bitwise; the step takes the split's small extra
     time. 0 (default): off."""
