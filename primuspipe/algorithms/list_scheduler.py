@@ -32,7 +32,6 @@ Two fills share one event loop (:func:`_fill`) and differ only in their candidat
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import math
@@ -44,20 +43,13 @@ from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.dataflow import step_needs
 from primuspipe.errors import ScheduleShapeError
 from primuspipe.ir.kinds import split_kinds
-from primuspipe.ir.node import NodeKind, ScheduleNode
+from primuspipe.ir.node import NodeKind, ScheduleNode, shared_node
 from primuspipe.ir.placement import Placement
 
 _SCHEDULED = split_kinds()
 """The kinds this scheduler places: a split backward, one node per step (F, B, W), from the kind table."""
 
 _EPS = 1e-9
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _node(kind: NodeKind, microbatch: int, chunk: int) -> ScheduleNode:
-    """One node value, made once: fills of a competition place the same nodes many times over, and a
-    node is immutable, so the rows share them."""
-    return ScheduleNode(kind, microbatch, chunk)
 
 
 @dataclass(frozen=True)
@@ -174,7 +166,7 @@ class _Pipeline:
         self.finish[kind, stage][mb] = end
         self.clock[rank] = end
         self.remaining[rank] -= 1
-        self.rows[rank].append(_node(kind, mb, chunk))
+        self.rows[rank].append(shared_node(kind, mb, chunk))
         self.held[rank] += self.delta[kind]
         if kind is NodeKind.F:
             self.next_f[rank][chunk] += 1

@@ -25,6 +25,8 @@ ScheduleNode(kind=NodeKind.SEND_F, microbatch=3, chunk=1, peer=2, pair=None)
 
 from __future__ import annotations
 
+import functools
+
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -111,6 +113,14 @@ class ScheduleNode:
         if self.kind.is_compute:
             return (Part(self.kind, self.microbatch, self.chunk),)
         return ()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def shared_node(kind: NodeKind, microbatch: int, chunk: int = 0, peer: int | None = None) -> ScheduleNode:
+    """One node value, made once (not an overlapped one): the passes and the list scheduler build the same nodes
+    many times over (a competition's fills, its candidates' sends and receives), and a node is immutable, so the
+    rows share them."""
+    return ScheduleNode(kind, microbatch, chunk, peer)
 
 
 def F(mb: int, chunk: int = 0) -> ScheduleNode:

@@ -16,21 +16,12 @@ Placement policy, and why:
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 
 from primuspipe.ir.dataflow import Transfer, comm_node
 from primuspipe.errors import TableFormatError
-from primuspipe.ir.kinds import NodeKind
-from primuspipe.ir.node import ScheduleNode
+from primuspipe.ir.node import ScheduleNode, shared_node
 from primuspipe.ir.table import ScheduleTable
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _node(kind: NodeKind, microbatch: int, chunk: int, peer: int) -> ScheduleNode:
-    """One communication node value, made once: an algorithm's candidates of one shape are simulated one
-    after another, each given the same sends and receives, and a node is immutable, so they share them."""
-    return ScheduleNode(kind, microbatch, chunk, peer)
 
 
 def add_communication(table: ScheduleTable) -> ScheduleTable:
@@ -64,7 +55,7 @@ def add_communication(table: ScheduleTable) -> ScheduleTable:
 
         def comm(key: int, end: int) -> None:
             kind, chunk, peer = ends[key // m][end]
-            new_row.append(_node(kind, key % m, chunk, peer))
+            new_row.append(shared_node(kind, key % m, chunk, peer))
             row_moves.append(key)
             row_takes.append(())
             row_gives.append(())

@@ -165,7 +165,7 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     cp = net.gather(kv, t.cp, t.tp * t.cp)
     ep = 0.0
     if kind == "moe":
-        copies = shape.residual_tokens * model.moe_router_topk * shape.load_imbalance
+        routed = copies = shape.residual_tokens * model.moe_router_topk * shape.load_imbalance
         nodes = max(1, t.etp * t.ep // hardware.gpus_per_node)
         if t.moe_token_dispatcher_type == "flex" and nodes > 1:
             # DeepEP sends a token once to every node holding one of its experts and fans it out over NVLink
@@ -180,8 +180,8 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
             ep = 2 * max(net.all_to_all(rows, t.ep, t.etp * t.ep), deepep_sm_bound(t, hardware, nodes, rows))
             if t.hybridep:  # its permuting copy out of the receive buffer (WorkModel.permutations), each way,
                 # counted as a read and a write of every copy (it reads a rank's row once for its local experts)
-                permuted = shape.residual_tokens * model.moe_router_topk * shape.load_imbalance * model.hidden_size * e
-                ep += 2 * 2 * permuted / (hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction)
+                ep += 2 * 2 * routed * model.hidden_size * e / (hardware.hbm_bandwidth_bytes_per_s
+                                                                   * hardware.memory_bandwidth_fraction)
     regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
     tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
     beside = kind == "moe" and t.overlap_moe_expert_parallel_comm and hardware.compute_units

@@ -145,11 +145,6 @@ def host_priced(hardware: HardwareSpec, training: TrainingSpec, kind: str) -> bo
         hardware.moe_sync_host_op_seconds is not None and waits_for_token_counts(training, kind))
 
 
-def captured(training: TrainingSpec, region: str) -> bool:
-    """Whether CUDA graphs capture ``region`` (attn, mlp, moe, moe_router, moe_preprocess) of a layer."""
-    return training.captures(region)
-
-
 def _regions(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool) -> tuple[dict[str, tuple[float, float]], float]:
     """The framework work of one layer of ``kind`` by region -- (linear modules, other ops) -- and the kernels a
     grouped GEMM's per-expert loop launches per grouped linear (0 for a dense layer)."""
@@ -192,7 +187,7 @@ def moe_small_kernels(model: ModelSpec, training: TrainingSpec, fp8: bool | None
 def moe_stream_kernels(model: ModelSpec, training: TrainingSpec, fp8: bool | None = None) -> tuple[float, float, float]:
     """The :func:`moe_small_kernels` the host launches into a stream one by one (F, B, W): those of the regions
     CUDA graphs do not capture, each of which pays the device's stream launch gap that a graph node does not."""
-    return _small_kernels(model, training, fp8, lambda region: not captured(training, region))
+    return _small_kernels(model, training, fp8, lambda region: not training.captures(region))
 
 
 def _small_kernels(model: ModelSpec, training: TrainingSpec, fp8: bool | None, counted: Callable[[str], bool]
@@ -213,12 +208,12 @@ def layer_host(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool | 
     fp8 = t.fp8 if fp8 is None else fp8
     linear = TE_LINEAR_OPS[fp8]
     regions, per_expert = _regions(model, t, kind, fp8)
-    assert not (kind == "moe" and captured(t, "moe") and not t.moe_pad_expert_input_to_capacity), \
+    assert not (kind == "moe" and t.captures("moe") and not t.moe_pad_expert_input_to_capacity), \
         "check_compatible refuses capturing an MoE layer not padded to capacity"
     forward = backward_input = backward_weight = 0.0
-    launches = 0.0 if kind == "dense" or captured(t, "moe") else per_expert * 2  # two grouped linears
+    launches = 0.0 if kind == "dense" or t.captures("moe") else per_expert * 2  # two grouped linears
     for region, (linears, ops) in regions.items():
-        if captured(t, region):
+        if t.captures(region):
             forward, backward_input = forward + 1, backward_input + 1  # one graph replay each way
             continue
         forward += linears * linear + ops

@@ -10,7 +10,7 @@ import pytest
 
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
-from primuspipe.projection.host import (OPS, TE_LINEAR_OPS, captured, host_bound, layer_host, moe_small_kernels,
+from primuspipe.projection.host import (OPS, TE_LINEAR_OPS, host_bound, layer_host, moe_small_kernels,
                                         moe_stream_kernels)
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.projection import Projector
@@ -205,9 +205,9 @@ def test_cuda_graphs_take_the_stream_launch_gap_off_the_kernels_they_capture_and
     in a graph replay does not; the kernels' own fixed cost (moe_kernel_seconds) is paid either way."""
     t = moe_training(**fields, **graphs)
     kernels, streamed = moe_small_kernels(QWEN, t), moe_stream_kernels(QWEN, t)
-    if not any(captured(t, r) for r in ("moe_router", "moe_preprocess", "moe")):
+    if not any(t.captures(r) for r in ("moe_router", "moe_preprocess", "moe")):
         assert streamed == kernels
-    elif captured(t, "moe") and captured(t, "moe_router") and captured(t, "moe_preprocess"):
+    elif t.captures("moe") and t.captures("moe_router") and t.captures("moe_preprocess"):
         assert streamed == (0, 0, 0)
     else:
         assert all(0 < s < n for s, n in zip(streamed[:2], kernels[:2]))
