@@ -242,3 +242,17 @@ def test_every_moe_package_bar_runs_with_the_scripts_hardware_queues():
     assert len(bars) == 12
     assert all(r.training.get("gpu_max_hw_queues") == 2 for r in bars), [
         r.id for r in bars if r.training.get("gpu_max_hw_queues") != 2]
+
+
+def test_the_primus_blog_70b_rows_run_amds_eight_node_commands():
+    """The blog's measured 8-node Llama 3.1 70B runs are the ones ROCm's Primus-Megatron page (2026-03-25) gives
+    commands for: BF16 at MBS 1, GBS 256, the first 12 of 80 layers recomputed; FP8 at MBS 4, GBS 256, all 80. At 12
+    the BF16 run still fits an MI325X, and the 68 layers it no longer recomputes are what it gains over the recipe
+    file's 80 (about a quarter: a recomputed layer runs its forward twice)."""
+    bf16, fp8 = (RUNS[f"primus-blog-mi325x-llama3.1-70b-{p}-64-fsdp"] for p in ("bf16", "fp8"))
+    assert [(r.training["micro_batch_size"], r.training["global_batch_size"], r.training["recompute_num_layers"])
+            for r in (bf16, fp8)] == [(1, 256, 12), (4, 256, 80)]
+    row = project_run(bf16)
+    assert row["verdict"] != "OOM"
+    everything = project_run(dataclasses.replace(bf16, training={**bf16.training, "recompute_num_layers": 80}))
+    assert 1.15 < row["projected_tokens_per_s_per_gpu"] / everything["projected_tokens_per_s_per_gpu"] < 1.35
