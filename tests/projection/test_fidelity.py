@@ -339,6 +339,19 @@ def test_every_published_run_loads_and_projects():
     assert "error" not in row and row["ratio"] > 0 and row["verdict"] in ("FITS", "AT-RISK", "OOM")
 
 
+
+def test_apex_distributed_adam_rows_reduce_their_gradients_in_bf16():
+    """The dgxc-benchmarking v25.02 recipes run NeMo's distributed_fused_adam (Apex's DistributedFusedAdam) with
+    grad_sync_dtype bf16, whose contiguous gradient buffer is allocated and reduce-scattered in that dtype: the rows
+    carry grad_reduce_in_bf16, which halves the gradient bytes the data-parallel reduction moves (and the step
+    shows less of it where it was exposed)."""
+    rows = [r for r in load_runs() if r.id.startswith("dgxc2502-")]
+    assert len(rows) == 4 and all(r.training.get("grad_reduce_in_bf16") for r in rows)
+    run = next(r for r in rows if r.id == "dgxc2502-gpt3-175b-bf16-128")
+    bf16, fp32 = (project_run(dataclasses.replace(run, training={**run.training, "grad_reduce_in_bf16": flag}))
+                  for flag in (True, False))
+    assert bf16["step_time_s"] < fp32["step_time_s"] and bf16["peak_memory_gib"] < fp32["peak_memory_gib"]
+
 def test_a_long_context_row_projects_the_model_at_its_own_sequence_length():
     """A row's seq_length replaces the model file's: its FLOPs a token (so the tokens its published TFLOP/s stand
     for) and its step follow the longer sequence, as the run's own did."""
