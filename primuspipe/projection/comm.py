@@ -170,7 +170,7 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         if t.moe_token_dispatcher_type == "flex" and nodes > 1:
             # DeepEP sends a token once to every node holding one of its experts and fans it out over NVLink
             # there (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", 3.2.2).
-            copies *= destinations(model, model.num_experts // nodes) / model.moe_router_topk
+            copies *= token_destinations(model, t, model.num_experts // nodes) / model.moe_router_topk
         elif t.moe_token_dispatcher_type == "flex":
             copies *= destination_ranks(model, t) / model.moe_router_topk
         rows = copies * model.hidden_size * e
@@ -240,12 +240,23 @@ def destination_ranks(model: ModelSpec, training: TrainingSpec) -> float:
     a round-robin (AutoModel's ``fake_balanced_gate``, Primus's ``even`` forced balance:
     :attr:`TrainingSpec.round_robin_routing`) gives token ``i`` experts ``i k`` ... ``i k + k - 1`` (mod ``E``),
     counted exactly over one period of its starting expert."""
+    return token_destinations(model, training, model.num_experts // training.ep)
+
+
+def token_destinations(model: ModelSpec, training: TrainingSpec, experts_each: int) -> float:
+    """Destinations (EP ranks, or nodes) one token's ``k`` experts live on, on average, where each destination
+    holds ``experts_each`` consecutive experts: the router's picks (:func:`destinations`), or under a round-robin
+    (:attr:`TrainingSpec.round_robin_routing`, see :func:`destination_ranks`) counted exactly over one period of
+    a token's starting expert. Across nodes DeepEP sends a token once to every node holding one of its experts,
+    so the count with ``experts_each`` = the experts of a node is what crosses the network: AutoModel's fake gate
+    (nemo_automodel/components/moe/layers.py ``FakeBalancedGate``: ``arange(T k).view(-1, k) % E``) puts
+    DeepSeek-V3's eight consecutive experts in one node of 32 at EP 64, where the router's group-limited picks
+    reach about four."""
     experts, k = model.num_experts, model.moe_router_topk
-    per_rank = experts // training.ep
     if training.round_robin_routing:
         starts = range(0, experts * k // math.gcd(experts, k), k)
-        return sum(len({(s + j) % experts // per_rank for j in range(k)}) for s in starts) / len(starts)
-    return destinations(model, per_rank)
+        return sum(len({(s + j) % experts // experts_each for j in range(k)}) for s in starts) / len(starts)
+    return destinations(model, experts_each)
 
 
 def p2p_message_bytes(model: ModelSpec, training: TrainingSpec) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from primuspipe.projection.comm import destination_ranks, layer_comm
+from primuspipe.projection.comm import Collectives, destination_ranks, layer_comm
 from primuspipe.projection.framework import PrimusPipeError
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.megatron_args import read_arguments, read_megatron_config
@@ -58,6 +58,21 @@ def test_even_forced_balance_sends_a_token_to_the_ranks_its_consecutive_experts_
     a2a, flex = layer_comm(model, plain, node, "moe").ep[0], layer_comm(model, even, node, "moe").ep[0]
     latency = 2 * (ep - 1) * node.intra_node_latency_s
     assert flex - latency == pytest.approx((a2a - latency) * destination_ranks(model, even) / k)
+
+
+@pytest.mark.parametrize("experts,k,ep", [(256, 8, 64), (256, 8, 16), (160, 6, 32), (64, 6, 16), (16, 2, 16)])
+def test_across_nodes_the_flex_dispatcher_sends_a_round_robin_token_once_to_each_node_its_experts_span(experts, k, ep):
+    model, even = _case(experts, k, ep, moe_token_dispatcher_type="flex")
+    per_node = experts // (ep // H100.gpus_per_node)
+    spans = [len({e // per_node for e in route}) for route in _routes(experts * k, k, experts)]  # whole periods
+    shape = RankShape(model, even)
+    rows = shape.residual_tokens * sum(spans) / len(spans) * model.hidden_size * shape.e
+    assert layer_comm(model, even, H100, "moe").ep[0] == pytest.approx(2 * Collectives(H100).all_to_all(rows, ep, ep))
+    # AutoModel's fake gate routes the same round-robin
+    fake = dataclasses.replace(even, moe_router_force_load_balancing=False, fake_balanced_gate=True)
+    assert layer_comm(model, fake, H100, "moe").ep == layer_comm(model, even, H100, "moe").ep
+    uniform = dataclasses.replace(even, moe_router_force_load_balancing_type="uniform")
+    assert layer_comm(model, even, H100, "moe").ep[0] <= layer_comm(model, uniform, H100, "moe").ep[0]
 
 
 @pytest.mark.parametrize("experts,k,ep", CASES)
