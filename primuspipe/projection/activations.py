@@ -356,8 +356,9 @@ class ActivationModel(RankShape):
         its backward casts the fp32 gradient back to the activation dtype while that copy is alive: ``T V /
         TP`` elements at activation bytes, both times; its ``native`` fused form alike (``calculate_logits_max``
         returns the fp32 copy, ``calculate_gradients`` writes the bf16 gradient beside the softmax). Nothing
-        with Transformer Engine's fused loss, or in fp32 training (``.float()`` returns the tensor itself). PyTorch's ``F.cross_entropy`` (``torch_cross_entropy``): two logit-sized
-        gradients in its dtype during the backward."""
+        with Transformer Engine's fused loss, or in fp32 training (``.float()`` returns the tensor itself).
+        PyTorch's ``F.cross_entropy`` (``torch_cross_entropy``): two logit-sized gradients in its dtype during
+        the backward."""
         m, t = self.model, self.training
         logits = self.tokens * m.padded_vocab(t.tp) / t.tp
         if t.torch_cross_entropy is not None:
