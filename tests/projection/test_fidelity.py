@@ -385,8 +385,9 @@ def test_fused_cross_entropy_and_narrow_optimizer_state_shrink_memory():
                                                                                ).loss_working_set() == 0
     hardware = load_hardware(EXAMPLES / "hardware" / "h100.yaml")
     one = dict(pipeline_model_parallel_size=1, global_batch_size=8)
-    unfused, fused_run = (Projector(model, hardware).evaluate(
-        TrainingSpec(**one, cross_entropy_loss_fusion=f, cross_entropy_fusion_impl="te"), "1f1b") for f in (False, True))
+    te = dict(one, cross_entropy_fusion_impl="te")
+    unfused, fused_run = (Projector(model, hardware).evaluate(TrainingSpec(**te, cross_entropy_loss_fusion=f), "1f1b")
+                          for f in (False, True))
     assert unfused.memory_breakdown["recompute_working_set"] == pytest.approx(logits * 2)
     assert max(unfused.peak_memory_bytes) - max(fused_run.peak_memory_bytes) == pytest.approx(logits * (4 - 2 + 2))
     assert WorkModel(model, fused).head().forward.memory_bytes < WorkModel(model, plain).head().forward.memory_bytes

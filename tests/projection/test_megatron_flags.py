@@ -81,7 +81,8 @@ def test_settings_that_change_time_are_modelled_and_the_rest_set_aside():
 
 def test_the_fused_losss_implementation_is_read():
     """``--cross-entropy-fusion-impl`` decides what the fused loss moves (it was set aside as without effect)."""
-    assert read_arguments(MODEL_ARGS + "--cross-entropy-loss-fusion", "r").training.cross_entropy_fusion_impl == "native"
+    native = read_arguments(MODEL_ARGS + "--cross-entropy-loss-fusion", "r")
+    assert native.training.cross_entropy_fusion_impl == "native"
     te = read_arguments(MODEL_ARGS + "--cross-entropy-loss-fusion --cross-entropy-fusion-impl te", "r")
     assert te.training.cross_entropy_fusion_impl == "te" and not te.no_effect
 
