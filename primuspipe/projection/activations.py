@@ -336,28 +336,36 @@ class ActivationModel(RankShape):
 
     @property
     def _saved_loss_bytes(self) -> float:
-        """Bytes a logit the loss keeps for its backward: the fused loss its gradient in the logits' dtype, the
-        unfused one its fp32 softmax, PyTorch's ``F.cross_entropy`` its log-softmax output in the dtype it runs in."""
+        """Bytes a logit the loss keeps for its backward: Transformer Engine's fused loss (``te``) its gradient in
+        the logits' dtype, megatron-core's unfused and ``native`` fused ones their fp32 softmax, PyTorch's
+        ``F.cross_entropy`` its log-softmax output in the dtype it runs in."""
         t = self.training
         if t.torch_cross_entropy is not None:
             return _FP32 if t.torch_cross_entropy == "fp32" else self.e
-        return self.e if t.cross_entropy_loss_fusion else _FP32
+        return self.e if self._te_loss else _FP32
+
+    @property
+    def _te_loss(self) -> bool:
+        t = self.training
+        return t.cross_entropy_loss_fusion and t.cross_entropy_fusion_impl == "te"
 
     def loss_working_set(self) -> float:
         """Bytes the unfused loss holds for a moment beyond :meth:`head` (what it keeps for the backward):
         megatron-core's ``vocab_parallel_cross_entropy`` makes its fp32 copy of the logits (``.float()`` in
         ``calculate_logits_max``) while ``GPTModel._postprocess`` still holds the output layer's logits, and
         its backward casts the fp32 gradient back to the activation dtype while that copy is alive: ``T V /
-        TP`` elements at activation bytes, both times. Nothing when fused, or in fp32 training (``.float()``
-        returns the tensor itself). PyTorch's ``F.cross_entropy`` (``torch_cross_entropy``): two logit-sized
-        gradients in its dtype during the backward."""
+        TP`` elements at activation bytes, both times; its ``native`` fused form alike (``calculate_logits_max``
+        returns the fp32 copy, ``calculate_gradients`` writes the bf16 gradient beside the softmax). Nothing
+        with Transformer Engine's fused loss, or in fp32 training (``.float()`` returns the tensor itself).
+        PyTorch's ``F.cross_entropy`` (``torch_cross_entropy``): two logit-sized gradients in its dtype during
+        the backward."""
         m, t = self.model, self.training
         logits = self.tokens * m.padded_vocab(t.tp) / t.tp
         if t.torch_cross_entropy is not None:
             # backward: nll_loss's zero-filled gradient and log-softmax's input gradient beside the saved output
             # (forward, the upcast's logits and fp32 copy beside that output are no more)
             return logits * 2 * self._saved_loss_bytes
-        if t.cross_entropy_loss_fusion or self.e >= _FP32:
+        if self._te_loss or self.e >= _FP32:
             return 0.0
         return logits * self.e
 

@@ -770,10 +770,23 @@ class WorkModel(RankShape):
         divides in place by the sum (8): ``e + 36``. Backward, ``calculate_gradients``' in-place product with the
         loss gradient (8) and autograd's cast of the fp32 gradient back to the logits' dtype (``4 + e``):
         ``e + 12``. With fp32 logits neither cast runs (``.float()`` returns its input): 32 and 8. The picks of
-        each token's target logit touch one logit a token (not counted). Fused
-        (``cross_entropy_loss_fusion``): one kernel reads the logits and writes the gradient in place, ``2e``
-        each way. Held against the aten operations megatron-core's functions dispatch
-        (``tests/projection/test_dropout_and_loss.py``).
+        each token's target logit touch one logit a token (not counted). Held against the aten operations
+        megatron-core's functions dispatch (``tests/projection/test_dropout_and_loss.py``).
+
+        Fused (``cross_entropy_loss_fusion``), ``native`` (megatron-core's ``fused_vocab_parallel_cross_entropy``,
+        ``fusions/fused_cross_entropy.py``, the same at core_r0.8.0, core_r0.11.0 and 0.19): the unfused
+        functions run as four ``@jit_fuser`` (``torch.compile``) regions, forward three with the TP all-reduces
+        between them, so at best one kernel each, reading every logit-sized input once and writing every
+        logit-sized output or input it mutates once: ``calculate_logits_max`` reads the logits and writes their
+        fp32 copy (``e + 4``; ``.float()`` returns fp32 logits themselves: ``e``), ``calculate_predicted_logits``
+        subtracts the maximum and exponentiates in place (8), ``calculate_cross_entropy_loss`` divides in place
+        (8): ``e + 20``; backward ``calculate_gradients`` reads the saved fp32 softmax, writes it back (the
+        in-place product with the loss gradient mutates its input) and writes the gradient, hard-cast to bf16:
+        10, plus autograd's cast of that gradient back for logits of another dtype (read 2, write ``e``).
+        ``te`` (Transformer Engine's ``parallel_cross_entropy``, ``pytorch/triton/cross_entropy.py`` from 2.7):
+        ``online_softmax_kernel`` reads the logits, ``cross_entropy_kernel`` reads them again and writes the
+        gradient in place in their dtype, and backward ``element_mul_kernel`` scales it in place: ``3e`` and
+        ``2e``.
 
         PyTorch's ``F.cross_entropy`` (``torch_cross_entropy``, NeMo AutoModel's ``MaskedCrossEntropy``) is
         ``log_softmax`` then ``nll_loss``: forward, the log-softmax reads the logits and writes its output (``2c``,
@@ -789,9 +802,12 @@ class WorkModel(RankShape):
             upcast = e + 4 if self.training.torch_cross_entropy == "fp32" and e < 4 else 0
             c = 4 if self.training.torch_cross_entropy == "fp32" else e
             return upcast + 2 * c, upcast + 4 * c
-        if self.training.cross_entropy_loss_fusion:
-            return 2 * e, 2 * e
         cast = e + 4 if e < 4 else 0
+        if self.training.cross_entropy_loss_fusion and self.training.cross_entropy_fusion_impl == "te":
+            return 3 * e, 2 * e
+        if self.training.cross_entropy_loss_fusion:
+            bf16 = e == 2 and self.training.precision != "fp16"
+            return (cast or e) + 16, 10 + (0 if bf16 else 2 + e)
         return cast + 32, cast + 8
 
     def mtp(self) -> PassWork:

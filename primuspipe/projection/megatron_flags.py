@@ -98,7 +98,7 @@ NO_EFFECT_PREFIXES = (
 """Argument-name prefixes of the no-effect class."""
 
 NO_EFFECT = frozenset({
-    "clip_grad", "cross_entropy_fusion_impl", "distributed_backend", "eod_mask_loss", "exp_name",
+    "clip_grad", "distributed_backend", "eod_mask_loss", "exp_name",
     "init_model_with_meta_device",
     "lazy_mpu_init", "masked_softmax_fusion", "no_masked_softmax_fusion", "micro_batch_size_rampup",
     "moe_aux_loss_coeff",

@@ -122,8 +122,14 @@ class TrainingSpec:
     gradients always reach the main gradients through ``param.grad`` and the data-parallel hook, whatever
     ``gradient_accumulation_fusion`` says. Its GEMMs take the same 4-stream path as Transformer Engine's."""
     cross_entropy_loss_fusion: bool = False
-    """Fused vocab-parallel cross entropy: the loss reads the logits once and writes their gradient in place,
-    keeping no fp32 softmax."""
+    """Fused vocab-parallel cross entropy (``cross_entropy_fusion_impl`` says which)."""
+    cross_entropy_fusion_impl: Literal["native", "te"] = "native"
+    """Which fused loss ``cross_entropy_loss_fusion`` runs (megatron-core's ``--cross-entropy-fusion-impl``, default
+    ``native``; megatron-core up to 0.11, the NeMo 1 and NeMo 2 containers, has only ``native``): ``native``,
+    megatron-core's ``fused_vocab_parallel_cross_entropy``, four ``torch.compile`` regions that still make and keep
+    the fp32 softmax; ``te``, Transformer Engine's Triton ``parallel_cross_entropy``, which writes the gradient in
+    place in the logits' dtype (Megatron-Bridge's performance scripts and Primus's configurations set it). See
+    ``WorkModel._loss_bytes_per_logit``."""
     torch_cross_entropy: Literal["fp32", "native"] | None = None
     """The loss is PyTorch's ``F.cross_entropy`` over the whole logits, as NeMo AutoModel's ``MaskedCrossEntropy``
     runs it (nemo_automodel/components/loss/masked_ce.py: ``logits.float()`` when ``fp32_upcast``, then

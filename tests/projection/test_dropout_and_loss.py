@@ -3,6 +3,10 @@
 * The unfused vocab-parallel cross entropy: megatron-core's own ``vocab_parallel_cross_entropy`` run forward and
   backward on CPU (its all-reduces on torch's ``fake`` backend), every aten operation over logit-sized tensors
   counted as a GPU kernel moves it, against the bytes :meth:`WorkModel.head` prices beside the output GEMM.
+* The fused one (``native``): megatron-core's own ``fused_vocab_parallel_cross_entropy``, its four ``@jit_fuser``
+  regions run eager and each counted as the one kernel ``torch.compile`` makes of it at best (every logit-sized
+  input read once, every logit-sized output or mutated input written once); Transformer Engine's (``te``) against
+  its three Triton kernels' loads and stores.
 * Dropout: PyTorch's own ``native_dropout`` / ``native_dropout_backward`` (the kernels ``F.dropout`` runs on a
   GPU) give the per-element bytes; the layers, embedding and attention of generated models and layouts price
   exactly those at each dropout site, and nothing at dropout 0.
@@ -84,6 +88,97 @@ def test_unfused_cross_entropy_moves_what_megatron_core_dispatches(mbs, seq, voc
     norm = 2 * work.hidden_bytes  # the final norm's forward read and write (backward: 1.5 times it)
     assert head.forward.memory_bytes - norm == traffic.moved["forward"]
     assert head.backward_input.memory_bytes - 1.5 * norm == traffic.moved["backward"]
+
+
+class _RegionTraffic(_LogitTraffic):
+    """:class:`_LogitTraffic` that counts each wrapped region (:meth:`region`) as one kernel: its logit-sized
+    inputs read once, its logit-sized outputs that are not inputs and the inputs it mutates (their version
+    counter moved) written once; operations outside regions count one by one."""
+
+    inside = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def region(self, compiled):
+        eager = compiled._torchdynamo_orig_callable
+
+        def run(*args):
+            big = {a.untyped_storage().data_ptr(): a for a in args
+                   if isinstance(a, torch.Tensor) and a.numel() == self.numel}
+            versions = {ptr: a._version for ptr, a in big.items()}
+            self.inside += 1
+            try:
+                out = eager(*args)
+            finally:
+                self.inside -= 1
+            written = {t.untyped_storage().data_ptr(): t for t in tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.numel() == self.numel}
+            written = {ptr: t for ptr, t in written.items() if ptr not in big}
+            written |= {ptr: a for ptr, a in big.items() if a._version != versions[ptr]}
+            self.moved[self.phase] += sum(t.numel() * t.element_size() for t in [*big.values(), *written.values()])
+            return out
+
+        return run
+
+
+REGIONS = ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss", "calculate_gradients")
+"""megatron-core's ``@jit_fuser`` functions of the fused loss (``fusions/fused_cross_entropy.py``)."""
+
+
+@pytest.mark.parametrize("mbs, seq, vocab, precision", _loss_cases())
+def test_native_fused_cross_entropy_moves_what_its_compiled_regions_must(mbs, seq, vocab, precision, monkeypatch):
+    """The ``native`` fused loss is no single kernel: its regions still make, rescale and keep the fp32 softmax
+    (issue 26: it was priced at ``2e`` each way, as one kernel reading the logits and writing the gradient)."""
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=2, seq_length=seq, vocab_size=vocab,
+                      untie_embeddings_and_output_weights=True)
+    training = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=mbs, global_batch_size=mbs,
+                            precision=precision, cross_entropy_loss_fusion=True)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    generator = torch.Generator().manual_seed(seq + vocab)
+    hidden = torch.randn(seq, mbs, model.hidden_size, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(vocab, model.hidden_size, generator=generator).to(dtype).requires_grad_()
+    target = torch.randint(vocab, (seq, mbs), generator=generator)
+    traffic = _RegionTraffic(seq * mbs * vocab)
+    with fake_parallel_state(training) as state:
+        import megatron.core.fusions.fused_cross_entropy as fused
+
+        for name in REGIONS:
+            monkeypatch.setattr(fused, name, traffic.region(getattr(fused, name)))
+        with traffic:
+            loss = fused.fused_vocab_parallel_cross_entropy(hidden @ weight.t(), target,
+                                                            state.get_tensor_model_parallel_group())
+            traffic.phase = "backward"
+            loss.backward(torch.ones_like(loss))
+    work = WorkModel(model, training)
+    head = work.head()
+    norm = 2 * work.hidden_bytes
+    assert head.forward.memory_bytes - norm == traffic.moved["forward"]
+    assert head.backward_input.memory_bytes - 1.5 * norm == traffic.moved["backward"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_te_fused_cross_entropy_reads_twice_and_writes_the_gradient_in_place(precision):
+    """Transformer Engine's ``parallel_cross_entropy`` (``pytorch/triton/cross_entropy.py``, 2.7 to 2.12):
+    ``online_softmax_kernel`` reads each logit, ``cross_entropy_kernel`` reads it and stores its gradient in place,
+    backward ``element_mul_kernel`` loads and stores it once more -- in the logits' dtype, below the ``native``
+    loss's fp32 traffic."""
+    model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=2, seq_length=128, vocab_size=1024,
+                      untie_embeddings_and_output_weights=True)
+    priced = {}
+    for impl in ("te", "native"):
+        training = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=1, global_batch_size=1,
+                                precision=precision, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl=impl)
+        work = WorkModel(model, training)
+        logits = 128 * 1024
+        norm = 2 * work.hidden_bytes
+        priced[impl] = ((work.head().forward.memory_bytes - norm) / logits,
+                        (work.head().backward_input.memory_bytes - 1.5 * norm) / logits)
+    e = 2 if precision == "bf16" else 4
+    assert priced["te"] == (3 * e, 2 * e)
+    assert priced["te"][0] < priced["native"][0] and priced["te"][1] < priced["native"][1]
 
 
 class _TorchLossTraffic(_LogitTraffic):

@@ -385,16 +385,21 @@ def test_fused_cross_entropy_and_narrow_optimizer_state_shrink_memory():
     from primuspipe.projection.static_memory import static_memory
 
     model = load_model(EXAMPLES / "models" / "llama2-7b.yaml")
-    plain, fused = TrainingSpec(), TrainingSpec(cross_entropy_loss_fusion=True)
+    plain, fused = TrainingSpec(), TrainingSpec(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")
     logits = 4096 * 32000
     assert ActivationModel(model, plain).head() - ActivationModel(model, fused).head() == pytest.approx(logits * (4 - 2))
+    # megatron-core's own fused loss makes and keeps the fp32 softmax as its unfused one does
+    native = ActivationModel(model, TrainingSpec(cross_entropy_loss_fusion=True))
+    assert (native.head(), native.loss_working_set()) == (ActivationModel(model, plain).head(),
+                                                          ActivationModel(model, plain).loss_working_set())
     # unfused, the bf16 logits beside the fp32 copy for a moment; fused, or fp32 training (no copy), nothing
     assert ActivationModel(model, plain).loss_working_set() == pytest.approx(logits * 2)
     assert ActivationModel(model, fused).loss_working_set() == ActivationModel(model, TrainingSpec(precision="fp32")
                                                                                ).loss_working_set() == 0
     hardware = load_hardware(EXAMPLES / "hardware" / "h100.yaml")
     one = dict(pipeline_model_parallel_size=1, global_batch_size=8)
-    unfused, fused_run = (Projector(model, hardware).evaluate(TrainingSpec(**one, cross_entropy_loss_fusion=f), "1f1b")
+    te = dict(one, cross_entropy_fusion_impl="te")
+    unfused, fused_run = (Projector(model, hardware).evaluate(TrainingSpec(**te, cross_entropy_loss_fusion=f), "1f1b")
                           for f in (False, True))
     assert unfused.memory_breakdown["recompute_working_set"] == pytest.approx(logits * 2)
     assert max(unfused.peak_memory_bytes) - max(fused_run.peak_memory_bytes) == pytest.approx(logits * (4 - 2 + 2))

@@ -79,6 +79,14 @@ def test_settings_that_change_time_are_modelled_and_the_rest_set_aside():
     assert layout.training.pipeline_model_parallel_layout == "Et*4|t*4L"
 
 
+def test_the_fused_losss_implementation_is_read():
+    """``--cross-entropy-fusion-impl`` decides what the fused loss moves (it was set aside as without effect)."""
+    native = read_arguments(MODEL_ARGS + "--cross-entropy-loss-fusion", "r")
+    assert native.training.cross_entropy_fusion_impl == "native"
+    te = read_arguments(MODEL_ARGS + "--cross-entropy-loss-fusion --cross-entropy-fusion-impl te", "r")
+    assert te.training.cross_entropy_fusion_impl == "te" and not te.no_effect
+
+
 def test_gradient_accumulation_fusion_is_megatrons_default_and_turned_off_as_megatron_and_primus_write_it():
     assert read_arguments(MODEL_ARGS, "r").training.gradient_accumulation_fusion
     off = read_arguments(MODEL_ARGS + "--no-gradient-accumulation-fusion", "r")
