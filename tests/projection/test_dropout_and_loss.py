@@ -64,17 +64,23 @@ def _loss_cases() -> list[tuple[int, int, int, str]]:
             for _ in range(8)]
 
 
+def _loss_inputs(tokens: tuple[int, ...], hidden_size: int, vocab: int, precision: str, seed: int):
+    """``(hidden, weight, target)`` for a loss over ``tokens`` (the shape the loss takes them in), in the run's
+    precision."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*tokens, hidden_size, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(vocab, hidden_size, generator=generator).to(dtype).requires_grad_()
+    return hidden, weight, torch.randint(vocab, tokens, generator=generator)
+
+
 @pytest.mark.parametrize("mbs, seq, vocab, precision", _loss_cases())
 def test_unfused_cross_entropy_moves_what_megatron_core_dispatches(mbs, seq, vocab, precision):
     model = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=2, seq_length=seq, vocab_size=vocab,
                       untie_embeddings_and_output_weights=True)
     training = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=mbs, global_batch_size=mbs,
                             precision=precision)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    generator = torch.Generator().manual_seed(seq + vocab)
-    hidden = torch.randn(seq, mbs, model.hidden_size, generator=generator).to(dtype).requires_grad_()
-    weight = torch.randn(vocab, model.hidden_size, generator=generator).to(dtype).requires_grad_()
-    target = torch.randint(vocab, (seq, mbs), generator=generator)
+    hidden, weight, target = _loss_inputs((seq, mbs), model.hidden_size, vocab, precision, seed=seq + vocab)
     traffic = _LogitTraffic(seq * mbs * vocab)
     with fake_parallel_state(training):  # CPU mode first: megatron-core imports triton unguarded
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -136,11 +142,7 @@ def test_native_fused_cross_entropy_moves_what_its_compiled_regions_must(mbs, se
                       untie_embeddings_and_output_weights=True)
     training = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=mbs, global_batch_size=mbs,
                             precision=precision, cross_entropy_loss_fusion=True)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    generator = torch.Generator().manual_seed(seq + vocab)
-    hidden = torch.randn(seq, mbs, model.hidden_size, generator=generator).to(dtype).requires_grad_()
-    weight = torch.randn(vocab, model.hidden_size, generator=generator).to(dtype).requires_grad_()
-    target = torch.randint(vocab, (seq, mbs), generator=generator)
+    hidden, weight, target = _loss_inputs((seq, mbs), model.hidden_size, vocab, precision, seed=seq + vocab)
     traffic = _RegionTraffic(seq * mbs * vocab)
     with fake_parallel_state(training) as state:
         import megatron.core.fusions.fused_cross_entropy as fused
@@ -206,11 +208,7 @@ def test_torch_cross_entropy_moves_what_automodel_masked_ce_dispatches(mbs, seq,
                       untie_embeddings_and_output_weights=True)
     training = TrainingSpec(pipeline_model_parallel_size=1, micro_batch_size=mbs, global_batch_size=mbs,
                             precision=precision, torch_cross_entropy=upcast)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    generator = torch.Generator().manual_seed(seq + vocab)
-    hidden = torch.randn(mbs * seq, model.hidden_size, generator=generator).to(dtype).requires_grad_()
-    weight = torch.randn(vocab, model.hidden_size, generator=generator).to(dtype).requires_grad_()
-    target = torch.randint(vocab, (mbs * seq,), generator=generator)
+    hidden, weight, target = _loss_inputs((mbs * seq,), model.hidden_size, vocab, precision, seed=seq + vocab)
     traffic = _TorchLossTraffic(seq * mbs * vocab)
     with traffic:
         logits = (hidden @ weight.t()).view(-1, vocab)
