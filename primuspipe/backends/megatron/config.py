@@ -41,7 +41,8 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from primuspipe.calibration.replan import ENV_NAMES as REPLAN_ENV_NAMES, ReplanSettings, memory_limit
+from primuspipe.calibration.replan import ENV_NAMES as REPLAN_ENV_NAMES, MAX_STEPS as MAX_REPLAN_STEPS, STEPS as REPLAN_STEPS
+from primuspipe.calibration.replan import ReplanSettings, memory_limit
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost, read_cost_file
@@ -318,6 +319,9 @@ _ENV_NAMES = {
     "auto_replan_algorithms": REPLAN_ENV_NAMES["algorithms"],
     "auto_replan_verify": REPLAN_ENV_NAMES["verify_steps"],
 }
+_REPLAN_FIELDS = {"auto_replan_warmup": "warmup_steps", "auto_replan_steps": "measure_steps",
+                  "auto_replan_verify": "verify_steps"}
+"""The settings that count re-planning steps -> their :class:`ReplanSettings` fields, whose bounds they take."""
 _SCHEDULE_KEYWORDS = ("cost", "memory_limit")
 """``algorithm_options`` keys that go to ``build_schedule`` itself, not to the algorithm."""
 OTHER_VARIABLES = frozenset({"PRIMUSPIPE_CONFIG", "PRIMUSPIPE_DEMO_DIR", "PRIMUSPIPE_NCCL_EMULATION"})
@@ -340,13 +344,15 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, list))):
             raise ConfigError(f"{source}: bad value for {name}: {strict.show(text)} is not a number or a list of "
                               "numbers (JSON in the environment, e.g. 1.5 or [1, 2])")
-        return value
+        return memory_limit(value, what) if name == "auto_replan_memory_limit" and value is not None else value
     if kind == "bool":
         return strict.flag(value, what)
     if kind == "float":
-        return strict.number(value, what, minimum=0)
+        return strict.number(value, what, minimum=0, maximum=1 if name == "auto_replan_threshold" else None)
     if kind == "int":
-        return strict.count(value, what, text=True)
+        least = REPLAN_STEPS.get(_REPLAN_FIELDS.get(name, ""), 0)
+        return strict.count(value, what, text=True, minimum=least, maximum=MAX_REPLAN_STEPS if name in _REPLAN_FIELDS
+                            else None)
     if kind == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{what} must be text, got {strict.show(value)}")
