@@ -97,6 +97,9 @@ class ReplanSettings:
             object.__setattr__(self, "memory_limit_bytes", strict.number(
                 self.memory_limit_bytes, "auto_replan memory_limit_bytes", above=0))
         if self.algorithms is not None:
+            if not isinstance(self.algorithms, (str, list, tuple)):
+                raise ConfigError(f"auto_replan algorithms must be names separated by commas or a list of names, got "
+                                  f"{strict.show(self.algorithms)}")
             names = self.algorithms.split(",") if isinstance(self.algorithms, str) else list(self.algorithms)
             names = [n.strip() if isinstance(n, str) else n for n in names]
             if not all(isinstance(n, str) and n for n in names):
@@ -135,7 +138,10 @@ class ReplanSettings:
             elif name == "memory_limit_bytes":
                 values[name] = memory_limit(text, what)
             elif name == "algorithms":
-                values[name] = text
+                try:
+                    values[name] = cls(algorithms=text).algorithms
+                except PrimusPipeError as exc:
+                    raise type(exc)(f"{what}: {exc}") from None
             else:
                 values[name] = strict.count(text, what, text=True, minimum=STEPS[name], maximum=MAX_STEPS)
         return cls(**values)

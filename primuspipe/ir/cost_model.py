@@ -24,7 +24,7 @@ from primuspipe import strict
 from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, cold_start_section, cost_keys, host_section,
                                      link_section, memory_section, merge_fixed, read_cost_file, split_fixed,
                                      split_stages, warm_stages)
-from primuspipe.ir.cost_parts import TIME_UNITS, HostCost, Link, MemoryCost, P2PCost
+from primuspipe.ir.cost_parts import MAX_SHARE, TIME_UNITS, HostCost, Link, MemoryCost, P2PCost
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
@@ -267,7 +267,7 @@ class CostModel:
                 pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), w, other=other, w_warm=warm(w),
                 bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
                 fb_overlap=number(comp, "fb_overlap", "compute.fb_overlap", 0.0, minimum=0, maximum=1),
-                probe_window=number(comp, "probe_window", "compute.probe_window", 0.0, minimum=0),
+                probe_window=number(comp, "probe_window", "compute.probe_window", 0.0, minimum=0, maximum=MAX_SHARE),
                 p2p=P2PCost(number(p2p, "message_bytes", "p2p.message_bytes", 0.0, minimum=0),
                             ranks_per_node=strict.count(p2p.get("ranks_per_node", 8), f"{source}: p2p.ranks_per_node",
                                                         minimum=1),

@@ -176,9 +176,10 @@ class PrimusPipeConfig:
         strict.flag(self.debug_scheduler_table, "debug_scheduler_table")
         strict.flag(self.offload, "offload")
         object.__setattr__(self, "split_probe", strict.count(self.split_probe, "split_probe (microbatches)", minimum=0))
-        self.replan_settings()  # checks the auto_replan_* values
-        if self.auto_replan_memory_limit is not None:
-            memory_limit(self.auto_replan_memory_limit, "auto_replan_memory_limit")
+        for name, check in _REPLAN_CHECKS.items():  # named as set here, then checked again as settings
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check(getattr(self, name), name))
+        self.replan_settings()  # checks the rest (auto_replan, auto_replan_algorithms)
         if self.communication_method == BATCH_P2P:
             raise ConfigError("communication_method: batch_p2p is not supported: the runner posts each transfer as "
                               "its own non-blocking send/receive, the order its deadlock proof relies on; use "
@@ -319,9 +320,17 @@ _ENV_NAMES = {
     "auto_replan_algorithms": REPLAN_ENV_NAMES["algorithms"],
     "auto_replan_verify": REPLAN_ENV_NAMES["verify_steps"],
 }
-_REPLAN_FIELDS = {"auto_replan_warmup": "warmup_steps", "auto_replan_steps": "measure_steps",
-                  "auto_replan_verify": "verify_steps"}
-"""The settings that count re-planning steps -> their :class:`ReplanSettings` fields, whose bounds they take."""
+_REPLAN_CHECKS = {
+    **{key: lambda value, what, least=REPLAN_STEPS[field]: strict.count(value, what, text=True, minimum=least,
+                                                                         maximum=MAX_REPLAN_STEPS)
+       for key, field in (("auto_replan_warmup", "warmup_steps"), ("auto_replan_steps", "measure_steps"),
+                          ("auto_replan_verify", "verify_steps"))},
+    "auto_replan_threshold": lambda value, what: strict.number(value, f"{what} (a share, e.g. 0.03)", minimum=0,
+                                                               maximum=1),
+    "auto_replan_memory_limit": memory_limit,
+}
+"""The ``auto_replan_*`` numbers, each checked with :class:`ReplanSettings`' bounds under the name the config (or
+its variable) gives it, so a refusal names the setting as the user wrote it."""
 _SCHEDULE_KEYWORDS = ("cost", "memory_limit")
 """``algorithm_options`` keys that go to ``build_schedule`` itself, not to the algorithm."""
 OTHER_VARIABLES = frozenset({"PRIMUSPIPE_CONFIG", "PRIMUSPIPE_DEMO_DIR", "PRIMUSPIPE_NCCL_EMULATION"})
@@ -332,6 +341,8 @@ Any other ``PRIMUSPIPE_*`` variable is refused as a misspelling (an unknown YAML
 def _coerce(name: str, value: Any, source: str) -> Any:
     """One setting from YAML (typed) or the environment (text), checked strictly."""
     what = f"{source}: {name}"
+    if name in _REPLAN_CHECKS:
+        return None if value is None and name == "auto_replan_memory_limit" else _REPLAN_CHECKS[name](value, what)
     kind = {f.name: f.type for f in fields(PrimusPipeConfig)}[name]
     if value is None and ("None" in kind or kind == "Any"):
         return None
@@ -344,15 +355,13 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, list))):
             raise ConfigError(f"{source}: bad value for {name}: {strict.show(text)} is not a number or a list of "
                               "numbers (JSON in the environment, e.g. 1.5 or [1, 2])")
-        return memory_limit(value, what) if name == "auto_replan_memory_limit" and value is not None else value
+        return value
     if kind == "bool":
         return strict.flag(value, what)
     if kind == "float":
-        return strict.number(value, what, minimum=0, maximum=1 if name == "auto_replan_threshold" else None)
+        return strict.number(value, what, minimum=0)
     if kind == "int":
-        least = REPLAN_STEPS.get(_REPLAN_FIELDS.get(name, ""), 0)
-        return strict.count(value, what, text=True, minimum=least, maximum=MAX_REPLAN_STEPS if name in _REPLAN_FIELDS
-                            else None)
+        return strict.count(value, what, text=True)
     if kind == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{what} must be text, got {strict.show(value)}")
