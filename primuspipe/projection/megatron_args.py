@@ -203,7 +203,8 @@ _LAUNCHER_GPUS = {"nproc_per_node": "per_node", "nproc-per-node": "per_node", "n
 
 def parse_argument_list(text: str, source: str = "the argument list") -> tuple[dict[str, Any], int | None]:
     """``--name value`` / ``--flag`` tokens (shell quoting and line continuations allowed) to a mapping
-    (a flag maps to True; values stay text, read by :func:`_as_argparse_reads`), and the world size when a launcher before the
+    (a flag maps to True; values stay text, read by :func:`_as_argparse_reads`, but for Primus's
+    underscored overrides, which Primus reads as YAML scalars), and the world size when a launcher before the
     training script (``torchrun --nnodes N --nproc-per-node G pretrain_gpt.py ...``) names it."""
     try:
         tokens = shlex.split(text.replace("\\\n", " "), comments=True)
@@ -238,6 +239,8 @@ def _options(tokens: list[str], raw: bool = False) -> dict[str, Any]:
         while not inline and i < len(tokens) and not tokens[i].startswith("--"):
             values.append(tokens[i])
             i += 1
+        if not raw and "_" in name:  # Primus's override style (--num_layers 8): its values are YAML scalars
+            values = [yaml.safe_load(v) for v in values]
         key = name if raw else name.replace("-", "_")
         arguments[key] = True if not values else values[0] if len(values) == 1 else values
     return arguments
@@ -269,7 +272,9 @@ def _field_type(name: str) -> Any:
 
 
 def _as_argparse_reads(arguments: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """An argument list's value texts read as Megatron's ``argparse`` reads them: by the argument's type, ``int``
+    """An argument list's value texts (``--num-layers 32``: Megatron's own spelling, which its ``argparse``
+    parses; Primus's ``--num_layers 32`` overrides are read as YAML, as Primus reads them) read as Megatron's
+    ``argparse`` reads them: by the argument's type, ``int``
     (``0x20`` and ``1e3`` are refused, not 32 and 1000), ``float`` (finite, as every primuspipe number),
     ``store_true`` flags taking no value (``--bf16 no`` is refused, not fp32), text as text (``null`` is the
     word, not a missing value). Reading them as YAML scalars -- what a YAML file's values are -- gave another
@@ -277,7 +282,7 @@ def _as_argparse_reads(arguments: Mapping[str, Any], source: str) -> dict[str, A
     typed: dict[str, Any] = {}
     for name, value in arguments.items():
         hint = _field_type(name)
-        if value is True or hint is None:
+        if not isinstance(value, (str, list)) or hint is None:  # a switch, a Primus override's YAML value, unread
             typed[name] = value
             continue
         flag = f"{source}: {_flag(name)}"
@@ -302,7 +307,10 @@ def _is_list(hint: Any) -> bool:
 
 
 def _as_type(hint: Any, text: str, flag: str) -> Any:
-    """One value text as ``hint`` (a spec field's annotation; of a list field, its entries') reads it."""
+    """One value text as ``hint`` (a spec field's annotation; of a list field, its entries') reads it (a Primus
+    override's value is YAML's already)."""
+    if not isinstance(text, str):
+        return text
     kinds = [k for k in typing.get_args(hint) if k is not type(None)] if typing.get_origin(hint) in (
         typing.Union, types.UnionType) else [hint]
     kinds = [typing.get_args(k)[0] if typing.get_origin(k) is tuple else k for k in kinds]
