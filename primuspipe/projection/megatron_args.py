@@ -20,6 +20,7 @@ its ``overrides`` on top.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import shlex
@@ -246,29 +247,28 @@ def _options(tokens: list[str], raw: bool = False) -> dict[str, Any]:
     return arguments
 
 
-_STORE_TRUE_RESOLVED = frozenset({"group_query_attention"})
-_TYPES_RESOLVED = {"num_layers_per_virtual_pipeline_stage": int, "num_virtual_stages_per_pipeline_rank": int,
-                   "optimizer": str, "transformer_impl": str}
+_RESOLVED_TYPES = {"num_layers_per_virtual_pipeline_stage": int, "num_virtual_stages_per_pipeline_rank": int,
+                   "optimizer": str, "transformer_impl": str, "group_query_attention": bool}
+"""The types of the arguments the reader resolves itself (:data:`~primuspipe.projection.megatron_flags.RESOLVED`)."""
+
+
+@functools.cache
+def _spec_types() -> dict[str, Any]:
+    return {name: hint for cls in (TrainingSpec, ModelSpec) for name, hint in typing.get_type_hints(cls).items()
+            if name not in _IGNORED_MODEL_FIELDS}
 
 
 def _field_type(name: str) -> Any:
     """The type of the spec field argument ``name`` sets (None: it sets none, so its text is not read); ``bool``
     for Megatron's ``store_true`` flags, aliases with a fixed setting included."""
-    if name in _STORE_TRUE_RESOLVED:
-        return bool
-    if name in _TYPES_RESOLVED:
-        return _TYPES_RESOLVED[name]
+    if name in _RESOLVED_TYPES:
+        return _RESOLVED_TYPES[name]
     if name in ALIASES:
         spec, field, setting = ALIASES[name]
         if setting is not None:
             return bool
         name = field
-    name = RENAMED.get(name, name)
-    for cls in (ModelSpec, TrainingSpec):
-        hints = typing.get_type_hints(cls)
-        if name in hints and name not in _IGNORED_MODEL_FIELDS:
-            return hints[name]
-    return None
+    return _spec_types().get(RENAMED.get(name, name))
 
 
 def _as_argparse_reads(arguments: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -287,7 +287,7 @@ def _as_argparse_reads(arguments: Mapping[str, Any], source: str) -> dict[str, A
             continue
         flag = f"{source}: {_flag(name)}"
         if hint is bool:
-            if name in MEGATRON_FLAGS or name in ALIASES or name in _STORE_TRUE_RESOLVED:
+            if name in MEGATRON_FLAGS or name in ALIASES:
                 raise ConfigError(f"{flag} is a switch and takes no value (Megatron's argparse refuses "
                                   f"{_flag(name)} {' '.join(value) if isinstance(value, list) else value}); "
                                   "write the flag alone to set it, leave it out to unset it")

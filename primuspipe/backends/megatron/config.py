@@ -177,8 +177,7 @@ class PrimusPipeConfig:
         strict.flag(self.offload, "offload")
         object.__setattr__(self, "split_probe", strict.count(self.split_probe, "split_probe (microbatches)", minimum=0))
         for name, check in _REPLAN_CHECKS.items():  # named as set here, then checked again as settings
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, check(getattr(self, name), name))
+            object.__setattr__(self, name, check(getattr(self, name), name))
         self.replan_settings()  # checks the rest (auto_replan, auto_replan_algorithms)
         if self.communication_method == BATCH_P2P:
             raise ConfigError("communication_method: batch_p2p is not supported: the runner posts each transfer as "
@@ -327,7 +326,7 @@ _REPLAN_CHECKS = {
                           ("auto_replan_verify", "verify_steps"))},
     "auto_replan_threshold": lambda value, what: strict.number(value, f"{what} (a share, e.g. 0.03)", minimum=0,
                                                                maximum=1),
-    "auto_replan_memory_limit": memory_limit,
+    "auto_replan_memory_limit": lambda value, what: None if value is None else memory_limit(value, what),
 }
 """The ``auto_replan_*`` numbers, each checked with :class:`ReplanSettings`' bounds under the name the config (or
 its variable) gives it, so a refusal names the setting as the user wrote it."""
@@ -342,7 +341,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     """One setting from YAML (typed) or the environment (text), checked strictly."""
     what = f"{source}: {name}"
     if name in _REPLAN_CHECKS:
-        return None if value is None and name == "auto_replan_memory_limit" else _REPLAN_CHECKS[name](value, what)
+        return _REPLAN_CHECKS[name](value, what)
     kind = {f.name: f.type for f in fields(PrimusPipeConfig)}[name]
     if value is None and ("None" in kind or kind == "Any"):
         return None
