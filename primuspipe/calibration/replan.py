@@ -86,17 +86,20 @@ class ReplanSettings:
     and measure under 1F1B's low memory, then train with the fastest split-backward schedule."""
 
     def __post_init__(self) -> None:
-        strict.flag(self.enabled, "auto_replan")
-        for name in ("warmup_steps", "probe", "verify_steps"):
-            object.__setattr__(self, name, strict.count(getattr(self, name), f"auto_replan {name}", minimum=0))
-        object.__setattr__(self, "measure_steps", strict.count(self.measure_steps, "auto_replan measure_steps",
-                                                               minimum=1))
+        object.__setattr__(self, "enabled", strict.flag(self.enabled, "auto_replan"))  # "no" is off, not truthy
+        object.__setattr__(self, "probe", strict.count(self.probe, "auto_replan probe", minimum=0))
+        for name, least in STEPS.items():
+            object.__setattr__(self, name, strict.count(getattr(self, name), f"auto_replan {name}", minimum=least,
+                                                        maximum=MAX_STEPS))
         object.__setattr__(self, "threshold", strict.number(self.threshold, "auto_replan threshold (a share, e.g. "
                                                             "0.03)", minimum=0, maximum=1))
         if self.memory_limit_bytes is not None:
             object.__setattr__(self, "memory_limit_bytes", strict.number(
                 self.memory_limit_bytes, "auto_replan memory_limit_bytes", above=0))
         if self.algorithms is not None:
+            if not isinstance(self.algorithms, (str, list, tuple)):
+                raise ConfigError(f"auto_replan algorithms must be names separated by commas or a list of names, got "
+                                  f"{strict.show(self.algorithms)}")
             names = self.algorithms.split(",") if isinstance(self.algorithms, str) else list(self.algorithms)
             names = [n.strip() if isinstance(n, str) else n for n in names]
             if not all(isinstance(n, str) and n for n in names):
@@ -135,10 +138,21 @@ class ReplanSettings:
             elif name == "memory_limit_bytes":
                 values[name] = memory_limit(text, what)
             elif name == "algorithms":
-                values[name] = text
+                try:
+                    values[name] = cls(algorithms=text).algorithms
+                except PrimusPipeError as exc:
+                    raise type(exc)(f"{what}: {exc}") from None
             else:
-                values[name] = strict.count(text, what, text=True, minimum=1 if name == "measure_steps" else 0)
+                values[name] = strict.count(text, what, text=True, minimum=STEPS[name], maximum=MAX_STEPS)
         return cls(**values)
+
+
+STEPS = {"warmup_steps": 0, "measure_steps": 1, "verify_steps": 0}
+""":class:`ReplanSettings`' counts of training steps, each with its least value."""
+MAX_STEPS = 100_000
+"""Most steps each of :data:`STEPS` may count: re-planning acts on a run's first steps, and each measured step runs
+the probe and keeps its timeline until the decision; a larger figure (``1e30`` steps, an exponent slip) left the
+run warming up or measuring for ever, silently."""
 
 
 MIN_MEMORY_LIMIT = 2.0**20

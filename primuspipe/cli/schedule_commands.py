@@ -31,12 +31,20 @@ from primuspipe.passes.validation import validate
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("list", help="list the registered algorithms and their options")
+    p = sub.add_parser("list", help="list the registered algorithms and their options",
+                       description="List every registered algorithm (built-in and from the primuspipe.algorithms entry "
+                                   "point): its placement, vpp and backward (fused BW or split B and W), the options "
+                                   "'-O KEY=VALUE' passes it with their defaults, and a summary.")
     p.set_defaults(handler=cmd_list)
 
     p = sub.add_parser("show", help="print an algorithm's schedule grid (and, for the zero-bubble and V-shape "
-                                    "family, which construction it chose and its simulated step)")
-    p.add_argument("algorithm")
+                                    "family, which construction it chose and its simulated step)",
+                       description="Build an algorithm's validated table for a shape and print it as a grid, one row "
+                                   "per rank in run order (F forward, B input-grad, W weight-grad, BW fused backward, "
+                                   "with communication unless --compute-only), or as a Graphviz dependency graph "
+                                   "(--graph). The zero-bubble and V-shape family also say which construction they "
+                                   "chose and its simulated step.")
+    p.add_argument("algorithm", help="a registered algorithm ('primuspipe list' names them)")
     add_shape_arguments(p)
     p.add_argument("--compute-only", action="store_true", help="hide communication nodes")
     p.add_argument("--graph", type=Path, nargs="?", const=Path("-"), metavar="FILE",
@@ -47,8 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_offload_arguments(p)
     p.set_defaults(handler=cmd_show)
 
-    p = sub.add_parser("export", help="write an algorithm's validated table as JSON, torch CSV or Primus's table form")
-    p.add_argument("algorithm")
+    p = sub.add_parser("export", help="write an algorithm's validated table as JSON, torch CSV or Primus's table form",
+                       description="Build an algorithm's table for a shape, validate it, and write it: primuspipe JSON "
+                                   "(lossless; what 'validate' and the backends read), torch.distributed.pipelining's "
+                                   "CSV, or the table lines Primus prints. Nothing is written if the table is "
+                                   "invalid.")
+    p.add_argument("algorithm", help="a registered algorithm ('primuspipe list' names them)")
     add_shape_arguments(p)
     p.add_argument("--format", choices=("json", "csv", "primus"), default="json",
                    help="json (lossless), torch.distributed.pipelining CSV (with a <file>.meta.json sidecar holding the "

@@ -124,6 +124,10 @@ class Timeline:
             if twice := next((key for key, n in seen.items() if n > 1), None):
                 raise TableFormatError(f"{where}: rank {rank.rank} runs {_part(twice)} {seen[twice]} times; a step runs "
                                        "each node once (a duplicated event or microbatch)")
+            posts = Counter(e.node for e in rank.events if not e.node.kind.is_compute)
+            if twice := next((node for node, n in posts.items() if n > 1), None):
+                raise TableFormatError(f"{where}: rank {rank.rank} posts {twice} {posts[twice]} times; a step moves each "
+                                       "activation and gradient once (a duplicated event)")
             for chunk in range(self.vpp):
                 for mb in range(self.microbatches):
                     for options in need:

@@ -88,7 +88,7 @@ from typing import Any
 from primuspipe import strict
 from primuspipe.errors import ConfigError
 from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION
-from primuspipe.ir.cost_parts import MAX_CONTENTION, MIN_SPEED, HostCost, Link, MemoryCost
+from primuspipe.ir.cost_parts import MAX_CONTENTION, MAX_SHARE, MIN_SPEED, HostCost, Link, MemoryCost
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import compute_kinds
 
@@ -200,7 +200,7 @@ def memory_section(data: Any, pp: int, vpp: int, source: str) -> MemoryCost:
                              f"{source}: memory.w_retained_fraction", minimum=0, maximum=1)
     offload = strict.number(mem.get("offload_fraction", OFFLOAD_FRACTION), f"{source}: memory.offload_fraction",
                             minimum=0, maximum=1)
-    shares = {key: strict.number(mem.get(key, 0.0), f"{source}: memory.{key}", minimum=0)
+    shares = {key: strict.number(mem.get(key, 0.0), f"{source}: memory.{key}", minimum=0, maximum=MAX_SHARE)
               for key in ("b_rise_fraction", "w_excess_fraction")}
     if "activation_bytes" not in mem:
         if set(mem) - {"w_retained_fraction", "offload_fraction", *shares}:

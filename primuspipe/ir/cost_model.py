@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from primuspipe import strict
 from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, cold_start_section, cost_keys, host_section,
                                      link_section, memory_section, merge_fixed, read_cost_file, split_fixed,
                                      split_stages, warm_stages)
-from primuspipe.ir.cost_parts import TIME_UNITS, HostCost, Link, MemoryCost, P2PCost
+from primuspipe.ir.cost_parts import MAX_SHARE, TIME_UNITS, HostCost, Link, MemoryCost, P2PCost
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
@@ -69,6 +69,9 @@ class CostModel:
     otherwise fuses its backwards holds a deferred W's inputs -- the split probe's), F, B or BW alike;
     0: none. Only :meth:`node_time` (the simulator) reads it; a schedule that splits every backward has
     no such window (measured on CPU, its F and B took the same with up to six Ws pending as with none)."""
+    source: str = field(default="", compare=False)
+    """Where the costs came from (a cost file's path, :meth:`from_dict`'s ``source``), for the simulator's
+    messages about them; empty when built in code."""
 
     def __post_init__(self) -> None:
         n = self.compute.num_stages
@@ -260,11 +263,11 @@ class CostModel:
             memory = memory_section(top.get("memory", {}), pp, vpp, source)
             other = {key: stages(key.upper(), comp[key]) for key in sorted(set(comp) - COMPUTE_FIELDS)}
             w = stages("W", comp["w"])
-            return cls.per_stage(
+            model = cls.per_stage(
                 pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), w, other=other, w_warm=warm(w),
                 bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
                 fb_overlap=number(comp, "fb_overlap", "compute.fb_overlap", 0.0, minimum=0, maximum=1),
-                probe_window=number(comp, "probe_window", "compute.probe_window", 0.0, minimum=0),
+                probe_window=number(comp, "probe_window", "compute.probe_window", 0.0, minimum=0, maximum=MAX_SHARE),
                 p2p=P2PCost(number(p2p, "message_bytes", "p2p.message_bytes", 0.0, minimum=0),
                             ranks_per_node=strict.count(p2p.get("ranks_per_node", 8), f"{source}: p2p.ranks_per_node",
                                                         minimum=1),
@@ -274,10 +277,23 @@ class CostModel:
                 host=host_section(top.get("host", {}), pp), cold_start=cold_start_section(comp.get("cold_start"), pp, vpp),
                 host_link=link_section(strict.keys(top.get("host_link", {}), f"{source}: host_link",
                                             {"latency", "bandwidth"}), f"{source}: host_link"),
-                fixed=tuple((key, *parts) for key, parts in sorted(fixed.items())),
+                fixed=tuple((key, *parts) for key, parts in sorted(fixed.items())), source=source,
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"bad value in the cost model: {exc}") from exc
+        model.check_cores(pp)
+        return model
+
+    def check_cores(self, pp: int) -> None:
+        """Refuse a ``host.background`` that leaves no core free for the ranks of one node of a ``pp``-rank
+        pipeline: the same for every algorithm (``host.message_cpu``, which depends on each table's messages,
+        is the simulator's to check), so it is refused once, naming the file, before any table is built."""
+        host, ranks = self.host, min(pp, self.p2p.ranks_per_node)
+        if host.cores is not None and host.background * ranks >= host.cores:
+            raise ConfigError(f"{self.source or 'cost model'}: host.background ({host.background:g} of a core per "
+                              f"rank) leaves no core free on a node of {ranks} ranks sharing host.cores "
+                              f"({host.cores:g}); lower host.background below {host.cores / ranks:g} or raise "
+                              "host.cores")
 
     @classmethod
     def load(cls, path: str | Path, *, pp: int, vpp: int) -> CostModel:

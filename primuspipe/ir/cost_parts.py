@@ -67,6 +67,10 @@ each time would not hold for the times the simulator runs)."""
 MAX_CONTENTION = 1e3
 """Largest ``host.contention``: it multiplies crowded work by ``1 + contention * (n - free)``; measured
 figures are below 1, and far larger ones take the simulated times past what a sum keeps."""
+MAX_SHARE = 1e3
+"""Largest ``compute.probe_window``, ``memory.b_rise_fraction`` and ``memory.w_excess_fraction``: shares that
+multiply a node's time or a microbatch's bytes; measured figures are below 1, and ``1e300`` took a step or a byte
+peak past what a sum keeps -- or, in a table that never runs a probe window or a split B, passed silently."""
 
 
 @dataclass(frozen=True)

@@ -165,14 +165,20 @@ def library_tile(gemm: Gemm, hardware: HardwareSpec) -> tuple[int, int]:
     return min(candidates, key=lambda tile: (slots(tile), -tile[0] * tile[1]))
 
 
-def shape_fraction(gemm: Gemm, hardware: HardwareSpec) -> float:
+def shape_fraction(gemm: Gemm, hardware: HardwareSpec, tile_rows: float = 1.0) -> float:
     """The share of the accelerator's GEMM efficiency (its MAMF) one GEMM of ``gemm``'s shape reaches:
     ``I / (I + gemm_half_intensity)`` with ``I = m n k / (m k + k n + m n)``, 1 without ``gemm_half_intensity``.
     The same in every precision: FP8 moves half the bytes per element at twice the rate, so a shape keeps
-    its units as busy against its operand traffic in either."""
+    its units as busy against its operand traffic in either.
+
+    ``m`` counts at least ``tile_rows`` (the output tile's rows): a GEMM with fewer rows than one tile (a few
+    tokens per expert; an average below one row under a capacity factor or load imbalance) still computes the
+    whole tile, which :func:`gemm_seconds` already prices as padding; taking its intensity from its few rows
+    as well counted the padding twice -- ``I`` near ``m``, so 0.8 rows cost 170 times a 128-row GEMM on H100
+    (84 ms) and fewer rows cost more. Every measured GEMM the curve is fitted to has ``m`` of a tile or more."""
     if hardware.gemm_half_intensity is None:
         return 1.0
-    m, n, k = gemm.m, gemm.n, gemm.k
+    m, n, k = max(gemm.m, tile_rows), gemm.n, gemm.k
     intensity = m * n * k / (m * k + k * n + m * n)
     return intensity / (intensity + hardware.gemm_half_intensity)
 
@@ -184,10 +190,10 @@ def gemm_seconds(gemm: Gemm, hardware: HardwareSpec, precision: str) -> float:
     peak = (h.fp8_peak_tflops() if gemm.fp8 else h.peak_bf16_tflops * slow) * 1e12
     if h.gemm_efficiency is None:
         return gemm.flops / (peak * h.achievable_fraction)
+    tile_m, tile_n = library_tile(gemm, h)
     efficiency = (h.mxfp8_gemm_efficiency if gemm.mxfp8 and h.mxfp8_gemm_efficiency is not None
                   else h.fp8_gemm_efficiency if gemm.fp8 and h.fp8_gemm_efficiency is not None
-                  else h.gemm_efficiency) * shape_fraction(gemm, h) * h.sustained_fraction
-    tile_m, tile_n = library_tile(gemm, h)
+                  else h.gemm_efficiency) * shape_fraction(gemm, h, tile_m) * h.sustained_fraction
     tiles = math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n)
     units = h.compute_units or tiles  # no unit count: no wave quantisation, only tile padding
     waves = grouped_waves(tiles, units, gemm.groups, gemm.kernel, gemm.streams)

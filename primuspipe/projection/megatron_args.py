@@ -20,9 +20,12 @@ its ``overrides`` on top.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import shlex
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -201,7 +204,8 @@ _LAUNCHER_GPUS = {"nproc_per_node": "per_node", "nproc-per-node": "per_node", "n
 
 def parse_argument_list(text: str, source: str = "the argument list") -> tuple[dict[str, Any], int | None]:
     """``--name value`` / ``--flag`` tokens (shell quoting and line continuations allowed) to a mapping
-    (a flag maps to True; values read as YAML scalars), and the world size when a launcher before the
+    (a flag maps to True; values stay text, read by :func:`_as_argparse_reads`, but for Primus's
+    underscored overrides, which Primus reads as YAML scalars), and the world size when a launcher before the
     training script (``torchrun --nnodes N --nproc-per-node G pretrain_gpt.py ...``) names it."""
     try:
         tokens = shlex.split(text.replace("\\\n", " "), comments=True)
@@ -236,10 +240,85 @@ def _options(tokens: list[str], raw: bool = False) -> dict[str, Any]:
         while not inline and i < len(tokens) and not tokens[i].startswith("--"):
             values.append(tokens[i])
             i += 1
-        parsed = [yaml.safe_load(v) for v in values]
+        if not raw and "_" in name:  # Primus's override style (--num_layers 8): its values are YAML scalars
+            values = [yaml.safe_load(v) for v in values]
         key = name if raw else name.replace("-", "_")
-        arguments[key] = True if not parsed else parsed[0] if len(parsed) == 1 else parsed
+        arguments[key] = True if not values else values[0] if len(values) == 1 else values
     return arguments
+
+
+_RESOLVED_TYPES = {"num_layers_per_virtual_pipeline_stage": int, "num_virtual_stages_per_pipeline_rank": int,
+                   "optimizer": str, "transformer_impl": str, "group_query_attention": bool}
+"""The types of the arguments the reader resolves itself (:data:`~primuspipe.projection.megatron_flags.RESOLVED`)."""
+
+
+@functools.cache
+def _spec_types() -> dict[str, Any]:
+    return {name: hint for cls in (TrainingSpec, ModelSpec) for name, hint in typing.get_type_hints(cls).items()
+            if name not in _IGNORED_MODEL_FIELDS}
+
+
+def _field_type(name: str) -> Any:
+    """The type of the spec field argument ``name`` sets (None: it sets none, so its text is not read); ``bool``
+    for Megatron's ``store_true`` flags, aliases with a fixed setting included."""
+    if name in _RESOLVED_TYPES:
+        return _RESOLVED_TYPES[name]
+    if name in ALIASES:
+        spec, field, setting = ALIASES[name]
+        if setting is not None:
+            return bool
+        name = field
+    return _spec_types().get(RENAMED.get(name, name))
+
+
+def _as_argparse_reads(arguments: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """An argument list's value texts (``--num-layers 32``: Megatron's own spelling, which its ``argparse``
+    parses; Primus's ``--num_layers 32`` overrides are read as YAML, as Primus reads them) read as Megatron's
+    ``argparse`` reads them: by the argument's type, ``int``
+    (``0x20`` and ``1e3`` are refused, not 32 and 1000), ``float`` (finite, as every primuspipe number),
+    ``store_true`` flags taking no value (``--bf16 no`` is refused, not fp32), text as text (``null`` is the
+    word, not a missing value). Reading them as YAML scalars -- what a YAML file's values are -- gave another
+    run than the one the list launches. Arguments the projection does not read keep their text."""
+    typed: dict[str, Any] = {}
+    for name, value in arguments.items():
+        hint = _field_type(name)
+        if not isinstance(value, (str, list)) or hint is None:  # a switch, a Primus override's YAML value, unread
+            typed[name] = value
+            continue
+        flag = f"{source}: {_flag(name)}"
+        if hint is bool:
+            if name in MEGATRON_FLAGS or name in ALIASES:
+                raise ConfigError(f"{flag} is a switch and takes no value (Megatron's argparse refuses "
+                                  f"{_flag(name)} {' '.join(value) if isinstance(value, list) else value}); "
+                                  "write the flag alone to set it, leave it out to unset it")
+            typed[name] = strict.flag(value, flag)
+            continue
+        if _is_list(hint) and not isinstance(value, list):
+            value = [value]  # nargs='*' / '+': one value is a list of one
+        typed[name] = [_as_type(hint, v, flag) for v in value] if isinstance(value, list) else _as_type(hint, value, flag)
+    return typed
+
+
+def _is_list(hint: Any) -> bool:
+    """Whether ``hint`` is a list field's (``tuple[X, ...]``, or it or None) and nothing else."""
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)] if typing.get_origin(hint) in (
+        typing.Union, types.UnionType) else [hint]
+    return len(kinds) == 1 and typing.get_origin(kinds[0]) is tuple
+
+
+def _as_type(hint: Any, text: str, flag: str) -> Any:
+    """One value text as ``hint`` (a spec field's annotation; of a list field, its entries') reads it (a Primus
+    override's value is YAML's already)."""
+    if not isinstance(text, str):
+        return text
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)] if typing.get_origin(hint) in (
+        typing.Union, types.UnionType) else [hint]
+    kinds = [typing.get_args(k)[0] if typing.get_origin(k) is tuple else k for k in kinds]
+    if int in kinds and (len(kinds) == 1 or strict.NUMBER_TEXT.fullmatch(text.strip())):
+        return strict.count(text, flag, text=True)
+    if float in kinds:
+        return strict.number(text, flag)
+    return text
 
 
 def from_arguments(text: str, source: str) -> tuple[ModelSpec, TrainingSpec]:
@@ -250,7 +329,7 @@ def from_arguments(text: str, source: str) -> tuple[ModelSpec, TrainingSpec]:
 
 def read_arguments(text: str, source: str) -> MegatronConfig:
     arguments, world = parse_argument_list(text, source)
-    return split_arguments(arguments, source, world)
+    return split_arguments(_as_argparse_reads(arguments, source), source, world)
 
 
 def load_megatron_config(path: str | Path) -> tuple[ModelSpec, TrainingSpec]:
@@ -272,6 +351,11 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
     if not isinstance(modules, Mapping):
         return split_arguments(_primus_values(data), str(path))
     arguments: dict[str, Any] = dict(PRIMUS_MODULE_DEFAULTS)
+    naming = [name for name, module in modules.items() if isinstance(module, Mapping) and module.get("model") is not None]
+    if len(naming) > 1:  # one run trains one model: which file the projection read would be an accident of order
+        named = ", ".join(f"{n} (model: {modules[n]['model']})" for n in naming)
+        raise ConfigError(f"{path}: modules {named} each "
+                          "name a model; one configuration projects one model: keep the model: of one module")
     for name, module in modules.items():
         if not isinstance(module, Mapping):
             continue

@@ -93,7 +93,8 @@ class _SharedCores:
         taken = message_cores or [0.0] * nodes  # per node: the share of cores its ranks' messages take
         self.free = [cost.host.cores - cost.host.background * node_of.count(n) - taken[n] for n in range(nodes)]
         if any(f <= 0 for f in self.free):
-            raise SimulationError(f"host.background ({cost.host.background:g} of a core per rank) with host.message_cpu "
+            raise SimulationError(f"{cost.source or 'cost model'}: host.background ({cost.host.background:g} of a core "
+                                  f"per rank) with host.message_cpu "
                                   f"({cost.host.message_cpu:g} per message) leaves no core free on a node of "
                                   f"{max(map(node_of.count, range(nodes)))} ranks sharing host.cores "
                                   f"({cost.host.cores:g}); lower host.background or host.message_cpu or raise "

@@ -25,7 +25,7 @@ UNIT = 2 * 128 * 128 / (100e12 * 0.5)  # seconds of one tile per unit of k at th
     (300, 300, 300, 0.5),        # I = 300^3 / (3 * 300^2) = 100 = the half intensity
     (600, 600, 600, 2 / 3),      # I = 200
     (1200, 1200, 1200, 0.8),     # I = 400
-    (100, 400, 400, 0.4),        # I = 16e6 / (40e3 + 160e3 + 40e3) = 66.7; 66.7 / 166.7
+    (400, 100, 400, 0.4),        # I = 16e6 / (160e3 + 40e3 + 40e3) = 66.7; 66.7 / 166.7
 ])
 def test_the_curve_at_hand_computed_shapes(m, n, k, fraction):
     assert shape_fraction(Gemm(m, n, k), HW) == pytest.approx(fraction)
@@ -36,6 +36,14 @@ def test_the_curve_at_hand_computed_shapes(m, n, k, fraction):
         gemm = Gemm(m, n, k, fp8=fp8)
         assert gemm_seconds(gemm, HW, "bf16") == pytest.approx(gemm_seconds(gemm, flat, "bf16") / fraction)
     assert gemm_seconds(Gemm(300, 300, 300), HW, "bf16") == pytest.approx(3 * 4 * UNIT * 300 / 0.5)
+
+
+def test_rows_below_one_tile_take_the_tiles_intensity():
+    """A GEMM of fewer rows than a tile computes the whole tile (the padding is in the waves), so its intensity is
+    the tile's: 100 rows price as 128, and 0.8 rows (an average per expert) no more -- not 1 / I times more."""
+    assert shape_fraction(Gemm(100, 400, 400), HW, 128) == shape_fraction(Gemm(128, 400, 400), HW)
+    times = [gemm_seconds(Gemm(m, 400, 400), HW, "bf16") for m in (0.01, 0.8, 1, 17, 100, 128)]
+    assert times == [times[-1]] * len(times)
 
 
 def test_the_curve_rises_with_every_dimension_and_saturates_at_the_mamf():

@@ -180,6 +180,6 @@ def test_primus_style_yaml_reads_overrides(tmp_path):
 
 
 def test_a_bad_layers_per_virtual_stage_is_named():
-    with pytest.raises(ConfigError, match="exp: num_layers_per_virtual_pipeline_stage must be an integer"):
+    with pytest.raises(ConfigError, match="exp: --num-layers-per-virtual-pipeline-stage must be an integer"):
         from_arguments("--num-layers 8 --hidden-size 8 --num-attention-heads 2 --seq-length 4 --vocab-size 10 "
                        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2.5", "exp")

@@ -75,10 +75,11 @@ def test_rich_table_marks_algorithms_over_the_limit_and_lists_refusals(capsys):
     assert "not simulated: dualpipe-v (vpp=2)" in out
 
 
-def test_single_refused_algorithm_fails(capsys):
+def test_single_refused_algorithm_fails_with_one_error_line_even_with_json(capsys):
     assert main(["simulate", "-a", "1f1b", "--pp", "4", "--vpp", "2", "-m", "8", "--json"]) == 1
-    [row] = json.loads(capsys.readouterr().out)["results"]
-    assert "needs vpp = 1" in row["error"]
+    captured = capsys.readouterr()
+    [line] = [line for line in captured.err.splitlines() if line.startswith("error: ")]
+    assert "needs vpp = 1" in line and not captured.out
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from primuspipe.calibration.replan import ENV_NAMES as REPLAN_ENV_NAMES, ReplanSettings, memory_limit
+from primuspipe.calibration.replan import ENV_NAMES as REPLAN_ENV_NAMES, MAX_STEPS as MAX_REPLAN_STEPS, STEPS as REPLAN_STEPS
+from primuspipe.calibration.replan import ReplanSettings, memory_limit
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost, read_cost_file
@@ -175,9 +176,9 @@ class PrimusPipeConfig:
         strict.flag(self.debug_scheduler_table, "debug_scheduler_table")
         strict.flag(self.offload, "offload")
         object.__setattr__(self, "split_probe", strict.count(self.split_probe, "split_probe (microbatches)", minimum=0))
-        self.replan_settings()  # checks the auto_replan_* values
-        if self.auto_replan_memory_limit is not None:
-            memory_limit(self.auto_replan_memory_limit, "auto_replan_memory_limit")
+        for name, check in _REPLAN_CHECKS.items():  # named as set here, then checked again as settings
+            object.__setattr__(self, name, check(getattr(self, name), name))
+        self.replan_settings()  # checks the rest (auto_replan, auto_replan_algorithms)
         if self.communication_method == BATCH_P2P:
             raise ConfigError("communication_method: batch_p2p is not supported: the runner posts each transfer as "
                               "its own non-blocking send/receive, the order its deadlock proof relies on; use "
@@ -318,6 +319,17 @@ _ENV_NAMES = {
     "auto_replan_algorithms": REPLAN_ENV_NAMES["algorithms"],
     "auto_replan_verify": REPLAN_ENV_NAMES["verify_steps"],
 }
+_REPLAN_CHECKS = {
+    **{key: lambda value, what, least=REPLAN_STEPS[field]: strict.count(value, what, text=True, minimum=least,
+                                                                         maximum=MAX_REPLAN_STEPS)
+       for key, field in (("auto_replan_warmup", "warmup_steps"), ("auto_replan_steps", "measure_steps"),
+                          ("auto_replan_verify", "verify_steps"))},
+    "auto_replan_threshold": lambda value, what: strict.number(value, f"{what} (a share, e.g. 0.03)", minimum=0,
+                                                               maximum=1),
+    "auto_replan_memory_limit": lambda value, what: None if value is None else memory_limit(value, what),
+}
+"""The ``auto_replan_*`` numbers, each checked with :class:`ReplanSettings`' bounds under the name the config (or
+its variable) gives it, so a refusal names the setting as the user wrote it."""
 _SCHEDULE_KEYWORDS = ("cost", "memory_limit")
 """``algorithm_options`` keys that go to ``build_schedule`` itself, not to the algorithm."""
 OTHER_VARIABLES = frozenset({"PRIMUSPIPE_CONFIG", "PRIMUSPIPE_DEMO_DIR", "PRIMUSPIPE_NCCL_EMULATION"})
@@ -328,6 +340,8 @@ Any other ``PRIMUSPIPE_*`` variable is refused as a misspelling (an unknown YAML
 def _coerce(name: str, value: Any, source: str) -> Any:
     """One setting from YAML (typed) or the environment (text), checked strictly."""
     what = f"{source}: {name}"
+    if name in _REPLAN_CHECKS:
+        return _REPLAN_CHECKS[name](value, what)
     kind = {f.name: f.type for f in fields(PrimusPipeConfig)}[name]
     if value is None and ("None" in kind or kind == "Any"):
         return None

@@ -108,6 +108,8 @@ class TorchPipeline:
         if settings.enabled and offloads:
             raise ConfigError("auto_replan cannot re-plan a table with OFFLOAD nodes (the candidates are built "
                               "without the offload pass); turn one of them off")
+        if settings.enabled:  # the table is known now: candidates of another layout fail here, not at the first step
+            settings.check_layout(self.table)
         self.replanner = replanner_for(settings, self.group, self.device, dump_dir)
         self.running_table = self.table
         """The table training steps run now: :attr:`table`, or what re-planning switched to."""
