@@ -255,7 +255,7 @@ def train(schedule, spec_for, args, pp: int, vpp: int, device, save: bool = True
 
     result = compare.train(schedule, spec_for, pp, vpp, args.iterations, device,
                            load=args.load, save=args.save if save else None,
-                           manual_gc_interval=args.manual_gc_interval if args.manual_gc else None)
+                           manual_gc_interval=args.manual_gc_interval if args.manual_gc else None, grads_kept=1)
     losses = []
     for out in result.losses:
         if out:

@@ -290,13 +290,19 @@ def manual_gc(interval: int | None):
 
 def train(schedule: Callable, spec_for: Callable[[int], StepSpec], pp: int, vpp: int, iterations: int,
           device: torch.device | None = None, model=None, load: str | None = None,
-          save: str | None = None, manual_gc_interval: int | None = None) -> TrainResult:
+          save: str | None = None, manual_gc_interval: int | None = None,
+          grads_kept: int | None = None) -> TrainResult:
     """Training steps up to iteration ``iterations`` as Megatron's loop takes them: zero the grad buffers
     and the optimizer, the forward-backward call, the optimizer step. Iteration ``i`` draws
     ``spec_for(i)``'s data; the model (``spec_for(0)``'s, or ``model`` = what :func:`build` returned)
     and the optimizer are built once. ``load``: start from that checkpoint (:func:`load_checkpoint`, any
     schedule saved it) at its iteration; ``save``: save one there after the last step.
-    ``manual_gc_interval``: Python's garbage collector as :func:`manual_gc` runs it (None: automatic)."""
+    ``manual_gc_interval``: Python's garbage collector as :func:`manual_gc` runs it (None: automatic).
+    ``grads_kept``: keep the gradients of the first that many iterations only (None: every iteration's). Each
+    kept iteration holds a copy of the rank's gradients -- a model's worth of memory a step (13 MB at the
+    prediction benches' hidden 256, pp = 2) -- which a long timed run must not grow by: the growing heap
+    slowed later steps' backwards by 5-15 % at pp = 4 on a 2-core host, which no measurement of the early
+    steps could predict (docs/replanning.md)."""
     spec = spec_for(0)
     config, chunks, wrapped = model if model is not None else build(spec, pp, vpp, device)
     optimizer = make_optimizer(spec, wrapped)
@@ -309,7 +315,8 @@ def train(schedule: Callable, spec_for: Callable[[int], StepSpec], pp: int, vpp:
             optimizer.zero_grad()
             losses, seconds = call_schedule(schedule, spec_for(it), wrapped, device)
             result.losses.append([_detach(loss) for loss in losses])
-            result.grads.append(param_grads(chunks, ddp=True, shards=True))
+            if grads_kept is None or len(result.grads) < grads_kept:
+                result.grads.append(param_grads(chunks, ddp=True, shards=True))
             result.step_times.append(seconds)
             optimizer.step()
             step_done(it)
