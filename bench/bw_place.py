@@ -17,7 +17,13 @@ first (its cold start, timed apart), so per pp and rank, on the thread CPU clock
 * **calibrated**: per run that stayed on 1F1B, each stage's ``compute.bw`` and ``compute.f`` calibrated from the
   probed steps (what the decision used) over the same calibrated from the run's plain steps, and plain 1F1B's
   step simulated under the first over the same under the second (both CPU-time calibrations of one run, so
-  less moved by other jobs than the run's measured step).
+  less moved by other jobs than the run's measured step); and that ``compute.bw`` ratio cut in two at the first
+  plain step (the one right after the probed ones): probed over first plain (what the probe's place and the
+  probe itself change) times first plain over the later plain steps (how the plain steps' BW moved on as the run
+  went on), with each plain step's span over the first's;
+* **by iteration**: per pp, each dumped iteration's BWs (all but the first of a step, fused ones only in a probed
+  step) over the median of their run and rank, mean and share above 1.2: whether BW's cost drifts with the step
+  index rather than with the table.
 """
 
 from __future__ import annotations
@@ -42,14 +48,13 @@ from primuspipe.passes.split_probe import probed_microbatches  # noqa: E402
 COMPUTE = re.compile(r"^(F|BW|B|W)(\d+)\.0$")
 
 
-def plain_steps(dumps: list[Path], first_plain: int):
-    """``(pp, microbatches, ranks)`` per plain 1F1B step: ``ranks`` is per rank ``[(kind, microbatch, start, end,
-    cpu)]`` of its compute nodes in order, on the wall clock (``t0_unix`` + offsets) and the thread CPU clock."""
+def dumped_steps(dumps: list[Path]):
+    """``(run, iteration, pp, microbatches, ranks)`` per dumped vpp = 1 step: ``ranks`` is per rank ``[(kind,
+    microbatch, start, end, cpu)]`` of its compute nodes in order, on the wall clock (``t0_unix`` + offsets) and the
+    thread CPU clock."""
     for dump in dumps:
         for run in sorted(dump.glob("pp*-run*")):
             for step in sorted(run.glob("iter_*")):
-                if int(step.name.removeprefix("iter_")) < first_plain:
-                    continue
                 ranks, shape = [], None
                 for path in sorted(step.glob("rank_*.json")):
                     data = json.loads(path.read_text())
@@ -58,8 +63,33 @@ def plain_steps(dumps: list[Path], first_plain: int):
                     ranks.append([(m.group(1), int(m.group(2)), t0 + e["start"], t0 + e["end"],
                                    e["cpu"][1] - e["cpu"][0])
                                   for e in rank["events"] if (m := COMPUTE.match(e["node"]))])
-                if shape and shape[2] == 1 and all(kind in ("F", "BW") for nodes in ranks for kind, *_ in nodes):
-                    yield shape[0], shape[1], ranks
+                if shape and shape[2] == 1:
+                    yield run, int(step.name.removeprefix("iter_")), shape[0], shape[1], ranks
+
+
+def plain_steps(dumps: list[Path], first_plain: int):
+    """``(pp, microbatches, ranks)`` per plain 1F1B step (:func:`dumped_steps`) from iteration ``first_plain`` on."""
+    for _, iteration, pp, m, ranks in dumped_steps(dumps):
+        if iteration >= first_plain and all(kind in ("F", "BW") for nodes in ranks for kind, *_ in nodes):
+            yield pp, m, ranks
+
+
+def by_iteration(dumps: list[Path]) -> list[dict]:
+    """Per pp and iteration, the BWs but each step's first over the median of their run and rank: mean and the
+    share above 1.2 (the steps' spikes)."""
+    steps = list(dumped_steps(dumps))
+    level: dict[tuple, list[float]] = defaultdict(list)
+    for run, _, _, _, ranks in steps:
+        for rank, nodes in enumerate(ranks):
+            level[(run, rank)] += [cpu for kind, mb, *_, cpu in nodes if kind == "BW" and mb > 0]
+    middle = {key: statistics.median(v) for key, v in level.items() if v}
+    ratios: dict[tuple, list[float]] = defaultdict(list)
+    for run, iteration, pp, _, ranks in steps:
+        for rank, nodes in enumerate(ranks):
+            ratios[(pp, iteration)] += [cpu / middle[(run, rank)] for kind, mb, *_, cpu in nodes if kind == "BW" and mb > 0]
+    return [{"pp": pp, "iteration": iteration, "bw_over_median": round(statistics.fmean(v), 3),
+             "share_above_1.2": round(sum(x > 1.2 for x in v) / len(v), 3), "n": len(v)}
+            for (pp, iteration), v in sorted(ratios.items()) if v]
 
 
 def calibrated(dumps: list[Path], warmup: int, measure: int) -> list[dict]:
@@ -76,13 +106,18 @@ def calibrated(dumps: list[Path], warmup: int, measure: int) -> list[dict]:
             first = plain[0]
             running = build_schedule("1f1b", pp=first.pp, microbatches=first.microbatches)
             settings = ReplanSettings(enabled=True)
-            a, b = (measure_costs(steps_, warmup=0) for steps_ in (probed, plain))
+            a, b, early, later = (measure_costs(steps_, warmup=0) for steps_ in (probed, plain, plain[:1], plain[1:]))
             predicted, own = (decide(steps_, running, settings).running_step_time for steps_ in (probed, plain))
-            out.append({"run": f"{dump.name}/{run.name}", "pp": first.pp,
-                        "bw_probed_over_plain": [round(x / y, 3) for x, y in zip(a.fused_backward, b.fused_backward)],
+
+            def bw(x, y) -> list[float]:
+                return [round(p / q, 3) for p, q in zip(x.fused_backward, y.fused_backward)]
+
+            out.append({"run": f"{dump.name}/{run.name}", "pp": first.pp, "bw_probed_over_plain": bw(a, b),
                         "f_probed_over_plain": [round(x / y, 3) for x, y in zip(a.forward, b.forward)],
                         "replay_probed_over_plain": round(predicted / own - 1, 4),
-                        "cores_probed_plain": [a.cores, b.cores]})
+                        "cores_probed_plain": [a.cores, b.cores], "bw_probed_over_first_plain": bw(a, early),
+                        "bw_first_plain_over_later": bw(early, later),
+                        "step_over_first_plain": [round(t.step_time / first.step_time, 3) for t in plain]})
     return out
 
 
@@ -128,6 +163,7 @@ def main() -> None:
               "samples_over_plain": [{"pp": pp, "rank": rank, "fused": name, "median": round(statistics.median(v), 3),
                                       "n": len(v)} for (pp, rank, name), v in sorted(samples.items())]}
     report["calibrated"] = calibrated(args.dumps, args.warmup, args.measure)
+    report["by_iteration"] = by_iteration(args.dumps)
     for row in report["place_ms"]:
         print(f"pp={row['pp']} rank {row['rank']} {row['where']:>9} ({row['crowding']}): {row['median_cpu_ms']} ms "
               f"(n={row['n']})")
@@ -136,7 +172,12 @@ def main() -> None:
               f"(n={row['n']})")
     for row in report["calibrated"]:
         print(f"{row['run']}: compute.bw probed / plain {row['bw_probed_over_plain']}, compute.f "
-              f"{row['f_probed_over_plain']}; plain 1F1B replayed {row['replay_probed_over_plain']:+.1%}")
+              f"{row['f_probed_over_plain']}; plain 1F1B replayed {row['replay_probed_over_plain']:+.1%}; compute.bw "
+              f"probed / first plain {row['bw_probed_over_first_plain']}, first plain / later "
+              f"{row['bw_first_plain_over_later']}; plain steps / the first {row['step_over_first_plain']}")
+    for row in report["by_iteration"]:
+        print(f"pp={row['pp']} iteration {row['iteration']}: BW {row['bw_over_median']:.3f} of its run and rank's "
+              f"median, {row['share_above_1.2']:.0%} above 1.2 (n={row['n']})")
     if args.output:
         args.output.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.output}")
