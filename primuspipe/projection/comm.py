@@ -297,7 +297,7 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
     the compute shows, as for the reduction; no gather is left for the step's end."""
     t, net = training, Collectives(hardware)
     grad_bytes = t.main_grad_bytes  # mixed precision accumulates and reduces in fp32 unless told otherwise
-    weight_bytes = 4 if t.precision == "fp32" else 2
+    weight_bytes = 4 if t.precision == "fp32" else gathered_weight_bytes(t)
     span = t.tp * t.cp * t.dp
     groups = ((params.dense, t.dense_data_parallel_size), (params.expert, t.expert_data_parallel_size))
     reduce = gather = 0.0
@@ -320,6 +320,16 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
             else 2 * gather * t.microbatches
         return gather + tied + reduce
     return (_hidden_under(gather, tail, forward_s) if t.overlap_param_gather else gather) + tied + reduce
+
+
+def gathered_weight_bytes(training: TrainingSpec) -> int:
+    """Bytes per weight the data-parallel weight all-gather moves under mixed precision. With FP8 weights
+    (``fp8_param_gather``) megatron-core keeps a tensor-scaled FP8 weight's bucket as ``torch.uint8``
+    (``distributed/distributed_data_parallel.py``: a ``Float8Tensor``'s data "is stored in the form of a torch
+    uint8 tensor", so its buffer is uint8) and gathers one byte; MXFP8 weights are gathered in BF16 into the
+    gradient buffer and cast to MXFP8 as they are copied out (``reuse_grad_buf_for_mxfp8_param_ag``,
+    ``param_and_grad_buffer.py``), two bytes."""
+    return 1 if training.fp8_param_gather and training.fp8_recipe != "mxfp8" else 2
 
 
 def _hidden_under(collective: float, tail: float, compute: float) -> float:

@@ -131,6 +131,16 @@ def test_pipeline_link_and_gradient_sync():
     assert gradient_sync(params, plain, HW) == pytest.approx(net.all_reduce(4e9, 8, 8))
 
 
+@pytest.mark.parametrize("recipe, gathered", [("delayed", 1e9), ("tensorwise", 1e9), ("mxfp8", 2e9)])
+def test_fp8_weights_are_gathered_as_megatron_core_buffers_them(recipe, gathered):
+    """``fp8_param_gather``: a tensor-scaled FP8 weight's bucket is uint8 (one byte a weight gathered); MXFP8
+    weights are gathered in BF16 and cast as they are copied out (two)."""
+    params, net = ParamCount(dense=10**9), Collectives(HW)
+    dp = dataclasses.replace(TRAINING, data_parallel_size=8, global_batch_size=32, overlap_grad_reduce=False,
+                             fp8_format="e4m3", fp8_recipe=recipe, fp8_param_gather=True)
+    assert gradient_sync(params, dp, HW) == pytest.approx(net.gather(4e9, 8, 8) + net.gather(gathered, 8, 8))
+
+
 @pytest.mark.parametrize("experts,ep,dispatcher,permutations", [
     (16, 8, "alltoall", 2), (8, 8, "alltoall", 1), (16, 8, "flex", 1), (16, 1, "alltoall", 1)])
 def test_the_all_to_all_dispatcher_sorts_received_copies_by_local_expert(experts, ep, dispatcher, permutations):
