@@ -86,13 +86,9 @@ class ReplanSettings:
     and measure under 1F1B's low memory, then train with the fastest split-backward schedule."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "enabled", strict.flag(self.enabled, "auto_replan"))  # "no" is off, not truthy
-        object.__setattr__(self, "probe", strict.count(self.probe, "auto_replan probe", minimum=0))
-        for name, least in STEPS.items():
-            object.__setattr__(self, name, strict.count(getattr(self, name), f"auto_replan {name}", minimum=least,
-                                                        maximum=MAX_STEPS))
-        object.__setattr__(self, "threshold", strict.number(self.threshold, "auto_replan threshold (a share, e.g. "
-                                                            "0.03)", minimum=0, maximum=1))
+        for name in ("enabled", "probe", *STEPS, "threshold"):  # "no" is off, not truthy
+            object.__setattr__(self, name, checked_setting(name, getattr(self, name),
+                                                           "auto_replan" if name == "enabled" else f"auto_replan {name}"))
         if self.memory_limit_bytes is not None:
             object.__setattr__(self, "memory_limit_bytes", strict.number(
                 self.memory_limit_bytes, "auto_replan memory_limit_bytes", above=0))
@@ -131,11 +127,7 @@ class ReplanSettings:
             if (text := env.get(var)) is None:
                 continue
             what = f"environment variable {var}"
-            if name == "enabled":
-                values[name] = strict.flag(text, what)
-            elif name == "threshold":
-                values[name] = strict.number(text, f"{what} (a share, e.g. 0.03)", minimum=0, maximum=1)
-            elif name == "memory_limit_bytes":
+            if name == "memory_limit_bytes":
                 values[name] = memory_limit(text, what)
             elif name == "algorithms":
                 try:
@@ -143,7 +135,7 @@ class ReplanSettings:
                 except PrimusPipeError as exc:
                     raise type(exc)(f"{what}: {exc}") from None
             else:
-                values[name] = strict.count(text, what, text=True, minimum=STEPS[name], maximum=MAX_STEPS)
+                values[name] = checked_setting(name, text, what, text=True)
         return cls(**values)
 
 
@@ -153,6 +145,19 @@ MAX_STEPS = 100_000
 """Most steps each of :data:`STEPS` may count: re-planning acts on a run's first steps, and each measured step runs
 the probe and keeps its timeline until the decision; a larger figure (``1e30`` steps, an exponent slip) left the
 run warming up or measuring for ever, silently."""
+
+
+def checked_setting(name: str, value: Any, what: str, text: bool = False) -> Any:
+    """One of :class:`ReplanSettings`' flag and number fields (``name``: ``enabled``, ``probe``, a :data:`STEPS`
+    count or ``threshold``) checked with its bounds under the name the user gave it (``what``: a config key, an
+    environment variable); ``text``: a count may be digit text (environment, config values)."""
+    if name == "enabled":
+        return strict.flag(value, what)
+    if name == "threshold":
+        return strict.number(value, f"{what} (a share, e.g. 0.03)", minimum=0, maximum=1)
+    if name == "probe":
+        return strict.count(value, what, text=text, minimum=0)
+    return strict.count(value, what, text=text, minimum=STEPS[name], maximum=MAX_STEPS)
 
 
 MIN_MEMORY_LIMIT = 2.0**20

@@ -299,10 +299,16 @@ def _as_argparse_reads(arguments: Mapping[str, Any], source: str) -> dict[str, A
     return typed
 
 
+def _alternatives(hint: Any) -> list[Any]:
+    """The types a spec field's annotation allows, None aside (``int | None`` -> ``[int]``)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return [k for k in typing.get_args(hint) if k is not type(None)]
+    return [hint]
+
+
 def _is_list(hint: Any) -> bool:
     """Whether ``hint`` is a list field's (``tuple[X, ...]``, or it or None) and nothing else."""
-    kinds = [k for k in typing.get_args(hint) if k is not type(None)] if typing.get_origin(hint) in (
-        typing.Union, types.UnionType) else [hint]
+    kinds = _alternatives(hint)
     return len(kinds) == 1 and typing.get_origin(kinds[0]) is tuple
 
 
@@ -311,9 +317,7 @@ def _as_type(hint: Any, text: str, flag: str) -> Any:
     override's value is YAML's already)."""
     if not isinstance(text, str):
         return text
-    kinds = [k for k in typing.get_args(hint) if k is not type(None)] if typing.get_origin(hint) in (
-        typing.Union, types.UnionType) else [hint]
-    kinds = [typing.get_args(k)[0] if typing.get_origin(k) is tuple else k for k in kinds]
+    kinds = [typing.get_args(k)[0] if typing.get_origin(k) is tuple else k for k in _alternatives(hint)]
     if int in kinds and (len(kinds) == 1 or strict.NUMBER_TEXT.fullmatch(text.strip())):
         return strict.count(text, flag, text=True)
     if float in kinds:

@@ -41,8 +41,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from primuspipe.calibration.replan import ENV_NAMES as REPLAN_ENV_NAMES, MAX_STEPS as MAX_REPLAN_STEPS, STEPS as REPLAN_STEPS
-from primuspipe.calibration.replan import ReplanSettings, memory_limit
+from primuspipe.calibration.replan import ENV_NAMES as REPLAN_ENV_NAMES, ReplanSettings, checked_setting, memory_limit
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost, read_cost_file
@@ -320,12 +319,9 @@ _ENV_NAMES = {
     "auto_replan_verify": REPLAN_ENV_NAMES["verify_steps"],
 }
 _REPLAN_CHECKS = {
-    **{key: lambda value, what, least=REPLAN_STEPS[field]: strict.count(value, what, text=True, minimum=least,
-                                                                         maximum=MAX_REPLAN_STEPS)
+    **{key: lambda value, what, field=field: checked_setting(field, value, what, text=True)
        for key, field in (("auto_replan_warmup", "warmup_steps"), ("auto_replan_steps", "measure_steps"),
-                          ("auto_replan_verify", "verify_steps"))},
-    "auto_replan_threshold": lambda value, what: strict.number(value, f"{what} (a share, e.g. 0.03)", minimum=0,
-                                                               maximum=1),
+                          ("auto_replan_verify", "verify_steps"), ("auto_replan_threshold", "threshold"))},
     "auto_replan_memory_limit": lambda value, what: None if value is None else memory_limit(value, what),
 }
 """The ``auto_replan_*`` numbers, each checked with :class:`ReplanSettings`' bounds under the name the config (or
