@@ -46,7 +46,7 @@ shapes=("a:--num-layers 6 --hidden-size 1024 --ffn-hidden-size 4096 --num-attent
 
 if want 1; then
 part "1. gpu-marked tests"
-timeout 150 $py -m pytest -q -m gpu -p no:cacheprovider tests/runtime tests/offload tests/megatron/test_te_gpu.py \
+timeout 150 $py -m pytest -q -m gpu -p no:cacheprovider tests/runtime tests/offload tests/megatron/test_te_gpu.py tests/projection/test_benchmark.py \
   2>&1 | tee "$out/gpu_tests.log" | tail -n 3 | tee -a "$out/summary.txt"
 
 fi
