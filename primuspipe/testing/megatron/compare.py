@@ -147,8 +147,16 @@ def make_optimizer(spec: StepSpec, model: list):
 
 
 def batches(spec: StepSpec, device: torch.device | None = None):
+    """The step's microbatches on ``device``. To a GPU they go as Megatron's data loader sends them (pinned
+    host memory, ``non_blocking``): a copy from pageable memory waits for the stream, so each microbatch would
+    start from an empty queue -- idle GPU time a lent H100 showed growing with the sequence length (the
+    s x s mask), which no training run has (docs/projection.md)."""
+    cuda = device is not None and device.type == "cuda"
     for batch in tiny_models.synthetic_batches(spec.model, spec.num_microbatches, seed=spec.seed):
-        yield batch if device is None else {k: v.to(device) for k, v in batch.items()}
+        if device is None:
+            yield batch
+        else:
+            yield {k: (v.pin_memory() if cuda else v).to(device, non_blocking=cuda) for k, v in batch.items()}
 
 
 def call_schedule(schedule: Callable, spec: StepSpec, model, device: torch.device | None = None) -> tuple[list, float]:
