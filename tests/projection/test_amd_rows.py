@@ -256,3 +256,35 @@ def test_the_primus_blog_70b_rows_run_amds_eight_node_commands():
     assert row["verdict"] != "OOM"
     everything = project_run(dataclasses.replace(bf16, training={**bf16.training, "recompute_num_layers": 80}))
     assert 1.15 < row["projected_tokens_per_s_per_gpu"] / everything["projected_tokens_per_s_per_gpu"] < 1.35
+
+
+MLPERF_MI355X = "mlperf51-{}-mi355x-llama3.1-8b-fp8-8"
+
+
+def test_amds_mlperf_llama_runs_transformer_engines_cross_entropy_where_its_megatron_says_so():
+    """AMD's MLPerf v5.1 Llama 3.1 8B code leaves the loss kernel to megatron-core's default (NeMo v2.5.0rc0's
+    GPTConfig turns the fusion on and sets no ``cross_entropy_fusion_impl``), and the ROCm Megatron-LM commit its
+    Dockerfile pins (5c34c4cf, ``model_parallel_config.py`` line 220) defaults to ``te``: the row runs Transformer
+    Engine's Triton kernels, 3e and 2e bytes a logit where megatron-core's compiled regions move e + 20 and 10, and
+    keeps no fp32 softmax. The partners' runs pin ROCm Megatron-LM 075b4c00, whose default could not be read: they
+    keep upstream's ``native``, marked assumed."""
+    from primuspipe.projection.compute import WorkModel
+
+    amd = RUNS[MLPERF_MI355X.format("amd")]
+    assert amd.training["cross_entropy_loss_fusion"] and amd.training["cross_entropy_fusion_impl"] == "te"
+    assert "cross_entropy_fusion_impl" not in amd.assumed and "cross_entropy_loss_fusion" not in amd.assumed
+    for partner in ("gigacomputing", "dell", "supermicro"):
+        run = RUNS[MLPERF_MI355X.format(partner)]
+        assert "cross_entropy_fusion_impl" not in run.training and run.assumed == ("cross_entropy_fusion_impl",)
+    training = training_of(amd)
+    native = dataclasses.replace(training, cross_entropy_fusion_impl="native")
+    model = load_model(EXAMPLES / "models" / f"{amd.model}.yaml")
+    logits = WorkModel(model, training).tokens * model.padded_vocab(1)
+    te_head, native_head = (WorkModel(model, t).head() for t in (training, native))
+    assert native_head.forward.memory_bytes - te_head.forward.memory_bytes == pytest.approx((2 + 20 - 3 * 2) * logits)
+    assert native_head.backward_input.memory_bytes - te_head.backward_input.memory_bytes == pytest.approx(
+        (10 - 2 * 2) * logits)
+    row, before = project_run(amd), project_run(dataclasses.replace(amd, training={**amd.training,
+                                                                                  "cross_entropy_fusion_impl": "native"}))
+    assert row["projected_tokens_per_s_per_gpu"] > before["projected_tokens_per_s_per_gpu"]
+    assert row["peak_memory_gib"] < before["peak_memory_gib"]
