@@ -199,6 +199,13 @@ def test_nemotron4_15b_matches_the_reports_non_embedding_count():
     assert round((total_params(model) - embedding) / 1e9, 1) == 12.5
 
 
+def test_gpt_oss_20b_and_kimi_k2_match_their_published_totals():
+    """The gpt-oss model card gives gpt-oss-20b 20.91B parameters (to 0.01B); Kimi K2's README gives 1T. Tied
+    embeddings would take 0.58B off the 20B model; DeepSeek-V3's 256 experts instead of Kimi's 384 would leave 0.69T."""
+    assert round(total_params(load_model(EXAMPLES / "models" / "gpt-oss-20b.yaml")) / 1e9, 2) == 20.91
+    assert round(total_params(load_model(EXAMPLES / "models" / "kimi-k2.yaml")) / 1e12, 1) == 1.0
+
+
 @pytest.mark.parametrize("size, billions", [
     ("1.7b", 1.7), ("7.1b", 7.1), ("16b", 16), ("32b", 32), ("70b", 70), ("119b", 119), ("177b", 177),
     ("314b", 314), ("462b", 462)])
