@@ -31,7 +31,7 @@ def test_every_shipped_example_loads():
                                         "deepseek-v2-lite", "deepseek-v2", "llama3-8b", "llama3.1-405b", "llama2-70b",
                                         "gpt3-175b", "gpt-oss-120b", "gpt-oss-20b", "kimi-k2",
                                         "qwen3-30b-a3b", "deepseek-v3", "gpt3-5b", "gpt3-20b", "llama2-13b",
-                                        "nemotron3-8b", "nemotron3-22b", "nemotron4-340b", "nemotron4-15b",
+                                        "nemotron3-8b", "nemotron3-22b", "nemotron4-340b", "nemotron4-15b", "mistral-7b-w1024",
                                         *(f"mcore08-gpt-{size}" for size in
                                           ("1.7b", "7.1b", "16b", "32b", "70b", "119b", "177b", "314b", "462b"))}
     assert {p.stem for p in HARDWARE} == {"mi300x", "mi325x", "mi355x", "h100", "h200", "b200"}

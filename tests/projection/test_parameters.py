@@ -70,6 +70,8 @@ def test_hand_computed_moe_layer_and_sharding():
     ("mixtral-8x22b", 140_620_634_112),
     ("qwen3-235b-a22b", 235_093_634_560), ("llama3-8b", 8_030_261_248), ("llama3.1-405b", 405_853_388_800),
     ("llama2-70b", 68_976_648_192), ("qwen3-30b-a3b", 30_532_122_624),
+    # Mistral 7B v0.1: the released checkpoint's 7,241,732,096 (its sliding window does not change the count)
+    ("mistral-7b-w1024", 7_241_732_096),
     # DeepSeek's release counts 15,706,484,224; megatron-core adds a norm (2048 weights) fused into each
     # layer's query projection when qk_layernorm is set without a query latent
     ("deepseek-v2-lite", 15_706_484_224 + 27 * 2048),
