@@ -45,7 +45,8 @@ _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 def static_memory(params: ParamCount, training: TrainingSpec, layers: int = 1) -> StaticMemory:
     """Weights (1 byte with ``fp8_param_gather``), main gradients and optimizer state (master weight and
     two moments, in the precision-aware optimizer's dtypes when it is on); ``layers``: the rank's transformer
-    layers, the unit sharded weights are gathered in."""
+    layers, the unit sharded weights are gathered in. PyTorch's FSDP keeps no weight shard of its own: its
+    shard is the master weight."""
     t = training
     if t.precision == "fp32":
         weight, grad, state = 4, 4, 8
@@ -54,7 +55,9 @@ def static_memory(params: ParamCount, training: TrainingSpec, layers: int = 1) -
         grad = t.main_grad_bytes
         state = _BYTES[t.main_params_dtype] + _BYTES[t.exp_avg_dtype] + _BYTES[t.exp_avg_sq_dtype]
     gradients = sharded_params(params, training) if t.shards_gradients else params.total
-    weights = sharded_params(params, training) + 2 * params.total / max(1, layers) if t.shards_weights else params.total
+    gathered = 2 * params.total / max(1, layers)  # the layer computing and the next one, prefetched
+    shard = 0.0 if t.fsdp_implementation == "torch" else sharded_params(params, training)  # torch's is the fp32 one
+    weights = shard + gathered if t.shards_weights else params.total
     return StaticMemory(weight * min(weights, params.total), grad * gradients, state * optimizer_params(params, training))
 
 

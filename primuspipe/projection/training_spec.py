@@ -79,8 +79,13 @@ class TrainingSpec:
     """With Megatron-FSDP: ``optim`` shards the optimizer state over the data-parallel group (as the
     distributed optimizer does), ``optim_grads`` the main gradients too (ZeRO-2): every microbatch's
     gradients are reduce-scattered into the rank's shard as backward produces them, so no rank keeps a
-    whole gradient buffer. ``optim_grads_params`` (weights sharded and gathered layer by layer) is not
-    modelled."""
+    whole gradient buffer. ``optim_grads_params`` (ZeRO-3) shards the weights too and gathers them layer by
+    layer, before the forward and again before the backward."""
+    fsdp_implementation: Literal["megatron", "torch"] = "megatron"
+    """Whose FSDP the sharding above is. ``torch``: PyTorch's (FSDP2's ``fully_shard``, or FSDP1, with a bf16
+    mixed-precision policy), whose shards are the fp32 parameters the optimizer updates, cast to bf16 only as
+    a layer is gathered: no bf16 copy of the shard stays beside them, where Megatron-FSDP keeps one (its
+    model weights apart from the fp32 main weights). Only with ``optim_grads_params``."""
     use_precision_aware_optimizer: bool = False
     """Megatron's precision-aware optimizer: the dtypes below may be narrower than fp32."""
     main_params_dtype: Literal["fp32", "fp16"] = "fp32"
@@ -575,6 +580,11 @@ class TrainingSpec:
             self._fail(("data_parallel_sharding_strategy", "use_megatron_fsdp", "use_distributed_optimizer"),
                        "the sharding strategy applies to Megatron-FSDP only, which needs the distributed optimizer",
                        "set use_megatron_fsdp: true and use_distributed_optimizer: true, or remove the strategy")
+        if self.fsdp_implementation == "torch" and not self.shards_weights:
+            self._fail(("fsdp_implementation", "data_parallel_sharding_strategy"),
+                       "PyTorch's FSDP is modelled only as it shards everything (FULL_SHARD / fully_shard)",
+                       "set use_megatron_fsdp: true and data_parallel_sharding_strategy: optim_grads_params, or "
+                       "fsdp_implementation: megatron")
         narrow = (self.main_params_dtype, self.main_grads_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32",) * 4
         if narrow and not self.use_precision_aware_optimizer:
             self._fail(("use_precision_aware_optimizer", "main_params_dtype", "main_grads_dtype", "exp_avg_dtype",

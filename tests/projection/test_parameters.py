@@ -162,6 +162,33 @@ def test_megatron_fsdp_optim_grads_params_shards_the_weights_and_holds_two_gathe
     assert static_memory(params, zero3, layers=1).weights == 2 * 1800  # never more than the unsharded weights
 
 
+def test_pytorch_fsdp_keeps_no_bf16_shard_beside_the_fp32_one_the_optimizer_updates():
+    """torch FSDP (FSDP1 with a bf16 ``MixedPrecision``, FSDP2 with a bf16 ``MixedPrecisionPolicy``) shards the
+    fp32 parameters themselves and casts to bf16 only what it gathers; Megatron-FSDP keeps bf16 model weights
+    apart from its fp32 main weights. The layers gathered are the same."""
+    from primuspipe.projection.parameters import ParamCount
+
+    params = ParamCount(dense=1000, expert=800)
+    megatron = TrainingSpec(data_parallel_size=4, expert_model_parallel_size=2, use_megatron_fsdp=True,
+                            data_parallel_sharding_strategy="optim_grads_params")
+    torch_fsdp = dataclasses.replace(megatron, fsdp_implementation="torch")
+    ours, theirs = static_memory(params, torch_fsdp, layers=6), static_memory(params, megatron, layers=6)
+    assert ours.weights == pytest.approx(2 * 2 * 1800 / 6)  # the two gathered layers alone
+    assert theirs.weights - ours.weights == pytest.approx(2 * (1000 / 4 + 800 / 2))  # Megatron-FSDP's bf16 shard
+    assert (ours.gradients, ours.optimizer) == (theirs.gradients, theirs.optimizer)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_pytorch_fsdp_is_refused_where_it_would_not_shard_the_weights(strategy):
+    from primuspipe.projection.spec_fields import spec_from_mapping
+
+    values = {"data_parallel_size": 4, "fsdp_implementation": "torch", "data_parallel_sharding_strategy": strategy}
+    if strategy != "no_shard":
+        values["use_megatron_fsdp"] = True
+    with pytest.raises(InputError, match="fsdp_implementation"):
+        spec_from_mapping(TrainingSpec, values, "t.yaml")
+
+
 @pytest.mark.parametrize("values,field", [
     ({"data_parallel_sharding_strategy": "optim_grads"}, "use_megatron_fsdp"),
     ({"data_parallel_sharding_strategy": "optim_grads", "use_megatron_fsdp": True, "use_distributed_optimizer": False},
