@@ -80,9 +80,15 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
     targets = {"model": _fields(ModelSpec), "training": _fields(TrainingSpec)}
     set_aside, refused = [], []
     for name, value in arguments.items():
+        if not isinstance(name, str):  # YAML reads `1:`, `true:` and `null:` as a number, a boolean, None
+            raise ConfigError(f"{source}: the key {strict.show(name)} is no argument name; Megatron arguments are "
+                              "names (num_layers: 32); quote it or remove it")
         name = RENAMED.get(name, name)
         spec = next((s for s, known in targets.items() if name in known), None)
         if name in ALIASES:
+            if ALIASES[name][2] is not None and value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{source}: {name}={strict.show(value)}: {_flag(name)} is a switch, on or off; write "
+                                  "true or false (a text such as 'no' would switch it on, as any non-empty text does)")
             field = ALIASES[name][1]  # a projection-only field given by name (moe_expert_gemm) wins over its alias
             if value is not False and value is not None and (field not in arguments or field in MEGATRON_FLAGS):
                 spec, field, setting = ALIASES[name]
@@ -208,36 +214,75 @@ def parse_argument_list(text: str, source: str = "the argument list") -> tuple[d
     underscored overrides, which Primus reads as YAML scalars), and the world size when a launcher before the
     training script (``torchrun --nnodes N --nproc-per-node G pretrain_gpt.py ...``) names it."""
     try:
-        tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+        tokens = shlex.split(text.replace("\r\n", "\n").replace("\\\n", " "), comments=True)
     except ValueError as exc:  # an unclosed quote
         raise ConfigError(f"{source}: cannot split the argument list as a shell would: {exc}; close the quote "
                           "or escape it") from None
     script = next((i for i, token in enumerate(tokens) if token.endswith(".py")), None)
     launcher, tokens = (tokens[:script], tokens[script + 1:]) if script is not None else ([], tokens)
-    return _options(tokens), _world_size(_options(launcher, raw=True))
+    arguments = _options(tokens, source=source)
+    if not arguments:
+        raise ConfigError(f"{source}: holds no Megatron arguments (--name value) and no YAML mapping of them; is it "
+                          "the right file? Give a launch script's argument list or a Primus-style YAML")
+    return arguments, _world_size(_options(launcher, raw=True), source)
 
 
-def _world_size(launcher: Mapping[str, Any]) -> int | None:
-    sizes = {_LAUNCHER_GPUS[k]: v for k, v in launcher.items() if k in _LAUNCHER_GPUS}
+def _world_size(launcher: Mapping[str, Any], source: str) -> int | None:
+    """GPUs of the run from the launcher's ``--nproc-per-node`` x ``--nnodes``; None where it names none or a
+    shell variable / elastic range (``$GPUS``, ``1:4``): the file does not say. A count below 1 is refused by the
+    launcher's flag (it was a data-parallel size of 0 or below, named as a field the user never wrote)."""
+    sizes = {_LAUNCHER_GPUS[k]: (k, v) for k, v in launcher.items() if k in _LAUNCHER_GPUS}
     if "per_node" not in sizes:
         return None
-    try:
-        return int(sizes["per_node"]) * int(sizes.get("nodes", 1))
-    except (TypeError, ValueError):
-        return None  # a shell variable ($GPUS_PER_NODE): the file does not say
+    world = 1
+    for flag, value in (sizes["per_node"], sizes.get("nodes", ("nnodes", "1"))):
+        if not isinstance(value, str) or not strict.NUMBER_TEXT.fullmatch(value.strip()):
+            return None  # a shell variable ($GPUS_PER_NODE), an elastic range: the file does not say
+        world *= strict.count(value, f"{source}: the launcher's --{flag}", minimum=1, maximum=MAX_GPUS, text=True)
+    return world
 
 
-def _options(tokens: list[str], raw: bool = False) -> dict[str, Any]:
+MAX_GPUS = 10**7
+"""Most GPUs a launcher line may name (beyond any cluster; a larger count is a typo)."""
+
+_DASHES = "\u2010\u2011\u2012\u2013\u2014\u2015\u2212\ufe58\ufe63\uff0d"
+_OPTION_MISSPELT = re.compile(rf"([{_DASHES}][{_DASHES}-]*|-)(?!-)\S*[^\W\d]\S*")
+"""A token argparse would read as an option (a hyphen, not a negative number) but that is none of Megatron's
+(those start with two ASCII hyphens), or one a word processor wrote with a typographic dash (``\u2014num-layers``)."""
+
+
+def _misspelt(token: str) -> bool:
+    return bool(_OPTION_MISSPELT.fullmatch(token)) and not strict.NUMBER_TEXT.fullmatch(token)
+
+
+def _misspelt_option(token: str, after: str | None, source: str) -> ConfigError:
+    where = f" (after {after})" if after else ""
+    odd = next((ch for ch in token if ch in _DASHES), None)
+    why = f"it starts with {odd!r} (U+{ord(odd):04X}), not two ASCII hyphens" if odd else \
+        "Megatron's options start with two hyphens and its argparse takes a hyphen word for an option, not a value"
+    return ConfigError(f"{source}: {token!r}{where} is no Megatron argument: {why}; write it as --name (retype the dashes)")
+
+
+def _options(tokens: list[str], raw: bool = False, source: str = "the argument list") -> dict[str, Any]:
+    """``--name value...`` tokens to a mapping. Outside the launcher (``raw``), a token argparse would take for an
+    option that is none (``-pipeline-model-parallel-size``, a typographic dash) is refused naming it: it was read
+    as a value of the flag before it, so the refusal named that flag, or a switch took it silently."""
     arguments: dict[str, Any] = {}
+    after = None
     i = 0
     while i < len(tokens):
         token = tokens[i]
         i += 1
+        if not raw and _misspelt(token):
+            raise _misspelt_option(token, after, source)
         if not token.startswith("--"):
             continue  # the launcher and script names before the arguments
-        name, _, inline = token[2:].partition("=")
-        values = [inline] if inline else []
-        while not inline and i < len(tokens) and not tokens[i].startswith("--"):
+        after = token.partition("=")[0]
+        name, given, inline = token[2:].partition("=")
+        values = [inline] if given else []  # --num-layers= gives the empty text, as argparse reads it
+        while not given and i < len(tokens) and not tokens[i].startswith("--"):
+            if not raw and _misspelt(tokens[i]):
+                raise _misspelt_option(tokens[i], after, source)
             values.append(tokens[i])
             i += 1
         if not raw and "_" in name:  # Primus's override style (--num_layers 8): its values are YAML scalars
@@ -361,15 +406,21 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
         raise ConfigError(f"{path}: modules {named} each "
                           "name a model; one configuration projects one model: keep the model: of one module")
     for name, module in modules.items():
-        if not isinstance(module, Mapping):
-            continue
+        if module is None:
+            continue  # an empty module
+        if not isinstance(module, Mapping):  # was skipped: its overrides silently not applied
+            raise ConfigError(f"{path}: modules.{name} must be a mapping of {', '.join(sorted(_PRIMUS_MODULE_KEYS))}, "
+                              f"got {strict.show(module)}")
         if unknown := set(module) - _PRIMUS_MODULE_KEYS:
             raise ConfigError(f"{path}: modules.{name}: unknown keys {sorted(unknown)}; a Primus module has "
                               f"{', '.join(sorted(_PRIMUS_MODULE_KEYS))}")
         if module.get("model") is not None:  # e.g. ${PRIMUS_MODEL:llama3.1_8B}.yaml
             arguments.update(_primus_model(Path(path), str(_primus_values({"model": module["model"]})["model"])))
-        if isinstance(module.get("overrides"), Mapping):
-            arguments.update(module["overrides"])
+        overrides = module.get("overrides")
+        if overrides is not None and not isinstance(overrides, Mapping):  # was skipped, the run projected without them
+            raise ConfigError(f"{path}: modules.{name}.overrides must be a mapping of Megatron arguments "
+                              f"(num_layers: 32), got {strict.show(overrides)}")
+        arguments.update(overrides or {})
     return split_arguments(_primus_values(arguments), str(path))
 
 
@@ -415,7 +466,10 @@ def _primus_model(config: Path, reference: str, chain: tuple[Path, ...] = (),
         raise ConfigError(f"{path}: a Primus model file must hold a mapping of Megatron arguments")
     values: dict[str, Any] = {}
     bases = data.get("bases") or []
-    for base in [bases] if isinstance(bases, str) else bases:
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(base, str) for base in bases):
+        raise ConfigError(f"{path}: bases must be a model file name or a list of them, got {strict.show(data['bases'])}")
+    for base in bases:
         values.update(_primus_model(path, str(base), (*chain, path), read))
     values.update({k: v for k, v in data.items() if k not in ("bases", "extends")})
     read[path] = values
