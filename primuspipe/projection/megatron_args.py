@@ -394,6 +394,9 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
         data = strict.load_yaml(text, f"the Megatron configuration {path}")
     except ConfigError:
         data = None  # a launch script is rarely valid YAML (and YAML with aliases is refused, not expanded)
+    if isinstance(data, list):  # its dashes would be read as values ("--num-layers must be an integer, got '-'")
+        raise ConfigError(f"{path}: holds a YAML list; give a mapping of Megatron arguments (num_layers: 32) or a "
+                          "launch script's argument list")
     if not isinstance(data, Mapping):
         return read_arguments(text, str(path))
     modules = data.get("modules")
