@@ -67,3 +67,20 @@ def test_truncated_rank_files(tmp_path, rank, fraction):
     skipped = outcome.code == 0 and "skipped iteration 1" in outcome.err and f"rank_{rank}.json" in outcome.err
     record("sound" if skipped else outcome.kind, f"calibrate rank {rank} truncated to {fraction:.0%}, one of three")
     assert skipped, outcome.err
+
+
+@pytest.mark.parametrize("iteration", [1, 2])
+@pytest.mark.parametrize("rank", [0, PP - 1])
+@pytest.mark.parametrize("t0", [0.0, 999.0])
+def test_wall_clock_stamps_out_of_order(tmp_path, iteration, rank, t0):
+    """An iteration's ``meta.t0_unix`` before the one before it ended: the step gap cannot be measured. It was left
+    out of the cost file without a word (simulate then counted no gap); now a note says so."""
+    dump = make_dump(tmp_path / "d", iterations=(0, 1, 2))
+    path = dump_path(dump, iteration, rank)
+    data = json.loads(path.read_text())
+    data["meta"]["t0_unix"] = t0
+    path.write_text(json.dumps(data))
+    outcome = run_cli(["calibrate", dump, "-o", tmp_path / "c.yaml", "--warmup", "0"])
+    said = outcome.code == 0 and "no host.step_gap" in outcome.out + outcome.err
+    record("sound" if said else outcome.kind, f"calibrate iteration {iteration} rank {rank} t0_unix {t0}")
+    assert said, outcome.out + outcome.err
