@@ -79,6 +79,7 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
                                          "training": dict(MEGATRON_DEFAULTS["training"])}
     targets = {"model": _fields(ModelSpec), "training": _fields(TrainingSpec)}
     set_aside, refused = [], []
+    arguments = _settle_aliases(arguments, source)
     for name, value in arguments.items():
         if not isinstance(name, str):  # YAML reads `1:`, `true:` and `null:` as a number, a boolean, None
             raise ConfigError(f"{source}: the key {strict.show(name)} is no argument name; Megatron arguments are "
@@ -97,7 +98,7 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
             continue  # resolved below, once the fields they depend on are known
         elif spec is not None:
             if value is not None:
-                values[spec][name] = "flash" if (name, value) == ("attention_backend", "auto") else value
+                values[spec][name] = _field_value(name, value)
         elif no_effect(name) or primus_default(name, value):
             set_aside.append(name)
         elif name in MEGATRON_FLAGS or name in PRIMUS_FLAGS:
@@ -135,6 +136,37 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
         training["data_parallel_size"] = world_size // per_replica
     return MegatronConfig(spec_from_mapping(ModelSpec, values["model"], source),
                           spec_from_mapping(TrainingSpec, values["training"], source), world_size, tuple(set_aside))
+
+
+LEGACY_OVERRIDES = frozenset({"recompute_activations", "use_rotary_position_embeddings"})
+"""Legacy switches Megatron's ``validate_args`` applies after parsing, over the field's own flag whatever their order
+(megatron/training/arguments.py: ``if args.recompute_activations: args.recompute_granularity = 'selective'``; "Legacy
+RoPE arguments": ``if args.use_rotary_position_embeddings: args.position_embedding_type = 'rope'``)."""
+
+
+def _field_value(name: str, value: Any) -> Any:
+    """What a spec field takes from its argument's value (``--attention-backend auto`` is flash attention here)."""
+    return "flash" if (name, value) == ("attention_backend", "auto") else value
+
+
+def _settle_aliases(arguments: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """A switch alias (``--recompute-activations``) given beside its field's own Megatron flag set to another value
+    (``--recompute-granularity full``): the field as Megatron ends up with it. The value was whichever of the two came
+    last in the list; Megatron's legacy switches (:data:`LEGACY_OVERRIDES`) win in any order, and so do the CUDA-graph
+    switches over ``--cuda-graph-impl none`` (Megatron asserts the flag is left at that default beside them); the others
+    (which Megatron asserts against, or reads in an order not modelled) are refused naming both."""
+    settled = dict(arguments)
+    for name, (_, field, setting) in ALIASES.items():
+        if setting is None or arguments.get(name) in (None, False) or field not in MEGATRON_FLAGS:
+            continue
+        given = arguments.get(field)
+        if given is None or _field_value(field, given) == setting:
+            continue
+        if name not in LEGACY_OVERRIDES and (field, given) != ("cuda_graph_impl", "none"):  # Megatron asserts "none"
+            raise ConfigError(f"{source}: {_flag(name)} sets {field} to {setting} but {_flag(field)} {given} sets it "
+                              "too; keep one")
+        settled[field] = setting
+    return settled
 
 
 def _flag(name: str) -> str:

@@ -163,3 +163,55 @@ def test_files_that_are_not_text(tmp_path, content):
     path.write_bytes(content)
     outcome = run_cli(["project", "--megatron-config", path, "--hardware", HARDWARE, "-a", "1f1b"])
     refused(outcome, str(path), "UTF-8", case=f"megatron-config not text {content[:6]!r}")
+
+
+def _alias_cases() -> list[tuple[str, str, str]]:
+    """(switch alias, its field, a value of the field) for every switch that sets a field Megatron also has a flag
+    for, over the field's every value (its Literal's; a true/false field has no flag taking a value)."""
+    import typing
+
+    from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
+    from primuspipe.projection.megatron_flags import ALIASES
+    from primuspipe.projection.model_spec import ModelSpec
+    from primuspipe.projection.training_spec import TrainingSpec
+
+    hints = {**typing.get_type_hints(ModelSpec), **typing.get_type_hints(TrainingSpec)}
+    cases = []
+    for alias, (_, field, setting) in sorted(ALIASES.items()):
+        if setting is None or field not in MEGATRON_FLAGS:
+            continue
+        literal = [k for k in (hints[field], *typing.get_args(hints[field])) if typing.get_origin(k) is typing.Literal]
+        cases += [(alias, field, value) for kind in literal for value in typing.get_args(kind)]
+    return cases
+
+
+@pytest.mark.parametrize("alias, field, value", _alias_cases())
+@pytest.mark.parametrize("order", ["switch first", "field first"])
+def test_a_switch_and_its_fields_flag(tmp_path, alias, field, value, order):
+    """``--recompute-activations --recompute-granularity full`` projected full or selective by which came last;
+    Megatron's validate_args sets selective after parsing (and rope for --use-rotary-position-embeddings). Either
+    order now gives Megatron's value, and a switch Megatron does not settle so is refused beside another value."""
+    from primuspipe.projection.megatron_args import LEGACY_OVERRIDES
+    from primuspipe.projection.megatron_flags import ALIASES
+
+    switch, flag = f"--{alias.replace('_', '-')}", f"--{field.replace('_', '-')} {value}"
+    pair = f"{switch} {flag}" if order == "switch first" else f"{flag} {switch}"
+    text = _script("num-layers", "plain")[0].replace("--lr 1e-4", pair)
+    path = tmp_path / "args.sh"
+    path.write_text(text)
+    case = f"megatron-config {pair}"
+    setting = ALIASES[alias][2]
+    if alias not in LEGACY_OVERRIDES and value not in (setting, "none"):
+        refused(run_cli(["project", "--megatron-config", path, "--hardware", HARDWARE, "-a", "1f1b"]), switch,
+                f"--{field.replace('_', '-')}", case=case)
+        return
+    try:
+        config = read_megatron_config(path)
+    except Exception as exc:  # noqa: BLE001 - a valid pair refused (full recompute wants its method, say)
+        outcome = run_cli(["project", "--megatron-config", path, "--hardware", HARDWARE, "-a", "1f1b"])
+        refused(outcome, case=case)
+        assert field.split("_")[0] in str(exc), exc
+        return
+    got = getattr(config.training if hasattr(config.training, field) else config.model, field)
+    record("sound" if got == setting else "silent", case)
+    assert got == setting, f"{case}: {field}={got}, Megatron runs {setting}"
