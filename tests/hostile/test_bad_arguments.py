@@ -4,11 +4,12 @@ offer, each switch given a value, and an option that does not exist. Each is one
 usage line aside) and nothing runs."""
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
 
-from hostile_support import make_dump, refused, run_cli
+from hostile_support import accepted, make_dump, refused, run_cli
 from primuspipe.cli import build_parser
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "projection"
@@ -82,3 +83,12 @@ def test_every_number_option_is_typed():
 def test_bad_argument(world, command, option, tokens):
     refused(run_cli([*_valid(world)[command], *tokens], watch=world), option,
             case=f"{command} {' '.join(tokens)}", before_work=True)
+
+
+@pytest.mark.parametrize("names", [["1f1b", "1f1b"], ["zb-h1", "1f1b", "zb-h1", "zb-h1"]])
+def test_an_algorithm_named_twice_is_projected_once(names):
+    """``project -a 1f1b -a 1f1b`` ranked two identical rows (``--algorithm`` is meant to repeat)."""
+    argv = _valid(Path("."))["project"][:-2] + [t for name in names for t in ("-a", name)] + ["--json"]
+    outcome = accepted(run_cli(argv), case=f"project {' '.join('-a ' + n for n in names)}")
+    rows = [row["algorithm"] for row in json.loads(outcome.out)["results"]]
+    assert sorted(rows) == sorted(set(names)), rows
