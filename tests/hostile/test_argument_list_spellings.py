@@ -165,6 +165,11 @@ def test_files_that_are_not_text(tmp_path, content):
     refused(outcome, str(path), "UTF-8", case=f"megatron-config not text {content[:6]!r}")
 
 
+MEGATRON_SETTLES = {"recompute_activations", "use_rotary_position_embeddings"}
+"""The switches megatron/training/arguments.py ``validate_args`` applies over their field after parsing (``if
+args.recompute_activations: args.recompute_granularity = 'selective'``; "Legacy RoPE arguments")."""
+
+
 def _alias_cases() -> list[tuple[str, str, str]]:
     """(switch alias, its field, a value of the field) for every switch that sets a field Megatron also has a flag
     for, over the field's every value (its Literal's; a true/false field has no flag taking a value)."""
@@ -191,7 +196,6 @@ def test_a_switch_and_its_fields_flag(tmp_path, alias, field, value, order):
     """``--recompute-activations --recompute-granularity full`` projected full or selective by which came last;
     Megatron's validate_args sets selective after parsing (and rope for --use-rotary-position-embeddings). Either
     order now gives Megatron's value, and a switch Megatron does not settle so is refused beside another value."""
-    from primuspipe.projection.megatron_args import LEGACY_OVERRIDES
     from primuspipe.projection.megatron_flags import ALIASES
 
     switch, flag = f"--{alias.replace('_', '-')}", f"--{field.replace('_', '-')} {value}"
@@ -201,7 +205,7 @@ def test_a_switch_and_its_fields_flag(tmp_path, alias, field, value, order):
     path.write_text(text)
     case = f"megatron-config {pair}"
     setting = ALIASES[alias][2]
-    if alias not in LEGACY_OVERRIDES and value not in (setting, "none"):
+    if alias not in MEGATRON_SETTLES and value not in (setting, "none"):
         refused(run_cli(["project", "--megatron-config", path, "--hardware", HARDWARE, "-a", "1f1b"]), switch,
                 f"--{field.replace('_', '-')}", case=case)
         return
