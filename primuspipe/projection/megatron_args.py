@@ -290,7 +290,7 @@ def _misspelt(token: str) -> bool:
 def _misspelt_option(token: str, after: str | None, source: str) -> ConfigError:
     where = f" (after {after})" if after else ""
     odd = next((ch for ch in token if ch in _DASHES), None)
-    why = f"it starts with {odd!r} (U+{ord(odd):04X}), not two ASCII hyphens" if odd else \
+    why = f"it is written with {odd!r} (U+{ord(odd):04X}), not two ASCII hyphens" if odd else \
         "Megatron's options start with two hyphens and its argparse takes a hyphen word for an option, not a value"
     return ConfigError(f"{source}: {token!r}{where} is no Megatron argument: {why}; write it as --name (retype the dashes)")
 
@@ -299,22 +299,19 @@ def _options(tokens: list[str], raw: bool = False, source: str = "the argument l
     """``--name value...`` tokens to a mapping. Outside the launcher (``raw``), a token argparse would take for an
     option that is none (``-pipeline-model-parallel-size``, a typographic dash) is refused naming it: it was read
     as a value of the flag before it, so the refusal named that flag, or a switch took it silently."""
+    if not raw and (bad := next((i for i, token in enumerate(tokens) if _misspelt(token)), None)) is not None:
+        raise _misspelt_option(tokens[bad], next((t.partition("=")[0] for t in reversed(tokens[:bad])
+                                                  if t.startswith("--")), None), source)
     arguments: dict[str, Any] = {}
-    after = None
     i = 0
     while i < len(tokens):
         token = tokens[i]
         i += 1
-        if not raw and _misspelt(token):
-            raise _misspelt_option(token, after, source)
         if not token.startswith("--"):
             continue  # the launcher and script names before the arguments
-        after = token.partition("=")[0]
         name, given, inline = token[2:].partition("=")
         values = [inline] if given else []  # --num-layers= gives the empty text, as argparse reads it
         while not given and i < len(tokens) and not tokens[i].startswith("--"):
-            if not raw and _misspelt(tokens[i]):
-                raise _misspelt_option(tokens[i], after, source)
             values.append(tokens[i])
             i += 1
         if not raw and "_" in name:  # Primus's override style (--num_layers 8): its values are YAML scalars
