@@ -292,7 +292,8 @@ def _misspelt_option(token: str, after: str | None, source: str) -> ConfigError:
     odd = next((ch for ch in token if ch in _DASHES), None)
     why = f"it is written with {odd!r} (U+{ord(odd):04X}), not two ASCII hyphens" if odd else \
         "Megatron's options start with two hyphens and its argparse takes a hyphen word for an option, not a value"
-    return ConfigError(f"{source}: {token!r}{where} is no Megatron argument: {why}; write it as --name (retype the dashes)")
+    return ConfigError(f"{source}: {token!r}{where} is no Megatron argument: {why}; write it as --name "
+                       "(retype the dashes)")
 
 
 def _options(tokens: list[str], raw: bool = False, source: str = "the argument list") -> dict[str, Any]:
@@ -500,7 +501,8 @@ def _primus_model(config: Path, reference: str, chain: tuple[Path, ...] = (),
     bases = data.get("bases") or []
     bases = [bases] if isinstance(bases, str) else bases
     if not isinstance(bases, list) or not all(isinstance(base, str) for base in bases):
-        raise ConfigError(f"{path}: bases must be a model file name or a list of them, got {strict.show(data['bases'])}")
+        raise ConfigError(f"{path}: bases must be a model file name or a list of them, "
+                          f"got {strict.show(data['bases'])}")
     for base in bases:
         values.update(_primus_model(path, str(base), (*chain, path), read))
     values.update({k: v for k, v in data.items() if k not in ("bases", "extends")})

@@ -56,8 +56,9 @@ def _argv(tmp, f) -> dict[tuple[str, str], list]:
 
 KINDS = {
     "empty": b"", "blank": b"  \n\t\n", "NUL bytes": b"\0" * 64, "binary": bytes(range(256)),
-    "UTF-16": "a: 1\n".encode("utf-16"), "integer key": b"1: 2\n", "boolean key": b"true: 2\n", "null key": b"null: 2\n",
-    "YAML list": b"- 1\n- 2\n", "number": b"42\n", "YAML NaN": b".nan\n", "nested past any depth": b"[" * 200 + b"]" * 200,
+    "UTF-16": "a: 1\n".encode("utf-16"), "integer key": b"1: 2\n", "boolean key": b"true: 2\n",
+    "null key": b"null: 2\n", "YAML list": b"- 1\n- 2\n", "number": b"42\n", "YAML NaN": b".nan\n",
+    "nested past any depth": b"[" * 200 + b"]" * 200,
     "JSON list": b"[1, 2]", "JSON NaN": b'{"pp": NaN}', "truncated JSON": b'{"format": "primuspipe.timeline", "pp": [1',
     "tab-indented YAML": b"a:\t1\n\tb: 2\n", "terminal escapes": b"\x1b[31mred\x1b[0m: 1\n",
 }

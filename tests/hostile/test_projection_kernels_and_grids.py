@@ -21,7 +21,8 @@ HARDWARE = sorted(p.stem for p in (EXAMPLES / "hardware").glob("*.yaml"))
 def _project(tmp_path, hardware: str, model: dict, training: dict):
     files = {}
     for kind, base, changes in (("model", "mixtral-8x7b", model), ("training", "mixtral-8x7b", training)):
-        data = yaml.safe_load((EXAMPLES / {"model": "models", "training": "training"}[kind] / f"{base}.yaml").read_text())
+        folder = {"model": "models", "training": "training"}[kind]
+        data = yaml.safe_load((EXAMPLES / folder / f"{base}.yaml").read_text())
         data.update(changes)
         files[kind] = tmp_path / f"{kind}.yaml"
         files[kind].write_text(yaml.safe_dump(data))
@@ -46,7 +47,8 @@ def test_attention_kernels(tmp_path, hardware, kernel):
     if kernel in known:
         projected_or_named(outcome, f"project attention_kernel {kernel} on {hardware}", "attention_kernel")
     else:
-        refused(outcome, "attention_kernel", "attention_kernels", case=f"project attention_kernel {kernel} on {hardware}")
+        refused(outcome, "attention_kernel", "attention_kernels",
+                case=f"project attention_kernel {kernel} on {hardware}")
 
 
 GRIDS = [(experts, ep, etp) for experts in (2, 8) for ep in (1, 2) for etp in (1, 4, 8, 16, 32) if ep <= experts]
