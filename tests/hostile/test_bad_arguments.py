@@ -64,8 +64,11 @@ def _cases() -> list[tuple[str, str, tuple[str, ...]]]:
                 cases.append((name, option, (option,)))
             if action.choices:
                 cases.append((name, option, (option, "nosuch")))
-            if getattr(action.type, "__name__", "").startswith(NUMBER_TYPES):
+            kind = getattr(action.type, "__name__", "")
+            if kind.startswith(NUMBER_TYPES):
                 cases += [(name, option, (option, value)) for value in ("x", "nan", "inf", "-inf", "", "1e999")]
+            if kind.startswith(("integer", "count")):  # past int64 (a huge limit in a number option is no limit)
+                cases.append((name, option, (option, "9" * 20)))
     return cases
 
 
