@@ -95,7 +95,9 @@ def count(value: Any, name: str, *, error: Error = ConfigError, minimum: int = 0
     """
     if isinstance(value, str) and text:
         if not _COUNT_TEXT.fullmatch(value.strip()):
-            raise error(f"{name} must be an integer written with ASCII digits, got {value!r}")
+            digits = value.strip().lstrip("+-")
+            why = "of at most 18 digits" if digits.isascii() and digits.isdigit() else "written with ASCII digits"
+            raise error(f"{name} must be an integer {why}, got {show(value)}")
         value = int(value)
     if _is_bool(value) or not isinstance(value, numbers.Integral):
         raise error(f"{name} must be an integer, got {show(value)}")

@@ -208,6 +208,11 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
         return host_post.get("post_send" if kind.is_send else "post_recv", 0.0)
 
     gaps = run_gaps([step_gaps(run, host_time) for run in screened.runs])
+    if gaps is None and any(t.iteration + 1 in {u.iteration for u in run} for run in screened.runs for t in run
+                            if "t0_unix" in t.meta):
+        notes.append("no host.step_gap: consecutive iterations were dumped, but their wall-clock stamps (meta.t0_unix) "
+                     "put a rank's next step before its last one ended (clocks or stamps out of order), so the gap "
+                     "between steps was not measured and simulate counts none")
     peaks = []
     for rank in range(first.pp):
         seen = [rt.peak_memory_bytes for t in used for rt in t.ranks

@@ -33,6 +33,7 @@ measured table): the device's memory on GPU, resident set size on CPU.
 
 from __future__ import annotations
 
+import difflib
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -121,7 +122,18 @@ class ReplanSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ReplanSettings:
-        """The settings the ``PRIMUSPIPE_AUTO_REPLAN*`` variables (:data:`ENV_NAMES`) give; defaults elsewhere."""
+        """The settings the ``PRIMUSPIPE_AUTO_REPLAN*`` variables (:data:`ENV_NAMES`) give; defaults elsewhere. A
+        ``PRIMUSPIPE_*`` variable naming re-planning, or all but one of its names, that is none of them
+        (``PRIMUSPIPE_AUTO_REPLAN_STEP``, ``PRIMUSPIPE_AUTO_REPLA``) is
+        refused with the closest one: it was ignored, and the run re-planned on the defaults (the Megatron config's
+        reader refuses every unknown ``PRIMUSPIPE_*`` variable; a ``TorchPipeline`` shares the environment with
+        other settings, so only those naming re-planning are checked here)."""
+        known = set(ENV_NAMES.values())
+        for var in sorted(env):
+            if var not in known and var.upper().startswith("PRIMUSPIPE_") and (
+                    "REPLAN" in var.upper() or difflib.get_close_matches(var.upper(), known, n=1, cutoff=0.9)):
+                raise ConfigError(f"environment variable {var} is not a re-planning setting"
+                                  f"{strict.did_you_mean(var.upper(), known)}; known: {', '.join(sorted(known))}")
         values: dict[str, Any] = {}
         for name, var in ENV_NAMES.items():
             if (text := env.get(var)) is None:

@@ -71,18 +71,21 @@ class Screened:
         return [t for run in self.runs for t in run]
 
 
-def screen_runs(runs: Sequence[Sequence[Timeline]], warmup: int) -> Screened:
+def screen_runs(runs: Sequence[Sequence[Timeline]], warmup: int, names: Sequence[str] | None = None) -> Screened:
     """Drop each run's first ``warmup`` iterations (all are kept where no more remain, and the notes say
-    so), then the runs whose median step is an outlier among the runs' (:func:`outliers`)."""
+    so), then the runs whose median step is an outlier among the runs' (:func:`outliers`). ``names`` (where
+    each run was read from) name the runs whose shapes differ."""
     if not runs or not all(runs):
         raise TableFormatError("no timelines to measure; dump at least one iteration (dump_pp_data)")
     first = runs[0][0]
     shape = (first.algorithm, first.pp, first.vpp, first.microbatches, first.time_unit)
-    for t in (t for timelines in runs for t in timelines):
-        if (t.algorithm, t.pp, t.vpp, t.microbatches, t.time_unit) != shape:
-            raise TableFormatError(f"timelines of different shapes cannot be measured together: {shape} vs "
-                                   f"{(t.algorithm, t.pp, t.vpp, t.microbatches, t.time_unit)} "
-                                   "(algorithm, pp, vpp, microbatches, time unit); measure one table at a time")
+    for i, timelines in enumerate(runs):
+        for t in timelines:
+            if (t.algorithm, t.pp, t.vpp, t.microbatches, t.time_unit) != shape:
+                which = f" ({names[i]} vs {names[0]})" if names else ""
+                raise TableFormatError(f"timelines of different shapes cannot be measured together{which}: "
+                                       f"{(t.algorithm, t.pp, t.vpp, t.microbatches, t.time_unit)} vs {shape} "
+                                       "(algorithm, pp, vpp, microbatches, time unit); measure one table at a time")
     notes, kept_iterations = [], []
     for timelines in runs:
         used = tuple(timelines[warmup:])

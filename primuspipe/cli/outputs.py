@@ -56,12 +56,12 @@ class Outputs:
             raise ConfigError(f"{flag} {path} exists and is not a regular file (a device, pipe or socket); give a file "
                               "name (or - for standard output where the command writes one)")
         for source in self.inputs:
-            if _same(path, source) or source.is_dir() and _inside(path, source):
-                where = "is" if _same(path, source) else "lies inside"
+            if same_file(path, source) or source.is_dir() and _inside(path, source):
+                where = "is" if same_file(path, source) else "lies inside"
                 raise ConfigError(f"{flag} {path} {where} the input {source}; writing it would destroy what the "
                                   "command reads; write the output elsewhere")
         for other_flag, other in self._claimed:
-            if _same(path, other):
+            if same_file(path, other):
                 raise ConfigError(f"{flag} {path} and {other_flag} {other} are the same file; give each output its "
                                   "own path")
         self._claimed.append((flag, path))
@@ -97,7 +97,7 @@ class Outputs:
         return [path for _, path in done]
 
 
-def _same(a: Path, b: Path) -> bool:
+def same_file(a: Path, b: Path) -> bool:
     """The same file: equal once resolved (links, ``..``), or by inode where both exist (hard links)."""
     if os.path.realpath(a) == os.path.realpath(b):
         return True

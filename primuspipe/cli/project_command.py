@@ -133,7 +133,7 @@ def cmd_project(args: argparse.Namespace) -> int:
             calibration = calibration_from_cost_file(args.measured_costs, model, training, hardware)
         except PrimusPipeError as exc:
             message = str(exc)
-            raise ConfigError(message if str(args.measured_costs) in message else
+            raise ConfigError(f"--measured-costs: {message}" if str(args.measured_costs) in message else
                               f"--measured-costs {args.measured_costs}: {message}") from None
     projector = Projector(model, hardware, calibration, args.risk_margin)
     results, refusals = project(projector, training, algorithms=args.algorithm, search=args.search)

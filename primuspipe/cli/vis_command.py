@@ -10,7 +10,7 @@ from rich.table import Table
 
 from primuspipe.cli import sane
 from primuspipe.cli.options import count_type, report_console
-from primuspipe.cli.outputs import Outputs
+from primuspipe.cli.outputs import Outputs, same_file
 from primuspipe import strict
 from primuspipe.errors import ConfigError
 from primuspipe.simulator import CostModel
@@ -185,7 +185,10 @@ def _typical(path: Path) -> Timeline:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     outputs = Outputs(args.input)
     output = outputs.claim(args.output, "-o")
-    screened = screen_runs([load_iterations(path) for path in args.input], args.warmup)
+    for i, path in enumerate(args.input):  # a run given twice weighed double in every median and in the screening
+        if (twin := next((p for p in args.input[:i] if same_file(p, path)), None)) is not None:
+            raise ConfigError(f"{path} is {twin} given again; give each run once")
+    screened = screen_runs([load_iterations(path) for path in args.input], args.warmup, [str(p) for p in args.input])
     placement = placement_of(screened.runs[0][0], args.placement)
     measured = measure_screened(screened, placement)
     costs = measured.cost_dict(per_model_stage=args.per_model_stage)

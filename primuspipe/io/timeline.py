@@ -136,7 +136,26 @@ class Timeline:
                                 f"{where}: rank {rank.rank} has no {_part((options[0], mb, chunk))} event, but the step "
                                 f"has {self.microbatches} microbatches x {self.vpp} chunks; an event was dropped or the "
                                 "header's shape is not the events'")
+            self._check_step_order(rank, where)
         return self
+
+    @staticmethod
+    def _check_step_order(rank: RankTimeline, where: str) -> None:
+        """On one rank each (microbatch, chunk) runs its steps in order: its B after its F, its W after its B (a
+        fused or overlapped node does two at once). A dump naming a backward before its forward was drawn as
+        it stood, and calibrate read it as a table that deadlocks ("cannot complete"), naming no file."""
+        steps = split_kinds()
+        at: dict[tuple, int] = {}
+        for i, event in enumerate(e for e in rank.events if e.node.kind.is_compute):
+            for kind, mb, chunk in event.node.parts():
+                for step in kind.completes:
+                    at.setdefault((step, mb, chunk), i)
+        for (step, mb, chunk), i in at.items():
+            k = steps.index(step) if step in steps else 0
+            if k and at.get((steps[k - 1], mb, chunk), -1) > i:
+                raise TableFormatError(f"{where}: rank {rank.rank} runs {_part((step, mb, chunk))} before "
+                                       f"{_part((steps[k - 1], mb, chunk))}; a microbatch's steps run in order on a "
+                                       "rank (an event misnamed, or the events out of order)")
 
     def to_dict(self) -> dict:
         header = ("source", "algorithm", "pp", "vpp", "microbatches", "iteration", "time_unit", "meta")

@@ -297,7 +297,7 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str | Path, *, pp: int, vpp: int) -> CostModel:
-        return cls.from_dict(read_cost_file(path), pp=pp, vpp=vpp)
+        return cls.from_dict(read_cost_file(path), pp=pp, vpp=vpp, source=f"cost model {path}")
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML form with one value per model stage; unlimited bandwidth is written as None."""

@@ -325,7 +325,18 @@ def check_runs_on(training: TrainingSpec, hardware: HardwareSpec) -> None:
     an FP8 peak, MXFP8 without block-scaled FP8 units, the flex dispatcher's kernels given as many SMs (compute
     units) as the GPU has or more -- DeepEP's bound would price a dispatch on SMs that do not exist (its rate grows
     with them), and overlapped compute would get none. Checked once before any candidate is projected (each
-    candidate refused alike was a list of 'not projected' lines and no error)."""
+    candidate refused alike was a list of 'not projected' lines and no error). So are an ``attention_kernel`` the
+    hardware file has no rates for, and the flex dispatcher over an expert whose tensor-parallel ranks span nodes
+    (``expert_tensor_parallel_size`` above ``gpus_per_node``): DeepEP's node count (:func:`~primuspipe.projection.comm.
+    token_destinations`) takes each node to hold whole experts, and there a node holds part of one (it divided by
+    zero experts per node)."""
+    hardware.with_attention_kernel(training.attention_kernel, training.source)
+    if training.moe_token_dispatcher_type == "flex" and training.etp > hardware.gpus_per_node:
+        raise InputError([(training.source, "expert_tensor_parallel_size", training.etp),
+                          (hardware.source, "gpus_per_node", hardware.gpus_per_node)],
+                         "the flex dispatcher's sends to an expert split over nodes are not modelled",
+                         "use an expert_tensor_parallel_size of at most gpus_per_node, or moe_token_dispatcher_type "
+                         "alltoall")
     if training.fp8:
         hardware.fp8_peak_tflops()
     if training.fp8 and training.fp8_recipe == "mxfp8" and not hardware.block_scaled_fp8:

@@ -79,10 +79,17 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
                                          "training": dict(MEGATRON_DEFAULTS["training"])}
     targets = {"model": _fields(ModelSpec), "training": _fields(TrainingSpec)}
     set_aside, refused = [], []
+    arguments = _settle_aliases(arguments, source)
     for name, value in arguments.items():
+        if not isinstance(name, str):  # YAML reads `1:`, `true:` and `null:` as a number, a boolean, None
+            raise ConfigError(f"{source}: the key {strict.show(name)} is no argument name; Megatron arguments are "
+                              "names (num_layers: 32); quote it or remove it")
         name = RENAMED.get(name, name)
         spec = next((s for s, known in targets.items() if name in known), None)
         if name in ALIASES:
+            if ALIASES[name][2] is not None and value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{source}: {name}={strict.show(value)}: {_flag(name)} is a switch, on or off; write "
+                                  "true or false (a text such as 'no' would switch it on, as any non-empty text does)")
             field = ALIASES[name][1]  # a projection-only field given by name (moe_expert_gemm) wins over its alias
             if value is not False and value is not None and (field not in arguments or field in MEGATRON_FLAGS):
                 spec, field, setting = ALIASES[name]
@@ -91,7 +98,7 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
             continue  # resolved below, once the fields they depend on are known
         elif spec is not None:
             if value is not None:
-                values[spec][name] = "flash" if (name, value) == ("attention_backend", "auto") else value
+                values[spec][name] = _field_value(name, value)
         elif no_effect(name) or primus_default(name, value):
             set_aside.append(name)
         elif name in MEGATRON_FLAGS or name in PRIMUS_FLAGS:
@@ -129,6 +136,37 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
         training["data_parallel_size"] = world_size // per_replica
     return MegatronConfig(spec_from_mapping(ModelSpec, values["model"], source),
                           spec_from_mapping(TrainingSpec, values["training"], source), world_size, tuple(set_aside))
+
+
+LEGACY_OVERRIDES = frozenset({"recompute_activations", "use_rotary_position_embeddings"})
+"""Legacy switches Megatron's ``validate_args`` applies after parsing, over the field's own flag whatever their order
+(megatron/training/arguments.py: ``if args.recompute_activations: args.recompute_granularity = 'selective'``; "Legacy
+RoPE arguments": ``if args.use_rotary_position_embeddings: args.position_embedding_type = 'rope'``)."""
+
+
+def _field_value(name: str, value: Any) -> Any:
+    """What a spec field takes from its argument's value (``--attention-backend auto`` is flash attention here)."""
+    return "flash" if (name, value) == ("attention_backend", "auto") else value
+
+
+def _settle_aliases(arguments: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """A switch alias (``--recompute-activations``) given beside its field's own Megatron flag set to another value
+    (``--recompute-granularity full``): the field as Megatron ends up with it. The value was whichever of the two came
+    last in the list; Megatron's legacy switches (:data:`LEGACY_OVERRIDES`) win in any order, and so do the CUDA-graph
+    switches over ``--cuda-graph-impl none`` (Megatron asserts the flag is left at that default beside them); the others
+    (which Megatron asserts against, or reads in an order not modelled) are refused naming both."""
+    settled = dict(arguments)
+    for name, (_, field, setting) in ALIASES.items():
+        if setting is None or arguments.get(name) in (None, False) or field not in MEGATRON_FLAGS:
+            continue
+        given = arguments.get(field)
+        if given is None or _field_value(field, given) == setting:
+            continue
+        if name not in LEGACY_OVERRIDES and (field, given) != ("cuda_graph_impl", "none"):  # Megatron asserts "none"
+            raise ConfigError(f"{source}: {_flag(name)} sets {field} to {setting} but {_flag(field)} {given} sets it "
+                              "too; keep one")
+        settled[field] = setting
+    return settled
 
 
 def _flag(name: str) -> str:
@@ -208,26 +246,63 @@ def parse_argument_list(text: str, source: str = "the argument list") -> tuple[d
     underscored overrides, which Primus reads as YAML scalars), and the world size when a launcher before the
     training script (``torchrun --nnodes N --nproc-per-node G pretrain_gpt.py ...``) names it."""
     try:
-        tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+        tokens = shlex.split(text.replace("\r\n", "\n").replace("\\\n", " "), comments=True)
     except ValueError as exc:  # an unclosed quote
         raise ConfigError(f"{source}: cannot split the argument list as a shell would: {exc}; close the quote "
                           "or escape it") from None
     script = next((i for i, token in enumerate(tokens) if token.endswith(".py")), None)
     launcher, tokens = (tokens[:script], tokens[script + 1:]) if script is not None else ([], tokens)
-    return _options(tokens), _world_size(_options(launcher, raw=True))
+    arguments = _options(tokens, source=source)
+    if not arguments:
+        raise ConfigError(f"{source}: holds no Megatron arguments (--name value) and no YAML mapping of them; is it "
+                          "the right file? Give a launch script's argument list or a Primus-style YAML")
+    return arguments, _world_size(_options(launcher, raw=True), source)
 
 
-def _world_size(launcher: Mapping[str, Any]) -> int | None:
-    sizes = {_LAUNCHER_GPUS[k]: v for k, v in launcher.items() if k in _LAUNCHER_GPUS}
+def _world_size(launcher: Mapping[str, Any], source: str) -> int | None:
+    """GPUs of the run from the launcher's ``--nproc-per-node`` x ``--nnodes``; None where it names none or a
+    shell variable / elastic range (``$GPUS``, ``1:4``): the file does not say. A count below 1 is refused by the
+    launcher's flag (it was a data-parallel size of 0 or below, named as a field the user never wrote)."""
+    sizes = {_LAUNCHER_GPUS[k]: (k, v) for k, v in launcher.items() if k in _LAUNCHER_GPUS}
     if "per_node" not in sizes:
         return None
-    try:
-        return int(sizes["per_node"]) * int(sizes.get("nodes", 1))
-    except (TypeError, ValueError):
-        return None  # a shell variable ($GPUS_PER_NODE): the file does not say
+    world = 1
+    for flag, value in (sizes["per_node"], sizes.get("nodes", ("nnodes", "1"))):
+        if not isinstance(value, str) or not strict.NUMBER_TEXT.fullmatch(value.strip()):
+            return None  # a shell variable ($GPUS_PER_NODE), an elastic range: the file does not say
+        world *= strict.count(value, f"{source}: the launcher's --{flag}", minimum=1, maximum=MAX_GPUS, text=True)
+    return world
 
 
-def _options(tokens: list[str], raw: bool = False) -> dict[str, Any]:
+MAX_GPUS = 10**7
+"""Most GPUs a launcher line may name (beyond any cluster; a larger count is a typo)."""
+
+_DASHES = "\u2010\u2011\u2012\u2013\u2014\u2015\u2212\ufe58\ufe63\uff0d"
+_OPTION_MISSPELT = re.compile(rf"([{_DASHES}][{_DASHES}-]*|-)(?!-)\S*[^\W\d]\S*")
+"""A token argparse would read as an option (a hyphen, not a negative number) but that is none of Megatron's
+(those start with two ASCII hyphens), or one a word processor wrote with a typographic dash (``\u2014num-layers``)."""
+
+
+def _misspelt(token: str) -> bool:
+    return bool(_OPTION_MISSPELT.fullmatch(token)) and not strict.NUMBER_TEXT.fullmatch(token)
+
+
+def _misspelt_option(token: str, after: str | None, source: str) -> ConfigError:
+    where = f" (after {after})" if after else ""
+    odd = next((ch for ch in token if ch in _DASHES), None)
+    why = f"it is written with {odd!r} (U+{ord(odd):04X}), not two ASCII hyphens" if odd else \
+        "Megatron's options start with two hyphens and its argparse takes a hyphen word for an option, not a value"
+    return ConfigError(f"{source}: {token!r}{where} is no Megatron argument: {why}; write it as --name "
+                       "(retype the dashes)")
+
+
+def _options(tokens: list[str], raw: bool = False, source: str = "the argument list") -> dict[str, Any]:
+    """``--name value...`` tokens to a mapping. Outside the launcher (``raw``), a token argparse would take for an
+    option that is none (``-pipeline-model-parallel-size``, a typographic dash) is refused naming it: it was read
+    as a value of the flag before it, so the refusal named that flag, or a switch took it silently."""
+    if not raw and (bad := next((i for i, token in enumerate(tokens) if _misspelt(token)), None)) is not None:
+        raise _misspelt_option(tokens[bad], next((t.partition("=")[0] for t in reversed(tokens[:bad])
+                                                  if t.startswith("--")), None), source)
     arguments: dict[str, Any] = {}
     i = 0
     while i < len(tokens):
@@ -235,9 +310,9 @@ def _options(tokens: list[str], raw: bool = False) -> dict[str, Any]:
         i += 1
         if not token.startswith("--"):
             continue  # the launcher and script names before the arguments
-        name, _, inline = token[2:].partition("=")
-        values = [inline] if inline else []
-        while not inline and i < len(tokens) and not tokens[i].startswith("--"):
+        name, given, inline = token[2:].partition("=")
+        values = [inline] if given else []  # --num-layers= gives the empty text, as argparse reads it
+        while not given and i < len(tokens) and not tokens[i].startswith("--"):
             values.append(tokens[i])
             i += 1
         if not raw and "_" in name:  # Primus's override style (--num_layers 8): its values are YAML scalars
@@ -349,6 +424,9 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
         data = strict.load_yaml(text, f"the Megatron configuration {path}")
     except ConfigError:
         data = None  # a launch script is rarely valid YAML (and YAML with aliases is refused, not expanded)
+    if isinstance(data, list):  # its dashes would be read as values ("--num-layers must be an integer, got '-'")
+        raise ConfigError(f"{path}: holds a YAML list; give a mapping of Megatron arguments (num_layers: 32) or a "
+                          "launch script's argument list")
     if not isinstance(data, Mapping):
         return read_arguments(text, str(path))
     modules = data.get("modules")
@@ -361,15 +439,21 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
         raise ConfigError(f"{path}: modules {named} each "
                           "name a model; one configuration projects one model: keep the model: of one module")
     for name, module in modules.items():
-        if not isinstance(module, Mapping):
-            continue
+        if module is None:
+            continue  # an empty module
+        if not isinstance(module, Mapping):  # was skipped: its overrides silently not applied
+            raise ConfigError(f"{path}: modules.{name} must be a mapping of {', '.join(sorted(_PRIMUS_MODULE_KEYS))}, "
+                              f"got {strict.show(module)}")
         if unknown := set(module) - _PRIMUS_MODULE_KEYS:
             raise ConfigError(f"{path}: modules.{name}: unknown keys {sorted(unknown)}; a Primus module has "
                               f"{', '.join(sorted(_PRIMUS_MODULE_KEYS))}")
         if module.get("model") is not None:  # e.g. ${PRIMUS_MODEL:llama3.1_8B}.yaml
             arguments.update(_primus_model(Path(path), str(_primus_values({"model": module["model"]})["model"])))
-        if isinstance(module.get("overrides"), Mapping):
-            arguments.update(module["overrides"])
+        overrides = module.get("overrides")
+        if overrides is not None and not isinstance(overrides, Mapping):  # was skipped, the run projected without them
+            raise ConfigError(f"{path}: modules.{name}.overrides must be a mapping of Megatron arguments "
+                              f"(num_layers: 32), got {strict.show(overrides)}")
+        arguments.update(overrides or {})
     return split_arguments(_primus_values(arguments), str(path))
 
 
@@ -415,7 +499,11 @@ def _primus_model(config: Path, reference: str, chain: tuple[Path, ...] = (),
         raise ConfigError(f"{path}: a Primus model file must hold a mapping of Megatron arguments")
     values: dict[str, Any] = {}
     bases = data.get("bases") or []
-    for base in [bases] if isinstance(bases, str) else bases:
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(base, str) for base in bases):
+        raise ConfigError(f"{path}: bases must be a model file name or a list of them, "
+                          f"got {strict.show(data['bases'])}")
+    for base in bases:
         values.update(_primus_model(path, str(base), (*chain, path), read))
     values.update({k: v for k, v in data.items() if k not in ("bases", "extends")})
     read[path] = values

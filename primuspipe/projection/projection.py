@@ -505,7 +505,9 @@ def project(projector: Projector, training: TrainingSpec, *, algorithms: list[st
     """Results ranked by throughput (tokens/s per GPU, fitting ones first), and the refused candidates."""
     check_compatible(projector.model, training)
     check_runs_on(training, projector.hardware)
-    names = algorithms or [info.name for info in list_algorithms() if not (search and info.name == "zb-auto")]
+    # an algorithm named twice (-a 1f1b -a 1f1b) is projected once: it was two identical rows of the ranking
+    names = list(dict.fromkeys(algorithms or [info.name for info in list_algorithms()
+                                              if not (search and info.name == "zb-auto")]))
     pairs = list(candidates(projector.model, training, names, search))
     results, refusals = [], []
     for k, outcome in enumerate(_evaluated(projector, pairs), 1):

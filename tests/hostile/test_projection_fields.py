@@ -5,15 +5,13 @@ contradict themselves. The rule for each input: a projection with finite figures
 naming the field -- never a traceback, never a per-algorithm "not projected" list in its place."""
 
 import dataclasses
-import json
-import math
 import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
-from hostile_support import accepted, refused, run_cli
+from hostile_support import accepted, projected_or_named, refused, run_cli
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.training_spec import TrainingSpec
@@ -44,27 +42,6 @@ def _project(tmp_path, base: dict, kind: str, changes: dict, *extra) -> tuple:
     files = {**base, kind: path}
     return run_cli(["project", "--model", files["model"], "--training", files["training"], "--hardware",
                     files["hardware"], "-a", "1f1b", "--json", *extra])
-
-
-def _finite(data) -> bool:
-    if isinstance(data, float):
-        return math.isfinite(data)
-    if isinstance(data, dict):
-        return all(_finite(v) for v in data.values())
-    if isinstance(data, list):
-        return all(_finite(v) for v in data)
-    return True
-
-
-def projected_or_named(outcome, case: str, *names: str) -> None:
-    """The rule: exit 0 with finite figures (every candidate projected), or a clear refusal naming ``names``."""
-    if outcome.code == 0 and outcome.kind == "silent":
-        report = json.loads(outcome.out)
-        accepted(outcome, case=case)
-        assert report["results"] and not report["refused"], f"{case}: {report['refused']}"
-        assert _finite(report), f"{case}: a figure is not a number"
-        return
-    refused(outcome, *names, case=case)
 
 
 @pytest.mark.parametrize("kind", sorted(SPECS))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import signal
 import traceback
@@ -208,6 +209,28 @@ def accepted(outcome: Outcome, case: str = "") -> Outcome:
     return outcome
 
 
+def _finite(data) -> bool:
+    if isinstance(data, float):
+        return math.isfinite(data)
+    if isinstance(data, dict):
+        return all(_finite(v) for v in data.values())
+    if isinstance(data, list):
+        return all(_finite(v) for v in data)
+    return True
+
+
+def projected_or_named(outcome: Outcome, case: str, *names: str) -> None:
+    """``project --json``'s rule: exit 0 with finite figures (every candidate projected), or a clear refusal naming
+    ``names`` -- never a per-algorithm "not projected" list in place of an error line."""
+    if outcome.code == 0 and outcome.kind == "silent":
+        report = json.loads(outcome.out)
+        accepted(outcome, case=case)
+        assert report["results"] and not report["refused"], f"{case}: {report['refused']}"
+        assert _finite(report), f"{case}: a figure is not a number"
+        return
+    refused(outcome, *names, case=case)
+
+
 def write_summary(terminalreporter) -> None:
     """Print the tally (and write it to ``$HOSTILE_TALLY_JSON`` as JSON when set)."""
     if not CASES:
@@ -222,22 +245,23 @@ def write_summary(terminalreporter) -> None:
 PP = 4
 
 
-def _rank_files(run_id="run-a", pp=PP, iteration=0, t0=1000.0):
+def _rank_files(run_id="run-a", pp=PP, iteration=0, t0=1000.0, algorithm="1f1b"):
     """One iteration's rank dump files, as the recorder writes them: (rank, JSON dict)."""
     from primuspipe.algorithms.build import build_schedule
     from primuspipe.ir.cost_model import CostModel
     from primuspipe.simulator import simulate
 
-    timeline = simulate(build_schedule("1f1b", pp=pp, microbatches=8), CostModel.per_stage(pp, 0.01, 0.01, 0.01)).timeline()
+    table = build_schedule(algorithm, pp=pp, microbatches=8)
+    timeline = simulate(table, CostModel.per_stage(pp, 0.01, 0.01, 0.01)).timeline()
     data = timeline.to_dict()
     for r in data["ranks"]:
         yield r["rank"], {**data, "source": "run", "iteration": iteration, "time_unit": "s", "ranks": [r],
                           "meta": {"t0_unix": t0 + iteration, "run_id": run_id}}
 
 
-def make_dump(root, iterations=(0, 1), run_id="run-a", pp=PP, ranks=None, t0=1000.0):
+def make_dump(root, iterations=(0, 1), run_id="run-a", pp=PP, ranks=None, t0=1000.0, algorithm="1f1b"):
     for i in iterations:
-        for rank, data in _rank_files(run_id, pp, i, t0):
+        for rank, data in _rank_files(run_id, pp, i, t0, algorithm):
             if ranks is None or rank in ranks:
                 path = dump_path(root, i, rank)
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -375,8 +375,8 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
     env = os.environ if env is None else env
     known = set(_ENV_NAMES.values()) | OTHER_VARIABLES
     for var in sorted(env):
-        if var.startswith(ENV_PREFIX) and var not in known:
-            near = strict.closest(var, known)
+        if var.upper().startswith(ENV_PREFIX) and var not in known:  # primuspipe_patch too: names are case-sensitive
+            near = strict.closest(var.upper(), known)
             raise ConfigError(f"environment variable {var} is not a primuspipe setting"
                               + (f" (did you mean {near}?)" if near else "")
                               + f"; known: {', '.join(sorted(known))}")
