@@ -151,9 +151,9 @@ def keys(data: Any, name: str, allowed: Collection[str], required: Collection[st
     return dict(data)
 
 
-def closest(word: str, known: Collection[str]) -> str | None:
-    """The known word ``word`` most likely misspells, if any is close."""
-    found = difflib.get_close_matches(str(word), list(known), n=1, cutoff=0.6)
+def closest(word: str, known: Collection[str], cutoff: float = 0.6) -> str | None:
+    """The known word ``word`` most likely misspells, if any is that close (``cutoff``: difflib's ratio)."""
+    found = difflib.get_close_matches(str(word), list(known), n=1, cutoff=cutoff)
     return found[0] if found else None
 
 

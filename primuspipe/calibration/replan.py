@@ -33,7 +33,6 @@ measured table): the device's memory on GPU, resident set size on CPU.
 
 from __future__ import annotations
 
-import difflib
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -131,7 +130,7 @@ class ReplanSettings:
         known = set(ENV_NAMES.values())
         for var in sorted(env):
             if var not in known and var.upper().startswith("PRIMUSPIPE_") and (
-                    "REPLAN" in var.upper() or difflib.get_close_matches(var.upper(), known, n=1, cutoff=0.9)):
+                    "REPLAN" in var.upper() or strict.closest(var.upper(), known, cutoff=0.9)):
                 raise ConfigError(f"environment variable {var} is not a re-planning setting"
                                   f"{strict.did_you_mean(var.upper(), known)}; known: {', '.join(sorted(known))}")
         values: dict[str, Any] = {}
