@@ -53,6 +53,7 @@ def test_the_hbm2e_h100_is_the_h100_but_for_its_memory():
     own = dict(name=hbm2e.name, hbm_bytes=hbm2e.hbm_bytes, hbm_bandwidth_bytes_per_s=hbm2e.hbm_bandwidth_bytes_per_s,
                attention_kernels=hbm2e.attention_kernels, source=hbm2e.source)
     assert dataclasses.replace(sxm, **own) == hbm2e
+    assert load_hardware(EXAMPLES / "hardware" / "h200.yaml").attention_kernels["flash2"] == sxm.attention_kernels["flash2"]
 
 
 def test_default_training_file_spells_out_the_built_in_defaults():
