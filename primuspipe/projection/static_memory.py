@@ -15,7 +15,9 @@ copy is a second quantization with its own E8M0 scales, not a view of the row-wi
 MXFP8 weights in bf16 into the gradient buffer, ``reuse_grad_buf_for_mxfp8_param_ag``, so no bf16 copy stays);
 ``grad_reduce_in_bf16`` keeps 2-byte main gradients. Megatron-FSDP's ``optim_grads`` strategy shards the main gradients as well (ZeRO-2);
 ``optim_grads_params`` the weights too (ZeRO-3), and holds two layers' weights gathered at a time (the one
-computing and the next one, prefetched: Megatron-FSDP's double buffer).
+computing and the next one, prefetched: Megatron-FSDP's double buffer); PyTorch FSDP2 without resharding after
+forward (``fsdp_reshard_after_forward: false``) holds all of the rank's, and under PyTorch's pipelining its whole
+gradients as well (``TrainingSpec.gathered_for_step``).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def static_memory(params: ParamCount, training: TrainingSpec, layers: int = 1) -
         grad = t.main_grad_bytes
         state = _BYTES[t.main_params_dtype] + _BYTES[t.exp_avg_dtype] + _BYTES[t.exp_avg_sq_dtype]
     gradients = sharded_params(params, training) if t.shards_gradients else params.total
-    gathered = 2 * params.total / max(1, layers)  # the layer computing and the next one, prefetched
+    # the layer computing and the next one, prefetched; all of them where FSDP2 keeps them from forward to backward
+    gathered = 2 * params.total / max(1, layers) if t.fsdp_reshard_after_forward else params.total
     shard = 0.0 if t.fsdp_implementation == "torch" else sharded_params(params, training)  # torch's is the fp32 one
     weights = shard + gathered if t.shards_weights else params.total
     return StaticMemory(weight * min(weights, params.total), grad * gradients, state * optimizer_params(params, training))

@@ -86,6 +86,16 @@ class TrainingSpec:
     mixed-precision policy), whose shards are the fp32 parameters the optimizer updates, cast to bf16 only as
     a layer is gathered: no bf16 copy of the shard stays beside them, where Megatron-FSDP keeps one (its
     model weights apart from the fp32 main weights). Only with ``optim_grads_params``."""
+    fsdp_reshard_after_forward: bool = True
+    """PyTorch FSDP2's ``reshard_after_forward`` (``fully_shard``; torchtitan's ``fsdp_reshard_after_forward``, which
+    torchtitan turns off for every block under pipeline parallelism: ``apply_fsdp``, ``reshard_after_forward = False``
+    when ``pp_enabled``). False: a layer's gathered weights stay from its forward to its backward, so the rank holds
+    all its layers' at once and gathers them once a microbatch instead of twice. With PP > 1 PyTorch's pipelining
+    keeps them for the whole step and the gradients unsharded too: a stage's backward turns FSDP2's resharding after
+    backward and its gradient reduction off until the step's last microbatch (``PipelineStage.
+    backward_maybe_with_nosync``: ``set_reshard_after_backward``, ``set_requires_gradient_sync``), and FSDP2
+    accumulates the unsharded gradients in its reduce dtype (``FSDPParam.to_accumulated_grad_if_needed``): one
+    gather and one reduce-scatter a step (:attr:`gathered_for_step`). Only with ``fsdp_implementation: torch``."""
     use_precision_aware_optimizer: bool = False
     """Megatron's precision-aware optimizer: the dtypes below may be narrower than fp32."""
     main_params_dtype: Literal["fp32", "fp16"] = "fp32"
@@ -454,8 +464,15 @@ class TrainingSpec:
     @property
     def shards_gradients(self) -> bool:
         """Main gradients live sharded over the data-parallel group (Megatron-FSDP ``optim_grads`` and
-        ``optim_grads_params``)."""
-        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+        ``optim_grads_params``), unless PyTorch's pipelining keeps them whole for the step (:attr:`gathered_for_step`)."""
+        return (self.use_megatron_fsdp and self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+                and not self.gathered_for_step)
+
+    @property
+    def gathered_for_step(self) -> bool:
+        """PyTorch FSDP2 under PyTorch's pipelining with ``fsdp_reshard_after_forward`` off: each stage's weights stay
+        gathered and its gradients unsharded from the step's first forward to its last backward."""
+        return not self.fsdp_reshard_after_forward and self.pp > 1
 
     @property
     def shards_weights(self) -> bool:
@@ -580,6 +597,9 @@ class TrainingSpec:
             self._fail(("data_parallel_sharding_strategy", "use_megatron_fsdp", "use_distributed_optimizer"),
                        "the sharding strategy applies to Megatron-FSDP only, which needs the distributed optimizer",
                        "set use_megatron_fsdp: true and use_distributed_optimizer: true, or remove the strategy")
+        if not self.fsdp_reshard_after_forward and self.fsdp_implementation != "torch":
+            self._fail(("fsdp_reshard_after_forward", "fsdp_implementation"),
+                       "fsdp_reshard_after_forward is PyTorch FSDP2's setting", "set fsdp_implementation: torch, or remove it")
         if self.fsdp_implementation == "torch" and not self.shards_weights:
             self._fail(("fsdp_implementation", "data_parallel_sharding_strategy"),
                        "PyTorch's FSDP is modelled only as it shards everything (FULL_SHARD / fully_shard)",

@@ -34,13 +34,26 @@ def test_every_shipped_example_loads():
                                         "nemotron3-8b", "nemotron3-22b", "nemotron4-340b", "nemotron4-15b", "mistral-7b-w1024",
                                         *(f"mcore08-gpt-{size}" for size in
                                           ("1.7b", "7.1b", "16b", "32b", "70b", "119b", "177b", "314b", "462b"))}
-    assert {p.stem for p in HARDWARE} == {"mi300x", "mi325x", "mi355x", "h100", "h200", "b200"}
+    assert {p.stem for p in HARDWARE} == {"mi300x", "mi325x", "mi355x", "h100", "h200", "b200", "h100-hbm2e"}
     for path in MODELS:
         assert load_model(path).source == str(path)
     for path in HARDWARE:
         assert load_hardware(path).hbm_bytes > 0
     for path in TRAININGS:
         load_training(path)
+
+
+def test_the_hbm2e_h100_is_the_h100_but_for_its_memory():
+    """h100-hbm2e.yaml publishes only its memory size and bandwidth; every other figure is h100.yaml's, and must
+    follow it when h100.yaml changes (its FlashAttention-2 entry included)."""
+    sxm = load_hardware(EXAMPLES / "hardware" / "h100.yaml")
+    hbm2e = load_hardware(EXAMPLES / "hardware" / "h100-hbm2e.yaml")
+    assert (hbm2e.hbm_bytes, hbm2e.hbm_bandwidth_bytes_per_s) == (96 * 2**30, 2.4e12)
+    assert hbm2e.attention_kernels == {"flash2": sxm.attention_kernels["flash2"]}
+    own = dict(name=hbm2e.name, hbm_bytes=hbm2e.hbm_bytes, hbm_bandwidth_bytes_per_s=hbm2e.hbm_bandwidth_bytes_per_s,
+               attention_kernels=hbm2e.attention_kernels, source=hbm2e.source)
+    assert dataclasses.replace(sxm, **own) == hbm2e
+    assert load_hardware(EXAMPLES / "hardware" / "h200.yaml").attention_kernels["flash2"] == sxm.attention_kernels["flash2"]
 
 
 def test_default_training_file_spells_out_the_built_in_defaults():

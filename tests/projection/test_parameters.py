@@ -178,6 +178,58 @@ def test_pytorch_fsdp_keeps_no_bf16_shard_beside_the_fp32_one_the_optimizer_upda
     assert (ours.gradients, ours.optimizer) == (theirs.gradients, theirs.optimizer)
 
 
+def test_fsdp2_without_reshard_after_forward_holds_every_gathered_layer_and_under_pipelining_whole_gradients():
+    """FSDP2's reshard_after_forward off (torchtitan under PP) keeps every layer's gathered weights from forward to
+    backward; under PyTorch's pipelining the stage's gradients stay unsharded in the reduce dtype (fp32) for the
+    step, as PipelineStage turns FSDP2's gradient reduction off until the last microbatch. The optimizer state
+    stays sharded."""
+    from primuspipe.projection.parameters import ParamCount
+
+    params = ParamCount(dense=1000, expert=800)
+    resharding = TrainingSpec(data_parallel_size=4, expert_model_parallel_size=2, use_megatron_fsdp=True,
+                              data_parallel_sharding_strategy="optim_grads_params", fsdp_implementation="torch",
+                              pipeline_model_parallel_size=1)
+    kept = dataclasses.replace(resharding, fsdp_reshard_after_forward=False)
+    piped = dataclasses.replace(kept, pipeline_model_parallel_size=2)
+    before, pp1, pp2 = (static_memory(params, t, layers=6) for t in (resharding, kept, piped))
+    assert (pp1.weights, pp2.weights) == (2 * 1800, 2 * 1800)  # every layer gathered, in bf16
+    assert pp1.gradients == before.gradients == 4 * (1000 / 4 + 800 / 2)  # reduce-scattered as backward runs
+    assert pp2.gradients == 4 * 1800  # whole fp32 gradients until the step's last backward
+    assert before.optimizer == pp1.optimizer == pp2.optimizer
+    assert (kept.gathered_for_step, piped.gathered_for_step, piped.shards_gradients) == (False, True, False)
+
+
+def test_fsdp2_without_reshard_after_forward_gathers_once_a_microbatch_and_under_pipelining_once_a_step():
+    """The weight all-gathers and gradient reduce-scatters, nothing overlapped: with resharding each of the 8
+    microbatches gathers twice (forward and backward) and reduces once; without, it gathers once; under PyTorch's
+    pipelining the step gathers once and reduces its whole fp32 gradients once."""
+    from primuspipe.projection.comm import Collectives, gradient_sync
+    from primuspipe.projection.hardware_spec import load_hardware
+    from primuspipe.projection.parameters import ParamCount
+
+    hardware = load_hardware(EXAMPLES / "hardware" / "h100.yaml")
+    net, params = Collectives(hardware), ParamCount(dense=1e9, expert=0)
+    base = TrainingSpec(data_parallel_size=8, global_batch_size=8 * 8, use_megatron_fsdp=True,
+                        data_parallel_sharding_strategy="optim_grads_params", fsdp_implementation="torch",
+                        overlap_param_gather=False, overlap_grad_reduce=False, pipeline_model_parallel_size=1)
+    gather, reduce = net.gather(2e9, 8, 8), net.gather(4e9, 8, 8)
+    twice, once = (gradient_sync(params, dataclasses.replace(base, fsdp_reshard_after_forward=flag), hardware)
+                   for flag in (True, False))
+    assert (twice, once) == (pytest.approx(8 * (2 * gather + reduce)), pytest.approx(8 * (gather + reduce)))
+    piped = dataclasses.replace(base, fsdp_reshard_after_forward=False, pipeline_model_parallel_size=2)
+    assert gradient_sync(params, piped, hardware) == pytest.approx(gather + reduce)
+
+
+def test_fsdp_reshard_after_forward_is_pytorch_fsdp2s_setting():
+    from primuspipe.projection.spec_fields import spec_from_mapping
+
+    values = {"data_parallel_size": 4, "use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params",
+              "fsdp_reshard_after_forward": False}
+    with pytest.raises(InputError, match="fsdp_reshard_after_forward"):
+        spec_from_mapping(TrainingSpec, values, "t.yaml")
+    assert not spec_from_mapping(TrainingSpec, {**values, "fsdp_implementation": "torch"}, "t.yaml").fsdp_reshard_after_forward
+
+
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
 def test_pytorch_fsdp_is_refused_where_it_would_not_shard_the_weights(strategy):
     from primuspipe.projection.spec_fields import spec_from_mapping
