@@ -294,7 +294,11 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
 
     With the weights sharded too (``optim_grads_params``) every microbatch gathers each layer's weights
     before its forward and again before its backward, prefetched under the layer before: what outlasts
-    the compute shows, as for the reduction; no gather is left for the step's end."""
+    the compute shows, as for the reduction; no gather is left for the step's end.
+
+    A step of several pipeline schedules (:attr:`TrainingSpec.local_batch_size`) reduces unsharded gradients in
+    each schedule's last backward (``torch.distributed.pipelining``'s stage syncs its DDP module there), so
+    the reduction shows once per flush."""
     t, net = training, Collectives(hardware)
     grad_bytes = t.main_grad_bytes  # mixed precision accumulates and reduces in fp32 unless told otherwise
     weight_bytes = 4 if t.precision == "fp32" else gathered_weight_bytes(t)
@@ -314,7 +318,9 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
         reduce = max(reduce * tail, t.microbatches * max(0.0, reduce - compute_s)) if t.overlap_grad_reduce \
             else reduce * t.microbatches
     elif t.overlap_grad_reduce:
-        reduce = _hidden_under(reduce, tail, backward_s)
+        reduce = _hidden_under(reduce, tail, backward_s) * t.pipeline_flushes
+    else:
+        reduce *= t.pipeline_flushes
     if t.shards_weights:
         gather = t.microbatches * max(0.0, 2 * gather - compute_s) if t.overlap_param_gather \
             else 2 * gather * t.microbatches
