@@ -5,10 +5,12 @@ schedule pays its own warm-up and drain and holds one schedule's activations at 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
+from primuspipe.cli import main
 from primuspipe.projection.comm import gradient_sync
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.model_spec import load_model
@@ -106,3 +108,15 @@ def test_automodels_kimi_k2_runs_two_schedules_of_eight():
     two = Projector(model, H100).evaluate(training, run.algorithm())
     one = Projector(model, H100).evaluate(dataclasses.replace(training, local_batch_size=None), run.algorithm())
     assert two.pipeline_flushes == 2 and two.step_time_s > one.step_time_s and two.bubble_rate > one.bubble_rate
+
+
+def test_the_report_and_the_json_name_the_schedules(capsys, tmp_path):
+    training = tmp_path / "t.yaml"
+    training.write_text("pipeline_model_parallel_size: 4\nglobal_batch_size: 32\nlocal_batch_size: 8\n")
+    args = ["project", "--model", str(EXAMPLES / "models" / "llama2-7b.yaml"), "--hardware",
+            str(EXAMPLES / "hardware" / "h100.yaml"), "--training", str(training), "-a", "1f1b"]
+    assert main(args) == 0
+    assert "each with its own warm-up and drain: 4 of 8 microbatches" in capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    assert (row["pipeline_flushes"], row["microbatches"]) == (4, 32)
