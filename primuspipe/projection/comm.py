@@ -295,9 +295,13 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
     With the weights sharded too (``optim_grads_params``) every microbatch gathers each layer's weights
     before its forward and again before its backward, prefetched under the layer before: what outlasts
     the compute shows, as for the reduction; no gather is left for the step's end. PyTorch FSDP2 without
-    resharding after forward gathers them once a microbatch, and under PyTorch's pipelining once a step, before
-    the first forward, reducing the gradients in the last microbatch's backward as unsharded ones are
-    (``TrainingSpec.fsdp_reshard_after_forward``)."""
+    resharding after forward gathers them once a microbatch, and under PyTorch's pipelining once a schedule,
+    before its first forward, reducing the gradients in its last microbatch's backward as unsharded ones are
+    (``TrainingSpec.fsdp_reshard_after_forward``).
+
+    A step of several pipeline schedules (:attr:`TrainingSpec.local_batch_size`) reduces unsharded gradients in
+    each schedule's last backward (``torch.distributed.pipelining``'s stage syncs its DDP module there), so
+    the reduction shows once per flush."""
     t, net = training, Collectives(hardware)
     grad_bytes = t.main_grad_bytes  # mixed precision accumulates and reduces in fp32 unless told otherwise
     weight_bytes = 4 if t.precision == "fp32" else gathered_weight_bytes(t)
@@ -317,13 +321,18 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
         reduce = max(reduce * tail, t.microbatches * max(0.0, reduce - compute_s)) if t.overlap_grad_reduce \
             else reduce * t.microbatches
     elif t.overlap_grad_reduce:
-        reduce = _hidden_under(reduce, tail, backward_s)
+        reduce = _hidden_under(reduce, tail, backward_s) * t.pipeline_flushes
+    else:
+        reduce *= t.pipeline_flushes
     if t.shards_weights and not t.gathered_for_step:
         passes = 2 if t.fsdp_reshard_after_forward else 1  # before the forward, and again before the backward
         gather = t.microbatches * max(0.0, passes * gather - compute_s) if t.overlap_param_gather \
             else passes * gather * t.microbatches
         return gather + tied + reduce
-    return (_hidden_under(gather, tail, forward_s) if t.overlap_param_gather else gather) + tied + reduce
+    gather = _hidden_under(gather, tail, forward_s) if t.overlap_param_gather else gather
+    if t.gathered_for_step:  # each schedule gathers its stage's weights anew (resharded after its last backward)
+        gather *= t.pipeline_flushes
+    return gather + tied + reduce
 
 
 def gathered_weight_bytes(training: TrainingSpec) -> int:

@@ -92,6 +92,9 @@ class ProjectionResult:
     simulated_microbatches: tuple[int, ...] = ()
     """Empty when the pipeline was simulated at the step's own microbatch count; else the two smaller
     counts it was simulated at, the step extrapolated from them (:class:`PipelineFigures`)."""
+    pipeline_flushes: int = 1
+    """Pipeline schedules the step runs one after another (:attr:`TrainingSpec.local_batch_size`), each of
+    ``microbatches / pipeline_flushes``."""
 
     def row(self) -> dict:
         """The JSON row (``--json`` contract)."""
@@ -187,6 +190,16 @@ class PipelineFigures:
                                    peak_activation_bytes=plus(self.peak_activation_bytes, buffered_bytes),
                                    ends=plus(self.ends, seconds))
 
+    def repeated(self, flushes: int) -> PipelineFigures:
+        """A step of ``flushes`` such pipelines run one after another (:attr:`TrainingSpec.local_batch_size`): each
+        pays its own warm-up and drain, so times add up; the activations of one are freed before the next starts,
+        so the memory peaks are one pipeline's."""
+        if flushes == 1:
+            return self
+        return dataclasses.replace(self, step_time=self.step_time * flushes,
+                                   busy=tuple(b * flushes for b in self.busy),
+                                   ends=tuple(e + self.step_time * (flushes - 1) for e in self.ends))
+
     @property
     def bubble_rate(self) -> float:
         """The worst rank's idle share of the step (the simulator's :attr:`SimulationResult.bubble_rate`)."""
@@ -252,8 +265,10 @@ class Projector:
         try:
             check_compatible(self.model, training)
             check_runs_on(training, self.hardware)
-            shaped = self._carried_on(training, algorithm) or self._pipeline(training, algorithm, training.microbatches)
-            training, costs, figures = shaped
+            flush = training.one_flush()  # what one pipeline schedule runs; the step runs training.pipeline_flushes
+            shaped = self._carried_on(flush, algorithm) or self._pipeline(flush, algorithm, flush.microbatches)
+            flush, costs, figures = shaped
+            training = dataclasses.replace(training, virtual_pipeline_model_parallel_size=flush.vpp)
             return self._result(training, algorithm, costs, figures)
         except PrimusPipeError as exc:
             return Refusal(**refused, error=str(exc).splitlines()[0])
@@ -374,8 +389,9 @@ class Projector:
     def _result(self, training: TrainingSpec, algorithm: str, costs: StageCosts, simulated: PipelineFigures
                 ) -> ProjectionResult:
         t, h = training, self.hardware
-        simulated = simulated.drained(costs.layout.head_rank, costs.drain_s * t.microbatches,
-                                      costs.drain_bytes * t.microbatches)
+        per_flush = t.microbatches_per_flush
+        simulated = simulated.drained(costs.layout.head_rank, costs.drain_s * per_flush,
+                                      costs.drain_bytes * per_flush).repeated(t.pipeline_flushes)
         tied = 0 if self.model.untie_embeddings_and_output_weights or costs.layout.num_stages == 1 else \
             embedding_params(self.model, t.tp)
         sync = max(gradient_sync(p, t, h, tied_embedding=tied if r in (costs.layout.embedding_rank, costs.layout.head_rank) else 0,
@@ -409,7 +425,8 @@ class Projector:
             memory_breakdown=breakdown, tokens_per_s_per_gpu=tokens / step / t.world_size,
             mfu=mfu, verdict=self.verdict(max(peaks)), mfu_full_attention=mfu_full,
             exposed_communication_s=sync + exposed,
-            simulated_microbatches=simulated.microbatches if len(simulated.microbatches) > 1 else ())
+            simulated_microbatches=simulated.microbatches if len(simulated.microbatches) > 1 else (),
+            pipeline_flushes=t.pipeline_flushes)
 
     def verdict(self, peak_bytes: float) -> str:
         if peak_bytes > self.hardware.hbm_bytes:
@@ -476,7 +493,8 @@ def candidates(model: ModelSpec, training: TrainingSpec, algorithms: list[str], 
     for pp in (p for p in range(1, gpus // per_stage + 1) if (gpus // per_stage) % p == 0 and p <= model.num_layers):
         dp = gpus // (per_stage * pp)
         for mbs in sorted({*SEARCH_MICRO_BATCHES, training.micro_batch_size}):
-            if training.global_batch_size % (mbs * dp):
+            local = training.local_batch_size or training.global_batch_size // dp  # one flush's samples
+            if training.global_batch_size % (local * dp) or local % mbs:
                 continue
             for recompute in SEARCH_RECOMPUTE:
                 base = _with_recompute(dataclasses.replace(

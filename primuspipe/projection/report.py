@@ -95,6 +95,10 @@ def print_report(console: Console, projector: Projector, training: TrainingSpec,
         console.print(f"{results[0].microbatches} microbatches per replica: pipelines simulated at {counts} and carried "
                       "on linearly (past the warm-up each microbatch repeats the same steady pattern; tables whose "
                       "memory follows no line were simulated whole)", highlight=False)
+    if flushed := sorted({(r.pipeline_flushes, r.microbatches // r.pipeline_flushes) for r in results[:top]
+                          if r.pipeline_flushes > 1}):
+        console.print("pipeline schedules a step (local_batch_size), each with its own warm-up and drain: "
+                      + ", ".join(f"{n} of {m} microbatches" for n, m in flushed), highlight=False)
     if len(results) > top:
         console.print(f"({len(results) - top} more; --top N shows more, --json shows all)")
     reasons = Counter(r.error for r in refusals)

@@ -52,6 +52,22 @@ class TrainingSpec:
     virtual_pipeline_model_parallel_size: int = 1
     """Model chunks per pipeline rank for algorithms that take any vpp (interleaved-1f1b uses 2 when this is 1;
     V-shape algorithms always use 2)."""
+    local_batch_size: int | None = None
+    """Samples one data-parallel replica runs through the pipeline in one schedule, from its warm-up to its drain
+    (one pipeline flush); None, the default: the replica's whole share of the global batch, GBS / DP, one flush a
+    step, as megatron-core runs it (all of a replica's microbatches in one ``forward_backward_func`` call). Smaller,
+    a step runs :attr:`pipeline_flushes` schedules of ``local_batch_size / micro_batch_size`` microbatches one after
+    another before the optimizer step, each paying its own warm-up and drain, and holding at its peak the
+    activations of one schedule only. The trainers built on ``torch.distributed.pipelining`` do this: their
+    gradient-accumulation loop calls ``schedule.step`` once per local batch -- NeMo AutoModel
+    (``nemo_automodel/recipes/llm/train_ft.py`` ``_forward_backward_step`` and ``recipes/llm/benchmark.py``'s loop
+    over ``GBS / (local_batch_size * DP)`` steps, its schedule built with ``local_batch_size // pp_microbatch_size``
+    microbatches in ``components/distributed/pipelining/functional.py`` ``build_pipeline_schedule``, NVIDIA-NeMo/
+    Automodel 89e3a9fdd: ``step_scheduler.local_batch_size``) and torchtitan (``torchtitan/train.py``
+    ``train_step``, ``training.local_batch_size``). Under such a schedule a DDP-wrapped stage reduces its
+    gradients in each schedule's last backward (``torch/distributed/pipelining/stage.py``
+    ``backward_maybe_with_nosync``), so each flush also pays the reduction's exposed tail
+    (:func:`~primuspipe.projection.comm.gradient_sync`)."""
     expert_model_parallel_size: int = 1
     """EP: routed experts split over this many ranks (carved out of TP * CP * DP)."""
     expert_tensor_parallel_size: int | None = None
@@ -394,6 +410,22 @@ class TrainingSpec:
         """Microbatches one pipeline runs per step."""
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
+    @property
+    def pipeline_flushes(self) -> int:
+        """Pipeline schedules (flushes) one step runs, one per :attr:`local_batch_size` of each replica."""
+        return 1 if self.local_batch_size is None else self.global_batch_size // (self.local_batch_size * self.dp)
+
+    @property
+    def microbatches_per_flush(self) -> int:
+        """Microbatches of one pipeline schedule: the step's when it runs one."""
+        return self.microbatches // self.pipeline_flushes
+
+    def one_flush(self) -> TrainingSpec:
+        """This configuration with the global batch of one of its pipeline flushes: what one schedule runs."""
+        if self.pipeline_flushes == 1:
+            return self
+        return dataclasses.replace(self, global_batch_size=self.local_batch_size * self.dp, local_batch_size=None)
+
     def bf16_layers(self, num_layers: int) -> frozenset[int]:
         """Indices of the transformer layers that keep their GEMMs out of FP8 (``first_last_layers_bf16``)."""
         if not (self.fp8 and self.first_last_layers_bf16):
@@ -555,7 +587,7 @@ class TrainingSpec:
                      "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                      "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size",
                      "data_parallel_size", "recompute_num_layers", "decoder_first_pipeline_num_layers",
-                     "decoder_last_pipeline_num_layers", "mtp_num_layers"):
+                     "decoder_last_pipeline_num_layers", "mtp_num_layers", "local_batch_size"):
             if getattr(self, name) == 0:
                 self._fail((name,), "must be at least 1", "give a positive number (or leave it out for the default)")
         if large := oversized(self, MAX_COUNT, MAX_COUNTS):
@@ -572,6 +604,12 @@ class TrainingSpec:
                        "the global batch does not split into whole microbatches per data-parallel replica",
                        f"make global_batch_size a multiple of micro_batch_size * data_parallel_size = "
                        f"{self.micro_batch_size * self.dp}")
+        if self.local_batch_size is not None and (self.local_batch_size % self.micro_batch_size
+                                                  or self.global_batch_size % (self.local_batch_size * self.dp)):
+            self._fail(("local_batch_size", "micro_batch_size", "global_batch_size", "data_parallel_size"),
+                       "a replica's global-batch share does not split into whole local batches of whole microbatches",
+                       f"make local_batch_size a multiple of micro_batch_size and a divisor of global_batch_size / "
+                       f"data_parallel_size = {self.global_batch_size / self.dp:g}, or leave it out (one flush a step)")
         if self.recompute_granularity == "full" and (self.recompute_method is None or self.recompute_num_layers is None):
             self._fail(("recompute_granularity", "recompute_method", "recompute_num_layers"),
                        "full recompute needs a method and a layer count",
