@@ -388,7 +388,7 @@ class Projector:
         step = simulated.step_time + sync + optimizer
         reserved = h.runtime_reserved_bytes
         in_step = [peak + transient for peak, transient in zip(simulated.peak_memory_bytes, costs.transient_bytes)]
-        # gradients made by the backward peak apart from the activations, at its end (StaticMemory.total)
+        # where the backward makes the gradients, its end (every gradient, no activation) is a moment of its own
         peaks = [max(moment, static.total) + reserved for moment, static in zip(in_step, costs.static)]
         worst = max(range(len(peaks)), key=peaks.__getitem__)
         static = costs.static[worst]
