@@ -27,6 +27,7 @@ weight matrix is in x out, biases only with ``add_bias_linear``):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from primuspipe.projection.layout import StageLayout
@@ -114,11 +115,16 @@ def head_params(model: ModelSpec, tp: int) -> int:
     return _norm(model, model.hidden_size) + model.padded_vocab(tp) * model.hidden_size // tp
 
 
-def stage_params(model: ModelSpec, training: TrainingSpec, layout: StageLayout, stage: int) -> ParamCount:
-    """Everything stage ``stage`` holds on one of its (TP, EP) ranks."""
+def layers_params(model: ModelSpec, training: TrainingSpec, layers: Iterable[int]) -> ParamCount:
+    """The transformer layers ``layers`` (indices into the model's layers) on one (TP, EP) rank."""
     per_kind = {kind: sum(layer_params(model, training, kind).values(), ParamCount())
                 for kind in set(model.layer_kinds)}
-    count = sum((per_kind[model.layer_kinds[i]] for i in layout.stage_layers[stage]), ParamCount())
+    return sum((per_kind[model.layer_kinds[i]] for i in layers), ParamCount())
+
+
+def stage_params(model: ModelSpec, training: TrainingSpec, layout: StageLayout, stage: int) -> ParamCount:
+    """Everything stage ``stage`` holds on one of its (TP, EP) ranks."""
+    count = layers_params(model, training, layout.stage_layers[stage])
     if stage == 0:
         count += ParamCount(embedding_params(model, training.tp))
     if stage == layout.num_stages - 1:

@@ -383,7 +383,7 @@ class Projector:
         retained share included) within it is exactly a FITS verdict. Over several ``layouts`` of the same
         stages (an algorithm that may put them on the interleaved ranks or the V), the least on each rank."""
         hbm = self.hardware.hbm_bytes * (1 - self.risk_margin) - self.hardware.runtime_reserved_bytes
-        return tuple(max(0.0, min(hbm - c.static[r].total - c.transient_bytes[r] for c in layouts))
+        return tuple(max(0.0, min(hbm - c.static[r].beside_activations - c.transient_bytes[r] for c in layouts))
                      for r in range(len(layouts[0].static)))
 
     def _result(self, training: TrainingSpec, algorithm: str, costs: StageCosts, simulated: PipelineFigures
@@ -403,12 +403,15 @@ class Projector:
         optimizer = max(optimizer_seconds(optimizer_params(p, t), h) for p in costs.params)
         step = simulated.step_time + sync + optimizer
         reserved = h.runtime_reserved_bytes
-        peaks = [peak + transient + reserved for peak, transient in zip(simulated.peak_memory_bytes, costs.transient_bytes)]
+        in_step = [peak + transient for peak, transient in zip(simulated.peak_memory_bytes, costs.transient_bytes)]
+        # where the backward makes the gradients, its end (every gradient, no activation) is a moment of its own
+        peaks = [max(moment, static.total) + reserved for moment, static in zip(in_step, costs.static)]
         worst = max(range(len(peaks)), key=peaks.__getitem__)
         static = costs.static[worst]
-        breakdown = {"weights": static.weights, "gradients": static.gradients, "optimizer": static.optimizer,
-                     "activations": simulated.peak_activation_bytes[worst],
-                     "recompute_working_set": costs.transient_bytes[worst], "runtime_reserved": reserved}
+        at_end = in_step[worst] < static.total
+        breakdown = {"weights": static.weights, "gradients": static.gradients if at_end else static.gradients_beside_activations,
+                     "optimizer": static.optimizer, "activations": 0.0 if at_end else simulated.peak_activation_bytes[worst],
+                     "recompute_working_set": 0.0 if at_end else costs.transient_bytes[worst], "runtime_reserved": reserved}
         tokens = t.global_batch_size * self.model.seq_length
         work, replicas = WorkModel(self.model, t), t.tp * t.cp * t.microbatches * t.dp
         peak = (h.fp8_peak_tflops() if t.fp8 else h.peak_bf16_tflops) * 1e12 * step * t.world_size

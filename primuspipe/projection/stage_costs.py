@@ -27,7 +27,7 @@ from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.host import host_bound
 from primuspipe.projection.layout import StageLayout
 from primuspipe.projection.model_spec import ModelSpec
-from primuspipe.projection.parameters import ParamCount, rank_params
+from primuspipe.projection.parameters import ParamCount, layers_params, rank_params
 from primuspipe.projection.static_memory import StaticMemory, static_memory
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -72,7 +72,7 @@ class StageCosts:
                             b_rise_fraction=self.b_rise_fraction,
                             activation_bytes=self.activation_bytes,
                             parameter_bytes=tuple(s.weights for s in self.static),
-                            gradient_bytes=tuple(s.gradients for s in self.static),
+                            gradient_bytes=tuple(s.gradients_beside_activations for s in self.static),
                             optimizer_bytes=tuple(s.optimizer for s in self.static))
         return CostModel(ComputeCosts(self.forward, self.backward_input, self.backward_weight), p2p=self.p2p,
                          memory=memory, time_unit="s")
@@ -146,8 +146,9 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
     return StageCosts(
         layout, tuple(forward), tuple(backward_input), tuple(backward_weight), tuple(held),
         sum(kept_for_w) / sum(held), sum(excess) / sum(held), max(rise), tuple(params),
-        tuple(static_memory(p, training, sum(len(layout.stage_layers[s]) for s in layout.rank_stages(r)))
-              for r, p in zip(ranks, params)),
+        tuple(static_memory(p, training, len(layers), p.total - layers_params(model, training, layers).total)
+              for p, layers in zip(params, ([i for s in layout.rank_stages(r) for i in layout.stage_layers[s]]
+                                            for r in ranks))),
         tuple(max(transient[s] for s in layout.rank_stages(r)) for r in ranks),
         _p2p(model, training, hardware), tuple(communication),
         parts["head"].backward_weight if defer else 0.0, activations.head_gemm_bytes() if defer else 0.0,

@@ -17,7 +17,9 @@ MXFP8 weights in bf16 into the gradient buffer, ``reuse_grad_buf_for_mxfp8_param
 ``optim_grads_params`` the weights too (ZeRO-3), and holds two layers' weights gathered at a time (the one
 computing and the next one, prefetched: Megatron-FSDP's double buffer); PyTorch FSDP2 without resharding after
 forward (``fsdp_reshard_after_forward: false``) holds all of the rank's, and under PyTorch's pipelining its whole
-gradients as well (``TrainingSpec.gathered_for_step``).
+gradients as well (``TrainingSpec.gathered_for_step``). Under PyTorch's FSDP with one microbatch per step the
+gradients are made by the backward, so they never meet the forward's activations
+(:attr:`~primuspipe.projection.training_spec.TrainingSpec.gradients_from_backward`).
 """
 
 from __future__ import annotations
@@ -35,20 +37,40 @@ class StaticMemory:
     weights: float
     gradients: float
     optimizer: float
+    gradients_from_backward: bool = False
+    """The gradients appear during the backward as the activations go (PyTorch's FSDP, one microbatch per
+    step): the rank's two moments are its activations' peak beside weights and optimizer state
+    (:attr:`beside_activations`) and the end of the backward, every gradient and no activation (:attr:`total`)."""
 
     @property
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer
 
+    @property
+    def gradients_beside_activations(self) -> float:
+        """The gradients under the activations' peak. Each layer's backward frees its saved inputs and adds its
+        gradient shard, so between the two moments the sum moves one way and the peak is at one of them."""
+        return 0.0 if self.gradients_from_backward else self.gradients
+
+    @property
+    def beside_activations(self) -> float:
+        return self.weights + self.gradients_beside_activations + self.optimizer
+
 
 _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
 
-def static_memory(params: ParamCount, training: TrainingSpec, layers: int = 1) -> StaticMemory:
+def static_memory(params: ParamCount, training: TrainingSpec, layers: int = 1, outside_layers: float = 0.0
+                  ) -> StaticMemory:
     """Weights (1 byte with ``fp8_param_gather``), main gradients and optimizer state (master weight and
     two moments, in the precision-aware optimizer's dtypes when it is on); ``layers``: the rank's transformer
-    layers, the unit sharded weights are gathered in. PyTorch's FSDP keeps no weight shard of its own: its
-    shard is the master weight."""
+    layers, the unit sharded weights are gathered in; ``outside_layers``: of ``params``, those outside them
+    (embedding, final norm, output layer). PyTorch's FSDP keeps no weight shard of its own: its shard is the
+    master weight; and its root unit, which holds what lies outside the layers when each layer is wrapped
+    alone (torchtitan's ``apply_fsdp``, ``transformer_auto_wrap_policy``), stays gathered from the forward
+    through the backward: FSDP1's ``_post_forward_reshard`` frees nothing of the root ("with the intention that
+    they are immediately used for backward"), nor does FSDP2 (``FSDPState._lazy_init``: the root's
+    ``post_forward_mesh_info = None``)."""
     t = training
     if t.precision == "fp32":
         weight, grad, state = 4, 4, 8
@@ -57,11 +79,16 @@ def static_memory(params: ParamCount, training: TrainingSpec, layers: int = 1) -
         grad = t.main_grad_bytes
         state = _BYTES[t.main_params_dtype] + _BYTES[t.exp_avg_dtype] + _BYTES[t.exp_avg_sq_dtype]
     gradients = sharded_params(params, training) if t.shards_gradients else params.total
-    # the layer computing and the next one, prefetched; all of them where FSDP2 keeps them from forward to backward
-    gathered = 2 * params.total / max(1, layers) if t.fsdp_reshard_after_forward else params.total
-    shard = 0.0 if t.fsdp_implementation == "torch" else sharded_params(params, training)  # torch's is the fp32 one
+    if t.fsdp_implementation == "torch":  # the shard is the fp32 one; the root unit stays gathered
+        in_layers = params.total - outside_layers
+        # the layer computing and the next one, prefetched; all of them where FSDP2 keeps them from forward to backward
+        gathered = (2 * in_layers / max(1, layers) if t.fsdp_reshard_after_forward else in_layers) + outside_layers
+        shard = 0.0
+    else:  # the layer computing and the next one, prefetched
+        gathered, shard = 2 * params.total / max(1, layers), sharded_params(params, training)
     weights = shard + gathered if t.shards_weights else params.total
-    return StaticMemory(weight * min(weights, params.total), grad * gradients, state * optimizer_params(params, training))
+    return StaticMemory(weight * min(weights, params.total), grad * gradients, state * optimizer_params(params, training),
+                        t.gradients_from_backward)
 
 
 def optimizer_params(params: ParamCount, training: TrainingSpec) -> float:

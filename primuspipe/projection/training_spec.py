@@ -101,7 +101,9 @@ class TrainingSpec:
     """Whose FSDP the sharding above is. ``torch``: PyTorch's (FSDP2's ``fully_shard``, or FSDP1, with a bf16
     mixed-precision policy), whose shards are the fp32 parameters the optimizer updates, cast to bf16 only as
     a layer is gathered: no bf16 copy of the shard stays beside them, where Megatron-FSDP keeps one (its
-    model weights apart from the fp32 main weights). Only with ``optim_grads_params``."""
+    model weights apart from the fp32 main weights); its root unit (embedding, final norm, output layer)
+    stays gathered from the forward through the backward; with one microbatch a step its gradients are made
+    by the backward (:attr:`gradients_from_backward`). Only with ``optim_grads_params``."""
     fsdp_reshard_after_forward: bool = True
     """PyTorch FSDP2's ``reshard_after_forward`` (``fully_shard``; torchtitan's ``fsdp_reshard_after_forward``, which
     torchtitan turns off for every block under pipeline parallelism: ``apply_fsdp``, ``reshard_after_forward = False``
@@ -511,6 +513,16 @@ class TrainingSpec:
         """The weights live sharded too (Megatron-FSDP ``optim_grads_params``, ZeRO-3): each layer's are gathered
         when its forward or backward runs."""
         return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads_params"
+
+    @property
+    def gradients_from_backward(self) -> bool:
+        """No gradient is there while the step's forward runs: PyTorch's FSDP with one microbatch per step. The
+        training loop frees them before the next step (``optimizer.zero_grad()``, ``set_to_none=True`` since
+        torch 2.0; torchtitan calls it as the step begins) and the backward makes each layer's sharded gradient
+        as that layer's gradients are reduce-scattered (FSDP2's ``foreach_reduce`` assigns ``sharded_param.grad``
+        where it is None), so the gradients grow as the backward frees the activations. Megatron's gradient
+        buffers stay allocated; a second microbatch's forward holds the first one's gradients."""
+        return self.fsdp_implementation == "torch" and self.microbatches == 1
 
     @property
     def balanced(self) -> bool:

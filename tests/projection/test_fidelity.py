@@ -407,7 +407,8 @@ def test_fused_cross_entropy_and_narrow_optimizer_state_shrink_memory():
     params = ParamCount(dense=1000)
     narrow = TrainingSpec(use_distributed_optimizer=False, use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
                           exp_avg_sq_dtype="bf16", fp8_format="e4m3", fp8_param_gather=True)
-    assert dataclasses.astuple(static_memory(params, narrow)) == (1000, 4000, 8000)  # 1 + 4 + (4 + 2 + 2) bytes
+    memory = static_memory(params, narrow)
+    assert (memory.weights, memory.gradients, memory.optimizer) == (1000, 4000, 8000)  # 1 + 4 + (4 + 2 + 2) bytes
     # MXFP8 weights keep a row-wise and a column-wise FP8 copy, each with an E8M0 scale per 32 elements
     mx = dataclasses.replace(narrow, fp8_recipe="mxfp8")
     assert static_memory(params, mx).weights == pytest.approx(1000 * (2 + 2 / 32))

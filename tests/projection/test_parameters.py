@@ -11,6 +11,7 @@ from projection_megatron import megatron_rank_params
 
 from primuspipe.projection.compute import model_flops_per_token
 from primuspipe.projection.framework import Placement
+from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.layout import StageLayout, layer_counts
 from primuspipe.projection.model_spec import ModelSpec, load_model
 from primuspipe.projection.parameters import layer_params, rank_params, total_params
@@ -228,6 +229,57 @@ def test_fsdp_reshard_after_forward_is_pytorch_fsdp2s_setting():
     with pytest.raises(InputError, match="fsdp_reshard_after_forward"):
         spec_from_mapping(TrainingSpec, values, "t.yaml")
     assert not spec_from_mapping(TrainingSpec, {**values, "fsdp_implementation": "torch"}, "t.yaml").fsdp_reshard_after_forward
+
+
+def test_pytorch_fsdp_keeps_its_root_gathered_beside_two_layers():
+    """Each layer wrapped alone, the root unit holds the embedding, final norm and output layer, and torch's FSDP
+    does not reshard the root after the forward (FSDP1 ``_post_forward_reshard``; FSDP2 ``_lazy_init`` before
+    pytorch#154704): those weights are gathered whole with the two layers. Megatron-FSDP's count is unchanged."""
+    from primuspipe.projection.parameters import ParamCount
+
+    params = ParamCount(dense=1000 + 600)  # six layers of 1000 / 6 and 600 outside them
+    megatron = TrainingSpec(data_parallel_size=4, use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params")
+    torch_fsdp = dataclasses.replace(megatron, fsdp_implementation="torch")
+    assert static_memory(params, torch_fsdp, layers=6, outside_layers=600).weights == pytest.approx(2 * (2 * 1000 / 6 + 600))
+    assert static_memory(params, megatron, layers=6, outside_layers=600) == static_memory(params, megatron, layers=6)
+
+
+@pytest.mark.parametrize("fsdp,global_batch,made_in_backward", [
+    ("torch", 4, True), ("torch", 8, False), ("megatron", 4, False)])
+def test_only_torch_fsdp_with_one_microbatch_makes_its_gradients_in_the_backward(fsdp, global_batch, made_in_backward):
+    """torchtitan frees the gradients as each step begins (``zero_grad``, ``set_to_none``) and FSDP2 makes a
+    layer's shard at its reduce-scatter (``tests/projection/test_torch_fsdp_gradients.py`` runs it); a second
+    microbatch's forward holds the first one's, and Megatron's gradient buffers stay allocated."""
+    from primuspipe.projection.parameters import ParamCount
+
+    training = TrainingSpec(data_parallel_size=4, micro_batch_size=1, global_batch_size=global_batch, use_megatron_fsdp=True,
+                            data_parallel_sharding_strategy="optim_grads_params", fsdp_implementation=fsdp)
+    assert training.gradients_from_backward is made_in_backward
+    memory = static_memory(ParamCount(dense=1000), training, layers=4)
+    assert memory.total == memory.weights + memory.gradients + memory.optimizer
+    assert memory.beside_activations == memory.total - (memory.gradients if made_in_backward else 0)
+
+
+def test_gradients_made_in_the_backward_leave_the_activations_peak_and_peak_at_its_end():
+    """The verdict's peak is the larger of the two moments: every activation beside weights and optimizer state,
+    or the end of the backward, every gradient and no activation. A second microbatch's forward holds the
+    first one's gradients."""
+    from primuspipe.projection.projection import Projector
+
+    model, hardware = load_model(EXAMPLES / "models" / "llama2-7b.yaml"), load_hardware(EXAMPLES / "hardware" / "mi300x.yaml")
+    torch_fsdp = TrainingSpec(data_parallel_size=8, micro_batch_size=1, global_batch_size=8, use_megatron_fsdp=True,
+                              data_parallel_sharding_strategy="optim_grads_params", fsdp_implementation="torch")
+    one, two = (Projector(model, hardware).evaluate(dataclasses.replace(torch_fsdp, global_batch_size=g), "1f1b")
+                for g in (8, 16))
+    gradients = two.memory_breakdown["gradients"]
+    assert one.memory_breakdown["gradients"] == 0 and gradients > 0
+    assert one.memory_breakdown["activations"] + one.memory_breakdown["recompute_working_set"] > gradients
+    assert max(one.peak_memory_bytes) == pytest.approx(sum(one.memory_breakdown.values()))
+    short = dataclasses.replace(model, seq_length=16)  # activations smaller than the gradients: the end of the backward
+    end = Projector(short, hardware).evaluate(torch_fsdp, "1f1b")
+    parts = end.memory_breakdown
+    assert parts["gradients"] == pytest.approx(gradients, rel=1e-5) and parts["activations"] == parts["recompute_working_set"] == 0
+    assert max(end.peak_memory_bytes) == pytest.approx(sum(parts.values()))
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
