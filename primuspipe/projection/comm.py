@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
-from primuspipe.projection.parameters import ParamCount
+from primuspipe.projection.parameters import DenseBuffer, ParamCount
 from primuspipe.projection.routing import destinations
 from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
@@ -270,7 +270,8 @@ def pipeline_ranks_per_node(training: TrainingSpec, hardware: HardwareSpec) -> i
 
 
 def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: HardwareSpec, *, tied_embedding: float = 0.0,
-                  buckets: int = 1, forward_s: float = 0.0, backward_s: float = 0.0) -> float:
+                  buckets: int = 1, forward_s: float = 0.0, backward_s: float = 0.0,
+                  buffer: DenseBuffer = DenseBuffer(), first_rank: bool = False) -> float:
     """Seconds one rank's data-parallel gradient reduction and weight all-gather add to the step;
     ``tied_embedding`` are the embedding parameters whose gradients the first and last stage all-reduce.
 
@@ -284,6 +285,16 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
     (the first gather) shows, or what outlasts that compute, whichever is longer. That matters where the
     gradients are large beside one microbatch's compute: a rank's many experts replicated over an
     expert-data-parallel group that crosses the network, with few microbatches.
+
+    Under FP8 weights (``fp8_param_gather``) the rank's BF16 parameters (``buffer.unquantized``: embedding,
+    output layer, norms) are gathered in two bytes, and megatron-core merges every bucket of their buffer into
+    the *last* FP8 bucket group (``partition_buckets``, ``distributed/param_and_grad_buffer.py``, "merge all
+    non-fp8 buckets into the last fp8 bucket group"): on the pipeline's first rank (``first_rank``, the one whose
+    backward ends the step and whose forward starts it) that group is reduced only once the embedding's gradient
+    is ready, after the whole backward, and gathered first, before the first layer's forward -- so their bytes
+    join the last bucket that shows. With ``align_param_gather`` outside the interleaved schedule every bucket
+    group's gather is launched by its own forward pre-hook and waited on at once: the whole gather shows, one
+    collective (and its latency) per bucket group (:func:`bucket_groups`).
 
     With gradients sharded (Megatron-FSDP ``optim_grads``) every microbatch's gradients are reduce-scattered
     as its backward produces them, not once per step. Nothing waits for those collectives before the
@@ -304,16 +315,26 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
     the reduction shows once per flush."""
     t, net = training, Collectives(hardware)
     grad_bytes = t.main_grad_bytes  # mixed precision accumulates and reduces in fp32 unless told otherwise
-    weight_bytes = 4 if t.precision == "fp32" else gathered_weight_bytes(t)
+    wide = 4 if t.precision == "fp32" else 2
+    unquantized = buffer.unquantized if t.fp8_param_gather else 0
     span = t.tp * t.cp * t.dp
-    groups = ((params.dense, t.dense_data_parallel_size), (params.expert, t.expert_data_parallel_size))
-    reduce = gather = 0.0
-    for count, ranks in groups:
-        if t.use_distributed_optimizer:
-            reduce += net.gather(count * grad_bytes, ranks, span)
-            gather += net.gather(count * weight_bytes, ranks, span)
-        else:
-            reduce += net.all_reduce(count * grad_bytes, ranks, span)
+    dense_ranks, expert_ranks = t.dense_data_parallel_size, t.expert_data_parallel_size
+    aligned = t.overlap_param_gather and t.align_param_gather and t.vpp == 1  # no gather runs ahead
+    calls = bucket_groups(params.dense, buffer, t) if aligned and first_rank else 1  # DDP buckets only the first
+    if t.use_distributed_optimizer:
+        reduce = net.gather(params.dense * grad_bytes, dense_ranks, span)
+        weights = (params.dense - unquantized) * gathered_weight_bytes(t) + unquantized * wide
+        gather = calls * net.gather(weights / calls, dense_ranks, span)
+        held_reduce = reduce * unquantized / params.dense if params.dense else 0.0
+        held_gather = gather * unquantized * wide / weights if weights else 0.0
+        reduce += net.gather(params.expert * grad_bytes, expert_ranks, span)
+        gather += net.gather(params.expert * gathered_weight_bytes(t), expert_ranks, span)
+    else:
+        reduce = net.all_reduce(params.dense * grad_bytes, dense_ranks, span) + \
+            net.all_reduce(params.expert * grad_bytes, expert_ranks, span)
+        gather = held_reduce = held_gather = 0.0
+    if not first_rank:
+        held_reduce = held_gather = 0.0
     tied = net.all_reduce(tied_embedding * grad_bytes, 2, span * t.pp)
     tail = 1 / max(1, buckets)
     compute_s = forward_s + backward_s
@@ -321,7 +342,7 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
         reduce = max(reduce * tail, t.microbatches * max(0.0, reduce - compute_s)) if t.overlap_grad_reduce \
             else reduce * t.microbatches
     elif t.overlap_grad_reduce:
-        reduce = _hidden_under(reduce, tail, backward_s) * t.pipeline_flushes
+        reduce = max(held_reduce + (reduce - held_reduce) * tail, reduce - backward_s) * t.pipeline_flushes
     else:
         reduce *= t.pipeline_flushes
     if t.shards_weights and not t.gathered_for_step:
@@ -329,10 +350,25 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
         gather = t.microbatches * max(0.0, passes * gather - compute_s) if t.overlap_param_gather \
             else passes * gather * t.microbatches
         return gather + tied + reduce
-    gather = _hidden_under(gather, tail, forward_s) if t.overlap_param_gather else gather
+    if t.overlap_param_gather and not aligned:
+        gather = max(held_gather + (gather - held_gather) * tail, gather - forward_s)
     if t.gathered_for_step:  # each schedule gathers its stage's weights anew (resharded after its last backward)
         gather *= t.pipeline_flushes
     return gather + tied + reduce
+
+
+def bucket_groups(dense: int, buffer: DenseBuffer, training: TrainingSpec) -> int:
+    """Bucket groups of a rank's ``dense`` parameters (the first chunk's, the one DDP cuts into buckets):
+    buckets of ``ddp_bucket_size`` parameters, each closed only after a whole tensor, so at most one a tensor
+    (``_ParamAndGradBuffer``, ``distributed/param_and_grad_buffer.py``). Under FP8 weights only the FP8 buffer's
+    buckets count, the BF16 one's joining its last (:func:`gradient_sync`); otherwise each bucket is a group."""
+    t = training
+    size = t.ddp_bucket_size or max(40_000_000, 1_000_000 * t.dp)
+    if t.fp8_param_gather:
+        count, tensors = dense - buffer.unquantized, buffer.weights
+    else:
+        count, tensors = dense, buffer.weights + buffer.others
+    return max(1, min(math.ceil(count / size), tensors or math.inf))
 
 
 def gathered_weight_bytes(training: TrainingSpec) -> int:
@@ -345,7 +381,3 @@ def gathered_weight_bytes(training: TrainingSpec) -> int:
     return 1 if training.fp8_param_gather and training.fp8_recipe != "mxfp8" else 2
 
 
-def _hidden_under(collective: float, tail: float, compute: float) -> float:
-    """What shows of a collective issued bucket by bucket under ``compute``: its last bucket (``tail`` of it),
-    or what outlasts the compute."""
-    return max(collective * tail, collective - compute)

@@ -158,3 +158,53 @@ def total_params(model: ModelSpec) -> int:
     layers = sum(sum(layer_params(model, whole, kind).values(), ParamCount()).total for kind in model.layer_kinds)
     tied = 0 if model.untie_embeddings_and_output_weights else model.padded_vocab(1) * model.hidden_size
     return layers + embedding_params(model, 1) + head_params(model, 1) - tied
+
+
+GEMM_PARTS = ("attention", "mlp", "shared_expert")
+"""The dense parts of a layer (:func:`layer_params`) that are Transformer Engine GEMM weights: what FP8 weights
+(``fp8_param_gather``) hold in FP8. The norms and the MoE router stay in BF16 (a ``TELayerNormColumnParallelLinear``'s
+norm weight is not quantized; the router is a plain torch weight), as do megatron-core's own embedding and output
+``ColumnParallelLinear``. (Biases and per-head q/k norms, both small, count with their GEMM part.)"""
+
+
+@dataclass(frozen=True)
+class DenseBuffer:
+    """A pipeline rank's dense parameters as megatron-core's data-parallel buffers hold them.
+
+    Under FP8 weights DDP keeps the FP8 weights in a ``torch.uint8`` buffer and the rest in a BF16 one
+    (``distributed/distributed_data_parallel.py``, ``_allocate_buffers_for_parameters``); ``unquantized`` counts
+    the BF16 one's parameters. ``weights`` and ``others`` count the tensors of each (the GEMM weights; norms,
+    routers, the embedding and the output layer): a bucket closes only after a whole tensor, so they bound how
+    many buckets a small ``bucket_size`` cuts a buffer into. (Biases, q/k norms and MTP modules' tensors are not
+    counted: they matter only there.)"""
+
+    unquantized: int = 0
+    weights: int = 0
+    others: int = 0
+
+
+def _layer_gemm_weights(model: ModelSpec, kind: LayerKind) -> int:
+    """GEMM weight tensors of one layer's dense parts (routed experts live in the expert buffers)."""
+    if model.multi_latent_attention:
+        attention = (1 if model.q_lora_rank is None else 2) + 3  # query (down/up), kv down, kv up, output
+    else:
+        attention = 2  # fused QKV, output
+    if kind == "dense":
+        return attention + 2
+    return attention + (2 if model.moe_shared_expert_intermediate_size else 0)
+
+
+def dense_buffer(model: ModelSpec, training: TrainingSpec, layout: StageLayout, rank: int) -> DenseBuffer:
+    """:class:`DenseBuffer` of pipeline rank ``rank`` (all its chunks), on one of its (TP, EP) ranks."""
+    gemm = {kind: sum(count.dense for name, count in layer_params(model, training, kind).items() if name in GEMM_PARTS)
+            for kind in set(model.layer_kinds)}
+    stages = layout.rank_stages(rank)
+    layers = [model.layer_kinds[i] for s in stages for i in layout.stage_layers[s]]
+    quantized = sum(gemm[kind] for kind in layers)
+    if layout.num_stages - 1 in stages and training.mtp_num_layers:  # an MTP module: a layer and its H x 2H projection
+        quantized += training.mtp_num_layers * (gemm[model.layer_kinds[-1]] + 2 * model.hidden_size ** 2 // training.tp)
+    dense = sum(stage_params(model, training, layout, s).dense for s in stages)
+    own_output = model.untie_embeddings_and_output_weights or layout.num_stages > 1
+    ends = (0 in stages) + (1 + own_output) * (layout.num_stages - 1 in stages)  # embedding; final norm, output layer
+    return DenseBuffer(unquantized=dense - quantized, weights=sum(_layer_gemm_weights(model, k) for k in layers),
+                       others=sum(2 + (k == "moe") for k in layers) + ends)

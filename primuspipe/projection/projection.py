@@ -30,7 +30,7 @@ from primuspipe.projection.framework import (
     ConfigError, Placement, PrimusPipeError, build_schedule, get_algorithm, idle_share, list_algorithms, simulate)
 from primuspipe.projection.hardware_spec import HardwareSpec, check_runs_on
 from primuspipe.projection.model_spec import ModelSpec
-from primuspipe.projection.parameters import embedding_params
+from primuspipe.projection.parameters import dense_buffer, embedding_params
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.stage_costs import StageCosts, stage_costs
 from primuspipe.projection.static_memory import optimizer_params
@@ -396,6 +396,8 @@ class Projector:
             embedding_params(self.model, t.tp)
         sync = max(gradient_sync(p, t, h, tied_embedding=tied if r in (costs.layout.embedding_rank, costs.layout.head_rank) else 0,
                                  buckets=sum(costs.layout.counts[s] for s in costs.layout.rank_stages(r)),
+                                 buffer=dense_buffer(self.model, t, costs.layout, r),
+                                 first_rank=r == costs.layout.embedding_rank,
                                  forward_s=sum(costs.forward[s] for s in costs.layout.rank_stages(r)),
                                  backward_s=sum(costs.backward_input[s] + costs.backward_weight[s]
                                                 for s in costs.layout.rank_stages(r)))

@@ -238,6 +238,17 @@ class TrainingSpec:
     in chunks under the GEMM it feeds or follows; only what outlasts that GEMM (and one chunk) is exposed."""
     overlap_param_gather: bool = False
     """Distributed optimizer: the weight all-gather runs under the next step's forward, bucket by bucket."""
+    align_param_gather: bool = False
+    """megatron-core's DDP ``align_param_gather``: the forward pre-hook no longer launches the next bucket's
+    weight gather, leaving all of them to the pipeline schedule (``finish_param_sync(skip_next_bucket_dispatch=
+    True)``, ``distributed/distributed_data_parallel.py``). Only the interleaved schedule launches them
+    (``param_sync_func``, ``pipeline_parallel/schedules.py``); under any other each bucket's gather is launched
+    by its own pre-hook and waited on at once, none hidden -- why Megatron-LM's ``arguments.py`` turns it off
+    without the interleaved schedule, which code that fills the DDP config itself (NeMo 2) does not."""
+    ddp_bucket_size: int | None = None
+    """Parameters per data-parallel bucket (megatron-core's ``DistributedDataParallelConfig.bucket_size``; None:
+    its default, max(40M, 1M x DP)). A bucket closes only after a whole tensor, so a tiny one is a tensor a
+    bucket. Priced only where each bucket's collective shows (``align_param_gather`` above)."""
     overlap_moe_expert_parallel_comm: bool = False
     """EP all-to-all overlap (Megatron's 1F1B A2A overlap): one microbatch's dispatch/combine runs under
     another microbatch's compute; only what outlasts that compute is exposed."""
@@ -608,6 +619,9 @@ class TrainingSpec:
         if self.turbo_deepep_num_cu < 1:
             self._fail(("turbo_deepep_num_cu",), "Primus-Turbo's DeepEP kernels need at least one compute unit",
                        "give the compute units DeepEP runs on (Primus's default is 32)")
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            self._fail(("ddp_bucket_size",), "a data-parallel bucket holds at least one parameter",
+                       "give a positive number of parameters, or leave it out for megatron-core's default")
         if self.moe_flex_dispatcher_num_sms is not None and self.moe_flex_dispatcher_num_sms < 1:
             self._fail(("moe_flex_dispatcher_num_sms",), "the flex dispatcher's kernels need at least one SM",
                        "give the SMs DeepEP / HybridEP run on (or leave it out for the backend's default)")
