@@ -7,14 +7,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from projection_megatron import megatron_rank_params
+from projection_megatron import megatron_dense_buffers, megatron_rank_params
 
 from primuspipe.projection.compute import model_flops_per_token
 from primuspipe.projection.framework import Placement
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.layout import StageLayout, layer_counts
 from primuspipe.projection.model_spec import ModelSpec, load_model
-from primuspipe.projection.parameters import layer_params, rank_params, total_params
+from primuspipe.projection.parameters import dense_buffer, layer_params, rank_params, total_params
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.static_memory import static_memory
 from primuspipe.projection.training_spec import TrainingSpec, load_training
@@ -122,6 +122,30 @@ def test_small_layouts_equal_megatron_core(model_change, training_change):
     training = dataclasses.replace(TrainingSpec(), **training_change)
     layout = StageLayout.build(model.num_layers, training, Placement.interleaved(training.pp, training.vpp))
     assert [p.total for p in rank_params(model, training, layout)] == megatron_rank_params(model, training, layout.counts)
+
+
+@pytest.mark.parametrize("model_change, training_change", [
+    (dict(), dict(pipeline_model_parallel_size=1)),
+    (dict(untie_embeddings_and_output_weights=False), dict(pipeline_model_parallel_size=1)),  # output = embedding
+    (dict(untie_embeddings_and_output_weights=False), dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                                           virtual_pipeline_model_parallel_size=2)),
+    (dict(num_experts=8, moe_shared_expert_intermediate_size=64, moe_layer_freq=2),
+     dict(expert_model_parallel_size=2, data_parallel_size=2, pipeline_model_parallel_size=2)),
+    (dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+          v_head_dim=16, position_embedding_type="rope"), dict(pipeline_model_parallel_size=2)),
+])
+def test_dense_buffers_split_as_megatron_core_builds_the_model(model_change, training_change):
+    """What FP8 weights leave in BF16 (embedding, output layer, norms, router) and the tensors of each part, per
+    rank, against the parameters megatron-core builds (bias-free models without q/k norms: those count with
+    their GEMM part)."""
+    base = ModelSpec(num_layers=8, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                     seq_length=16, vocab_size=250, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+                     position_embedding_type="rope", untie_embeddings_and_output_weights=True)
+    model = dataclasses.replace(base, **model_change)
+    training = dataclasses.replace(TrainingSpec(), **training_change)
+    layout = StageLayout.build(model.num_layers, training, Placement.interleaved(training.pp, training.vpp))
+    ours = [dense_buffer(model, training, layout, r) for r in range(training.pp)]
+    assert [(b.unquantized, b.weights, b.others) for b in ours] == megatron_dense_buffers(model, training, layout.counts)
 
 
 def test_static_bytes_follow_megatron_mixed_precision():

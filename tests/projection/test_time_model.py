@@ -13,7 +13,7 @@ from primuspipe.projection.framework import Placement
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.host import moe_small_kernels
 from primuspipe.projection.model_spec import ModelSpec, load_model
-from primuspipe.projection.parameters import ParamCount
+from primuspipe.projection.parameters import DenseBuffer, ParamCount
 from primuspipe.projection.projection import Projector
 from primuspipe.projection.published import EXAMPLES
 from primuspipe.projection.spec_fields import InputError, spec_from_mapping
@@ -129,6 +129,42 @@ def test_pipeline_link_and_gradient_sync():
     assert gradient_sync(params, exposed, HW) == pytest.approx(net.gather(4e9, 8, 8) + net.gather(2e9, 8, 8))
     plain = dataclasses.replace(exposed, use_distributed_optimizer=False)
     assert gradient_sync(params, plain, HW) == pytest.approx(net.all_reduce(4e9, 8, 8))
+
+
+FP8_DP = dataclasses.replace(TRAINING, data_parallel_size=8, global_batch_size=32, overlap_param_gather=True,
+                             fp8_format="e4m3", fp8_param_gather=True)
+BF16_BESIDE_FP8 = DenseBuffer(unquantized=2 * 10**8, weights=40, others=10)
+"""A rank of 1e9 dense parameters (as below) of which 2e8 stay in BF16 beside the FP8 weights."""
+
+
+def test_fp8_weights_bf16_buffer_is_reduced_last_and_gathered_first_on_the_first_rank():
+    """megatron-core merges the BF16 buffer's buckets (embedding, output layer, norms) into the last FP8 bucket
+    group: on the pipeline's first rank it is reduced after the whole backward and gathered before the first
+    forward, however long the compute; elsewhere only the last bucket shows. BF16 weights gather two bytes."""
+    params, net, long = ParamCount(dense=10**9), Collectives(HW), dict(forward_s=10.0, backward_s=10.0)
+    reduce, gather = net.gather(4e9, 8, 8), net.gather(0.8e9 + 2 * 0.2e9, 8, 8)  # fp32 main gradients
+    first = gradient_sync(params, FP8_DP, HW, buckets=4, buffer=BF16_BESIDE_FP8, first_rank=True, **long)
+    assert first == pytest.approx(0.2 * reduce + 0.8 * reduce / 4 + gather / 3 + (2 / 3) * gather / 4)
+    later = gradient_sync(params, FP8_DP, HW, buckets=4, buffer=BF16_BESIDE_FP8, **long)
+    assert later == pytest.approx((reduce + gather) / 4)
+    plain = dataclasses.replace(FP8_DP, fp8_format=None, fp8_param_gather=False)  # one BF16 buffer: no merge
+    assert gradient_sync(params, plain, HW, buckets=4, buffer=BF16_BESIDE_FP8, first_rank=True, **long) == \
+        pytest.approx((reduce + net.gather(2e9, 8, 8)) / 4)
+
+
+@pytest.mark.parametrize("bucket_size, groups", [(64, 40), (None, 20), (10**9, 1)])
+def test_align_param_gather_outside_the_interleaved_schedule_shows_every_bucket_groups_gather(bucket_size, groups):
+    """With ``align_param_gather`` only the interleaved schedule launches the gathers ahead; otherwise each FP8
+    bucket group's gather is launched by its own pre-hook and waited on: all of it shows, a collective a group
+    (a tiny bucket: one FP8 weight each; megatron-core's default: 40M parameters, 8e8 / 40M = 20 groups)."""
+    params, net, long = ParamCount(dense=10**9), Collectives(HW), dict(forward_s=10.0, backward_s=10.0)
+    aligned = dataclasses.replace(FP8_DP, align_param_gather=True, ddp_bucket_size=bucket_size)
+    reduce, gathered = net.gather(4e9, 8, 8), 0.8e9 + 2 * 0.2e9
+    shown = gradient_sync(params, aligned, HW, buckets=4, buffer=BF16_BESIDE_FP8, first_rank=True, **long)
+    assert shown == pytest.approx(0.2 * reduce + 0.8 * reduce / 4 + groups * net.gather(gathered / groups, 8, 8))
+    interleaved = dataclasses.replace(aligned, virtual_pipeline_model_parallel_size=2)
+    assert gradient_sync(params, interleaved, HW, buckets=4, buffer=BF16_BESIDE_FP8, first_rank=True, **long) == \
+        gradient_sync(params, FP8_DP, HW, buckets=4, buffer=BF16_BESIDE_FP8, first_rank=True, **long)
 
 
 @pytest.mark.parametrize("recipe, gathered", [("delayed", 1e9), ("tensorwise", 1e9), ("mxfp8", 2e9)])
