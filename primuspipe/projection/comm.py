@@ -289,7 +289,8 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
     Under FP8 weights (``fp8_param_gather``) the rank's BF16 parameters (``buffer.unquantized``: embedding,
     output layer, norms) are gathered in two bytes, and megatron-core merges every bucket of their buffer into
     the *last* FP8 bucket group (``partition_buckets``, ``distributed/param_and_grad_buffer.py``, "merge all
-    non-fp8 buckets into the last fp8 bucket group"): on the pipeline's first rank (``first_rank``, the one whose
+    non-fp8 buckets into the last fp8 bucket group"; DistributedDataParallel's, not Megatron-FSDP's or
+    PyTorch's): on the pipeline's first rank (``first_rank``, the one whose
     backward ends the step and whose forward starts it) that group is reduced only once the embedding's gradient
     is ready, after the whole backward, and gathered first, before the first layer's forward -- so their bytes
     join the last bucket that shows. With ``align_param_gather`` outside the interleaved schedule every bucket
@@ -319,7 +320,8 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
     unquantized = buffer.unquantized if t.fp8_param_gather else 0
     span = t.tp * t.cp * t.dp
     dense_ranks, expert_ranks = t.dense_data_parallel_size, t.expert_data_parallel_size
-    aligned = t.overlap_param_gather and t.align_param_gather and t.vpp == 1  # no gather runs ahead
+    ddp = not t.use_megatron_fsdp  # the bucket groups below are DistributedDataParallel's
+    aligned = ddp and t.overlap_param_gather and t.align_param_gather and t.vpp == 1  # no gather runs ahead
     calls = bucket_groups(params.dense, buffer, t) if aligned and first_rank else 1  # DDP buckets only the first
     if t.use_distributed_optimizer:
         reduce = net.gather(params.dense * grad_bytes, dense_ranks, span)
@@ -333,7 +335,7 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
         reduce = net.all_reduce(params.dense * grad_bytes, dense_ranks, span) + \
             net.all_reduce(params.expert * grad_bytes, expert_ranks, span)
         gather = held_reduce = held_gather = 0.0
-    if not first_rank:
+    if not (first_rank and ddp):
         held_reduce = held_gather = 0.0
     tied = net.all_reduce(tied_embedding * grad_bytes, 2, span * t.pp)
     tail = 1 / max(1, buckets)

@@ -147,6 +147,9 @@ def test_fp8_weights_bf16_buffer_is_reduced_last_and_gathered_first_on_the_first
     assert first == pytest.approx(0.2 * reduce + 0.8 * reduce / 4 + gather / 3 + (2 / 3) * gather / 4)
     later = gradient_sync(params, FP8_DP, HW, buckets=4, buffer=BF16_BESIDE_FP8, **long)
     assert later == pytest.approx((reduce + gather) / 4)
+    fsdp = dataclasses.replace(FP8_DP, use_megatron_fsdp=True, data_parallel_sharding_strategy="optim")  # not DDP's
+    assert gradient_sync(params, fsdp, HW, buckets=4, buffer=BF16_BESIDE_FP8, first_rank=True, **long) == \
+        pytest.approx(later)
     plain = dataclasses.replace(FP8_DP, fp8_format=None, fp8_param_gather=False)  # one BF16 buffer: no merge
     assert gradient_sync(params, plain, HW, buckets=4, buffer=BF16_BESIDE_FP8, first_rank=True, **long) == \
         pytest.approx((reduce + net.gather(2e9, 8, 8)) / 4)
