@@ -21,7 +21,8 @@ accelerator ships with):
   expert in Transformer Engine's ``GroupedLinear`` (its grouped GEMM runs one cuBLAS GEMM per expert,
   and under FP8 one cast per expert's input).
 
-What each layer issues is counted from megatron-core 0.19's code path (:data:`OPS`). The counts are a
+What each layer issues is counted from megatron-core 0.19's code path (:data:`OPS`), and what multi-latent
+attention and group-limited routing add to it op by op (:data:`FEATURES`). The counts are a
 structural estimate -- a profile of a real step would replace them -- but their inputs (module count,
 experts per rank, FP8, the dispatcher, CUDA graphs) are the ones that decide when the host binds.
 
@@ -75,6 +76,57 @@ OPS = {
 }
 """Framework ops of one layer's forward besides its linear modules, by region; each has one autograd node
 backward (in B). A fused kernel replaces a group by one op (:func:`moe_op_counts`)."""
+
+
+@dataclass(frozen=True)
+class Feature:
+    """What a model feature adds to a region of the standard layer :data:`OPS` counts: linear modules (each
+    priced as :data:`TE_LINEAR_OPS` forward, B and W) and other kernel-launching ops, forward and in B, counted
+    from megatron-core's code (the TE layer spec, ``gpt_layer_specs.py``). Views, splits and ``IdentityOp``s
+    launch nothing forward and are not counted, as in :data:`OPS`; the kernels their autograd nodes launch in B
+    are. Unlike :data:`OPS`, B is counted apart: an op whose output carries no gradient has no node there."""
+
+    region: str
+    on: Callable[[ModelSpec, TrainingSpec], bool]
+    linears: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+
+
+def _group_limited(model: ModelSpec, training: TrainingSpec) -> bool:
+    """Megatron's ``group_limited_topk`` runs: groups set and the top-k not fused (a fused router takes the
+    groups inside its one op)."""
+    fused = training.moe_router_fusion or training.moe_use_fused_router_with_aux_score
+    return bool(model.moe_router_group_topk) and not fused
+
+
+FEATURES = {
+    # MLASelfAttention (megatron/core/transformer/multi_latent_attention.py, Megatron-LM 84778176 as Primus pinned
+    # it for the DeepSeek-V2 rows; core_v0.19.0 runs the same unless mla_down_proj_fusion): the input norm is a
+    # TENorm of its own (the standard layer fuses it into linear_qkv); the kv down- and up-projections beside
+    # the query projection; the latent norms are fused into the up-projections (q_layernorm / kv_layernorm are
+    # IdentityOp; :func:`_regions` counts no per-head qk norms for MLA)
+    "mla": Feature("attn", lambda m, t: m.multi_latent_attention, linears=2, forward=1, backward=1),
+    # a query latent (q_lora_rank): linear_q_down_proj and linear_q_up_proj instead of linear_q_proj
+    "mla_query_latent": Feature("attn", lambda m, t: m.multi_latent_attention and bool(m.q_lora_rank), linears=1),
+    # without apply_rope_fusion (qkv_up_proj_and_rope_apply's unfused branch): forward, the interleaving torch.cat
+    # in each of the two _apply_rotary_pos_emb_bshd calls (multi_latent_attention at 84778176, mla_rotary_interleaved
+    # =True at core_v0.19.0; MLA's unfused path interleaves whatever the rotary settings), torch.cat of the query and of
+    # the key, value.contiguous(); in B, each interleave's two slice_backward kernels and their sum, the broadcast
+    # rotary key's expand summed over heads, the query's and kv's splits joined back (the fused kernels take q
+    # and kv whole)
+    "mla_unfused_rope": Feature("attn", lambda m, t: m.multi_latent_attention and not t.apply_rope_fusion,
+                                forward=2 + 2 + 1, backward=2 * 3 + 1 + 2),
+    # sequence parallel: the rotary key, cut from the replicated kv down-projection's output on the shard, is
+    # gathered (gather_from_sequence_parallel_region; reduce-scattered in B)
+    "mla_sequence_parallel": Feature("attn", lambda m, t: m.multi_latent_attention and t.sp, forward=1, backward=1),
+    # group_limited_topk (megatron/core/transformer/moe/moe_utils.py, the same at 84778176 and core_v0.19.0) in
+    # place of one torch.topk: the per-group topk, its sum, the group topk, zeros_like, scatter_, the expanded
+    # mask's reshape (a copy), .bool(), ~, masked_fill, then the same final topk; in B only masked_fill's node
+    # (the group picks are indices; with a sigmoid's expert bias not even that: not a field here, counted as 1)
+    "group_limited_routing": Feature("moe_router", _group_limited, forward=9, backward=1),
+}
+"""The host work of model features beyond :data:`OPS`'s standard layer, keyed on the fields that turn them on."""
 
 
 def moe_op_counts(training: TrainingSpec) -> dict[str, float]:
@@ -145,25 +197,43 @@ def host_priced(hardware: HardwareSpec, training: TrainingSpec, kind: str) -> bo
         hardware.moe_sync_host_op_seconds is not None and waits_for_token_counts(training, kind))
 
 
-def _regions(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool) -> tuple[dict[str, tuple[float, float]], float]:
-    """The framework work of one layer of ``kind`` by region -- (linear modules, other ops) -- and the kernels a
-    grouped GEMM's per-expert loop launches per grouped linear (0 for a dense layer)."""
+Region = tuple[float, float, float]
+"""A region's linear modules, its other ops forward and its other ops in B."""
+
+
+def _regions(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool) -> tuple[dict[str, Region], float]:
+    """The framework work of one layer of ``kind`` by region and the kernels a grouped GEMM's per-expert loop
+    launches per grouped linear (0 for a dense layer); :data:`FEATURES` added to their regions."""
+    regions, per_expert = _standard_regions(model, training, kind, fp8)
+    for feature in FEATURES.values():
+        if feature.region in regions and feature.on(model, training):
+            linears, forward, backward = regions[feature.region]
+            regions[feature.region] = (linears + feature.linears, forward + feature.forward, backward + feature.backward)
+    return regions, per_expert
+
+
+def _standard_regions(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool
+                      ) -> tuple[dict[str, Region], float]:
+    """:func:`_regions` before :data:`FEATURES`, each op with one node in B."""
     t = training
-    regions: dict[str, tuple[float, float]] = {}
-    regions["attn"] = (2, OPS["attn"] + (OPS["qk_norm"] if model.qk_layernorm else 0))
+    regions: dict[str, Region] = {}
+    qk_norm = OPS["qk_norm"] if model.qk_layernorm and not model.multi_latent_attention else 0
+    regions["attn"] = (2, OPS["attn"] + qk_norm, OPS["attn"] + qk_norm)
     if kind == "dense":
-        regions["mlp"] = (2, OPS["mlp"])
+        regions["mlp"] = (2, OPS["mlp"], OPS["mlp"])
         return regions, 0.0
     ops = moe_op_counts(t)
     local = model.num_experts // t.ep
     shared = 2 if model.moe_shared_expert_intermediate_size else 0
-    regions["moe_router"] = (0, ops["moe_norm"] + ops["moe_gating"] + ops["moe_score_topk"] + ops["moe_aux_loss"])
-    regions["moe_preprocess"] = (0, ops["moe_preprocess"] + (ops["moe_dtoh"] if waits_for_token_counts(t, kind) else 0))
+    router = ops["moe_norm"] + ops["moe_gating"] + ops["moe_score_topk"] + ops["moe_aux_loss"]
+    regions["moe_router"] = (0, router, router)
+    preprocess = ops["moe_preprocess"] + (ops["moe_dtoh"] if waits_for_token_counts(t, kind) else 0)
+    regions["moe_preprocess"] = (0, preprocess, preprocess)
     bias = OPS["expert_bias"] + local * OPS["expert_bias_each"] if model.add_bias_linear else 0  # TEGroupedMLP._apply_bias
     padding = OPS["moe_fp8_padding"] if fp8 and RankShape(model, t).fp8_padding_copies else 0
-    regions["moe"] = (2 + shared, ops["moe_permute"] + ops["moe_dispatch"] + (2 * ops["moe_sort"] if local > 1 else 0)
-                      + ops["moe_experts"] + padding + ops["moe_unpermute"] + ops["moe_combine"]
-                      + (OPS["shared_expert"] if shared else 0) + bias)
+    moe = (ops["moe_permute"] + ops["moe_dispatch"] + (2 * ops["moe_sort"] if local > 1 else 0) + ops["moe_experts"]
+           + padding + ops["moe_unpermute"] + ops["moe_combine"] + (OPS["shared_expert"] if shared else 0) + bias)
+    regions["moe"] = (2 + shared, moe, moe)
     # each expert's GEMM (and its input's cast) per grouped linear; Primus-Turbo's grouped GEMM runs all local
     # experts in one launch (examples/moe_package/README.md, "Turbo Grouped GEMM")
     gemms = 1 if t.use_turbo_grouped_gemm else local
@@ -198,8 +268,9 @@ def _small_kernels(model: ModelSpec, training: TrainingSpec, fp8: bool | None, c
     regions, per_expert = _regions(model, training, "moe", fp8)
     moe = [regions[r] for r in MOE_REGIONS if counted(r)]
     launches = per_expert * 2 if counted("moe") else 0.0  # two grouped linears
-    both = sum(linears * linear + ops for linears, ops in moe) + launches
-    return both, both, sum(linears * linear for linears, _ in moe) + launches
+    return (sum(linears * linear + forward for linears, forward, _ in moe) + launches,
+            sum(linears * linear + backward for linears, _, backward in moe) + launches,
+            sum(linears * linear for linears, _, _ in moe) + launches)
 
 
 def layer_host(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool | None = None) -> LayerHost:
@@ -212,12 +283,12 @@ def layer_host(model: ModelSpec, training: TrainingSpec, kind: str, fp8: bool | 
         "check_compatible refuses capturing an MoE layer not padded to capacity"
     forward = backward_input = backward_weight = 0.0
     launches = 0.0 if kind == "dense" or t.captures("moe") else per_expert * 2  # two grouped linears
-    for region, (linears, ops) in regions.items():
+    for region, (linears, ops, backward_ops) in regions.items():
         if t.captures(region):
             forward, backward_input = forward + 1, backward_input + 1  # one graph replay each way
             continue
         forward += linears * linear + ops
-        backward_input += linears * linear + ops
+        backward_input += linears * linear + backward_ops
         backward_weight += linears * linear
     syncs = waits_for_token_counts(t, kind)
     return LayerHost(HostWork(forward, launches), HostWork(backward_input, launches), HostWork(backward_weight, launches),

@@ -10,7 +10,7 @@ import pytest
 
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
-from primuspipe.projection.host import (OPS, TE_LINEAR_OPS, host_bound, layer_host, moe_small_kernels,
+from primuspipe.projection.host import (FEATURES, OPS, TE_LINEAR_OPS, host_bound, layer_host, moe_small_kernels,
                                         moe_stream_kernels)
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.projection import Projector
@@ -300,3 +300,91 @@ def test_sync_free_stage_2_takes_the_mi355x_moe_layer_off_its_host_price():
     speed = {name: Projector(model, MI355X).evaluate(t, "1f1b").tokens_per_s_per_gpu
              for name, t in (("base", base), ("stage1", stage1), ("free", free))}
     assert speed["base"] < speed["stage1"] < speed["free"]
+
+
+DEEPSEEK_V2 = load_model(EXAMPLES / "models" / "deepseek-v2.yaml")
+
+
+def _deepseek_v2_training(**fields) -> TrainingSpec:
+    return moe_training(expert_model_parallel_size=8, data_parallel_size=8, apply_rope_fusion=False) if not fields \
+        else dataclasses.replace(_deepseek_v2_training(), **fields)
+
+
+def test_mla_and_group_limited_routing_add_their_ops_to_the_layer():
+    """DeepSeek-V2's layer against the same layer without MLA and without routing groups (BF16, TP 1, unfused
+    rotary embedding, unfused router): three more linear modules (q down, q up, kv down, kv up, proj against
+    qkv, proj) at 3 ops each, the input norm on its own (+1), no per-head qk norms (-2), the unfused rotary
+    assembly (+5 forward, +9 in B), the group picks (+9 forward, +1 in B)."""
+    plain = dataclasses.replace(DEEPSEEK_V2, multi_latent_attention=False, q_lora_rank=None,
+                                moe_router_num_groups=None, moe_router_group_topk=None)
+    t = _deepseek_v2_training()
+    ours, theirs = layer_host(DEEPSEEK_V2, t, "moe"), layer_host(plain, t, "moe")
+    assert ours.forward.ops - theirs.forward.ops == 9 + 1 - 2 + 5 + 9
+    assert ours.backward_input.ops - theirs.backward_input.ops == 9 + 1 - 2 + 9 + 1
+    assert ours.backward_weight.ops - theirs.backward_weight.ops == 9
+    assert ours.forward.launches == theirs.forward.launches
+    lite_query = dataclasses.replace(DEEPSEEK_V2, q_lora_rank=None)  # DeepSeek-V2-Lite's: one query projection
+    assert ours.forward.ops - layer_host(lite_query, t, "moe").forward.ops == TE_LINEAR_OPS[False]
+    fused = layer_host(DEEPSEEK_V2, _deepseek_v2_training(apply_rope_fusion=True, moe_router_fusion=True), "moe")
+    assert ours.forward.ops - fused.forward.ops == 5 + 9 + (OPS["moe_score_topk"] - 1)  # fused top-k takes the groups
+    sp = _deepseek_v2_training(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=4)
+    no_sp = dataclasses.replace(plain, multi_latent_attention=True, q_lora_rank=1536)
+    assert layer_host(DEEPSEEK_V2, sp, "moe").forward.ops - layer_host(DEEPSEEK_V2, t, "moe").forward.ops == 1
+    assert layer_host(no_sp, t, "dense").forward.ops - layer_host(plain, t, "dense").forward.ops == 9 + 1 - 2 + 5
+
+
+def _kernels(run) -> int:
+    """aten operations ``run`` dispatches that launch a kernel (views and ``_unsafe_view`` alias their input)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += not (func.is_view or func is torch.ops.aten._unsafe_view.default)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        run()
+    return Count.n
+
+
+def _forward_and_backward(function, x, *args, **kwargs) -> tuple[int, int]:
+    """Kernels of ``function(x, ...)`` forward and of its backward from a weighted sum of its first output."""
+    import torch
+
+    out = [None]
+    forward = _kernels(lambda: out.__setitem__(0, function(x, *args, **kwargs)))
+    y = out[0][0] if isinstance(out[0], tuple) else out[0]
+    weights = torch.rand(y.shape)
+    return forward, _kernels(lambda: (y * weights).sum().backward())
+
+
+def test_group_limited_routing_and_the_mla_rotary_interleave_launch_what_megatron_core_launches():
+    """megatron-core's own router and rotary functions on CPU, with and without the feature: the kernels they add
+    are the counts in FEATURES (the top-k with DeepSeek-V2's 8 groups, 3 picked, pre-softmax; the rotary
+    embedding's MLA interleave, twice a layer)."""
+    import torch
+
+    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
+
+    enable_cpu_mode()
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    m = DEEPSEEK_V2
+    logits = lambda: torch.randn(64, m.num_experts, requires_grad=True)  # noqa: E731
+    route = dict(use_pre_softmax=m.moe_router_pre_softmax, score_function=m.moe_router_score_function)
+    free = _forward_and_backward(topk_routing_with_score_function, logits(), m.moe_router_topk, **route)
+    grouped = _forward_and_backward(topk_routing_with_score_function, logits(), m.moe_router_topk, **route,
+                                    num_groups=m.moe_router_num_groups, group_topk=m.moe_router_group_topk)
+    feature = FEATURES["group_limited_routing"]
+    assert (grouped[0] - free[0], grouped[1] - free[1]) == (feature.forward, feature.backward)
+
+    rotary = lambda: torch.randn(32, 1, 4, m.qk_pos_emb_head_dim, requires_grad=True)  # noqa: E731
+    freqs = torch.randn(32, 1, 1, m.qk_pos_emb_head_dim)
+    gqa = _forward_and_backward(_apply_rotary_pos_emb_bshd, rotary(), freqs, mla_rotary_interleaved=False)
+    mla = _forward_and_backward(_apply_rotary_pos_emb_bshd, rotary(), freqs, mla_rotary_interleaved=True)
+    feature = FEATURES["mla_unfused_rope"]
+    assert (2 * (mla[0] - gqa[0]) + 3, 2 * (mla[1] - gqa[1]) + 3) == (feature.forward, feature.backward)
