@@ -152,7 +152,8 @@ class LayerComm:
           of the first linear scatter a sum of GEMM outputs (the gradients of the inputs the linears share), which
           the pass does not match: they run unfused and show whole. A fused reduce-scatter sums its ``TP``
           partials in a kernel of its own (``_fused_matmul_reduce_scatter_impl``'s ``reduce_fn``), which shows
-          (``partial_sums``). W as under Transformer Engine;
+          (``partial_sums``); the fused matmuls run split into ``TP`` steps
+          (:meth:`~primuspipe.projection.compute.WorkModel._async_tp_split`). W as under Transformer Engine;
         * CP: ring attention passes key/value blocks under the attention of the block before; the first of
           ``CP`` steps, or what outlasts the attention, shows;
         * EP with ``overlap_moe_expert_parallel_comm``: one microbatch's all-to-alls under another's compute

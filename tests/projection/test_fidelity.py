@@ -255,6 +255,15 @@ def test_torch_async_tp_hides_each_collective_under_its_own_matmuls_only():
     # no GEMM time: everything shows, the sums on top in F
     none = (0.0,) * 3
     assert comm.exposed(torch_tp, none, none, none)[:2] == pytest.approx((comm.tp[0] + comm.partial_sums, comm.tp[1]))
+    # its fused matmuls run as TP matmuls of m / TP rows one after another: the forward GEMMs of the four linears
+    # and the input-gradient GEMMs of the projection and the second linear; the rest whole
+    split, whole = WorkModel(model, torch_tp).layer("dense"), WorkModel(model, te).layer("dense")
+    assert [g.groups for g in split.forward.gemms] == [8, 8, 8, 8] and split.forward.gemm_flops == whole.forward.gemm_flops
+    assert [g.groups for g in split.backward_input.gemms] == [1, 8, 1, 8]
+    assert all(g.groups == 1 for g in split.backward_weight.gemms)
+    assert all(g.kernel == "sequential" and g.m == 8 * 8192 / 8 for g in split.forward.gemms)
+    h100 = load_hardware(EXAMPLES / "hardware" / "h100.yaml")  # smaller tiles by the shape curve and waves
+    assert split.forward.gemm_seconds(h100, "bf16") > whole.forward.gemm_seconds(h100, "bf16")
     with pytest.raises(InputError, match="sequence parallelism"):
         dataclasses.replace(torch_tp, sequence_parallel=False)
     with pytest.raises(InputError, match="dense layers"):
