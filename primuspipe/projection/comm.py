@@ -37,6 +37,7 @@ from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import DenseBuffer, ParamCount
 from primuspipe.projection.routing import destinations
+from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 
@@ -85,6 +86,19 @@ class Collectives:
 
 
 @dataclass(frozen=True)
+class FusedCollective:
+    """One TP collective of a layer under PyTorch's async TP (``tp_comm_overlap_impl: torch-async-tp``)."""
+
+    pass_index: int
+    """0: F, 1: B."""
+    seconds: float
+    gemm_share: float
+    """Share of the pass's GEMM time in the matmuls the collective is fused with (by their FLOPs); 0: not fused."""
+    scatter: bool = False
+    """A fused reduce-scatter: its last of ``TP`` steps follows the last matmul chunk and shows."""
+
+
+@dataclass(frozen=True)
 class LayerComm:
     """Seconds a layer of each kind spends in TP / CP / EP collectives, per pass (F, B, W) and microbatch,
     before any overlap with compute."""
@@ -101,6 +115,10 @@ class LayerComm:
     dispatcher_share: float = 0.0
     """Share of the compute units the flex dispatcher's kernels hold while they run (``TrainingSpec.dispatcher_sms``
     over the hardware's ``compute_units``)."""
+    fused: tuple[FusedCollective, ...] = ()
+    """Under PyTorch's async TP: the TP collectives of F and B one by one (:func:`async_tp_collectives`)."""
+    partial_sums: float = 0.0
+    """Under PyTorch's async TP: F's seconds in the kernels that sum the fused reduce-scatters' partials."""
 
     @property
     def forward(self) -> float:
@@ -124,6 +142,18 @@ class LayerComm:
           linear); each reduce-scatter runs behind the GEMM chunk that produced its data, so its last step
           shows (``tp_tail``); the re-gathers of W and the reduce-scatters of B run beside the other backward
           GEMM (bulk overlap). What outlasts the GEMMs shows in any case;
+        * TP with ``tp_comm_overlap`` and ``tp_comm_overlap_impl: torch-async-tp`` (PyTorch's async TP, inductor's
+          ``micro_pipeline_tp`` pass): an all-gather is fused only into the matmuls that take its output as their
+          left operand (``fuse_all_gather_matmul``), a reduce-scatter only into the one matmul whose output it
+          scatters (``_find_producer_matmul``), each pipelined over ``TP`` steps; so each fused collective hides
+          under its own matmuls only (``fused``: QKV's and the MLP's first linear's input gathers, the projection's
+          and second linear's reduce-scatters, whose last step shows; in B the gathers of those two linears'
+          output gradients under their input-gradient GEMMs). B's reduce-scatters of the input gradients of QKV and
+          of the first linear scatter a sum of GEMM outputs (the gradients of the inputs the linears share), which
+          the pass does not match: they run unfused and show whole. A fused reduce-scatter sums its ``TP``
+          partials in a kernel of its own (``_fused_matmul_reduce_scatter_impl``'s ``reduce_fn``), which shows
+          (``partial_sums``); the fused matmuls run split into ``TP`` steps
+          (:meth:`~primuspipe.projection.compute.WorkModel._async_tp_split`). W as under Transformer Engine;
         * CP: ring attention passes key/value blocks under the attention of the block before; the first of
           ``CP`` steps, or what outlasts the attention, shows;
         * EP with ``overlap_moe_expert_parallel_comm``: one microbatch's all-to-alls under another's compute
@@ -137,6 +167,11 @@ class LayerComm:
         exposed = []
         for i in range(3):
             tp = (max(self.tp_tail[i], self.tp[i] - gemm[i]) if t.tp_comm_overlap and t.tp > 1 else self.tp[i])
+            if t.tp_comm_overlap and t.tp > 1 and self.fused and i < 2:
+                tp = (i == 0) * self.partial_sums + sum(
+                    c.seconds if not c.gemm_share else max(c.seconds / t.tp if c.scatter else 0.0,
+                                                           c.seconds - c.gemm_share * gemm[i])
+                    for c in self.fused if c.pass_index == i)
             cp = max(self.cp[i] / t.cp, self.cp[i] - attention[i]) if t.cp > 1 else self.cp[i]
             beside = min(self.ep[i], compute[i])  # the compute the overlapped all-to-alls run beside
             ep = (self.ep[i] - beside + beside * self.dispatcher_share / (1 - self.dispatcher_share)
@@ -187,7 +222,35 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     beside = kind == "moe" and t.overlap_moe_expert_parallel_comm and hardware.compute_units
     share = t.dispatcher_sms / hardware.compute_units if beside else 0.0  # what the overlapped compute lacks
     assert share < 1, "hardware_spec.check_runs_on refuses a dispatcher holding every SM"
-    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0), share)
+    fused, sums = (), 0.0
+    if t.tp_comm_overlap and t.tp_comm_overlap_impl == "torch-async-tp" and t.tp > 1:
+        fused = async_tp_collectives(model, t, kind, net.gather(activation, t.tp, t.tp),
+                                     net.gather(activation / e, t.tp, t.tp) if fp8_gathers else None)
+        # each fused reduce-scatter's partial sum reads the TP stacked partials (T x H) and writes the rank's 1/TP
+        sums = 2 * activation * (1 + 1 / t.tp) / (hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction)
+    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0), share,
+                     fused, sums)
+
+
+def async_tp_collectives(model: ModelSpec, training: TrainingSpec, kind: str, gather: float,
+                         fp8_gather: float | None) -> tuple[FusedCollective, ...]:
+    """A dense layer's TP collectives under PyTorch's async TP (see :meth:`LayerComm.exposed`), each with the share
+    of its pass's GEMM FLOPs in the matmuls fused with it: ``gather`` seconds per all-gather or reduce-scatter,
+    ``fp8_gather`` per all-gather of per-tensor FP8 operands (None: they gather ``precision``)."""
+    if kind != "dense" or model.multi_latent_attention:
+        raise InputError([(training.source, "tp_comm_overlap_impl", training.tp_comm_overlap_impl)],
+                         "PyTorch's async TP is modelled for dense layers without multi-latent attention",
+                         "use tp_comm_overlap_impl: te-userbuffers for this model")
+    m, tp = model, training.tp
+    widths = {"qkv": (m.num_attention_heads + 2 * m.query_groups) * m.head_dim / tp,
+              "proj": m.num_attention_heads * m.head_dim / tp,
+              "fc1": m.ffn / tp * (2 if m.swiglu else 1), "fc2": m.ffn / tp}
+    share = {name: w / sum(widths.values()) for name, w in widths.items()}
+    ag = gather if fp8_gather is None else fp8_gather
+    return (FusedCollective(0, ag, share["qkv"]), FusedCollective(0, gather, share["proj"], scatter=True),
+            FusedCollective(0, ag, share["fc1"]), FusedCollective(0, gather, share["fc2"], scatter=True),
+            FusedCollective(1, ag, share["proj"]), FusedCollective(1, ag, share["fc2"]),
+            FusedCollective(1, gather, 0.0), FusedCollective(1, gather, 0.0))
 
 
 def hybridep_timed(training: TrainingSpec, hardware: HardwareSpec, nodes: int) -> bool:

@@ -165,13 +165,28 @@ class WorkModel(RankShape):
         fp8 = self.training.fp8 if fp8 is None else fp8
         gemm = Gemm(tokens, fan_out, fan_in, groups, fp8, mxfp8=fp8 and self.training.fp8_recipe == "mxfp8",
                     kernel=self.training.expert_gemm_kernel, streams=self.training.expert_gemm_streams, stretch=stretch)
+        forward, dgrad = self._async_tp_split(gemm, tensor_parallel)
         if not fp8:
-            return PassWork(Work((gemm,)), Work((gemm.dgrad(),)), Work((gemm.wgrad(),)))
+            return PassWork(Work((forward,)), Work((dgrad,)), Work((gemm.wgrad(),)))
         sp = self.training.sp
         elements = tokens * groups * stretch
         fwd = self._cast(elements * fan_in, norm_fed=norm_fed, gathered=sp and tensor_parallel == "column")
         bwd = self._cast(elements * fan_out, gathered=sp and tensor_parallel == "row")
-        return PassWork(Work((gemm,)) + fwd, Work((gemm.dgrad(),)) + bwd, Work((gemm.wgrad(),)))
+        return PassWork(Work((forward,)) + fwd, Work((dgrad,)) + bwd, Work((gemm.wgrad(),)))
+
+    def _async_tp_split(self, gemm: Gemm, tensor_parallel: str) -> tuple[Gemm, Gemm]:
+        """The forward and input-gradient GEMMs of a linear split over TP as they run: whole, except under PyTorch's
+        async TP (``tp_comm_overlap_impl: torch-async-tp``), whose fused collectives run their matmul as ``TP``
+        matmuls of ``m / TP`` rows one after another, one per step (``_pipelined_all_gather_and_consume`` calls
+        the matmuls once per gathered shard, ``_pipelined_produce_and_all2all`` once per destination rank; torch
+        ``distributed/_symmetric_memory``): a column-parallel linear's forward (fed by the gather) and a
+        row-parallel linear's forward (feeding the reduce-scatter) and input gradient (fed by the gather of the
+        output gradient; see :meth:`~primuspipe.projection.comm.LayerComm.exposed`)."""
+        t = self.training
+        if not (t.tp_comm_overlap and t.tp_comm_overlap_impl == "torch-async-tp" and t.tp > 1 and tensor_parallel):
+            return gemm, gemm.dgrad()
+        split = replace(gemm, m=gemm.m / t.tp, groups=gemm.groups * t.tp, kernel="sequential")
+        return split, split.dgrad() if tensor_parallel == "row" else gemm.dgrad()
 
     def _cast(self, elements: float, *, norm_fed: bool = False, gathered: bool = False) -> Work:
         """The quantization of one GEMM operand as work: :meth:`_quantize_bytes`, MXFP8's as MXFP8 cast bytes,

@@ -234,8 +234,17 @@ class TrainingSpec:
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
     tp_comm_overlap: bool = False
-    """Transformer Engine's tensor-parallel communication overlap: each layer's all-gather/reduce-scatter runs
-    in chunks under the GEMM it feeds or follows; only what outlasts that GEMM (and one chunk) is exposed."""
+    """Tensor-parallel communication overlap: each layer's all-gather/reduce-scatter runs in chunks under the GEMM
+    it feeds or follows; only what outlasts that GEMM (and one chunk) is exposed. Which collectives it covers is
+    ``tp_comm_overlap_impl``'s."""
+    tp_comm_overlap_impl: Literal["te-userbuffers", "torch-async-tp"] = "te-userbuffers"
+    """Which implementation overlaps TP (with ``tp_comm_overlap``; :meth:`~primuspipe.projection.comm.LayerComm.exposed`
+    says what each hides): ``te-userbuffers``, Transformer Engine's userbuffers as Megatron-Bridge configures them
+    per GEMM (every all-gather and reduce-scatter of F and B, W's re-gathers beside the other backward GEMM);
+    ``torch-async-tp``, PyTorch's async TP (torchtitan's ``enable_async_tensor_parallel``: inductor's
+    ``micro_pipeline_tp`` pass over symmetric memory), which fuses an all-gather only into the matmuls that
+    consume it and a reduce-scatter only into the one matmul that produces it, and sums the reduce-scatter's
+    partials in a kernel of its own."""
     overlap_param_gather: bool = False
     """Distributed optimizer: the weight all-gather runs under the next step's forward, bucket by bucket."""
     align_param_gather: bool = False
@@ -709,6 +718,10 @@ class TrainingSpec:
                        "PyTorch's cross entropy is a loss of its own over unsharded logits",
                        "remove cross_entropy_loss_fusion (Megatron's loss) and keep TP 1, "
                        "or remove torch_cross_entropy")
+        if self.tp_comm_overlap_impl != "te-userbuffers" and not (self.tp_comm_overlap and self.sp):
+            self._fail(("tp_comm_overlap_impl", "tp_comm_overlap", "sequence_parallel"),
+                       "PyTorch's async TP overlaps the all-gathers and reduce-scatters of sequence parallelism",
+                       "set tp_comm_overlap and sequence_parallel true, or remove tp_comm_overlap_impl")
         if self.fp8_format is not None and self.precision == "fp32":
             self._fail(("fp8_format", "precision"), "FP8 GEMMs need mixed precision", "set precision: bf16")
         self._check_primus_turbo()

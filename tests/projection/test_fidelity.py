@@ -22,7 +22,7 @@ from primuspipe.projection.parameters import ParamCount, head_params, layer_para
 from primuspipe.projection.projection import Projector, ProjectionResult, project
 from primuspipe.projection.published import load_runs, model_of, project_run, training_of
 from primuspipe.projection.spec_fields import InputError
-from primuspipe.projection.training_spec import TrainingSpec
+from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
 HW = HardwareSpec(name="t", peak_bf16_tflops=100.0, hbm_bytes=80e9, hbm_bandwidth_bytes_per_s=1e12,
@@ -226,6 +226,50 @@ def test_overlapped_communication_shows_only_what_outlasts_its_compute():
     # a reduce-scatter's last step follows the GEMM's last chunk: it shows even under a long GEMM
     tailed = dataclasses.replace(comm, tp_tail=(1.5, 0.0, 0.0))
     assert tailed.exposed(overlapped, gemm, attention, compute)[0] == pytest.approx(1.5 + 1 + 0)
+
+
+def test_torch_async_tp_hides_each_collective_under_its_own_matmuls_only():
+    """PyTorch's async TP fuses a gather into the matmuls that consume it and a reduce-scatter into the one matmul
+    that produces it: B's input-gradient reduce-scatters (of a sum of GEMM outputs) run unfused and show whole,
+    and each fused reduce-scatter's partial sum shows in F (torch's micro_pipeline_tp pass, _symmetric_memory)."""
+    model = load_model(EXAMPLES / "models" / "llama3-8b.yaml")
+    te = TrainingSpec(tensor_model_parallel_size=8, sequence_parallel=True, tp_comm_overlap=True,
+                      pipeline_model_parallel_size=1, global_batch_size=8, data_parallel_size=1, micro_batch_size=8)
+    torch_tp = dataclasses.replace(te, tp_comm_overlap_impl="torch-async-tp")
+    net = Collectives(HW)
+    comm, plain = layer_comm(model, torch_tp, HW, "dense"), layer_comm(model, te, HW, "dense")
+    assert plain.fused == () and plain.partial_sums == 0.0 and comm.tp == plain.tp
+    shape = RankShape(model, torch_tp)
+    gather = net.gather(shape.tokens * model.hidden_size * shape.e, 8, 8)
+    assert sum(c.seconds for c in comm.fused if c.pass_index == 0) == pytest.approx(comm.tp[0])
+    assert sum(c.seconds for c in comm.fused if c.pass_index == 1) == pytest.approx(comm.tp[1])
+    assert sum(not c.gemm_share for c in comm.fused) == 2 and all(c.pass_index == 1 for c in comm.fused if not c.gemm_share)
+    f_shares = sum(c.gemm_share for c in comm.fused if c.pass_index == 0)
+    assert f_shares == pytest.approx(1.0)  # every F linear is fused with one collective
+    # long GEMMs: TE hides all of F but the tails, and B whole; torch leaves B's two reduce-scatters and F's sums
+    long = (1e3, 1e3, 1e3)
+    te_f, te_b, _ = plain.exposed(te, long, (0.0,) * 3, long)
+    f, b, w = comm.exposed(torch_tp, long, (0.0,) * 3, long)
+    assert te_b == 0.0 and b == pytest.approx(2 * gather)
+    assert f == pytest.approx(te_f + comm.partial_sums) and comm.partial_sums > 0
+    # no GEMM time: everything shows, the sums on top in F
+    none = (0.0,) * 3
+    assert comm.exposed(torch_tp, none, none, none)[:2] == pytest.approx((comm.tp[0] + comm.partial_sums, comm.tp[1]))
+    # its fused matmuls run as TP matmuls of m / TP rows one after another: the forward GEMMs of the four linears
+    # and the input-gradient GEMMs of the projection and the second linear; the rest whole
+    split, whole = WorkModel(model, torch_tp).layer("dense"), WorkModel(model, te).layer("dense")
+    assert [g.groups for g in split.forward.gemms] == [8, 8, 8, 8] and split.forward.gemm_flops == whole.forward.gemm_flops
+    assert [g.groups for g in split.backward_input.gemms] == [1, 8, 1, 8]
+    assert all(g.groups == 1 for g in split.backward_weight.gemms)
+    assert all(g.kernel == "sequential" and g.m == 8 * 8192 / 8 for g in split.forward.gemms)
+    h100 = load_hardware(EXAMPLES / "hardware" / "h100.yaml")  # smaller tiles by the shape curve and waves
+    assert split.forward.gemm_seconds(h100, "bf16") > whole.forward.gemm_seconds(h100, "bf16")
+    with pytest.raises(InputError, match="sequence parallelism"):
+        dataclasses.replace(torch_tp, sequence_parallel=False)
+    with pytest.raises(InputError, match="dense layers"):
+        layer_comm(load_model(EXAMPLES / "models" / "qwen3-30b-a3b.yaml"),
+                   dataclasses.replace(torch_tp, expert_model_parallel_size=8, data_parallel_size=8, global_batch_size=64),
+                   HW, "moe")
 
 
 def test_all_to_all_across_nodes_and_deepep_dedup():
