@@ -879,13 +879,16 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
              f"deferring the output layer's weight gradients of only {training.wgrad_deferral_limit} of the step's "
              f"{training.microbatches} microbatches is not modelled",
              "set wgrad_deferral_limit to 0 or at least the microbatch count")
-    if training.recompute_granularity == "op" and (model.is_moe or model.multi_latent_attention or training.cp > 1
-                                                   or not training.flash_attention):
-        fail(("num_experts", "multi_latent_attention"),
-             ("recompute_granularity", "context_parallel_size", "attention_backend"),
-             "op recompute is modelled for torchtitan's dense Llama block (wq, wk, wv, wo, w1, w3, w2) with a flash "
-             "attention kernel and without context parallelism only",
-             "use selective or full recompute for this model or layout")
+    if training.recompute_granularity == "op":
+        beyond = [(m, t) for m, t, out in ((("num_experts",), (), model.is_moe),
+                                           (("multi_latent_attention",), (), model.multi_latent_attention),
+                                           ((), ("context_parallel_size",), training.cp > 1),
+                                           ((), ("attention_backend",), not training.flash_attention)) if out]
+        if beyond:
+            fail(beyond[0][0], ("recompute_granularity", *beyond[0][1]),
+                 "op recompute is modelled for torchtitan's dense Llama block (wq, wk, wv, wo, w1, w3, w2) with a "
+                 "flash attention kernel and without context parallelism only",
+                 "use selective or full recompute for this model or layout")
     if training.recompute_granularity == "full" and training.recompute_num_layers > max(1, model.num_layers // (pp * vpp)):
         fail(("num_layers",), ("recompute_num_layers", "pipeline_model_parallel_size"),
              "recompute_num_layers exceeds the layers of one model chunk",
