@@ -37,6 +37,12 @@ down projection's input, is not kept; ``mla_up_proj``: MLA's up-projected querie
 not kept, only the latents). These three run only with Transformer Engine in megatron-core and are not
 checked against a real layer here.
 
+Op recompute (torchtitan's op-level selective activation checkpointing, ``recompute_granularity: op``) keeps, per
+layer, the block's input (the checkpoint's argument) and the outputs its policy saves
+(:data:`TORCHTITAN_BLOCK_GEMMS`): every other GEMM's, the flash kernel's output and log-sum-exp rows, and each
+reduce-scatter's under sequence parallelism; all else is rebuilt for the block's backward
+(:meth:`ActivationModel.op_kept`). The kept outputs are the GEMMs' (bf16) under FP8 too.
+
 FP8 (Transformer Engine): a linear layer whose input exists only for it keeps the FP8 copy it computed
 with (1 byte an element) instead -- the normed inputs of the QKV and MLP projections and the experts'
 down-projection inputs; the attention output, which the attention kernel keeps anyway, gains an FP8 copy.
@@ -55,6 +61,32 @@ _INDEX, _FP32 = 8, 4
 MASK_BYTES = 1
 """Bytes of a boolean mask element (PyTorch's ``native_dropout`` keep mask, the router's routing map); the time
 model (:mod:`~primuspipe.projection.compute`) moves the same masks."""
+
+
+TORCHTITAN_BLOCK_GEMMS = (("wq", "hidden", "query"), ("wk", "hidden", "kv"), ("wv", "hidden", "kv"),
+                          ("wo", "query", "hidden"), ("w1", "hidden", "ffn"), ("w3", "hidden", "ffn"),
+                          ("w2", "ffn", "hidden"))
+"""The ``aten.mm`` calls of torchtitan's Llama ``TransformerBlock`` forward, in the order it makes them, as (name,
+input width, output width): ``Attention.forward`` runs ``self.wq(x), self.wk(x), self.wv(x)``, the attention, then
+``self.wo``; ``FeedForward.forward`` ``self.w2(F.silu(self.w1(x)) * self.w3(x))`` -- w1 before w3
+(``torchtitan/models/llama/model.py`` at 9dec370, ``models/llama3/model.py`` at 820504e and e7c0cae). torchtitan's
+op policy (``_custom_policy`` in ``parallelize_llama.py`` at the same commits) counts the block's mms afresh for each
+forward and recompute and saves an mm's output unless its count is even ("Saves output of all compute ops, except
+every second mm"): wq, wv, w1 and w2 are kept, wk, wo and w3 recomputed. The widths are per rank: ``hidden`` H,
+``query`` the heads' ``a d / TP``, ``kv`` the groups' ``g d / TP``, ``ffn`` ``F / TP``; w3 exists with SwiGLU only."""
+
+
+def op_gemms(swiglu: bool) -> list[tuple[str, str, str, bool]]:
+    """The block's GEMMs (:data:`TORCHTITAN_BLOCK_GEMMS`) with whether torchtitan's op policy saves each output."""
+    gemms = [g for g in TORCHTITAN_BLOCK_GEMMS if swiglu or g[0] != "w3"]
+    return [(*g, count % 2 == 1) for count, g in enumerate(gemms, 1)]
+
+
+def gemm_width(shape: RankShape, role: str) -> float:
+    """Elements per token of one side of a block GEMM on this rank (see :data:`TORCHTITAN_BLOCK_GEMMS`)."""
+    m, tp = shape.model, shape.training.tp
+    return {"hidden": m.hidden_size, "query": m.num_attention_heads / tp * m.head_dim,
+            "kv": m.query_groups / tp * m.head_dim, "ffn": m.ffn / tp}[role]
 
 
 @dataclass(frozen=True)
@@ -236,9 +268,39 @@ class ActivationModel(RankShape):
         before_core = self.context_bytes + proj_grad + (inputs - attn_in) + (grads - attn_grads)
         return LayerActivations(parts, inputs, grads, before_core)
 
+    def op_kept(self, kind: LayerKind) -> LayerActivations:
+        """One layer under torchtitan's op recompute: ``layer(kind)`` with only what the checkpoint keeps as its
+        components (W's inputs and gradients, which the backward rebuilds, as they are).
+
+        * ``input_norm``: the block's input ``T_r H``, the checkpoint's argument (the first norm reads it);
+        * ``attention``: wq's and wv's outputs, ``_scaled_dot_product_flash_attention``'s output ``T a d / TP`` and
+          its fp32 log-sum-exp ``T a / TP``, and under sequence parallelism with TP > 1 wo's reduce-scatter ``T_r H``
+          (``RowwiseParallel`` to ``Shard(1)``: ``reduce_scatter_tensor``, in the save list; without sequence
+          parallelism TP all-reduces, which it is not);
+        * ``mlp``: w1's output ``T F / TP`` and, eagerly, w2's output ``T H`` (its partial sums before the
+          reduction: all ``T`` tokens) and its reduce-scatter ``T_r H`` under sequence parallelism; compiled
+          (:attr:`~primuspipe.projection.training_spec.TrainingSpec.op_recompute_compiled`), not those two: only the
+          residual add reads them, whose backward needs no tensor.
+
+        Eager checkpointing (``torch.utils.checkpoint`` with ``create_selective_checkpoint_contexts``) caches every
+        saved op's output from the forward until the block's recompute, whether its backward reads it or not."""
+        t, e, tokens = self.training, self.e, self.tokens
+        full = self.layer(kind)
+        scattered = self.hidden_bytes if t.sp and t.tp > 1 else 0.0
+        saved = {name: tokens * gemm_width(self, out) * e
+                 for name, _, out, keep in op_gemms(self.model.swiglu) if keep}
+        if t.op_recompute_compiled:
+            saved.pop("w2", None)
+        heads = self.model.num_attention_heads / t.tp
+        attention = saved.get("wq", 0.0) + saved.get("wv", 0.0) + self.context_bytes + tokens * heads * _FP32 + scattered
+        mlp = saved.get("w1", 0.0) + (saved["w2"] + scattered if "w2" in saved else 0.0)
+        parts = {"input_norm": self.hidden_bytes, "attention": attention, "pre_mlp_norm": 0.0, "mlp": mlp}
+        return LayerActivations(parts, full.gemm_inputs, full.gemm_output_grads, full.kept_before_core)
+
     @cached_property
     def _layers(self) -> dict[LayerKind, LayerActivations]:
-        return {kind: self.layer(kind) for kind in set(self.model.layer_kinds)}
+        kept = self.op_kept if self.training.recompute_granularity == "op" else self.layer
+        return {kind: kept(kind) for kind in set(self.model.layer_kinds)}
 
     def checkpoint(self) -> float:
         """What a fully recomputed group of layers keeps: its input."""
@@ -264,8 +326,11 @@ class ActivationModel(RankShape):
 
     def recompute_working_set(self, chunk_layers: range) -> float:
         """Bytes a full-recompute backward rebuilds at once (one group's activations), held only while
-        that group's backward runs."""
+        that group's backward runs; under op recompute what one block's recompute rebuilds beyond what it kept."""
         t = self.training
+        if t.recompute_granularity == "op":
+            kinds = {self.model.layer_kinds[i] for i in chunk_layers}
+            return max((max(self.layer(k).total - self._layers[k].total, 0.0) for k in kinds), default=0.0)
         if t.recompute_granularity != "full":
             return 0.0
         group = 1 if t.recompute_method == "block" else t.recompute_num_layers

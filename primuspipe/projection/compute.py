@@ -14,7 +14,8 @@ reads its inputs and writes its output once, forward; twice that backward, in B.
 
 Times: GEMM and attention FLOPs at ``peak * achievable_fraction`` (half of it in fp32), element-wise
 bytes at ``HBM bandwidth * memory_bandwidth_fraction``. Recompute re-runs forward work in B: a whole
-layer's under full recompute, the recomputed modules' under selective recompute.
+layer's under full recompute, the recomputed modules' under selective recompute, the GEMMs and element-wise
+kernels torchtitan's op policy does not save under op recompute (:meth:`WorkModel._op_recompute`).
 
 A :class:`Calibration` scales these analytical times by measured factors, per part and pass: from
 the layer benchmark (real megatron-core layers timed on the local device) or from a run's dump.
@@ -27,7 +28,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
-from primuspipe.projection.activations import MASK_BYTES
+from primuspipe.projection.activations import MASK_BYTES, gemm_width, op_gemms
 from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec, check_runs_on
 from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels, moe_stream_kernels
@@ -714,12 +715,29 @@ class WorkModel(RankShape):
                        self._local_spec_elements(kind), self._hidden_dropout(sites=2))
         accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()))
         forward = attention.forward + core.forward + mlp.forward + element.forward
-        recompute = ((core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
+        recompute = (self._op_recompute(kind) if t.recompute_granularity == "op" else
+                     (core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
                      + (self._norms() if t.recomputes("layernorm") else Work())
                      + (up_projections.forward + Work(memory_bytes=self._mla_rope_elements() * self.e)
                         if t.recomputes("mla_up_proj") and m.multi_latent_attention else Work()))
         return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.backward_input,
                         attention.backward_weight + mlp.backward_weight + accumulate, recompute)
+
+    def _op_recompute(self, kind: str) -> Work:
+        """What torchtitan's op recompute reruns of one block's forward before its backward: the GEMMs whose outputs
+        its policy does not save (:func:`~primuspipe.projection.activations.op_gemms`: wk, wo, w3), with their FP8
+        casts, and the element-wise kernels (norms, rotary embedding, the activation, the residual add that makes
+        the MLP's input); not the block's last residual add, which the backward needs nothing of (eager
+        checkpointing stops its recompute once the last tensor the backward needs is rebuilt, and the compiler's
+        partitioner recomputes only what the backward reads). The saved GEMMs and the attention kernel are not rerun.
+        Sequence parallelism's all-gathers, also recomputed, are not priced here."""
+        gemms = [self._linear(self.tokens, gemm_width(self, fan_in), gemm_width(self, fan_out),
+                              norm_fed=fan_in == "hidden",
+                              tensor_parallel="column" if fan_in == "hidden" else "row")
+                 for _, fan_in, fan_out, saved in op_gemms(self.model.swiglu) if not saved]
+        moved = self._elementwise_kernels(kind)
+        moved["residual_add"] /= 2
+        return _sum(*gemms).forward + _elementwise_pass(moved).forward + self._unfused_rope().forward
 
     def embedding(self, shared: bool = False) -> PassWork:
         """Token (and position) lookup: memory-bound; its gradient, a scatter-add, runs in B (split-backward

@@ -110,6 +110,9 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
                            + (f" (did you mean {_flag(guess)}?)" if guess else ""))
     if refused:
         raise ConfigError(f"{source}: " + "; ".join(refused))
+    if values["training"].get("recompute_granularity") == "op":
+        raise ConfigError(f"{source}: --recompute-granularity op is torchtitan's op-level checkpointing, which Megatron "
+                          "does not run (its choices are full and selective); give it in a training file instead")
     if arguments.get("bf16") and arguments.get("fp16"):
         raise ConfigError(f"{source}: --bf16 and --fp16 both set the precision (Megatron refuses both); keep one")
     if (optimizer := arguments.get("optimizer", "adam")) != "adam":

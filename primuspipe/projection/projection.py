@@ -459,6 +459,8 @@ def recompute_label(training: TrainingSpec) -> str:
         return f"full/{t.recompute_method}/{t.recompute_num_layers}"
     if t.recompute_granularity == "selective":
         return "selective/" + "+".join(t.recompute_modules)
+    if t.recompute_granularity == "op":
+        return "op/compiled" if t.op_recompute_compiled else "op/eager"
     return "none"
 
 
@@ -520,7 +522,7 @@ def _with_recompute(training: TrainingSpec, recompute: str) -> TrainingSpec:
                 "selective": dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None,
                                   recompute_modules=("core_attn",)),
                 "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
-    return dataclasses.replace(training, **settings[recompute])
+    return dataclasses.replace(training, op_recompute_compiled=False, **settings[recompute])
 
 
 def project(projector: Projector, training: TrainingSpec, *, algorithms: list[str] | None = None, search: bool = False

@@ -78,8 +78,13 @@ class TrainingSpec:
     """Pipeline replicas; ``--target-nodes`` replaces it with what the nodes hold."""
     sequence_parallel: bool = False
     """Shard norms, dropouts and residuals over TP (needs TP > 1; Megatron requires it for MoE with TP > 1)."""
-    recompute_granularity: Literal["full", "selective"] | None = None
-    """None: keep every activation; full: recompute whole layers; selective: recompute the modules in recompute_modules."""
+    recompute_granularity: Literal["full", "selective", "op"] | None = None
+    """None: keep every activation; full: recompute whole layers; selective: recompute the modules in recompute_modules;
+    op: torchtitan's op-level selective activation checkpointing (``[activation_checkpoint] mode = "selective"``,
+    ``selective_ac_option = "op"``, its Llama 3 default), which checkpoints every TransformerBlock with a policy
+    that saves the outputs of the ops in its ``_save_list`` (``aten.mm`` but every second one, the SDPA kernels,
+    ``reduce_scatter_tensor``, ``max``) and recomputes everything else
+    (:data:`~primuspipe.projection.activations.TORCHTITAN_BLOCK_GEMMS`); dense layers of torchtitan's Llama only."""
     recompute_method: Literal["uniform", "block"] | None = None
     """With full recompute: ``uniform`` checkpoints every group of recompute_num_layers layers; ``block``
     checkpoints the first recompute_num_layers layers of every model chunk."""
@@ -87,6 +92,12 @@ class TrainingSpec:
     """With full recompute: layers per checkpointed group (uniform) or per chunk (block)."""
     recompute_modules: tuple[str, ...] = ("core_attn",)
     """With selective recompute: which parts are recomputed (some of core_attn, mlp, moe, shared_experts)."""
+    op_recompute_compiled: bool = False
+    """With op recompute: the checkpointed blocks run under ``torch.compile`` (torchtitan's ``training.compile``,
+    which compiles each TransformerBlock). AOTAutograd's partitioner then keeps only the policy's saved outputs the
+    backward reads, where eager checkpointing caches every one until the block's recompute: the last GEMM's output
+    (``w2``, and its reduce-scatter under sequence parallelism), which feeds only the residual add, is not kept. It
+    sets nothing else (the fusions compiling brings are their own fields)."""
     use_distributed_optimizer: bool = True
     """Shard fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
     use_megatron_fsdp: bool = False
@@ -653,6 +664,9 @@ class TrainingSpec:
             self._fail(("recompute_granularity", "recompute_method", "recompute_num_layers"),
                        "recompute_method and recompute_num_layers apply to full recompute only",
                        "set recompute_granularity: full, or remove them")
+        if self.op_recompute_compiled and self.recompute_granularity != "op":
+            self._fail(("op_recompute_compiled", "recompute_granularity"), "op_recompute_compiled applies to op "
+                       "recompute only", "set recompute_granularity: op, or remove op_recompute_compiled")
         if unknown := set(self.recompute_modules) - set(RECOMPUTE_MODULES):
             self._fail(("recompute_modules",), f"{sorted(unknown)} are not modelled",
                        f"use some of {', '.join(RECOMPUTE_MODULES)}")
@@ -942,6 +956,16 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
              f"deferring the output layer's weight gradients of only {training.wgrad_deferral_limit} of the step's "
              f"{training.microbatches} microbatches is not modelled",
              "set wgrad_deferral_limit to 0 or at least the microbatch count")
+    if training.recompute_granularity == "op":
+        beyond = [(m, t) for m, t, out in ((("num_experts",), (), model.is_moe),
+                                           (("multi_latent_attention",), (), model.multi_latent_attention),
+                                           ((), ("context_parallel_size",), training.cp > 1),
+                                           ((), ("attention_backend",), not training.flash_attention)) if out]
+        if beyond:
+            fail(beyond[0][0], ("recompute_granularity", *beyond[0][1]),
+                 "op recompute is modelled for torchtitan's dense Llama block (wq, wk, wv, wo, w1, w3, w2) with a "
+                 "flash attention kernel and without context parallelism only",
+                 "use selective or full recompute for this model or layout")
     if training.recompute_granularity == "full" and training.recompute_num_layers > max(1, model.num_layers // (pp * vpp)):
         fail(("num_layers",), ("recompute_num_layers", "pipeline_model_parallel_size"),
              "recompute_num_layers exceeds the layers of one model chunk",

@@ -65,7 +65,7 @@ def benchmark_shape(model: ModelSpec, training: TrainingSpec) -> tuple[ModelSpec
                               virtual_pipeline_model_parallel_size=1, context_parallel_size=1, data_parallel_size=1,
                               expert_model_parallel_size=1, expert_tensor_parallel_size=None, sequence_parallel=False,
                               recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
-                              decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                              op_recompute_compiled=False, decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
                               global_batch_size=t.micro_batch_size, attention_backend="local",
                               defer_embedding_wgrad_compute=False)
     return dataclasses.replace(model, **shard), one
