@@ -91,7 +91,8 @@ def test_each_rank_pays_its_own_share():
         spans = {e.node: e.end - e.start for e in plain.ranks[rank].events if e.node.kind.is_compute}
         for e, pending in zip((e for e in charged.ranks[rank].events if e.node.kind.is_compute),
                               pending_weight_grads([n for n in table.ranks[rank] if n.kind.is_compute])):
-            assert e.end - e.start == pytest.approx(spans[e.node] * (1 + share if pending else 1)), f"rank {rank} {e.node}"
+            expected = spans[e.node] * (1 + share if pending else 1)
+            assert e.end - e.start == pytest.approx(expected), f"rank {rank} {e.node}"
     assert any(pending_weight_grads(table.ranks[1])) and not any(pending_weight_grads(table.ranks[0]))
     assert simulate(table, windowed).step_time > simulate(table, cost).step_time
 
@@ -101,9 +102,11 @@ def test_the_file_field_round_trips_and_an_old_file_has_none():
     model = CostModel.from_dict(data, pp=2, vpp=1)
     assert model.probe_window == 0.25 and model.for_shape(2, 2).probe_window == 0.25
     assert CostModel.from_dict(yaml.safe_load(yaml.safe_dump(model.to_dict())), pp=2, vpp=1) == model
-    per_rank = CostModel.from_dict({**data, "compute": {**data["compute"], "probe_window": [0.25, 0.0625]}}, pp=2, vpp=1)
+    per_rank_data = {**data, "compute": {**data["compute"], "probe_window": [0.25, 0.0625]}}
+    per_rank = CostModel.from_dict(per_rank_data, pp=2, vpp=1)
     assert per_rank.probe_window == (0.25, 0.0625) and per_rank.window_share(1) == 0.0625
-    assert CostModel.from_dict(yaml.safe_load(yaml.safe_dump(per_rank.to_dict())), pp=2, vpp=2).probe_window == (0.25, 0.0625)
+    written = yaml.safe_load(yaml.safe_dump(per_rank.to_dict()))
+    assert CostModel.from_dict(written, pp=2, vpp=2).probe_window == (0.25, 0.0625)
     old = CostModel.from_dict({"compute": {"f": 1.0, "b": 1.0, "w": 1.0}}, pp=2, vpp=1)
     assert old.probe_window == 0.0 and "probe_window" not in old.to_dict()["compute"]
 
