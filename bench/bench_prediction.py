@@ -35,7 +35,8 @@ optimizer step does. ``--runs`` sessions per pp. Then
   median over sessions; the bubble rate likewise (worst rank's ``(step - busy) / step``);
 * **diagnose** each run: its node order replayed under a file calibrated from its own dump
   (``own_cost_error``: what is left to the simulator given exact node costs) and, per kind and model
-  stage, the 1F1B file's node time over the run's own (``node_cost_errors``: which costs a 1F1B run
+  stage, what the 1F1B file charges the run's nodes over what the run's own file does, each node priced in
+  its context as the simulator prices it (``node_cost_errors``: which costs a 1F1B run
   mis-states for this layout), per session in each row's ``diagnosis``;
 * **slow moments**: with three sessions or more, a session whose 1F1B calibration step lies outside the
   sessions' robust band (``primuspipe.calibration.runs``: modified z-score over 3.5, at least about 5 %
@@ -305,8 +306,11 @@ def predict(runs: list[list[Timeline]], pp: int, args: argparse.Namespace, folde
 def diagnose(iterations: list[Timeline], cost_file: Path, pp: int) -> dict:
     """Where a run's prediction error comes from. ``own_cost_error``: the run's node order replayed under a
     file calibrated from its own dump (per model stage; the simulator's error given exact node costs, which
-    the calibration from 1F1B cannot beat); ``node_cost_errors``: per kind the run ran and model stage, the
-    node time the 1F1B file predicts over the run's own, less 1 (which node costs the 1F1B run mis-states)."""
+    the calibration from 1F1B cannot beat); ``node_cost_errors``: per kind the run ran and model stage, what
+    the 1F1B file charges the run's nodes of that kind over what the run's own file charges them, less 1
+    (which node costs the 1F1B run mis-states; :func:`priced`)."""
+    from primuspipe.calibration.replay import executed_table
+
     first = iterations[0]
     own = dataclasses.replace(calibrate_runs([iterations], warmup=0), step_gap=None)
     try:
@@ -314,11 +318,35 @@ def diagnose(iterations: list[Timeline], cost_file: Path, pp: int) -> dict:
     except PrimusPipeError as exc:  # the run's own file is refused: say why instead of a figure
         return {"error": str(exc)}
     predicted = CostModel.load(cost_file, pp=pp, vpp=first.vpp)
-    ran = {e.node.kind for rt in first.ranks for e in rt.events if e.node.kind.is_compute and e.node.pair is None}
+    table = executed_table(first)
+    theirs, ours = priced(predicted, table), priced(own_model, table)
     return {"own_cost_error": replay_accuracy(iterations, own_model).to_dict()["step_time"]["error"],
-            "node_cost_errors": {kind.spec.cost: [predicted.duration(kind, s) / own_model.duration(kind, s) - 1
-                                                  for s in range(own_model.num_stages)]
-                                 for kind in sorted(ran, key=lambda k: k.name) if kind.spec.cost}}
+            "node_cost_errors": {key: [theirs[key, s] / ours[key, s] - 1 if ours.get((key, s)) else None
+                                       for s in range(own_model.num_stages)]
+                                 for key in sorted({key for key, _ in ours})}}
+
+
+def priced(model: CostModel, table) -> dict[tuple[str, int], float]:
+    """Per cost key and model stage, what ``model`` charges the table's single-part compute nodes in all,
+    each as the simulator prices it: a W warm or cold by the node before it, a node in a window at its
+    rank's share, a chunk's first of its kind with its cold start (a kind's plain time alone mis-states a
+    run whose Ws all ran warm, ZB-H1's first rank's, by the cold-warm gap)."""
+    from primuspipe.ir.cost_model import pending_weight_grads
+
+    out: dict[tuple[str, int], float] = {}
+    for rank, row in enumerate(table.ranks):
+        previous, seen = None, set()
+        for node, window in zip(row, pending_weight_grads(row) if model.prices_windows else [False] * len(row)):
+            if not node.kind.is_compute:
+                continue
+            if node.pair is None and (key := node.kind.spec.cost):
+                stage = table.placement.stage(rank, node.chunk)
+                cold = model.cold_start_time([(node.kind, stage)]) if (node.kind, node.chunk) not in seen else 0.0
+                out[key, stage] = out.get((key, stage), 0.0) + model.node_time(table.placement, rank, node, previous,
+                                                                                window) + cold
+            seen.update((p.kind, p.chunk) for p in node.parts())
+            previous = node
+    return out
 
 
 def check_ran_as_planned(key: str, pp: int, args: argparse.Namespace, ran: Timeline, dump: str) -> None:

@@ -138,28 +138,31 @@ def _add_parts(fixed: dict, chunk: dict, key: tuple, parts: tuple[float | None, 
             into[key].append(value)
 
 
-def window_share(samples: list[Samples]) -> tuple[float | None, list[Samples]]:
-    """``compute.probe_window`` -- the median over timelines, kinds and stages of how much longer the nodes
-    in a probe window took than the same timeline's other nodes of their kind and stage (median against
-    median) -- and ``samples`` with each window node's time, less that share, among ``durations`` where
-    its kind and stage has no other (None, with the window nodes' times among ``durations`` as they
-    are, where no window node was longer)."""
-    ratios = [statistics.median(times) / statistics.median(rest) for s in samples for key, times in s.window.items()
-              if (rest := s.durations.get(key)) and statistics.median(rest) > 0]
-    share = significant(statistics.median(ratios) - 1) if ratios else 0.0
-    if share <= 0:
-        share, scale, only_where_missing = None, 1.0, False
-    else:
-        scale, only_where_missing = 1 + share, True
+def window_share(samples: list[Samples], placement: Placement) -> tuple[tuple[float, ...] | None, list[Samples]]:
+    """``compute.probe_window`` per rank -- the median over timelines, kinds and the rank's stages of how
+    much longer the nodes in a probe window took than the same timeline's other nodes of their kind and
+    stage (median against median), 0 where none was longer or the rank had none to compare -- and
+    ``samples`` with each window node's time, less its rank's share, among ``durations`` where its kind
+    and stage has no other (as they are on a rank of share 0). None where every rank's is 0. Per rank:
+    what a window costs follows what the rank holds beside it (on CPU, page faults), which differs by
+    rank (:func:`~primuspipe.ir.cost_model.probe_windows`)."""
+    ratios: dict[int, list[float]] = defaultdict(list)
+    for s in samples:
+        for key, times in s.window.items():
+            if (rest := s.durations.get(key)) and statistics.median(rest) > 0:
+                ratios[placement.rank_of(key[1])].append(statistics.median(times) / statistics.median(rest))
+    shares = tuple(max(0.0, significant(statistics.median(ratios[r]) - 1)) if ratios[r] else 0.0
+                   for r in range(placement.pp))
 
     def durations(s: Samples) -> dict[tuple[NodeKind, int], list[float]]:
         out = {key: list(times) for key, times in s.durations.items()}
         for key, times in s.window.items():
-            if not (only_where_missing and key in out):
-                out.setdefault(key, []).extend(t / scale for t in times)
+            share = shares[placement.rank_of(key[1])]
+            if not (share > 0 and key in out):
+                out.setdefault(key, []).extend(t / (1 + share) for t in times)
         return out
 
-    return share, [replace(s, durations=durations(s)) for s in samples]
+    return (shares if any(shares) else None), [replace(s, durations=durations(s)) for s in samples]
 
 
 def medians(groups) -> dict[str, float]:

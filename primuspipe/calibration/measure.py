@@ -14,8 +14,8 @@ model is measured (docs/simulator.md, "Calibration"):
   a stage ran W in both contexts, ``compute.w`` is the cold ones' and ``compute.w_warm`` theirs; in one
   context only, that is its W, whatever the context (a run whose Ws took the same in both writes no
   ``w_warm``). Nodes in a probe window (:func:`~primuspipe.ir.cost_model.probe_windows`: the split
-  probe's deferred W pending) are timed apart too: the median share by which they took longer than their
-  kind's others is ``compute.probe_window``, and the times are the others'.
+  probe's deferred W pending) are timed apart too: per rank, the median share by which they took longer
+  than their kind's others is ``compute.probe_window``, and the times are the others'.
 * **host** -- a rank's time between nodes. Walking each rank's nodes in table order, the rank is free
   to go on at the end of its last compute node or posting, or, for a compute node whose input arrived
   later, at that arrival (a receive's end: when the runner got the tensor); a posting's host time is
@@ -145,11 +145,12 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
                          f"(fitted over {fitted} nodes): compute times are taken at no crowding, and "
                          "host.contention charges it back where a schedule crowds the cores")
     probe_window, samples = window_share([Samples.of(steps, placement, use_cpu=cores is not None, slowdown=slowdown)
-                                          for steps, slowdown in zip(walks, slowdowns)])
+                                          for steps, slowdown in zip(walks, slowdowns)], placement)
     if probe_window is not None:
         notes.append(f"nodes in the split probe's windows (a deferred W pending in a fused-backward step) took "
-                     f"{probe_window:.3g} longer than the same kind's others: compute times are taken outside them, "
-                     "and compute.probe_window charges it there only")
+                     f"{', '.join(f'{x:.3g}' for x in probe_window)} longer (per rank) than the same kind's others: "
+                     "compute times are taken outside them, and compute.probe_window charges each rank's share "
+                     "wherever it holds a deferred W")
     n = placement.num_stages
 
     def median_of(kind: NodeKind, field: str = "durations") -> list[float | None]:

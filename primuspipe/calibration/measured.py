@@ -81,8 +81,8 @@ class MeasuredCosts:
     """With ``cores``: the share of a core a rank's thread got while no other rank of its host was busy
     (``host.speed``, :func:`~primuspipe.calibration.crowding.lone_speed`); None where no rank ran alone or
     it got a whole core."""
-    probe_window: float | None = None
-    """How much longer (a share) nodes in a probe window took than their kind's others
+    probe_window: tuple[float, ...] | None = None
+    """Per rank, how much longer (a share) nodes in a probe window took than their kind's others
     (``compute.probe_window``, :func:`~primuspipe.calibration.estimators.window_share`); None where the
     run had no such window or its nodes took no longer."""
     message_cpu: float | None = None
@@ -113,7 +113,7 @@ class MeasuredCosts:
             if self.chunk:
                 compute["chunk"] = {key: chunk for key, (_, _, chunk) in written.items() if key in self.chunk}
         if self.probe_window is not None:
-            compute["probe_window"] = self.probe_window
+            compute["probe_window"] = list(self.probe_window)
         if self.w_warm is not None:  # W as written less what running warm saved, on the same stages
             saving = values([w - hot for w, hot in zip(self.backward_weight, self.w_warm)])
             compute["w_warm"] = [significant(max(0.0, w - x)) for w, x in zip(compute["w"], saving)]

@@ -23,8 +23,8 @@ from primuspipe.errors import ConfigError
 from primuspipe import strict
 from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, cold_start_section, cost_keys, host_section,
                                      link_section, memory_section, merge_fixed, read_cost_file, split_fixed,
-                                     split_stages, warm_stages)
-from primuspipe.ir.cost_parts import MAX_SHARE, TIME_UNITS, HostCost, Link, MemoryCost, P2PCost
+                                     split_stages, warm_stages, window_section)
+from primuspipe.ir.cost_parts import TIME_UNITS, HostCost, Link, MemoryCost, P2PCost
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
@@ -64,11 +64,13 @@ class CostModel:
     forward or another microbatch's B); None: W costs the same wherever it runs. Only :meth:`node_time`
     (the simulator) reads it: the algorithms plan with :meth:`duration`, the cold W, and are judged by
     simulating."""
-    probe_window: float = 0.0
-    """The share of extra time a node takes inside a *probe window* (:func:`probe_windows`: a rank that
-    otherwise fuses its backwards holds a deferred W's inputs -- the split probe's), F, B or BW alike;
-    0: none. Only :meth:`node_time` (the simulator) reads it; a schedule that splits every backward has
-    no such window (measured on CPU, its F and B took the same with up to six Ws pending as with none)."""
+    probe_window: float | tuple[float, ...] = 0.0
+    """The share of extra time a node takes while its rank holds a deferred W's inputs
+    (:func:`pending_weight_grads`), F, B or BW alike, per rank (one number: every rank's); 0: none. The
+    split probe opens such windows in a fused-backward step (:func:`probe_windows`), where calibration
+    measures it per rank; a split-backward schedule's rank holding a W it deferred pays its rank's share
+    too (ZB-H1's later ranks: on CPU, the last rank's F and B took what the probe's last-rank windows did,
+    docs/simulator.md). Only :meth:`node_time` (the simulator) reads it."""
     source: str = field(default="", compare=False)
     """Where the costs came from (a cost file's path, :meth:`from_dict`'s ``source``), for the simulator's
     messages about them; empty when built in code."""
@@ -89,9 +91,12 @@ class CostModel:
             if len(parts) != n or len(chunk) != n:
                 raise ConfigError(f"compute.fixed.{key} / compute.chunk.{key} have {len(parts)} / {len(chunk)} values "
                                   f"for {n} stages")
-        if not (math.isfinite(self.probe_window) and self.probe_window >= 0):
-            raise ConfigError(f"compute.probe_window must be a finite share >= 0 (0.1: 10 % longer), got "
+        shares = self.probe_window if isinstance(self.probe_window, tuple) else (self.probe_window,)
+        if not all(math.isfinite(x) and x >= 0 for x in shares):
+            raise ConfigError(f"compute.probe_window must be finite shares >= 0 (0.1: 10 % longer), got "
                               f"{self.probe_window}")
+        if isinstance(self.probe_window, tuple) and (not shares or n % len(shares)):
+            raise ConfigError(f"compute.probe_window has {len(shares)} values, not one per rank of {n} stages")
         if self.time_unit not in TIME_UNITS:
             raise ConfigError(f"time_unit must be one of {sorted(TIME_UNITS)}, got {self.time_unit!r}")
         _check_time_range(self)
@@ -135,7 +140,8 @@ class CostModel:
                   previous: ScheduleNode | None = None, window: bool = False) -> float:
         """Compute time of a node on ``rank`` (0 for communication nodes); ``previous`` is the compute
         node the rank ran just before it (None: none), which sets what a W costs (:attr:`w_warm`);
-        ``window``: it runs in a probe window (:func:`probe_windows`), which :attr:`probe_window` prices."""
+        ``window``: the rank holds a deferred W's inputs (:func:`pending_weight_grads`), which
+        :attr:`probe_window` prices."""
         parts = [(kind, placement.stage(rank, chunk)) for kind, _, chunk in node.parts()]
         if len(parts) > 1:
             time = self.overlapped_time(parts)
@@ -143,7 +149,16 @@ class CostModel:
             time = self.w_warm[parts[0][1]]
         else:
             time = self.duration(*parts[0]) if parts else 0.0
-        return time * (1 + self.probe_window) if window else time
+        return time * (1 + self.window_share(rank)) if window else time
+
+    def window_share(self, rank: int) -> float:
+        """:attr:`probe_window` of ``rank``."""
+        return self.probe_window[rank] if isinstance(self.probe_window, tuple) else self.probe_window
+
+    @property
+    def prices_windows(self) -> bool:
+        """Whether any rank pays a share in a window (:attr:`probe_window`)."""
+        return any(self.probe_window) if isinstance(self.probe_window, tuple) else self.probe_window > 0
 
     def cold_start_time(self, parts: Sequence[tuple[NodeKind, int]]) -> float:
         """Extra time of a node whose ``(kind, stage)`` parts are their chunks' first of that kind."""
@@ -267,7 +282,7 @@ class CostModel:
                 pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), w, other=other, w_warm=warm(w),
                 bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
                 fb_overlap=number(comp, "fb_overlap", "compute.fb_overlap", 0.0, minimum=0, maximum=1),
-                probe_window=number(comp, "probe_window", "compute.probe_window", 0.0, minimum=0, maximum=MAX_SHARE),
+                probe_window=window_section(comp.get("probe_window", 0.0), pp, f"{source}: compute.probe_window"),
                 p2p=P2PCost(number(p2p, "message_bytes", "p2p.message_bytes", 0.0, minimum=0),
                             ranks_per_node=strict.count(p2p.get("ranks_per_node", 8), f"{source}: p2p.ranks_per_node",
                                                         minimum=1),
@@ -315,8 +330,9 @@ class CostModel:
             out["compute"]["bw"] = list(self.fused_backward)
         if self.w_warm is not None:
             out["compute"]["w_warm"] = list(self.w_warm)
-        if self.probe_window:
-            out["compute"]["probe_window"] = self.probe_window
+        if self.prices_windows:
+            shares = self.probe_window
+            out["compute"]["probe_window"] = list(shares) if isinstance(shares, tuple) else shares
         if self.cold_start is not None:
             c = self.cold_start
             out["compute"]["cold_start"] = {key: list(times) for key, times in c.times.items()}
@@ -357,26 +373,16 @@ def warm_weight_grad(previous: ScheduleNode | None, node: ScheduleNode) -> bool:
                for p in previous.parts())
 
 
-def probe_windows(row: Sequence[ScheduleNode]) -> list[bool]:
-    """Per node of a rank's row, in table order: whether it runs in a *probe window* -- the rank runs
-    fused backwards (a kind completing both the B and the W step) and, as the node starts, holds the inputs
-    of a W whose B has run. A node that completes only W is never in one (a W is priced by its own context,
-    :func:`warm_weight_grad`), nor is a communication or host-copy node. The split probe
-    (:mod:`primuspipe.passes.split_probe`) opens such windows in a 1F1B step; measured on CPU (hidden 128
-    and 256), the F and B nodes that ran in them took 2-46 % more CPU than the step's others (median over a
-    run's), while the F and B of a schedule that splits every backward (ZB-H2, with up to six Ws pending)
-    took what those with none took: the cost is the probe's (a deferral in a step that otherwise frees each
-    microbatch at once), not a pending W's, and
-    :attr:`CostModel.probe_window` prices it, calibration measures it, with this one rule. On CPU most of
-    that extra was minor page faults (glibc handing freed memory back to the kernel); ranks that keep it
-    (:mod:`primuspipe.testing.host_memory`) measure a share of 0-2 % at hidden 128 (docs/simulator.md).
+def pending_weight_grads(row: Sequence[ScheduleNode]) -> list[bool]:
+    """Per node of a rank's row, in table order: whether, as it starts, the rank holds the inputs of a W
+    whose B has run (a *window*). A node that completes only W is never in one (a W is priced by its own
+    context, :func:`warm_weight_grad`), nor is a communication or host-copy node.
+    :attr:`CostModel.probe_window` prices it, in any table; where it is measured is :func:`probe_windows`.
 
-    >>> from primuspipe.ir.node import B, BW, F, W
-    >>> probe_windows([F(0), F(1), B(0), F(2), W(0), BW(1)]), probe_windows([F(0), F(1), B(0), F(2), W(0)])
-    ([False, False, False, True, False, False], [False, False, False, False, False])
+    >>> from primuspipe.ir.node import B, F, W
+    >>> pending_weight_grads([F(0), B(0), F(1), B(1), W(0), F(2), B(2), W(1), W(2)])
+    [False, False, True, True, False, True, True, False, False]
     """
-    if not any(p.kind.is_input_grad and p.kind.is_weight_grad for node in row for p in node.parts()):
-        return [False] * len(row)
     pending: set[tuple[int, int]] = set()  # (chunk, microbatch) whose B ran and whose W has not
     out = []
     for node in row:
@@ -387,6 +393,27 @@ def probe_windows(row: Sequence[ScheduleNode]) -> list[bool]:
             if p.kind.is_input_grad != p.kind.is_weight_grad:
                 (pending.add if p.kind.is_input_grad else pending.discard)((p.chunk, p.microbatch))
     return out
+
+
+def probe_windows(row: Sequence[ScheduleNode]) -> list[bool]:
+    """:func:`pending_weight_grads` of a rank that runs fused backwards (a kind completing both the B and
+    the W step), the windows the split probe (:mod:`primuspipe.passes.split_probe`) opens in a 1F1B step;
+    none elsewhere. Calibration times the nodes in them apart and measures :attr:`CostModel.probe_window`
+    from them, per rank, with this one rule: beside the same kind's nodes with nothing pending, which a
+    fused-backward step has and a split-backward one's later ranks mostly lack. Measured on CPU (hidden 128
+    and 256) they took 2-46 % more CPU than the step's others (median over a run's), most of it minor page
+    faults (glibc handing freed memory back to the kernel: a rank holding more than it held elsewhere in
+    the step faults it back in); ranks that keep freed memory (:mod:`primuspipe.testing.host_memory`)
+    measure a share of 0-2 % at hidden 128 (docs/simulator.md). The share differs by rank, as what each
+    holds does (pp = 2, hidden 256: the first rank's windows 5-11 %, the last rank's 0.3-3 %).
+
+    >>> from primuspipe.ir.node import B, BW, F, W
+    >>> probe_windows([F(0), F(1), B(0), F(2), W(0), BW(1)]), probe_windows([F(0), F(1), B(0), F(2), W(0)])
+    ([False, False, False, True, False, False], [False, False, False, False, False])
+    """
+    if not any(p.kind.is_input_grad and p.kind.is_weight_grad for node in row for p in node.parts()):
+        return [False] * len(row)
+    return pending_weight_grads(row)
 
 
 MAX_TIME = 1e12

@@ -325,26 +325,29 @@ def test_a_transfer_timed_as_float_noise_is_no_latency():
 @pytest.mark.parametrize("pp, m", [(2, 8), (3, 9), (4, 8), (4, 12)])
 @pytest.mark.parametrize("share", [0.125, 0.4])
 def test_a_probed_runs_window_extra_is_recovered_exactly_and_both_tables_replay(write_dump, pp, m, share):
-    """1F1B with the split probe, whose nodes in a window (a deferred W pending) cost ``share`` more:
-    calibrate writes the share as ``compute.probe_window`` and times F, B and BW from the other nodes, so
-    the probed run replays exactly and plain 1F1B (no window) is predicted as its true costs give it."""
+    """1F1B with the split probe, whose nodes in a window (a deferred W pending) cost more, by a share
+    that differs by rank: calibrate writes each rank's as ``compute.probe_window`` and times F, B and BW
+    from the other nodes, so the probed run replays exactly and plain 1F1B (no window) and ZB-H1 (its
+    ranks' deferred Ws) are predicted as their true costs give them."""
+    shares = tuple(share / (1 + rank) for rank in range(pp))
     from primuspipe.passes.communication import add_communication
     from primuspipe.passes.split_probe import split_backward_probe
 
     probed = add_communication(split_backward_probe(build_schedule("1f1b", pp, m).compute_only(), 2))
     truth = CostModel.per_stage(pp, F[:pp], B[:pp], W[:pp], bw=[b + w - 0.25 for b, w in zip(B, W)][:pp], p2p=P2P,
-                                time_unit="s", probe_window=share, host=replace(HOST, step_gap=None),
+                                time_unit="s", probe_window=shares, host=replace(HOST, step_gap=None),
                                 cold_start=ComputeCosts.per_stage(pp, COLD.forward[:pp], 0.25, 0.125))
     timeline = simulate(probed, truth).timeline()
     measured = measure_costs(load_iterations(write_dump([timeline] * 2)), warmup=0)
-    assert measured.probe_window == share
+    assert measured.probe_window == pytest.approx(shares, rel=1e-9)
     assert measured.forward == tuple(F[:pp]) and measured.backward_input == tuple(B[:pp])
     file = CostModel.from_dict(measured.cost_dict(), pp=pp, vpp=1)
-    assert file.probe_window == share
+    assert file.probe_window == pytest.approx(shares, rel=1e-9)
     replayed = simulate(executed_table(timeline), file).timeline()
     assert replayed.step_time == pytest.approx(timeline.step_time, rel=1e-9)
-    plain = build_schedule("1f1b", pp, m)
-    assert simulate(plain, file).step_time == pytest.approx(simulate(plain, truth).step_time, rel=1e-9)
+    for algorithm in ("1f1b", "zb-h1"):
+        table = build_schedule(algorithm, pp, m)
+        assert simulate(table, file).step_time == pytest.approx(simulate(table, truth).step_time, rel=1e-9)
 
 
 @pytest.mark.parametrize("pp, m, cores", [(2, 8, 1.9), (3, 9, 2.0), (4, 8, 2.0), (4, 12, 1.5)])
@@ -361,7 +364,7 @@ def test_cores_shared_beside_a_probe_window_are_not_raised_to_pay_for_it(write_d
                                 host=replace(HOST, cores=cores, step_gap=None))
     timeline = simulate(probed, truth).timeline()
     measured = measure_costs(load_iterations(write_dump([timeline] * 2)), warmup=0)
-    assert measured.probe_window == pytest.approx(0.15, rel=1e-6)
+    assert measured.probe_window == pytest.approx((0.15,) * pp, rel=1e-6)
     assert measured.cores == pytest.approx(cores, abs=0.05)
     file = CostModel.from_dict(measured.cost_dict(), pp=pp, vpp=1)
     replayed = simulate(executed_table(timeline), file).timeline()
