@@ -21,7 +21,9 @@ Recomputation in Large Transformer Models"), per layer:
   expert is an MLP over all tokens; the router keeps top-k indices and probabilities, the routing map
   and the permutation indices (a few bytes per token and expert);
 * unfused rotary embedding keeps its cos/sin tables (``4 (s/CP) d e``);
-* dropout (when > 0) keeps a one-byte mask per element.
+* dropout (when > 0) keeps a one-byte mask per element;
+* under torchtitan's DTensor TP (``model_implementation: torchtitan``) the inputs of QKV and of the MLP's first
+  linear are kept as gathered, ``T H e`` each instead of ``T_r H e`` (:attr:`ActivationModel.column_input_bytes`).
 
 The MoE-MLP component (routed experts plus the shared expert, whose input is the MoE block's input) is
 ``T (k + 1) (H + 3 F_e) e`` with fused SwiGLU and a shared expert as wide as one routed expert: the
