@@ -21,7 +21,9 @@ Recomputation in Large Transformer Models"), per layer:
   expert is an MLP over all tokens; the router keeps top-k indices and probabilities, the routing map
   and the permutation indices (a few bytes per token and expert);
 * unfused rotary embedding keeps its cos/sin tables (``4 (s/CP) d e``);
-* dropout (when > 0) keeps a one-byte mask per element.
+* dropout (when > 0) keeps a one-byte mask per element;
+* under torchtitan's DTensor TP (``model_implementation: torchtitan``) the inputs of QKV and of the MLP's first
+  linear are kept as gathered, ``T H e`` each instead of ``T_r H e`` (:attr:`ActivationModel.column_input_bytes`).
 
 The MoE-MLP component (routed experts plus the shared expert, whose input is the MoE block's input) is
 ``T (k + 1) (H + 3 F_e) e`` with fused SwiGLU and a shared expert as wide as one routed expert: the
@@ -128,6 +130,12 @@ class ActivationModel(RankShape):
         scaled = width if probs_scaled and not (self.model.swiglu and self.training.bias_activation_fusion) else 0
         return kept + scaled + width
 
+    @property
+    def column_input_bytes(self) -> float:
+        """The saved input of QKV and of a dense MLP's first linear: the residual stream's shard, or under torchtitan's
+        DTensor TP the gathered tensor autograd kept (``TrainingSpec.keeps_gathered_inputs``), TP times as large."""
+        return self.hidden_bytes * (self.training.tp if self.training.keeps_gathered_inputs else 1)
+
     # -- attention ------------------------------------------------------------------------------------
     @property
     def context_bytes(self) -> float:
@@ -150,7 +158,7 @@ class ActivationModel(RankShape):
             kv_heads = m.query_groups / tp
             latents = 0.0
             mixed = tokens * (heads + 2 * kv_heads) * qk_dim * e  # the fused QKV projection's output
-        qkv_in = self.hidden_bytes
+        qkv_in = self.column_input_bytes
         context = self.context_bytes
         scores = t.micro_batch_size * heads * (m.seq_length / t.cp) * m.seq_length
         per_head_norms = m.qk_layernorm and not m.multi_latent_attention
@@ -251,7 +259,7 @@ class ActivationModel(RankShape):
         parts = {"input_norm": self._norm(self.residual_tokens, m.hidden_size), "attention": attention,
                  "pre_mlp_norm": self._norm(self.residual_tokens, m.hidden_size)}
         if kind == "dense":
-            mlp_in = self.hidden_bytes
+            mlp_in = self.column_input_bytes
             act, act_in, act_grads = self._dense_mlp(m.ffn, self.tokens, recompute=t.recomputes("mlp"))
             kept_in = 0.0 if t.recomputes("layernorm") else mlp_in * (0.5 if t.fp8 and not t.recomputes("mlp") else 1.0)
             parts["mlp"] = kept_in + act

@@ -217,7 +217,9 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                 # counted as a read and a write of every copy (it reads a rank's row once for its local experts)
                 ep += 2 * 2 * routed * model.hidden_size * e / (hardware.hbm_bandwidth_bytes_per_s
                                                                    * hardware.memory_bandwidth_fraction)
-    regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp else 0.0
+    # W all-gathers the inputs of QKV and of the first linear again (megatron-core saves their shards); torchtitan's
+    # DTensor linears saved them gathered, unless a recompute of the norms gathers them again (TrainingSpec.model_implementation)
+    regather = 2 * net.gather(activation, t.tp, t.tp) - narrowed if t.sp and not t.keeps_gathered_inputs else 0.0
     tail = 2 * net.gather(activation, t.tp, t.tp) / t.tp  # the last step of the pass's two reduce-scatters
     beside = kind == "moe" and t.overlap_moe_expert_parallel_comm and hardware.compute_units
     share = t.dispatcher_sms / hardware.compute_units if beside else 0.0  # what the overlapped compute lacks

@@ -51,6 +51,24 @@ Megatron-Bridge and AMD's Primus report Model TFLOP/s)."""
 PARTS = ("dense", "moe", "embedding", "head", "mtp")
 """The parts the model is timed in: a layer of each kind, the first stage's extra, the last's, and one
 multi-token-prediction module (with ``mtp_num_layers``; on the last stage)."""
+EAGER_RMSNORM_BYTES = (36, 96)
+"""Bytes torchtitan's eager ``RMSNorm`` (``elementwise_kernels: torchtitan-eager``; ``torchtitan/models/norms.py`` at
+9dec370: ``(x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).type_as(x) * weight``) moves per element of its bf16
+input, forward and backward, counted as every aten op's tensor inputs and outputs (views aside). Forward: the fp32
+copy (2 + 4), ``pow`` (4 + 4), ``mean`` (4), the product with the per-row ``rsqrt`` (4 + 4), ``type_as`` (4 + 2), the
+weight's product (2 + 2). Backward: the weight's product's two gradients (3 x 2 and 2 x 2, the weight's row sum 2),
+``type_as``'s (2 + 4), the product's (``grad * rsqrt`` 8, ``grad * x`` 12 and its row sum 4), ``mean``'s expanded
+division (8), ``pow``'s (``x.pow(1)`` 8, ``* 2`` 8, ``* grad`` 12), the two branches' sum (12) and the fp32 copy's
+(4 + 2). Held against the ops the code dispatches (``tests/projection/test_time_model.py``)."""
+EAGER_SWIGLU_BYTES = (10, 18)
+"""Bytes torchtitan's eager ``F.silu(w1(x)) * w3(x)`` moves per element of one bf16 half, forward (``silu`` 2 + 2,
+the product 3 x 2) and backward (the product's two gradients 3 x 2 each, ``silu_backward`` 3 x 2), against
+megatron-core's fused kernel's 6 and 10."""
+EAGER_ROPE_BYTES = (20, 20)
+"""Bytes torchtitan's eager ``apply_rotary_emb`` (the complex-number form: ``view_as_complex(x.float())``, the
+product with ``freqs_cis``, ``view_as_real(...).type_as(x)``) moves per bf16 query or key element, forward (the fp32
+copy 2 + 4, the complex product 4 + 4, ``type_as`` 4 + 2) and backward (the same three in reverse), where
+megatron-core's unfused chain (:meth:`WorkModel._unfused_rope`) moves 24 and 28."""
 BACKWARD_BYTES_PER_FORWARD_BYTE = {
     "norm": 1.5,  # forward reads x, writes y; backward reads x and dy, writes dx (RMSNorm/LayerNorm backward)
     "residual_add": 1.0,  # forward reads two, writes one; backward adds the two gradients where the stream splits
@@ -62,6 +80,8 @@ BACKWARD_BYTES_PER_FORWARD_BYTE = {
     # product with the gradient: 2F + 2F + 3F) and relu's threshold_backward (reads the gradient and relu's output,
     # writes dF: 3F), 10F
     "squared_relu": 10 / 4,
+    "rmsnorm_eager": EAGER_RMSNORM_BYTES[1] / EAGER_RMSNORM_BYTES[0],
+    "swiglu_eager": EAGER_SWIGLU_BYTES[1] / EAGER_SWIGLU_BYTES[0],
     "permute": 1.0,  # a permutation's gradient is the inverse permutation: same reads and writes
     "router": 1.0,  # softmax / top-k backward reads the probabilities and their gradient, writes the logits'
 }
@@ -157,23 +177,37 @@ class WorkModel(RankShape):
     """Per-rank work of each part of the model for one microbatch."""
 
     def _linear(self, tokens: float, fan_in: float, fan_out: float, *, groups: float = 1, fp8: bool | None = None,
-                norm_fed: bool = False, tensor_parallel: str = "", stretch: float = 1.0) -> PassWork:
+                norm_fed: bool = False, tensor_parallel: str = "", stretch: float = 1.0,
+                split: tuple[float, ...] = ()) -> PassWork:
         """A linear layer over ``tokens``: its forward, input-gradient and weight-gradient GEMMs. Under FP8
         the input and the output gradient are quantized first (:meth:`_quantize_bytes`): ``norm_fed``, the input
         is a norm's output (a LayerNormLinear); ``tensor_parallel`` ``column`` or ``row``, the layer's TP split,
         which says (with sequence parallelism) whether its input or its output gradient is all-gathered;
-        ``stretch``, the share of copies the experts hold beyond ``tokens`` (:attr:`Gemm.stretch`)."""
+        ``stretch``, the share of copies the experts hold beyond ``tokens`` (:attr:`Gemm.stretch`); ``split``, the
+        output widths (summing to ``fan_out``) of the separate linears that share this input where the model's code
+        does not fuse them (:meth:`_separate_linears`): a GEMM each, their input cast once."""
         fp8 = self.training.fp8 if fp8 is None else fp8
-        gemm = Gemm(tokens, fan_out, fan_in, groups, fp8, mxfp8=fp8 and self.training.fp8_recipe == "mxfp8",
-                    kernel=self.training.expert_gemm_kernel, streams=self.training.expert_gemm_streams, stretch=stretch)
-        forward, dgrad = self._async_tp_split(gemm, tensor_parallel)
+        gemms = [Gemm(tokens, width, fan_in, groups, fp8, mxfp8=fp8 and self.training.fp8_recipe == "mxfp8",
+                      kernel=self.training.expert_gemm_kernel, streams=self.training.expert_gemm_streams, stretch=stretch)
+                 for width in split or (fan_out,)]
+        assert abs(sum(g.n for g in gemms) - fan_out) <= 1e-9 * fan_out, "split widths sum to fan_out"
+        runs = [self._async_tp_split(gemm, tensor_parallel) for gemm in gemms]
+        forward = Work(tuple(f for f, _ in runs))
+        dgrad = Work(tuple(d for _, d in runs))
+        wgrad = Work(tuple(g.wgrad() for g in gemms))
         if not fp8:
-            return PassWork(Work((forward,)), Work((dgrad,)), Work((gemm.wgrad(),)))
+            return PassWork(forward, dgrad, wgrad)
         sp = self.training.sp
         elements = tokens * groups * stretch
         fwd = self._cast(elements * fan_in, norm_fed=norm_fed, gathered=sp and tensor_parallel == "column")
         bwd = self._cast(elements * fan_out, gathered=sp and tensor_parallel == "row")
-        return PassWork(Work((forward,)) + fwd, Work((dgrad,)) + bwd, Work((gemm.wgrad(),)))
+        return PassWork(forward + fwd, dgrad + bwd, wgrad)
+
+    def _separate_linears(self, *widths: float) -> tuple[float, ...]:
+        """The output widths of linears that megatron-core fuses into one GEMM (QKV; SwiGLU's gate and up) where
+        the model's code keeps them apart (``model_implementation: torchtitan``: ``wq``, ``wk``, ``wv``; ``w1``,
+        ``w3``), else () -- one GEMM."""
+        return widths if self.training.model_implementation == "torchtitan" else ()
 
     def _async_tp_split(self, gemm: Gemm, tensor_parallel: str) -> tuple[Gemm, Gemm]:
         """The forward and input-gradient GEMMs of a linear split over TP as they run: whole, except under PyTorch's
@@ -259,8 +293,9 @@ class WorkModel(RankShape):
         over TP column-wise, then row-wise; ``stretch`` and ``fp8``: see :meth:`_linear`."""
         h = self.model.hidden_size
         up, down = ("column", "row") if dense else ("", "")
+        gate = self._separate_linears(width, width) if dense and self.model.swiglu else ()
         return _sum(self._linear(tokens, h, width * (2 if self.model.swiglu else 1), groups=groups, norm_fed=dense,
-                                 tensor_parallel=up, stretch=stretch, fp8=fp8),
+                                 tensor_parallel=up, stretch=stretch, fp8=fp8, split=gate),
                     self._linear(tokens, width, h, groups=groups, tensor_parallel=down, stretch=stretch, fp8=fp8))
 
     def _attention_projections(self) -> tuple[PassWork, PassWork]:
@@ -268,8 +303,9 @@ class WorkModel(RankShape):
         m, t, tokens, h = self.model, self.training, self.tokens, self.model.hidden_size
         heads = m.num_attention_heads / t.tp
         if not m.multi_latent_attention:
-            qkv = self._linear(tokens, h, (heads + 2 * m.query_groups / t.tp) * m.head_dim, norm_fed=True,
-                               tensor_parallel="column")
+            kv = m.query_groups / t.tp * m.head_dim
+            qkv = self._linear(tokens, h, heads * m.head_dim + 2 * kv, norm_fed=True, tensor_parallel="column",
+                               split=self._separate_linears(heads * m.head_dim, kv, kv))
             proj = self._linear(tokens, heads * m.head_dim, h, tensor_parallel="row")
             return _sum(qkv, proj), NO_WORK
         qk = m.qk_head_dim + m.qk_pos_emb_head_dim
@@ -450,22 +486,33 @@ class WorkModel(RankShape):
         per_element = self.e + 2 * 4  # the step's result, read; the fp32 accumulator, read and written
         return t.cp * out * per_element, t.cp * (dq + dkv) * per_element
 
+    @property
+    def _norm_kernel(self) -> str:
+        """The residual stream's norms' kernel (a key of :data:`BACKWARD_BYTES_PER_FORWARD_BYTE`): one fused kernel
+        each way, or torchtitan's eager RMSNorm chain (``elementwise_kernels: torchtitan-eager``)."""
+        eager = self.training.elementwise_kernels == "torchtitan-eager" and self.model.normalization == "RMSNorm"
+        return "rmsnorm_eager" if eager else "norm"
+
     def _norms(self) -> Work:
-        """The layer's two norms, forward: each reads and writes the residual stream."""
-        return Work(memory_bytes=2 * 2 * self.hidden_bytes)
+        """The layer's two norms, forward: each reads and writes the residual stream, or (torchtitan's eager
+        RMSNorm) moves :data:`EAGER_RMSNORM_BYTES` per element."""
+        per_element = EAGER_RMSNORM_BYTES[0] if self._norm_kernel == "rmsnorm_eager" else 2 * self.e
+        return Work(memory_bytes=2 * per_element * self.hidden_bytes / self.e)
 
     @property
     def _activation_kernel(self) -> str:
         """The activation's kernel (a key of :data:`BACKWARD_BYTES_PER_FORWARD_BYTE`): a compiled squared ReLU is one
         kernel each way that moves what GELU's does; NeMo 2's eager one (``squared_relu_fusion`` off) is a chain."""
         if self.model.swiglu:
-            return "swiglu"
+            return "swiglu_eager" if self.training.elementwise_kernels == "torchtitan-eager" else "swiglu"
         return "squared_relu" if self.model.squared_relu and not self.training.squared_relu_fusion else "gelu"
 
     def _activation(self, tokens: float, width: float) -> Work:
-        """The activation function over ``tokens`` x ``width``: SwiGLU reads 2F, writes F; GELU (and a compiled
-        squared ReLU) reads F, writes F; an eager squared ReLU reads and writes F twice (relu, then pow)."""
-        per_element = {"swiglu": 3, "gelu": 2, "squared_relu": 4}[self._activation_kernel]
+        """The activation function over ``tokens`` x ``width``: SwiGLU reads 2F, writes F (eager, as torchtitan runs it:
+        silu, then the product, :data:`EAGER_SWIGLU_BYTES`); GELU (and a compiled squared ReLU) reads F, writes F; an
+        eager squared ReLU reads and writes F twice (relu, then pow)."""
+        per_element = {"swiglu": 3, "swiglu_eager": EAGER_SWIGLU_BYTES[0] / 2, "gelu": 2,
+                       "squared_relu": 4}[self._activation_kernel]
         return Work(memory_bytes=per_element * tokens * width * self.e)
 
     def _unfused_rope(self) -> PassWork:
@@ -478,12 +525,15 @@ class WorkModel(RankShape):
         two products, the negation and concatenation, the sum of the two branches, and the slices' gradients with
         their sum, 14 backward (held against the aten operations that function dispatches,
         ``tests/projection/test_time_model.py``; the cos and sin of the small frequency table aside). MLA is counted
-        apart: :meth:`_mla_rope_elements` prices its rotary, fused or not."""
+        apart: :meth:`_mla_rope_elements` prices its rotary, fused or not. torchtitan's eager complex-number rotary
+        (``elementwise_kernels: torchtitan-eager``) moves :data:`EAGER_ROPE_BYTES` instead."""
         m = self.model
         if not m.rotary or self.rope_fused or m.multi_latent_attention:
             return NO_WORK
+        eager = self.training.elementwise_kernels == "torchtitan-eager"
+        forward, backward = EAGER_ROPE_BYTES if eager else (12 * self.e, 14 * self.e)
         elements = self._query_key_elements
-        return PassWork(Work(memory_bytes=12 * self.e * elements), Work(memory_bytes=14 * self.e * elements), Work())
+        return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
 
     @property
     def _query_key_elements(self) -> float:
@@ -498,7 +548,7 @@ class WorkModel(RankShape):
         m, t = self.model, self.training
         e = self.e
         heads = self._query_key_elements * e
-        moved = Counter({"norm": self._norms().memory_bytes,
+        moved = Counter({self._norm_kernel: self._norms().memory_bytes,
                          "residual_add": 2 * 3 * self.hidden_bytes})  # two adds: 2 reads, 1 write
         if m.multi_latent_attention:  # latent norms; rotary embedding and query/key/value assembly (_mla_elements)
             moved["norm"] += self._mla_norm_elements() * e
@@ -789,7 +839,7 @@ class WorkModel(RankShape):
         output = self._linear(self.tokens, m.hidden_size, vocab, fp8=False)  # Megatron keeps the output layer in bf16
         forward, backward = self._loss_bytes_per_logit()
         logits = self.tokens * vocab
-        norm = _elementwise_pass({"norm": 2 * self.hidden_bytes})
+        norm = _elementwise_pass({self._norm_kernel: self._norms().memory_bytes / 2})  # the final norm
         return PassWork(output.forward + Work(memory_bytes=logits * forward) + norm.forward,
                         output.backward_input + Work(memory_bytes=logits * backward) + norm.backward_input,
                         output.backward_weight + self._grad_accumulation(ParamCount(head_params(m, t.tp))))
@@ -849,7 +899,7 @@ class WorkModel(RankShape):
         m = self.model
         projection = self._linear(self.tokens, 2 * m.hidden_size, m.hidden_size)
         return _sum(self.embedding(shared=True), projection, self.layer(m.layer_kinds[-1]), self.head(),
-                    _elementwise_pass({"norm": self._norms().memory_bytes}))
+                    _elementwise_pass({self._norm_kernel: self._norms().memory_bytes}))
 
     def part(self, name: str) -> PassWork:
         return {"embedding": self.embedding, "head": self.head, "mtp": self.mtp}.get(name, lambda: self.layer(name))()

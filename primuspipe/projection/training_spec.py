@@ -206,6 +206,28 @@ class TrainingSpec:
     (``nemo/collections/llm/fn/activation.py`` at v2.1.0 and v2.2.0: ``torch.pow(F.relu(x), 2)`` with its
     ``@torch.jit.script`` commented out, "remove until we have serialization"), runs eager: two kernels forward, four
     backward (:data:`~primuspipe.projection.compute.BACKWARD_BYTES_PER_FORWARD_BYTE`)."""
+    elementwise_kernels: Literal["fused", "torchtitan-eager"] = "fused"
+    """How the layers' norms, SwiGLU and rotary embedding run: ``fused``, one kernel each way per norm and activation
+    (megatron-core's, Transformer Engine's, or what torch.compile makes); ``torchtitan-eager``, torchtitan's Llama code
+    run without torch.compile (``training.compile`` false), every PyTorch op its own kernel: its ``RMSNorm``
+    (``norm_type`` rmsnorm, ``torchtitan/models/norms.py`` at 9dec370: ``x.float()``, ``pow(2).mean``, ``rsqrt``, the
+    product, ``type_as``, the weight), ``F.silu(w1(x)) * w3(x)`` and the complex-number ``apply_rotary_emb``
+    (``torchtitan/models/llama/model.py``), priced by what each aten op reads and writes forward and backward
+    (:data:`~primuspipe.projection.compute.EAGER_RMSNORM_BYTES` and its neighbours). LayerNorm models keep one
+    kernel (eager ``nn.LayerNorm`` is ``native_layer_norm``). Needs ``bias_activation_fusion`` and
+    ``apply_rope_fusion`` false and a 2-byte activation dtype."""
+    model_implementation: Literal["megatron", "torchtitan"] = "megatron"
+    """Whose code builds a dense layer's linears: ``megatron``, megatron-core's (one fused QKV GEMM and one fused
+    gate/up GEMM; a sequence-parallel column-parallel linear saves its input shard and all-gathers it again for its
+    weight gradient, ``LinearWithGradAccumulationAndAsyncCommunication``); ``torchtitan``, torchtitan's Llama
+    (``torchtitan/models/llama/model.py`` at 9dec370, ``llama3`` at 820504e, ROCm's 31007c3: ``wq``, ``wk``, ``wv``
+    and ``w1``, ``w3`` separate ``nn.Linear``, so separate GEMMs), tensor-parallel by DTensor
+    (``parallelize_llama.apply_tp``: ``PrepareModuleInput`` gathers the attention's and the MLP's input once,
+    ``ColwiseParallel`` / ``RowwiseParallel`` linears): autograd records the linears over the gathered
+    (``Replicate``) DTensor and saves it, so the weight gradient reads the saved gathered input (TP times the
+    shard) and nothing is gathered again -- unless the norm's output is recomputed (torchtitan's op-level SAC,
+    ``recompute_granularity: op``, or a recompute of the norms: its policy does not save ``all_gather_into_tensor``,
+    so the backward's recompute gathers again and nothing gathered is kept)."""
     apply_rope_fusion: bool = True
     """Fused rotary embedding; unfused keeps the cos/sin tables it multiplies queries and keys by."""
     overlap_grad_reduce: bool = True
@@ -610,6 +632,13 @@ class TrainingSpec:
         """The MoE all-to-alls run on HybridEP (the flex dispatcher's ``hybridep`` backend)."""
         return self.moe_token_dispatcher_type == "flex" and self.moe_flex_dispatcher_backend == "hybridep"
 
+    @property
+    def keeps_gathered_inputs(self) -> bool:
+        """The column-parallel linears keep their sequence-parallel input as gathered for the backward (torchtitan's
+        DTensor TP without a recompute of the norms; see ``model_implementation``) instead of its shard."""
+        return (self.model_implementation == "torchtitan" and self.sp and not self.recomputes("layernorm")
+                and self.recompute_granularity != "op")
+
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute covers ``module``."""
         return self.recompute_granularity == "selective" and module in self.recompute_modules
@@ -736,6 +765,11 @@ class TrainingSpec:
             self._fail(("tp_comm_overlap_impl", "tp_comm_overlap", "sequence_parallel"),
                        "PyTorch's async TP overlaps the all-gathers and reduce-scatters of sequence parallelism",
                        "set tp_comm_overlap and sequence_parallel true, or remove tp_comm_overlap_impl")
+        if self.elementwise_kernels == "torchtitan-eager" and (
+                self.bias_activation_fusion or self.apply_rope_fusion or self.activation_bytes != 2):
+            self._fail(("elementwise_kernels", "bias_activation_fusion", "apply_rope_fusion", "precision"),
+                       "torchtitan's eager element-wise ops are unfused and priced for 2-byte activations",
+                       "set bias_activation_fusion and apply_rope_fusion false with precision bf16, or remove elementwise_kernels")
         if self.fp8_format is not None and self.precision == "fp32":
             self._fail(("fp8_format", "precision"), "FP8 GEMMs need mixed precision", "set precision: bf16")
         self._check_primus_turbo()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from aten_bytes import byte_counter
 
 from primuspipe.projection.comm import Collectives, gradient_sync, layer_comm, p2p_message_bytes, pipeline_ranks_per_node
 from primuspipe.projection.compute import Calibration, PassWork, Work, WorkModel, part_times
@@ -382,28 +383,6 @@ def test_expert_biases_are_applied_outside_the_grouped_gemm_per_local_expert(dis
     assert (f - f0, b - b0, w - w0) == (ops, ops, 0)
 
 
-def _byte_counter():
-    """A dispatch mode that adds up the bytes of every aten operation's tensor inputs and outputs (views aside): what
-    an element-wise chain of eager ops reads and writes."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class Moved(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.bytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not func.is_view:
-                self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs or {}, out))
-                                  if isinstance(t, torch.Tensor))
-            return out
-
-    return Moved
-
-
 def _clamp_bytes_of_megatron(fused_rows: int, half: int) -> tuple[float, float]:
     """Bytes megatron-core's own ``weighted_bias_quick_geglu_impl`` moves with ``clamp_value`` 7.0 beyond what it
     moves without, forward and backward, per element of one half of its bf16 input: every aten operation it
@@ -421,7 +400,7 @@ def _clamp_bytes_of_megatron(fused_rows: int, half: int) -> tuple[float, float]:
     torch._dynamo.config.disable = True
     from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
 
-    Moved = _byte_counter()
+    Moved = byte_counter()
 
     def moved(clamp):
         x = torch.randn(fused_rows, 2 * half, dtype=torch.bfloat16, requires_grad=True)
@@ -497,7 +476,7 @@ def _rope_bytes_of_megatron(tokens: int, heads: int, head_dim: int) -> tuple[flo
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
 
-    Moved = _byte_counter()
+    Moved = byte_counter()
 
     t = torch.randn(tokens, 1, heads, head_dim, dtype=torch.bfloat16, requires_grad=True)
     freqs = torch.randn(tokens, 1, 1, head_dim, dtype=torch.float32)  # megatron-core builds it in fp32
@@ -686,7 +665,7 @@ def _squared_relu_bytes(rows: int, width: int) -> tuple[float, float]:
     and backward per element of its bf16 input: every aten operation it and autograd dispatch, views aside."""
     import torch
 
-    Moved = _byte_counter()
+    Moved = byte_counter()
     x = torch.randn(rows, width, dtype=torch.bfloat16, requires_grad=True)
     forward, backward = Moved(), Moved()
     with forward:
