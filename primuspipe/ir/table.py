@@ -109,6 +109,11 @@ class ScheduleTable:
             raise TableFormatError(
                 f"table has {len(self.ranks)} rank lists but its placement has pp = {self.placement.pp}"
             )
+        if {type(n) for row in self.ranks for n in row} - {ScheduleNode}:  # one pass at C speed; found below
+            rank, index, entry = next((r, i, n) for r, row in enumerate(self.ranks) for i, n in enumerate(row)
+                                      if type(n) is not ScheduleNode)
+            raise TableFormatError(f"rank {rank} entry {index} is {entry!r:.60}, not a schedule node; build "
+                                   "rows of F(mb, chunk), B, W, BW, FB nodes (primuspipe.ir.node)")
         if known_wiring is not None:  # a cached_property keeps its value in the instance dict: seed it
             self.__dict__["wiring"] = known_wiring
 
@@ -127,7 +132,11 @@ class ScheduleTable:
     def build(
         cls, placement: Placement, microbatches: int, ranks: Iterable[Iterable[ScheduleNode]], algorithm: str = "custom"
     ) -> ScheduleTable:
-        return cls(placement, microbatches, tuple(tuple(r) for r in ranks), algorithm)
+        rows = tuple(ranks)
+        if flat := next((row for row in rows if not isinstance(row, Iterable)), None):
+            raise TableFormatError(f"a table's rows are one list of nodes per rank, but one row is a {type(flat).__name__} ({flat!s:.40}); "
+                                   "pass [[nodes of rank 0], [nodes of rank 1], ...]")
+        return cls(placement, microbatches, tuple(tuple(r) for r in rows), algorithm)
 
     @property
     def pp(self) -> int:

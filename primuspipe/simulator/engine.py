@@ -34,6 +34,7 @@ from primuspipe.io.timeline import idle_share
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication
+from primuspipe.passes.validation import check_steps, is_proven
 from primuspipe.passes.streams import DEFAULT_SEMANTICS, Semantics, semantics_named
 from primuspipe.simulator.dedicated import run_dedicated
 from primuspipe.simulator.memory import peak_activations
@@ -52,7 +53,9 @@ def simulate(table: ScheduleTable, cost: CostModel,
     """Time ``table`` under ``cost``, its sends and receives running on the streams of the transport
     ``semantics`` (:mod:`primuspipe.passes.streams`; default primuspipe's own transport, what the runner
     runs). Raises :class:`SimulationError` if the table cannot complete under them (naming the cycle of
-    waits; ``primuspipe validate --semantics NAME`` gives the full diagnosis).
+    waits; ``primuspipe validate --semantics NAME`` gives the full diagnosis), and a table no validation
+    proved is first held to the validator's rules on each rank's steps (:func:`~primuspipe.passes.validation.check_steps`:
+    :class:`ValidationError`), so a node out of order is refused rather than timed.
 
     >>> from primuspipe.algorithms.build import build_schedule
     >>> result = simulate(build_schedule("1f1b", pp=8, microbatches=32), CostModel.per_stage(8, f=1, b=1, w=1))
@@ -69,6 +72,8 @@ def simulate(table: ScheduleTable, cost: CostModel,
     if isinstance(semantics, str):
         semantics = semantics_named(semantics)
     full = table if table.has_communication else add_communication(table)
+    if not is_proven(full):
+        check_steps(full)
     wires = Wires(full, semantics)
     programs = compile_programs(full, cost, wires)
     offsets = [0.0] * full.pp
