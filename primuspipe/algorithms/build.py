@@ -66,7 +66,9 @@ def build_schedule(
     check_shape(pp, vpp or 2, microbatches)  # an algorithm that picks its placement may pick vpp 2
     options = check_options(algorithm, options)
     if memory_limit is not None:
-        strict.number(memory_limit, "memory_limit", above=0)
+        memory_limit = strict.number(memory_limit, "memory_limit", above=0)
+    if cost is not None:
+        strict.instance(cost, CostModel, "build_schedule's cost")
     if cost is not None and cost.num_stages % pp:
         raise ConfigError(f"the cost model describes {cost.num_stages} stages, which {pp} ranks cannot share")
     if cost is not None and vpp is not None and cost.num_stages not in (pp, pp * vpp):

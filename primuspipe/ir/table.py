@@ -102,6 +102,7 @@ class ScheduleTable:
     :meth:`Wiring.with_rows`); None derives it on first use. Not part of the table's value."""
 
     def __post_init__(self, known_wiring: Wiring | None) -> None:
+        strict.instance(self.placement, Placement, "a table's placement", error=TableFormatError)
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise TableFormatError(f"a schedule needs an integer count of microbatches >= 1, got {self.microbatches!r}")
         check_shape(self.pp, self.vpp, self.microbatches)
@@ -132,7 +133,7 @@ class ScheduleTable:
     def build(
         cls, placement: Placement, microbatches: int, ranks: Iterable[Iterable[ScheduleNode]], algorithm: str = "custom"
     ) -> ScheduleTable:
-        rows = tuple(ranks)
+        rows = tuple(strict.instance(ranks, Iterable, "a table's rows", error=TableFormatError))
         if flat := next((row for row in rows if not isinstance(row, Iterable)), None):
             raise TableFormatError(f"a table's rows are one list of nodes per rank, but one row is a {type(flat).__name__} ({flat!s:.40}); "
                                    "pass [[nodes of rank 0], [nodes of rank 1], ...]")

@@ -29,6 +29,7 @@ way (:mod:`~primuspipe.simulator.unfinished`); the result types are in
 
 from __future__ import annotations
 
+from primuspipe import strict
 from primuspipe.errors import SimulationError
 from primuspipe.io.timeline import idle_share
 from primuspipe.ir.cost_model import CostModel
@@ -62,6 +63,8 @@ def simulate(table: ScheduleTable, cost: CostModel,
     >>> result.step_time, round(result.bubble_rate, 4)
     (117.0, 0.1795)
     """
+    strict.instance(table, ScheduleTable, "simulate's table", error=SimulationError)
+    strict.instance(cost, CostModel, "simulate's cost", error=SimulationError)
     if cost.num_stages != table.num_stages:
         raise SimulationError(f"the cost model describes {cost.num_stages} stages but the table has "
                               f"{table.num_stages} (pp={table.pp} x vpp={table.vpp}); build the costs for this shape")
@@ -69,7 +72,7 @@ def simulate(table: ScheduleTable, cost: CostModel,
     if gaps is not None and len(gaps) != table.pp:
         raise SimulationError(f"host.step_gap has {len(gaps)} values but the table has {table.pp} ranks; give one "
                               "number or one per rank")
-    if isinstance(semantics, str):
+    if not isinstance(semantics, Semantics):
         semantics = semantics_named(semantics)
     full = table if table.has_communication else add_communication(table)
     if not is_proven(full):
