@@ -50,7 +50,8 @@ def build_schedule(
     counted until W with the model's retained share) and ``memory_limit_bytes`` (activation bytes per rank,
     one number or one per rank, as the simulator's byte peak counts them). Raises
     :class:`ScheduleShapeError` when the algorithm refuses the shape or it is too large to build
-    (:func:`~primuspipe.ir.table.check_shape`) and :class:`ConfigError` for unknown options or values of the wrong type.
+    (:func:`~primuspipe.ir.table.check_shape`), :class:`ConfigError` for unknown options or values of the wrong type,
+    and :class:`AlgorithmOutputError` when the algorithm returns no compute-only table of the shape.
 
     >>> t = build_schedule("1f1b", pp=2, microbatches=3)
     >>> [str(n) for n in t.ranks[1]][:6]
