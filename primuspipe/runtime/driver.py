@@ -37,6 +37,7 @@ from primuspipe.io.timeline import Timeline, dump_path
 from primuspipe.passes.forward_only import forward_only_view
 from primuspipe.runtime.protocols import Binder
 from primuspipe.runtime.runner import cached_runner
+from primuspipe.runtime.watchdog import MAX_TIMEOUT_S
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,7 +93,8 @@ class StepDriver:
 
     def __init__(self, *, watchdog_timeout_s: float, dump_dir: str | None = None):
         # checked now, not after the first step whose timeline they were to hold (every backend builds one)
-        self.watchdog_timeout_s = strict.number(watchdog_timeout_s, "watchdog_timeout_s", above=0)
+        self.watchdog_timeout_s = strict.number(watchdog_timeout_s, "watchdog_timeout_s", above=0,
+                                                maximum=MAX_TIMEOUT_S)
         self.dump_dir = None if dump_dir is None else str(strict.writable_folder(dump_dir, f"dump_dir {dump_dir}"))
         """Where each training step's timeline goes (``None``: no dumps)."""
         self.iteration = 0
