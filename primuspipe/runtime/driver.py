@@ -37,7 +37,6 @@ from primuspipe.io.timeline import Timeline, dump_path
 from primuspipe.passes.forward_only import forward_only_view
 from primuspipe.runtime.protocols import Binder
 from primuspipe.runtime.runner import cached_runner
-from primuspipe.runtime.watchdog import MAX_TIMEOUT_S
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,6 +85,12 @@ def check_same_table(table: ScheduleTable, rank: int, group: Any) -> None:
 def _holding(rank: int, entry: tuple) -> str:
     digest, algorithm, pp, vpp, m = entry
     return f"rank {rank} holds {algorithm!r} (pp={pp}, vpp={vpp}, {m} microbatches, sha256 {digest[:16]})"
+
+
+MAX_TIMEOUT_S = 1e9
+"""Largest watchdog timeout (about 32 years; 0 turns the watchdog off): a transfer's deadline becomes a
+``timedelta`` and a C timeout, which 1e15 s overflows -- at the first transfer of every rank, after the
+setting was accepted."""
 
 
 class StepDriver:

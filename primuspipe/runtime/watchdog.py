@@ -42,10 +42,6 @@ from primuspipe.runtime.termination import TerminationReporter
 
 logger = logging.getLogger(__name__)
 
-MAX_TIMEOUT_S = 1e9
-"""Largest watchdog timeout (about 32 years; 0 turns the watchdog off): a transfer's deadline becomes a
-``timedelta`` and a C timeout, which 1e15 s overflows -- at the first transfer of every rank, after the
-setting was accepted."""
 _MAX_HEARTBEAT_S = 10.0
 _MAX_POLL_S = 1.0
 _CAUSE_WAIT_S = 3.0

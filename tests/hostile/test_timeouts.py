@@ -13,7 +13,7 @@ import torch
 from hostile_support import record, refused, run_api
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.backends.torch import TorchPipeline
-from primuspipe.runtime.watchdog import MAX_TIMEOUT_S
+from primuspipe.runtime.driver import MAX_TIMEOUT_S
 from primuspipe.testing.gloo import run_gloo
 
 TOO_LONG = [MAX_TIMEOUT_S * 1.0000001, 1e10, 1e12, 1e13, 1e15, 1e18, 2.0**63, 1e100, 1e308, 10**400]

@@ -46,7 +46,7 @@ from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost, read_cost_file
 from primuspipe.ir.costs import per_stage_values
-from primuspipe.runtime.watchdog import MAX_TIMEOUT_S
+from primuspipe.runtime.driver import MAX_TIMEOUT_S
 
 AUTO = "auto"
 ASYNC_P2P, BATCH_P2P = "async_p2p", "batch_p2p"
