@@ -22,6 +22,11 @@ class DuplicateAlgorithmError(PrimusPipeError):
     """Two algorithms were registered under one name."""
 
 
+class AlgorithmOutputError(PrimusPipeError):
+    """An algorithm (a plug-in's, typically) returned something other than a compute-only table of the
+    requested shape whose nodes name existing chunks and microbatches."""
+
+
 class TableFormatError(PrimusPipeError):
     """A node text, JSON or CSV document does not describe a schedule table."""
 

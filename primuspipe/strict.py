@@ -182,6 +182,15 @@ def scalar(value: str, name: str, *, error: Error = ConfigError) -> Any:
     return value
 
 
+def instance(value: Any, kind: type, name: str, *, error: Error = ConfigError) -> Any:
+    """``value`` when it is a ``kind``: an API entry point's argument of another type is one line naming the
+    argument, not an AttributeError inside (or, for ``validate(None)``, a pass)."""
+    if not isinstance(value, kind):
+        article = "an" if kind.__name__[0] in "AEIOU" else "a"
+        raise error(f"{name} must be {article} {kind.__name__}, got {'None' if value is None else type(value).__name__}")
+    return value
+
+
 def of_type(value: Any, annotation: Any, name: str, *, error: Error = ConfigError) -> Any:
     """``value`` checked against a parameter annotation of ``int``, ``float``, ``bool``, ``str`` and
     ``None`` (or their union, e.g. ``int | None``); an int is a valid float. Other annotations pass."""

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from primuspipe.algorithms import ScheduleRequest, get_algorithm
-from primuspipe.errors import ConfigError, ScheduleShapeError
+from primuspipe.errors import AlgorithmOutputError, ConfigError, ScheduleShapeError, ValidationError
 from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.table import ScheduleTable, check_shape
 from primuspipe.passes.communication import add_communication
-from primuspipe.passes.validation import validate
+from primuspipe.passes.validation import check_structure, validate
 
 REMOVED_OPTIONS = {
     "p2p_time": "algorithms take P2P time from the cost model: pass cost=CostModel(..., p2p=P2PCost(...)) "
@@ -50,7 +50,8 @@ def build_schedule(
     counted until W with the model's retained share) and ``memory_limit_bytes`` (activation bytes per rank,
     one number or one per rank, as the simulator's byte peak counts them). Raises
     :class:`ScheduleShapeError` when the algorithm refuses the shape or it is too large to build
-    (:func:`~primuspipe.ir.table.check_shape`) and :class:`ConfigError` for unknown options or values of the wrong type.
+    (:func:`~primuspipe.ir.table.check_shape`), :class:`ConfigError` for unknown options or values of the wrong type,
+    and :class:`AlgorithmOutputError` when the algorithm returns no compute-only table of the shape.
 
     >>> t = build_schedule("1f1b", pp=2, microbatches=3)
     >>> [str(n) for n in t.ranks[1]][:6]
@@ -66,17 +67,44 @@ def build_schedule(
     check_shape(pp, vpp or 2, microbatches)  # an algorithm that picks its placement may pick vpp 2
     options = check_options(algorithm, options)
     if memory_limit is not None:
-        strict.number(memory_limit, "memory_limit", above=0)
+        memory_limit = strict.number(memory_limit, "memory_limit", above=0)
+    if cost is not None:
+        strict.instance(cost, CostModel, "build_schedule's cost")
     if cost is not None and cost.num_stages % pp:
         raise ConfigError(f"the cost model describes {cost.num_stages} stages, which {pp} ranks cannot share")
     if cost is not None and vpp is not None and cost.num_stages not in (pp, pp * vpp):
         raise ConfigError(f"the cost model describes {cost.num_stages} stages but pp*vpp = {pp * vpp}; "
                           "build it for this shape (CostModel.for_shape) or per 1F1B stage")
     request = ScheduleRequest(pp, vpp, microbatches, cost, memory_limit, memory_limit_bytes)
-    table = info.build(request, **info.preset, **options)
-    assert (table.pp, table.microbatches) == (pp, microbatches) and vpp in (None, table.vpp), \
-        f"{algorithm} built the wrong shape"
-    assert not table.has_communication, f"{algorithm} must return a compute-only table"
+    table = _returned_table(algorithm, info.build(request, **info.preset, **options), request)
     if communication:
         table = add_communication(table)
     return validate(table)
+
+
+def _returned_table(algorithm: str, table: object, request: ScheduleRequest) -> ScheduleTable:
+    """What an algorithm (a plug-in's too) returned, checked to be a compute-only table of the requested shape
+    whose nodes name its chunks and microbatches; raises :class:`AlgorithmOutputError` naming the algorithm,
+    its module and what differs."""
+    who = f"algorithm {algorithm!r} ({get_algorithm(algorithm).build.__module__})"
+    if not isinstance(table, ScheduleTable):
+        raise AlgorithmOutputError(f"{who} returned {_kind_of(table)}, not a ScheduleTable; return "
+                                   "ScheduleTable.build(placement, microbatches, rows)")
+    want = {"pp": request.pp, "microbatches": request.microbatches, "vpp": request.vpp}
+    for name, wanted in want.items():
+        if wanted is not None and getattr(table, name) != wanted:
+            raise AlgorithmOutputError(f"{who} was asked for {name}={wanted} but returned a table with "
+                                       f"{name}={getattr(table, name)}; build the requested shape or raise "
+                                       "ScheduleShapeError for one it cannot serve")
+    if table.has_communication:
+        raise AlgorithmOutputError(f"{who} returned SEND/RECV nodes; an algorithm returns a compute-only table "
+                                   "(build_schedule adds communication)")
+    try:
+        check_structure(table)
+    except ValidationError as exc:
+        raise AlgorithmOutputError(f"{who}: {str(exc).splitlines()[0]}") from None
+    return table
+
+
+def _kind_of(value: object) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"

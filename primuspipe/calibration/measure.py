@@ -67,7 +67,8 @@ from primuspipe.calibration.crowding import (REPLAY_TOLERANCE, background_per_me
                                              contention_from_walks, effective_cores, lone_speed, replayed_cores)
 from primuspipe.calibration.estimators import (Samples, cold_start_extras, medians, run_gaps, step_gaps, transfer_fit,
                                                window_share)
-from primuspipe.calibration.measured import MeasuredCosts, negligible, significant
+from primuspipe.calibration.measured import MeasuredCosts, significant
+from primuspipe.ir.cost_model import negligible
 from primuspipe.calibration.replay import placement_of
 from primuspipe.calibration.runs import Screened, screen_runs
 from primuspipe.calibration.walk import walk

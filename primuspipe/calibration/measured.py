@@ -13,7 +13,6 @@ from typing import Any
 import yaml
 
 from primuspipe.ir.cost_file import merge_fixed
-from primuspipe.ir.cost_model import MAX_TIME_RATIO
 
 
 @dataclass(frozen=True)
@@ -184,18 +183,6 @@ def significant(x: float) -> float:
     """``x`` to 12 significant digits: drops the float noise of ``end - start`` (1.0 not
     0.9999999999999998) and stays far below any clock's resolution."""
     return float(f"{x:.12g}")
-
-
-def negligible(x: float, beside: float) -> float:
-    """``x``, or 0 where it is more than :data:`~primuspipe.ir.cost_model.MAX_TIME_RATIO` times smaller
-    than ``beside`` (the longest node): no float sum with the node times keeps it, and the cost model
-    refuses such a pair, so it is the float noise of two clock readings that agree (a transfer that
-    arrived as it was posted: 1.5e-13 s beside 9 ms nodes), not a time.
-
-    >>> negligible(1.5e-13, 0.009), negligible(2e-6, 0.009)
-    (0.0, 2e-06)
-    """
-    return 0.0 if x * MAX_TIME_RATIO < beside else x
 
 
 def elapsed(start: float, end: float) -> float:

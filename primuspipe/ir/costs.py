@@ -60,6 +60,7 @@ class ComputeCosts:
     @classmethod
     def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values, **other: Values) -> ComputeCosts:
         """One value for every stage, or a list with one value per stage; ``other`` by cost key."""
+        num_stages = strict.count(num_stages, "a cost model's number of stages", minimum=1)
         return cls(per_stage_values("F", f, num_stages), per_stage_values("B", b, num_stages),
                    per_stage_values("W", w, num_stages),
                    tuple((key, per_stage_values(key, v, num_stages)) for key, v in other.items()))

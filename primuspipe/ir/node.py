@@ -31,6 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from primuspipe import strict
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.kinds import NodeKind, overlapped_kind
 
@@ -64,15 +65,27 @@ class ScheduleNode:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, NodeKind):
             raise TableFormatError(f"a node's kind must be a NodeKind, got {self.kind!r}")
-        if self.microbatch < 0 or self.chunk < 0:
-            raise TableFormatError(f"{self.kind} node has a negative microbatch or chunk")
-        if self.kind.is_compute and self.peer is not None:
-            raise TableFormatError(f"compute node {self.kind} cannot name a peer rank")
-        if not self.kind.is_compute and (self.peer is None or self.peer < 0):
-            raise TableFormatError(f"communication node {self.kind} needs a peer rank >= 0")
-        if bool(self.kind.spec.parts) != (self.pair is not None):
+        if bool(self.kind.spec.parts) != (self.pair is not None) or not (
+                self.pair is None or type(self.pair) is tuple and len(self.pair) == 2):
             raise TableFormatError("exactly the overlapped kinds (FB) carry a pair (microbatch, chunk) of their "
                                    "second part")
+        if not all(type(x) is int and x >= 0 for x in (self.microbatch, self.chunk, *(self.pair or ()))):
+            self._whole_numbers()
+        if self.kind.is_compute and self.peer is not None:
+            raise TableFormatError(f"compute node {self.kind} cannot name a peer rank")
+        if not self.kind.is_compute and (type(self.peer) is not int or self.peer < 0):
+            raise TableFormatError(f"communication node {self.kind} needs a peer rank >= 0")
+
+    def _whole_numbers(self) -> None:
+        """Take integers of other types (numpy's) as ints; refuse a float, bool, text or negative number, which
+        indexed stages and microbatches wrongly (True as microbatch 1) or deep in a pass (a float index)."""
+        def whole(value: object, name: str) -> int:
+            return strict.count(value, f"{self.kind} node's {name}", error=TableFormatError)
+
+        object.__setattr__(self, "microbatch", whole(self.microbatch, "microbatch"))
+        object.__setattr__(self, "chunk", whole(self.chunk, "chunk"))
+        if self.pair is not None:
+            object.__setattr__(self, "pair", (whole(self.pair[0], "pair microbatch"), whole(self.pair[1], "pair chunk")))
 
     def __str__(self) -> str:
         if self.pair is not None:
@@ -85,6 +98,7 @@ class ScheduleNode:
     @classmethod
     def parse(cls, text: str) -> ScheduleNode:
         """Parse the text form; raises :class:`TableFormatError` naming the expected forms."""
+        strict.instance(text, str, "a schedule node's text", error=TableFormatError)
         text = text.strip()
         if "+" in text:
             parts = [cls.parse(t) for t in text.split("+")]

@@ -42,10 +42,13 @@ class Placement:
 
     @classmethod
     def interleaved(cls, pp: int, vpp: int = 1) -> Placement:
+        pp, vpp = (strict.count(v, f"an interleaved placement's {name}", minimum=1, error=TableFormatError)
+                   for name, v in (("pp", pp), ("vpp", vpp)))
         return cls("interleaved", tuple(tuple(c * pp + r for c in range(vpp)) for r in range(pp)))
 
     @classmethod
     def vshape(cls, pp: int) -> Placement:
+        pp = strict.count(pp, "a V-shape placement's pp", minimum=1, error=TableFormatError)
         return cls("v", tuple((r, 2 * pp - 1 - r) for r in range(pp)))
 
     @classmethod

@@ -102,6 +102,7 @@ class ScheduleTable:
     :meth:`Wiring.with_rows`); None derives it on first use. Not part of the table's value."""
 
     def __post_init__(self, known_wiring: Wiring | None) -> None:
+        strict.instance(self.placement, Placement, "a table's placement", error=TableFormatError)
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise TableFormatError(f"a schedule needs an integer count of microbatches >= 1, got {self.microbatches!r}")
         check_shape(self.pp, self.vpp, self.microbatches)
@@ -109,6 +110,11 @@ class ScheduleTable:
             raise TableFormatError(
                 f"table has {len(self.ranks)} rank lists but its placement has pp = {self.placement.pp}"
             )
+        if {type(n) for row in self.ranks for n in row} - {ScheduleNode}:  # one pass at C speed; found below
+            rank, index, entry = next((r, i, n) for r, row in enumerate(self.ranks) for i, n in enumerate(row)
+                                      if type(n) is not ScheduleNode)
+            raise TableFormatError(f"rank {rank} entry {index} is {entry!r:.60}, not a schedule node; build "
+                                   "rows of F(mb, chunk), B, W, BW, FB nodes (primuspipe.ir.node)")
         if known_wiring is not None:  # a cached_property keeps its value in the instance dict: seed it
             self.__dict__["wiring"] = known_wiring
 
@@ -127,7 +133,11 @@ class ScheduleTable:
     def build(
         cls, placement: Placement, microbatches: int, ranks: Iterable[Iterable[ScheduleNode]], algorithm: str = "custom"
     ) -> ScheduleTable:
-        return cls(placement, microbatches, tuple(tuple(r) for r in ranks), algorithm)
+        rows = tuple(strict.instance(ranks, Iterable, "a table's rows", error=TableFormatError))
+        if flat := next((row for row in rows if not isinstance(row, Iterable)), None):
+            raise TableFormatError(f"a table's rows are one list of nodes per rank, but one row is a {type(flat).__name__} ({flat!s:.40}); "
+                                   "pass [[nodes of rank 0], [nodes of rank 1], ...]")
+        return cls(placement, microbatches, tuple(tuple(r) for r in rows), algorithm)
 
     @property
     def pp(self) -> int:

@@ -22,6 +22,7 @@ from primuspipe.ir.dataflow import Transfer, comm_node
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.node import ScheduleNode, shared_node
 from primuspipe.ir.table import ScheduleTable
+from primuspipe.passes.validation import check_structure
 
 
 def add_communication(table: ScheduleTable) -> ScheduleTable:
@@ -30,6 +31,7 @@ def add_communication(table: ScheduleTable) -> ScheduleTable:
             "add_communication takes a compute-only table, but this one already has SEND/RECV nodes; "
             "pass table.compute_only() to rebuild its communication"
         )
+    check_structure(table)  # the wiring below indexes stages and microbatches by the nodes' numbers
     placement, wiring, m = table.placement, table.wiring, table.microbatches
     ends: list[tuple] = []  # per route: ((kind, chunk, peer) of its send, of its receive), source rank
     for route in wiring.routes:

@@ -103,7 +103,7 @@ DEFAULT_SEMANTICS = "primuspipe"
 def semantics_named(name: str) -> Semantics:
     try:
         return SEMANTICS[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: a name that is no string (a list)
         raise ConfigError(f"unknown transport semantics {name!r}; choose one of {', '.join(SEMANTICS)}") from None
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict, deque
 
-from primuspipe.errors import ValidationError
+from primuspipe.errors import TableFormatError, ValidationError
 from primuspipe import strict
 from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION, running_levels
 from primuspipe.ir.dataflow import (
@@ -60,12 +60,9 @@ def validate(table: ScheduleTable, *, max_in_flight: float | None = None, retain
     (:data:`~primuspipe.passes.streams.SEMANTICS`; by default primuspipe's own, what the runner runs).
     """
     semantics_named(semantics)
+    strict.instance(table, ScheduleTable, "validate's table", error=TableFormatError)
     if not is_proven(table, complete=complete, semantics=semantics):
-        check_structure(table)
-        if complete:
-            check_offload(table)
-            check_completeness(table)
-        check_order(table)
+        check_steps(table, complete=complete)
         if table.has_communication:
             check_pairing(table)
         check_deadlock(table, semantics)
@@ -77,12 +74,23 @@ def validate(table: ScheduleTable, *, max_in_flight: float | None = None, retain
     return table
 
 
+def check_steps(table: ScheduleTable, *, complete: bool = True) -> None:
+    """The rules on the steps each rank runs, in :func:`validate`'s order: structure, offload and completeness
+    (with ``complete``), order. What a timing of the table relies on: the simulator finds unmatched and circular
+    transfers itself, but would time a W before its B, or a microbatch that never runs its backward, as given."""
+    check_structure(table)
+    if complete:
+        check_offload(table)
+        check_completeness(table)
+    check_order(table)
+
+
 def is_proven(table: ScheduleTable, *, complete: bool = True, semantics: str = DEFAULT_SEMANTICS) -> bool:
     """True when :func:`validate` accepted this very table object under ``semantics`` (with
     completeness, unless ``complete=False`` asks whether it was proven at least without it): it is safe
     to run on that transport."""
-    return (_proven.get((id(table), True, semantics)) is table
-            or (not complete and _proven.get((id(table), False, semantics)) is table))
+    return isinstance(table, ScheduleTable) and (_proven.get((id(table), True, semantics)) is table
+                                                 or (not complete and _proven.get((id(table), False, semantics)) is table))
 
 
 def _fail(table: ScheduleTable, rule: str, what: str, nodes: list[tuple[int, int]], fix: str) -> None:

@@ -17,12 +17,14 @@ rank runs and buffers instead, per microbatch, for the projection to pay once af
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from primuspipe.projection.activations import ActivationModel
 from primuspipe.projection.comm import layer_comm, p2p_message_bytes, pipeline_ranks_per_node
 from primuspipe.projection.compute import PartTimes, layer_part
-from primuspipe.projection.framework import ComputeCosts, CostModel, Link, MemoryCost, P2PCost, Placement
+from primuspipe.projection.framework import ComputeCosts, CostModel, Link, MemoryCost, P2PCost, Placement, negligible
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.host import host_bound
 from primuspipe.projection.layout import StageLayout
@@ -67,14 +69,31 @@ class StageCosts:
     """Bytes per microbatch the head rank buffers for that drain (output-layer input and output gradient)."""
 
     def cost_model(self) -> CostModel:
-        """The simulator's cost model, in seconds."""
+        """The simulator's cost model, in seconds. A link's latency or transfer more than
+        :data:`~primuspipe.ir.cost_model.MAX_TIME_RATIO` times shorter than the longest time is none
+        (:func:`~primuspipe.ir.cost_model.negligible`), as is such a compute time: figures each within their
+        span (a 1 GFLOP/s host beside a 5 us link) gave times the cost model refuses as too far apart, which
+        refused every candidate in turn instead of projecting them."""
+        p2p = self.p2p
+        links = (p2p.intra_node, p2p.inter_node)
+        longest = max(*self.forward, *self.backward_input, *self.backward_weight,
+                      *(link.time(p2p.message_bytes) for link in links))
+
+        def kept(link: Link) -> Link:
+            moving = negligible(p2p.message_bytes / link.bandwidth, longest)
+            return Link(negligible(link.latency, longest), link.bandwidth if moving else math.inf)
+
+        def times(values: tuple[float, ...]) -> tuple[float, ...]:
+            return tuple(negligible(t, longest) for t in values)
+
         memory = MemoryCost(w_retained_fraction=self.w_retained_fraction, w_excess_fraction=self.w_excess_fraction,
                             b_rise_fraction=self.b_rise_fraction,
                             activation_bytes=self.activation_bytes,
                             parameter_bytes=tuple(s.weights for s in self.static),
                             gradient_bytes=tuple(s.gradients_beside_activations for s in self.static),
                             optimizer_bytes=tuple(s.optimizer for s in self.static))
-        return CostModel(ComputeCosts(self.forward, self.backward_input, self.backward_weight), p2p=self.p2p,
+        return CostModel(ComputeCosts(times(self.forward), times(self.backward_input), times(self.backward_weight)),
+                         p2p=dataclasses.replace(p2p, intra_node=kept(links[0]), inter_node=kept(links[1])),
                          memory=memory, time_unit="s")
 
 

@@ -87,12 +87,19 @@ def _holding(rank: int, entry: tuple) -> str:
     return f"rank {rank} holds {algorithm!r} (pp={pp}, vpp={vpp}, {m} microbatches, sha256 {digest[:16]})"
 
 
+MAX_TIMEOUT_S = 1e9
+"""Largest watchdog timeout (about 32 years; 0 turns the watchdog off): a transfer's deadline becomes a
+``timedelta`` and a C timeout, which 1e15 s overflows -- at the first transfer of every rank, after the
+setting was accepted."""
+
+
 class StepDriver:
     """Runs one rank's row of a table per step, with the transport, watchdog and dumps configured once."""
 
     def __init__(self, *, watchdog_timeout_s: float, dump_dir: str | None = None):
         # checked now, not after the first step whose timeline they were to hold (every backend builds one)
-        self.watchdog_timeout_s = strict.number(watchdog_timeout_s, "watchdog_timeout_s", above=0)
+        self.watchdog_timeout_s = strict.number(watchdog_timeout_s, "watchdog_timeout_s", above=0,
+                                                maximum=MAX_TIMEOUT_S)
         self.dump_dir = None if dump_dir is None else str(strict.writable_folder(dump_dir, f"dump_dir {dump_dir}"))
         """Where each training step's timeline goes (``None``: no dumps)."""
         self.iteration = 0

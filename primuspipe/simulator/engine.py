@@ -29,11 +29,13 @@ way (:mod:`~primuspipe.simulator.unfinished`); the result types are in
 
 from __future__ import annotations
 
+from primuspipe import strict
 from primuspipe.errors import SimulationError
 from primuspipe.io.timeline import idle_share
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication
+from primuspipe.passes.validation import check_steps, is_proven
 from primuspipe.passes.streams import DEFAULT_SEMANTICS, Semantics, semantics_named
 from primuspipe.simulator.dedicated import run_dedicated
 from primuspipe.simulator.memory import peak_activations
@@ -52,13 +54,17 @@ def simulate(table: ScheduleTable, cost: CostModel,
     """Time ``table`` under ``cost``, its sends and receives running on the streams of the transport
     ``semantics`` (:mod:`primuspipe.passes.streams`; default primuspipe's own transport, what the runner
     runs). Raises :class:`SimulationError` if the table cannot complete under them (naming the cycle of
-    waits; ``primuspipe validate --semantics NAME`` gives the full diagnosis).
+    waits; ``primuspipe validate --semantics NAME`` gives the full diagnosis), and a table no validation
+    proved is first held to the validator's rules on each rank's steps (:func:`~primuspipe.passes.validation.check_steps`:
+    :class:`ValidationError`), so a node out of order is refused rather than timed.
 
     >>> from primuspipe.algorithms.build import build_schedule
     >>> result = simulate(build_schedule("1f1b", pp=8, microbatches=32), CostModel.per_stage(8, f=1, b=1, w=1))
     >>> result.step_time, round(result.bubble_rate, 4)
     (117.0, 0.1795)
     """
+    strict.instance(table, ScheduleTable, "simulate's table", error=SimulationError)
+    strict.instance(cost, CostModel, "simulate's cost", error=SimulationError)
     if cost.num_stages != table.num_stages:
         raise SimulationError(f"the cost model describes {cost.num_stages} stages but the table has "
                               f"{table.num_stages} (pp={table.pp} x vpp={table.vpp}); build the costs for this shape")
@@ -66,8 +72,10 @@ def simulate(table: ScheduleTable, cost: CostModel,
     if gaps is not None and len(gaps) != table.pp:
         raise SimulationError(f"host.step_gap has {len(gaps)} values but the table has {table.pp} ranks; give one "
                               "number or one per rank")
-    if isinstance(semantics, str):
+    if not isinstance(semantics, Semantics):
         semantics = semantics_named(semantics)
+    if not is_proven(table):  # a compute-only table's rows: the transfers add_communication adds are right by making
+        check_steps(table)
     full = table if table.has_communication else add_communication(table)
     wires = Wires(full, semantics)
     programs = compile_programs(full, cost, wires)

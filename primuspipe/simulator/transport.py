@@ -90,18 +90,16 @@ class Wires:
                 self._pair(table, [], sends)
 
     def _pair(self, table: ScheduleTable, sends: list[int], recvs: list[int]) -> None:
-        """Per direction the k-th send meets the k-th receive; refuse a pair carrying different tensors
-        or an operation its peer never matches."""
+        """Per direction the k-th send meets the k-th receive; refuse a pair carrying different tensors (the
+        completeness rule, which :func:`~primuspipe.simulator.engine.simulate` holds every table to, leaves each
+        direction as many sends as receives)."""
         for send, recv in zip(sends, recvs):
             if self.key[send] != self.key[recv]:
                 raise SimulationError(
                     f"{self._name(table, send)} is matched with {self._name(table, recv)}, which expects another "
                     "tensor; run validate(table) and rebuild communication with add_communication")
             self.partner[send], self.partner[recv] = recv, send
-        if len(sends) != len(recvs):
-            extra = (sends if len(sends) > len(recvs) else recvs)[min(len(sends), len(recvs))]
-            raise SimulationError(f"{self._name(table, extra)} is never matched by its peer, so the step cannot "
-                                  "complete. Run validate(table) for the full diagnosis.")
+        assert len(sends) == len(recvs), "a table past the completeness rule has one receive per send"
 
     def _name(self, table: ScheduleTable, slot: int) -> str:
         rank, i = self.where[slot]

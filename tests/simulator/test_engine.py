@@ -4,7 +4,7 @@ import pytest
 from simulator_support import text_table
 
 from primuspipe.passes.communication import add_communication
-from primuspipe.errors import SimulationError
+from primuspipe.errors import SimulationError, ValidationError
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, P2PCost, simulate
 
@@ -95,9 +95,18 @@ def test_deadlocked_table_raises_instead_of_hanging():
         simulate(table, CostModel.per_stage(2, 1, 1, 1))
 
 
-def test_receive_posted_after_its_consumer_raises():
+def test_receive_posted_after_its_consumer_is_refused_by_the_order_rule():
+    """An unproven table is held to the validator's rules on each rank's steps before it is timed."""
     table = text_table(2, ["F0.0 SEND_F0.0>1 RECV_B0.0<1 BW0.0", "F0.0 RECV_F0.0<0 BW0.0 SEND_B0.0>0"], m=1)
-    with pytest.raises(SimulationError, match="rank 1 at node 0 .*waits for the activation of mb 0"):
+    with pytest.raises(ValidationError, match=r"\[order\] rank 1 node 0 \(F0.0\) needs the activation of mb 0"):
+        simulate(table, CostModel.per_stage(2, 1, 1, 1))
+
+
+def test_sends_after_the_peers_wait_raise():
+    """Each rank sends only after a backward that waits for the other's send: the replay names both waits."""
+    table = text_table(2, ["F0.0 RECV_B0.0<1 BW0.0 SEND_F0.0>1", "RECV_F0.0<0 F0.0 BW0.0 SEND_B0.0>0"], m=1)
+    with pytest.raises(SimulationError, match="rank 0 at node 2 .*waits for the gradient of mb 0.*rank 1 at node 1 "
+                                              ".*waits for the activation of mb 0"):
         simulate(table, CostModel.per_stage(2, 1, 1, 1))
 
 
@@ -110,5 +119,5 @@ def test_swapped_receives_are_reported_not_silently_matched():
 
 def test_unmatched_send_raises():
     rows = ["F0.0 SEND_F0.0>1 SEND_F0.0>1 RECV_B0.0<1 BW0.0", "RECV_F0.0<0 F0.0 BW0.0 SEND_B0.0>0"]
-    with pytest.raises(SimulationError, match="never matched"):
+    with pytest.raises(ValidationError, match=r"\[completeness\].* has 2 send nodes"):
         simulate(text_table(2, rows, m=1), CostModel.per_stage(2, 1, 1, 1))

@@ -46,6 +46,7 @@ from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel, MemoryCost, read_cost_file
 from primuspipe.ir.costs import per_stage_values
+from primuspipe.runtime.driver import MAX_TIMEOUT_S
 
 AUTO = "auto"
 ASYNC_P2P, BATCH_P2P = "async_p2p", "batch_p2p"
@@ -169,7 +170,8 @@ class PrimusPipeConfig:
             elif value is not None:
                 strict.number(value, name, minimum=0)
         object.__setattr__(self, "watchdog_timeout_s", strict.number(
-            self.watchdog_timeout_s, "watchdog_timeout_s (seconds; 0 disables the watchdog)", minimum=0))
+            self.watchdog_timeout_s, "watchdog_timeout_s (seconds; 0 disables the watchdog)", minimum=0,
+            maximum=MAX_TIMEOUT_S))
         if self.dump_pp_data:
             strict.text(self.dump_dir, "dump_dir (needed with dump_pp_data)")
         strict.flag(self.debug_scheduler_table, "debug_scheduler_table")

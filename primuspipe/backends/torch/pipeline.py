@@ -76,12 +76,15 @@ class TorchPipeline:
         _check_arguments(table, stages, loss_fn)
         settings = ReplanSettings.from_env(os.environ) if auto_replan is None else check_settings_kind(auto_replan)
         self.driver = StepDriver(watchdog_timeout_s=watchdog_timeout_s, dump_dir=dump_dir)  # checks both now
+        self.table = validate(table if table.has_communication else add_communication(table))
+        if group is None and not dist.is_initialized():
+            raise ConfigError("TorchPipeline runs on a process group, but torch.distributed is not initialised: call "
+                              "torch.distributed.init_process_group(...) on every rank first, or pass group=")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         if dist.get_world_size(self.group) != table.pp:
             raise ConfigError(f"the {table.algorithm} table has pp={table.pp} ranks but the pipeline group has "
                               f"{dist.get_world_size(self.group)}")
-        self.table = validate(table if table.has_communication else add_communication(table))
         mine = self.table.placement.stages[self.rank]
         if set(stages) != set(mine):  # numpy integers are stage numbers too
             raise ConfigError(f"pipeline rank {self.rank} holds stages {sorted(mine)} of the {table.algorithm} table "
