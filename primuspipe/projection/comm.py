@@ -213,7 +213,7 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     kv_heads = model.num_attention_heads if model.multi_latent_attention else model.query_groups
     kv = tokens * t.cp * 2 * kv_heads / t.tp * head_dim * e
     cp = net.gather(kv, t.cp, t.tp * t.cp)
-    steps = torch_cp_steps(t, net, kv, e) if t.cp_implementation != "te-p2p" else ()
+    steps = torch_cp_steps(model, t, net, kv, e) if t.cp_implementation != "te-p2p" else ()
     ep = 0.0
     if kind == "moe":
         routed = copies = shape.residual_tokens * model.moe_router_topk * shape.load_imbalance
@@ -251,7 +251,7 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                      fused, sums, steps)
 
 
-def torch_cp_steps(training: TrainingSpec, net: Collectives, kv: float, e: float
+def torch_cp_steps(model: ModelSpec, training: TrainingSpec, net: Collectives, kv: float, e: float
                    ) -> tuple[tuple[tuple[float, int], ...], tuple[tuple[float, int], ...]]:
     """F's and B's transfers under PyTorch's experimental ``context_parallel`` (torch
     ``distributed/tensor/experimental/_attention.py``; see ``TrainingSpec.cp_implementation``), each as
@@ -262,7 +262,13 @@ def torch_cp_steps(training: TrainingSpec, net: Collectives, kv: float, e: float
     before each of the first ``CP - 1`` steps and awaits it before the next. The backward runs the forward's KV
     exchange again, and after each step sends the running dK, dV (fp32: ``convert_to_f32``) to the next rank,
     awaited after the next step's SDPA, the last after the loop: under step ``i`` run the KV transfer launched
-    before it and the dK/dV one of step ``i - 1``."""
+    before it and the dK/dV one of step ``i - 1``.
+
+    The ring exchanges the K, V that SDPA is given: torchtitan's Llama (``model_implementation: torchtitan``;
+    ``Attention.forward`` at 9dec370 and 820504e) repeats the KV heads to the query heads (``repeat_kv``) before
+    ``scaled_dot_product_attention``, so there every query head's K, V travel, not the groups'."""
+    if training.model_implementation == "torchtitan" and not model.multi_latent_attention:
+        kv *= model.num_attention_heads / model.query_groups
     cp, span = training.cp, training.tp * training.cp
     if training.cp_implementation == "torch-allgather":
         kv_before = [net.gather(kv, cp, span)] + [0.0] * (cp - 1)

@@ -290,7 +290,8 @@ class TrainingSpec:
     hides it; the backward all-gathers KV again the same way and passes each step's fp32 dK/dV to the next rank
     (``_AllToAllRotater``), awaited after the next step's attention, the last one after the loop (exposed);
     ``torch-alltoall`` (``_AllToAllRotater`` for KV too) passes each step's KV block to the next rank, awaited
-    after that step's attention, and dK/dV as under ``torch-allgather``."""
+    after that step's attention, and dK/dV as under ``torch-allgather``. The ring moves the K, V SDPA is given:
+    with ``model_implementation: torchtitan`` the KV heads repeated to the query heads (``repeat_kv``)."""
     overlap_param_gather: bool = False
     """Distributed optimizer: the weight all-gather runs under the next step's forward, bucket by bucket."""
     align_param_gather: bool = False

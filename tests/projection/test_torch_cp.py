@@ -62,3 +62,14 @@ def test_te_p2p_stays_as_it_was():
 def test_a_torch_cp_implementation_needs_cp():
     with pytest.raises(InputError, match="cp_implementation"):
         training("torch-allgather", cp=1)
+
+
+def test_torchtitan_exchanges_the_repeated_kv_heads():
+    """torchtitan's Llama repeats the 8 KV heads to the 32 query heads before SDPA (repeat_kv): the ring moves 4x."""
+    t = training("torch-allgather")
+    titan = TrainingSpec(context_parallel_size=4, pipeline_model_parallel_size=1, global_batch_size=1,
+                         data_parallel_size=1, micro_batch_size=1, cp_implementation="torch-allgather",
+                         model_implementation="torchtitan")
+    assert layer_comm(MODEL, titan, HW, "dense").cp == pytest.approx(
+        tuple(4 * c for c in layer_comm(MODEL, t, HW, "dense").cp))
+    assert layer_comm(MODEL, titan, HW, "dense").cp[0] == pytest.approx(4 * 2.5165824e-4)
