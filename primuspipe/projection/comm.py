@@ -68,6 +68,13 @@ class Collectives:
         bandwidth, latency = self._link(ranks, span)
         return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency
 
+    def shift(self, nbytes: float, ranks: int, span: int) -> float:
+        """Every rank of the ring sends ``nbytes`` to the next at once (PyTorch's ``permute_tensor``)."""
+        if ranks == 1 or nbytes == 0:
+            return 0.0
+        bandwidth, latency = self._link(ranks, span)
+        return nbytes / bandwidth + latency
+
     def all_reduce(self, nbytes: float, ranks: int, span: int) -> float:
         return 2 * self.gather(nbytes, ranks, span)
 
@@ -119,6 +126,9 @@ class LayerComm:
     """Under PyTorch's async TP: the TP collectives of F and B one by one (:func:`async_tp_collectives`)."""
     partial_sums: float = 0.0
     """Under PyTorch's async TP: F's seconds in the kernels that sum the fused reduce-scatters' partials."""
+    cp_steps: tuple[tuple[tuple[float, int], ...], ...] = ()
+    """Under PyTorch's context parallelism (``cp_implementation`` torch-*), F's and B's CP transfers as
+    ``(seconds, attention steps they run under)``, transfers in flight at once summed (:func:`torch_cp_steps`)."""
 
     @property
     def forward(self) -> float:
@@ -154,8 +164,10 @@ class LayerComm:
           partials in a kernel of its own (``_fused_matmul_reduce_scatter_impl``'s ``reduce_fn``), which shows
           (``partial_sums``); the fused matmuls run split into ``TP`` steps
           (:meth:`~primuspipe.projection.compute.WorkModel._async_tp_split`). W as under Transformer Engine;
-        * CP: ring attention passes key/value blocks under the attention of the block before; the first of
-          ``CP`` steps, or what outlasts the attention, shows;
+        * CP (``cp_implementation: te-p2p``): ring attention passes key/value blocks under the attention of the
+          block before; the first of ``CP`` steps, or what outlasts the attention, shows. Under PyTorch's
+          (``torch-allgather`` / ``torch-alltoall``) each transfer hides under the attention steps it runs beside
+          (``cp_steps``; the ``CP`` steps do equal work), what outlasts them shows;
         * EP with ``overlap_moe_expert_parallel_comm``: one microbatch's all-to-alls under another's compute
           of the same pass; what outlasts it shows. The flex dispatcher's kernels hold SMs while they run
           (``dispatcher_share``; DeepEP is built to keep the rest for compute, DeepSeek-V3 report 3.2.2), so the
@@ -172,7 +184,10 @@ class LayerComm:
                     c.seconds if not c.gemm_share else max(c.seconds / t.tp if c.scatter else 0.0,
                                                            c.seconds - c.gemm_share * gemm[i])
                     for c in self.fused if c.pass_index == i)
-            cp = max(self.cp[i] / t.cp, self.cp[i] - attention[i]) if t.cp > 1 else self.cp[i]
+            if self.cp_steps and i < 2:
+                cp = sum(max(0.0, seconds - steps * attention[i] / t.cp) for seconds, steps in self.cp_steps[i])
+            else:
+                cp = max(self.cp[i] / t.cp, self.cp[i] - attention[i]) if t.cp > 1 else self.cp[i]
             beside = min(self.ep[i], compute[i])  # the compute the overlapped all-to-alls run beside
             ep = (self.ep[i] - beside + beside * self.dispatcher_share / (1 - self.dispatcher_share)
                   if t.overlap_moe_expert_parallel_comm else self.ep[i])
@@ -198,6 +213,7 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     kv_heads = model.num_attention_heads if model.multi_latent_attention else model.query_groups
     kv = tokens * t.cp * 2 * kv_heads / t.tp * head_dim * e
     cp = net.gather(kv, t.cp, t.tp * t.cp)
+    steps = torch_cp_steps(model, t, net, kv, e) if t.cp_implementation != "te-p2p" else ()
     ep = 0.0
     if kind == "moe":
         routed = copies = shape.residual_tokens * model.moe_router_topk * shape.load_imbalance
@@ -230,8 +246,38 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                                      net.gather(activation / e, t.tp, t.tp) if fp8_gathers else None)
         # each fused reduce-scatter's partial sum reads the TP stacked partials (T x H) and writes the rank's 1/TP
         sums = 2 * activation * (1 + 1 / t.tp) / (hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction)
-    return LayerComm((tp, tp, regather), (cp, 2 * cp, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0), share,
-                     fused, sums)
+    cp_passes = (sum(s for s, _ in steps[0]), sum(s for s, _ in steps[1])) if steps else (cp, 2 * cp)
+    return LayerComm((tp, tp, regather), (*cp_passes, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0), share,
+                     fused, sums, steps)
+
+
+def torch_cp_steps(model: ModelSpec, training: TrainingSpec, net: Collectives, kv: float, e: float
+                   ) -> tuple[tuple[tuple[float, int], ...], tuple[tuple[float, int], ...]]:
+    """F's and B's transfers under PyTorch's experimental ``context_parallel`` (torch
+    ``distributed/tensor/experimental/_attention.py``; see ``TrainingSpec.cp_implementation``), each as
+    ``(seconds, attention steps it runs under)``, for ``kv`` bytes of the whole sequence's keys and values.
+
+    ``_AllGatherRotater`` all-gathers the rank's K, V (``kv`` gathered) once, launched before step 0's SDPA and
+    awaited before step 1's; ``_AllToAllRotater`` sends the rank's current K, V block (``kv / CP``) to the next rank
+    before each of the first ``CP - 1`` steps and awaits it before the next. The backward runs the forward's KV
+    exchange again, and after each step sends the running dK, dV (fp32: ``convert_to_f32``) to the next rank,
+    awaited after the next step's SDPA, the last after the loop: under step ``i`` run the KV transfer launched
+    before it and the dK/dV one of step ``i - 1``.
+
+    The ring exchanges the K, V that SDPA is given: torchtitan's Llama (``model_implementation: torchtitan``;
+    ``Attention.forward`` at 9dec370 and 820504e) repeats the KV heads to the query heads (``repeat_kv``) before
+    ``scaled_dot_product_attention``, so there every query head's K, V travel, not the groups'."""
+    if training.model_implementation == "torchtitan" and not model.multi_latent_attention:
+        kv *= model.num_attention_heads / model.query_groups
+    cp, span = training.cp, training.tp * training.cp
+    if training.cp_implementation == "torch-allgather":
+        kv_before = [net.gather(kv, cp, span)] + [0.0] * (cp - 1)
+    else:
+        kv_before = [net.shift(kv / cp, cp, span)] * (cp - 1) + [0.0]
+    dkv = net.shift(kv / cp * 4 / e, cp, span)
+    forward = tuple((s, 1) for s in kv_before if s)
+    backward = tuple((s + (dkv if i else 0.0), 1) for i, s in enumerate(kv_before)) + ((dkv, 0),)
+    return forward, backward
 
 
 def async_tp_collectives(model: ModelSpec, training: TrainingSpec, kind: str, gather: float,

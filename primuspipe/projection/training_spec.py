@@ -278,6 +278,20 @@ class TrainingSpec:
     ``micro_pipeline_tp`` pass over symmetric memory), which fuses an all-gather only into the matmuls that
     consume it and a reduce-scatter only into the one matmul that produces it, and sums the reduce-scatter's
     partials in a kernel of its own."""
+    cp_implementation: Literal["te-p2p", "torch-allgather", "torch-alltoall"] = "te-p2p"
+    """How context parallelism's ring attention exchanges keys and values (what
+    :meth:`~primuspipe.projection.comm.LayerComm.exposed` hides under which attention step). ``te-p2p``: Transformer
+    Engine's ring (``AttnFuncWithCPAndKVP2P``, megatron-core): each step's KV block travels under the step before it,
+    the dK/dV blocks likewise in B. PyTorch's experimental ``context_parallel`` (torchtitan's
+    ``context_parallel_rotate_method``; torch ``distributed/tensor/experimental/_attention.py``,
+    ``_templated_ring_attention`` and ``_templated_ring_attention_backward``) runs ``CP`` SDPA steps of equal work
+    (head-tail load balance, no masked block computed) and: ``torch-allgather`` (``_AllGatherRotater``, torchtitan's
+    default) all-gathers the whole KV once, launched before step 0 and awaited after it, so only step 0's attention
+    hides it; the backward all-gathers KV again the same way and passes each step's fp32 dK/dV to the next rank
+    (``_AllToAllRotater``), awaited after the next step's attention, the last one after the loop (exposed);
+    ``torch-alltoall`` (``_AllToAllRotater`` for KV too) passes each step's KV block to the next rank, awaited
+    after that step's attention, and dK/dV as under ``torch-allgather``. The ring moves the K, V SDPA is given:
+    with ``model_implementation: torchtitan`` the KV heads repeated to the query heads (``repeat_kv``)."""
     overlap_param_gather: bool = False
     """Distributed optimizer: the weight all-gather runs under the next step's forward, bucket by bucket."""
     align_param_gather: bool = False
@@ -761,6 +775,9 @@ class TrainingSpec:
                        "PyTorch's cross entropy is a loss of its own over unsharded logits",
                        "remove cross_entropy_loss_fusion (Megatron's loss) and keep TP 1, "
                        "or remove torch_cross_entropy")
+        if self.cp_implementation != "te-p2p" and self.context_parallel_size == 1:
+            self._fail(("cp_implementation", "context_parallel_size"), "a context-parallel implementation without CP",
+                       "set context_parallel_size above 1, or remove cp_implementation")
         if self.tp_comm_overlap_impl != "te-userbuffers" and not (self.tp_comm_overlap and self.sp):
             self._fail(("tp_comm_overlap_impl", "tp_comm_overlap", "sequence_parallel"),
                        "PyTorch's async TP overlaps the all-gathers and reduce-scatters of sequence parallelism",
