@@ -98,6 +98,12 @@ def test_per_rank_counts_equal_megatron_core(name):
     assert [p.total for p in rank_params(model, training, layout)] == megatron_rank_params(model, training, layout.counts)
 
 
+SMALL_MODEL = ModelSpec(num_layers=8, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                        seq_length=16, vocab_size=250, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+                        position_embedding_type="rope", untie_embeddings_and_output_weights=True)
+"""The small dense model the layouts below vary and hold against megatron-core's own build."""
+
+
 @pytest.mark.parametrize("model_change, training_change", [
     (dict(), dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)),
     (dict(num_layers=10, untie_embeddings_and_output_weights=False), dict(pipeline_model_parallel_size=3)),  # remainder
@@ -115,10 +121,7 @@ def test_per_rank_counts_equal_megatron_core(name):
 ])
 def test_small_layouts_equal_megatron_core(model_change, training_change):
     """Tensor/expert sharding, tied embeddings across stages and on one, remainder and explicit uneven splits, MLA."""
-    base = ModelSpec(num_layers=8, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                     seq_length=16, vocab_size=250, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
-                     position_embedding_type="rope", untie_embeddings_and_output_weights=True)
-    model = dataclasses.replace(base, **model_change)
+    model = dataclasses.replace(SMALL_MODEL, **model_change)
     training = dataclasses.replace(TrainingSpec(), **training_change)
     layout = StageLayout.build(model.num_layers, training, Placement.interleaved(training.pp, training.vpp))
     assert [p.total for p in rank_params(model, training, layout)] == megatron_rank_params(model, training, layout.counts)
@@ -138,10 +141,7 @@ def test_dense_buffers_split_as_megatron_core_builds_the_model(model_change, tra
     """What FP8 weights leave in BF16 (embedding, output layer, norms, router) and the tensors of each part, per
     rank, against the parameters megatron-core builds (bias-free models without q/k norms: those count with
     their GEMM part)."""
-    base = ModelSpec(num_layers=8, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                     seq_length=16, vocab_size=250, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
-                     position_embedding_type="rope", untie_embeddings_and_output_weights=True)
-    model = dataclasses.replace(base, **model_change)
+    model = dataclasses.replace(SMALL_MODEL, **model_change)
     training = dataclasses.replace(TrainingSpec(), **training_change)
     layout = StageLayout.build(model.num_layers, training, Placement.interleaved(training.pp, training.vpp))
     ours = [dense_buffer(model, training, layout, r) for r in range(training.pp)]

@@ -76,29 +76,32 @@ def _mla_local_spec(model):
         yield
 
 
-def megatron_rank_params(model, training, stage_counts) -> list[int]:
-    """Parameters megatron-core allocates on each pipeline rank (TP/EP rank 0), all chunks together."""
+def megatron_rank_chunks(model, training, stage_counts):
+    """Per pipeline rank (TP/EP rank 0), the model chunks megatron-core builds for it, on the meta device."""
     from unittest import mock
 
     from primuspipe.projection.benchmark.megatron_model import build_gpt_chunk, transformer_config
 
     pp, vpp = training.pp, training.vpp
-    counts = []
     for rank in range(pp):
         with fake_parallel_state(training, rank=rank * training.tp * training.cp * training.dp):
             config = transformer_config(model, training, stage_counts=stage_counts, initialize=False)
-            total = 0
+            chunks = []
             for vp in range(vpp):
                 stage = vp * pp + rank
                 # tied embeddings with pp > 1 move the output weight copy to CUDA at build time, and MLA's
                 # rotary table asks for the current CUDA device
                 with torch.device("meta"), mock.patch.object(torch.Tensor, "cuda", lambda t, *a, **k: t), \
                         mock.patch("torch.cuda.current_device", lambda: "cpu"), _mla_local_spec(model):
-                    chunk = build_gpt_chunk(model, training, config, vp_stage=vp if vpp > 1 else None,
-                                            pre_process=stage == 0, post_process=stage == pp * vpp - 1)
-                total += sum(p.numel() for p in chunk.parameters())
-            counts.append(total)
-    return counts
+                    chunks.append(build_gpt_chunk(model, training, config, vp_stage=vp if vpp > 1 else None,
+                                                  pre_process=stage == 0, post_process=stage == pp * vpp - 1))
+        yield chunks
+
+
+def megatron_rank_params(model, training, stage_counts) -> list[int]:
+    """Parameters megatron-core allocates on each pipeline rank (TP/EP rank 0), all chunks together."""
+    return [sum(p.numel() for chunk in chunks for p in chunk.parameters())
+            for chunks in megatron_rank_chunks(model, training, stage_counts)]
 
 
 @contextlib.contextmanager
@@ -185,34 +188,22 @@ def megatron_dense_buffers(model, training, stage_counts) -> list[tuple[int, int
     FP8 weights, as (its parameters, the GEMM weight tensors, its tensors) -- read off the built model: a GEMM weight
     is the ``weight`` of a tensor-parallel linear other than the output layer, which, like the embedding, the norms
     and the router, Transformer Engine's FP8 weights leave alone. Routed experts are left out (their own buffers)."""
-    from unittest import mock
-
-    from primuspipe.projection.benchmark.megatron_model import build_gpt_chunk, transformer_config
-
     enable_cpu_mode()
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    pp, vpp = training.pp, training.vpp
     buffers = []
-    for rank in range(pp):
-        with fake_parallel_state(training, rank=rank * training.tp * training.cp * training.dp):
-            config = transformer_config(model, training, stage_counts=stage_counts, initialize=False)
-            unquantized = weights = others = 0
-            for vp in range(vpp):
-                stage = vp * pp + rank
-                with torch.device("meta"), mock.patch.object(torch.Tensor, "cuda", lambda t, *a, **k: t), \
-                        mock.patch("torch.cuda.current_device", lambda: "cpu"), _mla_local_spec(model):
-                    chunk = build_gpt_chunk(model, training, config, vp_stage=vp if vpp > 1 else None,
-                                            pre_process=stage == 0, post_process=stage == pp * vpp - 1)
-                modules = dict(chunk.named_modules())
-                for name, param in chunk.named_parameters():
-                    owner, _, leaf = name.rpartition(".")
-                    if ".experts." in name and ".shared_experts." not in name:
-                        continue
-                    if leaf == "weight" and isinstance(modules[owner], (ColumnParallelLinear, RowParallelLinear)) \
-                            and not owner.endswith("output_layer"):
-                        weights += 1
-                    else:
-                        unquantized, others = unquantized + param.numel(), others + 1
-            buffers.append((unquantized, weights, others))
+    for chunks in megatron_rank_chunks(model, training, stage_counts):
+        unquantized = weights = others = 0
+        for chunk in chunks:
+            modules = dict(chunk.named_modules())
+            for name, param in chunk.named_parameters():
+                owner, _, leaf = name.rpartition(".")
+                if ".experts." in name and ".shared_experts." not in name:
+                    continue
+                if leaf == "weight" and isinstance(modules[owner], (ColumnParallelLinear, RowParallelLinear)) \
+                        and not owner.endswith("output_layer"):
+                    weights += 1
+                else:
+                    unquantized, others = unquantized + param.numel(), others + 1
+        buffers.append((unquantized, weights, others))
     return buffers
