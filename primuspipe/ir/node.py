@@ -69,7 +69,9 @@ class ScheduleNode:
                 self.pair is None or type(self.pair) is tuple and len(self.pair) == 2):
             raise TableFormatError("exactly the overlapped kinds (FB) carry a pair (microbatch, chunk) of their "
                                    "second part")
-        if not all(type(x) is int and x >= 0 for x in (self.microbatch, self.chunk, *(self.pair or ()))):
+        mb, chunk, pair = self.microbatch, self.chunk, self.pair  # plain checks: every pass makes nodes by the 100k
+        if not (type(mb) is int and mb >= 0 and type(chunk) is int and chunk >= 0 and (
+                pair is None or type(pair[0]) is int and pair[0] >= 0 and type(pair[1]) is int and pair[1] >= 0)):
             self._whole_numbers()
         if self.kind.is_compute and self.peer is not None:
             raise TableFormatError(f"compute node {self.kind} cannot name a peer rank")
