@@ -224,6 +224,14 @@ def show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def file_path(value: Any, what: str, *, error: Error = ConfigError) -> Path:
+    """``value`` as a file system path: a non-empty string or ``os.PathLike``; anything else (``123``,
+    ``None``, bytes) is one line naming ``what``, not ``Path``'s TypeError."""
+    if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)).strip():
+        raise error(f"{what} must be a path (a non-empty string or os.PathLike), got {show(value)}")
+    return Path(value)
+
+
 def writable_folder(path: str | Path, name: str, *, error: Error = ConfigError) -> Path:
     """``path`` as a folder files can be written into, created if missing; checked when a setting or an
     output is given, so a bad one fails then and not after the work whose result it was to hold.
@@ -247,7 +255,7 @@ def read_text(path: str | Path, what: str, *, error: Error = ConfigError, max_by
     """The UTF-8 text of ``path``, refusing missing, unreadable, oversized and binary files apart.
 
     ``what`` names the file for people ("schedule file", "cost model")."""
-    path = Path(path)
+    path = file_path(path, what, error=error)
     try:
         info = path.stat()
         if stat.S_ISDIR(info.st_mode):

@@ -33,7 +33,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from primuspipe.errors import ScheduleShapeError, TableFormatError
+from primuspipe.errors import OutputFileError, ScheduleShapeError, TableFormatError
 from primuspipe import strict
 from primuspipe.ir.dataflow import comm_node, transfer_of
 from primuspipe.documents import check_envelope, envelope, write_atomically
@@ -268,7 +268,7 @@ def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
     sidecar when there is one) or Primus's printed form (any other text holding ``Rank <r>:`` lines;
     ``placement`` names its layout where the text cannot, :mod:`primuspipe.io.primus_format`); every
     error names the file."""
-    path = Path(path)
+    path = strict.file_path(path, "schedule file", error=TableFormatError)
     text = strict.read_text(path, "schedule file", error=TableFormatError)
     primus = path.suffix.lower() != ".csv" and not text.lstrip().startswith("{") and _PRIMUS_RANK_LINE.search(text)
     if placement is not None and not primus:
@@ -305,7 +305,7 @@ def save_table(table: ScheduleTable, path: str | Path, fmt: str | None = None, c
 def table_files(table: ScheduleTable, path: str | Path, fmt: str | None = None,
                 compute_only: bool = False) -> dict[Path, str]:
     """What :func:`save_table` writes: path -> text (a CSV's sidecar beside it)."""
-    path = Path(path)
+    path = strict.file_path(path, "table file", error=OutputFileError)
     fmt = fmt or ("csv" if path.suffix.lower() == ".csv" else "json")
     files = {path: dump_table(table, fmt, compute_only)}
     if fmt == "csv":

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from primuspipe.errors import TableFormatError
+from primuspipe.errors import OutputFileError, TableFormatError
 from primuspipe import strict
 from primuspipe.ir.cost_model import TIME_UNITS
 from primuspipe.documents import check_envelope, envelope, write_atomically
@@ -204,8 +204,8 @@ class Timeline:
 
     def save(self, path: str | Path) -> Path:
         """Write the JSON form atomically (a reader sees the whole file or none), creating folders."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = strict.file_path(path, "timeline file", error=OutputFileError)
+        strict.writable_folder(path.parent, f"the folder of {path}", error=OutputFileError)
         return write_atomically(path, json.dumps(self.to_dict(), allow_nan=False))
 
     @classmethod
