@@ -14,9 +14,8 @@ import json
 from pathlib import Path
 
 from primuspipe.ir.dataflow import Transfer, inbound, outbound, transfer_of
-from primuspipe import strict
-from primuspipe.documents import write_atomically
-from primuspipe.errors import OutputFileError, TableFormatError
+from primuspipe.documents import output_file, write_atomically
+from primuspipe.errors import TableFormatError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.cost_model import TIME_UNITS
@@ -84,6 +83,4 @@ def matched_transfers(timeline: Timeline, placement: Placement) -> dict[Transfer
 
 
 def write_chrome_trace(path: str | Path, timeline: Timeline, placement: Placement) -> Path:
-    path = strict.file_path(path, "trace file", error=OutputFileError)
-    strict.writable_folder(path.parent, f"the folder of {path}", error=OutputFileError)
-    return write_atomically(path, json.dumps(chrome_trace(timeline, placement)))
+    return write_atomically(output_file(path, "trace file"), json.dumps(chrome_trace(timeline, placement)))

@@ -423,7 +423,7 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     path = path if path is not None else env.get("PRIMUSPIPE_CONFIG")
-    if path:
+    if path is not None and path != "":  # an empty PRIMUSPIPE_CONFIG is none; [] or 0 is no path
         source = f"primuspipe config {path}"
         data = strict.load_yaml(strict.read_text(path, "primuspipe config"), source)
         if data is not None and not isinstance(data, Mapping):
