@@ -155,14 +155,14 @@ class PrimusPipeConfig:
 
     @contextlib.contextmanager
     def _named_source(self, *names: str):
-        """Re-raise a refusal with the source (:attr:`sources`) of the setting it is about: ``names``, or
-        else the settings its message names."""
+        """Re-raise a refusal with the source (:attr:`sources`) of the setting it is about: ``names`` (the
+        field itself when it was set in code), or else the settings its message names."""
         try:
             yield
         except PrimusPipeError as exc:
             text = str(exc)
             about = names or [n for n in self.sources if re.search(rf"\b{n}\b", text)]
-            where = list(dict.fromkeys(self.sources[n] for n in about if n in self.sources))
+            where = list(dict.fromkeys(self.sources.get(n, n) for n in about if n in self.sources or names))
             if not where or any(w in text for w in where):
                 raise
             message = f"{', '.join(where)}: {text}"
