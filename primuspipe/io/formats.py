@@ -36,7 +36,7 @@ from pathlib import Path
 from primuspipe.errors import OutputFileError, ScheduleShapeError, TableFormatError
 from primuspipe import strict
 from primuspipe.ir.dataflow import comm_node, transfer_of
-from primuspipe.documents import check_envelope, envelope, write_atomically
+from primuspipe.documents import check_envelope, envelope, output_file, write_atomically
 from primuspipe.ir.kinds import NodeKind, all_kinds, on_kinds_changed, overlapped_kind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
@@ -295,8 +295,8 @@ def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
 
 def save_table(table: ScheduleTable, path: str | Path, fmt: str | None = None, compute_only: bool = False) -> list[Path]:
     """Write ``table`` to ``path`` as ``fmt`` (``"json"`` or ``"csv"``; default: by the suffix), a CSV
-    with its sidecar; returns the files written."""
-    files = table_files(table, path, fmt, compute_only)
+    with its sidecar, its folder created as :meth:`Timeline.save` does; returns the files written."""
+    files = table_files(table, output_file(path, "table file"), fmt, compute_only)
     for where, text in files.items():
         write_atomically(where, text)
     return list(files)
