@@ -195,6 +195,9 @@ class PrimusPipeConfig:
             if isinstance(value, list):
                 object.__setattr__(self, name, value := tuple(value))
             if isinstance(value, tuple):
+                if not value:  # would be refused on every rank at the first step, for every pp
+                    raise ConfigError(f"{name}: an empty list gives no stage a time; give one number, or one per "
+                                      "pipeline stage")
                 for i, v in enumerate(value):
                     strict.number(v, f"{name}[{i}]", minimum=0)
             elif value is not None:
@@ -209,7 +212,8 @@ class PrimusPipeConfig:
         object.__setattr__(self, "split_probe", strict.count(self.split_probe, "split_probe (microbatches)", minimum=0))
         for name, check in _REPLAN_CHECKS.items():  # named as set here, then checked again as settings
             object.__setattr__(self, name, check(getattr(self, name), name))
-        self.replan_settings()  # checks the rest (auto_replan, auto_replan_algorithms)
+        with self._named_source("auto_replan_algorithms"):  # its messages say "auto_replan algorithms"
+            self.replan_settings()  # checks the rest (auto_replan, auto_replan_algorithms)
         if self.communication_method == BATCH_P2P:
             raise ConfigError("communication_method: batch_p2p is not supported: the runner posts each transfer as "
                               "its own non-blocking send/receive, the order its deadlock proof relies on; use "
@@ -422,10 +426,11 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
                               + f"; known: {', '.join(sorted(known))}")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    what = "primuspipe config" if path is not None else "primuspipe config (PRIMUSPIPE_CONFIG)"
     path = path if path is not None else env.get("PRIMUSPIPE_CONFIG")
     if path is not None and path != "":  # an empty PRIMUSPIPE_CONFIG is none; [] or 0 is no path
         source = f"primuspipe config {path}"
-        data = strict.load_yaml(strict.read_text(path, "primuspipe config"), source)
+        data = strict.load_yaml(strict.read_text(path, what), source)
         if data is not None and not isinstance(data, Mapping):
             raise ConfigError(f"{source}: expected a mapping of settings, got {type(data).__name__}")
         data = strict.keys(data, source, allowed=_ENV_NAMES)
