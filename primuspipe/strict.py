@@ -252,7 +252,8 @@ def writable_folder(path: str | Path, name: str, *, error: Error = ConfigError) 
 
 # -- documents ----------------------------------------------------------------------------------------
 def read_text(path: str | Path, what: str, *, error: Error = ConfigError, max_bytes: int = MAX_DOCUMENT_BYTES) -> str:
-    """The UTF-8 text of ``path``, refusing missing, unreadable, oversized and binary files apart.
+    """The UTF-8 text of ``path``, refusing missing, unreadable, oversized and binary files apart; a leading
+    byte-order mark is dropped and CRLF / CR line ends read as LF, so a file saved on Windows reads as the same file.
 
     ``what`` names the file for people ("schedule file", "cost model")."""
     path = file_path(path, what, error=error)
@@ -273,9 +274,10 @@ def read_text(path: str | Path, what: str, *, error: Error = ConfigError, max_by
     if len(data) > max_bytes:
         raise error(f"{what} {path} is larger than {max_bytes // 2**20} MiB, more than any valid one; check the path")
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is no content
     except UnicodeDecodeError as exc:
         raise error(f"{what} {path} is not UTF-8 text (byte {exc.start}); is it the right file?") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # Windows and old Mac line ends read as one
 
 
 def load_json(text: str, source: str, *, error: Error = ConfigError) -> Any:
@@ -336,7 +338,8 @@ def load_yaml(text: str, source: str, *, error: Error = ConfigError) -> Any:
         data = yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as exc:
         where = f" at line {exc.problem_mark.line + 1}" if exc.problem_mark else ""
-        raise error(f"{source} is not valid YAML{where}: {exc.problem}") from None
+        tab = "; YAML indents with spaces, not tabs" if "'\\t'" in str(exc.problem) else ""
+        raise error(f"{source} is not valid YAML{where}: {exc.problem}{tab}") from None
     except yaml.YAMLError as exc:
         raise error(f"{source} is not valid YAML: {exc}") from None
     except RecursionError:

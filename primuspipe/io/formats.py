@@ -147,6 +147,8 @@ def read_torch_csv(text: str, *, microbatches: int | None = None, algorithm: str
         raise TableFormatError(f"the CSV cannot be read: {exc}") from None
     while rows and not any(rows[-1]):
         rows.pop()
+    while rows and not any(rows[0]):  # blank lines before the first rank's, as after the last: no rank
+        rows.pop(0)
     if not rows:
         raise TableFormatError("the CSV holds no actions")
     if (cells := sum(map(len, rows))) > MAX_NODES:
