@@ -312,7 +312,14 @@ def load_json(text: str, source: str, *, error: Error = ConfigError) -> Any:
 
 
 class _StrictYamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader without aliases (no alias bombs) and without duplicate keys."""
+    """PyYAML's safe loader without aliases (no alias bombs), without duplicate keys, and without the tags
+    whose values no primuspipe field takes but a loose reader would misread (``!!binary aGk=`` is the bytes
+    ``b"hi"``, which a per-stage list read as the times ``[104, 105]``)."""
+
+    def _refuse_tag(self, node):  # noqa: ANN001 - PyYAML's signature
+        raise yaml.constructor.ConstructorError(None, None, f"the tag {node.tag.replace(_YAML_TAG, '!!')} is not "
+                                                "allowed in primuspipe files; write the value as a plain number, "
+                                                "text, list or mapping", node.start_mark)
 
     def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
         if self.check_event(yaml.AliasEvent):
@@ -330,6 +337,11 @@ class _StrictYamlLoader(yaml.SafeLoader):
                                                         key_node.start_mark)
             seen.append(key)
         return super().construct_mapping(node, deep)
+
+
+_YAML_TAG = "tag:yaml.org,2002:"
+for _tag in ("binary", "set", "omap", "pairs"):
+    _StrictYamlLoader.add_constructor(_YAML_TAG + _tag, _StrictYamlLoader._refuse_tag)
 
 
 def load_yaml(text: str, source: str, *, error: Error = ConfigError) -> Any:
