@@ -8,11 +8,13 @@ one clear error rather than a confusing one later.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
 
-from primuspipe.errors import TableFormatError
+from primuspipe import strict
+from primuspipe.errors import OutputFileError, TableFormatError
 
 
 def envelope(fmt: str, version: int) -> dict[str, Any]:
@@ -31,18 +33,38 @@ def check_envelope(data: Any, fmt: str, version: int, what: str, source: str | N
         raise TableFormatError(f"{where}{what} JSON version {got!r} is not supported (want the integer {version})")
 
 
+def output_file(path: Any, what: str, *, create_folder: bool = True) -> Path:
+    """``path`` checked as a file an API writer may write, before it draws or serialises anything: a path
+    (not ``123``), not a directory, its folder created (``create_folder``) and writable. Each failure is
+    one :class:`OutputFileError` line naming ``what`` and the path."""
+    path = strict.file_path(path, what, error=OutputFileError)
+    if path.is_dir():
+        raise OutputFileError(f"cannot write {what} {path}: it is a directory; give a file name")
+    if create_folder:
+        strict.writable_folder(path.parent, f"the folder of {what} {path}", error=OutputFileError)
+    return path
+
+
 def write_atomically(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` so that no reader ever sees part of it: into a hidden temporary file
-    beside it, then renamed over it (a process killed mid-write leaves the old file or none)."""
-    path = Path(path)
+    beside it, then renamed over it (a process killed mid-write leaves the old file or none). A path that
+    cannot be written (a directory, a missing or read-only folder, a full disk) is an
+    :class:`OutputFileError` naming it -- the API's callers get the project's error, not an OSError."""
+    path = output_file(path, "output file", create_folder=False)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as exc:  # named as the file the caller asked for: the temporary one is ours
-        tmp.unlink(missing_ok=True)
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
+        _remove(tmp)
+        raise OutputFileError(f"cannot write {path}: {exc.strerror or exc}; give a writable file path") from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
     return path
+
+
+def _remove(tmp: Path) -> None:
+    """Delete a temporary file if it is there; a folder that never was (``a_file/x.json``) has nothing to delete."""
+    with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)

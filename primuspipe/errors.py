@@ -48,6 +48,11 @@ class ConfigError(PrimusPipeError):
     """A configuration value (YAML, environment, Megatron flag) is missing, malformed or incompatible."""
 
 
+class OutputFileError(PrimusPipeError):
+    """A result file cannot be written where it was asked for: a directory or a file in the way, a folder
+    that does not exist or cannot be written, a full disk."""
+
+
 class SimulationError(PrimusPipeError):
     """The simulator cannot run a table with the given cost model."""
 

@@ -224,6 +224,14 @@ def show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def file_path(value: Any, what: str, *, error: Error = ConfigError) -> Path:
+    """``value`` as a file system path: a non-empty string or ``os.PathLike``; anything else (``123``,
+    ``None``, bytes) is one line naming ``what``, not ``Path``'s TypeError."""
+    if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)).strip():
+        raise error(f"{what} must be a path (a non-empty string or os.PathLike), got {show(value)}")
+    return Path(value)
+
+
 def writable_folder(path: str | Path, name: str, *, error: Error = ConfigError) -> Path:
     """``path`` as a folder files can be written into, created if missing; checked when a setting or an
     output is given, so a bad one fails then and not after the work whose result it was to hold.
@@ -244,10 +252,11 @@ def writable_folder(path: str | Path, name: str, *, error: Error = ConfigError) 
 
 # -- documents ----------------------------------------------------------------------------------------
 def read_text(path: str | Path, what: str, *, error: Error = ConfigError, max_bytes: int = MAX_DOCUMENT_BYTES) -> str:
-    """The UTF-8 text of ``path``, refusing missing, unreadable, oversized and binary files apart.
+    """The UTF-8 text of ``path``, refusing missing, unreadable, oversized and binary files apart; a leading
+    byte-order mark is dropped and CRLF / CR line ends read as LF, so a file saved on Windows reads as the same file.
 
     ``what`` names the file for people ("schedule file", "cost model")."""
-    path = Path(path)
+    path = file_path(path, what, error=error)
     try:
         info = path.stat()
         if stat.S_ISDIR(info.st_mode):
@@ -265,9 +274,10 @@ def read_text(path: str | Path, what: str, *, error: Error = ConfigError, max_by
     if len(data) > max_bytes:
         raise error(f"{what} {path} is larger than {max_bytes // 2**20} MiB, more than any valid one; check the path")
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is no content
     except UnicodeDecodeError as exc:
         raise error(f"{what} {path} is not UTF-8 text (byte {exc.start}); is it the right file?") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # Windows and old Mac line ends read as one
 
 
 def load_json(text: str, source: str, *, error: Error = ConfigError) -> Any:
@@ -302,7 +312,14 @@ def load_json(text: str, source: str, *, error: Error = ConfigError) -> Any:
 
 
 class _StrictYamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader without aliases (no alias bombs) and without duplicate keys."""
+    """PyYAML's safe loader without aliases (no alias bombs), without duplicate keys, and without the tags
+    whose values no primuspipe field takes but a loose reader would misread (``!!binary aGk=`` is the bytes
+    ``b"hi"``, which a per-stage list read as the times ``[104, 105]``)."""
+
+    def _refuse_tag(self, node):  # noqa: ANN001 - PyYAML's signature
+        raise yaml.constructor.ConstructorError(None, None, f"the tag {node.tag.replace(_YAML_TAG, '!!')} is not "
+                                                "allowed in primuspipe files; write the value as a plain number, "
+                                                "text, list or mapping", node.start_mark)
 
     def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
         if self.check_event(yaml.AliasEvent):
@@ -322,13 +339,19 @@ class _StrictYamlLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+_YAML_TAG = "tag:yaml.org,2002:"
+for _tag in ("binary", "set", "omap", "pairs"):
+    _StrictYamlLoader.add_constructor(_YAML_TAG + _tag, _StrictYamlLoader._refuse_tag)
+
+
 def load_yaml(text: str, source: str, *, error: Error = ConfigError) -> Any:
     """Parse YAML strictly: safe types only, no aliases, no duplicate keys, at most :data:`MAX_DEPTH` deep."""
     try:
         data = yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as exc:
         where = f" at line {exc.problem_mark.line + 1}" if exc.problem_mark else ""
-        raise error(f"{source} is not valid YAML{where}: {exc.problem}") from None
+        tab = "; YAML indents with spaces, not tabs" if "'\\t'" in str(exc.problem) else ""
+        raise error(f"{source} is not valid YAML{where}: {exc.problem}{tab}") from None
     except yaml.YAMLError as exc:
         raise error(f"{source} is not valid YAML: {exc}") from None
     except RecursionError:

@@ -33,10 +33,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from primuspipe.errors import ScheduleShapeError, TableFormatError
+from primuspipe.errors import OutputFileError, ScheduleShapeError, TableFormatError
 from primuspipe import strict
 from primuspipe.ir.dataflow import comm_node, transfer_of
-from primuspipe.documents import check_envelope, envelope, write_atomically
+from primuspipe.documents import check_envelope, envelope, output_file, write_atomically
 from primuspipe.ir.kinds import NodeKind, all_kinds, on_kinds_changed, overlapped_kind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
@@ -147,6 +147,8 @@ def read_torch_csv(text: str, *, microbatches: int | None = None, algorithm: str
         raise TableFormatError(f"the CSV cannot be read: {exc}") from None
     while rows and not any(rows[-1]):
         rows.pop()
+    while rows and not any(rows[0]):  # blank lines before the first rank's, as after the last: no rank
+        rows.pop(0)
     if not rows:
         raise TableFormatError("the CSV holds no actions")
     if (cells := sum(map(len, rows))) > MAX_NODES:
@@ -268,7 +270,7 @@ def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
     sidecar when there is one) or Primus's printed form (any other text holding ``Rank <r>:`` lines;
     ``placement`` names its layout where the text cannot, :mod:`primuspipe.io.primus_format`); every
     error names the file."""
-    path = Path(path)
+    path = strict.file_path(path, "schedule file", error=TableFormatError)
     text = strict.read_text(path, "schedule file", error=TableFormatError)
     primus = path.suffix.lower() != ".csv" and not text.lstrip().startswith("{") and _PRIMUS_RANK_LINE.search(text)
     if placement is not None and not primus:
@@ -295,8 +297,8 @@ def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
 
 def save_table(table: ScheduleTable, path: str | Path, fmt: str | None = None, compute_only: bool = False) -> list[Path]:
     """Write ``table`` to ``path`` as ``fmt`` (``"json"`` or ``"csv"``; default: by the suffix), a CSV
-    with its sidecar; returns the files written."""
-    files = table_files(table, path, fmt, compute_only)
+    with its sidecar, its folder created as :meth:`Timeline.save` does; returns the files written."""
+    files = table_files(table, output_file(path, "table file"), fmt, compute_only)
     for where, text in files.items():
         write_atomically(where, text)
     return list(files)
@@ -305,7 +307,7 @@ def save_table(table: ScheduleTable, path: str | Path, fmt: str | None = None, c
 def table_files(table: ScheduleTable, path: str | Path, fmt: str | None = None,
                 compute_only: bool = False) -> dict[Path, str]:
     """What :func:`save_table` writes: path -> text (a CSV's sidecar beside it)."""
-    path = Path(path)
+    path = strict.file_path(path, "table file", error=OutputFileError)
     fmt = fmt or ("csv" if path.suffix.lower() == ".csv" else "json")
     files = {path: dump_table(table, fmt, compute_only)}
     if fmt == "csv":

@@ -24,7 +24,7 @@ from pathlib import Path
 from primuspipe.errors import TableFormatError
 from primuspipe import strict
 from primuspipe.ir.cost_model import TIME_UNITS
-from primuspipe.documents import check_envelope, envelope, write_atomically
+from primuspipe.documents import check_envelope, envelope, output_file, write_atomically
 from primuspipe.ir.kinds import NodeKind, kinds_completing, split_kinds
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import MAX_NODES, check_shape
@@ -204,9 +204,7 @@ class Timeline:
 
     def save(self, path: str | Path) -> Path:
         """Write the JSON form atomically (a reader sees the whole file or none), creating folders."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return write_atomically(path, json.dumps(self.to_dict(), allow_nan=False))
+        return write_atomically(output_file(path, "timeline file"), json.dumps(self.to_dict(), allow_nan=False))
 
     @classmethod
     def load(cls, path: str | Path) -> Timeline:

@@ -99,7 +99,7 @@ def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ..
     >>> split_stages("F", [2, 4], pp=2, vpp=2)
     (1.0, 1.0, 2.0, 2.0)
     """
-    if isinstance(value, Sequence) and not isinstance(value, str):
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
         if len(value) == pp * vpp:
             return per_stage_values(name, value, pp * vpp, "stages")
         if len(value) != pp:
@@ -132,7 +132,7 @@ def split_fixed(name: str, value: Values, fixed: Values, pp: int, vpp: int, fixe
     ((6.0, 5.5, 5.5, 8.0), (2.0, 1.5, 1.5, 4.0), (1.5, 1.5, 1.5, 1.5))
     """
     n = pp * vpp
-    if n != pp and isinstance(value, Sequence) and not isinstance(value, str) and len(value) == n:
+    if n != pp and isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)) and len(value) == n:
         own = per_stage_values(fixed_name, fixed, n, "stages")
         return (split_stages(name, value, pp, vpp), own,
                 own if chunk is None else per_stage_values(chunk_name, chunk, n, "stages"))
@@ -223,7 +223,7 @@ def window_section(value: Any, pp: int, name: str) -> float | tuple[float, ...]:
     >>> window_section(0.1, 2, "probe_window"), window_section([0.08, 0.02], 2, "probe_window")
     (0.1, (0.08, 0.02))
     """
-    if isinstance(value, Sequence) and not isinstance(value, str):
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
         shares = per_stage_values(name, value, pp, "ranks")
         for rank, share in enumerate(shares):
             strict.number(share, f"{name}[{rank}]", minimum=0, maximum=MAX_SHARE)

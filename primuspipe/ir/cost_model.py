@@ -262,7 +262,7 @@ class CostModel:
             name, n = f"{source}: compute.w_warm", pp * vpp
 
             def per_model_stage(v: Any) -> bool:
-                return vpp > 1 and isinstance(v, Sequence) and not isinstance(v, str) and len(v) == n
+                return vpp > 1 and isinstance(v, Sequence) and not isinstance(v, (str, bytes, bytearray)) and len(v) == n
 
             if per_model_stage(value):
                 return per_stage_values(name, value, n, "stages")

@@ -28,7 +28,7 @@ def per_stage_values(name: str, value: Values, count: int, what: str = "stages")
     """
     if isinstance(value, (int, float, str)):
         values = (strict.number(value, name, minimum=0),) * count
-    elif isinstance(value, Sequence):
+    elif isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):  # b"hi" is no [104, 105]
         values = tuple(strict.number(v, f"{name}[{i}]", minimum=0) for i, v in enumerate(value))
     else:
         raise ConfigError(f"{name} must be a number or a list of numbers, got {strict.show(value)}")

@@ -557,7 +557,7 @@ def project_workers(pairs: int) -> int:
     projecting them side by side keeps ``project`` within seconds on a few cores."""
     value = os.environ.get(WORKERS_VARIABLE, "").strip()
     if value:
-        if not value.isdigit() or int(value) < 1:
+        if not (value.isascii() and value.isdigit()) or int(value) < 1:  # '²'.isdigit(), and int('²') fails
             raise ConfigError(f"{WORKERS_VARIABLE}={value!r}: give a whole number of processes >= 1 (1 projects "
                               "in this process), or unset it for one per core")
         workers = int(value)

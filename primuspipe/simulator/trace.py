@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from primuspipe.ir.dataflow import Transfer, inbound, outbound, transfer_of
+from primuspipe.documents import output_file, write_atomically
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.placement import Placement
@@ -82,7 +83,4 @@ def matched_transfers(timeline: Timeline, placement: Placement) -> dict[Transfer
 
 
 def write_chrome_trace(path: str | Path, timeline: Timeline, placement: Placement) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(timeline, placement)))
-    return path
+    return write_atomically(output_file(path, "trace file"), json.dumps(chrome_trace(timeline, placement)))

@@ -34,8 +34,10 @@ is given. Primus's ``primus_pipeline.yaml`` loads as it is: its keys are ours, w
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
@@ -146,6 +148,30 @@ class PrimusPipeConfig:
     """Steps after the decision whose measured time is logged against the prediction (the median over them is
     the run's prediction error; more steps, less of one slow step in it)."""
 
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """Where :func:`load_config` read each setting (``environment variable PRIMUSPIPE_X``, ``primuspipe config
+    FILE``), so a value refused after it was read -- a range, a combination, an unknown algorithm -- is named
+    with the variable or file to fix, not only the field."""
+
+    @contextlib.contextmanager
+    def _named_source(self, *names: str):
+        """Re-raise a refusal with the source (:attr:`sources`) of the setting it is about: ``names`` (the
+        field itself when it was set in code), or else the settings its message names."""
+        try:
+            yield
+        except PrimusPipeError as exc:
+            text = str(exc)
+            about = names or [n for n in self.sources if re.search(rf"\b{n}\b", text)]
+            where = list(dict.fromkeys(self.sources.get(n, n) for n in about if n in self.sources or names))
+            if not where or any(w in text for w in where):
+                raise
+            message = f"{', '.join(where)}: {text}"
+            try:
+                error = type(exc)(message)
+            except TypeError:  # an error whose constructor takes more than the message
+                error = ConfigError(message)
+            raise error from None
+
     def replan_settings(self) -> ReplanSettings:
         """These settings as the re-planner takes them."""
         return ReplanSettings(self.auto_replan, self.auto_replan_warmup, self.auto_replan_steps,
@@ -154,6 +180,10 @@ class PrimusPipeConfig:
 
     def __post_init__(self) -> None:
         """Check every field now, so a bad setting fails at :func:`install`, not on every rank at step 1."""
+        with self._named_source():
+            self._check_values()
+
+    def _check_values(self) -> None:
         strict.flag(self.patch_primus_pipeline, "patch_primus_pipeline")
         strict.flag(self.dump_pp_data, "dump_pp_data")
         strict.text(self.pp_algorithm, "pp_algorithm")
@@ -165,6 +195,9 @@ class PrimusPipeConfig:
             if isinstance(value, list):
                 object.__setattr__(self, name, value := tuple(value))
             if isinstance(value, tuple):
+                if not value:  # would be refused on every rank at the first step, for every pp
+                    raise ConfigError(f"{name}: an empty list gives no stage a time; give one number, or one per "
+                                      "pipeline stage")
                 for i, v in enumerate(value):
                     strict.number(v, f"{name}[{i}]", minimum=0)
             elif value is not None:
@@ -179,7 +212,8 @@ class PrimusPipeConfig:
         object.__setattr__(self, "split_probe", strict.count(self.split_probe, "split_probe (microbatches)", minimum=0))
         for name, check in _REPLAN_CHECKS.items():  # named as set here, then checked again as settings
             object.__setattr__(self, name, check(getattr(self, name), name))
-        self.replan_settings()  # checks the rest (auto_replan, auto_replan_algorithms)
+        with self._named_source("auto_replan_algorithms"):  # its messages say "auto_replan algorithms"
+            self.replan_settings()  # checks the rest (auto_replan, auto_replan_algorithms)
         if self.communication_method == BATCH_P2P:
             raise ConfigError("communication_method: batch_p2p is not supported: the runner posts each transfer as "
                               "its own non-blocking send/receive, the order its deadlock proof relies on; use "
@@ -200,8 +234,9 @@ class PrimusPipeConfig:
                               "offload pass must know which share to plan with: set offload_fraction (e.g. 0.3; a run "
                               "logs the measured share), or leave offload_ops empty to move everything")
         if isinstance(cost := self.algorithm_options.get("cost"), (str, os.PathLike)):  # a cost file's path
-            object.__setattr__(self, "algorithm_options",
-                               MappingProxyType({**self.algorithm_options, "cost": read_cost_file(cost)}))
+            with self._named_source("algorithm_options"):
+                object.__setattr__(self, "algorithm_options",
+                                   MappingProxyType({**self.algorithm_options, "cost": read_cost_file(cost)}))
         if "costs" in self.algorithm_options:
             raise ConfigError("algorithm_options.costs is gone: give pp_cost_f, pp_cost_b, pp_cost_w (and pp_max_mem), "
                               "or algorithm_options.cost as a cost-file mapping (docs/simulator.md)")
@@ -225,16 +260,23 @@ class PrimusPipeConfig:
         can be written (it is created)."""
         from primuspipe.algorithms.build import check_options
 
+        from primuspipe.algorithms.registry import get_algorithm
+
         options = {k: v for k, v in self.algorithm_options.items() if k not in _SCHEDULE_KEYWORDS}
         for algorithm in self.algorithms():
-            check_options(algorithm, options)
-            _trial_build(algorithm, options)
-        if "memory_limit" in self.algorithm_options:
-            strict.number(self.algorithm_options["memory_limit"], "algorithm_options.memory_limit", above=0)
-        if isinstance(cost := self.algorithm_options.get("cost"), Mapping):
-            _check_cost_mapping(cost)
+            with self._named_source("pp_algorithm"):
+                get_algorithm(algorithm)
+            with self._named_source("algorithm_options"):
+                check_options(algorithm, options)
+                _trial_build(algorithm, options)
+        with self._named_source("algorithm_options"):
+            if "memory_limit" in self.algorithm_options:
+                strict.number(self.algorithm_options["memory_limit"], "algorithm_options.memory_limit", above=0)
+            if isinstance(cost := self.algorithm_options.get("cost"), Mapping):
+                _check_cost_mapping(cost)
         if self.dump_pp_data:
-            strict.writable_folder(self.dump_dir, f"dump_dir {self.dump_dir}")
+            with self._named_source("dump_dir"):
+                strict.writable_folder(self.dump_dir, f"dump_dir {self.dump_dir}")
 
     def algorithms(self) -> tuple[str, ...]:
         """The algorithms this config may run: the named one, or both of ``auto``'s (options given with
@@ -383,18 +425,22 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
                               + (f" (did you mean {near}?)" if near else "")
                               + f"; known: {', '.join(sorted(known))}")
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    what = "primuspipe config" if path is not None else "primuspipe config (PRIMUSPIPE_CONFIG)"
     path = path if path is not None else env.get("PRIMUSPIPE_CONFIG")
-    if path:
+    if path is not None and path != "":  # an empty PRIMUSPIPE_CONFIG is none; [] or 0 is no path
         source = f"primuspipe config {path}"
-        data = strict.load_yaml(strict.read_text(path, "primuspipe config"), source)
+        data = strict.load_yaml(strict.read_text(path, what), source)
         if data is not None and not isinstance(data, Mapping):
             raise ConfigError(f"{source}: expected a mapping of settings, got {type(data).__name__}")
         data = strict.keys(data, source, allowed=_ENV_NAMES)
         values.update({k: _coerce(k, v, source) for k, v in data.items()})
+        sources.update(dict.fromkeys(data, source))
     for name, var in _ENV_NAMES.items():
         if var in env:
-            values[name] = _coerce(name, env[var], f"environment variable {var}")
-    return replace(PrimusPipeConfig(), **values)
+            sources[name] = f"environment variable {var}"
+            values[name] = _coerce(name, env[var], sources[name])
+    return replace(PrimusPipeConfig(), **values, sources=sources)
 
 
 def _trial_build(algorithm: str, options: dict[str, Any]) -> None:

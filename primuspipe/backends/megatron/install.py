@@ -47,7 +47,9 @@ def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusF
     step 1: an unknown algorithm or option (:meth:`PrimusPipeConfig.check`), a dump directory that cannot
     be written, a NaN or infinite watchdog timeout.
     """
-    config = replace(config if config is not None else load_config(), **overrides)
+    config = config if config is not None else load_config()
+    # an override is the caller's value: a refusal of it must not name the variable or file it replaced
+    config = replace(config, **overrides, sources={k: v for k, v in config.sources.items() if k not in overrides})
     if not config.patch_primus_pipeline:
         logger.info("primuspipe: patch_primus_pipeline is off; Megatron's schedules stay in place")
         return None

@@ -12,6 +12,8 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from primuspipe.documents import output_file
+from primuspipe.errors import OutputFileError
 from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.io.timeline import Timeline
 from primuspipe.tools.pp_vis import style
@@ -46,9 +48,12 @@ def timeline_figure(timelines: Timeline | Sequence[Timeline], *,
 def write_html(timelines: Timeline | Sequence[Timeline], path: str | os.PathLike, *,
                marks: Collection[tuple[int, ScheduleNode]] = ()) -> Path:
     """Write :func:`timeline_figure` as one self-contained HTML file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    timeline_figure(timelines, marks=marks).write_html(path, include_plotlyjs=True, full_html=True)
+    path = output_file(path, "HTML file")
+    figure = timeline_figure(timelines, marks=marks)
+    try:
+        figure.write_html(path, include_plotlyjs=True, full_html=True)
+    except OSError as exc:
+        raise OutputFileError(f"cannot write HTML file {path}: {exc.strerror or exc}; give a writable file path") from None
     return path
 
 

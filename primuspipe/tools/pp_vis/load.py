@@ -15,6 +15,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from primuspipe import strict
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.cost_model import TIME_UNITS
 from primuspipe.io.timeline import (
@@ -44,7 +45,7 @@ def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Time
     """One timeline from a file, or from a dump directory (all ranks of ``iteration`` merged on one
     time axis; by default the last whole iteration of the newest run, the warmest). A folder
     ``iter_<n>`` itself, or a folder holding exactly one ``*.timeline.json``, works too."""
-    path = Path(path)
+    path = strict.file_path(path, "timeline or dump directory", error=TableFormatError)
     if _is_file(path):
         if iteration is not None:
             raise TableFormatError(f"{path} is one timeline file; an iteration can only be chosen in a dump directory")
@@ -81,7 +82,7 @@ def _iteration_folder(path: Path) -> int | None:
 
 def load_iterations(path: str | os.PathLike) -> list[Timeline]:
     """Every dumped iteration of a run, oldest first (a timeline file gives just itself)."""
-    path = Path(path)
+    path = strict.file_path(path, "timeline or dump directory", error=TableFormatError)
     _check_readable(path)
     if is_primus_dump(path):
         return load_primus_iterations(path)

@@ -17,6 +17,8 @@ from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from primuspipe.documents import output_file
+from primuspipe.errors import OutputFileError
 from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.io.timeline import Timeline
 from primuspipe.tools.pp_vis import style
@@ -32,6 +34,7 @@ def draw_png(timelines: Timeline | Sequence[Timeline], path: str | os.PathLike, 
     """Write the drawing of one timeline, or of several stacked on one time axis (they must share a
     time unit; see :func:`~primuspipe.tools.pp_vis.load.in_unit`). ``marks`` are ``(rank, node)`` to
     outline in red (nodes whose order differs between a run and its simulation)."""
+    path = output_file(path, "PNG file")
     panels = style.panels(timelines)
     rows = [max(len(t.ranks), 1) for t in panels]
     height = sum(r * _ROW_IN + _PANEL_EXTRA_IN for r in rows) + 0.6
@@ -56,9 +59,10 @@ def draw_png(timelines: Timeline | Sequence[Timeline], path: str | os.PathLike, 
                              label="order differs (run vs simulated)"))
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.45 / height, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
+    try:
+        fig.savefig(path, format="png")
+    except OSError as exc:
+        raise OutputFileError(f"cannot write PNG file {path}: {exc.strerror or exc}; give a writable file path") from None
     return path
 
 
