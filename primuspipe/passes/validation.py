@@ -44,6 +44,10 @@ _proven: weakref.WeakValueDictionary[tuple[int, bool, str], ScheduleTable] = wea
 """``(id(table), complete, semantics) -> table`` for every table object a validation accepted, with or
 without the completeness rule, under a transport's semantics (dropped with the table)."""
 
+_structured: weakref.WeakValueDictionary[int, ScheduleTable] = weakref.WeakValueDictionary()
+"""``id(table) -> table`` for every table object :func:`check_structure` accepted: building checks an algorithm's
+table, then the communication pass relies on it, so a table (immutable) is walked once."""
+
 
 def validate(table: ScheduleTable, *, max_in_flight: float | None = None, retained: float = W_RETAINED_FRACTION,
              offloaded: float = OFFLOAD_FRACTION, complete: bool = True,
@@ -103,6 +107,8 @@ def _at(table: ScheduleTable, rank: int, index: int) -> str:
 
 def check_structure(table: ScheduleTable) -> None:
     """Every node refers to an existing chunk and microbatch; communication nodes name the right peer."""
+    if _structured.get(id(table)) is table:
+        return
     placement, vpp, m = table.placement, table.vpp, table.microbatches
     for rank, row in enumerate(table.ranks):
         checked: set[tuple] = set()  # (kind, chunk, peer) of communication nodes already found right
@@ -114,6 +120,7 @@ def check_structure(table: ScheduleTable) -> None:
                 continue
             _check_peer(table, placement, rank, i, node)
             checked.add(shape)
+    _structured[id(table)] = table
 
 
 def _refuse_part(table: ScheduleTable, rank: int, i: int, node) -> None:

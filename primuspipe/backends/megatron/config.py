@@ -259,7 +259,6 @@ class PrimusPipeConfig:
         cost model and memory limit are ``build_schedule``'s, not the algorithm's), and the dump directory
         can be written (it is created)."""
         from primuspipe.algorithms.build import check_options
-
         from primuspipe.algorithms.registry import get_algorithm
 
         options = {k: v for k, v in self.algorithm_options.items() if k not in _SCHEDULE_KEYWORDS}
