@@ -328,15 +328,15 @@ def diagnose(iterations: list[Timeline], cost_file: Path, pp: int) -> dict:
 
 def priced(model: CostModel, table) -> dict[tuple[str, int], float]:
     """Per cost key and model stage, what ``model`` charges the table's single-part compute nodes in all,
-    each as the simulator prices it: a W warm or cold by the node before it, a node in a window at its
+    each as the simulator prices it: a W warm or cold by the node before it, a node that opens a window at its
     rank's share, a chunk's first of its kind with its cold start (a kind's plain time alone mis-states a
     run whose Ws all ran warm, ZB-H1's first rank's, by the cold-warm gap)."""
-    from primuspipe.ir.cost_model import pending_weight_grads
+    from primuspipe.ir.cost_model import window_openings
 
     out: dict[tuple[str, int], float] = {}
     for rank, row in enumerate(table.ranks):
         previous, seen = None, set()
-        for node, window in zip(row, pending_weight_grads(row) if model.prices_windows else [False] * len(row)):
+        for node, window in zip(row, window_openings(row) if model.prices_windows else [False] * len(row)):
             if not node.kind.is_compute:
                 continue
             if node.pair is None and (key := node.kind.spec.cost):

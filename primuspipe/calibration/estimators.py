@@ -30,7 +30,7 @@ class Samples:
     """``(W, model stage)`` -> time of the warm W nodes (``Step.warm``: right after their own B or another
     W of their chunk), likewise."""
     window: dict[tuple[NodeKind, int], list[float]]
-    """(kind, model stage) -> time of the nodes that ran in a probe window (``Step.window``), which
+    """(kind, model stage) -> time of the nodes that opened a probe window (``Step.window``), which
     ``durations`` leaves out (:func:`window_share`)."""
     cold: dict[tuple[NodeKind, int], list[float]]
     """(kind, model stage) -> how much longer a chunk's first node took than the stage's others."""
@@ -140,7 +140,7 @@ def _add_parts(fixed: dict, chunk: dict, key: tuple, parts: tuple[float | None, 
 
 def window_share(samples: list[Samples], placement: Placement) -> tuple[tuple[float, ...] | None, list[Samples]]:
     """``compute.probe_window`` per rank -- the median over timelines, kinds and the rank's stages of how
-    much longer the nodes in a probe window took than the same timeline's other nodes of their kind and
+    much longer the nodes that opened a probe window took than the same timeline's other nodes of their kind and
     stage (median against median), 0 where none was longer or the rank had none to compare -- and
     ``samples`` with each window node's time, less its rank's share, among ``durations`` where its kind
     and stage has no other (as they are on a rank of share 0). None where every rank's is 0. Per rank:

@@ -13,9 +13,9 @@ model is measured (docs/simulator.md, "Calibration"):
   another W of their chunk, :func:`~primuspipe.ir.cost_model.warm_weight_grad`) are timed apart: where
   a stage ran W in both contexts, ``compute.w`` is the cold ones' and ``compute.w_warm`` theirs; in one
   context only, that is its W, whatever the context (a run whose Ws took the same in both writes no
-  ``w_warm``). Nodes in a probe window (:func:`~primuspipe.ir.cost_model.probe_windows`: the split
-  probe's deferred W pending) are timed apart too: per rank, the median share by which they took longer
-  than their kind's others is ``compute.probe_window``, and the times are the others'.
+  ``w_warm``). Nodes that open a probe window (:func:`~primuspipe.ir.cost_model.probe_windows`: the first
+  to run while the split probe's deferred W is pending) are timed apart too: per rank, the median share by
+  which they took longer than their kind's others is ``compute.probe_window``, and the times are the others'.
 * **host** -- a rank's time between nodes. Walking each rank's nodes in table order, the rank is free
   to go on at the end of its last compute node or posting, or, for a compute node whose input arrived
   later, at that arrival (a receive's end: when the runner got the tensor); a posting's host time is
@@ -148,10 +148,10 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
     probe_window, samples = window_share([Samples.of(steps, placement, use_cpu=cores is not None, slowdown=slowdown)
                                           for steps, slowdown in zip(walks, slowdowns)], placement)
     if probe_window is not None:
-        notes.append(f"nodes in the split probe's windows (a deferred W pending in a fused-backward step) took "
-                     f"{', '.join(f'{x:.3g}' for x in probe_window)} longer (per rank) than the same kind's others: "
-                     "compute times are taken outside them, and compute.probe_window charges each rank's share "
-                     "wherever it holds a deferred W")
+        notes.append(f"nodes that opened the split probe's windows (the first to run with a deferred W pending in a "
+                     f"fused-backward step) took {', '.join(f'{x:.3g}' for x in probe_window)} longer (per rank) than "
+                     "the same kind's others: compute times are taken outside them, and compute.probe_window charges "
+                     "each rank's share where a window of deferred Ws opens")
     n = placement.num_stages
 
     def median_of(kind: NodeKind, field: str = "durations") -> list[float | None]:

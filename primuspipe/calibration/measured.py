@@ -81,7 +81,7 @@ class MeasuredCosts:
     (``host.speed``, :func:`~primuspipe.calibration.crowding.lone_speed`); None where no rank ran alone or
     it got a whole core."""
     probe_window: tuple[float, ...] | None = None
-    """Per rank, how much longer (a share) nodes in a probe window took than their kind's others
+    """Per rank, how much longer (a share) nodes that opened a probe window took than their kind's others
     (``compute.probe_window``, :func:`~primuspipe.calibration.estimators.window_share`); None where the
     run had no such window or its nodes took no longer."""
     message_cpu: float | None = None

@@ -33,9 +33,9 @@ class Step:
     """A warm W (:func:`~primuspipe.ir.cost_model.warm_weight_grad`: right after its own B or another W of
     its chunk), which the cost model times apart (``compute.w_warm``)."""
     window: bool = False
-    """A node in a probe window (:func:`~primuspipe.ir.cost_model.probe_windows`: a deferred W of a rank that
-    otherwise fuses its backwards is pending), whose extra time the cost model prices apart
-    (``compute.probe_window``)."""
+    """A node that opens a probe window (:func:`~primuspipe.ir.cost_model.probe_windows`: the first to run
+    while a deferred W of a rank that otherwise fuses its backwards is pending), whose extra time the cost
+    model prices apart (``compute.probe_window``)."""
 
 
 def walk(timeline: Timeline, placement: Placement) -> Iterator[Step]:

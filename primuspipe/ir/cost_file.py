@@ -21,7 +21,7 @@ optimizer bytes) are one number or ``pp`` values::
       fixed: {f: [0.3, 0.2], b: [0.2, 0.3], w: 0.05, bw: [0.3, 0.4]}  # part of each time outside the layers
       chunk: {f: 0.15, b: 0.1}   # of that, what each chunk pays (without the embedding and loss head)
       w_warm: 0.8            # W run right after its own B or another W of its chunk; omitted: w wherever it runs
-      probe_window: 0.1      # share of extra time of a node while its rank holds a deferred W (or one per rank)
+      probe_window: 0.1      # share of extra time of the node that opens a window of deferred Ws (or one per rank)
     host:                    # time on the host, outside the kernels (every key optional, default 0)
       overhead: {f: 0.03, b: 0.04, w: 0.02, bw: 0.04}   # rank time before each node of a kind
       send: 0.15             # rank time to post a send (the transfer can start once it is posted)
@@ -68,11 +68,12 @@ a forward or another microbatch's B). Cut for ``vpp`` chunks, each chunk's warm 
 ``(w - w_warm) / vpp`` (:func:`warm_stages`: the cache's saving is in the layers' weight GEMMs, so it
 divides like them). A file without it charges W alike wherever it runs, as it always did.
 
-``compute.probe_window`` (optional, a share >= 0 or a list of one per rank, default 0) is how much longer a
-node takes while its rank holds a deferred W's inputs (:func:`~primuspipe.ir.cost_model.pending_weight_grads`),
-in any table; ``primuspipe calibrate`` measures it per rank from the windows of a probed run
-(:func:`~primuspipe.ir.cost_model.probe_windows`), so that neither the forward's time nor ``host.cores``
-takes it in, and a split-backward schedule's ranks that defer a W pay their rank's share.
+``compute.probe_window`` (optional, a share >= 0 or a list of one per rank, default 0) is how much longer the
+node takes that opens a window, the first to run while its rank holds a deferred W's inputs
+(:func:`~primuspipe.ir.cost_model.window_openings`), in any table; ``primuspipe calibrate`` measures it per
+rank from the window openings of a probed run (:func:`~primuspipe.ir.cost_model.probe_windows`), so that
+neither the forward's time nor ``host.cores`` takes it in, and a split-backward schedule's ranks that defer
+a W pay their rank's share where each window opens.
 
 :meth:`CostModel.from_dict <primuspipe.ir.cost_model.CostModel.from_dict>` reads it with the section
 readers below.

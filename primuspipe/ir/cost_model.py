@@ -65,12 +65,12 @@ class CostModel:
     (the simulator) reads it: the algorithms plan with :meth:`duration`, the cold W, and are judged by
     simulating."""
     probe_window: float | tuple[float, ...] = 0.0
-    """The share of extra time a node takes while its rank holds a deferred W's inputs
-    (:func:`pending_weight_grads`), F, B or BW alike, per rank (one number: every rank's); 0: none. The
-    split probe opens such windows in a fused-backward step (:func:`probe_windows`), where calibration
-    measures it per rank; a split-backward schedule's rank holding a W it deferred pays its rank's share
-    too (ZB-H1's later ranks: on CPU, the last rank's F and B took what the probe's last-rank windows did,
-    docs/simulator.md). Only :meth:`node_time` (the simulator) reads it."""
+    """The share of extra time the node takes that opens a window, the first to run while its rank holds
+    a deferred W's inputs (:func:`window_openings`), F, B or BW alike, per rank (one number: every rank's);
+    0: none. The split probe opens such windows in a fused-backward step (:func:`probe_windows`), where
+    calibration measures it per rank; a split-backward schedule's rank that defers a W pays its rank's
+    share where its window opens, once however long the W stays pending (docs/simulator.md). Only
+    :meth:`node_time` (the simulator) reads it."""
     source: str = field(default="", compare=False)
     """Where the costs came from (a cost file's path, :meth:`from_dict`'s ``source``), for the simulator's
     messages about them; empty when built in code."""
@@ -140,8 +140,7 @@ class CostModel:
                   previous: ScheduleNode | None = None, window: bool = False) -> float:
         """Compute time of a node on ``rank`` (0 for communication nodes); ``previous`` is the compute
         node the rank ran just before it (None: none), which sets what a W costs (:attr:`w_warm`);
-        ``window``: the rank holds a deferred W's inputs (:func:`pending_weight_grads`), which
-        :attr:`probe_window` prices."""
+        ``window``: the node opens a window (:func:`window_openings`), which :attr:`probe_window` prices."""
         parts = [(kind, placement.stage(rank, chunk)) for kind, _, chunk in node.parts()]
         if len(parts) > 1:
             time = self.overlapped_time(parts)
@@ -373,39 +372,54 @@ def warm_weight_grad(previous: ScheduleNode | None, node: ScheduleNode) -> bool:
                for p in previous.parts())
 
 
-def pending_weight_grads(row: Sequence[ScheduleNode]) -> list[bool]:
-    """Per node of a rank's row, in table order: whether, as it starts, the rank holds the inputs of a W
-    whose B has run (a *window*). A node that completes only W is never in one (a W is priced by its own
-    context, :func:`warm_weight_grad`), nor is a communication or host-copy node.
-    :attr:`CostModel.probe_window` prices it, in any table; where it is measured is :func:`probe_windows`.
+def window_openings(row: Sequence[ScheduleNode]) -> list[bool]:
+    """Per node of a rank's row, in table order: whether it opens a *window* -- the first node to start
+    while the rank holds the inputs of a W whose B has run, after a stretch holding none. A node that
+    completes only W never opens one (a W is priced by its own context, :func:`warm_weight_grad`), nor
+    does a communication or host-copy node; the window stays open through them until no W is pending.
+
+    Why the opening only: measured on CPU, the extra time of a window falls on its first node, when the
+    rank first keeps a deferred W's inputs beside its working set (the allocator finds fresh memory
+    once); the nodes after it run at their kind's plain time. The split probe's windows at pp = 2,
+    hidden 256: the first F 24-26 ms where the rank's other Fs took 19-20, the next F in the same window
+    20 ms. ZB-H2's first rank, holding a deferred W through 9 nodes in a row (its unit-cost table): F
+    +3.8 % and B +1.3 % over the same run's others, about 5 ms a step, where charging every node of the
+    window the probe's share gave 20 ms and charging its opening gives 5 (docs/simulator.md).
+    :attr:`CostModel.probe_window` prices each opening, in any table; where it is measured is
+    :func:`probe_windows`.
 
     >>> from primuspipe.ir.node import B, F, W
-    >>> pending_weight_grads([F(0), B(0), F(1), B(1), W(0), F(2), B(2), W(1), W(2)])
-    [False, False, True, True, False, True, True, False, False]
+    >>> window_openings([F(0), B(0), F(1), B(1), W(0), F(2), B(2), W(1), W(2), F(3), B(3), F(4)])
+    [False, False, True, False, False, False, False, False, False, False, False, True]
     """
     pending: set[tuple[int, int]] = set()  # (chunk, microbatch) whose B ran and whose W has not
     out = []
+    is_open = False
     for node in row:
         parts = node.parts()
-        out.append(bool(pending) and not node.kind.on_host_stream
-                   and any(not (p.kind.is_weight_grad and not p.kind.is_input_grad) for p in parts))
+        opens = (bool(pending) and not is_open and not node.kind.on_host_stream
+                 and any(not (p.kind.is_weight_grad and not p.kind.is_input_grad) for p in parts))
+        out.append(opens)
+        is_open = is_open or opens
         for p in parts:
             if p.kind.is_input_grad != p.kind.is_weight_grad:
                 (pending.add if p.kind.is_input_grad else pending.discard)((p.chunk, p.microbatch))
+        is_open = is_open and bool(pending)
     return out
 
 
 def probe_windows(row: Sequence[ScheduleNode]) -> list[bool]:
-    """:func:`pending_weight_grads` of a rank that runs fused backwards (a kind completing both the B and
+    """:func:`window_openings` of a rank that runs fused backwards (a kind completing both the B and
     the W step), the windows the split probe (:mod:`primuspipe.passes.split_probe`) opens in a 1F1B step;
-    none elsewhere. Calibration times the nodes in them apart and measures :attr:`CostModel.probe_window`
+    none elsewhere. Calibration times the nodes that open them apart and measures :attr:`CostModel.probe_window`
     from them, per rank, with this one rule: beside the same kind's nodes with nothing pending, which a
     fused-backward step has and a split-backward one's later ranks mostly lack. Measured on CPU (hidden 128
     and 256) they took 2-46 % more CPU than the step's others (median over a run's), most of it minor page
     faults (glibc handing freed memory back to the kernel: a rank holding more than it held elsewhere in
     the step faults it back in); ranks that keep freed memory (:mod:`primuspipe.testing.host_memory`)
     measure a share of 0-2 % at hidden 128 (docs/simulator.md). The share differs by rank, as what each
-    holds does (pp = 2, hidden 256: the first rank's windows 5-11 %, the last rank's 0.3-3 %).
+    holds does (pp = 2, hidden 256, over every node of a window: the first rank's 5-11 %, the last rank's
+    0.3-3 %; over the openings alone, one run: 23 % and 10 %).
 
     >>> from primuspipe.ir.node import B, BW, F, W
     >>> probe_windows([F(0), F(1), B(0), F(2), W(0), BW(1)]), probe_windows([F(0), F(1), B(0), F(2), W(0)])
@@ -413,7 +427,7 @@ def probe_windows(row: Sequence[ScheduleNode]) -> list[bool]:
     """
     if not any(p.kind.is_input_grad and p.kind.is_weight_grad for node in row for p in node.parts()):
         return [False] * len(row)
-    return pending_weight_grads(row)
+    return window_openings(row)
 
 
 MAX_TIME = 1e12

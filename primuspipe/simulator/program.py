@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from primuspipe.ir.cost_model import CostModel, pending_weight_grads, warm_weight_grad
+from primuspipe.ir.cost_model import CostModel, window_openings, warm_weight_grad
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
@@ -29,7 +29,7 @@ from primuspipe.simulator.transport import Wires
 class Compute(NamedTuple):
     """A compute node: the rank spends ``host`` (its kind's host overhead), then ``duration`` (its cost
     -- a W's by whether it runs warm, :func:`~primuspipe.ir.cost_model.warm_weight_grad`, any node's by
-    whether its rank holds a deferred W, :func:`~primuspipe.ir.cost_model.pending_weight_grads` -- plus its cold start
+    whether it opens a window of deferred Ws, :func:`~primuspipe.ir.cost_model.window_openings` -- plus its cold start
     when it is its chunk's first of its kind in the step), once the keys it needs
     (:attr:`Program.needs`: inbound transfers, reloads) have arrived."""
     host: float
@@ -83,7 +83,7 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
         ops: list[Op] = []
         needs: list[tuple[int, ...]] = []
         previous = None  # the rank's last compute node
-        windows = pending_weight_grads(row) if cost.prices_windows else [False] * len(row)
+        windows = window_openings(row) if cost.prices_windows else [False] * len(row)
         for node, moved, takes_keys, slot, window in zip(row, moves, takes, slots, windows):
             kind = node.kind
             if kind.on_host_stream:

@@ -1,6 +1,6 @@
-"""What a node costs while its rank holds a deferred W (``compute.probe_window``, per rank): where the
-split probe measures it (``probe_windows``) and where the simulator charges it (``pending_weight_grads``:
-any table), and the cost file."""
+"""What the node costs that opens a window of deferred Ws (``compute.probe_window``, per rank): where the
+split probe measures it (``probe_windows``) and where the simulator charges it (``window_openings``: any
+table), and the cost file."""
 
 import math
 
@@ -9,7 +9,7 @@ import yaml
 
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import ConfigError
-from primuspipe.ir.cost_model import pending_weight_grads, probe_windows
+from primuspipe.ir.cost_model import probe_windows, window_openings
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import B, BW, F, W
 from primuspipe.passes.communication import add_communication
@@ -19,27 +19,35 @@ from primuspipe.simulator import CostModel, simulate
 
 def _by_hand(row):
     """Per node, read off the row directly: the row runs a BW, some earlier B's W runs at or after this
-    node, and the node is not a W."""
+    node, the node is not a W, and no node before it in the same unbroken stretch of such pending Ws
+    opened that stretch."""
     if not any(n.kind is NodeKind.BW for n in row):
         return [False] * len(row)
+    pending = [any(b.kind is NodeKind.B and any(w.kind is NodeKind.W and (w.chunk, w.microbatch) == (b.chunk, b.microbatch)
+                                                for w in row[i:]) for b in row[:i]) for i in range(len(row))]
+    eligible = [p and n.kind.is_compute and n.kind is not NodeKind.W for p, n in zip(pending, row)]
     out = []
-    for i, node in enumerate(row):
-        pending = any(b.kind is NodeKind.B and any(w.kind is NodeKind.W and (w.chunk, w.microbatch) == (b.chunk, b.microbatch)
-                                                   for w in row[i:]) for b in row[:i])
-        out.append(pending and node.kind.is_compute and node.kind is not NodeKind.W)
+    for i in range(len(row)):
+        start = i
+        while start > 0 and pending[start - 1]:
+            start -= 1
+        out.append(eligible[i] and not any(eligible[start:i]))
     return out
 
 
 def test_the_window_rule():
-    assert probe_windows([F(0), F(1), B(0), F(2), B(1), W(0), W(1), BW(2)]) == [False, False, False, True, True,
+    assert probe_windows([F(0), F(1), B(0), F(2), B(1), W(0), W(1), BW(2)]) == [False, False, False, True, False,
                                                                                   False, False, False]
     assert not any(probe_windows([F(0), F(1), B(0), F(2), B(1), W(0), W(1)])), "every backward split: no window"
     assert not any(probe_windows([F(0), B(0), W(0), BW(1)])), "a W right after its B leaves nothing pending"
     other_chunk = [F(0, 1), B(0, 1), F(1), W(0, 1), BW(1)]
     assert probe_windows(other_chunk) == [False, False, True, False, False], "a W of any chunk pending"
     split = [F(0), F(1), B(0), F(2), B(1), W(0), W(1)]
-    assert pending_weight_grads(split) == [False, False, False, True, True, False, False], "split rows hold Ws too"
-    assert pending_weight_grads([F(0), B(0), W(0), F(1), B(1), W(1)]) == [False] * 6, "each W right after its B"
+    assert window_openings(split) == [False, False, False, True, False, False, False], "split rows hold Ws too"
+    assert window_openings([F(0), B(0), W(0), F(1), B(1), W(1)]) == [False] * 6, "each W right after its B"
+    zb_h2_like = [F(0), F(1), B(0), B(1), W(0), F(2), B(2), W(1), F(3), B(3), W(2), W(3), F(4), B(4), F(5)]
+    assert window_openings(zb_h2_like) == [False] * 3 + [True] + [False] * 10 + [True], \
+        "one opening however long the Ws stay pending; a new one once none is"
 
 
 @pytest.mark.parametrize("pp, m, count", [(2, 4, 1), (2, 8, 2), (3, 9, 2), (4, 8, 2), (4, 12, 3)])
@@ -53,7 +61,7 @@ def test_the_probe_opens_windows_exactly_where_its_ws_wait(pp, m, count):
 
 @pytest.mark.parametrize("pp, m", [(2, 8), (3, 9), (4, 8)])
 @pytest.mark.parametrize("share", [0.125, 0.5])
-def test_the_simulator_charges_the_share_where_a_w_is_pending_only(pp, m, share):
+def test_the_simulator_charges_the_share_where_a_window_opens_only(pp, m, share):
     """In the probed 1F1B table, in ZB-H1 and ZB-H2 (a rank holding a W it deferred) alike; nothing in
     tables that never defer a W."""
     f, b, w = [1.0 + 0.25 * s for s in range(pp)], [1.5] * pp, [0.75] * pp
@@ -64,7 +72,7 @@ def test_the_simulator_charges_the_share_where_a_w_is_pending_only(pp, m, share)
         timeline = simulate(table, windowed).timeline()
         charged = 0
         for rt in timeline.ranks:
-            inside = {n for n, x in zip(table.ranks[rt.rank], pending_weight_grads(table.ranks[rt.rank])) if x}
+            inside = {n for n, x in zip(table.ranks[rt.rank], window_openings(table.ranks[rt.rank])) if x}
             previous = None
             for e in sorted(rt.events, key=lambda e: e.start):
                 if e.node.kind.is_compute:
@@ -81,8 +89,8 @@ def test_the_simulator_charges_the_share_where_a_w_is_pending_only(pp, m, share)
 
 
 def test_each_rank_pays_its_own_share():
-    """ZB-H1 at pp = 2: the first rank runs each W right after its B and pays nothing; the last rank holds
-    the previous microbatch's W through each F and B after its first and pays its own share there."""
+    """ZB-H1 at pp = 2: the first rank runs each W right after its B and pays nothing; the last rank
+    defers its first Ws and pays its own share where that window opens."""
     table = build_schedule("zb-h1", 2, 6)
     cost = CostModel.per_stage(2, 1.0, 1.5, 0.75, time_unit="s")
     windowed = CostModel.per_stage(2, 1.0, 1.5, 0.75, time_unit="s", probe_window=(0.5, 0.125))
@@ -90,10 +98,10 @@ def test_each_rank_pays_its_own_share():
     for rank, share in ((0, 0.0), (1, 0.125)):
         spans = {e.node: e.end - e.start for e in plain.ranks[rank].events if e.node.kind.is_compute}
         for e, pending in zip((e for e in charged.ranks[rank].events if e.node.kind.is_compute),
-                              pending_weight_grads([n for n in table.ranks[rank] if n.kind.is_compute])):
+                              window_openings([n for n in table.ranks[rank] if n.kind.is_compute])):
             expected = spans[e.node] * (1 + share if pending else 1)
             assert e.end - e.start == pytest.approx(expected), f"rank {rank} {e.node}"
-    assert any(pending_weight_grads(table.ranks[1])) and not any(pending_weight_grads(table.ranks[0]))
+    assert any(window_openings(table.ranks[1])) and not any(window_openings(table.ranks[0]))
     assert simulate(table, windowed).step_time > simulate(table, cost).step_time
 
 
