@@ -193,7 +193,8 @@ def gemm_seconds(gemm: Gemm, hardware: HardwareSpec, precision: str) -> float:
     tile_m, tile_n = library_tile(gemm, h)
     efficiency = (h.mxfp8_gemm_efficiency if gemm.mxfp8 and h.mxfp8_gemm_efficiency is not None
                   else h.fp8_gemm_efficiency if gemm.fp8 and h.fp8_gemm_efficiency is not None
-                  else h.gemm_efficiency) * shape_fraction(gemm, h, tile_m) * h.sustained_fraction
+                  else h.gemm_efficiency) * shape_fraction(gemm, h, tile_m) * (
+        h.fp8_sustained_fraction if gemm.fp8 and h.fp8_sustained_fraction is not None else h.sustained_fraction)
     tiles = math.ceil(gemm.m / tile_m) * math.ceil(gemm.n / tile_n)
     units = h.compute_units or tiles  # no unit count: no wave quantisation, only tile padding
     waves = grouped_waves(tiles, units, gemm.groups, gemm.kernel, gemm.streams)

@@ -41,7 +41,8 @@ class MeasuredGemms:
 
     def modelled_tflops(self, half_intensity: float | None) -> list[float]:
         """The rate the model gives each point's GEMM with ``half_intensity`` (None: the flat MAMF)."""
-        hardware = replace(self.hardware, sustained_fraction=1.0, gemm_half_intensity=half_intensity)
+        hardware = replace(self.hardware, sustained_fraction=1.0, fp8_sustained_fraction=None,
+                           gemm_half_intensity=half_intensity)
         return [2 * m * n * k * self.groups / gemm_seconds(self.gemm(m, n, k), hardware, "bf16") / 1e12
                 for m, n, k, _ in self.points]
 

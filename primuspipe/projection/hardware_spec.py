@@ -96,6 +96,9 @@ class HardwareSpec:
     """Share of those isolated-kernel rates (GEMMs, attention) a training step sustains: clocks drop when
     every unit, HBM and the links are busy at once, and overlapped communication kernels hold compute units.
     Used with ``gemm_efficiency`` only (``achievable_fraction`` already is an in-training figure)."""
+    fp8_sustained_fraction: float | None = None
+    """``sustained_fraction`` for FP8 GEMMs (per-tensor and MXFP8), where the power-saturated clock drop was
+    measured apart for FP8 matmuls and differs from the BF16 one the main figure takes; None: ``sustained_fraction``."""
     compute_units: int | None = None
     """Streaming multiprocessors / compute units GEMM tiles are spread over (wave quantisation)."""
     gemm_tile: tuple[int, ...] = (128, 256)
@@ -207,7 +210,8 @@ class HardwareSpec:
                              "the smallest tile is two positive sizes, each at most gemm_tile's",
                              f"give [rows, columns] no larger than gemm_tile {list(self.gemm_tile)}, e.g. [128, 128]")
         for name in ("achievable_fraction", "memory_bandwidth_fraction", "network_efficiency", "gemm_efficiency",
-                     "fp8_gemm_efficiency", "attention_efficiency", "sustained_fraction", "mxfp8_cast_bandwidth_fraction",
+                     "fp8_gemm_efficiency", "attention_efficiency", "sustained_fraction", "fp8_sustained_fraction",
+                     "mxfp8_cast_bandwidth_fraction",
                      "mxfp8_gemm_efficiency", "attention_dropout_rate"):
             if getattr(self, name) is None:
                 continue

@@ -76,6 +76,27 @@ def test_hardware_without_the_curve_keeps_the_flat_mamf_and_a_zero_is_refused():
         dataclasses.replace(h100, gemm_half_intensity=0)
 
 
+def test_fp8_gemms_take_their_own_sustained_fraction_where_the_file_gives_one():
+    # an FP8 GEMM (per-tensor or block-scaled) runs at fp8_sustained_fraction, a BF16 one at sustained_fraction
+    base = dataclasses.replace(HW, sustained_fraction=0.8)
+    split = dataclasses.replace(base, fp8_sustained_fraction=0.6)
+    for gemm in (Gemm(4096, 4096, 4096, fp8=True), Gemm(4096, 4096, 4096, fp8=True, mxfp8=True)):
+        assert gemm_seconds(gemm, split, "bf16") == pytest.approx(gemm_seconds(gemm, base, "bf16") * 0.8 / 0.6)
+    bf16 = Gemm(4096, 4096, 4096)
+    assert gemm_seconds(bf16, split, "bf16") == gemm_seconds(bf16, base, "bf16")
+    # the curve's fit models isolated kernels: neither fraction enters it
+    points = ((2048, 2048, 2048, 50.0), (8192, 8192, 8192, 90.0))
+    assert (MeasuredGemms(hardware=split, fp8=True, source="synthetic", points=points).fit()
+            == pytest.approx(MeasuredGemms(hardware=base, fp8=True, source="synthetic", points=points).fit()))
+    with pytest.raises(InputError, match="fp8_sustained_fraction"):
+        dataclasses.replace(HW, fp8_sustained_fraction=1.2)
+    # the B200 file's: its BF16 figure times the FP8-over-BF16 ratio of the cited MSMF / MAMF rows (B200 against H200)
+    b200 = load_hardware(MEASUREMENTS.parents[1] / "b200.yaml")
+    fp8_part = (2795.7 / 3435.2) / (1288.7 / 1491.9) / ((1456.3 / 1770.9) / (708.5 / 841.9))
+    assert b200.fp8_sustained_fraction == pytest.approx(b200.sustained_fraction * fp8_part, abs=5e-4)
+    assert load_hardware(MEASUREMENTS.parents[1] / "h100.yaml").fp8_sustained_fraction is None
+
+
 def test_the_fit_recovers_a_known_curve_from_points_the_model_made():
     shapes = [(1024, 1024, 1024), (2048, 4096, 2048), (512, 8192, 4096), (8192, 8192, 8192), (128, 2880, 5760)]
     truth = dataclasses.replace(HW, gemm_half_intensity=321.0, sustained_fraction=1.0)
