@@ -26,9 +26,9 @@ DKV_SHIFT = KV / 4 * 2 / 100e9  # one rank's fp32 dK, dV block to the next rank
 ATTENTION = (4e-4, 8e-4, 0.0)   # F and B attention of the layer: 1e-4 and 2e-4 s per step of 4
 
 
-def training(impl: str, cp: int = 4) -> TrainingSpec:
+def training(impl: str, cp: int = 4, compiled: bool = False) -> TrainingSpec:
     return TrainingSpec(context_parallel_size=cp, pipeline_model_parallel_size=1, global_batch_size=1,
-                        data_parallel_size=1, micro_batch_size=1, cp_implementation=impl)
+                        data_parallel_size=1, micro_batch_size=1, cp_implementation=impl, cp_compiled=compiled)
 
 
 def test_allgather_hides_the_kv_gather_under_step_zero_only():
@@ -52,6 +52,18 @@ def test_alltoall_passes_each_block_under_one_step():
     assert (f, b) == pytest.approx((0.0, 2 * 0.5165824e-4 + 1.6777216e-4))
 
 
+@pytest.mark.parametrize("impl", ["torch-allgather", "torch-alltoall"])
+def test_a_compiled_ring_waits_for_every_transfer(impl):
+    """Traced by torch.compile each functional collective is waited where it is issued: the same bytes, none
+    hidden under an attention step."""
+    eager, compiled = training(impl), training(impl, compiled=True)
+    comm = layer_comm(MODEL, compiled, HW, "dense")
+    assert comm.cp == pytest.approx(layer_comm(MODEL, eager, HW, "dense").cp)
+    f, b, w = comm.exposed(compiled, (0.0,) * 3, ATTENTION, (1.0,) * 3)
+    assert (f, b, w) == pytest.approx(comm.cp)
+    assert (f, b) > layer_comm(MODEL, eager, HW, "dense").exposed(eager, (0.0,) * 3, ATTENTION, (1.0,) * 3)[:2]
+
+
 def test_te_p2p_stays_as_it_was():
     t = training("te-p2p")
     comm = layer_comm(MODEL, t, HW, "dense")
@@ -62,6 +74,11 @@ def test_te_p2p_stays_as_it_was():
 def test_a_torch_cp_implementation_needs_cp():
     with pytest.raises(InputError, match="cp_implementation"):
         training("torch-allgather", cp=1)
+
+
+def test_only_pytorchs_ring_is_compiled():
+    with pytest.raises(InputError, match="cp_compiled"):
+        training("te-p2p", compiled=True)
 
 
 def test_torchtitan_exchanges_the_repeated_kv_heads():
