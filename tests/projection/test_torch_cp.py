@@ -2,11 +2,13 @@
 each collective moves and what the attention steps hide, for Llama 3 8B at 8,192 tokens, CP 4, on one node."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from primuspipe.projection.comm import layer_comm
+from primuspipe.projection.compute import WorkModel
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.spec_fields import InputError
@@ -90,3 +92,13 @@ def test_torchtitan_exchanges_the_repeated_kv_heads():
     assert layer_comm(MODEL, titan, HW, "dense").cp == pytest.approx(
         tuple(4 * c for c in layer_comm(MODEL, t, HW, "dense").cp))
     assert layer_comm(MODEL, titan, HW, "dense").cp[0] == pytest.approx(4 * 2.5165824e-4)
+
+
+def test_torchtitan_ring_accumulates_the_repeated_kv_gradients():
+    """PyTorch's ring keeps dK / dV in fp32 at the shape of the K, V SDPA is given: torchtitan's 32 repeated heads,
+    not the 8 groups. Per step it reads the step's bf16 gradient and reads and writes the fp32 sum (2 + 8 bytes)."""
+    plain = WorkModel(MODEL, training("torch-allgather"))._attention_core()
+    titan = WorkModel(MODEL, replace(training("torch-allgather"), model_implementation="torchtitan"))._attention_core()
+    assert titan.forward.memory_bytes == plain.forward.memory_bytes
+    extra = titan.backward_input.memory_bytes - plain.backward_input.memory_bytes
+    assert extra == pytest.approx(4 * 8192 / 4 * (32 - 8) * (128 + 128) * (2 + 8))
