@@ -266,7 +266,10 @@ def torch_cp_steps(model: ModelSpec, training: TrainingSpec, net: Collectives, k
 
     The ring exchanges the K, V that SDPA is given: torchtitan's Llama (``model_implementation: torchtitan``;
     ``Attention.forward`` at 9dec370 and 820504e) repeats the KV heads to the query heads (``repeat_kv``) before
-    ``scaled_dot_product_attention``, so there every query head's K, V travel, not the groups'."""
+    ``scaled_dot_product_attention``, so there every query head's K, V travel, not the groups'.
+
+    Traced by ``torch.compile`` (``TrainingSpec.cp_compiled``) each transfer is waited as soon as it is issued:
+    it runs under no step."""
     if training.model_implementation == "torchtitan" and not model.multi_latent_attention:
         kv *= model.num_attention_heads / model.query_groups
     cp, span = training.cp, training.tp * training.cp
@@ -275,8 +278,9 @@ def torch_cp_steps(model: ModelSpec, training: TrainingSpec, net: Collectives, k
     else:
         kv_before = [net.shift(kv / cp, cp, span)] * (cp - 1) + [0.0]
     dkv = net.shift(kv / cp * 4 / e, cp, span)
-    forward = tuple((s, 1) for s in kv_before if s)
-    backward = tuple((s + (dkv if i else 0.0), 1) for i, s in enumerate(kv_before)) + ((dkv, 0),)
+    under = 0 if training.cp_compiled else 1
+    forward = tuple((s, under) for s in kv_before if s)
+    backward = tuple((s + (dkv if i else 0.0), under) for i, s in enumerate(kv_before)) + ((dkv, 0),)
     return forward, backward
 
 

@@ -474,11 +474,16 @@ class WorkModel(RankShape):
         Transformer Engine's ring (``AttnFuncWithCPAndKVP2P``) runs one attention kernel per step of the ring
         and merges each step's partial result into the output in fp32 (``out`` rescaled by the running
         log-sum-exp: read the step's output, read and write the fp32 accumulator); backward accumulates each
-        step's dQ, and dK/dV, into fp32 buffers the same way. ``CP`` steps; nothing without CP."""
+        step's dQ, and dK/dV, into fp32 buffers the same way. ``CP`` steps; nothing without CP. The dK/dV
+        accumulated are those of the K, V the attention kernel is given: torchtitan's Llama
+        (``model_implementation: torchtitan``) repeats the KV heads to the query heads before SDPA (``repeat_kv``),
+        and PyTorch's ring keeps ``grad_key`` / ``grad_value`` in fp32 at that shape
+        (``_templated_ring_attention_backward``: ``torch.zeros_like(key, dtype=accum_dtype)``)."""
         m, t = self.model, self.training
         if t.cp == 1:
             return 0.0, 0.0
-        kv_heads = m.num_attention_heads if m.multi_latent_attention else m.query_groups
+        repeated = m.multi_latent_attention or t.model_implementation == "torchtitan"
+        kv_heads = m.num_attention_heads if repeated else m.query_groups
         qk = m.qk_head_dim + m.qk_pos_emb_head_dim if m.multi_latent_attention else m.head_dim
         out = self.tokens * m.num_attention_heads / t.tp * v_head_dim
         dq = self.tokens * m.num_attention_heads / t.tp * qk

@@ -292,6 +292,14 @@ class TrainingSpec:
     ``torch-alltoall`` (``_AllToAllRotater`` for KV too) passes each step's KV block to the next rank, awaited
     after that step's attention, and dK/dV as under ``torch-allgather``. The ring moves the K, V SDPA is given:
     with ``model_implementation: torchtitan`` the KV heads repeated to the query heads (``repeat_kv``)."""
+    cp_compiled: bool = False
+    """With a ``torch-*`` ``cp_implementation``: the ring runs inside ``torch.compile``'d blocks (torchtitan's
+    ``training.compile``, each TransformerBlock compiled with ``fullgraph=True``, so the SDPA call and the ring
+    torch's context-parallel dispatch runs for it are traced into the block's graph). A functional collective
+    traced so is waited where it is issued (torch ``distributed/_functional_collectives.py``,
+    ``_maybe_wrap_tensor``: ``wait_tensor`` at once when ``_are_we_tracing()``, the asynchronous wrapper only in
+    eager), and inductor moves no wait later unless ``reorder_for_compute_comm_overlap`` is set (``False`` by
+    default, ``torch/_inductor/config.py``): every KV and dK/dV transfer of the ring shows whole."""
     overlap_param_gather: bool = False
     """Distributed optimizer: the weight all-gather runs under the next step's forward, bucket by bucket."""
     align_param_gather: bool = False
@@ -775,6 +783,9 @@ class TrainingSpec:
                        "PyTorch's cross entropy is a loss of its own over unsharded logits",
                        "remove cross_entropy_loss_fusion (Megatron's loss) and keep TP 1, "
                        "or remove torch_cross_entropy")
+        if self.cp_compiled and self.cp_implementation == "te-p2p":
+            self._fail(("cp_compiled", "cp_implementation"), "cp_compiled is PyTorch's ring traced by torch.compile",
+                       "set cp_implementation to torch-allgather or torch-alltoall, or remove cp_compiled")
         if self.cp_implementation != "te-p2p" and self.context_parallel_size == 1:
             self._fail(("cp_implementation", "context_parallel_size"), "a context-parallel implementation without CP",
                        "set context_parallel_size above 1, or remove cp_implementation")

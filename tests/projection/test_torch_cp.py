@@ -2,11 +2,13 @@
 each collective moves and what the attention steps hide, for Llama 3 8B at 8,192 tokens, CP 4, on one node."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from primuspipe.projection.comm import layer_comm
+from primuspipe.projection.compute import WorkModel
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.spec_fields import InputError
@@ -26,9 +28,9 @@ DKV_SHIFT = KV / 4 * 2 / 100e9  # one rank's fp32 dK, dV block to the next rank
 ATTENTION = (4e-4, 8e-4, 0.0)   # F and B attention of the layer: 1e-4 and 2e-4 s per step of 4
 
 
-def training(impl: str, cp: int = 4) -> TrainingSpec:
+def training(impl: str, cp: int = 4, compiled: bool = False) -> TrainingSpec:
     return TrainingSpec(context_parallel_size=cp, pipeline_model_parallel_size=1, global_batch_size=1,
-                        data_parallel_size=1, micro_batch_size=1, cp_implementation=impl)
+                        data_parallel_size=1, micro_batch_size=1, cp_implementation=impl, cp_compiled=compiled)
 
 
 def test_allgather_hides_the_kv_gather_under_step_zero_only():
@@ -52,6 +54,18 @@ def test_alltoall_passes_each_block_under_one_step():
     assert (f, b) == pytest.approx((0.0, 2 * 0.5165824e-4 + 1.6777216e-4))
 
 
+@pytest.mark.parametrize("impl", ["torch-allgather", "torch-alltoall"])
+def test_a_compiled_ring_waits_for_every_transfer(impl):
+    """Traced by torch.compile each functional collective is waited where it is issued: the same bytes, none
+    hidden under an attention step."""
+    eager, compiled = training(impl), training(impl, compiled=True)
+    comm = layer_comm(MODEL, compiled, HW, "dense")
+    assert comm.cp == pytest.approx(layer_comm(MODEL, eager, HW, "dense").cp)
+    f, b, w = comm.exposed(compiled, (0.0,) * 3, ATTENTION, (1.0,) * 3)
+    assert (f, b, w) == pytest.approx(comm.cp)
+    assert (f, b) > layer_comm(MODEL, eager, HW, "dense").exposed(eager, (0.0,) * 3, ATTENTION, (1.0,) * 3)[:2]
+
+
 def test_te_p2p_stays_as_it_was():
     t = training("te-p2p")
     comm = layer_comm(MODEL, t, HW, "dense")
@@ -64,6 +78,11 @@ def test_a_torch_cp_implementation_needs_cp():
         training("torch-allgather", cp=1)
 
 
+def test_only_pytorchs_ring_is_compiled():
+    with pytest.raises(InputError, match="cp_compiled"):
+        training("te-p2p", compiled=True)
+
+
 def test_torchtitan_exchanges_the_repeated_kv_heads():
     """torchtitan's Llama repeats the 8 KV heads to the 32 query heads before SDPA (repeat_kv): the ring moves 4x."""
     t = training("torch-allgather")
@@ -73,3 +92,13 @@ def test_torchtitan_exchanges_the_repeated_kv_heads():
     assert layer_comm(MODEL, titan, HW, "dense").cp == pytest.approx(
         tuple(4 * c for c in layer_comm(MODEL, t, HW, "dense").cp))
     assert layer_comm(MODEL, titan, HW, "dense").cp[0] == pytest.approx(4 * 2.5165824e-4)
+
+
+def test_torchtitan_ring_accumulates_the_repeated_kv_gradients():
+    """PyTorch's ring keeps dK / dV in fp32 at the shape of the K, V SDPA is given: torchtitan's 32 repeated heads,
+    not the 8 groups. Per step it reads the step's bf16 gradient and reads and writes the fp32 sum (2 + 8 bytes)."""
+    plain = WorkModel(MODEL, training("torch-allgather"))._attention_core()
+    titan = WorkModel(MODEL, replace(training("torch-allgather"), model_implementation="torchtitan"))._attention_core()
+    assert titan.forward.memory_bytes == plain.forward.memory_bytes
+    extra = titan.backward_input.memory_bytes - plain.backward_input.memory_bytes
+    assert extra == pytest.approx(4 * 8192 / 4 * (32 - 8) * (128 + 128) * (2 + 8))
