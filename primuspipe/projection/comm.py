@@ -61,6 +61,15 @@ class Collectives:
         cards = min(members * h.inter_node_bandwidth_bytes_per_s, h.intra_node_bandwidth_bytes_per_s)
         return cards * h.network_efficiency, h.inter_node_latency_s
 
+    def compute_share(self, ranks: int, span: int) -> float:
+        """Share of a GPU's compute units a ring collective over ``ranks`` spread over ``span`` consecutive ranks
+        holds while it runs (:attr:`HardwareSpec.collective_ctas_per_card` per card the group's members on a node
+        use); 0 inside one node or where the hardware file gives no count."""
+        h = self.hardware
+        if ranks == 1 or span <= h.gpus_per_node or not h.collective_ctas_per_card or not h.compute_units:
+            return 0.0
+        return h.collective_ctas_per_card * max(1, ranks * h.gpus_per_node // span) / h.compute_units
+
     def gather(self, nbytes: float, ranks: int, span: int) -> float:
         """All-gather (or reduce-scatter) of a ``nbytes`` buffer over ``ranks`` (a ring)."""
         if ranks == 1 or nbytes == 0:
@@ -428,7 +437,11 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
 
     A step of several pipeline schedules (:attr:`TrainingSpec.local_batch_size`) reduces unsharded gradients in
     each schedule's last backward (``torch.distributed.pipelining``'s stage syncs its DDP module there), so
-    the reduction shows once per flush."""
+    the reduction shows once per flush.
+
+    What the compute hides is not free for it: across nodes a collective's CTAs hold compute units the kernels beside
+    it cannot use (:meth:`Collectives.compute_share`), so the compute that runs beside the hidden part takes
+    ``1 / (1 - share)`` as long, as under DeepEP's dispatcher (:meth:`LayerComm.exposed`); that extra time shows."""
     t, net = training, Collectives(hardware)
     grad_bytes = t.main_grad_bytes  # mixed precision accumulates and reduces in fp32 unless told otherwise
     wide = 4 if t.precision == "fp32" else 2
@@ -444,34 +457,41 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
         gather = calls * net.gather(weights / calls, dense_ranks, span)
         held_reduce = reduce * unquantized / params.dense if params.dense else 0.0
         held_gather = gather * unquantized * wide / weights if weights else 0.0
-        reduce += net.gather(params.expert * grad_bytes, expert_ranks, span)
-        gather += net.gather(params.expert * gathered_weight_bytes(t), expert_ranks, span)
+        expert = (net.gather(params.expert * grad_bytes, expert_ranks, span),
+                  net.gather(params.expert * gathered_weight_bytes(t), expert_ranks, span))
     else:
-        reduce = net.all_reduce(params.dense * grad_bytes, dense_ranks, span) + \
-            net.all_reduce(params.expert * grad_bytes, expert_ranks, span)
+        reduce = net.all_reduce(params.dense * grad_bytes, dense_ranks, span)
+        expert = (net.all_reduce(params.expert * grad_bytes, expert_ranks, span), 0.0)
         gather = held_reduce = held_gather = 0.0
+    dense_s = reduce + gather
+    reduce, gather = reduce + expert[0], gather + expert[1]
+    busy = dense_s * net.compute_share(dense_ranks, span) + sum(expert) * net.compute_share(expert_ranks, span)
+    share = busy / (reduce + gather) if reduce + gather else 0.0  # the collectives' time-weighted share
     if not (first_rank and ddp):
         held_reduce = held_gather = 0.0
     tied = net.all_reduce(tied_embedding * grad_bytes, 2, span * t.pp)
     tail = 1 / max(1, buckets)
     compute_s = forward_s + backward_s
     if t.shards_gradients:
+        run_reduce = reduce * t.microbatches
         reduce = max(reduce * tail, t.microbatches * max(0.0, reduce - compute_s)) if t.overlap_grad_reduce \
-            else reduce * t.microbatches
-    elif t.overlap_grad_reduce:
-        reduce = max(held_reduce + (reduce - held_reduce) * tail, reduce - backward_s) * t.pipeline_flushes
+            else run_reduce
     else:
-        reduce *= t.pipeline_flushes
+        run_reduce = reduce * t.pipeline_flushes
+        reduce = (max(held_reduce + (reduce - held_reduce) * tail, reduce - backward_s) * t.pipeline_flushes
+                  if t.overlap_grad_reduce else run_reduce)
     if t.shards_weights and not t.gathered_for_step:
         passes = 2 if t.fsdp_reshard_after_forward else 1  # before the forward, and again before the backward
-        gather = t.microbatches * max(0.0, passes * gather - compute_s) if t.overlap_param_gather \
-            else passes * gather * t.microbatches
-        return gather + tied + reduce
-    if t.overlap_param_gather and not aligned:
-        gather = max(held_gather + (gather - held_gather) * tail, gather - forward_s)
-    if t.gathered_for_step:  # each schedule gathers its stage's weights anew (resharded after its last backward)
-        gather *= t.pipeline_flushes
-    return gather + tied + reduce
+        run_gather = passes * gather * t.microbatches
+        gather = t.microbatches * max(0.0, passes * gather - compute_s) if t.overlap_param_gather else run_gather
+    else:
+        flushes = t.pipeline_flushes if t.gathered_for_step else 1  # each schedule gathers its stage's weights anew
+        run_gather = gather * flushes
+        if t.overlap_param_gather and not aligned:
+            gather = max(held_gather + (gather - held_gather) * tail, gather - forward_s)
+        gather *= flushes
+    hidden = max(0.0, run_reduce + run_gather - reduce - gather)
+    return gather + tied + reduce + hidden * share / (1 - share)
 
 
 def bucket_groups(dense: int, buffer: DenseBuffer, training: TrainingSpec) -> int:

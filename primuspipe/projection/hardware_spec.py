@@ -168,6 +168,14 @@ class HardwareSpec:
     or sends in a combine, over the call's time) grows with the SMs given to it. A flex-dispatcher call inside a node
     on DeepEP takes the longer of the fabric's time and its rows over ``dispatcher SMs x`` this
     (:func:`~primuspipe.projection.comm.layer_comm`). None: the fabric's time alone."""
+    collective_ctas_per_card: int | None = None
+    """Thread blocks (CTAs) NCCL's ring collectives run on each GPU per network card the group's members on a node
+    use, across nodes: NCCL builds a ring (channel) per card and doubles the rings, each ring a CTA, and a CTA never
+    shares its SM with a compute kernel (NVIDIA/nccl issue 689, the NCCL maintainer: a single-NIC system "should just
+    launch 2 SMs", "DGX with 8 NICs ... would use 16 SMs"; "NCCL CTAs won't share an SM with compute kernels"). Compute
+    that an overlapped data-parallel collective runs beside takes ``1 / (1 - CTAs / compute_units)`` as long
+    (:func:`~primuspipe.projection.comm.gradient_sync`). None: overlapped collectives take no compute units (groups
+    inside one node, whose NVLink rings' CTA count no source gives, are not priced either)."""
     scatter_add_elements_per_s: float | None = None
     """Elements per second PyTorch's accumulating scatters (``scatter_add_``, ``index_add_``: a write that adds into
     its destination instead of overwriting it) reach on this accelerator for bf16 token rows. megatron-core's
@@ -184,7 +192,7 @@ class HardwareSpec:
                      "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds",
                      "moe_sync_host_op_seconds", "moe_kernel_seconds", "stream_launch_gap_seconds",
                      "gemm_half_intensity", "hybridep_bandwidth_bytes_per_s", "scatter_add_elements_per_s",
-                     "deepep_sm_bandwidth_bytes_per_s"):
+                     "deepep_sm_bandwidth_bytes_per_s", "collective_ctas_per_card"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
         for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),
@@ -225,6 +233,13 @@ class HardwareSpec:
                 raise InputError([(self.source, name, value)], f"lies outside [{low:g}, {high:g}] {unit}, beyond any "
                                  "accelerator or link (the projection's times would not stay numbers)",
                                  f"give the figure in {unit}" + (" (or 0 for none)" if unit == "seconds" else ""))
+
+        if self.collective_ctas_per_card and self.compute_units and \
+                self.collective_ctas_per_card * self.gpus_per_node >= self.compute_units:
+            raise InputError([(self.source, "collective_ctas_per_card", self.collective_ctas_per_card),
+                              (self.source, "compute_units", self.compute_units)],
+                             "a node's collectives would hold every compute unit",
+                             "give NCCL's CTAs per network card, e.g. 2")
 
     def fp8_peak_tflops(self) -> float:
         if self.peak_fp8_tflops is None:
@@ -288,7 +303,7 @@ SPANS = {
     "hybridep_bandwidth_bytes_per_s": _BYTES_PER_S, "deepep_sm_bandwidth_bytes_per_s": _BYTES_PER_S,
     "scatter_add_elements_per_s": (1e3, 1e16, "elements per second"),
     "gemm_half_intensity": (1e-3, 1e6, "FLOP per byte"), "gpus_per_node": (1, 2**16, "GPUs"),
-    "compute_units": (1, 2**20, "compute units"),
+    "compute_units": (1, 2**20, "compute units"), "collective_ctas_per_card": (1, 2**10, "CTAs"),
     **{name: _SECONDS for name in ("intra_node_latency_s", "inter_node_latency_s", "host_op_seconds",
                                    "host_launch_seconds", "moe_sync_host_op_seconds", "moe_kernel_seconds",
                                    "stream_launch_gap_seconds")},
