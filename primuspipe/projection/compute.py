@@ -681,10 +681,11 @@ class WorkModel(RankShape):
     def _expert_input_bias(self) -> PassWork:
         """The experts' first bias where the grouped GEMM does not add it (``expert_kernels: automodel-deepep``:
         ``ops.gmm`` has no bias, AutoModel's ``_apply_bias`` adds it): per local expert the bias plus that expert's
-        slice of the first linear's output (``copies x 2F`` with a gated activation), then one concatenation, in the activations' dtype
-        (no probabilities, no cast): forward the sum and the concatenation each read and written, backward the
-        bias's gradient, a reduction over the copies that reads the output gradient once (the concatenation's and
-        the sum's gradients pass through as views). megatron-core adds it in the grouped GEMM: nothing here."""
+        slice of the first linear's output (``copies x 2F`` with a gated activation), then one concatenation, in
+        the activations' dtype (no probabilities, no cast): forward the sum and the concatenation each read and
+        written, backward the bias's gradient, a reduction over the copies that reads the output gradient once (the
+        concatenation's and the sum's gradients pass through as views). megatron-core adds it in the grouped GEMM:
+        nothing here."""
         m, t, e = self.model, self.training, self.e
         if t.expert_kernels != "automodel-deepep":
             return NO_WORK

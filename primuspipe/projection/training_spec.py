@@ -796,7 +796,8 @@ class TrainingSpec:
                        "torchtitan's eager element-wise ops are unfused and priced for 2-byte activations",
                        "set bias_activation_fusion and apply_rope_fusion false with precision bf16, or remove elementwise_kernels")
         if self.expert_kernels == "automodel-deepep" and self.moe_token_dispatcher_type != "flex":
-            self._fail(("expert_kernels", "moe_token_dispatcher_type"), "AutoModel's GroupedExpertsDeepEP runs on DeepEP",
+            self._fail(("expert_kernels", "moe_token_dispatcher_type"),
+                       "AutoModel's GroupedExpertsDeepEP runs on DeepEP",
                        "set moe_token_dispatcher_type: flex, or remove expert_kernels")
         if self.fp8_format is not None and self.precision == "fp32":
             self._fail(("fp8_format", "precision"), "FP8 GEMMs need mixed precision", "set precision: bf16")
