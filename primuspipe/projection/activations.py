@@ -232,7 +232,8 @@ class ActivationModel(RankShape):
             routed_act -= copies * width * self.e
         elif t.experts_fp8:  # (the legacy GroupedMLP's BF16 experts keep BF16 inputs under FP8)
             routed_act -= 0.5 * copies * width * self.e
-        if m.activation_func_clamp_value is not None and not t.recomputes("moe_act"):
+        if (m.activation_func_clamp_value is not None and not t.recomputes("moe_act")
+                and t.expert_kernels != "automodel-deepep"):  # AutoModel's compiled GLU keeps fc1's output only
             # the clamped copy of fc1's output the activation saves, beside fc1's output the clamps save
             # (megatron-core's weighted_bias_quick_geglu_impl / glu; compute.WorkModel._expert_clamp)
             routed_act += copies * 2 * width * self.e

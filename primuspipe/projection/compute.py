@@ -683,6 +683,20 @@ class WorkModel(RankShape):
         backward = 2 * casts + 2 * 3 * r
         return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
 
+    def _expert_input_bias(self) -> PassWork:
+        """The experts' first bias where the grouped GEMM does not add it (``expert_kernels: automodel-deepep``:
+        ``ops.gmm`` has no bias, AutoModel's ``_apply_bias`` adds it): per local expert the bias plus that expert's
+        slice of the first linear's output (``copies x 2F`` with a gated activation), then one concatenation, in
+        the activations' dtype (no probabilities, no cast): forward the sum and the concatenation each read and
+        written, backward the bias's gradient, a reduction over the copies that reads the output gradient once (the
+        concatenation's and the sum's gradients pass through as views). megatron-core adds it in the grouped GEMM:
+        nothing here."""
+        m, t, e = self.model, self.training, self.e
+        if t.expert_kernels != "automodel-deepep":
+            return NO_WORK
+        elements = self.routed_copies * (2 if m.swiglu else 1) * m.expert_ffn / t.etp
+        return PassWork(Work(memory_bytes=4 * e * elements), Work(memory_bytes=e * elements), Work())
+
     def _fp8_padding(self) -> PassWork:
         """The experts' FP8 padding copies (:attr:`~primuspipe.projection.training_spec.RankShape.fp8_padding_copies`) as memory traffic: forward, the token copies
         read and written into the padded buffer and the second linear's output read and written back out of it,
@@ -723,7 +737,7 @@ class WorkModel(RankShape):
         test_time_model.py``). A recompute of ``moe_act`` repeats the forward's (the checkpoint reruns the whole
         function)."""
         m, t, e = self.model, self.training, self.e
-        if m.activation_func_clamp_value is None:
+        if m.activation_func_clamp_value is None or t.expert_kernels == "automodel-deepep":  # compiled with the GLU
             return NO_WORK
         elements = self.routed_copies * m.expert_ffn / t.etp
         forward = 4 * e + (4 * e if t.bias_activation_fusion else 0)
@@ -758,7 +772,7 @@ class WorkModel(RankShape):
                       if m.moe_shared_expert_intermediate_size else None)
             router = (NO_WORK if t.fake_balanced_gate  # AutoModel's fake gate has no GEMM
                       else self._linear(self.residual_tokens, m.hidden_size, m.num_experts, fp8=False))
-            bias = [self._expert_output_bias()] if m.add_bias_linear else []
+            bias = [self._expert_input_bias(), self._expert_output_bias()] if m.add_bias_linear else []
             clamp = self._expert_clamp()
             mlp = _sum(routed, self._fp8_padding(), router, clamp, *bias, *([shared] if shared else []))
             mlp_recompute = (mlp.forward if t.recomputes("moe") else

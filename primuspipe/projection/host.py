@@ -73,6 +73,8 @@ OPS = {
     "shared_expert": 1,       # the shared expert's activation (its two linears are counted as linears)
     "expert_bias": 2 + 1 + 1, # with add_bias_linear: split output and probabilities, concatenate, cast back
     "expert_bias_each": 2,    # ... and per local expert: bias x probability, added to the expert's slice
+    "expert_input_bias": 2,   # AutoModel's first bias (expert_kernels: automodel-deepep): split, concatenate
+    "expert_input_bias_each": 1,  # ... and per local expert: the bias added to the expert's slice
 }
 """Framework ops of one layer's forward besides its linear modules, by region; each has one autograd node
 backward (in B). A fused kernel replaces a group by one op (:func:`moe_op_counts`)."""
@@ -230,6 +232,8 @@ def _standard_regions(model: ModelSpec, training: TrainingSpec, kind: str, fp8: 
     preprocess = ops["moe_preprocess"] + (ops["moe_dtoh"] if waits_for_token_counts(t, kind) else 0)
     regions["moe_preprocess"] = (0, preprocess, preprocess)
     bias = OPS["expert_bias"] + local * OPS["expert_bias_each"] if model.add_bias_linear else 0  # TEGroupedMLP._apply_bias
+    if model.add_bias_linear and t.expert_kernels == "automodel-deepep":
+        bias += OPS["expert_input_bias"] + local * OPS["expert_input_bias_each"]
     padding = OPS["moe_fp8_padding"] if fp8 and RankShape(model, t).fp8_padding_copies else 0
     moe = (ops["moe_permute"] + ops["moe_dispatch"] + (2 * ops["moe_sort"] if local > 1 else 0) + ops["moe_experts"]
            + padding + ops["moe_unpermute"] + ops["moe_combine"] + (OPS["shared_expert"] if shared else 0) + bias)

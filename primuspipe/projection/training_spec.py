@@ -349,6 +349,14 @@ class TrainingSpec:
     (mod the expert count) with equal weights, so every expert gets the same share and a token's ``k`` experts are
     consecutive, on as few EP ranks as they can be (one where ``k`` divides the experts per rank). Megatron's
     ``moe_router_force_load_balancing`` balances by random logits instead (experts drawn at random)."""
+    expert_kernels: Literal["megatron", "automodel-deepep"] = "megatron"
+    """Whose code runs the routed experts' element-wise work around their grouped GEMMs: ``megatron``,
+    megatron-core's ``TEGroupedMLP`` (the first bias in the grouped GEMM, the second added by ``_apply_bias``, a
+    clamped GLU's clamps as eager ops outside the fused activation); ``automodel-deepep``, NeMo AutoModel's
+    ``GroupedExpertsDeepEP`` (``nemo_automodel/components/moe/layers.py`` at 89e3a9fdd, its DeepEP path): the
+    grouped GEMMs are ``grouped_gemm``'s ``ops.gmm``, without a bias, so both biases are added by its per-expert
+    ``_apply_bias`` loop and concatenation, and the clamped GLU is one function compiled by ``torch.compile``
+    (``quick_geglu_deepep``: the clamps inside the activation's kernel). Needs the flex dispatcher (DeepEP)."""
     moe_expert_load_imbalance: float | None = None
     """The busiest expert group's tokens over the mean (>= 1): expert GEMMs and the all-to-all take that much
     longer on the rank that holds it. None: 1 (uniform routing; no public figure for trained routers is
@@ -798,6 +806,10 @@ class TrainingSpec:
             self._fail(("elementwise_kernels", "bias_activation_fusion", "apply_rope_fusion", "precision"),
                        "torchtitan's eager element-wise ops are unfused and priced for 2-byte activations",
                        "set bias_activation_fusion and apply_rope_fusion false with precision bf16, or remove elementwise_kernels")
+        if self.expert_kernels == "automodel-deepep" and self.moe_token_dispatcher_type != "flex":
+            self._fail(("expert_kernels", "moe_token_dispatcher_type"),
+                       "AutoModel's GroupedExpertsDeepEP runs on DeepEP",
+                       "set moe_token_dispatcher_type: flex, or remove expert_kernels")
         if self.fp8_format is not None and self.precision == "fp32":
             self._fail(("fp8_format", "precision"), "FP8 GEMMs need mixed precision", "set precision: bf16")
         self._check_primus_turbo()

@@ -552,6 +552,43 @@ def test_a_clamp_that_bounds_nothing_is_refused(value):
         dataclasses.replace(MODEL, activation_func_clamp_value=value)
 
 
+@pytest.mark.parametrize("experts,ep", [(16, 2), (16, 8)])
+def test_automodel_deepep_experts_add_both_biases_in_a_loop_and_compile_the_clamp(experts, ep):
+    """NeMo AutoModel's GroupedExpertsDeepEP: ops.gmm takes no bias, so the first bias is added like the second,
+    per local expert and concatenated (4e an element of the copies x 2F output forward, e backward, 2 + E/EP ops
+    each pass); its clamped GLU is one compiled function, so the clamps add no pass and no kept copy. The second
+    bias costs what megatron-core's _apply_bias does."""
+    from primuspipe.projection.activations import ActivationModel
+
+    biased = dataclasses.replace(MODEL, num_experts=experts, moe_router_topk=4, swiglu=True, add_bias_linear=True,
+                                 activation_func_clamp_value=7.0)
+    megatron = dataclasses.replace(TRAINING, expert_model_parallel_size=ep, data_parallel_size=8, global_batch_size=64,
+                                   moe_token_dispatcher_type="flex")
+    automodel = dataclasses.replace(megatron, expert_kernels="automodel-deepep")
+    ours, theirs, e = WorkModel(biased, automodel), WorkModel(biased, megatron), megatron.activation_bytes
+    assert ours._expert_clamp() == PassWork(Work(), Work(), Work())
+    assert theirs._expert_input_bias() == PassWork(Work(), Work(), Work())
+    assert ours._expert_output_bias() == theirs._expert_output_bias()
+    wide = ours.expert_copies * 2 * biased.expert_ffn
+    clamp = theirs._expert_clamp()
+    moe, moe0 = ours.layer("moe"), theirs.layer("moe")
+    assert moe.forward.memory_bytes - moe0.forward.memory_bytes == pytest.approx(
+        4 * e * wide - clamp.forward.memory_bytes)
+    assert moe.backward_input.memory_bytes - moe0.backward_input.memory_bytes == pytest.approx(
+        e * wide - clamp.backward_input.memory_bytes)
+    assert moe.backward_weight == moe0.backward_weight
+    ops = 2 + experts // ep
+    assert [a - b for a, b in zip(moe_small_kernels(biased, automodel), moe_small_kernels(biased, megatron))] == [
+        ops, ops, 0]
+    kept = ActivationModel(biased, megatron).layer("moe").total - ActivationModel(biased, automodel).layer("moe").total
+    assert kept == pytest.approx(2 * e * ours.expert_copies * biased.expert_ffn)  # megatron's clamped copy
+
+
+def test_automodel_deepep_experts_need_the_flex_dispatcher():
+    with pytest.raises(InputError, match="expert_kernels"):
+        dataclasses.replace(TRAINING, expert_kernels="automodel-deepep")
+
+
 def _visited_key_blocks(seq: int, left: int, block: int) -> int:
     """Key blocks a flash kernel must visit for a causal window of ``left`` keys, by brute force over the queries:
     block j serves query block i when some query q of i sees a key of j, i.e. j * block <= q and
