@@ -121,165 +121,183 @@ class Hang:
 
 
 class _Replay:
-    """The state of one replay; ops are ``(rank, index)`` of communication nodes."""
+    """The state of one replay. Ops (communication nodes) are ints, numbered in row order rank by rank,
+    and an *item* is what a stream runs at once (one op, or a batch's ops); the state is lists and
+    bytearrays indexed by them, since a pp 64, m 512 table has a quarter of a million ops."""
 
     def __init__(self, table: ScheduleTable, semantics: Semantics):
         self.table, self.semantics = table, semantics
-        wiring = table.wiring
-        self.partner: dict[tuple[int, int], tuple[int, int]] = {}
-        by_key: dict[int, tuple[int, int]] = {}
-        self.item_of: dict[tuple[int, int], int] = {}
-        self.items: list[list[tuple[int, int]]] = []   # item -> its ops
-        self.item_stream: list[tuple[int, StreamKey]] = []
-        self.item_posted: list[int] = []               # item -> the index its last op is posted at
-        self.queues: dict[tuple[int, StreamKey], deque[int]] = {}
+        self.where: list[tuple[int, int]] = []             # op -> (rank, index)
+        self.partner: list[int] = []                       # op -> the peer rank's op it meets
+        self.item_of: list[int] = []
+        self.items: list[list[int]] = []                   # item -> its ops
+        self.item_stream: list[int] = []
+        self.stream_name: list[tuple[int, StreamKey]] = []  # stream -> (rank, key)
+        self.queues: list[list[int]] = []                  # stream -> its items in posting order
+        self.programs: list[list[int]] = []
+        """Per rank, its row as the replay walks it: ``item`` (>= 0) posts an item, ``~i`` waits at
+        compute node ``i`` (``~len(row)``: the row's end) for the ops ``needs[rank][i]``."""
+        self.needs: list[dict[int, list[int]]] = []
+        unpaired: dict[int, int] = {}                      # transfer key -> the op that moves it
         for rank, row in enumerate(table.ranks):
-            moves = wiring.moves[rank]
-            open_batch: dict[StreamKey, int] = {}
-            for i, node in enumerate(row):
-                if moves[i] < 0:
-                    open_batch.clear()
+            first_op, streams, program = len(self.where), {}, []
+            run: list[int] = []                            # the items of this run of communication nodes
+            batch: dict[int, int] = {}                     # stream -> its item open in this run
+            for i, key in enumerate(table.wiring.moves[rank]):
+                if key < 0:  # posting never waits: a run of communication nodes is posted as one
+                    program += run
+                    program.append(~i)
+                    run.clear()
+                    batch.clear()
                     continue
-                op = (rank, i)
-                if (other := by_key.pop(moves[i], None)) is not None:
+                op = len(self.where)
+                self.where.append((rank, i))
+                self.partner.append(-1)
+                if (other := unpaired.pop(key, None)) is not None:
                     self.partner[op], self.partner[other] = other, op
                 else:
-                    by_key[moves[i]] = op
-                key = semantics.stream(rank, node) if semantics.stream else ("op", rank, i)
-                item = open_batch.get(key) if semantics.batches else None
-                if item is None:
+                    unpaired[key] = op
+                name = semantics.stream(rank, row[i]) if semantics.stream else ("op", rank, i)
+                if (stream := streams.get(name)) is None:
+                    stream = streams[name] = len(self.queues)
+                    self.queues.append([])
+                    self.stream_name.append((rank, name))
+                if (item := batch.get(stream)) is None:
                     item = len(self.items)
                     self.items.append([])
-                    self.item_stream.append((rank, key))
-                    self.item_posted.append(i)
-                    self.queues.setdefault((rank, key), deque()).append(item)
+                    self.item_stream.append(stream)
+                    self.queues[stream].append(item)
+                    run.append(item)
                     if semantics.batches:
-                        open_batch[key] = item
+                        batch[stream] = item
                 self.items[item].append(op)
-                self.item_posted[item] = i
-                self.item_of[op] = item
-        assert not by_key, "pairing is checked before the replay"
-        self.needs = [self._needs(rank) for rank in range(table.pp)]
-        self.ptr = [0] * table.pp
-        self.running: set[tuple[int, int]] = set()
-        self.done: set[tuple[int, int]] = set()
-        self.left = [len(ops) for ops in self.items]
-        self.waiting: dict[tuple[int, int], int] = {}   # op -> the rank stopped on it
-        self.stopped_on: dict[int, tuple[int, int]] = {}
+                self.item_of.append(item)
+            self.programs.append(program + run + [~len(row)])
+            self.needs.append(self._needs(rank, range(first_op, len(self.where))))
+        assert not unpaired, "pairing is checked before the replay"
+        self.head = [0] * len(self.queues)                 # stream -> the index of its first incomplete item
+        self.left = [len(ops) for ops in self.items]       # item -> its ops not yet complete
+        self.posted = bytearray(len(self.items))
+        self.running = bytearray(len(self.where))
+        self.done = bytearray(len(self.where))
+        self.at = [0] * table.pp                           # rank -> its position in its program
+        self.waiting: dict[int, int] = {}                  # op -> the rank stopped on it
+        self.stopped_on: dict[int, int] = {}               # rank -> the op it waits on
+        self.ready: deque[int] = deque(range(table.pp))    # ranks that may move on
+        self.heads: list[int] = []                         # streams whose head item may start
 
-    def _needs(self, rank: int) -> dict[int, list[tuple[int, int]]]:
+    def _needs(self, rank: int, ops_here: range) -> dict[int, list[int]]:
         """Per compute index of ``rank``, the ops it waits for (received inputs, sends it proves
-        delivered), last first; ``len(row)``: the row's end waits for every op."""
+        delivered), last first; ``len(row)``: the row's end waits for every op of the rank."""
         table, wiring = self.table, self.table.wiring
-        row, placement = table.ranks[rank], table.placement
-        op_of = {wiring.moves[rank][i]: (rank, i) for i in range(len(row)) if wiring.moves[rank][i] >= 0}
-        needs: dict[int, list[tuple[int, int]]] = {}
-        for i, node in enumerate(row):
-            if not node.kind.is_compute:
+        routes, per_route = wiring.routes, wiring.microbatches
+        row, stages = table.ranks[rank], table.placement.stages[rank]
+        op_of = {wiring.moves[rank][self.where[op][1]]: op for op in ops_here}
+        proves: dict[tuple, int] = {}                      # (kind, route taken) -> first key of the send it proves
+        needs: dict[int, list[int]] = {}
+        for i, keys in enumerate(wiring.takes[rank]):
+            if not keys:
                 continue
             ops = []
-            for kind, mb, chunk in node.parts():
-                stage = placement.stage(rank, chunk)
-                for key in wiring.takes[rank][i]:
-                    transfer = wiring.transfer(key)
-                    if transfer.dst_stage != stage or transfer.microbatch != mb:
+            for kind, mb, chunk in row[i].parts():
+                for key in keys:
+                    route, key_mb = divmod(key, per_route)
+                    if key_mb != mb or routes[route].dst_stage != stages[chunk]:
                         continue
                     ops.append(op_of[key])
-                    sent = released_transfer(placement, kind, stage, transfer.src_stage, mb)
-                    sent_key = None if sent is None else wiring.key(sent)
-                    if sent_key in op_of:
-                        ops.append(op_of[sent_key])
+                    if (sent := proves.get((kind, route))) is None:
+                        proved = released_transfer(table.placement, kind, stages[chunk], routes[route].src_stage, 0)
+                        first = None if proved is None else wiring.key(proved)
+                        sent = proves[kind, route] = -1 if first is None else first
+                    if sent >= 0 and (op := op_of.get(sent + mb)) is not None:
+                        ops.append(op)
             if ops:
                 needs[i] = ops[::-1]
-        needs[len(row)] = sorted(op_of.values(), reverse=True)
+        needs[len(row)] = list(reversed(ops_here))
         return needs
 
     def run(self) -> Hang | None:
-        ready: deque[int] = deque(range(self.table.pp))
-        streams: deque[tuple[int, StreamKey]] = deque()
-        while ready or streams:
-            if streams:
-                self._start_head(streams.popleft(), ready, streams)
+        while self.heads or self.ready:
+            if self.heads:
+                self._start(self.heads.pop())
             else:
-                self._advance(ready.popleft(), streams)
-        stopped = {r: self.ptr[r] for r in range(self.table.pp) if r in self.stopped_on}
+                self._advance(self.ready.popleft())
+        stopped = {r: ~self.programs[r][self.at[r]] for r in sorted(self.stopped_on)}
         return self._explain(stopped) if stopped else None
 
-    def _advance(self, rank: int, streams: deque) -> None:
+    def _advance(self, rank: int) -> None:
         """Move ``rank`` along its row until it waits on an op that has not completed."""
         self.stopped_on.pop(rank, None)
-        row, needs = self.table.ranks[rank], self.needs[rank]
-        i = self.ptr[rank]
-        while True:
-            ops = needs.get(i)
-            while ops and ops[-1] in self.done:
-                ops.pop()
-            if ops:
-                self.ptr[rank] = i
-                self.waiting[ops[-1]] = rank
-                self.stopped_on[rank] = ops[-1]
-                return
-            if i == len(row):
-                self.ptr[rank] = i
-                return
-            if (item := self.item_of.get((rank, i))) is not None and self.item_posted[item] == i:
-                self.ptr[rank] = i + 1
-                streams.append(self.item_stream[item])
-            i += 1
+        program, needs, done = self.programs[rank], self.needs[rank], self.done
+        at = self.at[rank]
+        while at < len(program):
+            if (entry := program[at]) >= 0:
+                self.posted[entry] = 1
+                self._start(self.item_stream[entry])
+            elif ops := needs.get(~entry):
+                while ops and done[ops[-1]]:
+                    ops.pop()
+                if ops:
+                    self.waiting[ops[-1]] = rank
+                    self.stopped_on[rank] = ops[-1]
+                    break
+            at += 1
+        self.at[rank] = at
 
-    def _start_head(self, stream: tuple[int, StreamKey], ready: deque[int], streams: deque) -> None:
-        """Run the stream's head item if its rank has posted it; complete what meets its peer."""
-        queue = self.queues[stream]
-        if not queue:
+    def _start(self, stream: int) -> None:
+        """Run the stream's head item if its rank has posted it; complete each op that meets its
+        running peer."""
+        queue, running, partner = self.queues[stream], self.running, self.partner
+        if self.head[stream] == len(queue) or not self.posted[item := queue[self.head[stream]]]:
             return
-        item = queue[0]
-        if self.item_posted[item] >= self.ptr[stream[0]] or self.items[item][0] in self.running:
+        ops = self.items[item]
+        if running[ops[0]]:
             return
-        for op in self.items[item]:
-            self.running.add(op)
-        for op in self.items[item]:
-            if self.partner[op] in self.running and op not in self.done:
-                for end in (op, self.partner[op]):
-                    self._complete(end, ready, streams)
+        for op in ops:
+            running[op] = 1
+        for op in ops:
+            if running[partner[op]] and not self.done[op]:
+                self._complete(op)
+                self._complete(partner[op])
 
-    def _complete(self, op: tuple[int, int], ready: deque[int], streams: deque) -> None:
-        self.done.add(op)
+    def _complete(self, op: int) -> None:
+        self.done[op] = 1
         if (rank := self.waiting.pop(op, None)) is not None:
-            ready.append(rank)
+            self.ready.append(rank)
         item = self.item_of[op]
         self.left[item] -= 1
         if self.left[item] == 0:
             stream = self.item_stream[item]
-            self.queues[stream].popleft()
-            streams.append(stream)
+            self.head[stream] += 1
+            self.heads.append(stream)
 
     # -- the report ------------------------------------------------------------------------------------
 
-    def _name(self, op: tuple[int, int]) -> str:
-        rank, i = op
+    def _name(self, op: int) -> str:
+        rank, i = self.where[op]
         return f"rank {rank} node {i} ({self.table.ranks[rank][i]})"
 
-    def _blocker(self, op: tuple[int, int]) -> tuple[tuple[int, int], str]:
+    def _blocker(self, op: int) -> tuple[int, str]:
         """The op that must complete before ``op`` can, and why."""
-        if op not in self.running:
-            rank, key = self.item_stream[self.item_of[op]]
-            head = next(o for o in self.items[self.queues[(rank, key)][0]] if o not in self.done)
+        if not self.running[op]:
+            stream = self.item_stream[self.item_of[op]]
+            rank, key = self.stream_name[stream]
+            head = next(o for o in self.items[self.queues[stream][self.head[stream]]] if not self.done[o])
             return head, f"queued on rank {rank}'s {self.semantics.describe(key)} behind"
         peer = self.partner[op]
-        peer_rank = peer[0]
-        if self.item_posted[self.item_of[peer]] >= self.ptr[peer_rank]:
-            stuck = self.stopped_on[peer_rank]
-            at = self.ptr[peer_rank]
+        if not self.posted[self.item_of[peer]]:
+            peer_rank = self.where[peer][0]
+            at = ~self.programs[peer_rank][self.at[peer_rank]]
             where = "its row's end" if at == len(self.table.ranks[peer_rank]) else \
                 f"node {at} ({self.table.ranks[peer_rank][at]})"
-            return stuck, (f"needs {self._name(peer)}, which rank {peer_rank} never posts: it stops at "
-                           f"{where}, waiting for")
+            return self.stopped_on[peer_rank], (f"needs {self._name(peer)}, which rank {peer_rank} never posts: "
+                                                f"it stops at {where}, waiting for")
         return peer, "needs its peer"
 
     def _explain(self, stopped: dict[int, int]) -> Hang:
         op = self.stopped_on[min(stopped)]
-        seen: dict[tuple[int, int], int] = {}
-        links: list[tuple[tuple[int, int], str]] = []
+        seen: dict[int, int] = {}
+        links: list[tuple[int, str]] = []
         while op not in seen:
             seen[op] = len(links)
             nxt, why = self._blocker(op)
@@ -288,8 +306,8 @@ class _Replay:
         cycle = links[seen[op]:]
         lines = tuple(f"{self._name(o)} {why} {self._name(nxt)}"
                       for (o, why), (nxt, _) in zip(cycle, cycle[1:] + cycle[:1]))
-        nodes = {o for o, _ in cycle} | {(r, i) for r, i in stopped.items() if i < len(self.table.ranks[r])}
-        return Hang(stopped, {r: self.stopped_on[r][1] for r in stopped}, lines, tuple(sorted(nodes)))
+        nodes = {self.where[o] for o, _ in cycle} | {(r, i) for r, i in stopped.items() if i < len(self.table.ranks[r])}
+        return Hang(stopped, {r: self.where[self.stopped_on[r]][1] for r in stopped}, lines, tuple(sorted(nodes)))
 
 
 def replay(table: ScheduleTable, semantics: Semantics | str = DEFAULT_SEMANTICS) -> Hang | None:

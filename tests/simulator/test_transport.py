@@ -122,11 +122,11 @@ def test_no_compute_waits_for_the_send_it_proves_delivered(name):
     pp, m = 4, 9
     table = build_schedule(name, pp, m)
     result = simulate(table, _latency(pp, 0.7).for_shape(pp, table.vpp))
-    needs = _Replay(table, semantics_named("primuspipe")).needs
-    for rank, (waits, row) in enumerate(zip(needs, result.ranks)):
+    replayed = _Replay(table, semantics_named("primuspipe"))
+    for rank, (waits, row) in enumerate(zip(replayed.needs, result.ranks)):
         for i, ops in waits.items():
             if i < len(row.nodes):
-                assert all(row.ends[j] <= row.starts[i] for _, j in ops), (rank, i)
+                assert all(row.ends[replayed.where[op][1]] <= row.starts[i] for op in ops), (rank, i)
 
 
 @pytest.mark.parametrize("semantics", ["nccl-pair", "primuspipe", "nccl-batched"])
