@@ -121,138 +121,145 @@ class Hang:
 
 
 class _Replay:
-    """The state of one replay. Ops (communication nodes) are ints, numbered in row order rank by rank,
-    and an *item* is what a stream runs at once (one op, or a batch's ops); the state is lists and
-    bytearrays indexed by them, since a pp 64, m 512 table has a quarter of a million ops."""
+    """The state of one replay. Ops (communication nodes) are ints, numbered in row order rank by rank;
+    an *item* is what a stream runs at once: an op, or under batching a batch's ops. The state is lists
+    and bytearrays of ints (a pp 64, m 512 table has a quarter of a million ops): no object per op, so
+    building it neither allocates per op nor wakes the garbage collector over a large heap."""
 
     def __init__(self, table: ScheduleTable, semantics: Semantics):
         self.table, self.semantics = table, semantics
-        self.where: list[tuple[int, int]] = []             # op -> (rank, index)
+        self.rank_ops: list[range] = []                    # rank -> its ops
+        self.index: list[int] = []                         # op -> its node's index in its row
         self.partner: list[int] = []                       # op -> the peer rank's op it meets
-        self.item_of: list[int] = []
-        self.items: list[list[int]] = []                   # item -> its ops
-        self.item_stream: list[int] = []
-        self.stream_name: list[tuple[int, StreamKey]] = []  # stream -> (rank, key)
-        self.queues: list[list[int]] = []                  # stream -> its items in posting order
+        self.items: list[list[int]] | None = [] if semantics.batches else None  # batched: item -> its ops
+        self.item_of: list[int] = []                       # batched: op -> its item (else an op is its item)
+        self.next: list[int] = []                          # item -> the next item on its stream, -1: none
+        self.free = bytearray()                            # item -> every earlier item of its stream completed
         self.programs: list[list[int]] = []
-        """Per rank, its row as the replay walks it: ``item`` (>= 0) posts an item, ``~i`` waits at
-        compute node ``i`` (``~len(row)``: the row's end) for the ops ``needs[rank][i]``."""
-        self.needs: list[dict[int, list[int]]] = []
+        """Per rank, its row as the replay walks it: ``item`` (>= 0) posts an item, ``~op`` waits for
+        ``op`` to complete (a compute node's inputs and the sends they prove delivered; at the row's
+        end every op of the rank)."""
+        self.nodes: list[list[int]] = []                   # rank -> per program entry, its row index
         unpaired: dict[int, int] = {}                      # transfer key -> the op that moves it
         for rank, row in enumerate(table.ranks):
-            first_op, streams, program = len(self.where), {}, []
-            run: list[int] = []                            # the items of this run of communication nodes
-            batch: dict[int, int] = {}                     # stream -> its item open in this run
-            for i, key in enumerate(table.wiring.moves[rank]):
-                if key < 0:  # posting never waits: a run of communication nodes is posted as one
-                    program += run
-                    program.append(~i)
-                    run.clear()
-                    batch.clear()
-                    continue
-                op = len(self.where)
-                self.where.append((rank, i))
-                self.partner.append(-1)
-                if (other := unpaired.pop(key, None)) is not None:
-                    self.partner[op], self.partner[other] = other, op
-                else:
-                    unpaired[key] = op
-                name = semantics.stream(rank, row[i]) if semantics.stream else ("op", rank, i)
-                if (stream := streams.get(name)) is None:
-                    stream = streams[name] = len(self.queues)
-                    self.queues.append([])
-                    self.stream_name.append((rank, name))
-                if (item := batch.get(stream)) is None:
-                    item = len(self.items)
-                    self.items.append([])
-                    self.item_stream.append(stream)
-                    self.queues[stream].append(item)
-                    run.append(item)
-                    if semantics.batches:
-                        batch[stream] = item
-                self.items[item].append(op)
-                self.item_of.append(item)
-            self.programs.append(program + run + [~len(row)])
-            self.needs.append(self._needs(rank, range(first_op, len(self.where))))
+            ops = range(len(self.index), len(self.index) + sum(key >= 0 for key in table.wiring.moves[rank]))
+            self.rank_ops.append(ops)
+            self._compile(rank, unpaired)
+            self._program(rank, {table.wiring.moves[rank][self.index[op]]: op for op in ops})
         assert not unpaired, "pairing is checked before the replay"
-        self.head = [0] * len(self.queues)                 # stream -> the index of its first incomplete item
-        self.left = [len(ops) for ops in self.items]       # item -> its ops not yet complete
-        self.posted = bytearray(len(self.items))
-        self.running = bytearray(len(self.where))
-        self.done = bytearray(len(self.where))
+        items = len(self.next)
+        self.left = [1] * items if self.items is None else [len(ops) for ops in self.items]
+        self.posted = bytearray(items)
+        self.running = bytearray(len(self.index))
+        self.done = bytearray(len(self.index))
         self.at = [0] * table.pp                           # rank -> its position in its program
         self.waiting: dict[int, int] = {}                  # op -> the rank stopped on it
         self.stopped_on: dict[int, int] = {}               # rank -> the op it waits on
         self.ready: deque[int] = deque(range(table.pp))    # ranks that may move on
-        self.heads: list[int] = []                         # streams whose head item may start
+        self.startable: list[int] = []                     # posted items whose stream just became free
 
-    def _needs(self, rank: int, ops_here: range) -> dict[int, list[int]]:
-        """Per compute index of ``rank``, the ops it waits for (received inputs, sends it proves
-        delivered), last first; ``len(row)``: the row's end waits for every op of the rank."""
+    def _compile(self, rank: int, unpaired: dict[int, int]) -> None:
+        """Number ``rank``'s ops, pair each with its peer's (by transfer key), and put them on their streams."""
+        row, batches = self.table.ranks[rank], self.items is not None
+        last: dict[StreamKey, int] = {}                    # stream -> its last item so far
+        open_batch: dict[StreamKey, int] = {}              # batched: stream -> its item in this run of ops
+        for i, key in enumerate(self.table.wiring.moves[rank]):
+            if key < 0:
+                open_batch.clear()
+                continue
+            op = len(self.index)
+            self.index.append(i)
+            self.partner.append(-1)
+            if (other := unpaired.pop(key, None)) is not None:
+                self.partner[op], self.partner[other] = other, op
+            else:
+                unpaired[key] = op
+            stream = None if self.semantics.stream is None else self.semantics.stream(rank, row[i])
+            if batches:
+                if (item := open_batch.get(stream, -1)) >= 0:
+                    self.items[item].append(op)
+                    self.item_of.append(item)
+                    continue
+                item = len(self.items)
+                self.items.append([op])
+                self.item_of.append(item)
+                open_batch[stream] = item
+            else:
+                item = op
+            before = -1 if stream is None else last.get(stream, -1)
+            self.next.append(-1)
+            self.free.append(before < 0)
+            if before >= 0:
+                self.next[before] = item
+            if stream is not None:
+                last[stream] = item
+
+    def _program(self, rank: int, op_of: dict[int, int]) -> None:
+        """``rank``'s program (see :attr:`programs`); ``op_of``: transfer key -> the rank's op moving it."""
         table, wiring = self.table, self.table.wiring
         routes, per_route = wiring.routes, wiring.microbatches
         row, stages = table.ranks[rank], table.placement.stages[rank]
-        op_of = {wiring.moves[rank][self.where[op][1]]: op for op in ops_here}
+        ops = self.rank_ops[rank]
+        program: list[int] = []
+        nodes: list[int] = []
         proves: dict[tuple, int] = {}                      # (kind, route taken) -> first key of the send it proves
-        needs: dict[int, list[int]] = {}
-        for i, keys in enumerate(wiring.takes[rank]):
-            if not keys:
+        op = ops.start
+        for i, (key, takes) in enumerate(zip(wiring.moves[rank], wiring.takes[rank])):
+            if key >= 0:  # an item is posted with its last op
+                item = op if self.items is None else self.item_of[op]
+                if self.items is None or self.items[item][-1] == op:
+                    program.append(item)
+                    nodes.append(i)
+                op += 1
                 continue
-            ops = []
-            for kind, mb, chunk in row[i].parts():
-                for key in keys:
-                    route, key_mb = divmod(key, per_route)
-                    if key_mb != mb or routes[route].dst_stage != stages[chunk]:
+            for kind, mb, chunk in row[i].parts() if takes else ():
+                for taken in takes:
+                    route, taken_mb = divmod(taken, per_route)
+                    if taken_mb != mb or routes[route].dst_stage != stages[chunk]:
                         continue
-                    ops.append(op_of[key])
                     if (sent := proves.get((kind, route))) is None:
                         proved = released_transfer(table.placement, kind, stages[chunk], routes[route].src_stage, 0)
                         first = None if proved is None else wiring.key(proved)
                         sent = proves[kind, route] = -1 if first is None else first
-                    if sent >= 0 and (op := op_of.get(sent + mb)) is not None:
-                        ops.append(op)
-            if ops:
-                needs[i] = ops[::-1]
-        needs[len(row)] = list(reversed(ops_here))
-        return needs
+                    for waited in (op_of[taken], op_of.get(sent + mb, -1) if sent >= 0 else -1):
+                        if waited >= 0:
+                            program.append(~waited)
+                            nodes.append(i)
+        program += [~op for op in ops]
+        nodes += [len(row)] * len(ops)
+        self.programs.append(program)
+        self.nodes.append(nodes)
 
     def run(self) -> Hang | None:
-        while self.heads or self.ready:
-            if self.heads:
-                self._start(self.heads.pop())
+        while self.startable or self.ready:
+            if self.startable:
+                self._start(self.startable.pop())
             else:
                 self._advance(self.ready.popleft())
-        stopped = {r: ~self.programs[r][self.at[r]] for r in sorted(self.stopped_on)}
+        stopped = {r: self.nodes[r][self.at[r]] for r in sorted(self.stopped_on)}
         return self._explain(stopped) if stopped else None
 
     def _advance(self, rank: int) -> None:
         """Move ``rank`` along its row until it waits on an op that has not completed."""
         self.stopped_on.pop(rank, None)
-        program, needs, done = self.programs[rank], self.needs[rank], self.done
+        program, done = self.programs[rank], self.done
         at = self.at[rank]
         while at < len(program):
             if (entry := program[at]) >= 0:
                 self.posted[entry] = 1
-                self._start(self.item_stream[entry])
-            elif ops := needs.get(~entry):
-                while ops and done[ops[-1]]:
-                    ops.pop()
-                if ops:
-                    self.waiting[ops[-1]] = rank
-                    self.stopped_on[rank] = ops[-1]
-                    break
+                if self.free[entry]:
+                    self._start(entry)
+            elif not done[~entry]:
+                self.waiting[~entry] = rank
+                self.stopped_on[rank] = ~entry
+                break
             at += 1
         self.at[rank] = at
 
-    def _start(self, stream: int) -> None:
-        """Run the stream's head item if its rank has posted it; complete each op that meets its
-        running peer."""
-        queue, running, partner = self.queues[stream], self.running, self.partner
-        if self.head[stream] == len(queue) or not self.posted[item := queue[self.head[stream]]]:
-            return
-        ops = self.items[item]
-        if running[ops[0]]:
-            return
+    def _start(self, item: int) -> None:
+        """Run a posted item whose stream is free; complete each op that meets its running peer."""
+        ops = (item,) if self.items is None else self.items[item]
+        running, partner = self.running, self.partner
         for op in ops:
             running[op] = 1
         for op in ops:
@@ -264,30 +271,36 @@ class _Replay:
         self.done[op] = 1
         if (rank := self.waiting.pop(op, None)) is not None:
             self.ready.append(rank)
-        item = self.item_of[op]
+        item = op if self.items is None else self.item_of[op]
         self.left[item] -= 1
-        if self.left[item] == 0:
-            stream = self.item_stream[item]
-            self.head[stream] += 1
-            self.heads.append(stream)
+        if self.left[item] == 0 and (nxt := self.next[item]) >= 0:
+            self.free[nxt] = 1
+            if self.posted[nxt]:
+                self.startable.append(nxt)
 
     # -- the report ------------------------------------------------------------------------------------
 
+    def _rank(self, op: int) -> int:
+        return next(rank for rank, ops in enumerate(self.rank_ops) if op in ops)
+
     def _name(self, op: int) -> str:
-        rank, i = self.where[op]
+        rank, i = self._rank(op), self.index[op]
         return f"rank {rank} node {i} ({self.table.ranks[rank][i]})"
+
+    def _stream(self, op: int) -> StreamKey:
+        rank, i = self._rank(op), self.index[op]
+        return ("op", rank, i) if self.semantics.stream is None else self.semantics.stream(rank, self.table.ranks[rank][i])
 
     def _blocker(self, op: int) -> tuple[int, str]:
         """The op that must complete before ``op`` can, and why."""
-        if not self.running[op]:
-            stream = self.item_stream[self.item_of[op]]
-            rank, key = self.stream_name[stream]
-            head = next(o for o in self.items[self.queues[stream][self.head[stream]]] if not self.done[o])
+        if not self.running[op]:  # queued: the first op of its stream not complete runs, or waits
+            rank, key = self._rank(op), self._stream(op)
+            head = next(o for o in self.rank_ops[rank] if not self.done[o] and self._stream(o) == key)
             return head, f"queued on rank {rank}'s {self.semantics.describe(key)} behind"
         peer = self.partner[op]
-        if not self.posted[self.item_of[peer]]:
-            peer_rank = self.where[peer][0]
-            at = ~self.programs[peer_rank][self.at[peer_rank]]
+        if not self.posted[peer if self.items is None else self.item_of[peer]]:
+            peer_rank = self._rank(peer)
+            at = self.nodes[peer_rank][self.at[peer_rank]]
             where = "its row's end" if at == len(self.table.ranks[peer_rank]) else \
                 f"node {at} ({self.table.ranks[peer_rank][at]})"
             return self.stopped_on[peer_rank], (f"needs {self._name(peer)}, which rank {peer_rank} never posts: "
@@ -306,8 +319,9 @@ class _Replay:
         cycle = links[seen[op]:]
         lines = tuple(f"{self._name(o)} {why} {self._name(nxt)}"
                       for (o, why), (nxt, _) in zip(cycle, cycle[1:] + cycle[:1]))
-        nodes = {self.where[o] for o, _ in cycle} | {(r, i) for r, i in stopped.items() if i < len(self.table.ranks[r])}
-        return Hang(stopped, {r: self.where[self.stopped_on[r]][1] for r in stopped}, lines, tuple(sorted(nodes)))
+        nodes = {(self._rank(o), self.index[o]) for o, _ in cycle}
+        nodes |= {(r, i) for r, i in stopped.items() if i < len(self.table.ranks[r])}
+        return Hang(stopped, {r: self.index[self.stopped_on[r]] for r in stopped}, lines, tuple(sorted(nodes)))
 
 
 def replay(table: ScheduleTable, semantics: Semantics | str = DEFAULT_SEMANTICS) -> Hang | None:
