@@ -123,8 +123,9 @@ class Hang:
 class _Replay:
     """The state of one replay. Ops (communication nodes) are ints, numbered in row order rank by rank;
     an *item* is what a stream runs at once: an op, or under batching a batch's ops. The state is lists
-    and bytearrays of ints (a pp 64, m 512 table has a quarter of a million ops): no object per op, so
-    building it neither allocates per op nor wakes the garbage collector over a large heap."""
+    and bytearrays of ints, with no object per op (a list per batch under batching): a pp 64, m 512
+    table has a quarter of a million ops, and objects made by the hundred thousand wake the garbage
+    collector, which then walks the whole heap of a big table."""
 
     def __init__(self, table: ScheduleTable, semantics: Semantics):
         self.table, self.semantics = table, semantics
@@ -141,11 +142,11 @@ class _Replay:
         end every op of the rank)."""
         self.nodes: list[list[int]] = []                   # rank -> per program entry, its row index
         unpaired: dict[int, int] = {}                      # transfer key -> the op that moves it
-        for rank, row in enumerate(table.ranks):
-            ops = range(len(self.index), len(self.index) + sum(key >= 0 for key in table.wiring.moves[rank]))
-            self.rank_ops.append(ops)
-            self._compile(rank, unpaired)
-            self._program(rank, {table.wiring.moves[rank][self.index[op]]: op for op in ops})
+        for rank in range(table.pp):
+            first = len(self.index)
+            op_of = self._compile(rank, unpaired)
+            self.rank_ops.append(range(first, len(self.index)))
+            self._program(rank, op_of)
         assert not unpaired, "pairing is checked before the replay"
         items = len(self.next)
         self.left = [1] * items if self.items is None else [len(ops) for ops in self.items]
@@ -158,16 +159,18 @@ class _Replay:
         self.ready: deque[int] = deque(range(table.pp))    # ranks that may move on
         self.startable: list[int] = []                     # posted items whose stream just became free
 
-    def _compile(self, rank: int, unpaired: dict[int, int]) -> None:
-        """Number ``rank``'s ops, pair each with its peer's (by transfer key), and put them on their streams."""
+    def _compile(self, rank: int, unpaired: dict[int, int]) -> dict[int, int]:
+        """Number ``rank``'s ops, pair each with its peer's (by transfer key), and put them on their
+        streams; returns transfer key -> the rank's op moving it."""
         row, batches = self.table.ranks[rank], self.items is not None
+        op_of: dict[int, int] = {}
         last: dict[StreamKey, int] = {}                    # stream -> its last item so far
         open_batch: dict[StreamKey, int] = {}              # batched: stream -> its item in this run of ops
         for i, key in enumerate(self.table.wiring.moves[rank]):
             if key < 0:
                 open_batch.clear()
                 continue
-            op = len(self.index)
+            op = op_of[key] = len(self.index)
             self.index.append(i)
             self.partner.append(-1)
             if (other := unpaired.pop(key, None)) is not None:
@@ -193,6 +196,7 @@ class _Replay:
                 self.next[before] = item
             if stream is not None:
                 last[stream] = item
+        return op_of
 
     def _program(self, rank: int, op_of: dict[int, int]) -> None:
         """``rank``'s program (see :attr:`programs`); ``op_of``: transfer key -> the rank's op moving it."""
