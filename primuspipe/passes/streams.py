@@ -285,6 +285,7 @@ class _Replay:
     # -- the report ------------------------------------------------------------------------------------
 
     def _rank(self, op: int) -> int:
+        """The rank of ``op`` (a search: only a report asks)."""
         return next(rank for rank, ops in enumerate(self.rank_ops) if op in ops)
 
     def _name(self, op: int) -> str:
@@ -292,8 +293,10 @@ class _Replay:
         return f"rank {rank} node {i} ({self.table.ranks[rank][i]})"
 
     def _stream(self, op: int) -> StreamKey:
+        """The stream ``op`` runs on, asked again: the replay keeps no key per op."""
         rank, i = self._rank(op), self.index[op]
-        return ("op", rank, i) if self.semantics.stream is None else self.semantics.stream(rank, self.table.ranks[rank][i])
+        node = self.table.ranks[rank][i]
+        return ("op", rank, i) if self.semantics.stream is None else self.semantics.stream(rank, node)
 
     def _blocker(self, op: int) -> tuple[int, str]:
         """The op that must complete before ``op`` can, and why."""
