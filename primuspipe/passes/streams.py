@@ -121,165 +121,203 @@ class Hang:
 
 
 class _Replay:
-    """The state of one replay; ops are ``(rank, index)`` of communication nodes."""
+    """The state of one replay. Ops (communication nodes) are ints, numbered in row order rank by rank;
+    an *item* is what a stream runs at once: an op, or under batching a batch's ops. The state is lists
+    and bytearrays of ints, with no object per op (a list per batch under batching): a pp 64, m 512
+    table has a quarter of a million ops, and objects made by the hundred thousand wake the garbage
+    collector, which then walks the whole heap of a big table."""
 
     def __init__(self, table: ScheduleTable, semantics: Semantics):
         self.table, self.semantics = table, semantics
-        wiring = table.wiring
-        self.partner: dict[tuple[int, int], tuple[int, int]] = {}
-        by_key: dict[int, tuple[int, int]] = {}
-        self.item_of: dict[tuple[int, int], int] = {}
-        self.items: list[list[tuple[int, int]]] = []   # item -> its ops
-        self.item_stream: list[tuple[int, StreamKey]] = []
-        self.item_posted: list[int] = []               # item -> the index its last op is posted at
-        self.queues: dict[tuple[int, StreamKey], deque[int]] = {}
-        for rank, row in enumerate(table.ranks):
-            moves = wiring.moves[rank]
-            open_batch: dict[StreamKey, int] = {}
-            for i, node in enumerate(row):
-                if moves[i] < 0:
-                    open_batch.clear()
-                    continue
-                op = (rank, i)
-                if (other := by_key.pop(moves[i], None)) is not None:
-                    self.partner[op], self.partner[other] = other, op
-                else:
-                    by_key[moves[i]] = op
-                key = semantics.stream(rank, node) if semantics.stream else ("op", rank, i)
-                item = open_batch.get(key) if semantics.batches else None
-                if item is None:
-                    item = len(self.items)
-                    self.items.append([])
-                    self.item_stream.append((rank, key))
-                    self.item_posted.append(i)
-                    self.queues.setdefault((rank, key), deque()).append(item)
-                    if semantics.batches:
-                        open_batch[key] = item
-                self.items[item].append(op)
-                self.item_posted[item] = i
-                self.item_of[op] = item
-        assert not by_key, "pairing is checked before the replay"
-        self.needs = [self._needs(rank) for rank in range(table.pp)]
-        self.ptr = [0] * table.pp
-        self.running: set[tuple[int, int]] = set()
-        self.done: set[tuple[int, int]] = set()
-        self.left = [len(ops) for ops in self.items]
-        self.waiting: dict[tuple[int, int], int] = {}   # op -> the rank stopped on it
-        self.stopped_on: dict[int, tuple[int, int]] = {}
+        self.rank_ops: list[range] = []                    # rank -> its ops
+        self.index: list[int] = []                         # op -> its node's index in its row
+        self.partner: list[int] = []                       # op -> the peer rank's op it meets
+        self.items: list[list[int]] | None = [] if semantics.batches else None  # batched: item -> its ops
+        self.item_of: list[int] = []                       # batched: op -> its item (else an op is its item)
+        self.next: list[int] = []                          # item -> the next item on its stream, -1: none
+        self.free = bytearray()                            # item -> every earlier item of its stream completed
+        self.programs: list[list[int]] = []
+        """Per rank, its row as the replay walks it: ``item`` (>= 0) posts an item, ``~op`` waits for
+        ``op`` to complete (a compute node's inputs and the sends they prove delivered; at the row's
+        end every op of the rank)."""
+        self.nodes: list[list[int]] = []                   # rank -> per program entry, its row index
+        unpaired: dict[int, int] = {}                      # transfer key -> the op that moves it
+        for rank in range(table.pp):
+            first = len(self.index)
+            op_of = self._compile(rank, unpaired)
+            self.rank_ops.append(range(first, len(self.index)))
+            self._program(rank, op_of)
+        assert not unpaired, "pairing is checked before the replay"
+        items = len(self.next)
+        self.left = [1] * items if self.items is None else [len(ops) for ops in self.items]
+        self.posted = bytearray(items)
+        self.running = bytearray(len(self.index))
+        self.done = bytearray(len(self.index))
+        self.at = [0] * table.pp                           # rank -> its position in its program
+        self.waiting: dict[int, int] = {}                  # op -> the rank stopped on it
+        self.stopped_on: dict[int, int] = {}               # rank -> the op it waits on
+        self.ready: deque[int] = deque(range(table.pp))    # ranks that may move on
+        self.startable: list[int] = []                     # posted items whose stream just became free
 
-    def _needs(self, rank: int) -> dict[int, list[tuple[int, int]]]:
-        """Per compute index of ``rank``, the ops it waits for (received inputs, sends it proves
-        delivered), last first; ``len(row)``: the row's end waits for every op."""
-        table, wiring = self.table, self.table.wiring
-        row, placement = table.ranks[rank], table.placement
-        op_of = {wiring.moves[rank][i]: (rank, i) for i in range(len(row)) if wiring.moves[rank][i] >= 0}
-        needs: dict[int, list[tuple[int, int]]] = {}
-        for i, node in enumerate(row):
-            if not node.kind.is_compute:
+    def _compile(self, rank: int, unpaired: dict[int, int]) -> dict[int, int]:
+        """Number ``rank``'s ops, pair each with its peer's (by transfer key), and put them on their
+        streams; returns transfer key -> the rank's op moving it."""
+        row, batches = self.table.ranks[rank], self.items is not None
+        op_of: dict[int, int] = {}
+        last: dict[StreamKey, int] = {}                    # stream -> its last item so far
+        open_batch: dict[StreamKey, int] = {}              # batched: stream -> its item in this run of ops
+        for i, key in enumerate(self.table.wiring.moves[rank]):
+            if key < 0:
+                open_batch.clear()
                 continue
-            ops = []
-            for kind, mb, chunk in node.parts():
-                stage = placement.stage(rank, chunk)
-                for key in wiring.takes[rank][i]:
-                    transfer = wiring.transfer(key)
-                    if transfer.dst_stage != stage or transfer.microbatch != mb:
+            op = op_of[key] = len(self.index)
+            self.index.append(i)
+            self.partner.append(-1)
+            if (other := unpaired.pop(key, None)) is not None:
+                self.partner[op], self.partner[other] = other, op
+            else:
+                unpaired[key] = op
+            stream = None if self.semantics.stream is None else self.semantics.stream(rank, row[i])
+            if batches:
+                if (item := open_batch.get(stream, -1)) >= 0:
+                    self.items[item].append(op)
+                    self.item_of.append(item)
+                    continue
+                item = len(self.items)
+                self.items.append([op])
+                self.item_of.append(item)
+                open_batch[stream] = item
+            else:
+                item = op
+            before = -1 if stream is None else last.get(stream, -1)
+            self.next.append(-1)
+            self.free.append(before < 0)
+            if before >= 0:
+                self.next[before] = item
+            if stream is not None:
+                last[stream] = item
+        return op_of
+
+    def _program(self, rank: int, op_of: dict[int, int]) -> None:
+        """``rank``'s program (see :attr:`programs`); ``op_of``: transfer key -> the rank's op moving it."""
+        table, wiring = self.table, self.table.wiring
+        routes, per_route = wiring.routes, wiring.microbatches
+        row, stages = table.ranks[rank], table.placement.stages[rank]
+        ops = self.rank_ops[rank]
+        program: list[int] = []
+        nodes: list[int] = []
+        proves: dict[tuple, int] = {}                      # (kind, route taken) -> first key of the send it proves
+        op = ops.start
+        for i, (key, takes) in enumerate(zip(wiring.moves[rank], wiring.takes[rank])):
+            if key >= 0:  # an item is posted with its last op
+                item = op if self.items is None else self.item_of[op]
+                if self.items is None or self.items[item][-1] == op:
+                    program.append(item)
+                    nodes.append(i)
+                op += 1
+                continue
+            for kind, mb, chunk in row[i].parts() if takes else ():
+                for taken in takes:
+                    route, taken_mb = divmod(taken, per_route)
+                    if taken_mb != mb or routes[route].dst_stage != stages[chunk]:
                         continue
-                    ops.append(op_of[key])
-                    sent = released_transfer(placement, kind, stage, transfer.src_stage, mb)
-                    sent_key = None if sent is None else wiring.key(sent)
-                    if sent_key in op_of:
-                        ops.append(op_of[sent_key])
-            if ops:
-                needs[i] = ops[::-1]
-        needs[len(row)] = sorted(op_of.values(), reverse=True)
-        return needs
+                    if (sent := proves.get((kind, route))) is None:
+                        proved = released_transfer(table.placement, kind, stages[chunk], routes[route].src_stage, 0)
+                        first = None if proved is None else wiring.key(proved)
+                        sent = proves[kind, route] = -1 if first is None else first
+                    for waited in (op_of[taken], op_of.get(sent + mb, -1) if sent >= 0 else -1):
+                        if waited >= 0:
+                            program.append(~waited)
+                            nodes.append(i)
+        program += [~op for op in ops]
+        nodes += [len(row)] * len(ops)
+        self.programs.append(program)
+        self.nodes.append(nodes)
 
     def run(self) -> Hang | None:
-        ready: deque[int] = deque(range(self.table.pp))
-        streams: deque[tuple[int, StreamKey]] = deque()
-        while ready or streams:
-            if streams:
-                self._start_head(streams.popleft(), ready, streams)
+        while self.startable or self.ready:
+            if self.startable:
+                self._start(self.startable.pop())
             else:
-                self._advance(ready.popleft(), streams)
-        stopped = {r: self.ptr[r] for r in range(self.table.pp) if r in self.stopped_on}
+                self._advance(self.ready.popleft())
+        stopped = {r: self.nodes[r][self.at[r]] for r in sorted(self.stopped_on)}
         return self._explain(stopped) if stopped else None
 
-    def _advance(self, rank: int, streams: deque) -> None:
+    def _advance(self, rank: int) -> None:
         """Move ``rank`` along its row until it waits on an op that has not completed."""
         self.stopped_on.pop(rank, None)
-        row, needs = self.table.ranks[rank], self.needs[rank]
-        i = self.ptr[rank]
-        while True:
-            ops = needs.get(i)
-            while ops and ops[-1] in self.done:
-                ops.pop()
-            if ops:
-                self.ptr[rank] = i
-                self.waiting[ops[-1]] = rank
-                self.stopped_on[rank] = ops[-1]
-                return
-            if i == len(row):
-                self.ptr[rank] = i
-                return
-            if (item := self.item_of.get((rank, i))) is not None and self.item_posted[item] == i:
-                self.ptr[rank] = i + 1
-                streams.append(self.item_stream[item])
-            i += 1
+        program, done = self.programs[rank], self.done
+        at = self.at[rank]
+        while at < len(program):
+            if (entry := program[at]) >= 0:
+                self.posted[entry] = 1
+                if self.free[entry]:
+                    self._start(entry)
+            elif not done[~entry]:
+                self.waiting[~entry] = rank
+                self.stopped_on[rank] = ~entry
+                break
+            at += 1
+        self.at[rank] = at
 
-    def _start_head(self, stream: tuple[int, StreamKey], ready: deque[int], streams: deque) -> None:
-        """Run the stream's head item if its rank has posted it; complete what meets its peer."""
-        queue = self.queues[stream]
-        if not queue:
-            return
-        item = queue[0]
-        if self.item_posted[item] >= self.ptr[stream[0]] or self.items[item][0] in self.running:
-            return
-        for op in self.items[item]:
-            self.running.add(op)
-        for op in self.items[item]:
-            if self.partner[op] in self.running and op not in self.done:
-                for end in (op, self.partner[op]):
-                    self._complete(end, ready, streams)
+    def _start(self, item: int) -> None:
+        """Run a posted item whose stream is free; complete each op that meets its running peer."""
+        ops = (item,) if self.items is None else self.items[item]
+        running, partner = self.running, self.partner
+        for op in ops:
+            running[op] = 1
+        for op in ops:
+            if running[partner[op]] and not self.done[op]:
+                self._complete(op)
+                self._complete(partner[op])
 
-    def _complete(self, op: tuple[int, int], ready: deque[int], streams: deque) -> None:
-        self.done.add(op)
+    def _complete(self, op: int) -> None:
+        self.done[op] = 1
         if (rank := self.waiting.pop(op, None)) is not None:
-            ready.append(rank)
-        item = self.item_of[op]
+            self.ready.append(rank)
+        item = op if self.items is None else self.item_of[op]
         self.left[item] -= 1
-        if self.left[item] == 0:
-            stream = self.item_stream[item]
-            self.queues[stream].popleft()
-            streams.append(stream)
+        if self.left[item] == 0 and (nxt := self.next[item]) >= 0:
+            self.free[nxt] = 1
+            if self.posted[nxt]:
+                self.startable.append(nxt)
 
     # -- the report ------------------------------------------------------------------------------------
 
-    def _name(self, op: tuple[int, int]) -> str:
-        rank, i = op
+    def _rank(self, op: int) -> int:
+        """The rank of ``op`` (a search: only a report asks)."""
+        return next(rank for rank, ops in enumerate(self.rank_ops) if op in ops)
+
+    def _name(self, op: int) -> str:
+        rank, i = self._rank(op), self.index[op]
         return f"rank {rank} node {i} ({self.table.ranks[rank][i]})"
 
-    def _blocker(self, op: tuple[int, int]) -> tuple[tuple[int, int], str]:
+    def _stream(self, op: int) -> StreamKey:
+        """The stream ``op`` runs on, asked again: the replay keeps no key per op."""
+        rank, i = self._rank(op), self.index[op]
+        node = self.table.ranks[rank][i]
+        return ("op", rank, i) if self.semantics.stream is None else self.semantics.stream(rank, node)
+
+    def _blocker(self, op: int) -> tuple[int, str]:
         """The op that must complete before ``op`` can, and why."""
-        if op not in self.running:
-            rank, key = self.item_stream[self.item_of[op]]
-            head = next(o for o in self.items[self.queues[(rank, key)][0]] if o not in self.done)
+        if not self.running[op]:  # queued: the first op of its stream not complete runs, or waits
+            rank, key = self._rank(op), self._stream(op)
+            head = next(o for o in self.rank_ops[rank] if not self.done[o] and self._stream(o) == key)
             return head, f"queued on rank {rank}'s {self.semantics.describe(key)} behind"
         peer = self.partner[op]
-        peer_rank = peer[0]
-        if self.item_posted[self.item_of[peer]] >= self.ptr[peer_rank]:
-            stuck = self.stopped_on[peer_rank]
-            at = self.ptr[peer_rank]
+        if not self.posted[peer if self.items is None else self.item_of[peer]]:
+            peer_rank = self._rank(peer)
+            at = self.nodes[peer_rank][self.at[peer_rank]]
             where = "its row's end" if at == len(self.table.ranks[peer_rank]) else \
                 f"node {at} ({self.table.ranks[peer_rank][at]})"
-            return stuck, (f"needs {self._name(peer)}, which rank {peer_rank} never posts: it stops at "
-                           f"{where}, waiting for")
+            return self.stopped_on[peer_rank], (f"needs {self._name(peer)}, which rank {peer_rank} never posts: "
+                                                f"it stops at {where}, waiting for")
         return peer, "needs its peer"
 
     def _explain(self, stopped: dict[int, int]) -> Hang:
         op = self.stopped_on[min(stopped)]
-        seen: dict[tuple[int, int], int] = {}
-        links: list[tuple[tuple[int, int], str]] = []
+        seen: dict[int, int] = {}
+        links: list[tuple[int, str]] = []
         while op not in seen:
             seen[op] = len(links)
             nxt, why = self._blocker(op)
@@ -288,8 +326,9 @@ class _Replay:
         cycle = links[seen[op]:]
         lines = tuple(f"{self._name(o)} {why} {self._name(nxt)}"
                       for (o, why), (nxt, _) in zip(cycle, cycle[1:] + cycle[:1]))
-        nodes = {o for o, _ in cycle} | {(r, i) for r, i in stopped.items() if i < len(self.table.ranks[r])}
-        return Hang(stopped, {r: self.stopped_on[r][1] for r in stopped}, lines, tuple(sorted(nodes)))
+        nodes = {(self._rank(o), self.index[o]) for o, _ in cycle}
+        nodes |= {(r, i) for r, i in stopped.items() if i < len(self.table.ranks[r])}
+        return Hang(stopped, {r: self.index[self.stopped_on[r]] for r in stopped}, lines, tuple(sorted(nodes)))
 
 
 def replay(table: ScheduleTable, semantics: Semantics | str = DEFAULT_SEMANTICS) -> Hang | None:
