@@ -8,7 +8,8 @@ from primuspipe.algorithms import ScheduleRequest, get_algorithm
 from primuspipe.errors import AlgorithmOutputError, ConfigError, ScheduleShapeError, ValidationError
 from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel
-from primuspipe.ir.table import ScheduleTable, check_shape
+from primuspipe.ir.limits import check_shape
+from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication
 from primuspipe.passes.validation import check_structure, validate
 

@@ -98,12 +98,12 @@ class ScheduleRequest:
     def chunk_cap(self, placement: Placement) -> tuple[float | None, float | None]:
         """The memory limits as caps on chunk activations per rank in the unit count constructions use
         (``w_retained_fraction`` until W): ``(sure, loose)`` -- within ``sure`` a table fits both limits, and no
-        table above ``loose`` fits (:meth:`~primuspipe.ir.cost_parts.MemoryCost.chunk_caps`); None: unbounded."""
-        units = None if self.memory_limit is None else self.memory_limit * placement.vpp
-        if self.memory_limit_bytes is None:
-            return units, units
-        sure, loose = self.cost_model(placement.vpp).memory.chunk_caps(placement, self.memory_limit_bytes)
-        if units is not None:
+        table above ``loose`` fits (:meth:`~primuspipe.ir.cost_parts.MemoryCost.chunk_caps`); None: unbounded
+        (a limit of 1e308 microbatches times vpp chunks is no number: it bounds nothing)."""
+        units = math.inf if self.memory_limit is None else self.memory_limit * placement.vpp
+        sure = loose = units
+        if self.memory_limit_bytes is not None:
+            sure, loose = self.cost_model(placement.vpp).memory.chunk_caps(placement, self.memory_limit_bytes)
             sure, loose = min(sure, units), min(loose, units)
         return tuple(None if math.isinf(cap) else cap for cap in (sure, loose))  # type: ignore[return-value]
 

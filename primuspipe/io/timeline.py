@@ -27,7 +27,7 @@ from primuspipe.ir.cost_model import TIME_UNITS
 from primuspipe.documents import check_envelope, envelope, output_file, write_atomically
 from primuspipe.ir.kinds import NodeKind, kinds_completing, split_kinds
 from primuspipe.ir.node import ScheduleNode
-from primuspipe.ir.table import MAX_NODES, check_shape
+from primuspipe.ir.limits import MAX_NODES, check_shape
 
 TIMELINE_VERSION = 1
 _KEYS = {"format", "version", "source", "algorithm", "pp", "vpp", "microbatches", "iteration", "time_unit", "meta",

@@ -17,6 +17,7 @@ from functools import cached_property
 
 from primuspipe.errors import TableFormatError
 from primuspipe import strict
+from primuspipe.ir.limits import check_shape
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,13 @@ class Placement:
     def interleaved(cls, pp: int, vpp: int = 1) -> Placement:
         pp, vpp = (strict.count(v, f"an interleaved placement's {name}", minimum=1, error=TableFormatError)
                    for name, v in (("pp", pp), ("vpp", vpp)))
+        check_shape(pp, vpp, 1)
         return cls("interleaved", tuple(tuple(c * pp + r for c in range(vpp)) for r in range(pp)))
 
     @classmethod
     def vshape(cls, pp: int) -> Placement:
         pp = strict.count(pp, "a V-shape placement's pp", minimum=1, error=TableFormatError)
+        check_shape(pp, 2, 1)
         return cls("v", tuple((r, 2 * pp - 1 - r) for r in range(pp)))
 
     @classmethod
