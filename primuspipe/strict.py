@@ -115,9 +115,13 @@ def _is_bool(value: Any) -> bool:
 
 
 def text(value: Any, name: str, *, error: Error = ConfigError, choices: Collection[str] | None = None) -> str:
-    """A non-empty string (one of ``choices`` when given)."""
+    """A non-empty string of printable characters (one of ``choices`` when given): a name read from a file is
+    printed back (``validate``'s verdict, ``show``'s title, a report row), where a newline split the line and an
+    escape sequence drove the terminal."""
     if not isinstance(value, str) or not value.strip():
         raise error(f"{name} must be a non-empty string, got {show(value)}")
+    if not value.isprintable():
+        raise error(f"{name} must be printable text on one line (no control or format characters), got {show(value)}")
     if choices is not None and value not in choices:
         raise error(f"{name} must be one of {', '.join(sorted(choices))}, got {value!r}{did_you_mean(value, choices)}")
     return value

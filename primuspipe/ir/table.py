@@ -88,6 +88,7 @@ class ScheduleTable:
 
     def __post_init__(self, known_wiring: Wiring | None) -> None:
         strict.instance(self.placement, Placement, "a table's placement", error=TableFormatError)
+        strict.text(self.algorithm, "a table's algorithm name", error=TableFormatError)
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise TableFormatError(f"a schedule needs an integer count of microbatches >= 1, got {self.microbatches!r}")
         check_shape(self.pp, self.vpp, self.microbatches)
