@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from primuspipe.errors import ConfigError
+from primuspipe.errors import ConfigError, ScheduleShapeError
 from primuspipe import strict
 from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, cold_start_section, cost_keys, host_section,
                                      link_section, memory_section, merge_fixed, read_cost_file, split_fixed,
@@ -229,7 +229,10 @@ class CostModel:
         """Build from the YAML form (:mod:`~primuspipe.ir.cost_file`) for a pipeline of ``pp`` ranks x ``vpp`` chunks;
         every value is checked (:mod:`primuspipe.strict`) and errors name ``source`` and the field. The shape is
         checked first: the model keeps one value per stage (``--vpp 999999999999999999`` built them for ever)."""
-        check_shape(pp, vpp, 1)
+        try:
+            check_shape(pp, vpp, 1)
+        except ScheduleShapeError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
         top = strict.keys(data, source, SECTIONS)
         comp = strict.keys(top.get("compute"), f"{source}: compute", {*cost_keys(), *COMPUTE_FIELDS},
                            required={"f", "b", "w"})
