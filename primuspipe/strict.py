@@ -230,8 +230,10 @@ def show(value: Any) -> str:
 
 def file_path(value: Any, what: str, *, error: Error = ConfigError) -> Path:
     """``value`` as a file system path: a non-empty string or ``os.PathLike``; anything else (``123``,
-    ``None``, bytes) is one line naming ``what``, not ``Path``'s TypeError."""
-    if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)).strip():
+    ``None``, bytes) is one line naming ``what``, not ``Path``'s TypeError; nor is one holding a NUL, which no
+    file system takes (``os.stat``'s ValueError)."""
+    text = str(os.fspath(value)) if isinstance(value, (str, os.PathLike)) else ""
+    if not text.strip() or "\x00" in text:
         raise error(f"{what} must be a path (a non-empty string or os.PathLike), got {show(value)}")
     return Path(value)
 
