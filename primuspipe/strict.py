@@ -232,8 +232,8 @@ def file_path(value: Any, what: str, *, error: Error = ConfigError) -> Path:
     """``value`` as a file system path: a non-empty string or ``os.PathLike``; anything else (``123``,
     ``None``, bytes) is one line naming ``what``, not ``Path``'s TypeError; nor is one holding a NUL, which no
     file system takes (``os.stat``'s ValueError)."""
-    text = str(os.fspath(value)) if isinstance(value, (str, os.PathLike)) else ""
-    if not text.strip() or "\x00" in text:
+    spelt = str(os.fspath(value)) if isinstance(value, (str, os.PathLike)) else ""
+    if not spelt.strip() or "\x00" in spelt:
         raise error(f"{what} must be a path (a non-empty string or os.PathLike), got {show(value)}")
     return Path(value)
 

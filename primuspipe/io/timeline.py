@@ -238,22 +238,21 @@ went in as given. Other keys are free-form."""
 
 
 def _checked_meta(meta: object, where: str) -> dict:
-    """A timeline's ``meta``, its known facts (:data:`_FACTS`) checked, its per-rank ``ranks`` facts too."""
+    """A timeline's ``meta``, its known facts (:data:`_FACTS`) checked, each rank's in ``meta.ranks`` too."""
     if not isinstance(meta, dict):
         raise TableFormatError(f"{where} must be a mapping, got {strict.show(meta)}")
-    for key in _FACTS.keys() & meta.keys():
-        _FACTS[key](meta[key], f"{where}.{key}")
+    ranks = meta.get("ranks", [])
+    if not isinstance(ranks, list):
+        raise TableFormatError(f"{where}.ranks must be a list of per-rank facts, got {strict.show(ranks)}")
+    for i, facts in enumerate(ranks):
+        if not isinstance(facts, dict) or "rank" not in facts:
+            raise TableFormatError(f"{where}.ranks[{i}] must be a mapping with a rank, got {strict.show(facts)}")
+        strict.count(facts["rank"], f"{where}.ranks[{i}].rank", error=TableFormatError)
+    for facts, at in [(meta, where), *((facts, f"{where}.ranks[{i}]") for i, facts in enumerate(ranks))]:
+        for key in _FACTS.keys() & facts.keys():
+            _FACTS[key](facts[key], f"{at}.{key}")
     if "placement" in meta:
         Placement.from_dict(meta["placement"], f"{where}.placement")
-    if "ranks" in meta:
-        if not isinstance(meta["ranks"], list):
-            raise TableFormatError(f"{where}.ranks must be a list of per-rank facts, got {strict.show(meta['ranks'])}")
-        for i, facts in enumerate(meta["ranks"]):
-            if not isinstance(facts, dict) or "rank" not in facts:
-                raise TableFormatError(f"{where}.ranks[{i}] must be a mapping with a rank, got {strict.show(facts)}")
-            strict.count(facts["rank"], f"{where}.ranks[{i}].rank", error=TableFormatError)
-            for key in _FACTS.keys() & facts.keys():
-                _FACTS[key](facts[key], f"{where}.ranks[{i}].{key}")
     return meta
 
 

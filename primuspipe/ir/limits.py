@@ -1,6 +1,6 @@
 """How large a schedule primuspipe builds: one bound, checked before anything of a shape is built -- a table's
-nodes (:class:`~primuspipe.ir.table.ScheduleTable`) and a placement's stages (:class:`~primuspipe.ir.placement.Placement`,
-whose layout is one tuple per rank and chunk: a text naming chunk 99,999,999 built them for minutes)."""
+nodes (:class:`~primuspipe.ir.table.ScheduleTable`), a placement's stages (:class:`~primuspipe.ir.placement.Placement`:
+a Primus text naming chunk 99,999,999 built 100 million of them) and a cost model's per-stage values."""
 
 from __future__ import annotations
 
@@ -19,4 +19,5 @@ def check_shape(pp: int, vpp: int, microbatches: int) -> None:
     if nodes > MAX_NODES:
         raise ScheduleShapeError(
             f"pp={pp:,} x vpp={vpp:,} x {microbatches:,} microbatches makes a table of up to {nodes:,} nodes, more "
-            f"than the {MAX_NODES:,} primuspipe builds and checks in reasonable time; use fewer microbatches, chunks or ranks")
+            f"than the {MAX_NODES:,} primuspipe builds and checks in reasonable time; use fewer microbatches, chunks "
+            "or ranks")

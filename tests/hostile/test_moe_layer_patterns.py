@@ -42,9 +42,9 @@ def _model_yaml(tmp_path, pattern: str) -> Path:
 
 def _argument_list(tmp_path, pattern: str) -> Path:
     path = tmp_path / "args.sh"
-    path.write_text(f"torchrun --nnodes 1 --nproc-per-node 8 pretrain_gpt.py --num-layers {LAYERS} --hidden-size 1024 --num-attention-heads 16 "
-                    "--seq-length 2048 --max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 1 "
-                    "--global-batch-size 64 --pipeline-model-parallel-size 2 --num-experts 8 --moe-router-topk 2 "
+    path.write_text(f"torchrun --nnodes 1 --nproc-per-node 8 pretrain_gpt.py --num-layers {LAYERS} --hidden-size 1024 "
+                    "--num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --vocab-size 32000 "
+                    "--micro-batch-size 1 --global-batch-size 64 --pipeline-model-parallel-size 2 --num-experts 8 --moe-router-topk 2 "
                     f"--bf16 --moe-layer-freq '{pattern}'")
     return path
 

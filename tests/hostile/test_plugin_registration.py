@@ -185,8 +185,9 @@ def test_good_registrations_still_build():
     def with_option(req, *, extra: int = 1):
         return _one_f_one_b(req)
 
-    cases = [("a-1.b", "interleaved", None, _one_f_one_b), ("interleaved-vpp-2", "interleaved", 2,
-             built("interleaved-1f1b", 2)), ("v-plugin", "v", 2, built("zbv")), ("any-plugin", "any", None, built("zbv")),
+    cases = [("a-1.b", "interleaved", None, _one_f_one_b),
+             ("interleaved-vpp-2", "interleaved", 2, built("interleaved-1f1b", 2)),
+             ("v-plugin", "v", 2, built("zbv")), ("any-plugin", "any", None, built("zbv")),
              ("with-option", "interleaved", None, with_option)]
     for name, placement, vpp, fn in cases:
         _register(fn, name, placement=placement, vpp=vpp)
