@@ -6,7 +6,7 @@ space. Each is one line naming the field; the printable names beside them (other
 
 Defects this family found: ``validate`` printed a JSON table's algorithm ``"a\\nb"`` in its verdict over two lines
 (a script reading the first saw ``valid: t.json (full table, a``), and one holding ``\\x1b[2J`` cleared the terminal;
-a Primus header's ``algorithm=zb\\u202ev`` printed reversed; a model's ``name`` with an escape sequence was printed in
+a Primus header's ``algorithm=zb\\u202ev`` was printed back as it was; a model's ``name`` with an escape sequence was printed in
 ``project``'s report title. Text fields took any non-empty string (``strict.text``, the projection's ``str`` reader).
 """
 

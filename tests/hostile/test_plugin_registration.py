@@ -6,12 +6,12 @@ algorithm or the argument: from ``register()`` itself, or -- for what only runni
 ``primuspipe show`` and zb-auto (which draws on every registered algorithm).
 
 Defects this family found: ``register(5)`` and ``register(None)`` registered, then ``primuspipe list``, ``show`` and
-``simulate -a all`` were TypeError tracebacks; ``register("all")`` could never be picked alone (``-a all`` means
-every algorithm); ``vpp="1"`` was a TypeError at every build, ``split_backward="no"`` read as true, ``placement="x"``
-projected nothing with no error line; a function taking no request or a required option was a TypeError traceback at
-every build, and one raising a KeyError or recursing without end was a traceback from ``show`` and from
-``simulate -a zb-auto``; a table on a custom or the other built-in placement was accepted, then costed by the
-projection and by zb-auto on the placement it was registered with.
+``simulate -a all`` were tracebacks; ``register("all")`` could never be picked alone (``-a all`` means every
+algorithm); ``vpp="1"`` was a TypeError at every build, ``split_backward="no"`` read as true, ``placement="x"``
+projected nothing with no error line; a function taking no request or a required option was a TypeError traceback
+at every build, and one raising a KeyError or recursing without end was a traceback from ``show`` and from
+``simulate -a zb-auto``; a table on a custom placement, or on the other built-in one, was accepted though the
+projection builds an algorithm's layouts from the placement it registered.
 """
 
 from __future__ import annotations
