@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,23 @@ def check_envelope(data: Any, fmt: str, version: int, what: str, source: str | N
 
 
 def output_file(path: Any, what: str, *, create_folder: bool = True) -> Path:
-    """``path`` checked as a file an API writer may write, before it draws or serialises anything: a path
-    (not ``123``), not a directory, its folder created (``create_folder``) and writable. Each failure is
-    one :class:`OutputFileError` line naming ``what`` and the path."""
+    """``path`` checked as a file a writer (the API's and every command's) may write, before it draws or
+    serialises anything: a path (not ``123``), not a directory, nothing but a regular file where it exists
+    (writers rename a finished file over the path: over a device node such as ``/dev/null``, a pipe or a
+    socket that would replace it), a name the system can take, its folder created (``create_folder``) and
+    writable. Each failure is one :class:`OutputFileError` line naming ``what`` and the path."""
     path = strict.file_path(path, what, error=OutputFileError)
-    if path.is_dir():
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None
+    except OSError as exc:  # a name too long, a loop of links
+        raise OutputFileError(f"cannot write {what} {path}: {exc.strerror or exc}; give a writable file path") from None
+    if mode is not None and stat.S_ISDIR(mode):
         raise OutputFileError(f"cannot write {what} {path}: it is a directory; give a file name")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise OutputFileError(f"cannot write {what} {path}: it exists and is not a regular file (a device, pipe or "
+                              "socket, which writing would replace); give a file name")
     if create_folder:
         strict.writable_folder(path.parent, f"the folder of {what} {path}", error=OutputFileError)
     return path

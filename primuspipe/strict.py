@@ -115,9 +115,13 @@ def _is_bool(value: Any) -> bool:
 
 
 def text(value: Any, name: str, *, error: Error = ConfigError, choices: Collection[str] | None = None) -> str:
-    """A non-empty string (one of ``choices`` when given)."""
+    """A non-empty string of printable characters (one of ``choices`` when given): a name read from a file is
+    printed back (``validate``'s verdict, ``show``'s title, a report row), where a newline split the line and an
+    escape sequence drove the terminal."""
     if not isinstance(value, str) or not value.strip():
         raise error(f"{name} must be a non-empty string, got {show(value)}")
+    if not value.isprintable():
+        raise error(f"{name} must be printable text on one line (no control or format characters), got {show(value)}")
     if choices is not None and value not in choices:
         raise error(f"{name} must be one of {', '.join(sorted(choices))}, got {value!r}{did_you_mean(value, choices)}")
     return value
@@ -226,8 +230,10 @@ def show(value: Any) -> str:
 
 def file_path(value: Any, what: str, *, error: Error = ConfigError) -> Path:
     """``value`` as a file system path: a non-empty string or ``os.PathLike``; anything else (``123``,
-    ``None``, bytes) is one line naming ``what``, not ``Path``'s TypeError."""
-    if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)).strip():
+    ``None``, bytes) is one line naming ``what``, not ``Path``'s TypeError; nor is one holding a NUL, which no
+    file system takes (``os.stat``'s ValueError)."""
+    spelt = str(os.fspath(value)) if isinstance(value, (str, os.PathLike)) else ""
+    if not spelt.strip() or "\x00" in spelt:
         raise error(f"{what} must be a path (a non-empty string or os.PathLike), got {show(value)}")
     return Path(value)
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from primuspipe.algorithms import ScheduleRequest, get_algorithm
-from primuspipe.errors import AlgorithmOutputError, ConfigError, ScheduleShapeError, ValidationError
+from primuspipe.algorithms.registry import BUILTIN_MODULES, AlgorithmInfo
+from primuspipe.errors import AlgorithmOutputError, ConfigError, PrimusPipeError, ScheduleShapeError, ValidationError
 from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel
-from primuspipe.ir.table import ScheduleTable, check_shape
+from primuspipe.ir.limits import check_shape
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication
 from primuspipe.passes.validation import check_structure, validate
 
@@ -76,17 +81,40 @@ def build_schedule(
         raise ConfigError(f"the cost model describes {cost.num_stages} stages but pp*vpp = {pp * vpp}; "
                           "build it for this shape (CostModel.for_shape) or per 1F1B stage")
     request = ScheduleRequest(pp, vpp, microbatches, cost, memory_limit, memory_limit_bytes)
-    table = _returned_table(algorithm, info.build(request, **info.preset, **options), request)
+    table = compute_table(info, request, options)
     if communication:
         table = add_communication(table)
     return validate(table)
 
 
-def _returned_table(algorithm: str, table: object, request: ScheduleRequest) -> ScheduleTable:
+def compute_table(info: AlgorithmInfo, request: ScheduleRequest, options: Mapping[str, Any] = MappingProxyType({})
+                  ) -> ScheduleTable:
+    """``info``'s compute-only table for ``request`` -- the one place an algorithm's function is called
+    (``build_schedule``, and zb-auto drawing on every registered algorithm): what it returned is checked
+    (:func:`_returned_table`), and a plug-in's own failure (any exception but the project's: a KeyError, a
+    RecursionError) is an :class:`AlgorithmOutputError` naming it, as a plug-in that fails to load is. A built-in
+    algorithm's failure is a bug of primuspipe's and stays the traceback it is."""
+    try:
+        table = info.build(request, **info.preset, **options)
+    except PrimusPipeError:
+        raise
+    except Exception as exc:
+        if info.build.__module__ in BUILTIN_MODULES:
+            raise
+        raise AlgorithmOutputError(f"{_who(info)} failed: {type(exc).__name__}: {exc}") from exc
+    return _returned_table(info, table, request)
+
+
+def _who(info: AlgorithmInfo) -> str:
+    return f"algorithm {info.name!r} ({info.build.__module__})"
+
+
+def _returned_table(info: AlgorithmInfo, table: object, request: ScheduleRequest) -> ScheduleTable:
     """What an algorithm (a plug-in's too) returned, checked to be a compute-only table of the requested shape
-    whose nodes name its chunks and microbatches; raises :class:`AlgorithmOutputError` naming the algorithm,
-    its module and what differs."""
-    who = f"algorithm {algorithm!r} ({get_algorithm(algorithm).build.__module__})"
+    on the placement it was registered with (the projection and zb-auto cost it by that), whose nodes name its
+    chunks and microbatches; raises :class:`AlgorithmOutputError` naming the algorithm, its module and what
+    differs."""
+    who = _who(info)
     if not isinstance(table, ScheduleTable):
         raise AlgorithmOutputError(f"{who} returned {_kind_of(table)}, not a ScheduleTable; return "
                                    "ScheduleTable.build(placement, microbatches, rows)")
@@ -96,6 +124,12 @@ def _returned_table(algorithm: str, table: object, request: ScheduleRequest) -> 
             raise AlgorithmOutputError(f"{who} was asked for {name}={wanted} but returned a table with "
                                        f"{name}={getattr(table, name)}; build the requested shape or raise "
                                        "ScheduleShapeError for one it cannot serve")
+    layouts = [Placement.named(name, table.pp, table.vpp) for name in ("interleaved", "v")
+               if info.placement in (name, "any") and (name != "v" or table.vpp == 2)]
+    if table.placement not in layouts:
+        raise AlgorithmOutputError(f"{who} is registered with placement {info.placement!r} but returned the "
+                                   f"placement {table.placement.name!r} {strict.show(table.placement.stages)}; build "
+                                   "on Placement.interleaved(pp, vpp) or Placement.vshape(pp) as registered")
     if table.has_communication:
         raise AlgorithmOutputError(f"{who} returned SEND/RECV nodes; an algorithm returns a compute-only table "
                                    "(build_schedule adds communication)")

@@ -98,12 +98,12 @@ class ScheduleRequest:
     def chunk_cap(self, placement: Placement) -> tuple[float | None, float | None]:
         """The memory limits as caps on chunk activations per rank in the unit count constructions use
         (``w_retained_fraction`` until W): ``(sure, loose)`` -- within ``sure`` a table fits both limits, and no
-        table above ``loose`` fits (:meth:`~primuspipe.ir.cost_parts.MemoryCost.chunk_caps`); None: unbounded."""
-        units = None if self.memory_limit is None else self.memory_limit * placement.vpp
-        if self.memory_limit_bytes is None:
-            return units, units
-        sure, loose = self.cost_model(placement.vpp).memory.chunk_caps(placement, self.memory_limit_bytes)
-        if units is not None:
+        table above ``loose`` fits (:meth:`~primuspipe.ir.cost_parts.MemoryCost.chunk_caps`); None: unbounded
+        (a limit of 1e308 microbatches times vpp chunks is no number: it bounds nothing)."""
+        units = math.inf if self.memory_limit is None else self.memory_limit * placement.vpp
+        sure = loose = units
+        if self.memory_limit_bytes is not None:
+            sure, loose = self.cost_model(placement.vpp).memory.chunk_caps(placement, self.memory_limit_bytes)
             sure, loose = min(sure, units), min(loose, units)
         return tuple(None if math.isinf(cap) else cap for cap in (sure, loose))  # type: ignore[return-value]
 
@@ -178,9 +178,12 @@ def register(
     name: str, *, placement: str = "interleaved", vpp: int | None = None, split_backward: bool = False,
     default_vpp: int = 1,
 ):
-    """Decorator registering ``fn`` under ``name``; a name can be registered once."""
+    """Decorator registering ``fn`` under ``name``; a name can be registered once. The arguments are checked
+    here, where the plug-in's author reads the message (:func:`_check_registration`), not when a user runs it."""
+    _check_registration(name, placement, vpp, split_backward, default_vpp)
 
     def wrap(fn: Builder) -> Builder:
+        _check_function(name, fn)
         if fn.__module__ not in BUILTIN_MODULES:
             _load_builtins()  # a user's name must meet the built-in names even before any look-up
         if name in BY_NAME:
@@ -194,6 +197,51 @@ def register(
         return fn
 
     return wrap
+
+
+PLACEMENTS = ("interleaved", "v", "any")
+RESERVED_NAMES = ("all",)
+"""Words the command line reads itself (``simulate -a all``): an algorithm of that name could not be picked."""
+
+
+def _check_registration(name: Any, placement: Any, vpp: Any, split_backward: Any, default_vpp: Any) -> None:
+    """:func:`register`'s arguments: a name the command line can pass and print (no blank, control character or
+    leading dash, not a word it reads itself), a built-in placement, a vpp that placement can hold, a flag that is
+    a boolean. Each was accepted as given: ``register(5)`` broke ``primuspipe list`` (a TypeError), ``"all"``
+    could never be picked alone, ``vpp="2"`` failed at the first build, ``split_backward="no"`` read as true."""
+    who = f"register({strict.show(name)})"
+    if not isinstance(name, str) or not name or not name.isprintable() or any(c.isspace() for c in name) \
+            or name.startswith("-") or name in RESERVED_NAMES:
+        raise ConfigError(f"{who}: an algorithm's name must be non-empty text without blanks or control characters, "
+                          f"not starting with '-' and not {', '.join(map(repr, RESERVED_NAMES))}; pick another name")
+    strict.text(placement, f"{who}: placement", choices=PLACEMENTS)
+    if vpp is not None:
+        strict.count(vpp, f"{who}: vpp", minimum=1)
+    strict.count(default_vpp, f"{who}: default_vpp", minimum=1)
+    if placement == "v" and vpp != 2:
+        raise ConfigError(f"{who}: the V-shape placement holds 2 chunks per rank; give vpp=2, got {strict.show(vpp)}")
+    if not isinstance(split_backward, bool):
+        raise ConfigError(f"{who}: split_backward must be true or false, got {strict.show(split_backward)}")
+
+
+def _check_function(name: str, fn: Any) -> None:
+    """What :func:`~primuspipe.algorithms.build.build_schedule` will call: a function of the request whose other
+    parameters are keyword-only options with defaults (a required option or a second positional parameter was a
+    TypeError at every build)."""
+    who = f"algorithm {name!r}"
+    if not callable(fn):
+        raise ConfigError(f"{who}: register() decorates a function of the request, got {type(fn).__name__}")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: its signature cannot be read, only called
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    if not positional or any(p.default is p.empty and p.kind is not p.VAR_POSITIONAL for p in positional[1:]):
+        raise ConfigError(f"{who} ({getattr(fn, '__module__', '?')}): the function must take the request as its one "
+                          "positional parameter, fn(request, *, option=default, ...)")
+    if required := [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]:
+        raise ConfigError(f"{who} ({getattr(fn, '__module__', '?')}): option {required[0]!r} has no default; every "
+                          "option needs one (primuspipe builds with none given)")
 
 
 def _load_builtins() -> None:

@@ -72,17 +72,6 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-def output_file(path: Path, flag: str) -> Path:
-    """Check, before any work, that ``path`` can be written as a file: not a directory, its folder
-    created if missing. ``-`` (stdout) passes as is."""
-    if str(path) == "-":
-        return path
-    if path.is_dir():
-        raise ConfigError(f"{flag} {path} is a directory; give a file name")
-    strict.writable_folder(path.parent, f"the folder of {flag} {path}")
-    return path
-
-
 def output_dir(path: Path, flag: str) -> Path:
     """Check, before any work, that ``path`` is a directory that can be written into (created if missing)."""
     if path.exists() and not path.is_dir():

@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from primuspipe.cli.options import output_file
+from primuspipe.documents import output_file
 from primuspipe.errors import ConfigError
 
 STDOUT = "-"
@@ -52,9 +52,6 @@ class Outputs:
             return None
         path = Path(path)
         output_file(path, flag)
-        if path.exists() and not path.is_file():  # a device or a pipe: renaming over it would replace it
-            raise ConfigError(f"{flag} {path} exists and is not a regular file (a device, pipe or socket); give a file "
-                              "name (or - for standard output where the command writes one)")
         for source in self.inputs:
             if same_file(path, source) or source.is_dir() and _inside(path, source):
                 where = "is" if same_file(path, source) else "lies inside"

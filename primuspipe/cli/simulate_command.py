@@ -25,7 +25,8 @@ from primuspipe.algorithms.build import build_schedule, check_options
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.passes.offload import offload_activations
 from primuspipe.passes.streams import DEFAULT_SEMANTICS, SEMANTICS
-from primuspipe.ir.table import Construction, check_shape
+from primuspipe.ir.limits import check_shape
+from primuspipe.ir.table import Construction
 from primuspipe.search.zb_auto import ZbAutoReport, zb_auto_search
 from primuspipe.simulator import CostModel, SimulationResult, read_cost_file, simulate
 from primuspipe.simulator.trace import write_chrome_trace

@@ -42,7 +42,8 @@ from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.io.primus_format import from_primus_table, to_primus_table
 from primuspipe.ir.resources import Resource, resource_plan
-from primuspipe.ir.table import MAX_NODES, ScheduleTable
+from primuspipe.ir.limits import MAX_NODES
+from primuspipe.ir.table import ScheduleTable
 
 SIDECAR_SUFFIX = ".meta.json"
 _SIDECAR_FORMAT, _SIDECAR_VERSION = "primuspipe.torch-csv-meta", 1

@@ -124,7 +124,7 @@ def _header(text: str, line_no: int) -> dict[str, str]:
     header: dict[str, str] = {}
     for item in text.split():
         key, sep, value = item.partition("=")
-        if not sep or key not in _HEADER_KEYS or not value:
+        if not sep or key not in _HEADER_KEYS or not value or "=" in value:
             raise TableFormatError(f"line {line_no}: the header item {item!r} is not one of "
                                    f"{', '.join(f'{k}=...' for k in sorted(_HEADER_KEYS))}")
         if key in header:

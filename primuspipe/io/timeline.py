@@ -17,9 +17,10 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from primuspipe.errors import TableFormatError
 from primuspipe import strict
@@ -27,7 +28,8 @@ from primuspipe.ir.cost_model import TIME_UNITS
 from primuspipe.documents import check_envelope, envelope, output_file, write_atomically
 from primuspipe.ir.kinds import NodeKind, kinds_completing, split_kinds
 from primuspipe.ir.node import ScheduleNode
-from primuspipe.ir.table import MAX_NODES, check_shape
+from primuspipe.ir.placement import Placement
+from primuspipe.ir.limits import MAX_NODES, check_shape
 
 TIMELINE_VERSION = 1
 _KEYS = {"format", "version", "source", "algorithm", "pp", "vpp", "microbatches", "iteration", "time_unit", "meta",
@@ -183,11 +185,7 @@ class Timeline:
         pp, vpp, m = (strict.count(data[k], f"{where}: {k}", minimum=1, error=TableFormatError)
                       for k in ("pp", "vpp", "microbatches"))
         check_shape(pp, vpp, m)
-        meta = data.get("meta", {})
-        if not isinstance(meta, dict):
-            raise TableFormatError(f"{where}: meta must be a mapping, got {strict.show(meta)}")
-        if "t0_unix" in meta:
-            strict.number(meta["t0_unix"], f"{where}: meta.t0_unix", minimum=0, error=TableFormatError)
+        meta = _checked_meta(data.get("meta", {}), f"{where}: meta")
         if not isinstance(data["ranks"], list):
             raise TableFormatError(f"{where}: ranks must be a list of {{rank, peak_memory_bytes, events}}")
         ranks = tuple(_rank_timeline(r, f"{where}: ranks[{i}]", pp, vpp, m) for i, r in enumerate(data["ranks"]))
@@ -210,6 +208,52 @@ class Timeline:
     def load(cls, path: str | Path) -> Timeline:
         text = strict.read_text(path, "timeline", error=TableFormatError)
         return cls.from_dict(strict.load_json(text, str(path), error=TableFormatError), str(path))
+
+
+def _text_or_null(value: Any, name: str) -> Any:
+    return None if value is None else strict.text(value, name, error=TableFormatError)
+
+
+def _share(value: Any, name: str) -> float:
+    return strict.number(value, name, minimum=0, maximum=1, error=TableFormatError)
+
+
+def _seconds(value: Any, name: str) -> float:
+    return strict.number(value, name, minimum=0, error=TableFormatError)
+
+
+def _cores(value: Any, name: str) -> int:
+    return strict.count(value, name, minimum=1, error=TableFormatError)
+
+
+_FACTS: dict[str, Callable[[Any, str], Any]] = {
+    "t0_unix": _seconds, "entered": _seconds, "thread_cpu": _seconds, "process_cpu": _seconds, "period": _seconds,
+    "step_time": _seconds, "memory_at_start": _seconds, "bubble_rate": _share, "bubble_rate_mean": _share,
+    "cpus": _cores, "threads": _cores, "run_id": _text_or_null, "host": _text_or_null, "device": _text_or_null,
+    "memory": _text_or_null, "origin": _text_or_null,
+}
+"""The ``meta`` facts readers use, each with its reader: a run id that was a list (unhashable, a TypeError where
+runs are told apart), a ``host`` that was a list (a TypeError in calibrate's core count) or a CPU time that was text
+went in as given. Other keys are free-form."""
+
+
+def _checked_meta(meta: object, where: str) -> dict:
+    """A timeline's ``meta``, its known facts (:data:`_FACTS`) checked, each rank's in ``meta.ranks`` too."""
+    if not isinstance(meta, dict):
+        raise TableFormatError(f"{where} must be a mapping, got {strict.show(meta)}")
+    ranks = meta.get("ranks", [])
+    if not isinstance(ranks, list):
+        raise TableFormatError(f"{where}.ranks must be a list of per-rank facts, got {strict.show(ranks)}")
+    for i, facts in enumerate(ranks):
+        if not isinstance(facts, dict) or "rank" not in facts:
+            raise TableFormatError(f"{where}.ranks[{i}] must be a mapping with a rank, got {strict.show(facts)}")
+        strict.count(facts["rank"], f"{where}.ranks[{i}].rank", error=TableFormatError)
+    for facts, at in [(meta, where), *((facts, f"{where}.ranks[{i}]") for i, facts in enumerate(ranks))]:
+        for key in _FACTS.keys() & facts.keys():
+            _FACTS[key](facts[key], f"{at}.{key}")
+    if "placement" in meta:
+        Placement.from_dict(meta["placement"], f"{where}.placement")
+    return meta
 
 
 def _rank_timeline(data: object, where: str, pp: int, vpp: int, m: int) -> RankTimeline:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from primuspipe.errors import ConfigError
+from primuspipe.errors import ConfigError, ScheduleShapeError
 from primuspipe import strict
 from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, cold_start_section, cost_keys, host_section,
                                      link_section, memory_section, merge_fixed, read_cost_file, split_fixed,
@@ -27,6 +27,7 @@ from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, cold_start_sectio
 from primuspipe.ir.cost_parts import TIME_UNITS, HostCost, Link, MemoryCost, P2PCost
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.limits import check_shape
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 
@@ -188,6 +189,7 @@ class CostModel:
             return self
         if pp < 1 or vpp < 1 or self.num_stages % pp:
             raise ConfigError(f"a cost model of {self.num_stages} stages cannot be cut for pp={pp}, vpp={vpp}")
+        check_shape(pp, vpp, 1)
 
         def recut(name: str, values: tuple[float, ...]) -> tuple[float, ...]:
             k = len(values) // pp
@@ -224,7 +226,12 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, pp: int, vpp: int, source: str = "cost model") -> CostModel:
         """Build from the YAML form (:mod:`~primuspipe.ir.cost_file`) for a pipeline of ``pp`` ranks x ``vpp`` chunks;
-        every value is checked (:mod:`primuspipe.strict`) and errors name ``source`` and the field."""
+        every value is checked (:mod:`primuspipe.strict`) and errors name ``source`` and the field. The shape is
+        checked first: the model keeps one value per stage (``--vpp 999999999999999999`` built them for ever)."""
+        try:
+            check_shape(pp, vpp, 1)
+        except ScheduleShapeError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
         top = strict.keys(data, source, SECTIONS)
         comp = strict.keys(top.get("compute"), f"{source}: compute", {*cost_keys(), *COMPUTE_FIELDS},
                            required={"f", "b", "w"})

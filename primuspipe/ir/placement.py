@@ -17,6 +17,7 @@ from functools import cached_property
 
 from primuspipe.errors import TableFormatError
 from primuspipe import strict
+from primuspipe.ir.limits import check_shape
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,13 @@ class Placement:
     def interleaved(cls, pp: int, vpp: int = 1) -> Placement:
         pp, vpp = (strict.count(v, f"an interleaved placement's {name}", minimum=1, error=TableFormatError)
                    for name, v in (("pp", pp), ("vpp", vpp)))
+        check_shape(pp, vpp, 1)
         return cls("interleaved", tuple(tuple(c * pp + r for c in range(vpp)) for r in range(pp)))
 
     @classmethod
     def vshape(cls, pp: int) -> Placement:
         pp = strict.count(pp, "a V-shape placement's pp", minimum=1, error=TableFormatError)
+        check_shape(pp, 2, 1)
         return cls("v", tuple((r, 2 * pp - 1 - r) for r in range(pp)))
 
     @classmethod
@@ -99,17 +102,18 @@ class Placement:
         if not isinstance(rows, list) or not all(isinstance(row, list) for row in rows):
             raise TableFormatError(f"{source}: stages must be a list with one list of stage numbers per rank")
         name = strict.text(data["name"], f"{source}: name", error=TableFormatError)
-        placement = cls(name, tuple(tuple(strict.count(s, f"{source}: stages[{r}][{c}]", error=TableFormatError)
-                                          for c, s in enumerate(row)) for r, row in enumerate(rows)))
-        if name in ("interleaved", "v"):  # a built-in name promises its layout: the stages must be it
-            try:
-                promised = cls.named(name, placement.pp, placement.vpp).stages
-            except TableFormatError as exc:
-                raise TableFormatError(f"{source}: {exc}") from None
-            if promised != placement.stages:
-                raise TableFormatError(f"{source}: the name {name!r} contradicts its stages {strict.show(rows)} "
-                                       f"({name!r} is {strict.show([list(r) for r in promised])}); fix the name or "
-                                       "the stages")
+        stages = tuple(tuple(strict.count(s, f"{source}: stages[{r}][{c}]", error=TableFormatError)
+                             for c, s in enumerate(row)) for r, row in enumerate(rows))
+        try:
+            placement = cls(name, stages)
+            # a built-in name promises its layout: the stages must be it
+            promised = cls.named(name, placement.pp, placement.vpp).stages if name in ("interleaved", "v") else stages
+        except TableFormatError as exc:
+            raise TableFormatError(f"{source}: {exc}") from None
+        if promised != placement.stages:
+            raise TableFormatError(f"{source}: the name {name!r} contradicts its stages {strict.show(rows)} "
+                                   f"({name!r} is {strict.show([list(r) for r in promised])}); fix the name or "
+                                   "the stages")
         return placement
 
     @classmethod

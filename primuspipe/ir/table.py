@@ -16,28 +16,13 @@ from functools import cached_property
 from primuspipe import strict
 from primuspipe.ir.dataflow import Transfer, Wiring
 from primuspipe.documents import check_envelope, envelope
-from primuspipe.errors import ScheduleShapeError, TableFormatError
+from primuspipe.errors import TableFormatError
+from primuspipe.ir.limits import MAX_NODES, check_shape
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 
 FORMAT_VERSION = 1
 _JSON_KEYS = {"format", "version", "algorithm", "pp", "vpp", "microbatches", "placement", "ranks", "construction"}
-
-MAX_NODES = 4_000_000
-"""The largest table primuspipe builds, reads or checks: about a minute of work for each of building,
-adding communication and validating (pp=64, vpp=2, m=512 is 391,168 nodes)."""
-NODES_PER_STEP = 7
-"""At most F, B, W and four transfers per (stage, microbatch): the bound a shape's size is judged by."""
-
-
-def check_shape(pp: int, vpp: int, microbatches: int) -> None:
-    """Refuse a shape whose full table could exceed :data:`MAX_NODES`, before anything is built."""
-    nodes = pp * vpp * microbatches * NODES_PER_STEP
-    if nodes > MAX_NODES:
-        raise ScheduleShapeError(
-            f"pp={pp:,} x vpp={vpp:,} x {microbatches:,} microbatches makes a table of up to {nodes:,} nodes, more "
-            f"than the {MAX_NODES:,} primuspipe builds and checks in reasonable time; use fewer microbatches or ranks")
-
 
 @dataclass(frozen=True)
 class Construction:
@@ -103,6 +88,7 @@ class ScheduleTable:
 
     def __post_init__(self, known_wiring: Wiring | None) -> None:
         strict.instance(self.placement, Placement, "a table's placement", error=TableFormatError)
+        strict.text(self.algorithm, "a table's algorithm name", error=TableFormatError)
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise TableFormatError(f"a schedule needs an integer count of microbatches >= 1, got {self.microbatches!r}")
         check_shape(self.pp, self.vpp, self.microbatches)

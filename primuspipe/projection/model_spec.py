@@ -310,7 +310,7 @@ def _moe_pattern(freq: int | tuple[int, ...] | str, num_layers: int, source: str
         if freq < 1:
             raise InputError([(source, "moe_layer_freq", freq)], "must be at least 1", "give N >= 1 (every N-th layer)")
         return tuple(int(i % freq == 0) for i in range(num_layers))
-    pattern = _parse_pattern(freq, source) if isinstance(freq, str) else freq
+    pattern = _parse_pattern(freq, num_layers, source) if isinstance(freq, str) else freq
     if len(pattern) != num_layers or set(pattern) - {0, 1}:
         raise InputError([(source, "moe_layer_freq", freq), (source, "num_layers", num_layers)],
                          f"the list has {len(pattern)} entries of 0/1 for {num_layers} layers" if len(pattern) != num_layers
@@ -321,8 +321,9 @@ def _moe_pattern(freq: int | tuple[int, ...] | str, num_layers: int, source: str
 _TERM = re.compile(r"\[([01](?:\s*,\s*[01])*)\]\s*\*\s*(\d+)")
 
 
-def _parse_pattern(text: str, source: str) -> tuple[int, ...]:
-    """Megatron's string form, a sum of ``[bits]*count`` terms, e.g. ``([0]*3+[1]*58)``, read without eval."""
+def _parse_pattern(text: str, num_layers: int, source: str) -> tuple[int, ...]:
+    """Megatron's string form, a sum of ``[bits]*count`` terms, e.g. ``([0]*3+[1]*58)``, read without eval.
+    Each term's length is counted before it is expanded: ``[1]*10000000000`` would not fit in memory."""
     body = text.strip()
     if body.startswith("(") and body.endswith(")"):
         body = body[1:-1]
@@ -332,7 +333,13 @@ def _parse_pattern(text: str, source: str) -> tuple[int, ...]:
         if not match:
             raise InputError([(source, "moe_layer_freq", text)], f"cannot read the term {term.strip()!r}",
                              "write it as a sum of [0/1 list]*count terms, e.g. ([0]*1+[1]*26), or as a list")
-        pattern += [int(b) for b in match.group(1).split(",")] * int(match.group(2))
+        bits = [int(b) for b in match.group(1).split(",")]
+        entries = len(pattern) + len(bits) * int(match.group(2))
+        if entries > num_layers:
+            raise InputError([(source, "moe_layer_freq", text), (source, "num_layers", num_layers)],
+                             f"the pattern has {entries:,} or more entries of 0/1 for {num_layers} layers",
+                             "give one 0 or 1 per layer")
+        pattern += bits * int(match.group(2))
     return tuple(pattern)
 
 

@@ -127,6 +127,8 @@ def _coerce(hint: Any, value: Any) -> Any:
     if hint is str:
         if not isinstance(value, str) or not value:
             raise TypeError("not a non-empty string")
+        if not value.isprintable():  # a name is printed back in the report (strict.text's rule)
+            raise ValueError("not printable text on one line (a control or format character)")
         return value
     raise AssertionError(f"spec field type {hint!r} has no reader")
 

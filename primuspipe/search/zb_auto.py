@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+from primuspipe.algorithms.build import compute_table
 from primuspipe.algorithms.competition import Filled, fill_all, shortlist
 from primuspipe.algorithms.list_scheduler import FillPolicy
 from primuspipe.algorithms.registry import ScheduleRequest, list_algorithms, register
@@ -243,7 +244,7 @@ def _fixed_candidates(req: ScheduleRequest, layout: Placement) -> Iterator[tuple
         if info.placement == "any" or info.vpp not in (None, layout.vpp):
             continue
         try:
-            table = info.build(req)
+            table = compute_table(info, req)
         except ScheduleShapeError:
             continue
         if table.placement == layout:

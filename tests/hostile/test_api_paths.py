@@ -1,13 +1,23 @@
 """The Python API's file readers and writers given a path that is not one (``123``, ``None``, bytes, a list,
-blank text) and, for writers, a path that cannot be written: a directory, a folder that is a file
-(``a_file/x.json``), an existing directory for a CSV (and its sidecar). Each is one PrimusPipeError line naming
-the path or the argument, raised before anything is drawn or written; a missing folder is created (sound).
+blank text, text holding a NUL) and, for writers, a path that cannot be written: a directory, a folder that is a
+file (``a_file/x.json``), an existing directory for a CSV (and its sidecar), a pipe, a socket or a link to a pipe
+(stand-ins for device nodes: the test makes them, so code without the check replaces nothing that matters), a loop
+of links, a name or a path longer than the system takes. Each is one PrimusPipeError line naming the path or the
+argument, raised before anything is drawn or written, and a stand-in is still what it was; a missing folder is
+created (sound).
 
 Defects this family found: ``load_table(123)``, ``Timeline.load(None)``, ``load_timeline(1)`` and
 ``save_table(t, 123)`` raised ``Path``'s TypeError; ``save_table``/``Timeline.save``/``write_trace`` to a directory
 raised IsADirectoryError, and under a file NotADirectoryError (``write_atomically`` re-raised OSError, and its
 clean-up of the temporary file raised again); ``draw_png`` and ``write_html`` drew the whole figure before
-failing on the path with matplotlib's or plotly's OSError."""
+failing on the path with matplotlib's or plotly's OSError. Round eight: every API writer renamed its file over a
+pipe, a socket or a device node (``save_table(t, "/dev/zero")`` replaced the device with a JSON file: the command
+line refused such outputs, the API's own check did not -- two checks of one concept, now one); a path holding a NUL
+was ``os.stat``'s ValueError in every reader and writer, a name too long an OSError traceback in every writer."""
+
+import os
+import socket
+import stat
 
 import pytest
 
@@ -31,7 +41,7 @@ from primuspipe.tools.pp_vis.png import draw_png
 TABLE = build_schedule("1f1b", 2, 4)
 TIMELINE = simulate(TABLE, CostModel.per_stage(2, 1.0, 1.0, 1.0)).timeline()
 
-NOT_PATHS = [123, 2.5, None, True, b"/tmp/x.json", [], ["x.json"], {}, "   ", object()]
+NOT_PATHS = [123, 2.5, None, True, b"/tmp/x.json", [], ["x.json"], {}, "   ", object(), "/tmp/a\x00b.json"]
 """Values of a path argument that are no path (``load_config``'s ``None`` is "no file" and ``""`` too)."""
 
 READERS = {
@@ -50,8 +60,12 @@ WRITERS = {
     "write_html": lambda path: write_html(TIMELINE, path),
 }
 UNWRITABLE = {"a directory": "{d}", "under a file": "{d}/a_file/out.x", "a directory, trailing slash": "{d}/sub/",
-              "a directory named like a file": "{d}/dir.json"}
-"""Output paths no file can be written at (``{d}`` is the case's folder; ``sub`` and ``dir.json`` are folders)."""
+              "a directory named like a file": "{d}/dir.json", "a pipe": "{d}/fifo.json", "a socket": "{d}/sock",
+              "a link to a pipe": "{d}/to_fifo.json", "a loop of links": "{d}/loop.json",
+              "a name too long": "{d}/" + "x" * 300 + ".json", "a path too long": "{d}/" + "d/" * 2100 + "t.json"}
+"""Output paths no file can be written at (``{d}`` is the case's folder; ``sub`` and ``dir.json`` are folders,
+``fifo.json`` a pipe, ``sock`` a socket, ``to_fifo.json`` a link to the pipe, ``loop.json`` a link to itself)."""
+STAND_INS = {"fifo.json": stat.S_ISFIFO, "sock": stat.S_ISSOCK, "to_fifo.json": stat.S_ISLNK, "loop.json": stat.S_ISLNK}
 
 
 def _readers():
@@ -78,7 +92,13 @@ def folder(tmp_path):
     (tmp_path / "a_file").write_text("a file in the way")
     (tmp_path / "sub").mkdir()
     (tmp_path / "dir.json").mkdir()
-    return tmp_path
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "to_fifo.json").symlink_to(tmp_path / "fifo.json")
+    (tmp_path / "loop.json").symlink_to(tmp_path / "loop.json")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(tmp_path / "sock"))
+    yield tmp_path
+    server.close()
 
 
 @pytest.mark.parametrize("case, fn, value", READ_CASES, ids=[c[0] for c in READ_CASES])
@@ -93,6 +113,7 @@ def test_writer_given_a_bad_path(case, fn, value, folder):
     outcome = refused(run_api(fn, path), *([str(path).rstrip("/")] if isinstance(value, str) and "{d}" in value
                                            else []), case=f"API {case}")
     assert sorted(p.name for p in folder.rglob("*")) == before, f"{case}: files left behind"
+    assert all(kind(os.lstat(folder / name).st_mode) for name, kind in STAND_INS.items()), f"{case}: a stand-in replaced"
     assert outcome.message
 
 

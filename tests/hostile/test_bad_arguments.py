@@ -9,16 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hostile_support import make_dump, record, refused, run_cli
-from primuspipe.cli import build_parser
+from hostile_support import NUMBER_TYPES, make_dump, record, refused, run_cli, subcommands
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "projection"
-
-
-def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
-    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return sub.choices
 
 
 def _valid(tmp) -> dict[str, list]:
@@ -45,13 +38,10 @@ def world(tmp_path_factory):
     return tmp
 
 
-NUMBER_TYPES = ("integer", "number", "numbers_type", "count")
-
-
 def _cases() -> list[tuple[str, str, tuple[str, ...]]]:
     """(subcommand, option, the bad tokens) for every option of every subcommand."""
     cases = []
-    for name, parser in sorted(_subcommands().items()):
+    for name, parser in sorted(subcommands().items()):
         cases += [(name, "--nosuch", ("--nosuch",)), (name, "--nosuch", ("--nosuch=1",))]
         for action in parser._actions:
             if isinstance(action, argparse._HelpAction) or not action.option_strings:
@@ -75,7 +65,7 @@ def _cases() -> list[tuple[str, str, tuple[str, ...]]]:
 def test_every_number_option_is_typed():
     """The generator finds number options by their type's name: each option whose help speaks of a count or
     seconds must have one of them (else its bad values would go untested here)."""
-    for name, parser in _subcommands().items():
+    for name, parser in subcommands().items():
         for action in parser._actions:
             if action.option_strings and action.type is not None and action.type is not Path and \
                     not getattr(action.type, "__name__", "").startswith(NUMBER_TYPES):

@@ -13,6 +13,7 @@ the end of the session (``hostile inputs: ...``), the figure the issue's closing
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from primuspipe.cli import main
+from primuspipe.cli import build_parser, main
 from primuspipe.errors import PrimusPipeError
 from primuspipe.io.timeline import dump_path
 
@@ -267,3 +268,15 @@ def make_dump(root, iterations=(0, 1), run_id="run-a", pp=PP, ranks=None, t0=100
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(data))
     return root
+
+
+# -- the command line's own description ----------------------------------------------------------------
+NUMBER_TYPES = ("integer", "number", "numbers_type", "count")
+"""Name prefixes of the option types that read numbers (:mod:`primuspipe.cli.options`)."""
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    """Each subcommand's parser, so generators sweep every option the command line has."""
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices

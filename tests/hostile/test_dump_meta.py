@@ -1,0 +1,86 @@
+"""Run dumps and saved timelines whose ``meta`` facts -- every fact a reader uses, listed from the reader itself
+(``timeline._FACTS``: the run id, host, CPU times, core counts, wall-clock stamps, the simulator's step figures) --
+hold a value of another type: a list, a mapping, a boolean, a number for a name, a name for a number, NaN text, a
+negative time, a zero core count, a control character. Set in one rank file of a run dump (``vis``, ``calibrate``),
+in a saved timeline's per-rank ``meta.ranks`` and as its ``meta.placement``. Each is one line naming the fact.
+
+Defects this family found: a ``run_id`` that was a list or a mapping was a TypeError traceback in ``vis`` and
+``calibrate`` (runs are told apart by it, and a list cannot be a key); a ``host`` that was a list was one in
+``calibrate`` (ranks on one host are counted by it); the other facts were taken as given -- text CPU seconds, a
+run id of ``true`` or with a newline -- and ``meta.ranks`` was never checked at all.
+"""
+
+import json
+import shutil
+
+import pytest
+
+from hostile_support import make_dump, refused, run_cli
+from primuspipe.io import timeline
+
+NUMBER_FACTS = [k for k, reader in timeline._FACTS.items() if reader in (timeline._seconds, timeline._share)]
+COUNT_FACTS = [k for k, reader in timeline._FACTS.items() if reader is timeline._cores]
+TEXT_FACTS = [k for k, reader in timeline._FACTS.items() if reader is timeline._text_or_null]
+ANY_WRONG = [[1], {"a": 1}, True]
+WRONG = {**{k: ANY_WRONG + ["NaN", "x", -1.0, "1e999"] for k in NUMBER_FACTS},
+         **{k: ANY_WRONG + [0, 1.5, "2", -3] for k in COUNT_FACTS},
+         **{k: ANY_WRONG + [5, 1.5, "", "a\nb", "x\x1b[31m"] for k in TEXT_FACTS}}
+CASES = [(k, v) for k, values in WRONG.items() for v in values]
+
+
+def test_every_fact_is_swept():
+    """A fact added to the reader joins the sweep (or fails here, if of a new kind)."""
+    assert set(NUMBER_FACTS) | set(COUNT_FACTS) | set(TEXT_FACTS) == set(timeline._FACTS)
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory):
+    return make_dump(tmp_path_factory.mktemp("meta") / "dump", iterations=(0,))
+
+
+@pytest.mark.parametrize("key, value", CASES, ids=[f"{k}={v!r}" for k, v in CASES])
+def test_rank_file_meta(tmp_path, dump, key, value):
+    root = tmp_path / "dump"
+    shutil.copytree(dump, root)
+    rank_file = next(root.rglob("rank_1.json"))
+    data = json.loads(rank_file.read_text())
+    data["meta"][key] = value
+    rank_file.write_text(json.dumps(data))
+    refused(run_cli(["vis", root, "--json"]), f"meta.{key}", case=f"vis dump meta.{key}={value!r}")
+    refused(run_cli(["calibrate", root, "--warmup", "0", "-o", tmp_path / "c.yaml"]), f"meta.{key}",
+            case=f"calibrate dump meta.{key}={value!r}")
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("simulated")
+    assert run_cli(["simulate", "-a", "1f1b", "--pp", "2", "-m", "4", "-o", folder]).code == 0
+    return json.loads(next(folder.glob("*.timeline.json")).read_text())
+
+
+@pytest.mark.parametrize("key, value", CASES[::3], ids=[f"{k}={v!r}" for k, v in CASES[::3]])
+def test_saved_timeline_rank_facts(tmp_path, simulated, key, value):
+    data = json.loads(json.dumps(simulated))
+    data["meta"]["ranks"] = [{"rank": 0, key: value}]
+    path = tmp_path / "t.timeline.json"
+    path.write_text(json.dumps(data))
+    refused(run_cli(["vis", path, "--json"]), f"meta.ranks[0].{key}", case=f"vis timeline meta.ranks[0].{key}={value!r}")
+
+
+@pytest.mark.parametrize("ranks", [5, "x", [5], [{"host": "a"}], [{"rank": -1}], [{"rank": True}]])
+def test_saved_timeline_rank_list(tmp_path, simulated, ranks):
+    data = json.loads(json.dumps(simulated))
+    data["meta"]["ranks"] = ranks
+    path = tmp_path / "t.timeline.json"
+    path.write_text(json.dumps(data))
+    refused(run_cli(["vis", path, "--json"]), "meta.ranks", case=f"vis timeline meta.ranks={ranks!r}")
+
+
+@pytest.mark.parametrize("placement", [[1], {"name": "interleaved"}, {"name": "v", "stages": [[0], [1]]},
+                                       {"name": "custom", "stages": [[0, 0], [1, 1]]}])
+def test_saved_timeline_placement(tmp_path, simulated, placement):
+    data = json.loads(json.dumps(simulated))
+    data["meta"]["placement"] = placement
+    path = tmp_path / "t.timeline.json"
+    path.write_text(json.dumps(data))
+    refused(run_cli(["vis", path, "--json"]), "meta.placement", case=f"vis timeline meta.placement={placement!r}")
