@@ -393,65 +393,43 @@ def pipeline_ranks_per_node(training: TrainingSpec, hardware: HardwareSpec) -> i
     return max(1, hardware.gpus_per_node // (training.tp * training.cp * training.dp))
 
 
-def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: HardwareSpec, *, tied_embedding: float = 0.0,
-                  buckets: int = 1, forward_s: float = 0.0, backward_s: float = 0.0,
-                  buffer: DenseBuffer = DenseBuffer(), first_rank: bool = False) -> float:
-    """Seconds one rank's data-parallel gradient reduction and weight all-gather add to the step;
-    ``tied_embedding`` are the embedding parameters whose gradients the first and last stage all-reduce.
+@dataclass(frozen=True)
+class SyncCollectives:
+    """One rank's data-parallel collectives of a step, each the time it takes once (dense and expert groups
+    together), before any overlap: what :func:`gradient_sync` hides or shows."""
+    reduce: float
+    """The gradients' reduction (all-reduce, or reduce-scatter under the distributed optimizer)."""
+    gather: float
+    """The updated weights' all-gather (distributed optimizer only)."""
+    held_reduce: float = 0.0
+    """The part of :attr:`reduce` that FP8 weights' merged BF16 buckets hold back to the backward's end."""
+    held_gather: float = 0.0
+    """The part of :attr:`gather` they put first, before the first layer's forward."""
+    compute_share: float = 0.0
+    """The time-weighted share of the compute units they hold while they run (:meth:`Collectives.compute_share`)."""
 
-    Megatron reduces gradients bucket by bucket as backward produces them (``overlap_grad_reduce``) and
-    gathers the updated weights bucket by bucket as the next forward needs them (``overlap_param_gather``).
-    Gradients accumulate locally over the microbatches and are reduced only during the last microbatch's
-    backward (``no_sync`` for the others), and the gathers run ahead of the first microbatch's forward only
-    (the forward pre-hook waits for a bucket and launches the next). So what hides them is one microbatch's
-    backward (``backward_s``: the rank's B and W seconds of one microbatch) and one microbatch's forward
-    (``forward_s``): of ``buckets`` roughly equal buckets -- one per layer of the rank -- the last reduction
-    (the first gather) shows, or what outlasts that compute, whichever is longer. That matters where the
-    gradients are large beside one microbatch's compute: a rank's many experts replicated over an
-    expert-data-parallel group that crosses the network, with few microbatches.
+
+def sync_collectives(params: ParamCount, training: TrainingSpec, net: Collectives, buffer: DenseBuffer,
+                     first_rank: bool, aligned: bool) -> SyncCollectives:
+    """The step's data-parallel collectives of one rank (:class:`SyncCollectives`).
 
     Under FP8 weights (``fp8_param_gather``) the rank's BF16 parameters (``buffer.unquantized``: embedding,
     output layer, norms) are gathered in two bytes, and megatron-core merges every bucket of their buffer into
     the *last* FP8 bucket group (``partition_buckets``, ``distributed/param_and_grad_buffer.py``, "merge all
     non-fp8 buckets into the last fp8 bucket group"; DistributedDataParallel's, not Megatron-FSDP's or
-    PyTorch's): on the pipeline's first rank (``first_rank``, the one whose
-    backward ends the step and whose forward starts it) that group is reduced only once the embedding's gradient
-    is ready, after the whole backward, and gathered first, before the first layer's forward -- so their bytes
-    join the last bucket that shows. With ``align_param_gather`` outside the interleaved schedule every bucket
-    group's gather is launched by its own forward pre-hook and waited on at once: the whole gather shows, one
-    collective (and its latency) per bucket group (:func:`bucket_groups`).
-
-    With gradients sharded (Megatron-FSDP ``optim_grads``) every microbatch's gradients are reduce-scattered
-    as its backward produces them, not once per step. Nothing waits for those collectives before the
-    optimizer step, so they run on their own stream beside all later compute, forward included: what
-    outlasts the rank's compute per microbatch (its F, B and W seconds) shows for every
-    microbatch, or at least the last bucket of the last one. (The network is taken as the data-parallel
-    group's alone: pipeline sends share it, and are small beside gradients.)
-
-    With the weights sharded too (``optim_grads_params``) every microbatch gathers each layer's weights
-    before its forward and again before its backward, prefetched under the layer before: what outlasts
-    the compute shows, as for the reduction; no gather is left for the step's end. PyTorch FSDP2 without
-    resharding after forward gathers them once a microbatch, and under PyTorch's pipelining once a schedule,
-    before its first forward, reducing the gradients in its last microbatch's backward as unsharded ones are
-    (``TrainingSpec.fsdp_reshard_after_forward``).
-
-    A step of several pipeline schedules (:attr:`TrainingSpec.local_batch_size`) reduces unsharded gradients in
-    each schedule's last backward (``torch.distributed.pipelining``'s stage syncs its DDP module there), so
-    the reduction shows once per flush.
-
-    What the compute hides is not free for it: across nodes a collective's CTAs hold compute units the kernels beside
-    it cannot use (:meth:`Collectives.compute_share`), so the compute that runs beside the hidden part takes
-    ``1 / (1 - share)`` as long, as under DeepEP's dispatcher (:meth:`LayerComm.exposed`); that extra time shows."""
-    t, net = training, Collectives(hardware)
+    PyTorch's): on the pipeline's first rank (``first_rank``, the one whose backward ends the step and whose
+    forward starts it) that group is reduced only once the embedding's gradient is ready, after the whole
+    backward, and gathered first, before the first layer's forward -- so their bytes join the last bucket that
+    shows. With ``align_param_gather`` (``aligned``) every bucket group's gather is one collective (and its
+    latency) of its own (:func:`bucket_groups`)."""
+    t = training
     grad_bytes = t.main_grad_bytes  # mixed precision accumulates and reduces in fp32 unless told otherwise
     wide = 4 if t.precision == "fp32" else 2
     unquantized = buffer.unquantized if t.fp8_param_gather else 0
     span = t.tp * t.cp * t.dp
     dense_ranks, expert_ranks = t.dense_data_parallel_size, t.expert_data_parallel_size
-    ddp = not t.use_megatron_fsdp  # the bucket groups below are DistributedDataParallel's
-    aligned = ddp and t.overlap_param_gather and t.align_param_gather and t.vpp == 1  # no gather runs ahead
-    calls = bucket_groups(params.dense, buffer, t) if aligned and first_rank else 1  # DDP buckets only the first
     if t.use_distributed_optimizer:
+        calls = bucket_groups(params.dense, buffer, t) if aligned and first_rank else 1  # DDP buckets only the first
         reduce = net.gather(params.dense * grad_bytes, dense_ranks, span)
         weights = (params.dense - unquantized) * gathered_weight_bytes(t) + unquantized * wide
         gather = calls * net.gather(weights / calls, dense_ranks, span)
@@ -463,35 +441,96 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
         reduce = net.all_reduce(params.dense * grad_bytes, dense_ranks, span)
         expert = (net.all_reduce(params.expert * grad_bytes, expert_ranks, span), 0.0)
         gather = held_reduce = held_gather = 0.0
-    dense_s = reduce + gather
+    busy = (reduce + gather) * net.compute_share(dense_ranks, span) + sum(expert) * net.compute_share(expert_ranks, span)
     reduce, gather = reduce + expert[0], gather + expert[1]
-    busy = dense_s * net.compute_share(dense_ranks, span) + sum(expert) * net.compute_share(expert_ranks, span)
-    share = busy / (reduce + gather) if reduce + gather else 0.0  # the collectives' time-weighted share
-    if not (first_rank and ddp):
+    if not (first_rank and not t.use_megatron_fsdp):  # the merged buckets are DistributedDataParallel's
         held_reduce = held_gather = 0.0
-    tied = net.all_reduce(tied_embedding * grad_bytes, 2, span * t.pp)
-    tail = 1 / max(1, buckets)
-    compute_s = forward_s + backward_s
+    return SyncCollectives(reduce, gather, held_reduce, held_gather,
+                           busy / (reduce + gather) if reduce + gather else 0.0)
+
+
+def shown_reduce(c: SyncCollectives, training: TrainingSpec, tail: float, compute_s: float,
+                 backward_s: float) -> tuple[float, float]:
+    """(Seconds the gradient reduction runs in a step, seconds of it that show.)
+
+    Megatron reduces gradients bucket by bucket as backward produces them (``overlap_grad_reduce``); they
+    accumulate locally over the microbatches and are reduced only during the last microbatch's backward
+    (``no_sync`` for the others), so one microbatch's backward (``backward_s``) hides them: of the buckets
+    (``tail``: the last one's share) the last shows, or what outlasts that backward, whichever is longer, and
+    the FP8 weights' held part shows whole. A step of several pipeline schedules
+    (:attr:`TrainingSpec.local_batch_size`) reduces in each schedule's last backward
+    (``torch.distributed.pipelining``'s stage syncs its DDP module there): once per flush.
+
+    With gradients sharded (Megatron-FSDP ``optim_grads``) every microbatch's gradients are reduce-scattered
+    as its backward produces them, not once per step. Nothing waits for those collectives before the
+    optimizer step, so they run on their own stream beside all later compute, forward included: what
+    outlasts the rank's compute per microbatch (``compute_s``: its F, B and W seconds) shows for every
+    microbatch, or at least the last bucket of the last one. (The network is taken as the data-parallel
+    group's alone: pipeline sends share it, and are small beside gradients.)"""
+    t, reduce = training, c.reduce
     if t.shards_gradients:
-        run_reduce = reduce * t.microbatches
-        reduce = max(reduce * tail, t.microbatches * max(0.0, reduce - compute_s)) if t.overlap_grad_reduce \
-            else run_reduce
-    else:
-        run_reduce = reduce * t.pipeline_flushes
-        reduce = (max(held_reduce + (reduce - held_reduce) * tail, reduce - backward_s) * t.pipeline_flushes
-                  if t.overlap_grad_reduce else run_reduce)
+        run = reduce * t.microbatches
+        return run, (max(reduce * tail, t.microbatches * max(0.0, reduce - compute_s)) if t.overlap_grad_reduce
+                     else run)
+    run = reduce * t.pipeline_flushes
+    return run, (max(c.held_reduce + (reduce - c.held_reduce) * tail, reduce - backward_s) * t.pipeline_flushes
+                 if t.overlap_grad_reduce else run)
+
+
+def shown_gather(c: SyncCollectives, training: TrainingSpec, tail: float, compute_s: float, forward_s: float,
+                 aligned: bool) -> tuple[float, float]:
+    """(Seconds the weights' all-gather runs in a step, seconds of it that show.)
+
+    Megatron gathers the updated weights bucket by bucket as the next forward needs them
+    (``overlap_param_gather``), ahead of the first microbatch's forward only (the forward pre-hook waits for a
+    bucket and launches the next): one microbatch's forward (``forward_s``) hides them but the first bucket
+    (``tail``'s share) and the FP8 weights' held part. With ``align_param_gather`` outside the interleaved
+    schedule (``aligned``) every bucket group's gather is launched by its own forward pre-hook and waited on at
+    once: the whole gather shows.
+
+    With the weights sharded (``optim_grads_params``) every microbatch gathers each layer's weights before its
+    forward and again before its backward, prefetched under the layer before: what outlasts the compute
+    (``compute_s``) shows, as for the reduction; no gather is left for the step's end. PyTorch FSDP2 without
+    resharding after forward gathers them once a microbatch, and under PyTorch's pipelining once a schedule,
+    before its first forward, reducing the gradients in its last microbatch's backward as unsharded ones are
+    (``TrainingSpec.fsdp_reshard_after_forward``)."""
+    t, gather = training, c.gather
     if t.shards_weights and not t.gathered_for_step:
         passes = 2 if t.fsdp_reshard_after_forward else 1  # before the forward, and again before the backward
-        run_gather = passes * gather * t.microbatches
-        gather = t.microbatches * max(0.0, passes * gather - compute_s) if t.overlap_param_gather else run_gather
-    else:
-        flushes = t.pipeline_flushes if t.gathered_for_step else 1  # each schedule gathers its stage's weights anew
-        run_gather = gather * flushes
-        if t.overlap_param_gather and not aligned:
-            gather = max(held_gather + (gather - held_gather) * tail, gather - forward_s)
-        gather *= flushes
+        run = passes * gather * t.microbatches
+        return run, t.microbatches * max(0.0, passes * gather - compute_s) if t.overlap_param_gather else run
+    flushes = t.pipeline_flushes if t.gathered_for_step else 1  # each schedule gathers its stage's weights anew
+    if t.overlap_param_gather and not aligned:
+        return gather * flushes, max(c.held_gather + (gather - c.held_gather) * tail, gather - forward_s) * flushes
+    return gather * flushes, gather * flushes
+
+
+def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: HardwareSpec, *, tied_embedding: float = 0.0,
+                  buckets: int = 1, forward_s: float = 0.0, backward_s: float = 0.0,
+                  buffer: DenseBuffer = DenseBuffer(), first_rank: bool = False) -> float:
+    """Seconds one rank's data-parallel gradient reduction and weight all-gather add to the step;
+    ``tied_embedding`` are the embedding parameters whose gradients the first and last stage all-reduce.
+
+    What the collectives take (:func:`sync_collectives`), how much of the reduction and of the gather the
+    rank's compute hides (:func:`shown_reduce`, :func:`shown_gather`: of ``buckets`` roughly equal buckets --
+    one per layer of the rank -- the compute of one microbatch, ``forward_s`` and ``backward_s``, hides all but
+    the last, or what outlasts it); that matters where the gradients are large beside one microbatch's
+    compute: a rank's many experts replicated over an expert-data-parallel group that crosses the network,
+    with few microbatches.
+
+    What the compute hides is not free for it: across nodes a collective's CTAs hold compute units the kernels beside
+    it cannot use (:meth:`Collectives.compute_share`), so the compute that runs beside the hidden part takes
+    ``1 / (1 - share)`` as long, as under DeepEP's dispatcher (:meth:`LayerComm.exposed`); that extra time shows."""
+    t, net = training, Collectives(hardware)
+    ddp = not t.use_megatron_fsdp  # the bucket groups are DistributedDataParallel's
+    aligned = ddp and t.overlap_param_gather and t.align_param_gather and t.vpp == 1  # no gather runs ahead
+    c = sync_collectives(params, t, net, buffer, first_rank, aligned)
+    tail = 1 / max(1, buckets)
+    run_reduce, reduce = shown_reduce(c, t, tail, forward_s + backward_s, backward_s)
+    run_gather, gather = shown_gather(c, t, tail, forward_s + backward_s, forward_s, aligned)
+    tied = net.all_reduce(tied_embedding * t.main_grad_bytes, 2, t.tp * t.cp * t.dp * t.pp)
     hidden = max(0.0, run_reduce + run_gather - reduce - gather)
-    return gather + tied + reduce + hidden * share / (1 - share)
+    return gather + tied + reduce + hidden * c.compute_share / (1 - c.compute_share)
 
 
 def bucket_groups(dense: int, buffer: DenseBuffer, training: TrainingSpec) -> int:
