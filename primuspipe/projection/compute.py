@@ -531,13 +531,17 @@ class WorkModel(RankShape):
         two products, the negation and concatenation, the sum of the two branches, and the slices' gradients with
         their sum, 14 backward (held against the aten operations that function dispatches,
         ``tests/projection/test_time_model.py``; the cos and sin of the small frequency table aside). MLA is counted
-        apart: :meth:`_mla_rope_elements` prices its rotary, fused or not. torchtitan's eager complex-number rotary
-        (``elementwise_kernels: torchtitan-eager``) moves :data:`EAGER_ROPE_BYTES` instead."""
+        apart: :meth:`_mla_rope_elements` prices its rotary, fused or not. torchtitan's complex-number rotary
+        (``elementwise_kernels: torchtitan-eager``, or ``model_implementation: torchtitan`` under torch.compile, whose
+        inductor leaves complex operators to aten: :attr:`~primuspipe.projection.training_spec.RankShape.rope_fused`)
+        moves :data:`EAGER_ROPE_BYTES` instead: its two casts are inductor's kernels under compile, but the fp32 copy
+        feeds the complex product and the product's output feeds the cast back, so neither fuses away."""
         m = self.model
         if not m.rotary or self.rope_fused or m.multi_latent_attention:
             return NO_WORK
-        eager = self.training.elementwise_kernels == "torchtitan-eager"
-        forward, backward = EAGER_ROPE_BYTES if eager else (12 * self.e, 14 * self.e)
+        t = self.training
+        complex_form = t.elementwise_kernels == "torchtitan-eager" or t.model_implementation == "torchtitan"
+        forward, backward = EAGER_ROPE_BYTES if complex_form else (12 * self.e, 14 * self.e)
         elements = self._query_key_elements
         return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
 

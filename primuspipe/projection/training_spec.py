@@ -958,8 +958,13 @@ class RankShape:
         hands to its unfused ``_apply_rotary_pos_emb_bshd`` ("mscale ... is not supported by TE's fused RoPE",
         ``megatron/core/models/common/embeddings/rope_utils.py`` line 279 at the Megatron-LM commits Megatron-Bridge
         26.02 and 26.02.01 pin, b0cc270 and 55ac708; core_v0.15.0 still ran the fused kernel and dropped the
-        factor)."""
-        return self.training.apply_rope_fusion and self.model.rope_concentration == 1.0
+        factor). Never for torchtitan's Llama (``model_implementation: torchtitan``): its ``apply_rotary_emb`` multiplies
+        complex numbers (``view_as_complex``), and inductor generates no code for complex operators
+        (``torch/_inductor/lowering.py`` ``unsupported_input_tensor``: "Torchinductor does not support code generation
+        for complex operators", the warning torchtitan's compiled Llama prints, pytorch/torchtitan issue 15, open since
+        2024-01; opt-in complex compilation only from torch 2.14), so compiled or not it runs as aten kernels."""
+        return (self.training.apply_rope_fusion and self.model.rope_concentration == 1.0
+                and self.training.model_implementation != "torchtitan")
 
 
 MIN_CAPACITY_FACTOR = 0.01
