@@ -798,8 +798,9 @@ class WorkModel(RankShape):
                      + (self._norms() if t.recomputes("layernorm") else Work())
                      + (up_projections.forward + Work(memory_bytes=self._mla_rope_elements() * self.e)
                         if t.recomputes("mla_up_proj") and m.multi_latent_attention else Work()))
-        return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.backward_input
-                        + copies.backward_input, attention.backward_weight + mlp.backward_weight + accumulate
+        backward_input = (attention.backward_input + core.backward_input + mlp.backward_input + element.backward_input
+                          + copies.backward_input)
+        return PassWork(forward, backward_input, attention.backward_weight + mlp.backward_weight + accumulate
                         + copies.backward_weight, recompute)
 
     def _op_recompute(self, kind: str) -> Work:

@@ -596,7 +596,8 @@ class TrainingSpec:
         ``foreach_reduce`` packs the layer's unsharded gradients into the reduce dtype's buffer (``torch.cat`` /
         ``_chunk_cat``) before the reduce-scatter, the compute stream waiting for it (pytorch/pytorch
         ``torch/distributed/_composable/fsdp/_fsdp_param_group.py`` and ``_fsdp_collectives.py`` at 012c62d6 and
-        01d66d21, mid-2024: the copy-in on the reduce-scatter stream with ``current_stream.wait_event(copy_in_event)``;
+        01d66d21, the 2024 layout: the copy-in on the reduce-scatter stream with
+        ``current_stream.wait_event(copy_in_event)``;
         ``torch/distributed/fsdp/_fully_shard/`` at 002a76fb: on the current stream). Once a microbatch, as FSDP2
         gathers and reduces every microbatch, unless PyTorch's pipelining keeps the stage gathered for the step
         (:attr:`gathered_for_step`: once a schedule, not priced)."""
@@ -759,7 +760,8 @@ class TrainingSpec:
             self._fail(("fsdp_reshard_after_forward", "fsdp_implementation"),
                        "fsdp_reshard_after_forward is PyTorch FSDP2's setting", "set fsdp_implementation: torch, or remove it")
         if self.torch_fsdp_version != "fsdp2" and self.fsdp_implementation != "torch":
-            self._fail(("torch_fsdp_version", "fsdp_implementation"), "torch_fsdp_version says which of PyTorch's FSDPs ran",
+            self._fail(("torch_fsdp_version", "fsdp_implementation"),
+                       "torch_fsdp_version says which of PyTorch's FSDPs ran",
                        "set fsdp_implementation: torch, or remove it")
         if self.fsdp_implementation == "torch" and not self.shards_weights:
             self._fail(("fsdp_implementation", "data_parallel_sharding_strategy"),
@@ -958,8 +960,8 @@ class RankShape:
         hands to its unfused ``_apply_rotary_pos_emb_bshd`` ("mscale ... is not supported by TE's fused RoPE",
         ``megatron/core/models/common/embeddings/rope_utils.py`` line 279 at the Megatron-LM commits Megatron-Bridge
         26.02 and 26.02.01 pin, b0cc270 and 55ac708; core_v0.15.0 still ran the fused kernel and dropped the
-        factor). Never for torchtitan's Llama (``model_implementation: torchtitan``): its ``apply_rotary_emb`` multiplies
-        complex numbers (``view_as_complex``), and inductor generates no code for complex operators
+        factor). Never for torchtitan's Llama (``model_implementation: torchtitan``): its ``apply_rotary_emb``
+        multiplies complex numbers (``view_as_complex``), and inductor generates no code for complex operators
         (``torch/_inductor/lowering.py`` ``unsupported_input_tensor``: "Torchinductor does not support code generation
         for complex operators", the warning torchtitan's compiled Llama prints, pytorch/torchtitan issue 15, open since
         2024-01; opt-in complex compilation only from torch 2.14), so compiled or not it runs as aten kernels."""
