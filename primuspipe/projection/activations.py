@@ -171,7 +171,9 @@ class ActivationModel(RankShape):
         if per_head_norms:  # their inputs: the query (copy) and the key slice; their fp32 statistics
             stats = 1 if m.normalization == "RMSNorm" else 2
             core += query_copy + tokens * (heads + kv_heads) * stats * _FP32
-        if rope and not self.rope_fused:  # cos and sin, once for queries and once for keys
+        # cos and sin, once for queries and once for keys; torchtitan multiplies by a view of the model's one
+        # freqs_cis buffer (its rotary is never fused: RankShape.rope_fused), which no layer adds
+        if rope and not self.rope_fused and t.model_implementation != "torchtitan":
             core += 4 * (m.seq_length / t.cp) * qk_dim * e
         if t.recomputes("core_attn"):  # the checkpoint keeps its inputs: query, key, and V's slice
             new_qk = rope or per_head_norms  # rotated or normalised query and key are new tensors

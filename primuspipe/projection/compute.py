@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
 from primuspipe.projection.activations import MASK_BYTES, gemm_width, op_gemms
+from primuspipe.projection.comm import gathered_weight_bytes
 from primuspipe.projection.gemm import Gemm, gemm_seconds
 from primuspipe.projection.hardware_spec import HardwareSpec, check_runs_on
 from primuspipe.projection.host import host_priced, layer_host, moe_small_kernels, moe_stream_kernels
@@ -530,13 +531,17 @@ class WorkModel(RankShape):
         two products, the negation and concatenation, the sum of the two branches, and the slices' gradients with
         their sum, 14 backward (held against the aten operations that function dispatches,
         ``tests/projection/test_time_model.py``; the cos and sin of the small frequency table aside). MLA is counted
-        apart: :meth:`_mla_rope_elements` prices its rotary, fused or not. torchtitan's eager complex-number rotary
-        (``elementwise_kernels: torchtitan-eager``) moves :data:`EAGER_ROPE_BYTES` instead."""
+        apart: :meth:`_mla_rope_elements` prices its rotary, fused or not. torchtitan's complex-number rotary
+        (``elementwise_kernels: torchtitan-eager``, or ``model_implementation: torchtitan`` under torch.compile, whose
+        inductor leaves complex operators to aten: :attr:`~primuspipe.projection.training_spec.RankShape.rope_fused`)
+        moves :data:`EAGER_ROPE_BYTES` instead: its two casts are inductor's kernels under compile, but the fp32 copy
+        feeds the complex product and the product's output feeds the cast back, so neither fuses away."""
         m = self.model
         if not m.rotary or self.rope_fused or m.multi_latent_attention:
             return NO_WORK
-        eager = self.training.elementwise_kernels == "torchtitan-eager"
-        forward, backward = EAGER_ROPE_BYTES if eager else (12 * self.e, 14 * self.e)
+        t = self.training
+        complex_form = t.elementwise_kernels == "torchtitan-eager" or t.model_implementation == "torchtitan"
+        forward, backward = EAGER_ROPE_BYTES if complex_form else (12 * self.e, 14 * self.e)
         elements = self._query_key_elements
         return PassWork(Work(memory_bytes=forward * elements), Work(memory_bytes=backward * elements), Work())
 
@@ -718,6 +723,22 @@ class WorkModel(RankShape):
         unfused = params.total if not t.gradient_accumulation_fusion else params.expert if t.legacy_grouped_mlp else 0
         return Work(memory_bytes=unfused * (self.e + 2 * t.main_grad_bytes))
 
+    def _fsdp2_copies(self, params: float, *, root: bool = False) -> PassWork:
+        """FSDP2's copies of ``params`` gathered parameters on the compute stream, once a microbatch
+        (:attr:`TrainingSpec.fsdp2_copies`): the all-gather copy-out reads the gathered buffer and writes the
+        parameters (the gathered dtype each way: bf16, or one byte under a float8 all-gather), in F and, where
+        the layer was resharded after its forward, again in B; the reduce-scatter copy-in reads the bf16 gradients
+        and writes the reduce dtype's buffer (fp32 unless told otherwise), in W. ``root``: the root unit's
+        (embedding, final norm, output layer), which FSDP2 does not reshard after the forward and whose weights
+        are never float8-gathered."""
+        t = self.training
+        if not t.fsdp2_copies:
+            return NO_WORK
+        resharded = t.fsdp_reshard_after_forward and not root
+        copy_out = Work(memory_bytes=2 * (self.e if root else gathered_weight_bytes(t)) * params)
+        copy_in = Work(memory_bytes=(self.e + t.main_grad_bytes) * params)
+        return PassWork(copy_out, copy_out if resharded else Work(), copy_in)
+
     def _expert_clamp(self) -> PassWork:
         """The clamp of the experts' gated activation (``activation_func_clamp_value``, GPT-OSS), which megatron-core
         runs as eager element-wise ops outside its fused activation kernel over the first expert linear's
@@ -782,15 +803,19 @@ class WorkModel(RankShape):
                 mlp_recompute = mlp_recompute + act + clamp.forward
         element = _sum(self._elementwise(kind), self._unfused_rope(), self.accumulating_scatters(kind),
                        self._local_spec_elements(kind), self._hidden_dropout(sites=2))
-        accumulate = self._grad_accumulation(sum(layer_params(m, t, kind).values(), ParamCount()))
-        forward = attention.forward + core.forward + mlp.forward + element.forward
+        params = sum(layer_params(m, t, kind).values(), ParamCount())
+        accumulate = self._grad_accumulation(params)
+        copies = self._fsdp2_copies(params.total)
+        forward = attention.forward + core.forward + mlp.forward + element.forward + copies.forward
         recompute = (self._op_recompute(kind) if t.recompute_granularity == "op" else
                      (core.recompute if t.recomputes("core_attn") else Work()) + mlp_recompute
                      + (self._norms() if t.recomputes("layernorm") else Work())
                      + (up_projections.forward + Work(memory_bytes=self._mla_rope_elements() * self.e)
                         if t.recomputes("mla_up_proj") and m.multi_latent_attention else Work()))
-        return PassWork(forward, attention.backward_input + core.backward_input + mlp.backward_input + element.backward_input,
-                        attention.backward_weight + mlp.backward_weight + accumulate, recompute)
+        backward_input = (attention.backward_input + core.backward_input + mlp.backward_input + element.backward_input
+                          + copies.backward_input)
+        return PassWork(forward, backward_input, attention.backward_weight + mlp.backward_weight + accumulate
+                        + copies.backward_weight, recompute)
 
     def _op_recompute(self, kind: str) -> Work:
         """What torchtitan's op recompute reruns of one block's forward before its backward: the GEMMs whose outputs
@@ -813,7 +838,10 @@ class WorkModel(RankShape):
         runners do not defer it), with the weight gradient it lands in (:meth:`_embedding_weight_gradient`;
         ``shared``: a second lookup of the same tables, a multi-token-prediction module's)."""
         moved = self.hidden_bytes
-        return _sum(PassWork(Work(memory_bytes=moved), Work(memory_bytes=2 * moved), Work()),
+        # the root's copy-out; its gradient's copy-in stands in the add into the main gradient counted below
+        gathered = NO_WORK if shared else PassWork(
+            self._fsdp2_copies(embedding_params(self.model, self.training.tp), root=True).forward, Work(), Work())
+        return _sum(PassWork(Work(memory_bytes=moved), Work(memory_bytes=2 * moved), Work()), gathered,
                     self._hidden_dropout(sites=1, alone=True), self._embedding_weight_gradient(shared))
 
     def _embedding_weight_gradient(self, shared: bool = False) -> PassWork:
@@ -859,9 +887,11 @@ class WorkModel(RankShape):
         forward, backward = self._loss_bytes_per_logit()
         logits = self.tokens * vocab
         norm = _elementwise_pass({self._norm_kernel: self._norms().memory_bytes / 2})  # the final norm
-        return PassWork(output.forward + Work(memory_bytes=logits * forward) + norm.forward,
+        copies = self._fsdp2_copies(head_params(m, t.tp), root=True)
+        return PassWork(output.forward + Work(memory_bytes=logits * forward) + norm.forward + copies.forward,
                         output.backward_input + Work(memory_bytes=logits * backward) + norm.backward_input,
-                        output.backward_weight + self._grad_accumulation(ParamCount(head_params(m, t.tp))))
+                        output.backward_weight + self._grad_accumulation(ParamCount(head_params(m, t.tp)))
+                        + copies.backward_weight)
 
     def _loss_bytes_per_logit(self) -> tuple[float, float]:
         """Bytes the vocab-parallel cross entropy moves per logit of the rank's vocabulary shard, forward and

@@ -125,6 +125,11 @@ class TrainingSpec:
     backward_maybe_with_nosync``: ``set_reshard_after_backward``, ``set_requires_gradient_sync``), and FSDP2
     accumulates the unsharded gradients in its reduce dtype (``FSDPParam.to_accumulated_grad_if_needed``): one
     gather and one reduce-scatter a step (:attr:`gathered_for_step`). Only with ``fsdp_implementation: torch``."""
+    torch_fsdp_version: Literal["fsdp2", "fsdp1"] = "fsdp2"
+    """Which of PyTorch's FSDPs ``fsdp_implementation: torch`` is: ``fsdp2`` (``fully_shard``; torchtitan, NeMo
+    AutoModel) or ``fsdp1`` (``FullyShardedDataParallel`` with a ``MixedPrecision``; AMD's ``train_fsdp.py``). They
+    differ in the copies the compute stream runs (:attr:`fsdp2_copies`): FSDP1 gathers into the flat parameter the
+    layer reads and reduce-scatters views of its flat gradient. Only with ``fsdp_implementation: torch``."""
     use_precision_aware_optimizer: bool = False
     """Megatron's precision-aware optimizer: the dtypes below may be narrower than fp32."""
     main_params_dtype: Literal["fp32", "fp16"] = "fp32"
@@ -592,6 +597,22 @@ class TrainingSpec:
         return not self.fsdp_reshard_after_forward and self.pp > 1
 
     @property
+    def fsdp2_copies(self) -> bool:
+        """FSDP2 copies each gathered layer on the compute stream: ``wait_for_unshard`` runs
+        ``foreach_all_gather_copy_out`` (``split_with_sizes_copy`` of the all-gather buffer into the parameters)
+        on the current stream, in the layer's pre-forward and again in its pre-backward after a reshard, and
+        ``foreach_reduce`` packs the layer's unsharded gradients into the reduce dtype's buffer (``torch.cat`` /
+        ``_chunk_cat``) before the reduce-scatter, the compute stream waiting for it (pytorch/pytorch
+        ``torch/distributed/_composable/fsdp/_fsdp_param_group.py`` and ``_fsdp_collectives.py`` at 012c62d6 and
+        01d66d21, the 2024 layout: the copy-in on the reduce-scatter stream with
+        ``current_stream.wait_event(copy_in_event)``;
+        ``torch/distributed/fsdp/_fully_shard/`` at 002a76fb: on the current stream). Once a microbatch, as FSDP2
+        gathers and reduces every microbatch, unless PyTorch's pipelining keeps the stage gathered for the step
+        (:attr:`gathered_for_step`: once a schedule, not priced)."""
+        return (self.fsdp_implementation == "torch" and self.torch_fsdp_version == "fsdp2" and self.shards_weights
+                and not self.gathered_for_step)
+
+    @property
     def shards_weights(self) -> bool:
         """The weights live sharded too (Megatron-FSDP ``optim_grads_params``, ZeRO-3): each layer's are gathered
         when its forward or backward runs."""
@@ -746,6 +767,10 @@ class TrainingSpec:
         if not self.fsdp_reshard_after_forward and self.fsdp_implementation != "torch":
             self._fail(("fsdp_reshard_after_forward", "fsdp_implementation"),
                        "fsdp_reshard_after_forward is PyTorch FSDP2's setting", "set fsdp_implementation: torch, or remove it")
+        if self.torch_fsdp_version != "fsdp2" and self.fsdp_implementation != "torch":
+            self._fail(("torch_fsdp_version", "fsdp_implementation"),
+                       "torch_fsdp_version says which of PyTorch's FSDPs ran",
+                       "set fsdp_implementation: torch, or remove it")
         if self.fsdp_implementation == "torch" and not self.shards_weights:
             self._fail(("fsdp_implementation", "data_parallel_sharding_strategy"),
                        "PyTorch's FSDP is modelled only as it shards everything (FULL_SHARD / fully_shard)",
@@ -947,8 +972,13 @@ class RankShape:
         hands to its unfused ``_apply_rotary_pos_emb_bshd`` ("mscale ... is not supported by TE's fused RoPE",
         ``megatron/core/models/common/embeddings/rope_utils.py`` line 279 at the Megatron-LM commits Megatron-Bridge
         26.02 and 26.02.01 pin, b0cc270 and 55ac708; core_v0.15.0 still ran the fused kernel and dropped the
-        factor)."""
-        return self.training.apply_rope_fusion and self.model.rope_concentration == 1.0
+        factor). Never for torchtitan's Llama (``model_implementation: torchtitan``): its ``apply_rotary_emb``
+        multiplies complex numbers (``view_as_complex``), and inductor generates no code for complex operators
+        (``torch/_inductor/lowering.py`` ``unsupported_input_tensor``: "Torchinductor does not support code generation
+        for complex operators", the warning torchtitan's compiled Llama prints, pytorch/torchtitan issue 15, open since
+        2024-01; opt-in complex compilation only from torch 2.14), so compiled or not it runs as aten kernels."""
+        return (self.training.apply_rope_fusion and self.model.rope_concentration == 1.0
+                and self.training.model_implementation != "torchtitan")
 
 
 MIN_CAPACITY_FACTOR = 0.01

@@ -243,6 +243,40 @@ def test_sharded_weights_are_gathered_before_every_forward_and_backward_beside_t
         2 * (2 * gather - short) + 2 * (reduce - short))
 
 
+def test_fsdp2_copies_gathered_weights_and_packs_gradients_on_the_compute_stream():
+    """PyTorch FSDP2 (``fsdp_implementation: torch``): each microbatch copies a layer's gathered bf16 weights out
+    of the all-gather buffer in F and, resharded after the forward, again in B (read and write 2 bytes each),
+    and packs its bf16 gradients into the fp32 reduce buffer in W (2 + 4); the root (embedding, output layer)
+    once in F, the output layer's gradients in W. One byte each way under a float8 all-gather. Nothing under
+    FSDP1, Megatron-FSDP, or PyTorch's pipelining keeping the stage gathered for the step."""
+    torch_fsdp = dataclasses.replace(TRAINING, pipeline_model_parallel_size=1, data_parallel_size=8,
+                                     global_batch_size=32, use_megatron_fsdp=True, fsdp_implementation="torch",
+                                     data_parallel_sharding_strategy="optim_grads_params")
+    fsdp1 = dataclasses.replace(torch_fsdp, torch_fsdp_version="fsdp1")
+    layer_params = 4 * 1024 * 1024 + 2 * 1024 * 4096 + 2 * 1024  # attention, MLP, two norms
+    vocab_params = 32000 * 1024
+
+    def extra(training: TrainingSpec, part: str) -> list[float]:
+        work, base = WorkModel(MODEL, training), WorkModel(MODEL, fsdp1)
+        return [a.memory_bytes - b.memory_bytes for a, b in zip(work.part(part).passes(), base.part(part).passes())]
+
+    assert extra(torch_fsdp, "dense") == pytest.approx([4 * layer_params, 4 * layer_params, 6 * layer_params])
+    kept = dataclasses.replace(torch_fsdp, fsdp_reshard_after_forward=False)
+    assert extra(kept, "dense") == pytest.approx([4 * layer_params, 0, 6 * layer_params])
+    fp8 = dataclasses.replace(torch_fsdp, fp8_format="hybrid", fp8_recipe="tensorwise", fp8_param_gather=True)
+    fp8_work, fp8_base = WorkModel(MODEL, fp8), WorkModel(MODEL, dataclasses.replace(fp8, torch_fsdp_version="fsdp1"))
+    assert fp8_work.layer("dense").forward.memory_bytes - fp8_base.layer("dense").forward.memory_bytes == \
+        pytest.approx(2 * layer_params)
+    assert extra(torch_fsdp, "embedding") == pytest.approx([4 * vocab_params, 0, 0])
+    assert extra(torch_fsdp, "head") == pytest.approx([4 * (vocab_params + 1024), 0, 6 * (vocab_params + 1024)])
+    stage_kept = dataclasses.replace(kept, pipeline_model_parallel_size=2, data_parallel_size=4)
+    assert extra(stage_kept, "dense") == [0, 0, 0]
+    megatron = dataclasses.replace(torch_fsdp, fsdp_implementation="megatron")
+    assert not megatron.fsdp2_copies and not fsdp1.fsdp2_copies and torch_fsdp.fsdp2_copies
+    with pytest.raises(InputError, match="torch_fsdp_version"):
+        spec_from_mapping(TrainingSpec, {"torch_fsdp_version": "fsdp1"}, "test")
+
+
 def test_context_parallel_ring_merges_each_step_in_fp32():
     """Ring attention adds, per CP step, a read of the step's output and a read and write of the fp32
     accumulator forward; the same for dQ and dK/dV backward. Nothing without CP."""

@@ -94,6 +94,24 @@ def test_eager_elementwise_work_replaces_the_fused_kernels_in_f_and_b_only():
             == WorkModel(layernorm, UNFUSED).head().forward.memory_bytes)
 
 
+def test_torchtitan_rotary_is_its_complex_chain_under_compile_too():
+    """torchtitan's rotary multiplies complex numbers, which inductor leaves to aten kernels (it generates no code for
+    complex operators): compiled (``apply_rope_fusion`` left on, norms and SwiGLU fused) its layer moves the eager
+    chain's bytes for the queries and keys where megatron-core's fused kernel moves 2 + 2 each way."""
+    import torch
+    from torch._inductor.lowering import unsupported_input_tensor
+
+    with pytest.warns(UserWarning, match="complex operators"):
+        assert unsupported_input_tensor(torch.empty(4, dtype=torch.complex64))
+    mega = TrainingSpec(micro_batch_size=2, global_batch_size=16)
+    titan = dataclasses.replace(mega, model_implementation="torchtitan")
+    qk = 2 * 2048 * (8 + 2) * MODEL.head_dim
+    a, b = WorkModel(MODEL, mega).layer("dense"), WorkModel(MODEL, titan).layer("dense")
+    assert b.forward.memory_bytes - a.forward.memory_bytes == pytest.approx(qk * (EAGER_ROPE_BYTES[0] - 4))
+    backward = b.backward_input.memory_bytes - a.backward_input.memory_bytes
+    assert backward == pytest.approx(qk * (EAGER_ROPE_BYTES[1] - 4))
+
+
 @pytest.mark.parametrize("change", [{"bias_activation_fusion": True}, {"apply_rope_fusion": True},
                                     {"precision": "fp32"}])
 def test_eager_elementwise_needs_unfused_bf16_ops(change):
