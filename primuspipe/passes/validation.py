@@ -156,6 +156,8 @@ def check_offload(table: ScheduleTable) -> None:
     the kind that takes them and the backwards as the kinds that release them."""
     out, back, forward, backward = _offload_roles()
     for rank, row in enumerate(table.ranks):
+        if not any(node.kind.on_host_stream for node in row):
+            continue  # no copy on this rank: nothing to relate (and a large table's rows indexed for nothing)
         where: dict[tuple[NodeKind, int, int], list[int]] = defaultdict(list)
         for i, node in enumerate(row):
             for kind, mb, chunk in node.parts():

@@ -237,9 +237,10 @@ class HardwareSpec:
         if self.collective_ctas_per_card and self.compute_units and \
                 self.collective_ctas_per_card * self.gpus_per_node >= self.compute_units:
             raise InputError([(self.source, "collective_ctas_per_card", self.collective_ctas_per_card),
+                              (self.source, "gpus_per_node", self.gpus_per_node),
                               (self.source, "compute_units", self.compute_units)],
-                             "a node's collectives would hold every compute unit",
-                             "give NCCL's CTAs per network card, e.g. 2")
+                             "a node's collectives (CTAs per card times the node's cards) would hold every compute unit",
+                             "give NCCL's CTAs per network card, e.g. 2, and the node's real GPU and SM counts")
 
     def fp8_peak_tflops(self) -> float:
         if self.peak_fp8_tflops is None:
