@@ -41,11 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with _young_collections_only():
+        return _run(argv)
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     _show_progress(logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO)
     try:
-        with _young_collections_only():
-            return args.handler(args)
+        return args.handler(args)
     except PrimusPipeError as exc:
         _error(str(exc))
     except OSError as exc:  # a file that cannot be read or written: the path and the reason, not a traceback

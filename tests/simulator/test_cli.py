@@ -146,3 +146,28 @@ def test_memory_limit_bytes_budgets_the_bytes_the_simulator_counts(capsys, tmp_p
     assert rows["zb-auto"]["peak_memory_bytes"] <= 5.5e9 and rows["zb-auto"]["fits"]
     assert main(["simulate", "-a", "zb-auto", "--pp", "4", "-m", "8", "--memory-limit-bytes", "5e9"]) == 1
     assert "add memory.activation_bytes" in capsys.readouterr().err
+
+
+def test_a_command_runs_without_full_collections_and_restores_the_collector(capsys):
+    """The command's large immutable table would be walked by every full collection for nothing; the young
+    generations still run, and the caller's setting comes back (``main`` runs in-process here)."""
+    import gc
+
+    generations = []
+
+    def seen(phase, info):
+        if phase == "start":
+            generations.append(info["generation"])
+
+    before = gc.get_threshold()
+    gc.set_threshold(700, 1, 1)  # a full collection at every other middle one, were the command to keep it
+    gc.callbacks.append(seen)
+    try:
+        assert main(["simulate", "-a", "interleaved-1f1b", "--pp", "8", "--vpp", "2", "-m", "64", "--json"]) == 0
+        assert gc.get_threshold() == (700, 1, 1)
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*before)
+    capsys.readouterr()
+    assert generations.count(0) > 0, "young collections still run"
+    assert 2 not in generations
