@@ -170,7 +170,7 @@ def cmd_vis(args: argparse.Namespace) -> int:
         console.print(_comparison_table(comparison))
         _print_order(console, comparison)
     for path in written:
-        console.print(f"wrote {path}")
+        console.print(f"wrote {strict.shown_path(path)}", markup=False)
     return 0
 
 
@@ -218,8 +218,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     console.print(_accuracy_table(accuracy, measured.time_unit))
     for note in measured.notes:
         console.print(f"note: {note}")
-    console.print(f"wrote {args.output}; use it with: primuspipe simulate --cost {args.output} "
-                  f"--pp {measured.pp} -m {measured.microbatches} --algorithm NAME|all")
+    shown = strict.shown_path(args.output)
+    console.print(f"wrote {shown}; use it with: primuspipe simulate --cost {shown} "
+                  f"--pp {measured.pp} -m {measured.microbatches} --algorithm NAME|all", markup=False)
     return 0
 
 
