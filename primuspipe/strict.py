@@ -27,7 +27,7 @@ import re
 import stat
 import types
 import typing
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +223,29 @@ def printable(text: str) -> str:
     return "".join(ch if ch.isprintable() or ch == "\n" else ascii(ch)[1:-1] for ch in text)
 
 
+def one_line(text: str) -> str:
+    """``text`` with every control or unprintable character escaped, a newline and a tab included
+    (:func:`printable` keeps a message's own line breaks): for text the user typed, printed inside a line."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """``path`` as a message prints it (:func:`one_line`): a file name may hold a newline or an escape
+    sequence, and a message that names a file must stay one line and never drive the terminal."""
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path)
+    return one_line(text if isinstance(text, str) else os.fsdecode(text))
+
+
+def paths_shown(text: str, paths: Iterable[str | os.PathLike]) -> str:
+    """``text`` with each of ``paths`` (what the user typed: a command's arguments) that holds a character
+    :func:`shown_path` escapes printed as that function prints it -- every message repeating a typed file
+    name, wherever it was raised, then stays one line."""
+    typed = {os.fspath(p) for p in paths if isinstance(p, (str, os.PathLike))}
+    for path in sorted((p for p in typed if isinstance(p, str) and one_line(p) != p), key=len, reverse=True):
+        text = text.replace(path, one_line(path))
+    return text
+
+
 def show(value: Any) -> str:
     text = "null" if value is None else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -246,11 +269,11 @@ def writable_folder(path: str | Path, name: str, *, error: Error = ConfigError) 
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise error(f"cannot create {name}: a file is in the way of the folder {folder}") from None
+        raise error(f"cannot create {name}: a file is in the way of the folder {shown_path(folder)}") from None
     except OSError as exc:
         raise error(f"cannot create {name}: {exc.strerror or exc}; give a writable directory") from None
     if not folder.is_dir():
-        raise error(f"cannot create {name}: a file is in the way of the folder {folder}")
+        raise error(f"cannot create {name}: a file is in the way of the folder {shown_path(folder)}")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise error(f"cannot write into {name}: permission denied; give a writable directory")
     return folder
@@ -263,26 +286,27 @@ def read_text(path: str | Path, what: str, *, error: Error = ConfigError, max_by
 
     ``what`` names the file for people ("schedule file", "cost model")."""
     path = file_path(path, what, error=error)
+    what = f"{what} {shown_path(path)}"
     try:
         info = path.stat()
         if stat.S_ISDIR(info.st_mode):
-            raise error(f"{what} {path} is a directory; give a file")
+            raise error(f"{what} is a directory; give a file")
         if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block or never end
-            raise error(f"{what} {path} is not a regular file (a pipe, socket or device); give a file")
+            raise error(f"{what} is not a regular file (a pipe, socket or device); give a file")
         with path.open("rb") as f:
             data = f.read(max_bytes + 1)
     except FileNotFoundError:
-        raise error(f"cannot read {what} {path}: it does not exist") from None
+        raise error(f"cannot read {what}: it does not exist") from None
     except PermissionError:
-        raise error(f"cannot read {what} {path}: permission denied (check its permissions)") from None
+        raise error(f"cannot read {what}: permission denied (check its permissions)") from None
     except OSError as exc:
-        raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+        raise error(f"cannot read {what}: {exc.strerror or exc}") from None
     if len(data) > max_bytes:
-        raise error(f"{what} {path} is larger than {max_bytes // 2**20} MiB, more than any valid one; check the path")
+        raise error(f"{what} is larger than {max_bytes // 2**20} MiB, more than any valid one; check the path")
     try:
         text = data.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is no content
     except UnicodeDecodeError as exc:
-        raise error(f"{what} {path} is not UTF-8 text (byte {exc.start}); is it the right file?") from None
+        raise error(f"{what} is not UTF-8 text (byte {exc.start}); is it the right file?") from None
     return text.replace("\r\n", "\n").replace("\r", "\n")  # Windows and old Mac line ends read as one
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -133,11 +134,23 @@ def _returned_table(info: AlgorithmInfo, table: object, request: ScheduleRequest
     if table.has_communication:
         raise AlgorithmOutputError(f"{who} returned SEND/RECV nodes; an algorithm returns a compute-only table "
                                    "(build_schedule adds communication)")
+    if table.splits_backward and not info.split_backward:
+        raise AlgorithmOutputError(f"{who} is registered with split_backward=False but returned a table that splits "
+                                   "its backward (B and W nodes); register it with split_backward=True")
     try:
         check_structure(table)
     except ValidationError as exc:
         raise AlgorithmOutputError(f"{who}: {str(exc).splitlines()[0]}") from None
-    return table
+    return _labelled(info, table)
+
+
+def _labelled(info: AlgorithmInfo, table: ScheduleTable) -> ScheduleTable:
+    """``table`` labelled with the algorithm that built it, whatever label its function gave it: a plug-in that
+    wraps a built-in returns a table labelled ``1f1b``, one that builds rows by hand ``custom``, and a dump, a
+    calibration or a report would credit that name with this algorithm's schedule (an alias keeps its target's
+    name, as the built-ins label theirs)."""
+    name = info.alias_of or info.name
+    return table if table.algorithm == name else dataclasses.replace(table, algorithm=name)
 
 
 def _kind_of(value: object) -> str:

@@ -126,7 +126,9 @@ class AlgorithmInfo:
     vpp: int | None
     """The vpp the algorithm requires, or None if it takes any."""
     split_backward: bool
-    """True if its tables use separate B and W nodes (needs a runner that can split weight grads)."""
+    """True if its tables may use separate B and W nodes (needs a runner that can split weight grads); one
+    registered False that returns such a table is refused (``build.compute_table``). True allows a fused table
+    too: ``zb-auto`` may pick a 1F1B construction."""
     default_vpp: int = 1
     """The vpp used when the caller gives none and the algorithm takes any."""
     preset: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))

@@ -46,17 +46,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     _show_progress(logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO)
     try:
         return args.handler(args)
     except PrimusPipeError as exc:
-        _error(str(exc))
+        _error(str(exc), argv)
     except OSError as exc:  # a file that cannot be read or written: the path and the reason, not a traceback
         where = f" {exc.filename}" if exc.filename else ""
-        _error(f"cannot access{where}: {exc.strerror or exc}")
+        _error(f"cannot access{where}: {exc.strerror or exc}", argv)
     except KeyboardInterrupt:
-        _error("interrupted")
+        _error("interrupted", argv)
         return 130
     return 1
 
@@ -76,8 +77,9 @@ def _young_collections_only():
         gc.set_threshold(young, middle, full)
 
 
-def _error(message: str) -> None:
-    sys.stderr.write(f"error: {strict.printable(message)}\n")
+def _error(message: str, argv: list[str]) -> None:
+    """One ``error:`` line; a file name the user typed is printed escaped wherever the message repeats it."""
+    sys.stderr.write(f"error: {strict.printable(strict.paths_shown(message, argv))}\n")
 
 
 class _StderrHandler(logging.StreamHandler):

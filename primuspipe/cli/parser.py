@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from primuspipe import strict
+
 _GIVEN = "_primuspipe_values_given"
 """The namespace attribute the actions note their values in during one parse (removed before the parse returns)."""
 
@@ -41,3 +43,8 @@ class Parser(argparse.ArgumentParser):
         parsed, extras = super().parse_known_args(args, namespace)
         parsed.__dict__.pop(_GIVEN, None)
         return parsed, extras
+
+    def error(self, message: str):
+        """argparse's usage error, one line: its messages quote what the user typed (an unknown argument
+        holding a newline or an escape sequence), printed escaped."""
+        super().error(strict.one_line(message))

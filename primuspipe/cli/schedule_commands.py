@@ -160,7 +160,7 @@ def _show_graph(args: argparse.Namespace) -> int:
         return 0
     outputs.write_text(path, "--graph", text)
     for written in outputs.commit():
-        print(f"wrote {written}", file=sys.stderr)
+        print(f"wrote {strict.shown_path(written)}", file=sys.stderr)
     return 0
 
 
@@ -176,7 +176,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     for where, text in table_files(table, path, args.format, args.compute_only).items():
         outputs.write_text(where, "-o", text)
     for written in outputs.commit():
-        print(f"wrote {written}", file=sys.stderr)
+        print(f"wrote {strict.shown_path(written)}", file=sys.stderr)
     return 0
 
 
@@ -194,9 +194,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if args.fifo_weight_grads:
             check_fifo_weight_grads(table)
     except (ValidationError, TableFormatError, ScheduleShapeError) as exc:
-        out.print(strict.printable(f"INVALID {args.file}: {exc}"), markup=False)
+        out.print(strict.printable(strict.paths_shown(f"INVALID {args.file}: {exc}", [args.file])), markup=False)
         return 1
     kind = "full" if table.has_communication else "compute-only"
-    out.print(f"valid: {args.file} ({kind} table, {table.algorithm}, pp={table.pp} vpp={table.vpp} "
+    out.print(f"valid: {strict.shown_path(args.file)} ({kind} table, {table.algorithm}, pp={table.pp} vpp={table.vpp} "
                   f"microbatches={table.microbatches}; deadlock-free under the {args.semantics} transport semantics)", markup=False)
     return 0

@@ -170,7 +170,7 @@ def cmd_vis(args: argparse.Namespace) -> int:
         console.print(_comparison_table(comparison))
         _print_order(console, comparison)
     for path in written:
-        console.print(f"wrote {path}")
+        console.print(f"wrote {strict.shown_path(path)}", markup=False)
     return 0
 
 
@@ -218,8 +218,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     console.print(_accuracy_table(accuracy, measured.time_unit))
     for note in measured.notes:
         console.print(f"note: {note}")
-    console.print(f"wrote {args.output}; use it with: primuspipe simulate --cost {args.output} "
-                  f"--pp {measured.pp} -m {measured.microbatches} --algorithm NAME|all")
+    shown = strict.shown_path(args.output)
+    console.print(f"wrote {shown}; use it with: primuspipe simulate --cost {shown} "
+                  f"--pp {measured.pp} -m {measured.microbatches} --algorithm NAME|all", markup=False)
     return 0
 
 
@@ -269,7 +270,10 @@ def _comparison_table(c: Comparison) -> Table:
         caption = (f"run nodes lasted up to {c.run_stretch:.0%} longer than their CPU time: ranks waited for a "
                    "core inside them, where the simulator has them wait before; compare the CPU means (the run's "
                    "mean bubble rate counts that wait as busy)")
-    table = Table(title=f"{c.run.source} vs {c.simulated.source}: {c.run.algorithm} pp={c.run.pp} vpp={c.run.vpp} "
+    # a run set beside another algorithm's simulation names both: the title named the run's alone
+    algorithms = c.run.algorithm if c.run.algorithm == c.simulated.algorithm else \
+        f"{c.run.algorithm} vs {c.simulated.algorithm}"
+    table = Table(title=f"{c.run.source} vs {c.simulated.source}: {algorithms} pp={c.run.pp} vpp={c.run.vpp} "
                         f"m={c.run.microbatches}, times in {c.run.time_unit}", caption=caption)
     for col in ("figure", c.run_stats.label, c.simulated_stats.label, "sim - run", "relative"):
         table.add_column(col, justify="right")

@@ -384,9 +384,38 @@ def merge_rank_timelines(parts: Sequence[Timeline], iteration: int, where: str) 
         ranks.append(RankTimeline(rank.rank, tuple(replace(e, start=e.start + shift, end=e.end + shift) for e in rank.events),
                                   rank.peak_memory_bytes))
     hosts = [{"rank": part.ranks[0].rank, **{k: part.meta[k] for k in _RANK_FACTS if k in part.meta}} for part in parts]
-    return Timeline("run", first.algorithm, first.pp, first.vpp, first.microbatches, tuple(ranks), iteration,
-                    meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory"),
-                          "run_id": first.meta.get("run_id"), "ranks": hosts}).check_one_step(where)
+    merged = Timeline("run", first.algorithm, first.pp, first.vpp, first.microbatches, tuple(ranks), iteration,
+                      meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory"),
+                            "run_id": first.meta.get("run_id"), "ranks": hosts}).check_one_step(where)
+    _check_clocks(merged, where)
+    return merged
+
+
+def _check_clocks(timeline: Timeline, where: str) -> None:
+    """Refuse ranks whose clocks disagree by more than a rank's whole step: a receive that ended before its send
+    started by more than the longest rank's span (each rank's span is its own clock's, so no skew hides in it).
+    The ranks are set on one time line by their ``t0_unix``; hosts whose clocks were never synchronised, or a
+    rank file edited, gave a step of days and every rank 100 % idle, and calibrate a replay 100 % off, without a
+    word. A transfer's send and receive are paired per (step, microbatch, sender, receiver) in time order:
+    a microbatch's chunks cross one link in their causal order."""
+    sends: dict[tuple, list[TimedNode]] = {}
+    receives: dict[tuple, list[TimedNode]] = {}
+    for rank in timeline.ranks:
+        for e in rank.events:
+            if e.node.kind.is_send or e.node.kind.is_recv:
+                link = (rank.rank, e.node.peer) if e.node.kind.is_send else (e.node.peer, rank.rank)
+                side = sends if e.node.kind.is_send else receives
+                side.setdefault((e.node.kind.carries, e.node.microbatch, *link), []).append(e)
+    longest = max((r.span for r in timeline.ranks), default=0.0)
+    for key, posted in sends.items():
+        for send, receive in zip(sorted(posted, key=lambda e: e.start), sorted(receives.get(key, ()), key=lambda e: e.end)):
+            if send.start - receive.end > longest:
+                kind, mb, src, dst = key
+                raise TableFormatError(
+                    f"{where}: rank {dst}'s receive of {kind.name}{mb} from rank {src} ended "
+                    f"{send.start - receive.end:.6g} {timeline.time_unit} before rank {src} began sending it, more than "
+                    f"a whole rank's step ({longest:.6g} {timeline.time_unit}): the ranks' clocks (t0_unix) disagree; "
+                    "dump from hosts with synchronised clocks (NTP/PTP)")
 
 
 _RANK_FACTS = ("t0_unix", "host", "cpus", "threads", "process_cpu", "thread_cpu", "memory_at_start")

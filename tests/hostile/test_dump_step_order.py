@@ -70,17 +70,46 @@ def test_truncated_rank_files(tmp_path, rank, fraction):
 
 
 @pytest.mark.parametrize("iteration", [1, 2])
-@pytest.mark.parametrize("rank", [0, PP - 1])
 @pytest.mark.parametrize("t0", [0.0, 999.0])
-def test_wall_clock_stamps_out_of_order(tmp_path, iteration, rank, t0):
-    """An iteration's ``meta.t0_unix`` before the one before it ended: the step gap cannot be measured. It was left
-    out of the cost file without a word (simulate then counted no gap); now a note says so."""
+def test_wall_clock_stamps_out_of_order(tmp_path, iteration, t0):
+    """An iteration's ``meta.t0_unix`` (every rank's, the ranks' offsets kept) before the one before it ended: the
+    step gap cannot be measured. It was left out of the cost file without a word (simulate then counted no gap); now
+    a note says so."""
     dump = make_dump(tmp_path / "d", iterations=(0, 1, 2))
-    path = dump_path(dump, iteration, rank)
-    data = json.loads(path.read_text())
-    data["meta"]["t0_unix"] = t0
-    path.write_text(json.dumps(data))
+    paths = [dump_path(dump, iteration, rank) for rank in range(PP)]
+    stamps = [json.loads(path.read_text())["meta"]["t0_unix"] for path in paths]
+    for path, stamp in zip(paths, stamps):
+        data = json.loads(path.read_text())
+        data["meta"]["t0_unix"] = t0 + stamp - min(stamps)
+        path.write_text(json.dumps(data))
     outcome = run_cli(["calibrate", dump, "-o", tmp_path / "c.yaml", "--warmup", "0"])
     said = outcome.code == 0 and "no host.step_gap" in outcome.out + outcome.err
-    record("sound" if said else outcome.kind, f"calibrate iteration {iteration} rank {rank} t0_unix {t0}")
+    record("sound" if said else outcome.kind, f"calibrate iteration {iteration} t0_unix {t0}")
     assert said, outcome.out + outcome.err
+
+
+@pytest.mark.parametrize("rank", [0, 1, PP - 1])
+@pytest.mark.parametrize("skew", [-500.0, -5.0, 5.0, 86400.0])
+@pytest.mark.parametrize("command", ["calibrate", "vis"])
+def test_ranks_whose_clocks_disagree(tmp_path, rank, skew, command):
+    """One rank's ``t0_unix`` off by more than a step (hosts whose clocks were never synchronised): a receive ends
+    before its send began. ``vis`` drew a step of days, every rank 100 % idle, and calibrate's replay was 100 % off,
+    without a word; now the only iteration is refused naming the ranks and the clocks, one of several skipped."""
+    only = make_dump(tmp_path / "only", iterations=(0,))
+    several = make_dump(tmp_path / "several", iterations=(0, 1, 2))
+    for dump, iteration in ((only, 0), (several, 1)):
+        path = dump_path(dump, iteration, rank)
+        data = json.loads(path.read_text())
+        data["meta"]["t0_unix"] += skew
+        path.write_text(json.dumps(data))
+    argv = {"calibrate": ["-o", tmp_path / "c.yaml", "--warmup", "0"], "vis": []}[command]
+    case = f"{command} rank {rank}'s clock {skew:+g} s"
+    refused(run_cli([command, only, *argv]), "clocks", f"rank {rank}", case=f"{case}, the only iteration",
+            before_work=True)
+    outcome = run_cli([command, several, *argv, *(["--iteration", 1] if command == "vis" else [])])
+    if command == "vis":  # the iteration asked for: refused
+        refused(outcome, "clocks", case=f"{case}, the iteration drawn", before_work=True)
+        return
+    skipped = outcome.code == 0 and "skipped iteration 1" in outcome.err and "clocks" in outcome.err
+    record("sound" if skipped else outcome.kind, f"{case}, one of three")
+    assert skipped, outcome.err

@@ -9,8 +9,9 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 
-from hostile_support import refused, run_api  # noqa: E402
+from hostile_support import record, refused, run_api  # noqa: E402
 from primuspipe.backends.megatron import PrimusPipeConfig, install, is_installed, load_config, uninstall  # noqa: E402
+from primuspipe.backends.megatron.config import _FLAGS, SETTINGS  # noqa: E402
 from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode  # noqa: E402
 
 
@@ -130,3 +131,52 @@ def test_good_settings_still_install(tmp_path, monkeypatch):
     monkeypatch.setenv("PRIMUSPIPE_DEMO_DIR", "out")  # scripts/demo.sh's, not a setting, not refused
     assert install() is not None and (tmp_path / "dumps").is_dir()
     assert load_config().algorithm_options == {"microbatch_group_size": 4}
+
+
+def _misspellings(name: str) -> list[str]:
+    """The typing slips of a setting's name: a letter dropped, two swapped, one doubled."""
+    i = len(name) // 2
+    return [name[:i] + name[i + 1:], name[:i] + name[i + 1] + name[i] + name[i + 2:], name[:i] + name[i] + name[i:]]
+
+
+TYPOS = [(name, typo) for name in SETTINGS for typo in _misspellings(name) if typo not in SETTINGS]
+
+
+@pytest.mark.parametrize("name, typo", TYPOS, ids=[t for _, t in TYPOS])
+def test_misspelt_keywords(name, typo):
+    """``install(patch_primus_pipline=True)`` was a TypeError from the dataclass: now one line naming the closest
+    setting, for every setting's slips (listed from the settings)."""
+    refused(run_api(install, patch_primus_pipeline=True, **{typo: 1}), typo, name, case=f"install({typo}=1)")
+    assert not is_installed()
+
+
+@pytest.mark.parametrize("flag", _FLAGS)
+@pytest.mark.parametrize("text, value", [("off", False), ("no", False), ("false", False), ("0", False),
+                                          ("on", True), ("yes", True)])
+def test_switches_given_as_text_are_read(flag, text, value):
+    """A switch given as text in code (as the environment gives it) is read, not kept: ``offload="off"`` stayed the
+    text, which is truthy -- the offload pass, the dumps, the debug table ran though switched off."""
+    config = PrimusPipeConfig(**{flag: text}, pp_max_mem=2)  # offload: true needs a limit
+    record("sound" if getattr(config, flag) is value else "silent", f"PrimusPipeConfig({flag}={text!r})")
+    assert getattr(config, flag) is value
+
+
+@pytest.mark.parametrize("ops, names", [(5, ["offload_ops"]), (["attn", 3], ["offload_ops"]), ({"attn": 1}, ["offload_ops"]),
+                                        ("atn", ["'attn'"]), (["attn", "row_paralel_gemm"], ["row_parallel_gemm"])])
+def test_offload_ops_values(ops, names):
+    """``offload_ops`` of another type was read as its text (``[]`` as the op ``'[]'``); a misspelt op is named with
+    the closest."""
+    refused(run_api(PrimusPipeConfig, offload_ops=ops), *names, case=f"offload_ops={ops!r}")
+
+
+def test_offload_ops_as_a_list():
+    config = PrimusPipeConfig(offload_ops=["attn", "basic_gemm"])
+    record("sound" if config.offload_op_list == ("attn", "basic_gemm") else "refused", "offload_ops as a list")
+    assert config.offload_op_list == ("attn", "basic_gemm")
+
+
+@pytest.mark.parametrize("value", ["", None, 5, "a\nb"])
+def test_dump_dir_read_when_dumps_are_off(value):
+    """``dump_dir`` was checked only with ``dump_pp_data`` on: ``install(dump_dir=5)`` passed, the config file's
+    ``dump_dir: ''`` did not."""
+    refused(run_api(PrimusPipeConfig, dump_dir=value), "dump_dir", case=f"dump_dir={value!r}")

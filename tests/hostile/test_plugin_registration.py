@@ -17,11 +17,12 @@ projection builds an algorithm's layouts from the placement it registered.
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
 from hostile_support import record, refused, run_api, run_cli
-from primuspipe.algorithms import ScheduleRequest, register
+from primuspipe.algorithms import ScheduleRequest, get_algorithm, register
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
@@ -176,6 +177,45 @@ def test_tables_on_another_placement(label, placement, vpp, fn):
                 case=f"zb-auto beside {label}")
 
 
+SPLIT = [(algorithm, info.placement, info.vpp) for algorithm in ("zb-h1", "zb-h2", "zbv", "v-half", "dualpipe-v")
+         for info in [get_algorithm(algorithm)]]
+
+
+@pytest.mark.parametrize("algorithm, placement, vpp", SPLIT, ids=[s[0] for s in SPLIT])
+def test_split_tables_registered_fused(algorithm, placement, vpp):
+    """A plug-in registered ``split_backward=False`` (what ``list`` shows as ``BW``) returning a table with B and W
+    nodes: refused naming the algorithm and the flag, from a build, ``show`` and zb-auto."""
+    name = _register(lambda req: build_schedule(algorithm, req.pp, req.microbatches, communication=False),
+                     placement=placement, vpp=vpp, split_backward=False)
+    case = f"{algorithm}'s table registered fused"
+    refused(run_api(build_schedule, name, 2, 4), name, "split_backward", case=f"build {case}")
+    refused(run_cli(["show", name, "--pp", 2, "-m", 4]), name, "split_backward", case=f"show {case}")
+    if placement != "any":
+        refused(run_cli(["simulate", "-a", "zb-auto", "--pp", 2, "-m", 4]), name, "split_backward",
+                case=f"zb-auto beside {case}")
+
+
+LABELS = ["1f1b", "zb-h1", "gpipe", "custom", "zero-bubble", "another-plugin"]
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_tables_labelled_with_another_name(tmp_path, label):
+    """A plug-in's table labelled with another algorithm's name (a wrapper of a built-in returns ``1f1b``'s own):
+    what is built, exported and simulated under the plug-in's name carries that name, never the other."""
+    def labelled(req):
+        table = _one_f_one_b(req)
+        return ScheduleTable.build(table.placement, table.microbatches, [list(r) for r in table.ranks], label)
+
+    name = _register(labelled)
+    built = build_schedule(name, 2, 4)
+    record("sound" if built.algorithm == name else "silent", f"build a plug-in labelling its table {label!r}")
+    assert built.algorithm == name
+    outcome = run_cli(["export", name, "--pp", 2, "-m", 4, "-o", tmp_path / "t.json"])
+    exported = json.loads((tmp_path / "t.json").read_text())["algorithm"] if outcome.code == 0 else None
+    record("sound" if exported == name else "silent", f"export a plug-in labelling its table {label!r}")
+    assert exported == name, outcome.message
+
+
 def test_good_registrations_still_build():
     """The edges beside the refusals: every placement with the vpp it holds, a name with digits, dots and dashes,
     an option with a default."""
@@ -185,12 +225,13 @@ def test_good_registrations_still_build():
     def with_option(req, *, extra: int = 1):
         return _one_f_one_b(req)
 
-    cases = [("a-1.b", "interleaved", None, _one_f_one_b),
-             ("interleaved-vpp-2", "interleaved", 2, built("interleaved-1f1b", 2)),
-             ("v-plugin", "v", 2, built("zbv")), ("any-plugin", "any", None, built("zbv")),
-             ("with-option", "interleaved", None, with_option)]
-    for name, placement, vpp, fn in cases:
-        _register(fn, name, placement=placement, vpp=vpp)
+    cases = [("a-1.b", "interleaved", None, _one_f_one_b, False),
+             ("interleaved-vpp-2", "interleaved", 2, built("interleaved-1f1b", 2), False),
+             ("v-plugin", "v", 2, built("zbv"), True), ("any-plugin", "any", None, built("zbv"), True),
+             ("with-option", "interleaved", None, with_option, False),
+             ("split-may-fuse", "interleaved", None, _one_f_one_b, True)]
+    for name, placement, vpp, fn, split in cases:
+        _register(fn, name, placement=placement, vpp=vpp, split_backward=split)
         outcome = run_cli(["show", name, "--pp", 2, "-m", 4])
         record("sound" if outcome.code == 0 else "refused", f"register {name} ({placement}, vpp {vpp})")
         assert outcome.code == 0, outcome.message

@@ -1,5 +1,7 @@
 """``TorchPipeline`` given what it cannot run: objects of the wrong type, stages that are not the table's,
-a watchdog of NaN or below zero, a dump folder that cannot be written, a batch that does not split into
+a watchdog of NaN or below zero, a switch given as text (``scale_grads="no"``
+was kept, and is truthy), op names given as one string (read as its characters), a device or a group torch cannot
+use (its RuntimeError, ValueError), a dump folder that cannot be written, a batch that does not split into
 the table's microbatches (which returned extra rows of garbage from ``eval``). Each is one
 PrimusPipeError naming the argument, at construction or before the step runs a node (``late`` otherwise).
 
@@ -55,6 +57,11 @@ LOSS = torch.nn.functional.mse_loss
     (("TABLE", "STAGES"), {"watchdog_timeout_s": "soon"}, ["watchdog_timeout_s"]),
     (("TABLE", "STAGES"), {"loss_fn": "mse"}, ["loss_fn"]),
     (("TABLE", "STAGES"), {"dump_dir": ""}, ["dump_dir"]),
+    *[(("TABLE", "STAGES"), {switch: value}, [switch]) for switch in ("scale_grads", "count_saved_bytes")
+      for value in ("no", "false", None, 0, 2, float("nan"))],
+    *[(("TABLE", "STAGES"), {"offload_ops": ops}, ["offload_ops"]) for ops in ("attn", 5, ["attn", 3], [""], None)],
+    *[(("TABLE", "STAGES"), {"device": device}, ["device"]) for device in ("nonsense", "cuda:99", 99, 1.5, "")],
+    *[(("TABLE", "STAGES"), {"group": group}, ["group"]) for group in ("x", 0, "WORLD")],
 ])
 def test_construction(args, kwargs, names):
     table, stages = args

@@ -59,6 +59,8 @@ def test_vis_against_a_simulated_timeline_file(dump_dir, tmp_path, capsys):
     assert main(["vis", str(dump_dir), "--compare", str(sim), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["comparison"]["order_differences"], "1f1b run vs gpipe simulation: orders differ"
+    assert main(["vis", str(dump_dir), "--compare", str(sim)]) == 0
+    assert "1f1b vs gpipe" in capsys.readouterr().out  # the title named the run's algorithm alone
     assert main(["vis", str(sim)]) == 0
     assert "gpipe" in capsys.readouterr().out
 

@@ -184,8 +184,9 @@ class PrimusPipeConfig:
             self._check_values()
 
     def _check_values(self) -> None:
-        strict.flag(self.patch_primus_pipeline, "patch_primus_pipeline")
-        strict.flag(self.dump_pp_data, "dump_pp_data")
+        for name in _FLAGS:  # kept as read: install(offload="off") was kept as the text, which is truthy (on)
+            object.__setattr__(self, name, strict.flag(getattr(self, name), name))
+        strict.text(self.dump_dir, "dump_dir")
         strict.text(self.pp_algorithm, "pp_algorithm")
         if not isinstance(self.algorithm_options, Mapping):
             raise ConfigError(f"algorithm_options must be a mapping, got {strict.show(self.algorithm_options)}")
@@ -205,10 +206,6 @@ class PrimusPipeConfig:
         object.__setattr__(self, "watchdog_timeout_s", strict.number(
             self.watchdog_timeout_s, "watchdog_timeout_s (seconds; 0 disables the watchdog)", minimum=0,
             maximum=MAX_TIMEOUT_S))
-        if self.dump_pp_data:
-            strict.text(self.dump_dir, "dump_dir (needed with dump_pp_data)")
-        strict.flag(self.debug_scheduler_table, "debug_scheduler_table")
-        strict.flag(self.offload, "offload")
         object.__setattr__(self, "split_probe", strict.count(self.split_probe, "split_probe (microbatches)", minimum=0))
         for name, check in _REPLAN_CHECKS.items():  # named as set here, then checked again as settings
             object.__setattr__(self, name, check(getattr(self, name), name))
@@ -220,8 +217,14 @@ class PrimusPipeConfig:
                               f"{ASYNC_P2P!r} (the same transfers, unbatched)")
         if self.communication_method != ASYNC_P2P:
             raise ConfigError(f"communication_method must be {ASYNC_P2P!r}, got {self.communication_method!r}")
-        if unknown := set(self.offload_op_list) - set(OFFLOAD_OPS):
-            raise ConfigError(f"offload_ops: unknown op(s) {sorted(unknown)}; known: {', '.join(OFFLOAD_OPS)}")
+        if isinstance(self.offload_ops, (list, tuple)) and all(isinstance(op, str) for op in self.offload_ops):
+            object.__setattr__(self, "offload_ops", ",".join(self.offload_ops))  # YAML's list of names
+        if not isinstance(self.offload_ops, str):
+            raise ConfigError(f"offload_ops must be op names (comma-separated text or a list), got "
+                              f"{strict.show(self.offload_ops)}; known: {', '.join(OFFLOAD_OPS)}")
+        if unknown := sorted(set(self.offload_op_list) - set(OFFLOAD_OPS)):
+            raise ConfigError(f"offload_ops: unknown op(s) {unknown}{strict.did_you_mean(unknown[0], OFFLOAD_OPS)}; "
+                              f"known: {', '.join(OFFLOAD_OPS)}")
         if self.offload_fraction is not None:
             share = strict.number(self.offload_fraction, "offload_fraction (share of a chunk's activations, in (0, 1])",
                                   above=0, maximum=1)
@@ -361,6 +364,10 @@ _ENV_NAMES = {
     "auto_replan_algorithms": REPLAN_ENV_NAMES["algorithms"],
     "auto_replan_verify": REPLAN_ENV_NAMES["verify_steps"],
 }
+SETTINGS = tuple(_ENV_NAMES)
+_FLAGS = ("patch_primus_pipeline", "dump_pp_data", "debug_scheduler_table", "offload", "auto_replan")
+"""The switches: each kept as a bool (:func:`strict.flag` reads text the environment gives)."""
+"""The settings a config file, ``install()``'s keywords and the environment may give (all but ``sources``)."""
 _REPLAN_CHECKS = {
     **{key: lambda value, what, field=field: checked_setting(field, value, what, text=True)
        for key, field in (("auto_replan_warmup", "warmup_steps"), ("auto_replan_steps", "measure_steps"),

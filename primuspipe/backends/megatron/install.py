@@ -25,7 +25,8 @@ import sys
 from dataclasses import replace
 from typing import Any, Optional
 
-from primuspipe.backends.megatron.config import PrimusPipeConfig, load_config
+from primuspipe import strict
+from primuspipe.backends.megatron.config import SETTINGS, PrimusPipeConfig, load_config
 from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
 from primuspipe.backends.megatron.v_placement import answer_stage_queries_for_v, restore_stage_queries, v_model_provider
 from primuspipe.errors import ConfigError
@@ -47,7 +48,8 @@ def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusF
     step 1: an unknown algorithm or option (:meth:`PrimusPipeConfig.check`), a dump directory that cannot
     be written, a NaN or infinite watchdog timeout.
     """
-    config = config if config is not None else load_config()
+    config = strict.instance(config, PrimusPipeConfig, "install()'s config") if config is not None else load_config()
+    strict.keys(overrides, "install()'s settings", allowed=SETTINGS)  # a misspelt one named with the closest
     # an override is the caller's value: a refusal of it must not name the variable or file it replaced
     config = replace(config, **overrides, sources={k: v for k, v in config.sources.items() if k not in overrides})
     if not config.patch_primus_pipeline:

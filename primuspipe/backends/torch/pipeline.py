@@ -74,6 +74,7 @@ class TorchPipeline:
                  offload_ops: Sequence[str] = (), count_saved_bytes: bool = False,
                  auto_replan: bool | ReplanSettings | None = None):
         _check_arguments(table, stages, loss_fn)
+        offload_ops, device = _check_options(scale_grads, count_saved_bytes, offload_ops, device, group)
         settings = ReplanSettings.from_env(os.environ) if auto_replan is None else check_settings_kind(auto_replan)
         self.driver = StepDriver(watchdog_timeout_s=watchdog_timeout_s, dump_dir=dump_dir)  # checks both now
         self.table = validate(table if table.has_communication else add_communication(table))
@@ -95,7 +96,7 @@ class TorchPipeline:
         data_parallel.check_wrappers(self.modules, settings.enabled or self.table.splits_backward)
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
-        self.device = torch.device(device) if device is not None else _device_of(self.modules)
+        self.device = device if device is not None else _device_of(self.modules)
         self.meta: list[StageMeta] | None = None
         """Per chunk, what its stage receives and sends; inferred at the first step or eval."""
         offloads = any(n.kind.on_host_stream for n in self.table.ranks[self.rank])
@@ -228,6 +229,33 @@ def _check_arguments(table: Any, stages: Any, loss_fn: Any) -> None:
         strict.count(key, "a TorchPipeline stage number")  # which stages: checked against the table below
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"loss_fn must be callable (output, target) -> loss, got {type(loss_fn).__name__}")
+
+
+def _check_options(scale_grads: Any, count_saved_bytes: Any, offload_ops: Any, device: Any, group: Any
+                   ) -> tuple[tuple[str, ...], torch.device | None]:
+    """The keyword options checked and read: a switch given as text (``"no"``, truthy) or None was read as on or
+    off without a word, a string of op names as its characters, and a device or group torch cannot use was its
+    RuntimeError or ValueError. Returns ``offload_ops`` as a tuple and the device, if given."""
+    for name, value in (("scale_grads", scale_grads), ("count_saved_bytes", count_saved_bytes)):
+        strict.of_type(value, bool, name)
+    if isinstance(offload_ops, str) or not isinstance(offload_ops, Sequence) or \
+            not all(isinstance(op, str) and op.strip() for op in offload_ops):
+        raise ConfigError("offload_ops must be a list of submodule name parts (e.g. ['core_attention']), got "
+                          f"{strict.show(offload_ops)}")
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"device must be a torch.device or its name (e.g. 'cpu', 'cuda:0'), got "
+                              f"{strict.show(device)}: {str(exc).splitlines()[0]}") from None
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.type == "cuda" and (device.index or 0) >= visible:
+            raise ConfigError(f"device {device} does not exist here ({visible} CUDA devices visible); give one of "
+                              "them or 'cpu'")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ConfigError(f"group must be a torch.distributed ProcessGroup (e.g. dist.new_group(...)), got "
+                          f"{strict.show(group)}")
+    return tuple(offload_ops), device
 
 
 def _split(values: Sequence[Any], m: int, what: str) -> list[tuple[torch.Tensor, ...]]:
