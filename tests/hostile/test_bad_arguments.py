@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hostile_support import NUMBER_TYPES, make_dump, record, refused, run_cli, subcommands
+from hostile_support import NUMBER_TYPES, command_inputs, record, refused, run_cli, subcommands
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "projection"
 
@@ -31,11 +31,7 @@ def _valid(tmp) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bad_arguments")
-    assert run_cli(["export", "1f1b", "--pp", "2", "-m", "4", "-o", tmp / "table.json"]).code == 0
-    assert run_cli(["simulate", "-a", "1f1b", "--pp", "2", "-m", "4", "-o", tmp / "sim"]).code == 0
-    make_dump(tmp / "dump")
-    return tmp
+    return command_inputs(tmp_path_factory.mktemp("bad_arguments"))
 
 
 def _cases() -> list[tuple[str, str, tuple[str, ...]]]:

@@ -58,29 +58,26 @@ def simulated(tmp_path_factory):
     return json.loads(next(folder.glob("*.timeline.json")).read_text())
 
 
-@pytest.mark.parametrize("key, value", CASES[::3], ids=[f"{k}={v!r}" for k, v in CASES[::3]])
-def test_saved_timeline_rank_facts(tmp_path, simulated, key, value):
+def _vis_refuses_meta(tmp_path, simulated, key, value, named):
+    """A saved timeline whose ``meta[key]`` is ``value``: ``vis`` refuses it in one line naming ``named``."""
     data = json.loads(json.dumps(simulated))
-    data["meta"]["ranks"] = [{"rank": 0, key: value}]
+    data["meta"][key] = value
     path = tmp_path / "t.timeline.json"
     path.write_text(json.dumps(data))
-    refused(run_cli(["vis", path, "--json"]), f"meta.ranks[0].{key}", case=f"vis timeline meta.ranks[0].{key}={value!r}")
+    refused(run_cli(["vis", path, "--json"]), named, case=f"vis timeline meta.{key}={value!r}")
+
+
+@pytest.mark.parametrize("key, value", CASES[::3], ids=[f"{k}={v!r}" for k, v in CASES[::3]])
+def test_saved_timeline_rank_facts(tmp_path, simulated, key, value):
+    _vis_refuses_meta(tmp_path, simulated, "ranks", [{"rank": 0, key: value}], f"meta.ranks[0].{key}")
 
 
 @pytest.mark.parametrize("ranks", [5, "x", [5], [{"host": "a"}], [{"rank": -1}], [{"rank": True}]])
 def test_saved_timeline_rank_list(tmp_path, simulated, ranks):
-    data = json.loads(json.dumps(simulated))
-    data["meta"]["ranks"] = ranks
-    path = tmp_path / "t.timeline.json"
-    path.write_text(json.dumps(data))
-    refused(run_cli(["vis", path, "--json"]), "meta.ranks", case=f"vis timeline meta.ranks={ranks!r}")
+    _vis_refuses_meta(tmp_path, simulated, "ranks", ranks, "meta.ranks")
 
 
 @pytest.mark.parametrize("placement", [[1], {"name": "interleaved"}, {"name": "v", "stages": [[0], [1]]},
                                        {"name": "custom", "stages": [[0, 0], [1, 1]]}])
 def test_saved_timeline_placement(tmp_path, simulated, placement):
-    data = json.loads(json.dumps(simulated))
-    data["meta"]["placement"] = placement
-    path = tmp_path / "t.timeline.json"
-    path.write_text(json.dumps(data))
-    refused(run_cli(["vis", path, "--json"]), "meta.placement", case=f"vis timeline meta.placement={placement!r}")
+    _vis_refuses_meta(tmp_path, simulated, "placement", placement, "meta.placement")

@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from hostile_support import NUMBER_TYPES, accepted, make_dump, refused, run_api, run_cli, subcommands
+from hostile_support import NUMBER_TYPES, accepted, command_inputs, refused, run_api, run_cli, subcommands
 from primuspipe.algorithms import list_algorithms
 from primuspipe.algorithms.build import build_schedule
 
@@ -55,11 +55,7 @@ CASES = list(_cases())
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("extreme")
-    assert run_cli(["export", "1f1b", "--pp", "2", "-m", "4", "-o", tmp / "table.json"]).code == 0
-    assert run_cli(["simulate", "-a", "1f1b", "--pp", "2", "-m", "4", "-o", tmp / "sim"]).code == 0
-    make_dump(tmp / "dump")
-    return tmp
+    return command_inputs(tmp_path_factory.mktemp("extreme"))
 
 
 def _finite(data) -> bool:

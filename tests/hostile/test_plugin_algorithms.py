@@ -108,16 +108,7 @@ def _registered(base, returns) -> str:
     return name
 
 
-@pytest.fixture(autouse=True)
-def _forget_plugins():
-    """The hostile plug-ins are forgotten after each test: ``simulate -a all`` must not meet them."""
-    from primuspipe.algorithms import registry
-
-    registry._load_builtins()
-    saved = dict(registry._REGISTRY)
-    yield
-    registry._REGISTRY.clear()
-    registry._REGISTRY.update(saved)
+pytestmark = pytest.mark.usefixtures("forget_plugins")  # conftest.py
 
 
 def _shape(base) -> list[str]:

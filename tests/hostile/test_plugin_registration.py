@@ -40,15 +40,7 @@ BAD_ARGUMENTS = {
 V_WITHOUT_TWO_CHUNKS = [None, 1, 3]
 
 
-@pytest.fixture(autouse=True)
-def _forget_plugins():
-    from primuspipe.algorithms import registry
-
-    registry._load_builtins()
-    saved = dict(registry._REGISTRY)
-    yield
-    registry._REGISTRY.clear()
-    registry._REGISTRY.update(saved)
+pytestmark = pytest.mark.usefixtures("forget_plugins")  # conftest.py
 
 
 def _one_f_one_b(req: ScheduleRequest) -> ScheduleTable:

@@ -280,3 +280,12 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return sub.choices
+
+
+def command_inputs(tmp: Path) -> Path:
+    """A folder of the inputs the commands read, made by the commands themselves: a table (``table.json``), a
+    simulation (``sim/``) and a run dump (``dump/``)."""
+    assert run_cli(["export", "1f1b", "--pp", "2", "-m", "4", "-o", tmp / "table.json"]).code == 0
+    assert run_cli(["simulate", "-a", "1f1b", "--pp", "2", "-m", "4", "-o", tmp / "sim"]).code == 0
+    make_dump(tmp / "dump")
+    return tmp
