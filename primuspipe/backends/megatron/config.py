@@ -365,9 +365,9 @@ _ENV_NAMES = {
     "auto_replan_verify": REPLAN_ENV_NAMES["verify_steps"],
 }
 SETTINGS = tuple(_ENV_NAMES)
+"""The settings a config file, ``install()``'s keywords and the environment may give (all but ``sources``)."""
 _FLAGS = ("patch_primus_pipeline", "dump_pp_data", "debug_scheduler_table", "offload", "auto_replan")
 """The switches: each kept as a bool (:func:`strict.flag` reads text the environment gives)."""
-"""The settings a config file, ``install()``'s keywords and the environment may give (all but ``sources``)."""
 _REPLAN_CHECKS = {
     **{key: lambda value, what, field=field: checked_setting(field, value, what, text=True)
        for key, field in (("auto_replan_warmup", "warmup_steps"), ("auto_replan_steps", "measure_steps"),
