@@ -197,7 +197,11 @@ def measure_screened(screened: Screened, placement: Placement | None = None) -> 
     host_overhead = {k: negligible(v, longest) for k, v in medians(s.host for s in samples).items()}
     host_post = {k: negligible(v, longest) for k, v in medians(s.post for s in samples).items()}
     latency, bandwidth, size = transfer_fit(samples)
-    if latency and negligible(latency, longest) == 0.0:
+    if latency is None and first.pp > 1:
+        notes.append("no node waited on its input's transfer (each had arrived when its node was reached), so no "
+                     "p2p latency was measured and simulate counts none: give p2p.intra_node.latency by hand if "
+                     "the link's matters")
+    elif negligible(latency, longest) == 0.0:
         notes.append(f"the waited-for transfers took {latency:.3g} {first.time_unit} after both ends were posted, float "
                      "noise of clock readings that agree: taken as no latency (the transfers took less than the "
                      "clocks resolve)")

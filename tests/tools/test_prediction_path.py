@@ -31,9 +31,11 @@ def test_a_real_1f1b_run_is_calibrated_and_predicts_other_algorithms(tmp_path, c
     assert report["step_time_error"] == max(abs(r["error"]) for r in report["per_rank"]) < float("inf")
     assert all(v > 0 for v in costs["compute"]["f"] + costs["compute"]["bw"])
     assert costs["host"]["send"] > 0 and costs["host"]["recv"] > 0, "postings take host time on a real run"
-    # a real transfer takes time, or less than the clocks resolve (rarely, on a loaded host: said so)
+    # a real transfer takes time, or less than the clocks resolve, or no node waited for one (rarely, on a
+    # loaded host: each said so)
     assert (costs["p2p"].get("intra_node", {}).get("latency", 0) > 0
-            or any("taken as no latency" in note for note in report["notes"])), report["notes"]
+            or any("taken as no latency" in note or "no p2p latency was measured" in note
+                   for note in report["notes"])), report["notes"]
 
     assert main(["simulate", "-a", "all", "--pp", str(PP), "-m", str(M), "--cost", str(cost_file), "--json"]) == 0
     rows = {r["algorithm"]: r for r in json.loads(capsys.readouterr().out)["results"] if "error" not in r}
