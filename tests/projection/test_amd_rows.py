@@ -237,9 +237,10 @@ def test_the_legacy_grouped_mlp_runs_its_experts_in_bf16_under_fp8(model_name, e
 def test_every_moe_package_bar_runs_with_the_scripts_hardware_queues():
     """The MoE package's launch scripts export GPU_MAX_HW_QUEUES=2 for every MoE_Features set
     (run_deepseek_v2*_pretrain_mi355x.sh at AMD-AGI/Primus b3699abf), so every bar of its figures carries it: the
-    intermediate DeepEP / sync-free bars had been written without it (issue 26, ninth session)."""
+    intermediate DeepEP / sync-free bars had been written without it (issue 26, ninth session); the fifteenth
+    session's three more bars (loss fusion on both figures, DeepEP at VPP 3) carry it too."""
     bars = [r for r in RUNS.values() if r.source.startswith("AMD Primus MoE package")]
-    assert len(bars) == 12
+    assert len(bars) == 15
     assert all(r.training.get("gpu_max_hw_queues") == 2 for r in bars), [
         r.id for r in bars if r.training.get("gpu_max_hw_queues") != 2]
 
