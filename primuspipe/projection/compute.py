@@ -7,8 +7,9 @@ on GPU Clusters Using Megatron-LM"): a GEMM over ``n`` tokens with a weight of `
 forward; causal masking halves that for flash attention, which skips masked tiles (the unfused kernel
 computes the full square), and a sliding window keeps only the key blocks it reaches
 (:attr:`WorkModel.window_share`); the model FLOPs behind MFU count what the kernels do. Their backward is in
-B: twice the forward (two GEMMs per forward GEMM), 2.5 times with flash attention, which recomputes
-the scores (Dao 2022, "FlashAttention-2"). Element-wise kernels (norms, residual adds, rotary
+B: twice the forward (two GEMMs per forward GEMM), more with flash attention, which recomputes
+the scores (Dao 2022, "FlashAttention-2"): ``(3 d_qk + 2 d_v) / (d_qk + d_v)`` times, 2.5 where the query/key and
+value widths are equal (:meth:`WorkModel._attention_core`). Element-wise kernels (norms, residual adds, rotary
 embedding, the activation function, the unfused softmax, MoE permutation) are memory-bound: each
 reads its inputs and writes its output once, forward; twice that backward, in B.
 
@@ -360,7 +361,11 @@ class WorkModel(RankShape):
         square = self._attention_square()
         causal = 0.5 * square * self.window_share
         forward = causal if t.flash_attention else square  # the unfused kernel computes the square, then masks
-        backward = 2.5 * causal if t.flash_attention else 2 * square
+        # a fused backward recomputes S = Q K^T (d_qk) and runs dP = dO V^T and dV = P^T dO (d_v), dQ = dS K and
+        # dK = dS^T Q (d_qk): 3 d_qk + 2 d_v against the forward's d_qk + d_v, 2.6 times at MLA's 192 / 128 (as
+        # NVIDIA/cudnn-frontend's SDPA training benchmark counts its backward, "5 BMMs => (3 x head_dim_qk) +
+        # (2 x head_dim_vo)", benchmark/sdpa_benchmark_training/benchmark_single_sdpa.py at fb682ce); unfused: 2
+        backward = (3 * qk + 2 * v) / (qk + v) * causal if t.flash_attention else 2 * square
         e = self.e
         scores = square / (qk + v) / 2  # elements of the score matrix
         if t.attention_backend == "local":

@@ -93,3 +93,16 @@ def test_mla_up_proj_recompute_repeats_the_rotary_and_assembly_not_the_latent_no
         assert recompute.gemm_flops == pytest.approx(gemms.gemm_flops)
         latents = 2 * 4096 * (1536 + 512)
         assert recompute.memory_bytes == pytest.approx((work._mla_elements() - latents) * 2 + gemms.memory_bytes)
+
+
+def test_mla_flash_backward_counts_its_five_products_at_their_widths():
+    """A fused attention backward recomputes ``Q K^T`` and runs ``dP = dO V^T``, ``dV = P^T dO``, ``dQ = dS K``,
+    ``dK = dS^T Q``: ``3 d_qk + 2 d_v`` against the forward's ``d_qk + d_v``, 2.6 forwards at DeepSeek-V3's 192 / 128
+    (cudnn-frontend's SDPA benchmark counts it so), where equal widths give 2.5."""
+    model = load_model(EXAMPLES / "models" / "deepseek-v3.yaml")
+    layer = WorkModel(model, TrainingSpec(pipeline_model_parallel_size=1, global_batch_size=1)).layer("moe")
+    tokens, heads = 4096, 128
+    causal = 0.5 * 2 * tokens * tokens * heads * (192 + 128)
+    assert layer.forward.attention_flops == pytest.approx(causal)
+    assert layer.backward_input.attention_flops == pytest.approx(2 * tokens * tokens * heads * (3 * 192 + 2 * 128) / 2)
+    assert layer.backward_input.attention_flops / layer.forward.attention_flops == pytest.approx(2.6)
