@@ -267,6 +267,59 @@ class Wiring:
         return None if route is None else route * self.microbatches + transfer.microbatch
 
 
+
+class Pairing:
+    """Which receive each send meets: per direction (sender, receiver), the k-th send meets the k-th receive, as
+    every transport matches a pair's messages (gloo by peer and tag in posting order, NCCL in stream order).
+
+    Compiled once per table (:attr:`~primuspipe.ir.table.ScheduleTable.pairing`) for the validator's pairing rule,
+    its deadlock replay (:mod:`primuspipe.passes.streams`) and the simulator's streams
+    (:mod:`primuspipe.simulator.transport`), which asked it each of their own. The table's SEND/RECV nodes are
+    *ops*, numbered in row order rank by rank:
+
+    * ``where[op]``: its ``(rank, index)``; ``key[op]``: the transfer key it moves (:class:`Wiring`);
+    * ``ops[rank]``: the rank's ops; ``op_at[rank][i]``: node ``i``'s op, ``-1`` for a compute node;
+    * ``partner[op]``: the op it meets, ``-1`` where the other side of its direction posts fewer;
+    * ``swapped``: ``(send op, receive op, k)`` of each pair moving different tensors, in (sender, receiver, k)
+      order (empty for a table :func:`~primuspipe.passes.validation.check_pairing` passes: then every op's partner
+      moves its key);
+    * ``unmatched``: how many ops have no partner (0 for a complete table).
+    """
+
+    __slots__ = ("where", "key", "ops", "op_at", "partner", "swapped", "unmatched")
+
+    def __init__(self, ranks, wiring: Wiring) -> None:
+        self.where: list[tuple[int, int]] = []
+        self.key: list[int] = []
+        self.ops: list[range] = []
+        self.op_at: list[list[int]] = []
+        lanes: dict[tuple[int, int, bool], list[int]] = {}
+        for rank, (row, moves) in enumerate(zip(ranks, wiring.moves)):
+            first, at = len(self.where), [-1] * len(row)
+            sides: dict[tuple, list[int]] = {}  # (kind, peer) -> its lane
+            for i, moved in enumerate(moves):
+                if moved < 0:
+                    continue
+                node = row[i]
+                op = at[i] = len(self.where)
+                self.where.append((rank, i))
+                self.key.append(moved)
+                if (lane := sides.get((node.kind, node.peer))) is None:
+                    ends = (rank, node.peer, True) if node.kind.is_send else (node.peer, rank, False)
+                    lane = sides[(node.kind, node.peer)] = lanes.setdefault(ends, [])
+                lane.append(op)
+            self.ops.append(range(first, len(self.where)))
+            self.op_at.append(at)
+        self.partner = [-1] * len(self.where)
+        self.swapped: list[tuple[int, int, int]] = []
+        for (src, dst, is_send), sends in sorted(lanes.items()):
+            if is_send:
+                for k, (send, recv) in enumerate(zip(sends, lanes.get((src, dst, False), ()))):
+                    self.partner[send], self.partner[recv] = recv, send
+                    if self.key[send] != self.key[recv]:
+                        self.swapped.append((send, recv, k))
+        self.unmatched = self.partner.count(-1)
+
 @cache
 def reaches(num_stages: int) -> frozenset[tuple[Step, Step]]:
     """Within one microbatch, the pairs ``(a, b)`` of steps (microbatch 0) where ``b`` depends,
