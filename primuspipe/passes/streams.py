@@ -158,16 +158,19 @@ class _Replay:
 
     def _compile(self, rank: int) -> dict[int, int]:
         """Put ``rank``'s ops on their streams; returns transfer key -> the rank's op moving it."""
-        row, batches = self.table.ranks[rank], self.items is not None
+        batches = self.items is not None
         op_of: dict[int, int] = {}
         last: dict[StreamKey, int] = {}                    # stream -> its last item so far
         open_batch: dict[StreamKey, int] = {}              # batched: stream -> its item in this run of ops
-        for i, (key, op) in enumerate(zip(self.table.wiring.moves[rank], self.table.pairing.op_at[rank])):
+        pairing = self.table.pairing
+        streams = {} if self.semantics.stream is None else {side: self.semantics.stream(*end)
+                                                            for side, end in enumerate(pairing.sides) if end[0] == rank}
+        for key, op in zip(self.table.wiring.moves[rank], pairing.op_at[rank]):
             if key < 0:
                 open_batch.clear()
                 continue
             op_of[key] = op
-            stream = None if self.semantics.stream is None else self.semantics.stream(rank, row[i])
+            stream = streams.get(pairing.side[op])
             if batches:
                 if (item := open_batch.get(stream, -1)) >= 0:
                     self.items[item].append(op)

@@ -29,8 +29,9 @@ from primuspipe.passes.streams import Semantics
 class Wires:
     """The table's communication, compiled for :class:`StreamClock` (see the module docstring).
 
-    A stream key is asked of the semantics once per (rank, kind, peer): every semantics keys a stream
-    by the operation's rank, direction and peer, and a search loop simulates tables of 10^5 nodes."""
+    A stream key is asked of the semantics once per (rank, kind, peer) (:attr:`Pairing.sides
+    <primuspipe.ir.dataflow.Pairing.sides>`): every semantics keys a stream by the operation's rank, direction and
+    peer, and a search loop simulates tables of 10^5 nodes."""
 
     def __init__(self, table: ScheduleTable, semantics: Semantics):
         pairing = table.pairing
@@ -48,18 +49,16 @@ class Wires:
         self.item_of: list[int] = []            # batched: slot -> item (else every item is its one slot)
         self.after: list[int] = []              # item -> the item before it on its stream (-1: none)
         self.next: list[int] = []               # item -> the item after it on its stream (-1: none)
-        for rank, (row, ops) in enumerate(zip(table.ranks, pairing.ops)):
-            streams: dict[tuple, tuple] = {}  # (kind, peer) -> stream key
+        side, where = pairing.side, pairing.where
+        streams = [None if semantics.stream is None else semantics.stream(*end) for end in pairing.sides]
+        for ops in pairing.ops:
             last: dict[tuple, int] = {}      # stream key -> its last item so far
             batches: dict[tuple, int] = {}   # batched: stream -> the item its open batch fills
             previous = -2
             for slot in ops:
-                i = self.where[slot][1]
-                node = row[i]
-                if (stream := streams.get((node.kind, node.peer), 0)) == 0:
-                    stream = streams[(node.kind, node.peer)] = None if semantics.stream is None else \
-                        semantics.stream(rank, node)
+                stream = streams[side[slot]]
                 if self.items is not None:
+                    i = where[slot][1]
                     if i != previous + 1:  # a node between: the open batches are posted
                         batches.clear()
                     previous = i
