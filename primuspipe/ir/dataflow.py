@@ -267,14 +267,13 @@ class Wiring:
         return None if route is None else route * self.microbatches + transfer.microbatch
 
 
-
 class Pairing:
     """Which receive each send meets: per direction (sender, receiver), the k-th send meets the k-th receive, as
     every transport matches a pair's messages (gloo by peer and tag in posting order, NCCL in stream order).
 
     Compiled once per table (:attr:`~primuspipe.ir.table.ScheduleTable.pairing`) for the validator's pairing rule,
     its deadlock replay (:mod:`primuspipe.passes.streams`) and the simulator's streams
-    (:mod:`primuspipe.simulator.transport`), which asked it each of their own. The table's SEND/RECV nodes are
+    (:mod:`primuspipe.simulator.transport`), which each compiled it on their own before. The table's SEND/RECV nodes are
     *ops*, numbered in row order rank by rank:
 
     * ``where[op]``: its ``(rank, index)``; ``key[op]``: the transfer key it moves (:class:`Wiring`);
@@ -328,6 +327,7 @@ class Pairing:
                     self.swapped += [(send, recv, k) for k, (send, recv) in enumerate(zip(sends, recvs))
                                      if key[send] != key[recv]]
         self.unmatched = self.partner.count(-1)
+
 
 @cache
 def reaches(num_stages: int) -> frozenset[tuple[Step, Step]]:
