@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from primuspipe.calibration.replay import run_table
-from primuspipe.io.timeline import TimedNode, Timeline
+from primuspipe.io.timeline import TimedNode, Timeline, timed_transfers
 from primuspipe.ir.cost_model import probe_windows, warm_weight_grad
 from primuspipe.ir.placement import Placement
 
@@ -44,12 +44,7 @@ def walk(timeline: Timeline, placement: Placement) -> Iterator[Step]:
     wiring = table.wiring
     events = {rt.rank: {e.node: e for e in rt.events} for rt in timeline.ranks}
     rows = [[events.get(rank, {}).get(node) for node in row] for rank, row in enumerate(table.ranks)]
-    sent: dict[int, TimedNode] = {}
-    received: dict[int, TimedNode] = {}
-    for rank, row in enumerate(table.ranks):
-        for node, e, key in zip(row, rows[rank], wiring.moves[rank]):
-            if key >= 0 and e is not None:
-                (sent if node.kind.is_send else received)[key] = e
+    sent, received = timed_transfers(rows, wiring)
     for rank, row in enumerate(table.ranks):
         free, previous = None, None  # previous: the rank's last compute node in the table
         for node, e, taken, window in zip(row, rows[rank], wiring.takes[rank], probe_windows(row)):

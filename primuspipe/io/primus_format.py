@@ -109,8 +109,8 @@ def from_primus_table(text: str, placement: str | None = None, algorithm: str | 
                        error=TableFormatError, minimum=1, text=True)
     microbatches = strict.count(header.get("microbatches", 1 + max((t[1] for t in compute), default=0)),
                                 "header microbatches", error=TableFormatError, minimum=1, text=True)
-    layout = placement or header.get("placement") or _infer_layout(rows, vpp)
-    where = Placement.named(layout, pp, vpp)
+    layout = placement or header.get("placement")
+    where = Placement.named(layout, pp, vpp) if layout else _infer_layout(rows, pp, vpp)
     ranks = [_nodes(where, rank, rows[rank]) for rank in range(pp)]
     return ScheduleTable.build(where, microbatches, ranks, algorithm or header.get("algorithm", "primus"))
 
@@ -162,13 +162,11 @@ def _tokens(text: str, line_no: int) -> list[Token]:
     return out
 
 
-def _infer_layout(rows: dict[int, list[Token]], vpp: int) -> str:
-    if vpp != 2:
-        return "interleaved"
-    if not any(_KIND_OF.get(t[0], "").startswith(("SEND", "RECV")) for row in rows.values() for t in row):
+def _infer_layout(rows: dict[int, list[Token]], pp: int, vpp: int) -> Placement:
+    if vpp == 2 and not any(_KIND_OF.get(t[0], "").startswith(("SEND", "RECV")) for row in rows.values() for t in row):
         raise TableFormatError("a compute-only table with 2 chunks per rank could be a V or interleaved; name the "
                                "placement ('v' or 'interleaved', CLI: --placement)")
-    return "interleaved" if any(t[0] == "SF" and t[2] == 1 for t in rows[0]) else "v"
+    return Placement.shown_by(pp, vpp, (t[2] for t in rows[0] if t[0] == "SF"))
 
 
 def _nodes(placement: Placement, rank: int, tokens: list[Token]) -> list[ScheduleNode]:

@@ -28,7 +28,9 @@ from primuspipe.ir.cost_model import TIME_UNITS
 from primuspipe.documents import check_envelope, envelope, output_file, write_atomically
 from primuspipe.ir.kinds import NodeKind, kinds_completing, split_kinds
 from primuspipe.ir.node import ScheduleNode
+from primuspipe.ir.dataflow import Wiring
 from primuspipe.ir.placement import Placement
+from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.limits import MAX_NODES, check_shape
 
 TIMELINE_VERSION = 1
@@ -376,6 +378,11 @@ def merge_rank_timelines(parts: Sequence[Timeline], iteration: int, where: str) 
         raise TableFormatError(f"{where} is incomplete: rank file(s) of rank(s) "
                                f"{', '.join(map(str, missing))} of pp={first.pp} are missing (the run stopped before "
                                "they were written?)")
+    placement = first.meta.get("placement")
+    if other := next((part for part in parts if part.meta.get("placement") != placement), None):
+        raise TableFormatError(f"{where}: rank {first.ranks[0].rank} and rank {other.ranks[0].rank} record different "
+                               "placements (meta.placement); one run has one placement, so these files were edited "
+                               "or mixed")
     origin = min(t.meta["t0_unix"] for t in parts)
     ranks = []
     for part in parts:
@@ -386,7 +393,8 @@ def merge_rank_timelines(parts: Sequence[Timeline], iteration: int, where: str) 
     hosts = [{"rank": part.ranks[0].rank, **{k: part.meta[k] for k in _RANK_FACTS if k in part.meta}} for part in parts]
     merged = Timeline("run", first.algorithm, first.pp, first.vpp, first.microbatches, tuple(ranks), iteration,
                       meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory"),
-                            "run_id": first.meta.get("run_id"), "ranks": hosts}).check_one_step(where)
+                            "run_id": first.meta.get("run_id"), "ranks": hosts,
+                            **({} if placement is None else {"placement": placement})}).check_one_step(where)
     _check_clocks(merged, where)
     return merged
 
@@ -396,26 +404,55 @@ def _check_clocks(timeline: Timeline, where: str) -> None:
     started by more than the longest rank's span (each rank's span is its own clock's, so no skew hides in it).
     The ranks are set on one time line by their ``t0_unix``; hosts whose clocks were never synchronised, or a
     rank file edited, gave a step of days and every rank 100 % idle, and calibrate a replay 100 % off, without a
-    word. A transfer's send and receive are paired per (step, microbatch, sender, receiver) in time order:
-    a microbatch's chunks cross one link in their causal order."""
-    sends: dict[tuple, list[TimedNode]] = {}
-    receives: dict[tuple, list[TimedNode]] = {}
-    for rank in timeline.ranks:
-        for e in rank.events:
-            if e.node.kind.is_send or e.node.kind.is_recv:
-                link = (rank.rank, e.node.peer) if e.node.kind.is_send else (e.node.peer, rank.rank)
-                side = sends if e.node.kind.is_send else receives
-                side.setdefault((e.node.kind.carries, e.node.microbatch, *link), []).append(e)
+    word. A send meets its receive by the table's wiring (:func:`timed_transfers`) over the timeline's events on
+    the placement it ran (:func:`placement_of_events`): a microbatch's chunks cross one link once each, and only
+    the stages tell which of them a send or a receive moved."""
+    placement = placement_of_events(timeline)
+    events = {rank.rank: rank.events for rank in timeline.ranks}
+    rows = [events.get(rank, ()) for rank in range(timeline.pp)]
+    wiring = ScheduleTable(placement, timeline.microbatches, tuple(tuple(e.node for e in row) for row in rows)).wiring
+    sent, received = timed_transfers(rows, wiring)
     longest = max((r.span for r in timeline.ranks), default=0.0)
-    for key, posted in sends.items():
-        for send, receive in zip(sorted(posted, key=lambda e: e.start), sorted(receives.get(key, ()), key=lambda e: e.end)):
-            if send.start - receive.end > longest:
-                kind, mb, src, dst = key
-                raise TableFormatError(
-                    f"{where}: rank {dst}'s receive of {kind.name}{mb} from rank {src} ended "
-                    f"{send.start - receive.end:.6g} {timeline.time_unit} before rank {src} began sending it, more than "
-                    f"a whole rank's step ({longest:.6g} {timeline.time_unit}): the ranks' clocks (t0_unix) disagree; "
-                    "dump from hosts with synchronised clocks (NTP/PTP)")
+    for key, send in sent.items():
+        if (receive := received.get(key)) is not None and send.start - receive.end > longest:
+            transfer = wiring.transfer(key)
+            src, dst = placement.rank_of(transfer.src_stage), placement.rank_of(transfer.dst_stage)
+            raise TableFormatError(
+                f"{where}: rank {dst}'s receive of the {transfer} from rank {src} ended "
+                f"{send.start - receive.end:.6g} {timeline.time_unit} before rank {src} began sending it, more than "
+                f"a whole rank's step ({longest:.6g} {timeline.time_unit}): the ranks' clocks (t0_unix) disagree; "
+                "dump from hosts with synchronised clocks (NTP/PTP)")
+
+
+def timed_transfers(rows: Sequence[Sequence[TimedNode | None]], wiring: Wiring
+                    ) -> tuple[dict[int, TimedNode], dict[int, TimedNode]]:
+    """Each transfer's send event and receive event, by the wiring's transfer key: ``rows[rank][i]`` is the event
+    of the wiring's node ``i`` of ``rank`` (None where it was not recorded). The one way a timeline's sends meet
+    their receives, for the clock check and calibration's walk alike."""
+    sent: dict[int, TimedNode] = {}
+    received: dict[int, TimedNode] = {}
+    for row, moves in zip(rows, wiring.moves):
+        for e, key in zip(row, moves):
+            if key >= 0 and e is not None:
+                (sent if e.node.kind.is_send else received)[key] = e
+    return sent, received
+
+
+def placement_of_events(timeline: Timeline) -> Placement:
+    """Where the timeline's stages lived, as far as the timeline itself says: the placement it records (the
+    recorder and the simulator write it; a merge keeps it), else the built-in layout its communication shows
+    (:meth:`~primuspipe.ir.placement.Placement.shown_by`: dumps of older recorders record none). Not the layout
+    the timeline's algorithm is registered with: that is the registry's to say, above this module
+    (:func:`~primuspipe.calibration.replay.placement_of`)."""
+    if "placement" not in timeline.meta:
+        rank_0 = next((r.events for r in timeline.ranks if r.rank == 0), ())
+        return Placement.shown_by(timeline.pp, timeline.vpp, (e.node.chunk for e in rank_0 if e.node.kind.is_send
+                                                              and e.node.kind.carries is NodeKind.F))
+    placement = Placement.from_dict(timeline.meta["placement"], "a timeline's meta.placement")
+    if (placement.pp, placement.vpp) != (timeline.pp, timeline.vpp):
+        raise TableFormatError(f"the timeline is pp={timeline.pp} vpp={timeline.vpp} but its meta.placement is "
+                               f"pp={placement.pp} vpp={placement.vpp}; the placement belongs to another run")
+    return placement
 
 
 _RANK_FACTS = ("t0_unix", "host", "cpus", "threads", "process_cpu", "thread_cpu", "memory_at_start")

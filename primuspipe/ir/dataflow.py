@@ -267,6 +267,68 @@ class Wiring:
         return None if route is None else route * self.microbatches + transfer.microbatch
 
 
+class Pairing:
+    """Which receive each send meets: per direction (sender, receiver), the k-th send meets the k-th receive, as
+    every transport matches a pair's messages (gloo by peer and tag in posting order, NCCL in stream order).
+
+    Compiled once per table (:attr:`~primuspipe.ir.table.ScheduleTable.pairing`) for the validator's pairing rule,
+    its deadlock replay (:mod:`primuspipe.passes.streams`) and the simulator's streams
+    (:mod:`primuspipe.simulator.transport`), which each compiled it on their own before. The table's SEND/RECV nodes are
+    *ops*, numbered in row order rank by rank:
+
+    * ``where[op]``: its ``(rank, index)``; ``key[op]``: the transfer key it moves (:class:`Wiring`);
+    * ``ops[rank]``: the rank's ops; ``op_at[rank][i]``: node ``i``'s op, ``-1`` for a compute node;
+    * ``side[op]``: its end of its direction on its rank, a :attr:`sides` index; ``sides[side]``: ``(rank, a node
+      of it)`` -- one SEND or RECV kind and peer, which is all a transport keys a stream by;
+    * ``partner[op]``: the op it meets, ``-1`` where the other side of its direction posts fewer;
+    * ``swapped``: ``(send op, receive op, k)`` of each pair moving different tensors, in (sender, receiver, k)
+      order (empty for a table :func:`~primuspipe.passes.validation.check_pairing` passes: then every op's partner
+      moves its key);
+    * ``unmatched``: how many ops have no partner (0 for a complete table).
+    """
+
+    __slots__ = ("where", "key", "ops", "op_at", "side", "sides", "partner", "swapped", "unmatched")
+
+    def __init__(self, ranks, wiring: Wiring) -> None:
+        self.where: list[tuple[int, int]] = []
+        self.key: list[int] = []
+        self.ops: list[range] = []
+        self.op_at: list[list[int]] = []
+        self.side: list[int] = []
+        self.sides: list[tuple[int, ScheduleNode]] = []
+        lanes: dict[tuple[int, int, bool], list[int]] = {}
+        for rank, (row, moves) in enumerate(zip(ranks, wiring.moves)):
+            first, at = len(self.where), [-1] * len(row)
+            moving = [i for i, moved in enumerate(moves) if moved >= 0]
+            self.where += [(rank, i) for i in moving]
+            self.key += [moves[i] for i in moving]
+            sides: dict[tuple, tuple[list[int], int]] = {}  # (kind, peer) -> its lane, its side
+            for op, i in enumerate(moving, first):
+                at[i] = op
+                node = row[i]
+                if (known := sides.get((node.kind, node.peer))) is None:
+                    ends = (rank, node.peer, True) if node.kind.is_send else (node.peer, rank, False)
+                    known = sides[(node.kind, node.peer)] = (lanes.setdefault(ends, []), len(self.sides))
+                    self.sides.append((rank, node))
+                known[0].append(op)
+                self.side.append(known[1])
+            self.ops.append(range(first, len(self.where)))
+            self.op_at.append(at)
+        self.partner = partner = [-1] * len(self.where)
+        self.swapped: list[tuple[int, int, int]] = []
+        key = self.key
+        for (src, dst, is_send), sends in sorted(lanes.items()):
+            if is_send:
+                recvs = lanes.get((src, dst, False), [])
+                for send, recv in zip(sends, recvs):
+                    partner[send] = recv
+                    partner[recv] = send
+                if [key[op] for op in sends[:len(recvs)]] != [key[op] for op in recvs[:len(sends)]]:
+                    self.swapped += [(send, recv, k) for k, (send, recv) in enumerate(zip(sends, recvs))
+                                     if key[send] != key[recv]]
+        self.unmatched = self.partner.count(-1)
+
+
 @cache
 def reaches(num_stages: int) -> frozenset[tuple[Step, Step]]:
     """Within one microbatch, the pairs ``(a, b)`` of steps (microbatch 0) where ``b`` depends,

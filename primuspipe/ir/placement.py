@@ -12,6 +12,7 @@ Any other bijection can be given explicitly (``Placement("custom", stages)``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -64,6 +65,15 @@ class Placement:
                 raise TableFormatError(f"the V-shape placement needs vpp = 2, got vpp = {vpp}")
             return cls.vshape(pp)
         raise TableFormatError(f"unknown placement {name!r}; built-in ones are 'interleaved' and 'v'")
+
+    @classmethod
+    def shown_by(cls, pp: int, vpp: int, forwarded_from_rank_0: Iterable[int]) -> Placement:
+        """The built-in layout a table's communication shows, for records that name none: with 2 chunks per
+        rank, rank 0 hands an activation on from its chunk 1 only in the interleaved layout (in the V its
+        chunk 1 is the last stage); any other vpp is interleaved. ``forwarded_from_rank_0``: the chunks rank
+        0 sends activations from (none where the table has no communication: then 2 chunks are ambiguous,
+        which the caller says if it matters)."""
+        return cls.named("v" if vpp == 2 and 1 not in set(forwarded_from_rank_0) else "interleaved", pp, vpp)
 
     @cached_property
     def pp(self) -> int:

@@ -14,7 +14,7 @@ from dataclasses import InitVar, asdict, dataclass, field
 from functools import cached_property
 
 from primuspipe import strict
-from primuspipe.ir.dataflow import Transfer, Wiring
+from primuspipe.ir.dataflow import Pairing, Transfer, Wiring
 from primuspipe.documents import check_envelope, envelope
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.limits import MAX_NODES, check_shape
@@ -171,6 +171,12 @@ class ScheduleTable:
         """The table's transfers as integers (:class:`~primuspipe.ir.dataflow.Wiring`), derived once;
         the table must name existing chunks."""
         return Wiring(self.placement, self.microbatches, self.ranks)
+
+    @cached_property
+    def pairing(self) -> Pairing:
+        """Which receive each send meets (:class:`~primuspipe.ir.dataflow.Pairing`), compiled once for the
+        validator's pairing rule and deadlock replay and the simulator's streams."""
+        return Pairing(self.ranks, self.wiring)
 
     def positions(self) -> Iterator[tuple[int, int, ScheduleNode]]:
         """Every ``(rank, index, node)`` in rank order."""

@@ -129,9 +129,11 @@ class _Replay:
 
     def __init__(self, table: ScheduleTable, semantics: Semantics):
         self.table, self.semantics = table, semantics
-        self.rank_ops: list[range] = []                    # rank -> its ops
-        self.index: list[int] = []                         # op -> its node's index in its row
-        self.partner: list[int] = []                       # op -> the peer rank's op it meets
+        pairing = table.pairing                            # the ops: the table's SEND/RECV nodes, with partners
+        assert not pairing.swapped and not pairing.unmatched, "pairing is checked before the replay"
+        self.rank_ops: list[range] = pairing.ops           # rank -> its ops
+        self.index: list[int] = [i for _, i in pairing.where]  # op -> its node's index in its row
+        self.partner: list[int] = pairing.partner          # op -> the peer rank's op it meets
         self.items: list[list[int]] | None = [] if semantics.batches else None  # batched: item -> its ops
         self.item_of: list[int] = []                       # batched: op -> its item (else an op is its item)
         self.next: list[int] = []                          # item -> the next item on its stream, -1: none
@@ -141,13 +143,8 @@ class _Replay:
         ``op`` to complete (a compute node's inputs and the sends they prove delivered; at the row's
         end every op of the rank)."""
         self.nodes: list[list[int]] = []                   # rank -> per program entry, its row index
-        unpaired: dict[int, int] = {}                      # transfer key -> the op that moves it
         for rank in range(table.pp):
-            first = len(self.index)
-            op_of = self._compile(rank, unpaired)
-            self.rank_ops.append(range(first, len(self.index)))
-            self._program(rank, op_of)
-        assert not unpaired, "pairing is checked before the replay"
+            self._program(rank, self._compile(rank))
         items = len(self.next)
         self.left = [1] * items if self.items is None else [len(ops) for ops in self.items]
         self.posted = bytearray(items)
@@ -159,25 +156,21 @@ class _Replay:
         self.ready: deque[int] = deque(range(table.pp))    # ranks that may move on
         self.startable: list[int] = []                     # posted items whose stream just became free
 
-    def _compile(self, rank: int, unpaired: dict[int, int]) -> dict[int, int]:
-        """Number ``rank``'s ops, pair each with its peer's (by transfer key), and put them on their
-        streams; returns transfer key -> the rank's op moving it."""
-        row, batches = self.table.ranks[rank], self.items is not None
+    def _compile(self, rank: int) -> dict[int, int]:
+        """Put ``rank``'s ops on their streams; returns transfer key -> the rank's op moving it."""
+        batches = self.items is not None
         op_of: dict[int, int] = {}
         last: dict[StreamKey, int] = {}                    # stream -> its last item so far
         open_batch: dict[StreamKey, int] = {}              # batched: stream -> its item in this run of ops
-        for i, key in enumerate(self.table.wiring.moves[rank]):
+        pairing = self.table.pairing
+        streams = {} if self.semantics.stream is None else {side: self.semantics.stream(*end)
+                                                            for side, end in enumerate(pairing.sides) if end[0] == rank}
+        for key, op in zip(self.table.wiring.moves[rank], pairing.op_at[rank]):
             if key < 0:
                 open_batch.clear()
                 continue
-            op = op_of[key] = len(self.index)
-            self.index.append(i)
-            self.partner.append(-1)
-            if (other := unpaired.pop(key, None)) is not None:
-                self.partner[op], self.partner[other] = other, op
-            else:
-                unpaired[key] = op
-            stream = None if self.semantics.stream is None else self.semantics.stream(rank, row[i])
+            op_of[key] = op
+            stream = streams.get(pairing.side[op])
             if batches:
                 if (item := open_batch.get(stream, -1)) >= 0:
                     self.items[item].append(op)

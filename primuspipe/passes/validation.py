@@ -354,27 +354,20 @@ def check_order(table: ScheduleTable) -> None:
 
 
 def check_pairing(table: ScheduleTable) -> None:
-    """Per direction, the k-th send and the k-th receive carry the same tensor."""
-    wiring = table.wiring
-    lanes: dict[tuple[int, int, bool], list[tuple[int, int]]] = defaultdict(list)
-    for rank, row in enumerate(table.ranks):
-        for i, (node, key) in enumerate(zip(row, wiring.moves[rank])):
-            if key >= 0:
-                pair = (rank, node.peer) if node.kind.is_send else (node.peer, rank)
-                lanes[(*pair, node.kind.is_send)].append((i, key))
-    for (src, dst, is_send), sends in sorted(lanes.items()):
-        if not is_send:
-            continue
-        recvs = lanes.get((src, dst, False), [])
-        for k, ((si, sk), (ri, rk)) in enumerate(zip(sends, recvs)):
-            if sk != rk:
-                st, rt = wiring.transfer(sk), wiring.transfer(rk)
-                _fail(table, "pairing",
-                      f"rank {src}'s send #{k} to rank {dst} is {table.ranks[src][si]} ({st}) but rank {dst}'s receive #{k} "
-                      f"from rank {src} is {table.ranks[dst][ri]} ({rt}); transports match a pair's messages in posting "
-                      "order, so the tensors would be swapped",
-                      [(src, si), (dst, ri)], f"post rank {dst}'s receives from rank {src} in the order rank {src} sends "
-                      "(add_communication does this)")
+    """Per direction, the k-th send and the k-th receive carry the same tensor
+    (:class:`~primuspipe.ir.dataflow.Pairing`)."""
+    pairing, wiring = table.pairing, table.wiring
+    if not pairing.swapped:
+        return
+    send, recv, k = pairing.swapped[0]
+    (src, si), (dst, ri) = pairing.where[send], pairing.where[recv]
+    st, rt = wiring.transfer(pairing.key[send]), wiring.transfer(pairing.key[recv])
+    _fail(table, "pairing",
+          f"rank {src}'s send #{k} to rank {dst} is {table.ranks[src][si]} ({st}) but rank {dst}'s receive #{k} "
+          f"from rank {src} is {table.ranks[dst][ri]} ({rt}); transports match a pair's messages in posting "
+          "order, so the tensors would be swapped",
+          [(src, si), (dst, ri)], f"post rank {dst}'s receives from rank {src} in the order rank {src} sends "
+          "(add_communication does this)")
 
 
 def check_deadlock(table: ScheduleTable, semantics: str = DEFAULT_SEMANTICS) -> None:

@@ -2,7 +2,8 @@
 
 The validator's replay (:mod:`primuspipe.passes.streams`) decides *whether* a table completes under
 a transport's semantics; this module times the same rules. :class:`Wires` compiles the table's
-communication once: every send/receive gets a *slot*, its partner (per direction the k-th send meets
+communication once: every send/receive gets a *slot* (its op in the table's
+:class:`~primuspipe.ir.dataflow.Pairing`, which also gives its partner: per direction the k-th send meets
 the k-th receive, as every transport matches messages), and the *item* it belongs to on its rank's
 stream -- the stream key is the semantics' own :attr:`~primuspipe.passes.streams.Semantics.stream`,
 and with :attr:`~primuspipe.passes.streams.Semantics.batches` a run of consecutive communication
@@ -28,38 +29,36 @@ from primuspipe.passes.streams import Semantics
 class Wires:
     """The table's communication, compiled for :class:`StreamClock` (see the module docstring).
 
-    A stream key is asked of the semantics once per (rank, kind, peer): every semantics keys a stream
-    by the operation's rank, direction and peer, and a search loop simulates tables of 10^5 nodes."""
+    A stream key is asked of the semantics once per (rank, kind, peer) (:attr:`Pairing.sides
+    <primuspipe.ir.dataflow.Pairing.sides>`): every semantics keys a stream by the operation's rank, direction and
+    peer, and a search loop simulates tables of 10^5 nodes."""
 
     def __init__(self, table: ScheduleTable, semantics: Semantics):
-        wiring = table.wiring
-        self.where: list[tuple[int, int]] = []  # slot -> (rank, index)
-        self.key: list[int] = []                # slot -> transfer key
+        pairing = table.pairing
+        if pairing.swapped:
+            send, recv, _ = pairing.swapped[0]
+            raise SimulationError(
+                f"{_name(table, pairing.where[send])} is matched with {_name(table, pairing.where[recv])}, which "
+                "expects another tensor; run validate(table) and rebuild communication with add_communication")
+        assert not pairing.unmatched, "a table past the completeness rule has one receive per send"
+        self.where = pairing.where              # slot (a table's op) -> (rank, index)
+        self.key = pairing.key                  # slot -> transfer key
+        self.partner = pairing.partner          # slot -> the slot it meets
+        self.slots = pairing.op_at              # rank -> per node, its slot (-1: not communication)
         self.items: list[list[int]] | None = [] if semantics.batches else None  # batched: item -> its slots
         self.item_of: list[int] = []            # batched: slot -> item (else every item is its one slot)
         self.after: list[int] = []              # item -> the item before it on its stream (-1: none)
         self.next: list[int] = []               # item -> the item after it on its stream (-1: none)
-        self.slots: list[list[int]] = []        # rank -> per node, its slot (-1: not communication)
-        lanes: dict[tuple[int, int, bool], list[int]] = {}
-        for rank, (row, moves) in enumerate(zip(table.ranks, wiring.moves)):
-            slots = [-1] * len(row)
-            shape: dict[tuple, tuple] = {}   # (kind, peer) -> (lane's slots, stream key)
+        side, where = pairing.side, pairing.where
+        streams = [None if semantics.stream is None else semantics.stream(*end) for end in pairing.sides]
+        for ops in pairing.ops:
             last: dict[tuple, int] = {}      # stream key -> its last item so far
             batches: dict[tuple, int] = {}   # batched: stream -> the item its open batch fills
             previous = -2
-            for i in [i for i, moved in enumerate(moves) if moved >= 0]:
-                node = row[i]
-                slot = slots[i] = len(self.where)
-                self.where.append((rank, i))
-                self.key.append(moves[i])
-                if (known := shape.get((node.kind, node.peer))) is None:
-                    is_send = node.kind.is_send
-                    lane = (rank, node.peer, True) if is_send else (node.peer, rank, False)
-                    known = shape[(node.kind, node.peer)] = (
-                        lanes.setdefault(lane, []), None if semantics.stream is None else semantics.stream(rank, node))
-                ends, stream = known
-                ends.append(slot)
+            for slot in ops:
+                stream = streams[side[slot]]
                 if self.items is not None:
+                    i = where[slot][1]
                     if i != previous + 1:  # a node between: the open batches are posted
                         batches.clear()
                     previous = i
@@ -81,29 +80,11 @@ class Wires:
                     self.next[before] = item
                 if stream is not None:
                     last[stream] = item
-            self.slots.append(slots)
-        self.partner = [-1] * len(self.where)
-        for (src, dst, is_send), sends in lanes.items():
-            if is_send:
-                self._pair(table, sends, lanes.get((src, dst, False), []))
-            elif (src, dst, True) not in lanes:
-                self._pair(table, [], sends)
 
-    def _pair(self, table: ScheduleTable, sends: list[int], recvs: list[int]) -> None:
-        """Per direction the k-th send meets the k-th receive; refuse a pair carrying different tensors (the
-        completeness rule, which :func:`~primuspipe.simulator.engine.simulate` holds every table to, leaves each
-        direction as many sends as receives)."""
-        for send, recv in zip(sends, recvs):
-            if self.key[send] != self.key[recv]:
-                raise SimulationError(
-                    f"{self._name(table, send)} is matched with {self._name(table, recv)}, which expects another "
-                    "tensor; run validate(table) and rebuild communication with add_communication")
-            self.partner[send], self.partner[recv] = recv, send
-        assert len(sends) == len(recvs), "a table past the completeness rule has one receive per send"
 
-    def _name(self, table: ScheduleTable, slot: int) -> str:
-        rank, i = self.where[slot]
-        return f"rank {rank} node {i} ({table.ranks[rank][i]})"
+def _name(table: ScheduleTable, where: tuple[int, int]) -> str:
+    rank, i = where
+    return f"rank {rank} node {i} ({table.ranks[rank][i]})"
 
 
 _NONE: list = []  # what a post that completes nothing returns (never appended to)
