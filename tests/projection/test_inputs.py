@@ -30,7 +30,7 @@ def test_every_shipped_example_loads():
     assert {p.stem for p in MODELS} == {"llama2-7b", "llama3-70b", "mixtral-8x7b", "mixtral-8x22b", "qwen3-235b-a22b",
                                         "deepseek-v2-lite", "deepseek-v2", "llama3-8b", "llama3.1-405b", "llama2-70b",
                                         "gpt3-175b", "gpt-oss-120b", "gpt-oss-20b", "kimi-k2",
-                                        "qwen3-30b-a3b", "deepseek-v3", "gpt3-5b", "gpt3-20b", "llama2-13b",
+                                        "qwen3-30b-a3b", "qwen3-32b", "deepseek-v3", "gpt3-5b", "gpt3-20b", "llama2-13b",
                                         "nemotron3-8b", "nemotron3-22b", "nemotron4-340b", "nemotron4-15b", "mistral-7b-w1024",
                                         *(f"mcore08-gpt-{size}" for size in
                                           ("1.7b", "7.1b", "16b", "32b", "70b", "119b", "177b", "314b", "462b"))}
