@@ -70,7 +70,7 @@ def _uneven_rank_counts(num_layers: int, pp: int, first: int | None, last: int |
     return [fixed.get(r, rest // others if others else 0) for r in range(pp)]
 
 
-_REPEAT = re.compile(r"\(([^()]*)\)\*([0-9]{1,18})|([EtmL])\*([0-9]{1,18})", re.ASCII)
+_REPEAT = re.compile(r"\(([^()]+)\)\*([0-9]{1,18})|([EtmL])\*([0-9]{1,18})", re.ASCII)
 MAX_LAYOUT_LENGTH = 1_000_000
 """Most characters a layout may expand to: far past any model's layers and stages, while ``t*99999999999`` or
 nested repeats (``((t)*9)*9...``) would otherwise be expanded to gigabytes before a count is compared."""
@@ -79,9 +79,10 @@ nested repeats (``((t)*9)*9...``) would otherwise be expanded to gigabytes befor
 def parse_layout(text: str) -> list[str]:
     """Megatron's ``--pipeline-model-parallel-layout``: stages in model order separated by ``|``, each a run
     of ``E`` (embedding), ``t`` (transformer layer), ``m`` (multi-token prediction), ``L`` (loss), with
-    ``(...)*N`` and ``X*N`` repeats (``N`` in ASCII digits); spaces and commas are cosmetic (megatron-core's
-    ``PipelineParallelLayerLayout.from_str`` drops commas too). A layout that would expand past
-    :data:`MAX_LAYOUT_LENGTH` characters is refused before it is expanded.
+    ``(...)*N`` (a group of at least one character, as megatron-core's) and ``X*N`` repeats (``N`` in ASCII
+    digits); spaces and commas are cosmetic (megatron-core's ``PipelineParallelLayerLayout.from_str`` drops
+    commas too). A layout that would expand past :data:`MAX_LAYOUT_LENGTH` characters is refused before it is
+    expanded.
 
     >>> parse_layout("Et|(tt|)*2mL")
     ['Et', 'tt', 'tt', 'mL']
