@@ -419,7 +419,9 @@ def load_megatron_config(path: str | Path) -> tuple[ModelSpec, TrainingSpec]:
 
 
 _ARGUMENT = re.compile(r"(^|\s)--[A-Za-z]")
-"""A token of an argument list (``--num-layers``): a file that holds none is read as YAML only."""
+_YAML_KEY = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*:", re.MULTILINE)
+"""A token of an argument list (``--num-layers``) and a YAML mapping's key line (``num_layers:``): a file with keys
+and no arguments that the strict loader refuses is refused for its YAML, not read as an argument list."""
 
 
 def read_megatron_config(path: str | Path) -> MegatronConfig:
@@ -428,8 +430,8 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
     try:
         data = strict.load_yaml(text, f"the Megatron configuration {path}")
     except ConfigError:
-        if not _ARGUMENT.search(text):  # no argument list either: the YAML's own fault (an alias, a key twice) is it
-            raise
+        if _YAML_KEY.search(text) and not _ARGUMENT.search(text):  # a YAML mapping, not an argument list: its own
+            raise  # fault (an alias, a key twice, an octal 010) is the one to name
         data = None  # a launch script is rarely valid YAML
     if isinstance(data, list):  # its dashes would be read as values ("--num-layers must be an integer, got '-'")
         raise ConfigError(f"{path}: holds a YAML list; give a mapping of Megatron arguments (num_layers: 32) or a "

@@ -103,3 +103,17 @@ def test_values_read_as_yaml(tmp_path, door, label):
                            "-a", "1f1b", "--json"])
         names = ("primus.yaml", "global_batch_size")
     refused(outcome, *names, case=f"megatron-config {door} {label}")
+
+
+@pytest.mark.parametrize("fault, edit", [("octal", lambda t: t.replace("{value}", "010")),
+                                         ("alias", lambda t: t.replace("{value}", "*gbs")),
+                                         ("key twice", lambda t: t.replace("{value}", "8") + "      num_layers: 4\n"),
+                                         ("tab indent", lambda t: t.replace("{value}", "8\n\t")),
+                                         ("int tag on text", lambda t: t.replace("{value}", "!!int x"))])
+def test_primus_yaml_refused_for_its_yaml(tmp_path, fault, edit):
+    """Round ten: a Primus YAML the strict loader refuses was read as an argument list and refused as holding "no
+    Megatron arguments" -- naming nothing the user got wrong. The YAML fault is named with its line."""
+    path = tmp_path / "primus.yaml"
+    path.write_text(edit(PRIMUS_CONFIG))
+    refused(run_cli(["project", "--megatron-config", path, "--hardware", HARDWARE, "-a", "1f1b", "--json"]),
+            "primus.yaml", "not valid YAML at line", case=f"megatron-config Primus YAML with {fault}")
