@@ -10,7 +10,8 @@ same way, each with one line that names the file, the field and what to write in
 * mappings have known keys only; an unknown one is named with the closest known key;
 * documents are bounded: a file of at most :data:`MAX_DOCUMENT_BYTES`, UTF-8, nested at most
   :data:`MAX_DEPTH` deep; JSON without ``NaN``/``Infinity`` and duplicate keys; YAML without aliases
-  (so an alias bomb cannot expand) and duplicate keys.
+  (so an alias bomb cannot expand), duplicate keys, and YAML 1.1's octal ``010`` and base-60 ``1:30`` (8 and 90
+  to PyYAML, 10 and text to a YAML 1.2 reader); a value its tag cannot build (``!!int x``) is a YAML error.
 
 Each parser takes the :class:`~primuspipe.errors.PrimusPipeError` subclass its format raises
 (``TableFormatError`` for schedules and timelines, ``ConfigError`` for costs and settings).
