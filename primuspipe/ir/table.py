@@ -97,8 +97,9 @@ class ScheduleTable:
                 f"table has {len(self.ranks)} rank lists but its placement has pp = {self.placement.pp}"
             )
         if (total := sum(map(len, self.ranks))) > (most := MOST_NODES_PER_STEP * self.num_stages * self.microbatches):
-            raise TableFormatError(f"the table holds {total:,} nodes, more than the {most:,} any table of pp={self.pp}, "
-                                   f"vpp={self.vpp} and {self.microbatches} microbatches has; nodes are repeated")
+            raise TableFormatError(f"the table holds {total:,} nodes, more than the {most:,} any table of "
+                                   f"pp={self.pp}, vpp={self.vpp} and {self.microbatches} microbatches has; "
+                                   "nodes are repeated")
         if {type(n) for row in self.ranks for n in row} - {ScheduleNode}:  # one pass at C speed; found below
             rank, index, entry = next((r, i, n) for r, row in enumerate(self.ranks) for i, n in enumerate(row)
                                       if type(n) is not ScheduleNode)

@@ -457,7 +457,8 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
             raise ConfigError(f"{path}: modules.{name}: unknown keys {sorted(unknown)}; a Primus module has "
                               f"{', '.join(sorted(_PRIMUS_MODULE_KEYS))}")
         if module.get("model") is not None:  # e.g. ${PRIMUS_MODEL:llama3.1_8B}.yaml
-            arguments.update(_primus_model(Path(path), str(_primus_values({"model": module["model"]}, str(path))["model"])))
+            reference = _primus_values({"model": module["model"]}, str(path))["model"]
+            arguments.update(_primus_model(Path(path), str(reference)))
         overrides = module.get("overrides")
         if overrides is not None and not isinstance(overrides, Mapping):  # was skipped, the run projected without them
             raise ConfigError(f"{path}: modules.{name}.overrides must be a mapping of Megatron arguments "

@@ -19,7 +19,8 @@ HARDWARE = EXAMPLES / "hardware" / "h100.yaml"
 LAYERS = 8
 VALID = f"Et*{LAYERS // 2}|t*{LAYERS // 2}L"
 LAYOUTS = {"count of 11 digits": "Et*99999999999|tL", "nested repeats": "E(t*99999)*99999|tL",
-           "30 nested groups": "E" + "(" * 30 + "t" + ")*9" * 30 + "|tL", "count of 5000 digits": "Et*" + "9" * 5000 + "|tL",
+           "30 nested groups": "E" + "(" * 30 + "t" + ")*9" * 30 + "|tL",
+           "count of 5000 digits": "Et*" + "9" * 5000 + "|tL",
            "count in Arabic-Indic digits": f"Et*{chr(0x660 + LAYERS // 2)}|t*{LAYERS // 2}L",
            "empty group": f"E()*3t*{LAYERS // 2}|t*{LAYERS // 2}L"}
 

@@ -156,7 +156,8 @@ def _returns():
     yield "row of text", ["rank 0"], lambda req: ScheduleTable.build(Placement.interleaved(req.pp), req.microbatches,
                                                                      ["F0.0 BW0.0"] * req.pp)
     yield "a node a million times", ["repeated"], lambda req: ScheduleTable.build(  # round ten: validated for 30 s
-        Placement.interleaved(req.pp), req.microbatches, [[F(0)] * 10**6 + list(row) for row in table("1f1b")(req).ranks])
+        Placement.interleaved(req.pp), req.microbatches,
+        [[F(0)] * 10**6 + list(row) for row in table("1f1b")(req).ranks])
 
 
 RETURNS = list(_returns())

@@ -40,7 +40,8 @@ INPUTS = {
 """Input -> (valid text, the line to replace, its tagged form, the command that reads it; None: ``load_config``)."""
 
 UNREADABLE = {"octal": "010", "signed octal": "-07", "base 60": "1:30", "base-60 float": "1:30.5",
-              "int tag on a fraction": "!!int 0.01", "float tag on text": "!!float abc", "bool tag on a digit": "!!bool 1",
+              "int tag on a fraction": "!!int 0.01", "float tag on text": "!!float abc",
+              "bool tag on a digit": "!!bool 1",
               "timestamp tag on text": "!!timestamp x", "empty int tag": "!!int", "map tag on a list": "!!map [1]",
               "seq tag on a mapping": "!!seq {a: 1}", "integer of 5000 digits": "9" * 5000}
 """Numbers PyYAML reads as YAML 1.1 does (``010`` is 8, ``1:30`` is 90; a YAML 1.2 reader and a person read 10 and
