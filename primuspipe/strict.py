@@ -10,7 +10,8 @@ same way, each with one line that names the file, the field and what to write in
 * mappings have known keys only; an unknown one is named with the closest known key;
 * documents are bounded: a file of at most :data:`MAX_DOCUMENT_BYTES`, UTF-8, nested at most
   :data:`MAX_DEPTH` deep; JSON without ``NaN``/``Infinity`` and duplicate keys; YAML without aliases
-  (so an alias bomb cannot expand) and duplicate keys.
+  (so an alias bomb cannot expand), duplicate keys, and YAML 1.1's octal ``010`` and base-60 ``1:30`` (8 and 90
+  to PyYAML, 10 and text to a YAML 1.2 reader); a value its tag cannot build (``!!int x``) is a YAML error.
 
 Each parser takes the :class:`~primuspipe.errors.PrimusPipeError` subclass its format raises
 (``TableFormatError`` for schedules and timelines, ``ConfigError`` for costs and settings).
@@ -310,10 +311,13 @@ def read_text(path: str | Path, what: str, *, error: Error = ConfigError, max_by
     return text.replace("\r\n", "\n").replace("\r", "\n")  # Windows and old Mac line ends read as one
 
 
-def load_json(text: str, source: str, *, error: Error = ConfigError) -> Any:
+def load_json(text: str, source: str, *, error: Error = ConfigError, constants: bool = False) -> Any:
     """Parse JSON strictly: no ``NaN``/``Infinity``, no number that overflows a float, no duplicate
-    keys, at most :data:`MAX_DEPTH` deep."""
+    keys, at most :data:`MAX_DEPTH` deep. ``constants=True`` reads ``NaN``/``Infinity`` as floats, for a
+    format whose writer (Python's json) spells a bad time so: the field's own check then names it."""
     def constant(word: str) -> Any:
+        if constants:
+            return float(word)
         raise ValueError(f"{word} is not a number (NaN and infinity are not allowed)")
 
     def finite(word: str) -> float:
@@ -358,9 +362,36 @@ class _StrictYamlLoader(yaml.SafeLoader):
                                               event.start_mark)
         return super().compose_node(parent, index)
 
+    def construct_object(self, node, deep=False):  # noqa: ANN001
+        """A value its tag cannot build (``!!int 0.01``, ``!!bool 1``, ``!!timestamp x``, an integer of more
+        than Python's 4,300 digits) is a YAML error at its line, not the ValueError/KeyError PyYAML lets out."""
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, LookupError, AttributeError, TypeError, OverflowError):
+            tag = node.tag.replace(_YAML_TAG, "!!")
+            raise yaml.constructor.ConstructorError(None, None, f"{show(node.value)} cannot be read as {tag}",
+                                                    node.start_mark) from None
+
+    def _decimal(self, node):  # noqa: ANN001 - PyYAML's signature
+        """Refuse the YAML 1.1 number forms a YAML 1.2 reader (and a person) reads as another value: ``010`` is
+        octal 8 to PyYAML but 10 to YAML 1.2 (and ``08`` is text, read as 8), ``1:30`` is sexagesimal 90."""
+        value = self.construct_scalar(node)
+        if _OCTAL_OR_SEXAGESIMAL.fullmatch(value.strip()):
+            raise yaml.constructor.ConstructorError(None, None, f"{value!r} is a YAML 1.1 octal or base-60 number "
+                                                    "that other YAML readers read otherwise; write it in decimal "
+                                                    "without leading zeros or colons", node.start_mark)
+
+    def construct_yaml_int(self, node):  # noqa: ANN001
+        self._decimal(node)
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):  # noqa: ANN001
+        self._decimal(node)
+        return super().construct_yaml_float(node)
+
     def construct_mapping(self, node, deep=False):  # noqa: ANN001
         seen = []
-        for key_node, _ in node.value:
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():  # !!map [1]: PyYAML says so
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice",
@@ -370,8 +401,11 @@ class _StrictYamlLoader(yaml.SafeLoader):
 
 
 _YAML_TAG = "tag:yaml.org,2002:"
+_OCTAL_OR_SEXAGESIMAL = re.compile(r"[-+]?(0[0-7_]+|[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?)", re.ASCII)
 for _tag in ("binary", "set", "omap", "pairs"):
     _StrictYamlLoader.add_constructor(_YAML_TAG + _tag, _StrictYamlLoader._refuse_tag)
+_StrictYamlLoader.add_constructor(_YAML_TAG + "int", _StrictYamlLoader.construct_yaml_int)
+_StrictYamlLoader.add_constructor(_YAML_TAG + "float", _StrictYamlLoader.construct_yaml_float)
 
 
 def load_yaml(text: str, source: str, *, error: Error = ConfigError) -> Any:

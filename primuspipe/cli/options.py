@@ -9,12 +9,14 @@ at once and writes nothing.
 from __future__ import annotations
 
 import argparse
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe import strict
 
@@ -59,13 +61,19 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` strings to a dict (values: :func:`primuspipe.strict.scalar`); the algorithm
-    checks the names and types (:meth:`~primuspipe.algorithms.registry.AlgorithmInfo.check_options`)."""
+    checks the names and types (:meth:`~primuspipe.algorithms.registry.AlgorithmInfo.check_options`).
+    A key that names one of ``build_schedule``'s own parameters (``vpp``, ``memory_limit``, ``communication``) is
+    refused here: passed on beside the command's own value it was a TypeError, or set what a flag sets."""
+    own = [name for name, p in inspect.signature(build_schedule).parameters.items() if p.kind is not p.VAR_KEYWORD]
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not key:
             raise ConfigError(f"option {pair!r} must look like KEY=VALUE, e.g. -O microbatch_group_size=4")
+        if key in own:
+            raise ConfigError(f"option {key} is not an algorithm's option but the command's own setting; give it "
+                              f"with the command's flag (--{key.replace('_', '-')}) where it has one")
         if key in options:
             raise ConfigError(f"option {key} is given twice (-O {key}=...); give it once")
         options[key] = strict.scalar(value, f"option {key}")

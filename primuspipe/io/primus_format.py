@@ -92,7 +92,7 @@ def from_primus_table(text: str, placement: str | None = None, algorithm: str | 
                 raise TableFormatError(f"line {line_no}: {strict.show(line.strip())} holds nodes but is no "
                                        "'Rank <r>: (F|0|0),...' line (rank numbers in ASCII digits)")
             continue
-        rank = int(m[1])
+        rank = strict.count(m[1], f"line {line_no}: the rank number", error=TableFormatError, text=True)
         if rank in rows:
             raise TableFormatError(f"line {line_no}: rank {rank} appears twice")
         rows[rank] = _tokens(m[2], line_no)

@@ -11,6 +11,9 @@ MAX_NODES = 4_000_000
 adding communication and validating (pp=64, vpp=2, m=512 is 391,168 nodes)."""
 NODES_PER_STEP = 7
 """At most F, B, W and four transfers per (stage, microbatch): the bound a shape's size is judged by."""
+MOST_NODES_PER_STEP = NODES_PER_STEP + 2
+"""And an OFFLOAD and a RELOAD: no valid table holds more per (stage, microbatch), so rows that do repeat nodes
+(a plug-in's three million copies of one F took the validator half a minute to name)."""
 
 
 def check_shape(pp: int, vpp: int, microbatches: int) -> None:

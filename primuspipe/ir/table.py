@@ -17,7 +17,7 @@ from primuspipe import strict
 from primuspipe.ir.dataflow import Pairing, Transfer, Wiring
 from primuspipe.documents import check_envelope, envelope
 from primuspipe.errors import TableFormatError
-from primuspipe.ir.limits import MAX_NODES, check_shape
+from primuspipe.ir.limits import MAX_NODES, MOST_NODES_PER_STEP, check_shape
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 
@@ -96,6 +96,10 @@ class ScheduleTable:
             raise TableFormatError(
                 f"table has {len(self.ranks)} rank lists but its placement has pp = {self.placement.pp}"
             )
+        if (total := sum(map(len, self.ranks))) > (most := MOST_NODES_PER_STEP * self.num_stages * self.microbatches):
+            raise TableFormatError(f"the table holds {total:,} nodes, more than the {most:,} any table of "
+                                   f"pp={self.pp}, vpp={self.vpp} and {self.microbatches} microbatches has; "
+                                   "nodes are repeated")
         if {type(n) for row in self.ranks for n in row} - {ScheduleNode}:  # one pass at C speed; found below
             rank, index, entry = next((r, i, n) for r, row in enumerate(self.ranks) for i, n in enumerate(row)
                                       if type(n) is not ScheduleNode)

@@ -70,14 +70,19 @@ def _uneven_rank_counts(num_layers: int, pp: int, first: int | None, last: int |
     return [fixed.get(r, rest // others if others else 0) for r in range(pp)]
 
 
-_REPEAT = re.compile(r"\(([^()]*)\)\*(\d+)|([EtmL])\*(\d+)")
+_REPEAT = re.compile(r"\(([^()]+)\)\*([0-9]{1,18})|([EtmL])\*([0-9]{1,18})", re.ASCII)
+MAX_LAYOUT_LENGTH = 1_000_000
+"""Most characters a layout may expand to: far past any model's layers and stages, while ``t*99999999999`` or
+nested repeats (``((t)*9)*9...``) would otherwise be expanded to gigabytes before a count is compared."""
 
 
 def parse_layout(text: str) -> list[str]:
     """Megatron's ``--pipeline-model-parallel-layout``: stages in model order separated by ``|``, each a run
     of ``E`` (embedding), ``t`` (transformer layer), ``m`` (multi-token prediction), ``L`` (loss), with
-    ``(...)*N`` and ``X*N`` repeats; spaces and commas are cosmetic (megatron-core's
-    ``PipelineParallelLayerLayout.from_str`` drops commas too).
+    ``(...)*N`` (a group of at least one character, as megatron-core's) and ``X*N`` repeats (``N`` in ASCII
+    digits); spaces and commas are cosmetic (megatron-core's ``PipelineParallelLayerLayout.from_str`` drops
+    commas too). A layout that would expand past :data:`MAX_LAYOUT_LENGTH` characters is refused before it is
+    expanded.
 
     >>> parse_layout("Et|(tt|)*2mL")
     ['Et', 'tt', 'tt', 'mL']
@@ -86,8 +91,18 @@ def parse_layout(text: str) -> list[str]:
     """
     expanded, previous = text.replace(" ", "").replace(",", ""), None
     while previous != expanded:
-        previous = expanded
-        expanded = _REPEAT.sub(lambda m: (m.group(1) or m.group(3)) * int(m.group(2) or m.group(4)), expanded)
+        previous, length = expanded, len(expanded)
+
+        def repeat(match: re.Match) -> str:
+            nonlocal length
+            unit, times = (match[1], match[2]) if match[2] is not None else (match[3], match[4])
+            length += len(unit) * int(times) - len(match[0])
+            if length > MAX_LAYOUT_LENGTH:
+                raise ValueError(f"the layout expands to more than {MAX_LAYOUT_LENGTH:,} stage and layer letters, "
+                                 "more than any model has")
+            return unit * int(times)
+
+        expanded = _REPEAT.sub(repeat, expanded)
     stages = expanded.split("|")
     if any(set(stage) - set("EtmL") for stage in stages):
         raise ValueError(f"cannot read the layout {text!r}: stages hold only E, t, m and L")

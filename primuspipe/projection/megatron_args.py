@@ -31,8 +31,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.framework import ConfigError, strict
 from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
@@ -319,7 +317,7 @@ def _options(tokens: list[str], raw: bool = False, source: str = "the argument l
             values.append(tokens[i])
             i += 1
         if not raw and "_" in name:  # Primus's override style (--num_layers 8): its values are YAML scalars
-            values = [yaml.safe_load(v) for v in values]
+            values = [_yaml_value(v, f"{source}: --{name}") for v in values]
         key = name if raw else name.replace("-", "_")
         arguments[key] = True if not values else values[0] if len(values) == 1 else values
     return arguments
@@ -420,13 +418,21 @@ def load_megatron_config(path: str | Path) -> tuple[ModelSpec, TrainingSpec]:
     return config.model, config.training
 
 
+_ARGUMENT = re.compile(r"(^|\s)--[A-Za-z]")
+_YAML_KEY = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*:", re.MULTILINE)
+"""A token of an argument list (``--num-layers``) and a YAML mapping's key line (``num_layers:``): a file with keys
+and no arguments that the strict loader refuses is refused for its YAML, not read as an argument list."""
+
+
 def read_megatron_config(path: str | Path) -> MegatronConfig:
     """:func:`load_megatron_config` with the world size the file names (if any) and what it set aside."""
     text = strict.read_text(path, "Megatron configuration")
     try:
         data = strict.load_yaml(text, f"the Megatron configuration {path}")
     except ConfigError:
-        data = None  # a launch script is rarely valid YAML (and YAML with aliases is refused, not expanded)
+        if _YAML_KEY.search(text) and not _ARGUMENT.search(text):  # a YAML mapping, not an argument list: its own
+            raise  # fault (an alias, a key twice, an octal 010) is the one to name
+        data = None  # a launch script is rarely valid YAML
     if isinstance(data, list):  # its dashes would be read as values ("--num-layers must be an integer, got '-'")
         raise ConfigError(f"{path}: holds a YAML list; give a mapping of Megatron arguments (num_layers: 32) or a "
                           "launch script's argument list")
@@ -434,7 +440,7 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
         return read_arguments(text, str(path))
     modules = data.get("modules")
     if not isinstance(modules, Mapping):
-        return split_arguments(_primus_values(data), str(path))
+        return split_arguments(_primus_values(data, str(path)), str(path))
     arguments: dict[str, Any] = dict(PRIMUS_MODULE_DEFAULTS)
     naming = [name for name, module in modules.items() if isinstance(module, Mapping) and module.get("model") is not None]
     if len(naming) > 1:  # one run trains one model: which file the projection read would be an accident of order
@@ -451,13 +457,14 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
             raise ConfigError(f"{path}: modules.{name}: unknown keys {sorted(unknown)}; a Primus module has "
                               f"{', '.join(sorted(_PRIMUS_MODULE_KEYS))}")
         if module.get("model") is not None:  # e.g. ${PRIMUS_MODEL:llama3.1_8B}.yaml
-            arguments.update(_primus_model(Path(path), str(_primus_values({"model": module["model"]})["model"])))
+            reference = _primus_values({"model": module["model"]}, str(path))["model"]
+            arguments.update(_primus_model(Path(path), str(reference)))
         overrides = module.get("overrides")
         if overrides is not None and not isinstance(overrides, Mapping):  # was skipped, the run projected without them
             raise ConfigError(f"{path}: modules.{name}.overrides must be a mapping of Megatron arguments "
                               f"(num_layers: 32), got {strict.show(overrides)}")
         arguments.update(overrides or {})
-    return split_arguments(_primus_values(arguments), str(path))
+    return split_arguments(_primus_values(arguments, str(path)), str(path))
 
 
 PRIMUS_MODULE_DEFAULTS = {"moe_router_force_load_balancing_type": "even"}
@@ -468,13 +475,20 @@ router had). A module's ``overrides`` and ``model:`` file still win."""
 _PRIMUS_VARIABLE = re.compile(r"\$\{\w+:([^}]*)\}")
 
 
-def _primus_values(arguments: Mapping[str, Any]) -> dict[str, Any]:
+def _yaml_value(text: str, source: str) -> Any:
+    """One value written as YAML inside another text (an override's argument, a ``${VAR:default}``), read by the
+    strict loader as a file's values are: an unclosed ``[``, an alias, ``!!python/...``, an octal ``010`` are
+    refused naming ``source``, not a traceback or another number."""
+    return strict.load_yaml(text, f"{source} {strict.show(text)}")
+
+
+def _primus_values(arguments: Mapping[str, Any], source: str) -> dict[str, Any]:
     """Primus writes ``${VAR:default}`` for values a launch may override: the default is the value (read as
     YAML when it is the whole value, so numbers stay numbers; put in place within a longer string)."""
     resolved = {}
     for name, value in arguments.items():
         if isinstance(value, str) and (match := _PRIMUS_VARIABLE.fullmatch(value.strip())):
-            value = yaml.safe_load(match.group(1)) if match.group(1) else None
+            value = _yaml_value(match.group(1), f"{source}: {name}") if match.group(1) else None
         elif isinstance(value, str):
             value = _PRIMUS_VARIABLE.sub(lambda m: m.group(1), value)
         resolved[name] = value

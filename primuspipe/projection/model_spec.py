@@ -318,7 +318,9 @@ def _moe_pattern(freq: int | tuple[int, ...] | str, num_layers: int, source: str
     return tuple(pattern)
 
 
-_TERM = re.compile(r"\[([01](?:\s*,\s*[01])*)\]\s*\*\s*(\d+)")
+_TERM = re.compile(r"\[([01](?:\s*,\s*[01])*)\]\s*\*\s*([0-9]{1,18})", re.ASCII)
+"""One ``[bits]*count`` term; the count in ASCII digits, as Megatron's eval of the text reads it (``[1]*٧`` is a
+SyntaxError there), of at most 18 (more was int()'s ValueError past 4,300)."""
 
 
 def _parse_pattern(text: str, num_layers: int, source: str) -> tuple[int, ...]:

@@ -501,7 +501,7 @@ def candidates(model: ModelSpec, training: TrainingSpec, algorithms: list[str], 
         dp = gpus // (per_stage * pp)
         for mbs in sorted({*SEARCH_MICRO_BATCHES, training.micro_batch_size}):
             local = training.local_batch_size or training.global_batch_size // dp  # one flush's samples
-            if training.global_batch_size % (local * dp) or local % mbs:
+            if not local or training.global_batch_size % (local * dp) or local % mbs:  # 0: more replicas than samples
                 continue
             for recompute in SEARCH_RECOMPUTE:
                 base = _with_recompute(dataclasses.replace(

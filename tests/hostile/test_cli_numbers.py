@@ -1,11 +1,14 @@
 """Command-line numbers and options: NaN, infinity, negatives, non-integers, other digits and booleans
 are refused by the flag's name; options are typed; every refusal is one line."""
 
+import inspect
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hostile_support import refused, run_cli
+from primuspipe.algorithms.build import build_schedule
 
 SIM = ["simulate", "--algorithm", "1f1b", "--pp", "4", "-m", "8"]
 
@@ -67,6 +70,21 @@ def test_generated_bad_numbers(flag, value):
 def test_algorithm_options(cli, options, names):
     argv = ["simulate", "--algorithm", "interleaved-1f1b", "--pp", "4", "-m", "8", *options]
     refused(cli(argv), *names, case=" ".join(argv))
+
+
+OWN = [name for name, p in inspect.signature(build_schedule).parameters.items() if p.kind is not p.VAR_KEYWORD]
+"""``build_schedule``'s own parameters: an ``-O`` of one of these names was passed on beside the command's value."""
+SHAPE = ["--pp", "2", "-m", "4"]
+
+
+@pytest.mark.parametrize("command", [["show", "zbv"], ["export", "zbv", "-o", "-"], ["simulate", "-a", "zbv"],
+                                     ["simulate", "-a", "zb-h1", "--memory-limit", "3"]], ids=" ".join)
+@pytest.mark.parametrize("key", OWN)
+def test_options_that_are_the_commands_own(cli, command, key):
+    """Round ten: ``-O vpp=2`` (or ``pp``, ``memory_limit`` beside ``simulate``'s) was a TypeError ("got multiple values
+    for keyword argument"); ``export -O communication=false`` wrote a table without its communication."""
+    value = "false" if key == "communication" else "2"
+    refused(cli([*command, *SHAPE, "-O", f"{key}={value}"]), key, case=f"{' '.join(command)} -O {key}={value}")
 
 
 def test_option_numbers_are_numbers(cli):

@@ -9,10 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hostile_support import PP, make_dump, refused, run_cli
-from primuspipe.algorithms.build import build_schedule
+from hostile_support import PP, make_dump, make_primus_dump, refused, run_cli
 from primuspipe.io.timeline import dump_path
-from primuspipe.simulator import CostModel, simulate
 
 MISLEADING = ("validate", "host.cores", "cannot complete")
 
@@ -78,23 +76,6 @@ def test_algorithm_changes_within_one_run(tmp_path):
         refused(run_cli([command, dump]), "run-a", case=f"{command} dump algorithm changes within a run")
 
 
-def _primus_dump(folder, edit=None):
-    timeline = simulate(build_schedule("1f1b", PP, 8), CostModel.per_stage(PP, 1.0, 1.0, 1.0)).timeline()
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"pp_size": PP, "vp_size": 1, "num_mbs": 8}))
-    for rt in timeline.ranks:
-        record = {"total": 1.0, "memory": 1.0}
-        for name, kinds in (("fwd", "F"), ("bwd", "BW")):
-            events = [e for e in rt.events if str(e.node.kind) == kinds]
-            record.update({f"{name}_start": [e.start for e in events], f"{name}_end": [e.end for e in events],
-                           f"{name}_minibatch": [e.node.microbatch for e in events],
-                           f"{name}_chunk": [0 for _ in events]})
-        if edit is not None and rt.rank == 1:
-            edit(record)
-        (folder / f"pp_rank_{rt.rank}.json").write_text(json.dumps({"1": record, "2": record}))
-    return folder
-
-
 def _shift(record):
     record["fwd_start"] = [s - 100 for s in record["fwd_start"]]
     record["fwd_end"] = [s - 100 for s in record["fwd_end"]]
@@ -110,19 +91,19 @@ PRIMUS_EDITS = {
 @pytest.mark.parametrize("what", sorted(PRIMUS_EDITS))
 @pytest.mark.parametrize("command", ["vis", "calibrate"])
 def test_primus_dumps_that_contradict(tmp_path, what, command):
-    dump = _primus_dump(tmp_path / "p", PRIMUS_EDITS[what])
+    dump = make_primus_dump(tmp_path / "p", PRIMUS_EDITS[what])
     outcome = refused(run_cli([command, dump]), case=f"{command} primus dump {what}", before_work=True)
     assert not any(word in outcome.message for word in MISLEADING), outcome.message
 
 
 def test_primus_config_microbatches_differ_from_events(tmp_path):
-    dump = _primus_dump(tmp_path / "p")
+    dump = make_primus_dump(tmp_path / "p")
     (dump / "config.json").write_text(json.dumps({"pp_size": PP, "vp_size": 1, "num_mbs": 12}))
     refused(run_cli(["vis", dump]), case="vis primus config m differs from the events")
 
 
 def test_the_untouched_dumps_still_read(tmp_path):
     for argv in (["vis", make_dump(tmp_path / "d")], ["calibrate", tmp_path / "d"],
-                 ["vis", _primus_dump(tmp_path / "p")], ["calibrate", tmp_path / "p"]):
+                 ["vis", make_primus_dump(tmp_path / "p")], ["calibrate", tmp_path / "p"]):
         outcome = run_cli(argv)
         assert outcome.code == 0, outcome.err

@@ -73,3 +73,47 @@ def test_position_table_shorter_than_the_sequence(tmp_path, positions, embedding
         refused(outcome, "max_position_embeddings", case=case)
     else:
         accepted(outcome, case=case)
+
+
+YAML_VALUES = {"unclosed list": "'[1'", "alias": "'&a [*a]'", "python tag": "'!!python/name:os.getcwd'",
+               "binary tag": "'!!binary aGk='", "key twice": "'{a: 1, a: 2}'", "octal": "010", "base 60": "1:30",
+               "int tag on text": "'!!int x'", "timestamp tag on text": "'!!timestamp x'",
+               "integer of 5000 digits": "9" * 5000}
+"""Values Primus reads as YAML scalars, as a shell passes them (quoted where a shell would need it)."""
+PRIMUS_CONFIG = ("modules:\n  pre_trainer:\n    framework: megatron\n    overrides:\n      num_layers: 8\n"
+                 "      hidden_size: 1024\n      num_attention_heads: 16\n      seq_length: 2048\n"
+                 "      max_position_embeddings: 2048\n      vocab_size: 32000\n      micro_batch_size: 1\n"
+                 "      global_batch_size: {value}\n      pipeline_model_parallel_size: 2\n")
+
+
+@pytest.mark.parametrize("door", ["--name_with_underscores value", "${VAR:default}"])
+@pytest.mark.parametrize("label", sorted(YAML_VALUES))
+def test_values_read_as_yaml(tmp_path, door, label):
+    """Round ten: Primus's override style (``--num_layers 8``) and a ``${VAR:default}`` read their value with PyYAML's
+    loose loader -- an unclosed ``[`` or a ``!!python`` tag was a traceback, an alias built a list that holds itself,
+    ``010`` projected 8 layers and ``1:30`` 90. Both now read it as the files are read, naming the file."""
+    value = YAML_VALUES[label]
+    if door.startswith("--"):
+        outcome = _project(tmp_path, BASE.format(layers=8, pp=2) + f"--global_batch_size {value}")
+        names = ("args.sh", "global_batch_size")
+    else:
+        path = tmp_path / "primus.yaml"
+        path.write_text(PRIMUS_CONFIG.format(value="'${GBS:%s}'" % value.strip("'").replace("'", "''")))
+        outcome = run_cli(["project", "--megatron-config", path, "--hardware", HARDWARE, "--target-nodes", "1",
+                           "-a", "1f1b", "--json"])
+        names = ("primus.yaml", "global_batch_size")
+    refused(outcome, *names, case=f"megatron-config {door} {label}")
+
+
+@pytest.mark.parametrize("fault, edit", [("octal", lambda t: t.replace("{value}", "010")),
+                                         ("alias", lambda t: t.replace("{value}", "*gbs")),
+                                         ("key twice", lambda t: t.replace("{value}", "8") + "      num_layers: 4\n"),
+                                         ("tab indent", lambda t: t.replace("{value}", "8\n\t")),
+                                         ("int tag on text", lambda t: t.replace("{value}", "!!int x"))])
+def test_primus_yaml_refused_for_its_yaml(tmp_path, fault, edit):
+    """Round ten: a Primus YAML the strict loader refuses was read as an argument list and refused as holding "no
+    Megatron arguments" -- naming nothing the user got wrong. The YAML fault is named with its line."""
+    path = tmp_path / "primus.yaml"
+    path.write_text(edit(PRIMUS_CONFIG))
+    refused(run_cli(["project", "--megatron-config", path, "--hardware", HARDWARE, "-a", "1f1b", "--json"]),
+            "primus.yaml", "not valid YAML at line", case=f"megatron-config Primus YAML with {fault}")

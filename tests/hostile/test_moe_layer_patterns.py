@@ -4,7 +4,8 @@ counts are far past the model's layers, in the first, a middle or the last term,
 Each is a projection or one line naming ``moe_layer_freq``.
 
 Defects this family found: the pattern was expanded before its length was compared with ``num_layers``, so
-``[1]*10000000000`` was a MemoryError traceback (and ``[0]*100000000`` took a second and 800 MB to refuse).
+``[1]*10000000000`` was a MemoryError traceback (and ``[0]*100000000`` took a second and 800 MB to refuse); a count
+of 5000 digits was int()'s ValueError and ``[1]*٧`` (Arabic-Indic digits, which Megatron's eval refuses) was 7.
 """
 
 from pathlib import Path
@@ -27,6 +28,8 @@ def _patterns():
         yield f"last term *{count:g}", f"[1]*{LAYERS - 1}+[1]*{count}"
     yield "one entry short", f"([0]*1+[1]*{LAYERS - 2})"
     yield "one entry over", f"([0]*1+[1]*{LAYERS})"
+    yield "count in Arabic-Indic digits", f"([0]*1+[1]*{chr(0x660 + LAYERS - 1)})"  # Megatron's eval: a SyntaxError
+    yield "count of 5000 digits", "[1]*" + "9" * 5000
 
 
 PATTERNS = list(_patterns())

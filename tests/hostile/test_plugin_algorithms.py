@@ -155,6 +155,9 @@ def _returns():
                                                                 [F(0), BW(0)])
     yield "row of text", ["rank 0"], lambda req: ScheduleTable.build(Placement.interleaved(req.pp), req.microbatches,
                                                                      ["F0.0 BW0.0"] * req.pp)
+    yield "a node a million times", ["repeated"], lambda req: ScheduleTable.build(  # round ten: validated for 30 s
+        Placement.interleaved(req.pp), req.microbatches,
+        [[F(0)] * 10**6 + list(row) for row in table("1f1b")(req).ranks])
 
 
 RETURNS = list(_returns())

@@ -7,7 +7,8 @@ format character). Each is one line naming the file, within a second.
 Defects this family found: without a header, ``(F|0|99999999)`` made vpp 100,000,000 and the interleaved placement
 was built stage by stage before the table's size was checked (a hang), as was a header's ``vpp=99999999`` with
 ``placement=interleaved``; ``# primuspipe: algorithm=zbvpp=2 vpp=2 ...`` (a blank lost) named the table ``zbvpp=2``
-and its pp came from the rank lines; a header's ``algorithm=zb\\u202ev`` was printed back in ``validate``'s verdict.
+and its pp came from the rank lines; a header's ``algorithm=zb\\u202ev`` was printed back in ``validate``'s verdict;
+a rank line's number of more than 4,300 digits was int()'s ValueError (round ten).
 """
 
 import re
@@ -70,7 +71,15 @@ def _header_items():
             yield f"{layout} header with {label}", layout, edit
 
 
-CASES = [*_header_cases(), *_node_cases(), *_header_items()]
+def _rank_numbers():
+    """The last rank line's number at sizes past any table, up to past int()'s 4,300 digits."""
+    for layout in BASES:
+        for digits in (10, 19, 5000):
+            yield f"{layout} rank number of {digits} digits", layout, lambda t, d=digits: re.sub(
+                r"^Rank 1:", f"Rank {'9' * d}:", t, count=1, flags=re.MULTILINE)
+
+
+CASES = [*_header_cases(), *_node_cases(), *_header_items(), *_rank_numbers()]
 
 
 @pytest.mark.parametrize("label, layout, edit", CASES, ids=[c[0] for c in CASES])

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from hostile_support import refused, run_cli
+from hostile_support import projected_or_named, refused, run_cli
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "projection"
 BASE = ["project", "--model", EXAMPLES / "models" / "llama2-7b.yaml", "--hardware", EXAMPLES / "hardware" / "h100.yaml",
@@ -42,3 +42,11 @@ def test_report_is_plain_text():
     outcome = run_cli([*BASE, "--pp", "8"])
     assert outcome.code == 0, outcome.err
     assert "[/]" not in outcome.out and "[bold" not in outcome.out and "[yellow]" not in outcome.out
+
+
+@pytest.mark.parametrize("nodes", ["16", "32", "64"])
+def test_search_with_more_replicas_than_samples(nodes):
+    """Round ten: ``--search`` at a GPU count where a pp leaves more data-parallel replicas than the global batch has
+    samples (128 at pp 1 from 16 nodes of 8) was a ZeroDivisionError; such splits are no candidates."""
+    projected_or_named(run_cli([*BASE, "--search", "--target-nodes", nodes, "--json"]),
+                       f"project --search --target-nodes {nodes} (GBS 128)", "global_batch_size")

@@ -4,7 +4,8 @@ refused in one line naming the file, never read as something else.
 
 Defect this family found: the strict loader was PyYAML's safe one, which builds ``!!binary aGk=`` as the bytes
 ``b"hi"``; a cost file's ``f: !!binary aGk=`` then read as the per-stage times ``[104, 105]`` (bytes are a
-sequence of ints) and ``simulate`` ranked schedules on them -- a silent wrong result."""
+sequence of ints) and ``simulate`` ranked schedules on them -- a silent wrong result. Round ten adds the YAML 1.1
+number forms other readers read otherwise and values their tag cannot build (:data:`UNREADABLE`)."""
 
 from pathlib import Path
 
@@ -38,14 +39,35 @@ INPUTS = {
 }
 """Input -> (valid text, the line to replace, its tagged form, the command that reads it; None: ``load_config``)."""
 
+UNREADABLE = {"octal": "010", "signed octal": "-07", "base 60": "1:30", "base-60 float": "1:30.5",
+              "int tag on a fraction": "!!int 0.01", "float tag on text": "!!float abc",
+              "bool tag on a digit": "!!bool 1",
+              "timestamp tag on text": "!!timestamp x", "empty int tag": "!!int", "map tag on a list": "!!map [1]",
+              "seq tag on a mapping": "!!seq {a: 1}", "integer of 5000 digits": "9" * 5000}
+"""Numbers PyYAML reads as YAML 1.1 does (``010`` is 8, ``1:30`` is 90; a YAML 1.2 reader and a person read 10 and
+text), and values their tag cannot build (PyYAML let out int()'s ValueError, a KeyError, a TypeError)."""
+
 CASES = [(kind, tag) for kind in INPUTS for tag in TAGGED]
+UNREADABLE_CASES = [(kind, form) for kind in INPUTS for form in UNREADABLE]
+
+
+def _read(kind: str, value: str, tmp_path):
+    text, line, tagged, command = INPUTS[kind]
+    assert line in text, f"{kind}: the example no longer holds {line!r}"
+    path = tmp_path / "input.yaml"
+    path.write_text(text.replace(line, tagged.format(value), 1))
+    return path, run_api(lambda: load_config(path, env={}).check()) if command is None else run_cli(command(path))
 
 
 @pytest.mark.parametrize("kind, tag", CASES, ids=[f"{k}-{t}" for k, t in CASES])
 def test_tagged_value_refused(kind, tag, tmp_path):
-    text, line, tagged, command = INPUTS[kind]
-    assert line in text, f"{kind}: the example no longer holds {line!r}"
-    path = tmp_path / "input.yaml"
-    path.write_text(text.replace(line, tagged.format(TAGGED[tag]), 1))
-    outcome = run_api(lambda: load_config(path, env={}).check()) if command is None else run_cli(command(path))
+    path, outcome = _read(kind, TAGGED[tag], tmp_path)
     refused(outcome, str(path), case=f"{kind} with a {tag} value")
+
+
+@pytest.mark.parametrize("kind, form", UNREADABLE_CASES, ids=[f"{k}-{f}" for k, f in UNREADABLE_CASES])
+def test_number_read_otherwise_or_unbuildable_refused(kind, form, tmp_path):
+    """Round ten: ``f: 010`` simulated with f = 8, ``f: 1:30`` with 90; ``!!int 0.01``, ``!!bool 1``, ``!!map [1]``
+    and an integer past Python's 4,300 digits were tracebacks. Each is now a YAML error naming the file and line."""
+    path, outcome = _read(kind, UNREADABLE[form], tmp_path)
+    refused(outcome, str(path), case=f"{kind} with {form}")

@@ -270,6 +270,29 @@ def make_dump(root, iterations=(0, 1), run_id="run-a", pp=PP, ranks=None, t0=100
     return root
 
 
+def make_primus_dump(folder, edit=None):
+    """A Primus run's dump folder (``config.json``, ``pp_rank_<r>.json`` keyed by iteration "1" and "2") of a simulated
+    1F1B step at pp = :data:`PP`, 8 microbatches; ``edit`` changes rank 1's record in place."""
+    from primuspipe.algorithms.build import build_schedule
+    from primuspipe.ir.cost_model import CostModel
+    from primuspipe.simulator import simulate
+
+    timeline = simulate(build_schedule("1f1b", PP, 8), CostModel.per_stage(PP, 1.0, 1.0, 1.0)).timeline()
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"pp_size": PP, "vp_size": 1, "num_mbs": 8}))
+    for rt in timeline.ranks:
+        record = {"total": 1.0, "memory": 1.0}
+        for name, kinds in (("fwd", "F"), ("bwd", "BW")):
+            events = [e for e in rt.events if str(e.node.kind) == kinds]
+            record.update({f"{name}_start": [e.start for e in events], f"{name}_end": [e.end for e in events],
+                           f"{name}_minibatch": [e.node.microbatch for e in events],
+                           f"{name}_chunk": [0 for _ in events]})
+        if edit is not None and rt.rank == 1:
+            edit(record)
+        (folder / f"pp_rank_{rt.rank}.json").write_text(json.dumps({"1": record, "2": record}))
+    return folder
+
+
 # -- the command line's own description ----------------------------------------------------------------
 NUMBER_TYPES = ("integer", "number", "numbers_type", "count")
 """Name prefixes of the option types that read numbers (:mod:`primuspipe.cli.options`)."""

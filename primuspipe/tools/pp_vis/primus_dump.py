@@ -20,8 +20,7 @@ chunk-1 forward tells the V (the last rank) from the interleaved layout (rank 0)
 
 from __future__ import annotations
 
-import json
-import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +101,8 @@ class _PrimusDump:
         memory = self._record(rank, iteration).get("memory")
         if self.simulated or memory is None:
             return None
-        return int(_finite(memory, f"{self._file(rank)} iteration {iteration} memory") * GIB)
+        what = f"{self._file(rank)} iteration {iteration} memory"
+        return int(_finite(_finite(memory, what) * GIB, f"{what} in bytes"))
 
     def _events(self, rank: int, iteration: int) -> tuple[TimedNode, ...]:
         record = self._record(rank, iteration)
@@ -180,15 +180,14 @@ def _pair_overlapped(forwards: list, backwards: list) -> list[TimedNode]:
 
 
 def _read_json(path: Path) -> dict:
-    """One file of the dump. Python's json, not the strict reader: Primus writes its dumps with Python's json,
-    which spells a bad time as NaN, and reading it lets the error name the field that holds it."""
+    """One file of the dump, read strictly (duplicate keys, nesting, integers of thousands of digits refused) but
+    with NaN: Primus writes its dumps with Python's json, which spells a bad time as NaN, and reading it lets the
+    error name the field that holds it."""
     if not path.exists():
         raise TableFormatError(f"{path} is missing; a Primus dump folder holds config.json and pp_rank_<r>.json for "
                                "every pipeline rank")
-    try:
-        data = json.loads(strict.read_text(path, "Primus dump file", error=TableFormatError))
-    except json.JSONDecodeError as exc:
-        raise TableFormatError(f"cannot read {path}: {exc}") from exc
+    data = strict.load_json(strict.read_text(path, "Primus dump file", error=TableFormatError), str(path),
+                            error=TableFormatError, constants=True)
     if not isinstance(data, dict):
         raise TableFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -198,17 +197,21 @@ def _positive_int(config: dict, key: str, path: Path) -> int:
     return strict.count(config.get(key), f"{path}: {key!r}", error=TableFormatError, minimum=1)
 
 
+_ITERATION_KEY = re.compile(r"0|[1-9][0-9]{0,17}", re.ASCII)
+
+
 def _iteration(key: str, path: Path) -> int:
-    try:
-        return int(key)
-    except ValueError:
-        raise TableFormatError(f"{path}: key {key!r} is not an iteration number") from None
+    """An iteration key as Primus writes it (``str(i)``): ``01``, `` 1``, ``+1`` or ``1_0`` would read as an
+    iteration whose record is under another key."""
+    if not _ITERATION_KEY.fullmatch(key):
+        raise TableFormatError(f"{path}: key {strict.show(key)} is not an iteration number (0, 1, 2, ...)")
+    return int(key)
 
 
 def _finite(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TableFormatError(f"{what} must be a finite number, got {value!r}")
-    return float(value)
+    if isinstance(value, str):  # JSON text is no time, though strict.number reads ASCII number text
+        raise TableFormatError(f"{what} must be a finite number, got {strict.show(value)}")
+    return strict.number(value, what, error=TableFormatError)
 
 
 def _numbers(values: Any, what: str) -> list[float]:
