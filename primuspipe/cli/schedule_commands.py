@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "rank, an edge per transfer (bold, labelled), local hand-off (dashed) and row order; to FILE, "
                         "or standard output without one ('dot -Tsvg FILE' draws it). Nodes are named rank:index, "
                         "the index in the row shown (with --compute-only, the compute-only row)")
-    _add_offload_arguments(p)
+    _add_memory_arguments(p)
     p.set_defaults(handler=cmd_show)
 
     p = sub.add_parser("export", help="write an algorithm's validated table as JSON, torch CSV or Primus's table form",
@@ -68,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "debug_scheduler_table prints, after a comment line with the shape; docs/primus.md)")
     p.add_argument("--compute-only", action="store_true", help="leave out communication nodes")
     p.add_argument("-o", "--output", type=Path, required=True, help="file to write ('-' for stdout)")
-    _add_offload_arguments(p)
+    _add_memory_arguments(p)
     p.set_defaults(handler=cmd_export)
 
     p = sub.add_parser("validate", help="check a table file (JSON or CSV); exit 0 only if it is valid",
@@ -94,7 +94,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_validate)
 
 
-def _add_offload_arguments(p: argparse.ArgumentParser) -> None:
+def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-limit", type=number_type(minimum=None, above=0), metavar="MICROBATCHES",
+                   help="per-rank activation budget in 1F1B-stage microbatches, each counted until its W: cost-aware "
+                        "algorithms (zb-auto, the zero-bubble and V-shape family) plan within it, as under "
+                        "'simulate --memory-limit'")
     p.add_argument("--offload", type=number_type(minimum=None, above=0), metavar="MICROBATCHES",
                    help="run the offload pass: OFFLOAD/RELOAD nodes bring every rank's activations under this many "
                         "1F1B-stage microbatches (docs/offload.md)")
@@ -104,14 +108,29 @@ def _add_offload_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace):
-    table = build_schedule(args.algorithm, args.pp, args.microbatches, args.vpp, **parse_options(args.option))
+    table = build_schedule(args.algorithm, args.pp, args.microbatches, args.vpp, memory_limit=args.memory_limit,
+                           **parse_options(args.option))
     if args.cost is not None and args.offload is None:
         raise ConfigError("--cost is read by --offload; give the memory limit with --offload MICROBATCHES")
-    if args.offload is None:
-        return table
-    cost = (CostModel.load(args.cost, pp=table.pp, vpp=table.vpp) if args.cost is not None
-            else CostModel.per_stage(table.num_stages, 1, 1, 1))
-    return offload_activations(table, cost, memory_limit=args.offload)
+    if args.offload is not None:
+        cost = (CostModel.load(args.cost, pp=table.pp, vpp=table.vpp) if args.cost is not None
+                else CostModel.per_stage(table.num_stages, 1, 1, 1))
+        table = offload_activations(table, cost, memory_limit=args.offload)
+    _check_memory_limit(table, args.memory_limit, args.algorithm)
+    return table
+
+
+def _check_memory_limit(table, limit: float | None, algorithm: str) -> None:
+    """A table over ``--memory-limit`` is refused: only cost-aware algorithms plan within the limit, and a
+    table shown or written as if it kept to it would be a silent wrong answer."""
+    if limit is None:
+        return
+    peaks = peak_in_flight(table)
+    rank = max(range(len(peaks)), key=peaks.__getitem__)
+    if peaks[rank] > limit + 1e-9:
+        raise ConfigError(f"{algorithm}'s table holds {peaks[rank]:.4g} 1F1B-stage microbatches of activations on rank "
+                          f"{rank}, over --memory-limit {limit:g}: give a larger limit, an algorithm that plans within "
+                          f"it (zb-auto, v-min), or --offload {limit:g} to bring it under")
 
 
 def cmd_list(args: argparse.Namespace) -> int:

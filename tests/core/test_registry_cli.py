@@ -105,3 +105,24 @@ def test_installed_console_script_runs():
     assert "validate" in out and "export" in out
     shown = subprocess.run([str(exe), "show", "gpipe", "--pp", "2", "-m", "2"], capture_output=True, text=True, check=True).stdout
     assert "gpipe: pp=2 vpp=1 microbatches=2" in shown
+
+
+@pytest.mark.parametrize("algorithm", ["zb-auto", "v-min", "zb-h1", "1f1b"])
+def test_show_and_export_keep_to_the_memory_limit_or_refuse(algorithm, tmp_path, capsys):
+    """--memory-limit reaches cost-aware algorithms (they plan within it); a table still over it is refused
+    by both commands, naming the rank and its peak, and nothing is written (-O memory_limit=... is refused
+    since round ten of the hostile sweep, so the flag is the one way to give the budget)."""
+    from primuspipe.ir.activations import peak_in_flight
+
+    unlimited = max(peak_in_flight(build_schedule(algorithm, 4, 8)))
+    limited = build_schedule(algorithm, 4, 8, memory_limit=3)
+    out = tmp_path / "t.json"
+    code = main(["export", algorithm, "--pp", "4", "-m", "8", "--memory-limit", "3", "-o", str(out)])
+    shown = main(["show", algorithm, "--pp", "4", "-m", "8", "--memory-limit", "3"])
+    captured = capsys.readouterr()
+    if max(peak_in_flight(limited)) <= 3:
+        assert code == shown == 0 and ScheduleTable.from_json(out.read_text()) == limited
+        assert algorithm in ("zb-auto", "v-min") or unlimited <= 3
+    else:
+        assert code == shown == 1 and not out.exists()
+        assert captured.err.count("over --memory-limit 3") == 2 and "on rank 0" in captured.err
