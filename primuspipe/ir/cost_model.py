@@ -481,7 +481,7 @@ def negligible(x: float, beside: float) -> float:
 
 def _check_time_range(model: CostModel) -> None:
     """Finite inputs can still add up to infinity or lose each other in a sum: every time the model
-    gives (compute, cold start, host, links and their transfer of ``message_bytes``) is refused above
+    gives (compute, cold start, late work, host, links and their transfer of ``message_bytes``) is refused above
     :data:`MAX_TIME` or more than :data:`MAX_TIME_RATIO` away from another non-zero one."""
     def per_stage(name: str, costs: ComputeCosts | None) -> dict[str, float]:
         if costs is None:
@@ -494,6 +494,7 @@ def _check_time_range(model: CostModel) -> None:
     times = {**per_stage("compute ", model.compute), **per_stage("cold_start ", model.cold_start),
              **{f"compute BW[{s}]": t for s, t in enumerate(model.fused_backward or ())},
              **{f"compute.w_warm[{s}]": t for s, t in enumerate(model.w_warm or ())},
+             **({"compute.late_w.time": model.late_w.time} if model.late_w is not None else {}),
              **{f"host.overhead.{k}": t for k, t in model.host.overhead},
              "host.send": model.host.send, "host.recv": model.host.recv, "host.message_cpu": model.host.message_cpu,
              **{f"host.step_gap[{r}]": t for r, t in enumerate(model.host.step_gap or ())},

@@ -102,7 +102,8 @@ class StageCosts:
         return CostModel(ComputeCosts(times(self.forward), times(self.backward_input), times(self.backward_weight)),
                          p2p=dataclasses.replace(p2p, intra_node=kept(links[0]), inter_node=kept(links[1])),
                          memory=memory, time_unit="s",
-                         late_w=LateWork(len(self.forward) - 1, self.late_from, self.drain_s) if self.late_from else None)
+                         late_w=LateWork(len(self.forward) - 1, self.late_from, negligible(self.drain_s, longest))
+                         if self.late_from else None)
 
 
 def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, parts: dict[str, PartTimes],
