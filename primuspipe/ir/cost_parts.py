@@ -43,10 +43,10 @@ class Link:
 @dataclass(frozen=True)
 class LateWork:
     """Work the weight-gradient pass (W, or BW's W) of one stage runs only for microbatch ``first`` and later:
-    ``time`` more (in the cost model's unit) on those nodes, none on the earlier ones. megatron-core's ``wgrad_deferral_limit`` is one:
-    with ``defer_embedding_wgrad_compute`` the output layer buffers the inputs and output gradients of its first
-    ``limit`` microbatches and runs their weight-gradient GEMMs after the step's last backward, while every later
-    microbatch runs its GEMM in its own backward (``tensor_parallel/layers.py``,
+    ``time`` more (in the cost model's unit) on those nodes, none on the earlier ones. megatron-core's
+    ``wgrad_deferral_limit`` is one: with ``defer_embedding_wgrad_compute`` the output layer buffers the inputs and
+    output gradients of its first ``limit`` microbatches and runs their weight-gradient GEMMs after the step's last
+    backward, while every later microbatch runs its GEMM in its own backward (``tensor_parallel/layers.py``,
     ``LinearWithGradAccumulationAndAsyncCommunication.backward``: ``len(grad_output_buffer) <
     wgrad_deferral_limit``); so the last stage's W costs the head's GEMM more from microbatch ``limit`` on."""
 

@@ -15,4 +15,5 @@ from primuspipe.ir.placement import Placement
 from primuspipe.simulator import simulate
 
 __all__ = ["ComputeCosts", "ConfigError", "CostModel", "LateWork", "Link", "MemoryCost", "P2PCost", "Placement",
-           "PrimusPipeError", "build_schedule", "get_algorithm", "idle_share", "list_algorithms", "negligible", "simulate", "strict"]
+           "PrimusPipeError", "build_schedule", "get_algorithm", "idle_share", "list_algorithms", "negligible",
+           "simulate", "strict"]

@@ -1,7 +1,7 @@
 """Every numeric field of a cost file (``simulate --cost``) -- compute, cold start, fixed and chunk parts, warm W,
-probe window, late work, host times and shared-core terms, p2p, host link, memory -- at NaN, infinity, negative, 1e300 (and
-beyond a float), text and a mapping, as a scalar and (where the field takes one) inside a per-stage list. Each must
-be one line naming the file and the field, before any table is simulated; valid neighbours still simulate."""
+probe window, late work, host times and shared-core terms, p2p, host link, memory -- at NaN, infinity, negative,
+1e300 (and beyond a float), text and a mapping, as a scalar and (where the field takes one) inside a per-stage list.
+Each must be one line naming the file and the field, before any table is simulated; valid neighbours still simulate."""
 
 import copy
 

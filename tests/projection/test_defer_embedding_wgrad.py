@@ -93,7 +93,8 @@ def test_a_limit_below_the_microbatch_count_defers_only_the_first_microbatches()
         dataclasses.replace(DEFERRED, wgrad_deferral_limit=-1)
 
 
-@pytest.mark.parametrize("algorithm,vpp,limit", [("1f1b", 1, 40), ("1f1b", 1, 56), ("interleaved-1f1b", 2, 40), ("zb-h1", 1, 40)])
+@pytest.mark.parametrize("algorithm,vpp,limit", [("1f1b", 1, 40), ("1f1b", 1, 56), ("interleaved-1f1b", 2, 40),
+                                                 ("zb-h1", 1, 40)])
 def test_a_shorter_pipeline_stands_for_a_partial_deferral_exactly(algorithm, vpp, limit):
     """A long pipeline is simulated at shorter counts and carried on along a line; under a partial deferral each
     shorter count keeps the step's undeferred last microbatches and leaves out deferred ones only, so the line
