@@ -22,6 +22,7 @@ optimizer bytes) are one number or ``pp`` values::
       chunk: {f: 0.15, b: 0.1}   # of that, what each chunk pays (without the embedding and loss head)
       w_warm: 0.8            # W run right after its own B or another W of its chunk; omitted: w wherever it runs
       probe_window: 0.1      # share of extra time of the node that opens a window of deferred Ws (or one per rank)
+      late_w: {stage: 7, first: 22, time: 0.3}  # model stage 7's W (BW) of microbatch 22 on takes 0.3 more
     host:                    # time on the host, outside the kernels (every key optional, default 0)
       overhead: {f: 0.03, b: 0.04, w: 0.02, bw: 0.04}   # rank time before each node of a kind
       send: 0.15             # rank time to post a send (the transfer can start once it is posted)
@@ -75,6 +76,11 @@ rank from the window openings of a probed run (:func:`~primuspipe.ir.cost_model.
 neither the forward's time nor ``host.cores`` takes it in, and a split-backward schedule's ranks that defer
 a W pay their rank's share where each window opens.
 
+``compute.late_w`` (optional) is time one model stage's W (or BW) takes more from some microbatch on
+(:class:`~primuspipe.ir.cost_parts.LateWork`): ``stage`` indexes the table's ``pp * vpp`` model stages, not
+1F1B stages; the projection writes it for megatron-core's partial deferral of the output layer's weight
+gradients (``wgrad_deferral_limit``).
+
 :meth:`CostModel.from_dict <primuspipe.ir.cost_model.CostModel.from_dict>` reads it with the section
 readers below.
 """
@@ -89,7 +95,7 @@ from typing import Any
 from primuspipe import strict
 from primuspipe.errors import ConfigError
 from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION
-from primuspipe.ir.cost_parts import MAX_CONTENTION, MAX_SHARE, MIN_SPEED, HostCost, Link, MemoryCost
+from primuspipe.ir.cost_parts import MAX_CONTENTION, MAX_SHARE, MIN_SPEED, HostCost, LateWork, Link, MemoryCost
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import compute_kinds
 
@@ -232,6 +238,15 @@ def window_section(value: Any, pp: int, name: str) -> float | tuple[float, ...]:
     return strict.number(value, name, minimum=0, maximum=MAX_SHARE)
 
 
+def late_section(value: Any, name: str) -> LateWork | None:
+    """``compute.late_w``: ``{stage, first, time}`` (:class:`~primuspipe.ir.cost_parts.LateWork`), or None."""
+    if value is None:
+        return None
+    data = strict.keys(value, name, {"stage", "first", "time"}, required={"stage", "first", "time"})
+    return LateWork(strict.count(data["stage"], f"{name}.stage"), strict.count(data["first"], f"{name}.first"),
+                    strict.number(data["time"], f"{name}.time", minimum=0))
+
+
 def link_section(data: Mapping[str, Any], name: str) -> Link:
     """A link's YAML form; a missing or null bandwidth is unlimited (infinity itself is refused)."""
     latency = strict.number(data.get("latency", 0.0), f"{name}.latency", minimum=0)
@@ -245,7 +260,8 @@ def link_section(data: Mapping[str, Any], name: str) -> Link:
 
 
 SECTIONS = {"time_unit", "compute", "host", "p2p", "memory", "host_link"}
-COMPUTE_FIELDS = {"f", "b", "w", "bw", "fb_overlap", "cold_start", "fixed", "chunk", "w_warm", "probe_window"}
+COMPUTE_FIELDS = {"f", "b", "w", "bw", "fb_overlap", "cold_start", "fixed", "chunk", "w_warm", "probe_window",
+                  "late_w"}
 """The ``compute`` keys the model reads itself; any other is a timed kind's cost key."""
 
 

@@ -22,9 +22,9 @@ from typing import Any
 from primuspipe.errors import ConfigError, ScheduleShapeError
 from primuspipe import strict
 from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, cold_start_section, cost_keys, host_section,
-                                     link_section, memory_section, merge_fixed, read_cost_file, split_fixed,
-                                     split_stages, warm_stages, window_section)
-from primuspipe.ir.cost_parts import TIME_UNITS, HostCost, Link, MemoryCost, P2PCost
+                                     late_section, link_section, memory_section, merge_fixed, read_cost_file,
+                                     split_fixed, split_stages, warm_stages, window_section)
+from primuspipe.ir.cost_parts import TIME_UNITS, HostCost, LateWork, Link, MemoryCost, P2PCost
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.limits import check_shape
@@ -72,6 +72,11 @@ class CostModel:
     calibration measures it per rank; a split-backward schedule's rank that defers a W pays its rank's
     share where its window opens, once however long the W stays pending (docs/simulator.md). Only
     :meth:`node_time` (the simulator) reads it."""
+    late_w: LateWork | None = None
+    """Time one stage's W (or BW) takes more from some microbatch on (:class:`~primuspipe.ir.cost_parts.LateWork`:
+    megatron-core's partial deferral of the output layer's weight gradients); None: none. The one cost that
+    depends on a node's microbatch: only :meth:`node_time` (the simulator) reads it, the algorithms plan with
+    :meth:`duration`, the time without it, and are judged by simulating."""
     source: str = field(default="", compare=False)
     """Where the costs came from (a cost file's path, :meth:`from_dict`'s ``source``), for the simulator's
     messages about them; empty when built in code."""
@@ -98,6 +103,8 @@ class CostModel:
                               f"{self.probe_window}")
         if isinstance(self.probe_window, tuple) and (not shares or n % len(shares)):
             raise ConfigError(f"compute.probe_window has {len(shares)} values, not one per rank of {n} stages")
+        if self.late_w is not None and self.late_w.stage >= n:
+            raise ConfigError(f"compute.late_w.stage {self.late_w.stage} is not one of the {n} stages")
         if self.time_unit not in TIME_UNITS:
             raise ConfigError(f"time_unit must be one of {sorted(TIME_UNITS)}, got {self.time_unit!r}")
         _check_time_range(self)
@@ -149,7 +156,14 @@ class CostModel:
             time = self.w_warm[parts[0][1]]
         else:
             time = self.duration(*parts[0]) if parts else 0.0
+        time += self.late_time(placement, rank, node)
         return time * (1 + self.window_share(rank)) if window else time
+
+    def late_time(self, placement: Placement, rank: int, node: ScheduleNode) -> float:
+        """What :attr:`late_w` adds to ``node`` on ``rank`` (0 without it)."""
+        if self.late_w is None:
+            return 0.0
+        return self.late_w.time_in([(kind, mb, placement.stage(rank, chunk)) for kind, mb, chunk in node.parts()])
 
     def window_share(self, rank: int) -> float:
         """:attr:`probe_window` of ``rank``."""
@@ -217,7 +231,10 @@ class CostModel:
             saving = [w - hot for w, hot in zip(self.compute.backward_weight, self.w_warm)]
             k = self.num_stages // pp
             warm = warm_stages(compute.backward_weight, [sum(saving[i * k:(i + 1) * k]) for i in range(pp)])
-        return replace(self, compute=compute, w_warm=warm,
+        late = None  # on the new stage that holds the end of the old one (the output layer ends the last)
+        if self.late_w is not None:
+            late = replace(self.late_w, stage=-(-(self.late_w.stage + 1) * pp * vpp // self.num_stages) - 1)
+        return replace(self, compute=compute, w_warm=warm, late_w=late,
                        fused_backward=None if self.fused_backward is None else recut_key("", "bw", self.fused_backward),
                        cold_start=None if self.cold_start is None else recut_costs("cold_start.", self.cold_start),
                        memory=memory, fixed=tuple((key, parts, chunk) for key, (_, parts, chunk) in cut.items()))
@@ -289,6 +306,7 @@ class CostModel:
                 bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
                 fb_overlap=number(comp, "fb_overlap", "compute.fb_overlap", 0.0, minimum=0, maximum=1),
                 probe_window=window_section(comp.get("probe_window", 0.0), pp, f"{source}: compute.probe_window"),
+                late_w=late_section(comp.get("late_w"), f"{source}: compute.late_w"),
                 p2p=P2PCost(number(p2p, "message_bytes", "p2p.message_bytes", 0.0, minimum=0),
                             ranks_per_node=strict.count(p2p.get("ranks_per_node", 8), f"{source}: p2p.ranks_per_node",
                                                         minimum=1),
@@ -336,6 +354,9 @@ class CostModel:
             out["compute"]["bw"] = list(self.fused_backward)
         if self.w_warm is not None:
             out["compute"]["w_warm"] = list(self.w_warm)
+        if self.late_w is not None:
+            late = self.late_w
+            out["compute"]["late_w"] = {"stage": late.stage, "first": late.first, "time": late.time}
         if self.prices_windows:
             shares = self.probe_window
             out["compute"]["probe_window"] = list(shares) if isinstance(shares, tuple) else shares
@@ -460,7 +481,7 @@ def negligible(x: float, beside: float) -> float:
 
 def _check_time_range(model: CostModel) -> None:
     """Finite inputs can still add up to infinity or lose each other in a sum: every time the model
-    gives (compute, cold start, host, links and their transfer of ``message_bytes``) is refused above
+    gives (compute, cold start, late work, host, links and their transfer of ``message_bytes``) is refused above
     :data:`MAX_TIME` or more than :data:`MAX_TIME_RATIO` away from another non-zero one."""
     def per_stage(name: str, costs: ComputeCosts | None) -> dict[str, float]:
         if costs is None:
@@ -473,6 +494,7 @@ def _check_time_range(model: CostModel) -> None:
     times = {**per_stage("compute ", model.compute), **per_stage("cold_start ", model.cold_start),
              **{f"compute BW[{s}]": t for s, t in enumerate(model.fused_backward or ())},
              **{f"compute.w_warm[{s}]": t for s, t in enumerate(model.w_warm or ())},
+             **({"compute.late_w.time": model.late_w.time} if model.late_w is not None else {}),
              **{f"host.overhead.{k}": t for k, t in model.host.overhead},
              "host.send": model.host.send, "host.recv": model.host.recv, "host.message_cpu": model.host.message_cpu,
              **{f"host.step_gap[{r}]": t for r, t in enumerate(model.host.step_gap or ())},

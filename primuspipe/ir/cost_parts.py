@@ -41,6 +41,30 @@ class Link:
 
 
 @dataclass(frozen=True)
+class LateWork:
+    """Work the weight-gradient pass (W, or BW's W) of one stage runs only for microbatch ``first`` and later:
+    ``time`` more (in the cost model's unit) on those nodes, none on the earlier ones. megatron-core's
+    ``wgrad_deferral_limit`` is one: with ``defer_embedding_wgrad_compute`` the output layer buffers the inputs and
+    output gradients of its first ``limit`` microbatches and runs their weight-gradient GEMMs after the step's last
+    backward, while every later microbatch runs its GEMM in its own backward (``tensor_parallel/layers.py``,
+    ``LinearWithGradAccumulationAndAsyncCommunication.backward``: ``len(grad_output_buffer) <
+    wgrad_deferral_limit``); so the last stage's W costs the head's GEMM more from microbatch ``limit`` on."""
+
+    stage: int
+    first: int
+    time: float
+
+    def __post_init__(self) -> None:
+        if self.stage < 0 or self.first < 0 or not 0 <= self.time < math.inf:
+            raise ConfigError(f"late work needs a stage and a first microbatch >= 0 and a finite time >= 0, got {self}")
+
+    def time_in(self, parts: Sequence[tuple[NodeKind, int, int]]) -> float:
+        """What it adds to a node whose compute parts are ``(kind, microbatch, stage)``."""
+        return sum(self.time for kind, microbatch, stage in parts
+                   if kind.spec.cost in ("w", "bw") and stage == self.stage and microbatch >= self.first)
+
+
+@dataclass(frozen=True)
 class P2PCost:
     """Cost of moving one stage-boundary tensor between ranks. The default is free communication."""
 

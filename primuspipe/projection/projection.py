@@ -281,6 +281,14 @@ class Projector:
         m = training.microbatches
         if (counts := sampled_microbatches(m, training.pp)) is None:
             return None
+        late = m - training.deferred_microbatches if training.defer_embedding_wgrad_compute else 0
+        if late:
+            # a partial deferral: every count keeps the step's last `late` microbatches (their head W in their own
+            # backward, :meth:`TrainingSpec.with_microbatches`) after as many deferred ones as the count alone would
+            # run, so the counts differ only by deferred microbatches of the steady pattern and the line holds
+            counts = tuple(c + training.pp * -(-late // training.pp) for c in counts)
+            if counts[1] >= m:
+                return None
         placement = get_algorithm(algorithm).placement
         searches = placement == "any"
         runs = [self._pipeline(training, algorithm, k) for k in counts[:2]]
@@ -326,8 +334,7 @@ class Projector:
         vpp), its stage costs and the step's figures."""
         info = get_algorithm(algorithm)
         if microbatches != training.microbatches:
-            training = dataclasses.replace(
-                training, global_batch_size=microbatches * training.micro_batch_size * training.dp)
+            training = training.with_microbatches(microbatches)
         if info.placement == "any":
             return self._searched(training, algorithm, microbatches)
         costs = stage_costs(self.model, training, self.hardware, self._parts(training),
@@ -389,9 +396,9 @@ class Projector:
     def _result(self, training: TrainingSpec, algorithm: str, costs: StageCosts, simulated: PipelineFigures
                 ) -> ProjectionResult:
         t, h = training, self.hardware
-        per_flush = t.microbatches_per_flush
-        simulated = simulated.drained(costs.layout.head_rank, costs.drain_s * per_flush,
-                                      costs.drain_bytes * per_flush).repeated(t.pipeline_flushes)
+        deferred = t.deferred_microbatches  # of each flush
+        simulated = simulated.drained(costs.layout.head_rank, costs.drain_s * deferred,
+                                      costs.drain_bytes * deferred).repeated(t.pipeline_flushes)
         tied = 0 if self.model.untie_embeddings_and_output_weights or costs.layout.num_stages == 1 else \
             embedding_params(self.model, t.tp)
         sync = max(gradient_sync(p, t, h, tied_embedding=tied if r in (costs.layout.embedding_rank, costs.layout.head_rank) else 0,

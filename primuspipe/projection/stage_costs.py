@@ -12,7 +12,10 @@ a split-backward B keeps for W before it frees becomes ``b_rise_fraction``: how 
 (:meth:`~primuspipe.projection.activations.ActivationModel.b_rise`), the largest share over stages (never under).
 Under ``defer_embedding_wgrad_compute`` the head's weight gradient leaves the last stage's W (and its GEMM
 inputs what that W keeps): :attr:`StageCosts.drain_s` and :attr:`StageCosts.drain_bytes` say what the head
-rank runs and buffers instead, per microbatch, for the projection to pay once after that rank's last node.
+rank runs and buffers instead, per microbatch, for the projection to pay once after that rank's last node for
+each deferred microbatch. Under a ``wgrad_deferral_limit`` below the microbatch count the later microbatches run
+the head's GEMM in their own last-stage W after all: :attr:`StageCosts.late_from` says from which, and the cost
+model prices those nodes so (:class:`~primuspipe.ir.cost_parts.LateWork`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 from primuspipe.projection.activations import ActivationModel
 from primuspipe.projection.comm import layer_comm, p2p_message_bytes, pipeline_ranks_per_node
 from primuspipe.projection.compute import PartTimes, layer_part
-from primuspipe.projection.framework import ComputeCosts, CostModel, Link, MemoryCost, P2PCost, Placement, negligible
+from primuspipe.projection.framework import (ComputeCosts, CostModel, LateWork, Link, MemoryCost, P2PCost, Placement,
+                                             negligible)
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.host import host_bound
 from primuspipe.projection.layout import StageLayout
@@ -67,6 +71,9 @@ class StageCosts:
     out of the last stage's W and runs after the head rank's last backward; 0 without it."""
     drain_bytes: float = 0.0
     """Bytes per microbatch the head rank buffers for that drain (output-layer input and output gradient)."""
+    late_from: int = 0
+    """Under a partial deferral (``wgrad_deferral_limit`` below the microbatch count), the first microbatch whose
+    last-stage W runs the head's GEMM (``drain_s``) after all; 0: none does."""
 
     def cost_model(self) -> CostModel:
         """The simulator's cost model, in seconds. A link's latency or transfer more than
@@ -94,7 +101,9 @@ class StageCosts:
                             optimizer_bytes=tuple(s.optimizer for s in self.static))
         return CostModel(ComputeCosts(times(self.forward), times(self.backward_input), times(self.backward_weight)),
                          p2p=dataclasses.replace(p2p, intra_node=kept(links[0]), inter_node=kept(links[1])),
-                         memory=memory, time_unit="s")
+                         memory=memory, time_unit="s",
+                         late_w=LateWork(len(self.forward) - 1, self.late_from, negligible(self.drain_s, longest))
+                         if self.late_from else None)
 
 
 def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, parts: dict[str, PartTimes],
@@ -111,6 +120,7 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
                for name, (kind, b) in names.items()}
     last = layout.num_stages - 1
     defer = training.defer_embedding_wgrad_compute
+    late_from = training.deferred_microbatches if 0 < training.deferred_microbatches < training.microbatches else 0
     forward, backward_input, backward_weight, held, kept_for_w, excess, rise, transient = [], [], [], [], [], [], [], []
     communication = [0.0, 0.0, 0.0]
     for stage, layers in enumerate(layout.stage_layers):
@@ -148,8 +158,9 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
         stage_bytes = (sum(activations.layer_bytes(layers)) + (activations.embedding() if stage == 0 else 0.0)
                        + (activations.head() + mtp if stage == last else 0.0))
         held.append(stage_bytes)
-        w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes() if stage == last and not defer
-                                                     else 0.0)
+        # a microbatch past a partial deferral's limit keeps its head GEMM's inputs for its own W
+        w_bytes = activations.wgrad_bytes(layers) + (activations.head_gemm_bytes()
+                                                     if stage == last and (late_from or not defer) else 0.0)
         kept_for_w.append(min(stage_bytes, w_bytes))
         excess.append(w_bytes - kept_for_w[-1])
         in_layers = max(activations.recompute_working_set(layers),
@@ -170,7 +181,7 @@ def stage_costs(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
                                             for r in ranks))),
         tuple(max(transient[s] for s in layout.rank_stages(r)) for r in ranks),
         _p2p(model, training, hardware), tuple(communication),
-        parts["head"].backward_weight if defer else 0.0, activations.head_gemm_bytes() if defer else 0.0,
+        parts["head"].backward_weight if defer else 0.0, activations.head_gemm_bytes() if defer else 0.0, late_from,
     )
 
 

@@ -161,9 +161,18 @@ class TrainingSpec:
     last rank would otherwise wait. Megatron refuses it without a pipeline or without gradient accumulation
     fusion (``ModelParallelConfig.__post_init__``)."""
     wgrad_deferral_limit: int = 0
-    """With ``defer_embedding_wgrad_compute``: megatron-core buffers only the first this many microbatches and runs
-    the rest's GEMMs in their backward; 0 (its default) buffers every one. A limit below the step's microbatch
-    count is not modelled (:func:`check_compatible` refuses it)."""
+    """With ``defer_embedding_wgrad_compute`` (megatron-core's ``--wgrad-deferral-limit``): how many microbatches of
+    a pipeline schedule the output layer defers; 0 (its default) defers every one. Below the schedule's microbatch
+    count, the first this many defer and every later one runs its weight-gradient GEMM in its own backward: the
+    forward buffers its input while ``len(embedding_activation_buffer) < wgrad_deferral_limit``
+    (``ColumnParallelLinear.forward``), the backward its output gradient while ``len(grad_output_buffer) <
+    wgrad_deferral_limit`` and otherwise runs the GEMM at once
+    (``LinearWithGradAccumulationAndAsyncCommunication.backward``, ``tensor_parallel/layers.py``, megatron-core
+    core_v0.8.0 to core_v0.12.x), and ``finish_embedding_wgrad_compute`` drains the buffered ones after the last
+    backward (``pipeline_parallel/schedules.py``). NeMo's performance recipes set 22 (Llama 3 70B, Nemotron-4
+    340B) or 50 (Llama 3.1 405B); NVIDIA's MLPerf NeMo code 50 or 65. The projection prices the later
+    microbatches' last-stage W with the head's GEMM (:class:`~primuspipe.ir.cost_parts.LateWork`) and drains the
+    first ones' (:attr:`deferred_microbatches`)."""
     moe_use_legacy_grouped_gemm: bool = False
     """Megatron's legacy ``GroupedMLP`` for the experts (``--moe-use-legacy-grouped-gemm``; Primus keeps it as
     ``DeprecatedGroupedMLP``, ``primus/backends/megatron/core/transformer/moe/deprecated_20251209/experts.py``): its
@@ -509,6 +518,28 @@ class TrainingSpec:
     def microbatches_per_flush(self) -> int:
         """Microbatches of one pipeline schedule: the step's when it runs one."""
         return self.microbatches // self.pipeline_flushes
+
+    @property
+    def deferred_microbatches(self) -> int:
+        """Microbatches of one pipeline schedule whose output-layer weight-gradient GEMM
+        ``defer_embedding_wgrad_compute`` runs after the schedule's last backward: the first
+        ``wgrad_deferral_limit`` of them (every one at 0), none without it."""
+        if not self.defer_embedding_wgrad_compute:
+            return 0
+        m = self.microbatches_per_flush
+        return m if self.wgrad_deferral_limit == 0 else min(m, self.wgrad_deferral_limit)
+
+    def with_microbatches(self, microbatches: int) -> TrainingSpec:
+        """This configuration (one flush) with ``microbatches`` per replica, as a shorter pipeline simulated in
+        its place (:func:`~primuspipe.projection.projection.sampled_microbatches`) runs it: the global batch
+        scaled, and under a partial deferral the same microbatches at the end running the output layer's GEMM
+        in their own backward, the limit moving with the count (the shorter pipeline leaves out deferred
+        microbatches, never those)."""
+        assert self.pipeline_flushes == 1, "a shorter pipeline stands for one flush"
+        late = self.microbatches - self.deferred_microbatches if self.defer_embedding_wgrad_compute else 0
+        assert not late or microbatches > late, f"{microbatches} microbatches cannot end with {late} undeferred"
+        return dataclasses.replace(self, global_batch_size=microbatches * self.micro_batch_size * self.dp,
+                                   wgrad_deferral_limit=microbatches - late if late else self.wgrad_deferral_limit)
 
     def one_flush(self) -> TrainingSpec:
         """This configuration with the global batch of one of its pipeline flushes: what one schedule runs."""
@@ -1055,11 +1086,6 @@ def check_compatible(model: ModelSpec, training: TrainingSpec) -> None:
     elif training.ep > 1:
         fail(("num_experts",), ("expert_model_parallel_size",), "a dense model has no experts to spread",
              "set expert_model_parallel_size: 1")
-    if training.defer_embedding_wgrad_compute and 0 < training.wgrad_deferral_limit < training.microbatches:
-        fail((), ("wgrad_deferral_limit", "defer_embedding_wgrad_compute", "global_batch_size", "micro_batch_size"),
-             f"deferring the output layer's weight gradients of only {training.wgrad_deferral_limit} of the step's "
-             f"{training.microbatches} microbatches is not modelled",
-             "set wgrad_deferral_limit to 0 or at least the microbatch count")
     if training.recompute_granularity == "op":
         beyond = [(m, t) for m, t, out in ((("num_experts",), (), model.is_moe),
                                            (("multi_latent_attention",), (), model.multi_latent_attention),

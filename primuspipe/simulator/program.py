@@ -71,7 +71,8 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
     send completed together with its receive, which the peer waited for before producing this input,
     so the wait never delays it (tests/simulator/test_transport.py checks this on the shipped tables).
 
-    Everything but the microbatch is looked up once per (rank, kind, chunk, peer, context): this keeps simulate
+    Everything but the microbatch is looked up once per (rank, kind, chunk, peer, context; the cost model's
+    :attr:`~primuspipe.ir.cost_model.CostModel.late_w` is such a context): this keeps simulate
     fast enough for search loops over large tables.
     """
     placement, wiring = table.placement, table.wiring
@@ -93,7 +94,8 @@ def compile_programs(table: ScheduleTable, cost: CostModel, wires: Wires) -> lis
                 continue
             posted = moved >= 0
             warm = cost.w_warm is not None and warm_weight_grad(previous, node)  # a context only where W has two costs
-            shape_key = (kind, node.chunk, node.peer, node.pair and node.pair[1], warm, window)
+            late = cost.late_time(placement, rank, node)  # the one cost that depends on the microbatch
+            shape_key = (kind, node.chunk, node.peer, node.pair and node.pair[1], warm, window, late)
             if (record := records.get(shape_key)) is None:
                 record = records[shape_key] = _record(placement, rank, node, cost, posted, previous, window)
             if kind.is_compute:

@@ -1,7 +1,7 @@
 """Every numeric field of a cost file (``simulate --cost``) -- compute, cold start, fixed and chunk parts, warm W,
-probe window, host times and shared-core terms, p2p, host link, memory -- at NaN, infinity, negative, 1e300 (and
-beyond a float), text and a mapping, as a scalar and (where the field takes one) inside a per-stage list. Each must
-be one line naming the file and the field, before any table is simulated; valid neighbours still simulate."""
+probe window, late work, host times and shared-core terms, p2p, host link, memory -- at NaN, infinity, negative,
+1e300 (and beyond a float), text and a mapping, as a scalar and (where the field takes one) inside a per-stage list.
+Each must be one line naming the file and the field, before any table is simulated; valid neighbours still simulate."""
 
 import copy
 
@@ -16,6 +16,7 @@ FIELDS = {  # path -> (extra sections the field needs, whether it takes a per-st
     ("compute", "f"): ({}, True), ("compute", "b"): ({}, True), ("compute", "w"): ({}, True),
     ("compute", "bw"): ({}, True), ("compute", "fb_overlap"): ({}, False), ("compute", "w_warm"): ({}, True),
     ("compute", "probe_window"): ({}, False), ("compute", "cold_start", "f"): ({}, True),
+    ("compute", "late_w", "time"): ({"compute": {"late_w": {"stage": 3, "first": 2}}}, False),
     ("compute", "fixed", "f"): ({}, True), ("compute", "chunk", "f"): ({"compute": {"fixed": {"f": 0.2}}}, True),
     ("host", "overhead", "f"): ({}, False), ("host", "send"): ({}, False), ("host", "recv"): ({}, False),
     ("host", "cores"): ({}, False), ("host", "background"): ({"host": HOST}, False),

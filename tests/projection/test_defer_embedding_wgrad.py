@@ -15,7 +15,7 @@ from primuspipe.projection.framework import ConfigError
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.megatron_args import read_arguments
 from primuspipe.projection.model_spec import load_model
-from primuspipe.projection.projection import ProjectionResult, Projector, Refusal, candidates
+from primuspipe.projection.projection import ProjectionResult, Projector, candidates
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -79,13 +79,44 @@ def test_megatrons_preconditions_are_enforced_in_one_line(change):
     assert "\n" not in str(caught.value)
 
 
-def test_a_deferral_limit_below_the_microbatch_count_is_refused():
-    result = Projector(BIG_HEAD, H100).evaluate(dataclasses.replace(DEFERRED, wgrad_deferral_limit=3), "1f1b")
-    assert isinstance(result, Refusal) and "only 3 of the step's 8 microbatches is not modelled" in result.error
-    assert isinstance(Projector(BIG_HEAD, H100).evaluate(dataclasses.replace(DEFERRED, wgrad_deferral_limit=8), "1f1b"),
-                      ProjectionResult)
+def test_a_limit_below_the_microbatch_count_defers_only_the_first_microbatches():
+    """megatron-core buffers the first ``wgrad_deferral_limit`` microbatches and runs every later one's GEMM in its
+    own backward: the step lies between none and every one deferred, the drain is the limit's head Ws, and the
+    buffer the limit's inputs and gradients. A limit at the count or above is the full deferral."""
+    plain, every = _project(PLAIN), _project(DEFERRED)
+    part = _project(dataclasses.replace(DEFERRED, wgrad_deferral_limit=3))
+    assert every.pipeline_time_s < part.pipeline_time_s < plain.pipeline_time_s
+    buffer = ActivationModel(BIG_HEAD, PLAIN).head_gemm_bytes()
+    assert part.peak_memory_bytes[-1] - plain.peak_memory_bytes[-1] == pytest.approx(3 * buffer, rel=1e-6)
+    assert _project(dataclasses.replace(DEFERRED, wgrad_deferral_limit=8)) == every
     with pytest.raises(ConfigError, match="wgrad_deferral_limit=-1: cannot be negative"):
         dataclasses.replace(DEFERRED, wgrad_deferral_limit=-1)
+
+
+@pytest.mark.parametrize("algorithm,vpp,limit", [("1f1b", 1, 40), ("1f1b", 1, 56), ("interleaved-1f1b", 2, 40),
+                                                 ("zb-h1", 1, 40)])
+def test_a_shorter_pipeline_stands_for_a_partial_deferral_exactly(algorithm, vpp, limit):
+    """A long pipeline is simulated at shorter counts and carried on along a line; under a partial deferral each
+    shorter count keeps the step's undeferred last microbatches and leaves out deferred ones only, so the line
+    gives what the whole step's simulation gives. Without that (the limit kept, or every microbatch deferred in
+    the shorter ones) it would not: the full deferral's step is checked to differ."""
+    training = dataclasses.replace(DEFERRED, global_batch_size=64, wgrad_deferral_limit=limit,
+                                   virtual_pipeline_model_parallel_size=vpp)
+    projector = Projector(BIG_HEAD, H100)
+    carried = projector._carried_on(training, algorithm)
+    assert carried is not None, "64 microbatches at pp 4 are carried on from shorter pipelines"
+    whole = projector._pipeline(training, algorithm, 64)[2]
+    assert carried[2].step_time == pytest.approx(whole.step_time, rel=1e-9)
+    assert carried[2].peak_memory_bytes == pytest.approx(whole.peak_memory_bytes, rel=1e-9)
+    every = projector._pipeline(dataclasses.replace(training, wgrad_deferral_limit=0), algorithm, 64)[2]
+    assert every.step_time < whole.step_time * (1 - 1e-3)
+
+
+def test_a_partial_deferral_whose_undeferred_tail_outgrows_the_shorter_counts_is_simulated_whole():
+    """9 of 64 deferred leaves 55 at the end, more than the shorter counts (16, 24) hold beside deferred ones."""
+    training = dataclasses.replace(DEFERRED, global_batch_size=64, wgrad_deferral_limit=9)
+    assert Projector(BIG_HEAD, H100)._carried_on(training, "1f1b") is None
+    assert _project(training).simulated_microbatches == ()
 
 
 def test_a_search_drops_the_deferral_only_where_there_is_no_pipeline():
