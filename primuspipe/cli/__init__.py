@@ -103,8 +103,12 @@ class _PlainFormatter(logging.Formatter):
 
 
 def _show_progress(level: int) -> None:
+    """The command's messages on standard error, once: they do not propagate to the root logger, which
+    a library may configure for itself (``megatron.training`` calls ``logging.basicConfig`` with a
+    standard-output handler on import), where they would print again, on standard output, inside --json."""
     logger = logging.getLogger("primuspipe")
     logger.setLevel(level)
+    logger.propagate = False
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         handler = _StderrHandler()
         handler.setFormatter(_PlainFormatter())

@@ -126,3 +126,20 @@ def test_show_and_export_keep_to_the_memory_limit_or_refuse(algorithm, tmp_path,
     else:
         assert code == shown == 1 and not out.exists()
         assert captured.err.count("over --memory-limit 3") == 2 and "on rank 0" in captured.err
+
+
+def test_progress_prints_once_on_stderr_when_a_library_configured_the_root_logger(capsys):
+    """megatron.training's import calls logging.basicConfig with a standard-output handler; the command's
+    progress must not print a second time there (inside --json output)."""
+    import logging
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stdout)  # what basicConfig gives, as megatron.training configures it
+    root.addHandler(handler)
+    try:
+        assert main(["show", "zb-auto", "--pp", "2", "-m", "4", "--compute-only"]) == 0
+    finally:
+        root.removeHandler(handler)
+    captured = capsys.readouterr()
+    assert captured.err.count("zb-auto: searching interleaved vpp=1") == 1
+    assert "searching" not in captured.out and "rank  0 |" in captured.out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import multiprocessing
 import os
 import statistics
@@ -41,6 +42,8 @@ from primuspipe.projection.framework import ConfigError
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.training_spec import TrainingSpec
+
+logger = logging.getLogger("primuspipe.projection")
 
 Timings = dict[tuple[str, str], float]
 """``(part, pass) -> seconds``."""
@@ -193,7 +196,10 @@ def time_parts(model: ModelSpec, training: TrainingSpec, *, iterations: int, war
     """Seconds of every pass of every part, at the given (single-device) shape, in an initialised
     megatron ``parallel_state``."""
     timings = {}
-    for name, part in _build_parts(model, training, device).items():
+    parts = _build_parts(model, training, device)
+    for k, (name, part) in enumerate(parts.items(), 1):
+        logger.info("benchmark-layers: timing part %d of %d, %s (%d warm-up and %d timed iterations of every pass, "
+                    "on %s)", k, len(parts), name, warmup, iterations, device)
         timings.update(zip(((name, p) for p in PASSES), _time_passes(part, iterations, warmup, device)))
     return timings
 
