@@ -19,8 +19,8 @@ compute, except the data-parallel gradient reduction when ``overlap_grad_reduce`
 * TP: per layer two all-reduces of a ``T H`` activation in F and two in B (with sequence parallelism,
   an all-gather and a reduce-scatter each, the same time); with sequence parallelism W all-gathers the
   two sharded GEMM inputs again;
-* CP: per layer an all-gather of K and V in F, and an all-gather plus a reduce-scatter of their
-  gradients in B;
+* CP: per layer the ring's ``CP - 1`` passes of a K and V block to the next rank in F (an all-gather's
+  volume), and as many again plus those of their gradients in B;
 * EP: per MoE layer an all-to-all to dispatch the ``T_r k`` token copies and one to combine them, in
   F and again in B;
 * DP, once per step after the last backward: with the distributed optimizer a reduce-scatter of the
@@ -225,7 +225,9 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     head_dim = model.qk_head_dim + model.qk_pos_emb_head_dim if model.multi_latent_attention else model.head_dim
     kv_heads = model.num_attention_heads if model.multi_latent_attention else model.query_groups
     kv = tokens * t.cp * 2 * kv_heads / t.tp * head_dim * e
-    cp = net.gather(kv, t.cp, t.tp * t.cp)
+    # Transformer Engine's ring passes each step's KV block to the next rank only: CP - 1 shifts (on a switch the
+    # same time as an all-gather of the whole; on a fully connected mesh one link each)
+    cp = (t.cp - 1) * net.shift(kv / t.cp, t.cp, t.tp * t.cp)
     steps = torch_cp_steps(model, t, net, kv, e) if t.cp_implementation != "te-p2p" else ()
     ep = 0.0
     if kind == "moe":

@@ -59,3 +59,20 @@ def test_an_all_to_all_across_nodes_sends_its_node_share_over_the_members_links(
 def test_a_mesh_without_its_link_bandwidth_is_refused():
     with pytest.raises(InputError, match="one of its links"):
         dataclasses.replace(MI355X, intra_node_peer_bandwidth_bytes_per_s=None)
+
+
+def test_transformer_engines_cp_ring_passes_each_block_over_one_link():
+    """CP 4 inside a node (te-p2p): three passes of a quarter of the K and V to the next rank, each on one link on the
+    mesh; on a switch the three take what an all-gather of the whole takes."""
+    from primuspipe.projection.comm import layer_comm
+    from primuspipe.projection.model_spec import load_model
+    from primuspipe.projection.training_spec import RankShape, TrainingSpec
+
+    model = load_model(HARDWARE.parent / "models" / "llama3-8b.yaml")
+    training = TrainingSpec(tensor_model_parallel_size=1, context_parallel_size=4, pipeline_model_parallel_size=1,
+                            data_parallel_size=1, global_batch_size=1)
+    shape = RankShape(model, training)
+    kv = shape.tokens * 4 * 2 * model.query_groups * model.head_dim * shape.e
+    mesh, switched = (layer_comm(model, training, h, "dense").cp[0] for h in (MI355X, SWITCHED))
+    assert mesh == pytest.approx(3 * (kv / 4 / LINK + 1e-9))
+    assert switched == pytest.approx(Collectives(SWITCHED).gather(kv, 4, 4))
