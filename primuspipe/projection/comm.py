@@ -5,7 +5,8 @@ Collective Communication Operations in MPICH") over ``n`` ranks moving a buffer 
 all-reduce ``2 (n-1)/n * S / bw + 2 (n-1) * latency``; all-gather, reduce-scatter and all-to-all
 ``(n-1)/n * S / bw + (n-1) * latency``. The bandwidth is the intra-node fabric's when the group fits in
 one node (on a fully connected mesh, the links among the group's members only:
-:meth:`HardwareSpec.group_fabric_bandwidth`; a ring's shift to the next rank, one link), else the network cards' of the group's members on one node (NCCL runs a ring per card, each
+:meth:`HardwareSpec.group_fabric_bandwidth`; a ring's shift to the next rank, one link), else the
+network cards' of the group's members on one node (NCCL runs a ring per card, each
 crossing between nodes on its own card: a group with ``m`` members a node has ``m`` cards' bandwidth, up to
 the node's fabric; a strided group with one member a node has one card's), times ``network_efficiency``.
 

@@ -306,7 +306,7 @@ class HardwareSpec:
         members (at least one), up to ``intra_node_bandwidth``. A communicator's rings and all-to-alls run over its own
         GPUs (RCCL relays nothing through a GPU outside it), so only the direct links among the members carry its
         traffic: an all-to-all sends to each peer on its own link, and rings round the group in several orders
-        (for 4 GPUs, its six directed orders at half a link each) load each of a GPU's ``k - 1`` links alike. The
+        (for 4 GPUs, its six directed orders at half a link each) load each of a GPU's ``members - 1`` links alike. The
         links to GPUs outside the group stay idle. RCCL says so of itself: on 4 MI300X its topology reads
         ``maxBw 48.0 totalBw 144.0``, three links of 48 GB/s (ROCm/rccl issue 1210), and its usage tips
         (ROCm/rccl pull request 1270, docs/how-to/rccl-usage-tips.rst) warn that with fewer than 8 MI300X "one can

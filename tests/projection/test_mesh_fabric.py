@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from primuspipe.projection.comm import Collectives
+from primuspipe.projection.comm import Collectives, layer_comm
 from primuspipe.projection.hardware_spec import load_hardware
+from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.spec_fields import InputError
+from primuspipe.projection.training_spec import RankShape, TrainingSpec
 
 HARDWARE = Path(__file__).resolve().parents[2] / "examples" / "projection" / "hardware"
 MI355X = dataclasses.replace(load_hardware(HARDWARE / "mi355x.yaml"), intra_node_latency_s=1e-9,
@@ -64,10 +66,6 @@ def test_a_mesh_without_its_link_bandwidth_is_refused():
 def test_transformer_engines_cp_ring_passes_each_block_over_one_link():
     """CP 4 inside a node (te-p2p): three passes of a quarter of the K and V to the next rank, each on one link on the
     mesh; on a switch the three take what an all-gather of the whole takes."""
-    from primuspipe.projection.comm import layer_comm
-    from primuspipe.projection.model_spec import load_model
-    from primuspipe.projection.training_spec import RankShape, TrainingSpec
-
     model = load_model(HARDWARE.parent / "models" / "llama3-8b.yaml")
     training = TrainingSpec(tensor_model_parallel_size=1, context_parallel_size=4, pipeline_model_parallel_size=1,
                             data_parallel_size=1, global_batch_size=1)
