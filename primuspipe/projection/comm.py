@@ -4,7 +4,9 @@ Collectives follow the ring (bandwidth-optimal) cost model of Thakur et al. 2005
 Collective Communication Operations in MPICH") over ``n`` ranks moving a buffer of ``S`` bytes:
 all-reduce ``2 (n-1)/n * S / bw + 2 (n-1) * latency``; all-gather, reduce-scatter and all-to-all
 ``(n-1)/n * S / bw + (n-1) * latency``. The bandwidth is the intra-node fabric's when the group fits in
-one node, else the network cards' of the group's members on one node (NCCL runs a ring per card, each
+one node (on a fully connected mesh, the links among the group's members only:
+:meth:`HardwareSpec.group_fabric_bandwidth`; a ring's shift to the next rank, one link), else the
+network cards' of the group's members on one node (NCCL runs a ring per card, each
 crossing between nodes on its own card: a group with ``m`` members a node has ``m`` cards' bandwidth, up to
 the node's fabric; a strided group with one member a node has one card's), times ``network_efficiency``.
 
@@ -18,8 +20,8 @@ compute, except the data-parallel gradient reduction when ``overlap_grad_reduce`
 * TP: per layer two all-reduces of a ``T H`` activation in F and two in B (with sequence parallelism,
   an all-gather and a reduce-scatter each, the same time); with sequence parallelism W all-gathers the
   two sharded GEMM inputs again;
-* CP: per layer an all-gather of K and V in F, and an all-gather plus a reduce-scatter of their
-  gradients in B;
+* CP: per layer the ring's ``CP - 1`` passes of a K and V block to the next rank in F (an all-gather's
+  volume), and as many again plus those of their gradients in B;
 * EP: per MoE layer an all-to-all to dispatch the ``T_r k`` token copies and one to combine them, in
   F and again in B;
 * DP, once per step after the last backward: with the distributed optimizer a reduce-scatter of the
@@ -53,10 +55,12 @@ class Collectives:
         Across nodes NCCL runs one ring (channel) per network card, each crossing between nodes on its own
         card, so a ring's share of a node's traffic leaves through every card of the node's group members:
         with ``m`` members a node, the inter-node links carry ``m`` cards' bandwidth (up to the node's
-        fabric); with one member a node (a strided group), one card's."""
+        fabric); with one member a node (a strided group), one card's. Inside a node the group has the fabric its
+        members reach each other by (:meth:`HardwareSpec.group_fabric_bandwidth`). (Across nodes a mesh binds no
+        tighter: each of the ``m`` rings crosses one link a hop, at one card's rate, below a link's.)"""
         h = self.hardware
         if span <= h.gpus_per_node:
-            return h.intra_node_bandwidth_bytes_per_s * h.network_efficiency, h.intra_node_latency_s
+            return h.group_fabric_bandwidth(ranks) * h.network_efficiency, h.intra_node_latency_s
         members = max(1, ranks * h.gpus_per_node // span)
         cards = min(members * h.inter_node_bandwidth_bytes_per_s, h.intra_node_bandwidth_bytes_per_s)
         return cards * h.network_efficiency, h.inter_node_latency_s
@@ -78,10 +82,11 @@ class Collectives:
         return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency
 
     def shift(self, nbytes: float, ranks: int, span: int) -> float:
-        """Every rank of the ring sends ``nbytes`` to the next at once (PyTorch's ``permute_tensor``)."""
+        """Every rank of the ring sends ``nbytes`` to the next at once (PyTorch's ``permute_tensor``): inside a node
+        one peer's bandwidth (on a fully connected mesh, one link)."""
         if ranks == 1 or nbytes == 0:
             return 0.0
-        bandwidth, latency = self._link(ranks, span)
+        bandwidth, latency = self._link(2, span) if span <= self.hardware.gpus_per_node else self._link(ranks, span)
         return nbytes / bandwidth + latency
 
     def all_reduce(self, nbytes: float, ranks: int, span: int) -> float:
@@ -96,7 +101,7 @@ class Collectives:
         if span <= h.gpus_per_node:
             return self.gather(nbytes, ranks, span)
         local = max(1, ranks * h.gpus_per_node // span)  # group members per node
-        intra = (local - 1) / ranks * nbytes / (h.intra_node_bandwidth_bytes_per_s * h.network_efficiency)
+        intra = (local - 1) / ranks * nbytes / (h.group_fabric_bandwidth(local) * h.network_efficiency)
         inter = (ranks - local) / ranks * nbytes / (h.inter_node_bandwidth_bytes_per_s * h.network_efficiency)
         return max(intra, inter) + (ranks - 1) * h.inter_node_latency_s
 
@@ -221,7 +226,9 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     head_dim = model.qk_head_dim + model.qk_pos_emb_head_dim if model.multi_latent_attention else model.head_dim
     kv_heads = model.num_attention_heads if model.multi_latent_attention else model.query_groups
     kv = tokens * t.cp * 2 * kv_heads / t.tp * head_dim * e
-    cp = net.gather(kv, t.cp, t.tp * t.cp)
+    # Transformer Engine's ring passes each step's KV block to the next rank only: CP - 1 shifts (on a switch the
+    # same time as an all-gather of the whole; on a fully connected mesh one link each)
+    cp = (t.cp - 1) * net.shift(kv / t.cp, t.cp, t.tp * t.cp)
     steps = torch_cp_steps(model, t, net, kv, e) if t.cp_implementation != "te-p2p" else ()
     ep = 0.0
     if kind == "moe":

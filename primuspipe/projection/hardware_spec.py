@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
 
@@ -63,6 +63,13 @@ class HardwareSpec:
     intra_node_peer_bandwidth_bytes_per_s: float | None = None
     """Bandwidth between two accelerators of a node (point-to-point pipeline sends); None means
     intra_node_bandwidth (a switched fabric); a fully connected mesh gives one link's bandwidth here."""
+    intra_node_topology: Literal["switch", "full-mesh"] = "switch"
+    """How the node's accelerators are joined. ``switch`` (NVLink through NVSwitch): every accelerator reaches the
+    fabric at ``intra_node_bandwidth`` whoever its peers are, so any group inside a node has it. ``full-mesh``
+    (AMD's Infinity Fabric / xGMI on MI300X, MI325X, MI355X platforms: each GPU linked directly to each of the
+    other seven, no switch): a GPU's bandwidth is its links', one to each peer, so a group of ``k`` GPUs of a node
+    has only the ``k - 1`` links among its members (:meth:`group_fabric_bandwidth`); needs
+    ``intra_node_peer_bandwidth_bytes_per_s``, one link's bandwidth."""
     intra_node_latency_s: float = 5e-6
     """Start-up time of one message or collective step inside a node."""
     inter_node_latency_s: float = 1e-5
@@ -234,6 +241,11 @@ class HardwareSpec:
                                  "accelerator or link (the projection's times would not stay numbers)",
                                  f"give the figure in {unit}" + (" (or 0 for none)" if unit == "seconds" else ""))
 
+        if self.intra_node_topology == "full-mesh" and self.intra_node_peer_bandwidth_bytes_per_s is None:
+            raise InputError([(self.source, "intra_node_topology", self.intra_node_topology),
+                              (self.source, "intra_node_peer_bandwidth_bytes_per_s", None)],
+                             "a fully connected mesh needs the bandwidth of one of its links",
+                             "give intra_node_peer_bandwidth_bytes_per_s (one link, one direction, e.g. 76.8e+9)")
         if self.collective_ctas_per_card and self.compute_units and \
                 self.collective_ctas_per_card * self.gpus_per_node >= self.compute_units:
             raise InputError([(self.source, "collective_ctas_per_card", self.collective_ctas_per_card),
@@ -287,6 +299,21 @@ class HardwareSpec:
     @property
     def peer_bandwidth(self) -> float:
         return self.intra_node_peer_bandwidth_bytes_per_s or self.intra_node_bandwidth_bytes_per_s
+
+    def group_fabric_bandwidth(self, members: int) -> float:
+        """One GPU's bandwidth into the node's fabric for a collective among ``members`` GPUs of one node: the whole
+        ``intra_node_bandwidth`` on a switch; on a fully connected mesh the ``members - 1`` links to the other
+        members (at least one), up to ``intra_node_bandwidth``. A communicator's rings and all-to-alls run over its own
+        GPUs (RCCL relays nothing through a GPU outside it), so only the direct links among the members carry its
+        traffic: an all-to-all sends to each peer on its own link, and rings round the group in several orders
+        (for 4 GPUs, its six directed orders at half a link each) load each of a GPU's ``members - 1`` links alike. The
+        links to GPUs outside the group stay idle. RCCL says so of itself: on 4 MI300X its topology reads
+        ``maxBw 48.0 totalBw 144.0``, three links of 48 GB/s (ROCm/rccl issue 1210), and its usage tips
+        (ROCm/rccl pull request 1270, docs/how-to/rccl-usage-tips.rst) warn that with fewer than 8 MI300X "one can
+        only achieve a fraction of the potential bandwidth on the system"."""
+        if self.intra_node_topology == "switch":
+            return self.intra_node_bandwidth_bytes_per_s
+        return min(self.intra_node_bandwidth_bytes_per_s, max(1, members - 1) * self.peer_bandwidth)
 
 
 MAX_TILE = 4096
