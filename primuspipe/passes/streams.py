@@ -179,14 +179,15 @@ class Queues:
         self.sizes: list[int] = [1] * len(self.after) if self.items is None else [len(i) for i in self.items]
 
 
-_queues: weakref.WeakKeyDictionary[ScheduleTable, dict[Semantics, Queues]] = weakref.WeakKeyDictionary()
-"""Per table, its :class:`Queues` per semantics (dropped with the table)."""
+_queues: weakref.WeakKeyDictionary[Pairing, dict[Semantics, Queues]] = weakref.WeakKeyDictionary()
+"""Per table's :class:`~primuspipe.ir.dataflow.Pairing` (by identity: hashing a table walks its nodes), its
+:class:`Queues` per semantics, dropped with it."""
 
 
 def queues(table: ScheduleTable, semantics: Semantics) -> Queues:
     """The table's :class:`Queues` under ``semantics``, compiled on first use: validating a table and
-    simulating it under one transport walk its streams once."""
-    known = _queues.setdefault(table, {})
+    simulating it under one transport compile its streams once."""
+    known = _queues.setdefault(table.pairing, {})
     if (compiled := known.get(semantics)) is None:
         compiled = known[semantics] = Queues(table.pairing, semantics)
     return compiled
