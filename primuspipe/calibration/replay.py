@@ -12,14 +12,15 @@ from primuspipe.errors import TableFormatError, UnknownAlgorithmError
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.io.timeline import Timeline
+from primuspipe.io.timeline import Timeline, forwarded_from_rank_0, placement_of_events
 from primuspipe.passes.communication import add_communication
 
 
 def placement_of(timeline: Timeline, name: str | None = None) -> Placement:
-    """Where the timeline's stages lived: the named built-in layout, else the placement a simulated
-    timeline records in ``meta``, else the layout its algorithm is registered with (run dumps do not
-    record one)."""
+    """Where the timeline's stages lived: the named built-in layout, else the placement the timeline
+    records in ``meta`` (the simulator and today's recorder write it), else the layout its algorithm is
+    registered with (older run dumps and hand-written timelines record none) -- or, for an algorithm that
+    chooses its layout per run (zb-auto, registered with ``"any"``), the layout the run's sends show."""
     if name is not None:
         return Placement.named(name, timeline.pp, timeline.vpp)
     if "placement" in timeline.meta:
@@ -31,7 +32,14 @@ def placement_of(timeline: Timeline, name: str | None = None) -> Placement:
             f"the timeline's algorithm {timeline.algorithm!r} is not registered and the timeline records no "
             "placement, so its chunks cannot be mapped to stages; name the layout (--placement interleaved or v)"
         ) from None
-    return Placement.named(layout, timeline.pp, timeline.vpp)
+    if layout != "any":
+        return Placement.named(layout, timeline.pp, timeline.vpp)
+    if timeline.vpp == 2 and timeline.pp > 1 and not forwarded_from_rank_0(timeline):
+        raise TableFormatError(
+            f"the timeline records no placement, its algorithm {timeline.algorithm!r} chooses one per run, and rank 0 "
+            "sends no activation to show whether its 2 chunks per rank were a V or interleaved; name the layout "
+            "(--placement interleaved or v)")
+    return placement_of_events(timeline)
 
 
 def compute_order(timeline: Timeline) -> dict[int, tuple[ScheduleNode, ...]]:

@@ -445,15 +445,20 @@ def placement_of_events(timeline: Timeline) -> Placement:
     the timeline's algorithm is registered with: that is the registry's to say, above this module
     (:func:`~primuspipe.calibration.replay.placement_of`)."""
     if "placement" not in timeline.meta:
-        rank_0 = next((r.events for r in timeline.ranks if r.rank == 0), ())
-        return Placement.shown_by(timeline.pp, timeline.vpp, (e.node.chunk for e in rank_0 if e.node.kind.is_send
-                                                              and e.node.kind.carries is NodeKind.F))
+        return Placement.shown_by(timeline.pp, timeline.vpp, forwarded_from_rank_0(timeline))
     placement = Placement.from_dict(timeline.meta["placement"], "a timeline's meta.placement")
     if (placement.pp, placement.vpp) != (timeline.pp, timeline.vpp):
         raise TableFormatError(f"the timeline is pp={timeline.pp} vpp={timeline.vpp} but its meta.placement is "
                                f"pp={placement.pp} vpp={placement.vpp}; the placement belongs to another run")
     return placement
 
+
+
+def forwarded_from_rank_0(timeline: Timeline) -> list[int]:
+    """The chunks rank 0 sends activations from in ``timeline``: what shows a layout the timeline does not record
+    (:meth:`~primuspipe.ir.placement.Placement.shown_by`); none where it times no such send."""
+    rank_0 = next((r.events for r in timeline.ranks if r.rank == 0), ())
+    return [e.node.chunk for e in rank_0 if e.node.kind.is_send and e.node.kind.carries is NodeKind.F]
 
 _RANK_FACTS = ("t0_unix", "host", "cpus", "threads", "process_cpu", "thread_cpu", "memory_at_start")
 """What a rank's dump says about where and how it ran (see primuspipe.runtime.recorder); kept per rank

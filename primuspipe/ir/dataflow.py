@@ -285,9 +285,12 @@ class Pairing:
       order (empty for a table :func:`~primuspipe.passes.validation.check_pairing` passes: then every op's partner
       moves its key);
     * ``unmatched``: how many ops have no partner (0 for a complete table).
+
+    Weakly referable: the stream queues compiled over it per transport semantics
+    (:func:`primuspipe.passes.streams.queues`) are kept as long as it is.
     """
 
-    __slots__ = ("where", "key", "ops", "op_at", "side", "sides", "partner", "swapped", "unmatched")
+    __slots__ = ("where", "key", "ops", "op_at", "side", "sides", "partner", "swapped", "unmatched", "__weakref__")
 
     def __init__(self, ranks, wiring: Wiring) -> None:
         self.where: list[tuple[int, int]] = []

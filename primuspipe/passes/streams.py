@@ -38,12 +38,13 @@ operations each waits on until it closes, naming streams, ranks and nodes.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from primuspipe.errors import ConfigError
-from primuspipe.ir.dataflow import released_transfer
+from primuspipe.ir.dataflow import Pairing, released_transfer
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import ScheduleTable
 
@@ -120,12 +121,83 @@ class Hang:
     nodes: tuple[tuple[int, int], ...]
 
 
+class Queues:
+    """What each rank's streams run, in order, under one semantics: compiled once per (table, semantics)
+    (:func:`queues`) for the replay here and the simulator's clock (:mod:`primuspipe.simulator.transport`).
+
+    Its ops are the table's :class:`~primuspipe.ir.dataflow.Pairing` ops (its SEND/RECV nodes, numbered in
+    row order rank by rank). An *item* is what a stream runs at once: an op, or under
+    :attr:`Semantics.batches` a batch -- a run of consecutive communication nodes of a row on one stream.
+    Streams are a rank's own: the peer rank's stream of the same key holds the matching items.
+
+    * ``items``: batched, item -> its ops; None when every op is an item of its own (its number its op's);
+    * ``item_of``: batched, op -> its item (empty otherwise);
+    * ``sizes``: item -> how many ops it has (read-only: the replay and the clock count down copies);
+    * ``after`` / ``next``: item -> the item before / after it on its stream, -1 for none (an op that
+      progresses on its own, a stream key None, has neither).
+
+    A stream key is asked of the semantics once per side of the pairing (rank, kind, peer): every
+    semantics keys a stream by those, and a search loop compiles tables of 10^5 nodes."""
+
+    __slots__ = ("items", "item_of", "sizes", "after", "next")
+
+    def __init__(self, pairing: Pairing, semantics: Semantics) -> None:
+        batched = semantics.batches
+        self.items: list[list[int]] | None = [] if batched else None
+        self.item_of: list[int] = []
+        self.after: list[int] = []
+        self.next: list[int] = []
+        side, where = pairing.side, pairing.where
+        streams = [None if semantics.stream is None else semantics.stream(*end) for end in pairing.sides]
+        for ops in pairing.ops:
+            last: dict[StreamKey, int] = {}      # stream -> its last item so far
+            open_batch: dict[StreamKey, int] = {}  # batched: stream -> the item its open batch fills
+            previous = -2
+            for op in ops:
+                stream = streams[side[op]]
+                if batched:
+                    i = where[op][1]
+                    if i != previous + 1:  # a compute node between: the open batches are posted
+                        open_batch.clear()
+                    previous = i
+                    if (item := open_batch.get(stream, -1)) >= 0:
+                        self.items[item].append(op)
+                        self.item_of.append(item)
+                        continue
+                    item = open_batch[stream] = len(self.items)
+                    self.items.append([op])
+                    self.item_of.append(item)
+                else:
+                    item = op
+                before = -1 if stream is None else last.get(stream, -1)
+                self.after.append(before)
+                self.next.append(-1)
+                if before >= 0:
+                    self.next[before] = item
+                if stream is not None:
+                    last[stream] = item
+        self.sizes: list[int] = [1] * len(self.after) if self.items is None else [len(i) for i in self.items]
+
+
+_queues: weakref.WeakKeyDictionary[Pairing, dict[Semantics, Queues]] = weakref.WeakKeyDictionary()
+"""Per table's :class:`~primuspipe.ir.dataflow.Pairing` (by identity: hashing a table walks its nodes), its
+:class:`Queues` per semantics, dropped with it."""
+
+
+def queues(table: ScheduleTable, semantics: Semantics) -> Queues:
+    """The table's :class:`Queues` under ``semantics``, compiled on first use: validating a table and
+    simulating it under one transport compile its streams once."""
+    known = _queues.setdefault(table.pairing, {})
+    if (compiled := known.get(semantics)) is None:
+        compiled = known[semantics] = Queues(table.pairing, semantics)
+    return compiled
+
+
 class _Replay:
-    """The state of one replay. Ops (communication nodes) are ints, numbered in row order rank by rank;
-    an *item* is what a stream runs at once: an op, or under batching a batch's ops. The state is lists
-    and bytearrays of ints, with no object per op (a list per batch under batching): a pp 64, m 512
-    table has a quarter of a million ops, and objects made by the hundred thousand wake the garbage
-    collector, which then walks the whole heap of a big table."""
+    """The state of one replay over the table's :class:`Queues`. Ops and items are ints (see there). The
+    state is lists and bytearrays of ints, with no object per op: a pp 64, m 512 table has a quarter of
+    a million ops, and objects made by the hundred thousand wake the garbage collector, which then walks
+    the whole heap of a big table."""
 
     def __init__(self, table: ScheduleTable, semantics: Semantics):
         self.table, self.semantics = table, semantics
@@ -134,20 +206,18 @@ class _Replay:
         self.rank_ops: list[range] = pairing.ops           # rank -> its ops
         self.index: list[int] = [i for _, i in pairing.where]  # op -> its node's index in its row
         self.partner: list[int] = pairing.partner          # op -> the peer rank's op it meets
-        self.items: list[list[int]] | None = [] if semantics.batches else None  # batched: item -> its ops
-        self.item_of: list[int] = []                       # batched: op -> its item (else an op is its item)
-        self.next: list[int] = []                          # item -> the next item on its stream, -1: none
-        self.free = bytearray()                            # item -> every earlier item of its stream completed
+        compiled = queues(table, semantics)
+        self.items, self.item_of, self.next = compiled.items, compiled.item_of, compiled.next
         self.programs: list[list[int]] = []
         """Per rank, its row as the replay walks it: ``item`` (>= 0) posts an item, ``~op`` waits for
         ``op`` to complete (a compute node's inputs and the sends they prove delivered; at the row's
         end every op of the rank)."""
         self.nodes: list[list[int]] = []                   # rank -> per program entry, its row index
         for rank in range(table.pp):
-            self._program(rank, self._compile(rank))
-        items = len(self.next)
-        self.left = [1] * items if self.items is None else [len(ops) for ops in self.items]
-        self.posted = bytearray(items)
+            self._program(rank)
+        self.free = bytearray(map((-1).__eq__, compiled.after))  # item -> every earlier item of its stream completed
+        self.left = list(compiled.sizes)                   # item -> its ops not yet complete
+        self.posted = bytearray(len(compiled.after))
         self.running = bytearray(len(self.index))
         self.done = bytearray(len(self.index))
         self.at = [0] * table.pp                           # rank -> its position in its program
@@ -156,47 +226,13 @@ class _Replay:
         self.ready: deque[int] = deque(range(table.pp))    # ranks that may move on
         self.startable: list[int] = []                     # posted items whose stream just became free
 
-    def _compile(self, rank: int) -> dict[int, int]:
-        """Put ``rank``'s ops on their streams; returns transfer key -> the rank's op moving it."""
-        batches = self.items is not None
-        op_of: dict[int, int] = {}
-        last: dict[StreamKey, int] = {}                    # stream -> its last item so far
-        open_batch: dict[StreamKey, int] = {}              # batched: stream -> its item in this run of ops
-        pairing = self.table.pairing
-        streams = {} if self.semantics.stream is None else {side: self.semantics.stream(*end)
-                                                            for side, end in enumerate(pairing.sides) if end[0] == rank}
-        for key, op in zip(self.table.wiring.moves[rank], pairing.op_at[rank]):
-            if key < 0:
-                open_batch.clear()
-                continue
-            op_of[key] = op
-            stream = streams.get(pairing.side[op])
-            if batches:
-                if (item := open_batch.get(stream, -1)) >= 0:
-                    self.items[item].append(op)
-                    self.item_of.append(item)
-                    continue
-                item = len(self.items)
-                self.items.append([op])
-                self.item_of.append(item)
-                open_batch[stream] = item
-            else:
-                item = op
-            before = -1 if stream is None else last.get(stream, -1)
-            self.next.append(-1)
-            self.free.append(before < 0)
-            if before >= 0:
-                self.next[before] = item
-            if stream is not None:
-                last[stream] = item
-        return op_of
-
-    def _program(self, rank: int, op_of: dict[int, int]) -> None:
-        """``rank``'s program (see :attr:`programs`); ``op_of``: transfer key -> the rank's op moving it."""
+    def _program(self, rank: int) -> None:
+        """``rank``'s program (see :attr:`programs`)."""
         table, wiring = self.table, self.table.wiring
         routes, per_route = wiring.routes, wiring.microbatches
         row, stages = table.ranks[rank], table.placement.stages[rank]
-        ops = self.rank_ops[rank]
+        ops, key_of = self.rank_ops[rank], table.pairing.key
+        op_of = {key_of[op]: op for op in ops}            # transfer key -> the rank's op moving it
         program: list[int] = []
         nodes: list[int] = []
         proves: dict[tuple, int] = {}                      # (kind, route taken) -> first key of the send it proves

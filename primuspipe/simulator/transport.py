@@ -1,13 +1,14 @@
 """When each send and receive runs and completes under the transport's streams.
 
 The validator's replay (:mod:`primuspipe.passes.streams`) decides *whether* a table completes under
-a transport's semantics; this module times the same rules. :class:`Wires` compiles the table's
-communication once: every send/receive gets a *slot* (its op in the table's
+a transport's semantics; this module times the same rules, over the same compiled communication.
+:class:`Wires` gathers it: every send/receive is a *slot* (its op in the table's
 :class:`~primuspipe.ir.dataflow.Pairing`, which also gives its partner: per direction the k-th send meets
-the k-th receive, as every transport matches messages), and the *item* it belongs to on its rank's
-stream -- the stream key is the semantics' own :attr:`~primuspipe.passes.streams.Semantics.stream`,
-and with :attr:`~primuspipe.passes.streams.Semantics.batches` a run of consecutive communication
-nodes on one stream is one item, as the replay batches them. :class:`StreamClock` then times them:
+the k-th receive, as every transport matches messages), and belongs to an *item* on its rank's stream
+(the table's :class:`~primuspipe.passes.streams.Queues` under the semantics: the stream key is the
+semantics' own :attr:`~primuspipe.passes.streams.Semantics.stream`, and with
+:attr:`~primuspipe.passes.streams.Semantics.batches` a run of consecutive communication nodes on one
+stream is one item). :class:`StreamClock` then times them:
 
 * an item *runs* once its rank has posted it (its last operation) and the item before it on the same
   stream has completed -- a stream is serial and in order;
@@ -23,15 +24,13 @@ from __future__ import annotations
 
 from primuspipe.errors import SimulationError
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.passes.streams import Semantics
+from primuspipe.passes.streams import Semantics, queues
 
 
 class Wires:
-    """The table's communication, compiled for :class:`StreamClock` (see the module docstring).
-
-    A stream key is asked of the semantics once per (rank, kind, peer) (:attr:`Pairing.sides
-    <primuspipe.ir.dataflow.Pairing.sides>`): every semantics keys a stream by the operation's rank, direction and
-    peer, and a search loop simulates tables of 10^5 nodes."""
+    """The table's communication for :class:`StreamClock`: its :class:`~primuspipe.ir.dataflow.Pairing`
+    (slots and partners) and its :class:`~primuspipe.passes.streams.Queues` under the semantics (items and
+    their order), both compiled once per table -- the validator's replay reads the same ones."""
 
     def __init__(self, table: ScheduleTable, semantics: Semantics):
         pairing = table.pairing
@@ -41,45 +40,16 @@ class Wires:
                 f"{_name(table, pairing.where[send])} is matched with {_name(table, pairing.where[recv])}, which "
                 "expects another tensor; run validate(table) and rebuild communication with add_communication")
         assert not pairing.unmatched, "a table past the completeness rule has one receive per send"
+        compiled = queues(table, semantics)
         self.where = pairing.where              # slot (a table's op) -> (rank, index)
         self.key = pairing.key                  # slot -> transfer key
         self.partner = pairing.partner          # slot -> the slot it meets
         self.slots = pairing.op_at              # rank -> per node, its slot (-1: not communication)
-        self.items: list[list[int]] | None = [] if semantics.batches else None  # batched: item -> its slots
-        self.item_of: list[int] = []            # batched: slot -> item (else every item is its one slot)
-        self.after: list[int] = []              # item -> the item before it on its stream (-1: none)
-        self.next: list[int] = []               # item -> the item after it on its stream (-1: none)
-        side, where = pairing.side, pairing.where
-        streams = [None if semantics.stream is None else semantics.stream(*end) for end in pairing.sides]
-        for ops in pairing.ops:
-            last: dict[tuple, int] = {}      # stream key -> its last item so far
-            batches: dict[tuple, int] = {}   # batched: stream -> the item its open batch fills
-            previous = -2
-            for slot in ops:
-                stream = streams[side[slot]]
-                if self.items is not None:
-                    i = where[slot][1]
-                    if i != previous + 1:  # a node between: the open batches are posted
-                        batches.clear()
-                    previous = i
-                    if (item := batches.get(stream, -1)) >= 0:
-                        self.items[item].append(slot)
-                        self.item_of.append(item)
-                        continue
-                    item = len(self.items)
-                    self.items.append([slot])
-                    self.item_of.append(item)
-                    if stream is not None:
-                        batches[stream] = item
-                else:
-                    item = slot
-                before = -1 if stream is None else last.get(stream, -1)
-                self.after.append(before)
-                self.next.append(-1)
-                if before >= 0:
-                    self.next[before] = item
-                if stream is not None:
-                    last[stream] = item
+        self.items = compiled.items             # batched: item -> its slots (None: every item is its one slot)
+        self.item_of = compiled.item_of         # batched: slot -> item
+        self.sizes = compiled.sizes             # item -> its slots' count
+        self.after = compiled.after             # item -> the item before it on its stream (-1: none)
+        self.next = compiled.next               # item -> the item after it on its stream (-1: none)
 
 
 def _name(table: ScheduleTable, where: tuple[int, int]) -> str:
@@ -98,9 +68,8 @@ class StreamClock:
     def __init__(self, wires: Wires, ends: list[list[float]]):
         self.wires, self.ends = wires, ends
         count = len(wires.after)
-        sizes = [1] * count if wires.items is None else [len(slots) for slots in wires.items]
-        self.unposted = list(sizes)                    # item -> operations not yet posted
-        self.left = sizes                              # item -> operations not yet completed
+        self.unposted = list(wires.sizes)              # item -> operations not yet posted
+        self.left = list(wires.sizes)                  # item -> operations not yet completed
         self.blocked = [a >= 0 for a in wires.after]   # item -> the item before it has not completed
         self.posted_at = [0.0] * count
         self.free_at = [0.0] * count                   # item -> when the item before it completed

@@ -102,6 +102,22 @@ def test_mismatched_timelines_are_refused():
         measure_costs([custom])
 
 
+@pytest.mark.parametrize("layout", ["v", "interleaved"])
+def test_a_zb_auto_dump_without_its_placement_is_measured_on_the_layout_its_sends_show(layout):
+    """zb-auto chooses its layout per run (registered as "any"), so a dump that records none (an older recorder's,
+    a merge before merges kept it) takes the one its sends show -- and a compute-only one, which shows none at
+    vpp 2, is refused in one line naming the flag."""
+    cost = CostModel.per_stage(4, 1.0, 1.5, 0.5, p2p=P2P, time_unit="s")
+    recorded = simulate(build_schedule("zb-auto", 2, 4, 2, cost=cost, placement=layout), cost).timeline()
+    older = replace(recorded, meta={k: v for k, v in recorded.meta.items() if k != "placement"})
+    assert placement_of(older) == placement_of(recorded) and placement_of(older).name == layout
+    assert measure_costs([older]) == measure_costs([recorded])
+    compute_only = replace(older, ranks=tuple(replace(r, events=tuple(e for e in r.events if e.node.kind.is_compute))
+                                              for r in older.ranks))
+    with pytest.raises(TableFormatError, match=r"'zb-auto' chooses one per run.*\(--placement interleaved or v\)$"):
+        placement_of(compute_only)
+
+
 # -- every term of the cost model, recovered exactly from a dump of a step simulated with it ----------
 HOST = HostCost(overhead=(("f", 0.0625), ("b", 0.125), ("w", 0.03125)), send=0.09375, recv=0.046875,
                 step_gap=(0.5, 1.0, 0.25, 0.75))
