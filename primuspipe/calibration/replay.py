@@ -24,7 +24,7 @@ def placement_of(timeline: Timeline, name: str | None = None) -> Placement:
     if name is not None:
         return Placement.named(name, timeline.pp, timeline.vpp)
     if "placement" in timeline.meta:
-        return Placement.from_dict(timeline.meta["placement"])
+        return placement_of_events(timeline)  # checked against the timeline's shape
     try:
         layout = get_algorithm(timeline.algorithm).placement
     except UnknownAlgorithmError:

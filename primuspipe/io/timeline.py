@@ -453,12 +453,12 @@ def placement_of_events(timeline: Timeline) -> Placement:
     return placement
 
 
-
 def forwarded_from_rank_0(timeline: Timeline) -> list[int]:
     """The chunks rank 0 sends activations from in ``timeline``: what shows a layout the timeline does not record
     (:meth:`~primuspipe.ir.placement.Placement.shown_by`); none where it times no such send."""
     rank_0 = next((r.events for r in timeline.ranks if r.rank == 0), ())
     return [e.node.chunk for e in rank_0 if e.node.kind.is_send and e.node.kind.carries is NodeKind.F]
+
 
 _RANK_FACTS = ("t0_unix", "host", "cpus", "threads", "process_cpu", "thread_cpu", "memory_at_start")
 """What a rank's dump says about where and how it ran (see primuspipe.runtime.recorder); kept per rank

@@ -394,3 +394,15 @@ def test_a_run_without_probe_windows_writes_no_share():
     for algorithm in ("1f1b", "zb-h1"):
         measured = measure_costs([simulate(build_schedule(algorithm, 2, 6), cost).timeline()] * 2)
         assert measured.probe_window is None and "probe_window" not in measured.cost_dict()["compute"]
+
+
+def test_a_recorded_placement_of_another_shape_is_refused_in_one_line():
+    """A timeline's meta.placement is checked against its pp / vpp wherever it is read (it was taken as
+    written by calibration, and failed later, elsewhere, or mapped chunks to the wrong stages)."""
+    from primuspipe.ir.placement import Placement
+
+    timeline = _timeline("1f1b", 2, 4, 1, 0.01, 0.01, 0.01).timeline()
+    assert placement_of(timeline) == Placement.named("interleaved", 2, 1)
+    wrong = replace(timeline, meta={**timeline.meta, "placement": Placement.named("interleaved", 4, 1).to_dict()})
+    with pytest.raises(TableFormatError, match="pp=2 vpp=1 but its meta.placement is pp=4 vpp=1"):
+        measure_costs([wrong])
