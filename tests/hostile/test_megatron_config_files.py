@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from hostile_support import accepted, refused, run_cli
+from hostile_support import accepted, refused, run_cli, small_gpt_arguments
 
 HARDWARE = Path(__file__).parents[2] / "examples" / "projection" / "hardware" / "h100.yaml"
-BASE = ("torchrun --nnodes 1 --nproc-per-node 8 pretrain_gpt.py --num-layers {layers} --hidden-size 1024 "
-        "--num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --vocab-size 32000 "
-        "--micro-batch-size 1 --global-batch-size 64 --bf16 --pipeline-model-parallel-size {pp} "
-        "--use-distributed-optimizer ")
+
+
+def _base(layers: int, pp: int) -> str:
+    return small_gpt_arguments(layers, pp, "--use-distributed-optimizer ")
 
 
 def _project(tmp_path, text: str, algorithm: str = "1f1b"):
@@ -28,7 +28,7 @@ def _project(tmp_path, text: str, algorithm: str = "1f1b"):
 def test_layers_per_virtual_stage(tmp_path, layers, pp, per_stage):
     """Megatron asserts the layers per virtual stage divide a stage's layers; the projection floored
     ``layers / (pp * per_stage)`` into a vpp of another model (or 0)."""
-    text = BASE.format(layers=layers, pp=pp) + f"--num-layers-per-virtual-pipeline-stage {per_stage}"
+    text = _base(layers, pp) + f"--num-layers-per-virtual-pipeline-stage {per_stage}"
     case = f"megatron-config {layers} layers pp {pp} --num-layers-per-virtual-pipeline-stage {per_stage}"
     outcome = _project(tmp_path, text, "interleaved-1f1b")
     stage = layers // pp
@@ -43,7 +43,7 @@ def test_layers_per_virtual_stage(tmp_path, layers, pp, per_stage):
 @pytest.mark.parametrize("per_stage, stages", [(2, 2), (4, 2), (1, 8)])
 def test_virtual_pipeline_set_twice(tmp_path, per_stage, stages):
     """Both flags (agreeing or not): Megatron refuses both; the per-stage count won silently."""
-    text = BASE.format(layers=32, pp=4) + (f"--num-layers-per-virtual-pipeline-stage {per_stage} "
+    text = _base(32, 4) + (f"--num-layers-per-virtual-pipeline-stage {per_stage} "
                                            f"--num-virtual-stages-per-pipeline-rank {stages}")
     refused(_project(tmp_path, text), "--num-layers-per-virtual-pipeline-stage",
             "--num-virtual-stages-per-pipeline-rank", case=f"megatron-config vpp two ways {per_stage}/{stages}")
@@ -52,20 +52,20 @@ def test_virtual_pipeline_set_twice(tmp_path, per_stage, stages):
 @pytest.mark.parametrize("tail", ["--lr '1e-4", '--lr "1e-4', "--data-path 'a b", "--lr 1e-4 '", '--tokenizer-type "'])
 def test_unsplittable_argument_lists(tmp_path, tail):
     """An unclosed quote was a ValueError traceback out of shlex."""
-    refused(_project(tmp_path, BASE.format(layers=8, pp=2) + tail), "args.sh", "quot",
+    refused(_project(tmp_path, _base(8, 2) + tail), "args.sh", "quot",
             case=f"megatron-config unclosed quote {tail!r}")
 
 
 @pytest.mark.parametrize("flags", ["--fp16", "--fp16 --fp8-format hybrid", "--fp16 --bf16"])
 def test_two_precisions(tmp_path, flags):
-    refused(_project(tmp_path, BASE.format(layers=8, pp=2) + flags), "--bf16", "--fp16",
+    refused(_project(tmp_path, _base(8, 2) + flags), "--bf16", "--fp16",
             case=f"megatron-config --bf16 {flags}")
 
 
 @pytest.mark.parametrize("positions", [512, 2047, 2048, 4096])
 @pytest.mark.parametrize("embedding", ["", "--position-embedding-type rope"])
 def test_position_table_shorter_than_the_sequence(tmp_path, positions, embedding):
-    text = BASE.format(layers=8, pp=2).replace("--max-position-embeddings 2048",
+    text = _base(8, 2).replace("--max-position-embeddings 2048",
                                                 f"--max-position-embeddings {positions}")
     outcome = _project(tmp_path, text + embedding)
     case = f"megatron-config --max-position-embeddings {positions} {embedding}"
@@ -94,7 +94,7 @@ def test_values_read_as_yaml(tmp_path, door, label):
     ``010`` projected 8 layers and ``1:30`` 90. Both now read it as the files are read, naming the file."""
     value = YAML_VALUES[label]
     if door.startswith("--"):
-        outcome = _project(tmp_path, BASE.format(layers=8, pp=2) + f"--global_batch_size {value}")
+        outcome = _project(tmp_path, _base(8, 2) + f"--global_batch_size {value}")
         names = ("args.sh", "global_batch_size")
     else:
         path = tmp_path / "primus.yaml"

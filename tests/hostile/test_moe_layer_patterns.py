@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hostile_support import accepted, refused, run_cli
+from hostile_support import accepted, refused, run_cli, small_gpt_arguments
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "projection"
 LAYERS = 8
@@ -45,10 +45,8 @@ def _model_yaml(tmp_path, pattern: str) -> Path:
 
 def _argument_list(tmp_path, pattern: str) -> Path:
     path = tmp_path / "args.sh"
-    path.write_text(f"torchrun --nnodes 1 --nproc-per-node 8 pretrain_gpt.py --num-layers {LAYERS} --hidden-size 1024 "
-                    "--num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --vocab-size 32000 "
-                    "--micro-batch-size 1 --global-batch-size 64 --pipeline-model-parallel-size 2 --num-experts 8 --moe-router-topk 2 "
-                    f"--bf16 --moe-layer-freq '{pattern}'")
+    path.write_text(small_gpt_arguments(LAYERS, 2,
+                                        f"--num-experts 8 --moe-router-topk 2 --moe-layer-freq '{pattern}'"))
     return path
 
 

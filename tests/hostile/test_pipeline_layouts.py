@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hostile_support import accepted, refused, run_cli
+from hostile_support import accepted, refused, run_cli, small_gpt_arguments
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "projection"
 HARDWARE = EXAMPLES / "hardware" / "h100.yaml"
@@ -37,10 +37,7 @@ def _training(tmp_path, layout: str) -> list:
 
 def _argument_list(tmp_path, layout: str) -> list:
     path = tmp_path / "args.sh"
-    path.write_text(f"torchrun --nnodes 1 --nproc-per-node 8 pretrain_gpt.py --num-layers {LAYERS} --hidden-size 1024 "
-                    "--num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 --vocab-size 32000 "
-                    "--micro-batch-size 1 --global-batch-size 64 --pipeline-model-parallel-size 2 --bf16 "
-                    f"--pipeline-model-parallel-layout '{layout}'")
+    path.write_text(small_gpt_arguments(LAYERS, 2, f"--pipeline-model-parallel-layout '{layout}'"))
     return ["--megatron-config", path]
 
 

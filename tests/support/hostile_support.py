@@ -312,3 +312,12 @@ def command_inputs(tmp: Path) -> Path:
     assert run_cli(["simulate", "-a", "1f1b", "--pp", "2", "-m", "4", "-o", tmp / "sim"]).code == 0
     make_dump(tmp / "dump")
     return tmp
+
+
+def small_gpt_arguments(layers: int, pp: int, extra: str = "") -> str:
+    """A launcher line of a small GPT on one 8-GPU node, for the argument-list door's cases: ``extra`` is the
+    argument under test."""
+    return ("torchrun --nnodes 1 --nproc-per-node 8 pretrain_gpt.py "
+            f"--num-layers {layers} --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 "
+            "--max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 1 --global-batch-size 64 --bf16 "
+            f"--pipeline-model-parallel-size {pp} {extra}")
