@@ -1,4 +1,4 @@
-"""The B200 file's attention figures against the cuDNN fused-attention rates NVIDIA published for a B200
+"""The B200 and GB200 files' attention figures against the cuDNN fused-attention rates NVIDIA published for each
 (examples/projection/hardware/measurements/attention.yaml): the model reproduces each published forward and backward
 as an isolated kernel (sustained_fraction 1), every length its tables give is a published point, and a B200 layer's
 attention time in a projection is priced at them."""
@@ -41,14 +41,15 @@ def test_each_attention_figure_gives_the_published_rate(point):
     assert flops / seconds / 1e12 == pytest.approx(tflops, rel=0.002)
 
 
-def test_every_length_the_b200_tables_give_is_a_published_point():
+@pytest.mark.parametrize("name", ["b200", "gb200"])
+def test_every_length_the_blackwell_tables_give_is_a_published_point(name):
     """A table row without a published point behind it would be an unsourced figure; a published point the
     tables skip would leave the interpolation unchecked there."""
-    b200 = load_hardware(B200)
-    published = {p[0] for s in SETS if s["hardware"] == "../b200.yaml" for p in s["points"]}
-    assert {n for n, _ in b200.attention_length_rates} == published
-    assert {n for n, _ in b200.attention_backward_length_rates} == published
-    assert dict(b200.attention_length_rates)[8192] == 1.0  # attention_efficiency is the 8k forward
+    hardware = load_hardware(EXAMPLES / "hardware" / f"{name}.yaml")
+    published = {p[0] for s in SETS if s["hardware"] == f"../{name}.yaml" for p in s["points"]}
+    assert {n for n, _ in hardware.attention_length_rates} == published
+    assert {n for n, _ in hardware.attention_backward_length_rates} == published
+    assert dict(hardware.attention_length_rates)[8192] == 1.0  # attention_efficiency is the 8k forward
 
 
 def test_a_b200_projection_prices_attention_at_the_published_rates():

@@ -34,7 +34,8 @@ def test_every_shipped_example_loads():
                                         "nemotron3-8b", "nemotron3-22b", "nemotron4-340b", "nemotron4-15b", "mistral-7b-w1024",
                                         *(f"mcore08-gpt-{size}" for size in
                                           ("1.7b", "7.1b", "16b", "32b", "70b", "119b", "177b", "314b", "462b"))}
-    assert {p.stem for p in HARDWARE} == {"mi300x", "mi325x", "mi355x", "h100", "h200", "b200", "h100-hbm2e"}
+    assert {p.stem for p in HARDWARE} == {"mi300x", "mi325x", "mi355x", "h100", "h200", "b200", "gb200",
+                                          "h100-hbm2e"}
     for path in MODELS:
         assert load_model(path).source == str(path)
     for path in HARDWARE:

@@ -26,8 +26,20 @@ def test_amd_files_are_meshes_and_nvidia_files_switches():
         h = load_hardware(HARDWARE / f"{name}.yaml")
         assert h.intra_node_topology == "full-mesh"
         assert h.intra_node_bandwidth_bytes_per_s == pytest.approx(7 * h.intra_node_peer_bandwidth_bytes_per_s)
-    for name in ("h100", "h100-hbm2e", "h200", "b200"):
+    for name in ("h100", "h100-hbm2e", "h200", "b200", "gb200"):
         assert load_hardware(HARDWARE / f"{name}.yaml").intra_node_topology == "switch"
+
+
+def test_the_gb200_node_is_its_72_gpu_nvlink_domain():
+    """gb200.yaml's gpus_per_node is the NVL72's NVLink domain, not its 4-GPU tray: a 64-way group (an EP 64 all-to-all,
+    a data-parallel ring) runs on NVLink at 900 GB/s a direction; a group beyond 72 ranks crosses racks on the
+    400 Gb/s cards, one a GPU."""
+    gb200 = load_hardware(HARDWARE / "gb200.yaml")
+    net = Collectives(gb200)
+    inside = 63 / 64 * BYTES / (900e9 * gb200.network_efficiency) + 63 * gb200.intra_node_latency_s
+    assert net.gather(BYTES, 64, 64) == pytest.approx(inside)
+    assert net.gather(BYTES, 4, 144) == pytest.approx(3 / 4 * BYTES / (2 * 50e9 * gb200.network_efficiency)
+                                                      + 3 * gb200.inter_node_latency_s)
 
 
 @pytest.mark.parametrize("ranks, span", [(4, 4), (2, 8), (2, 2), (4, 8)])
