@@ -57,6 +57,22 @@ def test_the_hbm2e_h100_is_the_h100_but_for_its_memory():
     assert load_hardware(EXAMPLES / "hardware" / "h200.yaml").attention_kernels["flash2"] == sxm.attention_kernels["flash2"]
 
 
+def test_the_gb200_takes_the_b200s_unmeasured_figures():
+    """gb200.yaml takes from b200.yaml each figure no GB200 source gives (the GPUs share a die): they must follow
+    b200.yaml when it changes (a refit of its sustained fractions or kernel costs). The GB200's own figures -- peaks,
+    memory, fabric, MAMF, attention, HybridEP and DeepEP rates -- are its sources'."""
+    b200 = load_hardware(EXAMPLES / "hardware" / "b200.yaml")
+    gb200 = load_hardware(EXAMPLES / "hardware" / "gb200.yaml")
+    taken = ("sustained_fraction", "fp8_sustained_fraction", "mxfp8_cast_bandwidth_fraction", "compute_units",
+             "gemm_tile", "attention_head_dim_rates", "runtime_reserved_bytes", "host_op_seconds", "host_launch_seconds",
+             "moe_kernel_seconds", "stream_launch_gap_seconds", "fp8_gemm_any_layout", "block_scaled_fp8")
+    assert {f: getattr(gb200, f) for f in taken} == {f: getattr(b200, f) for f in taken}
+    # the MXFP8 GEMM: the B200's ratio of its measured MXFP8 GEMM to its FP8 MAMF, on the GB200's FP8 MAMF
+    ratio = b200.mxfp8_gemm_efficiency / b200.fp8_gemm_efficiency
+    assert gb200.mxfp8_gemm_efficiency == pytest.approx(gb200.fp8_gemm_efficiency * ratio, abs=2e-3)
+    assert gb200.gpus_per_node == 72 and gb200.collective_ctas_per_card is None
+
+
 def test_default_training_file_spells_out_the_built_in_defaults():
     written = load_training(EXAMPLES / "training" / "default.yaml")
     assert dataclasses.replace(written, source="") == dataclasses.replace(load_training(None), source="")
