@@ -3,7 +3,8 @@ permutation and the router's softmax, each priced by the bytes it reads and writ
 :data:`BACKWARD_BYTES_PER_FORWARD_BYTE`.
 
 Counted kernel by kernel, not as one factor on the forward, because megatron-core's fused kernels and
-torchtitan's eager chains move very different bytes for the same function.
+torchtitan's eager chains move very different bytes for the same function. Builds on :mod:`.moe` (the token copies
+the permutation moves) and :mod:`.mla` (MLA's latent norms and rotary, counted with the others).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ context products as batched GEMMs, the unfused masked softmax around them, and t
 spec runs as kernels of their own where Transformer Engine folds them into a GEMM or attention kernel.
 
 Apart from the fused kernels (:mod:`.attention`) because it computes the whole score square and moves it through
-memory several times, which no attention-kernel rate describes.
+memory several times, which no attention-kernel rate describes. Builds on :mod:`.mla` (the heads' widths) and
+:mod:`.dropout` (the dropout over the probabilities).
 """
 
 from __future__ import annotations
