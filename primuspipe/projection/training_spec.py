@@ -219,7 +219,7 @@ class TrainingSpec:
     runs). False: NeMo 2's own ``squared_relu``, which ``NemotronConfig`` passes as ``activation_func``
     (``nemo/collections/llm/fn/activation.py`` at v2.1.0 and v2.2.0: ``torch.pow(F.relu(x), 2)`` with its
     ``@torch.jit.script`` commented out, "remove until we have serialization"), runs eager: two kernels forward, four
-    backward (:data:`~primuspipe.projection.compute.BACKWARD_BYTES_PER_FORWARD_BYTE`)."""
+    backward (:data:`~primuspipe.projection.compute.elementwise.BACKWARD_BYTES_PER_FORWARD_BYTE`)."""
     elementwise_kernels: Literal["fused", "torchtitan-eager"] = "fused"
     """How the layers' norms, SwiGLU and rotary embedding run: ``fused``, one kernel each way per norm and activation
     (megatron-core's, Transformer Engine's, or what torch.compile makes); ``torchtitan-eager``, torchtitan's Llama code
@@ -227,8 +227,8 @@ class TrainingSpec:
     (``norm_type`` rmsnorm, ``torchtitan/models/norms.py`` at 9dec370: ``x.float()``, ``pow(2).mean``, ``rsqrt``, the
     product, ``type_as``, the weight), ``F.silu(w1(x)) * w3(x)`` and the complex-number ``apply_rotary_emb``
     (``torchtitan/models/llama/model.py``), priced by what each aten op reads and writes forward and backward
-    (:data:`~primuspipe.projection.compute.EAGER_RMSNORM_BYTES` and its neighbours). LayerNorm models keep one
-    kernel (eager ``nn.LayerNorm`` is ``native_layer_norm``). Needs ``bias_activation_fusion`` and
+    (:data:`~primuspipe.projection.compute.elementwise.EAGER_RMSNORM_BYTES` and its neighbours). LayerNorm models
+    keep one kernel (eager ``nn.LayerNorm`` is ``native_layer_norm``). Needs ``bias_activation_fusion`` and
     ``apply_rope_fusion`` false and a 2-byte activation dtype."""
     model_implementation: Literal["megatron", "torchtitan"] = "megatron"
     """Whose code builds a dense layer's linears: ``megatron``, megatron-core's (one fused QKV GEMM and one fused

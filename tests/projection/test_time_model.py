@@ -640,7 +640,7 @@ def test_sliding_window_layers_visit_only_the_key_blocks_their_window_reaches(se
     visits, per query block, the key blocks its window reaches -- counted here by brute force over the mask -- and
     the full layers the causal triangle. MFU's causal convention counts what the kernels do; the full convention
     (NVIDIA's) counts the whole square in every layer, windowed or not."""
-    from primuspipe.projection.compute import ATTENTION_BLOCK
+    from primuspipe.projection.compute.attention import ATTENTION_BLOCK
 
     plain = dataclasses.replace(MODEL, seq_length=seq, num_layers=12)
     model = dataclasses.replace(plain, window_size=(left, 0), window_attn_skip_freq=every)

@@ -12,7 +12,8 @@ from aten_bytes import byte_counter
 
 from primuspipe.projection.activations import ActivationModel
 from primuspipe.projection.comm import layer_comm
-from primuspipe.projection.compute import EAGER_RMSNORM_BYTES, EAGER_ROPE_BYTES, EAGER_SWIGLU_BYTES, WorkModel
+from primuspipe.projection.compute import WorkModel
+from primuspipe.projection.compute.elementwise import EAGER_RMSNORM_BYTES, EAGER_ROPE_BYTES, EAGER_SWIGLU_BYTES
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.published import load_runs
