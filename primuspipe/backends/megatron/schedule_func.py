@@ -30,6 +30,7 @@ import weakref
 
 import torch
 
+from primuspipe import strict
 from primuspipe.algorithms import get_algorithm
 from primuspipe.backends.megatron.binder import GradSync, MegatronBinder, StepArgs
 from primuspipe.backends.megatron.compat import check_megatron_config
@@ -155,6 +156,13 @@ class PrimusForwardBackward:
         from megatron.core.utils import get_model_config
 
         models = list(model) if isinstance(model, list) else [model]
+        if not models or not all(isinstance(m, torch.nn.Module) for m in models):
+            raise ConfigError(f"model must be a torch.nn.Module or a list of them (one per model chunk), got "
+                              f"{strict.show(model) if not isinstance(model, list) else strict.show(models)}")
+        for name, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size),
+                            ("decoder_seq_length", decoder_seq_length)):
+            if value is not None or name != "decoder_seq_length":  # the transfer shape is made of them
+                strict.count(value, name, minimum=1)
         iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
         if len(iterators) != len(models):
             raise ConfigError(f"got {len(models)} model chunk(s) but {len(iterators)} data iterator(s); pass one per chunk")
