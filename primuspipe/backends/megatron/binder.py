@@ -240,7 +240,7 @@ class MegatronBinder:
         (``seq_length``, ``micro_batch_size``, hidden) in ``pipeline_dtype`` -- another size made gloo abort the
         process, another 16-bit dtype is read as garbage -- and on the last stage of a training step one loss
         value to run the backward from (else torch's "grad can be implicitly created only for scalar outputs")."""
-        where = f"microbatch {call.microbatch} on stage {call.stage} (chunk {call.chunk})"
+        where = f"microbatch {call.microbatch} (stage {call.stage}, chunk {call.chunk})"
         if call.stage != self.last_stage:
             dtype = self.args.config.pipeline_dtype
             if not isinstance(output, torch.Tensor) or (tuple(output.shape), output.dtype) != (self.transfer_shape, dtype):
@@ -254,7 +254,7 @@ class MegatronBinder:
         elif not self.args.forward_only and not (isinstance(output, torch.Tensor) and output.numel() == 1):
             got = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
             raise ConfigError(
-                f"the loss of {where} (the last) is {got}, but a training step runs its backward from one loss value; "
+                f"the last stage's loss for {where} is {got}, but a training step runs its backward from one loss value; "
                 "return a loss function from forward_step_func whose first result is the scalar loss (or pass "
                 "forward_only=True, which collect_non_loss_data needs)")
 
