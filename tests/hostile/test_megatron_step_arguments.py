@@ -11,8 +11,9 @@ is not one value in a training step (``loss_func=None``, a per-token loss, ``col
 training: torch's "grad can be implicitly created only for scalar outputs"), a data iterator that runs out
 before ``num_microbatches`` (a bare StopIteration, which a generator around the training loop swallows),
 ``seq_length``/``micro_batch_size`` of None or text (a TypeError) or not those of the batches (the next stage's
-receive buffer is of another size: gloo aborted the process), a model given as a tuple or an empty list, and a
-loss dict the V placement cannot send to the last rank (a traceback there, or a wait until the group's timeout).
+receive buffer is of another size: gloo aborted the process), a model given as a tuple or an empty list, an
+``adjust_tensor_shapes_fn`` returning other than two lists of one shape (an unpacking error), and a loss dict
+the V placement cannot send to the last rank (a traceback there, or a wait until the group's timeout).
 
 The step runs in this process on a one-rank gloo group (pp = 1; vpp = 2 hands the activation from chunk 0 to
 chunk 1 as a transfer would); the V's hand-off to the last rank runs on two gloo ranks.
@@ -241,3 +242,20 @@ def test_a_loss_dict_the_v_cannot_send():
     for rank, (kind, message) in enumerate(run_gloo(_hand_over, 2, timeout_s=60)):
         refused(Outcome(kind, 1, message), "loss function", "rank 0", "rank 1",
                 case=f"Megatron V loss dict holding a lambda, rank {rank}")
+
+
+ADJUSTED = [None, "x", ([(8, 2, 16)],), ([(8, 2, 16)], [(8, 2, 16)], 3), ([(8, 2, 16)] * 2, [(8, 2, 16)] * 2),
+            ([(8, 2, 16)], [(8, 2, 32)]), ([(8, "2", 16)], [(8, "2", 16)]), ([(8, 0, 16)], [(8, 0, 16)]), ([None], [None])]
+
+
+@pytest.mark.parametrize("adjusted", ADJUSTED, ids=[repr(a)[:40] for a in ADJUSTED])
+def test_adjust_tensor_shapes_fn_results(adjusted):
+    """Its result was unpacked as (receive, send) and its shapes made the receive buffers: an unpacking error
+    or torch's TypeError."""
+    fb, kwargs = _step(2, adjust_tensor_shapes_fn=lambda recv, send: adjusted)
+    refused(run_api(_call, fb, kwargs), "adjust_tensor_shapes_fn", case=f"Megatron adjust_tensor_shapes_fn -> {adjusted!r}")
+
+
+def test_adjust_tensor_shapes_fn_keeping_the_shape_runs():
+    fb, kwargs = _step(2, adjust_tensor_shapes_fn=lambda recv, send: (recv, send))
+    accepted(run_api(_call, fb, kwargs), case="Megatron adjust_tensor_shapes_fn keeping the shape")
