@@ -139,11 +139,12 @@ class ScheduleRunner:
             else:
                 first, *rest = calls
                 results = handlers[node.kind](_with_partners(first, rest))
+                if not isinstance(results, (tuple, list)) or len(results) != len(calls):
+                    got = f"{len(results)} result(s)" if isinstance(results, (tuple, list)) else type(results).__name__
+                    raise ConfigError(f"rank {self.rank}: the handler of {node} returned {got} for its {len(calls)} "
+                                      "parts; a paired node's handler returns a tuple of one result per part")
             if recorder is not None:
                 recorder.record(node, start, clock())
-            if len(results) != len(step.parts):
-                raise ConfigError(f"rank {self.rank}: the handler of {node} returned {len(results)} result(s) for its "
-                                  f"{len(step.parts)} parts; a paired node's handler returns one per part")
             for part, result in zip(step.parts, results):
                 if part.gives is None:
                     continue

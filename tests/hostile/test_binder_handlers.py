@@ -81,15 +81,26 @@ def _pair_binder(table, pair):
     return binder
 
 
-def test_a_pair_handler_returning_one_result_for_two_parts():
+PAIRS = [("one result", lambda b: lambda call: (b.forward(call),), "1 result(s)"),
+         ("three results", lambda b: lambda call: (*_both(b, call), None), "3 result(s)"),
+         ("a tensor of two rows", lambda b: lambda call: _both(b, call) and torch.zeros(2, 2, H), "Tensor")]
+
+
+def _both(binder, call):
+    return binder.forward(call), binder.backward(call.partner)
+
+
+@pytest.mark.parametrize("case, pair, named", PAIRS, ids=[c for c, _, _ in PAIRS])
+def test_pair_handlers_returning_other_than_one_result_per_part(case, pair, named):
+    """A missing result was dropped by ``zip`` (the next stage's input never came); a tensor's rows were taken as
+    the parts' results."""
     table = build_schedule("dualpipe-v", 1, M)
-    binder = _pair_binder(table, lambda b: lambda call: (b.forward(call),))
-    refused(run_in_step(_run, table, binder), "1 result(s)", "2 parts", case="binder: FB handler returning one result")
+    refused(run_in_step(_run, table, _pair_binder(table, pair)), named, "2 parts", case=f"binder: FB handler returning {case}")
 
 
 def test_a_pair_handler_returning_both_runs_the_step():
     table = build_schedule("dualpipe-v", 1, M)
-    binder = _pair_binder(table, lambda b: lambda call: (b.forward(call), b.backward(call.partner)))
+    binder = _pair_binder(table, lambda b: lambda call: _both(b, call))
     _run(table, binder)
     ok = sorted(binder.losses) == list(range(M))
     record("sound" if ok else "refused", "binder: FB handler returning one result per part")

@@ -19,8 +19,10 @@ from hostile_support import Outcome, accepted, refused
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 REQUIRED = ["--pp", "2", "--microbatches", "4"]
-BAD = ["-1", "nan", "inf", "-inf", "1e999", "1.5", "３", "x", ""]
+BAD = ["-1", "nan", "inf", "-inf", "1e999", "３", "x", ""]
 """Values no number flag of the examples takes (0 is refused by the counts but means "off" for two flags)."""
+BAD_COUNTS = ["1.5", "2.0", "1e3", "0x10"]
+"""And the counts' other spellings of numbers."""
 
 
 def _parser(name: str):
@@ -30,8 +32,9 @@ def _parser(name: str):
     return module.parse_args
 
 
-def _number_flags(name: str) -> list[str]:
-    """The flags whose values are numbers, from the example's parser (argparse's ``int``/``float`` are a defect)."""
+def _number_flags(name: str) -> list[tuple[str, str]]:
+    """``(flag, "integer" or "number")`` for each flag whose value is a number, from the example's parser
+    (argparse's ``int``/``float`` are a defect)."""
     actions = []
     parse = _parser(name)
     original = argparse.ArgumentParser.parse_args
@@ -50,7 +53,7 @@ def _number_flags(name: str) -> list[str]:
         kind = getattr(action.type, "__name__", None)
         assert action.type not in (int, float), f"{name} {action.option_strings[0]} is read by argparse's {kind}"
         if kind in ("integer", "number"):
-            flags.append(action.option_strings[0])
+            flags.append((action.option_strings[0], kind))
     return flags
 
 
@@ -67,7 +70,8 @@ def _parse(name: str, argv: list[str]) -> Outcome:
     return Outcome("silent", 0, "")
 
 
-CASES = [(name, flag, value) for name in ("train_gpt", "train_torch") for flag in _number_flags(name) for value in BAD]
+CASES = [(name, flag, value) for name in ("train_gpt", "train_torch") for flag, kind in _number_flags(name)
+         for value in BAD + (BAD_COUNTS if kind == "integer" else [])]
 
 
 @pytest.mark.parametrize("name, flag, value", CASES, ids=[f"{n}-{f}={v!r}" for n, f, v in CASES])
