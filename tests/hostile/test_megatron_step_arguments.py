@@ -11,8 +11,8 @@ is not one value in a training step (``loss_func=None``, a per-token loss, ``col
 training: torch's "grad can be implicitly created only for scalar outputs"), a data iterator that runs out
 before ``num_microbatches`` (a bare StopIteration, which a generator around the training loop swallows),
 ``seq_length``/``micro_batch_size`` of None or text (a TypeError) or not those of the batches (the next stage's
-receive buffer is of another size: gloo aborted the process), a model given as a tuple or an empty list, an
-and an ``adjust_tensor_shapes_fn`` returning other than two lists of one shape (an unpacking error).
+receive buffer is of another size, left partly filled: on two gloo ranks a shape error deep in the next stage's
+model), a model given as a tuple or an empty list, and an ``adjust_tensor_shapes_fn`` returning other than two lists of one shape (an unpacking error).
 
 The step runs in this process on a one-rank gloo group (pp = 1; vpp = 2 hands the activation from chunk 0 to
 chunk 1 as a transfer would). A loss dict the V cannot send: test_megatron_loss_handoff.py.

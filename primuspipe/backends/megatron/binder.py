@@ -237,8 +237,10 @@ class MegatronBinder:
 
     def _check_output(self, call: ComputeCall, output: Any) -> None:
         """What a forward hands on must be what the next stage receives: a tensor of the transfer shape
-        (``seq_length``, ``micro_batch_size``, hidden) in ``pipeline_dtype`` -- another size made gloo abort the
-        process, another 16-bit dtype is read as garbage -- and on the last stage of a training step one loss
+        (``seq_length``, ``micro_batch_size``, hidden) in ``pipeline_dtype`` -- another size lands in a receive
+        buffer it does not fill (on two gloo ranks: a shape error deep in the next stage's model, garbage where
+        the shapes happen to fit) or aborts the transfer, another 16-bit dtype is read as garbage -- and on the
+        last stage of a training step one loss
         value to run the backward from (else torch's "grad can be implicitly created only for scalar outputs")."""
         where = f"microbatch {call.microbatch} (stage {call.stage}, chunk {call.chunk})"
         if call.stage != self.last_stage:
