@@ -95,7 +95,8 @@ def test_pair_handlers_returning_other_than_one_result_per_part(case, pair, name
     """A missing result was dropped by ``zip`` (the next stage's input never came); a tensor's rows were taken as
     the parts' results."""
     table = build_schedule("dualpipe-v", 1, M)
-    refused(run_in_step(_run, table, _pair_binder(table, pair)), named, "2 parts", case=f"binder: FB handler returning {case}")
+    refused(run_in_step(_run, table, _pair_binder(table, pair)), named, "2 parts",
+            case=f"binder: FB handler returning {case}")
 
 
 def test_a_pair_handler_returning_both_runs_the_step():

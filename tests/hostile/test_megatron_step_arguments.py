@@ -12,7 +12,8 @@ training: torch's "grad can be implicitly created only for scalar outputs"), a d
 before ``num_microbatches`` (a bare StopIteration, which a generator around the training loop swallows),
 ``seq_length``/``micro_batch_size`` of None or text (a TypeError) or not those of the batches (the next stage's
 receive buffer is of another size, left partly filled: on two gloo ranks a shape error deep in the next stage's
-model), a model given as a tuple or an empty list, and an ``adjust_tensor_shapes_fn`` returning other than two lists of one shape (an unpacking error).
+model), a model given as a tuple or an empty list, and an ``adjust_tensor_shapes_fn`` returning other than two
+lists of one shape (an unpacking error).
 
 The step runs in this process on a one-rank gloo group (pp = 1; vpp = 2 hands the activation from chunk 0 to
 chunk 1 as a transfer would). A loss dict the V cannot send: test_megatron_loss_handoff.py.
@@ -216,14 +217,16 @@ def test_forward_only_and_non_loss_data(vpp):
     """Forward-only calls: the output itself with no loss function, non-loss data with collect_non_loss_data."""
     for what, forward_step_func, extra in (
             ("no loss function", _with_loss(None), {}),
-            ("non-loss data", _with_loss(lambda output, non_loss_data=False: {"seen": 1}), {"collect_non_loss_data": True}),
+            ("non-loss data", _with_loss(lambda output, non_loss_data=False: {"seen": 1}),
+             {"collect_non_loss_data": True}),
             ("a longer data iterator", None, {})):
         fb, kwargs = _step(vpp, forward_step_func=forward_step_func, batches=M + 2, forward_only=True, **extra)
         accepted(run_api(_call, fb, kwargs), case=f"Megatron vpp={vpp} forward_only {what}")
 
 
 ADJUSTED = [None, "x", ([(8, 2, 16)],), ([(8, 2, 16)], [(8, 2, 16)], 3), ([(8, 2, 16)] * 2, [(8, 2, 16)] * 2),
-            ([(8, 2, 16)], [(8, 2, 32)]), ([(8, "2", 16)], [(8, "2", 16)]), ([(8, 0, 16)], [(8, 0, 16)]), ([None], [None])]
+            ([(8, 2, 16)], [(8, 2, 32)]), ([(8, "2", 16)], [(8, "2", 16)]), ([(8, 0, 16)], [(8, 0, 16)]),
+            ([None], [None])]
 
 
 @pytest.mark.parametrize("adjusted", ADJUSTED, ids=[repr(a)[:40] for a in ADJUSTED])
@@ -231,7 +234,8 @@ def test_adjust_tensor_shapes_fn_results(adjusted):
     """Its result was unpacked as (receive, send) and its shapes made the receive buffers: an unpacking error
     or torch's TypeError."""
     fb, kwargs = _step(2, adjust_tensor_shapes_fn=lambda recv, send: adjusted)
-    refused(run_api(_call, fb, kwargs), "adjust_tensor_shapes_fn", case=f"Megatron adjust_tensor_shapes_fn -> {adjusted!r}")
+    refused(run_api(_call, fb, kwargs), "adjust_tensor_shapes_fn",
+            case=f"Megatron adjust_tensor_shapes_fn -> {adjusted!r}")
 
 
 def test_adjust_tensor_shapes_fn_keeping_the_shape_runs():

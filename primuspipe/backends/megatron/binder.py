@@ -240,12 +240,14 @@ class MegatronBinder:
         (``seq_length``, ``micro_batch_size``, hidden) in ``pipeline_dtype`` -- another size lands in a receive
         buffer it does not fill (on two gloo ranks: a shape error deep in the next stage's model, garbage where
         the shapes happen to fit) or aborts the transfer, another 16-bit dtype is read as garbage -- and on the
-        last stage of a training step one loss
-        value to run the backward from (else torch's "grad can be implicitly created only for scalar outputs")."""
+        last stage of a training step one loss value to run the backward from (else torch's "grad can be
+        implicitly created only for scalar outputs")."""
         where = f"microbatch {call.microbatch} (stage {call.stage}, chunk {call.chunk})"
         if call.stage != self.last_stage:
             dtype = self.args.config.pipeline_dtype
-            if not isinstance(output, torch.Tensor) or (tuple(output.shape), output.dtype) != (self.transfer_shape, dtype):
+            fits = isinstance(output, torch.Tensor) and tuple(output.shape) == self.transfer_shape \
+                and output.dtype == dtype
+            if not fits:
                 got = (f"{tuple(output.shape)} {output.dtype}" if isinstance(output, torch.Tensor)
                        else type(output).__name__)
                 raise ConfigError(
@@ -254,11 +256,12 @@ class MegatronBinder:
                     "forward-backward function, and Megatron's pipeline_dtype); pass the seq_length and "
                     "micro_batch_size of the batches, or return the stage's hidden states in pipeline_dtype")
         elif not self.args.forward_only and not (isinstance(output, torch.Tensor) and output.numel() == 1):
-            got = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
+            got = (f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor)
+                   else type(output).__name__)
             raise ConfigError(
-                f"the last stage's loss for {where} is {got}, but a training step runs its backward from one loss value; "
-                "return a loss function from forward_step_func whose first result is the scalar loss (or pass "
-                "forward_only=True, which collect_non_loss_data needs)")
+                f"the last stage's loss for {where} is {got}, but a training step runs its backward from one loss "
+                "value; return a loss function from forward_step_func whose first result is the scalar loss (or "
+                "pass forward_only=True, which collect_non_loss_data needs)")
 
     def _backward_step(self, call: ComputeCall) -> Any:
         input_tensor, output = self._saved.pop((call.chunk, call.microbatch))

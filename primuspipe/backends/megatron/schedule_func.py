@@ -62,7 +62,8 @@ def _adjusted_shapes(adjusted: Any) -> list:
     (anything else was an unpacking error or a TypeError from the receive buffer)."""
     pair = adjusted if isinstance(adjusted, (tuple, list)) and len(adjusted) == 2 else (None, None)
     recv, send = (list(p) if isinstance(p, (tuple, list)) else p for p in pair)
-    if not (isinstance(recv, list) and len(recv) == 1 and recv == send and isinstance(recv[0], (tuple, list, torch.Size))
+    one = isinstance(recv, list) and len(recv) == 1 and recv == send
+    if not (one and isinstance(recv[0], (tuple, list, torch.Size))
             and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in recv[0])):
         raise ConfigError("adjust_tensor_shapes_fn must return (receive shapes, send shapes) keeping one transfer "
                           f"tensor of one shape per hand-off with primuspipe; got {strict.show(adjusted)}")

@@ -221,7 +221,8 @@ def _checked_loss(loss: Any, microbatch: int, training: bool) -> torch.Tensor:
         raise ConfigError(f"loss_fn returned {type(loss).__name__} for microbatch {microbatch}; it must return the "
                           "loss as a tensor (a scalar, e.g. torch.nn.functional.mse_loss(output, target))")
     if training and (loss.numel() != 1 or not loss.requires_grad):
-        got = f"shape {tuple(loss.shape)}" if loss.numel() != 1 else "no gradient (detached, or not computed from the output)"
+        got = (f"shape {tuple(loss.shape)}" if loss.numel() != 1
+               else "no gradient (detached, or not computed from the output)")
         raise ConfigError(f"loss_fn returned a tensor of {got} for microbatch {microbatch}; step() runs the backward "
                           "from one loss value computed from the output: reduce it (e.g. .mean()) and do not detach it")
     return loss
