@@ -43,21 +43,27 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from primuspipe.cli.options import count_type, number_type
 from primuspipe.cli.parser import Parser
 from primuspipe.runtime import nccl_emulation
 
 
+POSITIVE, COUNT_OR_ZERO, NON_NEGATIVE = count_type(1), count_type(0), number_type(minimum=0)
+"""The flags' types: sizes and counts are integers >= 1 (--iterations 0 had no median step time to print), the
+two whose 0 means "off" >= 0, and --lr / --moe-aux-loss-coeff finite numbers >= 0 (--lr nan trained to NaN)."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, required=True,
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=POSITIVE, required=True,
                    help="pipeline-parallel size")
     p.add_argument("--vpp", "--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size", dest="vpp",
-                   type=int, default=None,
+                   type=POSITIVE, default=None,
                    help="model chunks per rank (default: the algorithm's)")
-    p.add_argument("--microbatches", type=int, required=True, help="microbatches per step and data-parallel rank")
+    p.add_argument("--microbatches", type=POSITIVE, required=True, help="microbatches per step and data-parallel rank")
     p.add_argument("--pp-algorithm", default=None, help="primuspipe algorithm (default: config, else auto)")
     p.add_argument("--config", default=None, help="primuspipe YAML config (else $PRIMUSPIPE_CONFIG)")
-    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--iterations", type=POSITIVE, default=3)
     p.add_argument("--dump-dir", default=None, help="turn on dump_pp_data and write timelines here")
     p.add_argument("--compare-native", action="store_true", help="also run Megatron's own schedule and compare")
     p.add_argument("--auto-replan", action="store_true",
@@ -67,9 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--manual-gc", action="store_true",
                    help="Megatron-LM's: turn Python's automatic garbage collector off and collect between steps "
                         "(--manual-gc-interval), so a collection (100+ ms of CPU here) never lands inside a step")
-    p.add_argument("--manual-gc-interval", type=int, default=0,
+    p.add_argument("--manual-gc-interval", type=COUNT_OR_ZERO, default=0,
                    help="with --manual-gc: collect after every N-th step (0: never between steps)")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=NON_NEGATIVE, default=0.05)
     opt = p.add_argument_group("optimizer, data-parallel gradients and checkpoints (Megatron-LM's flags)")
     opt.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
                      help="Megatron's optimizer (sgd without momentum, or adam); no gradient clipping")
@@ -87,25 +93,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="start from a checkpoint --save wrote, under any schedule; iterations continue from "
                           "the saved one up to --iterations")
     m = p.add_argument_group("model (Megatron-LM's flags)")
-    m.add_argument("--num-layers", type=int, default=8)
-    m.add_argument("--hidden-size", type=int, default=16)
-    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 2 * hidden size")
-    m.add_argument("--num-attention-heads", type=int, default=2)
-    m.add_argument("--seq-length", type=int, default=8)
-    m.add_argument("--micro-batch-size", type=int, default=2)
-    m.add_argument("--vocab-size", type=int, default=64)
+    m.add_argument("--num-layers", type=POSITIVE, default=8)
+    m.add_argument("--hidden-size", type=POSITIVE, default=16)
+    m.add_argument("--ffn-hidden-size", type=POSITIVE, default=None, help="default: 2 * hidden size")
+    m.add_argument("--num-attention-heads", type=POSITIVE, default=2)
+    m.add_argument("--seq-length", type=POSITIVE, default=8)
+    m.add_argument("--micro-batch-size", type=POSITIVE, default=2)
+    m.add_argument("--vocab-size", type=POSITIVE, default=64)
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     m.add_argument("--disable-bias-linear", action="store_true",
                    help="no bias in linear layers (always so for MoE: megatron-core 0.19's local experts take none)")
-    m.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
-    m.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    m.add_argument("--decoder-first-pipeline-num-layers", type=POSITIVE, default=None)
+    m.add_argument("--decoder-last-pipeline-num-layers", type=POSITIVE, default=None)
     m.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
                    help="count the embedding as a layer when splitting layers over stages (the first stage "
                         "builds one fewer)")
     m.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="count the loss as a layer when splitting layers over stages (the last stage builds "
                         "one fewer)")
-    m.add_argument("--mtp-num-layers", type=int, default=None,
+    m.add_argument("--mtp-num-layers", type=COUNT_OR_ZERO, default=None,
                    help="multi-token-prediction layers, built with the last stage")
     m.add_argument("--bf16", action="store_true",
                    help="bfloat16 parameters (Megatron's Float16Module) and pipeline transfers, fp32 gradient "
@@ -113,26 +119,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--calculate-per-token-loss", action="store_true")
     m.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
     par = p.add_argument_group("parallelism (Megatron-LM's flags)")
-    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--tensor-model-parallel-size", type=POSITIVE, default=1)
     par.add_argument("--sequence-parallel", action="store_true")
-    par.add_argument("--expert-model-parallel-size", type=int, default=1)
-    par.add_argument("--expert-tensor-parallel-size", type=int, default=1,
+    par.add_argument("--expert-model-parallel-size", type=POSITIVE, default=1)
+    par.add_argument("--expert-tensor-parallel-size", type=POSITIVE, default=1,
                      help="tensor parallelism inside each expert (carved out of the data-parallel ranks)")
     moe = p.add_argument_group("mixture of experts (Megatron-LM's flags)")
-    moe.add_argument("--num-experts", type=int, default=None)
-    moe.add_argument("--moe-router-topk", type=int, default=2)
-    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    moe.add_argument("--num-experts", type=POSITIVE, default=None)
+    moe.add_argument("--moe-router-topk", type=POSITIVE, default=2)
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=POSITIVE, default=None)
     moe.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"])
-    moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+    moe.add_argument("--moe-aux-loss-coeff", type=NON_NEGATIVE, default=0.0,
                      help="> 0 turns on the load-balancing aux loss")
     rec = p.add_argument_group("activation recompute (Megatron-LM's flags)")
     rec.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     rec.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    rec.add_argument("--recompute-num-layers", type=int, default=None)
+    rec.add_argument("--recompute-num-layers", type=POSITIVE, default=None)
     rec.add_argument("--recompute-modules", nargs="*", default=None)
     args = p.parse_args(argv)
-    if args.manual_gc_interval < 0:
-        p.error(f"--manual-gc-interval must be >= 0 (0: no collection between steps), got {args.manual_gc_interval}")
     if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
         p.error("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (Megatron-LM)")
     if args.use_distributed_optimizer and args.optimizer != "adam":

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from primuspipe.algorithms.build import build_schedule
+from primuspipe.cli.options import count_type, number_type
 from primuspipe.cli.parser import Parser
 from primuspipe.backends.torch import TorchPipeline, split_sequential
 from primuspipe.errors import ConfigError, PrimusPipeError
@@ -35,18 +36,22 @@ from primuspipe.strict import printable
 from primuspipe.runtime import nccl_emulation
 
 
+POSITIVE = count_type(1)
+"""Every count flag: an integer >= 1 (0 iterations had no median step time to print, 0 layers no stage)."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (= number of processes)")
-    p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (not with --schedule)")
+    p.add_argument("--pp", type=POSITIVE, required=True, help="pipeline-parallel size (= number of processes)")
+    p.add_argument("--microbatches", type=POSITIVE, default=None, help="microbatches per step (not with --schedule)")
     p.add_argument("--algorithm", default="1f1b", help="primuspipe algorithm (see 'primuspipe list')")
-    p.add_argument("--vpp", type=int, default=None, help="chunks per rank (default: the algorithm's)")
+    p.add_argument("--vpp", type=POSITIVE, default=None, help="chunks per rank (default: the algorithm's)")
     p.add_argument("--schedule", default=None, help="run this table file (.json or torch .csv) instead")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--microbatch-size", type=int, default=4)
-    p.add_argument("--iterations", type=int, default=5)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--layers", type=POSITIVE, default=8)
+    p.add_argument("--hidden", type=POSITIVE, default=64)
+    p.add_argument("--microbatch-size", type=POSITIVE, default=4)
+    p.add_argument("--iterations", type=POSITIVE, default=5)
+    p.add_argument("--lr", type=number_type(minimum=0), default=0.05)
     p.add_argument("--compare-torch", action="store_true", help="also run torch.distributed.pipelining and compare")
     return p.parse_args(argv)
 

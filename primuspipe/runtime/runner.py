@@ -33,11 +33,12 @@ tensors are the binder's and the transport's business.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 from primuspipe.errors import ConfigError
 from primuspipe.ir.dataflow import Handoff
-from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.validation import is_proven, validate
 from primuspipe.runtime.plan import PlannedStep, plan_row, released_keys
@@ -62,19 +63,22 @@ class ScheduleRunner:
 
     def handlers_for(self, binder: Binder) -> dict[NodeKind, Handler]:
         """The handler of every kind in this row: the binder's own, else (for a paired kind such as FB)
-        its parts' handlers run one after the other. Refuses a binder that cannot run the row."""
+        its parts' handlers run one after the other. Refuses a binder that cannot run the row, and a map
+        that is not one: keys other than compute :class:`NodeKind` members (``"F"`` is not ``NodeKind.F``)
+        and values that cannot be called."""
+        given = _handler_map(binder)
         handlers: dict[NodeKind, Handler] = {}
         missing = set()
         for kind in self.compute_kinds:
-            if kind in binder.handlers:
-                handlers[kind] = binder.handlers[kind]
-            elif kind.spec.parts and all(p in binder.handlers for p in kind.parts):
-                handlers[kind] = functools.partial(_run_parts_in_turn, binder.handlers)
+            if kind in given:
+                handlers[kind] = given[kind]
+            elif kind.spec.parts and all(p in given for p in kind.parts):
+                handlers[kind] = functools.partial(_run_parts_in_turn, given)
             else:
                 missing.add(kind)
         if missing:
             names = ", ".join(sorted(k.name for k in missing))
-            have = ", ".join(sorted(k.name for k in binder.handlers)) or "none"
+            have = ", ".join(sorted(k.name for k in given)) or "none"
             fix = ("run the table without offload, or a binder that moves activations to host (the plain-torch "
                    "backend's)" if any(k.on_host_stream for k in missing) else
                    "pick an algorithm with a fused backward (BW) or a binder that splits the backward")
@@ -135,11 +139,21 @@ class ScheduleRunner:
             else:
                 first, *rest = calls
                 results = handlers[node.kind](_with_partners(first, rest))
+                if not isinstance(results, (tuple, list)) or len(results) != len(calls):
+                    got = f"{len(results)} result(s)" if isinstance(results, (tuple, list)) else type(results).__name__
+                    raise ConfigError(f"rank {self.rank}: the handler of {node} returned {got} for its {len(calls)} "
+                                      "parts; a paired node's handler returns a tuple of one result per part")
             if recorder is not None:
                 recorder.record(node, start, clock())
             for part, result in zip(step.parts, results):
                 if part.gives is None:
                     continue
+                if result is None:  # a send of nothing: the peer would wait for it until the watchdog
+                    raise ConfigError(
+                        f"rank {self.rank}: the {part.kind.name} handler returned None for microbatch "
+                        f"{part.microbatch} of chunk {part.chunk} (stage {part.stage}), but the table hands its "
+                        f"{'activation' if part.gives.carries is NodeKind.F else 'input gradient'} on to stage "
+                        f"{part.stage + 1 if part.gives.carries is NodeKind.F else part.stage - 1}; return the tensor")
                 if part.local:
                     inbox[part.gives] = binder.local_handoff(result, part.gives.carries)
                 else:
@@ -147,6 +161,23 @@ class ScheduleRunner:
         for pending in (*receiving.values(), *awaiting_release.values(), *sending):
             finish(pending)
         assert not outbox and not inbox, f"rank {self.rank}: unconsumed tensors {sorted(outbox) + sorted(inbox)}"
+
+
+def _handler_map(binder: Binder) -> Mapping[NodeKind, Handler]:
+    """``binder.handlers``, checked to be a map from compute kinds to callables."""
+    given = getattr(binder, "handlers", None)
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"{type(binder).__name__}.handlers must map node kinds to handlers (e.g. "
+                          f"{{NodeKind.F: self.forward, NodeKind.BW: self.backward}}), got {type(given).__name__}")
+    for kind, handler in given.items():
+        if not isinstance(kind, NodeKind) or not kind.is_compute:
+            known = ", ".join(k.name for k in compute_kinds())
+            raise ConfigError(f"{type(binder).__name__}.handlers has the key {kind!r}; its keys are compute node "
+                              f"kinds, NodeKind members ({known}), e.g. NodeKind.F, not the name 'F'")
+        if not callable(handler):
+            raise ConfigError(f"{type(binder).__name__}.handlers[{kind!r}] is {type(handler).__name__}, not something "
+                              "to call with a ComputeCall")
+    return given
 
 
 def _with_partners(first: ComputeCall, rest: list[ComputeCall]) -> ComputeCall:

@@ -2,8 +2,10 @@
 a watchdog of NaN or below zero, a switch given as text (``scale_grads="no"``
 was kept, and is truthy), op names given as one string (read as its characters), a device or a group torch cannot
 use (its RuntimeError, ValueError), a dump folder that cannot be written, a batch that does not split into
-the table's microbatches (which returned extra rows of garbage from ``eval``). Each is one
-PrimusPipeError naming the argument, at construction or before the step runs a node (``late`` otherwise).
+the table's microbatches (which returned extra rows of garbage from ``eval``), a ``loss_fn`` that returns no loss a
+backward can start from (None, a float, a tuple, a loss per element, a detached loss: an AttributeError in the binder or
+torch's error from inside the backward). Each is one PrimusPipeError naming the argument, at construction or before
+the step runs a node (``late`` otherwise) -- the loss function's result when the step computes it.
 
 The pipeline runs in this process on a one-rank gloo group (a pp = 1 table, 2 chunks interleaved)."""
 
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hostile_support import record, refused, run_api
+from hostile_support import record, refused, run_api, run_in_step
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.backends.torch import TorchPipeline
 
@@ -105,6 +107,39 @@ def test_batches_that_do_not_split(batch, call):
 def test_bad_step_arguments(inputs, target, names):
     pipe = TorchPipeline(_table(), _stages(), loss_fn=LOSS)
     refused(run_api(pipe.step, *inputs, target=target), *names, case=f"TorchPipeline.step {names[0]}")
+
+
+LOSSES = [
+    ("None", lambda output, target: None, ["loss_fn", "NoneType"]),
+    ("a float", lambda output, target: 1.0, ["loss_fn", "float"]),
+    ("a tuple", lambda output, target: (LOSS(output, target), 1), ["loss_fn", "tuple"]),
+    ("a loss per element", lambda output, target: (output - target) ** 2, ["loss_fn", "shape (2, 4)"]),
+    ("a detached loss", lambda output, target: LOSS(output, target).detach(), ["loss_fn", "no gradient"]),
+    ("a constant", lambda output, target: torch.tensor(3.0), ["loss_fn", "no gradient"]),
+]
+
+
+@pytest.mark.parametrize("algorithm", ["interleaved-1f1b", "zbv"])
+@pytest.mark.parametrize("case, loss_fn, names", LOSSES, ids=[c for c, _, _ in LOSSES])
+def test_loss_functions_that_return_no_loss(case, loss_fn, names, algorithm):
+    """A loss_fn whose result a step cannot run its backward from: an AttributeError in the binder, or torch's
+    "grad can be implicitly created only for scalar outputs" / "does not require grad" from inside the backward
+    (a split backward's "cannot get the gradient edge"). One line naming loss_fn and the microbatch."""
+    pipe = TorchPipeline(build_schedule(algorithm, 1, M, 2), _stages(), loss_fn=loss_fn)
+    refused(run_in_step(pipe.step, torch.randn(8, H), target=torch.randn(8, H)), *names, "microbatch 0",
+            case=f"TorchPipeline {algorithm} loss_fn returning {case}")
+
+
+def test_eval_takes_a_loss_per_element_but_not_none():
+    """eval runs no backward: a loss of any shape is what the caller asked for; None is still no loss."""
+    elementwise = TorchPipeline(_table(), _stages(), loss_fn=lambda output, target: (output - target) ** 2)
+    losses = elementwise.eval(torch.randn(8, H), target=torch.randn(8, H)).losses
+    ok = [tuple(x.shape) for x in losses] == [(2, H)] * M
+    record("sound" if ok else "refused", "TorchPipeline.eval loss per element")
+    assert ok
+    pipe = TorchPipeline(_table(), _stages(), loss_fn=lambda output, target: None)
+    refused(run_in_step(pipe.eval, torch.randn(8, H), target=torch.randn(8, H)), "loss_fn", "NoneType",
+            case="TorchPipeline.eval loss_fn returning None")
 
 
 @pytest.mark.parametrize("stages, inputs", [

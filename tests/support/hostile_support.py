@@ -153,6 +153,17 @@ def run_cli(argv: list, watch: Path | None = None) -> Outcome:
 def run_api(fn, *args, **kwargs) -> Outcome:
     """``fn(*args, **kwargs)``, an API entry point that must raise a PrimusPipeError, classified; one
     raised after a step started running nodes (:data:`WORK`) is ``late``."""
+    return _classified(fn, args, kwargs, in_step=False)
+
+
+def run_in_step(fn, *args, **kwargs) -> Outcome:
+    """:func:`run_api` for what only a running step can see -- what the user's code returns while the step
+    runs it (a forward step function, a loss function, a binder's handlers): a refusal raised inside the
+    step is ``clear``, as early as it can be."""
+    return _classified(fn, args, kwargs, in_step=True)
+
+
+def _classified(fn, args, kwargs, in_step: bool) -> Outcome:
     with _watch_work() as called:
         try:
             with _hang_guard():
@@ -161,7 +172,7 @@ def run_api(fn, *args, **kwargs) -> Outcome:
             return Outcome("hang", None, "")
         except PrimusPipeError as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
-            kind = "late" if called else "clear" if first.strip() else "garbled"
+            kind = "late" if called and not in_step else "clear" if first.strip() else "garbled"
             return Outcome(kind, 1, first, work=tuple(called))
         except BaseException:  # noqa: BLE001
             return Outcome("traceback", None, traceback.format_exc(), work=tuple(called))

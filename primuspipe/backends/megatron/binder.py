@@ -31,6 +31,7 @@ reproduced here, per node rather than per warm-up/steady/cool-down phase, so it 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -40,6 +41,7 @@ import torch
 
 from primuspipe.backends.megatron.layer_timing import timing_layers
 from primuspipe.backends.megatron.wgrad_store import WeightGradStore
+from primuspipe.errors import ConfigError
 from primuspipe.ir.node import NodeKind, ScheduleNode
 from primuspipe.runtime.activation_offload import ActivationOffload
 from primuspipe.runtime.protocols import ComputeCall, named_handlers
@@ -211,7 +213,7 @@ class MegatronBinder:
         saving = self.offload.forward(call.chunk, call.microbatch) if self.offload else contextlib.nullcontext()
         with saving, self.wgrad.forwarding(call.chunk, call.microbatch):
             output, num_tokens = self._schedules.forward_step(
-                a.forward_step_func,
+                functools.partial(_checked_forward_step, a.forward_step_func, call, a.num_microbatches),
                 a.data_iterators[call.chunk],
                 a.models[call.chunk],
                 a.num_microbatches,
@@ -225,12 +227,41 @@ class MegatronBinder:
                 vp_stage=call.chunk if a.interleaved else None,
                 is_last_stage=call.stage == self.last_stage,
             )
+        self._check_output(call, output)
         self.total_num_tokens += num_tokens
         if store:
             self.forward_data.setdefault(call.microbatch, []).extend(store)
         if not a.forward_only:
             self._saved[(call.chunk, call.microbatch)] = (call.received, output)
         return output
+
+    def _check_output(self, call: ComputeCall, output: Any) -> None:
+        """What a forward hands on must be what the next stage receives: a tensor of the transfer shape
+        (``seq_length``, ``micro_batch_size``, hidden) in ``pipeline_dtype`` -- another size lands in a receive
+        buffer it does not fill (on two gloo ranks: a shape error deep in the next stage's model, garbage where
+        the shapes happen to fit) or aborts the transfer, another 16-bit dtype is read as garbage -- and on the
+        last stage of a training step one loss value to run the backward from (else torch's "grad can be
+        implicitly created only for scalar outputs")."""
+        where = f"microbatch {call.microbatch} (stage {call.stage}, chunk {call.chunk})"
+        if call.stage != self.last_stage:
+            dtype = self.args.config.pipeline_dtype
+            fits = isinstance(output, torch.Tensor) and tuple(output.shape) == self.transfer_shape \
+                and output.dtype == dtype
+            if not fits:
+                got = (f"{tuple(output.shape)} {output.dtype}" if isinstance(output, torch.Tensor)
+                       else type(output).__name__)
+                raise ConfigError(
+                    f"forward_step_func's output for {where} is {got}, but the next stage receives "
+                    f"{self.transfer_shape} {dtype} (seq_length, micro_batch_size, hidden_size as passed to the "
+                    "forward-backward function, and Megatron's pipeline_dtype); pass the seq_length and "
+                    "micro_batch_size of the batches, or return the stage's hidden states in pipeline_dtype")
+        elif not self.args.forward_only and not (isinstance(output, torch.Tensor) and output.numel() == 1):
+            got = (f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor)
+                   else type(output).__name__)
+            raise ConfigError(
+                f"the last stage's loss for {where} is {got}, but a training step runs its backward from one loss "
+                "value; return a loss function from forward_step_func whose first result is the scalar loss (or "
+                "pass forward_only=True, which collect_non_loss_data needs)")
 
     def _backward_step(self, call: ComputeCall) -> Any:
         input_tensor, output = self._saved.pop((call.chunk, call.microbatch))
@@ -271,3 +302,53 @@ class MegatronBinder:
 
     def forward_data_store(self) -> list:
         return [item for mb in sorted(self.forward_data) for item in self.forward_data[mb]]
+
+
+def _checked_forward_step(forward_step_func: Callable, call: ComputeCall, num_microbatches: int, data_iterator: Any,
+                          model: Any) -> tuple[Any, Any]:
+    """``forward_step_func(data_iterator, model)`` held to Megatron's contract, each break refused in one line
+    naming the microbatch and stage (Megatron's ``forward_step`` meets them as an unpacking error, a bare
+    assert, or a StopIteration that a generator around the training loop would swallow): it returns
+    ``(output, loss_func)`` with ``loss_func`` callable or None; its data iterator does not run out before
+    ``num_microbatches``; ``loss_func`` returns ``(loss, reported)`` or ``(loss, num_tokens, reported)``
+    with tensors for the loss and an integer token count."""
+    where = f"microbatch {call.microbatch} of chunk {call.chunk} (stage {call.stage})"
+    try:
+        result = forward_step_func(data_iterator, model)
+    except StopIteration:
+        raise ConfigError(
+            f"forward_step_func's data iterator ran out at {where}: the step runs num_microbatches={num_microbatches} "
+            "forwards per chunk, each drawing one batch; give every chunk's iterator at least num_microbatches "
+            "batches (or pass the num_microbatches it holds)") from None
+    if not isinstance(result, (tuple, list)) or len(result) != 2 or not (result[1] is None or callable(result[1])):
+        got = (f"a {type(result).__name__} of {len(result)}" if isinstance(result, (tuple, list))
+               else type(result).__name__)
+        raise ConfigError(f"forward_step_func returned {got} for {where}; Megatron's contract is (output_tensor, "
+                          "loss_func) with loss_func callable (or None on stages without a loss)")
+    output, loss_func = result
+    return output, None if loss_func is None else functools.partial(_checked_loss, loss_func, where)
+
+
+def _checked_loss(loss_func: Callable, where: str, *args: Any, **kwargs: Any) -> Any:
+    """``loss_func``'s result, refused in one line when it is not ``(loss, reported)`` or ``(loss, num_tokens,
+    reported)`` (its non-loss data, with ``non_loss_data=True``, is the caller's to shape)."""
+    outputs = loss_func(*args, **kwargs)
+    if kwargs.get("non_loss_data"):
+        return outputs
+    fits = isinstance(outputs, (tuple, list)) and len(outputs) in (2, 3) and isinstance(outputs[0], torch.Tensor)
+    if fits and len(outputs) == 3:
+        tokens = outputs[1]
+        fits = isinstance(tokens, torch.Tensor) and tokens.numel() == 1 and not tokens.is_floating_point() \
+            and not tokens.is_complex() and tokens.dtype is not torch.bool
+    if not fits:
+        got = (f"({', '.join(_kind(o) for o in outputs)})" if isinstance(outputs, (tuple, list))
+               else _kind(outputs))
+        raise ConfigError(
+            f"the loss function of {where} returned {got}; Megatron's contract is (loss, reported_dict) or (loss, "
+            "num_tokens, reported_dict) with the loss a tensor and num_tokens a one-element integer tensor")
+    return outputs
+
+
+def _kind(value: Any) -> str:
+    """A result's type as the refusals print it (a tensor with its shape and dtype)."""
+    return f"tensor{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__

@@ -30,6 +30,7 @@ import weakref
 
 import torch
 
+from primuspipe import strict
 from primuspipe.algorithms import get_algorithm
 from primuspipe.backends.megatron.binder import GradSync, MegatronBinder, StepArgs
 from primuspipe.backends.megatron.compat import check_megatron_config
@@ -53,6 +54,20 @@ _log = logging.getLogger(__name__)
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _adjusted_shapes(adjusted: Any) -> list:
+    """What ``adjust_tensor_shapes_fn`` returned -- ``(receive shapes, send shapes)`` -- as the one transfer shape
+    primuspipe runs with, refused in one line unless it is one shape of positive integers, the same both ways
+    (anything else was an unpacking error or a TypeError from the receive buffer)."""
+    pair = adjusted if isinstance(adjusted, (tuple, list)) and len(adjusted) == 2 else (None, None)
+    recv, send = (list(p) if isinstance(p, (tuple, list)) else p for p in pair)
+    one = isinstance(recv, list) and len(recv) == 1 and recv == send
+    if not (one and isinstance(recv[0], (tuple, list, torch.Size))
+            and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in recv[0])):
+        raise ConfigError("adjust_tensor_shapes_fn must return (receive shapes, send shapes) keeping one transfer "
+                          f"tensor of one shape per hand-off with primuspipe; got {strict.show(adjusted)}")
+    return recv
 
 
 class PrimusForwardBackward:
@@ -155,6 +170,13 @@ class PrimusForwardBackward:
         from megatron.core.utils import get_model_config
 
         models = list(model) if isinstance(model, list) else [model]
+        if not models or not all(isinstance(m, torch.nn.Module) for m in models):
+            raise ConfigError(f"model must be a torch.nn.Module or a list of them (one per model chunk), got "
+                              f"{strict.show(model) if not isinstance(model, list) else strict.show(models)}")
+        for name, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size),
+                            ("decoder_seq_length", decoder_seq_length)):
+            if value is not None or name != "decoder_seq_length":  # the transfer shape is made of them
+                strict.count(value, name, minimum=1)
         iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
         if len(iterators) != len(models):
             raise ConfigError(f"got {len(models)} model chunk(s) but {len(iterators)} data iterator(s); pass one per chunk")
@@ -191,11 +213,7 @@ class PrimusForwardBackward:
             seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
             config=config, tp_group=pg_collection.tp, cp_group=pg_collection.cp)
         if adjust_tensor_shapes_fn is not None:
-            recv_shapes, send_shapes = adjust_tensor_shapes_fn(shapes, shapes)
-            if len(recv_shapes) != 1 or list(recv_shapes) != list(send_shapes):
-                raise ConfigError("adjust_tensor_shapes_fn must keep one transfer tensor of one shape per hand-off "
-                                  f"with primuspipe; got receive {recv_shapes} and send {send_shapes}")
-            shapes = recv_shapes
+            shapes = _adjusted_shapes(adjust_tensor_shapes_fn(shapes, shapes))
         (shape,) = shapes
 
         if getattr(config, "moe_paged_stash", False):

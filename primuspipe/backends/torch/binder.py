@@ -28,7 +28,7 @@ from primuspipe.backends.torch import data_parallel
 from primuspipe.backends.torch.meta import StageMeta, as_tensors, pack, unpack
 from primuspipe.runtime.activation_offload import ActivationOffload
 from primuspipe.backends.torch.split_backward import DeferredWeightGrad, backward_input
-from primuspipe.errors import WeightGradError
+from primuspipe.errors import ConfigError, WeightGradError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.resources import Resource, ResourceAction, resource_plan
@@ -99,7 +99,7 @@ class TorchBinder:
                 output = module(*inputs)
             if call.stage == self.last_stage and self.data.loss_fn is not None:
                 target = () if self.data.targets is None else (self.data.targets[call.microbatch],)
-                loss = self.data.loss_fn(output, *target)
+                loss = _checked_loss(self.data.loss_fn(output, *target), call.microbatch, self.data.training)
         if call.stage == self.last_stage:
             if self.data.loss_fn is None:
                 self.outputs[call.microbatch] = output
@@ -211,3 +211,18 @@ class TorchBinder:
     def sent(self, node: ScheduleNode, tensor: Any) -> None:
         pass
 
+
+
+def _checked_loss(loss: Any, microbatch: int, training: bool) -> torch.Tensor:
+    """``loss_fn``'s result, refused in one line unless it is a tensor -- and, in a training step, one value
+    with a gradient to run the backward from (else an AttributeError in this binder, or torch's "grad can be
+    implicitly created only for scalar outputs" / "does not require grad" from inside the backward)."""
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"loss_fn returned {type(loss).__name__} for microbatch {microbatch}; it must return the "
+                          "loss as a tensor (a scalar, e.g. torch.nn.functional.mse_loss(output, target))")
+    if training and (loss.numel() != 1 or not loss.requires_grad):
+        got = (f"shape {tuple(loss.shape)}" if loss.numel() != 1
+               else "no gradient (detached, or not computed from the output)")
+        raise ConfigError(f"loss_fn returned a tensor of {got} for microbatch {microbatch}; step() runs the backward "
+                          "from one loss value computed from the output: reduce it (e.g. .mean()) and do not detach it")
+    return loss
