@@ -15,6 +15,16 @@ def forget_plugins():
     registry._REGISTRY.update(saved)
 
 
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-rank gloo group for the cases that run a step in this process (binders, the torch pipeline)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture
 def cli():
     return run_cli

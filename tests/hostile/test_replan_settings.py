@@ -10,7 +10,6 @@ name the variable; a ``TorchPipeline`` whose candidates are of another layout wa
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hostile_support import accepted, record, refused, run_api, Outcome
 from primuspipe.algorithms.build import build_schedule
@@ -119,13 +118,6 @@ def test_install_options(field, value):
 def test_edges_are_accepted(settings):
     accepted(Outcome("silent" if run_api(ReplanSettings, True, **settings).kind == "silent" else "refused", 0, ""),
              case=f"ReplanSettings {settings}")
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("option, env, names", [

@@ -12,7 +12,6 @@ The pipeline runs in this process on a one-rank gloo group (a pp = 1 table, 2 ch
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,11 +23,7 @@ H = 4
 M = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 def _table():
