@@ -212,7 +212,6 @@ class TorchBinder:
         pass
 
 
-
 def _checked_loss(loss: Any, microbatch: int, training: bool) -> torch.Tensor:
     """``loss_fn``'s result, refused in one line unless it is a tensor -- and, in a training step, one value
     with a gradient to run the backward from (else an AttributeError in this binder, or torch's "grad can be
