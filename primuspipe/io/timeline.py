@@ -331,7 +331,6 @@ def _inside(value, at: str, span: float) -> tuple[float, float | None] | None:
     return wall, cpu
 
 
-
 # -- run dumps: one file per rank and iteration (written by primuspipe.runtime.recorder) --------
 # Kept here, free of torch, so tools can read a cluster's dumps on any machine.
 _ITER_DIR = re.compile(r"iter_([0-9]{6,})", re.ASCII)

@@ -349,7 +349,6 @@ def reaches(num_stages: int) -> frozenset[tuple[Step, Step]]:
     return frozenset((a, b) for b in steps for a in ancestors(b))
 
 
-
 def _step_needs(step: Step, num_stages: int) -> list[Step]:
     """What completing ``step`` needs: the needs of the single kind that completes only that step."""
     (kind,) = [k for k in all_kinds() if k.is_compute and k.spec.completes == (step.kind.name,)]

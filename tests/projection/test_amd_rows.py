@@ -90,7 +90,6 @@ def test_each_fitted_amd_figure_has_one_fitting_row_and_holds_on_its_checks(fitt
         assert 0.85 <= project_run(RUNS[run_id])["ratio"] <= 1.15, run_id
 
 
-
 def test_the_mi325x_runs_fp8_gemms_faster_than_the_mi300x_as_amd_measured():
     """Same CDNA 3 die and library, but the 1000 W MI325X holds higher clocks under dense GEMMs: AMD's measured
     Max-Achievable FLOPs (ROCm blogs, "Measuring Max-Achievable FLOPs - Part 2", Table 1) are FP8 1519 against

@@ -383,7 +383,6 @@ def test_every_published_run_loads_and_projects():
     assert "error" not in row and row["ratio"] > 0 and row["verdict"] in ("FITS", "AT-RISK", "OOM")
 
 
-
 def test_apex_distributed_adam_rows_reduce_their_gradients_in_bf16():
     """The dgxc-benchmarking v25.02 recipes run NeMo's distributed_fused_adam (Apex's DistributedFusedAdam) with
     grad_sync_dtype bf16, whose contiguous gradient buffer is allocated and reduce-scattered in that dtype: the rows

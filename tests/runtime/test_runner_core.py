@@ -23,7 +23,6 @@ from primuspipe.passes.validation import validate
 from tiny_stages import BATCH, H, inputs, loss, stage
 
 
-
 def _reference(num_stages: int, m: int):
     stages = [stage(s) for s in range(num_stages)]
     losses = []

@@ -156,7 +156,6 @@ def test_timeline_layers_round_trip_and_bad_values_are_refused(tmp_path):
             assert says in str(exc) and "\n" not in str(exc)
 
 
-
 def test_a_file_calibrated_at_vpp2_is_the_same_per_1f1b_stage():
     """From a vpp = 2 run the file is written per 1F1B stage: the chunks' times and fixed parts together,
     less the extra chunk's own cost a 1F1B stage does not pay -- the vpp = 1 model, and cut back, the run's."""

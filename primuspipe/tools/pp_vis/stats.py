@@ -30,7 +30,6 @@ from primuspipe.io.timeline import Timeline, idle_share
 from primuspipe.tools.pp_vis.load import in_unit
 
 
-
 @dataclass(frozen=True)
 class TimelineStats:
     """The figures pp_vis reports for one timeline, run or simulated, by one rule."""

@@ -14,7 +14,6 @@ from primuspipe.io.timeline import Timeline
 from primuspipe.tools.pp_vis.stats import timeline_stats
 
 
-
 def kind_color(kind: NodeKind) -> str:
     """The kind's colour in the kind table."""
     return kind.spec.color
