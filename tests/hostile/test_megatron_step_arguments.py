@@ -15,15 +15,26 @@ receive buffer is of another size, left partly filled: on two gloo ranks a shape
 model), a model given as a tuple or an empty list, and an ``adjust_tensor_shapes_fn`` returning other than two
 lists of one shape (an unpacking error).
 
-The step runs in this process on a one-rank gloo group (pp = 1; vpp = 2 hands the activation from chunk 0 to
-chunk 1 as a transfer would). A loss dict the V cannot send: test_megatron_loss_handoff.py.
+The step runs in-process on a one-rank gloo group (pp = 1; vpp = 2 hands the activation from chunk 0 to
+chunk 1 as a transfer would), in an interpreter of its own: Megatron's parallel state makes gloo subgroups whose
+threads outlive ``destroy_process_group``, and a process that ran them forks gloo ranks that hang or crash (the
+fork-launched Megatron tests after this file did). test_megatron_step_isolated.py runs this file so. A loss
+dict the V cannot send: test_megatron_loss_handoff.py.
 """
 
 import importlib.util
+import os
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+IN_OWN_INTERPRETER = "PRIMUSPIPE_HOSTILE_OWN_INTERPRETER"
+"""Set by test_megatron_step_isolated.py in the interpreter it runs this file in."""
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
+    pytest.mark.skipif(os.environ.get(IN_OWN_INTERPRETER) != "1",
+                       reason="run in an interpreter of its own by test_megatron_step_isolated.py"),
+]
 
 import torch  # noqa: E402
 
