@@ -52,8 +52,8 @@ FIGURES = (
     # dense rows only: an MoE row's costs beyond its GEMMs (routing, dispatch, small kernels) are what
     # moe_kernel_seconds and the MoE modelling answer for, not the share of GEMM rate a step sustains
     FittedFigure("sustained_fraction", ("h100", "h200", "h100-hbm2e"), lambda r: r.hardware == "h100" and _dense(r.model), 0.005),
-    FittedFigure("moe_kernel_seconds", ("h100", "h200", "h100-hbm2e", "b200", "gb200"), lambda r: r.id == QWEN3_MOE_ROW,
-                 0.5e-6),
+    FittedFigure("moe_kernel_seconds", ("h100", "h200", "h100-hbm2e", "b200", "gb200", "gb300"),
+                 lambda r: r.id == QWEN3_MOE_ROW, 0.5e-6),
     FittedFigure("sustained_fraction", ("mi300x", "mi325x"),
                  lambda r: r.id == "amd-pytorch-train-mi300x-llama3.1-8b-bf16-fsdp-8", 0.005),
     FittedFigure("moe_sync_host_op_seconds", ("mi355x",),

@@ -1,4 +1,4 @@
-"""The B200 and GB200 files' attention figures against the cuDNN fused-attention rates NVIDIA published for each
+"""The B200, GB200 and GB300 files' attention figures against the cuDNN fused-attention rates NVIDIA published for each
 (examples/projection/hardware/measurements/attention.yaml): the model reproduces each published forward and backward
 as an isolated kernel (sustained_fraction 1), every length its tables give is a published point, and a B200 layer's
 attention time in a projection is priced at them."""
@@ -41,7 +41,7 @@ def test_each_attention_figure_gives_the_published_rate(point):
     assert flops / seconds / 1e12 == pytest.approx(tflops, rel=0.002)
 
 
-@pytest.mark.parametrize("name", ["b200", "gb200"])
+@pytest.mark.parametrize("name", ["b200", "gb200", "gb300"])
 def test_every_length_the_blackwell_tables_give_is_a_published_point(name):
     """A table row without a published point behind it would be an unsourced figure; a published point the
     tables skip would leave the interpolation unchecked there."""

@@ -35,7 +35,7 @@ def test_every_shipped_example_loads():
                                         *(f"mcore08-gpt-{size}" for size in
                                           ("1.7b", "7.1b", "16b", "32b", "70b", "119b", "177b", "314b", "462b"))}
     assert {p.stem for p in HARDWARE} == {"mi300x", "mi325x", "mi355x", "h100", "h200", "b200", "gb200",
-                                          "h100-hbm2e"}
+                                          "gb300", "h100-hbm2e"}
     for path in MODELS:
         assert load_model(path).source == str(path)
     for path in HARDWARE:
@@ -71,6 +71,25 @@ def test_the_gb200_takes_the_b200s_unmeasured_figures():
     ratio = b200.mxfp8_gemm_efficiency / b200.fp8_gemm_efficiency
     assert gb200.mxfp8_gemm_efficiency == pytest.approx(gb200.fp8_gemm_efficiency * ratio, abs=2e-3)
     assert gb200.gpus_per_node == 72 and gb200.collective_ctas_per_card is None
+
+
+def test_the_gb300_takes_the_gb200s_unmeasured_figures():
+    """gb300.yaml takes from gb200.yaml each figure no GB300 source gives -- every GEMM and dispatcher rate (no GB300
+    MAMF, GEMM sweep, HybridEP or DeepEP table was found) and what gb200.yaml itself takes from b200.yaml: they must
+    follow gb200.yaml when it changes. The GB300's own figures -- peaks, memory, fabric, network cards and cuDNN
+    attention -- are its sources'."""
+    gb200 = load_hardware(EXAMPLES / "hardware" / "gb200.yaml")
+    gb300 = load_hardware(EXAMPLES / "hardware" / "gb300.yaml")
+    taken = ("gemm_efficiency", "fp8_gemm_efficiency", "mxfp8_gemm_efficiency", "gemm_half_intensity",
+             "sustained_fraction", "fp8_sustained_fraction", "mxfp8_cast_bandwidth_fraction", "compute_units",
+             "gemm_tile", "attention_head_dim_rates", "runtime_reserved_bytes", "host_op_seconds", "host_launch_seconds",
+             "hybridep_bandwidth_bytes_per_s", "deepep_sm_bandwidth_bytes_per_s", "moe_kernel_seconds",
+             "stream_launch_gap_seconds", "fp8_gemm_any_layout", "block_scaled_fp8", "collective_ctas_per_card")
+    assert {f: getattr(gb300, f) for f in taken} == {f: getattr(gb200, f) for f in taken}
+    # its own: 284,208 MiB device-reported HBM, one 800 Gb/s ConnectX-8 a GPU, cuDNN 9.22's GB300 attention
+    assert gb300.hbm_bytes == 284208 * 2**20 and gb300.inter_node_bandwidth_bytes_per_s == 100e9
+    assert gb300.gpus_per_node == 72
+    assert gb300.attention_efficiency > gb200.attention_efficiency
 
 
 def test_default_training_file_spells_out_the_built_in_defaults():
