@@ -1,6 +1,7 @@
 """A run's ``attention_kernel`` (training) selects a published per-kernel rate table of the hardware file
-(``attention_kernels``): the H100's ``cudnn-2024`` and ``flash2`` reproduce the FlashAttention-3 paper's bars, a run
-that names one is timed at them, and a name the file does not list is refused in one line."""
+(``attention_kernels``): the H100's ``cudnn-2024`` and ``flash2`` reproduce the FlashAttention-3 paper's bars,
+``flash1`` FlashAttention-2's release chart's FlashAttention 1 / 2 ratio, a run that names one is timed at them, and a
+name the file does not list is refused in one line."""
 
 from __future__ import annotations
 
@@ -44,6 +45,20 @@ def test_a_named_kernel_runs_at_the_papers_rates(kernel, pass_name):
         assert flops / seconds / 1e12 == pytest.approx(tflops, rel=0.004), length  # the file's three decimals
 
 
+# FlashAttention-2's release chart (flash-attention assets/flash2_h100_fwd_bwd_benchmark.png, panel (d): causal, head
+# dim 128, H100 SXM5), forward + backward TFLOP/s of FlashAttention 1 and FlashAttention-2.
+FA2_CHART = {"flash1": (98, 109, 108, 126, 135, 137), "flash2": (163, 221, 265, 294, 308, 328)}
+
+
+@pytest.mark.parametrize("pass_name", ["forward", "backward"])
+def test_flash1_runs_at_flash2s_rates_times_the_release_charts_ratio(pass_name):
+    flash1, flash2 = _isolated("flash1"), _isolated("flash2")
+    for length, old, new in zip(LENGTHS, FA2_CHART["flash1"], FA2_CHART["flash2"]):
+        seconds = [Work(attention_flops=1e12).attention_seconds(h, "bf16", length, 128, pass_name == "backward")
+                   for h in (flash1, flash2)]
+        assert seconds[1] / seconds[0] == pytest.approx(old / new, rel=0.006), length  # the file's three decimals
+
+
 def test_the_rates_come_from_the_hardware_file():
     h100 = load_hardware(H100)
     named = h100.with_attention_kernel("cudnn-2024", "test")
@@ -75,7 +90,7 @@ def test_a_run_naming_cudnn_2024_is_slower_at_long_sequences_by_the_rates_ratio(
 def test_an_unknown_kernel_is_refused_naming_the_choices():
     model = load_model(EXAMPLES / "models" / "llama2-7b.yaml")
     work = WorkModel(model, TrainingSpec(attention_kernel="flash3", source="train.yaml"))
-    with pytest.raises(InputError, match=r"train.yaml: attention_kernel='flash3'.*name one of cudnn-2024, flash2"):
+    with pytest.raises(InputError, match=r"train.yaml: attention_kernel='flash3'.*name one of cudnn-2024, flash1, flash2"):
         part_times(work, load_hardware(H100), Calibration())
 
 
