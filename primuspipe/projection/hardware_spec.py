@@ -208,6 +208,10 @@ class HardwareSpec:
                      "deepep_sm_bandwidth_bytes_per_s", "collective_ctas_per_card"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
+        if self.hybridep_rank_latency_s is not None and self.hybridep_bandwidth_bytes_per_s is None:
+            raise InputError([(self.source, "hybridep_rank_latency_s", self.hybridep_rank_latency_s)],
+                             "is fitted together with hybridep_bandwidth_bytes_per_s, which the file does not give",
+                             "give both figures of the fit, or neither")
         for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),
                                     ("attention_backward_length_rates", "sequence length", "[[2048, 0.64], [8192, 0.83]]"),
                                     ("attention_head_dim_rates", "head dimension", "[[64, 0.63], [128, 1.0]]")):

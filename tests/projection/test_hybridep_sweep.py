@@ -14,6 +14,7 @@ import yaml
 from primuspipe.projection.comm import hybridep_seconds, layer_comm
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.model_spec import load_model
+from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.published import EXAMPLES
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -75,3 +76,10 @@ def test_a_layers_hybridep_all_to_alls_are_priced_so(name, ep):
     rows = rows_seconds * hardware.hybridep_bandwidth_bytes_per_s
     tokens = model.seq_length
     assert 3.9 < rows / (tokens * model.hidden_size * 2) < 8  # a token reaches between 4 and 8 ranks
+
+
+def test_a_rank_latency_without_its_bandwidth_is_refused():
+    """The latency is half of a fit; alone it would be silently unused (the fabric's model times the call)."""
+    gb200 = load_hardware(EXAMPLES / "hardware" / "gb200.yaml")
+    with pytest.raises(InputError, match="hybridep_rank_latency_s"):
+        dataclasses.replace(gb200, hybridep_bandwidth_bytes_per_s=None)
