@@ -242,7 +242,7 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
             copies *= destination_ranks(model, t) / model.moe_router_topk
         rows = copies * model.hidden_size * e
         if hybridep_timed(t, hardware, nodes):  # a measured call, its own rows counted (see HardwareSpec)
-            ep = 2 * (rows / hardware.hybridep_bandwidth_bytes_per_s + (t.ep - 1) * hardware.intra_node_latency_s)
+            ep = 2 * hybridep_seconds(rows, t.ep, hardware)
         else:
             ep = 2 * max(net.all_to_all(rows, t.ep, t.etp * t.ep), deepep_sm_bound(t, hardware, nodes, rows))
             if t.hybridep:  # its permuting copy out of the receive buffer (WorkModel.permutations), each way,
@@ -329,6 +329,15 @@ def hybridep_timed(training: TrainingSpec, hardware: HardwareSpec, nodes: int) -
     :func:`layer_comm` adds that copy (read and write of every copy, each way)."""
     return (training.hybridep
             and nodes == 1 and training.ep > 1 and hardware.hybridep_bandwidth_bytes_per_s is not None)
+
+
+def hybridep_seconds(rows: float, ranks: int, hardware: HardwareSpec) -> float:
+    """Seconds one HybridEP dispatch or combine of ``rows`` bytes over ``ranks`` inside a node takes: the rows at the
+    measured ``hybridep_bandwidth_bytes_per_s``, plus ``hybridep_rank_latency_s`` for each rank beyond the first where
+    the hardware file fits the two to a sweep over group sizes. Without that figure the bandwidth is one measured
+    call's whole rate, latency included: the fabric's ring latency added on top would count it twice."""
+    assert hardware.hybridep_bandwidth_bytes_per_s is not None
+    return rows / hardware.hybridep_bandwidth_bytes_per_s + (ranks - 1) * (hardware.hybridep_rank_latency_s or 0.0)
 
 
 def deepep_sm_bound(training: TrainingSpec, hardware: HardwareSpec, nodes: int, rows: float) -> float:

@@ -168,6 +168,11 @@ class HardwareSpec:
     megatron-core makes it (the "Torch API" figure of DeepEP's hybrid-ep benchmark). It times the flex
     dispatcher's all-to-alls on HybridEP inside a node in place of the fabric's ``intra_node_bandwidth`` x
     ``network_efficiency``. None: the fabric's figure."""
+    hybridep_rank_latency_s: float | None = None
+    """Seconds each rank of the expert group beyond the first adds to a HybridEP call inside a node, fitted together
+    with ``hybridep_bandwidth_bytes_per_s`` to a published sweep of the call over group sizes: a call takes its rows
+    over that bandwidth plus ``(EP - 1)`` times this. None: the bandwidth is one measured call's whole rate (its
+    latency inside it), and nothing is added."""
     deepep_sm_bandwidth_bytes_per_s: float | None = None
     """Bytes per second each SM (compute unit) that DeepEP's intranode normal kernels hold moves: the kernels copy
     token rows channel by channel, a channel per pair of SMs, so until the fabric binds a call's algorithm
@@ -198,10 +203,15 @@ class HardwareSpec:
                      "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node",
                      "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds",
                      "moe_sync_host_op_seconds", "moe_kernel_seconds", "stream_launch_gap_seconds",
-                     "gemm_half_intensity", "hybridep_bandwidth_bytes_per_s", "scatter_add_elements_per_s",
+                     "gemm_half_intensity", "hybridep_bandwidth_bytes_per_s", "hybridep_rank_latency_s",
+                     "scatter_add_elements_per_s",
                      "deepep_sm_bandwidth_bytes_per_s", "collective_ctas_per_card"):
             if getattr(self, name) == 0:
                 raise InputError([(self.source, name, 0)], "must be positive", "give the accelerator's published figure")
+        if self.hybridep_rank_latency_s is not None and self.hybridep_bandwidth_bytes_per_s is None:
+            raise InputError([(self.source, "hybridep_rank_latency_s", self.hybridep_rank_latency_s)],
+                             "is fitted together with hybridep_bandwidth_bytes_per_s, which the file does not give",
+                             "give both figures of the fit, or neither")
         for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),
                                     ("attention_backward_length_rates", "sequence length", "[[2048, 0.64], [8192, 0.83]]"),
                                     ("attention_head_dim_rates", "head dimension", "[[64, 0.63], [128, 1.0]]")):
@@ -334,7 +344,7 @@ SPANS = {
     "compute_units": (1, 2**20, "compute units"), "collective_ctas_per_card": (1, 2**10, "CTAs"),
     **{name: _SECONDS for name in ("intra_node_latency_s", "inter_node_latency_s", "host_op_seconds",
                                    "host_launch_seconds", "moe_sync_host_op_seconds", "moe_kernel_seconds",
-                                   "stream_launch_gap_seconds")},
+                                   "stream_launch_gap_seconds", "hybridep_rank_latency_s")},
 }
 """Each physical figure's span: wide enough for a CPU host and any accelerator to come (a benchmark host
 at 1 TFLOP/s and 1 GB/s; an HBM at 10 PB/s), narrow enough that a unit slip by orders of magnitude (a
