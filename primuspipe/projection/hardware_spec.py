@@ -262,13 +262,15 @@ class HardwareSpec:
                              "a node's collectives (CTAs per card times the node's cards) would hold every compute unit",
                              "give NCCL's CTAs per network card, e.g. 2, and the node's real GPU and SM counts")
 
-        for size, channels in self.intra_node_collective_channels or ():
-            if not 2 <= size <= self.gpus_per_node or not self.compute_units or not 1 <= channels < self.compute_units:
-                raise InputError([(self.source, "intra_node_collective_channels", [size, channels]),
-                                  (self.source, "gpus_per_node", self.gpus_per_node),
-                                  (self.source, "compute_units", self.compute_units)],
-                                 "a pair is a group size of 2 to the node's GPUs and fewer channels than compute units",
-                                 "give [GPUs, channels] pairs, e.g. [[2, 32], [8, 112]], and the GPU's compute_units")
+        pairs = self.intra_node_collective_channels or ()
+        if any(len(pair) != 2 or not 2 <= pair[0] <= self.gpus_per_node or not self.compute_units
+               or not 1 <= pair[1] < self.compute_units for pair in pairs) or len({p[0] for p in pairs}) < len(pairs):
+            raise InputError([(self.source, "intra_node_collective_channels", [list(p) for p in pairs]),
+                              (self.source, "gpus_per_node", self.gpus_per_node),
+                              (self.source, "compute_units", self.compute_units)],
+                             "each entry is [group size of 2 to the node's GPUs, fewer channels than compute units], "
+                             "each size once",
+                             "give [GPUs, channels] pairs, e.g. [[2, 32], [8, 112]], and the GPU's compute_units")
 
     def fp8_peak_tflops(self) -> float:
         if self.peak_fp8_tflops is None:

@@ -89,7 +89,8 @@ def test_a_group_between_listed_sizes_takes_the_largest_size_below_it():
     assert Collectives(MI355X).compute_share(3, 6) == pytest.approx(32 / 256)
 
 
-@pytest.mark.parametrize("pair", [[1, 8], [16, 8], [8, 256], [8, 0]])
-def test_a_channel_pair_outside_the_node_or_the_units_is_refused(pair):
+@pytest.mark.parametrize("pairs", [[[1, 8]], [[16, 8]], [[8, 256]], [[8, 0]], [[8]], [[8, 112, 4]],
+                                   [[8, 112], [8, 56]]])
+def test_a_channel_table_outside_the_node_or_the_units_or_naming_a_size_twice_is_refused(pairs):
     with pytest.raises(InputError, match="intra_node_collective_channels"):
-        dataclasses.replace(MI355X, intra_node_collective_channels=(tuple(pair),))
+        dataclasses.replace(MI355X, intra_node_collective_channels=tuple(tuple(p) for p in pairs))
