@@ -67,10 +67,16 @@ class Collectives:
 
     def compute_share(self, ranks: int, span: int) -> float:
         """Share of a GPU's compute units a ring collective over ``ranks`` spread over ``span`` consecutive ranks
-        holds while it runs (:attr:`HardwareSpec.collective_ctas_per_card` per card the group's members on a node
-        use); 0 inside one node or where the hardware file gives no count."""
+        holds while it runs: across nodes :attr:`HardwareSpec.collective_ctas_per_card` per card the group's
+        members on a node use, inside one node the channels :attr:`HardwareSpec.intra_node_collective_channels`
+        gives a group of its size; 0 where the hardware file gives no count."""
         h = self.hardware
-        if ranks == 1 or span <= h.gpus_per_node or not h.collective_ctas_per_card or not h.compute_units:
+        if ranks == 1 or not h.compute_units:
+            return 0.0
+        if span <= h.gpus_per_node:
+            sizes = [channels for size, channels in sorted(h.intra_node_collective_channels or ()) if size <= ranks]
+            return sizes[-1] / h.compute_units if sizes else 0.0
+        if not h.collective_ctas_per_card:
             return 0.0
         return h.collective_ctas_per_card * max(1, ranks * h.gpus_per_node // span) / h.compute_units
 
@@ -534,8 +540,9 @@ def gradient_sync(params: ParamCount, training: TrainingSpec, hardware: Hardware
     compute: a rank's many experts replicated over an expert-data-parallel group that crosses the network,
     with few microbatches.
 
-    What the compute hides is not free for it: across nodes a collective's CTAs hold compute units the kernels beside
-    it cannot use (:meth:`Collectives.compute_share`), so the compute that runs beside the hidden part takes
+    What the compute hides is not free for it: a collective's CTAs (channels) hold compute units the kernels beside
+    it cannot use (:meth:`Collectives.compute_share`; inside a node where the hardware file gives RCCL's channel
+    counts), so the compute that runs beside the hidden part takes
     ``1 / (1 - share)`` as long, as under DeepEP's dispatcher (:meth:`LayerComm.exposed`); that extra time shows."""
     t, net = training, Collectives(hardware)
     ddp = not t.use_megatron_fsdp  # the bucket groups are DistributedDataParallel's

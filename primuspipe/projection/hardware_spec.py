@@ -186,8 +186,16 @@ class HardwareSpec:
     shares its SM with a compute kernel (NVIDIA/nccl issue 689, the NCCL maintainer: a single-NIC system "should just
     launch 2 SMs", "DGX with 8 NICs ... would use 16 SMs"; "NCCL CTAs won't share an SM with compute kernels"). Compute
     that an overlapped data-parallel collective runs beside takes ``1 / (1 - CTAs / compute_units)`` as long
-    (:func:`~primuspipe.projection.comm.gradient_sync`). None: overlapped collectives take no compute units (groups
-    inside one node, whose NVLink rings' CTA count no source gives, are not priced either)."""
+    (:func:`~primuspipe.projection.comm.gradient_sync`). None: overlapped collectives across nodes take no compute
+    units (inside one node see ``intra_node_collective_channels``)."""
+    intra_node_collective_channels: tuple[tuple[int, int], ...] | None = None
+    """Channels (thread blocks, each on a compute unit of its own) the collective library's ring collectives run on
+    each GPU inside one node, by the group's size: ``[GPUs, channels]`` pairs; a group of a size between pairs takes
+    the largest listed size below it. RCCL sizes them by the members on the node (on the MI355X 32 for 2 GPUs, 48
+    for 4, 112 for 8) and every channel is a workgroup that holds its CU while the collective runs, so compute
+    beside an overlapped data-parallel collective inside a node takes ``1 / (1 - channels / compute_units)`` as long
+    (:func:`~primuspipe.projection.comm.gradient_sync`), as across nodes with ``collective_ctas_per_card``. None:
+    groups inside one node hold no compute units (no source gives NCCL's count on NVLink)."""
     scatter_add_elements_per_s: float | None = None
     """Elements per second PyTorch's accumulating scatters (``scatter_add_``, ``index_add_``: a write that adds into
     its destination instead of overwriting it) reach on this accelerator for bf16 token rows. megatron-core's
@@ -263,6 +271,16 @@ class HardwareSpec:
                               (self.source, "compute_units", self.compute_units)],
                              "a node's collectives (CTAs per card times the node's cards) would hold every compute unit",
                              "give NCCL's CTAs per network card, e.g. 2, and the node's real GPU and SM counts")
+
+        pairs = self.intra_node_collective_channels or ()
+        if any(len(pair) != 2 or not 2 <= pair[0] <= self.gpus_per_node or not self.compute_units
+               or not 1 <= pair[1] < self.compute_units for pair in pairs) or len({p[0] for p in pairs}) < len(pairs):
+            raise InputError([(self.source, "intra_node_collective_channels", [list(p) for p in pairs]),
+                              (self.source, "gpus_per_node", self.gpus_per_node),
+                              (self.source, "compute_units", self.compute_units)],
+                             "each entry is [group size of 2 to the node's GPUs, fewer channels than compute units], "
+                             "each size once",
+                             "give [GPUs, channels] pairs, e.g. [[2, 32], [8, 112]], and the GPU's compute_units")
 
     def fp8_peak_tflops(self) -> float:
         if self.peak_fp8_tflops is None:

@@ -37,7 +37,8 @@ def test_the_hidden_reduction_slows_the_compute_beside_it_by_the_cards_ctas(tp, 
         exposed + (whole - exposed) * share / (1 - share))
 
 
-def test_collectives_that_hide_nothing_or_stay_inside_a_node_cost_no_compute():
+def test_collectives_that_hide_nothing_or_stay_inside_an_nvlink_node_cost_no_compute():
+    """The H100 file gives no intra-node channel count (no source gives NCCL's on NVLink)."""
     for training in (_training(8, 16, overlap_grad_reduce=False), _training(1, 8), _training(2, 4)):
         assert gradient_sync(PARAMS, training, H100, buckets=1_000, backward_s=BACKWARD_S) == pytest.approx(
             gradient_sync(PARAMS, training, BARE, buckets=1_000, backward_s=BACKWARD_S))
@@ -63,3 +64,33 @@ def test_a_node_of_collectives_holding_every_unit_is_refused():
                      hbm_bandwidth_bytes_per_s=2e12, intra_node_bandwidth_bytes_per_s=100e9,
                      inter_node_bandwidth_bytes_per_s=10e9, intra_node_latency_s=1e-5, inter_node_latency_s=2e-5,
                      network_efficiency=1.0, gpus_per_node=8, compute_units=16, collective_ctas_per_card=2)
+
+
+MI355X = load_hardware(Path(__file__).resolve().parents[2] / "examples" / "projection" / "hardware" / "mi355x.yaml")
+MESH_BARE = dataclasses.replace(MI355X, intra_node_collective_channels=None)
+
+
+@pytest.mark.parametrize("dp, channels", [(8, 112), (2, 32), (4, 48)])
+def test_inside_a_node_rccls_channels_slow_the_compute_beside_the_hidden_reduction(dp, channels):
+    """RCCL runs a ring collective among ``dp`` GPUs of one MI355X node on its channels for that group size (112 for
+    8, 48 for 4, 32 for 2), each a workgroup on a compute unit of its own: the compute beside the hidden part of the
+    gradient reduction takes ``1 / (1 - channels / 256)`` as long."""
+    training = _training(8 // dp, dp)
+    whole = Collectives(MI355X).all_reduce(PARAMS.dense * training.main_grad_bytes, dp, 8)
+    exposed = gradient_sync(PARAMS, training, MESH_BARE, buckets=1_000, backward_s=BACKWARD_S)
+    assert 0 < exposed < whole
+    share = channels / 256
+    assert gradient_sync(PARAMS, training, MI355X, buckets=1_000, backward_s=BACKWARD_S) == pytest.approx(
+        exposed + (whole - exposed) * share / (1 - share))
+
+
+def test_a_group_between_listed_sizes_takes_the_largest_size_below_it():
+    assert Collectives(MI355X).compute_share(6, 8) == pytest.approx(48 / 256)
+    assert Collectives(MI355X).compute_share(3, 6) == pytest.approx(32 / 256)
+
+
+@pytest.mark.parametrize("pairs", [[[1, 8]], [[16, 8]], [[8, 256]], [[8, 0]], [[8]], [[8, 112, 4]],
+                                   [[8, 112], [8, 56]]])
+def test_a_channel_table_outside_the_node_or_the_units_or_naming_a_size_twice_is_refused(pairs):
+    with pytest.raises(InputError, match="intra_node_collective_channels"):
+        dataclasses.replace(MI355X, intra_node_collective_channels=tuple(tuple(p) for p in pairs))
