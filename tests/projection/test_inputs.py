@@ -83,8 +83,9 @@ def test_the_gb300_takes_the_gb200s_unmeasured_figures():
     taken = ("gemm_efficiency", "fp8_gemm_efficiency", "mxfp8_gemm_efficiency", "gemm_half_intensity",
              "sustained_fraction", "fp8_sustained_fraction", "mxfp8_cast_bandwidth_fraction", "compute_units",
              "gemm_tile", "attention_head_dim_rates", "runtime_reserved_bytes", "host_op_seconds", "host_launch_seconds",
-             "hybridep_bandwidth_bytes_per_s", "deepep_sm_bandwidth_bytes_per_s", "moe_kernel_seconds",
-             "stream_launch_gap_seconds", "fp8_gemm_any_layout", "block_scaled_fp8", "collective_ctas_per_card")
+             "hybridep_bandwidth_bytes_per_s", "hybridep_rank_latency_s", "deepep_sm_bandwidth_bytes_per_s",
+             "moe_kernel_seconds", "stream_launch_gap_seconds", "fp8_gemm_any_layout", "block_scaled_fp8",
+             "collective_ctas_per_card", "intra_node_collective_channels")
     assert {f: getattr(gb300, f) for f in taken} == {f: getattr(gb200, f) for f in taken}
     # its own: 284,208 MiB device-reported HBM, one 800 Gb/s ConnectX-8 a GPU, cuDNN 9.22's GB300 attention
     assert gb300.hbm_bytes == 284208 * 2**20 and gb300.inter_node_bandwidth_bytes_per_s == 100e9
