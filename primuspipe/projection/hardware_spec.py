@@ -130,9 +130,12 @@ class HardwareSpec:
     """Fused attention's rate against the head dimension: ``[head dim, rate]`` pairs, the rate relative to the one
     ``attention_efficiency`` stands for (1 at 128); interpolated and held outside the pairs as the length
     rates are. None: one rate at every head dimension."""
+    attention_backward_head_dim_rates: tuple[tuple[float, float], ...] | None = None
+    """The backward kernels' rate against the head dimension, as ``attention_head_dim_rates`` (1 at 128): where narrow
+    heads cost the two passes differently (cuDNN on Blackwell: see ``b200.yaml``). None: the backward at ``attention_head_dim_rates``, as the forward."""
     attention_kernels: dict[str, AttentionKernel] | None = None
     """Other fused-attention kernels a run may name in its training's ``attention_kernel``, by name: each replaces
-    the three figures above for that run (:meth:`with_attention_kernel`); ``attention_head_dim_rates`` and
+    the three figures above for that run (:meth:`with_attention_kernel`); the head-dimension rates and
     ``attention_dropout_rate`` stay the file's. None: no kernel can be named."""
     attention_dropout_rate: float = 1.0
     """Fused attention's rate with ``attention_dropout`` on, as a share of its rate without (the kernel draws a
@@ -222,7 +225,8 @@ class HardwareSpec:
                              "give both figures of the fit, or neither")
         for name, what, example in (("attention_length_rates", "sequence length", "[[2048, 0.92], [8192, 1.0]]"),
                                     ("attention_backward_length_rates", "sequence length", "[[2048, 0.64], [8192, 0.83]]"),
-                                    ("attention_head_dim_rates", "head dimension", "[[64, 0.63], [128, 1.0]]")):
+                                    ("attention_head_dim_rates", "head dimension", "[[64, 0.63], [128, 1.0]]"),
+                                    ("attention_backward_head_dim_rates", "head dimension", "[[64, 0.6], [128, 1.0]]")):
             _check_rates(self.source, name, getattr(self, name) or (), what, example)
         for name, kernel in (self.attention_kernels or {}).items():
             _check_rates(self.source, f"attention_kernels.{name}.length_rates", kernel.length_rates, "sequence length",
@@ -301,11 +305,12 @@ class HardwareSpec:
         return (self.attention_efficiency or self.achievable_fraction) * self.sustained_fraction
 
     def attention_rate(self, length: float | None, head_dim: float | None = None, backward: bool = False) -> float:
-        """``attention_length_rates`` (``attention_backward_length_rates`` for the ``backward`` kernels where given)
-        at ``length`` queries per kernel times ``attention_head_dim_rates`` at ``head_dim`` (each 1 without its
-        table or its value)."""
+        """``attention_length_rates`` at ``length`` queries per kernel times ``attention_head_dim_rates`` at
+        ``head_dim`` (for the ``backward`` kernels their ``attention_backward_*`` tables where given; each 1 without
+        its table or its value)."""
         lengths = (backward and self.attention_backward_length_rates) or self.attention_length_rates
-        return _interpolate(lengths, length) * _interpolate(self.attention_head_dim_rates, head_dim)
+        widths = (backward and self.attention_backward_head_dim_rates) or self.attention_head_dim_rates
+        return _interpolate(lengths, length) * _interpolate(widths, head_dim)
 
     def with_attention_kernel(self, kernel: str | None, training_source: str) -> HardwareSpec:
         """This accelerator with ``kernel``'s attention rates (:class:`AttentionKernel`) in place of the file's; itself

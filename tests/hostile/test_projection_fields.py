@@ -104,7 +104,7 @@ def test_cuda_graphs_over_moe_layers(tmp_path, impl, modules, padded):
 
 
 @pytest.mark.parametrize("field", ["attention_length_rates", "attention_backward_length_rates",
-                                   "attention_head_dim_rates"])
+                                   "attention_head_dim_rates", "attention_backward_head_dim_rates"])
 @pytest.mark.parametrize("table", [[[2048, 0.9], [2048, 0.5]], [[128, 1.0], [4096, 1.0], [128, 1.0]],
                                    [[4096, 1e-300]], [[4096, 1e-9], [8192, 1.0]]])
 def test_rate_tables_that_contradict_or_vanish(tmp_path, field, table):

@@ -66,3 +66,28 @@ def test_a_b200_projection_prices_attention_at_the_published_rates():
     assert times.attention[0] == pytest.approx(layer.forward.attention_flops / (peak * 0.798))
     assert times.attention[1] == pytest.approx(layer.backward_input.attention_flops / (peak * 0.642))
     assert times.attention[2] == 0
+
+
+HEAD_DIMS = yaml.safe_load(MEASUREMENTS.read_text())["head_dims"]
+
+
+@pytest.mark.parametrize("measured", HEAD_DIMS, ids=lambda m: m["hardware"])
+def test_the_narrow_head_rates_are_one_runs_64_wide_kernel_against_its_128_wide_one(measured):
+    """Each pass's rate at head dim 64 is the published 64-wide kernel's TFLOP/s over the 128-wide one's of the same
+    run, the windowed kernel's work counted as the projection counts it (the key blocks it visits: ``window_share``
+    of a model windowed on every layer); rates to three decimals."""
+    hardware = load_hardware((MEASUREMENTS.parent / measured["hardware"]).resolve())
+    narrow, wide, tokens = measured["narrow"], measured["wide"], measured["tokens"]
+    gpt_oss = load_model(EXAMPLES / "models" / "gpt-oss-120b.yaml")
+    windowed = dataclasses.replace(gpt_oss, seq_length=tokens, window_size=(narrow["window"], 0),
+                                   window_attn_skip_freq=gpt_oss.num_layers + 1)
+    share = WorkModel(windowed, TrainingSpec(micro_batch_size=1, global_batch_size=1)).window_share
+    assert 0.4 < share < 0.5  # a 1,024-token window at 4k: 252 of causal's 528 key blocks
+
+    def work(kernel: dict) -> float:  # one pass's FLOPs over the forward's, as this model counts them
+        return 4 * kernel["batch"] * kernel["heads"] * tokens ** 2 * kernel["head_dim"] / 2
+
+    rates = [work(narrow) * share / n / (work(wide) / w) for n, w in zip(narrow["ms"], wide["ms"])]
+    assert hardware.attention_rate(None, 64) == pytest.approx(rates[0], abs=5e-4)
+    assert hardware.attention_rate(None, 64, backward=True) == pytest.approx(rates[1], abs=5e-4)
+    assert hardware.attention_rate(None, 128) == hardware.attention_rate(None, 128, backward=True) == 1.0

@@ -60,12 +60,14 @@ def test_the_hbm2e_h100_is_the_h100_but_for_its_memory():
 def test_the_gb200_takes_the_b200s_unmeasured_figures():
     """gb200.yaml takes from b200.yaml each figure no GB200 source gives (the GPUs share a die): they must follow
     b200.yaml when it changes (a refit of its sustained fractions or kernel costs). The GB200's own figures -- peaks,
-    memory, fabric, MAMF, attention, HybridEP and DeepEP rates -- are its sources'."""
+    memory, fabric, MAMF, attention, HybridEP and DeepEP rates -- are its sources'; its narrow-head attention rates,
+    measured on a GB200, are the ones b200.yaml takes."""
     b200 = load_hardware(EXAMPLES / "hardware" / "b200.yaml")
     gb200 = load_hardware(EXAMPLES / "hardware" / "gb200.yaml")
     taken = ("sustained_fraction", "fp8_sustained_fraction", "mxfp8_cast_bandwidth_fraction", "compute_units",
-             "gemm_tile", "attention_head_dim_rates", "runtime_reserved_bytes", "host_op_seconds", "host_launch_seconds",
-             "moe_kernel_seconds", "stream_launch_gap_seconds", "fp8_gemm_any_layout", "block_scaled_fp8")
+             "gemm_tile", "attention_head_dim_rates", "attention_backward_head_dim_rates", "runtime_reserved_bytes",
+             "host_op_seconds", "host_launch_seconds", "moe_kernel_seconds", "stream_launch_gap_seconds",
+             "fp8_gemm_any_layout", "block_scaled_fp8")
     assert {f: getattr(gb200, f) for f in taken} == {f: getattr(b200, f) for f in taken}
     # the MXFP8 GEMM: the B200's ratio of its measured MXFP8 GEMM to its FP8 MAMF, on the GB200's FP8 MAMF
     ratio = b200.mxfp8_gemm_efficiency / b200.fp8_gemm_efficiency
@@ -77,12 +79,12 @@ def test_the_gb300_takes_the_gb200s_unmeasured_figures():
     """gb300.yaml takes from gb200.yaml each figure no GB300 source gives -- every GEMM and dispatcher rate (no GB300
     MAMF, GEMM sweep, HybridEP or DeepEP table was found) and what gb200.yaml itself takes from b200.yaml: they must
     follow gb200.yaml when it changes. The GB300's own figures -- peaks, memory, fabric, network cards and cuDNN
-    attention -- are its sources'."""
+    attention, its narrow-head rates included -- are its sources'."""
     gb200 = load_hardware(EXAMPLES / "hardware" / "gb200.yaml")
     gb300 = load_hardware(EXAMPLES / "hardware" / "gb300.yaml")
     taken = ("gemm_efficiency", "fp8_gemm_efficiency", "mxfp8_gemm_efficiency", "gemm_half_intensity",
              "sustained_fraction", "fp8_sustained_fraction", "mxfp8_cast_bandwidth_fraction", "compute_units",
-             "gemm_tile", "attention_head_dim_rates", "runtime_reserved_bytes", "host_op_seconds", "host_launch_seconds",
+             "gemm_tile", "runtime_reserved_bytes", "host_op_seconds", "host_launch_seconds",
              "hybridep_bandwidth_bytes_per_s", "hybridep_rank_latency_s", "deepep_sm_bandwidth_bytes_per_s",
              "moe_kernel_seconds", "stream_launch_gap_seconds", "fp8_gemm_any_layout", "block_scaled_fp8",
              "collective_ctas_per_card", "intra_node_collective_channels")

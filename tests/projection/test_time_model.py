@@ -340,7 +340,7 @@ def test_the_backward_takes_its_own_length_rates_where_the_file_gives_them():
 
 
 @pytest.mark.parametrize("field", ["attention_length_rates", "attention_backward_length_rates",
-                                   "attention_head_dim_rates"])
+                                   "attention_head_dim_rates", "attention_backward_head_dim_rates"])
 @pytest.mark.parametrize("rates", [[[0, 1.0]], [[1024, 0.0]], [[1024]], [[1024, 2.0]]])
 def test_a_bad_attention_rate_table_is_refused(rates, field):
     values = {"peak_bf16_tflops": 100, "hbm_bytes": 1e9, "hbm_bandwidth_bytes_per_s": 1e12,
@@ -679,6 +679,22 @@ def test_attention_runs_slower_with_narrow_heads(head_dim, rate):
     base = part_times(WorkModel(model, TRAINING), HW, Calibration())["dense"].attention
     narrow = part_times(WorkModel(model, TRAINING), hw, Calibration())["dense"].attention
     assert narrow[0] == pytest.approx(base[0] / rate, rel=5e-3) and narrow[1] == pytest.approx(base[1] / rate, rel=5e-3)
+
+
+def test_the_backward_takes_its_own_head_dim_rates_where_the_file_gives_them():
+    """attention_backward_head_dim_rates price the B pass's kernels at narrow heads (a selective recompute's forward
+    and the F pass stay at attention_head_dim_rates); without them both passes take attention_head_dim_rates."""
+    model = dataclasses.replace(MODEL, kv_channels=64)
+    forward_only = dataclasses.replace(HW, attention_head_dim_rates=((64, 0.5), (128, 1.0)))
+    both = dataclasses.replace(forward_only, attention_backward_head_dim_rates=((64, 0.8), (128, 1.0)))
+    assert forward_only.attention_rate(None, 64, backward=True) == 0.5
+    assert both.attention_rate(None, 64) == 0.5 and both.attention_rate(None, 64, backward=True) == 0.8
+    assert both.attention_rate(None, 128, backward=True) == 1.0
+    recompute = dataclasses.replace(TRAINING, recompute_granularity="selective", recompute_modules=("core_attn",))
+    old, new = (part_times(WorkModel(model, recompute), h, Calibration())["dense"] for h in (forward_only, both))
+    assert new.attention[0] == pytest.approx(old.attention[0]) and new.attention[1] == pytest.approx(
+        old.attention[1] * 0.5 / 0.8)
+    assert new.recompute == pytest.approx(old.recompute) and new.recompute > 0
 
 
 @pytest.mark.parametrize("recipe,align", [("mxfp8", 32), ("tensorwise", 16), ("delayed", 16), ("blockwise", 16)])
