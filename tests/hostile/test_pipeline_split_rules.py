@@ -141,3 +141,30 @@ def test_every_algorithm_given_a_layout(tmp_path, algorithm, chunks):
                        tmp_path / "training.yaml", "--hardware", HARDWARE, "-a", algorithm, "--json"])
     projected_or_named(outcome, f"project {algorithm} on a layout of {chunks} chunks a rank",
                        "pipeline_model_parallel_layout")
+
+
+PRIMUS = {"layout of 2 * pp stages": ({"pipeline_model_parallel_layout": _layout(8, 4)}, 2),
+          "layout beside the vpp": ({"pipeline_model_parallel_layout": _layout(8, 4),
+                                     "num_virtual_stages_per_pipeline_rank": 2}, None),
+          "9 layers over pp 2": ({"num_layers": 9}, None),
+          "4 virtual stages of 8 layers over pp 2": ({"num_virtual_stages_per_pipeline_rank": 4}, 4),
+          "3 virtual stages of 8 layers over pp 2": ({"num_virtual_stages_per_pipeline_rank": 3}, None)}
+"""A Primus YAML's overrides over 8 layers at pp 2 -> the vpp Megatron runs (None: it refuses them)."""
+
+
+@pytest.mark.parametrize("label", sorted(PRIMUS))
+def test_primus_yaml_split_rules(tmp_path, label):
+    """The same rules read from a Primus YAML's module overrides (YAML values, not argument texts)."""
+    changes, vpp = PRIMUS[label]
+    overrides = {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 256,
+                 "max_position_embeddings": 256, "vocab_size": 1000, "micro_batch_size": 1, "global_batch_size": 16,
+                 "bf16": True, "pipeline_model_parallel_size": 2, **changes}
+    path = tmp_path / "primus.yaml"
+    path.write_text(yaml.safe_dump({"modules": {"pre_trainer": {"framework": "megatron", "overrides": overrides}}}))
+    outcome = run_cli(["project", "--megatron-config", path, "--hardware", HARDWARE, "--target-nodes", "1",
+                       "-a", "interleaved-1f1b" if vpp and vpp > 1 else "1f1b", "--json"])
+    if vpp is None:
+        refused(outcome, "primus.yaml", "pipeline", case=f"primus {label}")
+        return
+    accepted(outcome, case=f"primus {label}")
+    assert {row["vpp"] for row in json.loads(outcome.out)["results"]} == {vpp}, label
