@@ -21,6 +21,7 @@ import yaml
 
 from hostile_support import accepted, projected_or_named, refused, run_cli
 from primuspipe.algorithms.registry import list_algorithms
+from primuspipe.projection.layout import parse_layout
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "projection"
 HARDWARE = EXAMPLES / "hardware" / "h100.yaml"
@@ -168,3 +169,35 @@ def test_primus_yaml_split_rules(tmp_path, label):
         return
     accepted(outcome, case=f"primus {label}")
     assert {row["vpp"] for row in json.loads(outcome.out)["results"]} == {vpp}, label
+
+
+LETTERS = {"Et*4|t*4L": 0, "Et*4|t*4mL": 1, "Et*4|t*4mmL": 2, "Et*4|t*4mL ": 0, "Et*4|t*4L ": 1, "Et*4m|t*4L": 1,
+           "Et*4|mt*4L": 1, "Et*4|t*3mtL": 1, "Et*4|t*4m|L": 1, "EEt*4|t*4L": 0, "tEt*3|t*4L": 0, "Et*4|t*4LL": 0,
+           "Et*4|t*4Lm": 1, "Et*4|Lt*4": 0, "t*4|Et*4L": 0, "Et*4|t*4": 0, "t*4|t*4L": 0, "Et*4|t*4mLm": 2}
+"""Layouts of 8 layers over pp 2 (or 3 stages) -> mtp_num_layers given beside it (0: none)."""
+
+
+def _layout_refused(layout: str, mtp: int) -> bool:
+    """megatron-core's ``validate_layer_layout``: the embedding first and the loss last, once each; as many ``m`` as
+    mtp_num_layers, none before a transformer layer; and the projection's own rule, every ``m`` in the last stage."""
+    stages = parse_layout(layout.strip())
+    flat = "".join(stages)
+    return not (flat[:1] == "E" and flat[-1:] == "L" and flat.count("E") == flat.count("L") == 1
+                and flat.count("m") == mtp and "t" not in flat[flat.find("m"):] * bool(mtp)
+                and stages[-1].count("m") == mtp and len(stages) == 2)
+
+
+@pytest.mark.parametrize("layout", sorted(LETTERS))
+def test_layout_letters(tmp_path, layout):
+    """Round twelve: ``m`` without ``--mtp-num-layers`` was priced as no MTP (and the count without ``m`` as MTP), a
+    second ``E`` or ``L`` and an ``L`` before the last letter projected; each is now refused naming the layout."""
+    mtp = LETTERS[layout]
+    path = tmp_path / "args.sh"
+    path.write_text(_arguments(8, 2, "", "") + f" --pipeline-model-parallel-layout '{layout}'"
+                    + (f" --mtp-num-layers {mtp}" if mtp else ""))
+    outcome = run_cli(["project", "--megatron-config", path, "--hardware", HARDWARE, "-a", "1f1b", "--json"])
+    case = f"megatron-config layout {layout!r} with {mtp} MTP layers"
+    if _layout_refused(layout, mtp):
+        refused(outcome, "args.sh", "layout", case=case)
+    else:
+        accepted(outcome, case=case)
