@@ -58,7 +58,7 @@ def _megatron_refuses(layers: int, pp: int, split: str, slots: int) -> tuple[boo
     if split.startswith("layout"):
         stages = _stages(split, pp)
         vpp = stages // pp
-        return bool(slots or stages % pp or (vpp > 1 and pp == 1) or stages > layers + 1), vpp
+        return bool(slots or stages % pp or (vpp > 1 and pp == 1)), vpp
     total = layers + slots
     if total % pp:
         return True, 0
