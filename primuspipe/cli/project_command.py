@@ -158,9 +158,8 @@ def cmd_project(args: argparse.Namespace) -> int:
 def _nothing_projected(refusals: list[Refusal]) -> str:
     """One line for a projection that refused every candidate, naming the commonest reason and what it refused: the
     report was a list of 'not projected' lines (--json: an empty ranking) and exit 1, with no error that says why."""
+    assert refusals, "project() answers every candidate with a result or a refusal"
     reasons = Counter(r.error for r in refusals)
-    if not reasons:
-        return "no candidate to project; name an algorithm with -a (primuspipe list shows them)"
     reason, count = reasons.most_common(1)[0]
     named = list(dict.fromkeys(f"{r.algorithm} (pp {r.pp}, vpp {r.vpp})" for r in refusals if r.error == reason))
     shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")

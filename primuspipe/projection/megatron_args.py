@@ -231,7 +231,7 @@ def _resolve_virtual_stages(arguments: Mapping[str, Any], values: dict[str, dict
         training["virtual_pipeline_model_parallel_size"] = stages
     if isinstance(layout, str) and layout:
         _resolve_layout(layout, training, source)
-    if per_stage:
+    if per_stage is not None:
         layers = strict.count(values["model"].get("num_layers"), f"{source}: num_layers", minimum=1, text=True)
         pp = strict.count(training["pipeline_model_parallel_size"], f"{source}: pipeline_model_parallel_size",
                           minimum=1, text=True)

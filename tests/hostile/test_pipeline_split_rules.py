@@ -25,10 +25,11 @@ from primuspipe.projection.layout import parse_layout
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "projection"
 HARDWARE = EXAMPLES / "hardware" / "h100.yaml"
-SPLITS = ["", "stages 2", "stages 3", "per-stage 1", "per-stage 2", "layout 1", "layout 2", "layout 3/2",
-          "layout 2 + stages 2", "layout 1 + per-stage 1"]
+SPLITS = ["", "stages 0", "stages 2", "stages 3", "per-stage 0", "per-stage 1", "per-stage 2", "layout 1", "layout 2",
+          "layout 3/2", "layout 2 + stages 2", "layout 1 + per-stage 1"]
 """How the arguments give vpp: nothing, ``--num-virtual-stages-per-pipeline-rank N``,
-``--num-layers-per-virtual-pipeline-stage K``, a layout of ``k * pp`` stages (``3/2``: 3 * pp / 2, rounded up, a
+``--num-layers-per-virtual-pipeline-stage K`` (0 of either too: ``--num-layers-per-virtual-pipeline-stage 0`` was
+ignored), a layout of ``k * pp`` stages (``3/2``: 3 * pp / 2, rounded up, a
 count pp does not divide where pp > 1), or a layout beside a vpp flag."""
 SLOTS = {"": 0, "--account-for-embedding-in-pipeline-split": 1,
          "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split": 2}
@@ -59,6 +60,8 @@ def _megatron_refuses(layers: int, pp: int, split: str, slots: int) -> tuple[boo
         stages = _stages(split, pp)
         vpp = stages // pp
         return bool(slots or stages % pp or (vpp > 1 and pp == 1)), vpp
+    if split.endswith(" 0"):  # no chunk, or chunks of no layer (Megatron divides by it)
+        return True, 0
     total = layers + slots
     if total % pp:
         return True, 0
