@@ -145,9 +145,9 @@ class StageLayout:
         first, last = training.decoder_first_pipeline_num_layers, training.decoder_last_pipeline_num_layers
         if training.pipeline_model_parallel_layout:
             try:
-                return cls(_layout_counts(training.pipeline_model_parallel_layout, num_layers, placement.pp * placement.vpp,
-                                          training.mtp_num_layers),
-                           placement)
+                counts = _layout_counts(training.pipeline_model_parallel_layout, num_layers,
+                                        placement.pp * placement.vpp, training.mtp_num_layers)
+                return cls(counts, placement)
             except ValueError as exc:
                 raise InputError([(training.source, "pipeline_model_parallel_layout",
                                    training.pipeline_model_parallel_layout)], str(exc),

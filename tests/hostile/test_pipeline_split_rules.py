@@ -120,7 +120,8 @@ def test_layout_beside_other_split_settings(tmp_path, field):
     """A training file's layout beside another split setting: megatron-core's TransformerConfig refuses it; the
     projection took the layout and left the other setting unread."""
     model = yaml.safe_load((EXAMPLES / "models" / "llama2-7b.yaml").read_text())
-    training = {**yaml.safe_load((EXAMPLES / "training" / "default.yaml").read_text()), "pipeline_model_parallel_size": 2,
+    training = {**yaml.safe_load((EXAMPLES / "training" / "default.yaml").read_text()),
+                "pipeline_model_parallel_size": 2,
                 "pipeline_model_parallel_layout": _layout(model["num_layers"], 2), field: BESIDE_A_LAYOUT[field]}
     (tmp_path / "training.yaml").write_text(yaml.safe_dump(training))
     outcome = run_cli(["project", "--model", EXAMPLES / "models" / "llama2-7b.yaml", "--training",
@@ -137,7 +138,8 @@ def test_every_algorithm_given_a_layout(tmp_path, algorithm, chunks):
     """A layout of ``chunks * pp`` stages under each algorithm: projected where the algorithm runs that many chunks a
     rank, else one line naming the layout -- never only 'not projected' lines and exit 1."""
     model = yaml.safe_load((EXAMPLES / "models" / "llama2-7b.yaml").read_text())
-    training = {**yaml.safe_load((EXAMPLES / "training" / "default.yaml").read_text()), "pipeline_model_parallel_size": 4,
+    training = {**yaml.safe_load((EXAMPLES / "training" / "default.yaml").read_text()),
+                "pipeline_model_parallel_size": 4,
                 "virtual_pipeline_model_parallel_size": chunks,
                 "pipeline_model_parallel_layout": _layout(model["num_layers"], 4 * chunks)}
     (tmp_path / "training.yaml").write_text(yaml.safe_dump(training))
