@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections import Counter
 from pathlib import Path
 
 from primuspipe.cli import sane
@@ -15,7 +16,7 @@ from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.measured import calibration_from_cost_file
 from primuspipe.projection.megatron_args import read_megatron_config
 from primuspipe.projection.model_spec import load_model
-from primuspipe.projection.projection import RISK_MARGIN, Projector, project, scale_to_nodes
+from primuspipe.projection.projection import RISK_MARGIN, Projector, Refusal, project, scale_to_nodes
 from primuspipe.projection.report import print_report, report_dict
 from primuspipe.projection.training_spec import load_training
 
@@ -143,13 +144,28 @@ def cmd_project(args: argparse.Namespace) -> int:
     implausible = [r.error for r in refusals if "MFU" in r.error]
     if not results and implausible and args.measured_costs is not None:
         raise ConfigError(f"{cause}: {implausible[0]}")
+    if not results:
+        raise ConfigError(_nothing_projected(refusals))
     for result in results:
         sane.check(result.row(), f"the projection of {result.algorithm}", cause)
     if args.json:
         print(sane.json_text(report_dict(projector, training, results, refusals)))
     else:
         print_report(report_console(), projector, training, results, refusals, top=args.top)
-    return 0 if results else 1
+    return 0
+
+
+def _nothing_projected(refusals: list[Refusal]) -> str:
+    """One line for a projection that refused every candidate, naming the commonest reason and what it refused: the
+    report was a list of 'not projected' lines (--json: an empty ranking) and exit 1, with no error that says why."""
+    assert refusals, "project() answers every candidate with a result or a refusal"
+    reasons = Counter(r.error for r in refusals)
+    reason, count = reasons.most_common(1)[0]
+    named = list(dict.fromkeys(f"{r.algorithm} (pp {r.pp}, vpp {r.vpp})" for r in refusals if r.error == reason))
+    shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+    others = len(refusals) - count
+    return (f"every candidate was refused ({shown}): {reason}"
+            + (f" (and {others} more for {len(reasons) - 1} other reason(s))" if others else ""))
 
 
 def _inputs(args: argparse.Namespace):

@@ -40,7 +40,7 @@ from primuspipe.documents import check_envelope, envelope, output_file, write_at
 from primuspipe.ir.kinds import NodeKind, all_kinds, on_kinds_changed, overlapped_kind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
-from primuspipe.io.primus_format import from_primus_table, to_primus_table
+from primuspipe.io.primus_format import from_primus_table, looks_like_primus, to_primus_table
 from primuspipe.ir.resources import Resource, resource_plan
 from primuspipe.ir.limits import MAX_NODES
 from primuspipe.ir.table import ScheduleTable
@@ -50,8 +50,6 @@ _SIDECAR_FORMAT, _SIDECAR_VERSION = "primuspipe.torch-csv-meta", 1
 _RESOURCE_RE = re.compile(rf"([0-9]{{1,12}})({'|'.join(r.value for r in Resource)})([0-9]{{0,12}})", re.ASCII)
 _OVERLAP_RE = re.compile(r"\((.*)\)OVERLAP_F_B")
 _SIDECAR_KEYS = {"format", "version", "algorithm", "microbatches", "pp", "vpp"}
-_PRIMUS_RANK_LINE = re.compile(r"Rank\s+0\s*:")
-
 Action = tuple[int, str, int]
 """One parsed single action: ``(stage, torch type, microbatch)``."""
 
@@ -273,7 +271,7 @@ def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
     error names the file."""
     path = strict.file_path(path, "schedule file", error=TableFormatError)
     text = strict.read_text(path, "schedule file", error=TableFormatError)
-    primus = path.suffix.lower() != ".csv" and not text.lstrip().startswith("{") and _PRIMUS_RANK_LINE.search(text)
+    primus = path.suffix.lower() != ".csv" and not text.lstrip().startswith("{") and looks_like_primus(text)
     if placement is not None and not primus:
         raise TableFormatError(f"{path} records its own stage layout; a placement is given only for Primus's printed "
                                "table form (drop --placement)")

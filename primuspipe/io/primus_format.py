@@ -77,6 +77,14 @@ def _primus_type(rank: int, node: ScheduleNode, kind: NodeKind) -> str:
                                f"{', '.join(PRIMUS_TYPES.values())})") from None
 
 
+def looks_like_primus(text: str) -> bool:
+    """Whether ``text`` is meant as Primus's printed table: a ``# primuspipe:`` header, or a line holding a rank line
+    or nodes of its form, mistyped ones too (``rank 0:``, a first rank other than 0), so that its reader names the line
+    -- only ``Rank 0:`` was looked for, and a table whose first rank line was mistyped was read as JSON ("not valid
+    JSON: Expecting value at line 1 column 1")."""
+    return any(_HEADER.match(line.strip()) or _LOOKS_LIKE_NODE.search(line) for line in text.splitlines())
+
+
 def from_primus_table(text: str, placement: str | None = None, algorithm: str | None = None) -> ScheduleTable:
     """The table of Primus's printed form (or :func:`to_primus_table`'s). ``placement`` (``"interleaved"`` or
     ``"v"``) overrides the header's; without either it is inferred as the module doc says."""

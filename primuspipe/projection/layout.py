@@ -109,15 +109,26 @@ def parse_layout(text: str) -> list[str]:
     return stages
 
 
-def _layout_counts(text: str, num_layers: int, stages: int) -> tuple[int, ...]:
+def _layout_counts(text: str, num_layers: int, stages: int, mtp_layers: int | None) -> tuple[int, ...]:
+    """Transformer layers of each stage of a layout, checked as megatron-core's ``PipelineParallelLayerLayout.
+    validate_layer_layout`` checks it (the embedding first and the loss last, once each; as many ``m`` as
+    ``mtp_num_layers``, after every transformer layer) and placing MTP where the projection prices it, in the last
+    stage (``m`` without ``mtp_num_layers`` was priced as no MTP, ``mtp_num_layers`` without ``m`` as MTP)."""
     parts = parse_layout(text)
     if len(parts) != stages:
         raise ValueError(f"the layout has {len(parts)} stages, pp * vpp = {stages}")
     counts = tuple(p.count("t") for p in parts)
     if sum(counts) != num_layers:
         raise ValueError(f"the layout places {sum(counts)} transformer layers, the model has {num_layers}")
-    if "E" not in parts[0] or "L" not in parts[-1] or any("E" in p for p in parts[1:]) or any("L" in p for p in parts[:-1]):
-        raise ValueError("the embedding (E) must open the first stage and the loss (L) close the last")
+    flat = "".join(parts)
+    if not (parts[0].startswith("E") and parts[-1].endswith("L") and flat.count("E") == flat.count("L") == 1):
+        raise ValueError("the embedding (E) must open the first stage and the loss (L) close the last, once each")
+    if (mtp := flat.count("m")) != (mtp_layers or 0):
+        raise ValueError(f"the layout places {mtp} MTP layer(s) (m), mtp_num_layers is {mtp_layers or 0} (Megatron "
+                         "requires they match)")
+    if mtp and (parts[-1].count("m") != mtp or "t" in flat[flat.find("m"):]):
+        raise ValueError("the MTP layers (m) must follow every transformer layer, in the last stage (where the "
+                         "projection places them, beside the loss)")
     return counts
 
 
@@ -134,8 +145,9 @@ class StageLayout:
         first, last = training.decoder_first_pipeline_num_layers, training.decoder_last_pipeline_num_layers
         if training.pipeline_model_parallel_layout:
             try:
-                return cls(_layout_counts(training.pipeline_model_parallel_layout, num_layers, placement.pp * placement.vpp),
-                           placement)
+                counts = _layout_counts(training.pipeline_model_parallel_layout, num_layers,
+                                        placement.pp * placement.vpp, training.mtp_num_layers)
+                return cls(counts, placement)
             except ValueError as exc:
                 raise InputError([(training.source, "pipeline_model_parallel_layout",
                                    training.pipeline_model_parallel_layout)], str(exc),

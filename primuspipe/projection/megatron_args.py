@@ -33,6 +33,7 @@ from typing import Any
 
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.framework import ConfigError, strict
+from primuspipe.projection.layout import parse_layout
 from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
 from primuspipe.projection.megatron_flags import ALIASES, PRIMUS_FLAGS, RESOLVED, closest, no_effect, primus_default
 from primuspipe.projection.spec_fields import spec_from_mapping
@@ -210,32 +211,98 @@ def _resolve_transformer_impl(arguments: Mapping[str, Any], values: dict[str, di
 
 
 def _resolve_virtual_stages(arguments: Mapping[str, Any], values: dict[str, dict[str, Any]], source: str) -> None:
-    """vpp from ``--num-virtual-stages-per-pipeline-rank`` or ``--num-layers-per-virtual-pipeline-stage``, as
-    Megatron's ``validate_args`` takes them: not both, and the layers per virtual stage dividing a pipeline
-    stage's layers where the stages hold equal shares (Megatron asserts both; uneven first and last stages are
-    checked by the layout, :mod:`~primuspipe.projection.layout`)."""
+    """vpp and the layer split as Megatron's ``validate_args`` takes them (megatron/training/arguments.py, "Uneven
+    virtual pipeline parallelism"): at most one of ``--num-layers-per-virtual-pipeline-stage``,
+    ``--num-virtual-stages-per-pipeline-rank`` and ``--pipeline-model-parallel-layout`` (the layout's stages, a
+    multiple of pp, give vpp); layers per virtual stage only where the stages hold equal shares; then
+    :func:`_check_even_split`. Each was projected otherwise: a layout beside a vpp flag won silently, a layout of
+    pp * 2 stages was refused as not pp stages, and layers that do not divide over the stages were split unevenly."""
     per_stage = arguments.get("num_layers_per_virtual_pipeline_stage")
     stages = arguments.get("num_virtual_stages_per_pipeline_rank")
-    if per_stage is not None and stages is not None:
-        raise ConfigError(f"{source}: --num-layers-per-virtual-pipeline-stage {per_stage} and "
-                          f"--num-virtual-stages-per-pipeline-rank {stages} both set the virtual pipeline size "
-                          "(Megatron refuses both); keep one")
-    if per_stage is None and stages is not None:
-        values["training"]["virtual_pipeline_model_parallel_size"] = stages
-    if not per_stage:
+    layout = arguments.get("pipeline_model_parallel_layout")
+    given = [f"{_flag(name)} {strict.show(value)}" for name, value in (
+        ("num_layers_per_virtual_pipeline_stage", per_stage), ("num_virtual_stages_per_pipeline_rank", stages),
+        ("pipeline_model_parallel_layout", layout)) if value is not None]
+    if len(given) > 1:
+        raise ConfigError(f"{source}: {' and '.join(given)} each set the virtual pipeline size (Megatron refuses more "
+                          "than one); keep one")
+    training = values["training"]
+    if stages is not None:
+        training["virtual_pipeline_model_parallel_size"] = stages
+    if isinstance(layout, str) and layout:
+        _resolve_layout(layout, training, source)
+    if per_stage is not None:
+        layers = strict.count(values["model"].get("num_layers"), f"{source}: num_layers", minimum=1, text=True)
+        pp = strict.count(training["pipeline_model_parallel_size"], f"{source}: pipeline_model_parallel_size",
+                          minimum=1, text=True)
+        per_stage = strict.count(per_stage, f"{source}: num_layers_per_virtual_pipeline_stage", minimum=1, text=True)
+        if any(training.get(name) is not None for name in ("decoder_first_pipeline_num_layers",
+                                                           "decoder_last_pipeline_num_layers")):
+            raise ConfigError(f"{source}: --num-layers-per-virtual-pipeline-stage {per_stage} with uneven first/last "
+                              "pipeline stages (Megatron asserts against it: the stages hold unequal shares); give "
+                              "--num-virtual-stages-per-pipeline-rank instead")
+        total = layers + _slots(training)
+        if total % pp or (total // pp) % per_stage:
+            raise ConfigError(f"{source}: --num-layers-per-virtual-pipeline-stage {per_stage} does not divide the "
+                              f"{total / pp:g} layers of each of the {pp} pipeline stages ({layers} layers"
+                              f"{' and the embedding/loss slots' if total != layers else ''}; Megatron asserts it "
+                              "does); give a divisor of the layers per stage")
+        training["virtual_pipeline_model_parallel_size"] = total // (pp * per_stage)
+    _check_even_split(values, source)
+
+
+def _slots(training: Mapping[str, Any]) -> int:
+    """Layer places the embedding and the loss take in Megatron's split (``--account-for-*-in-pipeline-split``)."""
+    return sum(training.get(name) is True for name in ("account_for_embedding_in_pipeline_split",
+                                                       "account_for_loss_in_pipeline_split"))
+
+
+def _resolve_layout(layout: str, training: dict[str, Any], source: str) -> None:
+    """vpp from ``--pipeline-model-parallel-layout``'s stages over pp, as ``validate_args`` sets it (it asserts the
+    stages are a multiple of pp); the layout's own checks are :class:`~primuspipe.projection.layout.StageLayout`'s."""
+    pp = training.get("pipeline_model_parallel_size")
+    if not _whole(pp):
+        return  # the spec refuses it, naming the field
+    try:
+        count = len(parse_layout(layout))
+    except ValueError as exc:
+        raise ConfigError(f"{source}: pipeline_model_parallel_layout={strict.show(layout)}: {exc}; write one stage "
+                          "per pp * vpp, with every transformer layer once") from None
+    if count % pp:
+        raise ConfigError(f"{source}: --pipeline-model-parallel-layout has {count} stages, not a multiple of "
+                          f"--pipeline-model-parallel-size {pp} (Megatron asserts it is: the stages are pp * vpp); "
+                          "write pp stages, or pp * vpp for vpp model chunks per rank")
+    training["virtual_pipeline_model_parallel_size"] = count // pp
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_even_split(values: dict[str, dict[str, Any]], source: str) -> None:
+    """Megatron's split where no layout and no first/last stage counts are given: the layers (and the embedding /
+    loss slots) divide over the pp ranks and each rank's over its vpp chunks (megatron-core's
+    ``get_num_layers_to_build``, megatron/core/transformer/transformer_block.py, asserts both; ``validate_args``
+    asserts the first), and a vpp needs a pipeline. Values of the wrong type are left to the spec, which names them."""
+    training = values["training"]
+    layers, pp = values["model"].get("num_layers"), training.get("pipeline_model_parallel_size")
+    vpp = training.get("virtual_pipeline_model_parallel_size", 1)
+    if not (_whole(layers) and _whole(pp) and _whole(vpp)):
         return
-    layers = strict.count(values["model"].get("num_layers"), f"{source}: num_layers", minimum=1, text=True)
-    pp = strict.count(values["training"]["pipeline_model_parallel_size"], f"{source}: pipeline_model_parallel_size",
-                      minimum=1, text=True)
-    per_stage = strict.count(per_stage, f"{source}: num_layers_per_virtual_pipeline_stage", minimum=1, text=True)
-    uneven = any(arguments.get(name) for name in (
-        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"))
-    if not uneven and (layers % pp or (layers // pp) % per_stage):
-        raise ConfigError(f"{source}: --num-layers-per-virtual-pipeline-stage {per_stage} does not divide the "
-                          f"{layers / pp:g} layers of each of the {pp} pipeline stages ({layers} layers; Megatron "
-                          "asserts it does); give a divisor of the layers per stage")
-    values["training"]["virtual_pipeline_model_parallel_size"] = layers // (pp * per_stage)
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"{source}: {vpp} virtual pipeline stages per rank without a pipeline "
+                          "(--pipeline-model-parallel-size 1; Megatron asserts the interleaved schedule has pp > 1); "
+                          "raise pp or drop the virtual pipeline flag")
+    if training.get("pipeline_model_parallel_layout") or any(training.get(name) is not None for name in (
+            "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")):
+        return  # the layout and the first/last stage counts are checked by StageLayout
+    total = layers + _slots(training)
+    if total % pp or (total // pp) % vpp:
+        slots = " (with the embedding/loss slots)" if total != layers else ""
+        raise ConfigError(f"{source}: --num-layers {layers}: {total} layers{slots} do not split evenly over "
+                          f"--pipeline-model-parallel-size {pp}{f' x {vpp} virtual stages' if vpp > 1 else ''} "
+                          "(Megatron asserts they do); give a layer count divisible by pp * vpp, uneven first/last "
+                          "stages (--decoder-first-pipeline-num-layers) or a --pipeline-model-parallel-layout")
 
 
 _LAUNCHER_GPUS = {"nproc_per_node": "per_node", "nproc-per-node": "per_node", "nnodes": "nodes"}

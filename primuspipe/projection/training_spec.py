@@ -787,6 +787,13 @@ class TrainingSpec:
                         "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
                        "Megatron takes either explicit first/last stage layer counts or the embedding/loss accounting",
                        "keep one of the two")
+        beside = [name for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                                    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+                  if getattr(self, name)]
+        if self.pipeline_model_parallel_layout and beside:
+            # megatron-core's TransformerConfig raises for it; the layout won here, the other fields unread
+            self._fail(("pipeline_model_parallel_layout", *beside), "a layout places every layer itself; Megatron "
+                       "refuses it beside other pipeline split settings", "keep the layout or the split settings")
         if self.grad_reduce_in_bf16 and self.precision == "fp32":
             self._fail(("grad_reduce_in_bf16", "precision"), "bf16 gradient reduction is a mixed-precision setting",
                        "set precision: bf16, or remove grad_reduce_in_bf16")

@@ -343,9 +343,11 @@ def test_explicit_layouts_and_the_embedding_and_loss_accounting():
     assert parse_layout("Ettt|(tt|)*29,m|L") == ["Ettt"] + ["tt"] * 29 + ["m", "L"]
     assert parse_layout("E, t|t * 2, L") == parse_layout("Et|ttL")
     assert layer_counts(126, pp=16, vpp=8, embedding_slot=True, loss_slot=True)[:2] == (0, 1)
-    layout = StageLayout.build(7, TrainingSpec(pipeline_model_parallel_size=5, pipeline_model_parallel_layout="Et|(tt|)*3mL"),
-                               Placement.interleaved(5))
+    mtp = TrainingSpec(pipeline_model_parallel_size=5, pipeline_model_parallel_layout="Et|(tt|)*3mL", mtp_num_layers=1)
+    layout = StageLayout.build(7, mtp, Placement.interleaved(5))
     assert layout.counts == (1, 2, 2, 2, 0)
+    with pytest.raises(InputError, match="1 MTP layer"):  # m without mtp_num_layers was priced as no MTP
+        StageLayout.build(7, dataclasses.replace(mtp, mtp_num_layers=None), Placement.interleaved(5))
     with pytest.raises(InputError, match="places 6 transformer layers"):
         StageLayout.build(7, TrainingSpec(pipeline_model_parallel_size=4, pipeline_model_parallel_layout="Et|tt|tt|tL"),
                           Placement.interleaved(4))
