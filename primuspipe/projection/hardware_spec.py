@@ -132,7 +132,8 @@ class HardwareSpec:
     rates are. None: one rate at every head dimension."""
     attention_backward_head_dim_rates: tuple[tuple[float, float], ...] | None = None
     """The backward kernels' rate against the head dimension, as ``attention_head_dim_rates`` (1 at 128): where narrow
-    heads cost the two passes differently (cuDNN on Blackwell: see ``b200.yaml``). None: the backward at ``attention_head_dim_rates``, as the forward."""
+    heads cost the two passes differently (cuDNN on Blackwell: see ``b200.yaml``). None: the backward at
+    ``attention_head_dim_rates``, as the forward."""
     attention_kernels: dict[str, AttentionKernel] | None = None
     """Other fused-attention kernels a run may name in its training's ``attention_kernel``, by name: each replaces
     the three figures above for that run (:meth:`with_attention_kernel`); the head-dimension rates and

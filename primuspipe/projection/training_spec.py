@@ -206,8 +206,9 @@ class TrainingSpec:
     local DotProductAttention) keep the full softmax probabilities."""
     attention_kernel: str | None = None
     """Which fused-attention kernel the run's container ran, by a name the hardware file lists under
-    ``attention_kernels`` (H100: ``flash1`` and ``flash2``, FlashAttention 1 and 2; ``cudnn-2024``, cuDNN's as of mid-2024): its attention
-    is timed at that kernel's published rates. None: the hardware file's own attention rates (today's kernels)."""
+    ``attention_kernels`` (H100: ``flash1`` and ``flash2``, FlashAttention 1 and 2; ``cudnn-2024``, cuDNN's as of
+    mid-2024): its attention is timed at that kernel's published rates. None: the hardware file's own attention
+    rates (today's kernels)."""
     attention_softmax_in_fp32: bool = True
     """Unfused attention computes (and keeps) the probabilities in fp32, plus a low-precision copy."""
     bias_activation_fusion: bool = True

@@ -90,7 +90,8 @@ def test_a_run_naming_cudnn_2024_is_slower_at_long_sequences_by_the_rates_ratio(
 def test_an_unknown_kernel_is_refused_naming_the_choices():
     model = load_model(EXAMPLES / "models" / "llama2-7b.yaml")
     work = WorkModel(model, TrainingSpec(attention_kernel="flash3", source="train.yaml"))
-    with pytest.raises(InputError, match=r"train.yaml: attention_kernel='flash3'.*name one of cudnn-2024, flash1, flash2"):
+    with pytest.raises(InputError,
+                       match=r"train.yaml: attention_kernel='flash3'.*name one of cudnn-2024, flash1, flash2"):
         part_times(work, load_hardware(H100), Calibration())
 
 
