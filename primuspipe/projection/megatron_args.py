@@ -35,8 +35,8 @@ from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.framework import ConfigError, strict
 from primuspipe.projection.layout import parse_layout
 from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
-from primuspipe.projection.megatron_flags import (ALIASES, PRIMUS_DESTS, PRIMUS_FLAGS, RESOLVED, closest, megatron_default,
-                                                  no_effect, primus_default)
+from primuspipe.projection.megatron_flags import (ALIASES, PRIMUS_DESTS, PRIMUS_FLAGS, REFUSAL_REASONS, RESOLVED, closest,
+                                                  megatron_default, no_effect, primus_default)
 from primuspipe.projection.spec_fields import spec_from_mapping
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -101,6 +101,8 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
                 values[spec][name] = _field_value(name, value)
         elif no_effect(name) or primus_default(name, value) or megatron_default(name, value):
             set_aside.append(name)
+        elif name in REFUSAL_REASONS:
+            refused.append(f"{_flag(name)} {REFUSAL_REASONS[name]}")
         elif name in MEGATRON_FLAGS or name in PRIMUS_FLAGS:
             refused.append(f"{_flag(name)} changes time or memory in a way the projection does not model "
                            "(remove it to project the run without it)")

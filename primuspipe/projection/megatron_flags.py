@@ -92,12 +92,14 @@ NO_EFFECT_PREFIXES = (
     "max_tokens_to_oom", "decrease_batch_size", "mlp_chunks_for_prefill", "cache_mla_latents",
     "use_inference_optimized", "use_legacy_static_engine", "moe_pad_experts_for_cuda_graph_inference",
     "refit_method", "use_kitchen", "kitchen", "fp4_quantizer", "fp8_quantizer", "te_precision_config",
-    "quant_recipe", "step_batch_size", "app_tag", "distrib_optim_fully_reshardable", "no_pin_cpu",
+    "quant_recipe", "app_tag", "distrib_optim_fully_reshardable", "no_pin_cpu",
     "no_gradient_reduce_div", "param_sync_func", "grad_sync_func", "no_sync_func", "grad_scale_func",
     "moe_grad_scale_func", "mtp_grad_scale_func", "finalize_model_grads_func", "embedding_init",
     "output_layer_init", "no_initialization", "onnx_safe", "use_torch_optimizer_for_cpu_offload",
 )
-"""Argument-name prefixes of the no-effect class."""
+"""Argument-name prefixes of the no-effect class. (``--step-batch-size-schedule`` is not one: it sets the global
+batch step by step in place of ``--global-batch-size``, which Megatron then refuses, so the step to project is not
+one batch: refused.)"""
 
 NO_EFFECT = frozenset({
     "clip_grad", "distributed_backend", "eod_mask_loss", "exp_name",
@@ -178,6 +180,18 @@ PRIMUS_FLAGS = frozenset({
 fields: their kernels' speed is not modelled, so each is refused when
 it turns something on, and set aside when it leaves Primus's default path (``false``, ``default``; :func:`primus_default`). The modelled ones
 (``enable_primus_turbo``, ``turbo_sync_free_moe_stage``, ``use_turbo_deepep``, ...) are training fields."""
+
+REFUSAL_REASONS = {
+    "step_batch_size_schedule": "sets the global batch step by step, so the step to project has no one batch; give "
+                                "--global-batch-size (the batch of the step to project) in its place",
+    "use_torch_fsdp2": "wraps Megatron's bf16 model in PyTorch FSDP2 beside Megatron's own optimizer, a memory "
+                       "layout not modelled (fsdp_implementation: torch is torchtitan's fp32-sharded FSDP2); remove it "
+                       "to project the distributed optimizer, or use --use-megatron-fsdp",
+    "enable_gpt_oss": "(Megatron-LM newer than megatron-core 0.19.2) sets GPT-OSS's attention sinks, YaRN and clamped "
+                      "GLU at once; give them as their own arguments",
+}
+"""Why an argument is refused, where the general reason would say less (``enable_gpt_oss`` is newer than the
+shipped flag list, so it would read as no Megatron argument at all)."""
 
 PRIMUS_DESTS = {"fp8": "fp8_format"}
 """A Primus YAML's keys are Megatron's argparse destinations, which are not always its flags' names (``fp8`` is
