@@ -202,10 +202,12 @@ PRIMUS_DEFAULT_VALUES = {"turbo_gemm_backend": "default", "turbo_grouped_gemm_ba
                          "turbo_mega_moe_precision": "bf16", "conv_L_cache": 3, "model_type": "gpt",
                          "encoder_tensor_model_parallel_size": 0, "encoder_pipeline_model_parallel_size": 0}
 
-MEGATRON_DEFAULT_VALUES = {"cp_comm_type": "p2p", "moe_token_drop_policy": "probs"}
+MEGATRON_DEFAULT_VALUES = {"cp_comm_type": "p2p", "moe_token_drop_policy": "probs", "outer_dp_sharding_strategy": "no_shard"}
 """Megatron's own defaults of arguments the projection refuses otherwise (``megatron/core/transformer_config.py``:
-``cp_comm_type`` p2p, the ring the projection prices for CP; ``moe_token_drop_policy`` probs): a file that writes a
-default out (Primus's ``language_model.yaml`` writes every argument) runs what the projection models."""
+``cp_comm_type`` p2p, the ring the projection prices for CP; ``moe_token_drop_policy`` probs;
+``megatron/core/distributed/distributed_data_parallel_config.py``: ``outer_dp_sharding_strategy`` no_shard, no
+hybrid sharding): a file that writes a default out (Primus's ``language_model.yaml`` writes every argument, Megatron-LM's
+CI cases some) runs what the projection models."""
 
 
 def megatron_default(name: str, value) -> bool:

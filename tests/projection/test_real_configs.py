@@ -42,11 +42,14 @@ def launched_arguments(script: Path, script_args: list[str], workdir: Path, envi
 
 
 def ci_arguments(test_case: Path) -> str:
-    """A Megatron-LM CI case's MODEL_ARGS as its CI passes them (shell_test_utils/_run_training.sh)."""
+    """A Megatron-LM CI case's MODEL_ARGS as its CI passes them (shell_test_utils/_run_training.sh): ``true`` is the
+    flag alone, ``""`` is dropped, ``"[a b]"`` is its words, anything else one value."""
     tokens = []
     for key, value in yaml.safe_load(test_case.read_text())["MODEL_ARGS"].items():
         if value is True:
             tokens.append(key)
+        elif isinstance(value, str) and re.fullmatch(r"\[[^]]+\]", value):
+            tokens += [key, *value[1:-1].split()]
         elif value != "" and value is not None:
             tokens += [key, *map(str, value)] if isinstance(value, list) else [key, str(value)]
     return shlex.join(tokens)
