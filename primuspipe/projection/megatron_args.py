@@ -35,7 +35,8 @@ from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.framework import ConfigError, strict
 from primuspipe.projection.layout import parse_layout
 from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
-from primuspipe.projection.megatron_flags import ALIASES, PRIMUS_FLAGS, RESOLVED, closest, no_effect, primus_default
+from primuspipe.projection.megatron_flags import (ALIASES, PRIMUS_DESTS, PRIMUS_FLAGS, REFUSAL_REASONS, RESOLVED, closest,
+                                                  megatron_default, no_effect, primus_default)
 from primuspipe.projection.spec_fields import spec_from_mapping
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -98,8 +99,10 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
         elif spec is not None:
             if value is not None:
                 values[spec][name] = _field_value(name, value)
-        elif no_effect(name) or primus_default(name, value):
+        elif no_effect(name) or primus_default(name, value) or megatron_default(name, value):
             set_aside.append(name)
+        elif name in REFUSAL_REASONS:
+            refused.append(f"{_flag(name)} {REFUSAL_REASONS[name]}")
         elif name in MEGATRON_FLAGS or name in PRIMUS_FLAGS:
             refused.append(f"{_flag(name)} changes time or memory in a way the projection does not model "
                            "(remove it to project the run without it)")
@@ -127,6 +130,7 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
         values["model"].pop("num_query_groups", None)
     if set_aside:
         logger.info("%s: no effect on time or memory, set aside: %s", source, ", ".join(sorted(set_aside)))
+    _vocabulary_from_tokenizer(arguments, values["model"], source)
     values["model"].setdefault("name", Path(source).stem)
     if world_size is not None:
         per_replica = 1
@@ -138,6 +142,18 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
         training["data_parallel_size"] = world_size // per_replica
     return MegatronConfig(spec_from_mapping(ModelSpec, values["model"], source),
                           spec_from_mapping(TrainingSpec, values["training"], source), world_size, tuple(set_aside))
+
+
+def _vocabulary_from_tokenizer(arguments: Mapping[str, Any], model: Mapping[str, Any], source: str) -> None:
+    """Megatron takes the vocabulary's size from the tokenizer's files (``--tokenizer-type``, ``--tokenizer-model``,
+    ``--vocab-file``), which the projection does not read; without ``--vocab-size`` the refusal names the tokenizer."""
+    if model.get("vocab_size") is not None or model.get("padded_vocab_size") is not None:
+        return
+    tokenizer = " ".join(f"{_flag(name)} {arguments[name]}" for name in ("tokenizer_type", "tokenizer_model", "vocab_file")
+                         if isinstance(arguments.get(name), str))
+    if tokenizer:
+        raise ConfigError(f"{source}: no --vocab-size: Megatron reads it from the tokenizer ({tokenizer}), whose files "
+                          "the projection does not read; add --vocab-size N (vocab_size: N in a YAML), the tokenizer's size")
 
 
 LEGACY_OVERRIDES = frozenset({"recompute_activations", "use_rotary_position_embeddings"})
@@ -390,6 +406,9 @@ def _options(tokens: list[str], raw: bool = False, source: str = "the argument l
     return arguments
 
 
+TUPLE_TYPED = frozenset({"window_size"})
+"""Arguments Megatron parses with its ``tuple_type`` (one text, comma-separated: ``--window-size 127,0``)."""
+
 _RESOLVED_TYPES = {"num_layers_per_virtual_pipeline_stage": int, "num_virtual_stages_per_pipeline_rank": int,
                    "optimizer": str, "transformer_impl": str, "group_query_attention": bool}
 """The types of the arguments the reader resolves itself (:data:`~primuspipe.projection.megatron_flags.RESOLVED`)."""
@@ -436,6 +455,8 @@ def _as_argparse_reads(arguments: Mapping[str, Any], source: str) -> dict[str, A
                                   "write the flag alone to set it, leave it out to unset it")
             typed[name] = strict.flag(value, flag)
             continue
+        if name in TUPLE_TYPED and isinstance(value, str):
+            value = value.strip("()").split(",")  # Megatron's tuple_type: "127,0" or "(127,0)"
         if _is_list(hint) and not isinstance(value, list):
             value = [value]  # nargs='*' / '+': one value is a list of one
         typed[name] = [_as_type(hint, v, flag) for v in value] if isinstance(value, list) else _as_type(hint, value, flag)
@@ -507,7 +528,7 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
         return read_arguments(text, str(path))
     modules = data.get("modules")
     if not isinstance(modules, Mapping):
-        return split_arguments(_primus_values(data, str(path)), str(path))
+        return split_arguments(_primus_dests(_primus_values(data, str(path))), str(path))
     arguments: dict[str, Any] = dict(PRIMUS_MODULE_DEFAULTS)
     naming = [name for name, module in modules.items() if isinstance(module, Mapping) and module.get("model") is not None]
     if len(naming) > 1:  # one run trains one model: which file the projection read would be an accident of order
@@ -531,13 +552,33 @@ def read_megatron_config(path: str | Path) -> MegatronConfig:
             raise ConfigError(f"{path}: modules.{name}.overrides must be a mapping of Megatron arguments "
                               f"(num_layers: 32), got {strict.show(overrides)}")
         arguments.update(overrides or {})
-    return split_arguments(_primus_values(arguments, str(path)), str(path))
+    return split_arguments(_primus_dests(_primus_values(arguments, str(path))), str(path))
 
 
-PRIMUS_MODULE_DEFAULTS = {"moe_router_force_load_balancing_type": "even"}
+def _primus_dests(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """A Primus YAML's argparse destinations as the flags the reader knows (:data:`PRIMUS_DESTS`). Megatron's layers
+    fuse the bias into the activation by the model's own activation's switch (``bias_activation_fusion``:
+    ``bias_swiglu_fusion`` with ``swiglu``, else ``bias_gelu_fusion``): that one false is ``--no-bias-...-fusion``; on
+    (the default), or the other activation's, it is set aside."""
+    read: dict[str, Any] = {}
+    own = "bias_swiglu_fusion" if arguments.get("swiglu") is True else "bias_gelu_fusion"
+    for name, value in arguments.items():
+        if name == own and value is False:
+            read[f"no_{name}"] = True
+        else:
+            read[PRIMUS_DESTS.get(name, name)] = value
+    return read
+
+
+PRIMUS_MODULE_DEFAULTS = {"moe_router_force_load_balancing_type": "even", "bf16": True, "use_distributed_optimizer": True,
+                          "micro_batch_size": 2, "global_batch_size": 16, "seq_length": 1024}
 """Primus module defaults that differ from megatron-core's and change a step: forced balance is Primus's round-robin
 (``primus/configs/modules/megatron/primus_megatron_module.yaml``; before that flag, the only forced balance its
-router had). A module's ``overrides`` and ``model:`` file still win."""
+router had); bf16 and the micro batch (``trainer_base.yaml``: ``bf16: true``, ``micro_batch_size: 2``), the
+distributed optimizer, the global batch and the sequence (``pre_trainer.yaml``, the module ``config:`` of Primus's
+pre-training experiments: ``use_distributed_optimizer: true``, ``global_batch_size: 16``, ``seq_length: 1024``;
+AMD-AGI/Primus fd1eeab). Read as Megatron's defaults, a Primus experiment that leaves ``bf16`` to its module was
+projected in fp32. A module's ``overrides`` and ``model:`` file still win."""
 
 _PRIMUS_VARIABLE = re.compile(r"\$\{\w+:([^}]*)\}")
 
@@ -582,11 +623,14 @@ def _primus_model(config: Path, reference: str, chain: tuple[Path, ...] = (),
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: a Primus model file must hold a mapping of Megatron arguments")
     values: dict[str, Any] = {}
-    bases = data.get("bases") or []
-    bases = [bases] if isinstance(bases, str) else bases
-    if not isinstance(bases, list) or not all(isinstance(base, str) for base in bases):
-        raise ConfigError(f"{path}: bases must be a model file name or a list of them, "
-                          f"got {strict.show(data['bases'])}")
+    bases = []
+    for key in ("bases", "extends"):  # Primus's loader names them extends (primus/core/config/yaml_loader.py)
+        named = data.get(key) or []
+        named = [named] if isinstance(named, str) else named
+        if not isinstance(named, list) or not all(isinstance(base, str) for base in named):
+            raise ConfigError(f"{path}: {key} must be a model file name or a list of them, "
+                              f"got {strict.show(data[key])}")
+        bases += named
     for base in bases:
         values.update(_primus_model(path, str(base), (*chain, path), read))
     values.update({k: v for k, v in data.items() if k not in ("bases", "extends")})
@@ -597,10 +641,11 @@ def _primus_model(config: Path, reference: str, chain: tuple[Path, ...] = (),
 def _find_model_file(config: Path, reference: str) -> Path:
     here = config.parent
     candidates = [here / reference, here / "models" / reference, here / "models" / "megatron" / reference]
-    candidates += [d / "configs" / "models" / "megatron" / reference for d in [here, *here.parents]]
+    candidates += [d / sub / "configs" / "models" / "megatron" / reference for d in [here, *here.parents]
+                   for sub in (".", "primus")]  # a Primus checkout: primus/configs/models/megatron beside examples/
     candidates += [d / "models" / "megatron" / reference for d in here.parents]
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
         raise ConfigError(f"{config}: model {reference!r} not found (looked beside it, in models/, models/megatron/ "
-                          "and configs/models/megatron/ up the tree); give its path relative to the configuration")
+                          "and [primus/]configs/models/megatron/ up the tree); give its path relative to the configuration")
     return found.resolve()

@@ -20,6 +20,8 @@ import ast
 import re
 from pathlib import Path
 
+from primuspipe.projection.megatron_flag_names import MEGATRON_FLAGS
+
 ALIASES = {
     "disable_bias_linear": ("model", "add_bias_linear", False),
     "no_rope_fusion": ("training", "apply_rope_fusion", False),
@@ -90,12 +92,14 @@ NO_EFFECT_PREFIXES = (
     "max_tokens_to_oom", "decrease_batch_size", "mlp_chunks_for_prefill", "cache_mla_latents",
     "use_inference_optimized", "use_legacy_static_engine", "moe_pad_experts_for_cuda_graph_inference",
     "refit_method", "use_kitchen", "kitchen", "fp4_quantizer", "fp8_quantizer", "te_precision_config",
-    "quant_recipe", "step_batch_size", "app_tag", "distrib_optim_fully_reshardable", "no_pin_cpu",
+    "quant_recipe", "app_tag", "distrib_optim_fully_reshardable", "no_pin_cpu",
     "no_gradient_reduce_div", "param_sync_func", "grad_sync_func", "no_sync_func", "grad_scale_func",
     "moe_grad_scale_func", "mtp_grad_scale_func", "finalize_model_grads_func", "embedding_init",
     "output_layer_init", "no_initialization", "onnx_safe", "use_torch_optimizer_for_cpu_offload",
 )
-"""Argument-name prefixes of the no-effect class."""
+"""Argument-name prefixes of the no-effect class. (``--step-batch-size-schedule`` is not one: it sets the global
+batch step by step in place of ``--global-batch-size``, which Megatron then refuses, so the step to project is not
+one batch: refused.)"""
 
 NO_EFFECT = frozenset({
     "clip_grad", "distributed_backend", "eod_mask_loss", "exp_name",
@@ -133,6 +137,7 @@ NO_EFFECT = frozenset({
     "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "no_fp8_wgrad", "tp_comm_bootstrap_backend",
     "tp_comm_overlap_cfg", "num_distributed_optimizer_instances", "align_param_gather", "align_grad_reduce",
     "use_sharp", "nccl_communicator_config_path", "sequence_parallel_size_rampup",
+    "fsdp_double_buffer", "fsdp_manual_registration", "cuda_graph_warmup_steps",
 })
 """Further no-effect arguments, each by name. (Kernel-fusion switches whose effect the projection does
 model are fields or aliases instead, e.g. ``no_bias_swiglu_fusion``; ``attention_softmax_in_fp32`` matters
@@ -143,10 +148,16 @@ PRIMUS_NO_EFFECT_PREFIXES = ("mlflow_", "torch_profiler_", "use_rocm_mem_info")
 PRIMUS_NO_EFFECT = frozenset({
     "stderr_sink_level", "file_sink_level", "auto_continue_train", "disable_last_saving", "disable_tensorboard",
     "disable_wandb", "disable_mlflow", "generate_tracelens_report", "disable_compile_dependencies", "pp_warmup",
+    "deprecated_use_mcore_models", "perform_initialization", "barrier_with_L1_time", "add_position_embedding",
+    "original_max_position_embeddings", "bias_swiglu_fusion", "bias_gelu_fusion",
 })
 """Primus's own arguments (``primus/configs/modules/megatron/primus_megatron_module.yaml``) that cannot change a
 step's time or memory: logging sinks and trackers, profiler options, resuming and the last checkpoint, the
-first iteration's pipeline warm-up. (How forced balance routes, ``moe_router_force_load_balancing_type``, is a
+first iteration's pipeline warm-up; and the argparse destinations Primus's model files write for Megatron
+switches that cannot change a step (``primus/configs/models/megatron/language_model.yaml``: ``perform_initialization``
+of ``--no-initialization``, ``add_position_embedding`` of ``--no-position-embedding``, ``deprecated_use_mcore_models``
+of ``--use-mcore-models``, ``barrier_with_L1_time`` of an older Megatron's timers; ``original_max_position_embeddings``
+is Llama 3.1's RoPE scaling, as ``rope_scaling`` is). (How forced balance routes, ``moe_router_force_load_balancing_type``, is a
 training field: Primus's ``even`` round-robin is exactly balanced and sends a token to fewer ranks than random
 picks do. The legacy grouped GEMM switch, ``moe_use_legacy_grouped_gemm``, is a training field: its GEMMs take the
 same 4-stream path as Transformer Engine's, but its expert weights' gradients are accumulated outside the GEMM.)"""
@@ -157,14 +168,56 @@ PRIMUS_FLAGS = frozenset({
     "enable_turbo_attention_float8", "use_turbo_gemm", "turbo_grouped_gemm_without_padding",
     "turbo_deepep_use_comm_stream", "use_turbo_mega_moe", "turbo_mega_moe_precision", "use_turbo_rms_norm",
     "use_turbo_norm_te_linear",
+    # Primus's model-file keys (primus/configs/models/megatron/primus_megatron_model.yaml, language_model.yaml)
+    "disable_primus_topk_router", "use_deprecated_20241209_moe_layer", "final_logit_softcapping",
+    "attn_logit_softcapping", "router_logit_softcapping", "lfm_layer_types", "conv_L_cache", "conv_bias",
+    "model_type", "moe_extended_tp", "encoder_tensor_model_parallel_size", "encoder_pipeline_model_parallel_size",
+    "pipeline_model_parallel_split_rank", "microbatch_group_size_per_vp_stage",
+    # Primus features set in its experiment files: per-layer recompute, TE's FP8 weight-transpose cache patched off
+    "recompute_layer_ids", "no_fp8_weight_transpose_cache",
 })
 """Primus-Turbo's own arguments (``primus/configs/modules/megatron/primus_turbo.yaml``) that are not training
 fields: their kernels' speed is not modelled, so each is refused when
 it turns something on, and set aside when it leaves Primus's default path (``false``, ``default``; :func:`primus_default`). The modelled ones
 (``enable_primus_turbo``, ``turbo_sync_free_moe_stage``, ``use_turbo_deepep``, ...) are training fields."""
 
+REFUSAL_REASONS = {
+    "step_batch_size_schedule": "sets the global batch step by step, so the step to project has no one batch; give "
+                                "--global-batch-size (the batch of the step to project) in its place",
+    "use_torch_fsdp2": "wraps Megatron's bf16 model in PyTorch FSDP2 beside Megatron's own optimizer, a memory "
+                       "layout not modelled (fsdp_implementation: torch is torchtitan's fp32-sharded FSDP2); remove it "
+                       "to project the distributed optimizer, or use --use-megatron-fsdp",
+    "enable_gpt_oss": "(Megatron-LM newer than megatron-core 0.19.2) sets GPT-OSS's attention sinks, YaRN and clamped "
+                      "GLU at once; give them as their own arguments",
+}
+"""Why an argument is refused, where the general reason would say less (``enable_gpt_oss`` is newer than the
+shipped flag list, so it would read as no Megatron argument at all)."""
+
+PRIMUS_DESTS = {"fp8": "fp8_format"}
+"""A Primus YAML's keys are Megatron's argparse destinations, which are not always its flags' names (``fp8`` is
+``--fp8-format``'s). The store_false pair ``bias_swiglu_fusion`` / ``bias_gelu_fusion`` (``--no-bias-swiglu-fusion``,
+``--no-bias-gelu-fusion``) is read by the model's activation (:func:`~primuspipe.projection.megatron_args.read_megatron_config`)."""
+
 PRIMUS_DEFAULT_VALUES = {"turbo_gemm_backend": "default", "turbo_grouped_gemm_backend": "default",
-                         "turbo_mega_moe_precision": "bf16"}
+                         "turbo_mega_moe_precision": "bf16", "conv_L_cache": 3, "model_type": "gpt",
+                         "encoder_tensor_model_parallel_size": 0, "encoder_pipeline_model_parallel_size": 0}
+
+MEGATRON_DEFAULT_VALUES = {"cp_comm_type": "p2p", "moe_token_drop_policy": "probs", "outer_dp_sharding_strategy": "no_shard"}
+"""Megatron's own defaults of arguments the projection refuses otherwise (``megatron/core/transformer_config.py``:
+``cp_comm_type`` p2p, the ring the projection prices for CP; ``moe_token_drop_policy`` probs;
+``megatron/core/distributed/distributed_data_parallel_config.py``: ``outer_dp_sharding_strategy`` no_shard, no
+hybrid sharding): a file that writes a default out (Primus's ``language_model.yaml`` writes every argument, Megatron-LM's
+CI cases some) runs what the projection models."""
+
+
+def megatron_default(name: str, value) -> bool:
+    """A Megatron argument written at its default: unset (``null``), a ``store_true`` switch ``false`` (one with a
+    ``no_`` / ``disable_`` form defaults to on, so false there is a choice), or :data:`MEGATRON_DEFAULT_VALUES`."""
+    if name not in MEGATRON_FLAGS:
+        return False
+    if value is None or value == MEGATRON_DEFAULT_VALUES.get(name, ()):
+        return True
+    return value is False and f"no_{name}" not in MEGATRON_FLAGS and f"disable_{name}" not in MEGATRON_FLAGS
 
 
 def primus_default(name: str, value) -> bool:

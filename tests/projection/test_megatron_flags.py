@@ -224,3 +224,46 @@ def test_the_local_specs_softmax_runs_in_fp32_only_when_megatron_is_told(flags, 
 def test_layer_implementations_megatron_cannot_train_are_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
         read_arguments(MODEL_ARGS + flags, "run.sh")
+
+
+PRIMUS_MODEL = {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 128, "vocab_size": 1000}
+
+
+def test_arguments_written_at_megatrons_default_are_set_aside_and_others_refused():
+    """Primus's language_model.yaml writes every argument out; at Megatron's default (null, a store_true switch off,
+    cp_comm_type p2p) it changes nothing; set otherwise it is refused, and so is false for a switch that is on by
+    default (it has a --no- form)."""
+    quiet = split_arguments({**PRIMUS_MODEL, "fp32_residual_connection": False, "cp_comm_type": "p2p",
+                             "hierarchical_context_parallel_sizes": None, "moe_token_drop_policy": "probs"}, "m.yaml")
+    assert {"fp32_residual_connection", "cp_comm_type", "moe_token_drop_policy"} <= set(quiet.no_effect)
+    for name, value in [("fp32_residual_connection", True), ("cp_comm_type", "a2a"),
+                        ("cpu_offloading_activations", False)]:
+        with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} changes time or memory"):
+            split_arguments({**PRIMUS_MODEL, name: value}, "m.yaml")
+
+
+@pytest.mark.parametrize("swiglu, fused", [(True, False), (False, True)])
+def test_a_primus_yamls_argparse_destinations_are_read_as_megatron_reads_them(tmp_path, swiglu, fused):
+    """``fp8`` is --fp8-format's destination; ``bias_swiglu_fusion: false`` turns the bias-activation fusion off only
+    for a SwiGLU model (Megatron's bias_activation_fusion takes the model's own activation's switch)."""
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({**PRIMUS_MODEL, "swiglu": swiglu, "bf16": True, "fp8": "hybrid",
+                                    "bias_swiglu_fusion": False, "bias_gelu_fusion": True}))
+    training = read_megatron_config(path).training
+    assert training.fp8_format == "hybrid" and training.bias_activation_fusion is fused
+
+
+def test_megatron_takes_the_virtual_stages_from_the_layout_and_window_sizes_as_tuples():
+    config = read_arguments(MODEL_ARGS + "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "
+                            "'Et*2|t*2|t*2|t*2L' --window-size 127,0", "r")
+    assert config.training.virtual_pipeline_model_parallel_size == 2 and config.model.window_size == (127, 0)
+    with pytest.raises(ConfigError, match="has 3 stages, not a multiple of --pipeline-model-parallel-size 2"):
+        read_arguments(MODEL_ARGS + "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'Et*3|t*3|t*2L'", "r")
+
+
+def test_a_missing_vocabulary_names_the_tokenizer_and_a_batch_schedule_is_refused():
+    with pytest.raises(ConfigError, match=r"no --vocab-size: Megatron reads it from the tokenizer \(--tokenizer-type "
+                                          r"Llama2Tokenizer\)"):
+        read_arguments(MODEL_ARGS.replace("--vocab-size 1000 ", "") + "--tokenizer-type Llama2Tokenizer", "r")
+    with pytest.raises(ConfigError, match="--step-batch-size-schedule sets the global batch step by step"):
+        read_arguments(MODEL_ARGS + "--step-batch-size-schedule '0:16 1B:32'", "r")
