@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from doc_examples import run_example
 from hostile_support import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,3 +42,21 @@ def test_readme_output_has_the_commands_title_and_columns(command, lines, monkey
     header = [line for line in printed if line.startswith("┃")]
     assert printed[0] == lines[0], f"title: README shows {lines[0]!r}, the command prints {printed[0]!r}"
     assert [line for line in lines if line.startswith("┃")] == header, "README's table header is not the command's"
+
+
+def _using_it() -> list[str]:
+    """The command lines of README.md's 'Using it' block, continuation lines joined."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Using it\n+```bash\n(.*?)```", text, flags=re.S).group(1)
+    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_using_it_runs_as_written(tmp_path, monkeypatch):
+    """Every line of 'Using it' that needs no run of the user's (no torchrun, no dump, no cost file) runs as
+    pasted, in order, in an empty folder: no ``[--optional]`` syntax, no file nobody made."""
+    monkeypatch.chdir(tmp_path)
+    lines = [line for line in _using_it() if line.startswith("primuspipe ")]
+    runnable = [line for line in lines if "pp_data" not in line and "--cost" not in line]
+    assert len(runnable) >= 8, runnable
+    for line in runnable:
+        run_example(line)
