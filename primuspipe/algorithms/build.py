@@ -71,7 +71,8 @@ def build_schedule(
     if info.vpp is not None and vpp != info.vpp:
         takes = [i.name for i in list_algorithms() if i.vpp in (None, vpp)]
         raise ScheduleShapeError(f"{algorithm} needs vpp = {info.vpp}, got vpp = {vpp}: give vpp {info.vpp} (or "
-                                 f"none), or an algorithm that runs vpp {vpp}: {', '.join(takes) or 'none is registered'}")
+                                 f"none), or an algorithm that runs vpp {vpp}: "
+                                 f"{', '.join(takes) or 'none is registered'}")
     check_shape(pp, vpp or 2, microbatches)  # an algorithm that picks its placement may pick vpp 2
     options = check_options(algorithm, options)
     if memory_limit is not None:

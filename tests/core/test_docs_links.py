@@ -44,7 +44,8 @@ def _expand(path: str) -> list[str]:
     """A path's brace alternatives (``run_{1,2}.json``: both); ``*`` is left to glob, ``<n>`` placeholders are
     skipped by the caller."""
     if brace := re.search(r"\{([^{}]*)\}", path):
-        return [e for alt in brace.group(1).split(",") for e in _expand(path[:brace.start()] + alt + path[brace.end():])]
+        head, tail = path[:brace.start()], path[brace.end():]
+        return [e for alt in brace.group(1).split(",") for e in _expand(head + alt + tail)]
     return [path]
 
 
@@ -78,5 +79,6 @@ def test_named_repository_paths_exist(page):
         for path in re.findall(rf"(?<![\w/.:-])((?:{'|'.join(TOP)})/[\w./*{{}},<>-]*[\w*}}>])", line):
             if "<" not in path and not any(list(base.glob(p)) for p in _expand(path) for base in (ROOT, page.parent)):
                 missing.append(f"line {number}: {path}")
-        missing += [f"line {number}: {m} (outside the repository)" for m in re.findall(r"(?<![\w.])(?:/work/|/home/|~/)\S*", line)]
+        outside = re.findall(r"(?<![\w.])(?:/work/|/home/|~/)\S*", line)
+        missing += [f"line {number}: {m} (outside the repository)" for m in outside]
     assert not missing, f"{page.name}: {missing}"
