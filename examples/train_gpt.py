@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    type=POSITIVE, default=None,
                    help="model chunks per rank (default: the algorithm's)")
     p.add_argument("--microbatches", type=POSITIVE, required=True, help="microbatches per step and data-parallel rank")
-    p.add_argument("--pp-algorithm", default=None, help="primuspipe algorithm (default: config, else auto)")
+    p.add_argument("--pp-algorithm", "--algorithm", "-a", dest="pp_algorithm", default=None,
+                   help="primuspipe algorithm (default: config, else auto); --algorithm as examples/train_torch.py")
     p.add_argument("--config", default=None, help="primuspipe YAML config (else $PRIMUSPIPE_CONFIG)")
     p.add_argument("--iterations", type=POSITIVE, default=3)
     p.add_argument("--dump-dir", default=None, help="turn on dump_pp_data and write timelines here")

@@ -42,14 +42,17 @@ POSITIVE = count_type(1)
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pp", type=POSITIVE, required=True, help="pipeline-parallel size (= number of processes)")
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=POSITIVE, required=True,
+                   help="pipeline-parallel size (= number of processes)")
     p.add_argument("--microbatches", type=POSITIVE, default=None, help="microbatches per step (not with --schedule)")
-    p.add_argument("--algorithm", default="1f1b", help="primuspipe algorithm (see 'primuspipe list')")
-    p.add_argument("--vpp", type=POSITIVE, default=None, help="chunks per rank (default: the algorithm's)")
+    p.add_argument("--algorithm", "-a", "--pp-algorithm", dest="algorithm", default="1f1b",
+                   help="primuspipe algorithm (see 'primuspipe list'); --pp-algorithm as examples/train_gpt.py")
+    p.add_argument("--vpp", "--num-virtual-stages-per-pipeline-rank", dest="vpp", type=POSITIVE, default=None,
+                   help="chunks per rank (default: the algorithm's)")
     p.add_argument("--schedule", default=None, help="run this table file (.json or torch .csv) instead")
     p.add_argument("--layers", type=POSITIVE, default=8)
     p.add_argument("--hidden", type=POSITIVE, default=64)
-    p.add_argument("--microbatch-size", type=POSITIVE, default=4)
+    p.add_argument("--microbatch-size", "--micro-batch-size", dest="microbatch_size", type=POSITIVE, default=4)
     p.add_argument("--iterations", type=POSITIVE, default=5)
     p.add_argument("--lr", type=number_type(minimum=0), default=0.05)
     p.add_argument("--compare-torch", action="store_true", help="also run torch.distributed.pipelining and compare")

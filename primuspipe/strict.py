@@ -281,11 +281,13 @@ def writable_folder(path: str | Path, name: str, *, error: Error = ConfigError) 
 
 
 # -- documents ----------------------------------------------------------------------------------------
-def read_text(path: str | Path, what: str, *, error: Error = ConfigError, max_bytes: int = MAX_DOCUMENT_BYTES) -> str:
+def read_text(path: str | Path, what: str, *, error: Error = ConfigError, max_bytes: int = MAX_DOCUMENT_BYTES,
+              missing: str = "") -> str:
     """The UTF-8 text of ``path``, refusing missing, unreadable, oversized and binary files apart; a leading
     byte-order mark is dropped and CRLF / CR line ends read as LF, so a file saved on Windows reads as the same file.
 
-    ``what`` names the file for people ("schedule file", "cost model")."""
+    ``what`` names the file for people ("schedule file", "cost model"); ``missing``, where the file does not
+    exist, says how one is made (a mistyped path or a file not made yet is a first run's likeliest mistake)."""
     path = file_path(path, what, error=error)
     what = f"{what} {shown_path(path)}"
     try:
@@ -297,7 +299,7 @@ def read_text(path: str | Path, what: str, *, error: Error = ConfigError, max_by
         with path.open("rb") as f:
             data = f.read(max_bytes + 1)
     except FileNotFoundError:
-        raise error(f"cannot read {what}: it does not exist") from None
+        raise error(f"cannot read {what}: it does not exist" + (f"; {missing}" if missing else "")) from None
     except PermissionError:
         raise error(f"cannot read {what}: permission denied (check its permissions)") from None
     except OSError as exc:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from primuspipe.algorithms import ScheduleRequest, get_algorithm
+from primuspipe.algorithms import ScheduleRequest, get_algorithm, list_algorithms
 from primuspipe.algorithms.registry import BUILTIN_MODULES, AlgorithmInfo
 from primuspipe.errors import AlgorithmOutputError, ConfigError, PrimusPipeError, ScheduleShapeError, ValidationError
 from primuspipe import strict
@@ -69,7 +69,10 @@ def build_schedule(
     vpp = info.resolve_vpp(None if vpp is None else strict.count(vpp, f"{algorithm}: vpp", minimum=1,
                                                                 error=ScheduleShapeError))
     if info.vpp is not None and vpp != info.vpp:
-        raise ScheduleShapeError(f"{algorithm} needs vpp = {info.vpp}, got vpp = {vpp}")
+        takes = [i.name for i in list_algorithms() if i.vpp in (None, vpp)]
+        raise ScheduleShapeError(f"{algorithm} needs vpp = {info.vpp}, got vpp = {vpp}: give vpp {info.vpp} (or "
+                                 f"none), or an algorithm that runs vpp {vpp}: "
+                                 f"{', '.join(takes) or 'none is registered'}")
     check_shape(pp, vpp or 2, microbatches)  # an algorithm that picks its placement may pick vpp 2
     options = check_options(algorithm, options)
     if memory_limit is not None:

@@ -24,12 +24,21 @@ from primuspipe.errors import PrimusPipeError
 COMMAND_MODULES = ("primuspipe.cli.schedule_commands", "primuspipe.cli.simulate_command", "primuspipe.cli.vis_command",
                    "primuspipe.cli.project_command")
 
+_EPILOG = """\
+examples (which schedule before a run):
+  primuspipe list                                              # the algorithms and their options
+  primuspipe simulate --algorithm all --pp 8 -m 32             # every algorithm ranked at pp 8, 32 microbatches
+  primuspipe project --model examples/projection/models/llama2-7b.yaml \\
+      --hardware examples/projection/hardware/mi300x.yaml      # a model on a cluster: step time, memory, MFU
+
+Run 'primuspipe COMMAND --help' for a command's options and examples."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="primuspipe",
         description="Build, inspect, validate and simulate pipeline-parallel schedules.",
-        epilog="Run 'primuspipe COMMAND --help' for a command's options.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     noise = parser.add_mutually_exclusive_group()
     noise.add_argument("-q", "--quiet", action="store_true", help="show no progress, only results, warnings and errors")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,23 @@ def numbers_type(text: str) -> float | list[float]:
     return values[0] if len(values) == 1 else values
 
 
+def described(description: str, examples: list[str]) -> dict[str, Any]:
+    """``add_parser`` keywords for a command's help: the description filled to the width the other commands'
+    help is written at, and an ``examples:`` section printed as written (argparse would rewrap a command line
+    into a different command)."""
+    return dict(description=textwrap.fill(description, 104), formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="examples:\n" + "\n".join(f"  {line}" for line in examples))
+
+
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pp", type=count_type(), required=True, help="pipeline-parallel size (ranks)")
-    parser.add_argument("--vpp", type=count_type(), default=None, help="chunks per rank (default: what the algorithm needs, else its default: 1, or 2 for interleaved-1f1b)")
+    """--pp, --vpp, -m and -O; --pp and --vpp also answer to Megatron-LM's names for them, as
+    examples/train_gpt.py does, so a Megatron command line's values can be pasted."""
+    parser.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=count_type(), required=True,
+                        help="pipeline-parallel size (ranks)")
+    parser.add_argument("--vpp", "--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size",
+                        dest="vpp", type=count_type(), default=None,
+                        help="chunks per rank (default: what the algorithm needs, else its default: 1, or 2 for "
+                             "interleaved-1f1b)")
     parser.add_argument("--microbatches", "-m", type=count_type(), required=True, help="microbatches per step")
     parser.add_argument("--option", "-O", action="append", default=[], metavar="KEY=VALUE",
                         help="algorithm option, e.g. -O microbatch_group_size=4 (see 'primuspipe list'); integers and "

@@ -13,6 +13,7 @@ from primuspipe.passes.communication import add_communication
 from primuspipe.cli.options import (
     add_shape_arguments,
     console,
+    described,
     number_type,
     parse_options,
     report_console,
@@ -32,18 +33,24 @@ from primuspipe.passes.validation import validate
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("list", help="list the registered algorithms and their options",
-                       description="List every registered algorithm (built-in and from the primuspipe.algorithms entry "
-                                   "point): its placement, vpp and backward (fused BW or split B and W), the options "
-                                   "'-O KEY=VALUE' passes it with their defaults, and a summary.")
+                       **described("List every registered algorithm (built-in and from the primuspipe.algorithms "
+                                   "entry point): its placement, vpp and backward (fused BW or split B and W), the "
+                                   "options '-O KEY=VALUE' passes it with their defaults, and a summary; then the "
+                                   "other frameworks' names (Primus's) each runs as.",
+                                   ["primuspipe list"]))
     p.set_defaults(handler=cmd_list)
 
     p = sub.add_parser("show", help="print an algorithm's schedule grid (and, for the zero-bubble and V-shape "
                                     "family, which construction it chose and its simulated step)",
-                       description="Build an algorithm's validated table for a shape and print it as a grid, one row "
-                                   "per rank in run order (F forward, B input-grad, W weight-grad, BW fused backward, "
-                                   "with communication unless --compute-only), or as a Graphviz dependency graph "
-                                   "(--graph). The zero-bubble and V-shape family also say which construction they "
-                                   "chose and its simulated step.")
+                       **described("Build an algorithm's validated table for a shape and print it as a grid, one "
+                                   "row per rank in run order (F forward, B input-grad, W weight-grad, BW fused "
+                                   "backward, with communication unless --compute-only), or as a Graphviz dependency "
+                                   "graph (--graph). The zero-bubble and V-shape family also say which construction "
+                                   "they chose and its simulated step.",
+                                   ["primuspipe show zbv --pp 4 -m 8 --compute-only",
+                                    "primuspipe show interleaved-1f1b --pp 4 --vpp 2 -m 8 -O microbatch_group_size=4",
+                                    "primuspipe show zb-auto --pp 8 -m 32 --memory-limit 5 --compute-only",
+                                    "primuspipe show zbv --pp 4 -m 8 --graph zbv.dot     # then: dot -Tsvg zbv.dot"]))
     p.add_argument("algorithm", help="a registered algorithm ('primuspipe list' names them)")
     add_shape_arguments(p)
     p.add_argument("--compute-only", action="store_true", help="hide communication nodes")
@@ -56,10 +63,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_show)
 
     p = sub.add_parser("export", help="write an algorithm's validated table as JSON, torch CSV or Primus's table form",
-                       description="Build an algorithm's table for a shape, validate it, and write it: primuspipe JSON "
-                                   "(lossless; what 'validate' and the backends read), torch.distributed.pipelining's "
-                                   "CSV, or the table lines Primus prints. Nothing is written if the table is "
-                                   "invalid.")
+                       **described("Build an algorithm's table for a shape, validate it, and write it: primuspipe "
+                                   "JSON (lossless; what 'validate' and the backends read), "
+                                   "torch.distributed.pipelining's CSV, or the table lines Primus prints. Nothing is "
+                                   "written if the table is invalid.",
+                                   ["primuspipe export 1f1b --pp 4 -m 8 --format csv -o 1f1b.csv",
+                                    "primuspipe export zb-auto --pp 8 -m 32 --memory-limit 5 -o zb.json",
+                                    "primuspipe export zbv --pp 4 -m 8 --format primus -o zbv.txt"]))
     p.add_argument("algorithm", help="a registered algorithm ('primuspipe list' names them)")
     add_shape_arguments(p)
     p.add_argument("--format", choices=("json", "csv", "primus"), default="json",
@@ -72,8 +82,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_export)
 
     p = sub.add_parser("validate", help="check a table file (JSON or CSV); exit 0 only if it is valid",
-                       description="Check a schedule table. A compute-only table is validated as is and again with "
-                                   "communication added. Exit status 0 if valid, 1 otherwise.")
+                       **described("Check a schedule table: every node present once, each rank's order possible, "
+                                   "sends paired with receives, no deadlock under the transport (--semantics), "
+                                   "optionally a memory bound. A compute-only table is validated as is and again "
+                                   "with communication added. Exit status 0 if valid; 1 otherwise, with the rule "
+                                   "broken, the grid and the fix.",
+                                   ["primuspipe export zbv --pp 4 -m 8 -o zbv.json && primuspipe validate zbv.json",
+                                    "primuspipe validate zbv.json --max-in-flight 4",
+                                    "primuspipe validate zbv.json --semantics nccl-pair   # would it hang posted "
+                                    "unbatched on one NCCL group? (zbv would: exit 1)"]))
     p.add_argument("file", type=Path, help="JSON, torch CSV or Primus's printed table form")
     p.add_argument("--placement", choices=("interleaved", "v"),
                    help="layout of a Primus table that does not say (compute-only, 2 chunks per rank)")

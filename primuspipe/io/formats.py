@@ -270,7 +270,8 @@ def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
     ``placement`` names its layout where the text cannot, :mod:`primuspipe.io.primus_format`); every
     error names the file."""
     path = strict.file_path(path, "schedule file", error=TableFormatError)
-    text = strict.read_text(path, "schedule file", error=TableFormatError)
+    text = strict.read_text(path, "schedule file", error=TableFormatError,
+                            missing="'primuspipe export ALGORITHM --pp P -m M -o FILE' writes one")
     primus = path.suffix.lower() != ".csv" and not text.lstrip().startswith("{") and looks_like_primus(text)
     if placement is not None and not primus:
         raise TableFormatError(f"{path} records its own stage layout; a placement is given only for Primus's printed "

@@ -99,6 +99,17 @@ from primuspipe.ir.cost_parts import MAX_CONTENTION, MAX_SHARE, MIN_SPEED, HostC
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import compute_kinds
 
+def counts_taken(pp: int, vpp: int) -> str:
+    """The value counts a per-stage time takes, in words, for messages.
+
+    >>> counts_taken(4, 1), counts_taken(4, 2)
+    ('one number or 4 (one per 1F1B stage)', 'one number, 4 (one per 1F1B stage) or 8 (one per model stage at vpp=2)')
+    """
+    if vpp == 1:
+        return f"one number or {pp} (one per 1F1B stage)"
+    return f"one number, {pp} (one per 1F1B stage) or {pp * vpp} (one per model stage at vpp={vpp})"
+
+
 def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ...]:
     """Per-model-stage values from 1F1B-stage values (module docstring): model stage ``s`` gets
     ``value[s // vpp] / vpp``; a list of ``pp * vpp`` values is taken as is.
@@ -110,8 +121,7 @@ def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ..
         if len(value) == pp * vpp:
             return per_stage_values(name, value, pp * vpp, "stages")
         if len(value) != pp:
-            raise ConfigError(f"{name} has {len(value)} values; give one number, {pp} (one per 1F1B stage) or "
-                              f"{pp * vpp} (one per model stage at pp={pp}, vpp={vpp})")
+            raise ConfigError(f"{name} has {len(value)} values; give {counts_taken(pp, vpp)}")
     per_1f1b_stage = per_stage_values(name, value, pp, "1F1B stages")
     return tuple(per_1f1b_stage[s // vpp] / vpp for s in range(pp * vpp))
 
@@ -191,9 +201,14 @@ def warm_stages(w: Sequence[float], saving: Sequence[float]) -> tuple[float, ...
     return tuple(max(0.0, t - saving[s // vpp] / vpp) for s, t in enumerate(w))
 
 
+MAKE_ONE = ("'primuspipe calibrate DUMP_DIR -o FILE' writes one from a run's dump; docs/simulator.md, 'Cost model', "
+            "shows the format")
+"""How a cost file is made, for the refusal of a path that does not exist."""
+
+
 def read_cost_file(path: str | Path) -> dict[str, Any]:
     """The raw YAML mapping of a cost file (resolve it per shape with :meth:`CostModel.from_dict`)."""
-    data = strict.load_yaml(strict.read_text(path, "cost model"), f"cost model {path}")
+    data = strict.load_yaml(strict.read_text(path, "cost model", missing=MAKE_ONE), f"cost model {path}")
     return strict.keys(data, f"cost model {path}", SECTIONS)
 
 

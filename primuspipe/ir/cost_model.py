@@ -21,15 +21,27 @@ from typing import Any
 
 from primuspipe.errors import ConfigError, ScheduleShapeError
 from primuspipe import strict
-from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, cold_start_section, cost_keys, host_section,
-                                     late_section, link_section, memory_section, merge_fixed, read_cost_file,
-                                     split_fixed, split_stages, warm_stages, window_section)
+from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, cold_start_section, cost_keys, counts_taken,
+                                     host_section, late_section, link_section, memory_section, merge_fixed,
+                                     read_cost_file, split_fixed, split_stages, warm_stages, window_section)
 from primuspipe.ir.cost_parts import TIME_UNITS, HostCost, LateWork, Link, MemoryCost, P2PCost
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.limits import check_shape
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
+
+
+def _check_file_shape(compute: Mapping[str, Any], pp: int, vpp: int, source: str) -> None:
+    """F, B and W lists of one length that fits neither this pp nor pp x vpp were written for another
+    pipeline (a run calibrated at pp 4, simulated at --pp 8): said once, with the shape to use, rather than
+    as one field's count."""
+    lists = [v for k in ("f", "b", "w")
+             if isinstance(v := compute[k], Sequence) and not isinstance(v, (str, bytes, bytearray))]
+    if len(lists) == 3 and len({len(v) for v in lists}) == 1 and len(lists[0]) not in (pp, pp * vpp):
+        raise ConfigError(f"{source}: F, B and W have {len(lists[0])} values each, one per stage of another pipeline "
+                          f"than pp={pp}: give {counts_taken(pp, vpp)}; a calibrated file's first line names the "
+                          f"shape it was measured at, simulate that one")
 
 
 @dataclass(frozen=True)
@@ -252,6 +264,7 @@ class CostModel:
         top = strict.keys(data, source, SECTIONS)
         comp = strict.keys(top.get("compute"), f"{source}: compute", {*cost_keys(), *COMPUTE_FIELDS},
                            required={"f", "b", "w"})
+        _check_file_shape(comp, pp, vpp, source)
         p2p = strict.keys(top.get("p2p", {}), f"{source}: p2p",
                           {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
         links = {k: strict.keys(p2p.get(k, {}), f"{source}: p2p.{k}", {"latency", "bandwidth"})

@@ -59,3 +59,19 @@ def test_a_second_different_value_is_refused_and_the_same_one_passes(command, op
 def test_the_repeatable_options_still_repeat():
     args = build_parser().parse_args(["project", "--hardware", "h.yaml", "-a", "1f1b", "-a", "zbv"])
     assert args.algorithm == ["1f1b", "zbv"]
+
+
+@pytest.mark.parametrize("command", ["show", "export", "simulate"])
+def test_megatron_names_of_the_shape(command):
+    """--pp and --vpp answer to Megatron-LM's flags, as examples/train_gpt.py's do: a Megatron command line's
+    values paste in; both spellings of one option given different values are refused like a repeat."""
+    parser = _commands()[command]
+    extra = ["-a", "zbv"] if command == "simulate" else ["zbv"]
+    extra += ["-o", "x.json"] if command == "export" else []
+    ours = parser.parse_args([*extra, "--pp", "4", "--vpp", "2", "-m", "8"])
+    for pp, vpp in (("--pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank"),
+                    ("--pipeline-model-parallel-size", "--virtual-pipeline-model-parallel-size")):
+        megatron = parser.parse_args([*extra, pp, "4", vpp, "2", "-m", "8"])
+        assert (megatron.pp, megatron.vpp) == (ours.pp, ours.vpp) == (4, 2)
+    with pytest.raises(SystemExit):
+        parser.parse_args([*extra, "--pp", "4", "--pipeline-model-parallel-size", "8", "-m", "8"])

@@ -29,6 +29,7 @@ LAYERS = {
     "projection": 6,
     "backends": 6,
     "cli": 7,
+    "__main__": 7,  # python -m primuspipe: the command
     "testing": 8,
 }
 """Sub-package -> layer; a module may import its own sub-package and any lower layer."""

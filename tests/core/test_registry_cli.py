@@ -94,7 +94,9 @@ def test_cli_validate_rejects_a_broken_table(tmp_path, capsys):
 
 def test_cli_errors_exit_1_with_the_message(capsys):
     assert main(["show", "1f1b", "--pp", "2", "--vpp", "2", "-m", "4"]) == 1
-    assert "1f1b needs vpp = 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "1f1b needs vpp = 1" in err and "give vpp 1" in err, err
+    assert "an algorithm that runs vpp 2: " in err and "interleaved-1f1b" in err and "zb-h1" not in err, err
     assert main(["show", "interleaved-1f1b", "--pp", "4", "--vpp", "2", "-m", "5", "-O", "microbatch_group_size=4"]) == 1
     assert "last group would hold 1" in capsys.readouterr().err
 

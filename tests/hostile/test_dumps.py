@@ -114,7 +114,7 @@ def test_two_runs_of_different_pp_in_one_folder(tmp_path):
 @pytest.mark.parametrize("name, make, names", [
     ("empty folder", lambda p: p.mkdir(), ["neither"]),
     ("not a timeline", lambda p: p.write_text(json.dumps({"format": "primuspipe.schedule", "version": 1})), ["timeline"]),
-    ("missing", lambda p: None, ["neither"]),
+    ("missing", lambda p: None, ["does not exist", "dump directory"]),
     ("markup in the path", lambda p: None, ["[/x]"]),
 ])
 def test_inputs_that_are_no_dump(tmp_path, name, make, names):

@@ -87,3 +87,15 @@ def test_number_flags(name, flag, value):
 ])
 def test_documented_values_still_parse(name, argv):
     accepted(_parse(name, [*REQUIRED, *argv]), case=f"{name}.py {' '.join(argv)}")
+
+
+@pytest.mark.parametrize("name, algorithm", [("train_gpt", "pp_algorithm"), ("train_torch", "algorithm")])
+def test_examples_take_each_others_and_megatrons_names(name, algorithm):
+    """A user moving between the two examples (and from a Megatron command line) is not told 'unrecognized
+    arguments': both take --pp-algorithm / --algorithm / -a and Megatron's --pipeline-model-parallel-size,
+    --num-virtual-stages-per-pipeline-rank and --micro-batch-size."""
+    parse = _parser(name)
+    for flag in ("--pp-algorithm", "--algorithm", "-a"):
+        args = parse(["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                      "--microbatches", "4", "--micro-batch-size", "2", flag, "zbv"])
+        assert (args.pp, args.vpp, getattr(args, algorithm)) == (2, 2, "zbv"), flag

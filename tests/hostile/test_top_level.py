@@ -30,3 +30,20 @@ def test_one_line_no_traceback(tmp_path, argv, status, names):
     for name in names:
         assert name in lines[0]
     assert not list(tmp_path.iterdir()), "nothing written"
+
+
+def test_python_m_primuspipe_is_the_command(tmp_path):
+    """``python -m primuspipe`` runs the console script (it was "No module named primuspipe.__main__"): a
+    user whose virtual environment is not activated, or who runs a checkout on ``PYTHONPATH``, has no
+    ``primuspipe`` on ``PATH``. Its exit status and its error line are the command's."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = [sys.executable, "-m", "primuspipe"]
+    shown = subprocess.run([*run, "show", "1f1b", "--pp", "2", "-m", "2", "--compute-only"], capture_output=True,
+                           text=True, cwd=tmp_path, env=env, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("1f1b: pp=2 vpp=1 microbatches=2")
+    helped = subprocess.run([*run, "--help"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: primuspipe "), helped.stdout
+    refused = subprocess.run([*run, "show", "zbx", "--pp", "2", "-m", "2"], capture_output=True, text=True,
+                             cwd=tmp_path, env=env, timeout=120)
+    assert refused.returncode == 1 and refused.stderr.startswith("error: no algorithm named 'zbx'"), refused.stderr

@@ -84,7 +84,7 @@ def test_single_refused_algorithm_fails_with_one_error_line_even_with_json(capsy
 
 @pytest.mark.parametrize("argv,message", [
     (["--cost", "x.yaml", "--f", "2"], "either in --cost"),
-    (["--f", "1,2,3"], "give one number, 4"),
+    (["--f", "1,2,3"], "give one number or 4"),
     (["-a", "nope"], "no algorithm named 'nope'"),
 ])
 def test_user_mistakes(capsys, argv, message):

@@ -40,6 +40,22 @@ _native: list = []
 """Megatron's own ``get_forward_backward_func`` while primuspipe is installed (one entry)."""
 
 
+def _megatron_schedules():
+    """megatron-core's ``pipeline_parallel`` and ``schedules`` modules. megatron-core 0.19 imports triton
+    there unguarded, which a CPU build of torch does not bring: trying primuspipe on a laptop, a first user
+    met triton's ModuleNotFoundError deep in Megatron, where one line can name CPU mode, which stubs it."""
+    try:
+        from megatron.core import pipeline_parallel
+        from megatron.core.pipeline_parallel import schedules
+    except ModuleNotFoundError as exc:
+        if exc.name != "triton":
+            raise
+        raise ConfigError("megatron-core imports triton, which this torch does not have (a CPU build?): without a "
+                          "GPU, call primuspipe.backends.megatron.cpu_mode.enable_cpu_mode() before install() "
+                          "(docs/megatron.md, 'CPU mode')") from None
+    return pipeline_parallel, schedules
+
+
 def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusForwardBackward | None:
     """Patch Megatron per ``config`` (default: :func:`load_config`, i.e. YAML and environment).
 
@@ -56,8 +72,7 @@ def install(config: PrimusPipeConfig | None = None, **overrides: Any) -> PrimusF
         logger.info("primuspipe: patch_primus_pipeline is off; Megatron's schedules stay in place")
         return None
     config.check()
-    from megatron.core import pipeline_parallel
-    from megatron.core.pipeline_parallel import schedules
+    pipeline_parallel, schedules = _megatron_schedules()
 
     if not _native:
         _native.append(schedules.get_forward_backward_func)

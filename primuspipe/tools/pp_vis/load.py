@@ -36,9 +36,10 @@ from primuspipe.tools.pp_vis.primus_dump import (
 
 logger = logging.getLogger(__name__)
 
-_WHAT = ("a timeline JSON file (from 'primuspipe simulate -o DIR'), a dump directory holding "
-         "iter_<n>/rank_<r>.json (from a run with dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR), nor a "
-         "Primus dump folder holding config.json and pp_rank_<r>.json")
+_KINDS = ("a timeline JSON file (from 'primuspipe simulate -o DIR')", "a dump directory holding "
+          "iter_<n>/rank_<r>.json (from a run with dump_pp_data, e.g. examples/train_gpt.py --dump-dir DIR)",
+          "a Primus dump folder holding config.json and pp_rank_<r>.json")
+"""What a timeline input can be, for the messages that refuse one."""
 
 
 def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Timeline:
@@ -72,7 +73,9 @@ def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Time
         if files:
             raise TableFormatError(f"{path} holds {len(files)} timelines ({', '.join(f.name for f in files)}); "
                                    "pass one of them")
-    raise TableFormatError(f"{path} is neither {_WHAT}")
+    if not path.exists():  # a mistyped path is the likeliest first mistake: say so before what the input could be
+        raise TableFormatError(f"cannot read {path}: it does not exist; give {', '.join(_KINDS[:-1])} or {_KINDS[-1]}")
+    raise TableFormatError(f"{path} is neither {', '.join(_KINDS[:-1])}, nor {_KINDS[-1]}")
 
 
 def _iteration_folder(path: Path) -> int | None:
