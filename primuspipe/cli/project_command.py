@@ -79,8 +79,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="a Megatron argument list or Primus-style YAML, instead of --model and --training")
     inputs.add_argument("--hardware", type=Path, metavar="FILE", required=True, help="hardware YAML (see above)")
     shape = p.add_argument_group("overrides of the training configuration")
-    shape.add_argument("--pp", type=count_type(), metavar="N", help="pipeline-parallel size")
-    shape.add_argument("--vpp", type=count_type(), metavar="N", help="chunks per rank for algorithms that take any vpp")
+    shape.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=count_type(), metavar="N",
+                       help="pipeline-parallel size")
+    shape.add_argument("--vpp", "--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size",
+                       dest="vpp", type=count_type(), metavar="N",
+                       help="chunks per rank for algorithms that take any vpp")
     shape.add_argument("--micro-batch-size", type=count_type(), metavar="N", help="samples per microbatch")
     shape.add_argument("--target-nodes", type=count_type(), metavar="N",
                        help="run on N nodes: data parallelism becomes what they hold (N * GPUs per node / (TP*PP*CP))")

@@ -39,10 +39,18 @@ class InputError(ConfigError):
         self.places = places
 
 
+_SHIPPED = {what: f"the shipped {what} files are examples/projection/{folder}/*.yaml (e.g. --{what} "
+                  f"examples/projection/{folder}/{example}.yaml)"
+            for what, folder, example in (("model", "models", "llama3-8b"), ("hardware", "hardware", "h100"),
+                                          ("training", "training", "default"))}
+"""What a missing model, hardware or training file's error adds: where the repository's own files are."""
+
+
 def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
     """The mapping at the top of a YAML file (``what`` names the input in errors), read strictly: bounded
     size and nesting, no aliases (no alias bomb), no duplicate keys (:mod:`primuspipe.strict`)."""
-    data = strict.load_yaml(strict.read_text(path, f"the {what} file"), f"the {what} file {path}")
+    data = strict.load_yaml(strict.read_text(path, f"the {what} file", missing=_SHIPPED.get(what)),
+                            f"the {what} file {path}")
     if not isinstance(data, Mapping):
         raise ConfigError(f"the {what} file {path} must hold a mapping of fields, got {type(data).__name__}")
     return dict(data)

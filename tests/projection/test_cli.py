@@ -99,3 +99,24 @@ def test_zb_auto_picks_a_table_that_fits_by_the_verdicts_own_count(capsys):
     assert rows["zb-h1"]["verdict"] == "OOM"
     assert rows["zb-auto"]["verdict"] == "FITS" and not rows["zb-auto"]["note"]
     assert max(rows["zb-auto"]["peak_memory_bytes"]) <= load_hardware(hardware).hbm_bytes * 0.9
+
+
+@pytest.mark.parametrize("option, folder", [("--model", "models"), ("--hardware", "hardware"),
+                                            ("--training", "training")])
+def test_a_missing_input_file_points_at_the_shipped_ones(capsys, option, folder):
+    """A bare name (``--hardware h100``) is a new user's likeliest first mistake: the one line says where the
+    repository's files are, with an example path that exists."""
+    given = {"--model": MODEL, "--hardware": HARDWARE, option: "h100"}
+    assert main(["project", *(x for pair in given.items() for x in pair)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "h100: it does not exist" in err
+    example = err.rsplit(f"{option} ", 1)[1].rstrip(")")
+    assert f"examples/projection/{folder}/*.yaml" in err and (EXAMPLES.parents[1] / example).is_file()
+
+
+def test_pp_and_vpp_answer_to_megatrons_names(capsys):
+    ours = _json(capsys, "--model", MODEL, "--hardware", HARDWARE, "-a", "interleaved-1f1b", "--pp", "2", "--vpp", "2")
+    megatron = _json(capsys, "--model", MODEL, "--hardware", HARDWARE, "-a", "interleaved-1f1b",
+                     "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2")
+    assert (megatron["results"][0]["pp"], megatron["results"][0]["vpp"]) == (2, 2)
+    assert megatron["results"] == ours["results"]
