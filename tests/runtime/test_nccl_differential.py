@@ -1,0 +1,246 @@
+"""The three NCCL models agree on generated posting orders, not just on one fixture.
+
+primuspipe models NCCL's point-to-point progress three times: the validator's deadlock replay
+(:func:`primuspipe.passes.streams.replay` under ``nccl-pair``, ``nccl-group``, ``nccl-batched``), the
+simulator (which refuses what the replay refuses), and the CPU NCCL emulator
+(:mod:`primuspipe.runtime.nccl_emulation`) that real multi-process runs use. Here the orders come from
+:mod:`posting_orders` -- shipped algorithms at pp 2-4, each rank's SEND/RECV nodes moved at random within
+what every other rule of the validator allows -- and for each one:
+
+* the simulator completes under a semantics exactly when the replay does (hundreds of orders, every
+  semantics: cheap, no process is started);
+* run for real on gloo ranks under the emulator -- unbatched on the pipeline's one group (``nccl-pair``
+  with ``PRIMUSPIPE_NCCL_EMULATION=pair``, ``nccl-group`` with ``=group``), or each run of consecutive
+  communication nodes as one ``batch_isend_irecv`` (``nccl-batched``) -- a rank's watchdog fires exactly
+  on the ranks the replay says stop, naming the very operation the replay says each waits on, and every
+  rank that finishes has bitwise the losses and gradients of the same table on plain gloo.
+
+The sample is seeded and stratified (orders that hang and orders that run, under each model), so a
+failure names a case that can be rebuilt; ``slow`` runs a larger one.
+"""
+
+import functools
+import random
+import re
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from posting_orders import Case, generated_cases
+from primuspipe.errors import PipelineHangError, SimulationError
+from primuspipe.passes.streams import SEMANTICS, Hang, replay
+from primuspipe.runtime import nccl_emulation
+from primuspipe.runtime.protocols import ComputeCall, Pending
+from primuspipe.runtime.reference_binder import ModuleBinder
+from primuspipe.runtime.runner import ScheduleRunner
+from primuspipe.runtime.transport import P2PTransport
+from primuspipe.simulator import CostModel, Link, P2PCost, simulate
+from primuspipe.testing.gloo import run_gloo
+from tiny_stages import BATCH, H, inputs, loss, stage
+
+SEED = 16
+HANG_TIMEOUT_S = 1.5
+"""The watchdog's deadline where the replay predicts a hang (a tiny transfer takes milliseconds)."""
+RUN_TIMEOUT_S = 30.0
+"""Where it predicts none: a disagreement shows as a hang report after this long, never as a pass."""
+MODELS = {"nccl-pair": ("pair", False), "nccl-group": ("group", False), "nccl-batched": ("group", True)}
+"""Replay semantics -> (emulation mode, batched posting)."""
+
+
+@functools.cache
+def _pool() -> tuple[Case, ...]:
+    cases, _ = generated_cases(600, SEED)
+    return tuple(cases)
+
+
+def test_the_simulator_refuses_exactly_what_the_replay_refuses_on_generated_orders():
+    cases, refused = generated_cases(300, SEED + 1)
+    agreed = {s: [0, 0] for s in SEMANTICS}  # semantics -> [completed, refused]
+    for case in cases:
+        table = case.table
+        cost = CostModel.per_stage(table.pp, 1, 1, 1, p2p=P2PCost(intra_node=Link(0.3), inter_node=Link(0.3))
+                                   ).for_shape(table.pp, table.vpp)
+        for semantics in SEMANTICS:
+            if replay(table, semantics) is None:
+                assert simulate(table, cost, semantics).step_time > 0, (case.name, semantics)
+                agreed[semantics][0] += 1
+            else:
+                with pytest.raises(SimulationError, match=f"--semantics {semantics}"):
+                    simulate(table, cost, semantics)
+                agreed[semantics][1] += 1
+    assert refused > 0 and all(done == len(cases) for done, _ in (agreed["gloo"], agreed["primuspipe"]))
+    assert all(min(counts) >= 5 for s, counts in agreed.items() if s.startswith("nccl")), agreed
+
+
+# -- the emulator, in real multi-process runs -----------------------------------------------------------
+
+class _SplitBinder(ModuleBinder):
+    """The reference binder with the split backward too (``B``: input gradient, ``W``: weight gradient),
+    so every shipped algorithm's table runs; an ``FB`` node runs its parts in turn (the runner's fallback)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._grads: dict[tuple[int, int], torch.Tensor | None] = {}
+
+    def backward_input(self, call: ComputeCall) -> torch.Tensor | None:
+        x, y = self._saved[(call.chunk, call.microbatch)]
+        self._grads[(call.chunk, call.microbatch)] = call.received
+        if x is None:
+            return None
+        (grad,) = torch.autograd.grad(y, x, grad_outputs=call.received, retain_graph=True)
+        return grad
+
+    def backward_weight(self, call: ComputeCall) -> None:
+        x, y = self._saved.pop((call.chunk, call.microbatch))
+        params = list(self.chunks[call.chunk].parameters())
+        torch.autograd.backward(y, grad_tensors=self._grads.pop((call.chunk, call.microbatch)), inputs=params)
+
+
+class _BatchingTransport(P2PTransport):
+    """Each run of consecutive SEND/RECV nodes of a row posted as one ``batch_isend_irecv`` on the group (the
+    ``nccl-batched`` model): requests gather until the rank next computes or completes one."""
+
+    def __init__(self, group, timeout_s: float):
+        super().__init__(group, timeout_s=timeout_s, channels="shared")
+        self._batch: list[tuple[Pending, dist.P2POp]] = []
+
+    def _transfer(self, node, tensors, send: bool) -> Pending:
+        self._check()
+        pending = Pending(node, tensors, [])
+        op = dist.isend if send else dist.irecv
+        self._batch += [(pending, dist.P2POp(op, t, self._global[node.peer], self.group))
+                        for t in (tensors if isinstance(tensors, tuple) else (tensors,))]
+        return self._track(pending)
+
+    def flush(self) -> None:
+        batch, self._batch = self._batch, []
+        if batch:
+            for (pending, _), work in zip(batch, dist.batch_isend_irecv([op for _, op in batch]), strict=True):
+                pending.work.append(work)
+
+    def complete(self, pending: Pending) -> None:
+        self.flush()
+        super().complete(pending)
+
+
+def _flushing(binder: ModuleBinder, transport: _BatchingTransport) -> None:
+    """Make every compute node post the batch gathered before it first."""
+    def flushed(handler):
+        def run(call):
+            transport.flush()
+            return handler(call)
+        return run
+    binder.handlers = {kind: flushed(handler) for kind, handler in binder.handlers.items()}
+
+
+def _run_cases(pp: int, runs: list[tuple[Case, bool, float]]):
+    """Per case ``(case, batched, watchdog timeout)``, on ``pp`` gloo ranks (the emulator when the
+    environment asks for it), each case on a process group of its own: per rank, its ``(losses, grads)``
+    or the message of its hang error."""
+    def work(rank, world):
+        out = []
+        for case, batched, timeout_s in runs:
+            table = case.table
+            group = dist.new_group(list(range(world)), timeout=timedelta(seconds=RUN_TIMEOUT_S))
+            chunks = [stage(table.placement.stage(rank, c)) for c in range(table.vpp)]
+            binder = _SplitBinder(chunks, num_stages=table.num_stages, inputs=inputs(table.microbatches),
+                                  loss_fn=loss, transfer_shape=(BATCH, H))
+            if batched:
+                transport = _BatchingTransport(group, timeout_s)
+                _flushing(binder, transport)
+            else:
+                transport = P2PTransport(group, timeout_s=timeout_s, channels="shared")
+            try:
+                ScheduleRunner(table, rank).run(binder, transport)
+                out.append((binder.losses, [p.grad for c in chunks for p in c.parameters()]))
+            except PipelineHangError as exc:
+                out.append(str(exc))
+            transport.watchdog.stop()
+        return out
+
+    return run_gloo(work, pp, timeout_s=60 + sum(t for _, _, t in runs))
+
+
+_REPORT = re.compile(r"pipeline rank (\d+): (\S+) \((?:send to|receive from) pipeline rank \d+\) "
+                     r"(?:did not complete|failed)")
+
+
+def _stops(case: Case, results: list) -> dict[int, str]:
+    """Rank -> the node its hang report names, for the ranks that did not finish."""
+    stops = {}
+    for rank, result in enumerate(results):
+        if isinstance(result, str):
+            found = _REPORT.search(result)
+            assert found and int(found[1]) == rank, f"{case.name}: rank {rank} failed otherwise: {result}"
+            stops[rank] = found[2]
+    return stops
+
+
+def _expected_stops(case: Case, hang: Hang | None) -> dict[int, str]:
+    return {} if hang is None else {r: str(case.table.ranks[r][hang.waits_on[r]]) for r in hang.stopped}
+
+
+def _same(a, b) -> bool:
+    losses_a, grads_a = a
+    losses_b, grads_b = b
+    return (losses_a.keys() == losses_b.keys() and all(torch.equal(losses_a[k], losses_b[k]) for k in losses_a)
+            and len(grads_a) == len(grads_b) and all(torch.equal(x, y) for x, y in zip(grads_a, grads_b)))
+
+
+def _sample(count: int, seed: int) -> list[tuple[str, Case]]:
+    """``count`` (semantics, case) pairs drawn from the pool, as many hanging as running under each
+    model where the pool has them."""
+    rng = random.Random(seed)
+    per_model = count // len(MODELS)
+    out = []
+    for semantics in MODELS:
+        hangs = [c for c in _pool() if replay(c.table, semantics) is not None]
+        runs = [c for c in _pool() if replay(c.table, semantics) is None]
+        take_runs = min(len(runs), per_model // 2)
+        out += [(semantics, c) for c in rng.sample(runs, take_runs) + rng.sample(hangs, per_model - take_runs)]
+    return out
+
+
+def _check_agreement(sample: list[tuple[str, Case]], monkeypatch) -> dict[str, list[int]]:
+    """Run ``sample`` under the emulator and on gloo; assert agreement; per model [agreed, cases]."""
+    by_launch: dict[tuple[str, int], list[tuple[str, Case]]] = {}
+    for semantics, case in sample:
+        by_launch.setdefault((MODELS[semantics][0], case.table.pp), []).append((semantics, case))
+    bases: dict[int, list[Case]] = {}
+    for _, case in sample:
+        if all(b.base is not case.base for b in bases.setdefault(case.table.pp, [])):
+            bases[case.table.pp].append(case)
+    monkeypatch.delenv(nccl_emulation.ENV, raising=False)
+    want = {}
+    for pp, cases in bases.items():
+        reference = [Case(c.name, c.base, c.base) for c in cases]
+        for case, result in zip(cases, zip(*_run_cases(pp, [(c, False, RUN_TIMEOUT_S) for c in reference]))):
+            want[id(case.base)] = result
+    tally = {s: [0, 0] for s in MODELS}
+    for (mode, pp), entries in sorted(by_launch.items()):
+        monkeypatch.setenv(nccl_emulation.ENV, mode)
+        hangs = [replay(c.table, s) for s, c in entries]
+        runs = [(c, MODELS[s][1], RUN_TIMEOUT_S if h is None else HANG_TIMEOUT_S) for (s, c), h in zip(entries, hangs)]
+        for (semantics, case), hang, results in zip(entries, hangs, zip(*_run_cases(pp, runs))):
+            tally[semantics][1] += 1
+            got, expected = _stops(case, results), _expected_stops(case, hang)
+            assert got == expected, (f"{case.name} under {semantics}: the emulator stops ranks at {got}, the replay "
+                                     f"at {expected}\n{case.table.to_json(indent=None)}")
+            for rank, result in enumerate(results):
+                if rank not in got:
+                    assert _same(result, want[id(case.base)][rank]), f"{case.name} under {semantics}: rank {rank}"
+            tally[semantics][0] += 1
+    return tally
+
+
+def test_the_emulator_hangs_exactly_where_the_replay_says_on_generated_orders(monkeypatch):
+    tally = _check_agreement(_sample(30, SEED), monkeypatch)
+    assert all(n >= 8 for _, n in tally.values()), tally
+
+
+@pytest.mark.slow
+def test_the_emulator_agrees_with_the_replay_on_a_larger_sample(monkeypatch):
+    tally = _check_agreement(_sample(120, SEED + 2), monkeypatch)
+    assert all(n >= 30 for _, n in tally.values()), tally
