@@ -138,12 +138,14 @@ def _flushing(binder: ModuleBinder, transport: _BatchingTransport) -> None:
 def _run_cases(pp: int, runs: list[tuple[Case, bool, float]]):
     """Per case ``(case, batched, watchdog timeout)``, on ``pp`` gloo ranks (the emulator when the
     environment asks for it), each case on a process group of its own: per rank, its ``(losses, grads)``
-    or the message of its hang error."""
+    or the message of its hang error. The group's own timeout bounds a rank that the emulator's lazy
+    communicator init holds at a posting (its report says "failed" there, naming the posted node)."""
     def work(rank, world):
         out = []
         for case, batched, timeout_s in runs:
             table = case.table
-            group = dist.new_group(list(range(world)), timeout=timedelta(seconds=RUN_TIMEOUT_S))
+            dist.barrier()  # every rank is done with the last case: the new group connects at once
+            group = dist.new_group(list(range(world)), timeout=timedelta(seconds=2 * timeout_s))
             chunks = [stage(table.placement.stage(rank, c)) for c in range(table.vpp)]
             binder = _SplitBinder(chunks, num_stages=table.num_stages, inputs=inputs(table.microbatches),
                                   loss_fn=loss, transfer_shape=(BATCH, H))
