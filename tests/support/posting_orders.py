@@ -29,6 +29,12 @@ SHAPES = ((2, 2), (2, 3), (2, 4), (3, 3), (3, 4), (3, 6), (4, 4), (4, 5))
 SPREADS = (0, 1, 2, 4, 64)
 """How far (in compute nodes) a node may drift; 0 keeps the exported order (``add_communication``'s, the
 posting primuspipe used on one shared group before per-direction channels)."""
+BATCH_WAITS = ["F0.0 SEND_F0.0>1 F1.0 RECV_B0.0<1 RECV_B1.0<1 BW0.0 SEND_F1.0>1 BW1.0",
+               "RECV_F0.0<0 F0.0 BW0.0 SEND_B0.0>0 RECV_F1.0<0 F1.0 BW1.0 SEND_B1.0>0"]
+"""An order the generated ones led to (pp 2, m 2, as text rows): rank 0 receives both gradients in one
+batch (nodes 3-4) and sends F1.0's activation only after BW0.0, rank 1 sends the second gradient only
+after that activation. Under ``nccl-batched`` the batch waits for a gradient that needs what rank 0 posts
+behind it on the group's one stream, and BW0.0 waits for the whole batch (NCCL's one request per group)."""
 
 
 def reorder(table: ScheduleTable, rng: random.Random, spread: int) -> ScheduleTable:
