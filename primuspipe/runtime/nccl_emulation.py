@@ -28,7 +28,9 @@ The emulator is trusted because it agrees with NCCL both ways (tests/runtime/tes
 Megatron's own 1F1B and interleaved schedules (``batch_p2p_comm`` on and off, ``overlap_p2p_comm``) and
 torch.distributed.pipelining's schedules run under it, as they do on NCCL, while posting a table's
 transfers unbatched on one group (primuspipe's transport before it kept one group per direction)
-hangs under it exactly as :mod:`primuspipe.passes.streams` predicts for ``nccl-pair``.
+hangs under it exactly as :mod:`primuspipe.passes.streams` predicts for ``nccl-pair``. On generated
+posting orders (tests/runtime/test_nccl_differential.py) it stops exactly the ranks the ``nccl-pair``,
+``nccl-group`` and ``nccl-batched`` replays stop, at the operations they name.
 """
 
 from __future__ import annotations

@@ -89,20 +89,20 @@ class _SplitBinder(ModuleBinder):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._grads: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._output_grads: dict[tuple[int, int], torch.Tensor | None] = {}  # kept from B for W
 
     def backward_input(self, call: ComputeCall) -> torch.Tensor | None:
         x, y = self._saved[(call.chunk, call.microbatch)]
-        self._grads[(call.chunk, call.microbatch)] = call.received
+        self._output_grads[(call.chunk, call.microbatch)] = call.received
         if x is None:
             return None
         (grad,) = torch.autograd.grad(y, x, grad_outputs=call.received, retain_graph=True)
         return grad
 
     def backward_weight(self, call: ComputeCall) -> None:
-        x, y = self._saved.pop((call.chunk, call.microbatch))
+        _, y = self._saved.pop((call.chunk, call.microbatch))
         params = list(self.chunks[call.chunk].parameters())
-        torch.autograd.backward(y, grad_tensors=self._grads.pop((call.chunk, call.microbatch)), inputs=params)
+        torch.autograd.backward(y, grad_tensors=self._output_grads.pop((call.chunk, call.microbatch)), inputs=params)
 
 
 class _BatchingTransport(P2PTransport):

@@ -57,10 +57,10 @@ def reorder(table: ScheduleTable, rng: random.Random, spread: int) -> ScheduleTa
             slot_of[i] = before
             chains[node.kind.is_send, node.peer].append(i)
         slots: dict[int, list[int]] = defaultdict(list)  # slot -> its nodes (chain order kept within a chain)
+        moves = wiring.moves[rank]
         for (send, _), chain in chains.items():
-            key = wiring.moves[rank]
-            lows = [producer[key[i]] + 1 if send else 0 for i in chain]
-            highs = [len(compute) if send else consumer[key[i]] for i in chain]
+            lows = [producer[moves[i]] + 1 if send else 0 for i in chain]
+            highs = [len(compute) if send else consumer[moves[i]] for i in chain]
             for k in range(len(chain) - 2, -1, -1):  # a node may not pass the next one of its chain
                 highs[k] = min(highs[k], highs[k + 1])
             last = 0
@@ -82,7 +82,7 @@ def _interleaved(nodes: list[int], row, rng: random.Random) -> list[int]:
     chains: dict[tuple, list[int]] = defaultdict(list)
     for i in sorted(nodes):
         chains[row[i].kind.is_send, row[i].peer].append(i)
-    heads = [c for c in chains.values()]
+    heads = list(chains.values())
     out = []
     while heads:
         chain = rng.choice(heads)
@@ -130,5 +130,6 @@ def generated_cases(count: int, seed: int) -> tuple[list[Case], int]:
         except ValidationError:
             refused += 1
             continue
-        cases.append(Case(f"{base.algorithm} pp{base.pp} m{base.microbatches} spread{spread} #{len(cases)}", table, base))
+        name = f"{base.algorithm} pp{base.pp} m{base.microbatches} spread{spread} #{len(cases)}"
+        cases.append(Case(name, table, base))
     return cases, refused
