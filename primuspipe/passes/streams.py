@@ -30,8 +30,11 @@ over its row: posting a send or receive never stops it; a compute node waits for
 consumes and for the earlier send it proves delivered (the runner completes both right there, see
 :mod:`primuspipe.runtime.plan`); the row's end waits for everything. An operation *runs* once its rank
 has posted it and, on a serial stream, every earlier item of that stream has completed; a send and its
-receive complete together once both run (a rendezvous: the blocking NCCL semantics, and gloo's send
-that completes once its receive is posted). Under ``gloo`` each operation is a stream of its own. The
+receive meet once both run (a rendezvous: the blocking NCCL semantics, and gloo's send that completes
+once its receive is posted), and an operation completes -- for its rank's waits and its stream -- when
+every operation of its item has met: a batch is one NCCL group, whose one request (torch's
+``batch_isend_irecv`` returns the coalesced group's single work on NCCL) and stream end with its last
+operation. Under ``gloo`` each operation is a stream of its own. The
 table hangs exactly when some rank never reaches its row's end; the report follows the chain of
 operations each waits on until it closes, naming streams, ranks and nodes.
 """
@@ -219,7 +222,8 @@ class _Replay:
         self.left = list(compiled.sizes)                   # item -> its ops not yet complete
         self.posted = bytearray(len(compiled.after))
         self.running = bytearray(len(self.index))
-        self.done = bytearray(len(self.index))
+        self.met = bytearray(len(self.index))             # op -> it met its partner
+        self.done = bytearray(len(self.index))            # op -> its item completed (every op of it met)
         self.at = [0] * table.pp                           # rank -> its position in its program
         self.waiting: dict[int, int] = {}                  # op -> the rank stopped on it
         self.stopped_on: dict[int, int] = {}               # rank -> the op it waits on
@@ -296,17 +300,22 @@ class _Replay:
         for op in ops:
             running[op] = 1
         for op in ops:
-            if running[partner[op]] and not self.done[op]:
-                self._complete(op)
-                self._complete(partner[op])
+            if running[partner[op]] and not self.met[op]:
+                self._meet(op)
+                self._meet(partner[op])
 
-    def _complete(self, op: int) -> None:
-        self.done[op] = 1
-        if (rank := self.waiting.pop(op, None)) is not None:
-            self.ready.append(rank)
+    def _meet(self, op: int) -> None:
+        """``op`` met its partner: its item completes with the last of its ops to meet."""
+        self.met[op] = 1
         item = op if self.items is None else self.item_of[op]
         self.left[item] -= 1
-        if self.left[item] == 0 and (nxt := self.next[item]) >= 0:
+        if self.left[item]:
+            return
+        for each in (op,) if self.items is None else self.items[item]:
+            self.done[each] = 1
+            if (rank := self.waiting.pop(each, None)) is not None:
+                self.ready.append(rank)
+        if (nxt := self.next[item]) >= 0:
             self.free[nxt] = 1
             if self.posted[nxt]:
                 self.startable.append(nxt)
@@ -333,6 +342,9 @@ class _Replay:
             rank, key = self._rank(op), self._stream(op)
             head = next(o for o in self.rank_ops[rank] if not self.done[o] and self._stream(o) == key)
             return head, f"queued on rank {rank}'s {self.semantics.describe(key)} behind"
+        if self.met[op]:  # batched: it met its partner, its batch waits for another of its ops
+            rest = next(o for o in self.items[self.item_of[op]] if not self.met[o])
+            return rest, "completes with its batch, which waits for"
         peer = self.partner[op]
         if not self.posted[peer if self.items is None else self.item_of[peer]]:
             peer_rank = self._rank(peer)

@@ -28,7 +28,9 @@ The emulator is trusted because it agrees with NCCL both ways (tests/runtime/tes
 Megatron's own 1F1B and interleaved schedules (``batch_p2p_comm`` on and off, ``overlap_p2p_comm``) and
 torch.distributed.pipelining's schedules run under it, as they do on NCCL, while posting a table's
 transfers unbatched on one group (primuspipe's transport before it kept one group per direction)
-hangs under it exactly as :mod:`primuspipe.passes.streams` predicts for ``nccl-pair``.
+hangs under it exactly as :mod:`primuspipe.passes.streams` predicts for ``nccl-pair``. On generated
+posting orders (tests/runtime/test_nccl_differential.py) it stops exactly the ranks the ``nccl-pair``,
+``nccl-group`` and ``nccl-batched`` replays stop, at the operations they name.
 """
 
 from __future__ import annotations
@@ -209,20 +211,27 @@ class EmulatedNCCLGroup(dist.ProcessGroup):
 
     def _exchange(self, key: tuple, ops: list[_P2P]) -> Callable[[], None]:
         """What a stream runs for a batch (or one op): post every transfer at once, then complete each
-        only once the peer's matching operation ran (the receiver's acknowledgement)."""
+        only once the peer's matching operation ran (the receiver's acknowledgement).
+
+        A send's acknowledgement is awaited from the moment its batch runs, not after the batch's
+        receives: gloo completes a send (the receiver's acknowledgement is one) only once its receive is
+        posted, so a receiver would otherwise wait on the sender's *other* operations -- where NCCL
+        completes a receive once its data is in, whatever else the sender's group still waits for."""
         data, ack = self._tag(key, 0), self._tag(key, 1)
 
         def run() -> None:
-            posted = [(op, (self._gloo.send if op.send else self._gloo.recv)(op.tensors, op.peer, data)) for op in ops]
+            posted = [(op, (self._gloo.send if op.send else self._gloo.recv)(op.tensors, op.peer, data),
+                       self._gloo.recv([torch.zeros(1, dtype=torch.uint8)], op.peer, ack) if op.send else None)
+                      for op in ops]
             acks = []
-            for op, work in posted:
+            for op, work, _ in posted:
                 if not op.send:
                     work.wait()
                     acks.append(self._gloo.send([torch.ones(1, dtype=torch.uint8)], op.peer, ack))
-            for op, work in posted:
+            for op, work, acknowledged in posted:
                 if op.send:
                     work.wait()
-                    self._gloo.recv([torch.zeros(1, dtype=torch.uint8)], op.peer, ack).wait()
+                    acknowledged.wait()
             for work in acks:
                 work.wait()
         return run

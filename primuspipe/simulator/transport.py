@@ -13,7 +13,9 @@ stream is one item). :class:`StreamClock` then times them:
 * an item *runs* once its rank has posted it (its last operation) and the item before it on the same
   stream has completed -- a stream is serial and in order;
 * a send and its receive complete together (a rendezvous) ``transfer time`` after the later of the
-  two started running; an item completes when all its operations have.
+  two started running; an item completes when all its operations have. A receive's data is there for
+  the compute that consumes it when its item completes: at once for an unbatched operation, at the
+  batch's end for a batched one (NCCL's one request per group, :mod:`primuspipe.passes.streams`).
 
 So a transfer that waits on its peer delays every later item of its stream. Under ``gloo`` every
 operation is an item and a stream of its own, which is the simulator's model before transports had
@@ -47,6 +49,8 @@ class Wires:
         self.slots = pairing.op_at              # rank -> per node, its slot (-1: not communication)
         self.items = compiled.items             # batched: item -> its slots (None: every item is its one slot)
         self.item_of = compiled.item_of         # batched: slot -> item
+        self.receives = [] if self.items is None else [pairing.sides[s][1].kind.is_recv for s in pairing.side]
+        """Batched: slot -> it is a receive (its arrival is reported when its batch completes)."""
         self.sizes = compiled.sizes             # item -> its slots' count
         self.after = compiled.after             # item -> the item before it on its stream (-1: none)
         self.next = compiled.next               # item -> the item after it on its stream (-1: none)
@@ -111,17 +115,24 @@ class StreamClock:
             if peer_start is None:
                 continue
             arrival = (start if start > peer_start else peer_start) + duration[slot]
-            done.append((arrival, w.key[slot], slot, other))
+            if w.items is None:
+                done.append((arrival, w.key[slot], slot, other))
             for end in (slot, other):
                 rank, i = w.where[end]
                 self.ends[rank][i] = arrival
-                self._complete(end if w.items is None else w.item_of[end], arrival, runnable)
+                self._complete(end if w.items is None else w.item_of[end], arrival, runnable, done)
 
-    def _complete(self, item: int, arrival: float, runnable: list[int]) -> None:
+    def _complete(self, item: int, arrival: float, runnable: list[int], done: list) -> None:
         if arrival > self.item_end[item]:
             self.item_end[item] = arrival
         self.left[item] -= 1
-        if self.left[item] == 0 and (nxt := self.wires.next[item]) >= 0:
+        if self.left[item]:
+            return
+        w = self.wires
+        if w.items is not None:  # a batch's receives arrive for their consumers with the batch
+            done += [(self.item_end[item], w.key[slot], slot, w.partner[slot]) for slot in w.items[item]
+                     if w.receives[slot]]
+        if (nxt := w.next[item]) >= 0:
             self.blocked[nxt] = False
             self.free_at[nxt] = self.item_end[item]
             if not self.unposted[nxt]:

@@ -22,6 +22,8 @@ from primuspipe.errors import ConfigError, PrimusPipeError, ValidationError
 from primuspipe.io.formats import load_table
 from primuspipe.passes.streams import SEMANTICS, replay
 from primuspipe.passes.validation import validate
+from posting_orders import BATCH_WAITS
+from simulator_support import text_table
 
 LEGACY = Path(__file__).parents[1] / "fixtures" / "legacy_1f1b_pp2_m4.json"
 
@@ -112,3 +114,16 @@ def test_per_direction_streams_add_no_constraint_over_gloo():
             agree += 1
             hangs += not gloo_ok
     assert agree > 50 and hangs > 5, (agree, hangs)
+
+
+
+def test_a_batched_receive_completes_for_its_rank_with_its_batch():
+    """NCCL gives a batch (one group) one request: BW0.0 waits for the whole batch, not for the gradient
+    of microbatch 0 alone, so rank 0 stops at BW0.0 -- where the NCCL emulator stops it
+    (tests/runtime/test_nccl_differential.py) -- and the chain says why."""
+    table = text_table(2, BATCH_WAITS, m=2)
+    validate(table)  # primuspipe's per-direction streams run it
+    hang = replay(table, "nccl-batched")
+    assert hang.stopped == {0: 5, 1: 5} and hang.waits_on == {0: 3, 1: 4}
+    assert any("rank 0 node 3 (RECV_B0.0<1) completes with its batch, which waits for rank 0 node 4 (RECV_B1.0<1)"
+               in line for line in hang.chain), hang.chain

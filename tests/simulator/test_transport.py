@@ -73,6 +73,19 @@ def test_the_ops_of_a_batch_progress_together():
     assert (rank1.starts[7], rank1.ends[7]) == (8.0, 10.0)  # BW0.0 once the gradient is in
 
 
+def test_a_batched_receive_is_there_for_its_consumer_when_its_batch_completes():
+    """F = B = W = 1 (BW = 2), every transfer 0.5. Rank 0 posts F1.0's activation and both gradients as
+    one batch (nodes 3-5): the gradient of mb 0 arrives at 5.0, that of mb 1 at 8.5, and NCCL's one
+    request for the batch makes BW0.0 wait for both (the compute stream waits for the group's end)."""
+    rows = ["F0.0 SEND_F0.0>1 F1.0 SEND_F1.0>1 RECV_B0.0<1 RECV_B1.0<1 BW0.0 BW1.0",
+            "RECV_F0.0<0 F0.0 BW0.0 SEND_B0.0>0 RECV_F1.0<0 F1.0 BW1.0 SEND_B1.0>0"]
+    result = simulate(text_table(2, rows, m=2), _latency(2, 0.5), "nccl-batched")
+    rank0 = result.ranks[0]
+    assert (rank0.ends[4], rank0.ends[5]) == (5.0, 8.5)  # each transfer's own arrival
+    assert (rank0.starts[6], rank0.starts[7]) == (8.5, 10.5)
+    assert result.step_time == 12.5
+
+
 def test_the_legacy_posting_is_refused_under_nccl_pair_with_the_cycle_and_the_command():
     table = ScheduleTable.from_json(LEGACY.read_text())
     assert replay(table, "gloo") is None and replay(table, "nccl-pair") is not None
