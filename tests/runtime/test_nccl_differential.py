@@ -16,10 +16,11 @@ what every other rule of the validator allows -- and for each one:
   rank that finishes has bitwise the losses and gradients of the same table on plain gloo.
 
 The sample is seeded and stratified (orders that hang and orders that run, under each model), so a
-failure names a case that can be rebuilt; ``slow`` runs a larger one.
+failure names a case that can be rebuilt; ``PRIMUSPIPE_DIFFERENTIAL_CASES`` draws a larger one.
 """
 
 import functools
+import os
 import random
 import re
 from collections import Counter, defaultdict
@@ -239,16 +240,17 @@ def _check_agreement(sample: list[tuple[str, Case]], monkeypatch) -> dict[str, C
     return tally
 
 
+LARGER_SAMPLE_VARIABLE = "PRIMUSPIPE_DIFFERENTIAL_CASES"
+"""Environment variable: how many generated orders the real-run check draws (default 30, about 40 s on CI's two
+cores; 60 took 68 s and 120 about 190 s here, every one agreeing)."""
+
+
 @pytest.mark.slow
 def test_the_emulator_hangs_exactly_where_the_replay_says_on_generated_orders(monkeypatch):
-    tally = _check_agreement(_sample(30, SEED), monkeypatch)
-    assert all(t["hung"] >= 4 and t["ran"] >= 2 for t in tally.values()), tally
-
-
-@pytest.mark.slow
-def test_the_emulator_agrees_with_the_replay_on_a_larger_sample(monkeypatch):
-    tally = _check_agreement(_sample(60, SEED + 2), monkeypatch)
-    assert all(t["hung"] >= 8 and t["ran"] >= 4 for t in tally.values()), tally
+    count = int(os.environ.get(LARGER_SAMPLE_VARIABLE, "30"))
+    tally = _check_agreement(_sample(count, SEED), monkeypatch)
+    least = count // 30
+    assert all(t["hung"] >= 4 * least and t["ran"] >= 2 * least for t in tally.values()), tally
 
 
 # -- what the generated orders found ---------------------------------------------------------------------
