@@ -16,28 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from primuspipe.algorithms.build import build_schedule
-from primuspipe.algorithms.registry import list_algorithms
-from primuspipe.errors import ConfigError, PrimusPipeError, ValidationError
+from primuspipe.errors import ConfigError, ValidationError
 from primuspipe.io.formats import load_table
 from primuspipe.passes.streams import SEMANTICS, replay
 from primuspipe.passes.validation import validate
 from posting_orders import BATCH_WAITS
+from shipped_tables import shipped_tables
 from simulator_support import text_table
 
 LEGACY = Path(__file__).parents[1] / "fixtures" / "legacy_1f1b_pp2_m4.json"
 
 
 def _shipped(pps=(2, 3, 4)):
-    for info in list_algorithms():
-        vpps = [info.vpp] if info.vpp else ([1, 2] if info.placement == "interleaved" else [None])
-        for pp in pps:
-            for m in (pp, 2 * pp + 1):
-                for vpp in vpps:
-                    try:
-                        yield build_schedule(info.name, pp, m, vpp)
-                    except PrimusPipeError:
-                        continue
+    return shipped_tables([(pp, m) for pp in pps for m in (pp, 2 * pp + 1)], each_vpp=True)
 
 
 def test_the_legacy_table_is_refused_under_nccl_pair_naming_the_cycle():

@@ -4,12 +4,12 @@ import functools
 from pathlib import Path
 
 import pytest
+from shipped_tables import shipped_tables
 from simulator_support import simulate_rows, text_table
 
-from primuspipe.algorithms import list_algorithms
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.cli import main
-from primuspipe.errors import PrimusPipeError, SimulationError
+from primuspipe.errors import SimulationError
 from primuspipe.ir.cost_model import HostCost
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.streams import SEMANTICS, _Replay, replay, semantics_named
@@ -100,14 +100,7 @@ SHAPES = [(2, 2), (2, 5), (3, 6), (4, 4), (4, 9)]
 
 @functools.cache
 def _shipped_tables() -> list[ScheduleTable]:
-    tables = []
-    for info in list_algorithms():
-        for pp, m in SHAPES:
-            try:
-                tables.append(build_schedule(info.name, pp, m))
-            except PrimusPipeError:
-                continue
-    return tables
+    return shipped_tables(SHAPES)
 
 
 @pytest.mark.parametrize("semantics", list(SEMANTICS))

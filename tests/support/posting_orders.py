@@ -18,11 +18,10 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass
 
-from primuspipe.algorithms import list_algorithms
-from primuspipe.algorithms.build import build_schedule
-from primuspipe.errors import PrimusPipeError, ValidationError
+from primuspipe.errors import ValidationError
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.validation import validate
+from shipped_tables import shipped_tables
 
 SHAPES = ((2, 2), (2, 3), (2, 4), (3, 3), (3, 4), (3, 6), (4, 4), (4, 5))
 """(pp, microbatches) the cases are drawn from: pp 2-4, small enough for a multi-process run in a second."""
@@ -103,24 +102,11 @@ class Case:
     """The exported table it was drawn from (same compute, so the same losses and gradients)."""
 
 
-def _shipped() -> list[ScheduleTable]:
-    tables = []
-    for info in list_algorithms():
-        if info.placement == "any":  # a search (zb-auto): its pick is one of the others
-            continue
-        for pp, m in SHAPES:
-            try:
-                tables.append(build_schedule(info.name, pp, m))
-            except PrimusPipeError:
-                continue
-    return tables
-
-
 def generated_cases(count: int, seed: int) -> tuple[list[Case], int]:
     """``count`` cases drawn with ``seed`` (each a shipped table at a small shape, a spread, a reorder),
     and how many draws the validator refused under primuspipe's transport (skipped: the runner refuses them)."""
     rng = random.Random(seed)
-    tables, cases, refused = _shipped(), [], 0
+    tables, cases, refused = shipped_tables(SHAPES, searches=False), [], 0
     while len(cases) < count:
         base = rng.choice(tables)
         spread = rng.choice(SPREADS)
