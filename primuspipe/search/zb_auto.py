@@ -11,6 +11,14 @@ the V — unless the caller pins the vpp or the placement, and in each:
 3. where the order MILP (:mod:`primuspipe.search.zb_milp`) is small enough, HiGHS improves on the best
    table of its placement, seeded with it, and proves a lower bound.
 
+With ``offload=True`` (``simulate --offload``) a fixed algorithm's table over the memory limit is not
+dropped: the offload pass (:mod:`primuspipe.passes.offload`) plans its OFFLOAD/RELOAD nodes at the limit,
+as it would for that algorithm outside the search, and the table is a candidate if the pass gets it
+under. So every table a caller could get from a fixed algorithm and the pass competes on the same
+footing as the constructions, and zb-auto is never slower than the best of them. The constructions and
+the MILP stay within the limit without copies (the MILP has no OFFLOAD nodes to order, so it is seeded
+with the best table that needs none).
+
 Every candidate is timed by the simulator under the request's cost model (compute per stage, P2P, what
 W keeps of the activations), and memory is counted as the device holds it (each microbatch from its
 F until its W). The search is bounded by work — the number of fills per placement, the MILP's node and
@@ -37,6 +45,7 @@ from primuspipe.ir.activations import peak_in_flight
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication
+from primuspipe.passes.offload import OffloadError, offload_activations
 from primuspipe.passes.validation import validate
 from primuspipe.search.zb_milp import count_binaries, solve_order_milp, table_starts
 from primuspipe.simulator import SimulationResult, simulate
@@ -158,6 +167,7 @@ def zb_auto_search(
     use_milp: bool = True,
     milp_nodes: int = MILP_NODES,
     milp_iterations: int = MILP_ITERATIONS,
+    offload: bool = False,
     progress: Progress | None = None,
     check: bool = True,
 ) -> tuple[ScheduleTable, ZbAutoReport]:
@@ -165,7 +175,9 @@ def zb_auto_search(
 
     ``placement`` pins "interleaved" or "v"; ``req.vpp`` pins the vpp (None: search 1 and 2).
     ``fills`` (constructions filled per placement), ``milp_nodes`` and ``milp_iterations`` bound the
-    work (see the module doc); ``include_fixed=False`` leaves out the registered algorithms' tables.
+    work (see the module doc); ``include_fixed=False`` leaves out the registered algorithms' tables;
+    ``offload=True`` lets a fixed table over ``req.memory_limit`` compete with the offload pass's nodes (the
+    module doc; the copies are planned and timed with the request's cost model and its ``host_link``).
     ``check=False`` skips validating the answer (for callers such as ``build_schedule`` that validate).
 
     >>> from primuspipe.ir.cost_model import CostModel
@@ -177,25 +189,38 @@ def zb_auto_search(
     if fills < 0 or milp_nodes < 0 or milp_iterations < 0:
         raise ConfigError(f"zb-auto: fills, milp_nodes and milp_iterations must be >= 0, got {fills}, {milp_nodes}, "
                           f"{milp_iterations}")
+    if offload and req.memory_limit is None:
+        raise ConfigError("zb-auto: offload brings tables under the memory limit; give memory_limit (1F1B-stage "
+                          "microbatches)")
     layouts = placements(req, placement)
     best: _Best | None = None
     tried = 0
-    by_layout: dict[Placement, _Best] = {}
+    by_layout: dict[Placement, _Best] = {}  # tables without copies: what the MILP may be seeded with
+    offloaded: list[_Best] = []
 
     def report(line: str, done: float, level: int = logging.INFO) -> None:
         logger.log(level, "zb-auto: %s", line)
         if progress is not None:
             progress(line, done)
 
-    def consider(method: str, source: str, table: ScheduleTable, layout: Placement) -> None:
+    def consider(method: str, source: str, table: ScheduleTable, layout: Placement, may_offload: bool = False) -> None:
         nonlocal best, tried
+        copies = False
+        if may_offload and not req.fits(table):
+            try:
+                table = offload_activations(table, req.cost_model(table.vpp), memory_limit=req.memory_limit)
+            except OffloadError:
+                return
+            source, copies = f"{source} + offload pass", True
         if not req.fits(table):
             return
         peak = max(peak_in_flight(table, req.retained))
         tried += 1
         result = simulate(table, req.cost_model(table.vpp))
         candidate = _Best(result.step_time, peak, method, source, table, result)
-        if layout not in by_layout or (candidate.step_time, peak) < (by_layout[layout].step_time, by_layout[layout].peak):
+        if copies:
+            offloaded.append(candidate)
+        elif layout not in by_layout or (candidate.step_time, peak) < (by_layout[layout].step_time, by_layout[layout].peak):
             by_layout[layout] = candidate
         if best is None or (candidate.step_time, peak) < (best.step_time, best.peak):
             best = candidate
@@ -206,7 +231,7 @@ def zb_auto_search(
         report(f"searching {_name(layout.name, layout.vpp)}", i / len(layouts))
         sub = replace(req, vpp=layout.vpp, cost=req.cost_model(layout.vpp))
         for name, table in _fixed_candidates(sub, layout) if include_fixed else ():
-            consider("fixed", name, table, layout)
+            consider("fixed", name, table, layout, offload)
         for candidate in _constructions(sub, layout, fills):
             consider("heuristic", candidate.source, candidate.table, layout)
     if best is None:
@@ -214,9 +239,12 @@ def zb_auto_search(
             f"zb-auto: no schedule of pp={req.pp}, {req.microbatches} microbatches "
             f"({', '.join(_name(lay.name, lay.vpp) for lay in layouts)}) fits {_limits(req)}; raise the memory limit"
         )
-    lower_bound, optimal = _improve_with_milp(req, best.table.placement, by_layout, consider, report, use_milp,
-                                              milp_nodes, milp_iterations)
-    best = min(by_layout.values(), key=lambda c: (c.step_time, c.peak))
+    lower_bound, optimal = None, False
+    if by_layout:
+        seed = min(by_layout.values(), key=lambda c: (c.step_time, c.peak))
+        lower_bound, optimal = _improve_with_milp(req, seed.table.placement, by_layout, consider, report, use_milp,
+                                                  milp_nodes, milp_iterations)
+    best = min([*by_layout.values(), *offloaded], key=lambda c: (c.step_time, c.peak))
     optimal = optimal and best.step_time <= (lower_bound or 0.0) + 1e-6
     final = ZbAutoReport(best.method, best.source, best.table.placement.name, best.table.vpp, best.step_time, best.peak,
                          lower_bound, optimal, tried, tuple(_name(lay.name, lay.vpp) for lay in layouts))
@@ -311,7 +339,7 @@ def _improve_with_milp(req: ScheduleRequest, layout: Placement, by_layout: dict,
 @register("zb-auto", placement="any", split_backward=True)
 def zb_auto(
     req: ScheduleRequest, *, placement: str | None = None, fills: int = FILLS_PER_PLACEMENT, include_fixed: bool = True,
-    use_milp: bool = True, milp_nodes: int = MILP_NODES, milp_iterations: int = MILP_ITERATIONS,
+    use_milp: bool = True, milp_nodes: int = MILP_NODES, milp_iterations: int = MILP_ITERATIONS, offload: bool = False,
 ) -> ScheduleTable:
     """zb-auto: searches every placement (fixed algorithms, constructions at the memory limit, order MILP) for the fastest schedule under the cost model and memory limit.
 
@@ -324,4 +352,4 @@ def zb_auto(
         rank 3 | F0 F1 F2 F3 f0 b0 f1 b1 f2 b2 B0 B1 f3 b3 B2 w0 w1 B3 w2 W0 W1 w3 W2 W3
     """
     return zb_auto_search(req, placement=placement, fills=fills, include_fixed=include_fixed, use_milp=use_milp,
-                          milp_nodes=milp_nodes, milp_iterations=milp_iterations, check=False)[0]
+                          milp_nodes=milp_nodes, milp_iterations=milp_iterations, offload=offload, check=False)[0]
