@@ -5,7 +5,9 @@ sets ``handler`` (a function of the parsed args returning an exit status). Libra
 (:class:`~primuspipe.errors.PrimusPipeError`) and failed file writes end the program with one plain-text
 line, ``error: ...``, and status 1 (130 when interrupted); malformed arguments are argparse's (status 2). Nothing the user
 typed is read as markup. The library reports progress through :mod:`logging` (e.g. zb-auto's search,
-iterations a dump reader skipped); the command shows it on stderr, ``--quiet`` hides all but warnings.
+iterations a dump reader skipped); the command shows it on stderr, ``--quiet`` hides all but warnings, and
+a command's own notes beside its results (``calibrate``'s) too. ``-q`` and ``-v`` go before or after the
+command name.
 """
 
 from __future__ import annotations
@@ -40,13 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build, inspect, validate and simulate pipeline-parallel schedules.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    noise = parser.add_mutually_exclusive_group()
-    noise.add_argument("-q", "--quiet", action="store_true", help="show no progress, only results, warnings and errors")
-    noise.add_argument("-v", "--verbose", action="store_true", help="also show debug messages")
+    _add_noise_flags(parser, default=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for command in dict.fromkeys(sub.choices.values()):
+        _add_noise_flags(command, default=argparse.SUPPRESS)
     return parser
+
+
+def _add_noise_flags(parser: argparse.ArgumentParser, default) -> None:
+    """-q / -v, on the program and again on every sub-command: ``primuspipe calibrate -q`` reads as
+    ``primuspipe -q calibrate`` (argparse refused the first). A sub-command's copies default to SUPPRESS, so
+    they never undo the program's flag; given on both sides, -q and -v are refused in ``_run``."""
+    noise = parser.add_mutually_exclusive_group()
+    noise.add_argument("-q", "--quiet", action="store_true", default=default,
+                       help="show no progress or notes, only results, warnings and errors")
+    noise.add_argument("-v", "--verbose", action="store_true", default=default, help="also show debug messages")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quiet and args.verbose:
+        parser.error("argument -q/--quiet: not allowed with argument -v/--verbose")
     _show_progress(logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO)
     try:
         return args.handler(args)

@@ -68,6 +68,11 @@ examples:
   primuspipe simulate --algorithm v-half --pp 8 -m 32 --memory-limit 4 --offload --host-link 0.01,2"""
 
 
+_FILE_SUFFIXES = (".json", ".yaml", ".yml", ".csv", ".txt", ".png", ".html")
+"""Names -o refuses for a directory it would create: export's and calibrate's -o writes one such file, and
+``simulate -o x.json`` made a directory x.json instead of the file the user meant."""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate algorithms under a cost model and rank them by step time",
                        description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -117,7 +122,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "--semantics' reports it")
     p.add_argument("-o", "--output-dir", type=Path, metavar="DIR",
                    help="write ALGORITHM.timeline.json (primuspipe timeline) and ALGORITHM.trace.json "
-                        "(Chrome/Perfetto trace) for each simulated algorithm into DIR")
+                        "(Chrome/Perfetto trace) for each simulated algorithm into DIR. Unlike export's and "
+                        "calibrate's -o (--output, one file), -o here names a directory; a new DIR named like a "
+                        "file (x.json) is refused: the ranking as JSON is --json > x.json")
     p.add_argument("--json", action="store_true",
                    help='print {"results": [...]} as JSON instead of a table; algorithms refused for the shape carry "error" '
                         '(when none could be simulated: one error line and exit 1, as without --json)')
@@ -137,6 +144,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if str(args.output_dir) == "-":
             raise ConfigError("-o - means standard output, but simulate -o writes a directory of files; give a "
                               "directory (use --json for the results on standard output)")
+        if args.output_dir.suffix.lower() in _FILE_SUFFIXES and not args.output_dir.is_dir():
+            raise ConfigError(f"simulate -o (--output-dir) writes a directory of files, and {args.output_dir} is named "
+                              "like one file (export's and calibrate's -o); for the results in a file use --json > "
+                              f"{args.output_dir}, or create the directory first to use that name")
         output_dir(args.output_dir, "-o")
         for name in names:
             for suffix in ("timeline", "trace"):

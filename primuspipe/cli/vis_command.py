@@ -216,7 +216,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     console = report_console()
     console.print(_measured_table(measured))
     console.print(_accuracy_table(accuracy, measured.time_unit))
-    for note in measured.notes:
+    for note in () if args.quiet else measured.notes:
         console.print(f"note: {note}")
     shown = strict.shown_path(args.output)
     console.print(f"wrote {shown}; use it with: primuspipe simulate --cost {shown} "

@@ -1,5 +1,7 @@
 """OFFLOAD / RELOAD in the table, the validator, the pass and the simulator (no processes)."""
 
+import itertools
+
 import pytest
 
 from primuspipe.algorithms.build import build_schedule
@@ -138,3 +140,35 @@ def test_the_cli_offloads_to_the_limit(capsys, tmp_path):
     assert main(["export", "v-half", "--pp", "4", "-m", "8", "--offload", "2", "-o", str(out)]) == 0
     table = validate(ScheduleTable.from_json(out.read_text()), max_in_flight=2.0)
     assert any(n.kind is NodeKind.OFFLOAD for row in table.ranks for n in row)
+
+
+_LIMITS, _COSTS, _LINKS = (1.5, 2.5, 3), (("1", "1", "1"), ("1", "1.5", "0.5")), ("0,1", "1,1")
+
+
+@pytest.mark.parametrize("pp, m", [(4, 8), (6, 12), (4, 12)])
+def test_zb_auto_is_never_behind_a_fixed_table_under_offload(capsys, pp, m):
+    """Under --offload the fixed rows carry the pass's copies; zb-auto weighs those same tables against its
+    own constructions, so it is never slower than the best fixed row that fits (before, it planned within
+    the limit without copies: 137.5 against v-half's 104.5 at pp 8, m 32, limit 3). Over memory limits,
+    B:W splits and host links (copy free, or as long as an F)."""
+    from simulator_support import simulate_rows
+
+    compared = 0
+    for limit, (f, b, w), link in itertools.product(_LIMITS, _COSTS, _LINKS):
+        rows = simulate_rows(capsys, "-a", "all", "--pp", str(pp), "-m", str(m), "--memory-limit", str(limit),
+                             "--offload", "--f", f, "--b", b, "--w", w, "--host-link", link)
+        steps = {r["algorithm"]: r["step_time"] for r in rows if "error" not in r and r["fits"]}
+        auto = steps.pop("zb-auto")  # zb-auto always fits: its constructions are built at the limit
+        if steps:
+            compared += 1
+            assert auto <= min(steps.values()) + 1e-9, (limit, (f, b, w), link, auto, steps)
+    assert compared >= len(_LIMITS) * len(_COSTS), "most cases have a fixed row that fits: the check is not vacuous"
+
+
+def test_zb_auto_offload_needs_a_limit():
+    from primuspipe.algorithms import ScheduleRequest
+    from primuspipe.search.zb_auto import zb_auto_search
+
+    with pytest.raises(ConfigError, match="offload brings tables under the memory limit"):
+        zb_auto_search(ScheduleRequest(2, 1, 4, CostModel.per_stage(2, 1, 1, 1)), offload=True)
+

@@ -171,3 +171,15 @@ def test_a_command_runs_without_full_collections_and_restores_the_collector(caps
     capsys.readouterr()
     assert generations.count(0) > 0, "young collections still run"
     assert 2 not in generations
+
+
+def test_simulate_o_is_a_directory_and_refuses_a_file_name(capsys, tmp_path):
+    """simulate -o keeps its meaning (--output-dir, as scripts use it); a new name like export's -o file is
+    refused instead of becoming a directory of that name, and an existing directory of any name is taken."""
+    argv = ["simulate", "-a", "1f1b", "--pp", "2", "-m", "2", "-o"]
+    assert main([*argv, str(tmp_path / "sim.json")]) == 1
+    assert "--json >" in capsys.readouterr().err and not (tmp_path / "sim.json").exists()
+    (tmp_path / "odd.json").mkdir()
+    for name in ("sim", "odd.json"):
+        assert main([*argv, str(tmp_path / name)]) == 0
+        assert (tmp_path / name / "1f1b.timeline.json").is_file()

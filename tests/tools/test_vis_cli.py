@@ -89,3 +89,24 @@ def test_dumps_written_by_the_megatron_recorder_are_read(tmp_path):
     assert isinstance(timeline, Timeline) and [len(r.events) for r in timeline.ranks] == [len(r) for r in table.ranks]
     assert all(r.peak_memory_bytes > 0 for r in timeline.ranks)
     assert measure_costs([timeline]).forward == (0.5, 0.5)
+
+
+@pytest.mark.parametrize("argv", [["-q", "calibrate"], ["calibrate", "-q"], ["calibrate", "--quiet"]])
+def test_quiet_calibrate_prints_no_notes_but_still_its_errors(dump_dir, tmp_path, capsys, argv):
+    """-q hides notes (here: the warm-up left nothing to skip, so every iteration was used), before or after
+    the command name; the results and an error still show."""
+    cost = tmp_path / "measured.yaml"
+    assert main(["calibrate", str(dump_dir), "--warmup", "5", "-o", str(cost)]) == 0
+    assert "note:" in capsys.readouterr().out, "the case has a note, so the check below can fail"
+    assert main([*argv, str(dump_dir), "--warmup", "5", "-o", str(cost)]) == 0
+    out = capsys.readouterr().out
+    assert "note:" not in out and "wrote" in out
+    assert main([*argv, str(tmp_path / "nope")]) == 1
+    assert "error:" in capsys.readouterr().err
+
+
+def test_quiet_and_verbose_are_refused_together_on_either_side(capsys):
+    for argv in (["-q", "calibrate", "-v", "x"], ["calibrate", "-q", "-v", "x"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
