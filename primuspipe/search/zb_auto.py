@@ -214,9 +214,10 @@ def zb_auto_search(
             source, copies = f"{source} + offload pass", True
         if not req.fits(table):
             return
-        peak = max(peak_in_flight(table, req.retained))
+        cost = req.cost_model(table.vpp)
+        peak = max(peak_in_flight(table, req.retained, cost.memory.offload_fraction))
         tried += 1
-        result = simulate(table, req.cost_model(table.vpp))
+        result = simulate(table, cost)
         candidate = _Best(result.step_time, peak, method, source, table, result)
         if copies:
             offloaded.append(candidate)
@@ -244,7 +245,12 @@ def zb_auto_search(
         seed = min(by_layout.values(), key=lambda c: (c.step_time, c.peak))
         lower_bound, optimal = _improve_with_milp(req, seed.table.placement, by_layout, consider, report, use_milp,
                                                   milp_nodes, milp_iterations)
-    best = min([*by_layout.values(), *offloaded], key=lambda c: (c.step_time, c.peak))
+    plain = min(by_layout.values(), key=lambda c: (c.step_time, c.peak), default=None)
+    best = min(offloaded, key=lambda c: (c.step_time, c.peak), default=None)
+    if best is None or (plain is not None and plain.step_time <= best.step_time):
+        best = plain  # copies only where they buy step time: they load the host link the simulator prices alone
+    else:
+        lower_bound = None  # the MILP bounds tables without copies: no bound on this one
     optimal = optimal and best.step_time <= (lower_bound or 0.0) + 1e-6
     final = ZbAutoReport(best.method, best.source, best.table.placement.name, best.table.vpp, best.step_time, best.peak,
                          lower_bound, optimal, tried, tuple(_name(lay.name, lay.vpp) for lay in layouts))
