@@ -142,11 +142,11 @@ def test_the_cli_offloads_to_the_limit(capsys, tmp_path):
     assert any(n.kind is NodeKind.OFFLOAD for row in table.ranks for n in row)
 
 
-_LIMITS, _COSTS, _LINKS = (1.5, 2.5, 3), (("1", "1", "1"), ("1", "1.5", "0.5")), ("0,1", "1,1")
+_LIMITS, _COSTS, _LINKS = (1.5, 3), (("1", "1", "1"), ("1", "1.5", "0.5")), ("0,1", "1,1")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp, m", [(4, 8), (6, 12), (4, 12)])
+@pytest.mark.parametrize("pp, m", [(4, 8), (6, 12)])
 def test_zb_auto_is_never_behind_a_fixed_table_under_offload(capsys, pp, m):
     """Under --offload the fixed rows carry the pass's copies; zb-auto weighs those same tables against its
     own constructions, so it is never slower than the best fixed row that fits (before, it planned within
