@@ -99,6 +99,7 @@ from primuspipe.ir.cost_parts import MAX_CONTENTION, MAX_SHARE, MIN_SPEED, HostC
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import compute_kinds
 
+
 def counts_taken(pp: int, vpp: int) -> str:
     """The value counts a per-stage time takes, in words, for messages.
 

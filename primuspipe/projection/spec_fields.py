@@ -49,7 +49,7 @@ _SHIPPED = {what: f"the shipped {what} files are examples/projection/{folder}/*.
 def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
     """The mapping at the top of a YAML file (``what`` names the input in errors), read strictly: bounded
     size and nesting, no aliases (no alias bomb), no duplicate keys (:mod:`primuspipe.strict`)."""
-    data = strict.load_yaml(strict.read_text(path, f"the {what} file", missing=_SHIPPED.get(what)),
+    data = strict.load_yaml(strict.read_text(path, f"the {what} file", missing=_SHIPPED.get(what, "")),
                             f"the {what} file {path}")
     if not isinstance(data, Mapping):
         raise ConfigError(f"the {what} file {path} must hold a mapping of fields, got {type(data).__name__}")
