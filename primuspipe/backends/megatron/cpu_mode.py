@@ -70,6 +70,9 @@ Each shim below is a few lines, applies only after ``enable_cpu_mode()`` and onl
   among the saved tensors, hands all parameters one shared ``step`` tensor that Adam then increments
   once per parameter): the shim initialises a fresh Adam's state before the load template is built,
   skips ``step`` where saved tensors are copied in and gives each parameter its own ``step``.
+* **Parameter all-gather on gloo** -- Megatron gathers a bucket group's parameters as one coalesced
+  request, and gloo's fused all-gather corrupts the heap under torch 2.13; the shim issues those
+  all-gathers one by one (:mod:`primuspipe.backends.megatron.gloo_all_gather`, same bytes).
 * **Checkpoint writer without psutil** -- Megatron's distributed-checkpoint writer logs the process's
   resident memory with ``psutil`` and fails the save when it is missing; the shim reads it from
   ``/proc/self/statm`` then (Linux).
@@ -100,6 +103,7 @@ from typing import Any, Callable
 
 import torch
 
+from primuspipe.backends.megatron import gloo_all_gather
 from primuspipe.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -503,6 +507,7 @@ def enable_cpu_mode() -> None:
     _tied_embeddings_stay_on_cpu()
     _distributed_optimizer_takes_cpu_params()
     _checkpoint_rss_without_psutil()
+    gloo_all_gather.install()
     _megatron_training(proxy)
     _enabled = True
     logger.info("megatron CPU mode enabled (patched: %s)", ", ".join(CPU_MODE_PATCHED_MODULES))
