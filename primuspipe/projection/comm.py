@@ -92,8 +92,9 @@ class Collectives:
         Engine's ring): inside a node one peer's bandwidth (on a fully connected mesh, one link); across nodes one
         network card's, however many of the ring's members share a node. A ring collective spreads a node's share
         over its members' cards (:meth:`_link`), but a send to a rank on another node is one NCCL point-to-point
-        connection, and NCCL puts it on one card: with no ring graph ``ncclTopoGetNetDev`` takes the rank's own
-        card, or by PXN the card on the peer's rail (``ncclTopoGetLocalNet``: ``channelId % DIVUP(localNetCount,
+        connection, and NCCL puts it on one card: point-to-point connections are set up with no ring graph
+        (``ncclTransportP2pSetup(comm, NULL, 1)``, ``src/group.cc``), for which ``ncclTopoGetNetDev`` takes the rank's
+        own card, or by PXN the card on the peer's rail (``ncclTopoGetLocalNet``: ``channelId % DIVUP(localNetCount,
         localGpuCount)`` cards a GPU, one where each GPU has its own; NVIDIA/nccl ``src/graph/search.cc`` and
         ``src/graph/topo.cc``, v2.20.3-1 and master alike)."""
         h = self.hardware
