@@ -88,11 +88,22 @@ class Collectives:
         return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency
 
     def shift(self, nbytes: float, ranks: int, span: int) -> float:
-        """Every rank of the ring sends ``nbytes`` to the next at once (PyTorch's ``permute_tensor``): inside a node
-        one peer's bandwidth (on a fully connected mesh, one link)."""
+        """Every rank of the ring sends ``nbytes`` to the next at once (PyTorch's ``permute_tensor``, Transformer
+        Engine's ring): inside a node one peer's bandwidth (on a fully connected mesh, one link); across nodes one
+        network card's, however many of the ring's members share a node. A ring collective spreads a node's share
+        over its members' cards (:meth:`_link`), but a send to a rank on another node is one NCCL point-to-point
+        connection, and NCCL puts it on one card: point-to-point connections are set up with no ring graph
+        (``ncclTransportP2pSetup(comm, NULL, 1)``, ``src/group.cc``), for which ``ncclTopoGetNetDev`` takes the rank's
+        own card, or by PXN the card on the peer's rail (``ncclTopoGetLocalNet``: ``channelId % DIVUP(localNetCount,
+        localGpuCount)`` cards a GPU, one where each GPU has its own; NVIDIA/nccl ``src/graph/search.cc`` and
+        ``src/graph/topo.cc``, v2.20.3-1 and master alike)."""
+        h = self.hardware
         if ranks == 1 or nbytes == 0:
             return 0.0
-        bandwidth, latency = self._link(2, span) if span <= self.hardware.gpus_per_node else self._link(ranks, span)
+        if span <= h.gpus_per_node:
+            bandwidth, latency = self._link(2, span)
+        else:
+            bandwidth, latency = h.inter_node_bandwidth_bytes_per_s * h.network_efficiency, h.inter_node_latency_s
         return nbytes / bandwidth + latency
 
     def all_reduce(self, nbytes: float, ranks: int, span: int) -> float:
