@@ -34,13 +34,31 @@ def check_envelope(data: Any, fmt: str, version: int, what: str, source: str | N
         raise TableFormatError(f"{where}{what} JSON version {got!r} is not supported (want the integer {version})")
 
 
-def output_file(path: Any, what: str, *, create_folder: bool = True) -> Path:
+SUFFIX_KINDS = {".json": "JSON", ".csv": "CSV", ".yaml": "YAML", ".yml": "YAML", ".png": "PNG", ".html": "HTML",
+                ".htm": "HTML", ".svg": "SVG", ".pdf": "PDF", ".jpg": "JPEG", ".jpeg": "JPEG", ".dot": "Graphviz DOT",
+                ".gv": "Graphviz DOT"}
+"""File name endings that say what a file holds (the table reader takes a ``.csv`` as torch's CSV, a browser a
+``.html`` as a page): an output whose name says one kind and gets another is refused (:func:`output_file`)."""
+KIND_SUFFIX = {"JSON": ".json", "CSV": ".csv", "YAML": ".yaml", "PNG": ".png", "HTML": ".html",
+               "Graphviz DOT": ".dot", "text": ".txt"}
+"""The name ending :func:`output_file`'s refusal proposes for each kind a writer writes."""
+
+
+def output_file(path: Any, what: str, *, create_folder: bool = True, writes: str | None = None) -> Path:
     """``path`` checked as a file a writer (the API's and every command's) may write, before it draws or
     serialises anything: a path (not ``123``), not a directory, nothing but a regular file where it exists
     (writers rename a finished file over the path: over a device node such as ``/dev/null``, a pipe or a
     socket that would replace it), a name the system can take, its folder created (``create_folder``) and
-    writable. Each failure is one :class:`OutputFileError` line naming ``what`` and the path."""
+    writable, and -- where the writer says which kind of file it ``writes`` (a value of :data:`KIND_SUFFIX`)
+    -- not named as another kind (:data:`SUFFIX_KINDS`: a CSV table written to ``t.json`` is a file
+    ``validate`` reads as JSON and refuses; a PNG written to ``x.svg`` is no SVG); a name ending in none of
+    them is the user's choice. Each failure is one :class:`OutputFileError` line naming ``what`` and the path."""
     path = strict.file_path(path, what, error=OutputFileError)
+    named = SUFFIX_KINDS.get(path.suffix.lower())
+    if writes is not None and named is not None and named != writes:
+        raise OutputFileError(f"cannot write {what} {strict.shown_path(path)}: its name ends in {path.suffix} ({named}) "
+                              f"but it would hold {writes}; name it "
+                              f"{strict.shown_path(path.with_suffix(KIND_SUFFIX[writes]))}")
     try:
         mode = path.stat().st_mode
     except (FileNotFoundError, NotADirectoryError):

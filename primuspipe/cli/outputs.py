@@ -38,9 +38,10 @@ class Outputs:
         self._writers: list[tuple[str, Path, Writer]] = []
         self._stdout: str | None = None
 
-    def claim(self, path: Path | str | None, flag: str, *, stdout: bool = True) -> Path | None:
+    def claim(self, path: Path | str | None, flag: str, *, stdout: bool = True, writes: str | None = None) -> Path | None:
         """Check ``path`` as the output of ``flag`` (None: not asked for; ``-``: standard output, where
-        ``stdout`` allows it) and reserve it; returns it (None for standard output or nothing)."""
+        ``stdout`` allows it; ``writes``: the kind of file it gets, not to be named as another,
+        :func:`~primuspipe.documents.output_file`) and reserve it; returns it (None for standard output or nothing)."""
         if path is None:
             return None
         if str(path) == STDOUT:
@@ -51,7 +52,7 @@ class Outputs:
             self._stdout = flag
             return None
         path = Path(path)
-        output_file(path, flag)
+        output_file(path, flag, writes=writes)
         for source in self.inputs:
             if same_file(path, source) or source.is_dir() and _inside(path, source):
                 where = "is" if same_file(path, source) else "lies inside"
@@ -95,15 +96,17 @@ class Outputs:
 
 
 def same_file(a: Path, b: Path) -> bool:
-    """The same file: equal once resolved (links, ``..``), or by inode where both exist (hard links)."""
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
+    """The same file: equal once resolved (links, ``..``), or by inode where both exist (hard links). A name
+    holding a NUL names no file (the input's reader refuses it; comparing it was a ValueError)."""
     try:
-        return os.path.samefile(a, b)
-    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b) or os.path.samefile(a, b)
+    except (OSError, ValueError):
         return False
 
 
 def _inside(path: Path, folder: Path) -> bool:
-    real, top = os.path.realpath(path), os.path.realpath(folder)
+    try:
+        real, top = os.path.realpath(path), os.path.realpath(folder)
+    except ValueError:  # a NUL in the name, as in same_file
+        return False
     return os.path.commonpath([real, top]) == top
