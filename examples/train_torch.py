@@ -45,8 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=POSITIVE, required=True,
                    help="pipeline-parallel size (= number of processes)")
     p.add_argument("--microbatches", type=POSITIVE, default=None, help="microbatches per step (not with --schedule)")
-    p.add_argument("--algorithm", "-a", "--pp-algorithm", dest="algorithm", default="1f1b",
-                   help="primuspipe algorithm (see 'primuspipe list'); --pp-algorithm as examples/train_gpt.py")
+    p.add_argument("--algorithm", "-a", "--pp-algorithm", dest="algorithm", default=None,
+                   help="primuspipe algorithm (see 'primuspipe list'; default 1f1b); --pp-algorithm as "
+                        "examples/train_gpt.py")
     p.add_argument("--vpp", "--num-virtual-stages-per-pipeline-rank", dest="vpp", type=POSITIVE, default=None,
                    help="chunks per rank (default: the algorithm's)")
     p.add_argument("--schedule", default=None, help="run this table file (.json or torch .csv) instead")
@@ -56,7 +57,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iterations", type=POSITIVE, default=5)
     p.add_argument("--lr", type=number_type(minimum=0), default=0.05)
     p.add_argument("--compare-torch", action="store_true", help="also run torch.distributed.pipelining and compare")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.schedule is not None:  # the table file fixes its shape and algorithm: a flag beside it would be ignored
+        given = [flag for flag, value in (("--microbatches", args.microbatches), ("--algorithm", args.algorithm),
+                                          ("--vpp", args.vpp)) if value is not None]
+        if given:
+            p.error(f"{given[0]} is what the --schedule table fixes; drop {given[0]}, or drop --schedule")
+    elif args.microbatches is None:  # was refused on every rank after its process group
+        p.error("give --microbatches (or --schedule)")
+    args.algorithm = args.algorithm or "1f1b"
+    return args
 
 
 def make_model(args) -> torch.nn.Sequential:
@@ -78,8 +88,6 @@ def main(argv=None) -> None:
     if args.schedule:
         table = load_table(args.schedule)
     else:
-        if args.microbatches is None:
-            raise ConfigError("give --microbatches (or --schedule)")
         table = build_schedule(args.algorithm, args.pp, args.microbatches, args.vpp)
 
     def my_stages():

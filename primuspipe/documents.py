@@ -42,6 +42,9 @@ SUFFIX_KINDS = {".json": "JSON", ".csv": "CSV", ".yaml": "YAML", ".yml": "YAML",
 KIND_SUFFIX = {"JSON": ".json", "CSV": ".csv", "YAML": ".yaml", "PNG": ".png", "HTML": ".html",
                "Graphviz DOT": ".dot", "text": ".txt"}
 """The name ending :func:`output_file`'s refusal proposes for each kind a writer writes."""
+NAMED_ONLY = frozenset({"CSV"})
+"""Kinds a reader knows only by their name: ``load_table`` reads a table as torch's CSV only from a ``.csv`` file
+(any other is JSON or Primus's text), so a CSV is written under no other name."""
 
 
 def output_file(path: Any, what: str, *, create_folder: bool = True, writes: str | None = None) -> Path:
@@ -52,12 +55,13 @@ def output_file(path: Any, what: str, *, create_folder: bool = True, writes: str
     writable, and -- where the writer says which kind of file it ``writes`` (a value of :data:`KIND_SUFFIX`)
     -- not named as another kind (:data:`SUFFIX_KINDS`: a CSV table written to ``t.json`` is a file
     ``validate`` reads as JSON and refuses; a PNG written to ``x.svg`` is no SVG); a name ending in none of
-    them is the user's choice. Each failure is one :class:`OutputFileError` line naming ``what`` and the path."""
+    them is the user's choice, but for a kind known only by its name (:data:`NAMED_ONLY`). Each failure is one :class:`OutputFileError` line naming ``what`` and the path."""
     path = strict.file_path(path, what, error=OutputFileError)
     named = SUFFIX_KINDS.get(path.suffix.lower())
-    if writes is not None and named is not None and named != writes:
-        raise OutputFileError(f"cannot write {what} {strict.shown_path(path)}: its name ends in {path.suffix} ({named}) "
-                              f"but it would hold {writes}; name it "
+    if writes is not None and (named is not None and named != writes or named is None and writes in NAMED_ONLY):
+        why = (f"its name ends in {path.suffix}, which says {named}, but it would hold {writes}" if named else
+               f"a {writes} file is read as one only under a {KIND_SUFFIX[writes]} name")
+        raise OutputFileError(f"cannot write {what} {strict.shown_path(path)}: {why}; name it "
                               f"{strict.shown_path(path.with_suffix(KIND_SUFFIX[writes]))}")
     try:
         mode = path.stat().st_mode

@@ -103,7 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     c = sub.add_parser("calibrate", help="measure a cost model (YAML for 'simulate --cost') from a run's dump",
                        description=_CALIBRATE_DESCRIPTION, epilog=_CALIBRATE_EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter, intermixed=True)
     c.add_argument("input", metavar="DUMP_DIR", type=Path, nargs="+",
                    help="a run's dump directory or a Primus dump folder (all its iterations are used), or one "
                         "timeline JSON file; several runs of the same table are pooled, each run's warm-up "
