@@ -55,7 +55,8 @@ def output_file(path: Any, what: str, *, create_folder: bool = True, writes: str
     writable, and -- where the writer says which kind of file it ``writes`` (a value of :data:`KIND_SUFFIX`)
     -- not named as another kind (:data:`SUFFIX_KINDS`: a CSV table written to ``t.json`` is a file
     ``validate`` reads as JSON and refuses; a PNG written to ``x.svg`` is no SVG); a name ending in none of
-    them is the user's choice, but for a kind known only by its name (:data:`NAMED_ONLY`). Each failure is one :class:`OutputFileError` line naming ``what`` and the path."""
+    them is the user's choice, but for a kind known only by its name (:data:`NAMED_ONLY`). Each failure is one
+    :class:`OutputFileError` line naming ``what`` and the path."""
     path = strict.file_path(path, what, error=OutputFileError)
     named = SUFFIX_KINDS.get(path.suffix.lower())
     if writes is not None and (named is not None and named != writes or named is None and writes in NAMED_ONLY):

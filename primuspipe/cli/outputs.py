@@ -38,7 +38,8 @@ class Outputs:
         self._writers: list[tuple[str, Path, Writer]] = []
         self._stdout: str | None = None
 
-    def claim(self, path: Path | str | None, flag: str, *, stdout: bool = True, writes: str | None = None) -> Path | None:
+    def claim(self, path: Path | str | None, flag: str, *, stdout: bool = True,
+              writes: str | None = None) -> Path | None:
         """Check ``path`` as the output of ``flag`` (None: not asked for; ``-``: standard output, where
         ``stdout`` allows it; ``writes``: the kind of file it gets, not to be named as another,
         :func:`~primuspipe.documents.output_file`) and reserve it; returns it (None for standard output or nothing)."""

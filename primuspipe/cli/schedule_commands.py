@@ -76,8 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="json (lossless), torch.distributed.pipelining CSV (with a <file>.meta.json sidecar holding the "
                         "microbatch count and algorithm name) or primus (the 'Rank r: (F|mb|chunk),...' lines Primus's "
                         "debug_scheduler_table prints, after a comment line with the shape; docs/primus.md); default: "
-                        "csv for a -o name ending in .csv, else json. A file is named as 'validate' reads it back: a CSV "
-                        "ends in .csv, json and primus do not (and primus not in .json)")
+                        "csv for a -o name ending in .csv, else json. A file is named as 'validate' reads it back: "
+                        "a CSV ends in .csv, json and primus do not (and primus not in .json)")
     p.add_argument("--compute-only", action="store_true", help="leave out communication nodes")
     p.add_argument("-o", "--output", type=Path, required=True, help="file to write ('-' for stdout)")
     _add_memory_arguments(p)

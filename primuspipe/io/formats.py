@@ -302,7 +302,8 @@ name it reads back as that format."""
 
 
 def table_format(path: Path, fmt: str | None) -> str:
-    """``fmt``, or the format :func:`load_table` reads a file named ``path`` as (``csv`` for ``.csv``, else ``json``)."""
+    """``fmt``, or the format :func:`load_table` reads a file named ``path`` as (``csv`` for ``.csv``, else
+    ``json``)."""
     return fmt or ("csv" if path.suffix.lower() == ".csv" else "json")
 
 
