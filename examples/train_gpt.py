@@ -168,6 +168,9 @@ def combination_problem(args: argparse.Namespace) -> str | None:
     if args.num_experts is not None and args.moe_router_topk > args.num_experts:
         return (f"--moe-router-topk {args.moe_router_topk} routes each token to more experts than --num-experts "
                 f"{args.num_experts}; give at most {args.num_experts}")
+    if args.load is not None and args.optimizer != "adam":  # megatron-core's SGD has no init_state_fn to load into
+        return ("--load restores the optimizer's state, which megatron-core loads for --optimizer adam only (its SGD "
+                "was a TypeError on every rank); give --optimizer adam, as the run that saved it")
     if args.recompute_granularity == "selective" and args.recompute_method is not None:
         return ("--recompute-method is for --recompute-granularity full (Megatron-LM's validate_args: \"recompute "
                 "method is not yet supported for selective recomputing granularity\"); drop one of them")
@@ -344,16 +347,23 @@ def replan_result(ours, table, times: list[float]) -> dict:
 
 
 def prepare(args: argparse.Namespace, world: int) -> tuple:
-    """Everything a run settles before its process groups, on ``world`` ranks: the primuspipe config, the schedule
-    and its table, the model and Megatron's config overrides -- and megatron-core's ``TransformerConfig`` tried
-    once, so what it refuses (sequence parallelism without tensor parallelism, full recompute without a method,
+    """Everything a run settles before its process groups, on ``world`` ranks: the grids, the checkpoint folders,
+    the primuspipe config, the schedule and its table, the model and Megatron's config overrides -- and
+    megatron-core's ``TransformerConfig`` tried once, so what it refuses (sequence parallelism without tensor parallelism, full recompute without a method,
     heads that do not split over tensor-parallel ranks, ...) is one line before any rank joins a group, not after.
     Returns ``(config, schedule, table, model, overrides, say)``."""
+    from primuspipe import strict
     from primuspipe.backends.megatron import PrimusForwardBackward, load_config
+    from primuspipe.errors import ConfigError
     from primuspipe.testing.megatron import compare, tiny_models
 
     if problem := world_problem(args, world):
         raise SystemExit(problem)
+    if args.load is not None and not os.path.isfile(os.path.join(args.load, "metadata.json")):  # was a traceback
+        raise ConfigError(f"--load {strict.shown_path(args.load)} holds no checkpoint (no metadata.json, which "
+                          "Megatron's distributed checkpointing and --save write); give the folder --save wrote")
+    if args.save is not None:  # a file in the way was a FileExistsError traceback after the training
+        strict.writable_folder(args.save, f"--save {args.save}")
     overrides = {"patch_primus_pipeline": True}
     if args.pp_algorithm:
         overrides["pp_algorithm"] = args.pp_algorithm

@@ -11,7 +11,9 @@ torch.topk's "selected index k out of range" traceback at the first step; ``--ex
 without experts, or experts it does not divide, parallel state's RuntimeError traceback on every rank;
 ``--recompute-granularity selective --recompute-method uniform`` ran though Megatron-LM refuses it; and what
 megatron-core's ``TransformerConfig`` refuses (sequence parallelism without tensor parallelism, full recompute
-without a method, heads over tensor-parallel ranks) was refused only after every rank had joined its groups."""
+without a method, heads over tensor-parallel ranks) was refused only after every rank had joined its groups.
+``--load`` under ``--optimizer sgd`` (megatron-core's SGD has no state loader), of a folder without a checkpoint or of
+a file was a TypeError on every rank, ``--save`` to a file a FileExistsError after the whole training."""
 
 from __future__ import annotations
 
@@ -132,6 +134,32 @@ def test_world_holds_the_grids(example, world, grid):
         refused(outcome, "WORLD_SIZE", case=case)
     else:
         accepted(outcome, case=case)
+
+
+CHECKPOINTS = [
+    (["--load", "CKPT"], None), (["--save", "NEW"], None), (["--save", "EMPTY"], None), (["--save", "CKPT"], None),
+    (["--load", "CKPT", "--optimizer", "sgd"], "--optimizer adam"), (["--load", "EMPTY"], "--load"),
+    (["--load", "MISSING"], "--load"), (["--load", "FILE"], "--load"), (["--save", "FILE"], "--save"),
+    (["--save", "FILE/sub"], "--save"),
+]
+"""--load and --save folders (CKPT holds a checkpoint's metadata.json, EMPTY nothing, FILE is a file), beside
+``--optimizer adam`` unless the case names another optimizer."""
+
+
+@pytest.mark.parametrize("flags, name", CHECKPOINTS, ids=[" ".join(f) for f, _ in CHECKPOINTS])
+def test_checkpoint_folders(example, tmp_path, flags, name):
+    (tmp_path / "CKPT").mkdir()
+    (tmp_path / "CKPT" / "metadata.json").write_text("{}")
+    (tmp_path / "EMPTY").mkdir()
+    (tmp_path / "FILE").write_text("a file")
+    argv = _argv(BASE) + (["--optimizer", "adam"] if "--optimizer" not in flags else [])
+    argv += [str(tmp_path / f) if f.isupper() or "/" in f else f for f in flags]
+    case = f"train_gpt.py {' '.join(flags)}"
+    outcome = _prepared(example, argv, world=2)
+    if name is None:
+        accepted(outcome, case=case)
+    else:
+        refused(outcome, name, case=case)
 
 
 TORCH_CASES = [
