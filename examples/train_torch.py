@@ -75,20 +75,32 @@ def make_model(args) -> torch.nn.Sequential:
                                                      torch.nn.LayerNorm(args.hidden)) for _ in range(args.layers)])
 
 
+def plan(args: argparse.Namespace, world: int):
+    """The table the run executes, settled with what it needs of ``world`` ranks and of the model before any
+    process group: each refusal here was made after every rank had joined one (a --schedule table of another pp,
+    fewer --layers than the table has stages)."""
+    if world != args.pp:
+        raise ConfigError(f"run with --nproc-per-node {args.pp} (got a world of {world})")
+    table = load_table(args.schedule) if args.schedule else build_schedule(args.algorithm, args.pp, args.microbatches,
+                                                                          args.vpp)
+    if table.pp != args.pp:
+        raise ConfigError(f"--schedule {args.schedule} is a table of pp={table.pp}; give --pp {table.pp} (and as many "
+                          "processes)")
+    if table.num_stages > args.layers:
+        raise ConfigError(f"--layers {args.layers} cannot fill the table's {table.num_stages} stages (pp*vpp, each "
+                          f"needs a layer); give --layers {table.num_stages} or more")
+    return table
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    table = plan(args, int(os.environ.get("WORLD_SIZE", "1")))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else nccl_emulation.cpu_backend())
     device = torch.device("cuda") if cuda else torch.device("cpu")
-    if dist.get_world_size() != args.pp:
-        raise ConfigError(f"run with --nproc-per-node {args.pp} (got a world of {dist.get_world_size()})")
     rank = dist.get_rank()
-    if args.schedule:
-        table = load_table(args.schedule)
-    else:
-        table = build_schedule(args.algorithm, args.pp, args.microbatches, args.vpp)
 
     def my_stages():
         stages = split_sequential(make_model(args).to(device), table.num_stages)

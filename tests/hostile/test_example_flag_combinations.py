@@ -164,31 +164,52 @@ def test_checkpoint_folders(example, tmp_path, flags, name):
 
 TORCH_CASES = [
     (["--schedule", "T"], None), (["--microbatches", "4"], None), (["--microbatches", "4", "-a", "zbv"], None),
+    (["--microbatches", "4", "--vpp", "2", "-a", "interleaved-1f1b", "--layers", "4"], None),
     ([], "--microbatches"), (["-a", "zbv"], "--microbatches"), (["--vpp", "2"], "--microbatches"),
     (["--schedule", "T", "--microbatches", "4"], "--microbatches"), (["--schedule", "T", "-a", "zbv"], "--algorithm"),
     (["--schedule", "T", "--pp-algorithm", "1f1b"], "--algorithm"), (["--schedule", "T", "--vpp", "2"], "--vpp"),
+    (["--schedule", "T4"], "--schedule"), (["--schedule", "MISSING"], "MISSING"),
+    (["--microbatches", "4", "--vpp", "2", "-a", "interleaved-1f1b", "--layers", "3"], "--layers"),
+    (["--microbatches", "4", "-a", "zbv", "--layers", "3"], "--layers"),
+    (["--microbatches", "4", "WORLD=3"], "--nproc-per-node"), (["--schedule", "T", "WORLD=1"], "--nproc-per-node"),
 ]
-"""``examples/train_torch.py``'s table source: --schedule, or --microbatches with --algorithm and --vpp. A flag beside
---schedule was ignored (the table file fixes the shape and the algorithm: --microbatches 64 ran the file's 4), and a
-run with neither was refused on every rank after its process group."""
+"""``examples/train_torch.py``'s table source and what the table needs (``T`` a pp=2 table file, ``T4`` a pp=4 one;
+a world of 2 unless ``WORLD=``): --schedule, or --microbatches with --algorithm and --vpp. A flag beside --schedule
+was ignored (the table file fixes the shape and the algorithm: --microbatches 64 ran the file's 4); a run with
+neither, a table of another pp, fewer --layers than stages and a world of another size were refused on every rank
+after its process group."""
 
 
-@pytest.mark.parametrize("argv, name", TORCH_CASES, ids=[" ".join(a) or "none" for a, _ in TORCH_CASES])
-def test_train_torch_table_source(tmp_path, argv, name):
+@pytest.fixture(scope="module")
+def train_torch():
     spec = importlib.util.spec_from_file_location("example_train_torch_source", EXAMPLE.with_name("train_torch.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    argv = ["--pp", "2", *[str(tmp_path / "t.json") if a == "T" else a for a in argv]]
+    return module
+
+
+@pytest.mark.parametrize("argv, name", TORCH_CASES, ids=[" ".join(a) or "none" for a, _ in TORCH_CASES])
+def test_train_torch_table(train_torch, tmp_path, argv, name):
+    from primuspipe.algorithms.build import build_schedule
+    from primuspipe.io.formats import save_table
+
+    save_table(build_schedule("1f1b", 2, 4), tmp_path / "T.json")
+    save_table(build_schedule("1f1b", 4, 4), tmp_path / "T4.json")
+    world = next((int(a[6:]) for a in argv if a.startswith("WORLD=")), 2)
+    files = {"T": tmp_path / "T.json", "T4": tmp_path / "T4.json", "MISSING": tmp_path / "MISSING.json"}
+    argv = ["--pp", "2", *[str(files.get(a, a)) for a in argv if not a.startswith("WORLD=")]]
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            module.parse_args(argv)
+            train_torch.plan(train_torch.parse_args(argv), world)
             outcome = Outcome("silent", 0, "")
         except SystemExit as exc:
             lines = [line for line in err.getvalue().splitlines() if ": error: " in line]
             outcome = Outcome("clear" if exc.code == 2 and len(lines) == 1 else "garbled", exc.code,
                               lines[0] if lines else err.getvalue())
-    case = f"train_torch.py {' '.join(argv[2:]).replace(str(tmp_path), '')}"
+        except PrimusPipeError as exc:
+            outcome = Outcome("clear", 1, str(exc))
+    case = f"train_torch.py {' '.join(argv[2:]).replace(str(tmp_path) + '/', '')} on {world} ranks"
     if name is None:
         accepted(outcome, case=case)
     else:
