@@ -168,6 +168,9 @@ def combination_problem(args: argparse.Namespace) -> str | None:
     if args.num_experts is not None and args.moe_router_topk > args.num_experts:
         return (f"--moe-router-topk {args.moe_router_topk} routes each token to more experts than --num-experts "
                 f"{args.num_experts}; give at most {args.num_experts}")
+    if args.num_experts is not None and args.moe_router_topk == 1:  # TransformerConfig asks for a flag not here
+        return ("--moe-router-topk 1 needs the router's softmax before the top-k (megatron-core's TransformerConfig: "
+                "--moe-router-pre-softmax), which this example does not set; give --moe-router-topk 2 or more")
     if args.load is not None and args.optimizer != "adam":  # megatron-core's SGD has no init_state_fn to load into
         return ("--load restores the optimizer's state, which megatron-core loads for --optimizer adam only (its SGD "
                 "was a TypeError on every rank); give --optimizer adam, as the run that saved it")

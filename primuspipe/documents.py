@@ -52,18 +52,9 @@ def output_file(path: Any, what: str, *, create_folder: bool = True, writes: str
     serialises anything: a path (not ``123``), not a directory, nothing but a regular file where it exists
     (writers rename a finished file over the path: over a device node such as ``/dev/null``, a pipe or a
     socket that would replace it), a name the system can take, its folder created (``create_folder``) and
-    writable, and -- where the writer says which kind of file it ``writes`` (a value of :data:`KIND_SUFFIX`)
-    -- not named as another kind (:data:`SUFFIX_KINDS`: a CSV table written to ``t.json`` is a file
-    ``validate`` reads as JSON and refuses; a PNG written to ``x.svg`` is no SVG); a name ending in none of
-    them is the user's choice, but for a kind known only by its name (:data:`NAMED_ONLY`). Each failure is one
-    :class:`OutputFileError` line naming ``what`` and the path."""
+    writable, and -- where the writer says which kind of file it ``writes`` -- named as that kind
+    (:func:`named_as`). Each failure is one :class:`OutputFileError` line naming ``what`` and the path."""
     path = strict.file_path(path, what, error=OutputFileError)
-    named = SUFFIX_KINDS.get(path.suffix.lower())
-    if writes is not None and (named is not None and named != writes or named is None and writes in NAMED_ONLY):
-        why = (f"its name ends in {path.suffix}, which says {named}, but it would hold {writes}" if named else
-               f"a {writes} file is read as one only under a {KIND_SUFFIX[writes]} name")
-        raise OutputFileError(f"cannot write {what} {strict.shown_path(path)}: {why}; name it "
-                              f"{strict.shown_path(path.with_suffix(KIND_SUFFIX[writes]))}")
     try:
         mode = path.stat().st_mode
     except (FileNotFoundError, NotADirectoryError):
@@ -75,9 +66,25 @@ def output_file(path: Any, what: str, *, create_folder: bool = True, writes: str
     if mode is not None and not stat.S_ISREG(mode):
         raise OutputFileError(f"cannot write {what} {path}: it exists and is not a regular file (a device, pipe or "
                               "socket, which writing would replace); give a file name")
+    if writes is not None:
+        named_as(path, what, writes)
     if create_folder:
         strict.writable_folder(path.parent, f"the folder of {what} {path}", error=OutputFileError)
     return path
+
+
+def named_as(path: Path, what: str, writes: str) -> None:
+    """Refuse ``path`` for a file of the kind a writer ``writes`` (a key of :data:`KIND_SUFFIX`) where its name says
+    another kind (:data:`SUFFIX_KINDS`: a CSV table written to ``t.json`` is a file ``validate`` reads as JSON and
+    refuses; a PNG written to ``x.svg`` is no SVG). A name ending in none of them is the user's choice, but for a
+    kind known only by its name (:data:`NAMED_ONLY`)."""
+    named = SUFFIX_KINDS.get(path.suffix.lower())
+    if named == writes or named is None and writes not in NAMED_ONLY:
+        return
+    why = (f"its name ends in {path.suffix}, which says {named}, but it would hold {writes}" if named else
+           f"a {writes} file is read as one only under a {KIND_SUFFIX[writes]} name")
+    raise OutputFileError(f"cannot write {what} {strict.shown_path(path)}: {why}; name it "
+                          f"{strict.shown_path(path.with_suffix(KIND_SUFFIX[writes]))}")
 
 
 def write_atomically(path: str | os.PathLike, text: str) -> Path:

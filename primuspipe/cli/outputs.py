@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from primuspipe.documents import output_file
+from primuspipe.documents import named_as, output_file
 from primuspipe.errors import ConfigError
 
 STDOUT = "-"
@@ -42,7 +42,8 @@ class Outputs:
               writes: str | None = None) -> Path | None:
         """Check ``path`` as the output of ``flag`` (None: not asked for; ``-``: standard output, where
         ``stdout`` allows it; ``writes``: the kind of file it gets, not to be named as another,
-        :func:`~primuspipe.documents.output_file`) and reserve it; returns it (None for standard output or nothing)."""
+        :func:`~primuspipe.documents.named_as`, checked last: a collision says more) and reserve it; returns it (None
+        for standard output or nothing)."""
         if path is None:
             return None
         if str(path) == STDOUT:
@@ -53,7 +54,7 @@ class Outputs:
             self._stdout = flag
             return None
         path = Path(path)
-        output_file(path, flag, writes=writes)
+        output_file(path, flag)
         for source in self.inputs:
             if same_file(path, source) or source.is_dir() and _inside(path, source):
                 where = "is" if same_file(path, source) else "lies inside"
@@ -63,6 +64,8 @@ class Outputs:
             if same_file(path, other):
                 raise ConfigError(f"{flag} {path} and {other_flag} {other} are the same file; give each output its "
                                   "own path")
+        if writes is not None:
+            named_as(path, flag, writes)
         self._claimed.append((flag, path))
         return path
 

@@ -54,6 +54,7 @@ def _megatron_refuses(flags: dict) -> str | None:
         (ep > 1 and experts is None, "--expert-model-parallel-size"),  # validate_args
         (experts is not None and experts % ep, "--num-experts"),  # validate_args
         (experts is not None and topk > experts, "--moe-router-topk"),  # torch.topk at the first routed token
+        (experts is not None and topk == 1, "--moe-router-topk"),  # TransformerConfig: top-1 needs pre-softmax
         (granularity == "selective" and method is not None, "--recompute-method"),  # validate_args
         (granularity == "full" and method is None, "recompute_method"),  # TransformerConfig
         (granularity == "full" and recomputed is None, "recompute_num_layers"),  # TransformerConfig
