@@ -7,7 +7,8 @@ megatron-core's config once); each other one is prepared (sound). Nothing here s
 
 Defects this family found: ``--num-attention-heads 3`` at hidden size 16 trained a model Megatron-LM refuses (3 heads
 of 5 channels), and 32 heads a ZeroDivisionError traceback on every rank; ``--moe-router-topk 5 --num-experts 4``
-torch.topk's "selected index k out of range" traceback at the first step; ``--expert-model-parallel-size 2``
+torch.topk's "selected index k out of range" traceback at the first step (and top-1, which megatron-core refuses
+without a pre-softmax flag the example lacks, was refused naming that flag); ``--expert-model-parallel-size 2``
 without experts, or experts it does not divide, parallel state's RuntimeError traceback on every rank;
 ``--recompute-granularity selective --recompute-method uniform`` ran though Megatron-LM refuses it; and what
 megatron-core's ``TransformerConfig`` refuses (sequence parallelism without tensor parallelism, full recompute
