@@ -143,7 +143,53 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.use_distributed_optimizer and args.optimizer != "adam":
         p.error("--use-distributed-optimizer needs --optimizer adam (megatron-core's distributed optimizer "
                 "checkpoints Adam's state only)")
+    if problem := combination_problem(args):
+        p.error(problem)
     return args
+
+
+def combination_problem(args: argparse.Namespace) -> str | None:
+    """What Megatron-LM's ``validate_args`` (megatron/training/arguments.py) refuses of these flags together, and
+    what would fail only inside the run (on every rank, after the process groups: a ZeroDivisionError building
+    attention, torch.topk's "selected index k out of range" at the first routed token); None when they agree.
+    The rest of megatron-core's rules are its ``TransformerConfig``'s, tried before any process group
+    (:func:`prepare`)."""
+    if args.hidden_size % args.num_attention_heads:  # validate_args: assert hidden_size % num_attention_heads == 0
+        return (f"--hidden-size {args.hidden_size} does not split into --num-attention-heads "
+                f"{args.num_attention_heads} heads (Megatron-LM's validate_args: each head gets hidden-size / heads "
+                "channels); give a hidden size that is a multiple of the head count")
+    if args.expert_model_parallel_size > 1 and args.num_experts is None:  # "num_experts must be non None to use ..."
+        return (f"--expert-model-parallel-size {args.expert_model_parallel_size} spreads experts, and there are none "
+                "(Megatron-LM's validate_args); add --num-experts, or drop it")
+    if args.num_experts is not None and args.num_experts % args.expert_model_parallel_size:
+        return (f"--num-experts {args.num_experts} does not split over --expert-model-parallel-size "
+                f"{args.expert_model_parallel_size} (Megatron-LM's validate_args: \"Number of experts should be a "
+                "multiple of expert model parallel_size\"); give a multiple")
+    if args.num_experts is not None and args.moe_router_topk > args.num_experts:
+        return (f"--moe-router-topk {args.moe_router_topk} routes each token to more experts than --num-experts "
+                f"{args.num_experts}; give at most {args.num_experts}")
+    if args.num_experts is not None and args.moe_router_topk == 1:  # TransformerConfig asks for a flag not here
+        return ("--moe-router-topk 1 needs the router's softmax before the top-k (megatron-core's TransformerConfig: "
+                "--moe-router-pre-softmax), which this example does not set; give --moe-router-topk 2 or more")
+    if args.load is not None and args.optimizer != "adam":  # megatron-core's SGD has no init_state_fn to load into
+        return ("--load restores the optimizer's state, which megatron-core loads for --optimizer adam only (its SGD "
+                "was a TypeError on every rank); give --optimizer adam, as the run that saved it")
+    if args.recompute_granularity == "selective" and args.recompute_method is not None:
+        return ("--recompute-method is for --recompute-granularity full (Megatron-LM's validate_args: \"recompute "
+                "method is not yet supported for selective recomputing granularity\"); drop one of them")
+    return None
+
+
+def world_problem(args: argparse.Namespace, world: int) -> str | None:
+    """Whether ``world`` ranks hold the pipeline's grids: pp x tensor-parallel (data parallelism fills the rest) and
+    megatron-core's expert grid, pp x expert-parallel x expert-tensor-parallel (parallel_state's "world_size is not
+    divisible by expert_tensor_model_pipeline_parallel size", raised on every rank after the process group)."""
+    for what, size in (("pp*tensor-parallel", args.pp * args.tensor_model_parallel_size),
+                       ("pp*expert-parallel*expert-tensor-parallel",
+                        args.pp * args.expert_model_parallel_size * args.expert_tensor_parallel_size)):
+        if world % size:
+            return f"WORLD_SIZE={world} is not a multiple of {what}={size}"
+    return None
 
 
 def uneven_split(num_layers: int, pp: int) -> tuple[int, int]:
@@ -210,10 +256,6 @@ def model_and_overrides(args, table, say) -> tuple:
 
 def init_distributed(args, vpp: int) -> torch.device:
     """``env://`` init (torchrun) with a timeout; CPU mode without a GPU."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    tp = args.tensor_model_parallel_size
-    if world % (args.pp * tp):
-        raise SystemExit(f"WORLD_SIZE={world} is not a multiple of pp*tensor-parallel={args.pp * tp}")
     cuda = torch.cuda.is_available()
     if cuda:
         # more ranks than devices share them round-robin (NCCL then needs a distinct NCCL_HOSTID per rank, as
@@ -307,11 +349,24 @@ def replan_result(ours, table, times: list[float]) -> dict:
     return out
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def prepare(args: argparse.Namespace, world: int) -> tuple:
+    """Everything a run settles before its process groups, on ``world`` ranks: the grids, the checkpoint folders,
+    the primuspipe config, the schedule and its table, the model and Megatron's config overrides -- and
+    megatron-core's ``TransformerConfig`` tried once, so what it refuses (sequence parallelism without tensor parallelism, full recompute without a method,
+    heads that do not split over tensor-parallel ranks, ...) is one line before any rank joins a group, not after.
+    Returns ``(config, schedule, table, model, overrides, say)``."""
+    from primuspipe import strict
     from primuspipe.backends.megatron import PrimusForwardBackward, load_config
     from primuspipe.errors import ConfigError
+    from primuspipe.testing.megatron import compare, tiny_models
 
+    if problem := world_problem(args, world):
+        raise SystemExit(problem)
+    if args.load is not None and not os.path.isfile(os.path.join(args.load, "metadata.json")):  # was a traceback
+        raise ConfigError(f"--load {strict.shown_path(args.load)} holds no checkpoint (no metadata.json, which "
+                          "Megatron's distributed checkpointing and --save write); give the folder --save wrote")
+    if args.save is not None:  # a file in the way was a FileExistsError traceback after the training
+        strict.writable_folder(args.save, f"--save {args.save}")
     overrides = {"patch_primus_pipeline": True}
     if args.pp_algorithm:
         overrides["pp_algorithm"] = args.pp_algorithm
@@ -335,10 +390,27 @@ def main(argv=None) -> None:
             print(f"train_gpt: {line}", file=sys.stderr, flush=True)
 
     model, overrides = model_and_overrides(args, table, say)
+    if not torch.cuda.is_available():  # megatron-core imports triton unless CPU mode stubs it
+        from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
+
+        enable_cpu_mode()
+    trial = dict(overrides)
+    if model.num_moe_experts:  # as compare.build_chunks settles it from the parallel state
+        trial.setdefault("expert_tensor_parallel_size", args.expert_tensor_parallel_size)
+    tiny_models.transformer_config(model, args.pp, table.vpp, tp=args.tensor_model_parallel_size,
+                                   ep=args.expert_model_parallel_size if model.num_moe_experts else 1,
+                                   placement=compare.placement_of(table), **trial)
+    return config, ours, table, model, overrides, say
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from primuspipe.errors import ConfigError
+    from primuspipe.testing.megatron import compare
+
+    config, ours, table, model, overrides, say = prepare(args, int(os.environ.get("WORLD_SIZE", "1")))
     device = init_distributed(args, table.vpp)
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from primuspipe.testing.megatron import compare
 
     placement = compare.placement_of(table)
     ddp_overrides = {"use_distributed_optimizer": args.use_distributed_optimizer,
@@ -378,7 +450,7 @@ def main(argv=None) -> None:
         result.update(native_loss=from_loss_rank(native_losses[-1] if native_losses else None),
                       native_step_time_s=statistics.median(native_times), reference=reference,
                       max_abs_grad_diff=compare.max_abs_diff(gather_grads(grads), gather_grads(native_grads)))
-    if rank0:
+    if os.environ.get("RANK", "0") == "0":
         print(json.dumps(result), flush=True)
     from megatron.core import parallel_state
 

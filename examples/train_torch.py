@@ -45,8 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=POSITIVE, required=True,
                    help="pipeline-parallel size (= number of processes)")
     p.add_argument("--microbatches", type=POSITIVE, default=None, help="microbatches per step (not with --schedule)")
-    p.add_argument("--algorithm", "-a", "--pp-algorithm", dest="algorithm", default="1f1b",
-                   help="primuspipe algorithm (see 'primuspipe list'); --pp-algorithm as examples/train_gpt.py")
+    p.add_argument("--algorithm", "-a", "--pp-algorithm", dest="algorithm", default=None,
+                   help="primuspipe algorithm (see 'primuspipe list'; default 1f1b); --pp-algorithm as "
+                        "examples/train_gpt.py")
     p.add_argument("--vpp", "--num-virtual-stages-per-pipeline-rank", dest="vpp", type=POSITIVE, default=None,
                    help="chunks per rank (default: the algorithm's)")
     p.add_argument("--schedule", default=None, help="run this table file (.json or torch .csv) instead")
@@ -56,7 +57,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iterations", type=POSITIVE, default=5)
     p.add_argument("--lr", type=number_type(minimum=0), default=0.05)
     p.add_argument("--compare-torch", action="store_true", help="also run torch.distributed.pipelining and compare")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.schedule is not None:  # the table file fixes its shape and algorithm: a flag beside it would be ignored
+        given = [flag for flag, value in (("--microbatches", args.microbatches), ("--algorithm", args.algorithm),
+                                          ("--vpp", args.vpp)) if value is not None]
+        if given:
+            p.error(f"{given[0]} is what the --schedule table fixes; drop {given[0]}, or drop --schedule")
+    elif args.microbatches is None:  # was refused on every rank after its process group
+        p.error("give --microbatches (or --schedule)")
+    args.algorithm = args.algorithm or "1f1b"
+    return args
 
 
 def make_model(args) -> torch.nn.Sequential:
@@ -65,22 +75,32 @@ def make_model(args) -> torch.nn.Sequential:
                                                      torch.nn.LayerNorm(args.hidden)) for _ in range(args.layers)])
 
 
+def plan(args: argparse.Namespace, world: int):
+    """The table the run executes, settled with what it needs of ``world`` ranks and of the model before any
+    process group: each refusal here was made after every rank had joined one (a --schedule table of another pp,
+    fewer --layers than the table has stages)."""
+    if world != args.pp:
+        raise ConfigError(f"run with --nproc-per-node {args.pp} (got a world of {world})")
+    table = load_table(args.schedule) if args.schedule else build_schedule(args.algorithm, args.pp, args.microbatches,
+                                                                          args.vpp)
+    if table.pp != args.pp:
+        raise ConfigError(f"--schedule {args.schedule} is a table of pp={table.pp}; give --pp {table.pp} (and as many "
+                          "processes)")
+    if table.num_stages > args.layers:
+        raise ConfigError(f"--layers {args.layers} cannot fill the table's {table.num_stages} stages (pp*vpp, each "
+                          f"needs a layer); give --layers {table.num_stages} or more")
+    return table
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    table = plan(args, int(os.environ.get("WORLD_SIZE", "1")))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else nccl_emulation.cpu_backend())
     device = torch.device("cuda") if cuda else torch.device("cpu")
-    if dist.get_world_size() != args.pp:
-        raise ConfigError(f"run with --nproc-per-node {args.pp} (got a world of {dist.get_world_size()})")
     rank = dist.get_rank()
-    if args.schedule:
-        table = load_table(args.schedule)
-    else:
-        if args.microbatches is None:
-            raise ConfigError("give --microbatches (or --schedule)")
-        table = build_schedule(args.algorithm, args.pp, args.microbatches, args.vpp)
 
     def my_stages():
         stages = split_sequential(make_model(args).to(device), table.num_stages)

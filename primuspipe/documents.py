@@ -34,12 +34,26 @@ def check_envelope(data: Any, fmt: str, version: int, what: str, source: str | N
         raise TableFormatError(f"{where}{what} JSON version {got!r} is not supported (want the integer {version})")
 
 
-def output_file(path: Any, what: str, *, create_folder: bool = True) -> Path:
+SUFFIX_KINDS = {".json": "JSON", ".csv": "CSV", ".yaml": "YAML", ".yml": "YAML", ".png": "PNG", ".html": "HTML",
+                ".htm": "HTML", ".svg": "SVG", ".pdf": "PDF", ".jpg": "JPEG", ".jpeg": "JPEG", ".dot": "Graphviz DOT",
+                ".gv": "Graphviz DOT"}
+"""File name endings that say what a file holds (the table reader takes a ``.csv`` as torch's CSV, a browser a
+``.html`` as a page): an output whose name says one kind and gets another is refused (:func:`output_file`)."""
+KIND_SUFFIX = {"JSON": ".json", "CSV": ".csv", "YAML": ".yaml", "PNG": ".png", "HTML": ".html",
+               "Graphviz DOT": ".dot", "text": ".txt"}
+"""The name ending :func:`output_file`'s refusal proposes for each kind a writer writes."""
+NAMED_ONLY = frozenset({"CSV"})
+"""Kinds a reader knows only by their name: ``load_table`` reads a table as torch's CSV only from a ``.csv`` file
+(any other is JSON or Primus's text), so a CSV is written under no other name."""
+
+
+def output_file(path: Any, what: str, *, create_folder: bool = True, writes: str | None = None) -> Path:
     """``path`` checked as a file a writer (the API's and every command's) may write, before it draws or
     serialises anything: a path (not ``123``), not a directory, nothing but a regular file where it exists
     (writers rename a finished file over the path: over a device node such as ``/dev/null``, a pipe or a
     socket that would replace it), a name the system can take, its folder created (``create_folder``) and
-    writable. Each failure is one :class:`OutputFileError` line naming ``what`` and the path."""
+    writable, and -- where the writer says which kind of file it ``writes`` -- named as that kind
+    (:func:`named_as`). Each failure is one :class:`OutputFileError` line naming ``what`` and the path."""
     path = strict.file_path(path, what, error=OutputFileError)
     try:
         mode = path.stat().st_mode
@@ -52,9 +66,25 @@ def output_file(path: Any, what: str, *, create_folder: bool = True) -> Path:
     if mode is not None and not stat.S_ISREG(mode):
         raise OutputFileError(f"cannot write {what} {path}: it exists and is not a regular file (a device, pipe or "
                               "socket, which writing would replace); give a file name")
+    if writes is not None:
+        named_as(path, what, writes)
     if create_folder:
         strict.writable_folder(path.parent, f"the folder of {what} {path}", error=OutputFileError)
     return path
+
+
+def named_as(path: Path, what: str, writes: str) -> None:
+    """Refuse ``path`` for a file of the kind a writer ``writes`` (a key of :data:`KIND_SUFFIX`) where its name says
+    another kind (:data:`SUFFIX_KINDS`: a CSV table written to ``t.json`` is a file ``validate`` reads as JSON and
+    refuses; a PNG written to ``x.svg`` is no SVG). A name ending in none of them is the user's choice, but for a
+    kind known only by its name (:data:`NAMED_ONLY`)."""
+    named = SUFFIX_KINDS.get(path.suffix.lower())
+    if named == writes or named is None and writes not in NAMED_ONLY:
+        return
+    why = (f"its name ends in {path.suffix}, which says {named}, but it would hold {writes}" if named else
+           f"a {writes} file is read as one only under a {KIND_SUFFIX[writes]} name")
+    raise OutputFileError(f"cannot write {what} {strict.shown_path(path)}: {why}; name it "
+                          f"{strict.shown_path(path.with_suffix(KIND_SUFFIX[writes]))}")
 
 
 def write_atomically(path: str | os.PathLike, text: str) -> Path:

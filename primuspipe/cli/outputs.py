@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from primuspipe.documents import output_file
+from primuspipe.documents import named_as, output_file
 from primuspipe.errors import ConfigError
 
 STDOUT = "-"
@@ -38,9 +38,12 @@ class Outputs:
         self._writers: list[tuple[str, Path, Writer]] = []
         self._stdout: str | None = None
 
-    def claim(self, path: Path | str | None, flag: str, *, stdout: bool = True) -> Path | None:
+    def claim(self, path: Path | str | None, flag: str, *, stdout: bool = True,
+              writes: str | None = None) -> Path | None:
         """Check ``path`` as the output of ``flag`` (None: not asked for; ``-``: standard output, where
-        ``stdout`` allows it) and reserve it; returns it (None for standard output or nothing)."""
+        ``stdout`` allows it; ``writes``: the kind of file it gets, not to be named as another,
+        :func:`~primuspipe.documents.named_as`, checked last: a collision says more) and reserve it; returns it (None
+        for standard output or nothing)."""
         if path is None:
             return None
         if str(path) == STDOUT:
@@ -61,6 +64,8 @@ class Outputs:
             if same_file(path, other):
                 raise ConfigError(f"{flag} {path} and {other_flag} {other} are the same file; give each output its "
                                   "own path")
+        if writes is not None:
+            named_as(path, flag, writes)
         self._claimed.append((flag, path))
         return path
 
@@ -95,15 +100,17 @@ class Outputs:
 
 
 def same_file(a: Path, b: Path) -> bool:
-    """The same file: equal once resolved (links, ``..``), or by inode where both exist (hard links)."""
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
+    """The same file: equal once resolved (links, ``..``), or by inode where both exist (hard links). A name
+    holding a NUL names no file (the input's reader refuses it; comparing it was a ValueError)."""
     try:
-        return os.path.samefile(a, b)
-    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b) or os.path.samefile(a, b)
+    except (OSError, ValueError):
         return False
 
 
 def _inside(path: Path, folder: Path) -> bool:
-    real, top = os.path.realpath(path), os.path.realpath(folder)
+    try:
+        real, top = os.path.realpath(path), os.path.realpath(folder)
+    except ValueError:  # a NUL in the name, as in same_file
+        return False
     return os.path.commonpath([real, top]) == top

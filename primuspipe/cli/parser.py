@@ -32,15 +32,26 @@ class _StoreOnce(argparse._StoreAction):
 
 class Parser(argparse.ArgumentParser):
     """An :class:`argparse.ArgumentParser` whose single-valued options refuse two different values; sub-command
-    parsers made by :meth:`add_subparsers` are of this class too."""
+    parsers made by :meth:`add_subparsers` are of this class too.
 
-    def __init__(self, *args, **kwargs):
+    ``intermixed``: the positionals may stand on both sides of options, as a shell user writes them (``calibrate
+    run1 -o c.yaml run2``: argparse takes one run of positionals and called ``run2`` an unrecognized argument)."""
+
+    def __init__(self, *args, intermixed: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.register("action", None, _StoreOnce)
         self.register("action", "store", _StoreOnce)
+        self._intermixed = intermixed
 
     def parse_known_args(self, args=None, namespace=None):
-        parsed, extras = super().parse_known_args(args, namespace)
+        if self._intermixed:  # argparse's intermixed parse calls this method back for each of its two passes
+            self._intermixed = False
+            try:
+                parsed, extras = self.parse_known_intermixed_args(args, namespace)
+            finally:
+                self._intermixed = True
+        else:
+            parsed, extras = super().parse_known_args(args, namespace)
         parsed.__dict__.pop(_GIVEN, None)
         return parsed, extras
 

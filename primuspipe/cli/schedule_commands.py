@@ -18,12 +18,12 @@ from primuspipe.cli.options import (
     parse_options,
     report_console,
 )
-from primuspipe.cli.outputs import Outputs
+from primuspipe.cli.outputs import STDOUT, Outputs
 from primuspipe.errors import ConfigError, ScheduleShapeError, TableFormatError, ValidationError
 from primuspipe import strict
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.passes.offload import offload_activations
-from primuspipe.io.formats import dump_table, load_table, sidecar_path, table_files
+from primuspipe.io.formats import TABLE_KINDS, dump_table, load_table, sidecar_path, table_files, table_format
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.activations import W_RETAINED_FRACTION, peak_in_flight
 from primuspipe.passes.fifo_weight_grads import check_fifo_weight_grads
@@ -72,10 +72,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "primuspipe export zbv --pp 4 -m 8 --format primus -o zbv.txt"]))
     p.add_argument("algorithm", help="a registered algorithm ('primuspipe list' names them)")
     add_shape_arguments(p)
-    p.add_argument("--format", choices=("json", "csv", "primus"), default="json",
+    p.add_argument("--format", choices=("json", "csv", "primus"), default=None,
                    help="json (lossless), torch.distributed.pipelining CSV (with a <file>.meta.json sidecar holding the "
                         "microbatch count and algorithm name) or primus (the 'Rank r: (F|mb|chunk),...' lines Primus's "
-                        "debug_scheduler_table prints, after a comment line with the shape; docs/primus.md)")
+                        "debug_scheduler_table prints, after a comment line with the shape; docs/primus.md); default: "
+                        "csv for a -o name ending in .csv, else json. A file is named as 'validate' reads it back: "
+                        "a CSV ends in .csv, json and primus do not (and primus not in .json)")
     p.add_argument("--compute-only", action="store_true", help="leave out communication nodes")
     p.add_argument("-o", "--output", type=Path, required=True, help="file to write ('-' for stdout)")
     _add_memory_arguments(p)
@@ -188,7 +190,7 @@ def _show_graph(args: argparse.Namespace) -> int:
     from primuspipe.io.dot import to_dot  # networkx loads only for the graph
 
     outputs = Outputs([args.cost])
-    path = outputs.claim(args.graph, "--graph")
+    path = outputs.claim(args.graph, "--graph", writes="Graphviz DOT")
     table = _build(args)
     text = to_dot(table.compute_only() if args.compute_only else table)
     if path is None:
@@ -202,14 +204,15 @@ def _show_graph(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     outputs = Outputs([args.cost])
-    path = outputs.claim(args.output, "-o")
-    if path is not None and args.format == "csv":
-        outputs.claim(sidecar_path(path), "-o's sidecar")
+    fmt = args.format or ("json" if str(args.output) == STDOUT else table_format(args.output, None))
+    path = outputs.claim(args.output, "-o", writes=TABLE_KINDS[fmt])
+    if path is not None and fmt == "csv":
+        outputs.claim(sidecar_path(path), "-o's sidecar", writes="JSON")
     table = _build(args)
     if path is None:
-        print(dump_table(table, args.format, args.compute_only), end="")
+        print(dump_table(table, fmt, args.compute_only), end="")
         return 0
-    for where, text in table_files(table, path, args.format, args.compute_only).items():
+    for where, text in table_files(table, path, fmt, args.compute_only).items():
         outputs.write_text(where, "-o", text)
     for written in outputs.commit():
         print(f"wrote {strict.shown_path(written)}", file=sys.stderr)

@@ -103,7 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     c = sub.add_parser("calibrate", help="measure a cost model (YAML for 'simulate --cost') from a run's dump",
                        description=_CALIBRATE_DESCRIPTION, epilog=_CALIBRATE_EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter, intermixed=True)
     c.add_argument("input", metavar="DUMP_DIR", type=Path, nargs="+",
                    help="a run's dump directory or a Primus dump folder (all its iterations are used), or one "
                         "timeline JSON file; several runs of the same table are pooled, each run's warm-up "
@@ -131,7 +131,8 @@ def cmd_vis(args: argparse.Namespace) -> int:
     if args.no_comm and args.png is None:
         raise ConfigError("--no-comm leaves receives out of the PNG; add --png OUT, or drop --no-comm")
     outputs = Outputs([args.input, args.compare, args.cost])
-    paths = {flag: outputs.claim(getattr(args, flag), f"--{flag}", stdout=False) for flag in ("png", "html", "trace")}
+    paths = {flag: outputs.claim(getattr(args, flag), f"--{flag}", stdout=False, writes=kind)
+             for flag, kind in (("png", "PNG"), ("html", "HTML"), ("trace", "JSON"))}
     sim_trace = None
     if paths["trace"] is not None and (args.compare is not None or args.cost is not None):
         sim_trace = outputs.claim(paths["trace"].with_name(f"{paths['trace'].stem}.sim{paths['trace'].suffix}"),
@@ -184,7 +185,7 @@ def _typical(path: Path) -> Timeline:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     outputs = Outputs(args.input)
-    output = outputs.claim(args.output, "-o")
+    output = outputs.claim(args.output, "-o", writes="YAML")
     for i, path in enumerate(args.input):  # a run given twice weighed double in every median and in the screening
         if (twin := next((p for p in args.input[:i] if same_file(p, path)), None)) is not None:
             raise ConfigError(f"{path} is {twin} given again; give each run once")

@@ -295,10 +295,31 @@ def load_table(path: str | Path, placement: str | None = None) -> ScheduleTable:
     return table
 
 
+TABLE_KINDS = {"json": "JSON", "csv": "CSV", "primus": "text"}
+"""What a file of each table format holds, as :func:`~primuspipe.documents.output_file` names kinds: :func:`load_table`
+reads a ``.csv`` as torch's CSV and anything else as JSON or Primus's text, so a format must be written under a
+name it reads back as that format."""
+
+
+def table_format(path: Path, fmt: str | None) -> str:
+    """``fmt``, or the format :func:`load_table` reads a file named ``path`` as (``csv`` for ``.csv``, else
+    ``json``)."""
+    return fmt or ("csv" if path.suffix.lower() == ".csv" else "json")
+
+
+def table_kind(path: Path, fmt: str | None) -> str | None:
+    """What a table file of ``fmt`` at ``path`` holds (:data:`TABLE_KINDS`; None for a format :func:`dump_table`
+    refuses)."""
+    fmt = table_format(path, fmt)
+    return TABLE_KINDS.get(fmt) if isinstance(fmt, str) else None
+
+
 def save_table(table: ScheduleTable, path: str | Path, fmt: str | None = None, compute_only: bool = False) -> list[Path]:
-    """Write ``table`` to ``path`` as ``fmt`` (``"json"`` or ``"csv"``; default: by the suffix), a CSV
-    with its sidecar, its folder created as :meth:`Timeline.save` does; returns the files written."""
-    files = table_files(table, output_file(path, "table file"), fmt, compute_only)
+    """Write ``table`` to ``path`` as ``fmt`` (``"json"``, ``"csv"`` or ``"primus"``; default: by the suffix), a CSV
+    with its sidecar, its folder created as :meth:`Timeline.save` does; returns the files written. A format named
+    as another (a CSV table at ``t.json``: :func:`load_table` would read it as JSON) is refused before writing."""
+    path = strict.file_path(path, "table file", error=OutputFileError)
+    files = table_files(table, output_file(path, "table file", writes=table_kind(path, fmt)), fmt, compute_only)
     for where, text in files.items():
         write_atomically(where, text)
     return list(files)
@@ -308,7 +329,7 @@ def table_files(table: ScheduleTable, path: str | Path, fmt: str | None = None,
                 compute_only: bool = False) -> dict[Path, str]:
     """What :func:`save_table` writes: path -> text (a CSV's sidecar beside it)."""
     path = strict.file_path(path, "table file", error=OutputFileError)
-    fmt = fmt or ("csv" if path.suffix.lower() == ".csv" else "json")
+    fmt = table_format(path, fmt)
     files = {path: dump_table(table, fmt, compute_only)}
     if fmt == "csv":
         meta = {**envelope(_SIDECAR_FORMAT, _SIDECAR_VERSION), "algorithm": table.algorithm,

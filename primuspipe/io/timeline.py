@@ -204,7 +204,8 @@ class Timeline:
 
     def save(self, path: str | Path) -> Path:
         """Write the JSON form atomically (a reader sees the whole file or none), creating folders."""
-        return write_atomically(output_file(path, "timeline file"), json.dumps(self.to_dict(), allow_nan=False))
+        return write_atomically(output_file(path, "timeline file", writes="JSON"),
+                                json.dumps(self.to_dict(), allow_nan=False))
 
     @classmethod
     def load(cls, path: str | Path) -> Timeline:

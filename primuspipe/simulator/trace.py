@@ -83,4 +83,5 @@ def matched_transfers(timeline: Timeline, placement: Placement) -> dict[Transfer
 
 
 def write_chrome_trace(path: str | Path, timeline: Timeline, placement: Placement) -> Path:
-    return write_atomically(output_file(path, "trace file"), json.dumps(chrome_trace(timeline, placement)))
+    return write_atomically(output_file(path, "trace file", writes="JSON"),
+                            json.dumps(chrome_trace(timeline, placement)))

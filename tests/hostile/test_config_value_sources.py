@@ -8,7 +8,8 @@ Defects this family found: every check made after a value was read (``PrimusPipe
 ``check``) named only the field, so ``PRIMUSPIPE_PP_ALGORITHM=nope`` was ``no algorithm named 'nope'``, and
 ``PRIMUSPIPE_OFFLOAD_FRACTION=2``, ``PRIMUSPIPE_COMMUNICATION_METHOD=x``, ``PRIMUSPIPE_PP_MAX_MEM=0``,
 ``PRIMUSPIPE_PP_COST_F=[1,-2]``, ``PRIMUSPIPE_ALGORITHM_OPTIONS={"zz": 1}``, ... did not say which variable
-or file held them."""
+or file held them. Round thirteen: an ``algorithm_options.cost`` neither a cost file's path nor its mapping (a list,
+a number, a switch) passed ``install()`` and was refused on every rank at the first step (a list as a TypeError)."""
 
 import json
 import os
@@ -23,7 +24,8 @@ FILE_IN_THE_WAY = "{tmp}/a_file/dumps"
 BAD = {
     "pp_algorithm": ["nope", "GPIPE", "1f1b ", "ｇｐｉｐｅ", "zb_h1", "auto2"],
     "algorithm_options": [{"zz": 1}, {"microbatch_group_size": 0}, {"microbatch_group_size": "x"},
-                          {"cost": "{tmp}/no_such_cost.yaml"}, {"memory_limit": -1}, {"costs": {}}],
+                          {"cost": "{tmp}/no_such_cost.yaml"}, {"memory_limit": -1}, {"costs": {}},
+                          {"cost": [1]}, {"cost": [[1, 2]]}, {"cost": 5}, {"cost": 1.5}, {"cost": True}],
     "communication_method": ["x", "batch_p2p", "ASYNC_P2P", " async_p2p"],
     "offload_ops": ["zz", "attn,zz", "ATTN"],
     "offload_fraction": [2, 1.5, 0, -0.5],

@@ -28,7 +28,7 @@ OUTPUT_FLAGS = ["--png", "--html", "--trace"]
 
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.sampled_from(OUTPUT_FLAGS), min_size=2, max_size=3, unique=True),
-       st.sampled_from(["x", "./x", "sub/../x", "x.json", "LINK"]))
+       st.sampled_from(["x", "./x", "sub/../x", "x.out", "LINK"]))  # not x.json: a PNG there is refused for its name
 def test_two_outputs_on_one_path(tmp_path_factory, flags, name):
     """Any two outputs of one command named the same file, however spelt (relative, '..', a link)."""
     tmp = tmp_path_factory.mktemp("collide")

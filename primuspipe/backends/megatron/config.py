@@ -236,7 +236,12 @@ class PrimusPipeConfig:
             raise ConfigError(f"offload_ops: {self.offload_ops} moves only part of each chunk's activations, and the "
                               "offload pass must know which share to plan with: set offload_fraction (e.g. 0.3; a run "
                               "logs the measured share), or leave offload_ops empty to move everything")
-        if isinstance(cost := self.algorithm_options.get("cost"), (str, os.PathLike)):  # a cost file's path
+        cost = self.algorithm_options.get("cost")
+        # anything else was refused only at every rank's first step (a list as a TypeError), not at install()
+        if cost is not None and not isinstance(cost, (str, os.PathLike, Mapping, CostModel)):
+            raise ConfigError(f"algorithm_options.cost must be a cost file's path or its mapping (docs/simulator.md, "
+                              f"'Cost model'), got {strict.show(cost)}")
+        if isinstance(cost, (str, os.PathLike)):  # a cost file's path
             with self._named_source("algorithm_options"):
                 object.__setattr__(self, "algorithm_options",
                                    MappingProxyType({**self.algorithm_options, "cost": read_cost_file(cost)}))

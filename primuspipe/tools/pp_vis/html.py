@@ -48,7 +48,7 @@ def timeline_figure(timelines: Timeline | Sequence[Timeline], *,
 def write_html(timelines: Timeline | Sequence[Timeline], path: str | os.PathLike, *,
                marks: Collection[tuple[int, ScheduleNode]] = ()) -> Path:
     """Write :func:`timeline_figure` as one self-contained HTML file."""
-    path = output_file(path, "HTML file")
+    path = output_file(path, "HTML file", writes="HTML")
     figure = timeline_figure(timelines, marks=marks)
     try:
         figure.write_html(path, include_plotlyjs=True, full_html=True)

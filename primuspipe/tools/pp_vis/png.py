@@ -34,7 +34,7 @@ def draw_png(timelines: Timeline | Sequence[Timeline], path: str | os.PathLike, 
     """Write the drawing of one timeline, or of several stacked on one time axis (they must share a
     time unit; see :func:`~primuspipe.tools.pp_vis.load.in_unit`). ``marks`` are ``(rank, node)`` to
     outline in red (nodes whose order differs between a run and its simulation)."""
-    path = output_file(path, "PNG file")
+    path = output_file(path, "PNG file", writes="PNG")
     panels = style.panels(timelines)
     rows = [max(len(t.ranks), 1) for t in panels]
     height = sum(r * _ROW_IN + _PANEL_EXTRA_IN for r in rows) + 0.6
