@@ -17,6 +17,7 @@ import contextlib
 import gc
 import importlib
 import logging
+import os
 import sys
 
 from primuspipe import strict
@@ -77,6 +78,8 @@ def _run(argv: list[str] | None) -> int:
         return args.handler(args)
     except PrimusPipeError as exc:
         _error(str(exc), argv)
+    except BrokenPipeError:  # the reader went away (``| head``): no error to report, and none at exit's flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except OSError as exc:  # a file that cannot be read or written: the path and the reason, not a traceback
         where = f" {exc.filename}" if exc.filename else ""
         _error(f"cannot access{where}: {exc.strerror or exc}", argv)

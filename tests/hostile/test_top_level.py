@@ -47,3 +47,22 @@ def test_python_m_primuspipe_is_the_command(tmp_path):
     refused = subprocess.run([*run, "show", "zbx", "--pp", "2", "-m", "2"], capture_output=True, text=True,
                              cwd=tmp_path, env=env, timeout=120)
     assert refused.returncode == 1 and refused.stderr.startswith("error: no algorithm named 'zbx'"), refused.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--algorithm", "all", "--pp", "4", "-m", "8", "--json"],
+    ["show", "zbv", "--pp", "4", "-m", "8"],
+])
+def test_a_reader_that_goes_away_is_no_error(tmp_path, argv):
+    """``primuspipe simulate --json | head -1``: once the reader has closed the pipe, what is left to print
+    goes nowhere, with no ``error:`` line (it was "error: cannot access: Broken pipe") and no traceback at
+    exit's flush; the status says the output was cut (1)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", CODE, *argv, "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=tmp_path, env=env, text=True)
+    proc.stdout.close()  # the reader is gone before the first line
+    stderr = proc.stderr.read()
+    status = proc.wait(timeout=120)
+    quiet = status == 1 and "error" not in stderr and "Traceback" not in stderr and "Exception ignored" not in stderr
+    record("clear" if quiet else "garbled", "closed stdout: " + " ".join(argv))
+    assert quiet, (status, stderr)
