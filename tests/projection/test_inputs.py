@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from primuspipe.projection.framework import ConfigError
+from primuspipe.projection.gemm_fit import load_measurements
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.megatron_args import from_arguments, load_megatron_config
 from primuspipe.projection.model_spec import ModelSpec, load_model
@@ -76,14 +77,15 @@ def test_the_gb200_takes_the_b200s_unmeasured_figures():
 
 
 def test_the_gb300_takes_the_gb200s_unmeasured_figures():
-    """gb300.yaml takes from gb200.yaml each figure no GB300 source gives -- every GEMM and dispatcher rate (no GB300
-    MAMF, GEMM sweep, HybridEP or DeepEP table was found) and what gb200.yaml itself takes from b200.yaml: they must
-    follow gb200.yaml when it changes. The GB300's own figures -- peaks, memory, fabric, network cards and cuDNN
-    attention, its narrow-head rates included -- are its sources'."""
+    """gb300.yaml takes from gb200.yaml each figure no GB300 source gives -- every GEMM and dispatcher rate but the
+    sustained FP8 one (no GB300 MAMF, BF16 GEMM sweep, HybridEP or DeepEP table was found) and what gb200.yaml itself
+    takes from b200.yaml: they must follow gb200.yaml when it changes. The GB300's own figures -- peaks, memory,
+    fabric, network cards, cuDNN attention (its narrow-head rates included) and the sustained FP8 GEMM rate (below)
+    -- are its sources'."""
     gb200 = load_hardware(EXAMPLES / "hardware" / "gb200.yaml")
     gb300 = load_hardware(EXAMPLES / "hardware" / "gb300.yaml")
     taken = ("gemm_efficiency", "fp8_gemm_efficiency", "mxfp8_gemm_efficiency", "gemm_half_intensity",
-             "sustained_fraction", "fp8_sustained_fraction", "mxfp8_cast_bandwidth_fraction", "compute_units",
+             "sustained_fraction", "mxfp8_cast_bandwidth_fraction", "compute_units",
              "gemm_tile", "runtime_reserved_bytes", "host_op_seconds", "host_launch_seconds",
              "hybridep_bandwidth_bytes_per_s", "hybridep_rank_latency_s", "deepep_sm_bandwidth_bytes_per_s",
              "moe_kernel_seconds", "stream_launch_gap_seconds", "fp8_gemm_any_layout", "block_scaled_fp8",
@@ -93,6 +95,28 @@ def test_the_gb300_takes_the_gb200s_unmeasured_figures():
     assert gb300.hbm_bytes == 284208 * 2**20 and gb300.inter_node_bandwidth_bytes_per_s == 100e9
     assert gb300.gpus_per_node == 72
     assert gb300.attention_efficiency > gb200.attention_efficiency
+
+
+# Azure's cuBLASLt FP8 sweep on ND GB300 v6 (egmsft/AI-benchmarking-guide at 18e80a21,
+# Azure_Results/ND_GB300_v6_results.md; 10,000 warm-up iterations), TFLOP/s at the shapes that hold the GPU at its
+# power limit -- the same benchmark's ND GB200 v6 run is gb200.yaml's set in measurements/gemm.yaml.
+GB300_SUSTAINED_FP8 = {(4096, 4096, 4096): 3257.0, (8192, 8192, 8192): 3286.3, (16384, 16384, 16384): 3308.5,
+                       (32768, 32768, 32768): 3271.3, (6144, 12288, 12288): 3279.5}
+
+
+def test_the_gb300s_sustained_fp8_rate_is_the_gb200s_times_the_measured_gain():
+    """fp8_sustained_fraction: the GB200's times the geometric mean, over the power-bound shapes, of the GB300's
+    sustained cuBLASLt FP8 rate over the GB200's in the same benchmark (1.144: 0.733 -> 0.839). Only the FP8 figure:
+    the sweep is FP8, so the BF16 sustained_fraction stays the GB200's (held equal above)."""
+    gb200 = load_hardware(EXAMPLES / "hardware" / "gb200.yaml")
+    gb300 = load_hardware(EXAMPLES / "hardware" / "gb300.yaml")
+    (gb200_sweep,) = [s for s in load_measurements() if s.hardware.name == gb200.name and s.fp8]
+    gb200_rates = {(m, n, k): tflops for m, n, k, tflops in gb200_sweep.points}
+    ratios = [rate / gb200_rates[shape] for shape, rate in GB300_SUSTAINED_FP8.items()]
+    gain = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    assert gain == pytest.approx(1.144, abs=1e-3) and min(ratios) > 1.13 and max(ratios) < 1.16
+    assert gb300.fp8_sustained_fraction == pytest.approx(gb200.fp8_sustained_fraction * gain, abs=1e-3)
+    assert gb300.sustained_fraction == gb200.sustained_fraction
 
 
 def test_default_training_file_spells_out_the_built_in_defaults():
