@@ -10,7 +10,7 @@ group is bound to a device, eager init). The GPU time-slices the ranks' contexts
 does not stop the others. What can differ from NVLink: how much a send may buffer before its peer receives
 (the socket transport's staging), which is why every pattern runs with a small and a large message.
 
-    python bench/nccl_one_gpu.py patterns [--modes nccl-lazy nccl-eager pair group gloo] [-o FILE]
+    python bench/nccl_one_gpu.py patterns [--modes nccl-lazy nccl-eager pair group gloo] [--sizes small large] [-o FILE]
     python bench/nccl_one_gpu.py train --ranks 2 [--deadline 120] -- examples/train_gpt.py --pp 2 ...
 
 ``patterns``: each communication pattern below, on every transport asked for (``nccl-lazy`` / ``nccl-eager``:
@@ -179,11 +179,12 @@ def worker(pattern: str, size: str, transport: str) -> None:
     os._exit(0)  # a hung peer's communicator must not hold this rank in NCCL's teardown
 
 
-def patterns(transports: list[str], chosen: list[str], deadline: float, parallel: int, output: Path | None,
-             earlier: Path | None) -> None:
-    """Every pattern and size on every transport, ``parallel`` launches at a time; ``earlier``: a JSON of this
-    command (e.g. the emulator's verdicts from a CPU host) whose transports join the rows before agreement."""
-    cases = [(p, size, t) for p in chosen for size in SIZES for t in transports]
+def patterns(transports: list[str], chosen: list[str], sizes: list[str], deadline: float, parallel: int,
+             output: Path | None, earlier: Path | None) -> None:
+    """Every pattern at every size asked for on every transport, ``parallel`` launches at a time; ``earlier``: a
+    JSON of this command (e.g. the emulator's verdicts from a CPU host) whose transports join the rows before
+    agreement."""
+    cases = [(p, size, t) for p in chosen for size in sizes for t in transports]
 
     def run(case):
         pattern, size, transport = case
@@ -198,7 +199,7 @@ def patterns(transports: list[str], chosen: list[str], deadline: float, parallel
     before = {(r["pattern"], r["size"]): r for r in json.loads(earlier.read_text())["rows"]} if earlier else {}
     rows = []
     for pattern in chosen:
-        for size in SIZES:
+        for size in sizes:
             row = {"pattern": pattern, "size": size, "what": PATTERNS[pattern]}
             row.update({t: v for t, v in before.get((pattern, size), {}).items() if t in TRANSPORTS})
             row.update({t: results[pattern, size, t] for t in transports})
@@ -229,6 +230,8 @@ def main() -> None:
     p = sub.add_parser("patterns", help="every pattern on every transport asked for")
     p.add_argument("--modes", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS))
     p.add_argument("--patterns", nargs="+", choices=PATTERNS, default=list(PATTERNS))
+    p.add_argument("--sizes", nargs="+", choices=SIZES, default=list(SIZES),
+                   help="message sizes (the emulator's test holds NCCL's verdicts at the large one only)")
     p.add_argument("--deadline", type=float, default=20.0,
                    help="seconds after every rank is ready before a pattern counts as a hang")
     p.add_argument("--parallel", type=int, default=1, help="launches at a time")
@@ -246,7 +249,7 @@ def main() -> None:
     if args.command == "worker":
         worker(args.pattern, args.size, args.transport)
     elif args.command == "patterns":
-        patterns(args.modes, args.patterns, args.deadline, args.parallel, args.output, args.earlier)
+        patterns(args.modes, args.patterns, args.sizes, args.deadline, args.parallel, args.output, args.earlier)
     else:
         script = args.script[1:] if args.script[:1] == ["--"] else args.script
         result = launch([sys.executable, *script], args.ranks, "nccl-lazy", args.deadline)

@@ -29,7 +29,7 @@ import sys
 import pytest
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
-              pytest.mark.slow]  # six torchrun launches of 4 ranks, ~25 s each
+              pytest.mark.slow]  # six torchrun launches of 4 ranks, ~15-20 s each
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CLIP = 1.0

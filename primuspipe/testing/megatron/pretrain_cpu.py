@@ -26,6 +26,11 @@ CUDA calls) and then patches, in ``megatron.training`` only:
    ``make`` in the installed package, but the megatron-core wheel ships the compiled
    ``helpers_cpp`` module and no Makefile, so ``make`` fails and the process exits. Not CPU-specific (any
    pip-installed megatron-core); it is skipped when ``helpers_cpp`` imports.
+4. ``pretrain``'s ``set_jit_fusion_options`` warms up the fused bias-activation (GeLU, or SwiGLU with
+   ``--swiglu``) and bias-dropout-add (``torch.compile``: Inductor generates and builds C++ for them, in every
+   rank) whether or not the model runs them. Where both are off (the activation's fusion as Megatron's
+   ``core_transformer_config_from_args`` picks it, and ``--no-bias-dropout-fusion``: the CPU runs' flags),
+   nothing would use what it builds, so the warm-up is left out; either one on, it runs.
 """
 
 from __future__ import annotations
@@ -97,9 +102,25 @@ def _prebuilt_dataset_helpers() -> None:
     utils.compile_helpers = compile_unless_prebuilt
 
 
+def _warm_up_only_fusions_in_use(training: Any) -> None:
+    set_jit_fusion_options = training.set_jit_fusion_options
+    if getattr(set_jit_fusion_options, "only_fusions_in_use", False):
+        return
+
+    def warm_up_fusions_in_use(*args, **kwargs) -> None:
+        flags = training.get_args()
+        if (flags.bias_swiglu_fusion if flags.swiglu else flags.bias_gelu_fusion) or flags.bias_dropout_fusion:
+            set_jit_fusion_options(*args, **kwargs)
+
+    warm_up_fusions_in_use.only_fusions_in_use = True  # type: ignore[attr-defined]
+    warm_up_fusions_in_use.__doc__ = set_jit_fusion_options.__doc__
+    training.set_jit_fusion_options = warm_up_fusions_in_use
+
+
 def enable_pretrain_cpu_mode() -> None:
     """CPU mode plus the ``megatron.training`` patches of the module docstring. Idempotent."""
     cpu_mode.enable_cpu_mode()
     _seed_tracker_on_cpu_generator(importlib.import_module("megatron.training.initialize"))
     _prebuilt_dataset_helpers()
+    _warm_up_only_fusions_in_use(importlib.import_module("megatron.training.training"))
     cpu_mode._rebind_torch(PRETRAIN_CUDA_CALL_MODULES, _OneDeviceTorch())
