@@ -399,8 +399,11 @@ class Projector:
         deferred = t.deferred_microbatches  # of each flush
         simulated = simulated.drained(costs.layout.head_rank, costs.drain_s * deferred,
                                       costs.drain_bytes * deferred).repeated(t.pipeline_flushes)
-        tied = 0 if self.model.untie_embeddings_and_output_weights or costs.layout.num_stages == 1 else \
-            embedding_params(self.model, t.tp)
+        # the first and last stage all-reduce the embedding's gradients where the last holds a copy of the table: a
+        # tied output layer's, or the one multi-token prediction embeds with (megatron-core finalize_model_grads.py,
+        # _allreduce_word_embedding_grads: "share_embeddings_and_output_weights or ... mtp_num_layers", core_r0.14.0)
+        shared = not self.model.untie_embeddings_and_output_weights or bool(t.mtp_num_layers)
+        tied = embedding_params(self.model, t.tp) if shared and costs.layout.num_stages > 1 else 0
         sync = max(gradient_sync(p, t, h, tied_embedding=tied if r in (costs.layout.embedding_rank, costs.layout.head_rank) else 0,
                                  buckets=sum(costs.layout.counts[s] for s in costs.layout.rank_stages(r)),
                                  buffer=dense_buffer(self.model, t, costs.layout, r),

@@ -16,6 +16,7 @@ from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.megatron_args import read_arguments
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.projection import ProjectionResult, Projector, candidates
+from primuspipe.projection.published import load_runs, project_run
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -124,3 +125,26 @@ def test_a_search_drops_the_deferral_only_where_there_is_no_pipeline():
     searched = list(candidates(BIG_HEAD, DEFERRED, ["1f1b"], search=True))
     assert {t.pp for t, _ in searched} >= {1, 2, 4}
     assert all(t.defer_embedding_wgrad_compute == (t.pp > 1) for t, _ in searched)
+
+
+NEMO2502_RECIPE_LIMITS = {"llama3-70b": 22, "llama3.1-405b": 50, "nemotron4-340b": 22, "gpt3-175b": 50}
+"""``wgrad_deferral_limit`` of NeMo's recipes at the 25.02 release (NVIDIA/NeMo c80bd5c0c6,
+``nemo/collections/llm/recipes/{llama3_70b,llama31_405b,nemotron4_340b,gpt3_175b}.py``,
+``pretrain_performance_optimizations``), whose performance scripts keep the callback's deferral."""
+
+
+def test_the_nemo_2502_rows_defer_as_their_recipes_set_it():
+    """Every pipelined row of NeMo 25.02's performance summary (B200 and H100) ran a recipe in performance mode whose
+    MegatronCommOverlapCallback defers the output layer's weight gradients, so each carries the deferral with its
+    recipe's limit, and the deferral is what the projection prices: without it the step is longer (the head's W is
+    back in the last stage's backward instead of in the flush)."""
+    rows = [r for r in load_runs() if r.id.startswith("nemo2502-") and r.training.get("pipeline_model_parallel_size", 1) > 1]
+    assert {r.id for r in rows} >= {"nemo2502-b200-llama3-70b-fp8-64", "nemo2502-b200-gpt3-175b-fp8-512",
+                                    "nemo2502-h100-gpt3-175b-fp8-512"}
+    for run in rows:
+        assert run.training.get("defer_embedding_wgrad_compute") is True, run.id
+        assert run.training.get("wgrad_deferral_limit") == NEMO2502_RECIPE_LIMITS[run.model], run.id
+    run = next(r for r in rows if r.id == "nemo2502-b200-llama3-70b-fp8-64")
+    plain = {k: v for k, v in run.training.items() if k not in ("defer_embedding_wgrad_compute", "wgrad_deferral_limit")}
+    deferred, undeferred = project_run(run), project_run(dataclasses.replace(run, training=plain))
+    assert deferred["step_time_s"] < undeferred["step_time_s"]

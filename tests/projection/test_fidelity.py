@@ -18,7 +18,7 @@ from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
 from primuspipe.projection.layout import StageLayout, layer_counts, parse_layout
 from primuspipe.projection.framework import Placement
 from primuspipe.projection.model_spec import ModelSpec, load_model
-from primuspipe.projection.parameters import ParamCount, head_params, layer_params
+from primuspipe.projection.parameters import ParamCount, embedding_params, head_params, layer_params
 from primuspipe.projection.projection import Projector, ProjectionResult, project
 from primuspipe.projection.published import load_runs, model_of, project_run, training_of
 from primuspipe.projection.spec_fields import InputError
@@ -361,6 +361,19 @@ def test_mtp_adds_a_layer_and_a_head_to_the_last_stage():
     assert mtp.step_time_s > plain.step_time_s and mtp.peak_memory_bytes[-1] > plain.peak_memory_bytes[-1]
     assert mtp.peak_memory_bytes[0] == plain.peak_memory_bytes[0]
 
+
+def test_mtp_all_reduces_the_embeddings_gradients_between_the_first_and_last_stage():
+    """An untied model with multi-token prediction keeps a copy of the embedding table on the MTP stage, and
+    megatron-core all-reduces its gradients with the first stage's after the backward, as for a tied output layer
+    (``finalize_model_grads._allreduce_word_embedding_grads``: ``share_embeddings_and_output_weights or ...
+    mtp_num_layers``): one data-parallel replica syncs nothing else."""
+    model = load_model(EXAMPLES / "models" / "deepseek-v2-lite.yaml")
+    hw = load_hardware(EXAMPLES / "hardware" / "h100.yaml")
+    base = TrainingSpec(pipeline_model_parallel_size=3, global_batch_size=8)
+    assert model.untie_embeddings_and_output_weights and base.dp == 1
+    plain, mtp = (Projector(model, hw).evaluate(t, "1f1b") for t in (base, dataclasses.replace(base, mtp_num_layers=1)))
+    table = embedding_params(model, 1) * base.main_grad_bytes
+    assert plain.gradient_sync_s == 0 and mtp.gradient_sync_s == pytest.approx(Collectives(hw).all_reduce(table, 2, 3))
 
 def test_mfu_both_ways_and_zb_auto_never_behind_a_fixed_table():
     model = load_model(EXAMPLES / "models" / "llama2-7b.yaml")
