@@ -105,7 +105,9 @@ class PrimusForwardBackward:
 
     def _build_table(self, pp: int, vpp: int | None, num_microbatches: int, group: int | None) -> ScheduleTable:
         """The configured algorithm's validated table, then the passes the config asks for: the split
-        probe (``split_probe``) and the offload pass (``offload``)."""
+        probe (``split_probe``) and the offload pass (``offload``; an algorithm that weighs the pass's copies
+        itself, zb-auto, gets the limit instead, as in ``primuspipe simulate --offload``:
+        :func:`~primuspipe.algorithms.build.offload_options`)."""
         algorithm = self.config.algorithm_for(vpp or 1)
         configured = algorithm in self.config.algorithms()
         options = self.config.schedule_options(pp, vpp or 1) if configured else {}
