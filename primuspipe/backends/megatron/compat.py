@@ -73,8 +73,9 @@ def _check_param_gather(models: Sequence[Any]) -> None:
     """Megatron-LM's rule that ``overlap_param_gather`` needs the distributed optimizer (``validate_args``;
     megatron-core's DDP config does not check it): without it, DDP's bucket all-gather over more than one
     data-parallel rank takes the layer-wise optimizer's path, which needs that optimizer's per-rank parameter
-    lists, so without one the first parameter sync fails in DDP's forward hook on one rank and the others
-    wait. Checked on the DDP chunks' buckets, which a layer-wise optimizer (``dist_muon``) gives those lists."""
+    lists, so without one the first parameter sync raises a TypeError inside DDP's forward hook (measured under
+    Megatron's schedule: DP = 2 x PP = 2, the first stage's ranks) and the other ranks wait for them. Checked on
+    the DDP chunks' buckets, which a layer-wise optimizer (``dist_muon``) gives those lists."""
     for chunk, model in enumerate(models):
         ddp = getattr(model, "ddp_config", None)
         if ddp is None or not ddp.overlap_param_gather or ddp.use_distributed_optimizer or ddp.use_megatron_fsdp:
