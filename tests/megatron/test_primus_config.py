@@ -135,7 +135,8 @@ def test_a_group_size_megatron_refuses_is_named_as_megatrons_field():
             ours.table_for(4, 2, m, megatron(group))
     assert ours.table_for(4, 2, 6, megatron(None)).microbatches == 6, \
         "Megatron's own schedule raises at m=6 with its default group (4); ours runs it"
-    chosen = PrimusForwardBackward(PrimusPipeConfig(True, "interleaved-1f1b", algorithm_options={"microbatch_group_size": 8}))
+    chosen = PrimusForwardBackward(PrimusPipeConfig(True, "interleaved-1f1b",
+                                                    algorithm_options={"microbatch_group_size": 8}))
     assert chosen.table_for(4, 2, 8, megatron(3)).microbatches == 8, "algorithm_options' group takes precedence"
 
 
@@ -158,8 +159,8 @@ def test_zb_auto_under_offload_weighs_the_offload_pass_as_simulate_does():
     fixed = []
     for name in ("v-half", "zbv", "v-min", "interleaved-1f1b"):
         try:
-            fixed.append(simulate(offload_activations(build_schedule(name, 4, 8, 2, cost=cost), cost, memory_limit=limit),
-                                  cost).step_time)
+            offloaded = offload_activations(build_schedule(name, 4, 8, 2, cost=cost), cost, memory_limit=limit)
+            fixed.append(simulate(offloaded, cost).step_time)
         except OffloadError:
             continue
     assert fixed and simulate(table, cost).step_time <= min(fixed)

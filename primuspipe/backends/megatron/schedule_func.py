@@ -126,8 +126,8 @@ class PrimusForwardBackward:
         except ScheduleShapeError as exc:
             if not followed:
                 raise
-            raise ScheduleShapeError(f"Megatron's microbatch_group_size_per_vp_stage={group}, which {algorithm} follows "
-                                     f"unless algorithm_options gives microbatch_group_size: {exc}") from None
+            raise ScheduleShapeError(f"Megatron's microbatch_group_size_per_vp_stage={group}, which {algorithm} "
+                                     f"follows unless algorithm_options gives microbatch_group_size: {exc}") from None
         if self.config.split_probe:
             table = add_communication(split_backward_probe(table.compute_only(), min(self.config.split_probe,
                                                                                       num_microbatches)))
