@@ -35,6 +35,25 @@ def check_options(algorithm: str, options: dict[str, Any]) -> dict[str, Any]:
     return get_algorithm(algorithm).check_options(options)
 
 
+def offload_options(algorithm: str, options: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    """How a caller that brings tables under a memory limit with the offload pass -- ``primuspipe simulate
+    --offload``, the Megatron backend's ``offload: true`` -- builds ``algorithm``: ``(options, run_pass)``.
+
+    An algorithm that weighs the pass's copies itself (it takes an ``offload`` option: zb-auto, whose search
+    then lets the fixed tables the pass brings under the limit compete with its own constructions, so it is
+    never behind one of them) gets ``offload=True`` and needs the memory limit; its table is taken as it is
+    (``run_pass`` False). Any other is built as asked, then goes through the pass (``run_pass`` True).
+
+    >>> offload_options("zb-auto", {"fills": 2})
+    ({'offload': True, 'fills': 2}, False)
+    >>> offload_options("v-half", {})
+    ({}, True)
+    """
+    if any(p.name == "offload" for p in get_algorithm(algorithm).options()):
+        return {"offload": True, **options}, False
+    return dict(options), True
+
+
 def build_schedule(
     algorithm: str,
     pp: int,

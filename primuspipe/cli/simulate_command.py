@@ -21,7 +21,7 @@ from primuspipe.cli.options import (
 from primuspipe.cli import sane
 from primuspipe.cli.outputs import Outputs
 from primuspipe.errors import ConfigError, PrimusPipeError
-from primuspipe.algorithms.build import build_schedule, check_options
+from primuspipe.algorithms.build import build_schedule, check_options, offload_options
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.passes.offload import offload_activations
 from primuspipe.passes.streams import DEFAULT_SEMANTICS, SEMANTICS
@@ -245,17 +245,18 @@ def _evaluate(name: str, args: argparse.Namespace, spec: dict, plan_spec: dict |
         cost = CostModel.from_dict(spec, pp=args.pp, vpp=vpp or 1,
                                    source=_cost_source(args))
         plan = _plan_cost(args, plan_spec, vpp or 1, cost)
+        # under --offload zb-auto plans the fixed tables' offload itself, so it weighs them as the rows below
+        # do (a fixed table over the limit plus its copies) against its own constructions
+        options, offload_pass = offload_options(name, options) if args.offload else (options, False)
         if name == "zb-auto":  # the search's report is shown beside its table
-            # under --offload the search plans the fixed tables' offload itself, so it weighs them as the
-            # rows below do (a fixed table over the limit plus its copies) against its own constructions
-            options = check_options(name, {"offload": True, **options} if args.offload else options)
+            options = check_options(name, options)
             request = ScheduleRequest(args.pp, vpp, args.microbatches, plan, args.memory_limit, args.memory_limit_bytes)
             table, report = zb_auto_search(request, **options)
         else:
             table = build_schedule(name, args.pp, args.microbatches, vpp, cost=plan, memory_limit=args.memory_limit,
                                    memory_limit_bytes=args.memory_limit_bytes, **options)
         cost = cost.for_shape(args.pp, table.vpp)
-        if args.offload and name != "zb-auto":
+        if offload_pass:
             table = offload_activations(table, cost, memory_limit=args.memory_limit)
         result = simulate(table, cost, args.semantics)
         figures = {"step_time": result.step_time, "bubble_rate": result.bubble_rate,

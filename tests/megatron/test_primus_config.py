@@ -111,3 +111,58 @@ def test_primus_interleaved_name_follows_megatrons_group_size_too():
     ours, primus = (PrimusForwardBackward(PrimusPipeConfig(True, name)).table_for(2, 2, 6, megatron)
                     for name in ("interleaved-1f1b", "1f1b-interleaved"))
     assert primus == ours != PrimusForwardBackward(PrimusPipeConfig(True, "1f1b-interleaved")).table_for(2, 2, 6)
+
+
+@needs_megatron
+def test_a_group_size_megatron_refuses_is_named_as_megatrons_field():
+    """Megatron's interleaved schedule raises on a microbatch_group_size_per_vp_stage outside [pp, m] or leaving
+    a last group under pp (schedules.py); the table refuses the same values, naming Megatron's field (which the
+    user set), not only the option it became. Megatron's default (pp) is ours, so it is never refused."""
+    from primuspipe.backends.megatron.cpu_mode import enable_cpu_mode
+    from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
+    from primuspipe.errors import ScheduleShapeError
+    from primuspipe.testing.megatron.tiny_models import TINY_MODELS, transformer_config
+
+    enable_cpu_mode()
+
+    def megatron(group):  # Megatron's TransformerConfig, its __post_init__ setting the default group (pp)
+        return transformer_config(TINY_MODELS["tiny-gpt"], 4, 2, microbatch_group_size_per_vp_stage=group)
+
+    ours = PrimusForwardBackward(PrimusPipeConfig(True, "interleaved-1f1b"))
+    for group, m in ((3, 8), (9, 8), (5, 7)):
+        with pytest.raises(ScheduleShapeError, match=f"^Megatron's microbatch_group_size_per_vp_stage={group}, which "
+                                                     "interleaved-1f1b follows unless algorithm_options"):
+            ours.table_for(4, 2, m, megatron(group))
+    assert ours.table_for(4, 2, 6, megatron(None)).microbatches == 6, \
+        "Megatron's own schedule raises at m=6 with its default group (4); ours runs it"
+    chosen = PrimusForwardBackward(PrimusPipeConfig(True, "interleaved-1f1b",
+                                                    algorithm_options={"microbatch_group_size": 8}))
+    assert chosen.table_for(4, 2, 8, megatron(3)).microbatches == 8, "algorithm_options' group takes precedence"
+
+
+@needs_megatron
+def test_zb_auto_under_offload_weighs_the_offload_pass_as_simulate_does():
+    """``offload: true`` with zb-auto: the search gets pp_max_mem and weighs the fixed tables the offload pass
+    brings under it against its own constructions (``offload_options``, what ``simulate --offload`` uses).
+    Before, zb-auto planned without the limit and the pass could not bring that table under it (OffloadError
+    at pp 4, m 8, limit 2); now it fits and is never behind the best fixed table with the pass's copies."""
+    from primuspipe.algorithms.build import build_schedule
+    from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward
+    from primuspipe.passes.offload import OffloadError, offload_activations
+    from primuspipe.simulator import simulate
+
+    config = PrimusPipeConfig(True, "zb-auto", offload=True, pp_max_mem=2)
+    cost, limit = config.offload_plan(4, 2)
+    cost = cost.for_shape(4, 2)
+    table = PrimusForwardBackward(config).table_for(4, 2, 8)
+    assert max(simulate(table, cost).peak_activations) <= limit
+    fixed = []
+    for name in ("v-half", "zbv", "v-min", "interleaved-1f1b"):
+        try:
+            offloaded = offload_activations(build_schedule(name, 4, 8, 2, cost=cost), cost, memory_limit=limit)
+            fixed.append(simulate(offloaded, cost).step_time)
+        except OffloadError:
+            continue
+    assert fixed and simulate(table, cost).step_time <= min(fixed)
+    with pytest.raises(OffloadError):  # what the backend did before: plan without the limit, then the pass
+        offload_activations(build_schedule("zb-auto", 4, 8, 2, cost=cost), cost, memory_limit=limit)

@@ -66,6 +66,27 @@ def check_megatron_config(config: Any, table: ScheduleTable, models: Sequence[An
         _check_split_backward(table, config, models)
     _check_data_order(table)
     _check_tied_copies(table, models)
+    _check_param_gather(models)
+
+
+def _check_param_gather(models: Sequence[Any]) -> None:
+    """Megatron-LM's rule that ``overlap_param_gather`` needs the distributed optimizer (``validate_args``;
+    megatron-core's DDP config does not check it): without it, DDP's bucket all-gather over more than one
+    data-parallel rank takes the layer-wise optimizer's path, which needs that optimizer's per-rank parameter
+    lists, so without one the first parameter sync raises a TypeError inside DDP's forward hook (measured under
+    Megatron's schedule: DP = 2 x PP = 2, the first stage's ranks) and the other ranks wait for them. Checked on
+    the DDP chunks' buckets, which a layer-wise optimizer (``dist_muon``) gives those lists."""
+    for chunk, model in enumerate(models):
+        ddp = getattr(model, "ddp_config", None)
+        if ddp is None or not ddp.overlap_param_gather or ddp.use_distributed_optimizer or ddp.use_megatron_fsdp:
+            continue
+        groups = getattr(model, "bucket_groups", []) + getattr(model, "expert_parallel_bucket_groups", [])
+        if any(getattr(bucket, "layerwise_params_list", None) is None for group in groups
+               if getattr(group, "intra_distributed_optimizer_instance_size", 2) > 1 for bucket in group.buckets):
+            raise ConfigError(
+                f"Megatron's overlap_param_gather=True on model chunk {chunk} needs the distributed optimizer "
+                "(Megatron-LM refuses it otherwise): set use_distributed_optimizer=True in the "
+                "DistributedDataParallelConfig (and the OptimizerConfig), or overlap_param_gather=False")
 
 
 def _check_tied_copies(table: ScheduleTable, models: Sequence[Any]) -> None:

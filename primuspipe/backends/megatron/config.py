@@ -98,7 +98,8 @@ class PrimusPipeConfig:
     offload: bool = False
     """Move activations to host memory between F and B: the algorithm's table goes through the offload
     pass (OFFLOAD/RELOAD nodes, docs/offload.md), which brings every rank under ``pp_max_mem`` (required
-    with it; the algorithm itself then plans without a memory limit) using the ``pp_cost_*`` times."""
+    with it; the algorithm itself then plans without a memory limit, except zb-auto, which searches under it and
+    weighs the pass's copies itself, as ``primuspipe simulate --offload``) using the ``pp_cost_*`` times."""
     offload_ops: str = ""
     """Comma-separated Primus op names whose saved activations move (:data:`OFFLOAD_OPS`: ``attn``,
     ``column_parallel_gemm``, ...); empty moves everything a chunk's forward saves."""

@@ -32,13 +32,14 @@ import torch
 
 from primuspipe import strict
 from primuspipe.algorithms import get_algorithm
+from primuspipe.algorithms.build import offload_options
 from primuspipe.backends.megatron.binder import GradSync, MegatronBinder, StepArgs
 from primuspipe.backends.megatron.compat import check_megatron_config
 from primuspipe.backends.megatron.config import PrimusPipeConfig
 from primuspipe.backends.megatron.last_stage import hand_to_last_rank
 from primuspipe.backends.megatron.v_placement import tied_embedding_grads, v_float16_boundaries
 from primuspipe.backends.replanning import InFlightReplanner
-from primuspipe.errors import ConfigError
+from primuspipe.errors import ConfigError, ScheduleShapeError
 from primuspipe.ir.node import NodeKind
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
@@ -104,20 +105,35 @@ class PrimusForwardBackward:
 
     def _build_table(self, pp: int, vpp: int | None, num_microbatches: int, group: int | None) -> ScheduleTable:
         """The configured algorithm's validated table, then the passes the config asks for: the split
-        probe (``split_probe``) and the offload pass (``offload``)."""
+        probe (``split_probe``) and the offload pass (``offload``; an algorithm that weighs the pass's copies
+        itself, zb-auto, gets the limit instead, as in ``primuspipe simulate --offload``:
+        :func:`~primuspipe.algorithms.build.offload_options`)."""
         algorithm = self.config.algorithm_for(vpp or 1)
         configured = algorithm in self.config.algorithms()
         options = self.config.schedule_options(pp, vpp or 1) if configured else {}
         runs = get_algorithm(algorithm).alias_of or algorithm  # Primus's 1f1b-interleaved is interleaved-1f1b
-        if runs == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp):
+        followed = runs == "interleaved-1f1b" and "microbatch_group_size" not in options and group not in (None, pp)
+        if followed:
             options["microbatch_group_size"] = group  # follow Megatron's setting; its default (pp) is ours
-        table = cached_schedule(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
+        plan = self.config.offload_plan(pp, vpp or 1) if configured else None
+        offload_pass = plan is not None
+        if plan is not None:  # as primuspipe simulate --offload: zb-auto weighs the pass's copies itself
+            options, offload_pass = offload_options(algorithm, options)
+            if not offload_pass:
+                options.update(cost=plan[0], memory_limit=plan[1])
+        try:
+            table = cached_schedule(algorithm, pp, vpp, num_microbatches, tuple(sorted(options.items())))
+        except ScheduleShapeError as exc:
+            if not followed:
+                raise
+            raise ScheduleShapeError(f"Megatron's microbatch_group_size_per_vp_stage={group}, which {algorithm} "
+                                     f"follows unless algorithm_options gives microbatch_group_size: {exc}") from None
         if self.config.split_probe:
             table = add_communication(split_backward_probe(table.compute_only(), min(self.config.split_probe,
                                                                                       num_microbatches)))
             validate(table)
-        if configured and (plan := self.config.offload_plan(pp, table.vpp)):
-            cost, limit = plan
+        if offload_pass:
+            cost, limit = self.config.offload_plan(pp, table.vpp)
             table = offload_activations(table, cost, memory_limit=limit)
         return table
 
