@@ -352,8 +352,9 @@ def replan_result(ours, table, times: list[float]) -> dict:
 def prepare(args: argparse.Namespace, world: int) -> tuple:
     """Everything a run settles before its process groups, on ``world`` ranks: the grids, the checkpoint folders,
     the primuspipe config, the schedule and its table, the model and Megatron's config overrides -- and
-    megatron-core's ``TransformerConfig`` tried once, so what it refuses (sequence parallelism without tensor parallelism, full recompute without a method,
-    heads that do not split over tensor-parallel ranks, ...) is one line before any rank joins a group, not after.
+    megatron-core's ``TransformerConfig`` tried once, so what it refuses (sequence parallelism without tensor
+    parallelism, full recompute without a method, heads that do not split over tensor-parallel ranks, ...) is one
+    line before any rank joins a group, not after.
     Returns ``(config, schedule, table, model, overrides, say)``."""
     from primuspipe import strict
     from primuspipe.backends.megatron import PrimusForwardBackward, load_config
