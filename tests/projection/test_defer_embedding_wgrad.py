@@ -148,3 +148,20 @@ def test_the_nemo_2502_rows_defer_as_their_recipes_set_it():
     plain = {k: v for k, v in run.training.items() if k not in ("defer_embedding_wgrad_compute", "wgrad_deferral_limit")}
     deferred, undeferred = project_run(run), project_run(dataclasses.replace(run, training=plain))
     assert deferred["step_time_s"] < undeferred["step_time_s"]
+
+
+NEMO2412_LAUNCHER_LIMITS = {"nemo2412-llama3-70b-fp8-64": 22, "nemo2412-gpt3-175b-fp8-128": None,
+                            "nemo2412-gpt3-175b-fp8-512": None}
+"""The NeMo 24.12 summary's pipelined rows whose launcher config decides the deferral (measured on NeMo 24.07 with
+NVIDIA/NeMo-Framework-Launcher's configs): ``llama/llama3_70b.yaml`` has the table's VP 5 only from fee1762f on, and
+there ``wgrad_deferral_limit: 22`` beside it; ``gpt3/175b.yaml`` sets no deferral at any commit, and NeMo 1 defaults
+it off. The Llama 2 70B and Nemotron rows are left out: no launcher commit has both their VP and a deferral."""
+
+
+def test_the_nemo_2412_rows_defer_as_their_launcher_configs_set_it():
+    rows = {r.id: r for r in load_runs() if r.id in NEMO2412_LAUNCHER_LIMITS}
+    assert rows.keys() == NEMO2412_LAUNCHER_LIMITS.keys()
+    for row_id, limit in NEMO2412_LAUNCHER_LIMITS.items():
+        training = rows[row_id].training
+        assert training.get("defer_embedding_wgrad_compute", False) is (limit is not None), row_id
+        assert training.get("wgrad_deferral_limit") == limit, row_id
