@@ -1,7 +1,7 @@
 """CPU mode's parameter all-gather on gloo (primuspipe.backends.megatron.gloo_all_gather), on real gloo ranks.
 
-torch 2.13's fused all-gather on gloo corrupts the heap (4 of 6 launches of the stress pattern below lost a
-rank to SIGSEGV / SIGABRT before the shim); Megatron's parameter gather issues exactly that, so a Megatron
+torch 2.13's fused all-gather on gloo corrupts the heap (with torch's manager in place of the shim, 4 of 4
+launches of the stress pattern below lost a rank to SIGSEGV / SIGABRT); Megatron's parameter gather issues exactly that, so a Megatron
 step on CPU could lose a rank at random. These tests run the shimmed manager the way
 Megatron's ``start_param_sync`` / ``start_grad_sync`` do (each rank's shard a view into the bucket it gathers
 into) and check the bytes, the handle and that the pattern survives.
@@ -85,7 +85,7 @@ def _stress(rank: int, world: int) -> bool:
 
 @pytest.mark.slow
 def test_many_async_gathers_on_a_one_rank_group_do_not_crash_a_rank():
-    for _ in range(2):  # without the shim 4 of 6 such launches lost a rank to SIGSEGV / SIGABRT
+    for _ in range(2):  # with torch's manager 4 of 4 such launches lost a rank to SIGSEGV / SIGABRT
         assert run_gloo(_stress, WORLD, timeout_s=300) == [True] * WORLD
 
 
