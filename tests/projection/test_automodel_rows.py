@@ -1,0 +1,18 @@
+"""The NeMo AutoModel rows carry what AutoModel's own code fixes, whatever its benchmark configurations say."""
+
+from __future__ import annotations
+
+from primuspipe.projection.compute import WorkModel
+from primuspipe.projection.published import load_runs, model_of, training_of
+
+
+def test_automodel_deepep_rows_permute_with_the_fused_kernels():
+    """AutoModel's DeepEP experts build their token dispatcher with ``moe_permute_fusion=True`` hard-coded
+    (``GroupedExpertsDeepEP.init_token_dispatcher`` in nemo_automodel/components/moe/layers.py at 8d9bfb90e and
+    89e3a9fdd), so its permutation runs Transformer Engine's fused kernels and leaves no accumulating scatters."""
+    rows = [r for r in load_runs() if "NVIDIA-NeMo/Automodel" in r.url and r.training.get("moe_token_dispatcher_type") == "flex"]
+    assert len(rows) == 4, [r.id for r in rows]
+    for run in rows:
+        assert run.training.get("moe_permute_fusion") is True, run.id
+        work = WorkModel(model_of(run), training_of(run)).accumulating_scatters("moe")
+        assert work.forward.scatter_add_elements == work.backward_input.scatter_add_elements == 0, run.id
