@@ -1,4 +1,5 @@
-"""The published Megatron-Bridge rows carry what ``CommOverlapConfig.setup`` left in the run, not the recipe's base values.
+"""The published Megatron-Bridge and NeMo 2 rows carry what the comm-overlap setup left in the run, not the recipe's base
+values.
 
 Megatron-Bridge builds a run's config in two layers: the recipe function (and the performance scripts' functions
 over it) writes the model, DDP and optimizer configs, and then ``runtime_config_update``
@@ -6,7 +7,9 @@ over it) writes the model, DDP and optimizer configs, and then ``runtime_config_
 with defaults of its own (``training/comm_overlap.py``) wherever the field was not given to the ``CommOverlapConfig``
 itself (``_override_user_cfgs``: a value set directly on ``cfg.ddp`` or ``cfg.model`` does not count). So a row must
 not copy a recipe's ``cfg.ddp.overlap_grad_reduce = False``: at DP > 1 the run overlapped it (the eighteenth session
-found five SFT rows that did). The defaults, the same at every release in the table:
+found five SFT rows that did). NeMo 2's ``MegatronCommOverlapCallback`` (``nemo/lightning/pytorch/callbacks/
+megatron_comm_overlap.py``), which every performance-mode recipe installs, applies the same defaults the same way
+in its ``setup``. The defaults, the same at every release in the table:
 
 - data parallel (``_get_optimizer_overlap_cfgs``, applied only with the distributed optimizer): at DP > 1
   ``overlap_grad_reduce`` and ``overlap_param_gather`` on, ``bucket_size`` 128 Mi parameters, and
@@ -41,28 +44,46 @@ RELEASES = {
     "mbridge260401-": "21d102f5e: config.py line 1697; comm_overlap.py lines 436-437, 444, 563-570",
     "mbridge2606-": "v0.5.0 (fcbb60311) and 8f341b04f: config.py line 1697 / 1726; comm_overlap.py lines 436-437, 444, "
                     "563-570",
+    "nemo2502-": "NVIDIA/NeMo v2.2.0 (7192a2c944): megatron_comm_overlap.py lines 138-139, 144, 185-192, 277",
+    "dgxc2504-": "NVIDIA/NeMo d2b21556f2 (dgxc-benchmarking v25.04.01's setup.sh): megatron_comm_overlap.py lines "
+                 "138-139, 144, 185-192, 277",
 }
-"""Each Megatron-Bridge release in the table (by row-id prefix) and where its tree (NVIDIA-NeMo/Megatron-Bridge) holds
-the call to ``CommOverlapConfig.setup`` and the defaults above (model defaults, the TP check, the DP > 1 branch). A
-row of a release not listed fails until its tree is read."""
+"""Each release in the table (by row-id prefix) and where its tree holds the call to the setup and the defaults above
+(model defaults, the TP check, the DP > 1 branch; Megatron-Bridge's ``training/config.py`` and ``training/
+comm_overlap.py`` in NVIDIA-NeMo/Megatron-Bridge). A Megatron-Bridge row of a release not listed fails until its tree
+is read. Not held to it: NeMo 2 rows whose page names no script (NeMo 25.04's long-sequence rows) and
+dgxc-benchmarking v25.05.05's DeepSeek-V3 (MoE)."""
 
-_SFT = "fcbb60311 / 8f341b04f scripts/performance/configs/llama/llama3_llm_finetune.py"
+
+def _defer(limit: int) -> dict[str, Any]:
+    return {"defer_embedding_wgrad_compute": True, "wgrad_deferral_limit": limit}
+
+
 USER_VALUES: dict[str, dict[str, Any]] = {
     # v0.1.0rc4 scripts/performance/run_script.py lines 99-102: DeepSeek-V3 on H100 sets overlap_grad_reduce False
     "mbridge2509-deepseek-v3-fp8-1024": {"overlap_grad_reduce": False},
     # v0.1.0rc4 run_script.py line 52 builds the recipe without a comm_overlap_config, so
     # src/megatron/bridge/recipes/llama/llama3_70b.py lines 219-227 install one deferring with limit 22
-    "mbridge2509-llama3-70b-fp8cs-64": {"defer_embedding_wgrad_compute": True, "wgrad_deferral_limit": 22},
+    "mbridge2509-llama3-70b-fp8cs-64": _defer(22),
     # v0.2.0 scripts/performance/configs/qwen3/qwen3_llm_pretrain.py lines 133-136 (qwen3_235b_a22b_b200_config, fp8_mx)
     "mbridge2511-b200-qwen3-235b-a22b-mxfp8-64": {"overlap_param_gather": False},
     # v0.2.0 scripts/performance/configs/llama31/llama31_llm_pretrain.py lines 140-143 (llama31_405b_b200_config, fp8_mx)
     "mbridge2511-b200-llama3.1-405b-mxfp8-128": {"overlap_param_gather": False},
     # the SFT functions' CommOverlapConfig(..., defer_embedding_wgrad_compute=True, wgrad_deferral_limit=22):
-    # _SFT lines 121-124 (GB300), 157-160 (GB200), 187-190 (H100)
-    **{row: {"defer_embedding_wgrad_compute": True, "wgrad_deferral_limit": 22}
-       for row in ("mbridge2606-gb300-llama3-70b-sft-fp8cs-32", "mbridge2606-gb300-llama3-70b-sft-mxfp8-32",
+    # fcbb60311 / 8f341b04f scripts/performance/configs/llama/llama3_llm_finetune.py lines 121-124 (GB300), 157-160
+    # (GB200), 187-190 (H100)
+    **{row: _defer(22) for row in ("mbridge2606-gb300-llama3-70b-sft-fp8cs-32", "mbridge2606-gb300-llama3-70b-sft-mxfp8-32",
                    "mbridge2606-gb200-llama3-70b-sft-fp8cs-32", "mbridge2606-gb200-llama3-70b-sft-mxfp8-32",
                    "mbridge2606-llama3-70b-sft-fp8cs-32")},
+    # NeMo 2 recipes' pretrain_performance_optimizations callbacks (the same lines at v2.2.0 and d2b21556f2):
+    # nemo/collections/llm/recipes/llama3_70b.py lines 234-235 (dgxc's pretrain_llama31.py takes the llama3_70b
+    # recipe for 70B, v25.04.01 line 33), llama31_405b.py 241-242, nemotron4_340b.py 214-215, gpt3_175b.py 232-233
+    **{row: _defer(22) for row in ("dgxc2504-llama3.1-70b-fp8-64", "nemo2502-b200-llama3-70b-fp8-64",
+                                   "dgxc2504-nemotron4-340b-bf16-256", "dgxc2504-nemotron4-340b-fp8-256",
+                                   "nemo2502-b200-nemotron4-340b-fp8-128")},
+    **{row: _defer(50) for row in ("dgxc2504-llama3.1-405b-bf16-512", "dgxc2504-llama3.1-405b-fp8-512",
+                                   "nemo2502-b200-llama3.1-405b-fp8-128", "nemo2502-b200-gpt3-175b-fp8-512",
+                                   "nemo2502-h100-gpt3-175b-fp8-512")},
 }
 """Fields the run's code gave to the ``CommOverlapConfig`` (or set after ``setup`` would see them as the user's), which
 take precedence over its defaults: row id -> {field: value}."""
@@ -103,19 +124,20 @@ def mismatches(run: PublishedRun) -> list[str]:
     return found
 
 
-BRIDGE_ROWS = [run for run in load_runs() if run.id.startswith("mbridge")]
+RUNS = load_runs()
+ROWS = [run for run in RUNS if run.id.startswith(tuple(RELEASES))]
 
 
 def test_every_bridge_row_names_a_release_whose_setup_was_read():
-    assert len(BRIDGE_ROWS) > 60
-    assert not [run.id for run in BRIDGE_ROWS if not any(run.id.startswith(prefix) for prefix in RELEASES)]
-    assert USER_VALUES.keys() <= {run.id for run in BRIDGE_ROWS}
-    assert MOE_ROWS_PENDING.keys() <= {run.id for run in BRIDGE_ROWS}
+    assert len(ROWS) > 70
+    assert not [run.id for run in RUNS if run.id.startswith("mbridge") and run not in ROWS]
+    assert USER_VALUES.keys() <= {run.id for run in ROWS}
+    assert MOE_ROWS_PENDING.keys() <= {run.id for run in ROWS}
 
 
 @pytest.mark.parametrize("run", [pytest.param(run, id=run.id, marks=pytest.mark.xfail(
     reason=MOE_ROWS_PENDING[run.id], strict=True)) if run.id in MOE_ROWS_PENDING else pytest.param(run, id=run.id)
-    for run in BRIDGE_ROWS])
+    for run in ROWS])
 def test_the_row_carries_what_setup_left(run: PublishedRun):
     assert not mismatches(run), f"{run.id} ({RELEASES[_release(run)]}): {mismatches(run)}"
 
@@ -123,10 +145,10 @@ def test_the_row_carries_what_setup_left(run: PublishedRun):
 def test_the_rule_catches_a_row_that_copies_the_base_recipe():
     """The five 26.06 SFT rows as first written (the base recipe's ``cfg.ddp`` flags, False) and the 25.11 B200 405B
     MXFP8 row with the default its performance function overrides, against the rule."""
-    sft = next(run for run in BRIDGE_ROWS if run.id == "mbridge2606-gb300-llama3-70b-sft-fp8cs-32")
+    sft = next(run for run in ROWS if run.id == "mbridge2606-gb300-llama3-70b-sft-fp8cs-32")
     copied = {**sft.training, "overlap_grad_reduce": False, "overlap_param_gather": False}
     assert [m.split(":")[0] for m in mismatches(_with(sft, copied))] == ["overlap_grad_reduce", "overlap_param_gather"]
-    mxfp8 = next(run for run in BRIDGE_ROWS if run.id == "mbridge2511-b200-llama3.1-405b-mxfp8-128")
+    mxfp8 = next(run for run in ROWS if run.id == "mbridge2511-b200-llama3.1-405b-mxfp8-128")
     assert mismatches(_with(mxfp8, {**mxfp8.training, "overlap_param_gather": True}))
     undeferred = {k: v for k, v in sft.training.items() if k not in ("defer_embedding_wgrad_compute", "wgrad_deferral_limit")}
     assert mismatches(_with(sft, undeferred))[0].startswith("defer_embedding_wgrad_compute")
