@@ -7,6 +7,7 @@ import pytest
 from simulator_support import text_table
 
 from primuspipe.errors import ConfigError
+from primuspipe.ir.kinds import NodeKind
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, MemoryCost, simulate, split_stages
 from primuspipe.ir.cost_model import read_cost_file
@@ -32,7 +33,7 @@ def test_yaml_form_resolves_per_shape(tmp_path):
     path = tmp_path / "cost.yaml"
     path.write_text(YAML)
     one = CostModel.load(path, pp=2, vpp=1)
-    assert one.compute.forward == (2.0, 4.0) and one.bw_time(0) == 3.0 and one.time_unit == "us"
+    assert one.compute.forward == (2.0, 4.0) and one.duration(NodeKind.BW, 0) == 3.0 and one.time_unit == "us"
     assert one.p2p.transfer_time(0, 1) == 2 + 1000 / 500 and one.p2p.intra_node == Link(1, math.inf)
     assert one.memory.activation_bytes == (100.0, 100.0) and one.static_bytes(1) == 70.0
     two = CostModel.from_dict(read_cost_file(path), pp=2, vpp=2)
