@@ -143,3 +143,11 @@ def test_memory_not_modelled_reports_zero_bytes():
     result = simulate(build_schedule("1f1b", pp=2, microbatches=2), CostModel.per_stage(2, 1, 1, 1))
     assert result.peak_memory_bytes == [0.0, 0.0]
     assert result.peak_activations == [2.0, 1.0]
+
+
+def test_counting_bytes_without_activation_bytes_is_a_config_error():
+    """A caller (a plug-in algorithm, say) that asks a model with no activation bytes for a byte peak is told
+    so as the project's error, not by an assert that ``python -O`` would drop."""
+    table = build_schedule("1f1b", pp=2, microbatches=4).compute_only()
+    with pytest.raises(ConfigError, match="no activation bytes"):
+        CostModel.per_stage(2, 1.0, 1.0, 1.0).memory.peak_bytes(table)
