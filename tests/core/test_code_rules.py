@@ -1,5 +1,6 @@
-"""Code rules a reader cannot keep by eye across the package, checked on its source: no catch-all handler that
-swallows an error without saying why, and no function or class that nothing names (dead code).
+"""Code rules a reader cannot keep by eye across the package, checked on its source: every module says what it
+is for, no catch-all handler swallows an error without saying why, and no function or class is left that
+nothing names (dead code).
 
 The import rules (layers, cycles, where torch may enter) are in test_layers.py."""
 
@@ -26,6 +27,12 @@ OUTSIDE_INTERFACES = {
 
 def _sources() -> dict[Path, str]:
     return {path: path.read_text() for path in sorted(ROOT.rglob("*.py"))}
+
+
+def test_every_module_says_what_it_is_for():
+    bare = [str(path.relative_to(REPO)) for path, text in _sources().items()
+            if text.strip() and not ast.get_docstring(ast.parse(text))]
+    assert not bare, "modules without a docstring:\n" + "\n".join(bare)
 
 
 def _catches_everything(handler: ast.ExceptHandler) -> bool:
