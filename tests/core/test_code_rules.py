@@ -57,12 +57,20 @@ def test_a_catch_all_handler_reraises_or_says_why_it_does_not():
     assert not wrong, "catch-all handlers that neither re-raise nor say why:\n" + "\n".join(wrong)
 
 
+TEXT = (".py", ".md", ".sh", ".toml", ".cfg", ".yaml", ".yml")
+"""The files a name may stand in: code, docs, scripts, packaging and data (not results)."""
+
+
 def _named_anywhere() -> Counter:
-    """How often each word stands in the repository's code, docs, scripts and packaging."""
+    """How often each word stands in the repository's text files (hidden folders, a virtual environment
+    among them, left out)."""
     words: Counter = Counter()
-    for pattern in ("*.py", "*.md", "*.sh", "*.toml", "*.cfg"):
-        for path in REPO.rglob(pattern):
-            if not any(part.startswith(".") for part in path.relative_to(REPO).parts):
+    for top in REPO.iterdir():
+        if top.name.startswith("."):
+            continue
+        for path in [top] if top.is_file() else top.rglob("*"):
+            hidden = any(part.startswith(".") for part in path.relative_to(REPO).parts)
+            if path.suffix in TEXT and path.is_file() and not hidden:
                 words.update(re.findall(r"[A-Za-z_]\w*", path.read_text(errors="replace")))
     return words
 
