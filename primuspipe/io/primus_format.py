@@ -28,21 +28,18 @@ True
 
 from __future__ import annotations
 
+import functools
 import re
 from itertools import groupby
 
 from primuspipe.errors import TableFormatError
 from primuspipe import strict
 from primuspipe.ir.dataflow import comm_node, transfer_of
-from primuspipe.ir.kinds import NodeKind, overlapped_kind
+from primuspipe.ir.kinds import NodeKind, all_kinds, on_kinds_changed, overlapped_kind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
 
-PRIMUS_TYPES = {"F": "F", "B": "B", "W": "W", "BW": "BW", "SEND_F": "SF", "SEND_B": "SB", "RECV_F": "RF",
-                "RECV_B": "RB", "OFFLOAD": "O", "RELOAD": "R"}
-"""Our kind name -> Primus's node type (``FuncType`` member name)."""
-_KIND_OF = {v: k for k, v in PRIMUS_TYPES.items()}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RANK_LINE = re.compile(r"Rank\s+([0-9]+)\s*:(.*)$", re.ASCII)
 _TOKEN = re.compile(r"(\[)?\((\w+)\|([0-9]{1,9})\|([0-9]{1,9})\)(\])?", re.ASCII)
@@ -51,6 +48,15 @@ _LOOKS_LIKE_NODE = re.compile(rf"{_NODE_LIKE.pattern}|Rank\s*\S*\s*:")
 _BETWEEN = re.compile(r"[\s,]*")
 _HEADER = re.compile(r"^#\s*primuspipe:(.*)$")
 _HEADER_KEYS = {"algorithm", "pp", "vpp", "microbatches", "placement"}
+
+
+@functools.cache
+def _primus_kinds() -> dict[str, NodeKind]:
+    """Primus's node type -> our single-part kind (the kind table's ``primus_type``; cached per kind table)."""
+    return {k.spec.primus_type: k for k in all_kinds() if k.spec.primus_type and not k.spec.parts}
+
+
+on_kinds_changed(_primus_kinds.cache_clear)
 
 
 def to_primus_table(table: ScheduleTable, compute_only: bool = False) -> str:
@@ -70,11 +76,10 @@ def _write(rank: int, node: ScheduleNode) -> str:
 
 
 def _primus_type(rank: int, node: ScheduleNode, kind: NodeKind) -> str:
-    try:
-        return PRIMUS_TYPES[str(kind)]
-    except KeyError:
+    if kind.spec.primus_type is None:
         raise TableFormatError(f"rank {rank}: {node} has no Primus node type (Primus has "
-                               f"{', '.join(PRIMUS_TYPES.values())})") from None
+                               f"{', '.join(_primus_kinds())})")
+    return kind.spec.primus_type
 
 
 def looks_like_primus(text: str) -> bool:
@@ -112,7 +117,8 @@ def from_primus_table(text: str, placement: str | None = None, algorithm: str | 
     if "pp" in header and strict.count(header["pp"], "header pp", error=TableFormatError, minimum=1, text=True) != pp:
         raise TableFormatError(f"the header says pp={header['pp']} but the text has {pp} 'Rank <r>:' lines; a line is "
                                "missing or the header belongs to another table")
-    compute = [t for row in rows.values() for t in row if _KIND_OF.get(t[0]) in ("F", "B", "W", "BW")]
+    steps = (NodeKind.F, NodeKind.B, NodeKind.W, NodeKind.BW)
+    compute = [t for row in rows.values() for t in row if _primus_kinds().get(t[0]) in steps]
     vpp = strict.count(header.get("vpp", 1 + max((t[2] for t in compute), default=0)), "header vpp",
                        error=TableFormatError, minimum=1, text=True)
     microbatches = strict.count(header.get("microbatches", 1 + max((t[1] for t in compute), default=0)),
@@ -171,10 +177,11 @@ def _tokens(text: str, line_no: int) -> list[Token]:
 
 
 def _infer_layout(rows: dict[int, list[Token]], pp: int, vpp: int) -> Placement:
-    if vpp == 2 and not any(_KIND_OF.get(t[0], "").startswith(("SEND", "RECV")) for row in rows.values() for t in row):
+    kinds = _primus_kinds()
+    if vpp == 2 and all(t[0] not in kinds or kinds[t[0]].is_compute for row in rows.values() for t in row):
         raise TableFormatError("a compute-only table with 2 chunks per rank could be a V or interleaved; name the "
                                "placement ('v' or 'interleaved', CLI: --placement)")
-    return Placement.shown_by(pp, vpp, (t[2] for t in rows[0] if t[0] == "SF"))
+    return Placement.shown_by(pp, vpp, (t[2] for t in rows[0] if kinds.get(t[0]) is NodeKind.SEND_F))
 
 
 def _nodes(placement: Placement, rank: int, tokens: list[Token]) -> list[ScheduleNode]:
@@ -205,10 +212,10 @@ def _group_nodes(placement: Placement, rank: int, group: list[Token]) -> list[Sc
 def _node(placement: Placement, rank: int, token: Token) -> ScheduleNode | None:
     """The node of one ``(TYPE|mb|chunk)``; None for Primus's send or receive to the rank itself."""
     name, mb, chunk, _ = token
-    if name not in _KIND_OF or _KIND_OF[name] not in NodeKind._table:
+    kind = _primus_kinds().get(name)
+    if kind is None:
         raise TableFormatError(f"rank {rank}: ({name}|{mb}|{chunk}) is not a node primuspipe runs; known types: "
-                               f"{', '.join(t for k, t in PRIMUS_TYPES.items() if k in NodeKind._table)}")
-    kind = NodeKind(_KIND_OF[name])
+                               f"{', '.join(_primus_kinds())}")
     if chunk >= placement.vpp:
         raise TableFormatError(f"rank {rank}: ({name}|{mb}|{chunk}) names chunk {chunk}, but ranks hold {placement.vpp}")
     if kind.is_compute:

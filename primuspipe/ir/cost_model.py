@@ -135,11 +135,6 @@ class CostModel:
     def num_stages(self) -> int:
         return self.compute.num_stages
 
-    def bw_time(self, stage: int) -> float:
-        if self.fused_backward is not None:
-            return self.fused_backward[stage]
-        return self.compute.fused_backward(stage)
-
     def duration(self, kind: NodeKind, stage: int) -> float:
         """Time of one compute part of ``kind`` on ``stage``: the per-stage time the kind table names
         (:attr:`~primuspipe.ir.kinds.KindSpec.cost`); a kind that names none takes no time."""

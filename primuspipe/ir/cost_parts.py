@@ -243,13 +243,20 @@ class MemoryCost:
             return 0.0
         return self.parameter_bytes[rank] + self.gradient_bytes[rank] + self.optimizer_bytes[rank]
 
+    def _bytes(self) -> tuple[float, ...]:
+        """:attr:`activation_bytes`; a caller that counts bytes with a model that has none (a plug-in calling
+        :meth:`peak_bytes`, say) is told so, as a ConfigError rather than an assert that ``python -O`` drops."""
+        if self.activation_bytes is None:
+            raise ConfigError("this cost model gives no activation bytes (memory.activation_bytes), so it cannot "
+                              "count a table's bytes; give them, or count in microbatches (memory_limit)")
+        return self.activation_bytes
+
     def byte_count(self, stages: Sequence[int]) -> dict[str, Any]:
         """The one counter's settings (:func:`~primuspipe.ir.activations.running_levels`,
         :func:`~primuspipe.ir.activations.timed_levels`) that count a rank holding model ``stages`` (its
         chunks') in bytes: each chunk its stage's activation bytes, ``bytes_retained`` from B until W, a B's
         rise. The simulator's byte peaks and the algorithms' byte budgets both count with these."""
-        assert self.activation_bytes is not None, "bytes are not modelled"
-        weights = self.activation_bytes
+        weights = self._bytes()
         weight: Callable[[int], float] = lambda chunk: weights[stages[chunk]]  # noqa: E731
         return dict(chunk_weight=weight, retained=self.bytes_retained, offloaded=self.offload_fraction,
                     rise=self.b_rise_fraction)
@@ -267,10 +274,10 @@ class MemoryCost:
         until W at up to ``bytes_retained / w_retained_fraction`` of its count, a B's rise on top); every table
         that fits holds at most ``loose`` (each unit at the rank's smallest chunk bytes, never more than the
         bytes count). Between the two only the byte count (:meth:`peak_bytes`) decides."""
-        assert self.activation_bytes is not None, "bytes are not modelled"
+        activation_bytes = self._bytes()
         sure, loose = math.inf, 0.0
         for rank, stages in enumerate(placement.stages):
-            sizes = [self.activation_bytes[s] for s in stages]
+            sizes = [activation_bytes[s] for s in stages]
             biggest, smallest = max(sizes), min(sizes)
             if biggest <= 0:
                 loose = math.inf  # this rank holds nothing it could overflow

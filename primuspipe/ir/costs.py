@@ -87,9 +87,6 @@ class ComputeCosts:
     def _resolved(self) -> dict[NodeKind, tuple[float, ...] | None]:
         return {}
 
-    def fused_backward(self, stage: int) -> float:
-        return self.backward_input[stage] + self.backward_weight[stage]
-
     def get(self, kind: NodeKind) -> tuple[float, ...] | None:
         """Per-stage times of a single-part compute kind by its cost key; a kind these costs do not
         time that completes several steps costs the sum of the kinds completing each (BW: B + W);

@@ -114,6 +114,9 @@ class KindSpec:
     torch_action: str | None = None
     """The action's type in torch.distributed.pipelining's CSV (``I`` is torch's input-grad backward,
     ``B`` its full backward)."""
+    primus_type: str | None = None
+    """The node's type in the table Primus prints (its ``FuncType`` member: ``F``, ``SF``, ``O``...); None: a
+    kind Primus has no type for, which the Primus form cannot write."""
     color: str = "#7f7f7f"
     """Drawing colour (pp_vis)."""
     handler: str | None = None
@@ -297,16 +300,17 @@ _PREVIOUS, _NEXT = -1, 1
 
 NodeKind.F = define_kind(KindSpec(
     "F", Category.COMPUTE, "forward", completes=("F",), needs=(("F", _PREVIOUS),),
-    activation=(1.0, 0.0), cost="f", torch_action="F", color="#4C72B0", handler="forward"))
+    activation=(1.0, 0.0), cost="f", torch_action="F", primus_type="F", color="#4C72B0", handler="forward"))
 NodeKind.B = define_kind(KindSpec(
     "B", Category.COMPUTE, "input grad", completes=("B",), needs=(("F", 0), ("B", _NEXT)),
-    activation=(-1.0, 1.0), rise=1.0, cost="b", torch_action="I", color="#55A868", handler="backward_input"))
+    activation=(-1.0, 1.0), rise=1.0, cost="b", torch_action="I", primus_type="B", color="#55A868",
+    handler="backward_input"))
 NodeKind.W = define_kind(KindSpec(
     "W", Category.COMPUTE, "weight grad", completes=("W",), needs=(("B", 0),),
-    activation=(0.0, -1.0), cost="w", torch_action="W", color="#DD8452", handler="backward_weight"))
+    activation=(0.0, -1.0), cost="w", torch_action="W", primus_type="W", color="#DD8452", handler="backward_weight"))
 NodeKind.BW = define_kind(KindSpec(
     "BW", Category.COMPUTE, "fused backward", completes=("B", "W"), needs=(("F", 0), ("B", _NEXT)),
-    activation=(-1.0, 0.0), cost="bw", torch_action="B", color="#8172B3", handler="backward"))
+    activation=(-1.0, 0.0), cost="bw", torch_action="B", primus_type="BW", color="#8172B3", handler="backward"))
 NodeKind.FB = define_kind(KindSpec(
     "FB", Category.COMPUTE, "forward + backward", parts=("F", "B"), torch_action="OVERLAP_F_B",
     color="#C44E52"))
@@ -315,15 +319,19 @@ NodeKind.FBW = define_kind(KindSpec(
     color="#937860"))
 NodeKind.OFFLOAD = define_kind(KindSpec(
     "OFFLOAD", Category.COMPUTE, "offload activations to host", completes=("OFFLOAD",), needs=(("F", 0),),
-    optional=True, offload=-1.0, stream="host", color="#b0b0b0"))
+    optional=True, offload=-1.0, stream="host", primus_type="O", color="#b0b0b0"))
 NodeKind.RELOAD = define_kind(KindSpec(
     "RELOAD", Category.COMPUTE, "reload activations from host", completes=("RELOAD",), needs=(("OFFLOAD", 0),),
-    optional=True, offload=1.0, stream="host", color="#606060"))
+    optional=True, offload=1.0, stream="host", primus_type="R", color="#606060"))
 NodeKind.SEND_F = define_kind(KindSpec(
-    "SEND_F", Category.SEND, "send activation", carries="F", peer_offset=_NEXT, torch_action="SEND_F"))
+    "SEND_F", Category.SEND, "send activation", carries="F", peer_offset=_NEXT, torch_action="SEND_F",
+    primus_type="SF"))
 NodeKind.RECV_F = define_kind(KindSpec(
-    "RECV_F", Category.RECV, "receive activation", carries="F", peer_offset=_PREVIOUS, torch_action="RECV_F"))
+    "RECV_F", Category.RECV, "receive activation", carries="F", peer_offset=_PREVIOUS, torch_action="RECV_F",
+    primus_type="RF"))
 NodeKind.SEND_B = define_kind(KindSpec(
-    "SEND_B", Category.SEND, "send gradient", carries="B", peer_offset=_PREVIOUS, torch_action="SEND_B"))
+    "SEND_B", Category.SEND, "send gradient", carries="B", peer_offset=_PREVIOUS, torch_action="SEND_B",
+    primus_type="SB"))
 NodeKind.RECV_B = define_kind(KindSpec(
-    "RECV_B", Category.RECV, "receive gradient", carries="B", peer_offset=_NEXT, torch_action="RECV_B"))
+    "RECV_B", Category.RECV, "receive gradient", carries="B", peer_offset=_NEXT, torch_action="RECV_B",
+    primus_type="RB"))

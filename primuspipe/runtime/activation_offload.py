@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from primuspipe.errors import PrimusPipeError
+from primuspipe.ir.kinds import NodeKind
+from primuspipe.runtime.protocols import Handler
 
 Key = tuple[int, int]
 """``(chunk, microbatch)``."""
@@ -157,6 +159,12 @@ class ActivationOffload:
         self._in_chosen_op -= 1
 
     # -- the moves ----------------------------------------------------------------------------------
+    def handlers(self) -> dict[NodeKind, Handler]:
+        """The OFFLOAD and RELOAD handlers a binder adds to its map (the kind table names no binder method
+        for them: a binder runs them only with an offload plan)."""
+        return {NodeKind.OFFLOAD: lambda call: self.offload(call.chunk, call.microbatch),
+                NodeKind.RELOAD: lambda call: self.reload(call.chunk, call.microbatch)}
+
     def offload(self, chunk: int, microbatch: int) -> None:
         """OFFLOAD: the (chunk, microbatch)'s saved activations to host memory; the device copies go."""
         live = self._live(chunk, microbatch)

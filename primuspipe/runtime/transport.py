@@ -21,8 +21,9 @@ node, the peer and the ranks to blame when one passes it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ from primuspipe.ir.node import ScheduleNode
 from primuspipe.runtime.channels import Channels, channels_for
 from primuspipe.runtime.protocols import Pending
 from primuspipe.runtime.watchdog import watchdog_for
+
+T = TypeVar("T")
+"""What a posting returns (the requests, or the opened channels)."""
 
 CHANNEL_MODES = ("direction", "shared")
 
@@ -56,13 +60,8 @@ class P2PTransport:
         nothing before a rank's first transfer waits); a peer that never arrives is reported as that
         transfer's hang."""
         if self._channels is None:
-            try:
-                # the opening must not wait forever either: the watchdog's timeout, else ten minutes
-                self._channels = channels_for(self.group, timedelta(seconds=self.timeout_s or 600))
-            except RuntimeError as exc:
-                if self.watchdog is None:
-                    raise
-                raise self.watchdog.report(Pending(node, None, []), exc) from exc
+            opening = timedelta(seconds=self.timeout_s or 600)  # not forever either: the watchdog's, else ten minutes
+            self._channels = self._post(node, lambda: channels_for(self.group, opening))
             if self.watchdog is not None:
                 self.watchdog.on_abort(self._channels.abort)
         return self._channels
@@ -92,9 +91,9 @@ class P2PTransport:
                                               dist.irecv(t, src=peer, group=group) for t in _each(tensors)])
         return self._track(Pending(node, tensors, works))
 
-    def _post(self, node: ScheduleNode, post: Any) -> list:
-        """Post the requests; a backend that refuses (gloo, once the peer's connection closed) is reported
-        like a failed transfer."""
+    def _post(self, node: ScheduleNode, post: Callable[[], T]) -> T:
+        """Post the requests (or open the channels); a backend that refuses (gloo, once the peer's connection
+        closed; a peer that never arrives) is reported like a failed transfer."""
         try:
             return post()
         except RuntimeError as exc:

@@ -200,7 +200,7 @@ class TransferWatchdog:
                 for abort in self._aborts():
                     try:
                         abort()  # whatever waits on the group or its channels fails instead of hanging
-                    except Exception as exc:  # noqa: BLE001
+                    except Exception as exc:  # noqa: BLE001 - one abort that fails must not stop the others
                         logger.error("primuspipe watchdog: could not abort the process group: %s", exc)
                 return
 

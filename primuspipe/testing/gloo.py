@@ -116,7 +116,7 @@ def _worker(fn: Callable[[int, int], Any], rank: int, world_size: int, store_pat
         payload = ("error", traceback.format_exc())
     try:
         data = pickle.dumps(payload)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - whatever pickling raises, the parent must hear of the rank
         data = pickle.dumps(("error", "result is not picklable:\n" + traceback.format_exc()))
     conn.send_bytes(data)
     conn.close()

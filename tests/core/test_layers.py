@@ -1,5 +1,6 @@
 """The sub-packages are layers: each imports only the layers below it, so there is no import cycle, and
-torch enters only in the runtime, the backends and the test harness."""
+torch enters only in the runtime, the backends and the test harness (and the projection's layer benchmark,
+which times real megatron-core layers) -- in no other module, not even inside a function."""
 
 import ast
 import subprocess
@@ -39,23 +40,47 @@ TORCH_FREE = ["primuspipe.strict", "primuspipe.ir", "primuspipe.io", "primuspipe
               "primuspipe.tools.pp_vis", "primuspipe.projection", "primuspipe.projection.projection", "primuspipe.cli"]
 
 
+FRAMEWORKS = {
+    "torch": ("runtime", "backends", "testing", "projection.benchmark"),
+    "megatron": ("backends.megatron", "testing.megatron", "projection.benchmark"),
+    "transformer_engine": ("backends.megatron", "testing.megatron", "projection.benchmark"),
+}
+"""A framework -> the parts of primuspipe that may import it; everything else schedules, simulates and projects
+without it (the import test below only sees what a module loads when imported, this table every import)."""
+
+
 def _subpackage(module: str) -> str | None:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[0] == "primuspipe" else None
 
 
-def _imports() -> list[tuple[str, str, int]]:
-    """Every ``(importing module, imported primuspipe module, line)``, function-level imports included."""
+def _modules() -> dict[str, Path]:
+    return {".".join(("primuspipe", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): path
+            for path in ROOT.rglob("*.py")}
+
+
+def _all_imports(top_level_only: bool = False) -> list[tuple[str, str, int]]:
+    """Every ``(importing module, imported module, line)``, function-level imports included unless
+    ``top_level_only`` (then what a module runs as it loads: its body and the ``try`` blocks in it, not an
+    ``if TYPE_CHECKING:``). ``from a import b`` imports ``a.b`` where that is a module of primuspipe's."""
+    modules = _modules()
     found = []
-    for path in ROOT.rglob("*.py"):
-        module = ".".join(("primuspipe", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
-        for node in ast.walk(ast.parse(path.read_text())):
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text())
+        nodes = ast.walk(tree) if not top_level_only else \
+            [n for top in tree.body for n in ([top] if not isinstance(top, ast.Try) else ast.walk(top))]
+        for node in nodes:
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found += [(module, f"{node.module}.{a.name}" if node.module == "primuspipe" else node.module, node.lineno)
-                          for a in node.names]
+                found += [(module, f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module,
+                           node.lineno) for a in node.names]
             elif isinstance(node, ast.Import):
                 found += [(module, a.name, node.lineno) for a in node.names]
-    return [(m, t, line) for m, t, line in found if t.startswith("primuspipe.")]
+    return found
+
+
+def _imports() -> list[tuple[str, str, int]]:
+    """Every ``(importing module, imported primuspipe module, line)``, function-level imports included."""
+    return [(m, t, line) for m, t, line in _all_imports() if t.startswith("primuspipe.")]
 
 
 def test_every_subpackage_has_a_layer():
@@ -73,6 +98,22 @@ def test_imports_go_down_the_layers_only():
 def test_no_import_cycle_between_subpackages():
     graph = nx.DiGraph((_subpackage(m), _subpackage(t)) for m, t, _ in _imports() if _subpackage(m) != _subpackage(t))
     assert nx.is_directed_acyclic_graph(graph), f"import cycles: {list(nx.simple_cycles(graph))}"
+
+
+def test_no_import_cycle_between_modules():
+    """What modules import as they load never comes back to them (a cycle works or breaks by import order)."""
+    graph = nx.DiGraph((m, t) for m, t, _ in _all_imports(top_level_only=True) if t.startswith("primuspipe."))
+    assert nx.is_directed_acyclic_graph(graph), f"import cycles: {list(nx.simple_cycles(graph))[:5]}"
+
+
+def test_frameworks_are_imported_only_where_they_may_be():
+    def allowed(module: str, framework: str) -> bool:
+        return any(module == f"primuspipe.{part}" or module.startswith(f"primuspipe.{part}.")
+                   for part in FRAMEWORKS[framework])
+
+    wrong = [f"{m}:{line} imports {t}" for m, t, line in _all_imports()
+             if (framework := t.split(".")[0]) in FRAMEWORKS and not allowed(m, framework)]
+    assert not wrong, "framework imports outside runtime/, backends/, testing/:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -7,6 +7,7 @@ import pytest
 from simulator_support import text_table
 
 from primuspipe.errors import ConfigError
+from primuspipe.ir.kinds import NodeKind
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.simulator import CostModel, Link, MemoryCost, simulate, split_stages
 from primuspipe.ir.cost_model import read_cost_file
@@ -32,7 +33,7 @@ def test_yaml_form_resolves_per_shape(tmp_path):
     path = tmp_path / "cost.yaml"
     path.write_text(YAML)
     one = CostModel.load(path, pp=2, vpp=1)
-    assert one.compute.forward == (2.0, 4.0) and one.bw_time(0) == 3.0 and one.time_unit == "us"
+    assert one.compute.forward == (2.0, 4.0) and one.duration(NodeKind.BW, 0) == 3.0 and one.time_unit == "us"
     assert one.p2p.transfer_time(0, 1) == 2 + 1000 / 500 and one.p2p.intra_node == Link(1, math.inf)
     assert one.memory.activation_bytes == (100.0, 100.0) and one.static_bytes(1) == 70.0
     two = CostModel.from_dict(read_cost_file(path), pp=2, vpp=2)
@@ -142,3 +143,11 @@ def test_memory_not_modelled_reports_zero_bytes():
     result = simulate(build_schedule("1f1b", pp=2, microbatches=2), CostModel.per_stage(2, 1, 1, 1))
     assert result.peak_memory_bytes == [0.0, 0.0]
     assert result.peak_activations == [2.0, 1.0]
+
+
+def test_counting_bytes_without_activation_bytes_is_a_config_error():
+    """A caller (a plug-in algorithm, say) that asks a model with no activation bytes for a byte peak is told
+    so as the project's error, not by an assert that ``python -O`` would drop."""
+    table = build_schedule("1f1b", pp=2, microbatches=4).compute_only()
+    with pytest.raises(ConfigError, match="no activation bytes"):
+        CostModel.per_stage(2, 1.0, 1.0, 1.0).memory.peak_bytes(table)

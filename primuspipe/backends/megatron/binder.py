@@ -197,11 +197,7 @@ class MegatronBinder:
         self._saved: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.wgrad = WeightGradStore(args.models)
         self.offload = offload
-        handlers = named_handlers(self)
-        if offload is not None:  # OFFLOAD / RELOAD: the forward's saved activations to host and back
-            handlers.update({NodeKind.OFFLOAD: lambda call: offload.offload(call.chunk, call.microbatch),
-                             NodeKind.RELOAD: lambda call: offload.reload(call.chunk, call.microbatch)})
-        self.handlers = MappingProxyType(handlers)
+        self.handlers = MappingProxyType(named_handlers(self) | (offload.handlers() if offload is not None else {}))
 
     def forward(self, call: ComputeCall) -> Any:
         a = self.args

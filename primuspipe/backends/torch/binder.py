@@ -79,11 +79,7 @@ class TorchBinder:
         self._before = {row[i].parts()[0]: actions for i, actions in plan.before.items()}
         self._after = {row[i].parts()[-1]: actions for i, actions in plan.after.items()}
         self._at_end = plan.at_end
-        handlers = named_handlers(self)
-        if offload is not None:
-            handlers.update({NodeKind.OFFLOAD: lambda call: offload.offload(call.chunk, call.microbatch),
-                             NodeKind.RELOAD: lambda call: offload.reload(call.chunk, call.microbatch)})
-        self.handlers = MappingProxyType(handlers)
+        self.handlers = MappingProxyType(named_handlers(self) | (offload.handlers() if offload is not None else {}))
 
     # -- compute ------------------------------------------------------------------------------------
     def forward(self, call: ComputeCall) -> Any:
