@@ -13,9 +13,9 @@ take 1 byte, MXFP8 ones ``2 + 2/32``: Transformer Engine keeps an FP8 weight for
 (``module/base.py``, ``reset_parameters``: ``set_usage(rowwise=True, columnwise=...)``), and MXFP8's column-wise
 copy is a second quantization with its own E8M0 scales, not a view of the row-wise one (megatron-core gathers
 MXFP8 weights in bf16 into the gradient buffer, ``reuse_grad_buf_for_mxfp8_param_ag``, so no bf16 copy stays);
-``grad_reduce_in_bf16`` keeps 2-byte main gradients. Pure bf16 training (``master_weights: false``, torchtitan's
-``training.dtype = "bfloat16"``) keeps no master copy: the optimizer steps the 2-byte weights, and its gradients and
-two moments are 2 bytes each. Megatron-FSDP's ``optim_grads`` strategy shards the main gradients as well (ZeRO-2);
+``grad_reduce_in_bf16`` keeps 2-byte main gradients. Without a master copy (``master_weights: false``: a PyTorch
+optimizer over a bf16 model) the optimizer steps the 2-byte weights and keeps 2-byte gradients; torchtitan's pure
+bf16 (``training.dtype = "bfloat16"``) has bf16 moments too. Megatron-FSDP's ``optim_grads`` strategy shards the main gradients as well (ZeRO-2);
 ``optim_grads_params`` the weights too (ZeRO-3), and holds two layers' weights gathered at a time (the one
 computing and the next one, prefetched: Megatron-FSDP's double buffer); PyTorch FSDP2 without resharding after
 forward (``fsdp_reshard_after_forward: false``) holds all of the rank's, and under PyTorch's pipelining its whole
@@ -115,11 +115,9 @@ def master_bytes(training: TrainingSpec) -> float:
 
 
 def moment_bytes(training: TrainingSpec) -> float:
-    """Bytes of Adam's two moments of one parameter: in their precision-aware dtypes, or in the weights' own
-    dtype where the optimizer keeps no master copy (``torch.optim.AdamW``: ``zeros_like`` the parameter)."""
+    """Bytes of Adam's two moments of one parameter, in ``exp_avg_dtype`` and ``exp_avg_sq_dtype`` (fp32 in fp32
+    training)."""
     t = training
-    if t.precision != "fp32" and not t.master_weights:
-        return 2 * weight_bytes(t)
     return _BYTES[t.exp_avg_dtype] + _BYTES[t.exp_avg_sq_dtype] if t.precision != "fp32" else 8
 
 

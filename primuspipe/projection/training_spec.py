@@ -145,13 +145,16 @@ class TrainingSpec:
     """Adam's second moment."""
     master_weights: bool = True
     """The optimizer keeps a master copy of the weights (in ``main_params_dtype``), as every mixed-precision
-    Megatron run does. False: pure bf16 / fp16 training, torchtitan's ``training.dtype = "bfloat16"``
-    (``Training.dtype``, ``torchtitan/config/job_config.py`` at v0.2.2: "put all parameters, gradients, and
-    optimizer states in bfloat16, without an extra copy of fp32 weights"): the model is built in that dtype
-    (``set_default_dtype``, ``train.py``), ``torch.optim.AdamW`` steps those weights themselves and makes its two
-    moments ``zeros_like`` them, and the kept gradients take their dtype too -- two bytes each a parameter, no
-    copy. The gradients are still *reduced* at :attr:`main_grad_bytes` (torchtitan's FSDP2 reduces in fp32,
-    ``mixed_precision_reduce``); only what the rank keeps narrows (:attr:`kept_grad_bytes`)."""
+    Megatron run does. False: the optimizer steps the bf16 / fp16 weights themselves and the kept gradients take
+    their dtype (:attr:`kept_grad_bytes`), as plain PyTorch optimizers do over a model built in bf16. Adam's
+    moments are then ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` without the precision-aware optimizer: bf16 for
+    ``torch.optim.AdamW`` (``zeros_like`` the parameter), so torchtitan's ``training.dtype = "bfloat16"`` is
+    ``master_weights: false`` with both moments bf16 (``Training.dtype``, ``torchtitan/config/job_config.py`` at
+    v0.2.2: "put all parameters, gradients, and optimizer states in bfloat16, without an extra copy of fp32
+    weights"; the model is built under ``set_default_dtype`` of it, ``train.py``); fp32, the default, for Transformer
+    Engine's ``FusedAdam`` at its defaults (``master_weights=False``, ``exp_avg_dtype=torch.float32``). The
+    gradients are still *reduced* at :attr:`main_grad_bytes` (torchtitan's FSDP2 reduces in fp32,
+    ``mixed_precision_reduce``); only what the rank keeps narrows."""
     gradient_accumulation_fusion: bool = True
     """Megatron's default (``--no-gradient-accumulation-fusion`` turns it off): Transformer Engine's linears
     accumulate their weight gradients into the fp32 main gradients inside the weight-gradient GEMM
@@ -835,13 +838,15 @@ class TrainingSpec:
                        "PyTorch's FSDP is modelled only as it shards everything (FULL_SHARD / fully_shard)",
                        "set use_megatron_fsdp: true and data_parallel_sharding_strategy: optim_grads_params, or "
                        "fsdp_implementation: megatron")
-        narrow = (self.main_params_dtype, self.main_grads_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32",) * 4
+        if not self.master_weights:
+            self._check_no_master_copy()
+        narrow = (self.main_params_dtype, self.main_grads_dtype) != ("fp32",) * 2 or (
+            (self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32",) * 2 and self.master_weights)
         if narrow and not self.use_precision_aware_optimizer:
             self._fail(("use_precision_aware_optimizer", "main_params_dtype", "main_grads_dtype", "exp_avg_dtype",
                         "exp_avg_sq_dtype"), "narrower optimizer dtypes need the precision-aware optimizer (Megatron's rule)",
-                       "set use_precision_aware_optimizer: true or keep the dtypes fp32")
-        if not self.master_weights:
-            self._check_no_master_copy()
+                       "set use_precision_aware_optimizer: true (or master_weights: false for a PyTorch optimizer's "
+                       "own moment dtypes) or keep the dtypes fp32")
         if self.gpu_max_hw_queues is not None and self.gpu_max_hw_queues < 1:
             self._fail(("gpu_max_hw_queues",), "a device needs at least one hardware queue",
                        "give ROCm's GPU_MAX_HW_QUEUES of the run (e.g. 2 or 4), or leave it out")
@@ -927,6 +932,10 @@ class TrainingSpec:
         if self.fp8_param_gather:
             self._fail(("master_weights", "fp8_param_gather"), "FP8 weights are quantized from a master copy",
                        "keep master_weights true, or remove fp8_param_gather")
+        if (self.main_params_dtype, self.main_grads_dtype) != ("fp32", "fp32"):
+            self._fail(("master_weights", "main_params_dtype", "main_grads_dtype"), "without a master copy there is no "
+                       "main weight or main gradient to narrow (the gradients keep the weights' dtype)",
+                       "remove main_params_dtype and main_grads_dtype")
 
     def _check_primus_turbo(self) -> None:
         """Primus's own rules for its MoE features (``rocm_arg_validation.py``, ``validate_args_on_rocm``)."""

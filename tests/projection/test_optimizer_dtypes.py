@@ -23,14 +23,19 @@ PARAMS = ParamCount(dense=1000, expert=800)
 TORCH_FSDP = dict(data_parallel_size=4, expert_model_parallel_size=2, use_megatron_fsdp=True,
                   data_parallel_sharding_strategy="optim_grads_params", fsdp_implementation="torch")
 SHARD = 1000 / 4 + 800 / 2  # the rank's shard: dense over DP 4, experts over expert-DP 2
+PURE_BF16 = dict(master_weights=False, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+"""torchtitan's ``training.dtype = "bfloat16"``: no master copy, ``torch.optim.AdamW``'s moments in bf16."""
 
 
 def test_pure_bf16_keeps_no_master_copy_and_two_byte_gradients_and_moments():
     mixed = TrainingSpec(pipeline_model_parallel_size=1, use_distributed_optimizer=False)
-    pure = dataclasses.replace(mixed, master_weights=False)
+    pure = dataclasses.replace(mixed, **PURE_BF16)
     a, b = static_memory(PARAMS, mixed), static_memory(PARAMS, pure)
     assert (a.weights, a.gradients, a.optimizer) == (2 * 1800, 4 * 1800, 12 * 1800)
     assert (b.weights, b.gradients, b.optimizer) == (2 * 1800, 2 * 1800, 4 * 1800)
+    # Transformer Engine's FusedAdam at its defaults over bf16 weights: no master copy, fp32 moments
+    fused_adam = static_memory(PARAMS, dataclasses.replace(mixed, master_weights=False))
+    assert (fused_adam.gradients, fused_adam.optimizer) == (2 * 1800, 8 * 1800)
     # the distributed optimizer shards the two moments as it shards the master copy and moments
     sharded = static_memory(PARAMS, dataclasses.replace(pure, data_parallel_size=4, expert_model_parallel_size=2,
                                                         global_batch_size=8, use_distributed_optimizer=True))
@@ -39,7 +44,7 @@ def test_pure_bf16_keeps_no_master_copy_and_two_byte_gradients_and_moments():
 
 def test_under_pytorch_fsdp_pure_bf16_the_bf16_shard_is_what_the_optimizer_steps():
     mixed = TrainingSpec(**TORCH_FSDP)
-    pure = dataclasses.replace(mixed, master_weights=False)
+    pure = dataclasses.replace(mixed, **PURE_BF16)
     a, b = static_memory(PARAMS, mixed, layers=6), static_memory(PARAMS, pure, layers=6)
     assert a.weights == b.weights == pytest.approx(2 * 2 * 1800 / 6)  # the two gathered layers, bf16 either way
     assert (a.gradients, a.optimizer) == pytest.approx((4 * SHARD, (4 + 8) * SHARD))  # fp32 shard, grads, moments
@@ -62,8 +67,8 @@ def test_adams_step_moves_the_bytes_of_its_dtypes():
     assert optimizer_step_bytes(mixed) == 30  # fp32 grad, master, moments read; the last three and bf16 weight written
     assert optimizer_step_bytes(TrainingSpec(precision="fp32", use_distributed_optimizer=False)) == 4 + 2 * 8 + 2 * 4
     assert optimizer_step_bytes(TrainingSpec(**TORCH_FSDP)) == 4 + 2 * 12  # the fp32 shard is the weight
-    assert optimizer_step_bytes(TrainingSpec(**TORCH_FSDP, master_weights=False)) == 2 + 2 * 6  # all bf16, in place
-    assert optimizer_step_bytes(dataclasses.replace(mixed, master_weights=False)) == 2 + 2 * 4 + 2 * 2
+    assert optimizer_step_bytes(TrainingSpec(**TORCH_FSDP, **PURE_BF16)) == 2 + 2 * 6  # all bf16, in place
+    assert optimizer_step_bytes(dataclasses.replace(mixed, **PURE_BF16)) == 2 + 2 * 4 + 2 * 2
     # megatron-core casts a bf16-reduced main gradient to fp32 for the step ...
     assert optimizer_step_bytes(TrainingSpec(grad_reduce_in_bf16=True)) == 30
     # ... unless the precision-aware optimizer reads it in place (bf16 or no FP8, or delayed scaling)
@@ -78,6 +83,7 @@ def test_adams_step_moves_the_bytes_of_its_dtypes():
     ({"precision": "fp32", "use_distributed_optimizer": False}, ("master_weights", "precision")),
     ({"use_precision_aware_optimizer": True}, ("master_weights", "use_precision_aware_optimizer")),
     ({"fp8_format": "hybrid", "fp8_param_gather": True}, ("master_weights", "fp8_param_gather")),
+    ({"main_params_dtype": "fp16"}, ("master_weights", "main_params_dtype")),
 ])
 def test_pure_bf16_beside_a_setting_that_keeps_a_master_copy_is_refused_on_one_line(values, fields):
     with pytest.raises(InputError) as raised:
@@ -90,6 +96,10 @@ def test_the_default_keeps_a_master_copy_and_a_bad_value_is_refused():
     assert TrainingSpec().master_weights is True
     with pytest.raises(InputError, match="master_weights"):
         spec_from_mapping(TrainingSpec, {"master_weights": "no"}, "t.yaml")
+    # narrower moments are Megatron's precision-aware optimizer's, or a PyTorch optimizer's without a master copy
+    with pytest.raises(InputError, match="need the precision-aware optimizer"):
+        spec_from_mapping(TrainingSpec, {"exp_avg_dtype": "bf16"}, "t.yaml")
+    assert spec_from_mapping(TrainingSpec, {"exp_avg_dtype": "bf16", "master_weights": False}, "t.yaml").master_weights is False
 
 
 ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
@@ -119,7 +129,6 @@ def test_a_bf16_model_stepped_by_adamw_allocates_what_pure_bf16_projects():
     size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
     state = [t for p in params for t in optimizer.state[p].values() if t.dim() > 0]  # not the scalar step count
     projected = static_memory(ParamCount(dense=sum(p.numel() for p in params)),
-                              TrainingSpec(pipeline_model_parallel_size=1, use_distributed_optimizer=False,
-                                           master_weights=False))
+                              TrainingSpec(pipeline_model_parallel_size=1, use_distributed_optimizer=False, **PURE_BF16))
     assert (projected.weights, projected.gradients, projected.optimizer) == (
         size(params), size(p.grad for p in params), size(state))
