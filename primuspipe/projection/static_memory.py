@@ -74,10 +74,10 @@ def static_memory(params: ParamCount, training: TrainingSpec, layers: int = 1, o
     they are immediately used for backward"), nor does FSDP2 (``FSDPState._lazy_init``: the root's
     ``post_forward_mesh_info = None``)."""
     t = training
-    weight, grad = weight_bytes(t), gradient_bytes(t)
+    weight, grad = weight_bytes(t), t.kept_grad_bytes
     state = master_bytes(t) + moment_bytes(t)
     gradients = sharded_params(params, training) if t.shards_gradients else params.total
-    if t.fsdp_implementation == "torch":  # the shard is the fp32 one; the root unit stays gathered
+    if t.fsdp_implementation == "torch":  # the shard is what the optimizer steps (master_bytes); the root stays gathered
         in_layers = params.total - outside_layers
         # the layer computing and the next one, prefetched; all of them where FSDP2 keeps them from forward to backward
         gathered = (2 * in_layers / max(1, layers) if t.fsdp_reshard_after_forward else in_layers) + outside_layers
@@ -96,11 +96,6 @@ def weight_bytes(training: TrainingSpec) -> float:
     if t.precision == "fp32":
         return 4
     return (2 + 2 / MXFP8_BLOCK if t.fp8_recipe == "mxfp8" else 1) if t.fp8_param_gather else 2
-
-
-def gradient_bytes(training: TrainingSpec) -> int:
-    """Bytes of one gradient element the rank keeps (:attr:`~TrainingSpec.kept_grad_bytes`)."""
-    return training.kept_grad_bytes
 
 
 def master_bytes(training: TrainingSpec) -> float:
@@ -123,7 +118,7 @@ def moment_bytes(training: TrainingSpec) -> float:
 
 def optimizer_step_bytes(training: TrainingSpec) -> float:
     """HBM bytes Adam's step moves per parameter it updates: it reads the gradient (fp32 unless the precision-aware
-    optimizer or PyTorch's optimizer reads the kept one, :func:`gradient_bytes`), the master weight and the two
+    optimizer or PyTorch's optimizer reads the kept one, ``kept_grad_bytes``), the master weight and the two
     moments and writes the last three back; with a master copy in mixed precision it also writes the model
     weight (2 bytes: megatron-core copies the updated master into the bf16 parameter); without one (pure bf16,
     fp32 training) it reads and writes the weight itself -- under PyTorch's FSDP that weight is the shard counted
@@ -133,7 +128,7 @@ def optimizer_step_bytes(training: TrainingSpec) -> float:
     # megatron-core's optimizer steps an fp32 copy of each main-gradient shard (``shard_model_grad.float()``) unless
     # Transformer Engine's precision-aware Adam reads it in place (``decoupled_grad``)
     decoupled = t.use_precision_aware_optimizer and (t.main_params_dtype != "fp32" or not t.fp8 or t.fp8_recipe == "delayed")
-    grad = gradient_bytes(t) if decoupled or t.fsdp_implementation == "torch" or not t.master_weights else 4
+    grad = t.kept_grad_bytes if decoupled or t.fsdp_implementation == "torch" or not t.master_weights else 4
     if not master:  # the optimizer steps the weight itself, read and written in place
         weight = 2 * weight_bytes(t)
     else:  # the master is the weight (PyTorch's FSDP), or the bf16 weight is written from it
