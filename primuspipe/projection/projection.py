@@ -33,7 +33,7 @@ from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.parameters import dense_buffer, embedding_params
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.stage_costs import StageCosts, stage_costs
-from primuspipe.projection.static_memory import optimizer_params
+from primuspipe.projection.static_memory import optimizer_params, optimizer_step_bytes
 from primuspipe.projection.training_spec import TrainingSpec, check_compatible
 
 logger = logging.getLogger("primuspipe.projection")
@@ -412,7 +412,7 @@ class Projector:
                                  backward_s=sum(costs.backward_input[s] + costs.backward_weight[s]
                                                 for s in costs.layout.rank_stages(r)))
                    for r, p in enumerate(costs.params))
-        optimizer = max(optimizer_seconds(optimizer_params(p, t), h) for p in costs.params)
+        optimizer = max(optimizer_seconds(optimizer_params(p, t), h, optimizer_step_bytes(t)) for p in costs.params)
         step = simulated.step_time + sync + optimizer
         reserved = h.runtime_reserved_bytes
         in_step = [peak + transient for peak, transient in zip(simulated.peak_memory_bytes, costs.transient_bytes)]

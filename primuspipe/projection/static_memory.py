@@ -13,7 +13,9 @@ take 1 byte, MXFP8 ones ``2 + 2/32``: Transformer Engine keeps an FP8 weight for
 (``module/base.py``, ``reset_parameters``: ``set_usage(rowwise=True, columnwise=...)``), and MXFP8's column-wise
 copy is a second quantization with its own E8M0 scales, not a view of the row-wise one (megatron-core gathers
 MXFP8 weights in bf16 into the gradient buffer, ``reuse_grad_buf_for_mxfp8_param_ag``, so no bf16 copy stays);
-``grad_reduce_in_bf16`` keeps 2-byte main gradients. Megatron-FSDP's ``optim_grads`` strategy shards the main gradients as well (ZeRO-2);
+``grad_reduce_in_bf16`` keeps 2-byte main gradients. Without a master copy (``master_weights: false``: a PyTorch
+optimizer over a bf16 model) the optimizer steps the 2-byte weights and keeps 2-byte gradients; torchtitan's pure
+bf16 (``training.dtype = "bfloat16"``) has bf16 moments too. Megatron-FSDP's ``optim_grads`` strategy shards the main gradients as well (ZeRO-2);
 ``optim_grads_params`` the weights too (ZeRO-3), and holds two layers' weights gathered at a time (the one
 computing and the next one, prefetched: Megatron-FSDP's double buffer); PyTorch FSDP2 without resharding after
 forward (``fsdp_reshard_after_forward: false``) holds all of the rank's, and under PyTorch's pipelining its whole
@@ -72,14 +74,10 @@ def static_memory(params: ParamCount, training: TrainingSpec, layers: int = 1, o
     they are immediately used for backward"), nor does FSDP2 (``FSDPState._lazy_init``: the root's
     ``post_forward_mesh_info = None``)."""
     t = training
-    if t.precision == "fp32":
-        weight, grad, state = 4, 4, 8
-    else:
-        weight = (2 + 2 / MXFP8_BLOCK if t.fp8_recipe == "mxfp8" else 1) if t.fp8_param_gather else 2
-        grad = t.main_grad_bytes
-        state = _BYTES[t.main_params_dtype] + _BYTES[t.exp_avg_dtype] + _BYTES[t.exp_avg_sq_dtype]
+    weight, grad = weight_bytes(t), t.kept_grad_bytes
+    state = master_bytes(t) + moment_bytes(t)
     gradients = sharded_params(params, training) if t.shards_gradients else params.total
-    if t.fsdp_implementation == "torch":  # the shard is the fp32 one; the root unit stays gathered
+    if t.fsdp_implementation == "torch":  # the shard is what the optimizer steps (master_bytes); the root stays gathered
         in_layers = params.total - outside_layers
         # the layer computing and the next one, prefetched; all of them where FSDP2 keeps them from forward to backward
         gathered = (2 * in_layers / max(1, layers) if t.fsdp_reshard_after_forward else in_layers) + outside_layers
@@ -89,6 +87,53 @@ def static_memory(params: ParamCount, training: TrainingSpec, layers: int = 1, o
     weights = shard + gathered if t.shards_weights else params.total
     return StaticMemory(weight * min(weights, params.total), grad * gradients, state * optimizer_params(params, training),
                         t.gradients_from_backward)
+
+
+def weight_bytes(training: TrainingSpec) -> float:
+    """Bytes of one model weight: 4 in fp32 training, 1 with ``fp8_param_gather`` (MXFP8: both orientations and
+    their scales), 2 otherwise."""
+    t = training
+    if t.precision == "fp32":
+        return 4
+    return (2 + 2 / MXFP8_BLOCK if t.fp8_recipe == "mxfp8" else 1) if t.fp8_param_gather else 2
+
+
+def master_bytes(training: TrainingSpec) -> float:
+    """Bytes of the optimizer's own copy of one weight: the master weight in ``main_params_dtype``; in fp32
+    training none (the weight is its own master); without a master copy (``master_weights: false``) none,
+    except under PyTorch's FSDP, where the sharded weight the optimizer steps is the only copy the rank keeps
+    (:func:`static_memory` counts no shard beside it) and so stands here at the weight's bytes."""
+    t = training
+    if t.precision == "fp32" or not t.master_weights:
+        return weight_bytes(t) if t.fsdp_implementation == "torch" else 0
+    return _BYTES[t.main_params_dtype]
+
+
+def moment_bytes(training: TrainingSpec) -> float:
+    """Bytes of Adam's two moments of one parameter, in ``exp_avg_dtype`` and ``exp_avg_sq_dtype`` (fp32 in fp32
+    training)."""
+    t = training
+    return _BYTES[t.exp_avg_dtype] + _BYTES[t.exp_avg_sq_dtype] if t.precision != "fp32" else 8
+
+
+def optimizer_step_bytes(training: TrainingSpec) -> float:
+    """HBM bytes Adam's step moves per parameter it updates: it reads the gradient (fp32 unless the precision-aware
+    optimizer or PyTorch's optimizer reads the kept one, ``kept_grad_bytes``), the master weight and the two
+    moments and writes the last three back; with a master copy in mixed precision it also writes the model
+    weight (2 bytes: megatron-core copies the updated master into the bf16 parameter); without one (pure bf16,
+    fp32 training) it reads and writes the weight itself -- under PyTorch's FSDP that weight is the shard counted
+    as its master. Mixed precision with Megatron's defaults: 4 + 4 + 8 read, 4 + 8 + 2 written, 30 bytes."""
+    t = training
+    master = master_bytes(t)
+    # megatron-core's optimizer steps an fp32 copy of each main-gradient shard (``shard_model_grad.float()``) unless
+    # Transformer Engine's precision-aware Adam reads it in place (``decoupled_grad``)
+    decoupled = t.use_precision_aware_optimizer and (t.main_params_dtype != "fp32" or not t.fp8 or t.fp8_recipe == "delayed")
+    grad = t.kept_grad_bytes if decoupled or t.fsdp_implementation == "torch" or not t.master_weights else 4
+    if not master:  # the optimizer steps the weight itself, read and written in place
+        weight = 2 * weight_bytes(t)
+    else:  # the master is the weight (PyTorch's FSDP), or the bf16 weight is written from it
+        weight = 0 if t.fsdp_implementation == "torch" else 2
+    return grad + 2 * (master + moment_bytes(t)) + weight
 
 
 def optimizer_params(params: ParamCount, training: TrainingSpec) -> float:

@@ -143,6 +143,18 @@ class TrainingSpec:
     """Adam's first moment."""
     exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
     """Adam's second moment."""
+    master_weights: bool = True
+    """The optimizer keeps a master copy of the weights (in ``main_params_dtype``), as every mixed-precision
+    Megatron run does. False: the optimizer steps the bf16 / fp16 weights themselves and the kept gradients take
+    their dtype (:attr:`kept_grad_bytes`), as plain PyTorch optimizers do over a model built in bf16. Adam's
+    moments are then ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` without the precision-aware optimizer: bf16 for
+    ``torch.optim.AdamW`` (``zeros_like`` the parameter), so torchtitan's ``training.dtype = "bfloat16"`` is
+    ``master_weights: false`` with both moments bf16 (``Training.dtype``, ``torchtitan/config/job_config.py`` at
+    v0.2.2: "put all parameters, gradients, and optimizer states in bfloat16, without an extra copy of fp32
+    weights"; the model is built under ``set_default_dtype`` of it, ``train.py``); fp32, the default, for Transformer
+    Engine's ``FusedAdam`` at its defaults (``master_weights=False``, ``exp_avg_dtype=torch.float32``). The
+    gradients are still *reduced* at :attr:`main_grad_bytes` (torchtitan's FSDP2 reduces in fp32,
+    ``mixed_precision_reduce``); only what the rank keeps narrows."""
     gradient_accumulation_fusion: bool = True
     """Megatron's default (``--no-gradient-accumulation-fusion`` turns it off): Transformer Engine's linears
     accumulate their weight gradients into the fp32 main gradients inside the weight-gradient GEMM
@@ -616,6 +628,17 @@ class TrainingSpec:
         return 2 if self.grad_reduce_in_bf16 or self.main_grads_dtype == "bf16" else 4
 
     @property
+    def kept_grad_bytes(self) -> int:
+        """Bytes of one gradient element the rank keeps for the optimizer step: Megatron's main gradient
+        (:attr:`main_grad_bytes`); under PyTorch's FSDP the sharded parameter's dtype, whatever the reduction ran in
+        -- FSDP casts the reduced shard back to it (FSDP2's ``foreach_reduce``: ``_to_dtype_if_needed(reduce_output,
+        orig_dtype)``; FSDP1's ``_cast_grad_to_param_dtype``), fp32 in mixed precision; and without a master copy
+        (:attr:`master_weights` false) the bf16 parameter's, as PyTorch keeps ``.grad``."""
+        if not self.master_weights:
+            return 2
+        return 4 if self.fsdp_implementation == "torch" else self.main_grad_bytes
+
+    @property
     def shards_gradients(self) -> bool:
         """Main gradients live sharded over the data-parallel group (Megatron-FSDP ``optim_grads`` and
         ``optim_grads_params``), unless PyTorch's pipelining keeps them whole for the step (:attr:`gathered_for_step`)."""
@@ -815,11 +838,15 @@ class TrainingSpec:
                        "PyTorch's FSDP is modelled only as it shards everything (FULL_SHARD / fully_shard)",
                        "set use_megatron_fsdp: true and data_parallel_sharding_strategy: optim_grads_params, or "
                        "fsdp_implementation: megatron")
-        narrow = (self.main_params_dtype, self.main_grads_dtype, self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32",) * 4
+        if not self.master_weights:
+            self._check_no_master_copy()
+        narrow = (self.main_params_dtype, self.main_grads_dtype) != ("fp32",) * 2 or (
+            (self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32",) * 2 and self.master_weights)
         if narrow and not self.use_precision_aware_optimizer:
             self._fail(("use_precision_aware_optimizer", "main_params_dtype", "main_grads_dtype", "exp_avg_dtype",
                         "exp_avg_sq_dtype"), "narrower optimizer dtypes need the precision-aware optimizer (Megatron's rule)",
-                       "set use_precision_aware_optimizer: true or keep the dtypes fp32")
+                       "set use_precision_aware_optimizer: true (or master_weights: false for a PyTorch optimizer's "
+                       "own moment dtypes) or keep the dtypes fp32")
         if self.gpu_max_hw_queues is not None and self.gpu_max_hw_queues < 1:
             self._fail(("gpu_max_hw_queues",), "a device needs at least one hardware queue",
                        "give ROCm's GPU_MAX_HW_QUEUES of the run (e.g. 2 or 4), or leave it out")
@@ -891,6 +918,24 @@ class TrainingSpec:
                         "pipeline_model_parallel_size"), "uneven first/last stages need a pipeline",
                        "remove them or set pipeline_model_parallel_size > 1")
 
+
+    def _check_no_master_copy(self) -> None:
+        """Pure low-precision training (``master_weights: false``) is a setting of plain PyTorch optimizers only."""
+        if self.precision == "fp32":
+            self._fail(("master_weights", "precision"), "fp32 weights are their own master copy",
+                       "remove master_weights, or set precision: bf16 for pure bf16 training")
+        if self.use_precision_aware_optimizer:
+            self._fail(("master_weights", "use_precision_aware_optimizer"), "Megatron's precision-aware optimizer "
+                       "always keeps a master copy (main_params_dtype fp32 or fp16)",
+                       "keep master_weights true (main_params_dtype: fp16 narrows the copy), or remove "
+                       "use_precision_aware_optimizer")
+        if self.fp8_param_gather:
+            self._fail(("master_weights", "fp8_param_gather"), "FP8 weights are quantized from a master copy",
+                       "keep master_weights true, or remove fp8_param_gather")
+        if (self.main_params_dtype, self.main_grads_dtype) != ("fp32", "fp32"):
+            self._fail(("master_weights", "main_params_dtype", "main_grads_dtype"), "without a master copy there is no "
+                       "main weight or main gradient to narrow (the gradients keep the weights' dtype)",
+                       "remove main_params_dtype and main_grads_dtype")
 
     def _check_primus_turbo(self) -> None:
         """Primus's own rules for its MoE features (``rocm_arg_validation.py``, ``validate_args_on_rocm``)."""

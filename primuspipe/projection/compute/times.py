@@ -110,7 +110,8 @@ def layer_part(kind: str, bf16: bool) -> str:
     return f"{kind}:bf16" if bf16 else kind
 
 
-def optimizer_seconds(local_params: float, hardware: HardwareSpec) -> float:
-    """Adam's step over the parameters a rank updates: memory-bound, reading the fp32 gradient, master
-    weight and two moments (16 bytes) and writing the last three and the bf16 weight (14 bytes)."""
-    return local_params * 30 / (hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction)
+def optimizer_seconds(local_params: float, hardware: HardwareSpec, bytes_per_param: float) -> float:
+    """Adam's step over the parameters a rank updates: memory-bound, ``bytes_per_param`` read and written for
+    each (:func:`~primuspipe.projection.static_memory.optimizer_step_bytes`: 30 in mixed precision, the fp32
+    gradient, master weight and two moments read, the last three and the bf16 weight written)."""
+    return local_params * bytes_per_param / (hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction)
