@@ -11,8 +11,12 @@ and stands in for by its dump, see ``doc_examples._torchrun``), and a ``console`
 the command's output, line for line and figures included: when a change moves the figures, rewrite them with
 ``PYTHONPATH=.:tests/support python tests/support/doc_examples.py --write`` and read the diff."""
 
+import argparse
+import re
+
 import pytest
 
+from primuspipe.cli import build_parser
 from doc_examples import PAGES, ROOT, RUN, blocks, mismatches, run_page
 
 
@@ -39,3 +43,25 @@ def test_page_examples_run_and_print_what_they_show(page, tmp_path, clean_regist
     drift = mismatches(run_page(page, tmp_path))
     assert not drift, "the docs show other output than the commands print (rewrite: see this module's docstring):\n" + \
         "\n".join(drift)
+
+
+def _options() -> dict[str, set[str]]:
+    """Each subcommand's option strings, the top level's (-q, -v) included."""
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    top = {s for a in parser._actions for s in a.option_strings}
+    return {name: top | {s for a in p._actions for s in a.option_strings} for name, p in sub.choices.items()}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_flags_the_docs_name_exist(page):
+    """Wherever a page names ``primuspipe COMMAND --flag`` -- inline, in a synopsis, in a block not run -- the
+    command has that flag: a renamed option cannot leave a doc behind."""
+    options, unknown = _options(), []
+    text = page.read_text().replace("\\\n", " ")
+    for call in re.finditer(r"primuspipe(?:\s+-[qv])*\s+(\w+)\b([^`\n#]*)", text):
+        if call.group(1) in options:
+            flags = re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", call.group(2))
+            unknown += [f"line {text[:call.start()].count(chr(10)) + 1}: {call.group(1)} {f}"
+                        for f in flags if f not in options[call.group(1)]]
+    assert not unknown, f"{page.name}: {unknown}"

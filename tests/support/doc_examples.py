@@ -107,7 +107,8 @@ def _torchrun(argv: list[str]) -> None:
     [script] = [a for a in argv if a.endswith(".py")]
     args = _example_parser(Path(script))(argv[argv.index(script) + 1:])
     if getattr(args, "dump_dir", None):
-        make_dump(Path(args.dump_dir), pp=args.pp, algorithm=args.pp_algorithm or "1f1b", microbatches=args.microbatches)
+        make_dump(Path(args.dump_dir), pp=args.pp, algorithm=args.pp_algorithm or "1f1b",
+                  microbatches=args.microbatches)
 
 
 @contextlib.contextmanager
@@ -192,10 +193,12 @@ def run_page(page: Path, folder: Path) -> list[Shown]:
             try:
                 if block.lang == "python":
                     _python(block, namespace)
-                for command, lines in commands(block) if block.lang != "python" else ():
+                    continue
+                for command, lines in commands(block):
                     outcomes = run_line(command)
                     if block.lang == "console":
-                        shown.append(Shown(block, command, lines, [line.rstrip() for line in outcomes[-1].out.splitlines()]))
+                        printed = [line.rstrip() for line in outcomes[-1].out.splitlines()]
+                        shown.append(Shown(block, command, lines, printed))
             except Exception as error:
                 raise AssertionError(f"{block.where}: {error}") from error
     return shown
