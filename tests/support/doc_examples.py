@@ -105,7 +105,10 @@ def _torchrun(argv: list[str]) -> None:
         assert importlib.util.find_spec(module) is not None, f"no module {module}"
         return
     [script] = [a for a in argv if a.endswith(".py")]
-    args = _example_parser(Path(script))(argv[argv.index(script) + 1:])
+    try:
+        args = _example_parser(Path(script))(argv[argv.index(script) + 1:])
+    except SystemExit as refused:  # argparse, its message on stderr
+        raise AssertionError(f"{script} refuses the arguments shown (exit {refused.code}): see stderr") from None
     if getattr(args, "dump_dir", None):
         make_dump(Path(args.dump_dir), pp=args.pp, algorithm=args.pp_algorithm or "1f1b",
                   microbatches=args.microbatches)
