@@ -46,9 +46,9 @@ Inputs (YAML; examples in examples/projection/):
 Times are analytical unless calibrated: GEMMs by shape (the accelerator's measured best GEMM rate, tiles,
 waves, a roofline), attention at its kernel efficiency, element-wise traffic at HBM bandwidth, collectives on
 the links, with what TP/CP/EP/DP overlap hides taken off. --benchmark-layers times real megatron-core layers on
-this host's device; --measured-costs scales them to a real run's timings (a 'primuspipe calibrate' file of a run of this model
-and training configuration). Memory is simulated: what each rank holds in flight under the algorithm's
-table (including what B keeps for a deferred W), plus weights, gradients and optimizer state.
+this host's device; --measured-costs scales them to a real run's timings (a 'primuspipe calibrate' file of a
+run of this model and training configuration). Memory is simulated: what each rank holds in flight under the
+algorithm's table (including what B keeps for a deferred W), plus weights, gradients and optimizer state.
 
 Verdicts: OOM when a rank's peak (with the hardware's runtime reserve: context, communicator buffers,
 workspaces) exceeds HBM; AT-RISK within --risk-margin of it (default {RISK_MARGIN:.0%}: allocator fragmentation
@@ -80,11 +80,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     inputs.add_argument("--hardware", type=Path, metavar="FILE", required=True, help="hardware YAML (see above)")
     shape = p.add_argument_group("overrides of the training configuration")
     shape.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=count_type(), metavar="N",
-                       help="pipeline-parallel size")
+                       help="pipeline-parallel size (default: the training YAML's, else 4)")
     shape.add_argument("--vpp", "--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size",
                        dest="vpp", type=count_type(), metavar="N",
-                       help="chunks per rank for algorithms that take any vpp")
-    shape.add_argument("--micro-batch-size", type=count_type(), metavar="N", help="samples per microbatch")
+                       help="chunks per rank for algorithms that take any vpp (default: the training YAML's)")
+    shape.add_argument("--micro-batch-size", type=count_type(), metavar="N",
+                       help="samples per microbatch (default: the training YAML's, else 1)")
     shape.add_argument("--target-nodes", type=count_type(), metavar="N",
                        help="run on N nodes: data parallelism becomes what they hold (N * GPUs per node / (TP*PP*CP))")
     what = p.add_argument_group("what to project")

@@ -79,7 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--algorithm", "-a", required=True, metavar="NAME|all",
                    help="a registered algorithm (see 'primuspipe list') or 'all' to compare every one")
     add_shape_arguments(p)
-    costs = p.add_argument_group("costs (use --cost FILE, or the flags below)")
+    costs = p.add_argument_group("costs (use --cost FILE, or the flags below; times in any one unit, the cost "
+                                 "file's time_unit, and the step time is printed in it)")
     costs.add_argument("--cost", type=Path, metavar="FILE",
                        help="YAML cost model: compute times, p2p links, memory bytes "
                             "(see primuspipe.ir.cost_model)")

@@ -257,13 +257,13 @@ def write_summary(terminalreporter) -> None:
 PP = 4
 
 
-def _rank_files(run_id="run-a", pp=PP, iteration=0, t0=1000.0, algorithm="1f1b"):
+def _rank_files(run_id="run-a", pp=PP, iteration=0, t0=1000.0, algorithm="1f1b", microbatches=8):
     """One iteration's rank dump files, as the recorder writes them: (rank, JSON dict)."""
     from primuspipe.algorithms.build import build_schedule
     from primuspipe.ir.cost_model import CostModel
     from primuspipe.simulator import simulate
 
-    table = build_schedule(algorithm, pp=pp, microbatches=8)
+    table = build_schedule(algorithm, pp=pp, microbatches=microbatches)
     timeline = simulate(table, CostModel.per_stage(pp, 0.01, 0.01, 0.01)).timeline()
     data = timeline.to_dict()
     for r in data["ranks"]:
@@ -271,9 +271,9 @@ def _rank_files(run_id="run-a", pp=PP, iteration=0, t0=1000.0, algorithm="1f1b")
                           "meta": {"t0_unix": t0 + iteration, "run_id": run_id}}
 
 
-def make_dump(root, iterations=(0, 1), run_id="run-a", pp=PP, ranks=None, t0=1000.0, algorithm="1f1b"):
+def make_dump(root, iterations=(0, 1), run_id="run-a", pp=PP, ranks=None, t0=1000.0, algorithm="1f1b", microbatches=8):
     for i in iterations:
-        for rank, data in _rank_files(run_id, pp, i, t0, algorithm):
+        for rank, data in _rank_files(run_id, pp, i, t0, algorithm, microbatches):
             if ranks is None or rank in ranks:
                 path = dump_path(root, i, rank)
                 path.parent.mkdir(parents=True, exist_ok=True)
