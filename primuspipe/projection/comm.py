@@ -125,15 +125,27 @@ class Collectives:
 
 @dataclass(frozen=True)
 class FusedCollective:
-    """One TP collective of a layer under PyTorch's async TP (``tp_comm_overlap_impl: torch-async-tp``)."""
+    """One TP collective of a layer tied to the GEMMs it runs beside: under PyTorch's async TP
+    (``tp_comm_overlap_impl: torch-async-tp``) the matmuls it is fused with, under Transformer Engine's userbuffers
+    the one GEMM of its overlap call (:func:`userbuffers_collectives`)."""
 
     pass_index: int
-    """0: F, 1: B."""
+    """The pass whose time it counts in: 0: F, 1: B, 2: W."""
     seconds: float
     gemm_share: float
-    """Share of the pass's GEMM time in the matmuls the collective is fused with (by their FLOPs); 0: not fused."""
+    """Share of a pass's GEMM time in the GEMMs it runs beside (by their FLOPs); 0: beside none, it shows whole."""
     scatter: bool = False
-    """A fused reduce-scatter: its last of ``TP`` steps follows the last matmul chunk and shows."""
+    """A reduce-scatter pipelined with its GEMM: its last of ``TP`` steps follows the last GEMM chunk and shows."""
+    under: int | None = None
+    """The pass whose GEMMs it runs beside, where not its own (Transformer Engine's bulk overlaps in the backward:
+    B's reduce-scatters beside W's GEMMs, W's re-gathers beside B's); None: ``pass_index``."""
+
+    def shown(self, gemm: tuple[float, ...], tp: int) -> float:
+        """Seconds of it the GEMMs beside it (``gemm``: each pass's GEMM seconds) do not hide."""
+        if not self.gemm_share:
+            return self.seconds
+        beside = self.gemm_share * gemm[self.pass_index if self.under is None else self.under]
+        return max(self.seconds / tp if self.scatter else 0.0, self.seconds - beside)
 
 
 @dataclass(frozen=True)
@@ -182,7 +194,10 @@ class LayerComm:
           (QKV and the MLP's first linear forward, the output gradients of the projection and the second
           linear); each reduce-scatter runs behind the GEMM chunk that produced its data, so its last step
           shows (``tp_tail``); the re-gathers of W and the reduce-scatters of B run beside the other backward
-          GEMM (bulk overlap). What outlasts the GEMMs shows in any case;
+          GEMM (bulk overlap). Each overlap is one call around one GEMM, which the next kernel waits on whole
+          (``fused``: :func:`userbuffers_collectives`), so in a dense layer with sequence parallelism a collective
+          hides under its own GEMM only; elsewhere (MoE and MLA layers) under the pass's GEMMs pooled. What
+          outlasts the GEMMs shows in any case;
         * TP with ``tp_comm_overlap`` and ``tp_comm_overlap_impl: torch-async-tp`` (PyTorch's async TP, inductor's
           ``micro_pipeline_tp`` pass): an all-gather is fused only into the matmuls that take its output as their
           left operand (``fuse_all_gather_matmul``), a reduce-scatter only into the one matmul whose output it
@@ -210,11 +225,8 @@ class LayerComm:
         exposed = []
         for i in range(3):
             tp = (max(self.tp_tail[i], self.tp[i] - gemm[i]) if t.tp_comm_overlap and t.tp > 1 else self.tp[i])
-            if t.tp_comm_overlap and t.tp > 1 and self.fused and i < 2:
-                tp = (i == 0) * self.partial_sums + sum(
-                    c.seconds if not c.gemm_share else max(c.seconds / t.tp if c.scatter else 0.0,
-                                                           c.seconds - c.gemm_share * gemm[i])
-                    for c in self.fused if c.pass_index == i)
+            if t.tp_comm_overlap and t.tp > 1 and any(c.pass_index == i for c in self.fused):
+                tp = (i == 0) * self.partial_sums + sum(c.shown(gemm, t.tp) for c in self.fused if c.pass_index == i)
             if self.cp_steps and i < 2:
                 cp = sum(max(0.0, seconds - steps * attention[i] / t.cp) for seconds, steps in self.cp_steps[i])
             else:
@@ -274,11 +286,14 @@ def layer_comm(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     share = t.dispatcher_sms / hardware.compute_units if beside else 0.0  # what the overlapped compute lacks
     assert share < 1, "hardware_spec.check_runs_on refuses a dispatcher holding every SM"
     fused, sums = (), 0.0
+    fp8_gather = net.gather(activation / e, t.tp, t.tp) if fp8_gathers else None
     if t.tp_comm_overlap and t.tp_comm_overlap_impl == "torch-async-tp" and t.tp > 1:
-        fused = async_tp_collectives(model, t, kind, net.gather(activation, t.tp, t.tp),
-                                     net.gather(activation / e, t.tp, t.tp) if fp8_gathers else None)
+        fused = async_tp_collectives(model, t, kind, net.gather(activation, t.tp, t.tp), fp8_gather)
         # each fused reduce-scatter's partial sum reads the TP stacked partials (T x H) and writes the rank's 1/TP
         sums = 2 * activation * (1 + 1 / t.tp) / (hardware.hbm_bandwidth_bytes_per_s * hardware.memory_bandwidth_fraction)
+    elif (t.tp_comm_overlap and t.tp > 1 and t.sp and kind == "dense" and not model.multi_latent_attention
+          and regather):
+        fused = userbuffers_collectives(model, t, net.gather(activation, t.tp, t.tp), fp8_gather)
     cp_passes = (sum(s for s, _ in steps[0]), sum(s for s, _ in steps[1])) if steps else (cp, 2 * cp)
     return LayerComm((tp, tp, regather), (*cp_passes, 0.0), (ep, ep, 0.0), (tail, 0.0, 0.0), (amax, amax, 0.0), share,
                      fused, sums, steps)
@@ -326,16 +341,52 @@ def async_tp_collectives(model: ModelSpec, training: TrainingSpec, kind: str, ga
         raise InputError([(training.source, "tp_comm_overlap_impl", training.tp_comm_overlap_impl)],
                          "PyTorch's async TP is modelled for dense layers without multi-latent attention",
                          "use tp_comm_overlap_impl: te-userbuffers for this model")
-    m, tp = model, training.tp
-    widths = {"qkv": (m.num_attention_heads + 2 * m.query_groups) * m.head_dim / tp,
-              "proj": m.num_attention_heads * m.head_dim / tp,
-              "fc1": m.ffn / tp * (2 if m.swiglu else 1), "fc2": m.ffn / tp}
-    share = {name: w / sum(widths.values()) for name, w in widths.items()}
+    share = linear_shares(model, training.tp)
     ag = gather if fp8_gather is None else fp8_gather
     return (FusedCollective(0, ag, share["qkv"]), FusedCollective(0, gather, share["proj"], scatter=True),
             FusedCollective(0, ag, share["fc1"]), FusedCollective(0, gather, share["fc2"], scatter=True),
             FusedCollective(1, ag, share["proj"]), FusedCollective(1, ag, share["fc2"]),
             FusedCollective(1, gather, 0.0), FusedCollective(1, gather, 0.0))
+
+
+def userbuffers_collectives(model: ModelSpec, training: TrainingSpec, gather: float,
+                            fp8_gather: float | None) -> tuple[FusedCollective, ...]:
+    """A dense layer's TP collectives under Transformer Engine's userbuffers (``tp_comm_overlap``, sequence
+    parallelism), each with the share of a pass's GEMM FLOPs in the one GEMM it runs beside: ``gather`` seconds per
+    all-gather or reduce-scatter, ``fp8_gather`` per all-gather of per-tensor FP8 operands (None: ``precision``).
+
+    Every overlap is one call around one GEMM -- ``split_overlap_ag`` / ``split_overlap_rs`` (ring exchange or
+    pipeline) and ``bulk_overlap`` in ``common/comm_gemm_overlap/comm_gemm_overlap.cpp`` (TransformerEngine
+    bee4649c, NeMo 2.3.0's pin; the same in later releases) -- that ends with the main stream waiting for the
+    GEMM's streams and the communication streams (``cudaStreamWaitEvent(stream_main, _stop_send / _stop_recv /
+    _stop_comm)``), so what outlasts that GEMM shows before the next kernel: a collective hides under its own GEMM,
+    not the pass's others. The pairs are TE's (``module/base.py`` ``initialize_ub`` names the overlaps for the GEMMs,
+    ``layernorm_linear.py`` / ``linear.py`` issue them) with megatron-core's defaults (``tp_comm_overlap_ag`` /
+    ``_rs`` and ``tp_comm_bulk_dgrad`` / ``_wgrad`` on, ``tp_comm_overlap_rs_dgrad`` off: ``model_parallel_config.py``):
+    F gathers QKV's and the first linear's inputs into their GEMMs and reduce-scatters the projection's and the
+    second linear's outputs out of theirs (``qkv_fprop``, ``fc1_fprop``, ``proj_fprop``, ``fc2_fprop``; the last step
+    of each reduce-scatter shows); B gathers the output gradients of the projection and the second linear into their
+    input-gradient GEMMs (``proj_dgrad``, ``fc2_dgrad``) and reduce-scatters the input gradients of QKV and the first
+    linear beside those linears' weight-gradient GEMMs (bulk ``qkv_wgrad``, ``fc1_wgrad``: W's GEMMs); W's re-gathers
+    of QKV's and the first linear's inputs run beside those linears' input-gradient GEMMs (bulk ``qkv_dgrad``,
+    ``fc1_dgrad``: B's). Shares by FLOPs, as for PyTorch's async TP (:func:`async_tp_collectives`)."""
+    share = linear_shares(model, training.tp)
+    ag = gather if fp8_gather is None else fp8_gather
+    return (FusedCollective(0, ag, share["qkv"]), FusedCollective(0, gather, share["proj"], scatter=True),
+            FusedCollective(0, ag, share["fc1"]), FusedCollective(0, gather, share["fc2"], scatter=True),
+            FusedCollective(1, ag, share["proj"]), FusedCollective(1, ag, share["fc2"]),
+            FusedCollective(1, gather, share["qkv"], under=2), FusedCollective(1, gather, share["fc1"], under=2),
+            FusedCollective(2, ag, share["qkv"], under=1), FusedCollective(2, ag, share["fc1"], under=1))
+
+
+def linear_shares(model: ModelSpec, tp: int) -> dict[str, float]:
+    """Each TP linear's share of a dense layer's linear FLOPs in a pass (its output width on the rank; the four
+    linears of a pass share their rows): ``qkv``, ``proj``, ``fc1`` (gated: twice the MLP's width), ``fc2``."""
+    m = model
+    widths = {"qkv": (m.num_attention_heads + 2 * m.query_groups) * m.head_dim / tp,
+              "proj": m.num_attention_heads * m.head_dim / tp,
+              "fc1": m.ffn / tp * (2 if m.swiglu else 1), "fc2": m.ffn / tp}
+    return {name: w / sum(widths.values()) for name, w in widths.items()}
 
 
 def hybridep_timed(training: TrainingSpec, hardware: HardwareSpec, nodes: int) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from primuspipe.projection.comm import Collectives, LayerComm, destination_ranks, layer_comm
+from primuspipe.projection.comm import Collectives, LayerComm, destination_ranks, layer_comm, linear_shares
 from primuspipe.projection.compute import Calibration, WorkModel, model_flops_per_token, part_times
 from primuspipe.projection.gemm import GROUPED_GEMM_KERNELS, Gemm, gemm_seconds, grouped_waves
 from primuspipe.projection.hardware_spec import HardwareSpec, load_hardware
@@ -238,7 +238,8 @@ def test_torch_async_tp_hides_each_collective_under_its_own_matmuls_only():
     torch_tp = dataclasses.replace(te, tp_comm_overlap_impl="torch-async-tp")
     net = Collectives(HW)
     comm, plain = layer_comm(model, torch_tp, HW, "dense"), layer_comm(model, te, HW, "dense")
-    assert plain.fused == () and plain.partial_sums == 0.0 and comm.tp == plain.tp
+    assert plain.partial_sums == 0.0 and comm.tp == plain.tp
+    assert all(c.gemm_share for c in plain.fused)  # TE overlaps every one (test_userbuffers_...)
     shape = RankShape(model, torch_tp)
     gather = net.gather(shape.tokens * model.hidden_size * shape.e, 8, 8)
     assert sum(c.seconds for c in comm.fused if c.pass_index == 0) == pytest.approx(comm.tp[0])
@@ -270,6 +271,45 @@ def test_torch_async_tp_hides_each_collective_under_its_own_matmuls_only():
         layer_comm(load_model(EXAMPLES / "models" / "qwen3-30b-a3b.yaml"),
                    dataclasses.replace(torch_tp, expert_model_parallel_size=8, data_parallel_size=8, global_batch_size=64),
                    HW, "moe")
+
+
+def test_userbuffers_hide_each_collective_under_the_gemm_of_its_own_call():
+    """Transformer Engine's userbuffers overlap one collective with one GEMM per call, and the next kernel waits for
+    both (comm_gemm_overlap.cpp), so in a dense layer a collective longer than its own GEMM shows even where the
+    pass's other GEMMs are long; B's reduce-scatters run beside W's GEMMs and W's re-gathers beside B's (bulk)."""
+    model = load_model(EXAMPLES / "models" / "llama3-8b.yaml")
+    te = TrainingSpec(tensor_model_parallel_size=8, sequence_parallel=True, tp_comm_overlap=True,
+                      pipeline_model_parallel_size=1, global_batch_size=8, data_parallel_size=1, micro_batch_size=8)
+    comm = layer_comm(model, te, HW, "dense")
+    for i in range(3):  # the collectives are the pass's, one by one
+        assert sum(c.seconds for c in comm.fused if c.pass_index == i) == pytest.approx(comm.tp[i])
+    assert all(c.gemm_share for c in comm.fused)  # every one runs beside a GEMM
+    assert {(c.pass_index, c.under) for c in comm.fused if c.under is not None} == {(1, 2), (2, 1)}
+    share = linear_shares(model, 8)  # each GEMM hosts one collective: F's four, B's four, W's QKV and first linear
+    hosted = [sum(c.gemm_share for c in comm.fused if (c.pass_index if c.under is None else c.under) == i)
+              for i in range(3)]
+    assert hosted == pytest.approx([1.0, 1.0, share["qkv"] + share["fc1"]])
+    gather = comm.fused[1].seconds  # a reduce-scatter
+    # long GEMMs: all hidden but F's two reduce-scatter tails, as under the pooled rule
+    long = (1e3, 1e3, 1e3)
+    assert comm.exposed(te, long, (0.0,) * 3, long) == pytest.approx((2 * gather / 8 + comm.blocking[0], 0.0, 0.0))
+    # GEMMs as long as the pass's collectives: pooled, they would hide all but the tails; tied to their own GEMMs
+    # the collectives longer than their GEMM's share show
+    even = comm.tp
+    f, b, w = comm.exposed(te, even, (0.0,) * 3, even)
+    pooled = LayerComm(tp=comm.tp, tp_tail=comm.tp_tail, blocking=comm.blocking)
+    pf, pb, pw = pooled.exposed(te, even, (0.0,) * 3, even)
+    assert (pf, pb, pw) == pytest.approx((comm.tp_tail[0] + comm.blocking[0], 0.0, 0.0))
+    by_hand = [sum(max(c.seconds / 8 if c.scatter else 0.0,
+                       c.seconds - c.gemm_share * even[c.pass_index if c.under is None else c.under])
+                   for c in comm.fused if c.pass_index == i) for i in range(3)]
+    assert (f - comm.blocking[0], b - comm.blocking[1], w) == pytest.approx(by_hand)
+    assert f > pf and b + w > pb + pw
+    # MoE and MLA layers, and TP without sequence parallelism, keep the pooled rule
+    qwen = load_model(EXAMPLES / "models" / "qwen3-30b-a3b.yaml")
+    moe = dataclasses.replace(te, expert_model_parallel_size=8, data_parallel_size=8, global_batch_size=64)
+    assert layer_comm(qwen, moe, HW, "moe").fused == ()
+    assert layer_comm(model, dataclasses.replace(te, sequence_parallel=False), HW, "dense").fused == ()
 
 
 def test_all_to_all_across_nodes_and_deepep_dedup():
