@@ -19,7 +19,9 @@ Each parser takes the :class:`~primuspipe.errors.PrimusPipeError` subclass its f
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import json
 import math
 import numbers
@@ -216,6 +218,93 @@ def of_type(value: Any, annotation: Any, name: str, *, error: Error = ConfigErro
     elif isinstance(value, str) and str in allowed:
         return value
     raise error(f"{name} must be {' or '.join(simple[t] for t in allowed)}, got {show(value)}")
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def fields(obj: Any, *, error: Error = ConfigError) -> None:
+    """Each field of the dataclass value ``obj`` checked against its annotation (numbers, integers, text, flags,
+    None, classes, tuples of them and unions of these): a value built in code with a field of another type is one
+    line naming the class and the field -- ``Link("1")`` was a TypeError in its own range check, ``CostModel(compute,
+    p2p=1.0)`` an AttributeError in the first pass that read it, ``KindSpec(..., category="compute")`` a kind that
+    silently ran as a receive. A list where a tuple belongs is kept as a tuple (the values are frozen and hashed).
+    Annotations of other forms pass; the class's own ``__post_init__`` checks ranges after this."""
+    for name, hint in _field_hints(type(obj)):
+        value = getattr(obj, name)
+        try:
+            conformed = _conform(value, hint)
+        except _Mismatch:
+            raise error(f"{type(obj).__name__}.{name} must be {_describe(hint)}, got {show(value)}") from None
+        if conformed is not value:
+            object.__setattr__(obj, name, conformed)
+
+
+@functools.cache
+def _field_hints(cls: type) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+
+
+def _conform(value: Any, hint: Any) -> Any:
+    """``value`` if it is of ``hint`` (a list of a tuple's items as a tuple), else :class:`_Mismatch`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is types.UnionType or origin is typing.Union:
+        for arg in args:
+            try:
+                return _conform(value, arg)
+            except _Mismatch:
+                pass
+        raise _Mismatch
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise _Mismatch
+        if len(args) == 2 and args[1] is Ellipsis:
+            items = tuple(_conform(v, args[0]) for v in value)
+        elif len(args) == len(value):
+            items = tuple(_conform(v, a) for v, a in zip(value, args))
+        else:
+            raise _Mismatch
+        return value if type(value) is tuple and all(a is b for a, b in zip(items, value)) else items
+    if hint is float or hint is int:
+        kind = numbers.Real if hint is float else numbers.Integral
+        if isinstance(value, kind) and not _is_bool(value):
+            return value
+        raise _Mismatch
+    if hint is type(None):
+        if value is None:
+            return value
+        raise _Mismatch
+    if isinstance(hint, type) and not isinstance(value, hint):
+        raise _Mismatch
+    return value
+
+
+def _describe(hint: Any) -> str:
+    """What a value of ``hint`` is, for :func:`fields`' message."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is types.UnionType or origin is typing.Union:
+        return " or ".join(_describe(a) for a in args)
+    if origin is tuple:
+        return f"a tuple of {_items(hint)}"
+    simple = {float: "a number", int: "an integer", bool: "true or false", str: "a string", type(None): "None"}
+    if hint in simple:
+        return simple[hint]
+    name = getattr(hint, "__name__", str(hint))
+    return f"{'an' if name[0] in 'AEIOU' else 'a'} {name}"
+
+
+def _items(hint: Any) -> str:
+    """What a tuple of ``hint`` holds: ``numbers`` (``tuple[float, ...]``), ``2 items (a string, a number)``."""
+    args = typing.get_args(hint)
+    if len(args) == 2 and args[1] is Ellipsis:
+        item = args[0]
+        if typing.get_origin(item) is tuple:
+            return f"tuples of {_items(item)}"
+        plural = {float: "numbers", int: "integers", bool: "flags", str: "strings"}
+        return plural.get(item, f"{getattr(item, '__name__', 'item')}s")
+    return f"{len(args)} items ({', '.join(_describe(a) for a in args)})"
 
 
 def printable(text: str) -> str:
