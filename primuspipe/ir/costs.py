@@ -57,11 +57,13 @@ class ComputeCosts:
         object.__setattr__(self, "other", tuple(sorted(self.other)))  # one model, one value
         if not self.forward:
             raise ConfigError("ComputeCosts.forward needs one time per stage, got none")
+        fields = {"f": "forward", "b": "backward_input", "w": "backward_weight"}
         for key, values in self.times.items():
+            name = f"compute.{key} (ComputeCosts.{fields.get(key, 'other')})"
             if len(values) != self.num_stages:
-                raise ConfigError(f"compute.{key} has {len(values)} values for {self.num_stages} stages")
+                raise ConfigError(f"{name} has {len(values)} values for {self.num_stages} stages")
             if not all(math.isfinite(t) and t >= 0 for t in values):
-                raise ConfigError(f"compute.{key} must be finite times >= 0, got {strict.show(values)}")
+                raise ConfigError(f"{name} must be finite times >= 0, got {strict.show(values)}")
 
     @classmethod
     def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values, **other: Values) -> ComputeCosts:

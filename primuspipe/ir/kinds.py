@@ -149,7 +149,8 @@ class KindSpec:
             (self.handler is not None and not (self.handler.isascii() and self.handler.isidentifier()),
              f"handler is a binder method's name, got {self.handler!r}"),
             (not _COLOR.fullmatch(self.color), f"color is '#rrggbb', got {self.color!r}"),
-            ((self.category is Category.COMPUTE) != (self.carries is None and self.peer_offset == 0),
+            ((self.category is Category.COMPUTE) != (self.carries is None)
+             or (self.category is Category.COMPUTE) != (self.peer_offset == 0),
              "a send or receive kind names the step it carries (carries='F') and a peer_offset (+1 or -1); a "
              "compute kind neither"),
         ]
