@@ -264,7 +264,7 @@ def _rank_files(run_id="run-a", pp=PP, iteration=0, t0=1000.0, algorithm="1f1b")
     from primuspipe.simulator import simulate
 
     table = build_schedule(algorithm, pp=pp, microbatches=8)
-    timeline = simulate(table, CostModel.per_stage(pp, 0.01, 0.01, 0.01)).timeline()
+    timeline = simulate(table, CostModel.per_stage(table.num_stages, 0.01, 0.01, 0.01)).timeline()
     data = timeline.to_dict()
     for r in data["ranks"]:
         yield r["rank"], {**data, "source": "run", "iteration": iteration, "time_unit": "s", "ranks": [r],
