@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import json
 import math
 import numbers
@@ -30,7 +31,8 @@ import re
 import stat
 import types
 import typing
-from collections.abc import Collection, Iterable, Mapping
+import collections.abc
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -247,8 +249,13 @@ def _field_hints(cls: type) -> tuple[tuple[str, Any], ...]:
     return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
 
 
+_CONTAINERS = (collections.abc.Sequence, collections.abc.Collection, collections.abc.Iterable)
+
+
 def _conform(value: Any, hint: Any) -> Any:
     """``value`` if it is of ``hint`` (a list of a tuple's items as a tuple), else :class:`_Mismatch`."""
+    if hint is Any:
+        return value
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is types.UnionType or origin is typing.Union:
         for arg in args:
@@ -257,6 +264,11 @@ def _conform(value: Any, hint: Any) -> Any:
             except _Mismatch:
                 pass
         raise _Mismatch
+    if origin in _CONTAINERS:  # Sequence[Timeline], Collection[...]: checked item by item, not copied
+        if not isinstance(value, origin) or isinstance(value, (str, bytes)) or \
+                origin is not collections.abc.Iterable and args and any(_conform(v, args[0]) is not v for v in value):
+            raise _Mismatch
+        return value
     if origin is tuple:
         if not isinstance(value, (tuple, list)):
             raise _Mismatch
@@ -281,6 +293,44 @@ def _conform(value: Any, hint: Any) -> Any:
     return value
 
 
+def arguments(error: Error = ConfigError) -> Callable[[Callable], Callable]:
+    """Decorator of a documented API function: each argument checked against its parameter's annotation as
+    :func:`fields` checks a dataclass's fields (a list where a tuple belongs passed on as a tuple), and a call the
+    signature cannot bind (an argument missing, one unknown) -- one line naming the function and the parameter,
+    where ``draw_png(None, ...)`` or ``validate(table, retained="x")`` was a TypeError deep inside or silently kept.
+    Value ranges stay the function's to check."""
+    def wrap(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as exc:
+                raise error(f"{fn.__name__}(): {exc}") from None
+            hints = _parameter_hints(fn)
+            for name, value in bound.arguments.items():
+                if (hint := hints.get(name)) is None:
+                    continue
+                try:
+                    bound.arguments[name] = _conform(value, hint)
+                except _Mismatch:
+                    raise error(f"{fn.__name__}'s {name} must be {_describe(hint)}, got {show(value)}") from None
+            return fn(*bound.args, **bound.kwargs)
+
+        return checked
+
+    return wrap
+
+
+@functools.cache
+def _parameter_hints(fn: Callable) -> dict[str, Any]:
+    """The annotations of ``fn``'s named parameters (not ``*args``/``**kwargs``), resolved once."""
+    hints = typing.get_type_hints(fn)
+    return {name: hints[name] for name, p in inspect.signature(fn).parameters.items()
+            if name in hints and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
 def _describe(hint: Any) -> str:
     """What a value of ``hint`` is, for :func:`fields`' message."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -288,6 +338,8 @@ def _describe(hint: Any) -> str:
         return " or ".join(_describe(a) for a in args)
     if origin is tuple:
         return f"a tuple of {_items(hint)}"
+    if origin in _CONTAINERS:
+        return f"a list of {_items(tuple[args[0], ...])}" if args else "a list"
     simple = {float: "a number", int: "an integer", bool: "true or false", str: "a string", type(None): "None"}
     if hint in simple:
         return simple[hint]
