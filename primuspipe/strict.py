@@ -325,10 +325,16 @@ def arguments(error: Error = ConfigError) -> Callable[[Callable], Callable]:
 
 @functools.cache
 def _parameter_hints(fn: Callable) -> dict[str, Any]:
-    """The annotations of ``fn``'s named parameters (not ``*args``/``**kwargs``), resolved once."""
-    hints = typing.get_type_hints(fn)
-    return {name: hints[name] for name, p in inspect.signature(fn).parameters.items()
-            if name in hints and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    """The annotations of ``fn``'s named parameters (not ``*args``/``**kwargs``), resolved once; one that names what
+    its module imports only for type checkers is left to the function."""
+    hints = {}
+    for name, p in inspect.signature(fn).parameters.items():
+        if p.annotation is not p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            try:
+                hints[name] = eval(p.annotation, fn.__globals__) if isinstance(p.annotation, str) else p.annotation
+            except NameError:
+                pass
+    return hints
 
 
 def _describe(hint: Any) -> str:

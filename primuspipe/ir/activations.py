@@ -154,6 +154,7 @@ def peak_level(kinds: Iterable[tuple[NodeKind, int]], chunk_weight: Callable[[in
     return peak
 
 
+@strict.arguments()
 def peak_in_flight(table: ScheduleTable, retained: float = W_RETAINED_FRACTION,
                    offloaded: float = OFFLOAD_FRACTION) -> list[float]:
     """Per rank, the most activations held at once, in microbatches of one 1F1B stage (a chunk's are
@@ -163,7 +164,7 @@ def peak_in_flight(table: ScheduleTable, retained: float = W_RETAINED_FRACTION,
     from primuspipe.ir.table import ScheduleTable  # the table module imports this one
 
     strict.instance(table, ScheduleTable, "peak_in_flight's table", error=ConfigError)
-    for name, share in (("retained", retained), ("offloaded", offloaded)):  # a share: 2.5 or "x" counted silently
-        strict.number(share, f"peak_in_flight's {name}", minimum=0, maximum=1)
+    retained, offloaded = (strict.number(share, f"peak_in_flight's {name}", minimum=0, maximum=1)  # 2.5 counted silently
+                           for name, share in (("retained", retained), ("offloaded", offloaded)))
     return [max(running_levels(row, retained=retained, offloaded=offloaded), default=0.0) / table.vpp
             for row in table.ranks]

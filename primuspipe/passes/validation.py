@@ -65,8 +65,8 @@ def validate(table: ScheduleTable, *, max_in_flight: float | None = None, retain
     (:data:`~primuspipe.passes.streams.SEMANTICS`; by default primuspipe's own, what the runner runs).
     """
     semantics_named(semantics)
-    for name, share in (("retained", retained), ("offloaded", offloaded)):
-        strict.number(share, f"validate's {name}", minimum=0, maximum=1, error=TableFormatError)
+    retained, offloaded = (strict.number(share, f"validate's {name}", minimum=0, maximum=1, error=TableFormatError)
+                           for name, share in (("retained", retained), ("offloaded", offloaded)))
     if not is_proven(table, complete=complete, semantics=semantics):
         check_steps(table, complete=complete)
         if table.has_communication:

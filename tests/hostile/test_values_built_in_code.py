@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
 
 import pytest
 
-from hostile_support import accepted, refused, run_api
+from hostile_support import accepted, refused, run_api, wrong_values
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.cost_parts import HostCost, LateWork, Link, MemoryCost, P2PCost
@@ -58,47 +57,11 @@ VALID = {
 """A valid value of every field of each class (each case below changes one)."""
 
 
-class _Opaque:
-    def __repr__(self) -> str:
-        return "<opaque>"
-
-
-def _is(value, hint) -> bool:
-    """Whether ``value`` is of the simple ``hint`` (a union's member): what a union's other wrong values must not be."""
-    if typing.get_origin(hint) is tuple:
-        item = typing.get_args(hint)[0]
-        return isinstance(value, (tuple, list)) and all(_is(v, item) for v in value)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _wrong(hint) -> list:
-    """Values that are not of ``hint`` (a field's annotation): other types, and for numbers NaN."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return [v for arg in args if arg is not type(None) for v in _wrong(arg)
-                if not any(_is(v, other) for other in args if other is not arg)]
-    if typing.get_origin(hint) is tuple:
-        item = _wrong(args[0])[0] if args[-1] is Ellipsis else None
-        return ["12", 3, {"a": 1}, _Opaque(), *([] if item is None else [(item,)]),
-                *([(math.nan,)] if args[0] is float else []), *([()] if args[-1] is not Ellipsis else [])]
-    if hint is float:
-        return ["1", None, True, [1.0], _Opaque(), math.nan]
-    if hint is int:
-        return [2.5, "1", True, None, _Opaque()]
-    if hint is str:
-        return [3, None, b"x", ["x"], _Opaque()]
-    if hint is bool:
-        return ["no", 1, None]
-    return [3, "x", {}, None, _Opaque()]
-
-
 def _field_cases():
     for cls, valid in VALID.items():
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
-            for value in _wrong(hints[field.name]):
+            for value in wrong_values(hints[field.name]):
                 yield f"{cls.__name__}.{field.name}={value!r:.24}", cls, {**valid, field.name: value}, field.name
 
 
