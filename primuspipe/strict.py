@@ -288,6 +288,10 @@ def _conform(value: Any, hint: Any) -> Any:
         if value is None:
             return value
         raise _Mismatch
+    if getattr(hint, "_is_protocol", False):  # a Protocol (a binder): what it must do is the function's to check
+        return value
+    if isinstance(origin, type) and not isinstance(value, origin):  # Mapping[str, Any] and other generics: the kind
+        raise _Mismatch
     if isinstance(hint, type) and not isinstance(value, hint):
         raise _Mismatch
     return value
@@ -331,7 +335,8 @@ def _parameter_hints(fn: Callable) -> dict[str, Any]:
     for name, p in inspect.signature(fn).parameters.items():
         if p.annotation is not p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             try:
-                hints[name] = eval(p.annotation, fn.__globals__) if isinstance(p.annotation, str) else p.annotation
+                hints[name] = eval(p.annotation, inspect.unwrap(fn).__globals__) if isinstance(p.annotation, str) \
+                    else p.annotation
             except NameError:
                 pass
     return hints
@@ -349,7 +354,7 @@ def _describe(hint: Any) -> str:
     simple = {float: "a number", int: "an integer", bool: "true or false", str: "a string", type(None): "None"}
     if hint in simple:
         return simple[hint]
-    name = getattr(hint, "__name__", str(hint))
+    name = getattr(typing.get_origin(hint) or hint, "__name__", str(hint))
     return f"{'an' if name[0] in 'AEIOU' else 'a'} {name}"
 
 

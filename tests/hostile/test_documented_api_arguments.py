@@ -1,6 +1,7 @@
 """Round fourteen: the Python functions the docs show a user calling (docs/simulator.md, docs/authoring.md, docs/pp_vis.md
 §5: ``build_schedule``, ``simulate``, ``validate``, ``peak_in_flight``, pp_vis's ``load_timeline``, ``load_iterations``,
-``draw_png``, ``write_html``, ``write_trace``, ``compare_timelines``, ``replay``, ``measure_costs``, ``measure_runs``)
+``draw_png``, ``write_html``, ``write_trace``, ``compare_timelines``, ``replay``, ``measure_costs``, ``measure_runs``;
+docs/backends.md: ``cached_schedule`` and ``StepDriver.execute``)
 given each annotated parameter, in turn, at values of another type -- generated from the function's own annotations,
 so a new parameter joins the sweep -- and called with an argument missing or one it does not take; the shares
 (``retained``, ``offloaded``) also outside [0, 1]. Each is one PrimusPipeError line naming the parameter (or the
@@ -11,7 +12,10 @@ Defects this family found: ``validate(table, retained="x")`` (and ``offloaded``,
 activations past the microbatch; ``compare_timelines(run, "x")``, ``measure_costs("x")``, ``draw_png(None, path)``,
 ``write_html(None, path)``, ``write_trace(None, path)`` were AttributeErrors and TypeErrors; ``draw_png(...,
 marks="x")`` drew with a text for marks; ``build_schedule(..., memory_limit_bytes=object())`` a TypeError in the
-request; a call missing an argument was Python's TypeError."""
+request; a call missing an argument was Python's TypeError; ``cached_schedule`` given its options as a list or a dict
+(or a list among the values) was the cache's "unhashable type"; ``StepDriver.execute`` given the rank as ``"0"`` or
+``0.0``, no table, a group of None or a name, ``record="no"`` was a TypeError or torch's ValueError at the first
+transfer, and ``forward_only="no"`` (truthy) ran a forward-only step."""
 
 from __future__ import annotations
 
@@ -26,8 +30,10 @@ from primuspipe.algorithms.build import build_schedule
 from primuspipe.calibration.measure import measure_runs
 from primuspipe.ir.activations import peak_in_flight
 from primuspipe.ir.cost_model import CostModel
+from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.validation import validate
+from primuspipe.runtime.driver import StepDriver, cached_schedule
 from primuspipe.simulator import simulate
 from primuspipe.tools.pp_vis import (compare_timelines, draw_png, load_iterations, load_timeline, measure_costs,
                                      replay, write_html, write_trace)
@@ -56,11 +62,13 @@ def _valid(tmp) -> dict:
         replay: {"timeline": TIMELINE, "cost": COST, "placement": TABLE.placement},
         measure_costs: {"timelines": [TIMELINE], "placement": TABLE.placement, "warmup": 1},
         measure_runs: {"runs": [[TIMELINE]], "placement": TABLE.placement, "warmup": 1},
+        cached_schedule: {"algorithm": "interleaved-1f1b", "pp": 2, "vpp": 2, "microbatches": 4,
+                          "options": (("microbatch_group_size", 2),)},
     }
 
 
 FUNCTIONS = [build_schedule, simulate, validate, peak_in_flight, load_timeline, load_iterations, draw_png, write_html,
-             write_trace, compare_timelines, replay, measure_costs, measure_runs]
+             write_trace, compare_timelines, replay, measure_costs, measure_runs, cached_schedule]
 SHARES = {validate: ("retained", "offloaded"), peak_in_flight: ("retained", "offloaded")}
 """Parameters that are a share of a microbatch's activations: [0, 1]."""
 
@@ -68,7 +76,8 @@ SHARES = {validate: ("retained", "offloaded"), peak_in_flight: ("retained", "off
 def _hints(fn) -> dict:
     """The annotated parameters of ``fn`` (the undecorated function's, resolved)."""
     hints = typing.get_type_hints(inspect.unwrap(fn), localns={"ScheduleTable": ScheduleTable})  # a TYPE_CHECKING name
-    return {name: hint for name, hint in hints.items() if name != "return"}
+    return {name: hint for name, hint in hints.items() if name not in ("return", "self") and hint is not typing.Any
+            and not getattr(hint, "_is_protocol", False)}  # a binder (a Protocol) is the runner's to check
 
 
 def _cases():
@@ -103,3 +112,51 @@ def test_a_call_missing_an_argument_or_with_one_it_does_not_take(tmp_path, fn):
 def test_the_valid_arguments_are_accepted(tmp_path, fn):
     """The arguments each case above changes one of are themselves valid: the refusal is the wrong value's."""
     fn(**_valid(tmp_path)[fn])
+
+
+class _Binder:
+    """The smallest binder of a one-rank 1F1B table (docs/backends.md's shape)."""
+
+    def __init__(self):
+        import torch
+
+        self.handlers = {NodeKind.F: lambda call: torch.ones(1, requires_grad=True), NodeKind.BW: lambda call: None}
+
+    def recv_buffer(self, node):
+        raise AssertionError("a one-rank table receives nothing")
+
+    def local_handoff(self, tensor, carries):
+        return tensor
+
+    def sent(self, node, tensor):
+        pass
+
+
+def _execute_cases():
+    valid = {"table": None, "rank": 0, "binder": None, "group": None, "device": "cpu", "forward_only": False,
+             "record": False, "dump_meta": None}
+    for name, hint in _hints(StepDriver.execute).items():
+        for i, value in enumerate(wrong_values(hint)):
+            yield f"StepDriver.execute {name}={value!r:.20}#{i}", {**valid, name: value}, name
+    for i, value in enumerate([None, "world", 3]):
+        yield f"StepDriver.execute group={value!r}#{i}", {**valid, "group": value}, "group"
+
+
+EXECUTE_CASES = list(_execute_cases())
+
+
+@pytest.mark.parametrize("case, kwargs, name", EXECUTE_CASES, ids=[c[0] for c in EXECUTE_CASES])
+def test_a_step_driver_argument_of_another_type(one_rank_group, case, kwargs, name):
+    """``StepDriver.execute`` (docs/backends.md's minimal backend) refuses before any node runs."""
+    import torch.distributed as dist
+
+    defaults = {"table": cached_schedule("1f1b", 1, 1, 2), "binder": _Binder(), "group": dist.group.WORLD}
+    kwargs = {k: defaults[k] if v is None and k in defaults and k != name else v for k, v in kwargs.items()}
+    refused(run_api(StepDriver(watchdog_timeout_s=20).execute, **kwargs), name, case=f"API {case}")
+
+
+def test_the_step_driver_runs_the_valid_arguments(one_rank_group):
+    import torch.distributed as dist
+
+    StepDriver(watchdog_timeout_s=20).execute(cached_schedule("1f1b", 1, 1, 2), 0, _Binder(), dist.group.WORLD,
+                                              device="cpu")

@@ -370,6 +370,8 @@ def wrong_values(hint) -> list:
                 *([(math.nan,)] if args[0] is float else []), *([()] if args[-1] is not Ellipsis else [])]
     if origin in _CONTAINERS:
         return ["ab", 3, None, _Opaque(), [_Opaque()]]
+    if isinstance(origin, type):  # Mapping[str, Any] and other generics: values of another kind
+        return [3, "x", [1], _Opaque()]
     if hint is float:
         return ["1", None, True, [1.0], _Opaque(), math.nan]
     if hint is int:
