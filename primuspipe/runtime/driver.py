@@ -40,7 +40,7 @@ from primuspipe.runtime.runner import cached_runner
 
 
 @strict.arguments()
-def cached_schedule(algorithm: str, pp: int, vpp: int, microbatches: int,
+def cached_schedule(algorithm: str, pp: int, vpp: int | None, microbatches: int,
                     options: tuple[tuple[str, Any], ...] = ()) -> ScheduleTable:
     """The validated full table for a shape, built once (``options`` as sorted ``(name, value)`` pairs; a list of
     pairs, or a value that cannot be hashed, was the cache's TypeError)."""
@@ -54,7 +54,7 @@ def cached_schedule(algorithm: str, pp: int, vpp: int, microbatches: int,
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_schedule(algorithm: str, pp: int, vpp: int, microbatches: int,
+def _cached_schedule(algorithm: str, pp: int, vpp: int | None, microbatches: int,
                      options: tuple[tuple[str, Any], ...]) -> ScheduleTable:
     return build_schedule(algorithm, pp, microbatches, vpp, **dict(options))
 
