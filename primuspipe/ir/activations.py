@@ -164,7 +164,7 @@ def peak_in_flight(table: ScheduleTable, retained: float = W_RETAINED_FRACTION,
     from primuspipe.ir.table import ScheduleTable  # the table module imports this one
 
     strict.instance(table, ScheduleTable, "peak_in_flight's table", error=ConfigError)
-    retained, offloaded = (strict.number(share, f"peak_in_flight's {name}", minimum=0, maximum=1)  # 2.5 counted silently
+    retained, offloaded = (strict.number(share, f"peak_in_flight's {name}", minimum=0, maximum=1)  # 2.5 was counted
                            for name, share in (("retained", retained), ("offloaded", offloaded)))
     return [max(running_levels(row, retained=retained, offloaded=offloaded), default=0.0) / table.vpp
             for row in table.ranks]

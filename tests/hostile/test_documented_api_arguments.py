@@ -1,6 +1,6 @@
-"""Round fourteen: the Python functions the docs show a user calling (docs/simulator.md, docs/authoring.md, docs/pp_vis.md
-§5: ``build_schedule``, ``simulate``, ``validate``, ``peak_in_flight``, pp_vis's ``load_timeline``, ``load_iterations``,
-``draw_png``, ``write_html``, ``write_trace``, ``compare_timelines``, ``replay``, ``measure_costs``, ``measure_runs``;
+"""Round fourteen: the Python functions the docs show a user calling (docs/simulator.md, docs/authoring.md,
+docs/pp_vis.md §5: ``build_schedule``, ``simulate``, ``validate``, ``peak_in_flight``, pp_vis's ``load_timeline``,
+``load_iterations``, ``draw_png``, ``write_html``, ``write_trace``, ``compare_timelines``, ``replay``, ``measure_costs``, ``measure_runs``;
 docs/backends.md: ``cached_schedule`` and ``StepDriver.execute``)
 given each annotated parameter, in turn, at values of another type -- generated from the function's own annotations,
 so a new parameter joins the sweep -- and called with an argument missing or one it does not take; the shares

@@ -35,4 +35,5 @@ def test_a_vpp_beside_an_algorithm_of_its_own_vpp(algorithm, own, vpp):
 
 
 def test_a_vpp_beside_one_that_takes_any():
-    accepted(run_cli([*BASE, "-a", FIXED[0][0], "-a", TAKER, "--vpp", 3]), case=f"project -a {FIXED[0][0]} -a {TAKER} --vpp 3")
+    fixed = FIXED[0][0]
+    accepted(run_cli([*BASE, "-a", fixed, "-a", TAKER, "--vpp", 3]), case=f"project -a {fixed} -a {TAKER} --vpp 3")
