@@ -1,7 +1,8 @@
 """Round fourteen: the Python functions the docs show a user calling (docs/simulator.md, docs/authoring.md,
 docs/pp_vis.md §5: ``build_schedule``, ``simulate``, ``validate``, ``peak_in_flight``, pp_vis's ``load_timeline``,
 ``load_iterations``, ``draw_png``, ``write_html``, ``write_trace``, ``compare_timelines``, ``replay``, ``measure_costs``, ``measure_runs``;
-docs/backends.md: ``cached_schedule`` and ``StepDriver.execute``)
+docs/backends.md: ``cached_schedule`` and ``StepDriver.execute``; docs/torch.md: ``split_sequential``; docs/authoring.md:
+``warmup_steady_cooldown``)
 given each annotated parameter, in turn, at values of another type -- generated from the function's own annotations,
 so a new parameter joins the sweep -- and called with an argument missing or one it does not take; the shares
 (``retained``, ``offloaded``) also outside [0, 1]. Each is one PrimusPipeError line naming the parameter (or the
@@ -15,7 +16,9 @@ marks="x")`` drew with a text for marks; ``build_schedule(..., memory_limit_byte
 request; a call missing an argument was Python's TypeError; ``cached_schedule`` given its options as a list or a dict
 (or a list among the values) was the cache's "unhashable type"; ``StepDriver.execute`` given the rank as ``"0"`` or
 ``0.0``, no table, a group of None or a name, ``record="no"`` was a TypeError or torch's ValueError at the first
-transfer, and ``forward_only="no"`` (truthy) ran a forward-only step."""
+transfer, and ``forward_only="no"`` (truthy) ran a forward-only step; ``split_sequential(model, "2")`` and a model that is no
+``Sequential`` were TypeErrors, ``num_stages=True`` one stage; ``warmup_steady_cooldown`` refused a warm-up past its
+forwards with a bare assert (under ``python -O``, a row that lost backwards)."""
 
 from __future__ import annotations
 
@@ -24,13 +27,17 @@ import math
 import typing
 
 import pytest
+import torch
 
 from hostile_support import refused, run_api, wrong_values
 from primuspipe.algorithms.build import build_schedule
+from primuspipe.algorithms.phases import warmup_steady_cooldown
+from primuspipe.backends.torch import split_sequential
 from primuspipe.calibration.measure import measure_runs
 from primuspipe.ir.activations import peak_in_flight
 from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.node import BW, F
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.validation import validate
 from primuspipe.runtime.driver import StepDriver, cached_schedule
@@ -64,13 +71,18 @@ def _valid(tmp) -> dict:
         measure_runs: {"runs": [[TIMELINE]], "placement": TABLE.placement, "warmup": 1},
         cached_schedule: {"algorithm": "interleaved-1f1b", "pp": 2, "vpp": 2, "microbatches": 4,
                           "options": (("microbatch_group_size", 2),)},
+        split_sequential: {"model": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), "num_stages": 2},
+        warmup_steady_cooldown: {"forwards": [F(0), F(1)], "backwards": [BW(0), BW(1)], "warmup": 1},
     }
 
 
 FUNCTIONS = [build_schedule, simulate, validate, peak_in_flight, load_timeline, load_iterations, draw_png, write_html,
-             write_trace, compare_timelines, replay, measure_costs, measure_runs, cached_schedule]
+             write_trace, compare_timelines, replay, measure_costs, measure_runs, cached_schedule, split_sequential,
+             warmup_steady_cooldown]
 SHARES = {validate: ("retained", "offloaded"), peak_in_flight: ("retained", "offloaded")}
 """Parameters that are a share of a microbatch's activations: [0, 1]."""
+RANGES = {(warmup_steady_cooldown, "warmup"): [-1, 3], (split_sequential, "num_stages"): [0, 3]}
+"""Integer parameters at values just outside what their other arguments allow."""
 
 
 def _hints(fn) -> dict:
@@ -83,7 +95,8 @@ def _hints(fn) -> dict:
 def _cases():
     for fn in FUNCTIONS:
         for name, hint in _hints(fn).items():
-            values = wrong_values(hint) + ([2.5, -0.1, math.nan] if name in SHARES.get(fn, ()) else [])
+            values = wrong_values(hint) + ([2.5, -0.1, math.nan] if name in SHARES.get(fn, ()) else []) + \
+                RANGES.get((fn, name), [])
             for i, value in enumerate(values):
                 yield f"{fn.__name__} {name}={value!r:.20}#{i}", fn, name, value
 
