@@ -19,7 +19,10 @@ Each parser takes the :class:`~primuspipe.errors.PrimusPipeError` subclass its f
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
+import inspect
 import json
 import math
 import numbers
@@ -28,7 +31,8 @@ import re
 import stat
 import types
 import typing
-from collections.abc import Collection, Iterable, Mapping
+import collections.abc
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +220,161 @@ def of_type(value: Any, annotation: Any, name: str, *, error: Error = ConfigErro
     elif isinstance(value, str) and str in allowed:
         return value
     raise error(f"{name} must be {' or '.join(simple[t] for t in allowed)}, got {show(value)}")
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def fields(obj: Any, *, error: Error = ConfigError) -> None:
+    """Each field of the dataclass value ``obj`` checked against its annotation (numbers, integers, text, flags,
+    None, classes, tuples of them and unions of these): a value built in code with a field of another type is one
+    line naming the class and the field -- ``Link("1")`` was a TypeError in its own range check, ``CostModel(compute,
+    p2p=1.0)`` an AttributeError in the first pass that read it, ``KindSpec(..., category="compute")`` a kind that
+    silently ran as a receive. A list where a tuple belongs is kept as a tuple (the values are frozen and hashed).
+    Annotations of other forms pass; the class's own ``__post_init__`` checks ranges after this."""
+    for name, hint in _field_hints(type(obj)):
+        value = getattr(obj, name)
+        try:
+            conformed = _conform(value, hint)
+        except _Mismatch:
+            raise error(f"{type(obj).__name__}.{name} must be {_describe(hint)}, got {show(value)}") from None
+        if conformed is not value:
+            object.__setattr__(obj, name, conformed)
+
+
+@functools.cache
+def _field_hints(cls: type) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+
+
+_CONTAINERS = (collections.abc.Sequence, collections.abc.Collection, collections.abc.Iterable)
+
+
+def _conform(value: Any, hint: Any) -> Any:
+    """``value`` if it is of ``hint`` (a list of a tuple's items as a tuple), else :class:`_Mismatch`."""
+    if hint is Any:
+        return value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is types.UnionType or origin is typing.Union:
+        for arg in args:
+            try:
+                return _conform(value, arg)
+            except _Mismatch:
+                pass
+        raise _Mismatch
+    if origin in _CONTAINERS:  # Sequence[Timeline], Collection[...]: checked item by item, not copied
+        if not isinstance(value, origin) or isinstance(value, (str, bytes)):
+            raise _Mismatch
+        if origin is collections.abc.Iterable or not args:  # an iterator is not consumed here
+            return value
+        item = args[0]
+        if isinstance(item, type) and not getattr(item, "_is_protocol", False) and item not in (int, float):
+            if not all(isinstance(v, item) for v in value):  # a table's rows of nodes: one C-speed pass
+                raise _Mismatch
+        elif any(_conform(v, item) is not v for v in value):
+            raise _Mismatch
+        return value
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise _Mismatch
+        if len(args) == 2 and args[1] is Ellipsis:
+            items = tuple(_conform(v, args[0]) for v in value)
+        elif len(args) == len(value):
+            items = tuple(_conform(v, a) for v, a in zip(value, args))
+        else:
+            raise _Mismatch
+        return value if type(value) is tuple and all(a is b for a, b in zip(items, value)) else items
+    if hint is float or hint is int:
+        kind = numbers.Real if hint is float else numbers.Integral
+        if isinstance(value, kind) and not _is_bool(value):
+            return value
+        raise _Mismatch
+    if hint is type(None):
+        if value is None:
+            return value
+        raise _Mismatch
+    if getattr(hint, "_is_protocol", False):  # a Protocol (a binder): what it must do is the function's to check
+        return value
+    if isinstance(origin, type) and not isinstance(value, origin):  # Mapping[str, Any] and other generics: the kind
+        raise _Mismatch
+    if isinstance(hint, type) and not isinstance(value, hint):
+        raise _Mismatch
+    return value
+
+
+def arguments(error: Error = ConfigError) -> Callable[[Callable], Callable]:
+    """Decorator of a documented API function: each argument checked against its parameter's annotation as
+    :func:`fields` checks a dataclass's fields (a list where a tuple belongs passed on as a tuple), and a call the
+    signature cannot bind (an argument missing, one unknown) -- one line naming the function and the parameter,
+    where ``draw_png(None, ...)`` or ``validate(table, retained="x")`` was a TypeError deep inside or silently kept.
+    Value ranges stay the function's to check."""
+    def wrap(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as exc:
+                raise error(f"{fn.__name__}(): {exc}") from None
+            hints = _parameter_hints(fn)
+            for name, value in bound.arguments.items():
+                if (hint := hints.get(name)) is None:
+                    continue
+                try:
+                    bound.arguments[name] = _conform(value, hint)
+                except _Mismatch:
+                    raise error(f"{fn.__name__}'s {name} must be {_describe(hint)}, got {show(value)}") from None
+            return fn(*bound.args, **bound.kwargs)
+
+        return checked
+
+    return wrap
+
+
+@functools.cache
+def _parameter_hints(fn: Callable) -> dict[str, Any]:
+    """The annotations of ``fn``'s named parameters (not ``*args``/``**kwargs``), resolved once; one that names what
+    its module imports only for type checkers is left to the function."""
+    hints = {}
+    for name, p in inspect.signature(fn).parameters.items():
+        if p.annotation is not p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            try:
+                hints[name] = eval(p.annotation, inspect.unwrap(fn).__globals__) if isinstance(p.annotation, str) \
+                    else p.annotation
+            except NameError:
+                pass
+    return hints
+
+
+def _describe(hint: Any) -> str:
+    """What a value of ``hint`` is, for :func:`fields`' message."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is types.UnionType or origin is typing.Union:
+        return " or ".join(_describe(a) for a in args)
+    if origin is tuple:
+        return f"a tuple of {_items(hint)}"
+    if origin in _CONTAINERS:
+        return f"a list of {_items(tuple[args[0], ...])}" if args else "a list"
+    simple = {float: "a number", int: "an integer", bool: "true or false", str: "a string", type(None): "None"}
+    if hint in simple:
+        return simple[hint]
+    name = getattr(typing.get_origin(hint) or hint, "__name__", str(hint))
+    return f"{'an' if name[0] in 'AEIOU' else 'a'} {name}"
+
+
+def _items(hint: Any) -> str:
+    """What a tuple of ``hint`` holds: ``numbers`` (``tuple[float, ...]``), ``2 items (a string, a number)``."""
+    args = typing.get_args(hint)
+    if len(args) == 2 and args[1] is Ellipsis:
+        item = args[0]
+        if typing.get_origin(item) is tuple:
+            return f"tuples of {_items(item)}"
+        plural = {float: "numbers", int: "integers", bool: "flags", str: "strings"}
+        return plural.get(item, f"{getattr(item, '__name__', 'item')}s")
+    return f"{len(args)} items ({', '.join(_describe(a) for a in args)})"
 
 
 def printable(text: str) -> str:

@@ -54,6 +54,7 @@ def offload_options(algorithm: str, options: Mapping[str, Any]) -> tuple[dict[st
     return dict(options), True
 
 
+@strict.arguments()
 def build_schedule(
     algorithm: str,
     pp: int,

@@ -5,16 +5,22 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from primuspipe import strict
 from primuspipe.errors import ScheduleShapeError
 from primuspipe.ir.node import FB, B, F, ScheduleNode, W
 
 
+@strict.arguments(error=ScheduleShapeError)
 def warmup_steady_cooldown(
     forwards: Sequence[ScheduleNode], backwards: Sequence[ScheduleNode], warmup: int
 ) -> list[ScheduleNode]:
     """The 1F1B shape: ``warmup`` forwards, then one forward and one backward at a time, then the
-    remaining backwards. Forwards and backwards keep their given orders."""
-    assert len(forwards) == len(backwards) and 0 <= warmup <= len(forwards)
+    remaining backwards. Forwards and backwards keep their given orders. A plug-in calls it (docs/authoring.md):
+    a warm-up past its forwards was a bare assert, and under ``python -O`` a row that lost backwards."""
+    if len(forwards) != len(backwards) or not 0 <= warmup <= len(forwards):
+        raise ScheduleShapeError(f"warmup_steady_cooldown takes as many backwards as forwards and a warmup of 0 to "
+                                 f"their count, got {len(forwards)} forwards, {len(backwards)} backwards, "
+                                 f"warmup={warmup}")
     steady = len(forwards) - warmup
     order = list(forwards[:warmup])
     for k in range(steady):

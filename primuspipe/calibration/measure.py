@@ -63,6 +63,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
+from primuspipe import strict
 from primuspipe.calibration.crowding import (REPLAY_TOLERANCE, background_per_message, background_shares,
                                              contention_from_walks, effective_cores, lone_speed, replayed_cores)
 from primuspipe.calibration.estimators import (Samples, cold_start_extras, medians, run_gaps, step_gaps, transfer_fit,
@@ -106,6 +107,7 @@ def last_from_others(chunk: tuple[float, ...]) -> tuple[float, ...]:
     return (*chunk[:-1], significant(min(chunk[-1], statistics.median(chunk[:-1]))))
 
 
+@strict.arguments()
 def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = None, *,
                   warmup: int = 1) -> MeasuredCosts:
     """Costs from timelines of one table shape (a run's iterations, oldest first). The first
@@ -113,6 +115,7 @@ def measure_costs(timelines: Sequence[Timeline], placement: Placement | None = N
     return measure_runs([timelines], placement, warmup=warmup)
 
 
+@strict.arguments()
 def measure_runs(runs: Sequence[Sequence[Timeline]], placement: Placement | None = None, *,
                  warmup: int = 1) -> MeasuredCosts:
     """Costs from several runs of one table shape (each a run's iterations, oldest first), pooled:

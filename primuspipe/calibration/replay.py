@@ -17,29 +17,51 @@ from primuspipe.passes.communication import add_communication
 
 
 def placement_of(timeline: Timeline, name: str | None = None) -> Placement:
-    """Where the timeline's stages lived: the named built-in layout, else the placement the timeline
-    records in ``meta`` (the simulator and today's recorder write it), else the layout its algorithm is
-    registered with (older run dumps and hand-written timelines record none) -- or, for an algorithm that
-    chooses its layout per run (zb-auto, registered with ``"any"``), the layout the run's sends show."""
+    """Where the timeline's stages lived: the placement the timeline records in ``meta`` (the simulator and today's
+    recorder write it), else the layout its algorithm is registered with (older run dumps and hand-written
+    timelines record none) -- or, for an algorithm that chooses its layout per run (zb-auto, registered with
+    ``"any"``), the layout the run's sends show. ``name`` (``--placement``) names the layout where neither says;
+    one that contradicts what they say is refused (it drew a V run as interleaved without a word, and calibrated
+    it into a deadlock diagnosis naming no flag)."""
+    recorded = _recorded_placement(timeline)
     if name is not None:
-        return Placement.named(name, timeline.pp, timeline.vpp)
-    if "placement" in timeline.meta:
-        return placement_of_events(timeline)  # checked against the timeline's shape
+        try:
+            given = Placement.named(name, timeline.pp, timeline.vpp)
+        except TableFormatError as exc:
+            raise TableFormatError(f"--placement {name}: {exc} (the timeline is pp={timeline.pp} "
+                                   f"vpp={timeline.vpp})") from None
+        if recorded is not None and recorded != given:
+            raise TableFormatError(
+                f"--placement {name} contradicts the timeline, which ran {timeline.algorithm!r} on the "
+                f"{recorded.name} layout; drop --placement (it names the layout of an unregistered algorithm)")
+        return given
+    if recorded is not None:
+        return recorded
     try:
-        layout = get_algorithm(timeline.algorithm).placement
+        get_algorithm(timeline.algorithm)
     except UnknownAlgorithmError:
         raise TableFormatError(
             f"the timeline's algorithm {timeline.algorithm!r} is not registered and the timeline records no "
             "placement, so its chunks cannot be mapped to stages; name the layout (--placement interleaved or v)"
         ) from None
-    if layout != "any":
-        return Placement.named(layout, timeline.pp, timeline.vpp)
     if timeline.vpp == 2 and timeline.pp > 1 and not forwarded_from_rank_0(timeline):
         raise TableFormatError(
             f"the timeline records no placement, its algorithm {timeline.algorithm!r} chooses one per run, and rank 0 "
             "sends no activation to show whether its 2 chunks per rank were a V or interleaved; name the layout "
             "(--placement interleaved or v)")
     return placement_of_events(timeline)
+
+
+def _recorded_placement(timeline: Timeline) -> Placement | None:
+    """The placement the timeline records, else its algorithm's registered layout; None where neither says (an
+    unregistered algorithm, or one that chooses its layout per run)."""
+    if "placement" in timeline.meta:
+        return placement_of_events(timeline)  # checked against the timeline's shape
+    try:
+        layout = get_algorithm(timeline.algorithm).placement
+    except UnknownAlgorithmError:
+        return None
+    return None if layout == "any" else Placement.named(layout, timeline.pp, timeline.vpp)
 
 
 def compute_order(timeline: Timeline) -> dict[int, tuple[ScheduleNode, ...]]:

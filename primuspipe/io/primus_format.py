@@ -92,7 +92,8 @@ def looks_like_primus(text: str) -> bool:
 
 def from_primus_table(text: str, placement: str | None = None, algorithm: str | None = None) -> ScheduleTable:
     """The table of Primus's printed form (or :func:`to_primus_table`'s). ``placement`` (``"interleaved"`` or
-    ``"v"``) overrides the header's; without either it is inferred as the module doc says."""
+    ``"v"``) names the layout of a text whose header does not (one that contradicts the header is refused); without
+    either it is inferred as the module doc says."""
     header: dict[str, str] = {}
     rows: dict[int, list[Token]] = {}
     for line_no, raw in enumerate(text.splitlines(), 1):
@@ -123,10 +124,22 @@ def from_primus_table(text: str, placement: str | None = None, algorithm: str | 
                        error=TableFormatError, minimum=1, text=True)
     microbatches = strict.count(header.get("microbatches", 1 + max((t[1] for t in compute), default=0)),
                                 "header microbatches", error=TableFormatError, minimum=1, text=True)
+    if placement is not None and header.get("placement", placement) != placement:
+        raise TableFormatError(f"the header says placement={header['placement']}, but placement {placement!r} is asked "
+                               "for (--placement); drop it: it names the layout of a table that does not say")
     layout = placement or header.get("placement")
-    where = Placement.named(layout, pp, vpp) if layout else _infer_layout(rows, pp, vpp)
+    where = _named(layout, pp, vpp, "--placement" if placement else "the header") if layout else \
+        _infer_layout(rows, pp, vpp)
     ranks = [_nodes(where, rank, rows[rank]) for rank in range(pp)]
     return ScheduleTable.build(where, microbatches, ranks, algorithm or header.get("algorithm", "primus"))
+
+
+def _named(layout: str, pp: int, vpp: int, source: str) -> Placement:
+    """The layout named by ``source`` (the header or ``--placement``), the source named where it cannot be."""
+    try:
+        return Placement.named(layout, pp, vpp)
+    except TableFormatError as exc:
+        raise TableFormatError(f"placement={strict.printable(layout)} ({source}): {exc}") from None
 
 
 Token = tuple[str, int, int, "int | None"]

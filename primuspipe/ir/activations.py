@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from primuspipe import strict
+from primuspipe.errors import ConfigError
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 
@@ -152,11 +154,17 @@ def peak_level(kinds: Iterable[tuple[NodeKind, int]], chunk_weight: Callable[[in
     return peak
 
 
+@strict.arguments()
 def peak_in_flight(table: ScheduleTable, retained: float = W_RETAINED_FRACTION,
                    offloaded: float = OFFLOAD_FRACTION) -> list[float]:
     """Per rank, the most activations held at once, in microbatches of one 1F1B stage (a chunk's are
     ``1/vpp`` of one): each microbatch counted from its F until its W, at ``retained`` of its size
     between its B and its W. ``retained = 1`` counts whole microbatches until W (Primus's count);
     ``retained = 0`` from F until B (the zero-bubble papers' count)."""
+    from primuspipe.ir.table import ScheduleTable  # the table module imports this one
+
+    strict.instance(table, ScheduleTable, "peak_in_flight's table", error=ConfigError)
+    retained, offloaded = (strict.number(share, f"peak_in_flight's {name}", minimum=0, maximum=1)  # 2.5 was counted
+                           for name, share in (("retained", retained), ("offloaded", offloaded)))
     return [max(running_levels(row, retained=retained, offloaded=offloaded), default=0.0) / table.vpp
             for row in table.ranks]

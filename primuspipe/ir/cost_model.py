@@ -94,15 +94,15 @@ class CostModel:
     messages about them; empty when built in code."""
 
     def __post_init__(self) -> None:
+        strict.fields(self)
         n = self.compute.num_stages
-        if self.fused_backward is not None and len(self.fused_backward) != n:
-            raise ConfigError(f"fused_backward has {len(self.fused_backward)} values for {n} stages")
+        for name in ("fused_backward", "w_warm"):  # a file's are read by per_stage_values; code's are checked here
+            if (values := getattr(self, name)) is not None:
+                object.__setattr__(self, name, per_stage_values(f"CostModel.{name}", values, n))
         if not 0.0 <= self.fb_overlap <= 1.0:
             raise ConfigError(f"fb_overlap must be in [0, 1] (0: F+B, 1: max(F, B)), got {self.fb_overlap}")
         if self.cold_start is not None and self.cold_start.num_stages != n:
             raise ConfigError(f"compute.cold_start has {self.cold_start.num_stages} values for {n} stages")
-        if self.w_warm is not None and len(self.w_warm) != n:
-            raise ConfigError(f"compute.w_warm has {len(self.w_warm)} values for {n} stages")
         if self.memory.models_bytes and len(self.memory.activation_bytes) != n:
             raise ConfigError(f"memory.activation_bytes has {len(self.memory.activation_bytes)} values for {n} stages")
         for key, parts, chunk in self.fixed:

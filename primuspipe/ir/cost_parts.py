@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from primuspipe import strict
 from primuspipe.errors import ConfigError
 from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION, running_levels
 from primuspipe.ir.costs import Values, per_stage_values
@@ -33,6 +34,7 @@ class Link:
     """Bytes per time unit; ``math.inf`` (the default) makes the size free."""
 
     def __post_init__(self) -> None:
+        strict.fields(self)
         if not (0 <= self.latency < math.inf and self.bandwidth > 0):  # NaN fails every comparison
             raise ConfigError(f"a link needs latency >= 0 and bandwidth > 0, got {self}")
 
@@ -55,6 +57,7 @@ class LateWork:
     time: float
 
     def __post_init__(self) -> None:
+        strict.fields(self)
         if self.stage < 0 or self.first < 0 or not 0 <= self.time < math.inf:
             raise ConfigError(f"late work needs a stage and a first microbatch >= 0 and a finite time >= 0, got {self}")
 
@@ -76,6 +79,7 @@ class P2PCost:
     """Ranks ``r`` and ``q`` share a node when ``r // ranks_per_node == q // ranks_per_node``."""
 
     def __post_init__(self) -> None:
+        strict.fields(self)
         if not (0 <= self.message_bytes < math.inf and self.ranks_per_node >= 1):
             raise ConfigError(f"p2p needs message_bytes >= 0 and ranks_per_node >= 1, got {self}")
 
@@ -147,6 +151,7 @@ class HostCost:
     left them predicted 1-5 % fast. 0 (the default): background CPU follows the step's length only."""
 
     def __post_init__(self) -> None:
+        strict.fields(self)
         object.__setattr__(self, "overhead", tuple(sorted(self.overhead)))  # one model, one value
         values = [v for _, v in self.overhead] + [self.send, self.recv, self.background, self.contention,
                                                   self.message_cpu,
@@ -205,6 +210,7 @@ class MemoryCost:
     from B until W, the microbatch units (the validator's and the algorithms' count) a share of at most 1."""
 
     def __post_init__(self) -> None:
+        strict.fields(self)
         if not 0.0 <= self.w_retained_fraction <= 1.0:
             raise ConfigError(f"w_retained_fraction must be in [0, 1], got {self.w_retained_fraction}")
         if not 0.0 <= self.offload_fraction <= 1.0:
@@ -212,6 +218,9 @@ class MemoryCost:
         for name in ("b_rise_fraction", "w_excess_fraction"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0.0):
                 raise ConfigError(f"memory.{name} must be a finite number >= 0, got {getattr(self, name)}")
+        for name in ("activation_bytes", "parameter_bytes", "gradient_bytes", "optimizer_bytes"):
+            if not all(math.isfinite(x) and x >= 0.0 for x in getattr(self, name) or ()):
+                raise ConfigError(f"memory.{name} must be finite numbers >= 0, got {strict.show(getattr(self, name))}")
         if not (len(self.parameter_bytes) == len(self.gradient_bytes) == len(self.optimizer_bytes)):
             raise ConfigError("parameter, gradient and optimizer bytes need one value per rank each")
 

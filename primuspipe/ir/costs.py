@@ -5,6 +5,7 @@ cost input goes through.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -52,10 +53,17 @@ class ComputeCosts:
     """``(cost key, per-stage times)`` of the other timed kinds, by key."""
 
     def __post_init__(self) -> None:
+        strict.fields(self)
         object.__setattr__(self, "other", tuple(sorted(self.other)))  # one model, one value
-        for key, values in self.other:
+        if not self.forward:
+            raise ConfigError("ComputeCosts.forward needs one time per stage, got none")
+        fields = {"f": "forward", "b": "backward_input", "w": "backward_weight"}
+        for key, values in self.times.items():
+            name = f"compute.{key} (ComputeCosts.{fields.get(key, 'other')})"
             if len(values) != self.num_stages:
-                raise ConfigError(f"compute.{key} has {len(values)} values for {self.num_stages} stages")
+                raise ConfigError(f"{name} has {len(values)} values for {self.num_stages} stages")
+            if not all(math.isfinite(t) and t >= 0 for t in values):
+                raise ConfigError(f"{name} must be finite times >= 0, got {strict.show(values)}")
 
     @classmethod
     def per_stage(cls, num_stages: int, f: Values, b: Values, w: Values, **other: Values) -> ComputeCosts:

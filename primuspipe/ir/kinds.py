@@ -53,12 +53,15 @@ backward's kinds asks this table (:func:`split_kinds`, :func:`step_kind`, :func:
 from __future__ import annotations
 
 import functools
+import math
+import re
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar
 
+from primuspipe import strict
 from primuspipe.errors import TableFormatError
 
 
@@ -66,6 +69,11 @@ class Category(Enum):
     COMPUTE = "compute"
     SEND = "send"
     RECV = "recv"
+
+
+_NAME = re.compile(r"[A-Z][A-Z_]*", re.ASCII)
+_COST_KEY = re.compile(r"[a-z][a-z0-9_]*", re.ASCII)
+_COLOR = re.compile(r"#[0-9a-fA-F]{6}", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,34 @@ class KindSpec:
     """The binder method that runs a node of this kind (``forward``, ``backward_input``...): binders
     build their handler maps from it (:func:`primuspipe.runtime.protocols.named_handlers`); None: a
     binder that runs the kind adds its handler itself (OFFLOAD and RELOAD, with an offload plan)."""
+
+    def __post_init__(self) -> None:
+        """A plug-in's spec is checked when made (types first, :func:`strict.fields`): a category given as text, a
+        NaN activation effect, a stream or a cost key no consumer knows were taken as they stood and ran as
+        something else (a compute kind read as a receive) or failed in the first pass that read them."""
+        strict.fields(self, error=TableFormatError)
+        if not _NAME.fullmatch(self.name):
+            raise TableFormatError(f"a node kind's name is ASCII upper-case letters and '_' (the text form's prefix, "
+                                   f"F3.1), got {self.name!r}")
+        problems = [
+            (not all(_NAME.fullmatch(step) for step in (*self.completes, *(s for s, _ in self.needs), *self.parts)),
+             "completes, needs and parts name steps and kinds (upper-case names, e.g. 'F')"),
+            (len(self.parts) not in (0, 2), "parts lists the two kinds an overlapped node runs, or none"),
+            (not all(map(math.isfinite, (*self.activation, self.rise, self.offload))),
+             "activation, rise and offload must be finite numbers"),
+            (self.stream not in ("compute", "host"), f"stream must be 'compute' or 'host', got {self.stream!r}"),
+            (self.cost is not None and not _COST_KEY.fullmatch(self.cost),
+             f"cost is a cost file's compute key (lower-case, e.g. 'recompute'), got {self.cost!r}"),
+            (self.handler is not None and not (self.handler.isascii() and self.handler.isidentifier()),
+             f"handler is a binder method's name, got {self.handler!r}"),
+            (not _COLOR.fullmatch(self.color), f"color is '#rrggbb', got {self.color!r}"),
+            ((self.category is Category.COMPUTE) != (self.carries is None)
+             or (self.category is Category.COMPUTE) != (self.peer_offset == 0),
+             "a send or receive kind names the step it carries (carries='F') and a peer_offset (+1 or -1); a "
+             "compute kind neither"),
+        ]
+        if why := next((why for bad, why in problems if bad), None):
+            raise TableFormatError(f"node kind {self.name}: {why}")
 
     def activation_delta(self, retained: float = 0.0, offloaded: float = 1.0) -> float:
         """How much this kind changes the activations held (see :attr:`activation`, :attr:`offload`)."""
@@ -219,10 +255,21 @@ def on_kinds_changed(listener: Callable[[], object]) -> None:
 
 def define_kind(spec: KindSpec) -> NodeKind:
     """Add ``spec`` to the kind table and return its kind; a name can be defined once."""
+    strict.instance(spec, KindSpec, "define_kind's spec", error=TableFormatError)
     if spec.name in NodeKind._table:
         raise TableFormatError(f"node kind {spec.name!r} is already defined")
-    if not spec.name.replace("_", "").isalpha() or not spec.name.isupper():
-        raise TableFormatError(f"a node kind's name is upper-case letters and '_', got {spec.name!r}")
+    if bad := next((s for s in spec.completes if s != spec.name and s not in NodeKind._table), None):
+        raise TableFormatError(f"node kind {spec.name}: it completes step {bad!r}, but a step is named by the kind "
+                               f"that runs it (its own name, {spec.name!r}, or one of {', '.join(NodeKind._table)})")
+    steps = {step for kind in NodeKind._table.values() for step in kind.spec.completes} | set(spec.completes)
+    unknown = [s for s, _ in spec.needs if s not in steps] + [s for s in (spec.carries,) if s and s not in steps]
+    if unknown:
+        raise TableFormatError(f"node kind {spec.name}: no kind completes step {unknown[0]!r} its needs or carries "
+                               f"name; steps: {', '.join(sorted(steps))}")
+    if bad := next((p for p in spec.parts if p not in NodeKind._table or not NodeKind._table[p].is_compute
+                    or NodeKind._table[p].spec.parts), None):
+        raise TableFormatError(f"node kind {spec.name}: part {bad!r} is no defined compute kind of one part; "
+                               f"compute kinds: {', '.join(k.name for k in compute_kinds() if not k.spec.parts)}")
     kind = object.__new__(NodeKind)
     kind.name, kind.spec = spec.name, spec
     kind.is_compute = spec.category is Category.COMPUTE

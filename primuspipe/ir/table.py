@@ -88,6 +88,10 @@ class ScheduleTable:
 
     def __post_init__(self, known_wiring: Wiring | None) -> None:
         strict.instance(self.placement, Placement, "a table's placement", error=TableFormatError)
+        if type(self.ranks) is not tuple or any(type(row) is not tuple for row in self.ranks):
+            object.__setattr__(self, "ranks", _rows(self.ranks))  # hashed and shared: tuples, as build makes them
+        if self.construction is not None:
+            strict.instance(self.construction, Construction, "a table's construction", error=TableFormatError)
         strict.text(self.algorithm, "a table's algorithm name", error=TableFormatError)
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise TableFormatError(f"a schedule needs an integer count of microbatches >= 1, got {self.microbatches!r}")
@@ -123,11 +127,7 @@ class ScheduleTable:
     def build(
         cls, placement: Placement, microbatches: int, ranks: Iterable[Iterable[ScheduleNode]], algorithm: str = "custom"
     ) -> ScheduleTable:
-        rows = tuple(strict.instance(ranks, Iterable, "a table's rows", error=TableFormatError))
-        if flat := next((row for row in rows if not isinstance(row, Iterable)), None):
-            raise TableFormatError(f"a table's rows are one list of nodes per rank, but one row is a {type(flat).__name__} ({flat!s:.40}); "
-                                   "pass [[nodes of rank 0], [nodes of rank 1], ...]")
-        return cls(placement, microbatches, tuple(tuple(r) for r in rows), algorithm)
+        return cls(placement, microbatches, _rows(ranks), algorithm)
 
     @property
     def pp(self) -> int:
@@ -257,6 +257,15 @@ class ScheduleTable:
 
     def __str__(self) -> str:
         return self.grid()
+
+
+def _rows(ranks: object) -> tuple[tuple[ScheduleNode, ...], ...]:
+    """A table's rows, given as any iterable of iterables (a list of lists, a generator), as tuples."""
+    rows = tuple(strict.instance(ranks, Iterable, "a table's rows", error=TableFormatError))
+    if flat := next((row for row in rows if not isinstance(row, Iterable)), None):
+        raise TableFormatError(f"a table's rows are one list of nodes per rank, but one row is a {type(flat).__name__} "
+                               f"({flat!s:.40}); pass [[nodes of rank 0], [nodes of rank 1], ...]")
+    return tuple(tuple(r) for r in rows)
 
 
 def _parse_node(text: object, source: str, rank: int, index: int) -> ScheduleNode:

@@ -49,6 +49,7 @@ _structured: weakref.WeakValueDictionary[int, ScheduleTable] = weakref.WeakValue
 table, then the communication pass relies on it, so a table (immutable) is walked once."""
 
 
+@strict.arguments(error=TableFormatError)
 def validate(table: ScheduleTable, *, max_in_flight: float | None = None, retained: float = W_RETAINED_FRACTION,
              offloaded: float = OFFLOAD_FRACTION, complete: bool = True,
              semantics: str = DEFAULT_SEMANTICS) -> ScheduleTable:
@@ -64,7 +65,8 @@ def validate(table: ScheduleTable, *, max_in_flight: float | None = None, retain
     (:data:`~primuspipe.passes.streams.SEMANTICS`; by default primuspipe's own, what the runner runs).
     """
     semantics_named(semantics)
-    strict.instance(table, ScheduleTable, "validate's table", error=TableFormatError)
+    retained, offloaded = (strict.number(share, f"validate's {name}", minimum=0, maximum=1, error=TableFormatError)
+                           for name, share in (("retained", retained), ("offloaded", offloaded)))
     if not is_proven(table, complete=complete, semantics=semantics):
         check_steps(table, complete=complete)
         if table.has_communication:

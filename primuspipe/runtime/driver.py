@@ -30,7 +30,7 @@ from types import MappingProxyType
 from typing import Any
 
 from primuspipe.algorithms.build import build_schedule
-from primuspipe.errors import TableMismatchError
+from primuspipe.errors import ConfigError, TableMismatchError
 from primuspipe import strict
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.io.timeline import Timeline, dump_path
@@ -39,10 +39,23 @@ from primuspipe.runtime.protocols import Binder
 from primuspipe.runtime.runner import cached_runner
 
 
-@functools.lru_cache(maxsize=64)
-def cached_schedule(algorithm: str, pp: int, vpp: int, microbatches: int,
+@strict.arguments()
+def cached_schedule(algorithm: str, pp: int, vpp: int | None, microbatches: int,
                     options: tuple[tuple[str, Any], ...] = ()) -> ScheduleTable:
-    """The validated full table for a shape, built once (``options`` as sorted ``(name, value)`` pairs)."""
+    """The validated full table for a shape, built once (``options`` as sorted ``(name, value)`` pairs; a list of
+    pairs, or a value that cannot be hashed, was the cache's TypeError)."""
+    for name, value in options:
+        try:
+            hash(value)
+        except TypeError:
+            raise ConfigError(f"cached_schedule's option {name}={strict.show(value)} cannot key the cache; give a "
+                              "number, text or tuple") from None
+    return _cached_schedule(algorithm, pp, vpp, microbatches, options)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_schedule(algorithm: str, pp: int, vpp: int | None, microbatches: int,
+                     options: tuple[tuple[str, Any], ...]) -> ScheduleTable:
     return build_schedule(algorithm, pp, microbatches, vpp, **dict(options))
 
 
@@ -114,6 +127,7 @@ class StepDriver:
         """What a step runs: the table, or its forward-only view."""
         return forward_only_view(table) if forward_only else table
 
+    @strict.arguments()
     def execute(self, table: ScheduleTable, rank: int, binder: Binder, group: Any, *, device: Any,
                 forward_only: bool = False, record: bool = False,
                 dump_meta: Mapping[str, Any] | None = None) -> Timeline | None:
@@ -121,8 +135,14 @@ class StepDriver:
         when dumping and training (with ``dump_meta`` added to its ``meta``). Returns the step's timeline
         when one was recorded: when dumping, or when ``record`` (the in-flight re-planner measures steps
         with the recorder dumps use, dumping or not)."""
+        import torch.distributed as dist
+
         from primuspipe.runtime.recorder import StepRecorder, shared_run_id
         from primuspipe.runtime.transport import P2PTransport
+
+        if not isinstance(group, dist.ProcessGroup):  # None or a name was torch's ValueError at the first transfer
+            raise ConfigError(f"execute's group must be a torch.distributed ProcessGroup (dist.group.WORLD, "
+                              f"dist.new_group(...)), got {strict.show(group)}")
 
         runner = cached_runner(table, rank)  # proves an unproven table first: nothing runs or talks before
         key = (id(table), id(group))

@@ -49,6 +49,7 @@ _STEADY_STATE_ROUNDS = 50
 previous one (a pipeline settles in a few rounds); at most this many."""
 
 
+@strict.arguments()
 def simulate(table: ScheduleTable, cost: CostModel,
              semantics: Semantics | str = DEFAULT_SEMANTICS) -> SimulationResult:
     """Time ``table`` under ``cost``, its sends and receives running on the streams of the transport

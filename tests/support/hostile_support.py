@@ -14,6 +14,7 @@ the end of the session (``hostile inputs: ...``), the figure the issue's closing
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import contextlib
 import io
 import json
@@ -21,6 +22,8 @@ import math
 import os
 import signal
 import traceback
+import types
+import typing
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,7 +267,7 @@ def _rank_files(run_id="run-a", pp=PP, iteration=0, t0=1000.0, algorithm="1f1b",
     from primuspipe.simulator import simulate
 
     table = build_schedule(algorithm, pp=pp, microbatches=microbatches)
-    timeline = simulate(table, CostModel.per_stage(pp, 0.01, 0.01, 0.01)).timeline()
+    timeline = simulate(table, CostModel.per_stage(table.num_stages, 0.01, 0.01, 0.01)).timeline()
     data = timeline.to_dict()
     for r in data["ranks"]:
         yield r["rank"], {**data, "source": "run", "iteration": iteration, "time_unit": "s", "ranks": [r],
@@ -332,3 +335,49 @@ def small_gpt_arguments(layers: int, pp: int, extra: str = "") -> str:
             f"--num-layers {layers} --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 "
             "--max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 1 --global-batch-size 64 --bf16 "
             f"--pipeline-model-parallel-size {pp} {extra}")
+
+
+# -- values of the wrong type, from an annotation ------------------------------------------------------
+class _Opaque:
+    def __repr__(self) -> str:
+        return "<opaque>"
+
+
+_CONTAINERS = (collections.abc.Sequence, collections.abc.Collection, collections.abc.Iterable)
+
+
+def _is(value, hint) -> bool:
+    """Whether ``value`` is of the simple ``hint`` (a union's member): what a union's other wrong values must not be."""
+    origin = typing.get_origin(hint)
+    if origin is tuple or origin in _CONTAINERS:
+        item = typing.get_args(hint)[0]
+        return isinstance(value, (tuple, list)) and all(_is(v, item) for v in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(hint, type) and isinstance(value, hint)
+
+
+def wrong_values(hint) -> list:
+    """Values that are not of ``hint`` (a field's or a parameter's annotation): other types, and for numbers NaN --
+    generated from the annotation, so a new field or parameter joins a sweep that uses it."""
+    args, origin = typing.get_args(hint), typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return [v for arg in args if arg is not type(None) for v in wrong_values(arg)
+                if not any(_is(v, other) for other in args if other is not arg)]
+    if origin is tuple:
+        item = wrong_values(args[0])[0] if args[-1] is Ellipsis else None
+        return ["12", 3, {"a": 1}, _Opaque(), *([] if item is None else [(item,)]),
+                *([(math.nan,)] if args[0] is float else []), *([()] if args[-1] is not Ellipsis else [])]
+    if origin in _CONTAINERS:
+        return ["ab", 3, None, _Opaque(), [_Opaque()]]
+    if isinstance(origin, type):  # Mapping[str, Any] and other generics: values of another kind
+        return [3, "x", [1], _Opaque()]
+    if hint is float:
+        return ["1", None, True, [1.0], _Opaque(), math.nan]
+    if hint is int:
+        return [2.5, "1", True, None, _Opaque()]
+    if hint is str:
+        return [3, None, b"x", ["x"], _Opaque()]
+    if hint is bool:
+        return ["no", 1, None]
+    return [3, "x", {}, None, _Opaque()]

@@ -288,12 +288,14 @@ def _device_of(modules: Sequence[torch.nn.Module]) -> torch.device:
     return torch.device("cpu")
 
 
+@strict.arguments()
 def split_sequential(model: torch.nn.Sequential, num_stages: int) -> list[torch.nn.Sequential]:
     """``model``'s layers cut into ``num_stages`` contiguous stages, as even as the layer count allows
     (earlier stages get the extra layers)."""
     layers = list(model)
     if not 1 <= num_stages <= len(layers):
-        raise ConfigError(f"cannot cut {len(layers)} layers into {num_stages} stages (each needs at least one layer)")
+        raise ConfigError(f"split_sequential cannot cut {len(layers)} layers into num_stages={num_stages} stages (each "
+                          "needs at least one layer)")
     base, extra = divmod(len(layers), num_stages)
     bounds = [0]
     for s in range(num_stages):

@@ -12,6 +12,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from primuspipe import strict
 from primuspipe.documents import output_file
 from primuspipe.errors import OutputFileError
 from primuspipe.ir.node import NodeKind, ScheduleNode
@@ -45,6 +46,7 @@ def timeline_figure(timelines: Timeline | Sequence[Timeline], *,
     return fig
 
 
+@strict.arguments()
 def write_html(timelines: Timeline | Sequence[Timeline], path: str | os.PathLike, *,
                marks: Collection[tuple[int, ScheduleNode]] = ()) -> Path:
     """Write :func:`timeline_figure` as one self-contained HTML file."""

@@ -42,6 +42,7 @@ _KINDS = ("a timeline JSON file (from 'primuspipe simulate -o DIR')", "a dump di
 """What a timeline input can be, for the messages that refuse one."""
 
 
+@strict.arguments()
 def load_timeline(path: str | os.PathLike, iteration: int | None = None) -> Timeline:
     """One timeline from a file, or from a dump directory (all ranks of ``iteration`` merged on one
     time axis; by default the last whole iteration of the newest run, the warmest). A folder
@@ -83,6 +84,7 @@ def _iteration_folder(path: Path) -> int | None:
     return next((i for i in dump_iterations(path.parent) if dump_path(path.parent, i, 0).parent == path), None)
 
 
+@strict.arguments()
 def load_iterations(path: str | os.PathLike) -> list[Timeline]:
     """Every dumped iteration of a run, oldest first (a timeline file gives just itself)."""
     path = strict.file_path(path, "timeline or dump directory", error=TableFormatError)

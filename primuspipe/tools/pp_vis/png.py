@@ -17,6 +17,7 @@ from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from primuspipe import strict
 from primuspipe.documents import output_file
 from primuspipe.errors import OutputFileError
 from primuspipe.ir.node import NodeKind, ScheduleNode
@@ -29,6 +30,7 @@ _BAR = 0.8
 _CHAR_PX = 6.0  # width of one label character at the label font size
 
 
+@strict.arguments()
 def draw_png(timelines: Timeline | Sequence[Timeline], path: str | os.PathLike, *,
              marks: Collection[tuple[int, ScheduleNode]] = (), show_comm: bool = True) -> Path:
     """Write the drawing of one timeline, or of several stacked on one time axis (they must share a

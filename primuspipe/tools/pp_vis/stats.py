@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from itertools import zip_longest
 
+from primuspipe import strict
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.node import ScheduleNode
@@ -158,6 +159,7 @@ class Comparison:
         return frozenset((d.rank, n) for d in self.order_differences for n in (d.run, d.simulated) if n is not None)
 
 
+@strict.arguments()
 def compare_timelines(run: Timeline, simulated: Timeline) -> Comparison:
     """Side-by-side figures and the compute nodes whose order differs, rank by rank."""
     if (run.pp, run.vpp, run.microbatches) != (simulated.pp, simulated.vpp, simulated.microbatches):
@@ -176,6 +178,7 @@ def compare_timelines(run: Timeline, simulated: Timeline) -> Comparison:
     return Comparison(run, simulated, timeline_stats(run), timeline_stats(simulated), differences)
 
 
+@strict.arguments()
 def replay(timeline: Timeline, cost: CostModel, placement: Placement | None = None) -> Timeline:
     """Simulate the table the timeline ran (its compute order per rank) under ``cost``: the simulated
     counterpart of a run, for :func:`compare_timelines`."""
