@@ -122,6 +122,8 @@ def split_arguments(arguments: Mapping[str, Any], source: str, world_size: int |
                           "project with --optimizer adam or remove it")
     _resolve_virtual_stages(arguments, values, source)
     _resolve_transformer_impl(arguments, values, source)
+    if not _resolve_megatron_fsdp_grads(arguments, values, source):
+        set_aside.append("megatron_fsdp_main_grads_dtype")
     training = values["training"]
     if training.get("attention_backend") == "local":  # these decide the local spec's attention kernels
         set_aside = [name for name in set_aside if name not in LOCAL_SOFTMAX_FLAGS]
@@ -224,6 +226,35 @@ def _resolve_transformer_impl(arguments: Mapping[str, Any], values: dict[str, di
     training["attention_backend"] = "local"
     training["attention_softmax_in_fp32"] = bool(arguments.get("attention_softmax_in_fp32")
                                                  or arguments.get("apply_query_key_layer_scaling"))
+
+
+MEGATRON_FSDP_GRAD_DTYPES = ("auto", "fp32", "bf16", "fp16")
+"""``--megatron-fsdp-main-grads-dtype``'s choices (``megatron/training/arguments.py``); ``auto`` is its default."""
+
+
+def _resolve_megatron_fsdp_grads(arguments: Mapping[str, Any], values: dict[str, dict[str, Any]], source: str) -> bool:
+    """Megatron-FSDP's main gradients as megatron-core 0.19.2 keeps and reduces them: ``--megatron-fsdp-main-grads-dtype``
+    (default ``auto``, None in ``DistributedDataParallelConfig.megatron_fsdp_main_grads_dtype``) leaves them in the
+    model's dtype (``megatron_fsdp/param_and_grad_buffer.py``, ``_resolve_group_grad_dtype``: ``grad.dtype ==
+    param.dtype``, bf16 for FP8 weights), and they are reduced in it (``--megatron-fsdp-grad-comm-dtype`` ``auto``: the
+    main gradients' dtype); Megatron's fp32 accumulation (``grad_reduce_in_fp32``, ``--grad-reduce-in-bf16``) is the
+    DDP buffer's and does not reach Megatron-FSDP. So a bf16 or fp16 model keeps and reduces 2-byte main gradients
+    (``grad_reduce_in_bf16``) unless fp32 is asked for; the master weights stay fp32
+    (``megatron_fsdp_main_params_dtype`` defaults to ``torch.float32``, the projection's). False: the flag was given
+    without ``--use-megatron-fsdp``, where nothing reads it (set aside)."""
+    given = arguments.get("megatron_fsdp_main_grads_dtype")
+    training = values["training"]
+    if given is not None and given not in MEGATRON_FSDP_GRAD_DTYPES:
+        raise ConfigError(f"{source}: --megatron-fsdp-main-grads-dtype {given}: Megatron's choices are "
+                          f"{', '.join(MEGATRON_FSDP_GRAD_DTYPES)}")
+    if not training.get("use_megatron_fsdp"):
+        return given is None
+    dtype = training.get("precision", "fp32") if given in (None, "auto") else given
+    if dtype != "fp32" and training.get("precision", "fp32") == "fp32":
+        raise ConfigError(f"{source}: --megatron-fsdp-main-grads-dtype {given} under an fp32 model: 16-bit main "
+                          "gradients of fp32 weights are not modelled; give fp32 (or auto), or add --bf16")
+    training["grad_reduce_in_bf16"] = dtype != "fp32"
+    return True
 
 
 def _resolve_virtual_stages(arguments: Mapping[str, Any], values: dict[str, dict[str, Any]], source: str) -> None:

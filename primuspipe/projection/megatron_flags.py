@@ -50,7 +50,7 @@ ALIASES = {
 the argument's own value."""
 
 RESOLVED = frozenset({"num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
-                      "group_query_attention", "optimizer", "transformer_impl"})
+                      "group_query_attention", "optimizer", "transformer_impl", "megatron_fsdp_main_grads_dtype"})
 """Arguments the reader resolves itself (they set other fields)."""
 
 NO_EFFECT_PREFIXES = (
@@ -202,11 +202,13 @@ PRIMUS_DEFAULT_VALUES = {"turbo_gemm_backend": "default", "turbo_grouped_gemm_ba
                          "turbo_mega_moe_precision": "bf16", "conv_L_cache": 3, "model_type": "gpt",
                          "encoder_tensor_model_parallel_size": 0, "encoder_pipeline_model_parallel_size": 0}
 
-MEGATRON_DEFAULT_VALUES = {"cp_comm_type": "p2p", "moe_token_drop_policy": "probs", "outer_dp_sharding_strategy": "no_shard"}
+MEGATRON_DEFAULT_VALUES = {"cp_comm_type": "p2p", "moe_token_drop_policy": "probs", "outer_dp_sharding_strategy": "no_shard",
+                           "megatron_fsdp_main_params_dtype": "fp32", "megatron_fsdp_grad_comm_dtype": "auto"}
 """Megatron's own defaults of arguments the projection refuses otherwise (``megatron/core/transformer_config.py``:
 ``cp_comm_type`` p2p, the ring the projection prices for CP; ``moe_token_drop_policy`` probs;
 ``megatron/core/distributed/distributed_data_parallel_config.py``: ``outer_dp_sharding_strategy`` no_shard, no
-hybrid sharding): a file that writes a default out (Primus's ``language_model.yaml`` writes every argument, Megatron-LM's
+hybrid sharding; ``megatron/training/arguments.py``: ``--megatron-fsdp-main-params-dtype`` fp32, the master copy the
+projection counts, ``--megatron-fsdp-grad-comm-dtype`` auto, the main gradients' dtype): a file that writes a default out (Primus's ``language_model.yaml`` writes every argument, Megatron-LM's
 CI cases some) runs what the projection models."""
 
 

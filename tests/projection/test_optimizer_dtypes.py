@@ -8,11 +8,15 @@ Engine's FusedAdam, which a CPU-only install lacks, so its dtypes are checked by
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
+from primuspipe.projection.framework import ConfigError
 from primuspipe.projection.megatron_args import from_arguments
 from primuspipe.projection.parameters import ParamCount
 from primuspipe.projection.spec_fields import InputError, spec_from_mapping
@@ -132,3 +136,62 @@ def test_a_bf16_model_stepped_by_adamw_allocates_what_pure_bf16_projects():
                               TrainingSpec(pipeline_model_parallel_size=1, use_distributed_optimizer=False, **PURE_BF16))
     assert (projected.weights, projected.gradients, projected.optimizer) == (
         size(params), size(p.grad for p in params), size(state))
+
+
+def _megatron_source(relative: str) -> ast.Module:
+    """A module of the installed megatron-core, parsed (importing it needs triton and a GPU stack)."""
+    spec = importlib.util.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("megatron-core is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        pytest.skip(f"this megatron-core has no {relative}")
+    return ast.parse(path.read_text())
+
+
+def _megatron_fsdp_defaults() -> dict[str, str]:
+    """What megatron-core does by default with Megatron-FSDP's main weights and gradients, read from its source: the
+    ``DistributedDataParallelConfig`` fields, and Megatron-LM's ``--megatron-fsdp-main-grads-dtype`` default mapped
+    through ``validate_args``'s ``dtype_map`` (as ``ast.unparse`` writes them: ``None``, ``torch.float32``, ...)."""
+    config = next(c for c in ast.walk(_megatron_source("core/distributed/distributed_data_parallel_config.py"))
+                  if isinstance(c, ast.ClassDef) and c.name == "DistributedDataParallelConfig")
+    fields = {s.target.id: ast.unparse(s.value) for s in config.body if isinstance(s, ast.AnnAssign) and s.value}
+    arguments = _megatron_source("training/arguments.py")
+    dtype_map = next(ast.literal_eval(ast.unparse(ast.Dict(n.value.keys, [ast.Constant(ast.unparse(v))
+                                                                          for v in n.value.values])))
+                     for n in ast.walk(arguments) if isinstance(n, ast.Assign)
+                     and getattr(n.targets[0], "id", None) == "dtype_map")
+    flag = next(c for c in ast.walk(arguments) if isinstance(c, ast.Call) and getattr(c.func, "attr", None) == "add_argument"
+                and any(isinstance(a, ast.Constant) and a.value == "--megatron-fsdp-main-grads-dtype" for a in c.args))
+    flag_default = next(k.value.value for k in flag.keywords if k.arg == "default")
+    return {"grads": fields["megatron_fsdp_main_grads_dtype"], "params": fields["megatron_fsdp_main_params_dtype"],
+            "grads_flag": dtype_map[flag_default]}
+
+
+TORCH_BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+
+
+def test_megatron_fsdp_keeps_main_gradients_and_master_weights_as_megatron_cores_defaults_say():
+    """Megatron-FSDP's main gradients default to the model's dtype (None: ``grad.dtype == param.dtype``) and its
+    master weights to whatever megatron-core's config says; a bf16 run read from its arguments keeps and reduces
+    exactly those bytes. Megatron's own distributed optimizer without Megatron-FSDP keeps fp32 main gradients."""
+    defaults = _megatron_fsdp_defaults()
+    assert defaults["grads_flag"] == defaults["grads"]  # Megatron-LM's flag default is the config's
+    grad_bytes = 2 if defaults["grads"] == "None" else TORCH_BYTES[defaults["grads"]]  # None: the bf16 model's dtype
+    fsdp = ARGS + " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+    _, training = from_arguments(fsdp, "args")
+    assert training.main_grad_bytes == training.kept_grad_bytes == grad_bytes
+    memory = static_memory(ParamCount(dense=1000), dataclasses.replace(training, data_parallel_size=4))
+    assert memory.gradients == pytest.approx(grad_bytes * 1000 / 4)
+    assert memory.optimizer == pytest.approx((TORCH_BYTES[defaults["params"]] + 8) * 1000 / 4)  # master + fp32 moments
+    _, fp32_grads = from_arguments(fsdp + " --megatron-fsdp-main-grads-dtype fp32 --grad-reduce-in-bf16", "args")
+    assert fp32_grads.main_grad_bytes == 4  # asked for; Megatron's --grad-reduce-in-bf16 is the DDP buffer's
+    _, ddp = from_arguments(ARGS, "args")
+    assert ddp.main_grad_bytes == 4  # Megatron's DDP accumulates and reduces in fp32 under bf16
+
+
+def test_megatron_fsdp_main_gradient_dtypes_megatron_does_not_offer_are_refused():
+    with pytest.raises(ConfigError, match="--megatron-fsdp-main-grads-dtype fp8: Megatron's choices"):
+        from_arguments(ARGS + " --use-megatron-fsdp --megatron-fsdp-main-grads-dtype fp8", "args")
+    with pytest.raises(ConfigError, match="under an fp32 model"):
+        from_arguments(ARGS.replace(" --bf16", "") + " --use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16", "args")
