@@ -918,7 +918,6 @@ class TrainingSpec:
                         "pipeline_model_parallel_size"), "uneven first/last stages need a pipeline",
                        "remove them or set pipeline_model_parallel_size > 1")
 
-
     def _check_no_master_copy(self) -> None:
         """Pure low-precision training (``master_weights: false``) is a setting of plain PyTorch optimizers only."""
         if self.precision == "fp32":
