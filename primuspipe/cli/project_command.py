@@ -17,7 +17,7 @@ from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.measured import calibration_from_cost_file
 from primuspipe.projection.megatron_args import read_megatron_config
 from primuspipe.projection.model_spec import load_model
-from primuspipe.projection.projection import RISK_MARGIN, Projector, Refusal, project, scale_to_nodes
+from primuspipe.projection.projection import RISK_MARGIN, Projector, Refusal, algorithm_vpp, project, scale_to_nodes
 from primuspipe.projection.report import print_report, report_dict
 from primuspipe.projection.training_spec import load_training
 
@@ -115,17 +115,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _check_vpp_taken(args: argparse.Namespace) -> None:
-    """``--vpp`` beside ``-a`` names that all run a vpp of their own (zbv: 2) was dropped without a word -- the rows
-    said vpp 2 where the user asked 3 (``simulate -a zbv --vpp 3`` is refused); with one that takes any vpp it is
-    used there, and ``--search`` varies vpp itself."""
+    """``--vpp`` beside ``-a`` names none of which is projected at that vpp was dropped without a word -- the rows
+    said vpp 2 where the user asked 3 (zbv runs 2; ``simulate -a zbv --vpp 3`` is refused), or where the user asked
+    1 (interleaved-1f1b is projected at 2 chunks or more, :func:`algorithm_vpp`). With one that runs the asked vpp
+    it is used there; zb-auto tries its placements itself, and ``--search`` varies vpp itself."""
     if args.vpp is None or not args.algorithm or args.search:
         return
-    fixed = {name: get_algorithm(name).vpp for name in args.algorithm}
-    if all(vpp is not None and vpp != args.vpp for vpp in fixed.values()):
-        runs = ", ".join(f"{name} runs vpp {vpp}" for name, vpp in fixed.items())
-        takers = ", ".join(info.name for info in list_algorithms() if info.vpp is None)
-        raise ConfigError(f"--vpp {args.vpp} is taken by no algorithm projected ({runs}); drop --vpp, or name an "
-                          f"algorithm that takes any vpp ({takers})")
+    runs = {name: algorithm_vpp(name, args.vpp) for name in args.algorithm if get_algorithm(name).placement != "any"}
+    if len(runs) == len(args.algorithm) and args.vpp not in runs.values():
+        takers = ", ".join(info.name for info in list_algorithms()
+                           if info.placement != "any" and algorithm_vpp(info.name, args.vpp) == args.vpp)
+        raise ConfigError(f"--vpp {args.vpp} is taken by no algorithm projected "
+                          f"({', '.join(f'{name} runs vpp {vpp}' for name, vpp in runs.items())}); drop --vpp, or "
+                          f"name an algorithm projected at vpp {args.vpp} ({takers})")
 
 
 def cmd_project(args: argparse.Namespace) -> int:
