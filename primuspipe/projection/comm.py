@@ -343,10 +343,7 @@ def async_tp_collectives(model: ModelSpec, training: TrainingSpec, kind: str, ga
                          "use tp_comm_overlap_impl: te-userbuffers for this model")
     share = linear_shares(model, training.tp)
     ag = gather if fp8_gather is None else fp8_gather
-    return (FusedCollective(0, ag, share["qkv"]), FusedCollective(0, gather, share["proj"], scatter=True),
-            FusedCollective(0, ag, share["fc1"]), FusedCollective(0, gather, share["fc2"], scatter=True),
-            FusedCollective(1, ag, share["proj"]), FusedCollective(1, ag, share["fc2"]),
-            FusedCollective(1, gather, 0.0), FusedCollective(1, gather, 0.0))
+    return (*_gathers_into_gemms(share, gather, ag), FusedCollective(1, gather, 0.0), FusedCollective(1, gather, 0.0))
 
 
 def userbuffers_collectives(model: ModelSpec, training: TrainingSpec, gather: float,
@@ -372,11 +369,19 @@ def userbuffers_collectives(model: ModelSpec, training: TrainingSpec, gather: fl
     ``fc1_dgrad``: B's). Shares by FLOPs, as for PyTorch's async TP (:func:`async_tp_collectives`)."""
     share = linear_shares(model, training.tp)
     ag = gather if fp8_gather is None else fp8_gather
-    return (FusedCollective(0, ag, share["qkv"]), FusedCollective(0, gather, share["proj"], scatter=True),
-            FusedCollective(0, ag, share["fc1"]), FusedCollective(0, gather, share["fc2"], scatter=True),
-            FusedCollective(1, ag, share["proj"]), FusedCollective(1, ag, share["fc2"]),
+    return (*_gathers_into_gemms(share, gather, ag),
             FusedCollective(1, gather, share["qkv"], under=2), FusedCollective(1, gather, share["fc1"], under=2),
             FusedCollective(2, ag, share["qkv"], under=1), FusedCollective(2, ag, share["fc1"], under=1))
+
+
+def _gathers_into_gemms(share: dict[str, float], gather: float, ag: float) -> tuple[FusedCollective, ...]:
+    """The six TP collectives PyTorch's async TP and TE's userbuffers both tie to one GEMM each: F's gathers into
+    QKV and the first linear and reduce-scatters out of the projection and the second linear, B's gathers of the
+    output gradients into the projection's and the second linear's input-gradient GEMMs (``ag``: an all-gather's
+    seconds, FP8 where the operands are)."""
+    return (FusedCollective(0, ag, share["qkv"]), FusedCollective(0, gather, share["proj"], scatter=True),
+            FusedCollective(0, ag, share["fc1"]), FusedCollective(0, gather, share["fc2"], scatter=True),
+            FusedCollective(1, ag, share["proj"]), FusedCollective(1, ag, share["fc2"]))
 
 
 def linear_shares(model: ModelSpec, tp: int) -> dict[str, float]:
