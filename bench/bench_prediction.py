@@ -331,7 +331,7 @@ def priced(model: CostModel, table) -> dict[tuple[str, int], float]:
     each as the simulator prices it: a W warm or cold by the node before it, a node that opens a window at its
     rank's share, a chunk's first of its kind with its cold start (a kind's plain time alone mis-states a
     run whose Ws all ran warm, ZB-H1's first rank's, by the cold-warm gap)."""
-    from primuspipe.ir.cost_model import window_openings
+    from primuspipe.ir.row_context import window_openings
 
     out: dict[tuple[str, int], float] = {}
     for rank, row in enumerate(table.ranks):

@@ -41,8 +41,10 @@ sys.path.insert(0, str(ROOT))
 
 from primuspipe.algorithms.build import build_schedule  # noqa: E402
 from primuspipe.calibration.measure import measure_costs  # noqa: E402
-from primuspipe.calibration.replan import ReplanSettings, decide  # noqa: E402
-from primuspipe.io.timeline import dump_iterations, merge_rank_dumps  # noqa: E402
+from primuspipe.calibration.replan import ReplanSettings  # noqa: E402
+from primuspipe.calibration.replan_decision import decide  # noqa: E402
+from primuspipe.io.run_dumps import merge_rank_dumps  # noqa: E402
+from primuspipe.io.timeline import dump_iterations  # noqa: E402
 from primuspipe.passes.split_probe import probed_microbatches  # noqa: E402
 
 COMPUTE = re.compile(r"^(F|BW|B|W)(\d+)\.0$")

@@ -6,10 +6,10 @@ to run; forward-only calls are not counted. Per running table (one per shape):
 
 1. ``warmup_steps`` steps run it as given;
 2. ``measure_steps`` steps run it with a short split-backward probe
-   (:func:`~primuspipe.calibration.replan.probed`), timed by the run's own recorder -- the one
+   (:func:`~primuspipe.calibration.replan_decision.probed`), timed by the run's own recorder -- the one
    ``dump_pp_data`` uses: CUDA events on GPU, CPU clocks on CPU;
 3. after the last of them, every pipeline rank sends its timelines to pipeline rank 0; global rank 0
-   calibrates and decides (:func:`~primuspipe.calibration.replan.decide`), logs one line with the
+   calibrates and decides (:func:`~primuspipe.calibration.replan_decision.decide`), logs one line with the
    choice and its predicted step time, and broadcasts the decision and the table's text to every rank
    of the world (data-parallel replicas run the same table); every rank reads the table back and
    all of them check they hold the same one (a digest of its text, :func:`check_same_table`) before
@@ -37,11 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from primuspipe.calibration.replan import Decision, ReplanSettings, decide, prediction_error, probed
+from primuspipe.calibration.replan import ReplanSettings
+from primuspipe.calibration.replan_decision import Decision, decide, prediction_error, probed
 from primuspipe.errors import ConfigError, PrimusPipeError
 from primuspipe.documents import write_atomically
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.io.timeline import Timeline, merge_rank_timelines
+from primuspipe.io.run_dumps import merge_rank_timelines
+from primuspipe.io.timeline import Timeline
 from primuspipe.runtime.driver import check_same_table
 
 logger = logging.getLogger("primuspipe.replan")

@@ -145,7 +145,7 @@ def window_share(samples: list[Samples], placement: Placement) -> tuple[tuple[fl
     ``samples`` with each window node's time, less its rank's share, among ``durations`` where its kind
     and stage has no other (as they are on a rank of share 0). None where every rank's is 0. Per rank:
     what a window costs follows what the rank holds beside it (on CPU, page faults), which differs by
-    rank (:func:`~primuspipe.ir.cost_model.probe_windows`)."""
+    rank (:func:`~primuspipe.ir.row_context.probe_windows`)."""
     ratios: dict[int, list[float]] = defaultdict(list)
     for s in samples:
         for key, times in s.window.items():

@@ -10,10 +10,10 @@ model is measured (docs/simulator.md, "Calibration"):
   lazy initialisation make them slow). A chunk's first node of a kind in a step is left out of the
   mean; how much longer it takes than the rest is its **cold start** (median over ranks and chunks).
   FB nodes (an F overlapped with a B) give ``fb_overlap``. Warm W nodes (right after their own B or
-  another W of their chunk, :func:`~primuspipe.ir.cost_model.warm_weight_grad`) are timed apart: where
+  another W of their chunk, :func:`~primuspipe.ir.row_context.warm_weight_grad`) are timed apart: where
   a stage ran W in both contexts, ``compute.w`` is the cold ones' and ``compute.w_warm`` theirs; in one
   context only, that is its W, whatever the context (a run whose Ws took the same in both writes no
-  ``w_warm``). Nodes that open a probe window (:func:`~primuspipe.ir.cost_model.probe_windows`: the first
+  ``w_warm``). Nodes that open a probe window (:func:`~primuspipe.ir.row_context.probe_windows`: the first
   to run while the split probe's deferred W is pending) are timed apart too: per rank, the median share by
   which they took longer than their kind's others is ``compute.probe_window``, and the times are the others'.
 * **host** -- a rank's time between nodes. Walking each rank's nodes in table order, the rank is free

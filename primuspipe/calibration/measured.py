@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from primuspipe.ir.cost_file import merge_fixed
+from primuspipe.ir.cost_file import merge_fixed, stage_totals
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class MeasuredCosts:
         def values(per_stage: Sequence[float]) -> list[float]:
             if per_model_stage or self.vpp == 1:
                 return list(per_stage)
-            return [significant(sum(per_stage[k * self.vpp:(k + 1) * self.vpp])) for k in range(self.pp)]
+            return [significant(total) for total in stage_totals(per_stage, self.pp)]
 
         compute: dict[str, Any] = {"f": values(self.forward), "b": values(self.backward_input),
                                    "w": values(self.backward_weight)}

@@ -12,7 +12,8 @@ from primuspipe.errors import TableFormatError, UnknownAlgorithmError
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
 from primuspipe.ir.table import ScheduleTable
-from primuspipe.io.timeline import Timeline, forwarded_from_rank_0, placement_of_events
+from primuspipe.io.timeline import Timeline
+from primuspipe.io.timeline_wiring import forwarded_from_rank_0, placement_of_events
 from primuspipe.passes.communication import add_communication
 
 

@@ -8,9 +8,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from primuspipe.calibration.replay import run_table
-from primuspipe.io.timeline import TimedNode, Timeline, timed_transfers
-from primuspipe.ir.cost_model import probe_windows, warm_weight_grad
+from primuspipe.io.timeline import TimedNode, Timeline
+from primuspipe.io.timeline_wiring import timed_transfers
 from primuspipe.ir.placement import Placement
+from primuspipe.ir.row_context import probe_windows, warm_weight_grad
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,10 @@ class Step:
     idle: float = 0.0
     """How long the rank was free before that input arrived."""
     warm: bool = False
-    """A warm W (:func:`~primuspipe.ir.cost_model.warm_weight_grad`: right after its own B or another W of
+    """A warm W (:func:`~primuspipe.ir.row_context.warm_weight_grad`: right after its own B or another W of
     its chunk), which the cost model times apart (``compute.w_warm``)."""
     window: bool = False
-    """A node that opens a probe window (:func:`~primuspipe.ir.cost_model.probe_windows`: the first to run
+    """A node that opens a probe window (:func:`~primuspipe.ir.row_context.probe_windows`: the first to run
     while a deferred W of a rank that otherwise fuses its backwards is pending), whose extra time the cost
     model prices apart (``compute.probe_window``)."""
 

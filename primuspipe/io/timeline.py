@@ -9,6 +9,11 @@ JSON layout (``version`` 1; documented in docs/timeline-format.md)::
     {"format": "primuspipe.timeline", "version": 1, "source": "simulator" | "run",
      "algorithm": "1f1b", "pp": 4, "vpp": 1, "microbatches": 8, "iteration": 0, "time_unit": "s",
      "ranks": [{"rank": 0, "peak_memory_bytes": 123, "events": [{"node": "F0.0", "start": 0.0, "end": 1.0}, ...]}, ...]}
+
+This module is the document alone: its values, their JSON form (every field checked as it is read), whether it
+is one whole step, and where a run's per-rank files lie. Laying those files on one time axis is
+:mod:`~primuspipe.io.run_dumps`'; meeting a timeline's events with a table's wiring and placement is
+:mod:`~primuspipe.io.timeline_wiring`'s -- both read timelines, neither is needed to read or write one.
 """
 
 from __future__ import annotations
@@ -17,20 +22,18 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from primuspipe.errors import TableFormatError
 from primuspipe import strict
-from primuspipe.ir.cost_model import TIME_UNITS
+from primuspipe.ir.cost_parts import TIME_UNITS
 from primuspipe.documents import check_envelope, envelope, output_file, write_atomically
 from primuspipe.ir.kinds import NodeKind, kinds_completing, split_kinds
 from primuspipe.ir.node import ScheduleNode
-from primuspipe.ir.dataflow import Wiring
 from primuspipe.ir.placement import Placement
-from primuspipe.ir.table import ScheduleTable
 from primuspipe.ir.limits import MAX_NODES, check_shape
 
 TIMELINE_VERSION = 1
@@ -332,12 +335,15 @@ def _inside(value, at: str, span: float) -> tuple[float, float | None] | None:
     return wall, cpu
 
 
-# -- run dumps: one file per rank and iteration (written by primuspipe.runtime.recorder) --------
-# Kept here, free of torch, so tools can read a cluster's dumps on any machine.
+# -- where a run's dumps lie: one file per rank and iteration (written by primuspipe.runtime.recorder) ---------
+# The layout is the format's (docs/timeline-format.md): the recorder writes by it and every reader finds files by
+# it; reading the files of one iteration into one timeline is primuspipe.io.run_dumps'.
 _ITER_DIR = re.compile(r"iter_([0-9]{6,})", re.ASCII)
 
 
 def dump_path(dump_dir: str | os.PathLike, iteration: int, rank: int) -> Path:
+    """Where ``rank``'s dump of ``iteration`` lies under ``dump_dir``: ``iter_<n>/rank_<rank>.json``, ``n`` padded
+    to six digits so the folders sort by iteration."""
     return Path(dump_dir) / f"iter_{iteration:06d}" / f"rank_{rank}.json"
 
 
@@ -345,146 +351,3 @@ def dump_iterations(dump_dir: str | os.PathLike) -> list[int]:
     """The iterations dumped under ``dump_dir`` (``iter_<n>`` folders holding rank files), ascending."""
     found = (_ITER_DIR.fullmatch(p.name) for p in Path(dump_dir).glob("iter_*") if any(p.glob("rank_*.json")))
     return sorted(int(m[1]) for m in found if m and m[0] == f"iter_{int(m[1]):06d}")
-
-
-def merge_rank_dumps(dump_dir: str | os.PathLike, iteration: int) -> Timeline:
-    """All ranks' dumps of one iteration as one timeline, times relative to the earliest rank's start.
-
-    Refuses, saying what is wrong, an iteration that is not one whole step of one run: a rank's file
-    missing (a run stopped mid-step), a file holding another rank or iteration than its name says, or
-    files of different runs (``meta.run_id``) or shapes."""
-    folder = Path(dump_dir) / f"iter_{iteration:06d}"
-    parts = [_rank_dump(path, iteration) for path in sorted(folder.glob("rank_*.json"))]
-    if not parts:
-        raise TableFormatError(f"no rank dumps for iteration {iteration} under {dump_dir} (expected "
-                               f"{dump_path(dump_dir, iteration, 0)}); dumped iterations: "
-                               f"{dump_iterations(dump_dir) or 'none'}")
-    return merge_rank_timelines(parts, iteration, f"iteration {iteration} in {folder}")
-
-
-def merge_rank_timelines(parts: Sequence[Timeline], iteration: int, where: str) -> Timeline:
-    """One timeline from every rank's own of one step (a run dump's files, or what the ranks of a live
-    run gathered), times relative to the earliest rank's start. Refused, naming ``where``, unless the
-    parts are one whole step of one run (see :func:`merge_rank_dumps`)."""
-    parts = sorted(parts, key=lambda t: t.ranks[0].rank)
-    first = parts[0]
-    for part in parts[1:]:
-        if run_of(part) != run_of(first):
-            raise TableFormatError(
-                f"{where} mixes rank files of different runs: rank {first.ranks[0].rank} is "
-                f"{describe_run(first)} but rank {part.ranks[0].rank} is {describe_run(part)}; delete the stale files or "
-                "dump each run into its own directory")
-    if missing := sorted(set(range(first.pp)) - {t.ranks[0].rank for t in parts}):
-        raise TableFormatError(f"{where} is incomplete: rank file(s) of rank(s) "
-                               f"{', '.join(map(str, missing))} of pp={first.pp} are missing (the run stopped before "
-                               "they were written?)")
-    placement = first.meta.get("placement")
-    if other := next((part for part in parts if part.meta.get("placement") != placement), None):
-        raise TableFormatError(f"{where}: rank {first.ranks[0].rank} and rank {other.ranks[0].rank} record different "
-                               "placements (meta.placement); one run has one placement, so these files were edited "
-                               "or mixed")
-    origin = min(t.meta["t0_unix"] for t in parts)
-    ranks = []
-    for part in parts:
-        shift = part.meta["t0_unix"] - origin
-        (rank,) = part.ranks
-        ranks.append(RankTimeline(rank.rank, tuple(replace(e, start=e.start + shift, end=e.end + shift) for e in rank.events),
-                                  rank.peak_memory_bytes))
-    hosts = [{"rank": part.ranks[0].rank, **{k: part.meta[k] for k in _RANK_FACTS if k in part.meta}} for part in parts]
-    merged = Timeline("run", first.algorithm, first.pp, first.vpp, first.microbatches, tuple(ranks), iteration,
-                      meta={"t0_unix": origin, "device": first.meta.get("device"), "memory": first.meta.get("memory"),
-                            "run_id": first.meta.get("run_id"), "ranks": hosts,
-                            **({} if placement is None else {"placement": placement})}).check_one_step(where)
-    _check_clocks(merged, where)
-    return merged
-
-
-def _check_clocks(timeline: Timeline, where: str) -> None:
-    """Refuse ranks whose clocks disagree by more than a rank's whole step: a receive that ended before its send
-    started by more than the longest rank's span (each rank's span is its own clock's, so no skew hides in it).
-    The ranks are set on one time line by their ``t0_unix``; hosts whose clocks were never synchronised, or a
-    rank file edited, gave a step of days and every rank 100 % idle, and calibrate a replay 100 % off, without a
-    word. A send meets its receive by the table's wiring (:func:`timed_transfers`) over the timeline's events on
-    the placement it ran (:func:`placement_of_events`): a microbatch's chunks cross one link once each, and only
-    the stages tell which of them a send or a receive moved."""
-    placement = placement_of_events(timeline)
-    events = {rank.rank: rank.events for rank in timeline.ranks}
-    rows = [events.get(rank, ()) for rank in range(timeline.pp)]
-    wiring = ScheduleTable(placement, timeline.microbatches, tuple(tuple(e.node for e in row) for row in rows)).wiring
-    sent, received = timed_transfers(rows, wiring)
-    longest = max((r.span for r in timeline.ranks), default=0.0)
-    for key, send in sent.items():
-        if (receive := received.get(key)) is not None and send.start - receive.end > longest:
-            transfer = wiring.transfer(key)
-            src, dst = placement.rank_of(transfer.src_stage), placement.rank_of(transfer.dst_stage)
-            raise TableFormatError(
-                f"{where}: rank {dst}'s receive of the {transfer} from rank {src} ended "
-                f"{send.start - receive.end:.6g} {timeline.time_unit} before rank {src} began sending it, more than "
-                f"a whole rank's step ({longest:.6g} {timeline.time_unit}): the ranks' clocks (t0_unix) disagree; "
-                "dump from hosts with synchronised clocks (NTP/PTP)")
-
-
-def timed_transfers(rows: Sequence[Sequence[TimedNode | None]], wiring: Wiring
-                    ) -> tuple[dict[int, TimedNode], dict[int, TimedNode]]:
-    """Each transfer's send event and receive event, by the wiring's transfer key: ``rows[rank][i]`` is the event
-    of the wiring's node ``i`` of ``rank`` (None where it was not recorded). The one way a timeline's sends meet
-    their receives, for the clock check and calibration's walk alike."""
-    sent: dict[int, TimedNode] = {}
-    received: dict[int, TimedNode] = {}
-    for row, moves in zip(rows, wiring.moves):
-        for e, key in zip(row, moves):
-            if key >= 0 and e is not None:
-                (sent if e.node.kind.is_send else received)[key] = e
-    return sent, received
-
-
-def placement_of_events(timeline: Timeline) -> Placement:
-    """Where the timeline's stages lived, as far as the timeline itself says: the placement it records (the
-    recorder and the simulator write it; a merge keeps it), else the built-in layout its communication shows
-    (:meth:`~primuspipe.ir.placement.Placement.shown_by`: dumps of older recorders record none). Not the layout
-    the timeline's algorithm is registered with: that is the registry's to say, above this module
-    (:func:`~primuspipe.calibration.replay.placement_of`)."""
-    if "placement" not in timeline.meta:
-        return Placement.shown_by(timeline.pp, timeline.vpp, forwarded_from_rank_0(timeline))
-    placement = Placement.from_dict(timeline.meta["placement"], "a timeline's meta.placement")
-    if (placement.pp, placement.vpp) != (timeline.pp, timeline.vpp):
-        raise TableFormatError(f"the timeline is pp={timeline.pp} vpp={timeline.vpp} but its meta.placement is "
-                               f"pp={placement.pp} vpp={placement.vpp}; the placement belongs to another run")
-    return placement
-
-
-def forwarded_from_rank_0(timeline: Timeline) -> list[int]:
-    """The chunks rank 0 sends activations from in ``timeline``: what shows a layout the timeline does not record
-    (:meth:`~primuspipe.ir.placement.Placement.shown_by`); none where it times no such send."""
-    rank_0 = next((r.events for r in timeline.ranks if r.rank == 0), ())
-    return [e.node.chunk for e in rank_0 if e.node.kind.is_send and e.node.kind.carries is NodeKind.F]
-
-
-_RANK_FACTS = ("t0_unix", "host", "cpus", "threads", "process_cpu", "thread_cpu", "memory_at_start")
-"""What a rank's dump says about where and how it ran (see primuspipe.runtime.recorder); kept per rank
-in the merged timeline's ``meta["ranks"]``."""
-
-
-def _rank_dump(path: Path, iteration: int) -> Timeline:
-    """One rank's dump file, refused unless it holds the rank and iteration its path names."""
-    part = Timeline.load(path)
-    ranks = [r.rank for r in part.ranks]
-    if len(ranks) != 1 or path.name != f"rank_{ranks[0]}.json":
-        raise TableFormatError(f"{path} holds rank(s) {ranks}, not the one rank its name says; a run dump has one "
-                               "file per rank named rank_<rank>.json")
-    if part.iteration != iteration:
-        raise TableFormatError(f"{path} is iteration {part.iteration}, not {iteration} as its folder says; it was "
-                               "moved or copied from elsewhere")
-    if "t0_unix" not in part.meta:
-        raise TableFormatError(f"{path} lacks meta.t0_unix (the rank's wall-clock step start), so it is no run dump")
-    return part
-
-
-def run_of(part: Timeline) -> tuple:
-    return part.meta.get("run_id"), part.algorithm, part.pp, part.vpp, part.microbatches, part.time_unit
-
-
-def describe_run(part: Timeline) -> str:
-    run_id = part.meta.get("run_id")
-    return (f"{part.algorithm} pp={part.pp} vpp={part.vpp} m={part.microbatches}"
-            + (f" of run {run_id}" if run_id else " (no run id)"))

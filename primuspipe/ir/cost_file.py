@@ -64,15 +64,15 @@ user modules) dumps neither, and the file keeps the even split.
 
 ``compute.w_warm`` (optional; like the times) is what a *warm* W costs: one its rank runs right after
 the B of its own microbatch and chunk or right after another W of its chunk
-(:func:`~primuspipe.ir.cost_model.warm_weight_grad`); ``compute.w`` is then what a cold one costs (after
+(:func:`~primuspipe.ir.row_context.warm_weight_grad`); ``compute.w`` is then what a cold one costs (after
 a forward or another microbatch's B). Cut for ``vpp`` chunks, each chunk's warm W is its W less
 ``(w - w_warm) / vpp`` (:func:`warm_stages`: the cache's saving is in the layers' weight GEMMs, so it
 divides like them). A file without it charges W alike wherever it runs, as it always did.
 
 ``compute.probe_window`` (optional, a share >= 0 or a list of one per rank, default 0) is how much longer the
 node takes that opens a window, the first to run while its rank holds a deferred W's inputs
-(:func:`~primuspipe.ir.cost_model.window_openings`), in any table; ``primuspipe calibrate`` measures it per
-rank from the window openings of a probed run (:func:`~primuspipe.ir.cost_model.probe_windows`), so that
+(:func:`~primuspipe.ir.row_context.window_openings`), in any table; ``primuspipe calibrate`` measures it per
+rank from the window openings of a probed run (:func:`~primuspipe.ir.row_context.probe_windows`), so that
 neither the forward's time nor ``host.cores`` takes it in, and a split-backward schedule's ranks that defer
 a W pay their rank's share where each window opens.
 
@@ -125,6 +125,18 @@ def split_stages(name: str, value: Values, pp: int, vpp: int) -> tuple[float, ..
             raise ConfigError(f"{name} has {len(value)} values; give {counts_taken(pp, vpp)}")
     per_1f1b_stage = per_stage_values(name, value, pp, "1F1B stages")
     return tuple(per_1f1b_stage[s // vpp] / vpp for s in range(pp * vpp))
+
+
+def stage_totals(values: Sequence[float], pp: int) -> list[float]:
+    """Per 1F1B stage, the sum of its model stages' ``values`` (``len(values) // pp`` consecutive ones each): what
+    :func:`split_stages` cuts, put back together -- for a file written per 1F1B stage, or a model re-cut for
+    another vpp.
+
+    >>> stage_totals([1.0, 1.0, 2.0, 2.0], pp=2)
+    [2.0, 4.0]
+    """
+    k = len(values) // pp
+    return [sum(values[i * k:(i + 1) * k]) for i in range(pp)]
 
 
 def chunk_fixed(fixed: Sequence[float]) -> float:

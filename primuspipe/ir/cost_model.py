@@ -3,8 +3,10 @@
 Everything is resolved against one pipeline shape (``num_stages = pp * vpp`` stages, ``pp`` ranks), so
 a model is checked once when built and looked up by index while simulating. Times are in
 ``time_unit`` (``"s"``, ``"ms"`` or ``"us"``); only their ratios matter to step time and bubble rate,
-the unit only labels timelines and scales Chrome traces. The YAML form is :mod:`primuspipe.ir.cost_file`'s;
-the parts besides compute times are :mod:`primuspipe.ir.cost_parts`'.
+the unit only labels timelines and scales Chrome traces. The YAML form is :mod:`primuspipe.ir.cost_file`'s,
+read into a model by :mod:`primuspipe.ir.cost_reader`; the parts besides compute times are
+:mod:`primuspipe.ir.cost_parts`'; which node of a row runs a warm W or opens a window is
+:mod:`primuspipe.ir.row_context`'s to say, this model's to price.
 
 >>> model = CostModel.per_stage(4, f=1, b=1, w=1)
 >>> model.duration(NodeKind.BW, 0), model.p2p.transfer_time(0, 1)
@@ -19,29 +21,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from primuspipe.errors import ConfigError, ScheduleShapeError
+from primuspipe.errors import ConfigError
 from primuspipe import strict
-from primuspipe.ir.cost_file import (COMPUTE_FIELDS, SECTIONS, cold_start_section, cost_keys, counts_taken,
-                                     host_section, late_section, link_section, memory_section, merge_fixed,
-                                     read_cost_file, split_fixed, split_stages, warm_stages, window_section)
+from primuspipe.ir.cost_file import (merge_fixed, read_cost_file, split_fixed, split_stages, stage_totals,
+                                     warm_stages)
 from primuspipe.ir.cost_parts import TIME_UNITS, HostCost, LateWork, Link, MemoryCost, P2PCost
+from primuspipe.ir.cost_reader import read_model
 from primuspipe.ir.costs import ComputeCosts, Values, per_stage_values
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.limits import check_shape
 from primuspipe.ir.node import ScheduleNode
+from primuspipe.ir.row_context import warm_weight_grad
 from primuspipe.ir.placement import Placement
-
-
-def _check_file_shape(compute: Mapping[str, Any], pp: int, vpp: int, source: str) -> None:
-    """F, B and W lists of one length that fits neither this pp nor pp x vpp were written for another
-    pipeline (a run calibrated at pp 4, simulated at --pp 8): said once, with the shape to use, rather than
-    as one field's count."""
-    lists = [v for k in ("f", "b", "w")
-             if isinstance(v := compute[k], Sequence) and not isinstance(v, (str, bytes, bytearray))]
-    if len(lists) == 3 and len({len(v) for v in lists}) == 1 and len(lists[0]) not in (pp, pp * vpp):
-        raise ConfigError(f"{source}: F, B and W have {len(lists[0])} values each, one per stage of another pipeline "
-                          f"than pp={pp}: give {counts_taken(pp, vpp)}; a calibrated file's first line names the "
-                          f"shape it was measured at, simulate that one")
 
 
 @dataclass(frozen=True)
@@ -72,17 +63,17 @@ class CostModel:
     takes ``latency + n / bandwidth`` on the rank's copy stream of its direction, overlapping compute.
     Default free (zero latency, unlimited bandwidth): give it to price offload (docs/offload.md)."""
     w_warm: tuple[float, ...] | None = None
-    """Per stage, the time of a *warm* W (:func:`warm_weight_grad`: run right after its own B or another
-    W of its chunk, what it reads still in cache), where ``compute`` W is what a cold one takes (after a
-    forward or another microbatch's B); None: W costs the same wherever it runs. Only :meth:`node_time`
+    """Per stage, the time of a *warm* W (:func:`~primuspipe.ir.row_context.warm_weight_grad`: run right after
+    its own B or another W of its chunk, what it reads still in cache), where ``compute`` W is what a cold one
+    takes (after a forward or another microbatch's B); None: W costs the same wherever it runs. Only :meth:`node_time`
     (the simulator) reads it: the algorithms plan with :meth:`duration`, the cold W, and are judged by
     simulating."""
     probe_window: float | tuple[float, ...] = 0.0
     """The share of extra time the node takes that opens a window, the first to run while its rank holds
-    a deferred W's inputs (:func:`window_openings`), F, B or BW alike, per rank (one number: every rank's);
-    0: none. The split probe opens such windows in a fused-backward step (:func:`probe_windows`), where
-    calibration measures it per rank; a split-backward schedule's rank that defers a W pays its rank's
-    share where its window opens, once however long the W stays pending (docs/simulator.md). Only
+    a deferred W's inputs (:func:`~primuspipe.ir.row_context.window_openings`), F, B or BW alike, per rank (one
+    number: every rank's); 0: none. The split probe opens such windows in a fused-backward step
+    (:func:`~primuspipe.ir.row_context.probe_windows`), where calibration measures it per rank; a
+    split-backward schedule's rank that defers a W pays its rank's share where its window opens, once however long the W stays pending (docs/simulator.md). Only
     :meth:`node_time` (the simulator) reads it."""
     late_w: LateWork | None = None
     """Time one stage's W (or BW) takes more from some microbatch on (:class:`~primuspipe.ir.cost_parts.LateWork`:
@@ -155,7 +146,8 @@ class CostModel:
                   previous: ScheduleNode | None = None, window: bool = False) -> float:
         """Compute time of a node on ``rank`` (0 for communication nodes); ``previous`` is the compute
         node the rank ran just before it (None: none), which sets what a W costs (:attr:`w_warm`);
-        ``window``: the node opens a window (:func:`window_openings`), which :attr:`probe_window` prices."""
+        ``window``: the node opens a window (:func:`~primuspipe.ir.row_context.window_openings`), which
+        :attr:`probe_window` prices."""
         parts = [(kind, placement.stage(rank, chunk)) for kind, _, chunk in node.parts()]
         if len(parts) > 1:
             time = self.overlapped_time(parts)
@@ -213,8 +205,7 @@ class CostModel:
         check_shape(pp, vpp, 1)
 
         def recut(name: str, values: tuple[float, ...]) -> tuple[float, ...]:
-            k = len(values) // pp
-            return split_stages(name, [sum(values[i * k:(i + 1) * k]) for i in range(pp)], pp, vpp)
+            return split_stages(name, stage_totals(values, pp), pp, vpp)
 
         cut: dict[str, tuple[tuple[float, ...], ...]] = {}  # key -> (times, fixed parts, chunks' own)
         for key, parts, chunk in self.fixed:
@@ -236,8 +227,7 @@ class CostModel:
         warm = None
         if self.w_warm is not None:  # each 1F1B stage keeps what running W warm saves on it
             saving = [w - hot for w, hot in zip(self.compute.backward_weight, self.w_warm)]
-            k = self.num_stages // pp
-            warm = warm_stages(compute.backward_weight, [sum(saving[i * k:(i + 1) * k]) for i in range(pp)])
+            warm = warm_stages(compute.backward_weight, stage_totals(saving, pp))
         late = None  # on the new stage that holds the end of the old one (the output layer ends the last)
         if self.late_w is not None:
             late = replace(self.late_w, stage=-(-(self.late_w.stage + 1) * pp * vpp // self.num_stages) - 1)
@@ -249,85 +239,10 @@ class CostModel:
     # -- dict / YAML --------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, pp: int, vpp: int, source: str = "cost model") -> CostModel:
-        """Build from the YAML form (:mod:`~primuspipe.ir.cost_file`) for a pipeline of ``pp`` ranks x ``vpp`` chunks;
-        every value is checked (:mod:`primuspipe.strict`) and errors name ``source`` and the field. The shape is
-        checked first: the model keeps one value per stage (``--vpp 999999999999999999`` built them for ever)."""
-        try:
-            check_shape(pp, vpp, 1)
-        except ScheduleShapeError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
-        top = strict.keys(data, source, SECTIONS)
-        comp = strict.keys(top.get("compute"), f"{source}: compute", {*cost_keys(), *COMPUTE_FIELDS},
-                           required={"f", "b", "w"})
-        _check_file_shape(comp, pp, vpp, source)
-        p2p = strict.keys(top.get("p2p", {}), f"{source}: p2p",
-                          {"message_bytes", "ranks_per_node", "intra_node", "inter_node"})
-        links = {k: strict.keys(p2p.get(k, {}), f"{source}: p2p.{k}", {"latency", "bandwidth"})
-                 for k in ("intra_node", "inter_node")}
-
-        fixed_given = strict.keys(comp.get("fixed", {}), f"{source}: compute.fixed", cost_keys())
-        chunk_given = strict.keys(comp.get("chunk", {}), f"{source}: compute.chunk", cost_keys())
-        for part, given, needs in (("fixed", fixed_given, comp), ("chunk", chunk_given, fixed_given)):
-            if unknown := sorted(set(given) - set(needs)):
-                raise ConfigError(f"{source}: compute.{part}.{unknown[0]} is given but compute."
-                                  f"{'fixed.' if part == 'chunk' else ''}{unknown[0]} is not; give both or neither")
-        fixed: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {}
-
-        def stages(name: str, value: Values) -> tuple[float, ...]:
-            key = name.lower()
-            if key in fixed_given:
-                times, *fixed[key] = split_fixed(f"{source}: compute.{key}", value, fixed_given[key], pp, vpp,
-                                                 f"{source}: compute.fixed.{key}", chunk_given.get(key),
-                                                 f"{source}: compute.chunk.{key}")
-                return times
-            return split_stages(f"{source}: {name}", value, pp, vpp)
-
-        def number(section: Mapping[str, Any], key: str, name: str, default: float, **bounds: float) -> float:
-            return strict.number(section.get(key, default), f"{source}: {name}", **bounds)
-
-        def warm(w: tuple[float, ...]) -> tuple[float, ...] | None:
-            """``compute.w_warm`` per model stage (:mod:`~primuspipe.ir.cost_file`): as given per model
-            stage, else each chunk's W less its share of its 1F1B stage's saving."""
-            if (value := comp.get("w_warm")) is None:
-                return None
-            name, n = f"{source}: compute.w_warm", pp * vpp
-
-            def per_model_stage(v: Any) -> bool:
-                return vpp > 1 and isinstance(v, Sequence) and not isinstance(v, (str, bytes, bytearray)) and len(v) == n
-
-            if per_model_stage(value):
-                return per_stage_values(name, value, n, "stages")
-            hot = per_stage_values(name, value, pp, "1F1B stages")
-            if per_model_stage(comp["w"]):
-                each = per_stage_values(f"{source}: compute.w", comp["w"], n, "stages")
-                totals = [sum(each[k * vpp:(k + 1) * vpp]) for k in range(pp)]
-            else:
-                totals = per_stage_values(f"{source}: compute.w", comp["w"], pp, "1F1B stages")
-            return warm_stages(w, [t - h for t, h in zip(totals, hot)])
-
-        try:
-            memory = memory_section(top.get("memory", {}), pp, vpp, source)
-            other = {key: stages(key.upper(), comp[key]) for key in sorted(set(comp) - COMPUTE_FIELDS)}
-            w = stages("W", comp["w"])
-            model = cls.per_stage(
-                pp * vpp, stages("F", comp["f"]), stages("B", comp["b"]), w, other=other, w_warm=warm(w),
-                bw=None if comp.get("bw") is None else stages("BW", comp["bw"]),
-                fb_overlap=number(comp, "fb_overlap", "compute.fb_overlap", 0.0, minimum=0, maximum=1),
-                probe_window=window_section(comp.get("probe_window", 0.0), pp, f"{source}: compute.probe_window"),
-                late_w=late_section(comp.get("late_w"), f"{source}: compute.late_w"),
-                p2p=P2PCost(number(p2p, "message_bytes", "p2p.message_bytes", 0.0, minimum=0),
-                            ranks_per_node=strict.count(p2p.get("ranks_per_node", 8), f"{source}: p2p.ranks_per_node",
-                                                        minimum=1),
-                            **{k: link_section(v, f"{source}: p2p.{k}") for k, v in links.items()}),
-                memory=memory, time_unit=strict.text(top.get("time_unit", "ms"), f"{source}: time_unit",
-                                                     choices=TIME_UNITS),
-                host=host_section(top.get("host", {}), pp), cold_start=cold_start_section(comp.get("cold_start"), pp, vpp),
-                host_link=link_section(strict.keys(top.get("host_link", {}), f"{source}: host_link",
-                                            {"latency", "bandwidth"}), f"{source}: host_link"),
-                fixed=tuple((key, *parts) for key, parts in sorted(fixed.items())), source=source,
-            )
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"bad value in the cost model: {exc}") from exc
+        """Build from the YAML form (:mod:`~primuspipe.ir.cost_file`) for a pipeline of ``pp`` ranks x ``vpp`` chunks
+        (:func:`~primuspipe.ir.cost_reader.read_model`); every value is checked (:mod:`primuspipe.strict`) and errors
+        name ``source`` and the field."""
+        model = read_model(cls.per_stage, data, pp=pp, vpp=vpp, source=source)
         model.check_cores(pp)
         return model
 
@@ -388,82 +303,6 @@ class CostModel:
                                  gradient_bytes=list(m.gradient_bytes), optimizer_bytes=list(m.optimizer_bytes))
         return out
 
-
-def warm_weight_grad(previous: ScheduleNode | None, node: ScheduleNode) -> bool:
-    """Whether ``node`` is a *warm* W: its rank ran, just before it (``previous``: the rank's compute node
-    before it, communication between them aside), the B of the same microbatch and chunk -- whose output
-    gradients it reads -- or another W of the same chunk -- whose weight-gradient buffers it adds to.
-    Measured on CPU, such a W took 10-20 % less than one after a forward or another microbatch's B
-    (docs/simulator.md). The simulator charges W by it (:attr:`CostModel.w_warm`) and calibration sorts
-    measured W by it, with this one rule.
-
-    >>> from primuspipe.ir.node import B, F, W
-    >>> [warm_weight_grad(before, W(3)) for before in (B(3), W(2), B(4), F(5), W(2, 1))]
-    [True, True, False, False, False]
-    """
-    if node.kind is not NodeKind.W or previous is None:
-        return False
-    return any(p.chunk == node.chunk
-               and (p.kind is NodeKind.W or p.kind is NodeKind.B and p.microbatch == node.microbatch)
-               for p in previous.parts())
-
-
-def window_openings(row: Sequence[ScheduleNode]) -> list[bool]:
-    """Per node of a rank's row, in table order: whether it opens a *window* -- the first node to start
-    while the rank holds the inputs of a W whose B has run, after a stretch holding none. A node that
-    completes only W never opens one (a W is priced by its own context, :func:`warm_weight_grad`), nor
-    does a communication or host-copy node; the window stays open through them until no W is pending.
-
-    Why the opening only: measured on CPU, the extra time of a window falls on its first node, when the
-    rank first keeps a deferred W's inputs beside its working set (the allocator finds fresh memory
-    once); the nodes after it run at their kind's plain time. The split probe's windows at pp = 2,
-    hidden 256: the first F 24-26 ms where the rank's other Fs took 19-20, the next F in the same window
-    20 ms. ZB-H2's first rank, holding a deferred W through 9 nodes in a row (its unit-cost table): F
-    +3.8 % and B +1.3 % over the same run's others, about 5 ms a step, where charging every node of the
-    window the probe's share gave 20 ms and charging its opening gives 5 (docs/simulator.md).
-    :attr:`CostModel.probe_window` prices each opening, in any table; where it is measured is
-    :func:`probe_windows`.
-
-    >>> from primuspipe.ir.node import B, F, W
-    >>> window_openings([F(0), B(0), F(1), B(1), W(0), F(2), B(2), W(1), W(2), F(3), B(3), F(4)])
-    [False, False, True, False, False, False, False, False, False, False, False, True]
-    """
-    pending: set[tuple[int, int]] = set()  # (chunk, microbatch) whose B ran and whose W has not
-    out = []
-    is_open = False
-    for node in row:
-        parts = node.parts()
-        opens = (bool(pending) and not is_open and not node.kind.on_host_stream
-                 and any(not (p.kind.is_weight_grad and not p.kind.is_input_grad) for p in parts))
-        out.append(opens)
-        is_open = is_open or opens
-        for p in parts:
-            if p.kind.is_input_grad != p.kind.is_weight_grad:
-                (pending.add if p.kind.is_input_grad else pending.discard)((p.chunk, p.microbatch))
-        is_open = is_open and bool(pending)
-    return out
-
-
-def probe_windows(row: Sequence[ScheduleNode]) -> list[bool]:
-    """:func:`window_openings` of a rank that runs fused backwards (a kind completing both the B and
-    the W step), the windows the split probe (:mod:`primuspipe.passes.split_probe`) opens in a 1F1B step;
-    none elsewhere. Calibration times the nodes that open them apart and measures :attr:`CostModel.probe_window`
-    from them, per rank, with this one rule: beside the same kind's nodes with nothing pending, which a
-    fused-backward step has and a split-backward one's later ranks mostly lack. Measured on CPU (hidden 128
-    and 256) they took 2-46 % more CPU than the step's others (median over a run's), most of it minor page
-    faults (glibc handing freed memory back to the kernel: a rank holding more than it held elsewhere in
-    the step faults it back in); ranks that keep freed memory (:mod:`primuspipe.testing.host_memory`)
-    measure a share of 0-2 % at hidden 128 (docs/simulator.md). The share differs by rank, as what each
-    holds does (pp = 2, hidden 256, over every node of a window: the first rank's 5-11 %, the last rank's
-    0.3-3 %; over the openings alone, one run: 23 % and 10 %).
-
-    >>> from primuspipe.ir.node import B, BW, F, W
-    >>> probe_windows([F(0), F(1), B(0), F(2), W(0), BW(1)]), probe_windows([F(0), F(1), B(0), F(2), W(0)])
-    ([False, False, False, True, False, False], [False, False, False, False, False])
-    """
-    if not any(p.kind.is_input_grad and p.kind.is_weight_grad for node in row for p in node.parts()):
-        return [False] * len(row)
-    return window_openings(row)
 
 
 MAX_TIME = 1e12

@@ -42,7 +42,7 @@ def probed_microbatches(microbatches: int, count: int) -> tuple[range, range]:
 def split_backward_probe(table: ScheduleTable, count: int = 1) -> ScheduleTable:
     """``table`` with the BW of microbatches from the middle of the step (:func:`probed_microbatches`),
     on every chunk, run as B and W: ``count`` with W right after their B (ZB-H1's first rank, the
-    V-shapes: a warm W, :func:`~primuspipe.ir.cost_model.warm_weight_grad`, the first of them the chunk's
+    V-shapes: a warm W, :func:`~primuspipe.ir.row_context.warm_weight_grad`, the first of them the chunk's
     first W of the step), then a run of ``count + 1`` with each W deferred past the next one's B (where
     ZB-H1's later ranks and ZB-H2 put a W: a cold one), the last W right after the one before it (warm
     again, as ZB-H2's second W of a pair). A W is never moved past a backward that is not split, so every

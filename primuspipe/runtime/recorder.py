@@ -5,7 +5,7 @@ with ``source="run"`` holding that rank's events (seconds from the rank's step s
 memory: peak allocated bytes on GPU (the CUDA peak counter is reset at step start), peak resident set
 size sampled at the end of every compute node on CPU; ``meta["memory_at_start"]`` is the same measure at
 step start (what the step's activations come on top of). ``meta["t0_unix"]`` is the rank's step start on
-the wall clock, so :func:`~primuspipe.io.timeline.merge_rank_dumps` can lay all ranks on one time axis. ``meta["run_id"]`` is the
+the wall clock, so :func:`~primuspipe.io.run_dumps.merge_rank_dumps` can lay all ranks on one time axis. ``meta["run_id"]`` is the
 run's id, the same on every rank of the pipeline (:func:`shared_run_id`), so readers never merge files of
 two runs left in one directory. Files are written atomically (a rank killed mid-write leaves no half
 file), so an iteration on disk is whole or visibly missing ranks.

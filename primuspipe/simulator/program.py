@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from primuspipe.ir.cost_model import CostModel, window_openings, warm_weight_grad
+from primuspipe.ir.cost_model import CostModel
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement
+from primuspipe.ir.row_context import window_openings, warm_weight_grad
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.simulator import host_copies
 from primuspipe.simulator.transport import Wires
@@ -28,8 +29,8 @@ from primuspipe.simulator.transport import Wires
 
 class Compute(NamedTuple):
     """A compute node: the rank spends ``host`` (its kind's host overhead), then ``duration`` (its cost
-    -- a W's by whether it runs warm, :func:`~primuspipe.ir.cost_model.warm_weight_grad`, any node's by
-    whether it opens a window of deferred Ws, :func:`~primuspipe.ir.cost_model.window_openings` -- plus its cold start
+    -- a W's by whether it runs warm, :func:`~primuspipe.ir.row_context.warm_weight_grad`, any node's by
+    whether it opens a window of deferred Ws, :func:`~primuspipe.ir.row_context.window_openings` -- plus its cold start
     when it is its chunk's first of its kind in the step), once the keys it needs
     (:attr:`Program.needs`: inbound transfers, reloads) have arrived."""
     host: float

@@ -24,7 +24,7 @@ from primuspipe.backends.megatron import install, is_installed, uninstall  # noq
 from primuspipe.testing.megatron import compare, tiny_models  # noqa: E402
 from primuspipe.backends.megatron.config import PrimusPipeConfig  # noqa: E402
 from primuspipe.testing.megatron.distributed_cpu import ParallelLayout, run_on_gloo  # noqa: E402
-from primuspipe.io.timeline import merge_rank_dumps  # noqa: E402
+from primuspipe.io.run_dumps import merge_rank_dumps  # noqa: E402
 from primuspipe.backends.megatron.schedule_func import PrimusForwardBackward  # noqa: E402
 from primuspipe.ir.node import NodeKind  # noqa: E402
 from primuspipe.algorithms.build import build_schedule  # noqa: E402

@@ -9,7 +9,7 @@ import yaml
 
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import ConfigError
-from primuspipe.ir.cost_model import probe_windows, window_openings
+from primuspipe.ir.row_context import probe_windows, window_openings
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import B, BW, F, W
 from primuspipe.passes.communication import add_communication

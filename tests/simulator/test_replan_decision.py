@@ -8,7 +8,8 @@ import re
 import pytest
 
 from primuspipe.algorithms.build import build_schedule
-from primuspipe.calibration.replan import Decision, ReplanSettings, decide, probed
+from primuspipe.calibration.replan import ReplanSettings
+from primuspipe.calibration.replan_decision import Decision, decide, probed
 from primuspipe.errors import ConfigError, UnknownAlgorithmError
 from primuspipe.simulator import CostModel, simulate
 

@@ -8,7 +8,7 @@ import yaml
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.calibration.measure import measure_costs
 from primuspipe.errors import ConfigError
-from primuspipe.ir.cost_model import warm_weight_grad
+from primuspipe.ir.row_context import warm_weight_grad
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import B, BW, F, W
 from primuspipe.passes.communication import add_communication

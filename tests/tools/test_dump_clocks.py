@@ -9,7 +9,8 @@ import pytest
 
 from primuspipe.algorithms.build import build_schedule
 from primuspipe.errors import TableFormatError
-from primuspipe.io.timeline import RankTimeline, TimedNode, Timeline, merge_rank_timelines
+from primuspipe.io.run_dumps import merge_rank_timelines
+from primuspipe.io.timeline import RankTimeline, TimedNode, Timeline
 from primuspipe.ir.kinds import NodeKind
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.placement import Placement

@@ -18,15 +18,8 @@ from pathlib import Path
 from primuspipe import strict
 from primuspipe.errors import TableFormatError
 from primuspipe.ir.cost_model import TIME_UNITS
-from primuspipe.io.timeline import (
-    TimedNode,
-    Timeline,
-    describe_run,
-    dump_iterations,
-    dump_path,
-    merge_rank_dumps,
-    run_of,
-)
+from primuspipe.io.run_dumps import describe_run, merge_rank_dumps, run_of
+from primuspipe.io.timeline import TimedNode, Timeline, dump_iterations, dump_path
 from primuspipe.tools.pp_vis.primus_dump import (
     is_primus_dump,
     load_primus_dump,
