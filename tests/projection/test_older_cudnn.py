@@ -29,6 +29,7 @@ def _expected(entry: dict, length: int, backward: bool) -> float:
 
 
 def _cases() -> list[tuple[dict, int, bool]]:
+    """(entry, tokens a sequence, backward) for every older kernel at every length of its base release."""
     return [(entry, length, backward) for entry in DOCUMENT["older_kernels"]
             for length in RELEASES[tuple(entry["base"])] for backward in (False, True)]
 
