@@ -15,7 +15,7 @@ from primuspipe import strict
 from primuspipe.errors import ConfigError
 from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION, running_levels
 from primuspipe.ir.costs import Values, per_stage_values
-from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.placement import Placement
 
 if TYPE_CHECKING:
@@ -153,6 +153,7 @@ class HostCost:
     def __post_init__(self) -> None:
         strict.fields(self)
         object.__setattr__(self, "overhead", tuple(sorted(self.overhead)))  # one model, one value
+        self._check_overhead_kinds()
         values = [v for _, v in self.overhead] + [self.send, self.recv, self.background, self.contention,
                                                   self.message_cpu,
                                                   *(self.step_gap or ())]
@@ -165,6 +166,19 @@ class HostCost:
         if self.contention > MAX_CONTENTION:
             raise ConfigError(f"host.contention must be at most {MAX_CONTENTION:g} (a share of the work each crowding "
                               f"job adds), got {self.contention:g}")
+
+    def _check_overhead_kinds(self) -> None:
+        """Each overhead names a compute kind once, by the lower-case name :meth:`before` looks up (the cost file's
+        ``host.overhead`` keys): ``("zz", 1.0)`` or ``("F", 1.0)`` was kept and never charged, and a kind named twice
+        charged whichever came last."""
+        known = [k.name.lower() for k in compute_kinds()]
+        names = [name for name, _ in self.overhead]
+        for name in names:
+            if name not in known:
+                raise ConfigError(f"host.overhead names {strict.show(name)}, which is no compute kind's name; give "
+                                  f"one of {', '.join(known)}{strict.did_you_mean(name.lower(), known)}")
+            if names.count(name) > 1:
+                raise ConfigError(f"host.overhead gives kind {name!r} {names.count(name)} times; give each kind once")
 
     def before(self, kind: NodeKind) -> float:
         """Rank time before a node of ``kind``."""

@@ -21,7 +21,7 @@ from typing import Literal
 from primuspipe.projection.gemm import GEMM_STREAMS
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.routing import busiest_rank_load
-from primuspipe.projection.spec_fields import InputError, oversized, read_yaml, spec_from_mapping
+from primuspipe.projection.spec_fields import InputError, check_fields, oversized, read_yaml, spec_from_mapping
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act", "mla_up_proj")
 """Megatron's ``recompute_modules``. ``layernorm``, ``moe_act`` and ``mla_up_proj`` run only with Transformer
@@ -444,6 +444,7 @@ class TrainingSpec:
     """Where the values came from; named in error messages."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.precision == "fp8":
             object.__setattr__(self, "precision", "bf16")
             object.__setattr__(self, "fp8_format", self.fp8_format or "hybrid")
