@@ -39,7 +39,7 @@ class _Single(_StoreOnce):
     def __call__(self, parser, namespace, values, option_string=None):
         given = namespace.__dict__.get(_GIVEN, {})
         if self.dest in given and given[self.dest][0] == values:
-            parser.error(f"{given[self.dest][1]} {values!r} given twice; {option_string} takes one value: give it once")
+            parser.error(f"{option_string} {values!r} given twice; it takes one value: give it once")
         super().__call__(parser, namespace, values, option_string)
 
 

@@ -189,6 +189,12 @@ class HostCost:
         return self.send if kind.is_send else self.recv
 
 
+MAX_BYTES = 1e18
+"""Largest byte count of a memory field: an exabyte, millions of times any device's memory. ``1e308`` parameter and
+gradient bytes summed past a float in the peaks, refused after the simulation as a "peak_memory_bytes" too large
+for a number with advice to give smaller times."""
+
+
 @dataclass(frozen=True)
 class MemoryCost:
     """What a rank holds: activations of microbatches in flight, and (optionally) bytes.
@@ -233,8 +239,9 @@ class MemoryCost:
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0.0):
                 raise ConfigError(f"memory.{name} must be a finite number >= 0, got {getattr(self, name)}")
         for name in ("activation_bytes", "parameter_bytes", "gradient_bytes", "optimizer_bytes"):
-            if not all(math.isfinite(x) and x >= 0.0 for x in getattr(self, name) or ()):
-                raise ConfigError(f"memory.{name} must be finite numbers >= 0, got {strict.show(getattr(self, name))}")
+            if not all(0.0 <= x <= MAX_BYTES for x in getattr(self, name) or ()):  # NaN fails every comparison
+                raise ConfigError(f"memory.{name} must be finite numbers in [0, {MAX_BYTES:g}] bytes, got "
+                                  f"{strict.show(getattr(self, name))}")
         if not (len(self.parameter_bytes) == len(self.gradient_bytes) == len(self.optimizer_bytes)):
             raise ConfigError("parameter, gradient and optimizer bytes need one value per rank each")
 

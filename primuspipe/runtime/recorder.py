@@ -88,6 +88,8 @@ def checked_device(value: Any, name: str = "device") -> torch.device:
     AttributeError once a step recorded, ``3`` (torch's ``cuda:3``) or a missing GPU ran on without a word until
     the recorder asked CUDA for it, and text torch cannot read its RuntimeError."""
     try:
+        if isinstance(value, bool):  # an int to torch: True was cuda:1
+            raise TypeError("true or false is no device")
         device = torch.device(value)
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(f"{name} must be a torch.device or its name (e.g. 'cpu', 'cuda:0'), got "
