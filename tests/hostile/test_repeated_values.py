@@ -39,3 +39,4 @@ def test_a_value_given_twice(case, argv):
 def test_every_command_that_lists_values_is_swept():
     """The generator finds the options it means (a parser change that hid them would leave the sweep empty)."""
     assert {case.split()[0] for case, _ in CASES} >= {"simulate", "project", "export"}
+    assert {"simulate -a -a", "project -a -a"} <= {case for case, _ in CASES}
