@@ -76,7 +76,7 @@ _FILE_SUFFIXES = (".json", ".yaml", ".yml", ".csv", ".txt", ".png", ".html")
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate algorithms under a cost model and rank them by step time",
                        description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--algorithm", "-a", required=True, metavar="NAME|all",
+    p.add_argument("--algorithm", "-a", action="single", required=True, metavar="NAME|all",
                    help="a registered algorithm (see 'primuspipe list') or 'all' to compare every one")
     add_shape_arguments(p)
     costs = p.add_argument_group("costs (use --cost FILE, or the flags below; times in any one unit, the cost "

@@ -15,7 +15,7 @@ from primuspipe import strict
 from primuspipe.errors import ConfigError
 from primuspipe.ir.activations import OFFLOAD_FRACTION, W_RETAINED_FRACTION, running_levels
 from primuspipe.ir.costs import Values, per_stage_values
-from primuspipe.ir.kinds import NodeKind
+from primuspipe.ir.kinds import NodeKind, compute_kinds
 from primuspipe.ir.placement import Placement
 
 if TYPE_CHECKING:
@@ -153,6 +153,7 @@ class HostCost:
     def __post_init__(self) -> None:
         strict.fields(self)
         object.__setattr__(self, "overhead", tuple(sorted(self.overhead)))  # one model, one value
+        self._check_overhead_kinds()
         values = [v for _, v in self.overhead] + [self.send, self.recv, self.background, self.contention,
                                                   self.message_cpu,
                                                   *(self.step_gap or ())]
@@ -166,6 +167,19 @@ class HostCost:
             raise ConfigError(f"host.contention must be at most {MAX_CONTENTION:g} (a share of the work each crowding "
                               f"job adds), got {self.contention:g}")
 
+    def _check_overhead_kinds(self) -> None:
+        """Each overhead names a compute kind once, by the lower-case name :meth:`before` looks up (the cost file's
+        ``host.overhead`` keys): ``("zz", 1.0)`` or ``("F", 1.0)`` was kept and never charged, and a kind named twice
+        charged whichever came last."""
+        known = [k.name.lower() for k in compute_kinds()]
+        names = [name for name, _ in self.overhead]
+        for name in names:
+            if name not in known:
+                raise ConfigError(f"host.overhead names {strict.show(name)}, which is no compute kind's name; give "
+                                  f"one of {', '.join(known)}{strict.did_you_mean(name.lower(), known)}")
+            if names.count(name) > 1:
+                raise ConfigError(f"host.overhead gives kind {name!r} {names.count(name)} times; give each kind once")
+
     def before(self, kind: NodeKind) -> float:
         """Rank time before a node of ``kind``."""
         return dict(self.overhead).get(kind.name.lower(), 0.0)
@@ -173,6 +187,12 @@ class HostCost:
     def post(self, kind: NodeKind) -> float:
         """Rank time to post a node of a communication ``kind``."""
         return self.send if kind.is_send else self.recv
+
+
+MAX_BYTES = 1e18
+"""Largest byte count of a memory field: an exabyte, millions of times any device's memory. ``1e308`` parameter and
+gradient bytes summed past a float in the peaks, refused after the simulation as a "peak_memory_bytes" too large
+for a number with advice to give smaller times."""
 
 
 @dataclass(frozen=True)
@@ -219,8 +239,9 @@ class MemoryCost:
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0.0):
                 raise ConfigError(f"memory.{name} must be a finite number >= 0, got {getattr(self, name)}")
         for name in ("activation_bytes", "parameter_bytes", "gradient_bytes", "optimizer_bytes"):
-            if not all(math.isfinite(x) and x >= 0.0 for x in getattr(self, name) or ()):
-                raise ConfigError(f"memory.{name} must be finite numbers >= 0, got {strict.show(getattr(self, name))}")
+            if not all(0.0 <= x <= MAX_BYTES for x in getattr(self, name) or ()):  # NaN fails every comparison
+                raise ConfigError(f"memory.{name} must be finite numbers in [0, {MAX_BYTES:g}] bytes, got "
+                                  f"{strict.show(getattr(self, name))}")
         if not (len(self.parameter_bytes) == len(self.gradient_bytes) == len(self.optimizer_bytes)):
             raise ConfigError("parameter, gradient and optimizer bytes need one value per rank each")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING, Literal
 
-from primuspipe.projection.spec_fields import InputError, read_yaml, spec_from_mapping
+from primuspipe.projection.spec_fields import InputError, check_fields, check_fields, read_yaml, spec_from_mapping
 
 if TYPE_CHECKING:
     from primuspipe.projection.training_spec import TrainingSpec
@@ -34,6 +34,9 @@ class AttentionKernel:
     """The forward's rate by sequence length relative to ``efficiency``, as ``attention_length_rates``."""
     backward_length_rates: tuple[tuple[float, float], ...]
     """The backward's, relative to ``efficiency`` alike, as ``attention_backward_length_rates``."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # its ranges are the hardware file's to check, where it is named (HardwareSpec)
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,7 @@ class HardwareSpec:
     """Where the values came from; named in error messages."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("peak_bf16_tflops", "hbm_bytes", "hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
                      "inter_node_bandwidth_bytes_per_s", "intra_node_peer_bandwidth_bytes_per_s", "gpus_per_node",
                      "peak_fp8_tflops", "compute_units", "host_op_seconds", "host_launch_seconds",

@@ -29,7 +29,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from primuspipe.projection.spec_fields import InputError, oversized, read_yaml, spec_from_mapping
+from primuspipe.projection.spec_fields import InputError, check_fields, oversized, read_yaml, spec_from_mapping
 
 LayerKind = Literal["dense", "moe"]
 
@@ -145,6 +145,7 @@ class ModelSpec:
     """Where the values came from; named in error messages."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         self._check()
 
     # -- derived sizes --------------------------------------------------------------------------------

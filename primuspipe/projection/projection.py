@@ -540,9 +540,9 @@ def project(projector: Projector, training: TrainingSpec, *, algorithms: list[st
     """Results ranked by throughput (tokens/s per GPU, fitting ones first), and the refused candidates."""
     check_compatible(projector.model, training)
     check_runs_on(training, projector.hardware)
-    # an algorithm named twice (-a 1f1b -a 1f1b) is projected once: it was two identical rows of the ranking
-    names = list(dict.fromkeys(algorithms or [info.name for info in list_algorithms()
-                                              if not (search and info.name == "zb-auto")]))
+    names = list(algorithms or [info.name for info in list_algorithms() if not (search and info.name == "zb-auto")])
+    if twice := [name for name in names if names.count(name) > 1]:  # two identical rows, or one for two names typed
+        raise ConfigError(f"algorithm {twice[0]!r} is named {names.count(twice[0])} times; name each algorithm once")
     pairs = list(candidates(projector.model, training, names, search))
     results, refusals = [], []
     for k, outcome in enumerate(_evaluated(projector, pairs), 1):

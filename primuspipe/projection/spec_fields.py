@@ -11,6 +11,7 @@ fields (heads divisible by TP, ...) live with the specs and raise the same error
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import types
 import typing
@@ -78,15 +79,51 @@ def spec_from_mapping(cls: type[T], data: Mapping[str, Any], source: str) -> T:
     return cls(**values, source=source)
 
 
-def coerce(hint: Any, value: Any, source: str, name: str) -> Any:
-    """``value`` as the annotated type, or an :class:`InputError` naming the field."""
+def coerce(hint: Any, value: Any, source: str, name: str, *, text_numbers: bool = True) -> Any:
+    """``value`` as the annotated type, or an :class:`InputError` naming the field; ``text_numbers``: a number
+    may be written as text (PyYAML reads ``1.0e9`` as a string)."""
     try:
-        return _coerce(hint, value)
+        return _coerce(hint, value, text_numbers)
     except (TypeError, ValueError) as exc:
         raise InputError([(source, name, value)], str(exc), f"give {_describe(hint)}") from None
 
 
-def _coerce(hint: Any, value: Any) -> Any:
+def check_fields(spec: Any) -> None:
+    """Every field of the spec ``spec`` (a dataclass with a ``source``) checked by the rules its file is read by
+    -- whole numbers integral, numbers finite and >= 0, flags real booleans, names printable, choices among their
+    values -- and kept as the type it reads as (an int for a float field, a list as a tuple): a spec built in code
+    passed only its cross-field checks, so ``TrainingSpec(micro_batch_size=0.5)``, ``sequence_parallel="yes"`` or
+    ``precision="fp64"`` projected without a word, and ``HardwareSpec(hbm_bytes="80e9")`` was a TypeError. Numbers
+    as text, which only a YAML reader makes, are refused here: the loader has read them already."""
+    source = getattr(spec, "source", type(spec).__name__)
+    for name, hint, plain in _field_checks(type(spec)):
+        value = getattr(spec, name)
+        if not any(check(value) for check in plain):  # the common case, without coerce's walk (projection's search)
+            conformed = coerce(hint, value, source, name, text_numbers=False)
+            if conformed is not value:
+                object.__setattr__(spec, name, conformed)
+
+
+_PLAIN: dict[Any, Any] = {int: lambda v: type(v) is int and v >= 0, bool: lambda v: type(v) is bool,
+                          float: lambda v: type(v) is float and 0 <= v < math.inf, type(None): lambda v: v is None}
+"""Values that are already what :func:`coerce` would make of them, by annotation: accepted at a glance."""
+
+
+@functools.cache
+def _field_checks(cls: type) -> tuple[tuple[str, Any, tuple[Any, ...]], ...]:
+    """Each field of ``cls`` but ``source`` (where the values came from: a path, printed escaped where named) with
+    its annotation and the glances (:data:`_PLAIN`) its values pass by."""
+    hints = typing.get_type_hints(cls)
+    checks = []
+    for field in fields(cls):
+        if field.name != "source":
+            hint = hints[field.name]
+            members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+            checks.append((field.name, hint, tuple(_PLAIN[m] for m in members if m in _PLAIN)))
+    return tuple(checks)
+
+
+def _coerce(hint: Any, value: Any, text_numbers: bool = True) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -94,24 +131,27 @@ def _coerce(hint: Any, value: Any) -> Any:
         kinds = [a for a in args if a is not type(None)]
         for arg in kinds:
             try:
-                return _coerce(arg, value)
+                return _coerce(arg, value, text_numbers)
             except (TypeError, ValueError):
                 if len(kinds) == 1:  # one kind of value (or null): its own problem says more
                     raise
                 continue
         raise ValueError("not a valid value")
     if origin is Literal:
-        if value not in args:
+        if value not in args or isinstance(value, bool) and not any(isinstance(a, bool) for a in args):
             raise ValueError(f"not one of {', '.join(map(str, args))}")
         return value
     if origin is tuple:
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise TypeError("not a list")
-        return tuple(_coerce(args[0], v) for v in value)
+        return tuple(_coerce(args[0], v, text_numbers) for v in value)
     if origin is dict:
         if not isinstance(value, Mapping):
             raise TypeError("not a mapping")
-        return {_coerce(args[0], key): _nested(key, args[1], item) for key, item in value.items()}
+        return {_coerce(args[0], key, text_numbers): _nested(key, args[1], item, text_numbers)
+                for key, item in value.items()}
+    if is_dataclass(hint) and isinstance(value, hint):  # built in code: checked by its own construction
+        return value
     if is_dataclass(hint):
         if not isinstance(value, Mapping):
             raise TypeError("not a mapping")
@@ -123,11 +163,13 @@ def _coerce(hint: Any, value: Any) -> Any:
         missing = [f.name for f in fields(hint) if f.name not in value and f.default is MISSING]
         if missing:
             raise ValueError(f"field {missing[0]!r} missing")
-        return hint(**{key: _nested(key, hints[key], item) for key, item in value.items()})
+        return hint(**{key: _nested(key, hints[key], item, text_numbers) for key, item in value.items()})
     if hint is bool:
         if isinstance(value, bool):
             return value
         raise TypeError("not a boolean")
+    if hint in (int, float) and isinstance(value, str) and not text_numbers:
+        raise TypeError("text, not a number")
     if hint is int:
         return _count(value)
     if hint is float:
@@ -141,10 +183,10 @@ def _coerce(hint: Any, value: Any) -> Any:
     raise AssertionError(f"spec field type {hint!r} has no reader")
 
 
-def _nested(key: Any, hint: Any, value: Any) -> Any:
+def _nested(key: Any, hint: Any, value: Any, text_numbers: bool = True) -> Any:
     """``value`` as ``hint`` inside a mapping: a problem names its ``key``."""
     try:
-        return _coerce(hint, value)
+        return _coerce(hint, value, text_numbers)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{key}: {exc}") from None
 
@@ -166,6 +208,10 @@ def _number(value: Any) -> float:
 
 
 def _count(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):  # exact: a float holds 53 bits
+        if value < 0:
+            raise ValueError("negative")
+        return value
     number = _number(value)
     if number != int(number):
         raise ValueError("not a whole number")

@@ -21,7 +21,7 @@ from typing import Literal
 from primuspipe.projection.gemm import GEMM_STREAMS
 from primuspipe.projection.model_spec import ModelSpec
 from primuspipe.projection.routing import busiest_rank_load
-from primuspipe.projection.spec_fields import InputError, oversized, read_yaml, spec_from_mapping
+from primuspipe.projection.spec_fields import InputError, check_fields, oversized, read_yaml, spec_from_mapping
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act", "mla_up_proj")
 """Megatron's ``recompute_modules``. ``layernorm``, ``moe_act`` and ``mla_up_proj`` run only with Transformer
@@ -444,6 +444,7 @@ class TrainingSpec:
     """Where the values came from; named in error messages."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.precision == "fp8":
             object.__setattr__(self, "precision", "bf16")
             object.__setattr__(self, "fp8_format", self.fp8_format or "hybrid")
@@ -868,9 +869,6 @@ class TrainingSpec:
         if "moe_preprocess" in self.cuda_graph_modules and "moe_router" not in self.cuda_graph_modules:
             self._fail(("cuda_graph_modules",), "moe_preprocess is captured only together with moe_router (Megatron's rule)",
                        "add moe_router")
-        if self.num_layers_at_start_in_bf16 < 0 or self.num_layers_at_end_in_bf16 < 0:
-            self._fail(("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"), "a layer count cannot be negative",
-                       "give 0 or more layers")
         if self.fp8_format is None and self.first_last_layers_bf16:
             self._fail(("first_last_layers_bf16", "fp8_format"), "BF16 first and last layers only mean something under FP8",
                        "set fp8_format, or remove first_last_layers_bf16")
@@ -910,9 +908,6 @@ class TrainingSpec:
                        "fusion (megatron-core refuses it otherwise)",
                        "remove defer_embedding_wgrad_compute, or set pipeline_model_parallel_size > 1 and "
                        "gradient_accumulation_fusion: true")
-        if self.wgrad_deferral_limit < 0:
-            self._fail(("wgrad_deferral_limit",), "cannot be negative (megatron-core refuses it)",
-                       "give 0 (every microbatch) or a positive count")
         if (self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers) and self.pp == 1:
             self._fail(("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                         "pipeline_model_parallel_size"), "uneven first/last stages need a pipeline",

@@ -137,12 +137,13 @@ class StepDriver:
         with the recorder dumps use, dumping or not)."""
         import torch.distributed as dist
 
-        from primuspipe.runtime.recorder import StepRecorder, shared_run_id
+        from primuspipe.runtime.recorder import StepRecorder, checked_device, shared_run_id
         from primuspipe.runtime.transport import P2PTransport
 
         if not isinstance(group, dist.ProcessGroup):  # None or a name was torch's ValueError at the first transfer
             raise ConfigError(f"execute's group must be a torch.distributed ProcessGroup (dist.group.WORLD, "
                               f"dist.new_group(...)), got {strict.show(group)}")
+        device = checked_device(device, "execute's device")
 
         runner = cached_runner(table, rank)  # proves an unproven table first: nothing runs or talks before
         key = (id(table), id(group))

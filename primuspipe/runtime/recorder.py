@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from primuspipe import strict
+from primuspipe.errors import ConfigError
 from primuspipe.ir.node import ScheduleNode
 from primuspipe.ir.table import ScheduleTable
 from primuspipe.io.timeline import RankTimeline, TimedNode, Timeline
@@ -79,6 +81,24 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def checked_device(value: Any, name: str = "device") -> torch.device:
+    """``value`` as a torch.device that exists here: ``"cpu"`` (docs/backends.md's own example) was an
+    AttributeError once a step recorded, ``3`` (torch's ``cuda:3``) or a missing GPU ran on without a word until
+    the recorder asked CUDA for it, and text torch cannot read its RuntimeError."""
+    try:
+        if isinstance(value, bool):  # an int to torch: True was cuda:1
+            raise TypeError("true or false is no device")
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"{name} must be a torch.device or its name (e.g. 'cpu', 'cuda:0'), got "
+                          f"{strict.show(value)}: {str(exc).splitlines()[0]}") from None
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= visible:
+        raise ConfigError(f"{name} {device} does not exist here ({visible} CUDA devices visible); give one of them "
+                          "or 'cpu'")
+    return device
 
 
 class StepRecorder:

@@ -4,12 +4,15 @@ offer, each switch given a value, and an option that does not exist. Each is one
 usage line aside) and nothing runs."""
 
 import argparse
-import json
 from pathlib import Path
 
 import pytest
 
-from hostile_support import NUMBER_TYPES, command_inputs, record, refused, run_cli, subcommands
+from hostile_support import NUMBER_TYPES, command_inputs, refused, run_api, run_cli, subcommands
+from primuspipe.projection.hardware_spec import load_hardware
+from primuspipe.projection.model_spec import load_model
+from primuspipe.projection.projection import Projector, project
+from primuspipe.projection.training_spec import load_training
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "projection"
 
@@ -75,11 +78,12 @@ def test_bad_argument(world, command, option, tokens):
 
 
 @pytest.mark.parametrize("names", [["1f1b", "1f1b"], ["zb-h1", "1f1b", "zb-h1", "zb-h1"]])
-def test_an_algorithm_named_twice_is_projected_once(names):
-    """``project -a 1f1b -a 1f1b`` ranked two identical rows (``--algorithm`` is meant to repeat)."""
+def test_an_algorithm_named_twice(names):
+    """``project -a 1f1b -a 1f1b`` ranked two identical rows (``--algorithm`` is meant to repeat), then one row for
+    the two names typed; now the repeat is refused naming it, on the command line and in ``project()``."""
     argv = _valid(Path("."))["project"][:-2] + [t for name in names for t in ("-a", name)] + ["--json"]
-    outcome = run_cli(argv)
-    rows = [row["algorithm"] for row in json.loads(outcome.out)["results"]] if outcome.code == 0 else None
-    record("sound" if rows is not None and sorted(rows) == sorted(set(names)) else "silent",
-           f"project {' '.join('-a ' + n for n in names)}")
-    assert rows is not None and sorted(rows) == sorted(set(names)), rows or outcome.message
+    refused(run_cli(argv), "-a", names[0], "twice", case=f"project {' '.join('-a ' + n for n in names)}")
+    projector = Projector(load_model(EXAMPLES / "models" / "llama3-8b.yaml"),
+                          load_hardware(EXAMPLES / "hardware" / "h100.yaml"))
+    refused(run_api(project, projector, load_training(EXAMPLES / "training" / "default.yaml"), algorithms=names),
+            names[0], "times", case=f"project(algorithms={names})")

@@ -16,7 +16,9 @@ marks="x")`` drew with a text for marks; ``build_schedule(..., memory_limit_byte
 request; a call missing an argument was Python's TypeError; ``cached_schedule`` given its options as a list or a dict
 (or a list among the values) was the cache's "unhashable type"; ``StepDriver.execute`` given the rank as ``"0"`` or
 ``0.0``, no table, a group of None or a name, ``record="no"`` was a TypeError or torch's ValueError at the first
-transfer, and ``forward_only="no"`` (truthy) ran a forward-only step; ``split_sequential(model, "2")`` and a model that is no
+transfer, and ``forward_only="no"`` (truthy) ran a forward-only step, a device of None, ``3`` (``cuda:3``) or a missing
+GPU was kept, and any device but a torch.device (docs/backends.md's ``"cpu"`` too) an AttributeError once the step
+recorded (round fifteen); ``split_sequential(model, "2")`` and a model that is no
 ``Sequential`` were TypeErrors, ``num_stages=True`` one stage; ``warmup_steady_cooldown`` refused a warm-up past its
 forwards with a bare assert (under ``python -O``, a row that lost backwards)."""
 
@@ -153,6 +155,19 @@ def _execute_cases():
             yield f"StepDriver.execute {name}={value!r:.20}#{i}", {**valid, name: value}, name
     for i, value in enumerate([None, "world", 3]):
         yield f"StepDriver.execute group={value!r}#{i}", {**valid, "group": value}, "group"
+    for i, value in enumerate(_absent_devices()):
+        for record in (False, True):
+            yield f"StepDriver.execute device={value!r} record={record}#{i}", {**valid, "device": value,
+                                                                                "record": record}, "device"
+
+
+def _absent_devices() -> list:
+    """Devices ``execute`` cannot run on here: no device at all, a name torch cannot read, and the first GPU past
+    the visible ones in each spelling (torch reads a bare integer as ``cuda:N``). Each was kept without a word,
+    or was an AttributeError once the step recorded (``"cpu"`` too, docs/backends.md's own spelling)."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [None, "gpu", 2.5, ["cpu"], object(), True, visible, f"cuda:{visible}",
+            torch.device("cuda", visible)]
 
 
 EXECUTE_CASES = list(_execute_cases())
@@ -168,8 +183,13 @@ def test_a_step_driver_argument_of_another_type(one_rank_group, case, kwargs, na
     refused(run_api(StepDriver(watchdog_timeout_s=20).execute, **kwargs), name, case=f"API {case}")
 
 
-def test_the_step_driver_runs_the_valid_arguments(one_rank_group):
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")], ids=["'cpu'", "torch.device"])
+@pytest.mark.parametrize("record", [False, True])
+def test_the_step_driver_runs_the_valid_arguments(one_rank_group, device, record):
+    """The device as docs/backends.md spells it, or a torch.device, with and without recording the step (the
+    recorder is what reads the device: ``"cpu"`` was an AttributeError there)."""
     import torch.distributed as dist
 
-    StepDriver(watchdog_timeout_s=20).execute(cached_schedule("1f1b", 1, 1, 2), 0, _Binder(), dist.group.WORLD,
-                                              device="cpu")
+    timeline = StepDriver(watchdog_timeout_s=20).execute(cached_schedule("1f1b", 1, 1, 2), 0, _Binder(),
+                                                         dist.group.WORLD, device=device, record=record)
+    assert (timeline is not None) == record

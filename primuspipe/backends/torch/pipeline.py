@@ -34,6 +34,7 @@ from primuspipe.ir.table import ScheduleTable
 from primuspipe.passes.communication import add_communication
 from primuspipe.passes.validation import validate
 from primuspipe.runtime.driver import StepDriver
+from primuspipe.runtime.recorder import checked_device
 
 
 @dataclass(frozen=True)
@@ -243,15 +244,7 @@ def _check_options(scale_grads: Any, count_saved_bytes: Any, offload_ops: Any, d
         raise ConfigError("offload_ops must be a list of submodule name parts (e.g. ['core_attention']), got "
                           f"{strict.show(offload_ops)}")
     if device is not None:
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ConfigError(f"device must be a torch.device or its name (e.g. 'cpu', 'cuda:0'), got "
-                              f"{strict.show(device)}: {str(exc).splitlines()[0]}") from None
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if device.type == "cuda" and (device.index or 0) >= visible:
-            raise ConfigError(f"device {device} does not exist here ({visible} CUDA devices visible); give one of "
-                              "them or 'cpu'")
+        device = checked_device(device)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ConfigError(f"group must be a torch.distributed ProcessGroup (e.g. dist.new_group(...)), got "
                           f"{strict.show(group)}")
