@@ -48,6 +48,10 @@ RELEASES = {
                  "144, 185-192, 277",
     "dgxc2504-": "NVIDIA/NeMo d2b21556f2 (dgxc-benchmarking v25.04.01's setup.sh): megatron_comm_overlap.py lines "
                  "138-139, 144, 185-192, 277",
+    "dgxc2505-gb200-llama3.1-": "NVIDIA/NeMo 7a8f1cc7bc (dgxc-benchmarking v25.05's llama3.1 setup.sh): "
+                                "megatron_comm_overlap.py lines 138-139, 144, 185-192, 277",
+    "dgxc2505-gb200-nemotron4-": "NVIDIA/NeMo b4148d2169 (dgxc-benchmarking v25.05's nemotron setup.sh): "
+                                 "megatron_comm_overlap.py lines 138-139, 144, 185-192, 277",
 }
 """Each release in the table (by row-id prefix) and where its tree holds the call to the setup and the defaults above
 (model defaults, the TP check, the DP > 1 branch; Megatron-Bridge's ``training/config.py`` and ``training/
@@ -82,12 +86,16 @@ USER_VALUES: dict[str, dict[str, Any]] = {
     # NeMo 2 recipes' pretrain_performance_optimizations callbacks (the same lines at v2.2.0 and d2b21556f2):
     # nemo/collections/llm/recipes/llama3_70b.py lines 234-235 (dgxc's pretrain_llama31.py takes the llama3_70b
     # recipe for 70B, v25.04.01 line 33), llama31_405b.py 241-242, nemotron4_340b.py 214-215, gpt3_175b.py 232-233
+    # (the same lines at 7a8f1cc7bc and b4148d2169, dgxc-benchmarking v25.05's trees)
     **{row: _defer(22) for row in ("dgxc2504-llama3.1-70b-fp8-64", "nemo2502-b200-llama3-70b-fp8-64",
                                    "dgxc2504-nemotron4-340b-bf16-256", "dgxc2504-nemotron4-340b-fp8-256",
-                                   "nemo2502-b200-nemotron4-340b-fp8-128")},
+                                   "nemo2502-b200-nemotron4-340b-fp8-128", "dgxc2505-gb200-nemotron4-340b-bf16-128",
+                                   "dgxc2505-gb200-nemotron4-340b-fp8-512",
+                                   "dgxc2505-gb200-nemotron4-340b-bf16-512-gbs512")},
     **{row: _defer(50) for row in ("dgxc2504-llama3.1-405b-bf16-512", "dgxc2504-llama3.1-405b-fp8-512",
                                    "nemo2502-b200-llama3.1-405b-fp8-128", "nemo2502-b200-gpt3-175b-fp8-512",
-                                   "nemo2502-h100-gpt3-175b-fp8-512")},
+                                   "nemo2502-h100-gpt3-175b-fp8-512", "dgxc2505-gb200-llama3.1-405b-bf16-128",
+                                   "dgxc2505-gb200-llama3.1-405b-bf16-512", "dgxc2505-gb200-llama3.1-405b-fp8-512")},
 }
 """Fields the run's code gave to the ``CommOverlapConfig`` (or the callback), which take precedence over the defaults:
 row id -> {field: value}."""
