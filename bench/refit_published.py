@@ -92,10 +92,11 @@ def refit(figure: FittedFigure, runs: list[PublishedRun]) -> dict:
     assert rows, figure
     current = getattr(load_hardware(published.EXAMPLES / "hardware" / f"{figure.hardware[0]}.yaml"), figure.field)
     grid = [current + k * figure.step for k in range(-8, 9) if current + k * figure.step > 0]
-    losses = {v: _loss(_ratios(rows, figure, v)) for v in grid}
+    ratios = {v: _ratios(rows, figure, v) for v in grid}  # the file's value is the grid's middle point
+    losses = {v: _loss(r) for v, r in ratios.items()}
     best = min(losses, key=losses.get)
     return {"field": figure.field, "hardware": list(figure.hardware), "file_value": current, "best_value": best,
-            "rows": {"at_file_value": _ratios(rows, figure, current), "at_best_value": _ratios(rows, figure, best)},
+            "rows": {"at_file_value": ratios[current], "at_best_value": ratios[best]},
             "at_grid_edge": best in (grid[0], grid[-1])}
 
 

@@ -3,6 +3,8 @@ torch enters only in the runtime, the backends and the test harness (and the pro
 which times real megatron-core layers) -- in no other module, not even inside a function."""
 
 import ast
+import functools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -59,10 +61,12 @@ def _modules() -> dict[str, Path]:
             for path in ROOT.rglob("*.py")}
 
 
-def _all_imports(top_level_only: bool = False) -> list[tuple[str, str, int]]:
+@functools.cache
+def _all_imports(top_level_only: bool = False) -> tuple[tuple[str, str, int], ...]:
     """Every ``(importing module, imported module, line)``, function-level imports included unless
     ``top_level_only`` (then what a module runs as it loads: its body and the ``try`` blocks in it, not an
-    ``if TYPE_CHECKING:``). ``from a import b`` imports ``a.b`` where that is a module of primuspipe's."""
+    ``if TYPE_CHECKING:``). ``from a import b`` imports ``a.b`` where that is a module of primuspipe's. Parsed once
+    a session (every module's source, the tests below read it four times)."""
     modules = _modules()
     found = []
     for module, path in modules.items():
@@ -75,7 +79,7 @@ def _all_imports(top_level_only: bool = False) -> list[tuple[str, str, int]]:
                            node.lineno) for a in node.names]
             elif isinstance(node, ast.Import):
                 found += [(module, a.name, node.lineno) for a in node.names]
-    return found
+    return tuple(found)
 
 
 def _imports() -> list[tuple[str, str, int]]:
@@ -116,7 +120,33 @@ def test_frameworks_are_imported_only_where_they_may_be():
     assert not wrong, "framework imports outside runtime/, backends/, testing/:\n" + "\n".join(wrong)
 
 
+_PROBE = """import importlib, json, sys
+for module in sys.argv[1:]:
+    importlib.import_module(module)
+    print(json.dumps([module, "torch" in sys.modules]), flush=True)
+    if "torch" in sys.modules:
+        break
+"""
+
+
+@functools.cache
+def _loads_torch() -> dict[str, str]:
+    """Per :data:`TORCH_FREE` module, what importing it in a fresh interpreter does: "" (torch stays out), "loads
+    torch", or the error it fails with. The modules are imported one after another in one interpreter: what a module
+    imports either was loaded by an earlier one (which did not load torch, or the run would have stopped there) or
+    is loaded now, so torch is in ``sys.modules`` right after a module exactly when importing that module alone
+    loads it. After a module that loads torch or fails, the rest start over in a fresh interpreter."""
+    found: dict[str, str] = {}
+    while left := [m for m in TORCH_FREE if m not in found]:
+        done = subprocess.run([sys.executable, "-c", _PROBE, *left], capture_output=True, text=True)
+        for line in done.stdout.splitlines():
+            module, loaded = json.loads(line)
+            found[module] = "loads torch" if loaded else ""
+        if done.returncode:  # the first module it did not report failed to import
+            found[next(m for m in left if m not in found)] = f"fails: {done.stderr.strip().splitlines()[-1:]}"
+    return found
+
+
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_importing_the_core_does_not_load_torch(module):
-    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, f"importing {module} loads torch"
+    assert not _loads_torch()[module], f"importing {module} {_loads_torch()[module]}"

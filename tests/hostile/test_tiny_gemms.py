@@ -5,6 +5,7 @@ counted the padding twice: 0.8 rows cost 84 ms where 128 rows cost 0.14 ms on H1
 Each generated shape (every hardware file, grouped and not, each kernel path, BF16 and FP8, the forward,
 input-gradient and weight-gradient GEMMs) must price finitely and never cheaper with more rows, up to a tile."""
 
+import functools
 import math
 from pathlib import Path
 
@@ -19,13 +20,19 @@ ROWS = [1e-6, 1e-3, 0.01, 0.1, 0.25, 0.5, 0.8, 0.99, 1, 1.5, 2, 3, 7.9, 16, 31, 
 SHAPES = [(4096, 4096), (1536, 7168), (14336, 4096), (192, 768)]
 
 
+@functools.cache
+def _hardware(path: Path):
+    """A hardware file, read once for all of its cases here (the spec is frozen) rather than once a case."""
+    return load_hardware(path)
+
+
 @pytest.mark.parametrize("hardware", HARDWARE, ids=lambda p: p.stem)
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("groups, kernel", [(1, "multi_stream")] + [(g, k) for g in (8, 64) for k in GROUPED_GEMM_KERNELS])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("part", ["forward", "dgrad", "wgrad"])
 def test_fewer_rows_than_a_tile_price_sanely_and_monotonically(hardware, n, k, groups, kernel, fp8, part):
-    h = load_hardware(hardware)
+    h = _hardware(hardware)
     if fp8 and h.fp8_peak_tflops() is None:
         return
     case = f"gemm {hardware.stem} n={n} k={k} groups={groups} {kernel} fp8={fp8} {part}"

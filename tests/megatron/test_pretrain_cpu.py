@@ -14,7 +14,10 @@ sums, and the V holds other stages on each rank than Megatron's interleaved plac
 "Where the result is not bit for bit"); the losses stay bitwise equal.
 
 The training script is :mod:`primuspipe.testing.megatron.pretrain_gpt_cpu` (the shape of Megatron-LM's
-``pretrain_gpt.py``); CPU mode for ``pretrain`` is :mod:`primuspipe.testing.megatron.pretrain_cpu`.
+``pretrain_gpt.py``); CPU mode for ``pretrain`` is :mod:`primuspipe.testing.megatron.pretrain_cpu`. The six runs
+share one ``--data-cache-path`` (Megatron's own index cache): the first builds the mock dataset's document, sample
+and shuffle indices -- millions of samples at sequence length 8, seconds in every rank -- and saves them, the
+others load the same arrays.
 """
 
 import functools
@@ -57,9 +60,10 @@ def _pretrain(algorithm: str | None, extra: tuple[str, ...], tmp: str) -> tuple[
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env.update({"PRIMUSPIPE_PATCH": "1", "PRIMUSPIPE_PP_ALGORITHM": algorithm} if algorithm else {"PRIMUSPIPE_PATCH": "0"})
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    cache = ("--data-cache-path", str(pathlib.Path(tmp) / "data-cache"))  # the runs share one dataset's indices
     done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "4", "-m",
                            "primuspipe.testing.megatron.pretrain_gpt_cpu", "--record", str(record), *MEGATRON_FLAGS,
-                           *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+                           *cache, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(record.read_text()), done.stdout + done.stderr
 

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from published_rows import shipped_runs
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.projection import Projector
-from primuspipe.projection.published import load_runs, project_run, training_of
+from primuspipe.projection.published import project_run, training_of
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "projection"
-RUNS = {run.id: run for run in load_runs()}
+RUNS = {run.id: run for run in shipped_runs()}
 LITE = "primus-mi355x-deepseek-v2-lite-bf16-8-mbs{}-baseline"
 
 

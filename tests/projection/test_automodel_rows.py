@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from published_rows import shipped_runs
 from primuspipe.projection.compute import WorkModel
-from primuspipe.projection.published import load_runs, model_of, training_of
+from primuspipe.projection.published import model_of, training_of
 
 
 def test_automodel_deepep_rows_permute_with_the_fused_kernels():
     """AutoModel's DeepEP experts build their token dispatcher with ``moe_permute_fusion=True`` hard-coded
     (``GroupedExpertsDeepEP.init_token_dispatcher`` in nemo_automodel/components/moe/layers.py at 8d9bfb90e and
     89e3a9fdd), so its permutation runs Transformer Engine's fused kernels and leaves no accumulating scatters."""
-    rows = [r for r in load_runs() if "NVIDIA-NeMo/Automodel" in r.url and r.training.get("moe_token_dispatcher_type") == "flex"]
+    rows = [r for r in shipped_runs() if "NVIDIA-NeMo/Automodel" in r.url and r.training.get("moe_token_dispatcher_type") == "flex"]
     assert len(rows) == 4, [r.id for r in rows]
     for run in rows:
         assert run.training.get("moe_permute_fusion") is True, run.id
@@ -22,7 +23,7 @@ def test_automodel_moe_rows_step_a_bf16_model_with_pytorchs_adam():
     """The MoE benchmark configurations' optimizer is ``torch.optim.Adam`` over the bf16 model (examples/benchmark/
     configs/*_te_deepep.yaml at 8d9bfb90e and 89e3a9fdd): no master copy, moments ``zeros_like`` the bf16 parameters,
     2-byte kept gradients; the MoE parallelizer's FSDP2 policy reduces in fp32, so 4-byte reduction."""
-    rows = [r for r in load_runs() if "NVIDIA-NeMo/Automodel" in r.url and r.training.get("expert_model_parallel_size")]
+    rows = [r for r in shipped_runs() if "NVIDIA-NeMo/Automodel" in r.url and r.training.get("expert_model_parallel_size")]
     assert len(rows) == 4, [r.id for r in rows]
     for run in rows:
         t = training_of(run)

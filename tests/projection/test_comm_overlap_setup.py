@@ -31,7 +31,8 @@ from typing import Any
 
 import pytest
 
-from primuspipe.projection.published import PublishedRun, load_runs
+from published_rows import shipped_runs
+from primuspipe.projection.published import PublishedRun
 from primuspipe.projection.training_spec import TrainingSpec
 
 RELEASES = {
@@ -133,7 +134,7 @@ def mismatches(run: PublishedRun) -> list[str]:
     return found
 
 
-RUNS = load_runs()
+RUNS = shipped_runs()
 ROWS = [run for run in RUNS if run.id.startswith(tuple(RELEASES))]
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from published_rows import shipped_runs
 from primuspipe.projection.comm import Collectives, destination_ranks, layer_comm
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.megatron_args import read_arguments
 from primuspipe.projection.model_spec import load_model
-from primuspipe.projection.published import load_runs
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -111,6 +111,6 @@ def test_primus_turbo_deepep_runs_on_turbo_deepep_num_cu():
 def test_every_published_primus_deepep_row_says_its_compute_units():
     """A row says what ran: the CU count bounds DeepEP's speed, so a Primus DeepEP row states the one its script or
     recipe passed rather than taking Primus's default."""
-    rows = [r for r in load_runs() if r.training.get("use_turbo_deepep")]
+    rows = [r for r in shipped_runs() if r.training.get("use_turbo_deepep")]
     assert rows
     assert all("turbo_deepep_num_cu" in r.training for r in rows), [r.id for r in rows if "turbo_deepep_num_cu" not in r.training]

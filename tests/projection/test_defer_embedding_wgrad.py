@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from published_rows import shipped_runs
 from primuspipe.projection.activations import ActivationModel
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
 from primuspipe.projection.framework import ConfigError
@@ -16,7 +17,7 @@ from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.megatron_args import read_arguments
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.projection import ProjectionResult, Projector, candidates
-from primuspipe.projection.published import load_runs, project_run
+from primuspipe.projection.published import project_run
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -138,7 +139,7 @@ def test_the_nemo_2502_rows_defer_as_their_recipes_set_it():
     MegatronCommOverlapCallback defers the output layer's weight gradients, so each carries the deferral with its
     recipe's limit, and the deferral is what the projection prices: without it the step is longer (the head's W is
     back in the last stage's backward instead of in the flush)."""
-    rows = [r for r in load_runs() if r.id.startswith("nemo2502-") and r.training.get("pipeline_model_parallel_size", 1) > 1]
+    rows = [r for r in shipped_runs() if r.id.startswith("nemo2502-") and r.training.get("pipeline_model_parallel_size", 1) > 1]
     assert {r.id for r in rows} >= {"nemo2502-b200-llama3-70b-fp8-64", "nemo2502-b200-gpt3-175b-fp8-512",
                                     "nemo2502-h100-gpt3-175b-fp8-512"}
     for run in rows:
@@ -159,7 +160,7 @@ it off. The Llama 2 70B and Nemotron rows are left out: no launcher commit has b
 
 
 def test_the_nemo_2412_rows_defer_as_their_launcher_configs_set_it():
-    rows = {r.id: r for r in load_runs() if r.id in NEMO2412_LAUNCHER_LIMITS}
+    rows = {r.id: r for r in shipped_runs() if r.id in NEMO2412_LAUNCHER_LIMITS}
     assert rows.keys() == NEMO2412_LAUNCHER_LIMITS.keys()
     for row_id, limit in NEMO2412_LAUNCHER_LIMITS.items():
         training = rows[row_id].training

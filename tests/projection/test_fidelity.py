@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from published_rows import shipped_runs
 from primuspipe.projection.comm import Collectives, LayerComm, destination_ranks, layer_comm, linear_shares
 from primuspipe.projection.compute import Calibration, WorkModel, model_flops_per_token, part_times
 from primuspipe.projection.gemm import GROUPED_GEMM_KERNELS, Gemm, gemm_seconds, grouped_waves
@@ -443,7 +444,7 @@ def test_apex_distributed_adam_rows_reduce_their_gradients_in_bf16():
     grad_sync_dtype bf16, whose contiguous gradient buffer is allocated and reduce-scattered in that dtype: the rows
     carry grad_reduce_in_bf16, which halves the gradient bytes the data-parallel reduction moves (and the step
     shows less of it where it was exposed)."""
-    rows = [r for r in load_runs() if r.id.startswith("dgxc2502-")]
+    rows = [r for r in shipped_runs() if r.id.startswith("dgxc2502-")]
     assert len(rows) == 4 and all(r.training.get("grad_reduce_in_bf16") for r in rows)
     run = next(r for r in rows if r.id == "dgxc2502-gpt3-175b-bf16-128")
     bf16, fp32 = (project_run(dataclasses.replace(run, training={**run.training, "grad_reduce_in_bf16": flag}))
@@ -453,7 +454,7 @@ def test_apex_distributed_adam_rows_reduce_their_gradients_in_bf16():
 def test_a_long_context_row_projects_the_model_at_its_own_sequence_length():
     """A row's seq_length replaces the model file's: its FLOPs a token (so the tokens its published TFLOP/s stand
     for) and its step follow the longer sequence, as the run's own did."""
-    run = max((r for r in load_runs() if r.seq_length and "model_tflops_per_gpu" in r.published),
+    run = max((r for r in shipped_runs() if r.seq_length and "model_tflops_per_gpu" in r.published),
               key=lambda r: r.seq_length)
     shipped = load_model(EXAMPLES / "models" / f"{run.model}.yaml")
     assert run.seq_length >= 8 * shipped.seq_length and model_of(run) == dataclasses.replace(shipped, seq_length=run.seq_length)
@@ -462,7 +463,7 @@ def test_a_long_context_row_projects_the_model_at_its_own_sequence_length():
     assert long["step_time_s"] > short["step_time_s"]
 
 
-@pytest.mark.parametrize("run", [r for r in load_runs() if r.model == "gpt-oss-120b"], ids=lambda r: r.id)
+@pytest.mark.parametrize("run", [r for r in shipped_runs() if r.model == "gpt-oss-120b"], ids=lambda r: r.id)
 def test_published_gpt_oss_runs_could_not_have_run_unfused_attention(run):
     """GPT-OSS's attention sinks rule FlashAttention out in Transformer Engine, leaving cuDNN's fused kernel
     or the unfused one; the unfused one keeps the b x a x s x s probabilities for the backward, which no

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from published_rows import shipped_runs
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.compute import Calibration, WorkModel, part_times
 from primuspipe.projection.host import (FEATURES, OPS, TE_LINEAR_OPS, host_bound, layer_host, moe_small_kernels,
                                         moe_stream_kernels)
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.projection import Projector
-from primuspipe.projection.published import load_runs, training_of
+from primuspipe.projection.published import training_of
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import TrainingSpec, check_compatible
 
@@ -70,7 +71,7 @@ def test_host_work_follows_experts_fp8_padding_and_cuda_graphs():
 
 
 def _tokens_per_s(run_id: str, hardware_fields: dict, **training_fields) -> float:
-    run = next(r for r in load_runs() if r.id == run_id)
+    run = next(r for r in shipped_runs() if r.id == run_id)
     hardware = dataclasses.replace(load_hardware(EXAMPLES / "hardware" / f"{run.hardware}.yaml"), **hardware_fields)
     training = dataclasses.replace(training_of(run), **training_fields)
     return Projector(load_model(EXAMPLES / "models" / f"{run.model}.yaml"), hardware).evaluate(
@@ -288,7 +289,7 @@ def test_fusions_cut_the_host_ops_of_their_groups_and_stage_2_the_wait():
 def test_sync_free_stage_2_takes_the_mi355x_moe_layer_off_its_host_price():
     """On the MI355X only MoE layers that wait for token counts are host-priced (moe_sync_host_op_seconds): the
     baseline MBS 1 row is host-bound; from stage 2 nothing waits, and the projection is the device's."""
-    run = next(r for r in load_runs() if r.id == "primus-mi355x-deepseek-v2-lite-bf16-8-mbs1-baseline")
+    run = next(r for r in shipped_runs() if r.id == "primus-mi355x-deepseek-v2-lite-bf16-8-mbs1-baseline")
     model = load_model(EXAMPLES / "models" / f"{run.model}.yaml")
     base = training_of(run)
     free = dataclasses.replace(base, **TURBO, turbo_sync_free_moe_stage=2, use_turbo_grouped_gemm=True)

@@ -7,14 +7,14 @@ the data-parallel size. A row whose notes cite such a config must carry that lay
 """
 import re
 
-from primuspipe.projection.published import load_runs
+from published_rows import shipped_runs
 
 CONFIG = re.compile(r"config_(?:DGX)?[A-Za-z0-9]+_(\d+)x(\d+)x(\d+)xtp(\d+)pp(\d+)cp(\d+)(\w*)\.sh")
 
 
 def _cited_configs():
     """(row, the first launch config its notes name) for every MLPerf row whose notes name one."""
-    for run in load_runs():
+    for run in shipped_runs():
         if run.id.startswith("mlperf") and (match := CONFIG.search(run.notes or "")):
             yield run, match
 

@@ -12,7 +12,8 @@ import yaml
 
 from primuspipe.projection.compute import Work
 from primuspipe.projection.hardware_spec import load_hardware
-from primuspipe.projection.published import EXAMPLES, load_runs
+from primuspipe.projection.published import EXAMPLES
+from published_rows import shipped_runs
 
 MEASUREMENTS = EXAMPLES / "hardware" / "measurements" / "attention.yaml"
 DOCUMENT = yaml.safe_load(MEASUREMENTS.read_text())
@@ -83,7 +84,7 @@ def test_every_blackwell_nvl72_row_on_an_older_container_names_its_kernel():
     """A GB200 / GB300 row whose source names a 25.04 or 25.09 container is timed at that era's cuDNN, not at the
     newer release the file's own rates were measured with (the Lambda GB300 run's directory says ngc25.04 but its
     log says PyTorch Release 25.09: the later wins)."""
-    rows = [run for run in load_runs() if run.hardware in ("gb200", "gb300")]
+    rows = [run for run in shipped_runs() if run.hardware in ("gb200", "gb300")]
     named = {run.id: run.training.get("attention_kernel") for run in rows}
     expected = {run.id: _container_kernel(run.source) for run in rows}
     assert named == expected

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from published_rows import shipped_runs
 from primuspipe.cli import main
 from primuspipe.projection.comm import gradient_sync
 from primuspipe.projection.hardware_spec import load_hardware
 from primuspipe.projection.model_spec import load_model
 from primuspipe.projection.parameters import ParamCount
 from primuspipe.projection.projection import ProjectionResult, Projector, candidates
-from primuspipe.projection.published import load_runs, model_of, training_of
+from primuspipe.projection.published import model_of, training_of
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -101,7 +102,7 @@ def test_the_search_keeps_micro_batches_that_split_the_local_batch():
 def test_automodels_kimi_k2_runs_two_schedules_of_eight():
     """NeMo AutoModel's benchmark recipe calls ``schedule.step`` once per local batch of 8 (GA 2 at GBS 512 over
     DP 32): the row runs two interleaved schedules of 8 microbatches, not one of 16."""
-    run = next(r for r in load_runs() if r.id == "automodel-h100-kimi-k2-bf16-256-pp8-vp4-ep32-fsdp")
+    run = next(r for r in shipped_runs() if r.id == "automodel-h100-kimi-k2-bf16-256-pp8-vp4-ep32-fsdp")
     training = training_of(run)
     assert (training.pipeline_flushes, training.microbatches_per_flush) == (2, 8)
     model = model_of(run)

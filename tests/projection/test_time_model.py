@@ -791,10 +791,10 @@ def test_the_nemotron_models_run_squared_relu_eager_on_nemo_2_rows_only():
     """The Nemotron model files are squared-ReLU models; the published rows that ran NeMo 2 (NeMo 25.02's and
     25.04's performance scripts and dgxc-benchmarking on 25.02 and, on GB200, 25.04) run its eager activation, the
     NeMo 24.07 rows (NeMo 1's compiled one) do not."""
-    from primuspipe.projection.published import load_runs
+    from published_rows import shipped_runs
 
     for name in ("nemotron3-8b", "nemotron3-22b", "nemotron4-15b", "nemotron4-340b"):
         assert load_model(EXAMPLES / "models" / f"{name}.yaml").squared_relu
-    eager = {r.id for r in load_runs() if r.model.startswith("nemotron") and r.training.get("squared_relu_fusion") is False}
-    nemotron = {r.id for r in load_runs() if r.model.startswith("nemotron")}
+    eager = {r.id for r in shipped_runs() if r.model.startswith("nemotron") and r.training.get("squared_relu_fusion") is False}
+    nemotron = {r.id for r in shipped_runs() if r.model.startswith("nemotron")}
     assert eager == {i for i in nemotron if i.startswith(("dgxc2504-", "dgxc2505-gb200-", "nemo2502-", "nemo2504-gb200-"))}

@@ -10,13 +10,13 @@ import re
 import pytest
 from aten_bytes import byte_counter
 
+from published_rows import shipped_runs
 from primuspipe.projection.activations import ActivationModel
 from primuspipe.projection.comm import layer_comm
 from primuspipe.projection.compute import WorkModel
 from primuspipe.projection.compute.elementwise import EAGER_RMSNORM_BYTES, EAGER_ROPE_BYTES, EAGER_SWIGLU_BYTES
 from primuspipe.projection.hardware_spec import HardwareSpec
 from primuspipe.projection.model_spec import ModelSpec
-from primuspipe.projection.published import load_runs
 from primuspipe.projection.spec_fields import InputError
 from primuspipe.projection.training_spec import TrainingSpec
 
@@ -169,7 +169,7 @@ def test_dtensor_tensor_parallelism_saves_the_gathered_input_and_gathers_nothing
 def test_torchtitan_rows_carry_its_code_and_only_the_eager_ones_its_eager_ops():
     """Every published row that ran torchtitan sets model_implementation torchtitan; elementwise_kernels
     torchtitan-eager exactly on those whose notes say the run was eager (compile false)."""
-    runs = load_runs()
+    runs = shipped_runs()
     titan = {r.id for r in runs if re.search("torchtitan", r.id + r.source + r.notes)}
     assert {r.id for r in runs if r.training.get("model_implementation") == "torchtitan"} == titan
     eager = {r.id for r in runs if r.training.get("elementwise_kernels") == "torchtitan-eager"}

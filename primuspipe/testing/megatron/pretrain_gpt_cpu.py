@@ -112,7 +112,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
                               blend_per_split=None, split=args.split, tokenizer=build_tokenizer(args),
                               reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
                               create_attention_mask=args.create_attention_mask_in_dataloader,
-                              path_to_cache=None, mid_level_dataset_surplus=args.mid_level_dataset_surplus)
+                              path_to_cache=args.data_cache_path,
+                              mid_level_dataset_surplus=args.mid_level_dataset_surplus)
 
     def built_here() -> bool:
         return is_first_or_last_pipeline_stage(vp_stage) and parallel_state.get_tensor_model_parallel_rank() == 0
