@@ -71,6 +71,11 @@ def _adjusted_shapes(adjusted: Any) -> list:
     return recv
 
 
+def _group_kind(collection: Any, name: str) -> str:
+    """What ``collection`` holds as its ``name`` group, by type (a collection's own repr asks each group its size)."""
+    return type(getattr(collection, name, None)).__name__
+
+
 def _given_groups(p2p_communicator: Any, pg_collection: Any) -> Any:
     """The pipeline group of the ``p2p_communicator`` and ``pg_collection`` a caller passed, refused in one line
     unless the collection is megatron-core's ``ProcessGroupCollection`` with its ``tp`` and ``cp`` groups and the
@@ -81,7 +86,8 @@ def _given_groups(p2p_communicator: Any, pg_collection: Any) -> Any:
     if not isinstance(pg_collection, ProcessGroupCollection) or not all(
             getattr(pg_collection, group, None) is not None for group in ("tp", "cp")):
         raise ConfigError(f"pg_collection must be megatron.core's ProcessGroupCollection with its tp and cp groups "
-                          f"set, got {strict.show(pg_collection)}; pass one (ProcessGroupCollection."
+                          f"set, got a {type(pg_collection).__name__} of tp={_group_kind(pg_collection, 'tp')} "
+                          f"cp={_group_kind(pg_collection, 'cp')}; pass one (ProcessGroupCollection."
                           "use_mpu_process_groups()) or leave p2p_communicator and pg_collection unset")
     pp_group = getattr(p2p_communicator, "pp_group", None)
     if not callable(getattr(pp_group, "size", None)) or not callable(getattr(pp_group, "rank", None)):
