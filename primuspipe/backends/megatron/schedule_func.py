@@ -71,6 +71,32 @@ def _adjusted_shapes(adjusted: Any) -> list:
     return recv
 
 
+def _group_kind(collection: Any, name: str) -> str:
+    """What ``collection`` holds as its ``name`` group, by type (a collection's own repr asks each group its size)."""
+    return type(getattr(collection, name, None)).__name__
+
+
+def _given_groups(p2p_communicator: Any, pg_collection: Any) -> Any:
+    """The pipeline group of the ``p2p_communicator`` and ``pg_collection`` a caller passed, refused in one line
+    unless the collection is megatron-core's ``ProcessGroupCollection`` with its ``tp`` and ``cp`` groups and the
+    communicator has a ``pp_group`` (Megatron's own schedules: a TypeError or a bare assert; here they were an
+    AttributeError from the first use)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not isinstance(pg_collection, ProcessGroupCollection) or not all(
+            getattr(pg_collection, group, None) is not None for group in ("tp", "cp")):
+        raise ConfigError(f"pg_collection must be megatron.core's ProcessGroupCollection with its tp and cp groups "
+                          f"set, got a {type(pg_collection).__name__} of tp={_group_kind(pg_collection, 'tp')} "
+                          f"cp={_group_kind(pg_collection, 'cp')}; pass one (ProcessGroupCollection."
+                          "use_mpu_process_groups()) or leave p2p_communicator and pg_collection unset")
+    pp_group = getattr(p2p_communicator, "pp_group", None)
+    if not callable(getattr(pp_group, "size", None)) or not callable(getattr(pp_group, "rank", None)):
+        raise ConfigError(f"p2p_communicator must be megatron.core's P2PCommunicator with its pp_group, got "
+                          f"{strict.show(p2p_communicator)}; build it on the pipeline group or leave "
+                          "p2p_communicator and pg_collection unset")
+    return pp_group
+
+
 class PrimusForwardBackward:
     """Callable with the keyword signature of Megatron's forward-backward functions."""
 
@@ -202,10 +228,14 @@ class PrimusForwardBackward:
         if (p2p_communicator is None) != (pg_collection is None):
             raise ConfigError("provide both p2p_communicator and pg_collection, or neither (as Megatron requires)")
         if pg_collection is None:
+            if not parallel_state.model_parallel_is_initialized():  # else an assert inside parallel_state
+                raise ConfigError("Megatron's parallel state is not initialized; call torch.distributed."
+                                  "init_process_group and megatron.core.parallel_state.initialize_model_parallel "
+                                  "before the forward-backward function, or pass p2p_communicator and pg_collection")
             pg_collection = schedules._build_default_pg_collection()
             pp_group = parallel_state.get_pipeline_model_parallel_group()
         else:
-            pp_group = p2p_communicator.pp_group
+            pp_group = _given_groups(p2p_communicator, pg_collection)
         pp, rank = pp_group.size(), pp_group.rank()
 
         full = self.table_for(pp, len(models), num_microbatches, config)
