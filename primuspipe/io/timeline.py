@@ -29,6 +29,7 @@ from typing import Any
 
 from primuspipe.errors import TableFormatError
 from primuspipe import strict
+from primuspipe.ir.cost_model import MAX_TIME
 from primuspipe.ir.cost_parts import TIME_UNITS
 from primuspipe.documents import check_envelope, envelope, output_file, write_atomically
 from primuspipe.ir.kinds import NodeKind, kinds_completing, split_kinds
@@ -244,7 +245,9 @@ went in as given. Other keys are free-form."""
 
 
 def _checked_meta(meta: object, where: str) -> dict:
-    """A timeline's ``meta``, its known facts (:data:`_FACTS`) checked, each rank's in ``meta.ranks`` too."""
+    """A timeline's ``meta`` with its known facts (:data:`_FACTS`) read, each rank's in ``meta.ranks`` too: a fact
+    written as number text (``"t0_unix": "1"``) is kept as the number it reads as, never as the text that
+    later arithmetic would trip on."""
     if not isinstance(meta, dict):
         raise TableFormatError(f"{where} must be a mapping, got {strict.show(meta)}")
     ranks = meta.get("ranks", [])
@@ -254,12 +257,17 @@ def _checked_meta(meta: object, where: str) -> dict:
         if not isinstance(facts, dict) or "rank" not in facts:
             raise TableFormatError(f"{where}.ranks[{i}] must be a mapping with a rank, got {strict.show(facts)}")
         strict.count(facts["rank"], f"{where}.ranks[{i}].rank", error=TableFormatError)
-    for facts, at in [(meta, where), *((facts, f"{where}.ranks[{i}]") for i, facts in enumerate(ranks))]:
-        for key in _FACTS.keys() & facts.keys():
-            _FACTS[key](facts[key], f"{at}.{key}")
+    meta = _read_facts(meta, where)
+    if ranks:
+        meta["ranks"] = [_read_facts(facts, f"{where}.ranks[{i}]") for i, facts in enumerate(ranks)]
     if "placement" in meta:
         Placement.from_dict(meta["placement"], f"{where}.placement")
     return meta
+
+
+def _read_facts(facts: dict, where: str) -> dict:
+    """A copy of ``facts`` with each known fact replaced by what its reader makes of it."""
+    return {**facts, **{key: _FACTS[key](facts[key], f"{where}.{key}") for key in _FACTS.keys() & facts.keys()}}
 
 
 def _rank_timeline(data: object, where: str, pp: int, vpp: int, m: int) -> RankTimeline:
@@ -276,8 +284,8 @@ def _rank_timeline(data: object, where: str, pp: int, vpp: int, m: int) -> RankT
         at = f"{where}.events[{i}]"
         e = strict.keys(e, at, _EVENT_KEYS, required={"node", "start", "end"}, error=TableFormatError)
         node = ScheduleNode.parse(strict.text(e["node"], f"{at}.node", error=TableFormatError))
-        start = strict.number(e["start"], f"{at}.start", minimum=0, error=TableFormatError)
-        end = strict.number(e["end"], f"{at}.end", minimum=start, error=TableFormatError)
+        start = strict.number(e["start"], f"{at}.start", minimum=0, maximum=MAX_TIME, error=TableFormatError)
+        end = strict.number(e["end"], f"{at}.end", minimum=start, maximum=MAX_TIME, error=TableFormatError)
         if any(mb >= m or chunk >= vpp for _, mb, chunk in node.parts()) or (node.peer or 0) >= pp:
             raise TableFormatError(f"{at}: {node} lies outside the timeline's shape (pp={pp}, vpp={vpp}, {m} microbatches)")
         if node.kind.is_compute:

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from hostile_support import make_dump, refused, run_cli
+from hostile_support import accepted, make_dump, refused, run_cli
 from primuspipe.io import timeline
 
 NUMBER_FACTS = [k for k, reader in timeline._FACTS.items() if reader in (timeline._seconds, timeline._share)]
@@ -49,6 +49,22 @@ def test_rank_file_meta(tmp_path, dump, key, value):
     refused(run_cli(["vis", root, "--json"]), f"meta.{key}", case=f"vis dump meta.{key}={value!r}")
     refused(run_cli(["calibrate", root, "--warmup", "0", "-o", tmp_path / "c.yaml"]), f"meta.{key}",
             case=f"calibrate dump meta.{key}={value!r}")
+
+
+@pytest.mark.parametrize("key", NUMBER_FACTS)
+def test_rank_file_meta_number_text_is_read_as_the_number(tmp_path, dump, key):
+    """A number fact written as text (``"t0_unix": "1000.0"``) reads as that number, as the field readers read
+    number text everywhere: the run is drawn and calibrated as with the number (a text ``t0_unix`` was a TypeError
+    traceback where the ranks' clocks are merged)."""
+    root = tmp_path / "dump"
+    shutil.copytree(dump, root)
+    rank_file = next(root.rglob("rank_1.json"))
+    data = json.loads(rank_file.read_text())
+    data["meta"][key] = repr(float(data["meta"].get(key, 0.5)))
+    rank_file.write_text(json.dumps(data))
+    accepted(run_cli(["vis", root, "--json"]), case=f"vis dump meta.{key}={data['meta'][key]!r}")
+    accepted(run_cli(["calibrate", root, "--warmup", "0", "-o", tmp_path / "c.yaml"]),
+             case=f"calibrate dump meta.{key}={data['meta'][key]!r}")
 
 
 @pytest.fixture(scope="module")

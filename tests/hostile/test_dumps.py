@@ -40,6 +40,8 @@ def _negate(data):
     (_negate, ["start", ">= 0"]),
     (lambda d: d["ranks"][0]["events"][0].update(end=-1.0), ["end"]),
     (lambda d: d["ranks"][0]["events"][0].update(start="1e999"), ["start"]),
+    (lambda d: _computes(d)[-1].update(end=1e30), ["end", "<= 1e+12"]),
+    (lambda d: _computes(d)[-1].update(start=1e13, end=2e13), ["start", "<= 1e+12"]),
     (lambda d: _computes(d)[1].update(start=0.0), ["before the rank's previous compute node ends"]),
     (lambda d: d["ranks"][0].update(peak_memory_bytes=-5), ["peak_memory_bytes"]),
     (lambda d: d["ranks"][0].update(peak_memory_bytes=1.5), ["peak_memory_bytes"]),
