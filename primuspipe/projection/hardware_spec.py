@@ -14,7 +14,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING, Literal
 
-from primuspipe.projection.spec_fields import InputError, check_fields, check_fields, read_yaml, spec_from_mapping
+from primuspipe.projection.spec_fields import InputError, check_fields, read_yaml, spec_from_mapping
 
 if TYPE_CHECKING:
     from primuspipe.projection.training_spec import TrainingSpec

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hostile_support import PP, make_dump, not_valid_afterwards, record, refused, run_cli
+from hostile_support import make_dump, not_valid_afterwards, record, refused, run_cli
 from primuspipe.io.timeline import dump_path
 
 def _edit(path, fn):
